@@ -1,0 +1,168 @@
+"""What every ``python -m project.<task>`` entry point shares: where the configs are, and errors.
+
+Kept free of torch and Lightning imports, so ``--help`` and ``--cfg job`` answer at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from project.errors import ProjectError
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+class QuietFilter(logging.Filter):
+    """Drops Lightning's advertising tips from the console and the run log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip")
+
+
+def config_dir() -> Path:
+    """The directory holding ``train.yaml``.
+
+    An installed wheel carries the configs inside the package (``project/configs``); a clone or an
+    editable install uses the top-level ``configs/`` that users edit. ``PROJECT_CONFIG_DIR``
+    points somewhere else entirely.
+    """
+    candidates = [PACKAGE_DIR / "configs", PACKAGE_DIR.parent.parent / "configs"]
+    if os.environ.get("PROJECT_CONFIG_DIR"):
+        candidates.insert(0, Path(os.environ["PROJECT_CONFIG_DIR"]))
+    for candidate in candidates:
+        if (candidate / "train.yaml").is_file():
+            return candidate
+    raise ProjectError(f"no configs found; looked in {', '.join(map(str, candidates))}")
+
+
+def hydra_entry(task: Callable[[Any], Any], config_name: str) -> Callable[[], None]:
+    """Wrap ``task`` as a Hydra app whose user mistakes end in one line on stderr and exit 2.
+
+    Hydra prints multi-line reports with a hint about ``HYDRA_FULL_ERROR``; for a mistake the user
+    typed (an unknown key, a bad value) one precise line is kinder, and a real bug still shows its
+    full traceback.
+    """
+
+    def main() -> None:
+        import hydra
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        os.environ["HYDRA_FULL_ERROR"] = "1"  # let exceptions reach us instead of Hydra's printer
+        # Lightning 2.6 on torch >= 2.10 warns about its own use of a torch API; not the user's concern.
+        warnings.filterwarnings(
+            "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+        )
+        app = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name=config_name)
+        try:
+            app(_reporting(task))()
+        except ProjectError as err:
+            _fail(str(err), err.exit_code)
+        except (HydraException, OmegaConfBaseException) as err:
+            _fail(one_line(err), 2)
+
+    return main
+
+
+def _reporting(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Run ``task``; a user mistake inside it becomes one line, and a run that never started
+    leaves no directory behind.
+
+    In a single run the process exits at once. In a multirun the error is logged and re-raised,
+    so Hydra finishes the other jobs of the sweep and reports the failed one at the end.
+    """
+
+    def job(cfg: Any) -> Any:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        from project.preflight import check_config
+
+        try:
+            check_config(cfg)  # again per job: the values of a sweep's jobs differ
+            return task(cfg)
+        except Exception as err:
+            mistake = _user_mistake(err)
+            if mistake is None:
+                raise
+            hydra_cfg = HydraConfig.get()
+            _discard_if_unused(Path(hydra_cfg.runtime.output_dir))
+            if hydra_cfg.mode == RunMode.MULTIRUN:
+                print(f"error: {mistake}", file=sys.stderr)
+                raise
+            _fail(str(mistake), mistake.exit_code)
+
+    return job
+
+
+def _user_mistake(err: BaseException | None) -> ProjectError | None:
+    """The ProjectError behind ``err`` (Hydra wraps errors raised while instantiating)."""
+    while err is not None:
+        if isinstance(err, ProjectError):
+            return err
+        err = err.__cause__
+    return None
+
+
+def _discard_if_unused(run_dir: Path) -> None:
+    """Remove the files Hydra made for a run that failed before writing anything of its own."""
+    hydra_files = {".hydra"} | {p.name for p in run_dir.glob("*.log")}
+    if not run_dir.is_dir() or {p.name for p in run_dir.iterdir()} - hydra_files:
+        return
+    for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+        (run_dir / ".hydra" / name).unlink(missing_ok=True)
+    for log in run_dir.glob("*.log"):
+        log.unlink()
+    # The run directory, then parents this run created (``logs/train/runs``) if now empty.
+    for directory in (run_dir / ".hydra", run_dir, *list(run_dir.parents)[:3]):
+        try:
+            directory.rmdir()
+        except OSError:
+            return
+
+
+def one_line(err: BaseException) -> str:
+    """Fold an exception from Hydra or OmegaConf (often several lines) into one readable line."""
+    unknown = _unknown_key(err)
+    if unknown:
+        return unknown
+    parts = [str(err)]
+    cause = err.__cause__
+    while cause is not None:
+        if str(cause) and str(cause) not in parts[-1]:
+            parts.append(str(cause))
+        cause = cause.__cause__
+    text = " ".join(" ".join(line.strip() for line in part.splitlines()) for part in parts)
+    return text.replace("  ", " ")
+
+
+def _unknown_key(err: BaseException) -> str | None:
+    """For ``trainer.devicez=2``: name the key, suggest the nearest real one, mention ``+``."""
+    import difflib
+
+    from omegaconf.errors import OmegaConfBaseException
+
+    cause = err.__cause__
+    if not isinstance(cause, OmegaConfBaseException) or "not in struct" not in str(cause):
+        return None
+    full_key, key = str(cause.full_key), str(cause.key)
+    parent = getattr(cause, "parent_node", None)
+    siblings = [str(k) for k in parent] if parent is not None else []
+    close = difflib.get_close_matches(key, siblings, n=1)
+    prefix = full_key[: -len(key)]
+    hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+    return (
+        f"{full_key} is not a key of the config{hint}; keys here: {', '.join(siblings)}; "
+        f"to add a new key on purpose, write +{full_key}=..."
+    )
+
+
+def _fail(message: str, code: int) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(code)

@@ -1,0 +1,65 @@
+"""Evaluate trained weights on the test split: a Lightning checkpoint, a model.pth or a run.
+
+    python -m project.eval ckpt_path=logs/train/runs/<run>/checkpoints/epoch_012.ckpt
+    python -m project.eval ckpt_path=logs/train/runs/<run>/model.pth
+    python -m project.eval ckpt_path=logs/train/runs/<run>          # its last.ckpt
+
+The network and the data split are rebuilt from the config saved with the run, so the figures
+match what training reported for the same weights. Results go to this run's ``metrics.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from project.cli import hydra_entry
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
+
+
+def evaluate(cfg: DictConfig) -> dict[str, Any]:
+    """Test the weights at ``cfg.ckpt_path`` and return the test metrics."""
+    from pathlib import Path
+
+    import lightning.pytorch as pl
+    from hydra.utils import instantiate
+
+    from project import builders, checkpointing, run_files
+    from project.devices import resolve_devices
+
+    out = Path(cfg.paths.output_dir)
+    source = checkpointing.resolve_ckpt_path(cfg.ckpt_path, cfg.paths.log_dir, "train")
+    assert source is not None  # ckpt_path is required (???) in eval.yaml
+
+    data = checkpointing.load_file(source)
+    trained = checkpointing.run_config(source, data)
+    net = instantiate(trained["model"]["net"])
+    checkpointing.load_state_into(net, checkpointing.network_state(data), source)
+
+    pl.seed_everything(cfg.seed, workers=True)
+    datamodule = instantiate(trained["data"])
+    model = instantiate(trained["model"], net=net)
+    plan = resolve_devices(cfg.trainer.accelerator, cfg.trainer.devices, select=cfg.select_gpus)
+    if plan.message:
+        log.info(plan.message)
+    trainer = builders.build_trainer(cfg, **plan.trainer_kwargs())
+    if trainer.is_global_zero:
+        run_files.save_config(cfg, out)
+    trainer.test(model, datamodule=datamodule)
+    metrics = run_files.scalars(trainer.callback_metrics, prefix="test/")
+    if trainer.is_global_zero:
+        run_files.save_metrics(metrics, out, best_checkpoint=str(source), trainer=trainer)
+        summary = ", ".join(f"{key}={value:.4f}" for key, value in metrics.items())
+        log.info("Evaluated %s: %s", source, summary)
+        log.info("Run directory: %s", out)
+    return metrics
+
+
+main = hydra_entry(evaluate, config_name="eval")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Models: plain ``nn.Module`` networks, and the LightningModule that trains any of them."""

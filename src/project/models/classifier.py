@@ -1,0 +1,114 @@
+"""The LightningModule: loss, the four steps, metrics and optimisers for any classifier network."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+from torchmetrics import MaxMetric, MeanMetric, MetricCollection
+from torchmetrics.classification import MulticlassAccuracy
+
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
+SchedulerFactory = Callable[..., Any]
+
+
+class ClassifierModule(LightningModule):
+    """Train a classification network (a plain ``nn.Module`` handed in) with cross-entropy.
+
+    ``optimizer`` and ``scheduler`` are partials from the config (``_partial_: true``), completed
+    here with the parameters and the optimiser. Metrics are torchmetrics objects, one set per
+    stage, logged per epoch only, so no step waits on a device-to-host copy.
+
+    Only plain data goes into the checkpoint's hyperparameters (the run's config, added by
+    :func:`project.train.train`), never the network or the partials: a checkpoint therefore loads
+    with ``torch.load(..., weights_only=True)``.
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: OptimizerFactory,
+        scheduler: SchedulerFactory | None = None,
+        num_classes: int = 10,
+        scheduler_interval: str = "epoch",
+        monitor: str = "val/loss",
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["net", "optimizer", "scheduler"], logger=False)
+        self.net = net
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
+        self.criterion = nn.CrossEntropyLoss()
+        for stage in ("train", "val", "test"):
+            metrics = {
+                "acc": MulticlassAccuracy(num_classes, average="micro"),
+                "loss": MeanMetric(),
+            }
+            setattr(self, f"{stage}_metrics", MetricCollection(metrics, prefix=f"{stage}/"))
+        self.val_acc_best = MaxMetric()
+        self.val_acc_best.persistent(True)  # saved in checkpoints, so a resumed run keeps its best
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def _shared_step(self, batch: tuple[Tensor, Tensor], stage: str) -> Tensor:
+        inputs, targets = batch
+        logits = self(inputs)
+        loss = self.criterion(logits, targets)
+        metrics = self._metrics(stage)
+        metrics["acc"].update(logits.detach(), targets)
+        metrics["loss"].update(loss.detach(), weight=targets.numel())
+        return loss
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self._shared_step(batch, "train")
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._shared_step(batch, "val")
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._shared_step(batch, "test")
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
+        inputs = batch[0] if isinstance(batch, list | tuple) else batch
+        return self(inputs).argmax(dim=-1)
+
+    def _metrics(self, stage: str) -> MetricCollection:
+        return getattr(self, f"{stage}_metrics")
+
+    def _log_stage(self, stage: str) -> dict[str, Tensor]:
+        # compute() syncs across DDP processes itself, so the values logged are global.
+        values = self._metrics(stage).compute()
+        self.log_dict(values, prog_bar=stage != "test")
+        self._metrics(stage).reset()
+        return values
+
+    def on_train_epoch_end(self) -> None:
+        self._log_stage("train")
+
+    def on_validation_epoch_end(self) -> None:
+        values = self._log_stage("val")
+        if self.trainer.sanity_checking:
+            return  # the sanity check's untrained accuracy is not a result
+        self.val_acc_best.update(values["val/acc"])
+        self.log("val/acc_best", self.val_acc_best.compute(), prog_bar=True)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_stage("test")
+
+    def configure_optimizers(self) -> Any:
+        optimizer = self.optimizer_factory(params=self.parameters())
+        if self.scheduler_factory is None:
+            return optimizer
+        scheduler = self.scheduler_factory(optimizer=optimizer)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {
+                "scheduler": scheduler,
+                "interval": self.hparams.scheduler_interval,
+                "monitor": self.hparams.monitor,
+            },
+        }

@@ -1,0 +1,91 @@
+"""The one door to NVML, the library behind ``nvidia-smi``.
+
+Everything in the template that reads GPU state (the device listing, GPU selection by load, the
+statistics callback) goes through :func:`nvml_session`. The object it yields is the ``pynvml``
+module from the ``nvidia-ml-py`` package, or anything with the same functions and error classes:
+tests, benchmarks and CPU-only demos swap in :mod:`project.testing.fake_nvml` either in-process
+with :func:`use_library` or, for a subprocess such as ``python -m project.train``, with the
+environment variable ``PROJECT_NVML_BACKEND=package.module:factory``.
+
+Keeping the interface identical to pynvml's means the real code path is the tested code path:
+the only thing a test replaces is the shared library underneath.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+BACKEND_ENV = "PROJECT_NVML_BACKEND"
+
+_override: Any = None
+_env_cache: dict[str, Any] = {}
+_lock = threading.Lock()
+
+
+class NvmlUnavailable(RuntimeError):
+    """NVML cannot be used here: no library, no driver, or initialisation failed."""
+
+
+def use_library(lib: Any | None) -> None:
+    """Make every later :func:`nvml_session` use ``lib`` (a pynvml look-alike); ``None`` undoes it."""
+    global _override
+    _override = lib
+
+
+def load_library() -> Any:
+    """Return the pynvml-compatible object this process uses, without initialising it."""
+    if _override is not None:
+        return _override
+    spec = os.environ.get(BACKEND_ENV)
+    if spec:
+        with _lock:
+            if spec not in _env_cache:
+                _env_cache[spec] = _load_from_spec(spec)
+            return _env_cache[spec]
+    try:
+        import pynvml
+    except ImportError as err:  # nvidia-ml-py is a core dependency, but be kind to trimmed envs
+        raise NvmlUnavailable(
+            "the NVML bindings are not installed (pip install nvidia-ml-py)"
+        ) from err
+    return pynvml
+
+
+def _load_from_spec(spec: str) -> Any:
+    module_name, _, attr = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr or "create")
+    except (ImportError, AttributeError) as err:
+        raise NvmlUnavailable(
+            f"{BACKEND_ENV}={spec!r} does not name an importable 'module:factory'"
+        ) from err
+    return factory()
+
+
+@contextmanager
+def nvml_session() -> Iterator[Any]:
+    """Initialise NVML for the duration of a ``with`` block and always shut it down again.
+
+    NVML counts initialisations itself, so sessions may nest (the callback's sampler thread and a
+    device listing can overlap). Raises :class:`NvmlUnavailable` with a one-line reason when NVML
+    cannot start, for example on a machine without an NVIDIA driver.
+    """
+    lib = load_library()
+    try:
+        lib.nvmlInit()
+    except lib.NVMLError as err:
+        raise NvmlUnavailable(f"NVML is not available ({err})") from err
+    try:
+        yield lib
+    finally:
+        lib.nvmlShutdown()
+
+
+def as_text(value: bytes | str) -> str:
+    """NVML returns ``bytes`` in old bindings and ``str`` in new ones; give ``str`` always."""
+    return value.decode() if isinstance(value, bytes) else value

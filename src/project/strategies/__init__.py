@@ -1,0 +1,1 @@
+"""Training strategies the Trainer finds by name (``trainer.strategy=...``)."""

@@ -1,0 +1,76 @@
+"""Train a model: check the GPUs, choose the devices, build the model, train, evaluate, save.
+
+    python -m project.train                                   # the default run, shipped digits
+    python -m project.train trainer.max_epochs=3 model.optimizer.lr=0.01
+    python -m project.train trainer.devices=2                 # DDP: 2 GPUs, or 2 CPU processes
+    python -m project.train -m model.optimizer.lr=0.01,0.001  # a sweep, one folder per job
+
+Everything heavy is imported inside :func:`train`, so ``--help`` and ``--cfg job`` are instant.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from project.cli import hydra_entry
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Run the whole flow for one composed config and return the final metrics."""
+    from pathlib import Path
+
+    import lightning.pytorch as pl
+    from hydra.utils import instantiate
+
+    from project import builders, checkpointing, run_files
+    from project.devices import resolve_devices
+
+    out = Path(cfg.paths.output_dir)
+    resume = checkpointing.resolve_ckpt_path(cfg.ckpt_path, cfg.paths.log_dir, cfg.task_name)
+
+    # Check the GPUs: none means the CPU; with several, choose which (select_gpus).
+    plan = resolve_devices(cfg.trainer.accelerator, cfg.trainer.devices, select=cfg.select_gpus)
+    if plan.message:
+        log.info(plan.message)
+
+    # Build: the data, the network (a plain nn.Module from model.net) inside the LightningModule.
+    pl.seed_everything(cfg.seed, workers=True)
+    datamodule = instantiate(cfg.data)
+    model = instantiate(cfg.model)
+    model.save_hyperparameters({"config": builders.plain(cfg)}, logger=False)
+    trainer = builders.build_trainer(cfg, **plan.trainer_kwargs())
+    if trainer.is_global_zero:
+        run_files.save_config(cfg, out)
+
+    # Train, resuming from a checkpoint when asked.
+    if cfg.train:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=resume, weights_only=True)
+    fit_metrics = run_files.scalars(trainer.callback_metrics)
+
+    # Evaluate the best checkpoint on the test split (the weights in the model when none was kept).
+    best = run_files.best_checkpoint(trainer)
+    test_metrics: dict[str, float] = {}
+    if cfg.test:
+        trainer.test(model, datamodule=datamodule, ckpt_path=best, weights_only=True)
+        test_metrics = run_files.scalars(trainer.callback_metrics, prefix="test/")
+
+    # Save the tested network as model.pth, and the figures as metrics.json (rank 0 only).
+    metrics = {**fit_metrics, **test_metrics}
+    if trainer.is_global_zero:
+        if cfg.export_weights:
+            checkpointing.save_weights(model.net, out / checkpointing.WEIGHTS_FILE)
+        run_files.save_metrics(metrics, out, best_checkpoint=best, trainer=trainer)
+        log.info("Run directory: %s", out)
+    return metrics
+
+
+main = hydra_entry(train, config_name="train")
+
+if __name__ == "__main__":
+    main()
