@@ -1,0 +1,165 @@
+"""Does GpuStatsMonitor slow the training loop? Throughput with the callback on vs off.
+
+The callback promises that the training thread makes no NVML call per step: sampling happens in
+a background thread. This benchmark measures what that costs the loop anyway (the thread still
+competes for the GIL), on CPU with the fake NVML where every call sleeps ``--call-cost-ms`` (a
+real NVML call takes roughly 0.1-1 ms). Arms are interleaved (A/B/C, B/C/A, ...) over several
+repeats and compared by their medians; only ratios are printed, because absolute times say more
+about the machine than about the callback.
+
+Throughput is measured from the first batch to the last batch of the epoch (the steady loop).
+The boundary samples the callback takes on the training thread at epoch start/end are reported
+separately, as a share of the epoch.
+
+    python benchmarks/callback_overhead.py              # about a minute
+    python benchmarks/callback_overhead.py --repeats 9 --steps 1500
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+import warnings
+
+import lightning.pytorch as pl
+import torch
+
+from project import nvml
+from project.callbacks.gpu_stats import GpuStatsMonitor
+from project.testing.fake_nvml import FakeGpu, FakeNvml
+
+
+class Mlp(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class LoopTimer(pl.Callback):
+    """Times the steady loop (first batch start to last batch end) and the whole epoch."""
+
+    def __init__(self) -> None:
+        self.first = self.last = self.epoch_start = self.epoch_end = 0.0
+        self.steps = 0
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self.epoch_start = time.perf_counter()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == 0:
+            self.first = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.last = time.perf_counter()
+        self.steps = batch_idx + 1
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self.epoch_end = time.perf_counter()
+
+
+def one_run(steps: int, interval_s: float | None, fake: FakeNvml) -> tuple[float, float]:
+    """(steps per second of the steady loop, seconds of the whole epoch) for one arm."""
+    timer = LoopTimer()
+    callbacks: list[pl.Callback] = [timer]
+    if interval_s is not None:
+        callbacks.insert(
+            0,
+            GpuStatsMonitor(
+                interval_s=interval_s, device_uuids=[fake.gpus[0].uuid], summary_table=False
+            ),
+        )
+    data = torch.utils.data.TensorDataset(
+        torch.randn(steps * 32, 128), torch.randint(0, 10, (steps * 32,))
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(Mlp(), torch.utils.data.DataLoader(data, batch_size=32))
+    # The window holds every step (first batch start to last batch end), the same for every arm.
+    return timer.steps / (timer.last - timer.first), timer.epoch_end - timer.epoch_start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--steps", type=int, default=2500, help="training steps per run (the loop should span 1 s+)"
+    )
+    parser.add_argument("--call-cost-ms", type=float, default=0.3, help="fake NVML call cost")
+    parser.add_argument(
+        "--intervals", default="1.0,0.05", help="sampler intervals to test, comma separated"
+    )
+    args = parser.parse_args()
+    if args.repeats < 1 or args.steps < 10:
+        parser.error(
+            f"--repeats={args.repeats} --steps={args.steps}: need repeats >= 1, steps >= 10"
+        )
+    intervals = [float(v) for v in args.intervals.split(",") if v.strip()]
+
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("project").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)  # fewer moving parts: the question is the callback, not BLAS
+
+    fake = FakeNvml([FakeGpu(util_gpu=[(0, 40), (5, 90)])], call_cost_s=args.call_cost_ms / 1000)
+    nvml.use_library(fake)
+    arms: list[float | None] = [None, *intervals]
+    names = ["off"] + [f"on, every {v:g} s" for v in intervals]
+    throughput: dict[int, list[float]] = {i: [] for i in range(len(arms))}
+    epoch_s: dict[int, list[float]] = {i: [] for i in range(len(arms))}
+    one_run(20, intervals[0] if intervals else None, fake)  # warm-up: imports, allocator, threads
+    for repeat in range(args.repeats):
+        order = list(range(len(arms)))
+        order = order[repeat % len(order) :] + order[: repeat % len(order)]  # rotate: interleave
+        for i in order:
+            rate, epoch = one_run(args.steps, arms[i], fake)
+            throughput[i].append(rate)
+            epoch_s[i].append(epoch)
+    nvml.use_library(None)
+
+    base = statistics.median(throughput[0])
+    base_epoch = statistics.median(epoch_s[0])
+    print(f"fake NVML call cost {args.call_cost_ms} ms, {args.repeats} repeats, {args.steps} steps")
+    print(
+        f"{'arm':<22}{'loop throughput / off':>24}{'epoch time / off':>20}{'spread (IQR/median)':>22}"
+    )
+    verdict = True
+    for i, name in enumerate(names):
+        med = statistics.median(throughput[i])
+        ratio = med / base
+        spread = 0.0
+        if len(throughput[i]) >= 4:
+            q = statistics.quantiles(throughput[i], n=4)
+            spread = (q[2] - q[0]) / med
+        epoch_ratio = statistics.median(epoch_s[i]) / base_epoch
+        print(f"{name:<22}{ratio:>24.3f}{epoch_ratio:>20.3f}{spread:>22.3f}")
+        if arms[i] is not None and arms[i] >= 1.0 and ratio < 0.99:
+            verdict = False  # the target is for the default interval; faster ones are shown
+    print(
+        "target (intervals >= 1 s): loop throughput ratio >= 0.99 -> "
+        + ("met" if verdict else "NOT met (check the spread: a noisy machine needs more repeats)")
+    )
+    print(f"fake NVML calls made: {fake.total_calls()} (init/shutdown balanced: {fake.balanced})")
+
+
+if __name__ == "__main__":
+    main()
