@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, clean_env, last_line, run_dirs
+from omegaconf import OmegaConf
 
+from conftest import FAST, clean_env, last_line, run_dirs
 from project.checkpointing import load_network
 
 pytestmark = pytest.mark.slow
@@ -123,12 +124,7 @@ def test_multirun_sweep_gives_each_job_its_folder(cli, log_dir: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     jobs = run_dirs(log_dir)
     assert [job.name for job in jobs] == ["0", "1"] and jobs[0].parent == jobs[1].parent
-    learning_rates = [
-        json.loads(json.dumps(__import__("yaml").safe_load((j / "config.yaml").read_text())))[
-            "model"
-        ]["optimizer"]["lr"]
-        for j in jobs
-    ]
+    learning_rates = [OmegaConf.load(job / "config.yaml").model.optimizer.lr for job in jobs]
     assert learning_rates == [0.01, 0.001]
     assert all((job / "metrics.json").is_file() for job in jobs)
 
