@@ -14,6 +14,9 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
+import project.strategies  # noqa: F401  (registers trainer.strategy=dp before any Trainer)
+from project import launch
+
 log = logging.getLogger(__name__)
 
 
@@ -33,13 +36,22 @@ def build_trainer(cfg: DictConfig, **overrides: Any) -> Trainer:
     ``overrides`` replace trainer arguments the run decided on (the resolved devices, say);
     everything else reaches the Trainer exactly as configured.
     """
+    from project import checkpointing, interrupts, resume
+
     loggers = build_loggers(cfg.get("logger"))
-    return instantiate(
+    # Always on: crash-safe checkpoint writes, exact resume, a checkpoint on Ctrl-C / SIGTERM.
+    interrupts.watch_parent()
+    plugins = overrides.pop("plugins", None) or instantiate(cfg.trainer.get("plugins"))
+    safety = [resume.ResumeState(seed=int(cfg.get("seed") or 0)), interrupts.GracefulInterrupt()]
+    trainer = instantiate(
         cfg.trainer,
-        callbacks=build_callbacks(cfg.get("callbacks")),
+        callbacks=build_callbacks(cfg.get("callbacks")) + safety,
         logger=loggers or False,
+        plugins=checkpointing.with_atomic_io(plugins),
         **overrides,
     )
+    launch.track(trainer)  # in a sweep, the job collects the DDP children this Trainer starts
+    return trainer
 
 
 def _target_nodes(group: DictConfig | None) -> list[DictConfig]:

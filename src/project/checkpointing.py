@@ -9,20 +9,97 @@ the network is rebuilt from it.
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
 import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from torch import nn
 
 from project.errors import ProjectError
 
 WEIGHTS_FILE = "model.pth"
 CONFIG_FILE = "config.yaml"
+# Test hook: when set to an errno name (ENOSPC, EIO...), every checkpoint write fails half-way
+# with that error, as a full disk would make it fail. Used by the bad-input tests.
+FAULT_ENV = "PROJECT_FAIL_CHECKPOINT_WRITES"
+
+
+class CheckpointSaveError(ProjectError):
+    """A checkpoint could not be written (full disk, no permission); the previous file is intact."""
+
+    exit_code = 1
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint I/O with crash-safe local writes and errors that are never lost.
+
+    Lightning 2.6 writes local checkpoints through an fsspec transaction that stages the bytes in
+    ``$TMPDIR`` and then moves them: a small or full ``/tmp`` fails saves that would fit next to
+    the checkpoints, a move across filesystems is a copy (not atomic), and some write errors are
+    swallowed (Lightning issue #21800). Here a local checkpoint goes through :func:`atomic_write`
+    (temporary file beside the target, fsync, rename, fsync of the directory), so a kill at any
+    moment leaves the old file or the new one. Remote paths (``s3://`` ...) keep Lightning's way.
+    """
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None or not _is_local_file_protocol(path):
+            super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        target = Path(str(path).removeprefix("file://"))
+        try:
+            atomic_write(target, lambda handle: _save_with_faults(checkpoint, handle))
+        except OSError as err:
+            reason = err.strerror or str(err)
+            raise CheckpointSaveError(
+                f"could not write checkpoint {str(target)!r}: {reason}; "
+                "the previous checkpoint files are unchanged"
+            ) from err
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Lightning's load, but never unpickling arbitrary objects unless asked explicitly."""
+        kwargs = {} if map_location is None else {"map_location": map_location}
+        safe = True if weights_only is None else weights_only
+        return super().load_checkpoint(path, weights_only=safe, **kwargs)
+
+
+def _save_with_faults(obj: Any, handle: IO[bytes]) -> None:
+    fault = os.environ.get(FAULT_ENV, "")
+    if not fault:
+        torch.save(obj, handle)
+        return
+    code = getattr(errno, fault, errno.ENOSPC)
+    handle.write(b"PK\x03\x04 partial")  # some bytes reach the temporary file first
+    raise OSError(code, os.strerror(code))
+
+
+def with_atomic_io(plugins: Any) -> list[Any]:
+    """The user's Trainer plugins plus :class:`AtomicCheckpointIO`, unless they bring a CheckpointIO."""
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+
+    if plugins is None:
+        listed: list[Any] = []
+    elif isinstance(plugins, str) or not isinstance(plugins, Iterable):
+        listed = [plugins]
+    else:
+        listed = list(plugins)
+    if not any(isinstance(plugin, CheckpointIO) for plugin in listed):
+        listed.append(AtomicCheckpointIO())
+    return listed
+
+
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # reading the umask means setting it; put it straight back
 
 
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
@@ -38,6 +115,7 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
+            os.fchmod(handle.fileno(), 0o666 & ~_UMASK)  # mkstemp makes 0600; keep the usual mode
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())

@@ -59,6 +59,9 @@ def hydra_entry(task: Callable[[Any], Any], config_name: str) -> Callable[[], No
         warnings.filterwarnings(
             "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated"
         )
+        from project.launch import register_resolvers
+
+        register_resolvers()  # ${run_id:...}: one run directory for all processes of a launch
         app = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name=config_name)
         try:
             app(_reporting(task))()
@@ -66,6 +69,10 @@ def hydra_entry(task: Callable[[Any], Any], config_name: str) -> Callable[[], No
             _fail(str(err), err.exit_code)
         except (HydraException, OmegaConfBaseException) as err:
             _fail(one_line(err), 2)
+        except OSError as err:  # Hydra creating the run directory under a file, a full disk...
+            if err.filename is None:
+                raise
+            _fail(f"cannot create or write {str(err.filename)!r}: {err.strerror}", 2)
 
     return main
 
@@ -82,11 +89,13 @@ def _reporting(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
+        from project.launch import job_scope, sweep_objective
         from project.preflight import check_config
 
         try:
             check_config(cfg)  # again per job: the values of a sweep's jobs differ
-            return task(cfg)
+            with job_scope():  # in a sweep, DDP children run this job only (project.launch)
+                return sweep_objective(cfg, task(cfg))
         except Exception as err:
             mistake = _user_mistake(err)
             if mistake is None:

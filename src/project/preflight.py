@@ -72,6 +72,11 @@ def check_config(cfg: DictConfig) -> None:
                 f"trainer.{key}={value} is invalid; expected an integer >= {minimum} (or -1: no limit)"
             )
     check_strategy(_value(trainer, "strategy"))
+    dp_keys = [_value(trainer, key) for key in ("accelerator", "devices", "num_nodes")]
+    if _value(trainer, "strategy") == "dp" and _UNKNOWN not in dp_keys:
+        from project.strategies.dp import check_dp_request
+
+        check_dp_request(*dp_keys)  # DP needs CUDA GPUs on one machine: say so before starting
     check_devices(cfg)
 
 
@@ -146,6 +151,8 @@ def check_fresh_dir(cfg: DictConfig, key: str) -> None:
     """Refuse to start a run in a directory that holds an earlier run: it would be overwritten."""
     if _is_worker_process():
         return  # DDP workers reuse rank 0's directory on purpose
+    if os.environ.get("SLURM_RESTART_COUNT", "0") not in ("", "0"):
+        return  # a requeued SLURM job resumes in its own directory (project.launch.run_id)
     try:
         directory = Path(str(OmegaConf.select(cfg, key)))
     except Exception:  # an unresolvable path fails later with Hydra's own message
@@ -160,7 +167,8 @@ def check_fresh_dir(cfg: DictConfig, key: str) -> None:
 
 def _is_worker_process() -> bool:
     return any(
-        os.environ.get(var, "0") not in ("", "0") for var in ("LOCAL_RANK", "RANK", "NODE_RANK")
+        os.environ.get(var, "0") not in ("", "0")
+        for var in ("LOCAL_RANK", "RANK", "NODE_RANK", "SLURM_PROCID")
     )
 
 

@@ -45,12 +45,20 @@ def best_checkpoint(trainer: Trainer) -> str | None:
 
 
 def save_metrics(
-    metrics: Mapping[str, float], out: Path, best_checkpoint: str | None, trainer: Trainer
+    metrics: Mapping[str, float],
+    out: Path,
+    best_checkpoint: str | None,
+    trainer: Trainer,
+    resumed_from: str | Path | None = None,
 ) -> Path:
-    """Write ``metrics.json``: the figures, where they came from, and how long the run took."""
+    """Write ``metrics.json``: the figures, where they came from, and how long the run took.
+
+    ``resumed_from`` is the checkpoint a resumed run continued (in an earlier run's directory).
+    """
     payload = {
         "metrics": dict(metrics),
         "best_checkpoint": best_checkpoint,
+        "resumed_from": str(resumed_from) if resumed_from is not None else None,
         "epochs": trainer.current_epoch,
         "global_step": trainer.global_step,
         "accelerator": type(trainer.accelerator).__name__,

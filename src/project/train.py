@@ -28,8 +28,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     import lightning.pytorch as pl
     from hydra.utils import instantiate
 
-    from project import builders, checkpointing, run_files
+    from project import builders, checkpointing, interrupts, plot, run_files, speed
     from project.devices import resolve_devices
+    from project.resume import check_fits
 
     out = Path(cfg.paths.output_dir)
     resume = checkpointing.resolve_ckpt_path(cfg.ckpt_path, cfg.paths.log_dir, cfg.task_name)
@@ -38,19 +39,28 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     plan = resolve_devices(cfg.trainer.accelerator, cfg.trainer.devices, select=cfg.select_gpus)
     if plan.message:
         log.info(plan.message)
+    # Speed switches (project.speed): TF32 matmuls on Ampere+, precision=auto -> bf16-mixed on GPU.
+    cuda = speed.cuda_indices(plan.accelerator, plan.devices)
+    matmul = speed.apply_matmul_precision(cfg.get("matmul_precision", "high"), cuda)
+    trainer_kwargs = plan.trainer_kwargs()
+    if cfg.trainer.get("precision") is None:  # a value in trainer.precision wins
+        trainer_kwargs["precision"] = speed.resolve_precision(cfg.get("precision", "auto"), cuda)
+    log.info(speed.describe(matmul, trainer_kwargs.get("precision", cfg.trainer.precision), cuda))
 
     # Build: the data, the network (a plain nn.Module from model.net) inside the LightningModule.
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
     model.save_hyperparameters({"config": builders.plain(cfg)}, logger=False)
-    trainer = builders.build_trainer(cfg, **plan.trainer_kwargs())
+    trainer = builders.build_trainer(cfg, **trainer_kwargs)
     if trainer.is_global_zero:
         run_files.save_config(cfg, out)
 
-    # Train, resuming from a checkpoint when asked.
+    # Train, resuming from a checkpoint when asked (Ctrl-C / SIGTERM: save, print how to resume).
     if cfg.train:
-        trainer.fit(model, datamodule=datamodule, ckpt_path=resume, weights_only=True)
+        if resume is not None:
+            check_fits(model, resume)  # the same model as the run it continues, else one line
+        interrupts.fit(trainer, model, datamodule, ckpt_path=resume)
     fit_metrics = run_files.scalars(trainer.callback_metrics)
 
     # Evaluate the best checkpoint on the test split (the weights in the model when none was kept).
@@ -65,7 +75,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if trainer.is_global_zero:
         if cfg.export_weights:
             checkpointing.save_weights(model.net, out / checkpointing.WEIGHTS_FILE)
-        run_files.save_metrics(metrics, out, best_checkpoint=best, trainer=trainer)
+        run_files.save_metrics(
+            metrics, out, best_checkpoint=best, trainer=trainer, resumed_from=resume
+        )
+        plot.after_run(out)  # curves.png: learning curves, GPU use (needs matplotlib)
         log.info("Run directory: %s", out)
     return metrics
 

@@ -8,10 +8,12 @@ here. README.md shows a worked example with a CSV file.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Sized
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, Dataset, TensorDataset, random_split
+from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset, random_split
 
 from project.errors import ProjectError
 
@@ -51,7 +53,11 @@ class ArrayDataModule(LightningDataModule):
         self.test_fraction = test_fraction
         self.split_seed = split_seed
         self.num_workers = _resolve_workers(num_workers)
-        self.pin_memory = torch.cuda.is_available() if pin_memory == "auto" else bool(pin_memory)
+        if pin_memory != "auto" and not isinstance(pin_memory, bool):
+            raise ProjectError(
+                f"data.pin_memory={pin_memory!r} is invalid; expected true, false or auto"
+            )
+        self.pin_memory = pin_memory
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
@@ -88,14 +94,92 @@ class ArrayDataModule(LightningDataModule):
     def _loader(self, dataset: Dataset | None, shuffle: bool = False) -> DataLoader:
         if dataset is None:
             raise RuntimeError("setup() must run before the loaders are requested")
-        return DataLoader(
-            dataset,
+        options: dict[str, Any] = dict(
             batch_size=self.batch_size,
-            shuffle=shuffle,
             num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
+            pin_memory=self._pin(),
             persistent_workers=self.num_workers > 0,
         )
+        if not shuffle:
+            return DataLoader(dataset, **options)
+        # The seed pl.seed_everything set (Lightning's DistributedSampler reads the same variable).
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        return ResumableLoader(dataset, sampler=EpochShuffle(dataset, seed), **options)
+
+    def _pin(self) -> bool:
+        """``auto``: pin only when the batches go to a CUDA device, where pinned pages let the
+        copy run asynchronously (Lightning copies with ``non_blocking``); a CPU run gains nothing,
+        and pinning would start a CUDA context on a GPU machine training on the CPU."""
+        if self.pin_memory != "auto":
+            return bool(self.pin_memory)
+        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
+        return getattr(device, "type", None) == "cuda"
+
+
+class EpochShuffle(RandomSampler):
+    """A new order every epoch that depends only on ``(seed, epoch)``, not on any global RNG.
+
+    So the order of epoch 7 is the same whether a run got there in one go or was resumed from a
+    checkpoint. Lightning calls :meth:`set_epoch` before each epoch; under DDP it replaces this
+    sampler with a ``DistributedSampler``, which orders by ``(seed, epoch)`` in the same spirit.
+    """
+
+    def __init__(self, data_source: Sized, seed: int = 0) -> None:
+        super().__init__(data_source)
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        yield from torch.randperm(len(self.data_source), generator=generator).tolist()
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader that remembers how far into the epoch it got, so a mid-epoch resume is exact.
+
+    Lightning saves ``state_dict()`` of the training loader in every checkpoint and calls
+    ``load_state_dict()`` before the first batch when it resumes mid-epoch; the loader then skips
+    the batches the checkpoint had already trained on, in the same order (:class:`EpochShuffle`).
+    Without this, Lightning restarts the epoch's data from its beginning and warns.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._yielded = 0  # batches handed out in the current epoch
+        self._resume: dict[str, int] | None = None
+
+    def _epoch(self) -> int:
+        return int(getattr(self.sampler, "epoch", 0))
+
+    def state_dict(self) -> dict[str, int]:
+        state = {"epoch": self._epoch(), "batches": self._yielded}
+        if isinstance(self.sampler, EpochShuffle):
+            state["seed"] = self.sampler.seed
+        return state
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume = dict(state)
+        if "seed" in state and isinstance(self.sampler, EpochShuffle):
+            self.sampler.seed = int(state["seed"])
+
+    def __iter__(self) -> Iterator[Any]:
+        # A generator: its body runs at the first next(), after Lightning has called set_epoch().
+        skip, self._resume = self._skip_count(), None
+        self._yielded = skip
+        batches = super().__iter__()
+        for _ in range(skip):
+            next(batches, None)
+        for batch in batches:
+            self._yielded += 1
+            yield batch
+
+    def _skip_count(self) -> int:
+        if not self._resume or self._resume.get("epoch") != self._epoch():
+            return 0
+        return min(int(self._resume.get("batches", 0)), len(self))
 
 
 def _resolve_workers(num_workers: int | str) -> int:

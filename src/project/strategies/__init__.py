@@ -1,1 +1,13 @@
-"""Training strategies the Trainer finds by name (``trainer.strategy=...``)."""
+"""Training strategies the Trainer finds by name (``trainer.strategy=...``).
+
+Importing this package registers them in Lightning's ``StrategyRegistry``; preflight and the
+Trainer builder import it, so ``trainer.strategy=dp`` works from the command line.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from project.strategies.dp import DataParallelStrategy, steps_run_in_replicas
+
+DataParallelStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["DataParallelStrategy", "steps_run_in_replicas"]
