@@ -191,27 +191,34 @@ def run_config(path: str | Path, data: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def load_state_into(net: nn.Module, state: dict[str, torch.Tensor], source: str | Path) -> None:
-    """``load_state_dict`` that reports a wrong architecture in one line with the offending keys."""
-    expected = net.state_dict()
+def state_mismatch(expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> str | None:
+    """How ``state`` fails to fit a module whose ``state_dict()`` is ``expected``, in one line.
+
+    ``None`` when every key is present with the right shape; else the missing keys, the unexpected
+    ones and the ones of another shape (a few of each), e.g. for a file of another architecture.
+    """
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     mismatched = sorted(
-        key for key in set(expected) & set(state) if expected[key].shape != state[key].shape
+        k for k in set(expected) & set(state) if expected[k].shape != state[k].shape
     )
-    if missing or unexpected or mismatched:
-        details = [
-            f"{label}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}"
-            for label, keys in (
-                ("missing keys", missing),
-                ("unexpected keys", unexpected),
-                ("shape mismatch", mismatched),
-            )
-            if keys
-        ]
-        raise ProjectError(
-            f"{str(source)!r} does not fit {type(net).__name__}: {'; '.join(details)}"
+    details = [
+        f"{label}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}"
+        for label, keys in (
+            ("missing keys", missing),
+            ("unexpected keys", unexpected),
+            ("shape mismatch", mismatched),
         )
+        if keys
+    ]
+    return "; ".join(details) or None
+
+
+def load_state_into(net: nn.Module, state: dict[str, torch.Tensor], source: str | Path) -> None:
+    """``load_state_dict`` that reports a wrong architecture in one line with the offending keys."""
+    mismatch = state_mismatch(net.state_dict(), state)
+    if mismatch:
+        raise ProjectError(f"{str(source)!r} does not fit {type(net).__name__}: {mismatch}")
     net.load_state_dict(state)
 
 

@@ -160,7 +160,7 @@ def check_fits(model: LightningModule, checkpoint: Path) -> None:
     Resuming with other ``model.*`` overrides than the checkpoint's run would otherwise end in
     Lightning's many-line ``load_state_dict`` error, after the run directory was made.
     """
-    from project.checkpointing import load_file
+    from project.checkpointing import load_file, state_mismatch
 
     data = load_file(checkpoint)
     state = data.get("state_dict")
@@ -169,23 +169,9 @@ def check_fits(model: LightningModule, checkpoint: Path) -> None:
             f"ckpt_path={str(checkpoint)!r} is not a Lightning checkpoint (no state_dict); "
             "to start from a model.pth, load it into the network instead of resuming"
         )
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    mismatched = sorted(
-        k for k in set(expected) & set(state) if expected[k].shape != state[k].shape
-    )
-    if missing or unexpected or mismatched:
-        parts = [
-            f"{label}: {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}"
-            for label, keys in (
-                ("missing", missing),
-                ("unexpected", unexpected),
-                ("other shape", mismatched),
-            )
-            if keys
-        ]
+    mismatch = state_mismatch(model.state_dict(), state)
+    if mismatch:
         raise ProjectError(
-            f"ckpt_path={str(checkpoint)!r} was trained with another model ({'; '.join(parts)}); "
+            f"ckpt_path={str(checkpoint)!r} was trained with another model ({mismatch}); "
             "resume with the same model.* overrides as that run (see its config.yaml)"
         )
