@@ -4,8 +4,9 @@ The callback promises that the training thread makes no NVML call per step: samp
 a background thread. This benchmark measures what that costs the loop anyway (the thread still
 competes for the GIL), on CPU with the fake NVML where every call sleeps ``--call-cost-ms`` (a
 real NVML call takes roughly 0.1-1 ms). Arms are interleaved (A/B/C, B/C/A, ...) over several
-repeats and compared by their medians; only ratios are printed, because absolute times say more
-about the machine than about the callback.
+repeats; printed is the median of the per-repeat ratios (each "on" run over the "off" run of
+the same repeat) with their min and max, because absolute times say more about the machine than
+about the callback.
 
 Throughput is measured from the first batch to the last batch of the epoch (the steady loop).
 The boundary samples the callback takes on the training thread at epoch start/end are reported
@@ -18,10 +19,9 @@ separately, as a share of the epoch.
 from __future__ import annotations
 
 import argparse
-import logging
-import statistics
+import sys
 import time
-import warnings
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -29,6 +29,10 @@ import torch
 from project import nvml
 from project.callbacks.gpu_stats import GpuStatsMonitor
 from project.testing.fake_nvml import FakeGpu, FakeNvml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common  # benchmarks/ is not a package: found through sys.path
 
 
 class Mlp(pl.LightningModule):
@@ -114,46 +118,44 @@ def main() -> None:
         )
     intervals = [float(v) for v in args.intervals.split(",") if v.strip()]
 
-    logging.getLogger("lightning").setLevel(logging.ERROR)
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    logging.getLogger("project").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
+    _common.quiet()
     torch.set_num_threads(1)  # fewer moving parts: the question is the callback, not BLAS
 
     fake = FakeNvml([FakeGpu(util_gpu=[(0, 40), (5, 90)])], call_cost_s=args.call_cost_ms / 1000)
     nvml.use_library(fake)
-    arms: list[float | None] = [None, *intervals]
-    names = ["off"] + [f"on, every {v:g} s" for v in intervals]
-    throughput: dict[int, list[float]] = {i: [] for i in range(len(arms))}
-    epoch_s: dict[int, list[float]] = {i: [] for i in range(len(arms))}
+    arms: dict[str, float | None] = {"off": None}
+    arms.update({f"on, every {v:g} s": v for v in intervals})
+    throughput = _common.Arms(list(arms))
+    epoch_s = _common.Arms(list(arms))
     one_run(20, intervals[0] if intervals else None, fake)  # warm-up: imports, allocator, threads
-    for repeat in range(args.repeats):
-        order = list(range(len(arms)))
-        order = order[repeat % len(order) :] + order[: repeat % len(order)]  # rotate: interleave
-        for i in order:
-            rate, epoch = one_run(args.steps, arms[i], fake)
-            throughput[i].append(rate)
-            epoch_s[i].append(epoch)
+    for order in _common.interleaved(args.repeats, list(arms)):
+        for name in order:
+            rate, epoch = one_run(args.steps, arms[name], fake)
+            throughput.add(name, rate)
+            epoch_s.add(name, 1.0 / epoch)  # epochs per second: higher is better, like rate
     nvml.use_library(None)
 
-    base = statistics.median(throughput[0])
-    base_epoch = statistics.median(epoch_s[0])
-    print(f"fake NVML call cost {args.call_cost_ms} ms, {args.repeats} repeats, {args.steps} steps")
+    print("\ncallback overhead: GpuStatsMonitor on / off, same process, interleaved")
+    print(f"machine: {_common.machine_summary()}; torch threads 1")
     print(
-        f"{'arm':<22}{'loop throughput / off':>24}{'epoch time / off':>20}{'spread (IQR/median)':>22}"
+        f"fake NVML call cost {args.call_cost_ms} ms, {args.repeats} repeats, {args.steps} steps "
+        "per run; ratios > 1 are noise"
     )
+    print(f"{'arm: loop throughput / off':<34} {'median':>7}   [min .. max]")
     verdict = True
-    for i, name in enumerate(names):
-        med = statistics.median(throughput[i])
-        ratio = med / base
-        spread = 0.0
-        if len(throughput[i]) >= 4:
-            q = statistics.quantiles(throughput[i], n=4)
-            spread = (q[2] - q[0]) / med
-        epoch_ratio = statistics.median(epoch_s[i]) / base_epoch
-        print(f"{name:<22}{ratio:>24.3f}{epoch_ratio:>20.3f}{spread:>22.3f}")
-        if arms[i] is not None and arms[i] >= 1.0 and ratio < 0.99:
-            verdict = False  # the target is for the default interval; faster ones are shown
+    for name, interval in arms.items():
+        if interval is None:
+            continue
+        ratios = throughput.ratios(name, "off")
+        # The target is for the default interval (1 s); faster ones are shown for scale.
+        target = 0.99 if interval >= 1.0 else None
+        print(_common.ratio_line(name, ratios, target))
+        if target is not None and sorted(ratios)[len(ratios) // 2] < target:
+            verdict = False
+    print(f"{'arm: whole epoch (with boundary samples)':<34}")
+    for name, interval in arms.items():
+        if interval is not None:
+            print(_common.ratio_line(name, epoch_s.ratios(name, "off")))
     print(
         "target (intervals >= 1 s): loop throughput ratio >= 0.99 -> "
         + ("met" if verdict else "NOT met (check the spread: a noisy machine needs more repeats)")

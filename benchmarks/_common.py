@@ -1,0 +1,198 @@
+"""What every benchmark here shares: interleaved A/B repeats, medians and spread, the machine.
+
+The machines these run on are shared and noisy, so no script prints an absolute time as a
+verdict. Each compares two arms measured in the same process (or the same run), interleaved
+A, B, B, A, ... so that a slow minute hurts both arms alike, and reports the median of the
+per-repeat ratios together with their spread.
+
+Also the small Lightning callbacks the benchmarks add to the template's own run through its
+config (``+callbacks.<name>._target_=_common.<Class>``, with ``benchmarks/`` on ``PYTHONPATH``):
+they record timestamps only, so they add no work of their own to what they measure.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+
+# The clocks append here: a run started through ``project.train.train(cfg)`` builds its own
+# callback objects from the config, so the benchmark reads the stamps from this module instead.
+EPOCH_STAMPS: list[tuple[float, float]] = []
+# Wall-clock durations of training steps, start of one batch to the start of the next (the last
+# batch of each epoch, followed by validation, is left out), of the run being measured.
+STEP_TIMES: list[float] = []
+FIRST_STEP_ENV = "PROJECT_BENCH_FIRST_STEP"
+
+
+def stamp() -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process, all threads) at this moment.
+
+    The CPU time is what the process itself did: on a machine shared with other busy processes it
+    barely moves when the scheduler parks this one, so its ratios are steadier than wall time
+    (for a single-threaded CPU run they measure the same work).
+    """
+    return time.perf_counter(), time.process_time()
+
+
+def epoch_clock() -> Any:
+    """A Lightning callback appending to :data:`EPOCH_STAMPS` at each training epoch start and at
+    the end of training.
+
+    The interval between two starts is one whole epoch cycle: the training steps, the validation
+    pass and the epoch-end hooks (logging, checkpoints, progress bar). Built by a function so
+    that importing this module does not import Lightning (``startup.py`` must not).
+    """
+    from lightning.pytorch import Callback
+
+    class _Clock(Callback):
+        def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+            EPOCH_STAMPS.append(stamp())
+            self.batch_start: float | None = None
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
+            now = time.perf_counter()
+            if getattr(self, "batch_start", None) is not None:
+                STEP_TIMES.append(now - self.batch_start)
+            self.batch_start = now
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            EPOCH_STAMPS.append(stamp())
+
+    return _Clock()
+
+
+EPOCH_FILE_ENV = "PROJECT_BENCH_EPOCH_FILE"
+
+
+def epoch_clock_file() -> Any:
+    """Like :func:`epoch_clock`, for a run in another process (``python -m project.train``):
+    rank 0 appends ``time.time()`` and its CPU time (``time.process_time()``) to the file named
+    by ``$PROJECT_BENCH_EPOCH_FILE`` at each training epoch start and at the end of training."""
+    from lightning.pytorch import Callback
+
+    class _FileClock(Callback):
+        def _write(self, trainer: Any) -> None:
+            if trainer.is_global_zero:
+                with open(os.environ[EPOCH_FILE_ENV], "a") as handle:
+                    handle.write(f"{time.time():.6f} {time.process_time():.6f}\n")
+
+        def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+            self._write(trainer)
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            self._write(trainer)
+
+    return _FileClock()
+
+
+def first_step_stamp() -> Any:
+    """A Lightning callback that, at the first training batch, writes ``time.time()`` to the file
+    named by ``$PROJECT_BENCH_FIRST_STEP`` and ends the process at once (exit code 0).
+
+    ``startup.py`` adds it to a real ``python -m project.train`` run to time the way from the
+    shell to the first step; ending there keeps the benchmark short and leaves no checkpoint.
+    """
+    from lightning.pytorch import Callback
+
+    class _FirstStep(Callback):
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
+            Path(os.environ[FIRST_STEP_ENV]).write_text(f"{time.time():.6f}\n")
+            sys.stdout.flush()
+            os._exit(0)
+
+    return _FirstStep()
+
+
+@dataclass
+class Arms:
+    """Measurements of named arms, appended repeat by repeat."""
+
+    names: Sequence[str]
+    values: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, name: str, value: float) -> None:
+        self.values.setdefault(name, []).append(value)
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.values[name])
+
+    def ratios(self, numerator: str, denominator: str) -> list[float]:
+        """Per-repeat ratios (repeat i of one arm over repeat i of the other)."""
+        return [
+            a / b for a, b in zip(self.values[numerator], self.values[denominator], strict=True)
+        ]
+
+
+def interleaved(repeats: int, arms: Sequence[str]) -> list[list[str]]:
+    """The order of the arms in each repeat: rotated every repeat (A B C, B C A, C A B, ...).
+
+    With two arms this is A B, B A, A B...: neither arm always runs first (warm caches) or
+    second (a process that has been busy longer).
+    """
+    order = list(arms)
+    return [order[r % len(order) :] + order[: r % len(order)] for r in range(repeats)]
+
+
+def spread(values: Sequence[float]) -> tuple[float, float]:
+    """(min, max) of a list of ratios: the run-to-run spread printed beside each median."""
+    return min(values), max(values)
+
+
+def ratio_line(label: str, ratios: Sequence[float], target: float | None = None) -> str:
+    """``label  median  [min .. max]  target`` as one aligned line."""
+    low, high = spread(ratios)
+    text = f"{label:<34} {statistics.median(ratios):7.3f}   [{low:.3f} .. {high:.3f}]"
+    if target is not None:
+        met = statistics.median(ratios) >= target
+        text += f"   target >= {target:g}: {'met' if met else 'NOT met'}"
+    return text
+
+
+def machine_summary() -> str:
+    """One line: CPU model and count, OS, Python, torch and Lightning versions (when importable)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        fields = dict(
+            line.split(":", 1) for line in out.splitlines() if ":" in line and line.strip()
+        )
+        cpu = fields.get("Model name", cpu).strip()
+    except OSError:
+        pass
+    versions = []
+    for name in ("torch", "lightning"):
+        module = sys.modules.get(name)
+        if module is not None:
+            versions.append(f"{name} {module.__version__}")
+    return (
+        f"{cpu}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, "
+        f"Python {platform.python_version()}" + (", " + ", ".join(versions) if versions else "")
+    )
+
+
+def quiet() -> None:
+    """Silence the loggers and warnings that would drown the ratio table."""
+    import logging
+    import warnings
+
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "project"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds ``fn()`` took, by ``time.perf_counter``."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
