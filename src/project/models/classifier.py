@@ -12,6 +12,7 @@ from torchmetrics import MaxMetric, MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
 from project import speed
+from project.models.nets import restart_epoch_statistics
 from project.strategies import steps_run_in_replicas
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
@@ -86,6 +87,10 @@ class ClassifierModule(LightningModule):
         # copied to the device (and waited for) at every step.
         metrics["loss"].update(outputs["losses"].detach())
         return loss
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0:  # not on a mid-epoch resume, whose restored statistics stay
+            restart_epoch_statistics(self.net)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Any:
         return self._shared_step(batch, "train")

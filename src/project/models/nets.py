@@ -35,6 +35,11 @@ class ConvNet(nn.Module):
     """A small CNN: 3x3 conv blocks (conv, batch norm, ReLU), global pooling, a linear head.
 
     Sized for small images such as the 8x8 digits; ``channels`` sets the width and depth.
+
+    The batch norms average their statistics over one epoch (``momentum=None``, restarted at
+    each epoch by :func:`restart_epoch_statistics`) instead of an exponential average: with the
+    usual momentum, a short run (a few dozen steps, or DDP's halved epochs) evaluates with
+    statistics that lag far behind the weights and predicts one class on validation.
     """
 
     def __init__(
@@ -50,7 +55,7 @@ class ConvNet(nn.Module):
         for size in channels:
             blocks += [
                 nn.Conv2d(width, size, kernel_size=3, padding=1, bias=False),
-                nn.BatchNorm2d(size),
+                nn.BatchNorm2d(size, momentum=None),  # see the class docstring
                 nn.ReLU(inplace=True),
             ]
             width = size
@@ -64,3 +69,15 @@ class ConvNet(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.features(x))
+
+
+def restart_epoch_statistics(net: nn.Module) -> None:
+    """Zero the running statistics of batch norms that average over an epoch (``momentum=None``).
+
+    Called at the first batch of each training epoch, so evaluation uses the average of that
+    epoch's batches, all taken with nearly the current weights. Layers with a momentum are
+    left alone.
+    """
+    for module in net.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.momentum is None:
+            module.reset_running_stats()
