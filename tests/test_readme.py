@@ -84,8 +84,8 @@ CHECKS: dict[str, Check] = {
     "python -m project.train ckpt_path=logs/train/runs/<run>": Check(
         COMPOSE, "resumes like ckpt_path=last (RUN), from a named run"
     ),
-    "python -m project.train 'callbacks=[default,finite_loss]'": Check(
-        COMPOSE, "a normal run with one more callback; tests/test_finite_loss.py runs it"
+    "python -m project.train callbacks.finite_loss.action=skip": Check(
+        COMPOSE, "a normal run with one value changed; tests/test_finite_loss.py runs skip mode"
     ),
     # Evaluate
     "python -m project.eval ckpt_path=logs/train/runs/<run>/model.pth": Check(RUN),
