@@ -27,6 +27,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 
     import lightning.pytorch as pl
     from hydra.utils import instantiate
+    from lightning.pytorch.utilities import rank_zero_only
 
     from project import builders, checkpointing, run_files
     from project.devices import resolve_devices
@@ -44,7 +45,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     datamodule = instantiate(trained["data"])
     model = instantiate(trained["model"], net=net)
     plan = resolve_devices(cfg.trainer.accelerator, cfg.trainer.devices, select=cfg.select_gpus)
-    if plan.message:
+    if plan.message and rank_zero_only.rank == 0:  # once, not once per DDP process
         log.info(plan.message)
     trainer = builders.build_trainer(cfg, **plan.trainer_kwargs())
     if trainer.is_global_zero:

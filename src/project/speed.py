@@ -185,3 +185,18 @@ def describe(matmul: str, precision: str, cuda: Sequence[int]) -> str:
     """One log line with the choices in force, so a run's log says how it ran."""
     where = f"cuda:{','.join(map(str, cuda))}" if cuda else "cpu"
     return f"Speed: precision={precision}, float32 matmul precision={matmul} ({where})"
+
+
+def trainer_settings(cfg: Any, plan: Any) -> dict[str, Any]:
+    """The Trainer arguments a run decides for its hardware, with TF32 applied on the way.
+
+    ``plan`` is the :class:`project.devices.DevicePlan` (its accelerator and devices); the
+    precision ``auto`` picks is added unless ``trainer.precision`` names one. Logs one line.
+    """
+    cuda = cuda_indices(plan.accelerator, plan.devices)
+    matmul = apply_matmul_precision(cfg.get("matmul_precision", "high"), cuda)
+    kwargs = plan.trainer_kwargs()
+    if cfg.trainer.get("precision") is None:  # a value in trainer.precision wins
+        kwargs["precision"] = resolve_precision(cfg.get("precision", "auto"), cuda)
+    log.info(describe(matmul, kwargs.get("precision", cfg.trainer.precision), cuda))
+    return kwargs

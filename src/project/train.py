@@ -27,6 +27,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     import lightning.pytorch as pl
     from hydra.utils import instantiate
+    from lightning.pytorch.utilities import rank_zero_only
 
     from project import builders, checkpointing, interrupts, plot, run_files, speed
     from project.devices import resolve_devices
@@ -37,15 +38,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     # Check the GPUs: none means the CPU; with several, choose which (select_gpus).
     plan = resolve_devices(cfg.trainer.accelerator, cfg.trainer.devices, select=cfg.select_gpus)
-    if plan.message:
+    if plan.message and rank_zero_only.rank == 0:  # once, not once per DDP process
         log.info(plan.message)
-    # Speed switches (project.speed): TF32 matmuls on Ampere+, precision=auto -> bf16-mixed on GPU.
-    cuda = speed.cuda_indices(plan.accelerator, plan.devices)
-    matmul = speed.apply_matmul_precision(cfg.get("matmul_precision", "high"), cuda)
-    trainer_kwargs = plan.trainer_kwargs()
-    if cfg.trainer.get("precision") is None:  # a value in trainer.precision wins
-        trainer_kwargs["precision"] = speed.resolve_precision(cfg.get("precision", "auto"), cuda)
-    log.info(speed.describe(matmul, trainer_kwargs.get("precision", cfg.trainer.precision), cuda))
+    # Fast defaults for that hardware: TF32 on Ampere+, precision=auto -> bf16-mixed on a bf16 GPU.
+    trainer_kwargs = speed.trainer_settings(cfg, plan)
 
     # Build: the data, the network (a plain nn.Module from model.net) inside the LightningModule.
     pl.seed_everything(cfg.seed, workers=True)
