@@ -196,3 +196,12 @@ def timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def train_samples(cfg: Any) -> int:
+    """Training samples per epoch of the composed config's data (the template's own split)."""
+    from hydra.utils import instantiate
+
+    data = instantiate(cfg.data)
+    data.setup("fit")
+    return len(data.train_set)

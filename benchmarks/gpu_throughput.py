@@ -300,7 +300,7 @@ def main() -> None:
                     out = Path(tmp) / f"{workload}-{arm}-{r}"
                     cfg = compose(workload, args.epochs, out, cpu, extra)
                     stamps = run_template(cfg) if arm == "template" else run_plain(cfg, cpu)
-                    train_samples = _train_samples(cfg)
+                    train_samples = _common.train_samples(cfg)
                     epochs = len(stamps) - 2
                     arms.add(arm, epochs * train_samples / (stamps[-1][0] - stamps[1][0]))
             assert cfg is not None
@@ -323,14 +323,6 @@ def main() -> None:
                 print(
                     f"  {arm:<9} {rate:12.0f} samples/s   {achieved / 1e12:8.2f} TFLOP/s   MFU {mfu}"
                 )
-
-
-def _train_samples(cfg: Any) -> int:
-    from hydra.utils import instantiate
-
-    data = instantiate(cfg.data)
-    data.setup("fit")
-    return len(data.train_set)
 
 
 if __name__ == "__main__":

@@ -229,7 +229,7 @@ def main() -> None:
                         stamps = run_template(cfg)
                     else:
                         stamps = run_hand(cfg, save=args.hand_save)
-                    samples = _train_samples(cfg)
+                    samples = _common.train_samples(cfg)
                     arms.add(f"{arm}/wall", steady_rate(stamps, samples, 0))
                     arms.add(f"{arm}/cpu", steady_rate(stamps, samples, 1))
                     # Steps per second from the median step: robust to a busy machine's spikes.
@@ -271,15 +271,6 @@ def main() -> None:
             "target (mid, wall or CPU time): >= 0.95 -> "
             + ("met" if verdict else "NOT met (see the spread; rerun on a quiet machine)")
         )
-
-
-def _train_samples(cfg: Any) -> int:
-    """Training samples per epoch (the template's split of the shipped digits)."""
-    from hydra.utils import instantiate
-
-    data = instantiate(cfg.data)
-    data.setup("fit")
-    return len(data.train_set)
 
 
 if __name__ == "__main__":
