@@ -137,30 +137,26 @@ def test_human_listing_shows_cuda_indices_and_processes(machine, monkeypatch, ca
     assert f"not visible to CUDA here: NVML GPU 1 NVIDIA H100 80GB HBM3 {UUID1}" in out
 
 
-def test_no_nvml_and_no_cuda_is_one_line_and_exit_zero(monkeypatch, capsys):
-    nvml.use_library(FakeNvml(2, init_error="library_not_found"))
+@pytest.mark.parametrize(
+    ("fake", "reason"),
+    [
+        (
+            lambda: FakeNvml(2, init_error="library_not_found"),
+            "NVML is not available (NVML Shared Library Not Found)",
+        ),
+        (lambda: FakeNvml(0), "no NVIDIA GPU found"),
+    ],
+    ids=["no-nvml", "no-gpu"],
+)
+def test_no_usable_gpu_is_one_line_and_exit_zero(monkeypatch, capsys, fake, reason):
+    nvml.use_library(fake())
     monkeypatch.setenv("COLUMNS", "40")  # the line must not be wrapped even on a narrow terminal
     monkeypatch.setattr(d, "probe_torch", lambda uuids=True: d.TorchCuda())
     try:
         assert d.main([]) == 0
     finally:
         nvml.use_library(None)
-    assert capsys.readouterr().out == (
-        "No usable GPU: NVML is not available (NVML Shared Library Not Found); "
-        "training will use the CPU.\n"
-    )
-
-
-def test_machine_without_gpus_is_one_line(monkeypatch, capsys):
-    nvml.use_library(FakeNvml(0))
-    monkeypatch.setattr(d, "probe_torch", lambda uuids=True: d.TorchCuda())
-    try:
-        assert d.main([]) == 0
-    finally:
-        nvml.use_library(None)
-    assert capsys.readouterr().out == (
-        "No usable GPU: no NVIDIA GPU found; training will use the CPU.\n"
-    )
+    assert capsys.readouterr().out == (f"No usable GPU: {reason}; training will use the CPU.\n")
 
 
 def test_empty_cuda_visible_devices_is_one_line(machine, monkeypatch, capsys):
