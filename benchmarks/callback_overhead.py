@@ -26,9 +26,9 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 
-from project import nvml
-from project.callbacks.gpu_stats import GpuStatsMonitor
-from project.testing.fake_nvml import FakeGpu, FakeNvml
+from project.machinery.gpu_stats.callback import GpuStatsMonitor
+from project.machinery.gpus import nvml
+from project.machinery.testing.fake_nvml import FakeGpu, FakeNvml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

@@ -114,7 +114,7 @@ def compose(workload: str, epochs: int, out: Path, cpu: bool, extra: list[str]) 
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from project.cli import config_dir
+    from project.machinery.run.cli import config_dir
 
     table = CPU_WORKLOADS if cpu else WORKLOADS
     overrides, shape, batch, samples = table[workload]
@@ -149,7 +149,7 @@ def choices(cfg: Any, cpu: bool) -> tuple[Any, str, bool]:
     """(torch device, Lightning precision, channels-last) that the template picks for ``cfg``."""
     import torch
 
-    from project import speed
+    from project.machinery import speed
 
     indices = [] if cpu else [torch.cuda.current_device()]
     precision = speed.resolve_precision(cfg.precision, indices)
@@ -165,8 +165,8 @@ def run_plain(cfg: Any, cpu: bool) -> list[tuple[float, float]]:
     from hydra.utils import instantiate
     from torch.utils.data import DataLoader
 
-    from project import speed
     from project.data.arrays import EpochShuffle, collate_rows
+    from project.machinery import speed
 
     device, precision, layout = choices(cfg, cpu)
     speed.apply_matmul_precision(cfg.matmul_precision, [] if cpu else [device.index])

@@ -59,7 +59,7 @@ def compose(size: str, epochs: int, out: Path, extra: list[str]) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from project.cli import config_dir
+    from project.machinery.run.cli import config_dir
 
     overrides = [
         *SIZES[size][0],

@@ -27,7 +27,7 @@ import pytest
 
 from conftest import FAST, clean_env, run_dirs
 
-FAKE_NVML = "project.testing.fake_nvml:create"
+FAKE_NVML = "project.machinery.testing.fake_nvml:create"
 
 
 @dataclass

@@ -9,9 +9,15 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from project import builders, checkpointing
-from project.checkpointing import AtomicCheckpointIO, load_network, save_weights, with_atomic_io
 from project.errors import ProjectError
+from project.machinery.run import builders
+from project.machinery.safety import checkpoints as checkpointing
+from project.machinery.safety.checkpoints import (
+    AtomicCheckpointIO,
+    load_network,
+    save_weights,
+    with_atomic_io,
+)
 from project.models.nets import MLP
 
 SRC = Path(checkpointing.__file__).resolve().parent

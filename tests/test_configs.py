@@ -11,9 +11,9 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from project.cli import config_dir
 from project.errors import ProjectError
-from project.preflight import check_config, check_targets
+from project.machinery.run.cli import config_dir
+from project.machinery.run.preflight import check_config, check_targets
 
 CONFIGS = config_dir()
 # Groups that need an optional extra or real hardware to instantiate; they are composed only.
@@ -97,7 +97,7 @@ def test_every_target_node_maps_one_to_one_onto_its_class() -> None:
 
 
 def test_checkpoint_hyperparameters_are_plain_data(tmp_path: Path) -> None:
-    from project.builders import plain
+    from project.machinery.run.builders import plain
 
     cfg = compose_train()
     with open_dict(cfg):

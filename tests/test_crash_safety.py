@@ -18,14 +18,14 @@ import pytest
 import torch
 
 from conftest import clean_env
-from project.checkpointing import AtomicCheckpointIO
+from project.machinery.safety.checkpoints import AtomicCheckpointIO
 
 DRIVER = r"""
 import json, os, random, signal, sys, time
 from pathlib import Path
 import torch
 import hydra, lightning.pytorch  # the heavy imports happen once, here, not in every round
-import project.train, project.builders, project.checkpointing, project.devices, project.preflight
+import project.train, project.machinery.run.builders, project.machinery.safety.checkpoints, project.machinery.gpus.devices, project.machinery.run.preflight
 import project.data.digits, project.models.classifier, project.models.nets
 
 log_dir, rounds = Path(sys.argv[1]), int(sys.argv[2])

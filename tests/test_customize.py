@@ -86,7 +86,7 @@ def test_own_package_and_configs_outside_the_template_train(tmp_path: Path) -> N
 
     # The exported network loads back through the user's own class, as README says.
     check = (
-        "import torch; from project.checkpointing import load_network; "
+        "import torch; from project.machinery.safety.checkpoints import load_network; "
         f"net = load_network({str(run / 'model.pth')!r}); "
         "print(type(net).__module__, net(torch.zeros(2, 4)).shape[-1])"
     )

@@ -1,7 +1,7 @@
 """A DDP rank that dies ends the whole two-process CPU job in bounded time; last.ckpt still loads.
 
 Rank 1 dying: Lightning's ``_ChildProcessObserver`` in rank 0 sees it within 5 s and kills the
-job. Rank 0 dying: nothing in Lightning watches it; :func:`project.interrupts.watch_parent`
+job. Rank 0 dying: nothing in Lightning watches it; :func:`project.machinery.safety.interrupts.watch_parent`
 makes the orphaned worker exit within about a second instead of waiting in a gloo collective.
 """
 

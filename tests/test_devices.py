@@ -1,7 +1,7 @@
 """GPU inventory, CUDA_VISIBLE_DEVICES rules, device resolution and selection by load.
 
-Everything runs on the CPU: NVML is :mod:`project.testing.fake_nvml`, and what torch would say
-about CUDA is the explicit :class:`project.devices.TorchCuda` argument.
+Everything runs on the CPU: NVML is :mod:`project.machinery.testing.fake_nvml`, and what torch would say
+about CUDA is the explicit :class:`project.machinery.gpus.devices.TorchCuda` argument.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import os
 import pytest
 from omegaconf import OmegaConf
 
-from project import devices as d
-from project import nvml
 from project.errors import ProjectError
-from project.testing.fake_nvml import GIB, FakeGpu, FakeNvml, FakeProcess
+from project.machinery.gpus import devices as d
+from project.machinery.gpus import nvml
+from project.machinery.testing.fake_nvml import GIB, FakeGpu, FakeNvml, FakeProcess
 
 # Four physical GPUs in NVML (PCI) order: three H100s and an A100 in MIG mode with two slices.
 UUID0 = "GPU-aaaa1111-1111-1111-1111-111111111111"

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from project import devices as d
-from project import nvml
-from project.testing.fake_nvml import GIB, FakeGpu, FakeNvml, FakeProcess
+from project.machinery.gpus import devices as d
+from project.machinery.gpus import nvml
+from project.machinery.testing.fake_nvml import GIB, FakeGpu, FakeNvml, FakeProcess
 
 UUID0 = "GPU-aaaa1111-1111-1111-1111-111111111111"
 UUID1 = "GPU-bbbb2222-2222-2222-2222-222222222222"
@@ -69,7 +69,7 @@ SCENARIO = {
 def fake_env(scenario: dict | None = SCENARIO, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "LOCAL_RANK")}
     env.pop(d.SELECTION_ENV, None)
-    env["PROJECT_NVML_BACKEND"] = "project.testing.fake_nvml:create"
+    env["PROJECT_NVML_BACKEND"] = "project.machinery.testing.fake_nvml:create"
     env["PROJECT_FAKE_NVML"] = json.dumps(scenario)
     env.update(extra)
     return env
@@ -171,7 +171,7 @@ def test_empty_cuda_visible_devices_is_one_line(machine, monkeypatch, capsys):
 
 def test_module_import_stays_light():
     code = (
-        "import sys, project.devices; "
+        "import sys, project.machinery.gpus.devices; "
         "print(sorted({'torch', 'lightning', 'rich'} & set(sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -22,16 +22,16 @@ from torch import Tensor, nn
 
 from project.data.digits import DigitsDataModule
 from project.errors import ProjectError
-from project.models.classifier import ClassifierModule
-from project.models.nets import MLP
-from project.preflight import check_config, check_strategy
-from project.strategies.dp import (
+from project.machinery.run.preflight import check_config, check_strategy
+from project.machinery.strategies.dp import (
     DataParallelStrategy,
     _ReplicaStep,
     check_dp_request,
     mean_loss,
     steps_run_in_replicas,
 )
+from project.models.classifier import ClassifierModule
+from project.models.nets import MLP
 
 # ------------------------------------------------------------------------------------------------
 # A CPU stand-in for nn.DataParallel

@@ -9,9 +9,9 @@ import threading
 import pynvml
 import pytest
 
-from project import nvml
-from project.testing import fake_nvml
-from project.testing.fake_nvml import (
+from project.machinery.gpus import nvml
+from project.machinery.testing import fake_nvml
+from project.machinery.testing.fake_nvml import (
     GIB,
     FakeClock,
     FakeGpu,
@@ -239,7 +239,7 @@ def test_create_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
 
 
 def test_backend_env_var_loads_the_fake(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(nvml.BACKEND_ENV, "project.testing.fake_nvml:create")
+    monkeypatch.setenv(nvml.BACKEND_ENV, "project.machinery.testing.fake_nvml:create")
     monkeypatch.setenv(fake_nvml.SCENARIO_ENV, '{"gpus": 4}')
     monkeypatch.setattr(nvml, "_env_cache", {})
     with nvml.nvml_session() as lib:

@@ -10,9 +10,9 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from project.callbacks.finite_loss import FiniteLoss, NonFiniteLossError
-from project.checkpointing import AtomicCheckpointIO
 from project.errors import ProjectError
+from project.machinery.safety.checkpoints import AtomicCheckpointIO
+from project.machinery.safety.finite_loss import FiniteLoss, NonFiniteLossError
 
 
 class Poisoned(LightningModule):

@@ -21,9 +21,8 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from project import nvml
-from project.callbacks import gpu_stats
-from project.callbacks.gpu_stats import (
+from project.machinery.gpu_stats import callback as gpu_stats
+from project.machinery.gpu_stats.callback import (
     TRAIN,
     VAL,
     GpuReader,
@@ -34,7 +33,8 @@ from project.callbacks.gpu_stats import (
     flatten_epoch,
     process_devices,
 )
-from project.testing.fake_nvml import GIB, FakeClock, FakeGpu, FakeNvml, FakeProcess
+from project.machinery.gpus import nvml
+from project.machinery.testing.fake_nvml import GIB, FakeClock, FakeGpu, FakeNvml, FakeProcess
 
 SW_POWER_CAP = pynvml.nvmlClocksEventReasonSwPowerCap
 REPO = Path(__file__).resolve().parents[1]
@@ -536,7 +536,7 @@ NO_NVML_SCRIPT = textwrap.dedent(
     warnings.filterwarnings("ignore", category=PossibleUserWarning)  # Lightning's own advice
     # Lightning 2.6.6's own FutureWarning under torch >= 2.10, raised inside Lightning, not ours
     warnings.filterwarnings("ignore", message=r".*treespec, LeafSpec", category=FutureWarning)
-    from project.callbacks.gpu_stats import GpuStatsMonitor
+    from project.machinery.gpu_stats.callback import GpuStatsMonitor
     logging.basicConfig(level=logging.INFO, format="LOG %(name)s %(message)s")
 
     class M(pl.LightningModule):
@@ -577,7 +577,9 @@ def test_no_nvml_under_warnings_as_errors(tmp_path, variant) -> None:
     assert result.returncode == 0, output
     assert "FIT DONE" in output and "Traceback" not in output
     ours = [
-        line for line in output.splitlines() if line.startswith("LOG project.callbacks.gpu_stats")
+        line
+        for line in output.splitlines()
+        if line.startswith("LOG project.machinery.gpu_stats.callback")
     ]
     assert len(ours) == 1, output
     if variant == "no-bindings":

@@ -23,9 +23,9 @@ SCRIPT = textwrap.dedent(
     import torch
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger
-    from project import nvml
-    from project.callbacks.gpu_stats import GpuStatsMonitor
-    from project.testing.fake_nvml import FakeGpu, FakeNvml
+    from project.machinery.gpus import nvml
+    from project.machinery.gpu_stats.callback import GpuStatsMonitor
+    from project.machinery.testing.fake_nvml import FakeGpu, FakeNvml
 
     variant, out_dir = sys.argv[1], sys.argv[2]
     rank = int(os.environ.get("LOCAL_RANK", "0"))  # set by Lightning for the launched rank 1

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import clean_env, run_dirs
-from project.interrupts import resume_command
+from project.machinery.safety.interrupts import resume_command
 
 SLOW_TRAINING = (
     "trainer.accelerator=cpu",

@@ -10,8 +10,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 
-from project.callbacks.model_checkpoint import ModelCheckpoint
 from project.data.digits import DigitsDataModule
+from project.machinery.safety.model_checkpoint import ModelCheckpoint
 from project.models.classifier import ClassifierModule
 from project.models.nets import MLP
 
@@ -46,6 +46,6 @@ def test_lightning_alone_leaves_last_ckpt_behind(tmp_path: Path) -> None:
     epoch = last_epoch_after_fit(tmp_path, LightningModelCheckpoint)
     if epoch == 3:
         pytest.fail(
-            "Lightning now keeps last.ckpt current: drop project.callbacks.model_checkpoint"
+            "Lightning now keeps last.ckpt current: drop project.machinery.safety.model_checkpoint"
         )
     assert epoch == 0

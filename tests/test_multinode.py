@@ -17,7 +17,7 @@ import pytest
 
 from conftest import clean_env, last_line
 from project.errors import ProjectError
-from project.launch import launched_externally, rank_suffix, run_id
+from project.machinery.run.launch import launched_externally, rank_suffix, run_id
 
 TINY = (
     "trainer.max_epochs=1",

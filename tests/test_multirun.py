@@ -16,8 +16,8 @@ import yaml
 from omegaconf import OmegaConf
 
 from conftest import CliRunner
-from project import launch
 from project.errors import ProjectError
+from project.machinery.run import launch
 
 TINY = (
     "trainer=ddp_sim",

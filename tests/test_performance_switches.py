@@ -1,4 +1,4 @@
-"""The speed switches (project.speed and the keys that drive them) and the no-sync promise.
+"""The speed switches (project.machinery.speed and the keys that drive them) and the no-sync promise.
 
 No test here measures time: benchmarks/ prints ratios. These check that each switch does what
 its config key says, is a no-op where it should be, rejects bad values in one line, and that a
@@ -18,10 +18,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from project import builders, speed
-from project.cli import config_dir
 from project.data.digits import DigitsDataModule
 from project.errors import ProjectError
+from project.machinery import speed
+from project.machinery.run import builders
+from project.machinery.run.cli import config_dir
 from project.models.nets import MLP, ConvNet
 
 
@@ -158,7 +159,7 @@ def test_channels_last_batches_convert_images_and_leave_labels() -> None:
 
 
 def test_compile_is_refused_under_data_parallel() -> None:
-    from project.strategies.dp import DataParallelStrategy
+    from project.machinery.strategies.dp import DataParallelStrategy
 
     class OnCpu(DataParallelStrategy):
         root_device = torch.device("cpu")  # no GPUs needed to ask the question
@@ -367,7 +368,7 @@ def _built_trainer_kwargs(
         return original(cfg, **kwargs)
 
     monkeypatch.setattr(builders, "build_trainer", spy)
-    monkeypatch.setattr("project.plot.after_run", lambda out: None)
+    monkeypatch.setattr("project.machinery.plots.after_run", lambda out: None)
     cfg = _compose(
         f"paths.output_dir={tmp_path}",
         "trainer.accelerator=cpu",

@@ -1,4 +1,4 @@
-"""project.plot: learning curves and GPU panels from csv/metrics.csv, the CLI and its errors.
+"""project.machinery.plots: learning curves and GPU panels from csv/metrics.csv, the CLI and its errors.
 
 The CSV files here are written the way Lightning's CSVLogger writes them (one row per log call,
 empty cells for the other columns), so no training is needed; tests/test_readme.py checks that a
@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 
 from conftest import clean_env, last_line
-from project import plot
+from project.machinery import plots as plot
 
-pytest.importorskip("matplotlib", reason="project.plot draws with matplotlib (the plot extra)")
+pytest.importorskip(
+    "matplotlib", reason="project.machinery.plots draws with matplotlib (the plot extra)"
+)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 GPU = "gpu/node0/cuda{i}/{stat}"
@@ -170,7 +172,7 @@ def test_after_run_without_matplotlib_logs_one_line_and_carries_on(
 ) -> None:
     run = write_run(tmp_path / "run")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
-    with caplog.at_level(logging.INFO, logger="project.plot"):
+    with caplog.at_level(logging.INFO, logger="project.machinery.plots"):
         assert plot.after_run(run) is None
     assert not (run / plot.PLOT_FILE).exists()
     (record,) = caplog.records
@@ -184,7 +186,7 @@ def test_after_run_never_raises_on_a_broken_csv(
     run = tmp_path / "run"
     (run / "csv").mkdir(parents=True)
     (run / "csv" / "metrics.csv").write_text("epoch,step\n")
-    with caplog.at_level(logging.INFO, logger="project.plot"):
+    with caplog.at_level(logging.INFO, logger="project.machinery.plots"):
         assert plot.after_run(run) is None
     assert "has no rows yet" in caplog.text
     assert plot.after_run(tmp_path / "no-csv") is None  # logger=none: nothing to draw

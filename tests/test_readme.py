@@ -224,8 +224,8 @@ def test_config_group_table_names_real_options() -> None:
 def _compose(command: str, preflight: bool) -> None:
     from hydra import compose, initialize_config_dir
 
-    from project.cli import config_dir
-    from project.preflight import check_config
+    from project.machinery.run.cli import config_dir
+    from project.machinery.run.preflight import check_config
 
     _, words = split(command)
     assert words[:2] == ["python", "-m"], command
@@ -317,7 +317,9 @@ def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
 
     (first / "curves.png").unlink()
-    for command in (c for c, k in CHECKS.items() if k.how == RUN and "project.plot" in c):
+    for command in (
+        c for c, k in CHECKS.items() if k.how == RUN and "project.machinery.plots" in c
+    ):
         _run(fill(command), tmp_path)
     assert (first / "curves.png").is_file() and (sweep / "curves.png").is_file()
     assert (tmp_path / "compare.png").is_file()
@@ -345,5 +347,5 @@ def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
         "python -m project.eval ckpt_path=logs/train/runs/<run>/model.pth",
         "python -m project.train -m model.optimizer.lr=0.01,0.001",
         "python -m project.train debug=fdr",
-    } | {c for c in CHECKS if "project.plot" in c and CHECKS[c].how == RUN}
+    } | {c for c in CHECKS if "project.machinery.plots" in c and CHECKS[c].how == RUN}
     assert ran == {c for c, k in CHECKS.items() if k.how == RUN}, "a RUN command was not run"

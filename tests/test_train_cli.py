@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import FAST, clean_env, last_line, run_dirs
-from project.checkpointing import load_network
+from project.machinery.safety.checkpoints import load_network
 
 pytestmark = pytest.mark.slow
 
@@ -97,7 +97,7 @@ def test_installed_wheel_finds_its_configs_from_any_directory(tmp_path: Path) ->
     elsewhere.mkdir()
     env = clean_env(PYTHONPATH=str(target))
     probe = subprocess.run(
-        [sys.executable, "-c", "import project.cli as c; print(c.__file__); print(c.config_dir())"],
+        [sys.executable, "-c", "import project.machinery.run.cli as c; print(c.__file__); print(c.config_dir())"],
         cwd=elsewhere, env=env, capture_output=True, text=True, check=True,
     )  # fmt: skip
     module_file, configs = probe.stdout.split()

@@ -15,10 +15,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from conftest import CliRunner, last_line, run_dirs
-from project.cli import config_dir
 from project.errors import ProjectError
-from project.launch import register_resolvers
-from project.preflight import check_config
+from project.machinery.run.cli import config_dir
+from project.machinery.run.launch import register_resolvers
+from project.machinery.run.preflight import check_config
 
 PRESETS = ("default", "cpu", "gpu", "ddp", "ddp_sim", "ddp_spawn", "dp", "multi_node")
 TINY = (

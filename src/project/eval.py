@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from project.cli import hydra_entry
+from project.machinery.run.cli import hydra_entry
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -29,8 +29,9 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     from hydra.utils import instantiate
     from lightning.pytorch.utilities import rank_zero_only
 
-    from project import builders, checkpointing, run_files
-    from project.devices import resolve_devices
+    from project.machinery.gpus.devices import resolve_devices
+    from project.machinery.run import builders, run_files
+    from project.machinery.safety import checkpoints as checkpointing
 
     out = Path(cfg.paths.output_dir)
     source = checkpointing.resolve_ckpt_path(cfg.ckpt_path, cfg.paths.log_dir, "train")

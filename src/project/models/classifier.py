@@ -11,9 +11,9 @@ from torch import Tensor, nn
 from torchmetrics import MaxMetric, MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
-from project import speed
+from project.machinery import speed
+from project.machinery.strategies import steps_run_in_replicas
 from project.models.nets import restart_epoch_statistics
-from project.strategies import steps_run_in_replicas
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[..., Any]
@@ -28,7 +28,7 @@ class ClassifierModule(LightningModule):
 
     Each step computes its outputs, then ``_step_end`` updates the metrics and returns the loss.
     Under ``trainer.strategy=dp`` the steps run in per-GPU copies; they return the outputs and
-    the strategy calls ``*_step_end`` on this module after gathering them (project.strategies.dp).
+    the strategy calls ``*_step_end`` on this module after gathering them (project.machinery.strategies.dp).
 
     Only plain data goes into the checkpoint's hyperparameters (the run's config, added by
     :func:`project.train.train`), never the network or the partials: a checkpoint therefore loads
@@ -101,7 +101,7 @@ class ClassifierModule(LightningModule):
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Any:
         return self._shared_step(batch, "test")
 
-    # Called by strategy=dp only, with the outputs of all GPUs gathered (see project.strategies.dp).
+    # Called by strategy=dp only, with the outputs of all GPUs gathered (see project.machinery.strategies.dp).
     def training_step_end(self, outputs: dict[str, Tensor]) -> Tensor:
         return self._step_end(outputs, "train")
 
@@ -140,7 +140,7 @@ class ClassifierModule(LightningModule):
         self._log_stage("test")
 
     def configure_model(self) -> None:
-        # Speed switches (project.speed): channels-last on CUDA, torch.compile of the network.
+        # Speed switches (project.machinery.speed): channels-last on CUDA, torch.compile of the network.
         self._channels_last = speed.prepare_net(
             self.net, self.trainer, self.hparams.compile, self.hparams.channels_last
         )

@@ -6,7 +6,7 @@ Trainer builder import it, so ``trainer.strategy=dp`` works from the command lin
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from project.strategies.dp import DataParallelStrategy, steps_run_in_replicas
+from project.machinery.strategies.dp import DataParallelStrategy, steps_run_in_replicas
 
 DataParallelStrategy.register_strategies(StrategyRegistry)
 

@@ -80,7 +80,7 @@ def check_dp_request(accelerator: Any, devices: Any, num_nodes: Any = 1) -> None
     Called by preflight before anything is created; the strategy checks again at setup for code
     that builds a Trainer directly.
     """
-    from project.devices import resolve_devices
+    from project.machinery.gpus.devices import resolve_devices
 
     if isinstance(num_nodes, int) and num_nodes > 1:
         raise ProjectError(

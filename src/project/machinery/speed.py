@@ -136,7 +136,7 @@ def prepare_net(net: nn.Module, trainer: Any, compile: bool, channels_last: bool
     """
     import torch
 
-    from project.strategies.dp import DataParallelStrategy
+    from project.machinery.strategies.dp import DataParallelStrategy
 
     device = getattr(getattr(trainer, "strategy", None), "root_device", None)
     has_conv = any(isinstance(m, torch.nn.Conv2d) for m in net.modules())
@@ -190,7 +190,7 @@ def describe(matmul: str, precision: str, cuda: Sequence[int]) -> str:
 def trainer_settings(cfg: Any, plan: Any) -> dict[str, Any]:
     """The Trainer arguments a run decides for its hardware, with TF32 applied on the way.
 
-    ``plan`` is the :class:`project.devices.DevicePlan` (its accelerator and devices); the
+    ``plan`` is the :class:`project.machinery.gpus.devices.DevicePlan` (its accelerator and devices); the
     precision ``auto`` picks is added unless ``trainer.precision`` names one. Logs one line.
     """
     cuda = cuda_indices(plan.accelerator, plan.devices)

@@ -14,8 +14,8 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
-import project.strategies  # noqa: F401  (registers trainer.strategy=dp before any Trainer)
-from project import launch
+import project.machinery.strategies  # noqa: F401  (registers trainer.strategy=dp before any Trainer)
+from project.machinery.run import launch
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,8 @@ def build_trainer(cfg: DictConfig, **overrides: Any) -> Trainer:
     ``overrides`` replace trainer arguments the run decided on (the resolved devices, say);
     everything else reaches the Trainer exactly as configured.
     """
-    from project import checkpointing, interrupts, resume
+    from project.machinery.safety import checkpoints as checkpointing
+    from project.machinery.safety import interrupts, resume
 
     loggers = build_loggers(cfg.get("logger"))
     # Always on: crash-safe checkpoint writes, exact resume, a checkpoint on Ctrl-C / SIGTERM.

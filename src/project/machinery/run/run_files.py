@@ -15,7 +15,7 @@ from typing import Any
 from lightning.pytorch import Trainer
 from omegaconf import DictConfig, OmegaConf
 
-from project.checkpointing import CONFIG_FILE, atomic_write
+from project.machinery.safety.checkpoints import CONFIG_FILE, atomic_write
 
 METRICS_FILE = "metrics.json"
 _STARTED = time.time()

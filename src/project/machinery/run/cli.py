@@ -15,7 +15,7 @@ from typing import Any
 
 from project.errors import ProjectError
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[2]  # src/project (or site-packages/project)
 
 
 class QuietFilter(logging.Filter):
@@ -59,7 +59,7 @@ def hydra_entry(task: Callable[[Any], Any], config_name: str) -> Callable[[], No
         warnings.filterwarnings(
             "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated"
         )
-        from project.launch import register_resolvers
+        from project.machinery.run.launch import register_resolvers
 
         register_resolvers()  # ${run_id:...}: one run directory for all processes of a launch
         app = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name=config_name)
@@ -89,12 +89,14 @@ def _reporting(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
-        from project.launch import job_scope, sweep_objective
-        from project.preflight import check_config
+        from project.machinery.run.launch import job_scope, sweep_objective
+        from project.machinery.run.preflight import check_config
 
         try:
             check_config(cfg)  # again per job: the values of a sweep's jobs differ
-            with job_scope():  # in a sweep, DDP children run this job only (project.launch)
+            with (
+                job_scope()
+            ):  # in a sweep, DDP children run this job only (project.machinery.run.launch)
                 return sweep_objective(cfg, task(cfg))
         except Exception as err:
             mistake = _user_mistake(err)

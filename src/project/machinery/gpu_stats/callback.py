@@ -10,7 +10,7 @@ training and validation figures (and the energy counter) are split exactly.
 Which GPU: every torch device this process trains on is mapped to its NVML device by UUID
 (``torch.cuda.get_device_properties(i).uuid`` → ``nvmlDeviceGetHandleByUUID("GPU-…"|"MIG-…")``),
 so ``CUDA_VISIBLE_DEVICES=2,3``, ``GPU-…``/``MIG-…`` UUIDs and ``CUDA_DEVICE_ORDER`` all land on
-the right physical GPU. Without a GPU (tests, demos with :mod:`project.testing.fake_nvml`), pass
+the right physical GPU. Without a GPU (tests, demos with :mod:`project.machinery.testing.fake_nvml`), pass
 ``device_uuids``: entry *i* is the NVML UUID of ``trainer.strategy.parallel_devices[i]``.
 
 Which process: under DDP every rank samples its own device and, at epoch end, all ranks gather
@@ -50,7 +50,7 @@ rank 0 prints one Rich table summarising each GPU over the run.
 Never breaks training: no NVML library, no driver or no GPU gives one log line and the callback
 does nothing; a GPU lost or NVML failing mid-run gives one warning and that GPU stops being
 sampled. Messages go through :mod:`logging`, never :mod:`warnings`, so ``python -W error`` runs.
-NVML is opened with :func:`project.nvml.nvml_session` and closed on every path, exceptions
+NVML is opened with :func:`project.machinery.gpus.nvml.nvml_session` and closed on every path, exceptions
 included (``teardown`` and ``on_exception``).
 """
 
@@ -68,7 +68,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from project import nvml
+from project.machinery.gpus import nvml
 
 log = logging.getLogger(__name__)
 

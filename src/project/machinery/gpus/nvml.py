@@ -3,7 +3,7 @@
 Everything in the template that reads GPU state (the device listing, GPU selection by load, the
 statistics callback) goes through :func:`nvml_session`. The object it yields is the ``pynvml``
 module from the ``nvidia-ml-py`` package, or anything with the same functions and error classes:
-tests, benchmarks and CPU-only demos swap in :mod:`project.testing.fake_nvml` either in-process
+tests, benchmarks and CPU-only demos swap in :mod:`project.machinery.testing.fake_nvml` either in-process
 with :func:`use_library` or, for a subprocess such as ``python -m project.train``, with the
 environment variable ``PROJECT_NVML_BACKEND=package.module:factory``.
 

@@ -160,7 +160,7 @@ def check_fits(model: LightningModule, checkpoint: Path) -> None:
     Resuming with other ``model.*`` overrides than the checkpoint's run would otherwise end in
     Lightning's many-line ``load_state_dict`` error, after the run directory was made.
     """
-    from project.checkpointing import load_file, state_mismatch
+    from project.machinery.safety.checkpoints import load_file, state_mismatch
 
     data = load_file(checkpoint)
     state = data.get("state_dict")

@@ -1,7 +1,7 @@
 """A scriptable stand-in for ``pynvml``, so GPU code can be tested on machines without a GPU.
 
 Why a fake and not mocks: the template's GPU code (device listing, GPU selection, the statistics
-callback) talks to NVML only through :func:`project.nvml.nvml_session`, which yields "something
+callback) talks to NVML only through :func:`project.machinery.gpus.nvml.nvml_session`, which yields "something
 with pynvml's functions and error classes". :class:`FakeNvml` is such a thing. It has the same
 function names, the same constants and raises pynvml's *own* exception classes
 (``pynvml.NVMLError_NotSupported`` ...), so the code under test runs unchanged; only the driver
@@ -9,8 +9,8 @@ underneath is replaced.
 
 In-process use (tests)::
 
-    from project import nvml
-    from project.testing.fake_nvml import FakeClock, FakeGpu, FakeNvml
+    from project.machinery.gpus import nvml
+    from project.machinery.testing.fake_nvml import FakeClock, FakeGpu, FakeNvml
 
     clock = FakeClock()
     fake = FakeNvml(
@@ -27,7 +27,7 @@ In-process use (tests)::
 
 Subprocess use (``python -m project.train`` and friends)::
 
-    PROJECT_NVML_BACKEND=project.testing.fake_nvml:create
+    PROJECT_NVML_BACKEND=project.machinery.testing.fake_nvml:create
     PROJECT_FAKE_NVML='{"gpus": 2}'          # inline JSON, or a path to a .json file, or empty
 
 :func:`create` builds the fake from ``PROJECT_FAKE_NVML``; empty or unset gives :func:`preset`
@@ -894,5 +894,5 @@ def load_scenario(text: str) -> FakeNvml:
 
 
 def create() -> FakeNvml:
-    """Factory for ``PROJECT_NVML_BACKEND=project.testing.fake_nvml:create``."""
+    """Factory for ``PROJECT_NVML_BACKEND=project.machinery.testing.fake_nvml:create``."""
     return load_scenario(os.environ.get(SCENARIO_ENV, ""))

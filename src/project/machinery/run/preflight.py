@@ -74,7 +74,7 @@ def check_config(cfg: DictConfig) -> None:
     check_strategy(_value(trainer, "strategy"))
     dp_keys = [_value(trainer, key) for key in ("accelerator", "devices", "num_nodes")]
     if _value(trainer, "strategy") == "dp" and _UNKNOWN not in dp_keys:
-        from project.strategies.dp import check_dp_request
+        from project.machinery.strategies.dp import check_dp_request
 
         check_dp_request(*dp_keys)  # DP needs CUDA GPUs on one machine: say so before starting
     check_devices(cfg)
@@ -82,7 +82,7 @@ def check_config(cfg: DictConfig) -> None:
 
 def check_devices(cfg: DictConfig) -> None:
     """GPUs asked for must exist (``trainer.devices=4`` on a 2-GPU machine fails here)."""
-    from project.devices import SELECT_CHOICES, resolve_devices
+    from project.machinery.gpus.devices import SELECT_CHOICES, resolve_devices
 
     select = cfg.get("select_gpus", "first")
     if select not in SELECT_CHOICES:
@@ -137,7 +137,7 @@ def check_strategy(strategy: Any) -> None:
         return
     from lightning.pytorch.strategies import StrategyRegistry
 
-    import project.strategies  # noqa: F401  (registers "dp")
+    import project.machinery.strategies  # noqa: F401  (registers "dp")
 
     known = set(StrategyRegistry.available_strategies()) | {"auto"}
     if strategy not in known:
@@ -152,7 +152,7 @@ def check_fresh_dir(cfg: DictConfig, key: str) -> None:
     if _is_worker_process():
         return  # DDP workers reuse rank 0's directory on purpose
     if os.environ.get("SLURM_RESTART_COUNT", "0") not in ("", "0"):
-        return  # a requeued SLURM job resumes in its own directory (project.launch.run_id)
+        return  # a requeued SLURM job resumes in its own directory (project.machinery.run.launch.run_id)
     try:
         directory = Path(str(OmegaConf.select(cfg, key)))
     except Exception:  # an unresolvable path fails later with Hydra's own message

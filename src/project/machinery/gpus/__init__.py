@@ -1,0 +1,1 @@
+"""GPUs: one NVML access layer, the inventory, CUDA numbering, resolution, the listing."""

@@ -1,0 +1,1 @@
+"""The run itself: the Hydra entry, preflight checks, builders, run files, sweep/DDP launch."""

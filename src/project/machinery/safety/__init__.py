@@ -1,0 +1,1 @@
+"""Run safety: crash-safe checkpoints, safe loading, exact resume, interrupts, finite loss."""
