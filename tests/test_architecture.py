@@ -1,0 +1,31 @@
+"""The two zones hold: import-linter's contracts from pyproject.toml, one test each.
+
+The user's models and data import nothing from the machinery, the machinery imports nothing from
+the user's zone, and the machinery is layered without cycles (README "Layout"). An id missing
+from pyproject.toml fails too: import-linter refuses unknown contract ids.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from importlinter.cli import EXIT_STATUS_SUCCESS, lint_imports
+
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+CONTRACTS = ("user-zone", "machinery", "layers", "acyclic")
+
+
+@pytest.mark.parametrize("contract", CONTRACTS)
+def test_import_contract_is_kept(
+    contract: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(PYPROJECT.parent)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # lint_imports prepends the cwd
+    status = lint_imports(
+        config_filename=str(PYPROJECT), limit_to_contracts=(contract,), no_cache=True
+    )
+    assert status == EXIT_STATUS_SUCCESS, (
+        f"import contract {contract} is broken:\n{capsys.readouterr().out}"
+    )
