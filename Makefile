@@ -5,7 +5,7 @@ ARGS ?=
 # make plot draws RUN (default: the newest training run under logs/train/runs).
 RUN ?= $(shell ls -td logs/train/runs/*/ 2>/dev/null | head -n 1)
 
-.PHONY: help setup train test test-fast lint format notebooks clean devices plot
+.PHONY: help setup train test test-fast lint format notebooks clean devices plot bench
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -42,6 +42,9 @@ devices: ## list the GPUs this process may use, as cuda:N
 plot: ## redraw curves.png of RUN=<run or sweep dir> (default: the newest run)
 	@test -n "$(RUN)" || { echo "error: no run under logs/train/runs; pass RUN=<run dir>" >&2; exit 2; }
 	$(PY) -m project.plot $(RUN) $(ARGS)
+
+bench: ## every benchmark briefly; ratios to benchmarks/results/<date>.json, compared with the last
+	$(PY) benchmarks/run_all.py $(ARGS)
 
 clean: ## delete caches and build outputs (never logs/: your runs stay)
 	rm -rf outputs multirun lightning_logs .pytest_cache .ruff_cache build dist

@@ -12,6 +12,7 @@ they record timestamps only, so they add no work of their own to what they measu
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -33,6 +34,8 @@ EPOCH_STAMPS: list[tuple[float, float]] = []
 # batch of each epoch, followed by validation, is left out), of the run being measured.
 STEP_TIMES: list[float] = []
 FIRST_STEP_ENV = "PROJECT_BENCH_FIRST_STEP"
+# Set by run_all.py: every ratio line printed is also appended here as one JSON object.
+RESULTS_ENV = "PROJECT_BENCH_RESULTS"
 
 
 def stamp() -> tuple[float, float]:
@@ -150,12 +153,27 @@ def spread(values: Sequence[float]) -> tuple[float, float]:
 
 
 def ratio_line(label: str, ratios: Sequence[float], target: float | None = None) -> str:
-    """``label  median  [min .. max]  target`` as one aligned line."""
+    """``label  median  [min .. max]  target`` as one aligned line (and a JSON record, when
+    ``$PROJECT_BENCH_RESULTS`` names a file: the ratios :mod:`run_all` collects)."""
     low, high = spread(ratios)
-    text = f"{label:<34} {statistics.median(ratios):7.3f}   [{low:.3f} .. {high:.3f}]"
+    median = statistics.median(ratios)
+    text = f"{label:<34} {median:7.3f}   [{low:.3f} .. {high:.3f}]"
+    met = None if target is None else median >= target
     if target is not None:
-        met = statistics.median(ratios) >= target
         text += f"   target >= {target:g}: {'met' if met else 'NOT met'}"
+    if os.environ.get(RESULTS_ENV):
+        record = {
+            "script": Path(sys.argv[0]).stem,
+            "label": label.strip(),
+            "median": round(median, 4),
+            "min": round(low, 4),
+            "max": round(high, 4),
+            "repeats": len(ratios),
+            "target": target,
+            "met": met,
+        }
+        with open(os.environ[RESULTS_ENV], "a") as handle:
+            handle.write(json.dumps(record) + "\n")
     return text
 
 
