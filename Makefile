@@ -5,10 +5,10 @@ ARGS ?=
 # make plot draws RUN (default: the newest training run under logs/train/runs).
 RUN ?= $(shell ls -td logs/train/runs/*/ 2>/dev/null | head -n 1)
 
-.PHONY: help setup train test test-fast lint format notebooks clean devices plot bench
+.PHONY: help setup train test test-fast lint format notebooks clean devices plot bench gpu-wheels gpu-check-dry
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
 
 setup: ## create .venv with the template and its development tools
 	bash scripts/setup.sh
@@ -42,6 +42,12 @@ devices: ## list the GPUs this process may use, as cuda:N
 plot: ## redraw curves.png of RUN=<run or sweep dir> (default: the newest run)
 	@test -n "$(RUN)" || { echo "error: no run under logs/train/runs; pass RUN=<run dir>" >&2; exit 2; }
 	$(PY) -m project.plot $(RUN) $(ARGS)
+
+gpu-wheels: ## fetch the wheels a GPU machine without internet lacks (wheels/gpu-py312)
+	$(PY) scripts/gpu_check.py --fetch-wheels
+
+gpu-check-dry: ## check, without a GPU, everything the GPU check will run
+	$(PY) scripts/gpu_check.py --dry-run
 
 bench: ## every benchmark briefly; ratios to benchmarks/results/<date>.json, compared with the last
 	$(PY) benchmarks/run_all.py $(ARGS)
