@@ -5,7 +5,7 @@ ARGS ?=
 # make plot draws RUN (default: the newest training run under logs/train/runs).
 RUN ?= $(shell ls -td logs/train/runs/*/ 2>/dev/null | head -n 1)
 
-.PHONY: help setup train test test-fast lint format notebooks clean devices plot bench gpu-wheels gpu-check-dry
+.PHONY: help setup train test test-fast lint format notebooks clean devices plot bench gpu-wheels gpu-check-dry rename
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
@@ -51,6 +51,9 @@ gpu-check-dry: ## check, without a GPU, everything the GPU check will run
 
 bench: ## every benchmark briefly; ratios to benchmarks/results/<date>.json, compared with the last
 	$(PY) benchmarks/run_all.py $(ARGS)
+
+rename: ## rename the package everywhere: make rename NAME=mypkg (ARGS=--dry-run to preview)
+	$(PY) scripts/rename.py $(NAME) $(ARGS)
 
 clean: ## delete caches and build outputs (never logs/: your runs stay)
 	rm -rf outputs multirun lightning_logs .pytest_cache .ruff_cache build dist

@@ -76,6 +76,12 @@ CHECKS: dict[str, Check] = {
         SKIP, "two machines with 4 GPUs each; tests/test_multinode.py runs two nodes on localhost"
     ),
     "mkdir -p logs/slurm && sbatch scripts/slurm/train.sbatch": Check(SKIP, "needs SLURM"),
+    "python scripts/rename.py mypkg": Check(
+        SKIP, "renames the repository; tests/test_rename.py runs it on a clone"
+    ),
+    "python scripts/rename.py mypkg --dry-run": Check(
+        SKIP, "tests/test_rename.py runs it on a clone"
+    ),
     "python -m project.train -m hydra/launcher=slurm model.optimizer.lr=0.01,0.001": Check(
         SKIP, "needs SLURM and the slurm extra (submitit)"
     ),
