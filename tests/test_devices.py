@@ -1,7 +1,7 @@
 """GPU inventory, CUDA_VISIBLE_DEVICES rules, device resolution and selection by load.
 
-Everything runs on the CPU: NVML is :mod:`project.machinery.testing.fake_nvml`, and what torch would say
-about CUDA is the explicit :class:`project.machinery.gpus.devices.TorchCuda` argument.
+Everything runs on the CPU: NVML is :mod:`project.machinery.testing.fake_nvml`, and what torch
+would say about CUDA is the explicit :class:`project.machinery.gpus.records.TorchCuda` argument.
 """
 
 from __future__ import annotations
@@ -13,8 +13,20 @@ import pytest
 from omegaconf import OmegaConf
 
 from project.errors import ProjectError
-from project.machinery.gpus import devices as d
+from project.machinery.gpus import inventory as inventory_module
 from project.machinery.gpus import nvml
+from project.machinery.gpus.inventory import build_inventory, collect_inventory, read_nvml
+from project.machinery.gpus.records import Gpu, GpuProcess, Inventory, TorchCuda
+from project.machinery.gpus.resolve import (
+    SELECTION_ENV,
+    DeviceError,
+    parse_devices,
+    rank_by_load,
+    resolve_devices,
+    resolve_for_run,
+    select_least_used,
+)
+from project.machinery.gpus.visible import apply_visible_devices
 from project.machinery.testing.fake_nvml import GIB, FakeGpu, FakeNvml, FakeProcess
 
 # Four physical GPUs in NVML (PCI) order: three H100s and an A100 in MIG mode with two slices.
@@ -62,7 +74,7 @@ def fake():
 
 @pytest.fixture
 def physical(fake):
-    gpus, _driver, _notes = d.read_nvml()
+    gpus, _driver, _notes = read_nvml()
     return gpus
 
 
@@ -74,13 +86,13 @@ def uuids(gpus):
 
 
 def test_read_nvml_reads_every_gpu_and_mig_slice(fake):
-    gpus, driver, notes = d.read_nvml()
+    gpus, driver, notes = read_nvml()
     assert driver == "560.35.03" and notes == []
     assert uuids(gpus) == [UUID0, UUID1, UUID2, UUID3]
     g0 = gpus[0]
     assert (g0.memory_total_mib, g0.memory_used_mib, g0.memory_free_mib) == (81920, 0, 81920)
     assert g0.temperature_c == 35 and g0.power_w == 70.0 and g0.power_limit_w == 700.0
-    assert g0.processes == (d.GpuProcess(4242, 3072, None),)
+    assert g0.processes == (GpuProcess(4242, 3072, None),)
     assert gpus[3].mig_enabled and uuids(gpus[3].mig_devices) == [MIG30, MIG31]
     mig = gpus[3].mig_devices[1]
     assert mig.is_mig and mig.parent_uuid == UUID3 and mig.mig_index == 1
@@ -91,17 +103,72 @@ def test_read_nvml_reads_every_gpu_and_mig_slice(fake):
 def test_unsupported_metric_becomes_none_not_an_error(fake):
     fake.gpus[1].fail("power", "not_supported")
     fake.gpus[1].fail("temperature", "no_permission")
-    gpus, _, _ = d.read_nvml()
+    gpus, _, _ = read_nvml()
     assert gpus[1].power_w is None and gpus[1].temperature_c is None
     assert gpus[1].memory_total_mib == 81920
 
 
 def test_a_gpu_nvml_cannot_open_keeps_its_place(fake):
     fake.gpus[1].lose(0.0)
-    gpus, _, notes = d.read_nvml()
+    gpus, _, notes = read_nvml()
     assert [g.nvml_index for g in gpus] == [0, 1, 2, 3]
     assert gpus[1].error is not None and gpus[1].uuid == ""
     assert notes and "GPU 1" in notes[0]
+
+
+@pytest.mark.parametrize(
+    ("detail", "read", "not_read"),
+    [
+        (
+            "identity",
+            {"nvmlDeviceGetUUID", "nvmlDeviceGetPciInfo", "nvmlDeviceGetMigMode"},
+            {"nvmlDeviceGetMemoryInfo", "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetPowerUsage"},
+        ),
+        (
+            "load",
+            {"nvmlDeviceGetMemoryInfo", "nvmlDeviceGetUtilizationRates"},
+            {"nvmlDeviceGetTemperature", "nvmlDeviceGetComputeRunningProcesses"},
+        ),
+        (
+            "full",
+            {"nvmlDeviceGetTemperature", "nvmlDeviceGetComputeRunningProcesses"},
+            set(),
+        ),
+    ],
+)
+def test_nvml_is_read_at_the_detail_asked_and_no_more(fake, detail, read, not_read):
+    gpus, _, _ = read_nvml(detail)
+    assert uuids(gpus) == [UUID0, UUID1, UUID2, UUID3]
+    assert uuids(gpus[3].mig_devices) == [MIG30, MIG31]  # enough to number cuda:N
+    assert read <= set(fake.calls) and not not_read & set(fake.calls)
+    assert (gpus[0].memory_free_mib is None) == (detail == "identity")
+    assert (gpus[0].processes == ()) == (detail != "full")
+    with pytest.raises(ValueError, match="detail='some'; use one of identity, load, full"):
+        read_nvml("some")
+
+
+def test_one_uuid_spelling_finds_gpus_and_mig_slices(fake):
+    spellings = [
+        (UUID1, UUID1),
+        (UUID1[4:], UUID1),  # torch reports the bare UUID
+        (UUID1.upper(), UUID1),
+        (MIG31[4:], MIG31),
+        (f"  {MIG31.upper()} ", MIG31),
+    ]
+    with nvml.nvml_session() as lib:
+        for given, expected in spellings:
+            handle, nvml_uuid = nvml.find_handle(lib, given)
+            assert nvml_uuid == expected == lib.nvmlDeviceGetUUID(handle), given
+        assert nvml.find_handle(lib, "GPU-0000") is None
+    assert nvml.bare_uuid(" MIG-ABC ") == nvml.bare_uuid("abc") == "abc"
+
+
+def test_a_mig_slice_lists_no_power_or_temperature_of_its_own(fake):
+    gpus, _, _ = read_nvml()
+    parent, (slice0, _) = gpus[3], gpus[3].mig_devices
+    assert parent.temperature_c == 35 and parent.power_w == 70.0
+    assert (slice0.temperature_c, slice0.power_w, slice0.power_limit_w) == (None, None, None)
+    assert slice0.memory_total_mib == 10 * 1024 and slice0.pci_bus_id == parent.pci_bus_id
 
 
 # ------------------------------------------------------------------------- CUDA_VISIBLE_DEVICES
@@ -134,44 +201,53 @@ def test_a_gpu_nvml_cannot_open_keeps_its_place(fake):
     ],
 )
 def test_cuda_visible_devices(physical, value, expected):
-    visible, _notes = d.apply_visible_devices(physical, value, "PCI_BUS_ID")
+    visible, _notes = apply_visible_devices(physical, value, "PCI_BUS_ID")
     assert uuids(visible) == expected
 
 
 def test_truncation_and_empty_value_are_explained(physical):
-    _, notes = d.apply_visible_devices(physical, "0,2,-1,1", "PCI_BUS_ID")
+    _, notes = apply_visible_devices(physical, "0,2,-1,1", "PCI_BUS_ID")
     assert notes == [
         "CUDA_VISIBLE_DEVICES entry '-1' names no GPU here; CUDA stops at the first invalid "
         "entry, so '-1,1' is ignored."
     ]
-    _, notes = d.apply_visible_devices(physical, "1,GPU-aaaa", "PCI_BUS_ID")
+    _, notes = apply_visible_devices(physical, "1,GPU-aaaa", "PCI_BUS_ID")
     assert "matches more than one GPU" in notes[0]
-    _, notes = d.apply_visible_devices(physical, "", "PCI_BUS_ID")
+    _, notes = apply_visible_devices(physical, "", "PCI_BUS_ID")
     assert notes == ["CUDA_VISIBLE_DEVICES is empty, which hides every GPU."]
 
 
 def test_old_style_mig_identifier_is_matched_by_instance_ids():
-    child = d.Gpu(
+    child = Gpu(
         uuid=MIG30, name="slice", parent_uuid=UUID3, gpu_instance_id=7, compute_instance_id=0
     )
-    parent = d.Gpu(uuid=UUID3, name="A100", nvml_index=0, mig_enabled=True, mig_devices=(child,))
-    visible, _ = d.apply_visible_devices([parent], f"MIG-{UUID3}/7/0", "PCI_BUS_ID")
+    parent = Gpu(uuid=UUID3, name="A100", nvml_index=0, mig_enabled=True, mig_devices=(child,))
+    visible, _ = apply_visible_devices([parent], f"MIG-{UUID3}/7/0", "PCI_BUS_ID")
     assert visible == [child]
-    visible, _ = d.apply_visible_devices([parent], f"MIG-{UUID3}/7/1", "PCI_BUS_ID")
+    visible, _ = apply_visible_devices([parent], f"MIG-{UUID3}/7/1", "PCI_BUS_ID")
     assert visible == []
 
 
+def test_the_pre_r470_mig_form_is_matched_through_nvml(physical):
+    assert (
+        physical[3].mig_devices[1].gpu_instance_id,
+        physical[3].mig_devices[1].compute_instance_id,
+    ) == (2, 0)
+    visible, _ = apply_visible_devices(physical, f"MIG-{UUID3}/2/0", "PCI_BUS_ID")
+    assert uuids(visible) == [MIG31]
+
+
 def test_pci_bus_order_follows_bus_ids_and_mixed_models_get_a_note():
-    a = d.Gpu(uuid="GPU-a", name="RTX 4090", nvml_index=0, pci_bus_id="00000000:41:00.0")
-    b = d.Gpu(uuid="GPU-b", name="RTX 3060", nvml_index=1, pci_bus_id="00000000:0A:00.0")
-    visible, notes = d.apply_visible_devices([a, b], None, "PCI_BUS_ID")
+    a = Gpu(uuid="GPU-a", name="RTX 4090", nvml_index=0, pci_bus_id="00000000:41:00.0")
+    b = Gpu(uuid="GPU-b", name="RTX 3060", nvml_index=1, pci_bus_id="00000000:0A:00.0")
+    visible, notes = apply_visible_devices([a, b], None, "PCI_BUS_ID")
     assert uuids(visible) == ["GPU-b", "GPU-a"] and notes == []
-    _, notes = d.apply_visible_devices([a, b], "0", "FASTEST_FIRST")
+    _, notes = apply_visible_devices([a, b], "0", "FASTEST_FIRST")
     assert len(notes) == 1 and "CUDA_DEVICE_ORDER=PCI_BUS_ID" in notes[0]
 
 
 def test_same_model_gpus_need_no_order_note(physical):
-    _, notes = d.apply_visible_devices(physical[:3], None, None)
+    _, notes = apply_visible_devices(physical[:3], None, None)
     assert notes == []
 
 
@@ -180,8 +256,8 @@ def test_same_model_gpus_need_no_order_note(physical):
 
 def test_inventory_maps_cuda_indices_by_torch_uuid(physical):
     # torch reports UUIDs without the GPU-/MIG- prefix; cuda:0 is GPU 2, cuda:1 a MIG slice
-    torch_info = d.TorchCuda(True, 2, uuids=(UUID2[4:], MIG31[4:]), names=("H100", "A100 MIG"))
-    inv = d.build_inventory(physical, torch_info, env={"CUDA_VISIBLE_DEVICES": "whatever"})
+    torch_info = TorchCuda(True, 2, uuids=(UUID2[4:], MIG31[4:]), names=("H100", "A100 MIG"))
+    inv = build_inventory(physical, torch_info, env={"CUDA_VISIBLE_DEVICES": "whatever"})
     assert inv.mapping == "torch-uuid"
     assert uuids(inv.visible) == [UUID2, MIG31]
     assert uuids(inv.hidden) == [UUID0, UUID1]
@@ -190,20 +266,20 @@ def test_inventory_maps_cuda_indices_by_torch_uuid(physical):
 
 def test_inventory_without_torch_uuids_follows_the_env_rules(physical):
     env = {"CUDA_VISIBLE_DEVICES": "2,0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-    inv = d.build_inventory(physical, d.TorchCuda(True, 2), env=env)
+    inv = build_inventory(physical, TorchCuda(True, 2), env=env)
     assert inv.mapping == "env-rules" and uuids(inv.visible) == [UUID2, UUID0]
     assert inv.cuda_visible_devices == "2,0" and inv.cuda_device_order == "PCI_BUS_ID"
     assert inv.notes == ()
 
 
 def test_inventory_flags_a_count_mismatch_with_torch(physical):
-    inv = d.build_inventory(physical, d.TorchCuda(True, 1), env={"CUDA_VISIBLE_DEVICES": "0,1"})
+    inv = build_inventory(physical, TorchCuda(True, 1), env={"CUDA_VISIBLE_DEVICES": "0,1"})
     assert any("torch sees 1 CUDA device(s)" in n for n in inv.notes)
     assert inv.usable_gpu_count == 1
 
 
 def test_torch_without_cuda_means_no_usable_gpu(physical):
-    inv = d.build_inventory(physical, d.TorchCuda(False, 0), env={})
+    inv = build_inventory(physical, TorchCuda(False, 0), env={})
     assert inv.usable_gpu_count == 0 and len(inv.visible) == 5
     assert inv.summary() == (
         "No usable GPU: NVML sees 4 GPUs but torch has no CUDA (CPU-only build?); "
@@ -212,8 +288,8 @@ def test_torch_without_cuda_means_no_usable_gpu(physical):
 
 
 def test_inventory_without_nvml_uses_torch_names():
-    inv = d.build_inventory(
-        None, d.TorchCuda(True, 1, ("abc",), ("NVIDIA L4",)), env={}, nvml_reason="no driver"
+    inv = build_inventory(
+        None, TorchCuda(True, 1, ("abc",), ("NVIDIA L4",)), env={}, nvml_reason="no driver"
     )
     assert inv.mapping == "torch-only" and inv.visible[0].name == "NVIDIA L4"
     assert inv.visible[0].memory_total_mib is None
@@ -222,7 +298,7 @@ def test_inventory_without_nvml_uses_torch_names():
 def test_collect_inventory_reports_nvml_failure_in_one_line():
     nvml.use_library(FakeNvml(2, init_error="library_not_found"))
     try:
-        inv = d.collect_inventory(torch_info=d.TorchCuda(), env={})
+        inv = collect_inventory(torch_info=TorchCuda(), env={})
     finally:
         nvml.use_library(None)
     assert not inv.nvml_available and inv.visible == ()
@@ -233,7 +309,7 @@ def test_collect_inventory_reports_nvml_failure_in_one_line():
 
 
 def test_unknown_device_order_is_noted(physical):
-    inv = d.build_inventory(physical, d.TorchCuda(), env={"CUDA_DEVICE_ORDER": "SLOWEST"})
+    inv = build_inventory(physical, TorchCuda(), env={"CUDA_DEVICE_ORDER": "SLOWEST"})
     assert inv.cuda_device_order == "FASTEST_FIRST"
     assert inv.notes[0].startswith("CUDA_DEVICE_ORDER='SLOWEST' is not one of")
 
@@ -260,7 +336,7 @@ def test_unknown_device_order_is_noted(physical):
     ],
 )
 def test_parse_devices_accepts_what_users_type(value, expected):
-    assert d.parse_devices(value) == expected
+    assert parse_devices(value) == expected
 
 
 @pytest.mark.parametrize(
@@ -283,46 +359,46 @@ def test_parse_devices_accepts_what_users_type(value, expected):
     ],
 )
 def test_parse_devices_rejects_bad_values_in_one_line(value, message):
-    with pytest.raises(d.DeviceError) as info:
-        d.parse_devices(value)
+    with pytest.raises(DeviceError) as info:
+        parse_devices(value)
     assert str(info.value).startswith(message)
     assert "\n" not in str(info.value)
 
 
 def test_device_error_is_a_project_error_and_a_value_error():
-    assert issubclass(d.DeviceError, ProjectError) and issubclass(d.DeviceError, ValueError)
+    assert issubclass(DeviceError, ProjectError) and issubclass(DeviceError, ValueError)
 
 
 # ------------------------------------------------------------------------- resolve_devices
 
 
-def inventory(physical, gpus: int, env: dict[str, str] | None = None) -> d.Inventory:
-    return d.build_inventory(physical, d.TorchCuda(gpus > 0, gpus), env=env or {})
+def inventory(physical, gpus: int, env: dict[str, str] | None = None) -> Inventory:
+    return build_inventory(physical, TorchCuda(gpus > 0, gpus), env=env or {})
 
 
-CPU_ONLY = d.build_inventory(None, d.TorchCuda(), env={}, nvml_reason="NVML is not available (x)")
+CPU_ONLY = build_inventory(None, TorchCuda(), env={}, nvml_reason="NVML is not available (x)")
 
 
 def test_auto_without_gpu_falls_back_to_cpu_with_one_message():
-    plan = d.resolve_devices("auto", "auto", inventory=CPU_ONLY)
+    plan = resolve_devices("auto", "auto", inventory=CPU_ONLY)
     assert plan.trainer_kwargs() == {"accelerator": "cpu", "devices": "auto"}
     assert plan.message == "No usable GPU: NVML is not available (x); training runs on the CPU."
 
 
 def test_auto_without_gpu_keeps_a_process_count_and_maps_all_to_auto():
-    assert d.resolve_devices("auto", 3, inventory=CPU_ONLY).devices == 3
-    assert d.resolve_devices("auto", -1, inventory=CPU_ONLY).devices == "auto"
+    assert resolve_devices("auto", 3, inventory=CPU_ONLY).devices == 3
+    assert resolve_devices("auto", -1, inventory=CPU_ONLY).devices == "auto"
 
 
 def test_auto_without_gpu_rejects_gpu_indices():
-    with pytest.raises(d.DeviceError, match=r"^devices=\[0, 1\] lists GPU indices, but training"):
-        d.resolve_devices("auto", "0,1", inventory=CPU_ONLY)
+    with pytest.raises(DeviceError, match=r"^devices=\[0, 1\] lists GPU indices, but training"):
+        resolve_devices("auto", "0,1", inventory=CPU_ONLY)
 
 
 @pytest.mark.parametrize("accelerator", ["gpu", "cuda", "GPU"])
 def test_gpu_on_a_cpu_machine_is_one_line(accelerator):
-    with pytest.raises(d.DeviceError) as info:
-        d.resolve_devices(accelerator, 1, inventory=CPU_ONLY)
+    with pytest.raises(DeviceError) as info:
+        resolve_devices(accelerator, 1, inventory=CPU_ONLY)
     assert str(info.value) == (
         f"accelerator={accelerator} asks for a GPU, but this machine has no usable GPU "
         "(NVML is not available (x)); use accelerator=cpu or accelerator=auto"
@@ -330,10 +406,8 @@ def test_gpu_on_a_cpu_machine_is_one_line(accelerator):
 
 
 def test_more_gpus_than_exist_is_one_line(physical):
-    with pytest.raises(d.DeviceError) as info:
-        d.resolve_devices(
-            "gpu", 4, inventory=inventory(physical, 2, {"CUDA_VISIBLE_DEVICES": "0,1"})
-        )
+    with pytest.raises(DeviceError) as info:
+        resolve_devices("gpu", 4, inventory=inventory(physical, 2, {"CUDA_VISIBLE_DEVICES": "0,1"}))
     assert str(info.value) == (
         "devices=4 asks for 4 GPUs, but only 2 GPUs are visible "
         "(cuda:0 NVIDIA H100 80GB HBM3, cuda:1 NVIDIA H100 80GB HBM3)"
@@ -342,8 +416,8 @@ def test_more_gpus_than_exist_is_one_line(physical):
 
 def test_missing_index_is_one_line(physical):
     inv = inventory(physical, 1, {"CUDA_VISIBLE_DEVICES": "2"})
-    with pytest.raises(d.DeviceError) as info:
-        d.resolve_devices("auto", [0, 3], inventory=inv)
+    with pytest.raises(DeviceError) as info:
+        resolve_devices("auto", [0, 3], inventory=inv)
     assert str(info.value) == (
         "devices=[0, 3] names GPU 3, but only 1 GPU is visible (cuda:0 NVIDIA H100 80GB HBM3)"
     )
@@ -357,50 +431,50 @@ def test_plain_requests_pass_through_unchanged(physical):
         ("cuda", 2, 2),
         ("auto", "[3,1]", [3, 1]),
     ]:
-        plan = d.resolve_devices(accelerator, devices, inventory=inv)
+        plan = resolve_devices(accelerator, devices, inventory=inv)
         assert plan.trainer_kwargs() == {"accelerator": accelerator, "devices": expected}
         assert plan.message is None and plan.selected is None
-    assert uuids(d.resolve_devices("gpu", [3, 1], inventory=inv).gpus) == [MIG30, UUID1]
+    assert uuids(resolve_devices("gpu", [3, 1], inventory=inv).gpus) == [MIG30, UUID1]
 
 
 def test_cpu_takes_a_process_count():
-    assert d.resolve_devices("cpu", 4).trainer_kwargs() == {"accelerator": "cpu", "devices": 4}
-    with pytest.raises(d.DeviceError, match=r"^devices=-1 means 'every GPU'"):
-        d.resolve_devices("cpu", -1)
+    assert resolve_devices("cpu", 4).trainer_kwargs() == {"accelerator": "cpu", "devices": 4}
+    with pytest.raises(DeviceError, match=r"^devices=-1 means 'every GPU'"):
+        resolve_devices("cpu", -1)
 
 
 def test_other_accelerators_pass_through():
-    plan = d.resolve_devices("mps", 1, inventory=CPU_ONLY)
+    plan = resolve_devices("mps", 1, inventory=CPU_ONLY)
     assert (plan.accelerator, plan.devices, plan.message) == ("mps", 1, None)
-    on_mac = d.build_inventory(None, d.TorchCuda(mps_available=True), env={})
-    assert d.resolve_devices("auto", 1, inventory=on_mac).accelerator == "auto"
+    on_mac = build_inventory(None, TorchCuda(mps_available=True), env={})
+    assert resolve_devices("auto", 1, inventory=on_mac).accelerator == "auto"
 
 
 def test_bad_select_is_one_line():
-    with pytest.raises(d.DeviceError) as info:
-        d.resolve_devices("cpu", 1, select="emptiest")
+    with pytest.raises(DeviceError) as info:
+        resolve_devices("cpu", 1, select="emptiest")
     assert str(info.value) == "select_gpus='emptiest' is not valid; use one of first, least_used"
 
 
 # ------------------------------------------------------------------------- selection by load
 
 
-def gpu(free: int | None, util: int | None) -> d.Gpu:
-    return d.Gpu(uuid="", name="x", memory_free_mib=free, utilization_percent=util)
+def gpu(free: int | None, util: int | None) -> Gpu:
+    return Gpu(uuid="", name="x", memory_free_mib=free, utilization_percent=util)
 
 
 def test_rank_by_load_free_memory_then_utilisation_then_index():
     gpus = [gpu(100, 50), gpu(200, 90), gpu(100, 10), gpu(200, 90), gpu(None, 0), gpu(100, None)]
-    assert d.rank_by_load(gpus) == [1, 3, 2, 0, 5, 4]
-    assert d.select_least_used(gpus, 3) == [1, 2, 3]
+    assert rank_by_load(gpus) == [1, 3, 2, 0, 5, 4]
+    assert select_least_used(gpus, 3) == [1, 2, 3]
 
 
-def loaded_inventory(loads: dict[int, tuple[int, int]], gpus: int = 3) -> d.Inventory:
+def loaded_inventory(loads: dict[int, tuple[int, int]], gpus: int = 3) -> Inventory:
     lib = make_fake(loads)
     nvml.use_library(lib)
     try:
-        return d.collect_inventory(
-            torch_info=d.TorchCuda(True, gpus), env={"CUDA_VISIBLE_DEVICES": "0,1,2"}
+        return collect_inventory(
+            torch_info=TorchCuda(True, gpus), env={"CUDA_VISIBLE_DEVICES": "0,1,2"}
         )
     finally:
         nvml.use_library(None)
@@ -409,25 +483,26 @@ def loaded_inventory(loads: dict[int, tuple[int, int]], gpus: int = 3) -> d.Inve
 def test_least_used_picks_most_free_memory_then_lowest_utilisation():
     inv = loaded_inventory({0: (40, 10), 1: (5, 90), 2: (5, 30)})
     environ: dict[str, str] = {}
-    plan = d.resolve_devices("gpu", 2, select="least_used", inventory=inv, environ=environ)
+    plan = resolve_devices("gpu", 2, select="least_used", inventory=inv, environ=environ)
     assert plan.devices == [1, 2] and plan.selected == (1, 2)
     assert plan.message == (
         "select_gpus=least_used picked cuda:1, cuda:2 of 3 (most free memory, then lowest "
         "utilisation)"
     )
-    record = json.loads(environ[d.SELECTION_ENV])
+    assert environ == {}  # deciding changes nothing; the run hands the choice on (resolve_for_run)
+    record = json.loads(plan.handoff)
     assert record == {
         "pid": os.getpid(),
         "request": "devices=2 CUDA_VISIBLE_DEVICES=0,1,2",
         "gpus": [1, 2],
     }
-    one = d.resolve_devices("gpu", 1, select="least_used", inventory=inv, environ={})
+    one = resolve_devices("gpu", 1, select="least_used", inventory=inv, environ={})
     assert one.devices == [2]  # same free memory as GPU 1, lower utilisation
 
 
 def test_least_used_ties_go_to_the_lowest_index():
     inv = loaded_inventory({})
-    assert d.resolve_devices("gpu", 2, select="least_used", inventory=inv, environ={}).devices == [
+    assert resolve_devices("gpu", 2, select="least_used", inventory=inv, environ={}).devices == [
         0,
         1,
     ]
@@ -437,29 +512,27 @@ def test_least_used_is_moot_when_all_gpus_are_wanted():
     inv = loaded_inventory({0: (40, 10)})
     environ: dict[str, str] = {}
     for devices in (3, -1, "auto"):
-        plan = d.resolve_devices(
-            "gpu", devices, select="least_used", inventory=inv, environ=environ
-        )
-        assert plan.devices == devices and plan.selected is None
+        plan = resolve_devices("gpu", devices, select="least_used", inventory=inv, environ=environ)
+        assert plan.devices == devices and plan.selected is None and plan.handoff is None
     assert environ == {}
 
 
 def test_ddp_child_reuses_rank_zero_choice_despite_different_load():
-    rank0_env: dict[str, str] = {}
-    rank0 = d.resolve_devices(
-        "gpu", 2, select="least_used", inventory=loaded_inventory({0: (40, 10)}), environ=rank0_env
+    rank0 = resolve_devices(
+        "gpu", 2, select="least_used", inventory=loaded_inventory({0: (40, 10)}), environ={}
     )
     assert rank0.devices == [1, 2]
     # The child re-runs the command: LOCAL_RANK is set, the record comes from another pid (rank 0),
     # and meanwhile the load moved so that a fresh choice would be [0, 1].
-    record = json.loads(rank0_env[d.SELECTION_ENV])
+    record = json.loads(rank0.handoff)
     record["pid"] = os.getpid() + 1
-    child_env = {d.SELECTION_ENV: json.dumps(record), "LOCAL_RANK": "1"}
+    child_env = {SELECTION_ENV: json.dumps(record), "LOCAL_RANK": "1"}
     moved = loaded_inventory({2: (70, 100)})
-    assert d.resolve_devices(
-        "gpu", 2, select="least_used", inventory=moved, environ={}
-    ).devices == [0, 1]
-    child = d.resolve_devices("gpu", 2, select="least_used", inventory=moved, environ=child_env)
+    assert resolve_devices("gpu", 2, select="least_used", inventory=moved, environ={}).devices == [
+        0,
+        1,
+    ]
+    child = resolve_devices("gpu", 2, select="least_used", inventory=moved, environ=child_env)
     assert child.devices == [1, 2]
     assert child.message == "GPUs chosen by rank 0 (least used): [1, 2]"
 
@@ -467,11 +540,11 @@ def test_ddp_child_reuses_rank_zero_choice_despite_different_load():
 def test_a_record_written_by_this_process_is_a_stale_one_and_is_redone():
     # Sequential runs in one process (Hydra multirun): Lightning left LOCAL_RANK=0 behind.
     environ = {"LOCAL_RANK": "0"}
-    environ[d.SELECTION_ENV] = json.dumps(
+    environ[SELECTION_ENV] = json.dumps(
         {"pid": os.getpid(), "request": "devices=2 CUDA_VISIBLE_DEVICES=0,1,2", "gpus": [0, 1]}
     )
     inv = loaded_inventory({0: (40, 10)})
-    assert d.resolve_devices(
+    assert resolve_devices(
         "gpu", 2, select="least_used", inventory=inv, environ=environ
     ).devices == [1, 2]
 
@@ -482,9 +555,9 @@ def test_child_with_a_different_request_fails_in_one_line():
         "request": "devices=1 CUDA_VISIBLE_DEVICES=0,1,2",
         "gpus": [2],
     }
-    environ = {d.SELECTION_ENV: json.dumps(record), "LOCAL_RANK": "1"}
-    with pytest.raises(d.DeviceError) as info:
-        d.resolve_devices(
+    environ = {SELECTION_ENV: json.dumps(record), "LOCAL_RANK": "1"}
+    with pytest.raises(DeviceError) as info:
+        resolve_devices(
             "gpu", 2, select="least_used", inventory=loaded_inventory({}), environ=environ
         )
     assert str(info.value) == (
@@ -495,8 +568,8 @@ def test_child_with_a_different_request_fails_in_one_line():
 
 
 def test_external_launcher_without_a_record_cannot_coordinate():
-    with pytest.raises(d.DeviceError, match=r"^select_gpus=least_used cannot coordinate"):
-        d.resolve_devices(
+    with pytest.raises(DeviceError, match=r"^select_gpus=least_used cannot coordinate"):
+        resolve_devices(
             "gpu",
             2,
             select="least_used",
@@ -506,20 +579,16 @@ def test_external_launcher_without_a_record_cannot_coordinate():
 
 
 def test_garbage_record_is_one_line():
-    environ = {d.SELECTION_ENV: "[1, 2]", "LOCAL_RANK": "1"}
-    with pytest.raises(
-        d.DeviceError, match=r"^PROJECT_GPU_SELECTION='\[1, 2\]' is not a GPU choice"
-    ):
-        d.resolve_devices(
+    environ = {SELECTION_ENV: "[1, 2]", "LOCAL_RANK": "1"}
+    with pytest.raises(DeviceError, match=r"^PROJECT_GPU_SELECTION='\[1, 2\]' is not a GPU choice"):
+        resolve_devices(
             "gpu", 2, select="least_used", inventory=loaded_inventory({}), environ=environ
         )
 
 
 def test_least_used_without_nvml_takes_the_first_gpus():
-    inv = d.build_inventory(
-        None, d.TorchCuda(True, 3), env={}, nvml_reason="NVML is not available (x)"
-    )
-    plan = d.resolve_devices("gpu", 2, select="least_used", inventory=inv, environ={})
+    inv = build_inventory(None, TorchCuda(True, 3), env={}, nvml_reason="NVML is not available (x)")
+    plan = resolve_devices("gpu", 2, select="least_used", inventory=inv, environ={})
     assert plan.devices == [0, 1]
     assert plan.message == (
         "select_gpus=least_used: no GPU load readings (NVML is not available (x)); "
@@ -529,7 +598,7 @@ def test_least_used_without_nvml_takes_the_first_gpus():
 
 def test_first_is_the_default_and_ignores_load():
     inv = loaded_inventory({0: (40, 10)})
-    plan = d.resolve_devices("gpu", 2, inventory=inv, environ={})
+    plan = resolve_devices("gpu", 2, inventory=inv, environ={})
     assert plan.devices == 2 and plan.selected is None
     assert uuids(plan.gpus) == [UUID0, UUID1]
 
@@ -540,9 +609,9 @@ def test_child_whose_rank_zero_choice_is_out_of_range_fails_in_one_line():
         "request": "devices=2 CUDA_VISIBLE_DEVICES=0,1,2",
         "gpus": [1, 7],
     }
-    environ = {d.SELECTION_ENV: json.dumps(record), "LOCAL_RANK": "1"}
-    with pytest.raises(d.DeviceError) as info:
-        d.resolve_devices(
+    environ = {SELECTION_ENV: json.dumps(record), "LOCAL_RANK": "1"}
+    with pytest.raises(DeviceError) as info:
+        resolve_devices(
             "gpu", 2, select="least_used", inventory=loaded_inventory({}), environ=environ
         )
     assert str(info.value).startswith(
@@ -551,7 +620,103 @@ def test_child_whose_rank_zero_choice_is_out_of_range_fails_in_one_line():
 
 
 def test_torch_without_uuids_falls_back_to_the_env_rules(physical):
-    inv = d.build_inventory(
-        physical, d.TorchCuda(True, 2, uuids=("", "")), env={"CUDA_VISIBLE_DEVICES": "1,0"}
+    inv = build_inventory(
+        physical, TorchCuda(True, 2, uuids=("", "")), env={"CUDA_VISIBLE_DEVICES": "1,0"}
     )
     assert inv.mapping == "env-rules" and uuids(inv.visible) == [UUID1, UUID0]
+
+
+# ------------------------------------------------------------------------- once per process
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """A fresh fake NVML with three idle GPUs and torch pretending to see them all."""
+    lib = make_fake({0: (40, 10)})
+    nvml.use_library(lib)
+    monkeypatch.setattr(inventory_module, "probe_torch", lambda uuids=True: TorchCuda(True, 3))
+    for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LOCAL_RANK", SELECTION_ENV):
+        monkeypatch.delenv(name, raising=False)
+    yield lib
+    nvml.use_library(None)
+
+
+def compose_train(*overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    from project.machinery.run.cli import config_dir
+
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("select", ["first", "least_used"])
+def test_preflight_then_the_run_read_nvml_once_and_only_the_run_hands_over(machine, select):
+    from project.machinery.run.preflight import check_config
+
+    cfg = compose_train("trainer.accelerator=gpu", "trainer.devices=2", f"select_gpus={select}")
+    ours = lambda: {k: v for k, v in os.environ.items() if k.startswith("PROJECT_")}  # noqa: E731
+    before = ours()
+    check_config(cfg)  # the preflight Hydra callback
+    check_config(cfg)  # again in the job
+    assert ours() == before  # a check changes nothing (importing Lightning sets its own vars)
+    environ: dict[str, str] = {}
+    plan = resolve_for_run("gpu", 2, select=select, environ=environ)
+    assert machine.calls["nvmlInit"] == machine.calls["nvmlDeviceGetCount"] == 1
+    # a plain request reads no load; neither reads temperatures or process names
+    assert ("nvmlDeviceGetMemoryInfo" in machine.calls) == (select == "least_used")
+    assert not {"nvmlDeviceGetTemperature", "nvmlDeviceGetComputeRunningProcesses"} & set(
+        machine.calls
+    )
+    if select == "least_used":
+        assert plan.devices == [1, 2] and json.loads(environ[SELECTION_ENV])["gpus"] == [1, 2]
+    else:
+        assert plan.devices == 2 and environ == {}
+    assert machine.balanced
+
+
+def test_the_cached_reading_follows_cuda_visible_devices_and_upgrades_its_detail(
+    machine, monkeypatch
+):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
+    assert uuids(resolve_devices("gpu", 2).gpus) == [UUID2, UUID0]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert uuids(resolve_devices("gpu", 1).gpus) == [UUID1]
+    assert machine.calls["nvmlInit"] == 1  # NVML's GPU list does not depend on the variable
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    assert resolve_devices("gpu", 2, select="least_used", environ={}).devices == [1, 2]
+    assert resolve_devices("gpu", 1, select="least_used", environ={}).devices == [1]
+    assert resolve_devices("gpu", 1).devices == 1
+    assert machine.calls["nvmlInit"] == 2  # the load readings needed one more read, kept
+
+
+def test_cpu_and_other_accelerators_never_touch_nvml(machine):
+    assert resolve_for_run("cpu", 2).devices == 2
+    assert resolve_devices("mps", 1).accelerator == "mps"
+    assert machine.total_calls() == 0
+
+
+@pytest.mark.slow
+def test_an_in_process_run_reads_nvml_once(machine, monkeypatch, tmp_path):
+    """The whole ``train`` flow in-process, preflight included: one NVML reading, no more."""
+    from project import train as train_module
+    from project.machinery.run.preflight import check_config
+
+    monkeypatch.setattr(inventory_module, "probe_torch", lambda uuids=True: TorchCuda())
+    monkeypatch.setattr("project.machinery.plots.after_run", lambda out: None)
+    cfg = compose_train(
+        f"paths.output_dir='{tmp_path / 'run with spaces é'}'",
+        "model=mlp",
+        "trainer.max_epochs=1",
+        "+trainer.limit_train_batches=2",
+        "+trainer.limit_val_batches=1",
+        "test=false",
+        "export_weights=false",
+        "logger=none",
+        "callbacks.progress_bar.refresh_rate=0",
+    )
+    check_config(cfg)
+    metrics = train_module.train(cfg)
+    assert "val/loss" in metrics  # it trained (on the CPU: torch has no CUDA here)
+    assert machine.calls["nvmlInit"] == machine.calls["nvmlDeviceGetCount"] == 1
+    assert machine.balanced and SELECTION_ENV not in os.environ

@@ -10,8 +10,12 @@ import sys
 
 import pytest
 
-from project.machinery.gpus import devices as d
-from project.machinery.gpus import nvml
+from project.machinery.gpus import inventory, nvml
+from project.machinery.gpus.inventory import build_inventory, collect_inventory, read_nvml
+from project.machinery.gpus.listing import main
+from project.machinery.gpus.records import TorchCuda
+from project.machinery.gpus.resolve import SELECTION_ENV, resolve_devices
+from project.machinery.gpus.visible import apply_visible_devices
 from project.machinery.testing.fake_nvml import GIB, FakeGpu, FakeNvml, FakeProcess
 
 UUID0 = "GPU-aaaa1111-1111-1111-1111-111111111111"
@@ -68,7 +72,7 @@ SCENARIO = {
 
 def fake_env(scenario: dict | None = SCENARIO, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "LOCAL_RANK")}
-    env.pop(d.SELECTION_ENV, None)
+    env.pop(SELECTION_ENV, None)
     env["PROJECT_NVML_BACKEND"] = "project.machinery.testing.fake_nvml:create"
     env["PROJECT_FAKE_NVML"] = json.dumps(scenario)
     env.update(extra)
@@ -100,14 +104,14 @@ def machine(monkeypatch):
     nvml.use_library(lib)
     monkeypatch.setenv("COLUMNS", "250")  # keep Rich from folding UUIDs in the captured table
     monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
-    monkeypatch.setattr(d, "probe_torch", lambda uuids=True: d.TorchCuda(True, 2))
+    monkeypatch.setattr(inventory, "probe_torch", lambda uuids=True: TorchCuda(True, 2))
     yield lib
     nvml.use_library(None)
 
 
 def test_json_output_has_the_documented_keys_and_indices(machine, monkeypatch, capsys):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
-    assert d.main(["--json"]) == 0
+    assert main(["--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert set(doc) == JSON_KEYS and doc["schema_version"] == 1
     assert (doc["cuda_available"], doc["device_count"], doc["training_device"]) == (True, 2, "cuda")
@@ -127,7 +131,7 @@ def test_json_output_has_the_documented_keys_and_indices(machine, monkeypatch, c
 
 def test_human_listing_shows_cuda_indices_and_processes(machine, monkeypatch, capsys):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-cccc,0")
-    assert d.main([]) == 0
+    assert main([]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("│ cuda:")]
     assert len(rows) == 2
@@ -151,9 +155,9 @@ def test_human_listing_shows_cuda_indices_and_processes(machine, monkeypatch, ca
 def test_no_usable_gpu_is_one_line_and_exit_zero(monkeypatch, capsys, fake, reason):
     nvml.use_library(fake())
     monkeypatch.setenv("COLUMNS", "40")  # the line must not be wrapped even on a narrow terminal
-    monkeypatch.setattr(d, "probe_torch", lambda uuids=True: d.TorchCuda())
+    monkeypatch.setattr(inventory, "probe_torch", lambda uuids=True: TorchCuda())
     try:
-        assert d.main([]) == 0
+        assert main([]) == 0
     finally:
         nvml.use_library(None)
     assert capsys.readouterr().out == (f"No usable GPU: {reason}; training will use the CPU.\n")
@@ -161,8 +165,8 @@ def test_no_usable_gpu_is_one_line_and_exit_zero(monkeypatch, capsys, fake, reas
 
 def test_empty_cuda_visible_devices_is_one_line(machine, monkeypatch, capsys):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.setattr(d, "probe_torch", lambda uuids=True: d.TorchCuda())
-    assert d.main([]) == 0
+    monkeypatch.setattr(inventory, "probe_torch", lambda uuids=True: TorchCuda())
+    assert main([]) == 0
     assert capsys.readouterr().out == (
         "No usable GPU: CUDA_VISIBLE_DEVICES is set to an empty string; "
         "training will use the CPU.\n"
@@ -171,7 +175,7 @@ def test_empty_cuda_visible_devices_is_one_line(machine, monkeypatch, capsys):
 
 def test_module_import_stays_light():
     code = (
-        "import sys, project.machinery.gpus.devices; "
+        "import sys, project.devices, project.machinery.gpus.resolve; "
         "print(sorted({'torch', 'lightning', 'rich'} & set(sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -233,27 +237,29 @@ def test_cli_subprocess_without_nvml_prints_one_line():
 def test_ddp_child_process_reuses_rank_zero_choice():
     # Rank 0 measures the fake machine and chooses the two least used GPUs (1 and 2) ...
     nvml.use_library(FakeNvml.from_dict(SCENARIO, clock=lambda: 0.0))
-    rank0_env: dict[str, str] = {}
     try:
-        inv = d.collect_inventory(
-            torch_info=d.TorchCuda(True, 3), env={"CUDA_VISIBLE_DEVICES": "0,1,2"}
+        inv = collect_inventory(
+            torch_info=TorchCuda(True, 3), env={"CUDA_VISIBLE_DEVICES": "0,1,2"}
         )
-        plan = d.resolve_devices("gpu", 2, select="least_used", inventory=inv, environ=rank0_env)
+        plan = resolve_devices("gpu", 2, select="least_used", inventory=inv, environ={})
     finally:
         nvml.use_library(None)
-    assert plan.devices == [1, 2]
+    assert plan.devices == [1, 2] and plan.handoff is not None
     # ... then a child (another pid, LOCAL_RANK=1, as Lightning's launcher starts it) sees a machine
     # where GPU 0 has become the emptiest, and still gets rank 0's choice.
     moved = {"gpus": [{"uuid": UUID0}, {"uuid": UUID1, "memory_used": 50 * GIB}, {"uuid": UUID2}]}
     code = (
         "import json\n"
-        "from project import devices as d\n"
-        "inv = d.collect_inventory(torch_info=d.TorchCuda(True, 3))\n"
-        "fresh = d.select_least_used(inv.visible, 2)\n"
-        "plan = d.resolve_devices('gpu', 2, select='least_used', inventory=inv)\n"
+        "from project.machinery.gpus.inventory import collect_inventory\n"
+        "from project.machinery.gpus.records import TorchCuda\n"
+        "from project.machinery.gpus.resolve import resolve_devices, select_least_used\n"
+        "inv = collect_inventory(torch_info=TorchCuda(True, 3))\n"
+        "fresh = select_least_used(inv.visible, 2)\n"
+        "plan = resolve_devices('gpu', 2, select='least_used', inventory=inv)\n"
         "print(json.dumps([fresh, plan.devices]))\n"
     )
-    env = fake_env(moved, CUDA_VISIBLE_DEVICES="0,1,2", LOCAL_RANK="1", **rank0_env)
+    env = fake_env(moved, CUDA_VISIBLE_DEVICES="0,1,2", LOCAL_RANK="1")
+    env[SELECTION_ENV] = plan.handoff  # what resolve_for_run hands to the ranks it launches
     result = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
@@ -277,18 +283,18 @@ def _cuda_or_skip():
 @pytest.mark.gpu
 def test_listing_matches_torch_on_a_real_gpu():
     torch = _cuda_or_skip()
-    inv = d.collect_inventory()
+    inv = collect_inventory()
     assert inv.nvml_available, inv.nvml_reason
     assert inv.mapping == "torch-uuid"
     assert inv.usable_gpu_count == torch.cuda.device_count() == len(inv.visible)
     for i, gpu in enumerate(inv.visible):
         props = torch.cuda.get_device_properties(i)
         assert gpu.name == props.name
-        assert d._bare_uuid(gpu.uuid) == d._bare_uuid(str(props.uuid))
+        assert nvml.bare_uuid(gpu.uuid) == nvml.bare_uuid(str(props.uuid))
         assert gpu.memory_total_mib is not None
         assert abs(gpu.memory_total_mib * 2**20 - props.total_memory) < 0.05 * props.total_memory
     # Without torch's UUIDs, CUDA's rules applied to NVML give the same cuda:N order.
-    by_rules = d.build_inventory(list(inv.physical), d.TorchCuda(True, len(inv.visible)))
+    by_rules = build_inventory(list(inv.physical), TorchCuda(True, len(inv.visible)))
     if not any("FASTEST_FIRST" in note for note in by_rules.notes):
         assert [g.uuid for g in by_rules.visible] == [g.uuid for g in inv.visible]
 
@@ -297,7 +303,7 @@ def test_listing_matches_torch_on_a_real_gpu():
 @pytest.mark.slow
 def test_cuda_visible_devices_rules_match_real_cuda():
     _cuda_or_skip()
-    physical, _, _ = d.read_nvml()
+    physical, _, _ = read_nvml()
     if any(g.mig_enabled for g in physical):
         pytest.skip("MIG mode: CUDA's MIG enumeration differs between driver releases")
     first = physical[0].uuid
@@ -312,7 +318,7 @@ def test_cuda_visible_devices_rules_match_real_cuda():
         out = subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
         )
-        predicted, _ = d.apply_visible_devices(physical, value, "PCI_BUS_ID")
+        predicted, _ = apply_visible_devices(physical, value, "PCI_BUS_ID")
         assert int(out.stdout.strip()) == len(predicted), f"CUDA_VISIBLE_DEVICES={value!r}"
 
 
@@ -327,5 +333,5 @@ def test_cli_json_on_a_real_gpu_names_the_gpu_torch_sees():
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
     assert doc["device_count"] == 1 and doc["index_mapping"] == "torch-uuid"
-    physical, _, _ = d.read_nvml()
+    physical, _, _ = read_nvml()
     assert doc["gpus"][0]["uuid"] == physical[-1].uuid

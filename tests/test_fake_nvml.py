@@ -236,6 +236,36 @@ def test_create_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv(fake_nvml.SCENARIO_ENV, str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="neither inline JSON"):
         create()
+    damaged = tmp_path / "scénario with spaces.json"
+    damaged.write_bytes(b'{"gpus": 2\xff\xfe}')
+    monkeypatch.setenv(fake_nvml.SCENARIO_ENV, str(damaged))
+    with pytest.raises(ValueError, match=r"scénario with spaces.json' cannot be read \(.*utf-8"):
+        create()
+
+
+def test_mig_instance_ids_match_the_process_list() -> None:
+    fake = FakeNvml(
+        [
+            FakeGpu(
+                mig=[
+                    FakeGpu(processes=[FakeProcess(7)]),
+                    FakeGpu(gpu_instance_id=5, compute_instance_id=2),
+                ]
+            )
+        ]
+    )
+    fake.nvmlInit()
+    parent = fake.nvmlDeviceGetHandleByIndex(0)
+    slices = [fake.nvmlDeviceGetMigDeviceHandleByIndex(parent, j) for j in range(2)]
+    ids = [
+        (fake.nvmlDeviceGetGpuInstanceId(h), fake.nvmlDeviceGetComputeInstanceId(h)) for h in slices
+    ]
+    assert ids == [(1, 0), (5, 2)]
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        fake.nvmlDeviceGetGpuInstanceId(parent)  # a physical GPU has none
+    (proc,) = fake.nvmlDeviceGetComputeRunningProcesses(parent)
+    assert (proc.pid, proc.gpuInstanceId, proc.computeInstanceId) == (7, 1, 0)
+    fake.nvmlShutdown()
 
 
 def test_backend_env_var_loads_the_fake(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,7 +1,7 @@
 """GpuStatsMonitor on machines without a GPU: the fake NVML stands in for the driver.
 
 The sampler is driven by hand against a FakeClock where exact statistics are checked; full
-``Trainer.fit`` runs use the ``device_uuids`` seam to say which fake GPU the CPU "device" is.
+``Trainer.fit`` runs use the ``device_uuids`` argument to say which fake GPU the CPU "device" is.
 """
 
 from __future__ import annotations
@@ -21,22 +21,15 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from project.machinery.gpu_stats import callback as gpu_stats
-from project.machinery.gpu_stats.callback import (
-    TRAIN,
-    VAL,
-    GpuReader,
-    GpuSampler,
-    GpuStatsMonitor,
-    cuda_device_uuid,
-    find_nvml_handle,
-    flatten_epoch,
-    process_devices,
-)
+from project.machinery.gpu_stats.callback import GpuStatsMonitor, cuda_device_uuid, process_devices
+from project.machinery.gpu_stats.sampler import DEFAULT_GROUPS, TRAIN, VAL, GpuReader, GpuSampler
+from project.machinery.gpu_stats.statistics import flatten_epoch
 from project.machinery.gpus import nvml
+from project.machinery.gpus.nvml import find_handle
 from project.machinery.testing.fake_nvml import GIB, FakeClock, FakeGpu, FakeNvml, FakeProcess
 
 SW_POWER_CAP = pynvml.nvmlClocksEventReasonSwPowerCap
+LOGGER = "project.machinery.gpu_stats"  # every module of the package logs under it
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -54,7 +47,7 @@ def use_fake():
     nvml.use_library(None)
 
 
-def open_reader(fake: FakeNvml, index: int, groups=gpu_stats.DEFAULT_GROUPS) -> GpuReader:
+def open_reader(fake: FakeNvml, index: int, groups=DEFAULT_GROUPS) -> GpuReader:
     handle = fake.nvmlDeviceGetHandleByIndex(index)
     reader = GpuReader(fake, handle, f"cuda{index}", groups)
     reader.probe()
@@ -111,7 +104,7 @@ def test_torch_device_maps_to_the_right_nvml_device(
     try:
         names = []
         for index in range(len(uuids)):
-            handle, nvml_uuid = find_nvml_handle(FOUR, cuda_device_uuid(index))
+            handle, nvml_uuid = find_handle(FOUR, cuda_device_uuid(index))
             assert nvml_uuid.startswith(("GPU-", "MIG-"))
             names.append(FOUR.nvmlDeviceGetName(handle))
     finally:
@@ -128,7 +121,7 @@ def test_callback_setup_resolves_cuda_devices_by_uuid(monkeypatch, use_fake, cap
     )
     trainer = fake_trainer(parallel_devices=[torch.device("cuda", 0), torch.device("cuda", 1)])
     monitor = GpuStatsMonitor()
-    with caplog.at_level(logging.INFO, logger=gpu_stats.__name__):
+    with caplog.at_level(logging.INFO, logger=LOGGER):
         monitor.setup(trainer, None, "fit")
     try:
         (payload,) = monitor.identities
@@ -264,7 +257,7 @@ def test_unsupported_metrics_are_left_out_never_zero() -> None:
     datacenter.fail("nvmlDeviceGetCurrentClocksEventReasons", "function_not_found")  # old driver
     fake = FakeNvml([datacenter, mig_parent])
     fake.nvmlInit()
-    groups = [*gpu_stats.DEFAULT_GROUPS, "fan", "memory_temperature"]
+    groups = [*DEFAULT_GROUPS, "fan", "memory_temperature"]
     plain = open_reader(fake, 0, groups)
     mig_handle = fake.nvmlDeviceGetMigDeviceHandleByIndex(fake.nvmlDeviceGetHandleByIndex(1), 0)
     mig = GpuReader(fake, mig_handle, "cuda1", groups)
@@ -288,7 +281,7 @@ def test_gpu_lost_mid_run_warns_once_and_the_others_continue(caplog) -> None:
     fake = FakeNvml([FakeGpu(util_gpu=30), FakeGpu(util_gpu=60).lose(at=2.0)], clock=clock)
     fake.nvmlInit()
     sampler = GpuSampler([open_reader(fake, 0), open_reader(fake, 1)], interval_s=1.0)
-    with caplog.at_level(logging.WARNING, logger=gpu_stats.__name__):
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
         sampler.set_phase(TRAIN)
         for _ in range(4):
             clock.advance(1)
@@ -326,6 +319,21 @@ def test_bad_arguments_fail_with_one_clear_line() -> None:
         GpuStatsMonitor(key_prefix="a/b")
 
 
+def test_device_uuids_is_not_in_the_users_yaml_but_an_override_still_reaches_it() -> None:
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from project.machinery.run.cli import config_dir
+    from project.machinery.run.preflight import check_targets
+
+    assert "device_uuids" not in (REPO / "configs" / "callbacks" / "gpu_stats.yaml").read_text()
+    uuid = "GPU-00000000-fa6e-4000-8000-000000000000"
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=[f"+callbacks.gpu_stats.device_uuids=['{uuid}']"])
+    check_targets(cfg.callbacks.gpu_stats, "callbacks.gpu_stats")  # the preflight accepts it
+    assert instantiate(cfg.callbacks.gpu_stats).device_uuids == [uuid]
+
+
 def test_too_few_device_uuids_is_a_clear_error(use_fake) -> None:
     fake = use_fake(FakeNvml(1))
     trainer = fake_trainer([torch.device("cpu"), torch.device("cpu")], world_size=2, local_rank=1)
@@ -338,12 +346,12 @@ def test_nvml_init_failure_is_one_line_and_nothing_else(use_fake, caplog) -> Non
     fake = use_fake(FakeNvml(1, init_error="driver_not_loaded"))
     trainer = fake_trainer([torch.device("cpu")])
     monitor = GpuStatsMonitor(device_uuids=[fake.gpus[0].uuid])
-    with caplog.at_level(logging.INFO, logger=gpu_stats.__name__):
+    with caplog.at_level(logging.INFO, logger=LOGGER):
         monitor.setup(trainer, None, "fit")
         monitor.on_train_epoch_start(trainer, None)
         monitor.on_train_epoch_end(trainer, None)  # would need pl_module.log if it were active
         monitor.teardown(trainer, None, "fit")
-    lines = [r for r in caplog.records if r.name == gpu_stats.__name__]
+    lines = [r for r in caplog.records if r.name.startswith(LOGGER)]
     assert len(lines) == 1 and "Driver Not Loaded" in lines[0].getMessage()
     assert fake.init_count == fake.shutdown_count == 0
 
@@ -504,7 +512,7 @@ def test_fit_with_gpu_lost_keeps_training(tmp_path, use_fake, caplog) -> None:
         def on_train_epoch_end(self, trainer, pl_module) -> None:
             fake.gpus[0].lose(at=clock.advance(1.0))
 
-    with caplog.at_level(logging.WARNING, logger=gpu_stats.__name__):
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
         trainer = fit(tmp_path, monitor, LoseAfterFirstEpoch(), epochs=3)
     assert trainer.current_epoch == 3  # every epoch ran
     rows = read_csv(tmp_path / "csv" / "version_0" / "metrics.csv")
@@ -517,10 +525,10 @@ def test_fit_with_gpu_lost_keeps_training(tmp_path, use_fake, caplog) -> None:
 
 def test_cpu_run_without_device_uuids_does_not_touch_nvml(tmp_path, use_fake, caplog) -> None:
     fake = use_fake(FakeNvml(1))
-    with caplog.at_level(logging.INFO, logger=gpu_stats.__name__):
+    with caplog.at_level(logging.INFO, logger=LOGGER):
         fit(tmp_path, GpuStatsMonitor(), epochs=1)
     assert fake.total_calls() == 0
-    (line,) = [r.getMessage() for r in caplog.records if r.name == gpu_stats.__name__]
+    (line,) = [r.getMessage() for r in caplog.records if r.name.startswith(LOGGER)]
     assert "uses no CUDA device" in line
 
 
@@ -576,11 +584,7 @@ def test_no_nvml_under_warnings_as_errors(tmp_path, variant) -> None:
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "FIT DONE" in output and "Traceback" not in output
-    ours = [
-        line
-        for line in output.splitlines()
-        if line.startswith("LOG project.machinery.gpu_stats.callback")
-    ]
+    ours = [line for line in output.splitlines() if line.startswith(f"LOG {LOGGER}")]
     assert len(ours) == 1, output
     if variant == "no-bindings":
         assert "not installed" in ours[0]

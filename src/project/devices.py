@@ -5,7 +5,7 @@ The listing lives in :mod:`project.machinery.gpus.listing`; this module only nam
 
 import sys
 
-from project.machinery.gpus.devices import main
+from project.machinery.gpus.listing import main
 
 if __name__ == "__main__":
     sys.exit(main())

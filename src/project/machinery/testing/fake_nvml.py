@@ -58,6 +58,7 @@ JSON schema (every key optional)::
       "compute_capability": [9, 0],
       "processes": [{"pid": 1234 | "self", "used_memory": SCRIPT}],   # "self": the caller's pid
       "mig": [GPU, ...],             # MIG children; their uuid should start with "MIG-"
+      "gpu_instance_id": 1, "compute_instance_id": 0,   # a MIG child's (default: slot + 1, 0)
       "failures": {METRIC: FAILURE},
       "lost_at": 12.5                # from t = 12.5 on every call on this GPU raises GpuIsLost
     }
@@ -142,6 +143,8 @@ FUNCTION_METRIC: dict[str, str] = {
     "nvmlDeviceGetMigMode": "mig",
     "nvmlDeviceGetMaxMigDeviceCount": "mig",
     "nvmlDeviceGetMigDeviceHandleByIndex": "mig",
+    "nvmlDeviceGetGpuInstanceId": "mig",
+    "nvmlDeviceGetComputeInstanceId": "mig",
     "nvmlDeviceGetCudaComputeCapability": "name",
 }
 METRICS = frozenset(FUNCTION_METRIC.values())
@@ -312,6 +315,8 @@ class FakeGpu:
     processes: list[FakeProcess] = field(default_factory=list)
     mig: list[FakeGpu] = field(default_factory=list)
     mig_capable: bool | None = None
+    gpu_instance_id: int | None = None
+    compute_instance_id: int = 0
     failures: dict[str, Failure] = field(default_factory=dict)
     lost_at: float | None = None
 
@@ -474,6 +479,8 @@ class FakeNvml:
                 child.pci_bus_id = gpu.pci_bus_id
                 if child.name == FakeGpu.name:
                     child.name = f"{gpu.name} MIG 1g.10gb"
+                if child.gpu_instance_id is None:
+                    child.gpu_instance_id = j + 1  # what the process list reports for the slice
 
     # ---------------------------------------------------------------- test hooks
     @property
@@ -647,9 +654,11 @@ class FakeNvml:
     @_api
     def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeHandle) -> list[SimpleNamespace]:
         gpu = self._read(handle, "nvmlDeviceGetComputeRunningProcesses")
-        owners = [(gpu, 0xFFFFFFFF)] + [(c, j + 1) for j, c in enumerate(gpu.mig)]
+        whole = 0xFFFFFFFF  # NVML's "no instance": a process on the GPU itself
+        owners = [(gpu, whole, whole)]
+        owners += [(c, c.gpu_instance_id, c.compute_instance_id) for c in gpu.mig]
         result = []
-        for owner, instance in owners:
+        for owner, instance, compute_instance in owners:
             for proc in owner.processes:
                 pid = os.getpid() if proc.pid == SELF_PID else proc.pid
                 result.append(
@@ -657,7 +666,7 @@ class FakeNvml:
                         pid=pid,
                         usedGpuMemory=int(self._value(proc.used_memory)),
                         gpuInstanceId=instance,
-                        computeInstanceId=0xFFFFFFFF if instance == 0xFFFFFFFF else 0,
+                        computeInstanceId=compute_instance,
                     )
                 )
         return result
@@ -792,6 +801,20 @@ class FakeNvml:
         return self._by_uuid[gpu.mig[index].uuid]  # type: ignore[index]
 
     @_api
+    def nvmlDeviceGetGpuInstanceId(self, handle: FakeHandle) -> int:
+        gpu = self._read(handle, "nvmlDeviceGetGpuInstanceId")
+        if handle.parent is None:
+            raise nvml_error("invalid_argument")  # a physical GPU has no instance id
+        return int(gpu.gpu_instance_id)  # type: ignore[arg-type]
+
+    @_api
+    def nvmlDeviceGetComputeInstanceId(self, handle: FakeHandle) -> int:
+        gpu = self._read(handle, "nvmlDeviceGetComputeInstanceId")
+        if handle.parent is None:
+            raise nvml_error("invalid_argument")
+        return int(gpu.compute_instance_id)
+
+    @_api
     def nvmlDeviceIsMigDeviceHandle(self, handle: FakeHandle) -> int:
         self._alive(handle, "nvmlDeviceIsMigDeviceHandle")
         return int(handle.parent is not None)
@@ -885,7 +908,10 @@ def load_scenario(text: str) -> FakeNvml:
                 f"{SCENARIO_ENV}={text!r} is neither inline JSON (starting with '{{') "
                 "nor the path of a JSON file"
             )
-        text = path.read_text()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"{SCENARIO_ENV}={str(path)!r} cannot be read ({err})") from err
     try:
         spec = json.loads(text)
     except json.JSONDecodeError as err:

@@ -1,0 +1,97 @@
+"""The end-of-``fit`` GPU report: each GPU over the whole run, as rows and as one Rich table."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+class RunSummary:
+    """What each GPU did over the training epochs of a run, from the gathered epoch figures."""
+
+    def __init__(self) -> None:
+        self._runs: dict[tuple[int, str], dict[str, float]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._runs)
+
+    def add_epoch(self, everyone: Sequence[dict[str, Any]]) -> None:
+        """Fold one training epoch (every rank's ``{"node", "gpus": {label: summary}}``) in."""
+        for payload in everyone:
+            for label, summary in payload.get("gpus", {}).items():
+                run = self._runs.setdefault((payload["node"], label), {})
+                samples = summary.get("samples", 0.0)
+                if "util_mean" in summary:
+                    run["util_weighted"] = (
+                        run.get("util_weighted", 0.0) + summary["util_mean"] * samples
+                    )
+                    run["util_samples"] = run.get("util_samples", 0.0) + samples
+                for key in ("mem_used_gib_max", "proc_mem_gib_max", "torch_peak_alloc_gib"):
+                    if key in summary:
+                        run[key] = max(run.get(key, 0.0), summary[key])
+                if "energy_j" in summary:
+                    run["energy_j"] = run.get("energy_j", 0.0) + summary["energy_j"]
+                if "sample_ms" in summary:
+                    run["sample_ms_weighted"] = (
+                        run.get("sample_ms_weighted", 0.0) + summary["sample_ms"] * samples
+                    )
+                run["samples"] = run.get("samples", 0.0) + samples
+
+    def rows(self, identities: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """One row per GPU; ``identities`` are every rank's setup reports (names, UUIDs)."""
+        names = {(p["node"], g["label"]): g for p in identities for g in p.get("gpus", [])}
+        rows = []
+        for (node, label), run in sorted(self._runs.items()):
+            ident = names.get((node, label), {})
+            samples = run.get("samples", 0.0)
+            rows.append(
+                {
+                    "gpu": f"node{node}/{label}",
+                    "name": ident.get("name", "?"),
+                    "uuid": ident.get("uuid", "?"),
+                    "util_mean": run["util_weighted"] / run["util_samples"]
+                    if run.get("util_samples")
+                    else None,
+                    "mem_used_gib_max": run.get("mem_used_gib_max"),
+                    "torch_peak_alloc_gib": run.get("torch_peak_alloc_gib"),
+                    "energy_j": run.get("energy_j"),
+                    "samples": int(samples),
+                    "sample_ms": run["sample_ms_weighted"] / samples if samples else None,
+                }
+            )
+        return rows
+
+
+def print_table(rows: Sequence[dict[str, Any]]) -> None:
+    """Print :meth:`RunSummary.rows` as one Rich table on the console."""
+    from rich.console import Console
+    from rich.table import Table
+
+    def fmt(value: float | None, spec: str) -> str:
+        return "n/a" if value is None else format(value, spec)
+
+    table = Table(title="GPU statistics over the run (training epochs)")
+    for column in (
+        "GPU",
+        "name",
+        "util %",
+        "peak mem GiB",
+        "torch peak GiB",
+        "energy kJ",
+        "samples",
+        "NVML ms/sample",
+    ):
+        table.add_column(column, justify="left" if column in ("GPU", "name") else "right")
+    for row in rows:
+        energy = None if row["energy_j"] is None else row["energy_j"] / 1000
+        table.add_row(
+            row["gpu"],
+            row["name"],
+            fmt(row["util_mean"], ".1f"),
+            fmt(row["mem_used_gib_max"], ".2f"),
+            fmt(row["torch_peak_alloc_gib"], ".2f"),
+            fmt(energy, ".2f"),
+            str(row["samples"]),
+            fmt(row["sample_ms"], ".2f"),
+        )
+    Console().print(table)
