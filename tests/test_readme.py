@@ -201,6 +201,8 @@ def test_layout_names_files_that_exist() -> None:
     checked = 0
     for line in listing.group(1).splitlines():
         indent = len(line) - len(line.lstrip())
+        if indent > 2:
+            continue  # a description running on from the line above
         match = re.match(r"[\w./-]+(?:, [\w./-]+)*", line.strip())
         if not match:
             continue
