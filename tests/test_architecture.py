@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import importlinter.cli
 import pytest
 from importlinter.cli import EXIT_STATUS_SUCCESS, lint_imports
 
@@ -23,6 +24,8 @@ def test_import_contract_is_kept(
 ) -> None:
     monkeypatch.chdir(PYPROJECT.parent)
     monkeypatch.setattr(sys, "path", list(sys.path))  # lint_imports prepends the cwd
+    # Its logging set-up is a dictConfig that disables every existing logger of this process.
+    monkeypatch.setattr(importlinter.cli, "_configure_logging", lambda verbose: None)
     status = lint_imports(
         config_filename=str(PYPROJECT), limit_to_contracts=(contract,), no_cache=True
     )
