@@ -13,8 +13,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from project.errors import ProjectError
+from project.machinery.gpus import claims, nvml
 from project.machinery.gpus import inventory as inventory_module
-from project.machinery.gpus import nvml
+from project.machinery.gpus.claims import SelectionPolicy
 from project.machinery.gpus.inventory import build_inventory, collect_inventory, read_nvml
 from project.machinery.gpus.records import Gpu, GpuProcess, Inventory, TorchCuda
 from project.machinery.gpus.resolve import (
@@ -87,7 +88,7 @@ def uuids(gpus):
 
 def test_read_nvml_reads_every_gpu_and_mig_slice(fake):
     gpus, driver, notes = read_nvml()
-    assert driver == "560.35.03" and notes == []
+    assert driver == "570.133.20" and notes == []
     assert uuids(gpus) == [UUID0, UUID1, UUID2, UUID3]
     g0 = gpus[0]
     assert (g0.memory_total_mib, g0.memory_used_mib, g0.memory_free_mib) == (81920, 0, 81920)
@@ -186,7 +187,8 @@ def test_a_mig_slice_lists_no_power_or_temperature_of_its_own(fake):
         ("GPU-cccc", [UUID2]),  # a unique UUID prefix
         (MIG31, [MIG31]),
         ("MIG-eeee", [MIG30]),
-        (f"1,{MIG30}", [UUID1, MIG30]),
+        (f"1,{MIG30}", [UUID1]),  # the first entry sets the list's kind (torch): MIG- ends it
+        (f"{MIG30},{MIG31}", [MIG30, MIG31]),  # two GPU instances: one MIG device each (R570+)
         ("0,2,-1,1", [UUID0, UUID2]),  # CUDA's documented example
         ("1,9,0", [UUID1]),  # out of range ends the list
         ("1,GPU-aaaa,2", [UUID1]),  # ambiguous prefix ends the list
@@ -197,7 +199,11 @@ def test_a_mig_slice_lists_no_power_or_temperature_of_its_own(fake):
         ("0,", [UUID0]),
         ("", []),
         ("0,1,0", []),  # a device named twice hides every device
-        (f"2,{UUID2}", []),
+        (f"2,{UUID2}", [UUID2]),  # a UUID in a list of indices ends it, as in torch
+        (f"{UUID2},0", [UUID2]),  # and an index in a list of UUIDs
+        (f"{UUID1}, {UUID0}", [UUID1]),  # torch compares UUID entries unstripped
+        (f" {UUID1}", []),  # ... and a blank first makes it a list of indices
+        ("+1", [UUID1]),  # strtoul takes a sign
     ],
 )
 def test_cuda_visible_devices(physical, value, expected):
@@ -211,8 +217,13 @@ def test_truncation_and_empty_value_are_explained(physical):
         "CUDA_VISIBLE_DEVICES entry '-1' names no GPU here; CUDA stops at the first invalid "
         "entry, so '-1,1' is ignored."
     ]
-    _, notes = apply_visible_devices(physical, "1,GPU-aaaa", "PCI_BUS_ID")
+    _, notes = apply_visible_devices(physical, f"{UUID2},GPU-aaaa", "PCI_BUS_ID")
     assert "matches more than one GPU" in notes[0]
+    _, notes = apply_visible_devices(physical, "1,GPU-aaaa", "PCI_BUS_ID")
+    assert notes == [
+        "CUDA_VISIBLE_DEVICES entry 'GPU-aaaa' is not of the list's kind (indices, set by its "
+        "first entry); CUDA stops at the first invalid entry, so 'GPU-aaaa' is ignored."
+    ]
     _, notes = apply_visible_devices(physical, "", "PCI_BUS_ID")
     assert notes == ["CUDA_VISIBLE_DEVICES is empty, which hides every GPU."]
 
@@ -235,6 +246,92 @@ def test_the_pre_r470_mig_form_is_matched_through_nvml(physical):
     ) == (2, 0)
     visible, _ = apply_visible_devices(physical, f"MIG-{UUID3}/2/0", "PCI_BUS_ID")
     assert uuids(visible) == [MIG31]
+
+
+def mig_slice(uuid: str, parent: str, gi: int, ci: int = 0) -> Gpu:
+    return Gpu(
+        uuid=uuid, name="slice", parent_uuid=parent, gpu_instance_id=gi, compute_instance_id=ci
+    )
+
+
+# NVML 0: a plain GPU; NVML 1: MIG mode, GPU instance 1 with two compute instances and GPU
+# instance 2; NVML 2: MIG mode, one GPU instance.
+MIG_MACHINE = [
+    Gpu(uuid="GPU-p", name="A100", nvml_index=0, pci_bus_id="00000000:17:00.0"),
+    Gpu(
+        uuid="GPU-a",
+        name="A100",
+        nvml_index=1,
+        pci_bus_id="00000000:27:00.0",
+        mig_enabled=True,
+        mig_devices=(
+            mig_slice("MIG-a1x", "GPU-a", 1),
+            mig_slice("MIG-a1y", "GPU-a", 1, 1),
+            mig_slice("MIG-a2", "GPU-a", 2),
+        ),
+    ),
+    Gpu(
+        uuid="GPU-b",
+        name="A100",
+        nvml_index=2,
+        pci_bus_id="00000000:37:00.0",
+        mig_enabled=True,
+        mig_devices=(mig_slice("MIG-b1", "GPU-b", 1),),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("driver", "value", "expected"),
+    [
+        # R570+: one compute instance per GPU instance, across GPUs; plain GPUs stay visible
+        ("570.133.20", None, ["GPU-p", "MIG-a1x", "MIG-a2", "MIG-b1"]),
+        (None, None, ["GPU-p", "MIG-a1x", "MIG-a2", "MIG-b1"]),  # unknown: today's rule
+        ("580.65.06", "MIG-a1y,MIG-a1x,MIG-b1", ["MIG-a1y", "MIG-b1"]),  # one CI of GI 1 of GPU a
+        ("570.133.20", "1,0", ["MIG-a1x", "MIG-a2", "GPU-p"]),
+        # before R570: one MIG device in all, and no plain GPU once a MIG device is shown
+        ("535.104.05", None, ["MIG-a1x"]),
+        ("535.104.05", "0,2", ["MIG-b1"]),
+        ("535.104.05", "MIG-b1,MIG-a2", ["MIG-b1"]),
+        ("535.104.05", "0", ["GPU-p"]),
+    ],
+)
+def test_mig_devices_follow_the_drivers_enumeration_rule(driver, value, expected):
+    visible, _ = apply_visible_devices(MIG_MACHINE, value, "PCI_BUS_ID", driver)
+    assert uuids(visible) == expected
+
+
+def test_a_mig_device_cuda_does_not_enumerate_is_explained():
+    _, notes = apply_visible_devices(MIG_MACHINE, None, "PCI_BUS_ID", "535.104.05")
+    assert notes == [
+        "driver 535.104.05 (before R570): CUDA enumerates one MIG device and no other GPU; "
+        "shown: MIG-a1x (the first in CUDA order; which one CUDA takes is not documented)."
+    ]
+    _, notes = apply_visible_devices(MIG_MACHINE, None, "PCI_BUS_ID", "570.133.20")
+    assert len(notes) == 1 and "not shown: MIG-a1y" in notes[0]
+
+
+def test_at_most_64_mig_devices_are_enumerated():
+    gpus = [
+        Gpu(
+            uuid=f"GPU-{i}",
+            name="A100",
+            nvml_index=i,
+            pci_bus_id=f"00000000:{i + 16:02X}:00.0",
+            mig_enabled=True,
+            mig_devices=tuple(mig_slice(f"MIG-{i}-{g}", f"GPU-{i}", g) for g in range(7)),
+        )
+        for i in range(10)
+    ]
+    visible, notes = apply_visible_devices(gpus, None, "PCI_BUS_ID", "570.133.20")
+    assert len(visible) == 64 and visible[-1].uuid == "MIG-9-0"
+    assert "at most 64 MIG devices" in notes[0]
+
+
+def test_inventory_applies_the_mig_rule_of_nvmls_driver(physical):
+    inv = build_inventory(physical, TorchCuda(), env={}, driver_version="535.104.05")
+    assert uuids(inv.visible) == [MIG30]
+    assert uuids(inv.hidden) == [UUID0, UUID1, UUID2]
 
 
 def test_pci_bus_order_follows_bus_ids_and_mixed_models_get_a_note():
@@ -508,12 +605,13 @@ def test_least_used_ties_go_to_the_lowest_index():
     ]
 
 
-def test_least_used_is_moot_when_all_gpus_are_wanted():
+def test_least_used_with_every_gpu_wanted_chooses_them_all_so_the_run_can_claim_them():
     inv = loaded_inventory({0: (40, 10)})
     environ: dict[str, str] = {}
     for devices in (3, -1, "auto"):
         plan = resolve_devices("gpu", devices, select="least_used", inventory=inv, environ=environ)
-        assert plan.devices == devices and plan.selected is None and plan.handoff is None
+        assert plan.devices == [0, 1, 2] and plan.selected == (0, 1, 2)
+        assert json.loads(plan.handoff)["request"] == "devices=3 CUDA_VISIBLE_DEVICES=0,1,2"
     assert environ == {}
 
 
@@ -629,15 +727,22 @@ def test_torch_without_uuids_falls_back_to_the_env_rules(physical):
 # ------------------------------------------------------------------------- once per process
 
 
+FAST = SelectionPolicy(util_window_s=0.01)
+
+
 @pytest.fixture
-def machine(monkeypatch):
-    """A fresh fake NVML with three idle GPUs and torch pretending to see them all."""
+def machine(monkeypatch, tmp_path):
+    """A fresh fake NVML with three idle GPUs and torch pretending to see them all; GPU claims
+    in a lock directory of the test's own."""
     lib = make_fake({0: (40, 10)})
     nvml.use_library(lib)
+    claims.finish_job()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.setattr(inventory_module, "probe_torch", lambda uuids=True: TorchCuda(True, 3))
     for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LOCAL_RANK", SELECTION_ENV):
         monkeypatch.delenv(name, raising=False)
     yield lib
+    claims.finish_job()
     nvml.use_library(None)
 
 
@@ -651,7 +756,7 @@ def compose_train(*overrides: str):
 
 
 @pytest.mark.parametrize("select", ["first", "least_used"])
-def test_preflight_then_the_run_read_nvml_once_and_only_the_run_hands_over(machine, select):
+def test_preflight_reads_nvml_once_and_only_the_run_measures_claims_and_hands_over(machine, select):
     from project.machinery.run.preflight import check_config
 
     cfg = compose_train("trainer.accelerator=gpu", "trainer.devices=2", f"select_gpus={select}")
@@ -660,19 +765,36 @@ def test_preflight_then_the_run_read_nvml_once_and_only_the_run_hands_over(machi
     check_config(cfg)  # the preflight Hydra callback
     check_config(cfg)  # again in the job
     assert ours() == before  # a check changes nothing (importing Lightning sets its own vars)
-    environ: dict[str, str] = {}
-    plan = resolve_for_run("gpu", 2, select=select, environ=environ)
     assert machine.calls["nvmlInit"] == machine.calls["nvmlDeviceGetCount"] == 1
+    assert claims.claimed_uuids() == ()
+    environ: dict[str, str] = {}
+    plan = resolve_for_run("gpu", 2, select=select, policy=FAST, environ=environ)
     # a plain request reads no load; neither reads temperatures or process names
     assert ("nvmlDeviceGetMemoryInfo" in machine.calls) == (select == "least_used")
     assert not {"nvmlDeviceGetTemperature", "nvmlDeviceGetComputeRunningProcesses"} & set(
         machine.calls
     )
     if select == "least_used":
+        assert machine.calls["nvmlInit"] == 2  # the run measures afresh, over a window
         assert plan.devices == [1, 2] and json.loads(environ[SELECTION_ENV])["gpus"] == [1, 2]
+        assert set(claims.claimed_uuids()) == {UUID1, UUID2}
     else:
-        assert plan.devices == 2 and environ == {}
+        assert machine.calls["nvmlInit"] == 1
+        assert plan.devices == 2 and environ == {} and claims.claimed_uuids() == ()
     assert machine.balanced
+
+
+def test_the_end_of_a_job_gives_back_its_gpus_and_the_next_job_measures_anew(machine):
+    assert resolve_for_run("gpu", 1, select="least_used", policy=FAST, environ={}).devices == [1]
+    assert claims.claimed_uuids() == (UUID1,)
+    # Between two jobs of a sweep the load moves: GPU 1 fills up.
+    machine.gpus[1].memory_used = 70 * GIB
+    assert resolve_devices("gpu", 1, select="least_used", environ={}).devices == [1]  # cached
+    claims.finish_job()  # what the Hydra entry point does after every job
+    assert claims.claimed_uuids() == ()
+    assert resolve_devices("gpu", 1, select="least_used", environ={}).devices == [2]
+    assert resolve_for_run("gpu", 1, select="least_used", policy=FAST, environ={}).devices == [2]
+    assert claims.claimed_uuids() == (UUID2,)
 
 
 def test_the_cached_reading_follows_cuda_visible_devices_and_upgrades_its_detail(

@@ -1,8 +1,8 @@
 """Run ``project.devices`` and nvitop on the same faked GPUs and print where they differ.
 
-Issue #10, item 10 asks whether ``project/devices.py`` should give way to nvitop (which re-exports
+Issue #10, item 10 asks whether the GPU code (now ``project.machinery.gpus``) should give way to nvitop (which re-exports
 ``parse_cuda_visible_devices``, ``Device``/``CudaDevice`` and ``select_devices``). This script is
-the evidence: both implementations read the *same* :class:`project.testing.fake_nvml.FakeNvml`, so
+the evidence: both implementations read the *same* :class:`project.machinery.testing.fake_nvml.FakeNvml`, so
 every difference in the tables is a difference in rules, not in data. ``docs/design/notes.md``
 records the decisions; ``nvitop_comparison.txt`` beside this file is its output.
 
@@ -39,9 +39,9 @@ How nvitop is pointed at the fake (least invasive way found):
 * nvitop caches the physical-device list and the parse results; both caches and libnvml's
   "initialised" flag are reset for each fake machine.
 
-The fake in the project has no ``nvmlDeviceGetGpuInstanceId``/``nvmlDeviceGetComputeInstanceId``;
-:class:`FakeWithInstanceIds` below adds them, otherwise neither side could resolve the legacy
-``MIG-GPU-<uuid>/<gi>/<ci>`` form.
+The MIG slices carry GPU/compute instance ids (the fake's ``gpu_instance_id``/
+``compute_instance_id``), which the legacy ``MIG-GPU-<uuid>/<gi>/<ci>`` form needs. Our MIG rule
+follows NVML's driver version, so the MIG section runs twice: an R570 driver and an R535 one.
 """
 
 from __future__ import annotations
@@ -89,10 +89,10 @@ def _merged(*names: str) -> SimpleNamespace:
 nvml = _first_module("project.machinery.gpus.nvml", "project.nvml")
 fake_nvml = _first_module("project.machinery.testing.fake_nvml", "project.testing.fake_nvml")
 devices = _merged(
-    "project.machinery.gpus.devices",
+    "project.machinery.gpus.inventory",
+    "project.machinery.gpus.records",
+    "project.machinery.gpus.resolve",
     "project.machinery.gpus.visible",
-    "project.machinery.gpus.reader",
-    "project.machinery.gpus.selection",
     "project.devices",
 )
 
@@ -105,22 +105,6 @@ libnvml.LOGGER.setLevel(logging.CRITICAL)
 
 # --------------------------------------------------------------------------------------------
 # The fake, and pointing both implementations at it
-
-
-class FakeWithInstanceIds(FakeNvml):
-    """FakeNvml plus the GPU/compute instance ids of MIG children (``child.gi``/``child.ci``)."""
-
-    @fake_nvml._api
-    def nvmlDeviceGetGpuInstanceId(self, handle: Any) -> int:
-        if handle.parent is None:
-            raise fake_nvml.nvml_error("invalid_argument")
-        return handle.gpu.gi
-
-    @fake_nvml._api
-    def nvmlDeviceGetComputeInstanceId(self, handle: Any) -> int:
-        if handle.parent is None:
-            raise fake_nvml.nvml_error("invalid_argument")
-        return handle.gpu.ci
 
 
 _OWN = {
@@ -181,18 +165,22 @@ UUIDS = [
 ]
 
 
-def four_gpus(**per_gpu: list[Any]) -> FakeWithInstanceIds:
+def four_gpus(**per_gpu: list[Any]) -> FakeNvml:
     gpus = []
     for i, uuid in enumerate(UUIDS):
         extra = {k: v[i] for k, v in per_gpu.items()}
         gpus.append(FakeGpu(uuid=uuid, pci_bus_id=f"00000000:{0x17 + 0x10 * i:02X}:00.0", **extra))
-    return FakeWithInstanceIds(gpus)
+    return FakeNvml(gpus)
 
 
 def mig(gi: int, ci: int, uuid: str) -> FakeGpu:
-    child = FakeGpu(name="NVIDIA A100-SXM4-80GB MIG 1g.10gb", uuid=uuid, memory_total=10 * GIB)
-    child.gi, child.ci = gi, ci  # read by FakeWithInstanceIds
-    return child
+    return FakeGpu(
+        name="NVIDIA A100-SXM4-80GB MIG 1g.10gb",
+        uuid=uuid,
+        memory_total=10 * GIB,
+        gpu_instance_id=gi,
+        compute_instance_id=ci,
+    )
 
 
 MIG_UUIDS = [
@@ -203,9 +191,10 @@ MIG_UUIDS = [
 ]
 
 
-def mig_machine() -> FakeWithInstanceIds:
+def mig_machine(driver: str = "570.133.20") -> FakeNvml:
+    """``driver`` decides our MIG rule (R570+: one CI per GI; before: one MIG device in all)."""
     a100 = "NVIDIA A100-SXM4-80GB"
-    return FakeWithInstanceIds(
+    return FakeNvml(
         [
             FakeGpu(
                 name=a100, uuid=UUIDS[0], mig=[mig(1, 0, MIG_UUIDS[0]), mig(2, 0, MIG_UUIDS[1])]
@@ -214,18 +203,19 @@ def mig_machine() -> FakeWithInstanceIds:
             FakeGpu(
                 name=a100, uuid=UUIDS[3], mig=[mig(3, 0, MIG_UUIDS[2]), mig(3, 1, MIG_UUIDS[3])]
             ),
-        ]
+        ],
+        driver_version=driver,
     )
 
 
-def mixed_machine(swap_bus: bool = False) -> FakeWithInstanceIds:
+def mixed_machine(swap_bus: bool = False) -> FakeNvml:
     """NVML GPU 0 is a T4, GPU 1 an H100 (the faster one); ``swap_bus`` puts GPU 1 first on PCI."""
     buses = (
         ["00000000:27:00.0", "00000000:17:00.0"]
         if swap_bus
         else ["00000000:17:00.0", "00000000:27:00.0"]
     )
-    return FakeWithInstanceIds(
+    return FakeNvml(
         [
             FakeGpu(name="Tesla T4", uuid=UUIDS[0], pci_bus_id=buses[0], memory_total=16 * GIB),
             FakeGpu(name="NVIDIA H100 80GB HBM3", uuid=UUIDS[2], pci_bus_id=buses[1]),
@@ -242,8 +232,8 @@ def nvml_key(gpu: devices.Gpu) -> int | tuple[int, int]:
 
 
 def ours_parse(cvd: str | None, order: str | None) -> tuple[list[Any], list[str]]:
-    physical, _driver, _notes = devices.read_nvml()
-    visible, notes = devices.apply_visible_devices(physical, cvd, order)
+    physical, driver, _notes = devices.read_nvml()
+    visible, notes = devices.apply_visible_devices(physical, cvd, order, driver)
     return [nvml_key(g) for g in visible], notes
 
 
@@ -624,7 +614,7 @@ def selection() -> str:
             "(unset)",
             "2",
             "-",
-            fmt(ours) + " (of our 5-entry listing)",
+            f"{fmt(ours)} (of our {len(inv.visible)}-entry listing)",
             fmt(physical),
             "-",
             "nvitop: 1 < min_count, no error",
@@ -663,14 +653,16 @@ def main() -> int:
     )
     print("Indices are NVML indices: N for a GPU, (N,M) for MIG device M of GPU N.\n")
     print(run_parse_cases("1a. Four plain GPUs of one model", four_gpus, PLAIN_CASES), "\n")
-    print(
-        run_parse_cases(
-            "1b. MIG: GPU0 MIG on (GI1, GI2), GPU1 MIG off, GPU2 MIG on (GI3 with CI0 and CI1)",
-            mig_machine,
-            MIG_CASES,
-        ),
-        "\n",
-    )
+    for driver in ("570.133.20", "535.104.05"):
+        print(
+            run_parse_cases(
+                "1b. MIG: GPU0 MIG on (GI1, GI2), GPU1 MIG off, GPU2 MIG on (GI3 with CI0 and "
+                f"CI1); NVML driver {driver}",
+                lambda driver=driver: mig_machine(driver),
+                MIG_CASES,
+            ),
+            "\n",
+        )
     print(
         run_parse_cases(
             "1c. Mixed models: NVML GPU0 = T4 (bus 17), GPU1 = H100 (bus 27)",

@@ -9,8 +9,8 @@ NVML is read at the detail the caller needs, no more:
 * ``"load"``: also memory and utilisation (``select_gpus=least_used``);
 * ``"full"``: also temperature, power and processes with their names (the listing).
 
-:func:`cached_inventory` is the one device resolution uses: NVML is read once per process, however
-often the devices are resolved (preflight, each job, ``train``, ``strategy=dp``).
+:func:`cached_inventory` is the one device resolution uses: NVML is read once per job, however
+often the devices are resolved (preflight, the job, ``train``, ``strategy=dp``).
 
 Importing this module is cheap (no torch, no Lightning, no Rich): torch is imported inside the
 functions that need it, so ``python -m project.devices`` answers quickly.
@@ -243,7 +243,7 @@ def build_inventory(
         visible, extra = _map_by_torch_uuid(physical, torch_info)
         mapping = "torch-uuid"
     else:
-        visible, extra = apply_visible_devices(physical, cvd, order)
+        visible, extra = apply_visible_devices(physical, cvd, order, driver_version)
         mapping = "env-rules" if visible else "none"
         if torch_info.available and torch_info.device_count != len(visible):
             extra.append(
@@ -286,16 +286,16 @@ _last: tuple[Any, str, Any] | None = None
 
 
 def cached_inventory(detail: str = IDENTITY) -> Inventory:
-    """The inventory device resolution uses, NVML read once per process.
+    """The inventory device resolution uses, NVML read once per job.
 
-    The NVML reading is kept for the life of the process and reused by every later call that
-    needs no more ``detail`` than it holds; a call that needs more reads again (and keeps that).
-    NVML's list of physical GPUs does not depend on ``CUDA_VISIBLE_DEVICES``, so only torch's
-    count (cheap, and cached by torch) and the environment are looked at afresh each call: the
-    result always reflects the current ``CUDA_VISIBLE_DEVICES``. Load readings are therefore those
-    of the first ``select_gpus=least_used`` resolution: the jobs of a sweep choose from the same
-    figures. A different NVML library (a fake installed by a test or demo) is read afresh. CUDA
-    stays uninitialised (see :func:`probe_torch`).
+    The NVML reading is kept until :func:`forget_readings` (called at the end of every job, so
+    each job of a sweep measures anew) and reused by every later call that needs no more
+    ``detail`` than it holds; a call that needs more reads again (and keeps that). NVML's list of
+    physical GPUs does not depend on ``CUDA_VISIBLE_DEVICES``, so only torch's count (cheap, and
+    cached by torch) and the environment are looked at afresh each call: the result always
+    reflects the current ``CUDA_VISIBLE_DEVICES``. A different NVML library (a fake installed by a
+    test or demo) is read afresh. CUDA stays uninitialised (see :func:`probe_torch`). The load a
+    run waits on and claims by is measured afresh (:mod:`project.machinery.gpus.claims`).
     """
     global _last
     torch_info = probe_torch(uuids=False)
@@ -314,6 +314,12 @@ def cached_inventory(detail: str = IDENTITY) -> Inventory:
         return build_inventory(None, torch_info, nvml_reason=reading)
     physical, driver, notes = reading
     return build_inventory(physical, torch_info, driver_version=driver, notes=notes)
+
+
+def forget_readings() -> None:
+    """Drop the reading :func:`cached_inventory` keeps: the next call reads NVML again."""
+    global _last
+    _last = None
 
 
 def _answers(held: tuple[Any, str, Any] | None, lib: Any, detail: str) -> bool:

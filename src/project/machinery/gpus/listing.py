@@ -1,18 +1,35 @@
-"""``python -m project.devices [--json]``: the GPUs this process may use, as ``cuda:N``.
+"""``python -m project.devices [--json] [--watch [SECONDS]]``: the GPUs this process may use, as
+``cuda:N``, once or refreshed in place.
 
 The one place that reads NVML in full (load, temperature, power, processes with their names):
-device resolution reads only what it needs (:mod:`project.machinery.gpus.inventory`).
+device resolution reads only what it needs (:mod:`project.machinery.gpus.inventory`). ``--watch``
+asks torch once and reads NVML once per refresh (one session), so a refresh stays cheap.
+
+Why not nvitop's TUI: it numbers GPUs by NVML index, not as ``cuda:N`` for this process, and
+cannot be pointed at the fake NVML (docs/design/notes.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
+import math
+import sys
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from project.machinery.gpus.inventory import collect_inventory
-from project.machinery.gpus.records import Gpu, Inventory
+from project.machinery.gpus import nvml
+from project.machinery.gpus.inventory import (
+    build_inventory,
+    collect_inventory,
+    probe_torch,
+    read_nvml,
+)
+from project.machinery.gpus.records import Gpu, Inventory, TorchCuda
+
+DEFAULT_WATCH_S = 2.0
+MIN_WATCH_S = 0.1
 
 JSON_SCHEMA_VERSION = 1
 """Bumped whenever a key of ``python -m project.devices --json`` changes meaning or goes away."""
@@ -103,25 +120,27 @@ _MAPPING_TEXT = {
 }
 
 
-def render(inv: Inventory, console: Any) -> None:
-    """Print the human listing on a Rich ``console``."""
+def listing(inv: Inventory, header: str | None = None) -> Any:
+    """The human listing as one Rich renderable (printed once, or refreshed by ``--watch``)."""
+    from rich.console import Group
     from rich.table import Table
+    from rich.text import Text
 
+    parts: list[Any] = [Text(header)] if header else []
     if not inv.visible:
-        console.print(inv.summary(), highlight=False, soft_wrap=True)
-        return
+        return Group(*parts, Text(inv.summary()))
     if inv.torch.available:
         built = f"torch CUDA {inv.torch.version}, " if inv.torch.version else ""
         cuda = f"yes ({built}{inv.torch.device_count} device(s))"
     else:
         cuda = "no (training will use the CPU)"
-    console.print(f"CUDA available: {cuda}", highlight=False)
-    console.print(
-        f"NVML driver {inv.driver_version or '?'}; CUDA_VISIBLE_DEVICES="
-        f"{'(unset)' if inv.cuda_visible_devices is None else repr(inv.cuda_visible_devices)}; "
-        f"CUDA_DEVICE_ORDER={inv.cuda_device_order}; {_MAPPING_TEXT[inv.mapping]}",
-        highlight=False,
-        soft_wrap=True,
+    parts.append(Text(f"CUDA available: {cuda}"))
+    parts.append(
+        Text(
+            f"NVML driver {inv.driver_version or '?'}; CUDA_VISIBLE_DEVICES="
+            f"{'(unset)' if inv.cuda_visible_devices is None else repr(inv.cuda_visible_devices)}; "
+            f"CUDA_DEVICE_ORDER={inv.cuda_device_order}; {_MAPPING_TEXT[inv.mapping]}"
+        )
     )
     table = Table(title=inv.summary(), title_justify="left")
     for column in ("cuda", "nvml", "name", "uuid", "memory", "util", "temp", "power", "processes"):
@@ -144,23 +163,95 @@ def render(inv: Inventory, console: Any) -> None:
             power,
             _procs(g),
         )
-    console.print(table)
+    parts.append(table)
     for g in inv.hidden:
-        console.print(
-            f"not visible to CUDA here: NVML GPU {g.nvml_index} {g.name} {g.uuid}", highlight=False
-        )
+        parts.append(Text(f"not visible to CUDA here: NVML GPU {g.nvml_index} {g.name} {g.uuid}"))
     for note in inv.notes:
-        console.print(f"note: {note}", highlight=False)
+        parts.append(Text(f"note: {note}"))
+    return Group(*parts)
+
+
+def render(inv: Inventory, console: Any) -> None:
+    """Print the human listing on a Rich ``console``."""
+    from rich.text import Text
+
+    for part in listing(inv).renderables:
+        console.print(part, highlight=False, soft_wrap=isinstance(part, Text))
+
+
+def watch_seconds(text: str) -> float:
+    """argparse type of ``--watch SECONDS``: a finite number >= 0.1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= MIN_WATCH_S):
+        raise argparse.ArgumentTypeError(
+            f"SECONDS={text!r} is invalid; expected a number of seconds >= {MIN_WATCH_S}"
+        )
+    return value
+
+
+def snapshots(torch_info: TorchCuda) -> Iterator[Inventory]:
+    """Inventories read afresh, one per ``next()``: NVML once each, torch's answer reused."""
+    while True:
+        try:
+            physical, driver, notes = read_nvml()
+        except nvml.NvmlUnavailable as err:
+            yield build_inventory(None, torch_info, nvml_reason=str(err))
+            continue
+        yield build_inventory(physical, torch_info, driver_version=driver, notes=notes)
+
+
+def watch(seconds: float, as_json: bool, console: Any = None) -> int:
+    """Refresh the listing every ``seconds`` until Ctrl-C (exit 0): a Rich table redrawn in place
+    on ``console`` (default: stdout), or with ``as_json`` one JSON document per line (the
+    ``--json`` schema plus ``time``, Unix seconds)."""
+    try:
+        inventories = snapshots(probe_torch())
+        if as_json:
+            for inv in inventories:
+                print(json.dumps({**inventory_to_json(inv), "time": time.time()}), flush=True)
+                time.sleep(seconds)
+        _watch_table(inventories, seconds, console)
+    except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:  # ``... --json --watch | head``: the reader left; so do we, quietly
+        sys.stdout = None  # type: ignore[assignment]  # nothing left to flush at exit
+    return 0
+
+
+def _watch_table(inventories: Iterator[Inventory], seconds: float, console: Any) -> None:
+    from rich.console import Console
+    from rich.live import Live
+
+    with Live(console=console or Console(), auto_refresh=False) as live:
+        for inv in inventories:
+            header = f"{time.strftime('%H:%M:%S')}  every {seconds:g} s; Ctrl-C to quit"
+            live.update(listing(inv, header), refresh=True)
+            time.sleep(seconds)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m project.devices [--json]``: list the GPUs this process may use."""
+    """``python -m project.devices [--json] [--watch [SECONDS]]``: list the GPUs this process may
+    use, once or until Ctrl-C."""
     parser = argparse.ArgumentParser(
         prog="python -m project.devices",
         description="List the GPUs this process may use (as cuda:N), their load and processes.",
     )
     parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+    parser.add_argument(
+        "--watch",
+        nargs="?",
+        const=DEFAULT_WATCH_S,
+        type=watch_seconds,
+        metavar="SECONDS",
+        help=f"refresh every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C; with --json, "
+        "one JSON document per line",
+    )
     args = parser.parse_args(argv)
+    if args.watch is not None:
+        return watch(args.watch, args.json)
     inv = collect_inventory()
     if args.json:
         print(json.dumps(inventory_to_json(inv), indent=2))

@@ -1,11 +1,19 @@
 """The GPU records: what NVML and torch say about the GPUs, as plain frozen data.
 
-Shared by every module of :mod:`project.machinery.gpus`; no NVML, no torch here.
+Shared by every module of :mod:`project.machinery.gpus`; no NVML, no torch here. Also the one
+error of device resolution and claiming, :class:`DeviceError`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from project.errors import ProjectError
+
+
+class DeviceError(ProjectError, ValueError):
+    """The requested accelerator/devices cannot be satisfied; the message is one line naming what
+    was asked and what exists."""
 
 
 @dataclass(frozen=True)

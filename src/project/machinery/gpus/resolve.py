@@ -7,9 +7,11 @@ GPUs with the most free memory (then the lowest utilisation, then the lowest ind
 DDP rank agree on that choice.
 
 :func:`resolve_devices` decides and changes nothing, so preflight checks may call it freely;
-:func:`resolve_for_run` is what ``train``/``eval`` call where the run starts: it also hands rank 0's
-``least_used`` choice to the DDP ranks Lightning is about to launch. Both read NVML through
-:func:`~project.machinery.gpus.inventory.cached_inventory`, once per process, and only for a GPU
+:func:`resolve_for_run` is what ``train``/``eval`` call where the run starts: for ``least_used`` it
+measures the GPUs afresh, waits for enough of them to qualify and claims them
+(:mod:`project.machinery.gpus.claims`), and hands rank 0's choice to the DDP ranks Lightning is
+about to launch. Both read the GPU list through
+:func:`~project.machinery.gpus.inventory.cached_inventory`, once per job, and only for a GPU
 request: ``accelerator=cpu`` (or ``mps``, ...) never touches NVML.
 """
 
@@ -22,9 +24,10 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from project.errors import ProjectError
+from project.machinery.gpus import claims
+from project.machinery.gpus.claims import rank_by_load
 from project.machinery.gpus.inventory import IDENTITY, LOAD, cached_inventory
-from project.machinery.gpus.records import Gpu, Inventory, no_gpu_reason
+from project.machinery.gpus.records import DeviceError, Gpu, Inventory, no_gpu_reason
 
 SELECTION_ENV = "PROJECT_GPU_SELECTION"
 """Environment variable through which DDP rank 0 hands its ``least_used`` choice to the other
@@ -32,11 +35,6 @@ ranks (Lightning's subprocess launcher re-runs the command line; children inheri
 
 SELECT_CHOICES = ("first", "least_used")
 """Accepted values of ``select`` (config key ``select_gpus``)."""
-
-
-class DeviceError(ProjectError, ValueError):
-    """The requested accelerator/devices cannot be satisfied; the message is one line naming what
-    was asked and what exists."""
 
 
 @dataclass(frozen=True)
@@ -139,9 +137,9 @@ def resolve_devices(
     * ``accelerator="gpu"``/``"cuda"`` without one, more GPUs than exist, or an index that does not
       exist → :class:`DeviceError` (one line: what was asked, what exists).
     * ``accelerator="cpu"``: ``devices=N`` means N processes (Lightning's meaning) and is allowed.
-    * ``select="least_used"`` with ``devices=N`` (fewer than all GPUs): the N GPUs with the most
-      free memory, then the lowest utilisation, then the lowest index, handed over as a sorted list
-      of indices. The plan's ``handoff`` records the choice for the DDP ranks; a DDP child started
+    * ``select="least_used"`` with ``devices=N`` (or all: ``-1``, ``"auto"``): the N GPUs with the
+      most free memory, then the lowest utilisation, then the lowest index, handed over as a sorted
+      list of indices (all GPUs too: :func:`resolve_for_run` claims them). The plan's ``handoff`` records the choice for the DDP ranks; a DDP child started
       by Lightning (``LOCAL_RANK`` set) finds rank 0's record in ``environ[SELECTION_ENV]`` and
       reuses it instead of measuring again, so all ranks agree.
 
@@ -181,13 +179,20 @@ def resolve_devices(
                 f"but {_describe_visible(inv)}"
             )
         return DevicePlan(accelerator, wanted, gpus=_gpus_at(inv, wanted))
+    if select == "least_used":
+        if wanted not in ("auto", -1) and wanted > count:
+            raise DeviceError(
+                f"devices={wanted} asks for {wanted} GPUs, but {_describe_visible(inv)}"
+            )
+        number = count if wanted in ("auto", -1) else wanted
+        return _least_used_plan(
+            accelerator, number, inv, os.environ if environ is None else environ
+        )
     if wanted in ("auto", -1):
         return DevicePlan(accelerator, wanted, gpus=inv.visible[:count])
     if wanted > count:
         raise DeviceError(f"devices={wanted} asks for {wanted} GPUs, but {_describe_visible(inv)}")
-    if select == "first" or wanted == count:
-        return DevicePlan(accelerator, wanted, gpus=inv.visible[:wanted])
-    return _least_used_plan(accelerator, wanted, inv, os.environ if environ is None else environ)
+    return DevicePlan(accelerator, wanted, gpus=inv.visible[:wanted])
 
 
 def resolve_for_run(
@@ -195,16 +200,28 @@ def resolve_for_run(
     devices: Any = "auto",
     *,
     select: str = "first",
+    policy: claims.SelectionPolicy | None = None,
     environ: MutableMapping[str, str] | None = None,
 ) -> DevicePlan:
-    """:func:`resolve_devices` for the run that starts now: rank 0's ``least_used`` choice goes
-    into ``environ[SELECTION_ENV]`` (default ``os.environ``), which the DDP ranks Lightning launches
-    inherit. The one place the resolution changes anything, so that checks before the run have no
-    side effects."""
+    """:func:`resolve_devices` for the run that starts now; the one place the resolution changes
+    anything, so that checks before the run have no side effects.
+
+    With ``select="least_used"``, rank 0 measures the GPUs afresh, waits for enough of them to
+    qualify under ``policy`` (thresholds, wait; default: none) and claims them for the life of the
+    run (:func:`~project.machinery.gpus.claims.wait_and_claim`; time-out: :class:`DeviceError`);
+    its choice goes into ``environ[SELECTION_ENV]`` (default ``os.environ``), which the DDP ranks
+    Lightning launches inherit. GPUs an earlier run of this process claimed are given back first:
+    a process runs one run at a time."""
     environ = os.environ if environ is None else environ
+    claims.release_claims()
     plan = resolve_devices(accelerator, devices, select=select, environ=environ)
-    if plan.handoff is not None:
-        environ[SELECTION_ENV] = plan.handoff
+    if plan.handoff is None:
+        return plan
+    inv = cached_inventory(IDENTITY)
+    count = len(plan.selected or ())
+    chosen, message = claims.wait_and_claim(inv, count, policy or claims.SelectionPolicy())
+    plan = _rank0_plan(plan.accelerator, chosen, message, inv, count)
+    environ[SELECTION_ENV] = plan.handoff  # type: ignore[assignment]
     return plan
 
 
@@ -228,21 +245,6 @@ def _gpus_at(inv: Inventory, indices: Sequence[int]) -> tuple[Gpu, ...]:
 
 # --------------------------------------------------------------------------------------------
 # select_gpus=least_used
-
-
-def rank_by_load(gpus: Sequence[Gpu]) -> list[int]:
-    """Indices of ``gpus`` (``cuda:N`` positions), best first: most free memory, then lowest
-    utilisation, then lowest index. Unknown values rank after known ones.
-
-    Why not nvitop's ``select_devices``: it breaks ties by the highest index and ranks a GPU whose
-    memory reading failed first (docs/design/notes.md)."""
-
-    def key(i: int) -> tuple[bool, int, bool, int, int]:
-        g = gpus[i]
-        free, util = g.memory_free_mib, g.utilization_percent
-        return (free is None, -(free or 0), util is None, util or 0, i)
-
-    return sorted(range(len(gpus)), key=key)
 
 
 def select_least_used(gpus: Sequence[Gpu], count: int) -> list[int]:
@@ -298,7 +300,14 @@ def _least_used_plan(
             f"select_gpus=least_used picked {', '.join(f'cuda:{i}' for i in chosen)} of "
             f"{len(candidates)} (most free memory, then lowest utilisation)"
         )
-    handoff = json.dumps({"pid": os.getpid(), "request": key, "gpus": chosen})
+    return _rank0_plan(accelerator, chosen, message, inv, count)
+
+
+def _rank0_plan(
+    accelerator: Any, chosen: list[int], message: str, inv: Inventory, count: int
+) -> DevicePlan:
+    """Rank 0's choice, with the record its DDP ranks will find in ``SELECTION_ENV``."""
+    handoff = json.dumps({"pid": os.getpid(), "request": _request_key(count, inv), "gpus": chosen})
     return DevicePlan(accelerator, chosen, message, tuple(chosen), _gpus_at(inv, chosen), handoff)
 
 

@@ -38,8 +38,8 @@ JSON schema (every key optional)::
 
     {
       "gpus": 2  |  [GPU, ...],      # a number means that many default GPUs
-      "driver_version": "560.35.03",
-      "cuda_driver_version": 12060,
+      "driver_version": "570.133.20",  # < 570: CUDA's older MIG rule (one MIG device in all)
+      "cuda_driver_version": 12080,
       "call_cost_s": 0.0003,         # every NVML call sleeps this long (benchmarks)
       "init_error": null | "library_not_found" | "driver_not_loaded" | ...   # nvmlInit fails
     }
@@ -60,7 +60,10 @@ JSON schema (every key optional)::
       "mig": [GPU, ...],             # MIG children; their uuid should start with "MIG-"
       "gpu_instance_id": 1, "compute_instance_id": 0,   # a MIG child's (default: slot + 1, 0)
       "failures": {METRIC: FAILURE},
-      "lost_at": 12.5                # from t = 12.5 on every call on this GPU raises GpuIsLost
+      "lost_at": 12.5,               # from t = 12.5 on every call on this GPU raises GpuIsLost
+      "gpm": {METRIC: SCRIPT} | null # GPM (Hopper+) metrics in percent, by pynvml name without
+                                     # NVML_GPM_METRIC_ (SM_UTIL, SM_OCCUPANCY, ANY_TENSOR_UTIL,
+                                     # DRAM_BW_UTIL, FP16_UTIL, ...); null (default): no GPM
     }
     SCRIPT  = number | [[t0, v0], [t1, v1], ...]   # steps: v0 from t0 (and before), v1 from t1 ...
     FAILURE = "not_supported" | {"error": "gpu_is_lost", "from": 3.0}
@@ -71,7 +74,7 @@ In Python a SCRIPT may also be a callable ``f(t) -> value``.
 
 METRIC names for failures (a pynvml function name works too, for a failure of that one call):
 ``name uuid index pci memory utilization temperature memory_temperature power power_limit
-energy clock throttle fan pcie ecc processes mig``. MIG children answer ``utilization``,
+energy clock throttle fan pcie ecc processes mig gpm``. MIG children answer ``utilization``,
 ``temperature``, ``power``, ``power_limit``, ``energy``, ``clock``, ``throttle``, ``fan``,
 ``pcie`` and ``ecc`` with NotSupported, as real MIG device handles do; read those from the
 parent (``nvmlDeviceGetDeviceHandleFromMigDeviceHandle``).
@@ -86,17 +89,23 @@ Behaviour worth knowing, all modelled on the real library:
   slots of ``nvmlDeviceGetMigDeviceHandleByIndex`` raise ``NVMLError_NotFound``;
 * ``nvmlDeviceIsMigDeviceHandle`` returns an int (pynvml returns a ctypes ``c_uint``; ``bool()``
   works on both);
+* GPM: ``nvmlGpmQueryDeviceSupport`` (physical GPUs only), ``nvmlGpmSampleAlloc``/``Free`` (opaque
+  ``c_nvmlGpmSample_t`` pointers), ``nvmlGpmSampleGet`` (not on a MIG handle: that is
+  ``nvmlGpmMigSampleGet(gpu, gpu_instance_id, sample)``) and ``nvmlGpmMetricsGet`` on a real
+  ``c_nvmlGpmMetricsGet_t``, each metric the script's mean between the two samples' times
+  (``NotSupported`` in a metric's ``nvmlReturn`` when not scripted);
 * a pynvml function the fake does not implement exists and raises ``NVMLError_FunctionNotFound``
   (what an old driver does); constants and error classes are pynvml's own.
 
 Test hooks: ``init_count``, ``shutdown_count``, ``balanced``, ``calls`` (a Counter of function
 names), ``calls_in_thread(ident)``, ``reset_counters()``, ``clock``, ``gpus[i].fail(...)``,
-``gpus[i].lose(at)``, ``call_cost_s``.
+``gpus[i].lose(at)``, ``call_cost_s``, ``gpm_samples_live``.
 """
 
 from __future__ import annotations
 
 import bisect
+import ctypes
 import itertools
 import json
 import os
@@ -146,6 +155,10 @@ FUNCTION_METRIC: dict[str, str] = {
     "nvmlDeviceGetGpuInstanceId": "mig",
     "nvmlDeviceGetComputeInstanceId": "mig",
     "nvmlDeviceGetCudaComputeCapability": "name",
+    "nvmlGpmQueryDeviceSupport": "gpm",
+    "nvmlGpmSampleGet": "gpm",
+    "nvmlGpmMigSampleGet": "gpm",
+    "nvmlGpmMetricsGet": "gpm",
 }
 METRICS = frozenset(FUNCTION_METRIC.values())
 MIG_UNSUPPORTED = frozenset(
@@ -319,6 +332,22 @@ class FakeGpu:
     compute_instance_id: int = 0
     failures: dict[str, Failure] = field(default_factory=dict)
     lost_at: float | None = None
+    gpm: dict[str, Script] | None = None
+
+    def _check_gpm(self) -> None:
+        if self.gpm is None:
+            return
+        if not isinstance(self.gpm, dict):
+            raise ValueError(f"{self.name}: gpm={self.gpm!r}; give {{METRIC: SCRIPT}} or null")
+        checked = {}
+        for metric, script in self.gpm.items():
+            if not isinstance(getattr(pynvml, f"NVML_GPM_METRIC_{metric}", None), int):
+                raise ValueError(
+                    f"{self.name}: unknown GPM metric {metric!r}; give a pynvml NVML_GPM_METRIC_* "
+                    "name without the prefix (SM_UTIL, SM_OCCUPANCY, ANY_TENSOR_UTIL, ...)"
+                )
+            checked[metric] = _check_script(script, f"{self.name}: gpm {metric}")
+        self.gpm = checked
 
     def __post_init__(self) -> None:
         for attr in (
@@ -342,6 +371,7 @@ class FakeGpu:
             p if isinstance(p, FakeProcess) else FakeProcess(**p) for p in self.processes
         ]
         self.mig = [m if isinstance(m, FakeGpu) else FakeGpu(**m) for m in self.mig]
+        self._check_gpm()
         if self.mig_capable is None:
             self.mig_capable = bool(self.mig)
         failures, self.failures = self.failures, {}
@@ -421,8 +451,8 @@ class FakeNvml:
         clock: Callable[[], float] | None = None,
         call_cost_s: float = 0.0,
         init_error: str | None = None,
-        driver_version: str = "560.35.03",
-        cuda_driver_version: int = 12060,
+        driver_version: str = "570.133.20",
+        cuda_driver_version: int = 12080,
     ) -> None:
         gpu_list = [FakeGpu() for _ in range(gpus)] if isinstance(gpus, int) else list(gpus)
         self.gpus: list[FakeGpu] = [g if isinstance(g, FakeGpu) else FakeGpu(**g) for g in gpu_list]
@@ -441,6 +471,9 @@ class FakeNvml:
         self.calls: Counter[str] = Counter()
         self._thread_calls: Counter[int] = Counter()
         self._handles = [FakeHandle(g, i) for i, g in enumerate(self.gpus)]
+        # GPM samples: address -> (handle the sample was taken on, the slice or GPU, time) or None
+        self._gpm_samples: dict[int, tuple[FakeHandle, FakeGpu, float] | None] = {}
+        self._gpm_next_address = 0
         self._by_uuid: dict[str, FakeHandle] = {}
         for handle in self._handles:
             self._by_uuid[handle.gpu.uuid] = handle  # type: ignore[index]
@@ -826,6 +859,97 @@ class FakeNvml:
             raise nvml_error("invalid_argument")
         return handle.parent
 
+    # ---------------------------------------------------------------- GPM
+    @property
+    def gpm_samples_live(self) -> int:
+        """GPM samples allocated and not yet freed (a test hook: every exit path frees them)."""
+        return len(self._gpm_samples)
+
+    @_api
+    def nvmlGpmQueryDeviceSupport(self, handle: FakeHandle) -> Any:
+        gpu = self._read(handle, "nvmlGpmQueryDeviceSupport")
+        if handle.parent is not None:
+            raise nvml_error("not_supported")  # asked of the physical GPU, as NVML wants
+        support = pynvml.c_nvmlGpmSupport_t()
+        support.version = pynvml.NVML_GPM_SUPPORT_VERSION
+        support.isSupportedDevice = int(
+            gpu.gpm is not None or any(c.gpm is not None for c in gpu.mig)
+        )
+        return support
+
+    @_api
+    def nvmlGpmSampleAlloc(self) -> Any:
+        with self._lock:
+            self._gpm_next_address += 64
+            address = self._gpm_next_address
+            self._gpm_samples[address] = None
+        # An opaque pointer, as NVML's: the fake keeps the sample behind its address.
+        return ctypes.cast(ctypes.c_void_p(address), pynvml.c_nvmlGpmSample_t)
+
+    @_api
+    def nvmlGpmSampleFree(self, sample: Any) -> None:
+        with self._lock:
+            if self._gpm_samples.pop(self._gpm_address(sample), False) is False:
+                raise nvml_error("invalid_argument")
+
+    @_api
+    def nvmlGpmSampleGet(self, handle: FakeHandle, sample: Any) -> Any:
+        gpu = self._read(handle, "nvmlGpmSampleGet")
+        if handle.parent is not None or gpu.gpm is None:
+            raise nvml_error("not_supported")  # a MIG slice: nvmlGpmMigSampleGet on its GPU
+        self._store_gpm_sample(sample, handle, gpu)
+        return sample
+
+    @_api
+    def nvmlGpmMigSampleGet(self, handle: FakeHandle, gpu_instance_id: int, sample: Any) -> Any:
+        gpu = self._read(handle, "nvmlGpmMigSampleGet")
+        if handle.parent is not None:
+            raise nvml_error("invalid_argument")  # the physical GPU's handle is wanted
+        child = next((c for c in gpu.mig if c.gpu_instance_id == gpu_instance_id), None)
+        if child is None:
+            raise nvml_error("invalid_argument")
+        if child.gpm is None:
+            raise nvml_error("not_supported")
+        self._store_gpm_sample(sample, handle, child)
+        return sample
+
+    @_api
+    def nvmlGpmMetricsGet(self, metrics_get: Any) -> Any:
+        if metrics_get.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
+            raise nvml_error("argument_version_mismatch")
+        first = self._gpm_samples.get(self._gpm_address(metrics_get.sample1))
+        second = self._gpm_samples.get(self._gpm_address(metrics_get.sample2))
+        if first is None or second is None or first[1] is not second[1]:
+            raise nvml_error("invalid_argument")
+        self._read(first[0], "nvmlGpmMetricsGet")
+        gpu, start, end = first[1], first[2], second[2]
+        if not end > start:
+            raise nvml_error("invalid_argument")  # sample2 must be taken after sample1
+        names = {getattr(pynvml, f"NVML_GPM_METRIC_{n}"): n for n in (gpu.gpm or {})}
+        for i in range(metrics_get.numMetrics):
+            metric = metrics_get.metrics[i]
+            script = (gpu.gpm or {}).get(names.get(metric.metricId, ""))
+            if script is None:
+                metric.nvmlReturn, metric.value = pynvml.NVML_ERROR_NOT_SUPPORTED, 0.0
+            else:
+                mean = (integrate(script, end) - integrate(script, start)) / (end - start)
+                metric.nvmlReturn, metric.value = pynvml.NVML_SUCCESS, float(mean)
+        return metrics_get
+
+    @staticmethod
+    def _gpm_address(sample: Any) -> int:
+        try:
+            return int(ctypes.cast(sample, ctypes.c_void_p).value or 0)
+        except (ctypes.ArgumentError, TypeError):
+            raise nvml_error("invalid_argument") from None
+
+    def _store_gpm_sample(self, sample: Any, handle: FakeHandle, gpu: FakeGpu) -> None:
+        address = self._gpm_address(sample)
+        with self._lock:
+            if address not in self._gpm_samples:
+                raise nvml_error("invalid_argument")
+            self._gpm_samples[address] = (handle, gpu, self.clock())
+
     # ---------------------------------------------------------------- internals
     def _value(self, script: Script) -> Any:
         return evaluate(script, self.clock())
@@ -872,6 +996,15 @@ def _gpu_from_dict(spec: Any, where: str) -> FakeGpu:
     return FakeGpu(**spec)
 
 
+_PRESET_GPM: dict[str, Script] = {
+    "SM_UTIL": [(0, 15), (1, 60)],
+    "SM_OCCUPANCY": [(0, 5), (1, 25)],
+    "ANY_TENSOR_UTIL": [(0, 0), (1, 20)],
+    "DRAM_BW_UTIL": [(0, 5), (1, 35)],
+    "FP32_UTIL": [(0, 5), (1, 10)],
+}
+
+
 def preset() -> FakeNvml:
     """Two busy H100-like GPUs with this process on each: the default for CLI demos and tests."""
     return FakeNvml(
@@ -883,6 +1016,7 @@ def preset() -> FakeNvml:
                 temperature=[(0, 40), (1, 62)],
                 power_mw=[(0, 90_000), (1, 450_000)],
                 processes=[FakeProcess(SELF_PID, 2 * GIB)],
+                gpm=dict(_PRESET_GPM),
             ),
             FakeGpu(
                 memory_used=[(0, 2 * GIB), (1, 18 * GIB)],
@@ -891,6 +1025,7 @@ def preset() -> FakeNvml:
                 temperature=[(0, 41), (1, 58)],
                 power_mw=[(0, 88_000), (1, 380_000)],
                 processes=[FakeProcess(SELF_PID, 2 * GIB)],
+                gpm=dict(_PRESET_GPM),
             ),
         ]
     )
