@@ -64,6 +64,18 @@ CHECKS: dict[str, Check] = {
     "python -m project.train trainer=gpu": Check(COMPOSE_ONLY, GPU),
     "python -m project.train trainer.devices=2 select_gpus=least_used": Check(COMPOSE_ONLY, GPU),
     "python -m project.train trainer.devices=[0,2]": Check(COMPOSE_ONLY, GPU),
+    "python -m project.train trainer.devices=2 select_gpus=least_used gpu_min_free_gib=20 gpu_max_util=30 gpu_wait_s=3600": Check(
+        COMPOSE_ONLY, GPU
+    ),
+    "python -m project.devices --watch": Check(
+        SKIP, "runs until Ctrl-C; tests/test_devices_watch.py drives it"
+    ),
+    "python -m project.devices --watch 0.5": Check(
+        SKIP, "runs until Ctrl-C; tests/test_devices_watch.py drives it"
+    ),
+    "python -m project.devices --json --watch 5": Check(
+        SKIP, "runs until Ctrl-C; tests/test_devices_watch.py drives it"
+    ),
     "CUDA_VISIBLE_DEVICES=1,3 python -m project.train trainer.devices=2": Check(COMPOSE_ONLY, GPU),
     "python -m project.train trainer=ddp trainer.devices=4": Check(COMPOSE_ONLY, GPU),
     "python -m project.train trainer=dp trainer.devices=2": Check(COMPOSE_ONLY, GPU),
