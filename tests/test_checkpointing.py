@@ -3,24 +3,32 @@
 from __future__ import annotations
 
 import re
+import struct
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
+from conftest import clean_env, last_line
 from project.errors import ProjectError
 from project.machinery.run import builders
 from project.machinery.safety import checkpoints as checkpointing
 from project.machinery.safety.checkpoints import (
     AtomicCheckpointIO,
+    load_file,
     load_network,
+    resolve_ckpt_path,
     save_weights,
     with_atomic_io,
 )
 from project.models.nets import MLP
 
 SRC = Path(checkpointing.__file__).resolve().parent
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 NET = {"_target_": "project.models.nets.MLP", "in_features": 64, "hidden": [8], "num_classes": 10}
 
 
@@ -86,6 +94,7 @@ def test_trainer_gets_atomic_io_and_keeps_user_plugins() -> None:
 
 
 def test_build_trainer_uses_atomic_io() -> None:
+    shipped = OmegaConf.load(CONFIGS / "trainer" / "default.yaml")  # where the plugin is set
     cfg = OmegaConf.create(
         {
             "seed": 1,
@@ -96,6 +105,7 @@ def test_build_trainer_uses_atomic_io() -> None:
                 "logger": False,
                 "enable_progress_bar": False,
                 "enable_model_summary": False,
+                "plugins": shipped.plugins,
             },
         }
     )
@@ -107,9 +117,104 @@ def test_nothing_in_src_unpickles_with_weights_only_false() -> None:
     offenders = []
     for file in SRC.rglob("*.py"):
         text = file.read_text()
-        if re.search(r"weights_only\s*=\s*False", text):
-            offenders.append(str(file))
+        # weights_only=False on a load unpickles anything (save_checkpoint's means "all state")
+        for line in text.splitlines():
+            if re.search(r"weights_only\s*=\s*False", line) and "load" in line:
+                offenders.append(f"{file}: {line.strip()}")
         for call in re.finditer(r"torch\.load\((?:[^()]|\([^()]*\))*\)", text):
             if "weights_only=True" not in call.group(0):
                 offenders.append(f"{file}: {call.group(0)}")
     assert not offenders, offenders
+
+
+# --------------------------------------------------------------------------- integrity on load
+
+
+def change_one_tensor_byte(path: Path) -> None:
+    """Flip one bit inside the first tensor record, as a bad disk sector or copy would."""
+    with zipfile.ZipFile(path) as archive:
+        info = next(i for i in archive.infolist() if "/data/" in i.filename and i.file_size > 16)
+    with path.open("r+b") as handle:
+        handle.seek(info.header_offset)
+        header = handle.read(30)
+        name_length, extra_length = struct.unpack("<HH", header[26:30])
+        position = info.header_offset + 30 + name_length + extra_length + 5
+        handle.seek(position)
+        byte = handle.read(1)
+        handle.seek(position)
+        handle.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_model_pth_with_one_changed_bit_is_refused_in_one_line(tmp_path: Path) -> None:
+    net = MLP(in_features=64, hidden=[8], num_classes=10)
+    path = save_weights(net, write_run(tmp_path, NET) / "model.pth")
+    change_one_tensor_byte(path)
+    torch.load(path, weights_only=True)  # torch itself loads it without complaint
+    with pytest.raises(ProjectError) as info:
+        load_network(path)
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message
+    assert "damaged" in message and "CRC-32" in message
+
+
+def test_checkpoint_with_one_changed_bit_is_refused_on_every_load_path(tmp_path: Path) -> None:
+    path = tmp_path / "epoch_004.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.randn(64, 64)}}, path)
+    change_one_tensor_byte(path)
+    for load in (
+        lambda: resolve_ckpt_path(str(path), tmp_path),  # train's ckpt_path=, eval's
+        lambda: load_file(path),  # eval, load_network, the resume shape check
+        lambda: AtomicCheckpointIO().load_checkpoint(path),  # Lightning's resume and test
+    ):
+        with pytest.raises(ProjectError, match=r"damaged.*CRC-32"):
+            load()
+
+
+def test_damaged_zip_structure_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "epoch_004.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"w": torch.randn(64)}, path)
+    data = bytearray(path.read_bytes())
+    directory = data.rfind(b"PK\x01\x02")  # a central directory record
+    data[directory + 20 : directory + 24] = b"\xff\xff\xff\x7f"  # its compressed size
+    path.write_bytes(bytes(data))
+    with pytest.raises(ProjectError) as info:
+        load_file(path)
+    assert "\n" not in str(info.value) and str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["plain", "without-crc", "legacy-format"])
+def test_state_dicts_saved_by_plain_torch_elsewhere_still_load(tmp_path: Path, kind: str) -> None:
+    net = MLP(in_features=64, hidden=[8], num_classes=10)
+    path = write_run(tmp_path, NET) / "model.pth"
+    if kind == "without-crc":
+        torch.serialization.set_crc32_options(False)
+        try:
+            torch.save(net.state_dict(), path)
+        finally:
+            torch.serialization.set_crc32_options(True)
+    else:
+        torch.save(net.state_dict(), path, _use_new_zipfile_serialization=kind == "plain")
+    loaded = load_network(path)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in net.state_dict().items())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["eval", "train"])
+def test_cli_refuses_a_checkpoint_with_one_changed_bit(tmp_path: Path, task: str) -> None:
+    path = tmp_path / "from a colleague" / "epoch_004.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.randn(64, 64)}}, path)
+    change_one_tensor_byte(path)
+    before = path.read_bytes()
+    done = subprocess.run(
+        [sys.executable, "-m", f"project.{task}", f'ckpt_path="{path}"', "paths.log_dir=logs"],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    line = last_line(done.stderr)
+    assert line.startswith(f"error: {str(path)!r} is damaged: record ") and "CRC-32" in line
+    assert path.read_bytes() == before and not (tmp_path / "logs").exists()

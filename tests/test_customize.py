@@ -84,10 +84,13 @@ def test_own_package_and_configs_outside_the_template_train(tmp_path: Path) -> N
     assert metrics["test/acc"] > 0.9, metrics  # it learned the three classes
     assert (run / "model.pth").is_file() and (run / "curves.png").is_file()
 
-    # The exported network loads back through the user's own class, as README says.
+    # The exported network loads back through the user's own class, as README says: once their
+    # package is trusted (a run folder may come from anyone; see test_untrusted_files.py).
     check = (
-        "import torch; from project.machinery.safety.checkpoints import load_network; "
-        f"net = load_network({str(run / 'model.pth')!r}); "
+        "import torch; "
+        "from project.machinery.safety.checkpoints import TRUSTED_TARGETS, load_network; "
+        f"net = load_network({str(run / 'model.pth')!r}, "
+        "allowed=[*TRUSTED_TARGETS, 'my_project.']); "
         "print(type(net).__module__, net(torch.zeros(2, 4)).shape[-1])"
     )
     loaded = subprocess.run(

@@ -9,12 +9,15 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import CliRunner, run_dirs
+from conftest import CliRunner, clean_env, run_dirs
 from project.data.arrays import EpochShuffle, ResumableLoader
 
 EXACT = (
@@ -138,3 +141,60 @@ def test_loader_state_for_another_epoch_is_ignored() -> None:
     loader.load_state_dict({"epoch": 0, "batches": 5, "seed": 1})
     loader.sampler.set_epoch(1)  # an end-of-epoch checkpoint of epoch 0: epoch 1 is whole
     assert len(list(loader)) == 5
+
+
+@pytest.mark.slow
+def test_a_moved_finished_run_resumes_and_its_best_checkpoint_is_its_own(
+    cli: CliRunner, log_dir: Path, tmp_path: Path
+) -> None:
+    first = cli("train", *EXACT, "trainer.max_epochs=1")
+    assert first.returncode == 0, first.stderr[-2000:]
+    (run,) = run_dirs(log_dir)
+    moved = tmp_path / "moved away" / "run é"
+    moved.parent.mkdir()
+    shutil.move(run, moved)
+    before = tree_hash(moved)
+    again = cli("train", *EXACT, "trainer.max_epochs=1", f'ckpt_path="{moved}"')
+    assert again.returncode == 0, again.stderr[-2000:]
+    (resumed,) = run_dirs(log_dir)
+    best = Path(json.loads((resumed / "metrics.json").read_text())["best_checkpoint"])
+    assert best.parent == resumed / "checkpoints" and best.is_file()
+    assert best.read_bytes() == (moved / "checkpoints" / best.name).read_bytes()
+    assert tree_hash(moved) == before
+
+
+CHECK_FITS = r"""
+import resource, sys
+from pathlib import Path
+import torch, lightning.pytorch as pl
+from project.machinery.safety.resume import check_fits
+
+class Big(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(6000, 6000, bias=False)  # 144 MB of weights
+
+model = Big()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+check_fits(model, Path(sys.argv[1]))
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+@pytest.mark.slow
+def test_the_resume_check_does_not_read_the_weights_lightning_reads_next(tmp_path: Path) -> None:
+    """Checking shapes must not hold a second copy of a large model in memory."""
+    path = tmp_path / "big.ckpt"
+    state = {"net.weight": torch.zeros(6000, 6000)}
+    torch.save({"state_dict": state, "pytorch-lightning_version": "2.6.0"}, path)
+    del state
+    done = subprocess.run(
+        [sys.executable, "-c", CHECK_FITS, str(path)],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    grown_mb = int(done.stdout.split()[-1])
+    assert grown_mb < 40, f"the check raised the peak memory by {grown_mb} MB"

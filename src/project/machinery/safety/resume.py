@@ -33,8 +33,18 @@ log = logging.getLogger(__name__)
 
 
 def run_dir_of(checkpoint: str | Path) -> Path:
-    """The run directory a checkpoint belongs to (``<run>/checkpoints/x.ckpt`` -> ``<run>``)."""
+    """The run directory a checkpoint belongs to, wherever the run folder now lies.
+
+    The nearest folder above it (three levels at most) that looks like a run folder (Hydra's
+    ``.hydra``, or ``config.yaml`` beside ``checkpoints/``), so ``<run>/steps/x.ckpt`` also gives
+    ``<run>``; else ``<dir>/checkpoints/x.ckpt`` -> ``<dir>`` and ``<dir>/x.ckpt`` -> ``<dir>``.
+    """
     path = Path(checkpoint)
+    for folder in list(path.parents)[:3]:
+        if (folder / ".hydra").is_dir() or (
+            (folder / "config.yaml").is_file() and (folder / "checkpoints").is_dir()
+        ):
+            return folder
     return path.parent.parent if path.parent.name == "checkpoints" else path.parent
 
 
@@ -158,11 +168,12 @@ def check_fits(model: LightningModule, checkpoint: Path) -> None:
     """Fail in one line when the checkpoint's weights do not fit the model this run built.
 
     Resuming with other ``model.*`` overrides than the checkpoint's run would otherwise end in
-    Lightning's many-line ``load_state_dict`` error, after the run directory was made.
+    Lightning's many-line ``load_state_dict`` error, after the run directory was made. Only the
+    shapes are looked at: the tensors are memory-mapped, not read (Lightning reads them next).
     """
     from project.machinery.safety.checkpoints import load_file, state_mismatch
 
-    data = load_file(checkpoint)
+    data = load_file(checkpoint, mmap=True)
     state = data.get("state_dict")
     if not isinstance(state, dict):
         raise ProjectError(
