@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from project.errors import ProjectError
+from project.machinery.safety import finite_loss
 from project.machinery.safety.checkpoints import AtomicCheckpointIO
 from project.machinery.safety.finite_loss import FiniteLoss, NonFiniteLossError
 
@@ -66,6 +67,16 @@ def test_stop_between_checkpoints_within_check_every_n_steps(tmp_path: Path) -> 
     with pytest.raises(NonFiniteLossError, match="at step 2 "):
         fit(Poisoned({2}), FiniteLoss(check_every_n_steps=4), tmp_path, every=1000)
     assert not list(tmp_path.glob("*.ckpt"))  # nothing was due, nothing NaN was written
+
+
+def test_a_full_loss_buffer_is_read_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(finite_loss, "_MAX_KEPT", 2)  # two losses kept between host reads
+    model = Poisoned({13})
+    with pytest.raises(NonFiniteLossError, match=r"at step 13 \(epoch 1, batch 3\)"):
+        fit(model, FiniteLoss(check_every_n_steps=1000), tmp_path, every=1000)
+    assert model.trainer.global_step == 14  # read at the next backward, not at the epoch's end
 
 
 def test_skip_leaves_weights_as_if_the_batch_never_came(tmp_path: Path) -> None:

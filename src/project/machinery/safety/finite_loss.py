@@ -5,12 +5,13 @@ is wasted time, and a checkpoint saved after that point would overwrite ``last.c
 useless file. Checking ``loss.isfinite()`` on the host every step would make the CPU wait for the
 GPU at every step (a sync that empties the launch queue). So, with ``action: stop``:
 
-* every step, a device-side flag records the first non-finite loss (its step, epoch and batch)
-  with two ``torch.where`` kernels: no host sync;
-* the flag is read on the host only every ``check_every_n_steps`` steps, at the end of each
-  epoch, and before any checkpoint is written. A non-finite loss therefore stops training within
-  that many steps, and the checkpoint that would hold its weights is never written: the save is
-  refused from ``on_save_checkpoint``, before Lightning opens the file;
+* every step, the loss is copied into a small device-side buffer (one copy kernel, no host
+  sync; its step, epoch and batch are noted on the host);
+* the buffer is read on the host only every ``check_every_n_steps`` steps (sooner if it fills
+  up), at the end of each epoch, and before any checkpoint is written. A non-finite loss
+  therefore stops training within that many steps, and the checkpoint that would hold its
+  weights is never written: the save is refused from ``on_save_checkpoint``, before Lightning
+  opens the file;
 * the error names the step, epoch and batch, and the process exits with code 3.
 
 ``action: skip`` drops such batches instead: their gradients are discarded before the optimiser
@@ -32,7 +33,9 @@ from project.errors import ProjectError
 
 log = logging.getLogger(__name__)
 
-_BATCH_BITS = 32  # epoch and batch index share one int64: epoch << 32 | batch
+# Losses kept on the device between two host reads, at most: with gradient accumulation there
+# are several per step, and a large check_every_n_steps should not mean a large buffer.
+_MAX_KEPT = 1024
 
 
 class NonFiniteLossError(ProjectError):
@@ -63,30 +66,31 @@ class FiniteLoss(Callback):
         self.check_every_n_steps = check_every_n_steps
         self.max_skipped = max_skipped
         self.skipped = 0
-        self._first_step: Tensor | None = None  # -1 while every loss was finite
-        self._first_where: Tensor | None = None  # epoch << 32 | batch of that step
+        self._losses: Tensor | None = None  # the losses since the last host read (stop mode)
+        self._where: list[tuple[int, int, int]] = []  # (step, epoch, batch) of each of them
         self._loss_finite: Tensor | None = None  # this step's verdict (skip mode)
 
     # --- the device-side record ------------------------------------------------------------
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        device = pl_module.device
-        self._first_step = torch.full((), -1, dtype=torch.int64, device=device)
-        self._first_where = torch.full((), -1, dtype=torch.int64, device=device)
+        size = min(self.check_every_n_steps, _MAX_KEPT)
+        self._losses = torch.zeros(size, device=pl_module.device)
+        self._where = []
 
     def on_before_backward(
         self, trainer: Trainer, pl_module: LightningModule, loss: Tensor
     ) -> None:
-        finite = torch.isfinite(loss.detach()).all()
+        value = loss.detach()
         if self.action == "skip":
+            finite = torch.isfinite(value).all()
             self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
             return
-        if self._first_step is None or self._first_where is None:
+        if self._losses is None:
             return
-        newly_bad = (~finite) & (self._first_step < 0)
-        where = (trainer.current_epoch << _BATCH_BITS) | _batch_index(trainer)
-        # Python scalars become kernel arguments: nothing is copied to or from the device.
-        self._first_step = torch.where(newly_bad, trainer.global_step, self._first_step)
-        self._first_where = torch.where(newly_bad, where, self._first_where)
+        if len(self._where) == len(self._losses):
+            self.check()  # full: more backward passes than check_every_n_steps since the last read
+        # One device-side copy per step (a NaN or inf in a non-scalar loss stays in its sum).
+        self._losses[len(self._where)] = value if value.ndim == 0 else value.sum()
+        self._where.append((trainer.global_step, trainer.current_epoch, _batch_index(trainer)))
 
     def on_before_optimizer_step(
         self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer
@@ -129,13 +133,14 @@ class FiniteLoss(Callback):
 
     def check(self) -> None:
         """Raise :class:`NonFiniteLossError` if a non-finite loss was recorded (one host sync)."""
-        if self._first_step is None or self._first_where is None:
+        if self._losses is None or not self._where:
             return
-        step = int(self._first_step)
-        if step < 0:
+        finite = torch.isfinite(self._losses[: len(self._where)])
+        if bool(finite.all()):
+            self._where.clear()
             return
-        where = int(self._first_where)
-        epoch, batch = where >> _BATCH_BITS, where & ((1 << _BATCH_BITS) - 1)
+        # Kept as they are: any later check (a save on the way out) refuses again.
+        step, epoch, batch = self._where[int((~finite).nonzero()[0, 0])]
         raise NonFiniteLossError(
             f"non-finite training loss (NaN or inf) at step {step} (epoch {epoch}, batch {batch}); "
             "training stopped, checkpoints saved before it are kept. Lower model.optimizer.lr, "

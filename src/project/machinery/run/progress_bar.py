@@ -1,0 +1,45 @@
+"""Lightning's Rich progress bar, reading the logged values once per redraw, not every batch.
+
+Lightning's ``RichProgressBar`` collects the progress-bar values after every training batch
+(``trainer.progress_bar_metrics``: a walk over everything logged, and ``.item()`` of each tensor,
+which on a GPU waits for the device), although it redraws the bar at most ``refresh_rate`` times
+a second. On short steps that is a few percent of the step (benchmarks/README.md, "Where the
+time goes"), and a value logged with ``prog_bar=True`` at every step costs a device sync per
+step. Here a training batch reads them only once a redraw interval has passed since the last
+read; the end of each training epoch and of each validation reads them always, so the figures
+the bar shows once an epoch is over are the final ones.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import RichProgressBar as LightningRichProgressBar
+
+
+class RichProgressBar(LightningRichProgressBar):
+    """Drop-in for ``lightning.pytorch.callbacks.RichProgressBar`` (same arguments)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._next_batch_read = 0.0  # time.monotonic() from which a batch reads the values again
+        self._batch_read_due = True  # False only inside a training batch's end that skips it
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        now = time.monotonic()
+        self._batch_read_due = now >= self._next_batch_read
+        if self._batch_read_due and self.refresh_rate > 0:
+            self._next_batch_read = now + 1.0 / self.refresh_rate
+        try:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        finally:
+            self._batch_read_due = True
+
+    def _update_metrics(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # private: Lightning's one place that reads the values (batch ends, epoch ends)
+        if self._batch_read_due:
+            super()._update_metrics(trainer, pl_module)  # private: see above
