@@ -107,6 +107,9 @@ CHECKS: dict[str, Check] = {
     ),
     # Evaluate
     "python -m project.eval ckpt_path=logs/train/runs/<run>/model.pth": Check(RUN),
+    "python -m project.eval ckpt_path=logs/train/runs/<run>/model.pth 'trusted_targets=[project.models.,project.data.,torch.nn.,torch.optim.,my_project.]'": Check(
+        COMPOSE, "the eval above with a longer allow-list"
+    ),
     "python -m project.eval ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt": Check(
         COMPOSE, SAME_AS_RUN
     ),
@@ -337,9 +340,7 @@ def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
 
     (first / "curves.png").unlink()
-    for command in (
-        c for c, k in CHECKS.items() if k.how == RUN and "project.machinery.plots" in c
-    ):
+    for command in (c for c, k in CHECKS.items() if k.how == RUN and "project.plot " in c):
         _run(fill(command), tmp_path)
     assert (first / "curves.png").is_file() and (sweep / "curves.png").is_file()
     assert (tmp_path / "compare.png").is_file()
@@ -347,19 +348,22 @@ def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
     _run("python -m project.train debug=fdr", tmp_path)
     assert run_dirs(log_dir, "debug")
 
-    # README's snippet that loads model.pth onto the chosen device and predicts.
-    (snippet,) = [b for b in python_blocks(text) if "load_network" in b]
-    code = snippet.replace("logs/train/runs/<run>", str(first.relative_to(tmp_path)))
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=tmp_path,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert re.fullmatch(r"tensor\(\[(\d, ){4}\d\]\)\n", result.stdout), result.stdout
+    # README's snippets that load model.pth: onto the chosen device, and with a longer allow-list.
+    outputs = []
+    for snippet in [b for b in python_blocks(text) if "load_network" in b]:
+        code = snippet.replace("logs/train/runs/<run>", str(first.relative_to(tmp_path)))
+        result = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=tmp_path,
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        outputs.append(result.stdout)
+    assert len(outputs) == 2
+    assert re.fullmatch(r"tensor\(\[(\d, ){4}\d\]\)\n", outputs[0]), outputs[0]
 
     ran = {
         "python -m project.train",
@@ -367,5 +371,5 @@ def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
         "python -m project.eval ckpt_path=logs/train/runs/<run>/model.pth",
         "python -m project.train -m model.optimizer.lr=0.01,0.001",
         "python -m project.train debug=fdr",
-    } | {c for c in CHECKS if "project.machinery.plots" in c and CHECKS[c].how == RUN}
+    } | {c for c in CHECKS if "project.plot " in c and CHECKS[c].how == RUN}
     assert ran == {c for c, k in CHECKS.items() if k.how == RUN}, "a RUN command was not run"
