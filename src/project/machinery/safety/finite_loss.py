@@ -30,6 +30,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor
 
 from project.errors import ProjectError
+from project.machinery import compat
 
 log = logging.getLogger(__name__)
 
@@ -149,4 +150,4 @@ class FiniteLoss(Callback):
 
 
 def _batch_index(trainer: Trainer) -> int:
-    return int(trainer.fit_loop.epoch_loop.batch_idx)
+    return compat.fit_batch_index(trainer)

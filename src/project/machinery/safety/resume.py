@@ -28,6 +28,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from project.errors import ProjectError
+from project.machinery import compat
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ def continue_logs(trainer: Trainer, earlier: Path) -> None:
             source = earlier / relative
             if source.is_file():
                 keys = _copy_csv_rows(source, Path(writer.metrics_file_path), trainer.global_step)
-                writer.metrics_keys = sorted(set(writer.metrics_keys) | set(keys))
+                compat.add_csv_columns(writer, keys)
         elif isinstance(logger, TensorBoardLogger):
             relative = Path(logger.log_dir).relative_to(root)
             for event_file in sorted((earlier / relative).glob("events.out.tfevents.*")):
