@@ -162,6 +162,22 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         _compiled_marker,
     ),
     PrivateApi(
+        "torch.nn:Module",
+        "_modules",
+        "machinery.strategies.dp",
+        "pl_module.net shadowed by the DataParallel wrapper without registering it, so "
+        "parameters and state_dict keys stay those of the network",
+        lambda: "net" in _linear_holder()._modules,
+    ),
+    PrivateApi(
+        "lightning.pytorch:Trainer",
+        "callback_metrics",
+        "machinery.gpu_stats.callback",
+        "written, not only read: the monitored GPU keys reach monitors without self.log's "
+        "per-key result entry and all-reduce",
+        lambda: isinstance(_trainer_attribute_value("callback_metrics"), dict),
+    ),
+    PrivateApi(
         "omegaconf:DictConfig",
         "_get_node",
         "machinery.run.preflight",
@@ -190,6 +206,14 @@ def _trainer_attribute_value(name: str) -> Any:
         accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False
     )
     return getattr(trainer, name)
+
+
+def _linear_holder() -> Any:
+    import torch
+
+    holder = torch.nn.Module()
+    holder.net = torch.nn.Linear(1, 1)
+    return holder
 
 
 def check_all() -> list[str]:
