@@ -112,3 +112,77 @@ def test_checkpoint_hyperparameters_are_plain_data(tmp_path: Path) -> None:
             stack.extend(item)
         else:
             assert item is None or isinstance(item, str | int | float | bool), type(item)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.optimizer.lr=-1"], r"^model\.optimizer\.lr=-1 is invalid: torch\.optim\.AdamW "),
+        (
+            ["model.optimizer.weight_decay=-0.1"],
+            r"^model\.optimizer\.weight_decay=-0\.1 is invalid",
+        ),
+        (
+            ["+model.optimizer.betas=[0.9,1.5]"],
+            r"^model\.optimizer\.betas=\[0\.9, 1\.5\] is invalid",
+        ),
+        (["+model.optimizer.eps=-1"], r"^model\.optimizer\.eps=-1 is invalid"),
+        (
+            ["model.optimizer._target_=torch.optim.SGD", "+model.optimizer.momentum=-1"],
+            r"^model\.optimizer\.momentum=-1 is invalid: torch\.optim\.SGD refuses it",
+        ),
+        (
+            [
+                "model.scheduler._target_=torch.optim.lr_scheduler.StepLR",
+                "~model.scheduler.T_max",
+                "+model.scheduler.step_size=1",
+                "+model.scheduler.gamma=nan",
+            ],
+            r"^model\.scheduler\.gamma=nan is not a finite number",
+        ),
+        (["model.optimizer.lr=nan"], r"^model\.optimizer\.lr=nan is not a finite number"),
+        (["data.val_fraction=inf"], r"^data\.val_fraction=inf is not a finite number"),
+        (["seed=-1"], r"^seed=-1 is invalid; expected an integer from 0 to 4294967295$"),
+        (["seed=4294967296"], r"^seed=4294967296 is invalid"),
+        (["seed=abc"], r"^seed='abc' is invalid"),
+        (["seed=null"], r"^seed=None is invalid"),
+        (["paths.log_dir="], r"^paths\.log_dir is empty; expected a directory$"),
+        (
+            ["trainer.accelerator=tpu"],
+            r"^trainer\.accelerator=tpu is not available on this machine",
+        ),
+        (["trainer.accelerator=abacus"], r"^trainer\.accelerator='abacus' does not exist; .*cpu"),
+        (
+            [
+                "trainer.plugins=[{_target_: lightning.pytorch.plugins.environments.LightningEnvironment, nope: 1}]"
+            ],
+            r"^trainer\.plugins\[0\]\.nope is not an argument of",
+        ),
+    ],
+    ids=lambda value: value[0] if isinstance(value, list) else None,
+)
+def test_preflight_names_the_bad_value_in_one_line(overrides: list[str], message: str) -> None:
+    with pytest.raises(ProjectError, match=message) as info:
+        check_config(compose_train(*overrides))
+    assert "\n" not in str(info.value)
+
+
+def test_the_largest_seed_and_every_shipped_optimizer_value_pass() -> None:
+    check_config(compose_train("seed=0"))
+    check_config(compose_train("seed=4294967295"))
+    check_config(compose_train("model=mlp"))
+
+
+def test_a_required_value_left_out_is_named() -> None:
+    with pytest.raises(ProjectError, match=r"^ckpt_path is required; add ckpt_path=<a \.ckpt"):
+        check_config(compose_train(name="eval"))
+
+
+def test_safety_parts_and_speed_switches_show_in_the_composed_configs() -> None:
+    """``--cfg job`` shows what every run has: nothing is added behind the config's back."""
+    train = compose_train()
+    assert {"resume_state", "graceful_interrupt"} <= set(train.callbacks)
+    assert train.trainer.plugins[0]._target_.endswith("checkpoints.AtomicCheckpointIO")
+    evaluation = compose_train("ckpt_path=x", name="eval")
+    assert "graceful_interrupt" in evaluation.callbacks
+    assert (evaluation.precision, evaluation.matmul_precision) == (train.precision, "high")

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 import torch
+from hydra.utils import instantiate
+from lightning.pytorch import Trainer
+from omegaconf import OmegaConf
+from torch.utils.data import DistributedSampler
 
+from conftest import CliRunner, run_dirs
 from project.data.arrays import ArrayDataModule
 from project.data.digits import DigitsDataModule, load_digits
 from project.errors import ProjectError
@@ -78,3 +87,47 @@ def test_own_data_is_one_method() -> None:
     dm.setup()
     inputs, labels = next(iter(dm.train_dataloader()))
     assert torch.equal(labels, (inputs[:, 0] != inputs[:, 1]).long())
+
+
+def test_under_ddp_every_evaluation_sample_is_served_exactly_once() -> None:
+    """Lightning's default sampler pads a split to a multiple of the process count (repeating
+    samples); the DataModule's evaluation sampler gives each rank every N-th sample instead."""
+    served: dict[str, list[int]] = {"val": [], "test": []}
+    for rank in range(3):
+        dm = DigitsDataModule(batch_size=50, val_fraction=0.17, test_fraction=0.17)  # 305 each
+        dm.trainer = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 3, "rank": rank})
+        dm.setup()
+        for stage, loader in (("val", dm.val_dataloader()), ("test", dm.test_dataloader())):
+            # A DistributedSampler already: Lightning keeps it instead of injecting its own.
+            assert isinstance(loader.sampler, DistributedSampler)
+            served[stage] += [int(i) for i in loader.sampler]
+    for stage, split in (("val", dm.val_set), ("test", dm.test_set)):
+        assert len(split) == 305
+        assert sorted(served[stage]) == list(range(305)), stage
+    one = DigitsDataModule()
+    one.trainer = SimpleNamespace(distributed_sampler_kwargs=None)  # one process, or dp
+    one.setup()
+    assert not isinstance(one.test_dataloader().sampler, DistributedSampler)
+
+
+@pytest.mark.slow
+def test_ddp_metrics_count_every_sample_once(cli: CliRunner, log_dir: Path) -> None:
+    """Two DDP processes over gloo, validation and test splits of 305 samples (odd): the metrics
+    the DDP run logged equal those of one process on the same weights, to the last bit."""
+    split = ("data.val_fraction=0.17", "data.test_fraction=0.17", "data.batch_size=64")
+    result = cli("train", "trainer=ddp_sim", "trainer.max_epochs=1", "model=mlp", *split,
+                 "callbacks.progress_bar.refresh_rate=0", timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = run_dirs(log_dir)
+    logged = json.loads((run / "metrics.json").read_text())["metrics"]
+    config = OmegaConf.load(run / "config.yaml")
+    data, model = instantiate(config.data), instantiate(config.model)
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    model.load_state_dict(checkpoint["state_dict"])
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+    (validated,) = trainer.validate(model, datamodule=data, verbose=False)
+    (tested,) = trainer.test(model, datamodule=data, verbose=False)
+    assert len(data.val_set) == len(data.test_set) == 305
+    assert validated["val/acc"] == logged["val/acc"] < 1.0
+    assert tested["test/acc"] == logged["test/acc"] < 1.0

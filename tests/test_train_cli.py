@@ -28,13 +28,19 @@ def _run(cwd: Path, module: str, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+def q(path: Path | str) -> str:
+    """A path as a quoted Hydra value: spaces and non-ASCII letters need the quotes."""
+    return f'"{path}"'
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One short training run shared by the tests that inspect its outputs."""
+    """One short training run shared by the tests that inspect its outputs; its directory has a
+    space and a non-ASCII letter, as a user's may."""
     root = tmp_path_factory.mktemp("trained")
-    result = _run(root, "train", *FAST, f"paths.log_dir={root / 'logs'}")
+    result = _run(root, "train", *FAST, f"paths.log_dir={q(root / 'my logs é')}")
     assert result.returncode == 0, result.stderr[-3000:]
-    (run,) = run_dirs(root / "logs")
+    (run,) = run_dirs(root / "my logs é")
     return run
 
 
@@ -71,7 +77,7 @@ def test_checkpoints_and_model_pth_load_with_weights_only(trained: Path) -> None
 def test_eval_matches_what_training_reported(trained: Path, tmp_path: Path, source: str) -> None:
     report = json.loads((trained / "metrics.json").read_text())
     path = trained / "model.pth" if source == "model.pth" else report["best_checkpoint"]
-    result = _run(tmp_path, "eval", f"ckpt_path={path}", f"paths.log_dir={tmp_path / 'logs'}")
+    result = _run(tmp_path, "eval", f"ckpt_path={q(path)}", f"paths.log_dir={tmp_path / 'logs'}")
     assert result.returncode == 0, result.stderr[-3000:]
     (run,) = run_dirs(tmp_path / "logs", "eval")
     evaluated = json.loads((run / "metrics.json").read_text())["metrics"]["test/acc"]
@@ -127,6 +133,62 @@ def test_multirun_sweep_gives_each_job_its_folder(cli, log_dir: Path) -> None:
     learning_rates = [OmegaConf.load(job / "config.yaml").model.optimizer.lr for job in jobs]
     assert learning_rates == [0.01, 0.001]
     assert all((job / "metrics.json").is_file() for job in jobs)
+    for job in jobs:  # each job's own duration, not the time since the sweep began
+        span = (job / "metrics.json").stat().st_mtime - (job / ".hydra").stat().st_mtime
+        wall = json.loads((job / "metrics.json").read_text())["wall_seconds"]
+        assert 0 < wall <= span + 0.5, (job.name, wall, span)
+
+
+def test_two_runs_racing_for_one_directory(tmp_path: Path) -> None:
+    """Two runs given the same hydra.run.dir at once: one trains, the other stops in one line
+    before writing anything (the directory is claimed atomically, not checked then created)."""
+    run = tmp_path / "shared run é"
+    command = [sys.executable, "-m", "project.train", "debug=fdr", f"hydra.run.dir={q(run)}"]
+    racers = {
+        seed: subprocess.Popen(
+            [*command, f"seed={seed}", "callbacks.progress_bar.refresh_rate=0"],
+            cwd=tmp_path,
+            env=clean_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed in (1, 2)
+    }
+    errors = {seed: proc.communicate(timeout=300)[1] for seed, proc in racers.items()}
+    outcomes = {seed: (racers[seed].returncode, errors[seed]) for seed in racers}
+    codes = sorted(code for code, _ in outcomes.values())
+    assert codes == [0, 2], outcomes
+    (winner,) = [seed for seed, (code, _) in outcomes.items() if code == 0]
+    (loser,) = [err for code, err in outcomes.values() if code == 2]
+    assert "Traceback" not in loser
+    assert last_line(loser).startswith(f"error: hydra.run.dir={str(run)!r} ")
+    assert "is taken" in last_line(loser) or "already holds a run" in last_line(loser)
+    assert OmegaConf.load(run / "config.yaml").seed == winner
+    assert json.loads((run / "metrics.json").read_text())["global_step"] == 1
+
+
+def test_empty_project_log_dir_means_unset(tmp_path: Path) -> None:
+    """``PROJECT_LOG_DIR=`` (set, but empty) is the default ./logs, not the filesystem root."""
+    result = subprocess.run(
+        [sys.executable, "-m", "project.train", "debug=fdr", "callbacks.progress_bar.refresh_rate=0"],
+        cwd=tmp_path, env=clean_env(PROJECT_LOG_DIR=""), capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(run_dirs(tmp_path / "logs", "debug")) == 1
+
+
+def test_removing_a_safety_callback_runs_and_says_what_is_lost(cli, log_dir: Path) -> None:
+    result = cli("train", "debug=fdr", "~callbacks.graceful_interrupt")
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = [line for line in result.stdout.splitlines() if "callbacks.graceful_interrupt" in line]
+    assert said == [
+        "callbacks.graceful_interrupt removed: Ctrl-C/SIGTERM will not save a checkpoint, and a "
+        "DDP worker whose launching process dies waits in a collective until its timeout"
+    ]
+    (run,) = run_dirs(log_dir, "debug")
+    assert (run / "metrics.json").is_file()
 
 
 @pytest.mark.parametrize(

@@ -23,38 +23,48 @@ log = logging.getLogger(__name__)
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Test the weights at ``cfg.ckpt_path`` and return the test metrics."""
+    import time
     from pathlib import Path
 
     import lightning.pytorch as pl
     from hydra.utils import instantiate
     from lightning.pytorch.utilities import rank_zero_only
 
-    from project.machinery.gpus.devices import resolve_devices
+    from project.machinery import speed
+    from project.machinery.gpus.resolve import resolve_for_run
     from project.machinery.run import builders, run_files
     from project.machinery.safety import checkpoints as checkpointing
+    from project.machinery.safety import interrupts
 
-    out = Path(cfg.paths.output_dir)
+    started, out = time.time(), Path(cfg.paths.output_dir)
     source = checkpointing.resolve_ckpt_path(cfg.ckpt_path, cfg.paths.log_dir, "train")
     assert source is not None  # ckpt_path is required (???) in eval.yaml
 
     data = checkpointing.load_file(source)
-    trained = checkpointing.run_config(source, data)
+    trained = checkpointing.run_config(source, data, cfg.trusted_targets, ("model", "data"))
     net = instantiate(trained["model"]["net"])
-    checkpointing.load_state_into(net, checkpointing.network_state(data), source)
+    checkpointing.load_state_into(net, checkpointing.network_state(data, source), source)
 
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(trained["data"])
-    model = instantiate(trained["model"], net=net)
-    plan = resolve_devices(cfg.trainer.accelerator, cfg.trainer.devices, select=cfg.select_gpus)
+    # Runs made before callbacks.speed existed kept its two switches under model.
+    retired = ("compile", "channels_last")
+    model = instantiate({k: v for k, v in trained["model"].items() if k not in retired}, net=net)
+    plan = resolve_for_run(cfg.trainer.accelerator, cfg.trainer.devices, select=cfg.select_gpus)
     if plan.message and rank_zero_only.rank == 0:  # once, not once per DDP process
         log.info(plan.message)
-    trainer = builders.build_trainer(cfg, **plan.trainer_kwargs())
+    # The same hardware settings as training (precision=auto -> bf16-mixed on a bf16 GPU...).
+    trainer = builders.build_trainer(cfg, **speed.trainer_settings(cfg, plan))
     if trainer.is_global_zero:
         run_files.save_config(cfg, out)
-    trainer.test(model, datamodule=datamodule)
+    # Ctrl-C / SIGTERM: every rank stops, exit 128+N. A full disk (the CSV log): one line.
+    with interrupts.phase("eval", trainer), checkpointing.full_disk_in_one_line(out):
+        trainer.test(model, datamodule=datamodule)
     metrics = run_files.scalars(trainer.callback_metrics, prefix="test/")
     if trainer.is_global_zero:
-        run_files.save_metrics(metrics, out, best_checkpoint=str(source), trainer=trainer)
+        run_files.save_metrics(
+            metrics, out, best_checkpoint=str(source), trainer=trainer, started=started
+        )
         summary = ", ".join(f"{key}={value:.4f}" for key, value in metrics.items())
         log.info("Evaluated %s: %s", source, summary)
         log.info("Run directory: %s", out)

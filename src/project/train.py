@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run the whole flow for one composed config and return the final metrics."""
+    import time
     from pathlib import Path
 
     import lightning.pytorch as pl
@@ -31,17 +32,25 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     from project.machinery import plots as plot
     from project.machinery import speed
-    from project.machinery.gpus.devices import resolve_devices
-    from project.machinery.run import builders, run_files
+    from project.machinery.gpu_stats.callback import energy_report
+    from project.machinery.gpus.claims import policy_from_config
+    from project.machinery.gpus.resolve import resolve_for_run
+    from project.machinery.run import builders, launch, run_files
     from project.machinery.safety import checkpoints as checkpointing
     from project.machinery.safety import interrupts
     from project.machinery.safety.resume import check_fits
 
-    out = Path(cfg.paths.output_dir)
+    started, out = time.time(), Path(cfg.paths.output_dir)
     resume = checkpointing.resolve_ckpt_path(cfg.ckpt_path, cfg.paths.log_dir, cfg.task_name)
+    if resume is None and cfg.train:  # a requeued SLURM job continues from its own checkpoint
+        resume = launch.requeued_checkpoint(out)
 
     # Check the GPUs: none means the CPU; with several, choose which (select_gpus).
-    plan = resolve_devices(cfg.trainer.accelerator, cfg.trainer.devices, select=cfg.select_gpus)
+    # least_used waits for GPUs that qualify (gpu_* keys) and claims them until the run ends.
+    policy = policy_from_config(cfg)
+    plan = resolve_for_run(
+        cfg.trainer.accelerator, cfg.trainer.devices, select=cfg.select_gpus, policy=policy
+    )
     if plan.message and rank_zero_only.rank == 0:  # once, not once per DDP process
         log.info(plan.message)
     # Fast defaults for that hardware: TF32 on Ampere+, precision=auto -> bf16-mixed on a bf16 GPU.
@@ -51,35 +60,46 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
+    if cfg.train and resume is not None:
+        check_fits(model, resume)  # the same model as the run it continues, else one line
     model.save_hyperparameters({"config": builders.plain(cfg)}, logger=False)
     trainer = builders.build_trainer(cfg, **trainer_kwargs)
     if trainer.is_global_zero:
         run_files.save_config(cfg, out)
 
-    # Train, resuming from a checkpoint when asked (Ctrl-C / SIGTERM: save, print how to resume).
+    # Train, resuming from a checkpoint when asked. Ctrl-C / SIGTERM in any phase: every rank
+    # stops at the same batch, fit saves and prints how to resume, the run exits with 128+signal.
     if cfg.train:
-        if resume is not None:
-            check_fits(model, resume)  # the same model as the run it continues, else one line
-        interrupts.fit(trainer, model, datamodule, ckpt_path=resume)
+        with interrupts.phase("fit", trainer), checkpointing.full_disk_in_one_line(out):
+            trainer.fit(model, datamodule=datamodule, ckpt_path=resume, weights_only=True)
     fit_metrics = run_files.scalars(trainer.callback_metrics)
 
     # Evaluate the best checkpoint on the test split (the weights in the model when none was kept).
     best = run_files.best_checkpoint(trainer)
     test_metrics: dict[str, float] = {}
     if cfg.test:
-        trainer.test(model, datamodule=datamodule, ckpt_path=best, weights_only=True)
+        with interrupts.phase("test", trainer), checkpointing.full_disk_in_one_line(out):
+            trainer.test(model, datamodule=datamodule, ckpt_path=best, weights_only=True)
         test_metrics = run_files.scalars(trainer.callback_metrics, prefix="test/")
 
     # Save the tested network as model.pth, and the figures as metrics.json (rank 0 only).
     metrics = {**fit_metrics, **test_metrics}
-    if trainer.is_global_zero:
-        if cfg.export_weights:
-            checkpointing.save_weights(model.net, out / checkpointing.WEIGHTS_FILE)
-        run_files.save_metrics(
-            metrics, out, best_checkpoint=best, trainer=trainer, resumed_from=resume
-        )
-        plot.after_run(out)  # curves.png: learning curves, GPU use (needs matplotlib)
-        log.info("Run directory: %s", out)
+    # A signal here: the files are written, then exit 128+N. A full disk: one line.
+    with interrupts.phase("export"), checkpointing.full_disk_in_one_line(out):
+        if trainer.is_global_zero:
+            if cfg.export_weights:
+                checkpointing.save_weights(model.net, out / checkpointing.WEIGHTS_FILE)
+            run_files.save_metrics(
+                metrics,
+                out,
+                best_checkpoint=best,
+                trainer=trainer,
+                resumed_from=resume,
+                started=started,
+                energy=energy_report(trainer),  # GPU energy in J, kWh, J per training sample
+            )
+            plot.after_run(out)  # curves.png: learning curves, GPU use (needs matplotlib)
+            log.info("Run directory: %s", out)
     return metrics
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import (
     DataLoader,
     Dataset,
@@ -109,10 +110,19 @@ class ArrayDataModule(LightningDataModule):
             collate_fn=collate_rows,
         )
         if not shuffle:
-            return DataLoader(dataset, **options)
+            return DataLoader(dataset, sampler=self._evaluation_sampler(dataset), **options)
         # The seed pl.seed_everything set (Lightning's DistributedSampler reads the same variable).
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         return ResumableLoader(dataset, sampler=EpochShuffle(dataset, seed), **options)
+
+    def _evaluation_sampler(self, dataset: Dataset) -> UnrepeatedDistributedSampler | None:
+        """Under DDP, each process takes every N-th sample and none twice, so every validation
+        and test sample counts exactly once. Lightning's default sampler would pad the split to a
+        multiple of N by repeating samples; the metrics gather the uneven shards themselves."""
+        kwargs = getattr(self.trainer, "distributed_sampler_kwargs", None)
+        if not kwargs or kwargs.get("num_replicas", 1) < 2:
+            return None  # one process (or strategy=dp): the plain sequential order
+        return UnrepeatedDistributedSampler(dataset, shuffle=False, **kwargs)
 
     def _pin(self) -> bool:
         """``auto``: pin only when the batches go to a CUDA device, where pinned pages let the

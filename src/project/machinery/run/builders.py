@@ -30,27 +30,56 @@ def build_loggers(cfg: DictConfig | None) -> list[Logger]:
     return [instantiate(node) for node in _target_nodes(cfg)]
 
 
+# The safety parts of a training run, each a config node like every other (configs/callbacks/,
+# configs/trainer/default.yaml), and what a run loses when one is removed on purpose.
+SAFETY_PARTS = (
+    (
+        "callbacks.resume_state removed",
+        "project.machinery.safety.resume.ResumeState",
+        "a resumed run will not restore the random state at each batch or carry on the "
+        "earlier run's logs",
+    ),
+    (
+        "callbacks.graceful_interrupt removed",
+        "project.machinery.safety.interrupts.GracefulInterrupt",
+        "Ctrl-C/SIGTERM will not save a checkpoint, and a DDP worker whose launching process "
+        "dies waits in a collective until its timeout",
+    ),
+    (
+        "trainer.plugins has no AtomicCheckpointIO",
+        "project.machinery.safety.checkpoints.AtomicCheckpointIO",
+        "checkpoint writes are not crash-safe: a kill or a full disk during a save can leave "
+        "a half-written file",
+    ),
+)
+
+
 def build_trainer(cfg: DictConfig, **overrides: Any) -> Trainer:
     """The Trainer of ``cfg.trainer`` with the run's callbacks and loggers.
 
     ``overrides`` replace trainer arguments the run decided on (the resolved devices, say);
-    everything else reaches the Trainer exactly as configured.
+    everything else reaches the Trainer exactly as configured, the safety parts included
+    (:data:`SAFETY_PARTS`). A run that trains logs one line for each safety part it lacks.
     """
-    from project.machinery.safety import checkpoints as checkpointing
-    from project.machinery.safety import interrupts, resume
+    from hydra.utils import get_object
+    from lightning.pytorch.utilities import rank_zero_only
 
+    from project.machinery.safety import interrupts
+
+    callbacks = build_callbacks(cfg.get("callbacks"))
     loggers = build_loggers(cfg.get("logger"))
-    # Always on: crash-safe checkpoint writes, exact resume, a checkpoint on Ctrl-C / SIGTERM.
-    interrupts.watch_parent()
-    plugins = overrides.pop("plugins", None) or instantiate(cfg.trainer.get("plugins"))
-    safety = [resume.ResumeState(seed=int(cfg.get("seed") or 0)), interrupts.GracefulInterrupt()]
-    trainer = instantiate(
-        cfg.trainer,
-        callbacks=build_callbacks(cfg.get("callbacks")) + safety,
-        logger=loggers or False,
-        plugins=checkpointing.with_atomic_io(plugins),
-        **overrides,
-    )
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **overrides)
+    parts = [*callbacks, trainer.strategy.checkpoint_io]
+    missing = {
+        key: lost
+        for key, target, lost in SAFETY_PARTS
+        if not any(isinstance(part, get_object(target)) for part in parts)
+    }
+    if not any(key.startswith("callbacks.graceful_interrupt") for key in missing):
+        interrupts.watch_parent()  # part of that callback's job: a worker exits when rank 0 dies
+    if cfg.get("train") and rank_zero_only.rank == 0:  # eval and test-only runs need none of them
+        for key, lost in missing.items():
+            log.warning("%s: %s", key, lost)
     launch.track(trainer)  # in a sweep, the job collects the DDP children this Trainer starts
     return trainer
 

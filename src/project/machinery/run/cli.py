@@ -51,10 +51,13 @@ def hydra_entry(task: Callable[[Any], Any], config_name: str) -> Callable[[], No
 
     def main() -> None:
         import hydra
+        import yaml
         from hydra.errors import HydraException
         from omegaconf.errors import OmegaConfBaseException
 
         os.environ["HYDRA_FULL_ERROR"] = "1"  # let exceptions reach us instead of Hydra's printer
+        if os.environ.get("PROJECT_LOG_DIR") == "":  # set but empty means unset, like ${VAR:-x}
+            del os.environ["PROJECT_LOG_DIR"]  # (else runs would land in /train/runs/...)
         # Lightning 2.6 on torch >= 2.10 warns about its own use of a torch API; not the user's concern.
         warnings.filterwarnings(
             "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated"
@@ -63,12 +66,17 @@ def hydra_entry(task: Callable[[Any], Any], config_name: str) -> Callable[[], No
 
         register_resolvers()  # ${run_id:...}: one run directory for all processes of a launch
         app = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name=config_name)
+        from project.machinery.safety.signals import stop_on_signal
+
         try:
-            app(_reporting(task))()
+            with stop_on_signal():  # Ctrl-C, SIGTERM: recorded, acted on at a safe point, 128+N
+                app(_reporting(task))()
         except ProjectError as err:
             _fail(str(err), err.exit_code)
         except (HydraException, OmegaConfBaseException) as err:
             _fail(one_line(err), 2)
+        except yaml.YAMLError as err:  # a config file (the user's own experiment, say) is damaged
+            _fail(yaml_problem(err), 2)
         except OSError as err:  # Hydra creating the run directory under a file, a full disk...
             if err.filename is None:
                 raise
@@ -90,52 +98,62 @@ def _reporting(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
         from hydra.types import RunMode
 
         from project.machinery.run.launch import job_scope, sweep_objective
-        from project.machinery.run.preflight import check_config
+        from project.machinery.run.preflight import check_config, discard_unused
 
         try:
             check_config(cfg)  # again per job: the values of a sweep's jobs differ
-            with (
-                job_scope()
-            ):  # in a sweep, DDP children run this job only (project.machinery.run.launch)
+            # In a sweep, DDP children run this job only (project.machinery.run.launch).
+            with job_scope():
                 return sweep_objective(cfg, task(cfg))
         except Exception as err:
             mistake = _user_mistake(err)
             if mistake is None:
                 raise
             hydra_cfg = HydraConfig.get()
-            _discard_if_unused(Path(hydra_cfg.runtime.output_dir))
+            discard_unused(Path(hydra_cfg.runtime.output_dir))
             if hydra_cfg.mode == RunMode.MULTIRUN:
                 print(f"error: {mistake}", file=sys.stderr)
                 raise
             _fail(str(mistake), mistake.exit_code)
+        finally:
+            from project.machinery.gpus.claims import finish_job
+
+            finish_job()  # the job's claimed GPUs go back; the next job of a sweep measures anew
 
     return job
 
 
 def _user_mistake(err: BaseException | None) -> ProjectError | None:
-    """The ProjectError behind ``err`` (Hydra wraps errors raised while instantiating)."""
+    """The user's mistake behind ``err``, as a ProjectError, or ``None`` for a bug.
+
+    Hydra wraps errors raised while instantiating; an error of Hydra or OmegaConf itself (an
+    interpolation to a key that does not exist, a class that rejects its arguments) and a
+    damaged YAML file (read by the task, say a run's ``config.yaml``) are mistakes too.
+    """
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+    from yaml import YAMLError
+
+    first = err
     while err is not None:
         if isinstance(err, ProjectError):
             return err
+        if isinstance(err, YAMLError):
+            return ProjectError(yaml_problem(err))
         err = err.__cause__
+    if isinstance(first, HydraException | OmegaConfBaseException):
+        return ProjectError(one_line(first))
     return None
 
 
-def _discard_if_unused(run_dir: Path) -> None:
-    """Remove the files Hydra made for a run that failed before writing anything of its own."""
-    hydra_files = {".hydra"} | {p.name for p in run_dir.glob("*.log")}
-    if not run_dir.is_dir() or {p.name for p in run_dir.iterdir()} - hydra_files:
-        return
-    for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
-        (run_dir / ".hydra" / name).unlink(missing_ok=True)
-    for log in run_dir.glob("*.log"):
-        log.unlink()
-    # The run directory, then parents this run created (``logs/train/runs``) if now empty.
-    for directory in (run_dir / ".hydra", run_dir, *list(run_dir.parents)[:3]):
-        try:
-            directory.rmdir()
-        except OSError:
-            return
+def yaml_problem(err: BaseException) -> str:
+    """``<file> is not valid YAML (line 4, column 1): <what the parser expected>``."""
+    mark = getattr(err, "problem_mark", None)
+    where = getattr(mark, "name", None) or "a config file"
+    position = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    parts = [getattr(err, "context", None), getattr(err, "problem", None)]
+    what = ", ".join(str(part) for part in parts if part) or " ".join(str(err).split())
+    return f"{where} is not valid YAML{position}: {what}"
 
 
 def one_line(err: BaseException) -> str:
@@ -150,7 +168,14 @@ def one_line(err: BaseException) -> str:
             parts.append(str(cause))
         cause = cause.__cause__
     text = " ".join(" ".join(line.strip() for line in part.splitlines()) for part in parts)
-    return text.replace("  ", " ")
+    text = text.replace("  ", " ")
+    if "LexerNoViableAlt" in text:  # Hydra's grammar takes é, $... only inside quotes
+        text = text.replace(" ^ ", " ")
+        text += (
+            "; quote a value with spaces, non-ASCII or special characters, e.g. "
+            "'paths.log_dir=\"/data/my runs\"'"
+        )
+    return text
 
 
 def _unknown_key(err: BaseException) -> str | None:

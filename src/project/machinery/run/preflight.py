@@ -4,20 +4,30 @@ Hydra creates the run directory before it calls the task; :class:`PreflightCallb
 (Hydra's ``on_run_start`` / ``on_multirun_start``), and :func:`check_config` turns each mistake
 into one :class:`~project.errors.ProjectError` line that names the bad value and what is accepted:
 
+* a required value left out (``???``, e.g. eval's ``ckpt_path``),
 * an argument the ``_target_`` class does not take (``+trainer.devicez=2``),
 * a value of the wrong type for that argument (``trainer.max_epochs=abc``),
-* epochs below one, a strategy name that does not exist,
-* a run directory that already holds an earlier run (it would be overwritten).
+* a NaN or infinite number anywhere, a seed Lightning refuses, an empty ``paths.*`` directory,
+* epochs below one, a strategy or an accelerator that does not exist here,
+* an optimiser or scheduler value torch refuses (each is built once against a dummy parameter).
+
+:class:`PreflightCallback` then checks the files the run reads (:func:`check_inputs`: the
+checkpoint in ``ckpt_path``) and claims the run directory (:func:`claim_run_dir`): a directory
+that holds an earlier run, or one another process is starting in, is refused, atomically. A run
+that fails later with a :class:`~project.errors.ProjectError`, before it wrote anything of its
+own, is removed again by :func:`discard_unused`.
 """
 
 from __future__ import annotations
 
 import difflib
 import inspect
+import math
 import os
 import sys
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,15 +58,20 @@ class PreflightCallback(Callback):
     @staticmethod
     def _check(config: DictConfig, dir_key: str) -> None:
         try:
-            check_fresh_dir(config, dir_key)
             check_config(config)
+            check_inputs(config)
+            claim_run_dir(config, dir_key)  # last: it creates the directory
         except ProjectError as err:
             print(f"error: {err}", file=sys.stderr)
             raise SystemExit(err.exit_code) from err
 
 
 def check_config(cfg: DictConfig) -> None:
-    """Raise :class:`ProjectError` for the first mistake found in ``cfg``."""
+    """Raise :class:`ProjectError` for the first mistake found in ``cfg`` (reads no file)."""
+    check_required(cfg)
+    check_seed(cfg)  # before the nodes that interpolate it (callbacks.resume_state.seed)
+    check_finite(cfg)
+    check_paths(cfg)
     for path in ("trainer", "data", "model"):
         if path in cfg and cfg[path] is not None:
             check_targets(cfg[path], path)
@@ -72,21 +87,33 @@ def check_config(cfg: DictConfig) -> None:
                 f"trainer.{key}={value} is invalid; expected an integer >= {minimum} (or -1: no limit)"
             )
     check_strategy(_value(trainer, "strategy"))
+    check_accelerator(_value(trainer, "accelerator"))
     dp_keys = [_value(trainer, key) for key in ("accelerator", "devices", "num_nodes")]
-    if _value(trainer, "strategy") == "dp" and _UNKNOWN not in dp_keys:
+    strategy = _value(trainer, "strategy")  # "dp", or the trainer=dp node with its _target_
+    target = strategy.get("_target_", "") if isinstance(strategy, dict) else ""
+    is_dp = strategy == "dp" or str(target).endswith(".DataParallelStrategy")
+    if is_dp and _UNKNOWN not in dp_keys:
         from project.machinery.strategies.dp import check_dp_request
 
         check_dp_request(*dp_keys)  # DP needs CUDA GPUs on one machine: say so before starting
     check_devices(cfg)
+    check_optimizers(cfg)
 
 
 def check_devices(cfg: DictConfig) -> None:
-    """GPUs asked for must exist (``trainer.devices=4`` on a 2-GPU machine fails here)."""
-    from project.machinery.gpus.devices import SELECT_CHOICES, resolve_devices
+    """GPUs asked for must exist (``trainer.devices=4`` on a 2-GPU machine fails here).
+
+    Changes nothing: the choice ``select_gpus=least_used`` makes is handed to DDP ranks only where
+    the run starts (:func:`~project.machinery.gpus.resolve.resolve_for_run`), which also measures
+    afresh, waits and claims. The GPU list is read once per job, so ``train`` resolving again costs
+    nothing. The ``gpu_*`` keys of ``least_used`` are checked here, whatever ``select_gpus`` is."""
+    from project.machinery.gpus.claims import policy_from_config
+    from project.machinery.gpus.resolve import SELECT_CHOICES, resolve_devices
 
     select = cfg.get("select_gpus", "first")
     if select not in SELECT_CHOICES:
         raise ProjectError(f"select_gpus={select!r} is invalid; expected one of {SELECT_CHOICES}")
+    policy_from_config(cfg)  # gpu_min_free_gib, gpu_max_util, gpu_wait_s...: one line if bad
     trainer = cfg.get("trainer") or {}
     accelerator, devices = _value(trainer, "accelerator"), _value(trainer, "devices")
     if accelerator is _UNKNOWN or devices is _UNKNOWN:
@@ -100,6 +127,10 @@ def check_targets(node: DictConfig, path: str) -> None:
         child = node._get_node(key)
         if isinstance(child, DictConfig) and "_target_" in child:
             check_targets(child, f"{path}.{key}")
+        elif isinstance(child, ListConfig):  # trainer.plugins: a list of target nodes
+            for index, item in enumerate(child):
+                if isinstance(item, DictConfig) and "_target_" in item:
+                    check_targets(item, f"{path}.{key}[{index}]")
     if "_target_" not in node:
         return
     target = _locate(str(node["_target_"]), path)
@@ -147,14 +178,251 @@ def check_strategy(strategy: Any) -> None:
         )
 
 
-def check_fresh_dir(cfg: DictConfig, key: str) -> None:
-    """Refuse to start a run in a directory that holds an earlier run: it would be overwritten."""
+def check_accelerator(accelerator: Any) -> None:
+    """An accelerator given by name must exist in Lightning and be usable here.
+
+    GPUs (``gpu``, ``cuda``, ``auto``) are checked by :func:`check_devices`, which says more.
+    """
+    if not isinstance(accelerator, str) or accelerator.lower() in ("auto", "gpu", "cuda"):
+        return
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+
+    known = sorted(AcceleratorRegistry.available_accelerators())
+    name = accelerator.lower()
+    if name not in known:
+        raise ProjectError(
+            f"trainer.accelerator={accelerator!r} does not exist; choose one of: auto, gpu, "
+            f"{', '.join(known)}"
+        )
+    usable = [n for n in known if AcceleratorRegistry[n]["accelerator"].is_available()]
+    if name not in usable:
+        raise ProjectError(
+            f"trainer.accelerator={accelerator} is not available on this machine; usable here: "
+            f"auto, {', '.join(usable)}"
+        )
+
+
+MAX_SEED = 2**32 - 1  # lightning.seed_everything (NumPy) accepts 0 ... 2**32 - 1
+
+
+def check_seed(cfg: DictConfig) -> None:
+    """``seed`` must be what ``seed_everything`` accepts: an integer from 0 to 2**32 - 1."""
+    if "seed" not in cfg:
+        return
+    seed = _value(cfg, "seed")
+    if seed is _UNKNOWN:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ProjectError(f"seed={seed!r} is invalid; expected an integer from 0 to {MAX_SEED}")
+
+
+def check_required(cfg: DictConfig) -> None:
+    """A value the config marks as required (``???``) must be given."""
+    for path, node, key in _leaves(cfg):
+        if OmegaConf.is_missing(node, key):
+            what = REQUIRED_HINTS.get(path, "a value")
+            raise ProjectError(f"{path} is required; add {path}=<{what}> to the command line")
+
+
+REQUIRED_HINTS = {"ckpt_path": "a .ckpt file, a model.pth or a run directory"}
+
+
+def check_finite(cfg: DictConfig) -> None:
+    """No NaN or infinite number anywhere (``model.optimizer.lr=nan`` would train on NaNs)."""
+    for path, node, key in _leaves(cfg):
+        value = _leaf_value(node, key)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ProjectError(f"{path}={value} is not a finite number; expected a finite value")
+
+
+def check_paths(cfg: DictConfig) -> None:
+    """Directories under ``paths`` must not be empty: ``${paths.log_dir}/train`` would be
+    ``/train``, in the filesystem root."""
+    paths = cfg.get("paths")
+    if not isinstance(paths, DictConfig):
+        return
+    for key in paths:
+        value = _value(paths, str(key))
+        if isinstance(value, str) and not value.strip():
+            raise ProjectError(f"paths.{key} is empty; expected a directory")
+
+
+def check_optimizers(cfg: DictConfig) -> None:
+    """Optimiser and scheduler partials under ``model`` must accept their values.
+
+    Each is built once against a dummy parameter, so ``model.optimizer.lr=-1`` (or a negative
+    ``weight_decay``, ``betas`` out of [0, 1), ...) fails here in one line naming the key,
+    with torch's own reason, instead of in a traceback when fit starts.
+    """
+    model = cfg.get("model")
+    if not isinstance(model, DictConfig):
+        return
+    import torch
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+    def dummy_optimizer() -> torch.optim.Optimizer:
+        return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+    for path, node in _partials(model, "model"):
+        target = _locate(str(node["_target_"]), path)
+        if not inspect.isclass(target):
+            continue
+        if issubclass(target, torch.optim.Optimizer):
+            _try_partial(node, path, lambda f: f(params=[torch.nn.Parameter(torch.zeros(1))]))
+        elif issubclass(target, LRScheduler | ReduceLROnPlateau):
+            _try_partial(node, path, lambda f: f(optimizer=dummy_optimizer()))
+
+
+def _partials(node: DictConfig, path: str) -> list[tuple[str, DictConfig]]:
+    found = []
+    for key in node:
+        if OmegaConf.is_interpolation(node, key) or OmegaConf.is_missing(node, key):
+            continue
+        child = node[key]  # not an interpolation: nothing is resolved
+        if isinstance(child, DictConfig):
+            if "_target_" in child and child.get("_partial_") is True:
+                found.append((f"{path}.{key}", child))
+            found += _partials(child, f"{path}.{key}")
+    return found
+
+
+def _try_partial(node: DictConfig, path: str, call: Any) -> None:
+    """Build the partial at ``node`` and ``call`` it; name the key that makes it fail."""
+    from hydra.utils import instantiate
+
+    try:
+        values = OmegaConf.to_container(node, resolve=True)
+    except Exception:  # an interpolation only the run can resolve: the run will tell
+        return
+    assert isinstance(values, dict)
+
+    def failure(drop: str | None = None) -> Exception | None:
+        try:
+            call(instantiate({k: v for k, v in values.items() if k != drop}))
+        except Exception as err:
+            return err
+        return None
+
+    error = failure()
+    if error is None:
+        return
+    reason = " ".join(str(error).split()) or type(error).__name__
+    target = values["_target_"]
+    for key in values:
+        if key not in HYDRA_KEYS and failure(drop=key) is None:
+            raise ProjectError(
+                f"{path}.{key}={values[key]!r} is invalid: {target} refuses it ({reason})"
+            ) from error
+    raise ProjectError(f"{path} is invalid: {target} refuses its values ({reason})") from error
+
+
+def _leaves(node: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """Every leaf of the config as ``(dotted path, parent node, key)``, Hydra's own node left out.
+
+    Missing values and interpolations are leaves: nothing is resolved on the way down.
+    """
+    found: list[tuple[str, Any, Any]] = []
+    listed = isinstance(node, ListConfig)
+    for key in range(len(node)) if listed else list(node):
+        if not prefix and key == "hydra":
+            continue
+        path = f"{prefix}[{key}]" if listed else f"{prefix}{'.' if prefix else ''}{key}"
+        if OmegaConf.is_missing(node, key) or OmegaConf.is_interpolation(node, key):
+            found.append((path, node, key))
+            continue
+        child = node[key]
+        if isinstance(child, DictConfig | ListConfig):
+            found += _leaves(child, path)
+        else:
+            found.append((path, node, key))
+    return found
+
+
+def _leaf_value(node: Any, key: Any) -> Any:
+    """The resolved value of a leaf, or ``_UNKNOWN`` when it cannot be resolved yet."""
+    try:
+        return node[key]
+    except Exception:  # e.g. ${hydra:runtime.output_dir} before Hydra has set it
+        return _UNKNOWN
+
+
+def check_inputs(cfg: DictConfig) -> None:
+    """The files a run reads must be there and readable: ``ckpt_path`` (train and eval).
+
+    Kept apart from :func:`check_config`, which looks at the config only (the README test
+    composes commands whose files do not exist on purpose).
+    """
+    value = _value(cfg, "ckpt_path")
+    if value in (None, "", _UNKNOWN) or OmegaConf.is_missing(cfg, "ckpt_path"):
+        return
+    from project.machinery.safety import checkpoints
+
+    trains = "train" in cfg  # a training config; eval's has no `train` key and reads any weights
+    task = str(cfg.get("task_name") or "train") if trains else "train"
+    log_dir = _value(cfg.get("paths"), "log_dir")
+    if value == "last" and not isinstance(log_dir, str):
+        return
+    path = checkpoints.resolve_ckpt_path(str(value), str(log_dir), task)
+    assert path is not None
+    data = _peek_checkpoint(path, value)
+    lightning = isinstance(data.get("state_dict"), dict) and "pytorch-lightning_version" in data
+    if trains and cfg.get("train") and not lightning:
+        raise ProjectError(
+            f"ckpt_path={value!r} holds only weights (a model.pth or a bare state_dict), so "
+            "training cannot resume from it; pass a Lightning checkpoint (a .ckpt file or a run "
+            "directory), or evaluate it with python -m project.eval"
+        )
+
+
+def _peek_checkpoint(path: Path, value: Any) -> dict[str, Any]:
+    """Load ``path`` as ``weights_only`` and memory-mapped: the tensors are not read, and a file
+    that would run code when unpickled is refused without running it."""
+    import pickle
+
+    from project.machinery.safety.checkpoints import load_file
+
+    try:
+        return load_file(path, mmap=True)
+    except ProjectError as err:
+        if not isinstance(err.__cause__, pickle.UnpicklingError):
+            raise
+        lines = [line.strip() for line in str(err.__cause__).splitlines() if "GLOBAL" in line]
+        what = f" ({lines[0]})" if lines else ""
+        raise ProjectError(
+            f"ckpt_path={value!r} was refused: it holds objects that loading with weights_only "
+            f"does not allow{what}; it is not loaded"
+        ) from err
+
+
+@dataclass
+class _Claim:
+    directory: Path
+    first_new: Path | None  # the highest directory the claim created (None: it existed)
+    marker: str
+    had_files: bool  # the directory existed with files in it: never removed
+
+
+_claimed: _Claim | None = None
+
+
+def claim_run_dir(cfg: DictConfig, key: str) -> None:
+    """Refuse a directory that holds an earlier run, then claim it for this one, atomically.
+
+    Checking first and creating later is a race: two runs given the same ``hydra.run.dir`` would
+    both pass the check and write over each other. The claim is one ``mkdir`` of Hydra's own
+    ``.hydra`` folder (``multirun.yaml``, created exclusively, for a sweep): exactly one of two
+    racing runs gets it, the other stops here in one line. Processes started for a run that has
+    been claimed already (DDP ranks, torchrun and SLURM tasks) share its directory on purpose.
+    """
+    global _claimed
+    from project.machinery.run.launch import launched_externally
+
     if _is_worker_process():
         return  # DDP workers reuse rank 0's directory on purpose
     if os.environ.get("SLURM_RESTART_COUNT", "0") not in ("", "0"):
         return  # a requeued SLURM job resumes in its own directory (project.machinery.run.launch.run_id)
     try:
-        directory = Path(str(OmegaConf.select(cfg, key)))
+        directory = Path(os.path.abspath(str(OmegaConf.select(cfg, key))))  # as Hydra makes it
     except Exception:  # an unresolvable path fails later with Hydra's own message
         return
     found = [name for name in RUN_MARKERS if (directory / name).exists()]
@@ -163,6 +431,76 @@ def check_fresh_dir(cfg: DictConfig, key: str) -> None:
             f"{key}={str(directory)!r} already holds a run ({', '.join(found)}); pick a new "
             "directory (resuming with ckpt_path=... starts a new run directory by itself)"
         )
+    if launched_externally():
+        return  # torchrun / SLURM: every rank runs Hydra here; run_id names the launch
+    sweep = key == "hydra.sweep.dir"
+    marker = (
+        "multirun.yaml" if sweep else str(OmegaConf.select(cfg, "hydra.output_subdir") or ".hydra")
+    )
+    first_new = next((p for p in reversed([directory, *directory.parents]) if not p.exists()), None)
+    had_files = directory.is_dir() and any(directory.iterdir())
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if sweep:
+            os.close(os.open(directory / marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        else:
+            (directory / marker).mkdir()
+    except FileExistsError:
+        raise ProjectError(
+            f"{key}={str(directory)!r} is taken: it already has {marker} (another run is starting "
+            "there, or an earlier one stopped there); pick a new directory"
+        ) from None
+    except OSError as err:
+        raise ProjectError(
+            f"cannot create or write {str(err.filename or directory)!r}: {err.strerror}"
+        ) from err
+    _claimed = _Claim(directory, first_new, marker, had_files)
+
+
+# What Hydra and a run's first steps write before the run produced anything of its own.
+_HYDRA_FILES = {"config.yaml", "hydra.yaml", "overrides.yaml"}
+
+
+def discard_unused(run_dir: Path) -> bool:
+    """Remove ``run_dir`` if it holds only Hydra's files, ``config.yaml`` and log files, and the
+    parent directories its claim created; keep everything if it holds anything else.
+
+    For a run that failed with a one-line mistake before producing anything: it leaves nothing.
+    Returns whether the directory was removed.
+    """
+    run_dir = Path(os.path.abspath(run_dir))
+    claim = _claimed if _claimed is not None and _claimed.directory == run_dir else None
+    subdir = run_dir / (claim.marker if claim is not None else ".hydra")
+    if claim is not None and claim.had_files:
+        return False  # a directory the user gave with files in it: not ours to remove
+    if not run_dir.is_dir() or not _only_start_files(run_dir, subdir):
+        return False
+    if subdir.is_dir():
+        for file in subdir.iterdir():
+            file.unlink()
+        subdir.rmdir()
+    for file in run_dir.iterdir():
+        file.unlink()
+    run_dir.rmdir()
+    if claim is not None and claim.first_new is not None:
+        for directory in run_dir.parents:  # the parents the claim created, now empty
+            if claim.first_new not in (directory, *directory.parents):
+                break
+            try:
+                directory.rmdir()
+            except OSError:
+                break
+    return True
+
+
+def _only_start_files(run_dir: Path, subdir: Path) -> bool:
+    for entry in run_dir.iterdir():
+        if entry == subdir and entry.is_dir() and not entry.is_symlink():
+            if any(f.name not in _HYDRA_FILES or not f.is_file() for f in entry.iterdir()):
+                return False
+        elif not entry.is_file() or not (entry.suffix == ".log" or entry.name == "config.yaml"):
+            return False
+    return True
 
 
 def _is_worker_process() -> bool:

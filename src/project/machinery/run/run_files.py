@@ -18,7 +18,6 @@ from omegaconf import DictConfig, OmegaConf
 from project.machinery.safety.checkpoints import CONFIG_FILE, atomic_write
 
 METRICS_FILE = "metrics.json"
-_STARTED = time.time()
 
 
 def save_config(cfg: DictConfig, out: Path) -> Path:
@@ -50,10 +49,16 @@ def save_metrics(
     best_checkpoint: str | None,
     trainer: Trainer,
     resumed_from: str | Path | None = None,
+    *,
+    started: float,
+    energy: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write ``metrics.json``: the figures, where they came from, and how long the run took.
 
-    ``resumed_from`` is the checkpoint a resumed run continued (in an earlier run's directory).
+    ``resumed_from`` is the checkpoint a resumed run continued (in an earlier run's directory);
+    ``started`` the ``time.time()`` at which this run (this job of a sweep) began; ``energy``
+    the GPUs' energy over the whole run, resumes included
+    (:func:`project.machinery.gpu_stats.callback.energy_report`), written when known.
     """
     payload = {
         "metrics": dict(metrics),
@@ -64,8 +69,10 @@ def save_metrics(
         "accelerator": type(trainer.accelerator).__name__,
         "devices": trainer.num_devices,
         "num_nodes": trainer.num_nodes,
-        "wall_seconds": round(time.time() - _STARTED, 2),
+        "wall_seconds": round(time.time() - started, 2),
     }
+    if energy is not None:
+        payload["energy"] = dict(energy)
     text = json.dumps(payload, indent=2) + "\n"
     atomic_write(out / METRICS_FILE, lambda handle: handle.write(text.encode()))
     return out / METRICS_FILE
