@@ -18,7 +18,7 @@ from project.machinery.safety.interrupts import resume_command
 SLOW_TRAINING = (
     "trainer.accelerator=cpu",
     "trainer.max_epochs=200",
-    "data.batch_size=16",
+    "data.batch_size=64",
     "callbacks.progress_bar.refresh_rate=0",
     "test=false",
 )
@@ -35,15 +35,20 @@ def start(tmp_path: Path, log_dir: Path, *overrides: str) -> subprocess.Popen:
     )
 
 
-def wait_for_training(log_dir: Path, timeout: float = 90) -> Path:
+def wait_for_training(process: subprocess.Popen, log_dir: Path, timeout: float = 300) -> Path:
     """The run directory, once its first epoch checkpoint exists (so training is under way)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         found = list(log_dir.glob("train/runs/*/checkpoints/last.ckpt"))
         if found:
             return found[0].parent.parent
+        if process.poll() is not None:
+            raise AssertionError(
+                f"exited with {process.returncode}: {process.stderr.read()[-3000:]}"
+            )
         time.sleep(0.1)
-    raise AssertionError("training did not start")
+    process.kill()
+    raise AssertionError(f"no epoch finished in {timeout} s")
 
 
 @pytest.mark.slow
@@ -53,10 +58,10 @@ def test_signal_saves_prints_resume_command_and_resume_works(
 ) -> None:
     log_dir = tmp_path / "logs"
     process = start(tmp_path, log_dir, *SLOW_TRAINING)
-    run = wait_for_training(log_dir)
+    run = wait_for_training(process, log_dir)
     time.sleep(0.3)  # somewhere inside an epoch
     process.send_signal(signum)
-    out, err = process.communicate(timeout=60)
+    out, err = process.communicate(timeout=180)
     assert process.returncode == 128 + signum, err[-2000:]
 
     saved = run / "checkpoints" / "interrupted.ckpt"
@@ -79,7 +84,7 @@ def test_signal_saves_prints_resume_command_and_resume_works(
         env=clean_env(),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=400,
     )
     new_run = [d for d in run_dirs(log_dir) if d != run]
     if state["epoch"] >= 4:

@@ -11,6 +11,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,9 @@ def test_run_id_names_the_launch_so_every_rank_agrees() -> None:
     assert run_id("%Y", slurm) == "slurm-812.0"
     assert run_id("%Y", {"TORCHELASTIC_RUN_ID": "abc", "WORLD_SIZE": "4"}) == "torchrun-abc"
     assert run_id("%Y", {}).isdigit()  # a plain run: the timestamp
-    assert run_id("%Y", {"SLURM_JOB_ID": "9", "SLURM_NTASKS": "1"}).isdigit()  # one task
+    # One task: the timestamp (several runs in one job stay apart), naming the job for a requeue.
+    year = time.strftime("%Y")
+    assert run_id("%Y", {"SLURM_JOB_ID": "9", "SLURM_NTASKS": "1"}) == f"{year}_slurm-9"
     # Lightning's own DDP children are handed hydra.run.dir, but must not fail if asked.
     assert run_id("%Y", {"LOCAL_RANK": "1", "WORLD_SIZE": "2"}).isdigit()
     for env in ({"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2"}, {"WORLD_SIZE": "2"}):

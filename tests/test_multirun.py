@@ -81,22 +81,25 @@ def overrides(job: Path) -> list[str]:
 @pytest.mark.slow
 def test_grid_sweep_with_ddp_survives_failed_jobs(cli: CliRunner, log_dir: Path) -> None:
     # Jobs: lr x max_epochs. max_epochs=0 fails in the task before any child starts (ProjectError);
-    # lr=nan fails inside Lightning on both ranks after the children started (ValueError).
+    # lr=0.02 fails on both ranks after the children started (a user callback's ValueError).
     result = cli(
         "train",
         "-m",
-        "model.optimizer.lr=0.01,nan,0.001",
+        "model.optimizer.lr=0.01,0.02,0.001",
         "trainer.max_epochs=1,0",
         "data.batch_size=256",
+        "+callbacks.boom._target_=user_callbacks.FailAtStart",
+        "+callbacks.boom.lr=0.02",
         *TINY[:1],
         *TINY[2:],
+        env={"PYTHONPATH": str(Path(__file__).resolve().parent)},
         timeout=500,
     )
     output = result.stdout + result.stderr
     assert result.returncode != 0  # Hydra reports the failed jobs at the end
     assert output.count("Launching 6 jobs locally") == 1, output[-3000:]  # no child re-swept
     assert "trainer.max_epochs=0 is invalid" in result.stderr
-    assert "Invalid learning rate: nan" in output
+    assert "user callback: refusing lr=0.02" in output
 
     jobs = job_dirs(log_dir)
     succeeded = {num for num, job in jobs.items() if (job / "metrics.json").is_file()}

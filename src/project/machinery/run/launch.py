@@ -27,11 +27,17 @@ be registered with :func:`track` (``builders.build_trainer`` does it).
 **One directory under torchrun and SLURM**. The default run directory is a timestamp, different
 in every process. :func:`run_id` (the ``${run_id:<strftime pattern>}`` resolver used by
 ``configs/hydra/default.yaml``) gives processes of one launch the same name instead:
-``slurm-<job>.<step>`` for a multi-task SLURM step (the same after a requeue, so Lightning's
-``hpc_ckpt`` resume finds its directory), ``torchrun-<rdzv id>`` under torchrun, and otherwise the
-timestamp. A multi-process launch without such an id (torchrun's default ``--rdzv-id=none``, or
+``slurm-<job>.<step>`` for a multi-task SLURM step, ``torchrun-<rdzv id>`` under torchrun, and
+otherwise the timestamp (``<timestamp>_slurm-<job>`` inside a single-task SLURM job). A
+multi-process launch without such an id (torchrun's default ``--rdzv-id=none``, or
 ``NODE_RANK``/``WORLD_SIZE`` set by hand) must be given ``hydra.run.dir``; it fails with one line
 saying so instead of scattering the ranks over several directories.
+
+**A requeued SLURM job resumes by itself**. After a requeue (``SLURM_RESTART_COUNT`` > 0) the
+job runs the same command again, in a new directory (``...-requeue<N>``: an earlier run's
+directory is only read). With ``ckpt_path=null``, :func:`requeued_checkpoint` finds the newest
+checkpoint of the same command in this job's earlier directories (``interrupted.ckpt`` from the
+stop, or the last periodic one) and the run continues from it.
 
 Imports stay light (no torch, no Lightning at module level): ``cli`` registers the resolvers
 before Hydra starts, and ``--help`` must stay instant.
@@ -41,14 +47,18 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
+import zipfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from project.errors import ProjectError
+from project.machinery.safety.signals import rank_zero, slurm_job_id
 
 log = logging.getLogger(__name__)
 
@@ -205,9 +215,11 @@ def sweep_objective(cfg: Any, result: Any) -> Any:
 def run_id(pattern: str, environ: Mapping[str, str] | None = None) -> str:
     """The name of this run's directory, the same in every process of one launch (module doc)."""
     env = os.environ if environ is None else environ
-    if _slurm_tasks(env) > 1:
+    job = slurm_job_id(env)
+    requeue = f"-requeue{_int(env.get('SLURM_RESTART_COUNT'))}" if _restarted(env) else ""
+    if job and _slurm_tasks(env) > 1:
         step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
-        return f"slurm-{env['SLURM_JOB_ID']}" + (f".{step}" if step else "")
+        return f"slurm-{job}" + (f".{step}" if step else "") + requeue
     elastic = env.get("TORCHELASTIC_RUN_ID", "")
     if elastic and elastic != "none":
         return f"torchrun-{elastic}"
@@ -219,7 +231,57 @@ def run_id(pattern: str, environ: Mapping[str, str] | None = None) -> str:
             "nothing names it; pass hydra.run.dir=<dir> (the same on every node) or give torchrun "
             "a unique --rdzv-id"
         )
-    return datetime.now().strftime(pattern)
+    stamp = datetime.now().strftime(pattern)
+    return f"{stamp}_slurm-{job}{requeue}" if job else stamp
+
+
+def requeued_checkpoint(
+    run_dir: str | Path,
+    overrides: list[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Path | None:
+    """After a SLURM requeue: the newest checkpoint that an earlier run of this job, with the same
+    ``overrides`` (by default this run's), left beside ``run_dir``; else ``None``."""
+    env = os.environ if environ is None else environ
+    job = slurm_job_id(env)
+    if not job or not _restarted(env):
+        return None
+    if overrides is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = list(HydraConfig.get().overrides.task)
+    current = Path(run_dir).resolve()
+    name = re.compile(rf"(^|_)slurm-{re.escape(job)}(\.\d+)?(-requeue\d+)?$")
+    found: list[Path] = []
+    for earlier in current.parent.iterdir():
+        if earlier == current or not name.search(earlier.name):
+            continue
+        if _overrides(earlier) != [str(o) for o in overrides]:
+            continue  # another command of the same job script
+        found += [p for p in (earlier / "checkpoints").glob("*.ckpt") if zipfile.is_zipfile(p)]
+    if not found:
+        if rank_zero(env):
+            log.info("SLURM job %s was requeued; no checkpoint of this command to resume", job)
+        return None
+    newest = max(found, key=lambda p: p.stat().st_mtime).resolve()
+    if rank_zero(env):
+        log.info("SLURM job %s was requeued: resuming from %s", job, newest)
+    return newest
+
+
+def _overrides(run_dir: Path) -> list[str] | None:
+    """The command-line overrides a run recorded (``.hydra/overrides.yaml``); None if unreadable."""
+    import yaml
+
+    try:
+        data = yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    return [str(o) for o in data] if isinstance(data, list) else None
+
+
+def _restarted(env: Mapping[str, str]) -> bool:
+    return _int(env.get("SLURM_RESTART_COUNT")) > 0
 
 
 def rank_suffix(environ: Mapping[str, str] | None = None) -> str:
@@ -241,9 +303,7 @@ def register_resolvers() -> None:
 
 
 def _slurm_tasks(env: Mapping[str, str]) -> int:
-    if "SLURM_JOB_ID" not in env or env.get("SLURM_JOB_NAME") in ("bash", "interactive"):
-        return 0
-    return _int(env.get("SLURM_NTASKS"))
+    return _int(env.get("SLURM_NTASKS")) if slurm_job_id(env) else 0
 
 
 def _int(value: str | None) -> int:

@@ -1,16 +1,21 @@
-"""Ctrl-C and SIGTERM save a checkpoint and say how to resume; a worker whose parent dies exits.
+"""Ctrl-C, SIGTERM and SLURM's SIGUSR1 in every phase: all ranks stop together, save once, exit 128+N.
 
-Lightning 2.6 already handles SIGTERM well: its signal connector sets a flag and the training
-loop raises ``SIGTERMException`` at the end of the current batch, when the weights, the optimiser
-and the loop counters agree. Ctrl-C, by contrast, raises ``KeyboardInterrupt`` wherever Python
-happens to be (inside ``optimizer.step``, say), and Lightning exits without saving. So during
-training :class:`GracefulInterrupt` turns the first Ctrl-C into the same flag as SIGTERM; either
-one then ends the batch, saves ``checkpoints/interrupted.ckpt``, prints the command that resumes,
-and the process exits with ``128 + signal`` (130 for Ctrl-C, 143 for SIGTERM). A second Ctrl-C
-quits at once, without saving.
+:mod:`~project.machinery.safety.signals` records a signal and nothing else. This module acts on it:
 
-SLURM: with ``#SBATCH --signal=SIGUSR1@90`` Lightning's SLURM environment saves an ``hpc_ckpt``
-and requeues the job on SIGUSR1; nothing here touches SIGUSR1.
+* :class:`GracefulInterrupt` (always on) replaces Lightning's own signal handling for the run:
+  Lightning 2.6's SIGTERM handler broadcasts inside the handler and each rank raises
+  ``SIGTERMException`` on its own, so DDP ranks diverge and hang. Instead, at the end of every
+  batch the ranks all-reduce the signal they received (one integer, on the CPU: a gloo group when
+  the job runs NCCL, so the GPU is never synchronised). When any rank got one, every rank sets
+  Lightning's stop flag at that same batch and Lightning ends the loop on all of them. During
+  training they then save ``checkpoints/interrupted.ckpt`` together (rank 0 writes) and rank 0
+  prints the command that resumes. Under SLURM, SIGUSR1 (``#SBATCH --signal=SIGUSR1@90``) does
+  the same and then requeues the job, which resumes from that checkpoint by itself
+  (:func:`project.machinery.run.launch.requeued_checkpoint`).
+* :func:`phase` wraps each phase of ``train.py`` and ``eval.py`` (fit, test, export, eval): a stop
+  ends it with one line and exit code ``128 + signal`` (130 for Ctrl-C, 143 for SIGTERM); a DDP
+  peer that died ends it with :class:`PeerDied` instead of a traceback.
+* :func:`watch_parent` ends a DDP worker whose rank 0 died.
 """
 
 from __future__ import annotations
@@ -19,89 +24,164 @@ import logging
 import os
 import shlex
 import signal
+import subprocess
 import sys
+import textwrap
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.trainer.connectors.signal_connector import (  # private: no public switch
+    _SignalConnector,
+)
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from project.errors import ProjectError
+from project.machinery.safety import signals
 
 log = logging.getLogger(__name__)
 
 INTERRUPTED_FILE = "interrupted.ckpt"
 
 
+class _RecordOnlyConnector(_SignalConnector):  # private: Lightning's signal connector
+    """Lightning's signal connector without its handlers: :mod:`signals` records the signals."""
+
+    def register_signal_handlers(self) -> None:
+        self.received_sigterm = False
+
+
 class GracefulInterrupt(Callback):
-    """Save a checkpoint on Ctrl-C or SIGTERM at the next batch boundary, then exit non-zero."""
+    """Stop every rank at the same batch boundary when any rank got a stop signal; save in fit."""
 
     def __init__(self) -> None:
-        self.signal: int | None = None
         self.saved: Path | None = None
-        self._previous: dict[int, Any] = {}
+        self._group: Any = None
+        self._stopping = False
 
-    # Installed at train start: Lightning registers its own SIGTERM handler just before.
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if threading.current_thread() is not threading.main_thread():
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        request = signals.request
+        request.quiet = request.quiet or not trainer.is_global_zero
+        if not request.active:
+            return  # no handlers of ours (a notebook, a test): Lightning keeps its own
+        connector = trainer._signal_connector  # private: Lightning has no switch for its handlers
+        if not isinstance(connector, _RecordOnlyConnector):
+            trainer._signal_connector = _RecordOnlyConnector(trainer)  # private: see above
+        if self._group is None and _distributed(trainer) and dist.get_backend() != "gloo":
+            self._group = dist.new_group(backend="gloo")  # every rank calls setup: collective-safe
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        self._agree(trainer)
+
+    def on_validation_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        self._agree(trainer)
+
+    def on_test_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        self._agree(trainer)
+
+    def _agree(self, trainer: Trainer) -> None:
+        """One all-reduce (MAX) of the signal each rank received: every rank learns the same."""
+        request = signals.request
+        if self._stopping or not request.active:
             return
-        self._trainer = trainer
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            self._previous[signum] = signal.getsignal(signum)
-            signal.signal(signum, self._handle)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if signum == signal.SIGINT and self.signal == signal.SIGINT:
-            raise KeyboardInterrupt  # second Ctrl-C: quit now
-        first = self.signal is None
-        self.signal = signum
-        if signum == signal.SIGTERM:
-            previous = self._previous.get(signum)
-            if callable(previous):
-                previous(signum, frame)  # Lightning's: sets its flag, passes it to DDP workers
-        self._trainer._signal_connector.received_sigterm = True
-        if first:
-            name = signal.Signals(signum).name
-            print(
-                f"\n{name} received: finishing this batch and saving a checkpoint "
-                "(Ctrl-C again quits at once, without saving)",
-                file=sys.stderr,
-                flush=True,
-            )
+        signum = request.received or 0
+        if _distributed(trainer):
+            flag = torch.tensor([signum], dtype=torch.int32)  # CPU: no device sync
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+            signum = int(flag.item())
+        if not signum:
+            return
+        self._stopping = True
+        request.agreed = signum
+        procs = getattr(trainer.strategy.launcher, "procs", None)  # private: its worker list
+        if procs:
+            # Lightning's watchdog thread holds this list and SIGKILLs rank 0 as soon as a worker
+            # exits non-zero; the workers now stop with 128+N on purpose, and rank 0 waits for them.
+            request.children = list(procs)
+            procs.clear()
+        trainer._signal_connector.received_sigterm = True  # private: Lightning's loop-stop flag
 
     def on_exception(
         self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
     ) -> None:
-        if not isinstance(exception, SIGTERMException) or self.signal is None:
+        request = signals.request
+        if not isinstance(exception, SIGTERMException) or request.agreed is None:
             return
-        self._restore()
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
         if trainer.sanity_checking or trainer.global_step == 0:
-            log.warning("Interrupted before the first training step: no checkpoint to save")
+            request.detail = " before the first training step (nothing to save)"
             return
         path = checkpoint_dir(trainer) / INTERRUPTED_FILE
-        trainer.save_checkpoint(path)  # every rank calls it; rank 0 writes (crash-safe)
+        trainer.save_checkpoint(path, weights_only=False)  # every rank calls it; rank 0 writes
         self.saved = path
-        log.warning(
-            "Interrupted at epoch %d, step %d; saved %s. Resume with:\n  %s",
-            trainer.current_epoch,
-            trainer.global_step,
-            path,
-            resume_command(path),
+        request.detail = (
+            f" at epoch {trainer.current_epoch}, step {trainer.global_step}; saved {path}"
         )
+        if trainer.is_global_zero:
+            log.warning("Interrupted; resume with:\n  %s", resume_command(path))
 
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._restore()
 
-    def _restore(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for signum, handler in self._previous.items():
-            if handler is not None:
-                signal.signal(signum, handler)
-        self._previous = {}
+def _distributed(trainer: Trainer) -> bool:
+    return trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+
+@contextmanager
+def phase(name: str, trainer: Trainer | None = None) -> Iterator[None]:
+    """Run one phase of the run (``fit``, ``test``, ``export``...); a stop ends it with 128 + N.
+
+    ``trainer``: the phase runs Lightning with it (its ranks agree on stops at batch boundaries).
+    """
+    request = signals.request
+    request.phase = name
+    try:
+        yield
+    except SIGTERMException:  # Lightning ended the loop: an agreed stop, or Lightning's own handler
+        _stop(request.agreed or request.received or signal.SIGTERM)
+    except RuntimeError as err:
+        if trainer is None or trainer.world_size < 2 or not any(t in str(err) for t in _PEER_GONE):
+            raise
+        first = textwrap.shorten(str(err).splitlines()[0], width=300, placeholder=" ...")
+        raise PeerDied(
+            f"rank {trainer.global_rank}: another process of this {trainer.world_size}-process "
+            f"job died ({first}); stopping the job. The last complete checkpoint is in "
+            f"{checkpoint_dir(trainer)}"
+        ) from err
+    if request.agreed is not None:  # agreed at the phase's last batch: every rank stops here
+        _stop(request.agreed)
+
+
+def _stop(signum: int) -> None:
+    request = signals.request
+    if signum == signal.SIGUSR1 and not request.quiet:
+        request.detail += requeue_slurm_job()
+    signals.exit_stopped(signum)
+
+
+def requeue_slurm_job() -> str:
+    """Put this SLURM job back in the queue (``scontrol requeue``); what happened, for the last line."""
+    job = signals.slurm_job_id()
+    if job is None:
+        return ""
+    try:
+        result = subprocess.run(
+            ["scontrol", "requeue", job], capture_output=True, text=True, timeout=120
+        )
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"; could not requeue SLURM job {job} ({err}): submit it again to resume"
+    if result.returncode != 0:
+        reason = (result.stderr.strip().splitlines() or [f"exit code {result.returncode}"])[-1]
+        return (
+            f"; could not requeue SLURM job {job} (scontrol: {reason}): submit it again to resume"
+        )
+    return f"; requeued SLURM job {job}"
 
 
 def checkpoint_dir(trainer: Trainer) -> Path:
@@ -127,28 +207,6 @@ def _task_overrides() -> list[str]:
         return list(HydraConfig.get().overrides.task)
     except Exception:  # not running under Hydra (a notebook, a test)
         return list(sys.argv[1:])
-
-
-def fit(trainer: Trainer, model: LightningModule, datamodule: Any, ckpt_path: Any) -> None:
-    """``trainer.fit`` whose interruption by Ctrl-C or SIGTERM exits with ``128 + signal``.
-
-    Lightning ends an interrupted fit with ``SIGTERMException``, a ``SystemExit`` whose code is 0,
-    so a scheduler or a shell script would take the run for finished.
-    """
-    try:
-        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
-    except SIGTERMException:
-        callback = next((c for c in trainer.callbacks if isinstance(c, GracefulInterrupt)), None)
-        signum = (callback.signal if callback else None) or signal.SIGTERM
-        raise SystemExit(128 + int(signum)) from None
-    except RuntimeError as err:
-        if trainer.world_size < 2 or not any(text in str(err) for text in _PEER_GONE):
-            raise
-        raise PeerDied(
-            f"rank {trainer.global_rank}: another process of this {trainer.world_size}-process "
-            f"job died ({str(err).splitlines()[0][-120:]}); stopping the job. The last complete "
-            f"checkpoint is in {checkpoint_dir(trainer)}"
-        ) from err
 
 
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
