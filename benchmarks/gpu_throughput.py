@@ -10,7 +10,7 @@ Workloads (in-memory synthetic data, so the GPU, not the input pipeline, is what
 
 Arm "template": :func:`project.train.train` on the composed config (every default callback,
 CSV logger, checkpoints, GPU statistics; the speed defaults: ``precision=auto`` -> bf16-mixed on
-a bf16 GPU, ``matmul_precision=high``, channels-last for the ConvNet, ``model.compile`` as
+a bf16 GPU, ``matmul_precision=high``, channels-last for the ConvNet, ``callbacks.speed.compile`` as
 given). Arm "plain": the same network, optimiser, data order, precision (``torch.autocast`` to
 bf16 when the template chose bf16-mixed), matmul precision and memory layout in a hand-written
 loop, with a validation pass per epoch like the template's. Both are timed from one epoch start
@@ -24,7 +24,7 @@ an unknown GPU gets no MFU rather than a guessed one.
 
     python benchmarks/gpu_throughput.py                       # both workloads, ~2 minutes
     python benchmarks/gpu_throughput.py --workloads mlp --repeats 5 --epochs 6
-    python benchmarks/gpu_throughput.py --compile             # model.compile=true in both arms
+    python benchmarks/gpu_throughput.py --compile             # callbacks.speed.compile=true in both arms
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def choices(cfg: Any, cpu: bool) -> tuple[Any, str, bool]:
     indices = [] if cpu else [torch.cuda.current_device()]
     precision = speed.resolve_precision(cfg.precision, indices)
     device = torch.device("cpu" if cpu else f"cuda:{indices[0]}")
-    layout = speed.uses_channels_last(cfg.model.get("channels_last", False), device)
+    layout = speed.uses_channels_last(cfg.callbacks.speed.channels_last, device)
     return device, precision, layout and cfg.model.net._target_.endswith("ConvNet")
 
 
@@ -176,7 +176,7 @@ def run_plain(cfg: Any, cpu: bool) -> list[tuple[float, float]]:
     net = instantiate(cfg.model.net).to(device)
     if layout:
         net = net.to(memory_format=torch.channels_last)
-    speed.maybe_compile(net, bool(cfg.model.compile))
+    speed.maybe_compile(net, bool(cfg.callbacks.speed.compile))
     optimizer = instantiate(cfg.model.optimizer)(params=net.parameters())
     scheduler = instantiate(cfg.model.scheduler)(optimizer=optimizer)
     sampler = EpochShuffle(data.train_set, seed=cfg.seed)
@@ -268,7 +268,9 @@ def main() -> None:
     parser.add_argument("--workloads", default="mlp,convnet")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=4, help="per run; the first is warm-up")
-    parser.add_argument("--compile", action="store_true", help="model.compile=true, both arms")
+    parser.add_argument(
+        "--compile", action="store_true", help="callbacks.speed.compile=true, both arms"
+    )
     parser.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense peak")
     parser.add_argument("--allow-cpu", action="store_true", help="check the script on the CPU")
     args = parser.parse_args()
@@ -287,7 +289,7 @@ def main() -> None:
         return
     _common.quiet()
     table = CPU_WORKLOADS if cpu else WORKLOADS
-    extra = ["model.compile=true"] if args.compile else []
+    extra = ["callbacks.speed.compile=true"] if args.compile else []
     gpu = "CPU (script check only)" if cpu else torch.cuda.get_device_name()
     print(f"device: {gpu}; machine: {_common.machine_summary()}")
     with tempfile.TemporaryDirectory(prefix="gpu_throughput_") as tmp:

@@ -119,13 +119,18 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "train_gpu": ("trainer=gpu", *TRAIN_COMMON),
     "eval_gpu": ("trainer=gpu", "ckpt_path={run:train_gpu}/model.pth", "paths.log_dir={log_dir}"),
     "train_dp": ("trainer=dp", "trainer.devices=1", *TRAIN_COMMON),
-    "train_bf16_compile": ("trainer=gpu", "precision=auto", "model.compile=true", *TRAIN_COMMON),
+    "train_bf16_compile": (
+        "trainer=gpu",
+        "precision=auto",
+        "callbacks.speed.compile=true",
+        *TRAIN_COMMON,
+    ),
     "pytest_gpu": ("-m", "gpu", "-p", "no:cacheprovider", "--timeout=150"),
     "benchmark": ("--workloads", "mlp", "--repeats", "1", "--epochs", "2"),
 }
 # Regexes a step's output, train.log or config.yaml must match: proof that a switch took effect.
 EXPECT: dict[str, tuple[str, ...]] = {
-    "train_dp": (r"strategy:\s*dp\b",),
+    "train_dp": (r"strategies\.dp\.DataParallelStrategy",),
     "train_bf16_compile": (r"precision=bf16", r"compile:\s*true"),
 }
 # Per-GPU statistics in csv/metrics.csv: "gpu/" then any prefix (node, device) then the name, so a

@@ -1,14 +1,16 @@
-"""``trainer.strategy=dp``: registration, the CPU refusal, and the step plumbing.
+"""``trainer.strategy=dp``: registration, the CPU refusal, and the network's parallel wrapper.
 
-On a machine without GPUs ``nn.DataParallel`` only calls the module, which would hide every
+On a machine without GPUs ``nn.DataParallel`` only calls the network, which would hide every
 mistake in splitting and gathering. So most tests here swap in :class:`SplitDataParallel`, a CPU
-stand-in that does what DataParallel does with GPUs (split the batch, run shallow per-"device"
-copies of the module, concatenate the outputs) and compare against plain single-device training.
-The ``gpu`` tests at the end run the real thing.
+stand-in that does what DataParallel does with GPUs (split the input, run shallow per-"device"
+copies of the network, concatenate the outputs) and compare against plain single-device
+training. The ``gpu`` tests at the end run the real thing.
 """
 
 from __future__ import annotations
 
+import importlib
+import threading
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -23,12 +25,11 @@ from torch import Tensor, nn
 from project.data.digits import DigitsDataModule
 from project.errors import ProjectError
 from project.machinery.run.preflight import check_config, check_strategy
+from project.machinery.speed import maybe_compile
 from project.machinery.strategies.dp import (
+    AutocastDataParallel,
     DataParallelStrategy,
-    _ReplicaStep,
     check_dp_request,
-    mean_loss,
-    steps_run_in_replicas,
 )
 from project.models.classifier import ClassifierModule
 from project.models.nets import MLP
@@ -60,24 +61,17 @@ def _split(value: Any, parts: int) -> list[Any]:
     return [value] * parts
 
 
-def _gather(outputs: list[Any]) -> Any:
-    first = outputs[0]
-    if isinstance(first, Tensor):
-        return torch.cat([o.unsqueeze(0) if o.ndim == 0 else o for o in outputs])
-    if isinstance(first, dict):
-        return {key: _gather([o[key] for o in outputs]) for key in first}
-    return first
-
-
 class SplitDataParallel(nn.Module):
-    def __init__(self, module: nn.Module, parts: int, calls: list[str]) -> None:
+    """Records the size of each slice it runs the network on, one list per call."""
+
+    def __init__(self, module: nn.Module, parts: int, calls: list[list[int]]) -> None:
         super().__init__()
         self.module, self.parts, self.calls = module, parts, calls
 
-    def forward(self, *args: Any) -> Any:
-        self.calls.append(args[0])  # the step's name
-        chunks = _split(args, self.parts)
-        return _gather([_replicate(self.module)(*chunk) for chunk in chunks])
+    def forward(self, *inputs: Any) -> Any:
+        chunks = _split(inputs, self.parts)
+        self.calls.append([len(chunk[0]) for chunk in chunks])
+        return torch.cat([_replicate(self.module)(*chunk) for chunk in chunks])
 
 
 class CpuSplitDP(DataParallelStrategy):
@@ -86,18 +80,18 @@ class CpuSplitDP(DataParallelStrategy):
     def _require_cuda(self) -> None:
         return None
 
-    calls: list[str]
+    calls: list[list[int]]
 
-    def _data_parallel(self, module: nn.Module) -> nn.Module:
+    def _data_parallel(self, net: nn.Module) -> nn.Module:
         self.calls = getattr(self, "calls", [])
-        return SplitDataParallel(module, parts=2, calls=self.calls)
+        return SplitDataParallel(net, parts=2, calls=self.calls)
 
 
 # ------------------------------------------------------------------------------------------------
 
 
 def make_module() -> ClassifierModule:
-    # No dropout and no BatchNorm: then DP over two halves must match one device exactly.
+    # No dropout: then DP over two halves must match one device exactly.
     return ClassifierModule(MLP(hidden=(32,), dropout=0.0), partial(torch.optim.SGD, lr=0.1))
 
 
@@ -130,6 +124,7 @@ def test_dp_is_registered_and_accepted_by_preflight() -> None:
     check_strategy("dp")  # no error
     trainer = pl.Trainer(strategy="dp", accelerator="cpu", devices=2, logger=False)
     assert isinstance(trainer.strategy, DataParallelStrategy)
+    assert trainer.strategy.network == "net"  # the registered name parallelises pl_module.net
     assert trainer.num_devices == 2 and trainer.world_size == 1 and trainer.is_global_zero
 
 
@@ -158,34 +153,24 @@ def test_dp_strategy_refuses_cpu_devices_at_setup(tmp_path: Path) -> None:
         trainer.fit(make_module(), datamodule=DigitsDataModule(batch_size=64))
 
 
-def test_loss_of_every_gpu_is_averaged() -> None:
-    assert mean_loss(torch.tensor([1.0, 3.0])).item() == 2.0
-    assert mean_loss({"loss": torch.tensor([2.0, 4.0]), "n": 1})["loss"].item() == 3.0
-    assert mean_loss(torch.tensor(5.0)).item() == 5.0
-    assert mean_loss(None) is None
-
-
-def test_replica_step_returns_vectors_the_gather_can_stack() -> None:
-    class Steps(pl.LightningModule):
-        def training_step(self, batch: Tensor, batch_idx: int) -> Any:
-            return {"loss": batch.sum(), "count": 3}
-
-    out = _ReplicaStep(Steps())("training_step", torch.ones(4), 0)
-    assert out["loss"].shape == (1,) and out["loss"].item() == 4.0
-    assert out["count"].shape == (1,)
-
-
-def test_steps_inside_replicas_defer_metric_updates() -> None:
+def test_the_step_runs_once_over_the_gathered_outputs() -> None:
+    """Only the network is split: the loss and the metric update happen once, on the whole
+    (odd) batch, so they equal the single-device ones; the module's keys do not change."""
     module = make_module()
-    batch = (torch.rand(6, 1, 8, 8), torch.randint(0, 10, (6,)))
-    trainer = pl.Trainer(strategy="dp", accelerator="cpu", devices=2, logger=False)
-    module.trainer = trainer  # attached, as during fit
-    assert steps_run_in_replicas(module)
-    outputs = module.training_step(batch, 0)
-    assert set(outputs) == {"losses", "logits", "targets"} and outputs["losses"].shape == (6,)
-    assert module.train_metrics["loss"].update_count == 0  # nothing changed in the "replica"
-    loss = module.training_step_end(outputs)
-    assert loss.ndim == 0 and module.train_metrics["loss"].update_count == 1
+    batch = (torch.rand(7, 1, 8, 8), torch.randint(0, 10, (7,)))
+    expected = module.training_step(batch, 0).detach()
+    module.train_metrics.reset()
+    keys, parameters = list(module.state_dict()), list(module.parameters())
+
+    strategy = CpuSplitDP(parallel_devices=[torch.device("cpu")] * 2)
+    strategy._setup_model(module)
+    assert isinstance(module.net, SplitDataParallel) and module.net.module is module._modules["net"]
+    loss = module.training_step(batch, 0)
+    assert strategy.calls == [[4, 3]]  # the network ran on both halves, in one call
+    assert loss.ndim == 0 and torch.allclose(loss, expected, atol=1e-6)
+    assert module.train_metrics["loss"].update_count == 1
+    assert list(module.state_dict()) == keys  # the wrapper is not a submodule
+    assert list(module.parameters()) == parameters  # each parameter once, as before
 
 
 def test_split_dp_trains_exactly_like_one_device_and_saves_plain_keys(tmp_path: Path) -> None:
@@ -193,8 +178,10 @@ def test_split_dp_trains_exactly_like_one_device_and_saves_plain_keys(tmp_path: 
     strategy = CpuSplitDP()
     split, metrics_split = fit(strategy, tmp_path / "dp")
 
-    # every step ran through the splitting wrapper
-    assert strategy.calls == ["training_step"] * 4 + ["validation_step"] * 2 + ["test_step"] * 2
+    # every step's network call went through the splitting wrapper, in two uneven halves
+    assert len(strategy.calls) == 4 + 2 + 2  # training, validation, test batches
+    assert strategy.calls[0] == [31, 30]
+    assert isinstance(split.net, MLP)  # after the run, pl_module.net is the plain network again
     for (name, a), (_, b) in zip(
         single.state_dict().items(), split.state_dict().items(), strict=True
     ):
@@ -204,33 +191,31 @@ def test_split_dp_trains_exactly_like_one_device_and_saves_plain_keys(tmp_path: 
 
     ckpt = next((tmp_path / "dp" / "checkpoints").glob("*.ckpt"))
     state = torch.load(ckpt, weights_only=True)["state_dict"]
-    assert not [key for key in state if key.startswith("module.")]
+    assert not [key for key in state if "module." in key]
     make_module().load_state_dict(state, strict=True)
 
 
-def test_module_without_step_end_still_trains_on_the_mean_loss(tmp_path: Path) -> None:
-    seen: list[Tensor] = []
+class Encoder(pl.LightningModule):
+    """A LightningModule whose network is not called ``net``."""
 
-    class Plain(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = nn.Linear(4, 2)
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(4, 2)
 
-        def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-            x, y = batch
-            return nn.functional.cross_entropy(self.layer(x), y)
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.encoder(x), y)
 
-        def on_before_backward(self, loss: Tensor) -> None:
-            seen.append(loss.detach())
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
 
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=0.1)
 
+def _fit_encoder(strategy: DataParallelStrategy, tmp_path: Path) -> None:
     data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=CpuSplitDP(),
+        strategy=strategy,
         max_epochs=1,
         logger=False,
         enable_checkpointing=False,
@@ -238,8 +223,77 @@ def test_module_without_step_end_still_trains_on_the_mean_loss(tmp_path: Path) -
         enable_model_summary=False,
         default_root_dir=tmp_path,
     )
-    trainer.fit(Plain(), torch.utils.data.DataLoader(data, batch_size=8))
-    assert len(seen) == 2 and all(loss.ndim == 0 for loss in seen)
+    trainer.fit(Encoder(), torch.utils.data.DataLoader(data, batch_size=8))
+
+
+def test_the_network_attribute_is_configurable(tmp_path: Path) -> None:
+    strategy = CpuSplitDP(network="encoder")
+    _fit_encoder(strategy, tmp_path)
+    assert strategy.calls == [[4, 4], [4, 4]]
+    with pytest.raises(
+        ProjectError,
+        match=r"parallelises the network in Encoder\.net, but .*"
+        r"no nn\.Module attribute 'net'; set trainer\.strategy\.network",
+    ):
+        _fit_encoder(CpuSplitDP(), tmp_path)
+
+
+def test_the_dp_preset_names_the_network_attribute() -> None:
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from project.machinery.run.cli import config_dir
+
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=["trainer=dp", "trainer.strategy.network=encoder"])
+    strategy = instantiate(cfg.trainer.strategy)
+    assert isinstance(strategy, DataParallelStrategy) and strategy.network == "encoder"
+
+
+def test_a_compiled_network_is_refused_in_one_line() -> None:
+    module = make_module()
+    maybe_compile(module.net, True)
+    with pytest.raises(
+        ProjectError,
+        match=r"^a compiled network \(callbacks\.speed\.compile=true\) does not work with",
+    ):
+        CpuSplitDP(parallel_devices=[torch.device("cpu")] * 2)._setup_model(module)
+
+
+def test_copies_on_other_gpus_compute_in_the_callers_autocast_dtype(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch's parallel_apply runs each copy in a thread of its own, with autocast on but at the
+    thread's default dtype; the wrapper hands the caller's dtype over. Shown on the CPU, whose
+    default autocast dtype is bf16, with the caller in float16."""
+    data_parallel = importlib.import_module("torch.nn.parallel.data_parallel")  # not the function
+
+    def threaded_apply(replicas: Any, inputs: Any, kwargs: Any, devices: Any) -> list[Any]:
+        enabled, results = torch.is_autocast_enabled("cpu"), {}
+
+        def work(i: int) -> None:  # what torch's worker does, on the CPU
+            with torch.autocast("cpu", enabled=enabled):
+                results[i] = replicas[i](*inputs[i], **kwargs[i])
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(replicas))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return [results[i] for i in range(len(replicas))]
+
+    monkeypatch.setattr(data_parallel, "parallel_apply", threaded_apply)
+    wrapper = AutocastDataParallel(nn.Linear(4, 2))  # on a CPU-only machine: no device setup
+    wrapper.src_device_obj, wrapper.device_ids = torch.device("cpu"), [0, 1]
+    replicas = [wrapper.module, wrapper.module]
+    inputs = [(torch.randn(2, 4),), (torch.randn(2, 4),)]
+    with torch.autocast("cpu", dtype=torch.float16):
+        outputs = wrapper.parallel_apply(replicas, inputs, [{}, {}])
+    assert [out.dtype for out in outputs] == [torch.float16, torch.float16]
+    plain = nn.DataParallel.parallel_apply
+    with torch.autocast("cpu", dtype=torch.float16):
+        outputs = plain(wrapper, replicas, inputs, [{}, {}])
+    assert outputs[0].dtype == torch.bfloat16  # what the plain wrapper does: not the caller's
 
 
 # ------------------------------------------------------------------------------------------------

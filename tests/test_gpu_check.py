@@ -220,7 +220,8 @@ def fake_run(run: Path, columns: dict[str, str], accelerator: str = "CUDAAcceler
     (run / "csv").mkdir(parents=True)
     summary = {"metrics": {"test/acc": 0.9}, "accelerator": accelerator, "wall_seconds": 9.0}
     (run / "metrics.json").write_text(json.dumps(summary))
-    (run / "config.yaml").write_text("trainer:\n  strategy: dp\n")
+    strategy = "  strategy:\n    _target_: project.machinery.strategies.dp.DataParallelStrategy\n"
+    (run / "config.yaml").write_text(f"trainer:\n{strategy}")
     with (run / "csv" / "metrics.csv").open("w", newline="") as handle:
         writer = csv.DictWriter(handle, ["epoch", *columns])
         writer.writeheader()
@@ -250,7 +251,8 @@ def test_a_gpu_run_passes_with_its_figures(tmp_path: Path) -> None:
     result = run_check(tmp_path, "train_dp", run)
     assert result.status == "pass", result.message
     assert result.figures["gpu/node0/cuda0/power_w_mean"] == 180
-    assert result.figures["matched /strategy:\\s*dp\\b/"] == "strategy: dp"
+    matched = result.figures["matched /strategies\\.dp\\.DataParallelStrategy/"]
+    assert matched == "strategies.dp.DataParallelStrategy"
 
 
 @pytest.mark.parametrize(
@@ -311,7 +313,8 @@ def test_dry_run_writes_its_report_under_out(tmp_path: Path, wheels: Path) -> No
     assert steps["setup"]["figures"]["installed"] == gc.local_versions()
     assert "trainer=dp" in steps["train_dp"]["command"]
     assert steps["train_dp"]["command"].endswith("--cfg job")
-    assert any(line.strip() == "strategy: dp" for line in steps["train_dp"]["output_tail"])
+    tail = steps["train_dp"]["output_tail"]
+    assert any(line.strip().endswith("strategies.dp.DataParallelStrategy") for line in tail)
     md = (tmp_path / "out" / "gpu_check.md").read_text()
     assert md.startswith("# GPU check (dry-run): PASS")
 

@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from project.data.digits import DigitsDataModule
 from project.models.classifier import ClassifierModule
-from project.models.nets import MLP, ConvNet
+from project.models.nets import MLP, ConvNet, EpochBatchNorm2d
 
 
 def make_module(**kwargs) -> ClassifierModule:
@@ -24,6 +24,36 @@ def test_networks_map_images_to_class_logits() -> None:
     images = torch.rand(5, 1, 8, 8)
     assert ConvNet()(images).shape == (5, 10)
     assert MLP()(images).shape == (5, 10)
+
+
+def test_batch_norm_evaluates_with_the_average_since_the_last_evaluation() -> None:
+    """The plain average of the batches trained on since the layer was last evaluated: sound
+    right after a short run, no exponential lag, and no batch count read back to the host."""
+    layer = EpochBatchNorm2d(3)
+    old = [torch.randn(8, 3, 4, 4) * 5 - 7 for _ in range(4)]
+    for batch in old:
+        layer(batch)
+    layer.training = False  # how Lightning switches modes: no train()/eval() call
+    layer(old[0])  # an evaluation...
+    layer.training = True  # ...so the next training batch starts a new average
+    recent = [torch.randn(8, 3, 4, 4) * (i + 1) + i for i in range(3)]
+    for batch in recent:
+        out = layer(batch)
+    assert torch.allclose(out.mean(dim=(0, 2, 3)), torch.zeros(3), atol=1e-5)  # batch statistics
+    means = torch.stack([b.mean(dim=(0, 2, 3)) for b in recent]).mean(dim=0)
+    variances = torch.stack([b.var(dim=(0, 2, 3)) for b in recent]).mean(dim=0)
+    assert torch.allclose(layer.running_mean, means, atol=1e-5)
+    assert torch.allclose(layer.running_var, variances, atol=1e-4)
+    assert layer.num_batches_tracked.item() == 3
+    layer.eval()
+    expected = (recent[0] - means[None, :, None, None]) / torch.sqrt(
+        variances[None, :, None, None] + layer.eps
+    )
+    assert torch.allclose(layer(recent[0]), expected, atol=1e-4)
+    # The same state as torch's batch norm: old checkpoints and model.pth files load.
+    plain = torch.nn.BatchNorm2d(3)
+    plain.load_state_dict(layer.state_dict())
+    assert list(plain.state_dict()) == list(layer.state_dict())
 
 
 def test_steps_update_metrics_and_return_a_differentiable_loss() -> None:

@@ -7,7 +7,7 @@ training step of the template's default loop reads nothing back from the device.
 
 from __future__ import annotations
 
-import sys
+import json
 import types
 from pathlib import Path
 from typing import Any
@@ -15,14 +15,17 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from host_reads import HostReadProbe, ReadRecorder, host_side_storages
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
+from conftest import CliRunner, run_dirs
 from project.data.digits import DigitsDataModule
 from project.errors import ProjectError
 from project.machinery import speed
 from project.machinery.run import builders
 from project.machinery.run.cli import config_dir
+from project.models.classifier import ClassifierModule
 from project.models.nets import MLP, ConvNet
 
 
@@ -50,11 +53,13 @@ def test_config_defaults_are_the_fast_safe_choices() -> None:
     cfg = _compose()
     assert cfg.precision == "auto"
     assert cfg.matmul_precision == "high"
-    assert cfg.trainer.precision is None  # null: the top-level key decides
-    assert cfg.model.compile is False
-    assert cfg.model.channels_last is True  # ConvNet; applied on CUDA only
+    assert "precision" not in cfg.trainer  # one precision key, the top-level one
+    assert cfg.callbacks.speed.compile is False
+    assert cfg.callbacks.speed.channels_last is True  # applied on CUDA, to convolutional nets
+    assert "compile" not in cfg.model and "channels_last" not in cfg.model
+    assert cfg.model.optimizer.fused is True  # one kernel per step, step counters on the device
+    assert _compose("model=mlp").model.optimizer.fused is True
     assert cfg.data.num_workers == "auto" and cfg.data.pin_memory == "auto"
-    assert _compose("model=mlp").model.channels_last is False
 
 
 # --------------------------------------------------------------------------- devices
@@ -135,19 +140,40 @@ def test_compile_is_in_place_so_state_dict_keys_stay_plain() -> None:
 
 
 def _trainer_on(device: str) -> Any:
-    """What prepare_net and the data module read of a Trainer: its strategy's root device."""
+    """What the speed callback and the data module read of a Trainer: its strategy's root device."""
     return types.SimpleNamespace(strategy=types.SimpleNamespace(root_device=torch.device(device)))
 
 
+def _sees_channels_last(net: ConvNet) -> bool:
+    """Whether the first convolution receives its input in channels-last layout."""
+    seen: list[bool] = []
+    hook = net.features[0].register_forward_pre_hook(
+        lambda module, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last))
+    )
+    net(torch.rand(2, 3, 8, 8))
+    hook.remove()
+    return seen[0]
+
+
 def test_channels_last_applies_to_conv_nets_on_cuda_only() -> None:
-    conv = ConvNet(channels=(4, 8))
-    assert speed.prepare_net(conv, _trainer_on("cpu"), False, True) is False
-    assert not conv.features[3].weight.is_contiguous(memory_format=torch.channels_last)
+    switches = speed.NetworkSpeedups(channels_last=True)
+    module = ClassifierModule(ConvNet(in_channels=3, channels=(4, 8)), torch.optim.SGD)
+    switches.setup(_trainer_on("cpu"), module, "fit")
+    assert not module.net.features[3].weight.is_contiguous(memory_format=torch.channels_last)
+    assert not _sees_channels_last(module.net)
     # The layout change is device-independent, so a CPU test can check it for a CUDA run.
-    assert speed.prepare_net(conv, _trainer_on("cuda"), False, True) is True
-    assert conv.features[3].weight.is_contiguous(memory_format=torch.channels_last)
-    assert speed.prepare_net(MLP(), _trainer_on("cuda"), False, True) is False
-    assert speed.prepare_net(ConvNet(), _trainer_on("cuda"), False, False) is False
+    switches.setup(_trainer_on("cuda"), module, "fit")
+    assert module.net.features[3].weight.is_contiguous(memory_format=torch.channels_last)
+    assert _sees_channels_last(module.net)  # the batches are converted on their way in
+    switches.teardown(_trainer_on("cuda"), module, "fit")
+    assert not _sees_channels_last(module.net)  # the input hook goes with the run
+
+    mlp = ClassifierModule(MLP(), torch.optim.SGD)
+    speed.NetworkSpeedups(channels_last=True).setup(_trainer_on("cuda"), mlp, "fit")
+    assert not mlp.net.layers[1].weight.is_contiguous(memory_format=torch.channels_last)
+    off = ClassifierModule(ConvNet(in_channels=3, channels=(4, 8)), torch.optim.SGD)
+    speed.NetworkSpeedups(channels_last=False).setup(_trainer_on("cuda"), off, "fit")
+    assert not _sees_channels_last(off.net)
 
 
 def test_channels_last_batches_convert_images_and_leave_labels() -> None:
@@ -158,29 +184,36 @@ def test_channels_last_batches_convert_images_and_leave_labels() -> None:
     assert out_labels is labels
 
 
-def test_compile_is_refused_under_data_parallel() -> None:
-    from project.machinery.strategies.dp import DataParallelStrategy
-
-    class OnCpu(DataParallelStrategy):
-        root_device = torch.device("cpu")  # no GPUs needed to ask the question
-
-    trainer = types.SimpleNamespace(strategy=OnCpu.__new__(OnCpu))
-    with pytest.raises(ProjectError, match=r"^model\.compile=true does not work with"):
-        speed.prepare_net(MLP(), trainer, True, False)
-
-
-def test_module_switches_reach_the_network_through_configure_model() -> None:
-    cfg = _compose("model.compile=true", "model.net.channels=[4,8]")
+def test_the_speed_callback_compiles_the_configured_network_once() -> None:
+    cfg = _compose("callbacks.speed.compile=true", "model.net.channels=[4,8]")
+    switches = instantiate(cfg.callbacks.speed)
+    assert isinstance(switches, speed.NetworkSpeedups)
     model = instantiate(cfg.model)
-    model._trainer = _trainer_on("cpu")  # what Lightning attaches before configure_model
-    model.configure_model()
-    assert getattr(model.net, "_compiled_call_impl", None) is not None
-    assert model._channels_last is False  # CPU: the layout is left alone
+    switches.setup(_trainer_on("cpu"), model, "fit")
+    compiled = getattr(model.net, "_compiled_call_impl", None)
+    assert compiled is not None
+    assert all(not key.startswith("_orig_mod") for key in model.state_dict())
+    switches.setup(_trainer_on("cpu"), model, "test")  # fit, then test: compiled once
+    assert model.net._compiled_call_impl is compiled
+
+
+def test_the_speed_callback_leaves_a_module_without_the_network_alone() -> None:
+    class NoNet(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = ConvNet(channels=(4,))
+
+    speed.NetworkSpeedups(channels_last=True).setup(_trainer_on("cuda"), NoNet(), "fit")
+    with pytest.raises(ProjectError, match=r"^callbacks\.speed\.compile=true compiles NoNet\.net"):
+        speed.NetworkSpeedups(compile=True).setup(_trainer_on("cpu"), NoNet(), "fit")
+    named = NoNet()
+    speed.NetworkSpeedups(network="encoder").setup(_trainer_on("cuda"), named, "fit")
+    assert named.encoder.features[0].weight.is_contiguous(memory_format=torch.channels_last)
 
 
 @pytest.mark.slow
 def test_compiled_network_trains_on_the_cpu(tmp_path: Path) -> None:
-    cfg = _compose("model=mlp", "model.compile=true", "model.net.hidden=[16]")
+    cfg = _compose("model=mlp", "callbacks.speed.compile=true", "model.net.hidden=[16]")
     model = instantiate(cfg.model)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -188,6 +221,7 @@ def test_compiled_network_trains_on_the_cpu(tmp_path: Path) -> None:
         limit_train_batches=3,
         limit_val_batches=1,
         logger=False,
+        callbacks=[instantiate(cfg.callbacks.speed)],
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -218,139 +252,143 @@ def test_bad_pin_memory_is_one_line() -> None:
 
 
 # --------------------------------------------------------------------------- no per-step sync
-# Every way a tensor's value reaches the host. On a GPU each is a wait for the device; on the CPU
-# they cost little, which is why they are counted here rather than timed.
-_READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
+# tests/host_reads.py counts, at the operator, every read of a tensor value by the host made in
+# a training or validation step window; on a GPU each read of a GPU tensor waits for the device.
 
 
-def _host_side_by_design(caller: types.FrameType) -> bool:
-    """Reads torch's optimisers make of their ``step`` counters: those tensors live on the CPU
-    even when the parameters are on a GPU (unless ``capturable``), so reading them waits for
-    nothing; on this CPU-only test every tensor is on the CPU, so they are told apart by caller."""
-    return caller.f_code.co_filename.replace("\\", "/").endswith("torch/optim/optimizer.py")
-
-
-class SyncProbe(pl.Callback):
-    """Counts host reads of tensor values and calls to ``LightningModule.log`` per step window.
-
-    A window runs from one batch's ``on_*_batch_start`` to the next batch's, so it holds the
-    step, the backward pass, the optimiser step and every callback's batch hooks (progress bar,
-    logger, checkpoint...). The first window of an epoch is left out (epoch-start work), and the
-    last one ends with its batch (epoch-end work follows).
-    """
-
-    def __init__(self) -> None:
-        self.active: str | None = None
-        self.counts: dict[str, int] = {}
-        self.windows = 0
-        self.reads: list[str] = []
-        self.logs: list[str] = []
-
-    def _open(self, stage: str, batch_idx: int) -> None:
-        self.active = stage if batch_idx >= 1 else None
-        if self.active:
-            self.windows += 1
-
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
-        self._open("train", idx)
-
-    def on_validation_batch_start(
-        self, trainer: Any, pl_module: Any, batch: Any, idx: int, *_: Any
-    ) -> None:
-        self._open("val", idx if not trainer.sanity_checking else 0)
-
-    def _close(self, *_: Any) -> None:
-        self.active = None
-
-    on_train_epoch_end = on_validation_epoch_end = on_validation_start = _close
-    on_train_epoch_start = on_validation_end = _close
-
-    # The last batch's window ends with the batch: what follows is epoch-end work (the validation
-    # loop setting up its loader, say), done once per epoch rather than per step.
-    def on_train_batch_end(
-        self, trainer: Any, pl_module: Any, out: Any, batch: Any, idx: int
-    ) -> None:
-        if idx == trainer.num_training_batches - 1:
-            self._close()
-
-    def on_validation_batch_end(
-        self, trainer: Any, pl_module: Any, out: Any, batch: Any, idx: int, *_: Any
-    ) -> None:
-        if idx == trainer.num_val_batches[0] - 1:
-            self._close()
-
-
-def _watch(probe: SyncProbe, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Record in ``probe`` every host read of a tensor value, and every ``LightningModule.log``
-    call, made while one of its windows is open."""
-    for name in _READS:
-        original = getattr(torch.Tensor, name)
-
-        def counted(
-            self: torch.Tensor, *args: Any, _name: str = name, _orig: Any = original
-        ) -> Any:
-            if probe.active and not _host_side_by_design(sys._getframe(1)):
-                probe.reads.append(f"{probe.active}:{_name}")
-            return _orig(self, *args)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    original_unique = torch.unique  # on a GPU it waits to learn the size of its result
-
-    def unique(*args: Any, **kwargs: Any) -> Any:
-        if probe.active:
-            probe.reads.append(f"{probe.active}:torch.unique")
-        return original_unique(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "unique", unique)
-    original_log = pl.LightningModule.log
+def _count_log_calls(probe: HostReadProbe, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record every ``LightningModule.log`` call made inside one of ``probe``'s windows."""
+    calls: list[str] = []
+    original = pl.LightningModule.log
 
     def log(self: pl.LightningModule, name: str, *args: Any, **kwargs: Any) -> Any:
-        if probe.active:
-            probe.logs.append(f"{probe.active}:{name}")
-        return original_log(self, name, *args, **kwargs)
+        if probe.stage:
+            calls.append(f"{probe.stage}:{name}")
+        return original(self, name, *args, **kwargs)
 
     monkeypatch.setattr(pl.LightningModule, "log", log)
+    return calls
 
 
-def test_a_training_step_reads_nothing_from_the_device_and_logs_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("strategy", ["auto", "dp"])
+def test_a_step_reads_no_device_tensor_and_logs_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: str
 ) -> None:
-    """The template's default loop (its module, metrics, CSV logger, Rich progress bar,
-    checkpointing, GPU statistics callback) makes no host read and no ``log`` call per step."""
+    """The template's default loop (its module and ConvNet, metrics, CSV logger, Rich progress
+    bar, checkpointing, GPU statistics) makes no host read of a tensor a GPU run keeps on the
+    GPU, and no ``log`` call, in any training or validation step; with ``strategy=dp`` as well
+    (the CPU stand-in of tests/test_dp.py splitting the network's batches in two)."""
+    from test_dp import CpuSplitDP
+
     cfg = _compose(
         f"paths.output_dir={tmp_path}",
         "trainer.accelerator=cpu",
         "trainer.max_epochs=2",
-        "model=mlp",
+        "model.net.channels=[8,16]",  # the default network's operators, at a fraction of the work
         "data.batch_size=256",
+        "+trainer.limit_train_batches=4",  # windows: batches 1-3 of each epoch
+        "+trainer.limit_val_batches=2",  # and batch 1 of each validation
     )
-    probe = SyncProbe()
-    _watch(probe, monkeypatch)
-
+    probe = HostReadProbe()
+    logs = _count_log_calls(probe, monkeypatch)
     data, model = instantiate(cfg.data), instantiate(cfg.model)
-    trainer = builders.build_trainer(cfg)
+    dp = {"strategy": CpuSplitDP(), "devices": 2} if strategy == "dp" else {}
+    trainer = builders.build_trainer(cfg, **dp)
     trainer.callbacks.insert(0, probe)
     trainer.fit(model, datamodule=data)
 
-    assert probe.windows >= 6  # train and validation windows were really observed
-    assert probe.reads == []
-    assert probe.logs == []
+    assert probe.windows >= 8  # train and validation windows were really observed
+    assert probe.reads == [], probe.summary()
+    assert logs == []
     assert trainer.callback_metrics["train/acc"] > 0  # and the epoch-level figures still came
+    if strategy == "dp":
+        assert trainer.strategy.calls  # the network really ran split
 
 
-def test_the_sync_probe_sees_a_per_step_read(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The probe itself works: torchmetrics' NaN check (off in the template) branches on a
-    device value at every update, and the probe catches it; with the check off it sees nothing."""
+def test_the_probe_names_the_operator_and_the_line_of_each_read() -> None:
+    """The probe catches what a GPU run would wait for, with the operator and the line: the NaN
+    check torchmetrics runs by default (off in the template) and batch norm's epoch average
+    (``momentum=None``, the template's old ConvNet); it lets pass what costs nothing there."""
     from torchmetrics import MeanMetric
 
-    probe = SyncProbe()
-    _watch(probe, monkeypatch)
-    probe.active = "train"
-    MeanMetric(nan_strategy="warn").update(torch.ones(4))
-    assert "train:__bool__" in probe.reads
+    # Made before the window, as the batch, the module and its metrics are: accelerator data.
+    values, images = torch.ones(4), torch.rand(2, 4, 3, 3)
+    checked, unchecked = MeanMetric(nan_strategy="warn"), MeanMetric(nan_strategy="disable")
+    momentum, epoch_average = torch.nn.BatchNorm2d(4), torch.nn.BatchNorm2d(4, momentum=None)
+    probe = HostReadProbe()
+    probe.stage = "train"
+    with ReadRecorder(probe):
+        checked.update(values)
+    assert probe.reads, "the probe missed the NaN check"
+    read = probe.reads[0]
+    assert read.op == "aten._local_scalar_dense.default"
+    assert read.line.startswith("torchmetrics/") and read.code.startswith("if ")
+    assert str(read).startswith("train: aten._local_scalar_dense.default at torchmetrics/")
+    assert "test_performance_switches.py:" in read.caller  # and the test's line that led there
+
     probe.reads.clear()
-    MeanMetric(nan_strategy="disable").update(torch.ones(4))
+    with ReadRecorder(probe):
+        unchecked.update(values)
+        momentum(images)  # a batch norm with a momentum: no read
+        flag = torch.tensor([3], dtype=torch.int32)  # made from a Python number: a host tensor,
+        assert int((flag * 2).max().item()) == 6  # so reading it (or what it gives) is free
+    assert probe.reads == [], probe.summary()
+    with ReadRecorder(probe):
+        epoch_average(images)
+        bool((images.mean() + flag) > 0)  # host data meeting accelerator data: on the accelerator
+    lines = [r.line.split(":")[0] for r in probe.reads]
+    assert lines == ["torch/nn/modules/batchnorm.py", "test_performance_switches.py"]
+    assert "num_batches_tracked" in probe.reads[0].code
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_optimiser_step_counters_on_the_host_are_free(fused: bool) -> None:
+    """AdamW reads its step counters at every step unless fused; they live on the host (unless
+    capturable or fused), so the read waits for nothing. Fused, there is no read at all."""
+    net = MLP(hidden=(8,))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.01, fused=fused)
+    net(torch.rand(4, 64)).sum().backward()
+    optimizer.step()  # creates the counters
+    probe = HostReadProbe()
+    probe.stage = "train"
+    probe.host_side = host_side_storages([optimizer])
+    assert len(probe.host_side) == (0 if fused else len(list(net.parameters())))
+    with ReadRecorder(probe):
+        optimizer.step()
     assert probe.reads == []
+    probe.host_side = set()  # as if the counters lived on the GPU: the same step, counted
+    with ReadRecorder(probe):
+        optimizer.step()
+    expected = 0 if fused else len(list(net.parameters()))
+    assert len(probe.reads) == expected, probe.summary()
+    assert all(r.line.startswith("torch/optim/") for r in probe.reads)
+
+
+@pytest.mark.slow
+def test_ddp_steps_read_no_device_tensor_and_validate_far_above_chance(
+    cli: CliRunner, log_dir: Path, tmp_path: Path
+) -> None:
+    """Two DDP processes over gloo, the default ConvNet, two short epochs (each rank sees half the
+    data): no host read in any step window of either rank, and a validation accuracy far above
+    chance (0.1), which batch norm's running statistics used to bring down to chance."""
+    report = tmp_path / "reads"
+    result = cli(
+        "train",
+        "trainer=ddp_sim",
+        "trainer.max_epochs=2",
+        "callbacks.progress_bar.refresh_rate=0",
+        "+callbacks.host_reads._target_=host_reads.HostReadProbe",
+        f"+callbacks.host_reads.report={report}",
+        env={"PYTHONPATH": str(Path(__file__).parent)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        found = json.loads(Path(f"{report}.{rank}.json").read_text())
+        assert found["windows"] >= 10, found
+        assert found["reads"] == [], found["reads"][:5]
+    (run,) = run_dirs(log_dir)
+    metrics = json.loads((run / "metrics.json").read_text())["metrics"]
+    assert metrics["val/acc"] > 0.7, metrics
 
 
 # --------------------------------------------------------------------------- train.py wiring
@@ -386,10 +424,16 @@ def test_train_passes_the_resolved_precision_to_the_trainer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restore_matmul_precision: Any
 ) -> None:
     assert _built_trainer_kwargs(tmp_path / "a", monkeypatch)["precision"] == "32-true"
-    # trainer.precision set: it reaches the Trainer from the config, untouched.
-    assert "precision" not in _built_trainer_kwargs(
-        tmp_path / "b", monkeypatch, "trainer.precision=bf16-mixed"
-    )
+    # The one precision key, set: it reaches the Trainer as given.
+    kwargs = _built_trainer_kwargs(tmp_path / "b", monkeypatch, "precision=bf16-mixed")
+    assert kwargs["precision"] == "bf16-mixed"
+    # trainer.precision is not a second key: one line naming the key to use instead.
+    with pytest.raises(
+        ProjectError,
+        match=r"^trainer\.precision=16-mixed is not read; .*"
+        r"top-level key: precision=16-mixed",
+    ):
+        _built_trainer_kwargs(tmp_path / "d", monkeypatch, "+trainer.precision=16-mixed")
     # A run on an Ampere GPU (faked: the Trainer itself still runs on the CPU).
     monkeypatch.setattr(speed, "cuda_indices", lambda accelerator, devices: [0])
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))

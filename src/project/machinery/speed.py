@@ -1,40 +1,44 @@
 """The GPU-ready speed switches: each one a config key, each defaulting to the fast choice where
 that choice is safe, and each a no-op where it would not help (on the CPU, on older GPUs).
 
-==================  =========================  ================================================
-config key          default                    what it does
-==================  =========================  ================================================
-matmul_precision    ``high``                   ``torch.set_float32_matmul_precision`` on CUDA
-                                               GPUs of compute capability >= 8.0 (Ampere and
-                                               newer): float32 matmuls and convolutions run on
-                                               TF32 tensor cores. Elsewhere left at ``highest``.
-precision           ``auto``                   ``bf16-mixed`` on a CUDA GPU that supports bf16,
-                                               ``32-true`` elsewhere; any Lightning precision is
-                                               used as given. ``trainer.precision`` set to a
-                                               value wins over this key.
-model.compile       ``false``                  ``torch.compile`` of the network only (in place,
-                                               so ``state_dict`` keys and ``model.pth`` stay
-                                               plain): pays off on long GPU runs; the first
-                                               steps pay the compilation.
-model.channels_last ``true`` (ConvNet)         NHWC layout for the network and the 4-D input
-                                               batches on CUDA (tensor-core convolutions);
-                                               nothing changes on the CPU.
-==================  =========================  ================================================
+=================================  =========  ==============================================
+config key                         default    what it does
+=================================  =========  ==============================================
+``matmul_precision``               ``high``   ``torch.set_float32_matmul_precision`` on CUDA
+                                              GPUs of compute capability >= 8.0 (Ampere and
+                                              newer): float32 matmuls and convolutions run on
+                                              TF32 tensor cores. Elsewhere left at
+                                              ``highest``.
+``precision``                      ``auto``   the run's one precision key: ``bf16-mixed`` on
+                                              a CUDA GPU that supports bf16, ``32-true``
+                                              elsewhere; any Lightning precision is used as
+                                              given.
+``callbacks.speed.compile``        ``false``  ``torch.compile`` of the network only (in place,
+                                              so ``state_dict`` keys and ``model.pth`` stay
+                                              plain): pays off on long GPU runs; the first
+                                              steps pay the compilation.
+``callbacks.speed.channels_last``  ``true``   NHWC layout for a network with 2-D convolutions
+                                              and its 4-D inputs, on CUDA (tensor-core
+                                              convolutions); nothing changes on the CPU or
+                                              for an MLP.
+=================================  =========  ==============================================
 
-Everything here imports torch lazily, inside the functions, because ``project.train`` must answer
-``--help`` and ``--cfg job`` without importing torch.
+The two ``callbacks.speed`` switches are :class:`NetworkSpeedups`, a callback, so the
+LightningModule carries no speed code. This module imports Lightning (for that callback); the
+entry points import it inside their task functions, so ``--help`` and ``--cfg job`` stay instant.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
 
 from project.errors import ProjectError
-
-if TYPE_CHECKING:
-    from torch import nn
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +68,6 @@ def cuda_indices(accelerator: Any, devices: Any) -> list[int]:
 
     ``devices`` as the Trainer takes it: a count, a list of indices, ``-1`` or ``"auto"``.
     """
-    import torch
-
     name = str(accelerator).strip().lower()
     if name not in ("auto", "gpu", "cuda") or not torch.cuda.is_available():
         return []
@@ -90,8 +92,6 @@ def apply_matmul_precision(value: str, cuda: Sequence[int]) -> str:
     On the CPU and on older GPUs nothing is changed (``highest``): there TF32 does not exist and
     ``high``/``medium`` could let a CPU backend trade float32 accuracy for bf16 arithmetic.
     """
-    import torch
-
     if value not in MATMUL_PRECISIONS:
         raise ProjectError(
             f"matmul_precision={value!r} is invalid; expected one of {', '.join(MATMUL_PRECISIONS)}"
@@ -117,40 +117,11 @@ def resolve_precision(value: Any, cuda: Sequence[int]) -> str:
         return text
     if not cuda:
         return "32-true"
-    import torch
-
     # Native bf16 arithmetic starts with Ampere (capability 8.0), as torch.cuda.is_bf16_supported
     # decides for the current device; here every device of the run is asked.
     if all(torch.cuda.get_device_capability(i) >= BF16_MIN_CAPABILITY for i in cuda):
         return "bf16-mixed"
     return "32-true"
-
-
-def prepare_net(net: nn.Module, trainer: Any, compile: bool, channels_last: bool) -> bool:
-    """Apply ``model.compile`` and ``model.channels_last`` to the network before the strategy
-    wraps it (``LightningModule.configure_model``); return whether batches go channels-last.
-
-    Channels-last is applied only when the run's device is a CUDA GPU and the network has a 2-D
-    convolution (an MLP would only pay for the layout change). Compilation is refused under
-    ``strategy=dp``, whose replicas would call the uncompiled original.
-    """
-    import torch
-
-    from project.machinery.strategies.dp import DataParallelStrategy
-
-    device = getattr(getattr(trainer, "strategy", None), "root_device", None)
-    has_conv = any(isinstance(m, torch.nn.Conv2d) for m in net.modules())
-    layout = uses_channels_last(channels_last, device) and has_conv
-    if layout:
-        net.to(memory_format=torch.channels_last)
-    if compile and not getattr(net, "_compiled_call_impl", None):
-        if isinstance(getattr(trainer, "strategy", None), DataParallelStrategy):
-            raise ProjectError(
-                "model.compile=true does not work with trainer.strategy=dp (its replicas run "
-                "the uncompiled network); use strategy=ddp or model.compile=false"
-            )
-        maybe_compile(net, True)
-    return layout
 
 
 def maybe_compile(net: nn.Module, enabled: bool) -> nn.Module:
@@ -167,8 +138,6 @@ def maybe_compile(net: nn.Module, enabled: bool) -> nn.Module:
 
 def to_channels_last(batch: Any) -> Any:
     """The batch with its 4-D tensors (images) in channels-last layout; other entries as they are."""
-    import torch
-
     if isinstance(batch, torch.Tensor):
         return batch.contiguous(memory_format=torch.channels_last) if batch.ndim == 4 else batch
     if isinstance(batch, list | tuple):
@@ -187,16 +156,73 @@ def describe(matmul: str, precision: str, cuda: Sequence[int]) -> str:
     return f"Speed: precision={precision}, float32 matmul precision={matmul} ({where})"
 
 
+class NetworkSpeedups(Callback):
+    """``callbacks.speed``: ``torch.compile`` and channels-last for the LightningModule's network.
+
+    Both act on ``pl_module.<network>`` (``net`` by default) in ``setup``, before the strategy
+    moves the module to its device and wraps it (DDP):
+
+    * ``compile``: :func:`maybe_compile`, in place, once.
+    * ``channels_last``: on a CUDA run of a network with a 2-D convolution, the network's weights
+      go NHWC, and a forward pre-hook converts its 4-D inputs (removed again at ``teardown``).
+      On the CPU, and for networks without convolutions, nothing changes.
+
+    A LightningModule without that attribute is left alone (``compile=true`` then fails in one
+    line, since it was asked for explicitly).
+    """
+
+    def __init__(
+        self, compile: bool = False, channels_last: bool = True, network: str = "net"
+    ) -> None:
+        self.compile = compile
+        self.channels_last = channels_last
+        self.network = network
+        self._input_hook: Any = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        net = getattr(pl_module, self.network, None)
+        if not isinstance(net, nn.Module):
+            if self.compile:
+                raise ProjectError(
+                    f"callbacks.speed.compile=true compiles {type(pl_module).__name__}."
+                    f"{self.network}, but there is no such network; set callbacks.speed.network "
+                    "to the attribute holding it"
+                )
+            return
+        device = getattr(trainer.strategy, "root_device", None)
+        has_conv = any(isinstance(m, nn.Conv2d) for m in net.modules())
+        if uses_channels_last(self.channels_last, device) and has_conv:
+            net.to(memory_format=torch.channels_last)
+            if self._input_hook is None:
+                self._input_hook = net.register_forward_pre_hook(_inputs_to_channels_last)
+        # private: nn.Module.compile's marker, so a second setup (fit, then test) compiles once.
+        if self.compile and getattr(net, "_compiled_call_impl", None) is None:
+            maybe_compile(net, True)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._input_hook is not None:
+            self._input_hook.remove()
+            self._input_hook = None
+
+
+def _inputs_to_channels_last(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return to_channels_last(args)
+
+
 def trainer_settings(cfg: Any, plan: Any) -> dict[str, Any]:
     """The Trainer arguments a run decides for its hardware, with TF32 applied on the way.
 
-    ``plan`` is the :class:`project.machinery.gpus.devices.DevicePlan` (its accelerator and devices); the
-    precision ``auto`` picks is added unless ``trainer.precision`` names one. Logs one line.
+    ``plan`` is the :class:`project.machinery.gpus.resolve.DevicePlan` (its accelerator and
+    devices); ``precision`` is the top-level key resolved for those devices. Logs one line.
     """
+    if cfg.trainer.get("precision") is not None:
+        raise ProjectError(
+            f"trainer.precision={cfg.trainer.precision} is not read; the run's precision is the "
+            f"top-level key: precision={cfg.trainer.precision} (auto: bf16-mixed on a bf16 GPU)"
+        )
     cuda = cuda_indices(plan.accelerator, plan.devices)
     matmul = apply_matmul_precision(cfg.get("matmul_precision", "high"), cuda)
     kwargs = plan.trainer_kwargs()
-    if cfg.trainer.get("precision") is None:  # a value in trainer.precision wins
-        kwargs["precision"] = resolve_precision(cfg.get("precision", "auto"), cuda)
-    log.info(describe(matmul, kwargs.get("precision", cfg.trainer.precision), cuda))
+    kwargs["precision"] = resolve_precision(cfg.get("precision", "auto"), cuda)
+    log.info(describe(matmul, kwargs["precision"], cuda))
     return kwargs

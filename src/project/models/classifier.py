@@ -1,4 +1,4 @@
-"""The LightningModule: loss, the four steps, metrics and optimisers for any classifier network."""
+"""The LightningModule: the loss, the four steps, metrics and optimisers for any classifier network."""
 
 from __future__ import annotations
 
@@ -11,24 +11,20 @@ from torch import Tensor, nn
 from torchmetrics import MaxMetric, MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
-from project.machinery import speed
-from project.machinery.strategies import steps_run_in_replicas
-from project.models.nets import restart_epoch_statistics
-
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[..., Any]
 
 
 class ClassifierModule(LightningModule):
-    """Train a classification network (a plain ``nn.Module`` handed in) with cross-entropy.
+    """Train a classification network (a plain ``nn.Module`` handed in as ``net``) with cross-entropy.
 
     ``optimizer`` and ``scheduler`` are partials from the config (``_partial_: true``), completed
     here with the parameters and the optimiser. Metrics are torchmetrics objects, one set per
-    stage, logged per epoch only, so no step waits on a device-to-host copy.
+    stage, updated at every step and logged once per epoch, so no step waits for a value to come
+    back from the GPU.
 
-    Each step computes its outputs, then ``_step_end`` updates the metrics and returns the loss.
-    Under ``trainer.strategy=dp`` the steps run in per-GPU copies; they return the outputs and
-    the strategy calls ``*_step_end`` on this module after gathering them (project.machinery.strategies.dp).
+    The network lives in ``self.net``: ``trainer.strategy=dp`` splits each batch over the GPUs
+    there, and ``callbacks.speed`` compiles it; neither needs anything from this class.
 
     Only plain data goes into the checkpoint's hyperparameters (the run's config, added by
     :func:`project.train.train`), never the network or the partials: a checkpoint therefore loads
@@ -43,17 +39,13 @@ class ClassifierModule(LightningModule):
         num_classes: int = 10,
         scheduler_interval: str = "epoch",
         monitor: str = "val/loss",
-        compile: bool = False,
-        channels_last: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["net", "optimizer", "scheduler"], logger=False)
         self.net = net
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
-        self._channels_last = False  # decided in configure_model, once the device is known
-        # Per-sample losses, averaged in _step_end: under strategy=dp the GPUs' losses are gathered
-        # first, so the mean equals the single-GPU loss even when a batch splits unevenly.
+        # Per-sample losses: the epoch's loss is then their mean, however the last batch is cut.
         self.criterion = nn.CrossEntropyLoss(reduction="none")
         for stage in ("train", "val", "test"):
             # No per-step host sync: MeanMetric's NaN check branches on a device value at every
@@ -67,49 +59,28 @@ class ClassifierModule(LightningModule):
         self.val_acc_best.persistent(True)  # saved in checkpoints, so a resumed run keeps its best
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.net(speed.to_channels_last(x) if self._channels_last else x)
+        return self.net(x)
 
-    def _shared_step(self, batch: tuple[Tensor, Tensor], stage: str) -> Tensor | dict[str, Tensor]:
+    def model_step(self, batch: tuple[Tensor, Tensor], stage: str) -> Tensor:
+        """The loss of one batch; the stage's metrics are updated on the way."""
         inputs, targets = batch
         logits = self(inputs)
-        outputs = {"losses": self.criterion(logits, targets), "logits": logits, "targets": targets}
-        if steps_run_in_replicas(self):
-            # strategy=dp: this is a throw-away per-GPU copy; the strategy gathers the outputs and
-            # calls <stage>_step_end on the real module, where metric updates are kept.
-            return outputs
-        return self._step_end(outputs, stage)
-
-    def _step_end(self, outputs: dict[str, Tensor], stage: str) -> Tensor:
-        loss = outputs["losses"].mean()
+        losses = self.criterion(logits, targets)
         metrics = self._metrics(stage)
-        metrics["acc"].update(outputs["logits"].detach(), outputs["targets"])
+        metrics["acc"].update(logits.detach(), targets)
         # The per-sample losses, not (mean, count): a count is a host number that would be
         # copied to the device (and waited for) at every step.
-        metrics["loss"].update(outputs["losses"].detach())
-        return loss
+        metrics["loss"].update(losses.detach())
+        return losses.mean()
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if batch_idx == 0:  # not on a mid-epoch resume, whose restored statistics stay
-            restart_epoch_statistics(self.net)
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self.model_step(batch, "train")
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Any:
-        return self._shared_step(batch, "train")
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self.model_step(batch, "val")
 
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Any:
-        return self._shared_step(batch, "val")
-
-    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Any:
-        return self._shared_step(batch, "test")
-
-    # Called by strategy=dp only, with the outputs of all GPUs gathered (see project.machinery.strategies.dp).
-    def training_step_end(self, outputs: dict[str, Tensor]) -> Tensor:
-        return self._step_end(outputs, "train")
-
-    def validation_step_end(self, outputs: dict[str, Tensor]) -> Tensor:
-        return self._step_end(outputs, "val")
-
-    def test_step_end(self, outputs: dict[str, Tensor]) -> Tensor:
-        return self._step_end(outputs, "test")
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self.model_step(batch, "test")
 
     def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
         inputs = batch[0] if isinstance(batch, list | tuple) else batch
@@ -138,12 +109,6 @@ class ClassifierModule(LightningModule):
 
     def on_test_epoch_end(self) -> None:
         self._log_stage("test")
-
-    def configure_model(self) -> None:
-        # Speed switches (project.machinery.speed): channels-last on CUDA, torch.compile of the network.
-        self._channels_last = speed.prepare_net(
-            self.net, self.trainer, self.hparams.compile, self.hparams.channels_last
-        )
 
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(params=self.parameters())

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -31,15 +33,46 @@ class MLP(nn.Module):
         return self.layers(x)
 
 
+class EpochBatchNorm2d(nn.BatchNorm2d):
+    """Batch norm whose evaluation statistics are the plain average over the batches trained on
+    since the layer last evaluated: with validation after every epoch, that epoch's.
+
+    With the usual momentum (an exponential average), a short run (a few dozen steps, or DDP's
+    halved epochs) evaluates with statistics that lag far behind the weights, and the network
+    predicts one class on validation. torch's own plain average (``momentum=None``) reads its
+    batch count back to the host at every step (a GPU sync) and never forgets the first steps.
+    Here the average is kept with tensor operations only, and the first training batch after an
+    evaluation starts a new one. Its ``state_dict`` is a ``BatchNorm2d``'s (``sync_batchnorm=true``
+    swaps it for torch's ``SyncBatchNorm``, with the usual momentum).
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5) -> None:
+        super().__init__(num_features, eps=eps)
+        # Set by an evaluation forward pass; a buffer, so it follows the layer to its device.
+        self.register_buffer("evaluated", torch.tensor(False), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training:
+            self.evaluated.fill_(True)
+            return super().forward(x)
+        # momentum=1 writes this batch's mean and (unbiased) variance into the buffers given.
+        mean, var = torch.zeros_like(self.running_mean), torch.zeros_like(self.running_var)
+        out = F.batch_norm(x, mean, var, self.weight, self.bias, True, 1.0, self.eps)
+        with torch.no_grad():
+            count = self.num_batches_tracked
+            count.mul_(self.evaluated.logical_not()).add_(1)  # back to 1 after an evaluation
+            self.evaluated.fill_(False)
+            weight = count.reciprocal()  # 1/n: running values become the mean of n batches
+            self.running_mean.lerp_(mean, weight)
+            self.running_var.lerp_(var, weight)
+        return out
+
+
 class ConvNet(nn.Module):
     """A small CNN: 3x3 conv blocks (conv, batch norm, ReLU), global pooling, a linear head.
 
-    Sized for small images such as the 8x8 digits; ``channels`` sets the width and depth.
-
-    The batch norms average their statistics over one epoch (``momentum=None``, restarted at
-    each epoch by :func:`restart_epoch_statistics`) instead of an exponential average: with the
-    usual momentum, a short run (a few dozen steps, or DDP's halved epochs) evaluates with
-    statistics that lag far behind the weights and predicts one class on validation.
+    Sized for small images such as the 8x8 digits; ``channels`` sets the width and depth. The
+    batch norms are :class:`EpochBatchNorm2d`: evaluation right after a short run is sound.
     """
 
     def __init__(
@@ -55,7 +88,7 @@ class ConvNet(nn.Module):
         for size in channels:
             blocks += [
                 nn.Conv2d(width, size, kernel_size=3, padding=1, bias=False),
-                nn.BatchNorm2d(size, momentum=None),  # see the class docstring
+                EpochBatchNorm2d(size),
                 nn.ReLU(inplace=True),
             ]
             width = size
@@ -69,15 +102,3 @@ class ConvNet(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.features(x))
-
-
-def restart_epoch_statistics(net: nn.Module) -> None:
-    """Zero the running statistics of batch norms that average over an epoch (``momentum=None``).
-
-    Called at the first batch of each training epoch, so evaluation uses the average of that
-    epoch's batches, all taken with nearly the current weights. Layers with a momentum are
-    left alone.
-    """
-    for module in net.modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.momentum is None:
-            module.reset_running_stats()

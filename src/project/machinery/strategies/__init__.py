@@ -6,8 +6,8 @@ Trainer builder import it, so ``trainer.strategy=dp`` works from the command lin
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from project.machinery.strategies.dp import DataParallelStrategy, steps_run_in_replicas
+from project.machinery.strategies.dp import DataParallelStrategy
 
 DataParallelStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["DataParallelStrategy", "steps_run_in_replicas"]
+__all__ = ["DataParallelStrategy"]
