@@ -15,12 +15,12 @@ from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
+from test_devices_cli import GPU_KEYS, JSON_KEYS, fake_env
 
 from project.machinery.gpus import inventory, listing, nvml
 from project.machinery.gpus.listing import main
 from project.machinery.gpus.records import TorchCuda
 from project.machinery.testing.fake_nvml import GIB, FakeClock, FakeGpu, FakeNvml, FakeProcess
-from tests.test_devices_cli import GPU_KEYS, JSON_KEYS, fake_env
 
 UUID0 = "GPU-aaaa1111-1111-1111-1111-111111111111"
 UUID1 = "GPU-bbbb2222-2222-2222-2222-222222222222"
