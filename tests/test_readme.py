@@ -88,6 +88,13 @@ CHECKS: dict[str, Check] = {
         SKIP, "two machines with 4 GPUs each; tests/test_multinode.py runs two nodes on localhost"
     ),
     "mkdir -p logs/slurm && sbatch scripts/slurm/train.sbatch": Check(SKIP, "needs SLURM"),
+    "python scripts/gpu_check.py --fetch-wheels": Check(
+        SKIP, "downloads wheels; tests/test_gpu_check.py checks the folder logic"
+    ),
+    "python scripts/gpu_check.py --dry-run": Check(
+        SKIP, "tests/test_gpu_check.py runs the dry run"
+    ),
+    "python scripts/gpu_check.py": Check(SKIP, "needs a GPU machine"),
     "python scripts/rename.py mypkg": Check(
         SKIP, "renames the repository; tests/test_rename.py runs it on a clone"
     ),
