@@ -1,31 +1,41 @@
-"""Does GpuStatsMonitor slow the training loop? Throughput with the callback on vs off.
+"""Does GpuStatsMonitor slow training? Loop and whole-epoch throughput with the callback on vs off,
+and what its ``on_train_epoch_end`` costs the training thread.
 
-The callback promises that the training thread makes no NVML call per step: sampling happens in
-a background thread. This benchmark measures what that costs the loop anyway (the thread still
-competes for the GIL), on CPU with the fake NVML where every call sleeps ``--call-cost-ms`` (a
-real NVML call takes roughly 0.1-1 ms). Arms are interleaved (A/B/C, B/C/A, ...) over several
-repeats; printed is the median of the per-repeat ratios (each "on" run over the "off" run of
-the same repeat) with their min and max, because absolute times say more about the machine than
-about the callback.
+The callback promises that the training thread makes no NVML call: sampling happens in a
+background thread, phases are switched with a clock read, and the epoch's figures reach the
+loggers in one call. This benchmark measures what that costs anyway (the thread still competes
+for the GIL), on CPU with the fake NVML where every call sleeps ``--call-cost-ms`` (a real NVML
+call takes roughly 0.1-1 ms) and one process drives ``--gpus`` fake GPUs (the worst case for the
+epoch end: every GPU's figures are gathered, flattened and logged there). Arms are interleaved
+(A/B/C, B/C/A, ...) over several repeats; printed is the median of the per-repeat ratios (each
+"on" run over the "off" run of the same repeat) with their min and max, because absolute times
+say more about the machine than about the callback. A reference arm logs the same figures the
+way the callback used to (``self.log`` once per key), for comparison.
 
-Throughput is measured from the first batch to the last batch of the epoch (the steady loop).
-The boundary samples the callback takes on the training thread at epoch start/end are reported
-separately, as a share of the epoch.
+Side by side, per arm: the steady loop's throughput (first batch to last batch of each epoch),
+the whole run's epoch rate (first epoch start to the end of training: validation, the epoch-end
+hooks, the loggers' files, everything), and the median time of the callback's own
+``on_train_epoch_end``. Targets (issue #12): whole-epoch ratio >= 0.99 at the default 1 s
+interval, and ``on_train_epoch_end`` <= 3 ms with 8 GPUs at 0.3 ms per NVML call.
 
-    python benchmarks/callback_overhead.py              # about a minute
+    python benchmarks/callback_overhead.py              # a few minutes
     python benchmarks/callback_overhead.py --repeats 9 --steps 1500
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.loggers import CSVLogger
 
+from project.machinery.gpu_stats import callback as gpu_callback
 from project.machinery.gpu_stats.callback import GpuStatsMonitor
 from project.machinery.gpus import nvml
 from project.machinery.testing.fake_nvml import FakeGpu, FakeNvml
@@ -33,6 +43,8 @@ from project.machinery.testing.fake_nvml import FakeGpu, FakeNvml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common  # benchmarks/ is not a package: found through sys.path
+
+GPM = {"SM_UTIL": 60, "SM_OCCUPANCY": 30, "ANY_TENSOR_UTIL": 20, "DRAM_BW_UTIL": 45}
 
 
 class Mlp(pl.LightningModule):
@@ -46,118 +58,174 @@ class Mlp(pl.LightningModule):
         x, y = batch
         return torch.nn.functional.cross_entropy(self.net(x), y)
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val/loss", torch.nn.functional.cross_entropy(self.net(x), y))
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+class TimedMonitor(GpuStatsMonitor):
+    """The callback as shipped, with its ``on_train_epoch_end`` timed."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.epoch_end_s: list[float] = []
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        start = time.perf_counter()
+        super().on_train_epoch_end(trainer, pl_module)
+        self.epoch_end_s.append(time.perf_counter() - start)
+
+
+class PerKeyLogMonitor(TimedMonitor):
+    """For comparison only: the figures logged as before, one ``self.log`` per key."""
+
+    def _publish(self, trainer, metrics) -> None:
+        for key, value in metrics.items():
+            trainer.lightning_module.log(key, float(value), on_step=False, on_epoch=True)
+
+
 class LoopTimer(pl.Callback):
-    """Times the steady loop (first batch start to last batch end) and the whole epoch."""
+    """Times the steady loop of each epoch and the whole run (first epoch start to train end)."""
 
     def __init__(self) -> None:
-        self.first = self.last = self.epoch_start = self.epoch_end = 0.0
+        self.loop_s = 0.0
         self.steps = 0
+        self.first = self.run_start = self.run_end = 0.0
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
-        self.epoch_start = time.perf_counter()
+        if not self.run_start:
+            self.run_start = time.perf_counter()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if batch_idx == 0:
             self.first = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.last = time.perf_counter()
-        self.steps = batch_idx + 1
+        if batch_idx + 1 == trainer.num_training_batches:
+            self.loop_s += time.perf_counter() - self.first
+            self.steps += batch_idx + 1
 
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        self.epoch_end = time.perf_counter()
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.run_end = time.perf_counter()
 
 
-def one_run(steps: int, interval_s: float | None, fake: FakeNvml) -> tuple[float, float]:
-    """(steps per second of the steady loop, seconds of the whole epoch) for one arm."""
+def one_run(
+    steps: int, epochs: int, arm: tuple[type | None, float], uuids: list[str], log_dir: str
+):
+    """(loop steps/s, epochs/s of the whole run, epoch-end seconds list) for one arm."""
+    kind, interval_s = arm
     timer = LoopTimer()
     callbacks: list[pl.Callback] = [timer]
-    if interval_s is not None:
-        callbacks.insert(
-            0,
-            GpuStatsMonitor(
-                interval_s=interval_s, device_uuids=[fake.gpus[0].uuid], summary_table=False
-            ),
-        )
+    monitor = None
+    if kind is not None:
+        monitor = kind(interval_s=interval_s, device_uuids=uuids, summary_table=False)
+        callbacks.insert(0, monitor)
     data = torch.utils.data.TensorDataset(
         torch.randn(steps * 32, 128), torch.randint(0, 10, (steps * 32,))
     )
+    val = torch.utils.data.TensorDataset(torch.randn(64, 128), torch.randint(0, 10, (64,)))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
-        max_epochs=1,
-        logger=False,
+        max_epochs=epochs,
+        num_sanity_val_steps=0,
+        logger=CSVLogger(log_dir, name="csv"),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
     )
-    trainer.fit(Mlp(), torch.utils.data.DataLoader(data, batch_size=32))
-    # The window holds every step (first batch start to last batch end), the same for every arm.
-    return timer.steps / (timer.last - timer.first), timer.epoch_end - timer.epoch_start
+    trainer.fit(
+        Mlp(),
+        torch.utils.data.DataLoader(data, batch_size=32),
+        torch.utils.data.DataLoader(val, batch_size=32),
+    )
+    ends = monitor.epoch_end_s if monitor is not None else []
+    return timer.steps / timer.loop_s, epochs / (timer.run_end - timer.run_start), ends
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
-        "--steps", type=int, default=2500, help="training steps per run (the loop should span 1 s+)"
+        "--steps", type=int, default=1500, help="training steps per epoch (an epoch of 1 s+)"
     )
+    parser.add_argument("--epochs", type=int, default=3, help="epochs per run")
+    parser.add_argument("--gpus", type=int, default=8, help="fake GPUs driven by the process")
     parser.add_argument("--call-cost-ms", type=float, default=0.3, help="fake NVML call cost")
     parser.add_argument(
         "--intervals", default="1.0,0.05", help="sampler intervals to test, comma separated"
     )
     args = parser.parse_args()
-    if args.repeats < 1 or args.steps < 10:
+    if args.repeats < 1 or args.steps < 10 or args.epochs < 1 or args.gpus < 1:
         parser.error(
-            f"--repeats={args.repeats} --steps={args.steps}: need repeats >= 1, steps >= 10"
+            f"--repeats={args.repeats} --steps={args.steps} --epochs={args.epochs} "
+            f"--gpus={args.gpus}: need repeats >= 1, steps >= 10, epochs >= 1, gpus >= 1"
         )
     intervals = [float(v) for v in args.intervals.split(",") if v.strip()]
 
     _common.quiet()
     torch.set_num_threads(1)  # fewer moving parts: the question is the callback, not BLAS
 
-    fake = FakeNvml([FakeGpu(util_gpu=[(0, 40), (5, 90)])], call_cost_s=args.call_cost_ms / 1000)
+    gpus = [FakeGpu(util_gpu=[(0, 40), (5, 90)], gpm=GPM) for _ in range(args.gpus)]
+    fake = FakeNvml(gpus, call_cost_s=args.call_cost_ms / 1000)
+    uuids = [g.uuid for g in fake.gpus]
     nvml.use_library(fake)
-    arms: dict[str, float | None] = {"off": None}
-    arms.update({f"on, every {v:g} s": v for v in intervals})
-    throughput = _common.Arms(list(arms))
-    epoch_s = _common.Arms(list(arms))
-    one_run(20, intervals[0] if intervals else None, fake)  # warm-up: imports, allocator, threads
-    for order in _common.interleaved(args.repeats, list(arms)):
-        for name in order:
-            rate, epoch = one_run(args.steps, arms[name], fake)
-            throughput.add(name, rate)
-            epoch_s.add(name, 1.0 / epoch)  # epochs per second: higher is better, like rate
+    # One process drives every fake GPU (as DataParallel would): parallel_devices[i] -> GPU i.
+    gpu_callback.process_devices = lambda trainer: [
+        (i, torch.device("cpu")) for i in range(args.gpus)
+    ]
+    arms: dict[str, tuple[type | None, float]] = {"off": (None, 0.0)}
+    arms.update({f"on, every {v:g} s": (TimedMonitor, v) for v in intervals})
+    reference = f"before: self.log per key, {intervals[0]:g} s" if intervals else None
+    if reference:
+        arms[reference] = (PerKeyLogMonitor, intervals[0])
+    loop = _common.Arms(list(arms))
+    whole = _common.Arms(list(arms))
+    epoch_end_ms: dict[str, list[float]] = {name: [] for name in arms}
+    with tempfile.TemporaryDirectory() as log_dir:
+        one_run(20, 1, next(iter(arms.values())), uuids, log_dir)  # warm-up
+        for order in _common.interleaved(args.repeats, list(arms)):
+            for name in order:
+                rate, epochs_per_s, ends = one_run(
+                    args.steps, args.epochs, arms[name], uuids, log_dir
+                )
+                loop.add(name, rate)
+                whole.add(name, epochs_per_s)
+                epoch_end_ms[name] += [1000 * s for s in ends]
     nvml.use_library(None)
 
     print("\ncallback overhead: GpuStatsMonitor on / off, same process, interleaved")
     print(f"machine: {_common.machine_summary()}; torch threads 1")
     print(
-        f"fake NVML call cost {args.call_cost_ms} ms, {args.repeats} repeats, {args.steps} steps "
-        "per run; ratios > 1 are noise"
+        f"{args.gpus} fake GPUs with GPM, NVML call cost {args.call_cost_ms} ms, {args.repeats} "
+        f"repeats, {args.epochs} epochs of {args.steps} steps per run, CSV logger; ratios > 1 are "
+        "noise"
     )
-    print(f"{'arm: loop throughput / off':<34} {'median':>7}   [min .. max]")
+    print(f"{'arm':<34} {'loop ratio':>10} {'whole-epoch ratio':>18} {'epoch end ms':>22}")
     verdict = True
-    for name, interval in arms.items():
-        if interval is None:
+    for name, (kind, interval) in arms.items():
+        if kind is None:
             continue
-        ratios = throughput.ratios(name, "off")
-        # The target is for the default interval (1 s); faster ones are shown for scale.
-        target = 0.99 if interval >= 1.0 else None
-        print(_common.ratio_line(name, ratios, target))
-        if target is not None and sorted(ratios)[len(ratios) // 2] < target:
-            verdict = False
-    print(f"{'arm: whole epoch (with boundary samples)':<34}")
-    for name, interval in arms.items():
-        if interval is not None:
-            print(_common.ratio_line(name, epoch_s.ratios(name, "off")))
+        loop_ratio = statistics.median(loop.ratios(name, "off"))
+        whole_ratios = whole.ratios(name, "off")
+        whole_ratio = statistics.median(whole_ratios)
+        low, high = _common.spread(whole_ratios)
+        ends = epoch_end_ms[name]
+        end_text = f"{statistics.median(ends):.2f} (max {max(ends):.2f})"
+        print(
+            f"{name:<34} {loop_ratio:>10.3f} {whole_ratio:>8.3f} [{low:.3f}..{high:.3f}] "
+            f"{end_text:>22}"
+        )
+        _common.ratio_line(f"{name} (whole epoch)", whole_ratios)  # for run_all's records
+        if kind is TimedMonitor and interval >= 1.0:
+            verdict = verdict and whole_ratio >= 0.99 and statistics.median(ends) <= 3.0
     print(
-        "target (intervals >= 1 s): loop throughput ratio >= 0.99 -> "
+        "targets (default interval, 1 s): whole-epoch ratio >= 0.99 and on_train_epoch_end "
+        "<= 3 ms -> "
         + ("met" if verdict else "NOT met (check the spread: a noisy machine needs more repeats)")
     )
     print(f"fake NVML calls made: {fake.total_calls()} (init/shutdown balanced: {fake.balanced})")

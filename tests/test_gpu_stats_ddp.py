@@ -22,6 +22,7 @@ SCRIPT = textwrap.dedent(
     import os, sys
     import torch
     import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
     from project.machinery.gpus import nvml
     from project.machinery.gpu_stats.callback import GpuStatsMonitor
@@ -52,12 +53,25 @@ SCRIPT = textwrap.dedent(
     data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
     monitor = GpuStatsMonitor(interval_s=0.05, device_uuids=[g.uuid for g in fake.gpus],
                               summary_table=False)
+    # Monitors on GPU keys: each rank must find them in its own trainer.callback_metrics.
+    watchers = []
+    if variant == "ok":
+        watchers = [
+            EarlyStopping(monitor="gpu/all/util_mean_max", mode="max", patience=5,
+                          check_on_train_epoch_end=True),
+            ModelCheckpoint(dirpath=os.path.join(out_dir, "ckpt"), mode="max",
+                            monitor="gpu/node0/cuda1/util_mean", save_on_train_epoch_end=True),
+        ]
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, log_every_n_steps=1,
-        logger=CSVLogger(out_dir, name="csv", version=0), enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor, LoseGpu1()],
+        logger=CSVLogger(out_dir, name="csv", version=0), enable_checkpointing=bool(watchers),
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[monitor, LoseGpu1(), *watchers],
     )
     trainer.fit(M(), torch.utils.data.DataLoader(data, batch_size=4))
+    if watchers:
+        print(f"RANK {trainer.global_rank} BEST {float(watchers[1].best_model_score)} "
+              f"SAMPLES {monitor.run_samples()} GPUS {sorted(monitor.run_energy_j())}", flush=True)
     print(f"RANK {trainer.global_rank} DONE balanced={fake.balanced} inits={fake.init_count}",
           flush=True)
     """
@@ -96,8 +110,13 @@ def test_ddp_gathers_every_rank_gpu(tmp_path: Path) -> None:
     assert column(rows, "gpu/all/util_mean_min") == [30, 30]
     assert column(rows, "gpu/all/util_mean_max") == [80, 80]
     assert column(rows, "gpu/all/util_mean_mean") == [55, 55]
+    assert len(column(rows, "loop/data_wait_frac")) == 2
     for rank in (0, 1):
         assert f"RANK {rank} DONE balanced=True inits=1" in output, output
+        # rank 1's monitors saw rank 1's own key and the aggregates, without any all-reduce
+        # 2 epochs x 4 batches per rank x 4 samples x 2 ranks; each rank knows both GPUs' energy
+        expected = f"RANK {rank} BEST 80.0 SAMPLES 64.0 GPUS ['node0/cuda0', 'node0/cuda1']"
+        assert expected in output, output
 
 
 @pytest.mark.slow

@@ -28,7 +28,13 @@ GPU = "gpu/node0/cuda{i}/{stat}"
 
 
 def write_run(
-    run: Path, epochs: int = 4, gpus: int = 0, lr: bool = False, overrides: str = ""
+    run: Path,
+    epochs: int = 4,
+    gpus: int = 0,
+    lr: bool = False,
+    overrides: str = "",
+    gpm: bool = False,
+    loop: bool = False,
 ) -> Path:
     """A run directory with csv/metrics.csv shaped like the template's CSV logger output."""
     rows: list[dict[str, float | int]] = []
@@ -56,6 +62,11 @@ def write_run(
             train[GPU.format(i=i, stat="util_max")] = 60 + 10 * i + epoch
             train[GPU.format(i=i, stat="mem_used_gib_max")] = 10.0 + 2 * i
             train[GPU.format(i=i, stat="mem_total_gib")] = 80.0
+            if gpm:
+                train[GPU.format(i=i, stat="sm_active_mean")] = 30.0 + 10 * epoch
+                train[GPU.format(i=i, stat="tensor_active_mean")] = 5.0 + epoch
+        if loop:
+            train["loop/data_wait_frac"] = 0.6 - 0.1 * epoch
         rows.append(train)
     rows.append({"epoch": epochs, "step": step + 1, "test/acc": 0.93, "test/loss": 0.2})
     columns = sorted({key for row in rows for key in row} - {"epoch", "step"})
@@ -105,6 +116,20 @@ def test_panels_add_lr_and_gpu_rows_only_when_logged(tmp_path: Path) -> None:
     kinds = [p.kind for p in plot.panels_for([full])]
     assert kinds == ["metric", "metric", "lr", "gpu_util", "gpu_mem"]
     assert full.gpus() == ["node0/cuda0", "node0/cuda1"]
+
+
+def test_gpm_and_data_wait_panels_only_when_logged(tmp_path: Path) -> None:
+    plain = plot.read_metrics(write_run(tmp_path / "a", gpus=1))
+    assert {p.kind for p in plot.panels_for([plain])}.isdisjoint({"gpu_gpm", "loop"})
+    run = plot.read_metrics(write_run(tmp_path / "b", gpus=2, gpm=True, loop=True))
+    assert [p.kind for p in plot.panels_for([run])][-2:] == ["gpu_gpm", "loop"]
+    figure = plot.draw([run])
+    titles = {ax.get_title(): ax for ax in figure.axes if ax.get_visible()}
+    gpm = next(ax for title, ax in titles.items() if title.startswith("SM activity"))
+    wait = next(ax for title, ax in titles.items() if title.startswith("waiting for data"))
+    assert len(gpm.get_lines()) == 4  # per GPU: SM activity and, dashed, tensor-core activity
+    assert list(gpm.get_lines()[0].get_ydata()) == [30, 40, 50, 60]
+    assert list(wait.get_lines()[0].get_ydata()) == pytest.approx([60, 50, 40, 30])  # percent
 
 
 def test_one_run_makes_a_valid_png_of_sensible_size(tmp_path: Path) -> None:

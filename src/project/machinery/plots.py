@@ -14,7 +14,10 @@ logger, on by default), one point per epoch:
 * when the GPU statistics callback logged (``gpu/node{N}/cuda{i}/...``, see
   :mod:`project.machinery.gpu_stats.callback`): utilisation per GPU (epoch mean, with the max as a thin
   line) and memory in use per GPU (epoch max, with the GPU's size dotted), one line per GPU, so an
-  idle or memory-starved GPU shows at once.
+  idle or memory-starved GPU shows at once; on GPUs with GPM, SM activity per GPU (epoch mean,
+  tensor-core activity dashed), which tells a GPU that is merely busy from one that is used well;
+* the share of each epoch the training loop waited for data (``loop/data_wait_frac``): a starved
+  input pipeline shows as a high line.
 
 Several runs: one column per run, one row per panel, the y axes shared along a row so the runs
 compare directly. A sweep directory (``logs/train/multiruns/<time>``) stands for its jobs.
@@ -53,6 +56,7 @@ STAGES = ("train", "val")
 
 # Training-epoch GPU statistics written by project.machinery.gpu_stats.callback (key_prefix "gpu").
 _GPU_KEY = re.compile(r"^gpu/(?P<gpu>node\d+/cuda\d+)/(?P<stat>[a-z0-9_]+)$")
+LOOP_WAIT = "loop/data_wait_frac"  # also from project.machinery.gpu_stats (any CPU or GPU run)
 _PANEL_SIZE = (4.6, 3.0)  # inches per panel
 _DPI = 100
 _MAX_WIDTH_PX = 6000  # wide sweeps get a lower resolution instead of an enormous file
@@ -210,7 +214,7 @@ def _job_order(path: Path) -> tuple[int, int, str]:
 class Panel:
     """One row of the figure: what it shows and how to draw it for a run."""
 
-    kind: str  # "metric", "lr", "gpu_util" or "gpu_mem"
+    kind: str  # "metric", "lr", "gpu_util", "gpu_mem", "gpu_gpm" or "loop"
     name: str = ""
 
     @property
@@ -219,6 +223,8 @@ class Panel:
             "lr": "learning rate",
             "gpu_util": "GPU utilization % (epoch mean; thin: max)",
             "gpu_mem": "GPU memory used GiB (epoch max; dotted: size)",
+            "gpu_gpm": "SM activity % (GPM, epoch mean; dashed: tensor cores)",
+            "loop": "waiting for data % of the training loop",
         }.get(self.kind, self.name)
 
 
@@ -232,6 +238,10 @@ def panels_for(runs: Sequence[RunMetrics]) -> list[Panel]:
         panels.append(Panel("lr"))
     if any(run.gpus() for run in runs):
         panels += [Panel("gpu_util"), Panel("gpu_mem")]
+    if any(f"gpu/{gpu}/sm_active_mean" in run.series for run in runs for gpu in run.gpus()):
+        panels.append(Panel("gpu_gpm"))
+    if any(LOOP_WAIT in run.series for run in runs):
+        panels.append(Panel("loop"))
     return panels
 
 
@@ -310,11 +320,19 @@ def _draw_panel(ax: Any, panel: Panel, run: RunMetrics) -> bool:
             drawn = True
         if drawn and all(v > 0 for c in run.lr_columns() for v in run.curve(c)[1]):
             ax.set_yscale("log")
+    elif panel.kind == "loop":
+        epochs, values = run.curve(LOOP_WAIT)
+        if epochs:
+            ax.plot(epochs, [100 * v for v in values], marker="o", markersize=3, label="data wait")
+            ax.set_ylim(0, 105)
+            drawn = True
     else:
         for n, gpu in enumerate(run.gpus()):
             color = f"C{n % 10}"
             if panel.kind == "gpu_util":
                 main, extra, extra_style = "util_mean", "util_max", "-"
+            elif panel.kind == "gpu_gpm":
+                main, extra, extra_style = "sm_active_mean", "tensor_active_mean", "--"
             else:
                 main, extra, extra_style = "mem_used_gib_max", "mem_total_gib", ":"
             epochs, values = run.curve(f"gpu/{gpu}/{main}")
@@ -324,7 +342,7 @@ def _draw_panel(ax: Any, panel: Panel, run: RunMetrics) -> bool:
             extra_epochs, extra_values = run.curve(f"gpu/{gpu}/{extra}")
             ax.plot(extra_epochs, extra_values, extra_style, color=color, linewidth=0.8)
             drawn = True
-        if drawn and panel.kind == "gpu_util":
+        if drawn and panel.kind in ("gpu_util", "gpu_gpm"):
             ax.set_ylim(0, 105)
         elif drawn:
             ax.set_ylim(bottom=0)

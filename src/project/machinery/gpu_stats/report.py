@@ -5,6 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+# Metrics whose run mean the table shows: utilisation and the GPM figures (gpm.py).
+WEIGHTED = ("util", "sm_active", "sm_occupancy", "tensor_active", "dram_active")
+
+
+def _run_mean(run: dict[str, float], metric: str) -> float | None:
+    samples = run.get(f"{metric}_samples")
+    return run[f"{metric}_weighted"] / samples if samples else None
+
 
 class RunSummary:
     """What each GPU did over the training epochs of a run, from the gathered epoch figures."""
@@ -21,11 +29,11 @@ class RunSummary:
             for label, summary in payload.get("gpus", {}).items():
                 run = self._runs.setdefault((payload["node"], label), {})
                 samples = summary.get("samples", 0.0)
-                if "util_mean" in summary:
-                    run["util_weighted"] = (
-                        run.get("util_weighted", 0.0) + summary["util_mean"] * samples
-                    )
-                    run["util_samples"] = run.get("util_samples", 0.0) + samples
+                for metric in WEIGHTED:  # epoch means, weighted by their samples
+                    if f"{metric}_mean" in summary:
+                        weighted = run.get(f"{metric}_weighted", 0.0)
+                        run[f"{metric}_weighted"] = weighted + summary[f"{metric}_mean"] * samples
+                        run[f"{metric}_samples"] = run.get(f"{metric}_samples", 0.0) + samples
                 for key in ("mem_used_gib_max", "proc_mem_gib_max", "torch_peak_alloc_gib"):
                     if key in summary:
                         run[key] = max(run.get(key, 0.0), summary[key])
@@ -49,14 +57,14 @@ class RunSummary:
                     "gpu": f"node{node}/{label}",
                     "name": ident.get("name", "?"),
                     "uuid": ident.get("uuid", "?"),
-                    "util_mean": run["util_weighted"] / run["util_samples"]
-                    if run.get("util_samples")
-                    else None,
+                    **{f"{metric}_mean": _run_mean(run, metric) for metric in WEIGHTED},
                     "mem_used_gib_max": run.get("mem_used_gib_max"),
                     "torch_peak_alloc_gib": run.get("torch_peak_alloc_gib"),
                     "energy_j": run.get("energy_j"),
                     "samples": int(samples),
-                    "sample_ms": run["sample_ms_weighted"] / samples if samples else None,
+                    "sample_ms": run["sample_ms_weighted"] / samples
+                    if samples and "sample_ms_weighted" in run
+                    else None,
                 }
             )
         return rows
@@ -71,10 +79,22 @@ def print_table(rows: Sequence[dict[str, Any]]) -> None:
         return "n/a" if value is None else format(value, spec)
 
     table = Table(title="GPU statistics over the run (training epochs)")
+    # GPM columns only when some GPU had GPM: older GPUs would show a column of n/a
+    gpm = [
+        (metric, title)
+        for metric, title in (
+            ("sm_active", "SM active %"),
+            ("sm_occupancy", "occupancy %"),
+            ("tensor_active", "tensor %"),
+            ("dram_active", "DRAM bw %"),
+        )
+        if any(row.get(f"{metric}_mean") is not None for row in rows)
+    ]
     for column in (
         "GPU",
         "name",
         "util %",
+        *(title for _, title in gpm),
         "peak mem GiB",
         "torch peak GiB",
         "energy kJ",
@@ -88,6 +108,7 @@ def print_table(rows: Sequence[dict[str, Any]]) -> None:
             row["gpu"],
             row["name"],
             fmt(row["util_mean"], ".1f"),
+            *(fmt(row.get(f"{metric}_mean"), ".1f") for metric, _ in gpm),
             fmt(row["mem_used_gib_max"], ".2f"),
             fmt(row["torch_peak_alloc_gib"], ".2f"),
             fmt(energy, ".2f"),

@@ -4,7 +4,10 @@
 power, ...) read through the shared :class:`~project.machinery.gpus.reader.DeviceReader`, each
 probed once and left out for good when the GPU does not support it (never logged as 0).
 :class:`GpuSampler` reads a set of them every ``interval_s`` in a background thread into
-per-phase accumulators; the training thread only takes the boundary samples that split phases.
+per-phase accumulators. Phases (a training epoch, a validation run) are switched by the training
+thread without any NVML call: each sample counts for the phase current when it is stored, and a
+counter's change (energy, GPM) for the phase in which its interval ended. A phase that ends before
+its first sample gets one on the thread that closes it.
 :class:`TorchPeakMemory` keeps PyTorch's own peak memory per phase.
 """
 
@@ -19,6 +22,7 @@ from typing import Any
 
 import torch
 
+from project.machinery.gpu_stats.gpm import GpmCounters, GpmUnsupported
 from project.machinery.gpu_stats.statistics import GpuAccumulator
 from project.machinery.gpus import nvml
 from project.machinery.gpus.reader import DeviceReader
@@ -49,6 +53,7 @@ DEFAULT_GROUPS = (
     "clock",
     "throttle",
     "energy",
+    "gpm",
 )
 OPTIONAL_GROUPS = ("fan", "pcie", "ecc", "memory_temperature")
 # At the probe, these also mean "leave the group out" rather than "this GPU is failing".
@@ -73,6 +78,11 @@ class GpuReader:
         self.is_mig = self.device.is_mig
         self.name = self.device.name()
         self.uuid = self.device.uuid()
+        # The physical GPU: energy is counted once per board, however many slices a run uses.
+        self.board_uuid = (
+            nvml.as_text(lib.nvmlDeviceGetUUID(self.device.board)) if self.is_mig else self.uuid
+        )
+        self.gpm: GpmCounters | None = None
         self.nvml_index = nvml.optional(lib, self.device.index)
         self.pci_bus_id = nvml.optional(lib, self.device.pci_bus_id)
 
@@ -83,12 +93,36 @@ class GpuReader:
         """
         if "power" in self.groups:
             self.power_limit_mw = nvml.optional(self.lib, self.device.power_limit_mw)
+        if "gpm" in self.groups:
+            self._open_gpm()
         for group in list(self.groups):
+            if group == "gpm":
+                continue
             try:
                 getattr(self, f"_read_{group}")({})
             except (*self._probe_skip_errors, AttributeError) as err:
                 self.groups.remove(group)
                 self.unsupported[group] = type(err).__name__.replace("NVMLError_", "")
+
+    def _open_gpm(self) -> None:
+        instance = self.device.gpu_instance_id() if self.is_mig else None
+        counters = GpmCounters(self.lib, self.device.board, self.label, instance)
+        try:
+            counters.open()
+        except GpmUnsupported as err:
+            self.groups.remove("gpm")
+            self.unsupported["gpm"] = str(err)
+            return
+        except self._probe_skip_errors as err:  # refused at the first sample: never had it
+            self.groups.remove("gpm")
+            self.unsupported["gpm"] = type(err).__name__.replace("NVMLError_", "")
+            return
+        self.gpm = counters
+
+    def close(self) -> None:
+        """Free what the reader holds in NVML (the GPM samples); safe to call again."""
+        if self.gpm is not None:
+            self.gpm.close()
 
     def read(self) -> tuple[dict[str, float], list[str]]:
         """One sample: ``({metric: value}, groups that stopped being supported just now)``."""
@@ -154,6 +188,10 @@ class GpuReader:
     def _read_memory_temperature(self, out: dict[str, float]) -> None:
         out["mem_temp_c"] = self.device.memory_temperature_c()
 
+    def _read_gpm(self, out: dict[str, float]) -> None:
+        if self.gpm is not None:
+            out.update(self.gpm.read())
+
     def identity(self) -> dict[str, Any]:
         return {
             "label": self.label,
@@ -162,6 +200,7 @@ class GpuReader:
             "nvml_index": self.nvml_index,
             "pci_bus_id": self.pci_bus_id,
             "mig": self.is_mig,
+            "board_uuid": self.board_uuid,
             "unsupported": sorted(self.unsupported),
         }
 
@@ -169,9 +208,12 @@ class GpuReader:
 class GpuSampler:
     """Samples a set of :class:`GpuReader` into per-phase accumulators, in a background thread.
 
-    ``set_phase`` and ``collect`` take a boundary sample on the calling thread so that the
-    energy counter and the statistics split exactly between phases; everything else happens in
-    the thread. ``sample_now`` is public so tests can drive it against a fake clock.
+    The thread takes a first sample as soon as it starts (it primes the energy counter and the
+    GPM pairs), then one every ``interval_s``. NVML is read outside the lock that guards the
+    accumulators, so the training thread switching phases never waits for a sample.
+    ``set_phase(..., sample=True)`` and ``collect(..., sample=True)`` take a boundary sample on
+    the calling thread, which splits phases exactly (tests drive the sampler that way against a
+    fake clock); the callback passes ``sample=False`` and never makes an NVML call between steps.
     """
 
     def __init__(self, readers: Sequence[GpuReader], interval_s: float) -> None:
@@ -180,7 +222,9 @@ class GpuSampler:
         self.phase: str | None = None
         self._acc: dict[str, dict[str, GpuAccumulator]] = {}
         self._last_energy: dict[str, float] = {}
-        self._lock = threading.Lock()
+        self._energy_total_mj: dict[str, float] = {}
+        self._lock = threading.Lock()  # the accumulators and the phase
+        self._reading = threading.Lock()  # one sample at a time (the GPM pairs are stateful)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -194,28 +238,36 @@ class GpuSampler:
             self._thread.start()
 
     def stop(self) -> None:
+        """Stop the thread and free what the readers hold in NVML (before NVML shuts down)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.interval_s + 10.0)
             self._thread = None
+        with self._reading:
+            for reader in self.readers:
+                reader.close()
 
     def _run(self) -> None:
+        self.sample_now()
         while not self._stop.wait(self.interval_s) and self.alive:
             self.sample_now()
 
     def sample_now(self) -> None:
-        """Read every live GPU once and add the values to the current phase."""
-        with self._lock:
-            for reader in self.alive:
-                self._sample(reader)
+        """Read every live GPU once and add the values to the phase current at that moment."""
+        with self._reading:
+            if self._stop.is_set() and self._thread is None:
+                return  # stopped: the readers are closed
+            readings = [(reader, self._read(reader)) for reader in self.alive]
+            with self._lock:
+                for reader, reading in readings:
+                    if reading is not None:
+                        self._add(reader, *reading)
 
-    def _sample(self, reader: GpuReader) -> None:
+    def _read(self, reader: GpuReader) -> tuple[dict[str, float], float] | None:
         start = time.perf_counter()
         try:
             values, dropped = reader.read()
-        except (
-            Exception
-        ) as err:  # GpuIsLost, NVML gone, anything: this GPU is done, training is not
+        except Exception as err:  # GpuIsLost, NVML gone, anything: this GPU is done, training not
             reader.dead = f"{type(err).__name__}: {err}"
             log.warning(
                 "gpu_stats: stopped sampling %s (%s): %s; training continues",
@@ -223,24 +275,31 @@ class GpuSampler:
                 reader.name,
                 reader.dead,
             )
-            return
-        seconds = time.perf_counter() - start
+            return None
         if dropped:
             log.info(
                 "gpu_stats: %s no longer reports %s; left out", reader.label, ", ".join(dropped)
             )
+        return values, time.perf_counter() - start
+
+    def _add(self, reader: GpuReader, values: dict[str, float], seconds: float) -> None:
         energy = values.pop("_energy_mj", None)
         acc = self._acc.get(self.phase) if self.phase is not None else None
         if energy is not None:
             previous = self._last_energy.get(reader.label)
             self._last_energy[reader.label] = energy
-            if acc is not None and previous is not None:
-                acc.setdefault(reader.label, GpuAccumulator()).add_energy(energy - previous)
+            if previous is not None:
+                delta = energy - previous
+                total = self._energy_total_mj.get(reader.label, 0.0)
+                self._energy_total_mj[reader.label] = total + delta
+                if acc is not None:
+                    acc.setdefault(reader.label, GpuAccumulator()).add_energy(delta)
         if acc is not None:
             acc.setdefault(reader.label, GpuAccumulator()).add(values, seconds)
 
     def set_phase(self, phase: str | None, *, reset: bool = True, sample: bool = True) -> None:
-        """Close the current phase with a sample, then send later samples to ``phase``."""
+        """Send later samples to ``phase``; with ``sample``, first close the current one with a
+        sample taken here."""
         if sample:
             self.sample_now()
         with self._lock:
@@ -248,12 +307,23 @@ class GpuSampler:
             if phase is not None and (reset or phase not in self._acc):
                 self._acc[phase] = {}
 
+    def has_samples(self, phase: str) -> bool:
+        """Whether ``phase`` holds at least one sample of every live GPU."""
+        with self._lock:
+            held = self._acc.get(phase, {})
+            return all(r.label in held and held[r.label].samples for r in self.alive)
+
     def collect(self, phase: str, *, sample: bool = True) -> dict[str, dict[str, float]]:
         """``{label: summary}`` of ``phase`` so far (after one closing sample if it is current)."""
         if sample and self.phase == phase:
             self.sample_now()
         with self._lock:
             return {label: acc.summary() for label, acc in self._acc.get(phase, {}).items()}
+
+    def energy_totals_j(self) -> dict[str, float]:
+        """Each GPU's energy since the first sample, whatever the phase, in joules."""
+        with self._lock:
+            return {label: mj / 1000.0 for label, mj in self._energy_total_mj.items()}
 
 
 class TorchPeakMemory:

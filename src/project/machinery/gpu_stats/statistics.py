@@ -30,6 +30,14 @@ METRIC_STATS: dict[str, tuple[str, ...]] = {
     "pcie_rx_mbs": ("mean", "max"),
     "ecc_uncorrected": ("last",),
     "mem_temp_c": ("mean", "max"),
+    # GPM (percent of the interval between two samples; see gpm.py)
+    "sm_active": ("mean", "max"),
+    "sm_occupancy": ("mean", "max"),
+    "tensor_active": ("mean", "max"),
+    "dram_active": ("mean", "max"),
+    "fp16_active": ("mean",),
+    "fp32_active": ("mean",),
+    "fp64_active": ("mean",),
 }
 # Per-GPU keys that also get min/mean/max across all GPUs of the run.
 AGGREGATED = (
@@ -43,6 +51,8 @@ AGGREGATED = (
     "sm_clock_mhz_mean",
     "throttle_any_frac",
     "energy_j",
+    "sm_active_mean",
+    "tensor_active_mean",
 )
 
 
@@ -103,24 +113,64 @@ class GpuAccumulator:
 
 
 def flatten_epoch(
-    payloads: Sequence[dict[str, Any]], root: str, log_cost: bool
+    payloads: Sequence[dict[str, Any]],
+    root: str,
+    log_cost: bool,
+    per_gpu_keys_up_to: int | None = None,
 ) -> dict[str, float]:
-    """Turn every rank's ``{"node", "gpus": {label: summary}}`` into logged keys plus aggregates."""
+    """Turn every rank's ``{"node", "gpus": {label: summary}, "boards": {label: uuid}}`` into the
+    logged keys.
+
+    Per-GPU keys for each node with at most ``per_gpu_keys_up_to`` GPUs (``None``: every node);
+    ``{root}/all/`` min/mean/max across GPUs only when the run has more than one GPU (with one,
+    they would repeat its own keys). ``{root}/all/energy_j_sum`` counts each physical GPU once,
+    however many of its MIG slices the run uses (a slice reports its whole GPU's energy).
+    """
     logged: dict[str, float] = {}
     per_key: dict[str, list[float]] = {}
+    per_node: dict[int, int] = {}
     for payload in payloads:
+        node = payload["node"]
+        per_node[node] = per_node.get(node, 0) + len(payload.get("gpus", {}))
+    gpu_count = sum(per_node.values())
+    energy_by_board: dict[str, float] = {}
+    for payload in payloads:
+        node = payload["node"]
+        detailed = per_gpu_keys_up_to is None or per_node[node] <= per_gpu_keys_up_to
+        boards = payload.get("boards", {})
         for label, summary in payload.get("gpus", {}).items():
-            prefix = f"{root}/node{payload['node']}/{label}/"
+            prefix = f"{root}/node{node}/{label}/"
             for key, value in summary.items():
                 if key == "sample_ms" and not log_cost:
                     continue
-                logged[prefix + key] = value
+                if detailed:
+                    logged[prefix + key] = value
                 if key in AGGREGATED:
                     per_key.setdefault(key, []).append(value)
-    for key, values in per_key.items():
-        logged[f"{root}/all/{key}_min"] = min(values)
-        logged[f"{root}/all/{key}_mean"] = sum(values) / len(values)
-        logged[f"{root}/all/{key}_max"] = max(values)
-        if key == "energy_j":
-            logged[f"{root}/all/energy_j_sum"] = sum(values)
+            if "energy_j" in summary:
+                board = boards.get(label, f"node{node}/{label}")
+                energy_by_board.setdefault(board, summary["energy_j"])
+    if gpu_count > 1:
+        for key, values in per_key.items():
+            logged[f"{root}/all/{key}_min"] = min(values)
+            logged[f"{root}/all/{key}_mean"] = sum(values) / len(values)
+            logged[f"{root}/all/{key}_max"] = max(values)
+        if energy_by_board:
+            logged[f"{root}/all/energy_j_sum"] = sum(energy_by_board.values())
     return logged
+
+
+def flatten_loop(loops: Sequence[dict[str, float] | None]) -> dict[str, float]:
+    """Every rank's training-loop figures of an epoch as ``loop/`` keys.
+
+    ``loop/data_wait_frac``: the share of the loop's time spent waiting for the next batch, of the
+    rank that waited most (under DDP the others wait for it); ``loop/samples_per_s``: training
+    samples per second of the whole run (every rank's sum).
+    """
+    present = [loop for loop in loops if loop and loop.get("loop_s", 0.0) > 0]
+    if not present:
+        return {}
+    out = {"loop/data_wait_frac": max(lp["data_wait_s"] / lp["loop_s"] for lp in present)}
+    if all("samples" in lp for lp in present):
+        out["loop/samples_per_s"] = sum(lp["samples"] / lp["loop_s"] for lp in present)
+    return out

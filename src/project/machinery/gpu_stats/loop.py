@@ -1,0 +1,97 @@
+"""How long the training loop waited for data: two clock reads per step, no device sync.
+
+Lightning's training loop, between one ``on_train_batch_end`` and the next
+``on_train_batch_start`` (``fit_loop.epoch_loop.advance``), fetches the next batch from the data
+loader (``next(data_fetcher)``), moves it to the device (``batch_to_device``, with the
+``on_before_batch_transfer`` hook), and writes the step's logged metrics; under DDP it also
+broadcasts the stop flag. The first wait of an epoch runs from ``on_train_epoch_start``, so it
+includes starting the loader's worker processes. Validation inside the epoch is not waiting
+for data: its time is left out of the wait and of the loop's time alike.
+
+The reading is the loop's wall time: an asynchronous GPU step that has not finished when the
+next batch is asked for overlaps with the wait instead of adding to it, so a high share of
+waiting means the input pipeline, not the GPU, sets the pace.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+
+def batch_length(batch: Any) -> int | None:
+    """The number of samples in ``batch``: the first dimension of the first tensor in it."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.ndim else None
+    if isinstance(batch, Mapping):
+        items: Any = batch.values()
+    elif isinstance(batch, (list, tuple)):
+        items = batch
+    else:
+        return None
+    for item in items:
+        found = batch_length(item)
+        if found is not None:
+            return found
+    return None
+
+
+class LoopTimer:
+    """One training epoch's loop time, data wait and samples, measured on the training thread."""
+
+    def __init__(self, clock: Any = time.perf_counter) -> None:
+        self.clock = clock
+        self.start_epoch()
+
+    def start_epoch(self) -> None:
+        self._epoch_start = self._last_end = self.clock()
+        self._loop_end: float | None = None
+        self._paused_at: float | None = None
+        self.wait_s = 0.0
+        self.paused_s = 0.0  # validation between the epoch start and the last step's end
+        self._pending_pause = 0.0  # validation since the last step's end
+        self.steps = 0
+        self.samples: int | None = 0
+
+    def batch_start(self) -> None:
+        self.resume()  # after validation: the whole gap since it started is left out
+        self.wait_s += self.clock() - self._last_end
+
+    def batch_end(self, batch: Any) -> None:
+        self._last_end = self._loop_end = self.clock()
+        self.paused_s += self._pending_pause
+        self._pending_pause = 0.0
+        self.steps += 1
+        if self.samples is not None:
+            size = batch_length(batch)
+            self.samples = None if size is None else self.samples + size
+
+    def pause(self) -> None:
+        """Validation starts inside the epoch: its time is neither waiting nor training."""
+        if self._paused_at is None:
+            self._paused_at = self.clock()
+
+    def resume(self) -> None:
+        """Training goes on (the next batch starts): the time since :meth:`pause` is left out."""
+        if self._paused_at is not None:
+            paused = self.clock() - self._paused_at
+            self._paused_at = None
+            self._pending_pause += paused
+            self._last_end += paused
+
+    def summary(self) -> dict[str, float] | None:
+        """``loop_s`` (epoch start to the last step's end, less validation), ``data_wait_s``,
+        ``steps`` and ``samples`` (absent when a batch had no tensor); None before any step."""
+        if self._loop_end is None or not self.steps:
+            return None
+        out = {
+            "loop_s": self._loop_end - self._epoch_start - self.paused_s,
+            "data_wait_s": self.wait_s,
+            "steps": float(self.steps),
+        }
+        if self.samples is not None:
+            out["samples"] = float(self.samples)
+        return out
