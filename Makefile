@@ -5,7 +5,7 @@ ARGS ?=
 # make plot draws RUN (default: the newest training run under logs/train/runs).
 RUN ?= $(shell ls -td logs/train/runs/*/ 2>/dev/null | head -n 1)
 
-.PHONY: help setup train test test-fast lint format notebooks clean devices plot bench gpu-wheels gpu-check-dry rename
+.PHONY: help setup train test test-fast lint format notebooks clean devices plot bench gpu-wheels gpu-check-dry rename mutate
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
@@ -48,6 +48,10 @@ gpu-wheels: ## fetch the wheels a GPU machine without internet lacks (wheels/gpu
 
 gpu-check-dry: ## check, without a GPU, everything the GPU check will run
 	$(PY) scripts/gpu_check.py --dry-run
+
+mutate: ## mutation score of MODULE=checkpoints|gpus|gpu_stats (or a path, with TESTS="...") by its fast tests
+	@test -n "$(MODULE)" || { echo "error: pass MODULE=checkpoints, gpus or gpu_stats (or a path under src/ with TESTS=...)" >&2; exit 2; }
+	$(PY) scripts/mutate.py $(MODULE) $(if $(TESTS),--tests $(TESTS)) $(ARGS)
 
 bench: ## every benchmark briefly; ratios to benchmarks/results/<date>.json, compared with the last
 	$(PY) benchmarks/run_all.py $(ARGS)
