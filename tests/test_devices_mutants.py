@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -276,24 +277,24 @@ def test_least_used_without_readings_takes_the_first() -> None:
     ]
 
 
-def test_resolve_for_run_hands_the_choice_on_only_when_there_is_one() -> None:
+def test_resolve_for_run_hands_the_choice_on_only_when_there_is_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from project.machinery.gpus import inventory as inventory_module
+    from project.machinery.gpus.claims import SelectionPolicy
+
     lib = FakeNvml([FakeGpu(memory_used=used * GIB) for used in (40, 0, 60)], clock=lambda: 0.0)
+    monkeypatch.setattr(inventory_module, "probe_torch", lambda uuids=True: TorchCuda(True, 3))
+    policy = SelectionPolicy(util_window_s=0.2, lock_dir=str(tmp_path / "locks"))
     nvml.use_library(lib)
     try:
         environ: dict[str, str] = {}
-        import project.machinery.gpus.inventory as inventory_module
-
-        original = inventory_module.probe_torch
-        inventory_module.probe_torch = lambda uuids=True: TorchCuda(True, 3)  # type: ignore[assignment]
-        try:
-            plan = resolve_for_run("gpu", 1, select="least_used", environ=environ)
-            assert plan.devices == [1]
-            assert json.loads(environ[SELECTION_ENV])["gpus"] == [1]
-            quiet: dict[str, str] = {}
-            resolve_for_run("gpu", 1, environ=quiet)
-            assert quiet == {}
-        finally:
-            inventory_module.probe_torch = original  # type: ignore[assignment]
+        plan = resolve_for_run("gpu", 1, select="least_used", policy=policy, environ=environ)
+        assert plan.devices == [1]
+        assert json.loads(environ[SELECTION_ENV])["gpus"] == [1]
+        quiet: dict[str, str] = {}
+        resolve_for_run("gpu", 1, environ=quiet)  # gives the claim back, claims nothing
+        assert quiet == {}
     finally:
         nvml.use_library(None)
 
@@ -992,3 +993,96 @@ def test_a_fresh_least_used_choice_keeps_the_accelerator_and_names_its_gpus() ->
     plan = resolve_devices("cuda", 2, select="least_used", inventory=inv, environ={})
     assert plan.accelerator == "cuda" and plan.devices == [1, 2]
     assert [g.uuid for g in plan.gpus] == ["GPU-0001", "GPU-0002"]
+
+
+def test_parse_devices_reads_brackets_only_as_a_pair_and_a_trailing_comma() -> None:
+    assert parse_devices("0,1,") == [0, 1]
+    for half in ("0,1]", "[0,1"):
+        with pytest.raises(DeviceError):
+            parse_devices(half)
+
+
+def test_resolve_devices_defaults_to_auto() -> None:
+    plan = resolve_devices(inventory=machine(0))
+    assert plan.trainer_kwargs() == {"accelerator": "cpu", "devices": "auto"}
+    assert plan.message == "No usable GPU: no NVIDIA GPU found; training runs on the CPU."
+    assert resolve_devices(inventory=machine(2)).trainer_kwargs() == {
+        "accelerator": "auto",
+        "devices": "auto",
+    }
+
+
+def test_every_gpu_and_one_gpu_are_different_requests() -> None:
+    inv = machine(2)
+    every = resolve_devices("gpu", -1, inventory=inv)
+    assert every.devices == -1 and [g.uuid for g in every.gpus] == ["GPU-0000", "GPU-0001"]
+    one = resolve_devices("gpu", 1, inventory=inv)
+    assert one.devices == 1 and [g.uuid for g in one.gpus] == ["GPU-0000"]
+    by_load = loaded([(10, 0), (30, 0)])
+    assert resolve_devices(
+        "gpu", -1, select="least_used", inventory=by_load, environ={}
+    ).devices == [0, 1]
+    plan = resolve_devices("gpu", 1, select="least_used", inventory=by_load, environ={})
+    assert plan.devices == [1]
+    with pytest.raises(DeviceError) as info:
+        resolve_devices("gpu", 3, select="least_used", inventory=by_load, environ={})
+    assert str(info.value) == (
+        "devices=3 asks for 3 GPUs, but only 2 GPUs are visible (cuda:0 H100, cuda:1 H100)"
+    )
+
+
+def test_an_accelerator_object_and_a_mac_pass_through_untouched() -> None:
+    class MyAccelerator:
+        pass
+
+    mine = MyAccelerator()
+    plan = resolve_devices(mine, 2, inventory=machine(2))
+    assert plan.accelerator is mine and plan.devices == 2
+    mac = build_inventory(None, TorchCuda(mps_available=True), env={})
+    assert resolve_devices("auto", 1, inventory=mac).trainer_kwargs() == {
+        "accelerator": "auto",
+        "devices": 1,
+    }
+
+
+def test_every_missing_index_is_named() -> None:
+    with pytest.raises(DeviceError) as info:
+        resolve_devices("gpu", [0, 2, 3], inventory=machine(2))
+    assert str(info.value).startswith("devices=[0, 2, 3] names GPU 2, 3, but only 2 GPUs")
+
+
+def test_pci_order_breaks_ties_of_bus_id_by_nvml_index() -> None:
+    a = Gpu(uuid="GPU-a", name="A", nvml_index=2, pci_bus_id="00000000:01:00.0")
+    b = Gpu(uuid="GPU-b", name="A", nvml_index=0, pci_bus_id="00000000:01:00.0")
+    c = Gpu(uuid="GPU-c", name="A", nvml_index=None, pci_bus_id="00000000:01:00.0")
+    d = Gpu(uuid="GPU-d", name="A", nvml_index=1, pci_bus_id="00000000:01:00.0")
+    ordered, _ = cuda_enumeration([a, b, d, c], "PCI_BUS_ID")
+    assert [g.uuid for g in ordered] == ["GPU-b", "GPU-c", "GPU-d", "GPU-a"]
+    early = Gpu(uuid="GPU-e", name="A", nvml_index=3, pci_bus_id="00000000:00:00.0")
+    ordered, _ = cuda_enumeration([a, early], "PCI_BUS_ID")
+    assert [g.uuid for g in ordered] == ["GPU-e", "GPU-a"]
+
+
+def test_mixed_models_get_the_order_note_in_full_unless_pci_order_is_set() -> None:
+    a = Gpu(uuid="GPU-a", name="RTX 4090", nvml_index=0, pci_bus_id="00000000:01:00.0")
+    b = Gpu(uuid="GPU-b", name="RTX 3060", nvml_index=1, pci_bus_id="00000000:02:00.0")
+    _, notes = cuda_enumeration([a, b], None)
+    assert notes == [
+        "CUDA_DEVICE_ORDER is FASTEST_FIRST (CUDA's default) and the GPUs are different models, so "
+        "CUDA may number them differently from PCI bus order; the indices shown assume PCI order. "
+        "Set CUDA_DEVICE_ORDER=PCI_BUS_ID to make them exact."
+    ]
+    assert cuda_enumeration([a, b], "pci_bus_id")[1] == []
+
+
+def test_an_ambiguous_prefix_and_a_repeated_gpu_are_explained() -> None:
+    physical = [board(0), board(1)]
+    _, notes = apply_visible_devices(physical, "GPU-000", "PCI_BUS_ID")
+    assert notes == [
+        "CUDA_VISIBLE_DEVICES entry 'GPU-000' matches more than one GPU; CUDA stops at the first "
+        "invalid entry, so 'GPU-000' is ignored."
+    ]
+    visible, notes = apply_visible_devices(physical, "1,1", "PCI_BUS_ID")
+    assert visible == [] and notes == [
+        "CUDA_VISIBLE_DEVICES names '1' twice; CUDA then shows no GPU at all."
+    ]
