@@ -26,7 +26,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: mutmut brings the toml package there
+    import toml as tomllib  # type: ignore[no-redef]
 
 ROOT = Path(__file__).resolve().parent.parent
 EQUIVALENT_FILE = ROOT / "docs" / "mutation" / "equivalent.md"
