@@ -139,9 +139,9 @@ def test_a_test_module_importing_what_the_gpu_machine_lacks_is_named(tmp_path: P
     tests = tmp_path / "tests"
     tests.mkdir()
     (tests / "helpers.py").write_text("")
-    (tmp_path / "src" / "project").mkdir(parents=True)
+    (tmp_path / "src" / "mylib").mkdir(parents=True)
     (tests / "test_fine.py").write_text(
-        "import json\nimport helpers\nimport torch\nfrom project import x\n"
+        "import json\nimport helpers\nimport torch\nfrom mylib import x\n"
         "try:\n    import importlinter\nexcept ImportError:\n    pass\n"
         "def test():\n    import importlinter\n"
     )
