@@ -11,6 +11,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -387,12 +388,14 @@ def loader() -> torch.utils.data.DataLoader:
 class CallsPerStep(pl.Callback):
     """Records the fake's NVML call count from the training thread at every step."""
 
-    def __init__(self, fake: FakeNvml) -> None:
+    def __init__(self, fake: FakeNvml, step_s: float = 0.0) -> None:
         self.fake = fake
+        self.step_s = step_s  # a floor on step time: an epoch outlasts the sampler interval
         self.counts: dict[int, list[int]] = {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.counts.setdefault(trainer.current_epoch, []).append(self.fake.calls_in_thread())
+        time.sleep(self.step_s)
 
 
 def fit(tmp_path: Path, monitor: GpuStatsMonitor, *callbacks, loggers=None, model=None, epochs=2):
@@ -439,9 +442,9 @@ def test_fit_on_cpu_writes_gpu_columns_to_metrics_csv(
         )
     )
     monitor = GpuStatsMonitor(
-        interval_s=0.05, device_uuids=[fake.gpus[0].uuid], log_sampler_cost=True
+        interval_s=0.02, device_uuids=[fake.gpus[0].uuid], log_sampler_cost=True
     )
-    steps = CallsPerStep(fake)
+    steps = CallsPerStep(fake, step_s=0.01)  # 12 steps of >= 10 ms: several 20 ms samples
     fit(tmp_path, monitor, steps)
 
     rows = read_csv(tmp_path / "csv" / "version_0" / "metrics.csv")
