@@ -135,7 +135,7 @@ def measure_loads(gpus: Sequence[Gpu], window_s: float) -> list[Load]:
         unsupported = nvml.error_classes(lib, nvml.UNSUPPORTED_ERRORS)
         readers: list[DeviceReader | str] = []
         for gpu in gpus:
-            found = nvml.find_handle(lib, gpu.uuid) if gpu.uuid else None
+            found = nvml.find_handle(lib, gpu.uuid)
             try:
                 readers.append(
                     DeviceReader.open(lib, found[0]) if found else "NVML knows no such GPU"
@@ -224,8 +224,6 @@ def lock_dir_for(policy: SelectionPolicy) -> Path:
                 f"gpu_lock_dir={policy.lock_dir!r} cannot be created ({err.strerror}); "
                 "give a writable directory or null"
             ) from err
-        if not path.is_dir():
-            raise DeviceError(f"gpu_lock_dir={policy.lock_dir!r} is not a directory")
         return path
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and os.path.isdir(runtime):
@@ -250,7 +248,7 @@ def lock_dir_for(policy: SelectionPolicy) -> Path:
 def lock_path(lock_dir: Path, uuid: str) -> Path:
     """The lock file of a GPU: its UUID, with anything but letters, digits, ``-`` and ``_``
     replaced (a UUID comes from NVML; it must not name a path)."""
-    return lock_dir / f"{re.sub(r'[^A-Za-z0-9_-]', '_', uuid) or 'unnamed'}.lock"
+    return lock_dir / f"{re.sub(r'[^A-Za-z0-9_-]', '_', uuid)}.lock"
 
 
 def try_lock(path: Path) -> int | str:
