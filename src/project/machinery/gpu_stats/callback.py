@@ -316,7 +316,7 @@ class GpuStatsMonitor(pl.Callback):
             local = self._open(trainer)
         except ValueError as err:  # a configuration error: raised below, on every rank at once
             self._close()
-            local = {"status": "misconfigured", "gpus": [], "config_error": str(err)}
+            local = {"config_error": str(err)}
         except Exception as err:  # never let statistics break a run
             self._close()
             local = {"status": f"failed to start ({type(err).__name__}: {err})", "gpus": []}
@@ -410,12 +410,10 @@ class GpuStatsMonitor(pl.Callback):
 
     def _close(self) -> None:
         """Stop the thread and shut NVML down; safe to call any number of times."""
-        sampler, self._sampler = getattr(self, "_sampler", None), None
+        sampler, self._sampler = self._sampler, None
         if sampler is not None:
             sampler.stop()
-        stack = getattr(self, "_stack", None)
-        if stack is not None:
-            stack.close()
+        self._stack.close()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._close()
@@ -479,8 +477,6 @@ class GpuStatsMonitor(pl.Callback):
         if trainer.sanity_checking or not self._active:
             return
         local = self._local_payload(trainer, VAL, include_carry=False)
-        if not self.report_validation:
-            local["gpus"] = {}
         local["loop"] = self._loop.summary()  # the epoch so far, for a checkpoint saved now
         sampler, peaks, resume = self._sampler, self._peaks, self._phase_before_val
         if sampler is not None:
@@ -502,7 +498,7 @@ class GpuStatsMonitor(pl.Callback):
         if self._active:
             local = self._local_payload(trainer, TRAIN, include_carry=True)
         else:
-            local = {"node": trainer.node_rank, "rank": trainer.global_rank, "gpus": {}}
+            local = {"node": trainer.node_rank}
         if self._sampler is not None:
             self._guarded("epoch end", lambda: self._sampler.set_phase(None, sample=False))
         local["loop"] = self._loop.summary()
@@ -528,11 +524,7 @@ class GpuStatsMonitor(pl.Callback):
     def _local_payload(
         self, trainer: pl.Trainer, phase: str, include_carry: bool
     ) -> dict[str, Any]:
-        payload: dict[str, Any] = {
-            "node": trainer.node_rank,
-            "rank": trainer.global_rank,
-            "gpus": {},
-        }
+        payload: dict[str, Any] = {"node": trainer.node_rank}
         sampler, peaks = self._sampler, self._peaks
         if sampler is None:
             return payload

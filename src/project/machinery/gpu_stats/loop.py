@@ -85,7 +85,7 @@ class LoopTimer:
     def summary(self) -> dict[str, float] | None:
         """``loop_s`` (epoch start to the last step's end, less validation), ``data_wait_s``,
         ``steps`` and ``samples`` (absent when a batch had no tensor); None before any step."""
-        if self._loop_end is None or not self.steps:
+        if self._loop_end is None:  # set by the first step
             return None
         out = {
             "loop_s": self._loop_end - self._epoch_start - self.paused_s,

@@ -34,7 +34,7 @@ class RunSummary:
                         weighted = run.get(f"{metric}_weighted", 0.0)
                         run[f"{metric}_weighted"] = weighted + summary[f"{metric}_mean"] * samples
                         run[f"{metric}_samples"] = run.get(f"{metric}_samples", 0.0) + samples
-                for key in ("mem_used_gib_max", "proc_mem_gib_max", "torch_peak_alloc_gib"):
+                for key in ("mem_used_gib_max", "torch_peak_alloc_gib"):
                     if key in summary:
                         run[key] = max(run.get(key, 0.0), summary[key])
                 if "energy_j" in summary:
@@ -51,7 +51,7 @@ class RunSummary:
         rows = []
         for (node, label), run in sorted(self._runs.items()):
             ident = names.get((node, label), {})
-            samples = run.get("samples", 0.0)
+            samples = run["samples"]
             rows.append(
                 {
                     "gpu": f"node{node}/{label}",
