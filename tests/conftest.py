@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import prewarmed
+
 # Variables a parent test process (or an earlier DDP test) may leave behind and that would change
 # how a child run behaves.
 _LEAKY_ENV = (
@@ -58,7 +60,7 @@ def cli(tmp_path: Path, log_dir: Path) -> CliRunner:
         command = [sys.executable, "-m", f"project.{task}", *overrides]
         if task in ("train", "eval") and not any(o.startswith("--") for o in overrides):
             command.append(f"paths.log_dir={log_dir}")
-        return subprocess.run(
+        return prewarmed.run(
             command,
             cwd=tmp_path,
             env=clean_env(**(env or {})),

@@ -22,7 +22,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import prewarmed
 from conftest import FAST, clean_env, run_dirs
 
 FAKE_NVML = "project.machinery.testing.fake_nvml:create"
@@ -218,7 +218,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """An earlier finished run, and a folder of bad files made from it."""
     root = tmp_path_factory.mktemp("bad_inputs")
     logs = root / "logs"
-    done = subprocess.run(
+    done = prewarmed.run(
         [
             sys.executable,
             "-m",
@@ -281,7 +281,7 @@ def command_for(case: Case, world: dict[str, Path]) -> list[str]:
 def test_bad_input_is_one_line_and_loses_nothing(world: dict[str, Path], case: Case) -> None:
     before = tree_hash(world["run"])
     everything = set(world["root"].rglob("*"))
-    done = subprocess.run(
+    done = prewarmed.run(
         command_for(case, world),
         cwd=world["root"],
         env=clean_env(**case.env),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import struct
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+import prewarmed
 from conftest import clean_env, last_line
 from project.errors import ProjectError
 from project.machinery.run import builders
@@ -205,7 +205,7 @@ def test_cli_refuses_a_checkpoint_with_one_changed_bit(tmp_path: Path, task: str
     AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.randn(64, 64)}}, path)
     change_one_tensor_byte(path)
     before = path.read_bytes()
-    done = subprocess.run(
+    done = prewarmed.run(
         [sys.executable, "-m", f"project.{task}", f'ckpt_path="{path}"', "paths.log_dir=logs"],
         cwd=tmp_path,
         env=clean_env(),

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import prewarmed
 from conftest import clean_env, run_dirs
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -66,7 +67,7 @@ def test_own_package_and_configs_outside_the_template_train(tmp_path: Path) -> N
     words = command.split()
     assert words[:3] == ["python", "-m", "project.train"]
     budget = ["trainer.max_epochs=15", "callbacks.progress_bar.refresh_rate=0"]
-    result = subprocess.run(
+    result = prewarmed.run(
         [sys.executable, *words[1:], *budget],
         cwd=tmp_path,
         env=clean_env(**{key: value}),

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+import prewarmed
 from project.machinery.gpus import inventory, nvml
 from project.machinery.gpus.inventory import build_inventory, collect_inventory, read_nvml
 from project.machinery.gpus.listing import main
@@ -80,7 +81,7 @@ def fake_env(scenario: dict | None = SCENARIO, **extra: str) -> dict[str, str]:
 
 
 def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return prewarmed.run(
         [sys.executable, "-m", "project.devices", *args],
         env=env,
         capture_output=True,

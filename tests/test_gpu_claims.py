@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import prewarmed
 from project.errors import ProjectError
 from project.machinery.gpus import claims, nvml
 from project.machinery.gpus.claims import Load, SelectionPolicy, judge, policy_from_config
@@ -124,7 +125,7 @@ def test_preflight_checks_the_keys():
 @pytest.mark.slow
 def test_the_cli_refuses_a_bad_key_in_one_line_and_creates_nothing(tmp_path):
     runs = tmp_path / "runs é"
-    result = subprocess.run(
+    result = prewarmed.run(
         [sys.executable, "-m", "project.train", "gpu_wait_s=-5", f"paths.log_dir='{runs}'"],
         capture_output=True,
         text=True,

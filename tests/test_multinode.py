@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import prewarmed
 from conftest import clean_env, last_line
 from project.errors import ProjectError
 from project.machinery.run.launch import launched_externally, rank_suffix, run_id
@@ -55,7 +56,7 @@ def test_rank_suffix_and_external_launch_detection() -> None:
 
 @pytest.mark.slow
 def test_multi_process_launch_without_a_run_id_fails_in_one_line(tmp_path: Path) -> None:
-    result = subprocess.run(
+    result = prewarmed.run(
         [sys.executable, "-m", "project.train", f"paths.log_dir={tmp_path}"],
         cwd=tmp_path,
         env=clean_env(WORLD_SIZE="2", TORCHELASTIC_RUN_ID="none", RANK="0", LOCAL_RANK="0"),

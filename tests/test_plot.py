@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import prewarmed
 from conftest import clean_env, last_line
 from project.machinery import plots as plot
 
@@ -90,7 +91,7 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return prewarmed.run(
         [sys.executable, "-m", "project.plot", *args],
         cwd=cwd,
         env=clean_env(),

@@ -11,6 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+import prewarmed
 from conftest import FAST, clean_env, last_line, run_dirs
 from project.machinery.safety.checkpoints import load_network
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 
 def _run(cwd: Path, module: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return prewarmed.run(
         [sys.executable, "-m", f"project.{module}", *args],
         cwd=cwd,
         env=clean_env(),

@@ -7,7 +7,6 @@ line before anything is instantiated, and the file it aimed at must be untouched
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+import prewarmed
 from conftest import clean_env, last_line
 from project.errors import ProjectError
 from project.machinery.safety.checkpoints import load_network, save_weights
@@ -209,7 +209,7 @@ def test_eval_of_a_crafted_checkpoint_deletes_nothing(tmp_path: Path) -> None:
     victim.write_text("precious")
     net = {"_target_": "pathlib.Path.unlink", "_args_": [str(victim)]}
     path = crafted_checkpoint(tmp_path / "given.ckpt", {"model": {"net": net}, "data": {}})
-    done = subprocess.run(
+    done = prewarmed.run(
         [sys.executable, "-m", "project.eval", f"ckpt_path={path}", f"paths.log_dir={tmp_path}/l"],
         cwd=tmp_path,
         env=clean_env(),
