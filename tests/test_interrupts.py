@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import prewarmed
 from conftest import clean_env, run_dirs
 from project.machinery.safety.interrupts import resume_command
 
@@ -78,7 +79,7 @@ def test_signal_saves_prints_resume_command_and_resume_works(
     # The printed command resumes (with a smaller budget appended for the test).
     argv = [a for a in shlex.split(command)[1:] if not a.startswith("trainer.max_epochs=")]
     argv.append("trainer.max_epochs=4")
-    resumed = subprocess.run(
+    resumed = prewarmed.run(
         [sys.executable, *argv],
         cwd=tmp_path,
         env=clean_env(),
