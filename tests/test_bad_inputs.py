@@ -86,6 +86,12 @@ CASES = [
         lambda p: [f"--config-dir={p['in']}/configs", "experiment=broken"],
         "broken.yaml is not valid YAML (line ",
     ),
+    Case(
+        "experiment-not-utf8",
+        "train",
+        lambda p: [f"--config-dir={p['in']}/configs", "experiment=latin1"],
+        "latin1.yaml is not UTF-8 text (byte 0xe9 at position",
+    ),
     Case("no-such-strategy", "train", lambda p: ["trainer.strategy=warp"], "does not exist"),
     Case(
         "accelerator-not-here",
@@ -261,6 +267,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (bad / "configs" / "experiment").mkdir(parents=True)
     (bad / "configs" / "experiment" / "broken.yaml").write_text(
         "# @package _global_\ntrainer:\n  max_epochs: [1\n"
+    )
+    (bad / "configs" / "experiment" / "latin1.yaml").write_bytes(  # saved by a Latin-1 editor
+        "# @package _global_\n# réglages\ntrainer:\n  max_epochs: 2\n".encode("latin-1")
     )
     return {"root": root, "logs": logs, "run": run, "in": bad}
 

@@ -77,6 +77,8 @@ def hydra_entry(task: Callable[[Any], Any], config_name: str) -> Callable[[], No
             _fail(one_line(err), 2)
         except yaml.YAMLError as err:  # a config file (the user's own experiment, say) is damaged
             _fail(yaml_problem(err), 2)
+        except UnicodeDecodeError as err:  # Hydra reads config files as UTF-8
+            _fail(undecodable_config(err, sys.argv[1:]), 2)
         except OSError as err:  # Hydra creating the run directory under a file, a full disk...
             if err.filename is None:
                 raise
@@ -154,6 +156,34 @@ def yaml_problem(err: BaseException) -> str:
     parts = [getattr(err, "context", None), getattr(err, "problem", None)]
     what = ", ".join(str(part) for part in parts if part) or " ".join(str(err).split())
     return f"{where} is not valid YAML{position}: {what}"
+
+
+def undecodable_config(err: UnicodeDecodeError, argv: list[str]) -> str:
+    """``<file> is not UTF-8 text (byte 0xff at position 43); save it as UTF-8``.
+
+    Hydra's error names no file, so the config directories in use (the template's and any
+    ``--config-dir``) are searched for the YAML files that do not decode.
+    """
+    dirs = [config_dir()]
+    for i, arg in enumerate(argv):
+        if arg.startswith(("--config-dir=", "-cd=")):
+            dirs.append(Path(arg.split("=", 1)[1]))
+        elif arg in ("--config-dir", "-cd") and i + 1 < len(argv):
+            dirs.append(Path(argv[i + 1]))
+    bad = [str(p) for d in dirs if d.is_dir() for p in sorted(d.rglob("*.yaml")) if _undecodable(p)]
+    where = ", ".join(bad) or "a config file"
+    byte = err.object[err.start : err.start + 1].hex()
+    return f"{where} is not UTF-8 text (byte 0x{byte} at position {err.start}); save it as UTF-8"
+
+
+def _undecodable(path: Path) -> bool:
+    try:
+        path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def one_line(err: BaseException) -> str:
