@@ -186,3 +186,13 @@ def test_safety_parts_and_speed_switches_show_in_the_composed_configs() -> None:
     evaluation = compose_train("ckpt_path=x", name="eval")
     assert "graceful_interrupt" in evaluation.callbacks
     assert (evaluation.precision, evaluation.matmul_precision) == (train.precision, "high")
+
+
+def test_eval_takes_the_same_gpu_wait_and_claim_keys_as_train() -> None:
+    """``python -m project.eval select_gpus=least_used gpu_wait_s=600`` waits as training does."""
+    train, evaluation = compose_train(), compose_train("ckpt_path=x", name="eval")
+    keys = {k for k in train if str(k).startswith("gpu_")}
+    assert keys and {k: evaluation[k] for k in keys} == {k: train[k] for k in keys}
+    check_config(compose_train("ckpt_path=x", "gpu_wait_s=600", name="eval"))
+    with pytest.raises(ProjectError, match=r"^gpu_wait_s=-5 is invalid; expected"):
+        check_config(compose_train("ckpt_path=x", "gpu_wait_s=-5", name="eval"))

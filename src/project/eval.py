@@ -31,6 +31,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     from lightning.pytorch.utilities import rank_zero_only
 
     from project.machinery import speed
+    from project.machinery.gpus.claims import policy_from_config
     from project.machinery.gpus.resolve import resolve_for_run
     from project.machinery.run import builders, run_files
     from project.machinery.safety import checkpoints as checkpointing
@@ -50,7 +51,12 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     # Runs made before callbacks.speed existed kept its two switches under model.
     retired = ("compile", "channels_last")
     model = instantiate({k: v for k, v in trained["model"].items() if k not in retired}, net=net)
-    plan = resolve_for_run(cfg.trainer.accelerator, cfg.trainer.devices, select=cfg.select_gpus)
+    plan = resolve_for_run(  # least_used waits for and claims GPUs as in training (gpu_* keys)
+        cfg.trainer.accelerator,
+        cfg.trainer.devices,
+        select=cfg.select_gpus,
+        policy=policy_from_config(cfg),
+    )
     if plan.message and rank_zero_only.rank == 0:  # once, not once per DDP process
         log.info(plan.message)
     # The same hardware settings as training (precision=auto -> bf16-mixed on a bf16 GPU...).
