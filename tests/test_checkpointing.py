@@ -23,7 +23,6 @@ from project.machinery.safety.checkpoints import (
     load_network,
     resolve_ckpt_path,
     save_weights,
-    with_atomic_io,
 )
 from project.models.nets import MLP
 
@@ -80,17 +79,6 @@ def test_load_network_maps_to_the_requested_device(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device to map onto")
     assert {p.device.type for p in load_network(path, device="cuda").parameters()} == {"cuda"}
-
-
-def test_trainer_gets_atomic_io_and_keeps_user_plugins() -> None:
-    from lightning.pytorch.plugins.environments import LightningEnvironment
-
-    env = LightningEnvironment()
-    plugins = with_atomic_io([env])
-    assert plugins[0] is env and isinstance(plugins[1], AtomicCheckpointIO)
-    mine = AtomicCheckpointIO()
-    assert with_atomic_io(mine) == [mine]  # a user's own CheckpointIO is not doubled
-    assert isinstance(with_atomic_io(None)[0], AtomicCheckpointIO)
 
 
 def test_build_trainer_uses_atomic_io() -> None:

@@ -42,7 +42,6 @@ from project.machinery.safety.checkpoints import (
     save_weights,
     state_mismatch,
     verify_archive,
-    with_atomic_io,
 )
 from project.machinery.safety.trusted import MAX_DEPTH, check_trusted, is_allowed
 from project.models.nets import MLP
@@ -709,13 +708,6 @@ def test_remote_checkpoints_and_storage_options_keep_lightnings_way(
         ({"b": 2}, str(folder / "b.ckpt"), {"x": 1}),
     ]
     assert not (folder / "b.ckpt").exists()
-
-
-def test_with_atomic_io_wraps_a_single_plugin_given_by_name() -> None:
-    plugins = with_atomic_io("bf16-mixed")
-    assert plugins[0] == "bf16-mixed" and isinstance(plugins[1], AtomicCheckpointIO)
-    assert len(plugins) == 2
-    assert [type(p) for p in with_atomic_io(())] == [AtomicCheckpointIO]
 
 
 # --------------------------------------------------------------------------- full disk, one line

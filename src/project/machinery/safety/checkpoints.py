@@ -99,21 +99,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return super().load_checkpoint(path, weights_only=safe, **kwargs)
 
 
-def with_atomic_io(plugins: Any) -> list[Any]:
-    """The user's Trainer plugins plus :class:`AtomicCheckpointIO`, unless they bring a CheckpointIO."""
-    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-
-    if plugins is None:
-        listed: list[Any] = []
-    elif isinstance(plugins, str) or not isinstance(plugins, Iterable):
-        listed = [plugins]
-    else:
-        listed = list(plugins)
-    if not any(isinstance(plugin, CheckpointIO) for plugin in listed):
-        listed.append(AtomicCheckpointIO())
-    return listed
-
-
 # --------------------------------------------------------------------------- crash-safe writing
 
 _UMASK = os.umask(0o022)
