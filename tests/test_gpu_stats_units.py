@@ -856,6 +856,25 @@ def test_the_table_shows_gpm_columns_only_when_a_gpu_has_gpm(capsys, monkeypatch
                      "n/a"]  # fmt: skip
 
 
+def test_the_table_is_not_wrapped_in_a_log_file_however_narrow_the_default(
+    capsys, monkeypatch
+) -> None:
+    """Rich assumes 80 columns when stdout is not a terminal; a CI log or a SLURM .out has room."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    row = {
+        "gpu": "node0/cuda0", "name": "NVIDIA H100 80GB HBM3", "util_mean": 1.0,
+        "sm_active_mean": 12.34, "sm_occupancy_mean": 3.0, "tensor_active_mean": 5.0,
+        "dram_active_mean": 7.0, "mem_used_gib_max": 1.0, "torch_peak_alloc_gib": 0.5,
+        "energy_j": 2000.0, "samples": 1, "sample_ms": 0.25,
+    }  # fmt: skip
+    print_table([row])
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) > 80  # wider than Rich's default
+    (cells,) = [[c.strip() for c in ln.strip("│ ").split("│")] for ln in lines if "node0" in ln]
+    assert cells == ["node0/cuda0", "NVIDIA H100 80GB HBM3", "1.0", "12.3", "3.0", "5.0", "7.0",
+                     "1.00", "0.50", "2.00", "1", "0.25"]  # fmt: skip
+
+
 # --------------------------------------------------------------------------- GPM
 def opened_fake(gpus: list[FakeGpu], clock: Any = None) -> FakeNvml:
     fake = FakeNvml(gpus, clock=clock or FakeClock())

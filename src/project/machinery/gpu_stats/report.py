@@ -115,4 +115,10 @@ def print_table(rows: Sequence[dict[str, Any]]) -> None:
             str(row["samples"]),
             fmt(row["sample_ms"], ".2f"),
         )
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # a log file, CI, a SLURM .out: no screen to fit, no wrapped rows
+        unbounded = console.options.update(max_width=10_000)
+        console = Console(
+            width=max(console.width, console.measure(table, options=unbounded).maximum)
+        )
+    console.print(table)
