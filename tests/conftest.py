@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -80,3 +81,16 @@ def run_dirs(log_dir: Path, task: str = "train") -> list[Path]:
 def last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else ""
+
+
+@pytest.fixture
+def use_fake() -> Iterator[Callable[[Any], Any]]:
+    """``use_fake(FakeNvml([...]))`` makes a fake the process's NVML for one test, then removes it."""
+    from project.machinery.gpus import nvml
+
+    def install(fake: Any) -> Any:
+        nvml.use_library(fake)
+        return fake
+
+    yield install
+    nvml.use_library(None)

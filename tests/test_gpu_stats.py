@@ -34,20 +34,6 @@ LOGGER = "project.machinery.gpu_stats"  # every module of the package logs under
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def use_fake():
-    """Install a fake as the process's NVML for one test, and always remove it."""
-    installed: list[FakeNvml] = []
-
-    def install(fake: FakeNvml) -> FakeNvml:
-        nvml.use_library(fake)
-        installed.append(fake)
-        return fake
-
-    yield install
-    nvml.use_library(None)
-
-
 def open_reader(fake: FakeNvml, index: int, groups=DEFAULT_GROUPS) -> GpuReader:
     handle = fake.nvmlDeviceGetHandleByIndex(index)
     reader = GpuReader(fake, handle, f"cuda{index}", groups)

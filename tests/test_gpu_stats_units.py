@@ -41,20 +41,9 @@ from project.machinery.gpu_stats.statistics import (
     flatten_epoch,
     flatten_loop,
 )
-from project.machinery.gpus import nvml
 from project.machinery.testing.fake_nvml import FakeClock, FakeGpu, FakeNvml, FakeProcess
 
 LOGGER = "project.machinery.gpu_stats"
-
-
-@pytest.fixture
-def use_fake():
-    def install(fake: FakeNvml) -> FakeNvml:
-        nvml.use_library(fake)
-        return fake
-
-    yield install
-    nvml.use_library(None)
 
 
 class RecordingLogger:

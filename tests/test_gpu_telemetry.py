@@ -36,16 +36,6 @@ LOGGER = "project.machinery.gpu_stats"
 HOPPER_GPM = {"SM_UTIL": 60, "SM_OCCUPANCY": 30, "ANY_TENSOR_UTIL": 20, "DRAM_BW_UTIL": 45}
 
 
-@pytest.fixture
-def use_fake():
-    def install(fake: FakeNvml) -> FakeNvml:
-        nvml.use_library(fake)
-        return fake
-
-    yield install
-    nvml.use_library(None)
-
-
 def reader_for(fake: FakeNvml, handle, label: str = "cuda0") -> GpuReader:
     reader = GpuReader(fake, handle, label, DEFAULT_GROUPS)
     reader.probe()
