@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import struct
-import sys
 import zipfile
 from pathlib import Path
 
@@ -12,8 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import prewarmed
-from conftest import clean_env, last_line
+from conftest import CliRunner, last_line
 from project.errors import ProjectError
 from project.machinery.run import builders
 from project.machinery.safety import checkpoints as checkpointing
@@ -188,19 +186,14 @@ def test_state_dicts_saved_by_plain_torch_elsewhere_still_load(tmp_path: Path, k
 
 @pytest.mark.slow
 @pytest.mark.parametrize("task", ["eval", "train"])
-def test_cli_refuses_a_checkpoint_with_one_changed_bit(tmp_path: Path, task: str) -> None:
+def test_cli_refuses_a_checkpoint_with_one_changed_bit(
+    tmp_path: Path, cli: CliRunner, task: str
+) -> None:
     path = tmp_path / "from a colleague" / "epoch_004.ckpt"
     AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.randn(64, 64)}}, path)
     change_one_tensor_byte(path)
     before = path.read_bytes()
-    done = prewarmed.run(
-        [sys.executable, "-m", f"project.{task}", f'ckpt_path="{path}"', "paths.log_dir=logs"],
-        cwd=tmp_path,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = cli(task, f'ckpt_path="{path}"')  # logs under tmp_path/logs
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
     line = last_line(done.stderr)

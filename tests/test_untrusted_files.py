@@ -7,7 +7,6 @@ line before anything is instantiated, and the file it aimed at must be untouched
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import prewarmed
-from conftest import clean_env, last_line
+from conftest import CliRunner, last_line
 from project.errors import ProjectError
 from project.machinery.safety.checkpoints import load_network, save_weights
 from project.machinery.safety.trusted import TRUSTED_TARGETS, check_trusted, is_allowed
@@ -204,19 +202,12 @@ def _targets(node: Any, where: str = "") -> list[tuple[str, dict[str, str]]]:
 
 
 @pytest.mark.slow
-def test_eval_of_a_crafted_checkpoint_deletes_nothing(tmp_path: Path) -> None:
+def test_eval_of_a_crafted_checkpoint_deletes_nothing(tmp_path: Path, cli: CliRunner) -> None:
     victim = tmp_path / "keep me.txt"
     victim.write_text("precious")
     net = {"_target_": "pathlib.Path.unlink", "_args_": [str(victim)]}
     path = crafted_checkpoint(tmp_path / "given.ckpt", {"model": {"net": net}, "data": {}})
-    done = prewarmed.run(
-        [sys.executable, "-m", "project.eval", f"ckpt_path={path}", f"paths.log_dir={tmp_path}/l"],
-        cwd=tmp_path,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = cli("eval", f"ckpt_path={path}")
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
     line = last_line(done.stderr)
