@@ -101,7 +101,6 @@ def _child(request: dict[str, Any]) -> None:
         opened = os.open(path, flags)
         os.dup2(opened, fd)
         os.close(opened)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     random.seed()  # a fresh interpreter seeds from the OS; forks would all share the server's
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
@@ -117,6 +116,7 @@ class _Server:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.process: subprocess.Popen | None = None
+        self.pending = b""  # read from the server, not yet a whole reply line
 
     def start(self) -> subprocess.Popen:
         if self.process is None or self.process.poll() is not None:
@@ -129,6 +129,7 @@ class _Server:
                 env=_server_env(),
             )
             atexit.register(self.process.kill)
+            self.pending = b""
         return self.process
 
     def run(
@@ -154,16 +155,20 @@ class _Server:
                 ) from None
             return returncode, out.read_bytes(), err.read_bytes()
 
-    @staticmethod
-    def _reply(server: subprocess.Popen, timeout: float | None) -> dict[str, int]:
-        ready, _, _ = select.select([server.stdout], [], [], timeout)
-        if not ready:
-            raise subprocess.TimeoutExpired("prewarmed", timeout or 0)
-        line = server.stdout.readline()
-        if not line:
-            raise RuntimeError(
-                "the prewarmed server died; run with PROJECT_TEST_FRESH=1 to compare"
-            )
+    def _reply(self, server: subprocess.Popen, timeout: float | None) -> dict[str, int]:
+        # Read the pipe directly: a buffered readline could swallow the pid and the exit status
+        # of a fast child in one go, and select() would then wait for a line already read.
+        while b"\n" not in self.pending:
+            ready, _, _ = select.select([server.stdout], [], [], timeout)
+            if not ready:
+                raise subprocess.TimeoutExpired("prewarmed", timeout or 0)
+            chunk = os.read(server.stdout.fileno(), 4096)
+            if not chunk:
+                raise RuntimeError(
+                    "the prewarmed server died; run with PROJECT_TEST_FRESH=1 to compare"
+                )
+            self.pending += chunk
+        line, _, self.pending = self.pending.partition(b"\n")
         return json.loads(line)
 
 
