@@ -196,3 +196,18 @@ def test_eval_takes_the_same_gpu_wait_and_claim_keys_as_train() -> None:
     check_config(compose_train("ckpt_path=x", "gpu_wait_s=600", name="eval"))
     with pytest.raises(ProjectError, match=r"^gpu_wait_s=-5 is invalid; expected"):
         check_config(compose_train("ckpt_path=x", "gpu_wait_s=-5", name="eval"))
+
+
+def test_a_decoding_error_blames_only_config_files_that_do_not_decode(tmp_path: Path) -> None:
+    """A non-UTF-8 data file read by the run is not reported as a config file (its traceback stays)."""
+    from project.machinery.run.cli import undecodable_config
+
+    err = UnicodeDecodeError("utf-8", b"ab\xe9", 2, 3, "invalid continuation byte")
+    assert undecodable_config(err, [f"--config-dir={tmp_path}"]) is None
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "fine.yaml").write_text("a: 1\n")
+    latin1 = tmp_path / "experiment" / "réglages.yaml"
+    latin1.write_bytes("# réglages\n".encode("latin-1"))
+    expected = f"{latin1} is not UTF-8 text (byte 0xe9 at position 2); save it as UTF-8"
+    assert undecodable_config(err, ["--config-dir", str(tmp_path)]) == expected
+    assert undecodable_config(err, [f"-cd={tmp_path}"]) == expected

@@ -78,7 +78,10 @@ def hydra_entry(task: Callable[[Any], Any], config_name: str) -> Callable[[], No
         except yaml.YAMLError as err:  # a config file (the user's own experiment, say) is damaged
             _fail(yaml_problem(err), 2)
         except UnicodeDecodeError as err:  # Hydra reads config files as UTF-8
-            _fail(undecodable_config(err, sys.argv[1:]), 2)
+            problem = undecodable_config(err, sys.argv[1:])
+            if problem is None:  # not a config file: a data file, say; a bug's traceback then
+                raise
+            _fail(problem, 2)
         except OSError as err:  # Hydra creating the run directory under a file, a full disk...
             if err.filename is None:
                 raise
@@ -158,8 +161,9 @@ def yaml_problem(err: BaseException) -> str:
     return f"{where} is not valid YAML{position}: {what}"
 
 
-def undecodable_config(err: UnicodeDecodeError, argv: list[str]) -> str:
-    """``<file> is not UTF-8 text (byte 0xff at position 43); save it as UTF-8``.
+def undecodable_config(err: UnicodeDecodeError, argv: list[str]) -> str | None:
+    """``<file> is not UTF-8 text (byte 0xff at position 43); save it as UTF-8``, or ``None``
+    when no config file is to blame.
 
     Hydra's error names no file, so the config directories in use (the template's and any
     ``--config-dir``) are searched for the YAML files that do not decode.
@@ -171,9 +175,11 @@ def undecodable_config(err: UnicodeDecodeError, argv: list[str]) -> str:
         elif arg in ("--config-dir", "-cd") and i + 1 < len(argv):
             dirs.append(Path(argv[i + 1]))
     bad = [str(p) for d in dirs if d.is_dir() for p in sorted(d.rglob("*.yaml")) if _undecodable(p)]
-    where = ", ".join(bad) or "a config file"
+    if not bad:
+        return None
     byte = err.object[err.start : err.start + 1].hex()
-    return f"{where} is not UTF-8 text (byte 0x{byte} at position {err.start}); save it as UTF-8"
+    where = f"byte 0x{byte} at position {err.start}"
+    return f"{', '.join(bad)} is not UTF-8 text ({where}); save it as UTF-8"
 
 
 def _undecodable(path: Path) -> bool:
@@ -181,8 +187,8 @@ def _undecodable(path: Path) -> bool:
         path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         return True
-    except OSError:
-        return False
+    except OSError:  # unreadable is another problem, reported where it is read
+        pass
     return False
 
 
