@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -44,6 +43,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from project.errors import ProjectError
+from project.machinery import quoting
 from project.machinery.safety import signals
 
 log = logging.getLogger(__name__)
@@ -148,6 +148,9 @@ def phase(name: str, trainer: Trainer | None = None) -> Iterator[None]:
     except RuntimeError as err:
         if trainer is None or trainer.world_size < 2 or not any(t in str(err) for t in _PEER_GONE):
             raise
+        if request.received is not None:  # that rank quit on the same signal (stuck, say)
+            request.detail += "; another rank had already stopped"
+            _stop(request.received)
         first = textwrap.shorten(str(err).splitlines()[0], width=300, placeholder=" ...")
         raise PeerDied(
             f"rank {trainer.global_rank}: another process of this {trainer.world_size}-process "
@@ -191,13 +194,17 @@ def checkpoint_dir(trainer: Trainer) -> Path:
 
 
 def resume_command(checkpoint: Path) -> str:
-    """``python -m project.train <the same overrides> ckpt_path=<checkpoint>``."""
+    """``python -m project.train <the same overrides> ckpt_path=<checkpoint>``, ready to paste.
+
+    The overrides are the user's own, already in Hydra's syntax, so only the shell quotes them;
+    the checkpoint's path is a raw value (spaces, é, quotes...) and is quoted for Hydra as well.
+    """
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
-    program = f"python -m {spec.name}" if spec is not None else f"python {shlex.quote(sys.argv[0])}"
+    program = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
     overrides = _task_overrides()
     kept = [o for o in overrides if not o.lstrip("+~").startswith("ckpt_path=")]
-    return " ".join([program, *map(shlex.quote, kept), shlex.quote(f"ckpt_path={checkpoint}")])
+    return f"{quoting.command([*program, *kept])} {quoting.override('ckpt_path', str(checkpoint))}"
 
 
 def _task_overrides() -> list[str]:

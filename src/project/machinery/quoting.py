@@ -1,0 +1,50 @@
+"""Overrides and commands the program prints for the user to paste, written so that pasting works.
+
+A printed ``key=value`` passes two parsers: the POSIX shell, then Hydra's override grammar.
+``shlex.quote`` alone satisfies the shell only: Hydra takes spaces, non-ASCII letters, ``$``,
+commas, brackets and ``=`` in a value only inside quotes (else ``LexerNoViableAltException``, or a
+sweep, or a list), and OmegaConf reads ``${...}`` as an interpolation. :func:`override` quotes for
+Hydra first, then for the shell. Stdlib only, so every layer of the machinery may import it.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Iterable
+
+# Strings Hydra reads unquoted as exactly themselves: a letter, ``_`` or ``/`` first, then only
+# ASCII word characters, dots, slashes and dashes (no word Hydra would read as another type).
+_PLAIN = re.compile(r"[A-Za-z_/][\w./-]*", re.ASCII)
+_NOT_STRINGS = {"null", "true", "false", "nan", "inf"}
+
+
+def override(key: str, value: str | int | float | bool | None) -> str:
+    """``key=value`` as one shell word from which Hydra gives the config exactly ``value``."""
+    return shlex.quote(f"{key}={hydra_value(value)}")
+
+
+def command(words: Iterable[str]) -> str:
+    """Join the words of a command, quoting each for the shell (overrides already in Hydra's
+    syntax, such as the ones a user typed, stay as they are for Hydra)."""
+    return " ".join(shlex.quote(word) for word in words)
+
+
+def hydra_value(value: str | int | float | bool | None) -> str:
+    """``value`` as Hydra's override grammar writes it (before any shell quoting).
+
+    A string that is not plain goes in double quotes: inside them Hydra wants ``\\"`` for a quote
+    and doubled backslashes before a quote or the closing quote; ``${`` becomes ``\\${`` (with
+    the backslashes before it doubled) so that OmegaConf keeps it as text.
+    """
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if _PLAIN.fullmatch(value) and value.lower() not in _NOT_STRINGS:
+        return value
+    text = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + r"\${", value)  # OmegaConf's escape
+    text = re.sub(r'(\\*)("|\Z)', lambda m: m.group(1) * 2 + ('\\"' if m.group(2) else ""), text)
+    return f'"{text}"'
