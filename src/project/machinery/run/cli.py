@@ -5,6 +5,7 @@ Kept free of torch and Lightning imports, so ``--help`` and ``--cfg job`` answer
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from project.errors import ProjectError
+from project.machinery import quoting
 
 PACKAGE_DIR = Path(__file__).resolve().parents[2]  # src/project (or site-packages/project)
 
@@ -68,11 +70,24 @@ def hydra_entry(task: Callable[[Any], Any], config_name: str) -> Callable[[], No
         app = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name=config_name)
         from project.machinery.safety.signals import stop_on_signal
 
+        _quiet_reported_failures()
         try:
             with stop_on_signal():  # Ctrl-C, SIGTERM: recorded, acted on at a safe point, 128+N
-                app(_reporting(task))()
+                jobs = _sweep_to_show(sys.argv[1:])
+                if jobs is None:
+                    app(_reporting(task))()
+                for number, argv in enumerate(jobs or []):
+                    print(("---\n" if number else "") + f"# job #{number}: {' '.join(argv[1])}")
+                    sys.argv = [sys.argv[0], *argv[0]]
+                    app(_reporting(task))()
+        except ReportedJobError as err:  # a sweep job's one line is printed already
+            raise SystemExit(err.exit_code) from None
         except ProjectError as err:
             _fail(str(err), err.exit_code)
+        except ValueError as err:  # Hydra: --cfg with --info, say (argparse lets both through)
+            if not str(err).startswith("Only one of --run, --multirun"):
+                raise
+            _fail(str(err), 2)
         except (HydraException, OmegaConfBaseException) as err:
             _fail(one_line(err), 2)
         except yaml.YAMLError as err:  # a config file (the user's own experiment, say) is damaged
@@ -94,8 +109,9 @@ def _reporting(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """Run ``task``; a user mistake inside it becomes one line, and a run that never started
     leaves no directory behind.
 
-    In a single run the process exits at once. In a multirun the error is logged and re-raised,
-    so Hydra finishes the other jobs of the sweep and reports the failed one at the end.
+    In a single run the process exits at once. In a multirun the error is printed and re-raised
+    as :class:`ReportedJobError`, so Hydra finishes the other jobs of the sweep and the sweep then
+    ends with exit 2, without a second report of the same mistake.
     """
 
     def job(cfg: Any) -> Any:
@@ -118,7 +134,7 @@ def _reporting(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
             discard_unused(Path(hydra_cfg.runtime.output_dir))
             if hydra_cfg.mode == RunMode.MULTIRUN:
                 print(f"error: {mistake}", file=sys.stderr)
-                raise
+                raise ReportedJobError(str(mistake), mistake.exit_code) from err
             _fail(str(mistake), mistake.exit_code)
         finally:
             from project.machinery.gpus.claims import finish_job
@@ -126,6 +142,72 @@ def _reporting(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
             finish_job()  # the job's claimed GPUs go back; the next job of a sweep measures anew
 
     return job
+
+
+class ReportedJobError(ProjectError):
+    """A sweep job's mistake whose one line is printed already: the sweep ends with its code."""
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    def __reduce__(self) -> tuple[Any, ...]:  # launchers in other processes pickle job results
+        return (type(self), (str(self), self.exit_code))
+
+
+def _quiet_reported_failures() -> None:
+    """Keep Hydra from reporting a sweep job whose one line is printed already.
+
+    When a sweeper reads a failed job's result, Hydra writes ``Error executing job with
+    overrides: [...]`` and re-raises the job's exception; for a :class:`ReportedJobError` that
+    would be a second report of the same mistake. Other failures (bugs) keep Hydra's line.
+    """
+    from hydra.core.utils import JobReturn, JobStatus
+
+    hydras = JobReturn.__dict__.get("return_value")
+    if not isinstance(hydras, property) or getattr(hydras.fget, "quiet_when_reported", False):
+        return  # another Hydra, or done already
+
+    def return_value(self: Any) -> Any:
+        failure = getattr(self, "_return_value", None)  # where Hydra keeps the job's exception
+        if self.status == JobStatus.FAILED and isinstance(failure, ReportedJobError):
+            raise failure
+        return hydras.fget(self)
+
+    return_value.quiet_when_reported = True
+    JobReturn.return_value = property(return_value, hydras.fset)
+
+
+def _sweep_to_show(argv: list[str]) -> list[tuple[list[str], list[str]]] | None:
+    """For ``-m ... --cfg job``: each job's command line without ``-m`` and its overrides, so that
+    Hydra, which takes ``--cfg`` in single runs only, can show each job's config; else ``None``.
+
+    Only the command line's sweeps are expanded (a sweeper's own search space is not).
+    """
+    from hydra._internal.utils import get_args_parser  # Hydra's own argument parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        args = get_args_parser().parse_args(argv)
+    except SystemExit:  # a bad flag: Hydra's own run says so
+        return None
+    if not (args.multirun and args.cfg):
+        return None
+    single = [arg for arg in argv if arg not in ("-m", "--multirun")]
+    choices: list[list[str]] = []
+    for override in OverridesParser.create().parse_overrides(args.overrides):
+        if not override.is_sweep_override():
+            choices.append([str(override.input_line)])
+        elif not override.is_discrete_sweep():
+            raise ProjectError(
+                f"{override.input_line} is an interval: it has no list of jobs for --cfg to show; "
+                f"give {override.key_or_group} a list of values (a,b,...) to see each job's config"
+            )
+        else:
+            key = override.get_key_element()
+            choices.append([f"{key}={value}" for value in override.sweep_string_iterator()])
+    flags = [arg for arg in single if arg not in args.overrides]
+    return [([*flags, *values], list(values)) for values in itertools.product(*choices)]
 
 
 def _user_mistake(err: BaseException | None) -> ProjectError | None:
@@ -207,15 +289,31 @@ def one_line(err: BaseException) -> str:
     text = text.replace("  ", " ")
     if "LexerNoViableAlt" in text:  # Hydra's grammar takes é, $... only inside quotes
         text = text.replace(" ^ ", " ")
+        typed = [arg for arg in sys.argv[1:] if "=" in arg and arg in text]
+        key, _, value = typed[0].partition("=") if typed else ("paths.log_dir", "", "/data/my runs")
         text += (
             "; quote a value with spaces, non-ASCII or special characters, e.g. "
-            "'paths.log_dir=\"/data/my runs\"'"
+            + quoting.override(key, value)
         )
     return text
 
 
+MOVED_KEYS = {
+    "trainer.precision": (
+        "precision",
+        "the run's precision is the top-level key precision (configs/train.yaml; auto: "
+        "bf16-mixed on a GPU with bf16, else 32-true)",
+    ),
+}
+"""Keys a user may expect under one node that the template reads elsewhere: where, and why."""
+
+
 def _unknown_key(err: BaseException) -> str | None:
-    """For ``trainer.devicez=2``: name the key, suggest the nearest real one, mention ``+``."""
+    """For ``trainer.devicez=2``: name the key, suggest the nearest real one, mention ``+``.
+
+    For a key the template reads elsewhere (:data:`MOVED_KEYS`), the hint is that key with the
+    user's value, ready to paste: ``+trainer.precision=...`` would be refused later.
+    """
     import difflib
 
     from omegaconf.errors import OmegaConfBaseException
@@ -224,6 +322,11 @@ def _unknown_key(err: BaseException) -> str | None:
     if not isinstance(cause, OmegaConfBaseException) or "not in struct" not in str(cause):
         return None
     full_key, key = str(cause.full_key), str(cause.key)
+    if full_key in MOVED_KEYS:
+        target, why = MOVED_KEYS[full_key]
+        typed = [a.partition("=")[2] for a in sys.argv[1:] if a.partition("=")[0] == full_key]
+        hint = quoting.command([f"{target}={typed[0]}"]) if typed else f"{target}=..."
+        return f"{full_key} is not a key of the config: {why}; write {hint}"
     parent = getattr(cause, "parent_node", None)
     siblings = [str(k) for k in parent] if parent is not None else []
     close = difflib.get_close_matches(key, siblings, n=1)
