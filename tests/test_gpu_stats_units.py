@@ -21,9 +21,9 @@ from project.machinery.gpu_stats import callback as gpu_callback
 from project.machinery.gpu_stats.callback import (
     GpuStatsMonitor,
     count_samples,
-    gather_objects,
     process_devices,
 )
+from project.machinery.gpu_stats.exchange import RankExchange
 from project.machinery.gpu_stats.gpm import GpmCounters, GpmUnsupported
 from project.machinery.gpu_stats.loop import LoopTimer, batch_length
 from project.machinery.gpu_stats.report import RunSummary, print_table
@@ -568,10 +568,12 @@ def test_process_devices_falls_back_to_the_root_device() -> None:
     assert process_devices(odd) == [(0, cuda[0])]  # a local rank beyond the list: position 0
 
 
-def test_gather_objects_without_a_process_group_is_this_ranks_object() -> None:
+def test_the_exchange_without_a_process_group_is_this_ranks_payload() -> None:
     thing = {"a": 1}
-    assert gather_objects(SimpleNamespace(world_size=1), thing) == [thing]
-    assert gather_objects(SimpleNamespace(world_size=2), thing) == [thing]  # not initialised
+    exchange = RankExchange("epoch end")
+    assert exchange.gather(SimpleNamespace(world_size=1, global_rank=0), thing) == [thing]
+    not_initialised = SimpleNamespace(world_size=2, global_rank=0)
+    assert exchange.gather(not_initialised, thing) == [thing]
 
 
 def test_count_samples_of_every_rank() -> None:
@@ -1402,18 +1404,50 @@ def test_the_second_rank_of_a_node_samples_its_own_device(use_fake, no_thread) -
 
 
 # --------------------------------------------------------------------------- survivors of run 2
-def test_gather_objects_goes_through_the_real_collective_when_there_is_one(tmp_path) -> None:
+@pytest.fixture
+def store(tmp_path):
+    """A real process group of one, whose key-value store stands in for a job's."""
     import torch.distributed as dist
 
-    thing = {"gpus": {"cuda0": {"util_mean": 1.0}}}
+    from project.machinery import compat
+
     dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
     try:
-        gathered = gather_objects(SimpleNamespace(world_size=2), thing)
-        assert gathered == [thing] and gathered[0] is not thing  # through the collective
-        alone = gather_objects(SimpleNamespace(world_size=1), thing)
-        assert alone[0] is thing  # one process: no collective at all
+        yield compat.default_store()
     finally:
         dist.destroy_process_group()
+
+
+def test_the_exchange_hands_rank_0_every_ranks_payload_through_the_store(store) -> None:
+    exchange = RankExchange("training epoch end", timeout_s=5)
+    mine, theirs = {"gpus": {"cuda0": {"util_mean": 1.0}}}, {"gpus": {"cuda1": {"util_mean": 2.0}}}
+    # Rank 1 posts and goes on at once: it never waits for anyone.
+    rank1 = RankExchange("training epoch end", timeout_s=5)
+    assert rank1.gather(SimpleNamespace(world_size=2, global_rank=1), theirs) == [theirs]
+    gathered = exchange.gather(SimpleNamespace(world_size=2, global_rank=0), mine)
+    assert gathered == [mine, theirs] and gathered[0] is mine and gathered[1] is not theirs
+    assert not store.check(["project/training epoch end/1/1"])  # read, then removed
+
+
+def test_a_rank_that_never_posts_costs_rank_0_the_timeout_and_one_warning(store, caplog) -> None:
+    import time
+
+    exchange = RankExchange("validation end", timeout_s=0.6)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        gathered = exchange.gather(SimpleNamespace(world_size=3, global_rank=0), {"node": 0})
+    assert 0.5 < time.monotonic() - started < 5
+    assert gathered == [{"node": 0}]
+    (line,) = [r.getMessage() for r in caplog.records if "did not reach" in r.getMessage()]
+    assert line.startswith("gpu_stats: rank 1,2 did not reach validation end within 1 s")
+    # A late rank's payload, posted after rank 0 went on, is removed at the next round.
+    store.set("project/validation end/1/2", "{}")
+    with caplog.at_level(logging.WARNING):
+        exchange.gather(SimpleNamespace(world_size=1, global_rank=0), {"node": 0})
+        late = RankExchange("validation end", timeout_s=0.1)
+        late._round, late._late = 1, ["project/validation end/1/2"]
+        late.gather(SimpleNamespace(world_size=2, global_rank=0), {"node": 0})
+    assert not store.check(["project/validation end/1/2"])
 
 
 def test_a_strategy_without_parallel_devices_uses_its_root_device() -> None:

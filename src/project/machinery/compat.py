@@ -83,6 +83,12 @@ def _compiled_marker() -> bool:
     return getattr(net, "_compiled_call_impl", None) is not None
 
 
+def _default_store_probe() -> bool:
+    import torch.distributed.distributed_c10d as c10d
+
+    return callable(getattr(c10d, "_get_default_store", None))
+
+
 def _omegaconf_get_node() -> bool:
     from omegaconf import OmegaConf
 
@@ -178,6 +184,14 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         lambda: isinstance(_trainer_attribute_value("callback_metrics"), dict),
     ),
     PrivateApi(
+        "torch.distributed.distributed_c10d",
+        "_get_default_store",
+        "machinery.compat.default_store (gpu_stats' exchange between ranks)",
+        "the job's key-value store: ranks hand rank 0 their figures without a collective, "
+        "which would deadlock against Lightning's rank-0-only metric sync",
+        _default_store_probe,
+    ),
+    PrivateApi(
         "omegaconf:DictConfig",
         "_get_node",
         "machinery.run.preflight",
@@ -229,3 +243,10 @@ def fit_batch_index(trainer: Any) -> int:
 def add_csv_columns(writer: Any, keys: list[str]) -> None:
     """Make a CSV logger's writer keep ``keys`` as columns (private: see PRIVATE_APIS)."""
     writer.metrics_keys = sorted(set(writer.metrics_keys) | set(keys))
+
+
+def default_store() -> Any:
+    """The default process group's key-value store (private: see PRIVATE_APIS)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d._get_default_store()

@@ -17,17 +17,18 @@ the right physical GPU. Without a GPU (tests, demos with
 ``configs/callbacks/gpu_stats.yaml`` does not show it; ``+callbacks.gpu_stats.device_uuids=[...]``
 adds it from the command line).
 
-Which process: under DDP every rank samples its own device and, at epoch end, all ranks gather
-their figures in one ``all_gather_object`` (a collective called on every rank, whatever state its
-NVML is in); nothing is all-reduced afterwards. A process that drives several devices (one process
-per node) samples them all.
+Which process: under DDP every rank samples its own device and, at epoch end, hands its figures
+to rank 0 through the job's key-value store (:mod:`.exchange`): no collective, so nothing can
+deadlock against Lightning's own metric sync, and a rank that is late costs rank 0 at most
+``gather_timeout_s`` and that rank's figures for the epoch. A process that drives several devices
+(one process per node) samples them all.
 
 Logging, in one call per epoch: rank 0 hands the epoch's figures to each logger at once
 (``logger.log_metrics``), not through ``self.log`` (which costs a result-collection entry, and
 under DDP an all-reduce, per key). Keys a monitor names (``EarlyStopping``, ``ModelCheckpoint``,
 a scheduler's ``monitor``) are also put in ``trainer.callback_metrics`` on every rank, so those
-callbacks work on every rank as with ``self.log``; list them after this callback, which fills
-the keys in its ``on_train_epoch_end``.
+callbacks work as with ``self.log`` (on rank 0 with every rank's figures, on the other ranks with
+their own); list them after this callback, which fills the keys in its ``on_train_epoch_end``.
 
 Logged keys (training epoch; validation uses ``gpu_val/`` instead of ``gpu/``)::
 
@@ -100,6 +101,7 @@ import lightning.pytorch as pl
 import torch
 
 from project.machinery.gpu_stats import report
+from project.machinery.gpu_stats.exchange import RankExchange
 from project.machinery.gpu_stats.loop import LoopTimer
 from project.machinery.gpu_stats.sampler import (
     DEFAULT_GROUPS,
@@ -143,16 +145,6 @@ def process_devices(trainer: Any) -> list[tuple[int, torch.device]]:
 
 
 # --------------------------------------------------------------------------- helpers for ranks
-def gather_objects(trainer: Any, obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order: the real collective under DDP, ``[obj]`` otherwise."""
-    dist = torch.distributed
-    if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, obj)
-        return gathered
-    return [obj]
-
-
 def monitored_keys(trainer: Any) -> set[str]:
     """The metric names a callback (``EarlyStopping``, ``ModelCheckpoint``, ...) or a learning
     rate scheduler watches, through their public ``monitor`` attributes."""
@@ -222,6 +214,8 @@ class GpuStatsMonitor(pl.Callback):
         data_wait_warning: warn when an epoch's loop waited more than this share of its time for
             data while the GPUs were mostly idle (1.0: never).
         gpu_idle_below_pct: "mostly idle": mean utilisation of the run's GPUs below this.
+        gather_timeout_s: how long rank 0 waits at an epoch end for the other ranks' figures
+            before it logs the epoch without the late ones (one warning naming them).
     """
 
     def __init__(
@@ -240,9 +234,15 @@ class GpuStatsMonitor(pl.Callback):
         per_gpu_keys_up_to: int = 8,
         data_wait_warning: float = 0.3,
         gpu_idle_below_pct: float = 50.0,
+        gather_timeout_s: float = 30.0,
     ) -> None:
-        if not isinstance(interval_s, (int, float)) or not interval_s > 0:
-            raise ValueError(f"GpuStatsMonitor: interval_s={interval_s!r}; give seconds > 0")
+        for name, seconds in (("interval_s", interval_s), ("gather_timeout_s", gather_timeout_s)):
+            if (
+                isinstance(seconds, bool)
+                or not isinstance(seconds, (int, float))
+                or not seconds > 0
+            ):
+                raise ValueError(f"GpuStatsMonitor: {name}={seconds!r}; give seconds > 0")
         if device_uuids is not None and (
             isinstance(device_uuids, str) or not all(isinstance(u, str) for u in device_uuids)
         ):
@@ -272,6 +272,7 @@ class GpuStatsMonitor(pl.Callback):
                     f"GpuStatsMonitor: {name}={value!r}; give a number in [0, {high:g}]"
                 )
         self.interval_s = float(interval_s)
+        self.gather_timeout_s = float(gather_timeout_s)
         self.report_validation = report_validation
         optional = {"fan": fan, "pcie": pcie, "ecc": ecc, "memory_temperature": memory_temperature}
         self.groups = [*DEFAULT_GROUPS, *(g for g in OPTIONAL_GROUPS if optional[g])]
@@ -290,7 +291,11 @@ class GpuStatsMonitor(pl.Callback):
         self._stack = ExitStack()
         self._sampler: GpuSampler | None = None
         self._peaks: TorchPeakMemory | None = None
-        self._active = False  # some rank samples a GPU: every rank joins the epoch gathers
+        self._active = False  # some rank samples a GPU (rank 0 knows of all, others of their own)
+        self._exchanges = {
+            hook: RankExchange(hook, self.gather_timeout_s)
+            for hook in ("setup", "validation end", "training epoch end")
+        }
         self._identities: list[dict[str, Any]] = []
         self._summary = report.RunSummary()
         self._phase_before_val: str | None = None
@@ -321,7 +326,7 @@ class GpuStatsMonitor(pl.Callback):
             self._close()
             local = {"status": f"failed to start ({type(err).__name__}: {err})", "gpus": []}
         local.update(node=trainer.node_rank, rank=trainer.global_rank)
-        everyone = gather_objects(trainer, local)  # every rank, before anyone may raise
+        everyone = self._exchanges["setup"].gather(trainer, local)  # before anyone may raise
         errors = [p["config_error"] for p in everyone if p.get("config_error")]
         if errors:
             self._close()
@@ -474,7 +479,7 @@ class GpuStatsMonitor(pl.Callback):
             self._guarded("peak reset", lambda: self._peaks.stash())
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking or not self._active:
+        if trainer.sanity_checking:
             return
         local = self._local_payload(trainer, VAL, include_carry=False)
         local["loop"] = self._loop.summary()  # the epoch so far, for a checkpoint saved now
@@ -486,10 +491,10 @@ class GpuStatsMonitor(pl.Callback):
         if peaks is not None:
             self._guarded("peak reset", lambda: peaks.restart())
         # Every rank, every validation: the run's energy is current when a checkpoint is saved.
-        everyone = gather_objects(trainer, local)
+        everyone = self._exchanges["validation end"].gather(trainer, local)
         self._add_energy(everyone)
         self._epoch_samples = count_samples([p.get("loop") for p in everyone])
-        if self.report_validation:
+        if self.report_validation and self._active:
             root = f"{self.key_prefix}_val"
             flat = flatten_epoch(everyone, root, self.log_sampler_cost, self.per_gpu_keys_up_to)
             self._publish(trainer, flat)
@@ -502,7 +507,7 @@ class GpuStatsMonitor(pl.Callback):
         if self._sampler is not None:
             self._guarded("epoch end", lambda: self._sampler.set_phase(None, sample=False))
         local["loop"] = self._loop.summary()
-        everyone = gather_objects(trainer, local)  # every rank, whatever its NVML did
+        everyone = self._exchanges["training epoch end"].gather(trainer, local)
         flat = flatten_epoch(
             everyone, self.key_prefix, self.log_sampler_cost, self.per_gpu_keys_up_to
         )
