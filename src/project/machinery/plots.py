@@ -119,37 +119,109 @@ class RunMetrics:
 def read_metrics(run_dir: str | Path, label: str | None = None) -> RunMetrics:
     """Read ``RUN_DIR/csv/metrics.csv`` into one value per epoch and column.
 
-    Raises :class:`PlotError` (one line) for a missing directory, a run without the CSV logger or
-    a CSV without rows.
+    Raises :class:`PlotError` (one line) for a missing directory, a run without the CSV log, or a
+    CSV log that is empty, cut short, binary or not the CSV logger's (:func:`read_csv_log`).
     """
     run = Path(run_dir)
     path = run / METRICS_CSV
     if not run.is_dir():
         raise PlotError(f"{str(run_dir)!r} is not a directory; expected a run directory")
-    if not path.is_file():
+    if not path.exists():
         raise PlotError(
-            f"{str(run_dir)!r} has no {METRICS_CSV} (a run directory of logger=csv or "
-            "many_loggers, or a sweep directory holding such runs, is expected)"
+            f"{str(run_dir)!r} has no {METRICS_CSV} (a run directory written by "
+            "python -m project.train, or a sweep directory holding such runs, is expected)"
         )
     metrics = RunMetrics(run, label or _label(run))
-    with path.open(newline="") as handle:
-        for row in csv.DictReader(handle):
-            epoch = _number(row.get("epoch"))
-            if epoch is None:
+    for row in read_csv_log(path):
+        epoch = _number(row.get("epoch"))
+        if epoch is None:
+            continue
+        for column, text in row.items():
+            value = _number(text)
+            if column in ("epoch", "step") or value is None:
                 continue
-            for column, text in row.items():
-                value = _number(text)
-                if column in (None, "epoch", "step") or value is None:
-                    continue
-                if column.startswith("test/"):
-                    metrics.final[column] = value
-                else:
-                    metrics.series.setdefault(column, {})[int(epoch)] = value
+            if column.startswith("test/"):
+                metrics.final[column] = value
+            else:
+                metrics.series.setdefault(column, {})[int(epoch)] = value
     if not metrics.series and not metrics.final:
         raise PlotError(
             f"{str(path)!r} has no rows yet (did the run stop before its first epoch ended?)"
         )
     return metrics
+
+
+def read_text_file(path: Path, what: str) -> str:
+    """The text of a file the program wrote, or :class:`PlotError` (one line naming it) when it
+    cannot be read or is not UTF-8 text: a damaged file must not end in a decoding traceback."""
+    try:
+        data = path.read_bytes()
+    except IsADirectoryError as err:
+        raise PlotError(f"{str(path)!r} is a directory; expected {what}") from err
+    except OSError as err:
+        raise PlotError(f"{str(path)!r} cannot be read ({err.strerror or err})") from err
+    kind = _binary_kind(data)
+    if kind is None:
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            kind = f"binary data (byte 0x{data[err.start]:02x} at offset {err.start} is not UTF-8)"
+    raise PlotError(f"{str(path)!r} is not {what}: it holds {kind}; the file is damaged or foreign")
+
+
+_SIGNATURES = {
+    b"\x89PNG\r\n\x1a\n": "a PNG image",
+    b"%PDF": "a PDF document",
+    b"PK\x03\x04": "a zip archive (a checkpoint?)",
+}
+
+
+def _binary_kind(data: bytes) -> str | None:
+    """What ``data`` looks like when it is clearly not text; None for text-like bytes."""
+    for signature, kind in _SIGNATURES.items():
+        if data.startswith(signature):
+            return kind
+    nul = data.find(b"\x00")
+    return f"binary data (a NUL byte at offset {nul})" if nul >= 0 else None
+
+
+def read_csv_log(path: Path) -> list[dict[str, str]]:
+    """The rows of a CSV log written by Lightning's CSVLogger, checked for damage.
+
+    One-line :class:`PlotError` when the file is empty, binary, not a CSV with ``epoch`` and
+    ``step`` columns, cut short (its last line has no newline: the logger ends every row with
+    one) or has a row with another number of fields than its header.
+    """
+    what = "a CSV log (the text file Lightning's CSVLogger writes)"
+    text = read_text_file(path, what)
+    if not text.strip():
+        raise PlotError(
+            f"{str(path)!r} is empty: it has no rows yet (did the run stop before its first "
+            "epoch ended?)"
+        )
+    if not text.endswith(("\n", "\r")):
+        raise PlotError(
+            f"{str(path)!r} is cut short: its last line ends without a newline (a copy or a "
+            "write that stopped part-way); use an intact copy of the file"
+        )
+    try:
+        lines = [row for row in csv.reader(io.StringIO(text, newline="")) if row]
+    except csv.Error as err:
+        raise PlotError(f"{str(path)!r} is not {what}: {err}") from err
+    header, rows = lines[0], lines[1:]
+    if "epoch" not in header or "step" not in header:
+        shown = ",".join(header)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise PlotError(
+            f"{str(path)!r} is not {what}: its header {shown!r} has no epoch and step columns"
+        )
+    for number, row in enumerate(rows, start=2):
+        if len(row) != len(header):
+            raise PlotError(
+                f"{str(path)!r} is damaged: row {number} has {len(row)} fields, its header "
+                f"{len(header)}; use an intact copy of the file"
+            )
+    return [dict(zip(header, row, strict=True)) for row in rows]
 
 
 def _number(text: str | None) -> float | None:
@@ -166,11 +238,10 @@ def _label(run: Path) -> str:
     """The run's folder name, plus the overrides it was started with (a sweep job's parameters)."""
     overrides = run / ".hydra" / "overrides.yaml"
     extra = ""
-    if overrides.is_file():
+    if overrides.exists():
+        text = read_text_file(overrides, "Hydra's list of overrides (YAML text)")
         items = [
-            line.strip()[2:].strip()
-            for line in overrides.read_text().splitlines()
-            if line.strip().startswith("- ")
+            line.strip()[2:].strip() for line in text.splitlines() if line.strip().startswith("- ")
         ]
         items = [item for item in items if not item.startswith(("paths.", "hydra."))]
         extra = " ".join(items)
@@ -189,14 +260,14 @@ def expand_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
             raise PlotError(f"{str(given)!r} does not exist; expected a run or sweep directory")
         if not path.is_dir():
             raise PlotError(f"{str(given)!r} is a file; expected a run or sweep directory")
-        if (path / METRICS_CSV).is_file():
+        if (path / METRICS_CSV).exists():  # a directory there is refused by read_metrics
             runs.append(path)
             continue
         jobs = sorted((p.parent.parent for p in path.glob(f"*/{METRICS_CSV}")), key=_job_order)
         if not jobs:
             raise PlotError(
                 f"{str(given)!r} holds no {METRICS_CSV}, neither itself nor in its subfolders "
-                "(runs with logger=none or tensorboard alone write none)"
+                "(every run of python -m project.train writes one)"
             )
         runs.extend(jobs)
     return runs
@@ -385,11 +456,11 @@ def after_run(run_dir: str | Path) -> Path | None:
     """Draw ``run_dir/curves.png`` at the end of a training run; never fails the run.
 
     Returns the image's path, or None (with one log line saying why) when there is no CSV log,
-    matplotlib is not installed, or drawing failed.
+    matplotlib is not installed, the CSV log is damaged, or drawing failed.
     """
     run = Path(run_dir)
-    if not (run / METRICS_CSV).is_file():
-        log.info("No %s in this run (no CSV logger), so no %s.", METRICS_CSV, PLOT_FILE)
+    if not (run / METRICS_CSV).exists():  # anything else there is read, and refused, below
+        log.info("No %s in this run, so no %s.", METRICS_CSV, PLOT_FILE)
         return None
     try:
         import matplotlib  # noqa: F401
