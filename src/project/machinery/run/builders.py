@@ -2,16 +2,21 @@
 
 Each config node with a ``_target_`` is instantiated as it stands, so a node maps one-to-one onto
 the class it names and a user's own class drops in by changing ``_target_``.
+
+One logger is not a choice: the run's own record, ``<run>/csv/metrics.csv`` (:func:`run_record`),
+which ``curves.png``, ``python -m project.plot`` and resume read. The ``logger`` group adds loggers
+to it (``logger=none``: none added); ``logger.csv`` configures the record itself.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from hydra.utils import instantiate
 from lightning.pytorch import Callback, Trainer
-from lightning.pytorch.loggers import Logger
+from lightning.pytorch.loggers import CSVLogger, Logger
 from omegaconf import DictConfig, OmegaConf
 
 import project.machinery.strategies  # noqa: F401  (registers trainer.strategy=dp before any Trainer)
@@ -25,9 +30,29 @@ def build_callbacks(cfg: DictConfig | None) -> list[Callback]:
     return [instantiate(node) for node in _target_nodes(cfg)]
 
 
-def build_loggers(cfg: DictConfig | None) -> list[Logger]:
-    """One logger per entry of ``cfg.logger``; an empty list means no logger."""
-    return [instantiate(node) for node in _target_nodes(cfg)]
+def build_loggers(cfg: DictConfig | None, record: CSVLogger | None = None) -> list[Logger]:
+    """One logger per entry of ``cfg.logger``, after the run's ``record`` (:func:`run_record`)
+    unless an entry already writes that CSV file; an empty list means no logger."""
+    loggers = [instantiate(node) for node in _target_nodes(cfg)]
+    if record is None or any(_same_csv(logger, record) for logger in loggers):
+        return loggers
+    return [record, *loggers]
+
+
+def run_record(cfg: DictConfig) -> CSVLogger | None:
+    """The CSV log every run keeps in ``<paths.output_dir>/csv/``, whatever ``logger`` says.
+
+    The run's record must not depend on which extra logger the user picked: ``curves.png``,
+    ``python -m project.plot`` and resume all read ``csv/metrics.csv``. None when the config has
+    no ``paths.output_dir`` (a Trainer built outside a run)."""
+    out = OmegaConf.select(cfg, "paths.output_dir", default=None)
+    return CSVLogger(save_dir=str(out), name="csv", version="") if out else None
+
+
+def _same_csv(logger: Logger, record: CSVLogger) -> bool:
+    if not isinstance(logger, CSVLogger):
+        return False
+    return Path(logger.log_dir).absolute() == Path(record.log_dir).absolute()
 
 
 # The safety parts of a training run, each a config node like every other (configs/callbacks/,
@@ -67,8 +92,12 @@ def build_trainer(cfg: DictConfig, **overrides: Any) -> Trainer:
     from project.machinery.safety import interrupts
 
     callbacks = build_callbacks(cfg.get("callbacks"))
-    loggers = build_loggers(cfg.get("logger"))
+    record = run_record(cfg)
+    loggers = build_loggers(cfg.get("logger"), record)
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **overrides)
+    if trainer.fast_dev_run and record is not None:
+        # Lightning mutes every logger under fast_dev_run; the run's own record stays on.
+        trainer.loggers = [logger for logger in loggers if _same_csv(logger, record)]
     parts = [*callbacks, trainer.strategy.checkpoint_io]
     missing = {
         key: lost
