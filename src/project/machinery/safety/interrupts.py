@@ -148,7 +148,7 @@ def phase(name: str, trainer: Trainer | None = None) -> Iterator[None]:
     except RuntimeError as err:
         if trainer is None or trainer.world_size < 2 or not any(t in str(err) for t in _PEER_GONE):
             raise
-        if request.received is not None:  # that rank quit on the same signal (stuck, say)
+        if request.active and request.received is not None:  # that rank quit on the signal too
             request.detail += "; another rank had already stopped"
             _stop(request.received)
         first = textwrap.shorten(str(err).splitlines()[0], width=300, placeholder=" ...")
