@@ -28,6 +28,7 @@ from project.machinery.gpus import claims
 from project.machinery.gpus.claims import rank_by_load
 from project.machinery.gpus.inventory import IDENTITY, LOAD, cached_inventory
 from project.machinery.gpus.records import DeviceError, Gpu, Inventory, no_gpu_reason
+from project.machinery.gpus.visible import first_entry_problem
 
 SELECTION_ENV = "PROJECT_GPU_SELECTION"
 """Environment variable through which DDP rank 0 hands its ``least_used`` choice to the other
@@ -112,10 +113,29 @@ def _check_index_list(indices: list[int], original: Any) -> list[int]:
     return indices
 
 
+def hidden_by_variable(inv: Inventory) -> str | None:
+    """``CUDA_VISIBLE_DEVICES='…' hides every GPU (why)`` when the variable leaves no GPU, else None.
+
+    Named before any other reason (a CUDA torch reports no CUDA when the variable hides every GPU,
+    and without NVML nothing else would point at it), so a mistyped value is not taken for a
+    machine without GPUs. An empty value keeps :func:`no_gpu_reason`'s own wording."""
+    value = inv.cuda_visible_devices
+    if value is None or value.strip() == "":
+        return None
+    why = first_entry_problem(value)
+    if why is None and not (inv.physical and not inv.visible):
+        return None
+    return f"CUDA_VISIBLE_DEVICES={value!r} hides every GPU" + (f": {why}" if why else "")
+
+
+def _no_gpu_reason(inv: Inventory) -> str:
+    return hidden_by_variable(inv) or no_gpu_reason(inv)
+
+
 def _describe_visible(inv: Inventory) -> str:
     n = inv.usable_gpu_count
     if n == 0:
-        return f"this machine has no usable GPU ({no_gpu_reason(inv)})"
+        return f"this machine has no usable GPU ({_no_gpu_reason(inv)})"
     names = [g.name for g in inv.visible[:n]]
     if len(names) == n and n <= 4:
         listing = ", ".join(f"cuda:{i} {name}" for i, name in enumerate(names))
@@ -165,11 +185,13 @@ def resolve_devices(
         if acc == "auto" and inv.torch.mps_available:
             return DevicePlan(accelerator, wanted)
         if acc != "auto":
+            remedy = "use accelerator=cpu or accelerator=auto"
+            if hidden_by_variable(inv):
+                remedy = "set CUDA_VISIBLE_DEVICES to GPU indices or UUIDs (e.g. 0,1) or unset it"
             raise DeviceError(
-                f"accelerator={accelerator} asks for a GPU, but {_describe_visible(inv)}; "
-                "use accelerator=cpu or accelerator=auto"
+                f"accelerator={accelerator} asks for a GPU, but {_describe_visible(inv)}; {remedy}"
             )
-        message = f"No usable GPU: {no_gpu_reason(inv)}; training runs on the CPU."
+        message = f"No usable GPU: {_no_gpu_reason(inv)}; training runs on the CPU."
         return _cpu_plan("cpu", "auto" if wanted == -1 else wanted, message=message)
     if isinstance(wanted, list):
         missing = [i for i in wanted if i >= count]

@@ -207,6 +207,27 @@ def _find(
     return enumeration[ordinal] if 0 <= ordinal < len(enumeration) else None
 
 
+def first_entry_problem(cuda_visible_devices: str | None) -> str | None:
+    """Why a ``CUDA_VISIBLE_DEVICES`` value hides every GPU on any machine, or None.
+
+    CUDA reads the list up to its first invalid entry, so a list of indices whose first entry is
+    not an index >= 0 (``banana,,7``, ``-1``, ``,0``) shows no GPU whatever the machine has: this
+    can be said without NVML, where the GPU count is unknown. UUID lists depend on the GPUs
+    (:func:`apply_visible_devices` decides them); an empty value is left to its own message."""
+    if cuda_visible_devices is None or cuda_visible_devices.strip() == "":
+        return None
+    if _list_kind(cuda_visible_devices) != "indices":
+        return None
+    first = cuda_visible_devices.split(",")[0]
+    match = _ORDINAL.match(first.strip())
+    if first.strip().startswith(("GPU-", "MIG-")) or (match and int(match.group(1)) >= 0):
+        return None
+    return (
+        f"its first entry {first!r} is not a GPU index or UUID, and CUDA ignores the list from "
+        "its first invalid entry on"
+    )
+
+
 def apply_visible_devices(
     physical: Sequence[Gpu],
     cuda_visible_devices: str | None,
