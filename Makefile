@@ -1,6 +1,9 @@
 # Shortcuts for the commands in README.md. `make help` lists them.
 # Extra arguments go in ARGS:  make train ARGS="trainer.max_epochs=3 model=mlp"
-PY ?= .venv/bin/python
+# The interpreter: .venv's when there is one (make setup), else the python3 (or python) on PATH,
+# i.e. your own active environment. PY=... picks another.
+# (By name, not path: the shell finds it on PATH, and a path with spaces stays one word.)
+PY ?= $(if $(wildcard .venv/bin/python),.venv/bin/python,$(if $(shell command -v python3),python3,python))
 ARGS ?=
 # make plot draws RUN (default: the newest training run under logs/train/runs).
 RUN ?= $(shell ls -td logs/train/runs/*/ 2>/dev/null | head -n 1)
