@@ -31,6 +31,7 @@ from project.machinery.safety.checkpoints import (
     FileWriteError,
     atomic_link,
     atomic_write,
+    exported_part,
     full_disk_in_one_line,
     last_good_checkpoint,
     load_file,
@@ -154,14 +155,38 @@ def test_resolve_ckpt_path_a_run_directory_means_its_last_ckpt(folder: Path) -> 
     assert resolve_ckpt_path(str(folder / "run a"), folder) == nested.resolve()
 
 
-def test_resolve_ckpt_path_a_directory_without_last_ckpt_is_one_line(folder: Path) -> None:
+def test_resolve_ckpt_path_a_directory_without_any_checkpoint_is_one_line(folder: Path) -> None:
     (folder / "checkpoints").mkdir()
+    (folder / "checkpoints" / "notes.txt").write_text("not a checkpoint")
     with pytest.raises(ProjectError) as info:
         resolve_ckpt_path(str(folder), folder)
     assert str(info.value) == (
-        f"ckpt_path={str(folder)!r} is a directory without checkpoints/last.ckpt; "
-        "pass a .ckpt file, a run directory or 'last'"
+        f"ckpt_path={str(folder)!r} is a directory without checkpoints/last.ckpt or any other "
+        ".ckpt file; pass a .ckpt file, a model.pth, a run directory or 'last'"
     )
+
+
+def test_resolve_ckpt_path_a_run_without_last_ckpt_means_its_newest_checkpoint(
+    folder: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = folder / "stopped run"
+    interrupted = lightning_checkpoint(run / "checkpoints" / "interrupted.ckpt", small_net())
+    older = lightning_checkpoint(run / "checkpoints" / "epoch_000.ckpt", small_net())
+    os.utime(older, (time.time() - 60, time.time() - 60))
+    with caplog.at_level(logging.INFO):
+        assert resolve_ckpt_path(str(run), folder) == interrupted.resolve()
+    assert f"ckpt_path={run} has no last.ckpt: using its newest checkpoint, interrupted.ckpt" in (
+        caplog.text
+    )
+
+
+def test_resolve_ckpt_path_for_eval_a_run_directory_means_its_tested_weights(folder: Path) -> None:
+    run = folder / "run"
+    last = lightning_checkpoint(run / "checkpoints" / "last.ckpt", small_net())
+    assert resolve_ckpt_path(str(run), folder, tested_weights=True) == last.resolve()
+    weights = save_weights(small_net(), run / "model.pth")
+    assert resolve_ckpt_path(str(run), folder, tested_weights=True) == weights.resolve()
+    assert resolve_ckpt_path(str(run), folder) == last.resolve()  # resuming: the training state
 
 
 def test_resolve_ckpt_path_last_is_the_newest_run_with_a_last_ckpt(folder: Path) -> None:
@@ -356,15 +381,61 @@ def test_load_network_with_an_explicit_net_config_needs_no_saved_config(folder: 
 
 
 @pytest.mark.parametrize(
-    "config",
-    [{"data": {}}, {"model": {"net": "MLP"}}, {"model": "mlp"}],
-    ids=["no-model", "net-not-a-node", "model-not-a-node"],
+    ("config", "expected"),
+    [
+        ({"data": {}}, "has no model config to rebuild it from"),
+        ({"model": "mlp"}, "has no model config to rebuild it from"),
+        (
+            {"model": {"net": "MLP"}},
+            ": its run config has neither a model.net nor a model._target_ to rebuild the model from",
+        ),
+    ],
+    ids=["no-model", "model-not-a-node", "net-not-a-node"],
 )
-def test_run_config_without_a_model_net_node_is_one_line(folder: Path, config: dict) -> None:
+def test_run_config_without_a_model_to_rebuild_is_one_line(
+    folder: Path, config: dict, expected: str
+) -> None:
     path = lightning_checkpoint(folder / "given.ckpt", small_net(), config=config)
     with pytest.raises(ProjectError) as info:
         load_network(path)
-    assert str(info.value) == f"{str(path)!r} has no model.net config to rebuild the network from"
+    assert str(info.value) in (f"{str(path)!r} {expected}", f"{str(path)!r}{expected}")
+
+
+class Regressor(torch.nn.Module):
+    """A model without a ``net``: its own layers, as a LightningModule of a user's may have."""
+
+    def __init__(self, width: int = 3) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(4, width)
+        self.head = torch.nn.Linear(width, 1)
+
+
+def test_load_network_of_a_model_without_net_rebuilds_and_loads_the_whole_model(
+    folder: Path,
+) -> None:
+    trained = Regressor(width=5)
+    config = {"model": {"_target_": f"{__name__}.Regressor", "width": 5}}
+    data = {
+        "pytorch-lightning_version": "2.6.0",
+        "state_dict": dict(trained.state_dict()),
+        "hyper_parameters": {"config": config},
+    }
+    path = folder / "given.ckpt"
+    AtomicCheckpointIO().save_checkpoint(data, path)
+    loaded = load_network(path, allowed=[__name__ + "."])
+    assert isinstance(loaded, Regressor) and not loaded.training
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in trained.state_dict().items())
+    # model.pth of such a model is the whole model's state_dict, and loads the same way
+    OmegaConf.save(config, folder / "config.yaml")
+    weights = save_weights(exported_part(trained), folder / "model.pth")
+    assert set(torch.load(weights, weights_only=True)) == {
+        "body.weight",
+        "body.bias",
+        "head.weight",
+        "head.bias",
+    }
+    again = load_network(weights, allowed=[__name__ + "."])
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in trained.state_dict().items())
 
 
 def test_run_config_returns_only_model_and_data(folder: Path) -> None:

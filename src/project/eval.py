@@ -2,10 +2,11 @@
 
     python -m project.eval ckpt_path=logs/train/runs/<run>/checkpoints/epoch_012.ckpt
     python -m project.eval ckpt_path=logs/train/runs/<run>/model.pth
-    python -m project.eval ckpt_path=logs/train/runs/<run>          # its last.ckpt
+    python -m project.eval ckpt_path=logs/train/runs/<run>          # the weights it tested
 
-The network and the data split are rebuilt from the config saved with the run, so the figures
-match what training reported for the same weights. Results go to this run's ``metrics.json``.
+The model (any LightningModule) and the data split are rebuilt from the config saved with the
+run, so the figures match what training reported for the same weights; ``data.*`` overrides
+(``data.batch_size=1``) apply. Results go to this run's ``metrics.json``.
 """
 
 from __future__ import annotations
@@ -33,24 +34,23 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     from project.machinery import speed
     from project.machinery.gpus.claims import policy_from_config
     from project.machinery.gpus.resolve import resolve_for_run
-    from project.machinery.run import builders, run_files
+    from project.machinery.run import builders, rebuild, run_files
     from project.machinery.safety import checkpoints as checkpointing
     from project.machinery.safety import interrupts
 
     started, out = time.time(), Path(cfg.paths.output_dir)
-    source = checkpointing.resolve_ckpt_path(cfg.ckpt_path, cfg.paths.log_dir, "train")
+    # A run directory stands for its model.pth: the weights whose test figures it reported.
+    source = checkpointing.resolve_ckpt_path(
+        cfg.ckpt_path, cfg.paths.log_dir, "train", tested_weights=True
+    )
     assert source is not None  # ckpt_path is required (???) in eval.yaml
 
-    data = checkpointing.load_file(source)
-    trained = checkpointing.run_config(source, data, cfg.trusted_targets, ("model", "data"))
-    net = instantiate(trained["model"]["net"])
-    checkpointing.load_state_into(net, checkpointing.network_state(data, source), source)
-
+    # Rebuild the run's model and data from its own config (trusted _target_s only).
+    data = checkpointing.load_file(source, mmap=True)
+    trained = rebuild.trained_config(cfg, source, data)
     pl.seed_everything(cfg.seed, workers=True)
+    model, ckpt = rebuild.trained_model(trained["model"], source, data)
     datamodule = instantiate(trained["data"])
-    # Runs made before callbacks.speed existed kept its two switches under model.
-    retired = ("compile", "channels_last")
-    model = instantiate({k: v for k, v in trained["model"].items() if k not in retired}, net=net)
     plan = resolve_for_run(  # least_used waits for and claims GPUs as in training (gpu_* keys)
         cfg.trainer.accelerator,
         cfg.trainer.devices,
@@ -65,8 +65,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         run_files.save_config(cfg, out)
     # Ctrl-C / SIGTERM: every rank stops, exit 128+N. A full disk (the CSV log): one line.
     with interrupts.phase("eval", trainer), checkpointing.full_disk_in_one_line(out):
-        trainer.test(model, datamodule=datamodule)
-    metrics = run_files.scalars(trainer.callback_metrics, prefix="test/")
+        trainer.test(model, datamodule=datamodule, ckpt_path=ckpt, weights_only=True)
+    metrics = run_files.scalars(trainer.callback_metrics, prefix="test")
     if trainer.is_global_zero:
         run_files.save_metrics(
             metrics, out, best_checkpoint=str(source), trainer=trainer, started=started

@@ -56,7 +56,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # Fast defaults for that hardware: TF32 on Ampere+, precision=auto -> bf16-mixed on a bf16 GPU.
     trainer_kwargs = speed.trainer_settings(cfg, plan)
 
-    # Build: the data, the network (a plain nn.Module from model.net) inside the LightningModule.
+    # Build: the data, and the model (any LightningModule; the template's holds a network, model.net).
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
@@ -80,15 +80,17 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if cfg.test:
         with interrupts.phase("test", trainer), checkpointing.full_disk_in_one_line(out):
             trainer.test(model, datamodule=datamodule, ckpt_path=best, weights_only=True)
-        test_metrics = run_files.scalars(trainer.callback_metrics, prefix="test/")
+        test_metrics = run_files.scalars(trainer.callback_metrics, prefix="test")
 
-    # Save the tested network as model.pth, and the figures as metrics.json (rank 0 only).
+    # Save the tested weights as model.pth (the network's, or the whole module's when it has no
+    # `net`: checkpointing.exported_part) and the figures as metrics.json (rank 0 only).
     metrics = {**fit_metrics, **test_metrics}
     # A signal here: the files are written, then exit 128+N. A full disk: one line.
     with interrupts.phase("export"), checkpointing.full_disk_in_one_line(out):
         if trainer.is_global_zero:
             if cfg.export_weights:
-                checkpointing.save_weights(model.net, out / checkpointing.WEIGHTS_FILE)
+                weights = checkpointing.exported_part(model)
+                checkpointing.save_weights(weights, out / checkpointing.WEIGHTS_FILE)
             run_files.save_metrics(
                 metrics,
                 out,

@@ -1,8 +1,9 @@
 """Saving and loading model state: crash-safe writes, integrity, ``model.pth``, networks from files.
 
 ``model.pth`` is what ``torch.save(net.state_dict(), "model.pth")`` writes: a plain ``state_dict``
-of the network, loadable by any PyTorch code. Lightning checkpoints (``*.ckpt``) carry the whole
-training state. Both load with ``weights_only=True``, after their zip CRCs are checked (torch does
+of the LightningModule's network ``net`` where it has one (loadable by any PyTorch code, without
+Lightning), else of the whole LightningModule (:func:`exported_part`, the one place that rule
+lives). Lightning checkpoints (``*.ckpt``) carry the whole training state. Both load with ``weights_only=True``, after their zip CRCs are checked (torch does
 not check them: a flipped byte would load as a wrong weight). The run's config travels as plain
 data (``config.yaml`` beside ``model.pth``, ``hyper_parameters["config"]`` inside a checkpoint);
 the network is rebuilt from it only through trusted ``_target_``s (:mod:`.trusted`).
@@ -319,6 +320,41 @@ def _chain(err: BaseException) -> list[BaseException]:
     return chain
 
 
+def exported_part(model: nn.Module) -> nn.Module:
+    """The module whose weights ``model.pth`` holds: ``model.net`` when it is an ``nn.Module``
+    (a plain network, loadable without Lightning or the LightningModule's code), else ``model``.
+
+    Export, eval and :func:`load_network` all go through this rule, so whatever a user's
+    LightningModule looks like, the file loads back into the same part of it.
+    """
+    net = getattr(model, "net", None)
+    return net if isinstance(net, nn.Module) else model
+
+
+def build_layers(model: nn.Module) -> nn.Module:
+    """Run a LightningModule's ``configure_model`` (layers built there, not in ``__init__``)
+    before its weights are loaded by hand; Lightning requires the hook to be idempotent and
+    calls it again in ``fit``/``test``, which then finds the layers made."""
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if isinstance(model, LightningModule) and is_overridden("configure_model", model):
+        model.configure_model()
+    return model
+
+
+def rebuild_model(model_config: dict[str, Any]) -> nn.Module:
+    """The LightningModule a run's (trusted) ``model`` config describes, its layers built.
+
+    Runs made before ``callbacks.speed`` existed kept its two switches under ``model``; they are
+    dropped here, so such runs still rebuild.
+    """
+    from hydra.utils import instantiate
+
+    retired = ("compile", "channels_last")
+    return build_layers(instantiate({k: v for k, v in model_config.items() if k not in retired}))
+
+
 def save_weights(net: nn.Module, path: str | Path) -> Path:
     """Export ``net.state_dict()`` (tensors moved to the CPU) to ``path``, crash-safe."""
     state = {key: value.detach().cpu() for key, value in net.state_dict().items()}
@@ -397,10 +433,15 @@ def load_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -
     return data
 
 
-def network_state(data: dict[str, Any], source: str | Path = "") -> dict[str, torch.Tensor]:
-    """The network's ``state_dict`` from a Lightning checkpoint or from a ``model.pth``."""
+def network_state(
+    data: dict[str, Any], source: str | Path = "", prefix: str = "net."
+) -> dict[str, torch.Tensor]:
+    """The network's ``state_dict`` from a Lightning checkpoint or from a ``model.pth``.
+
+    ``prefix``: where the part lies inside the LightningModule's state (``net.``; ``""`` for the
+    whole module, see :func:`exported_part`).
+    """
     if "state_dict" in data and "pytorch-lightning_version" in data:
-        prefix = "net."
         state = data["state_dict"]
         if not isinstance(state, dict):
             raise ProjectError(f"{str(source)!r} has a state_dict that is not a dict")
@@ -411,6 +452,10 @@ def network_state(data: dict[str, Any], source: str | Path = "") -> dict[str, to
             f"{str(source)!r} is not a network's state_dict: {str(odd)[:60]!r} is not a tensor"
         )
     return data
+
+
+class NoRunConfig(ProjectError):
+    """A weights file with no run config inside it or beside it."""
 
 
 def run_config(
@@ -433,14 +478,12 @@ def run_config(
         candidates = (Path(path).parent / CONFIG_FILE, Path(path).parent.parent / CONFIG_FILE)
         source = next((c for c in candidates if c.is_file()), None)
         if source is None:
-            raise ProjectError(
+            raise NoRunConfig(
                 f"cannot rebuild the network for {str(path)!r}: no config inside it and no "
                 f"{CONFIG_FILE} beside it; pass the network config with model=..."
             )
         config = _read_yaml(source)
     parts = {key: config[key] for key in ("model", "data") if key in config}
-    if not isinstance(parts.get("model"), dict) or not isinstance(parts["model"].get("net"), dict):
-        raise ProjectError(f"{str(source)!r} has no model.net config to rebuild the network from")
     missing = [key for key in needs if not isinstance(parts.get(key), dict)]
     if missing:
         raise ProjectError(f"{str(source)!r} has no {missing[0]} config to rebuild it from")
@@ -513,7 +556,8 @@ def load_network(
     The network is rebuilt from the run's saved config unless ``net_config`` (a ``model.net``
     node with a ``_target_``) is given. A saved config may only name classes under ``allowed``
     (add your own package: ``allowed=[*TRUSTED_TARGETS, "my_project."]``). Returns the network
-    in eval mode::
+    in eval mode; for a LightningModule without a ``net`` (:func:`exported_part`), the whole
+    LightningModule::
 
         net = load_network("logs/train/runs/<run>/model.pth", device="cuda:0")
         predictions = net(images.to("cuda:0")).argmax(-1)
@@ -522,19 +566,34 @@ def load_network(
 
     data = load_file(path, map_location=device)
     if net_config is None:
-        net_config = run_config(path, data, allowed)["model"]["net"]
+        model_config = run_config(path, data, allowed)["model"]
+        net_config = model_config.get("net")
+        if not isinstance(net_config, dict):  # no network node: the module is what is rebuilt
+            if not isinstance(model_config.get("_target_"), str):
+                raise ProjectError(
+                    f"{str(path)!r}: its run config has neither a model.net nor a model._target_ "
+                    "to rebuild the model from"
+                )
+            model = rebuild_model(model_config)
+            part = exported_part(model)
+            prefix = "net." if part is not model else ""
+            load_state_into(part, network_state(data, path, prefix), path)
+            return part.to(device).eval()
     net = instantiate(net_config)
     load_state_into(net, network_state(data, path), path)
     return net.to(device).eval()
 
 
 def resolve_ckpt_path(
-    value: str | None, log_dir: str | Path, task_name: str = "train"
+    value: str | None, log_dir: str | Path, task_name: str = "train", tested_weights: bool = False
 ) -> Path | None:
     """Turn the ``ckpt_path`` a user typed into a checkpoint file, or fail in one line.
 
-    Accepted: a ``.ckpt`` / ``model.pth`` file; a run directory (its ``checkpoints/last.ckpt``);
-    ``last``: the newest run under ``<log_dir>/<task_name>`` that has a ``last.ckpt``.
+    Accepted: a ``.ckpt`` / ``model.pth`` file; a run directory; ``last``: the newest run under
+    ``<log_dir>/<task_name>`` that has a ``last.ckpt``. A run directory gives its
+    ``checkpoints/last.ckpt``, else its newest checkpoint (``interrupted.ckpt`` of a run stopped
+    before its first save point, say; the choice is logged). ``tested_weights`` (eval): its
+    ``model.pth`` first, the weights whose test figures the run reported.
     The file is checked to be a complete torch archive with intact CRCs, without unpickling.
     """
     if value in (None, ""):
@@ -553,15 +612,7 @@ def resolve_ckpt_path(
     else:
         path = Path(value).expanduser()
         if path.is_dir():
-            for candidate in (path / "checkpoints" / "last.ckpt", path / "last.ckpt"):
-                if candidate.is_file():
-                    path = candidate
-                    break
-            else:
-                raise ProjectError(
-                    f"ckpt_path={value!r} is a directory without checkpoints/last.ckpt; "
-                    "pass a .ckpt file, a run directory or 'last'"
-                )
+            path = _checkpoint_in(path, value, tested_weights)
     if not path.is_file():
         raise ProjectError(
             f"ckpt_path={value!r} does not exist; pass a .ckpt file, a model.pth, a run directory or 'last'"
@@ -574,3 +625,24 @@ def resolve_ckpt_path(
         )
     verify_archive(path)
     return path.resolve()
+
+
+def _checkpoint_in(folder: Path, value: str, tested_weights: bool) -> Path:
+    """The file a run directory stands for (see :func:`resolve_ckpt_path`)."""
+    first = [folder / WEIGHTS_FILE] if tested_weights else []
+    for candidate in (*first, folder / "checkpoints" / "last.ckpt", folder / "last.ckpt"):
+        if candidate.is_file():
+            if candidate.name == WEIGHTS_FILE:
+                log.info(
+                    "ckpt_path=%s: evaluating its %s (the weights it tested)", value, WEIGHTS_FILE
+                )
+            return candidate
+    found = [p for d in (folder / "checkpoints", folder) for p in d.glob("*.ckpt") if p.is_file()]
+    if not found:
+        raise ProjectError(
+            f"ckpt_path={value!r} is a directory without checkpoints/last.ckpt or any other .ckpt "
+            "file; pass a .ckpt file, a model.pth, a run directory or 'last'"
+        )
+    newest = max(found, key=lambda p: (p.stat().st_mtime_ns, p.name))
+    log.info("ckpt_path=%s has no last.ckpt: using its newest checkpoint, %s", value, newest.name)
+    return newest

@@ -174,6 +174,9 @@ def check_fits(model: LightningModule, checkpoint: Path) -> None:
     """
     from project.machinery.safety.checkpoints import load_file, state_mismatch
 
+    expected = model.state_dict()
+    if not expected:  # layers made in configure_model, later: Lightning's own load checks them
+        return
     data = load_file(checkpoint, mmap=True)
     state = data.get("state_dict")
     if not isinstance(state, dict):
@@ -181,7 +184,7 @@ def check_fits(model: LightningModule, checkpoint: Path) -> None:
             f"ckpt_path={str(checkpoint)!r} is not a Lightning checkpoint (no state_dict); "
             "to start from a model.pth, load it into the network instead of resuming"
         )
-    mismatch = state_mismatch(model.state_dict(), state)
+    mismatch = state_mismatch(expected, state)
     if mismatch:
         raise ProjectError(
             f"ckpt_path={str(checkpoint)!r} was trained with another model ({mismatch}); "
