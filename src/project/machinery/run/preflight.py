@@ -479,8 +479,11 @@ def discard_unused(run_dir: Path) -> bool:
         for file in subdir.iterdir():
             file.unlink()
         subdir.rmdir()
-    for file in run_dir.iterdir():
-        file.unlink()
+    for entry in run_dir.iterdir():
+        if entry.is_dir():  # an empty folder a logger or the checkpoint callback made
+            entry.rmdir()
+        else:
+            entry.unlink()
     run_dir.rmdir()
     if claim is not None and claim.first_new is not None:
         for directory in run_dir.parents:  # the parents the claim created, now empty
@@ -497,6 +500,9 @@ def _only_start_files(run_dir: Path, subdir: Path) -> bool:
     for entry in run_dir.iterdir():
         if entry == subdir and entry.is_dir() and not entry.is_symlink():
             if any(f.name not in _HYDRA_FILES or not f.is_file() for f in entry.iterdir()):
+                return False
+        elif entry.is_dir() and not entry.is_symlink():
+            if any(entry.iterdir()):
                 return False
         elif not entry.is_file() or not (entry.suffix == ".log" or entry.name == "config.yaml"):
             return False
