@@ -167,8 +167,8 @@ class NetworkSpeedups(Callback):
       go NHWC, and a forward pre-hook converts its 4-D inputs (removed again at ``teardown``).
       On the CPU, and for networks without convolutions, nothing changes.
 
-    A LightningModule without that attribute is left alone (``compile=true`` then fails in one
-    line, since it was asked for explicitly).
+    A LightningModule without that attribute is left alone, with one log line saying so (and
+    ``compile=true`` then fails in one line, since it was asked for explicitly).
     """
 
     def __init__(
@@ -187,6 +187,13 @@ class NetworkSpeedups(Callback):
                     f"callbacks.speed.compile=true compiles {type(pl_module).__name__}."
                     f"{self.network}, but there is no such network; set callbacks.speed.network "
                     "to the attribute holding it"
+                )
+            if self.channels_last and stage == "fit":
+                log.info(
+                    "callbacks.speed: %s has no nn.Module attribute %r, so channels_last is not "
+                    "applied; set callbacks.speed.network to the attribute holding your network",
+                    type(pl_module).__name__,
+                    self.network,
                 )
             return
         device = getattr(trainer.strategy, "root_device", None)
