@@ -15,6 +15,8 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -402,3 +404,180 @@ def test_a_slurm_job_saves_on_its_warning_signal_requeues_and_resumes_by_itself(
     assert f"SLURM job 4242 was requeued: resuming from {saved}" in log
     assert not marker.exists()  # the resumed run did not pause: it started after that batch
     assert not (first / "metrics.json").exists()  # the stopped run's directory is left as it was
+
+
+# ------------------------------------------------------------------------------------------------
+# A second Ctrl-C, through the real CLI, in every phase (issue #24.3)
+
+FIRST_CTRL_C = "SIGINT received: stopping at the next safe point"
+QUIT_LINE = "error: SIGINT again: quitting at once, without saving; exit code 130"
+SMALL = ("trainer.max_epochs=1", "data.batch_size=64", *QUIET)
+FAKE_CUDA = '''"""Test only: torch says it sees two CUDA devices (this machine has none), so that
+select_gpus=least_used measures the fake NVML's GPUs and waits for them."""
+from project.machinery.gpus import inventory
+from project.machinery.gpus.records import TorchCuda
+
+inventory.probe_torch = lambda uuids=True: TorchCuda(True, 2)
+'''
+BUSY_GPUS = json.dumps({"gpus": [{"util_gpu": 100}, {"util_gpu": 100}]})
+
+
+def callback(tmp_path: Path, target: str, name: str, **keys: str) -> tuple[list[str], Path]:
+    """The overrides adding ``user_callbacks.<target>`` as ``callbacks.<name>``, and its marker."""
+    marker = tmp_path / name
+    added = [f"+callbacks.{name}._target_=user_callbacks.{target}"]
+    added += [f"+callbacks.{name}.{key}={value}" for key, value in keys.items()]
+    return [*added, f"+callbacks.{name}.marker={marker}"], marker
+
+
+def until(
+    found: Callable[[], bool],
+    process: subprocess.Popen,
+    what: str,
+    stderr: Path,
+    timeout: float = 300,
+) -> None:
+    """Wait until ``found()``; fail at once, with the end of ``stderr``, if the process ends."""
+    deadline = time.time() + timeout
+    while not found():
+        if process.poll() is not None:
+            tail = stderr.read_text()[-3000:]
+            raise AssertionError(f"exited with {process.returncode} before {what}: {tail}")
+        if time.time() > deadline:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise AssertionError(f"no {what} after {timeout} s")
+        time.sleep(0.1)
+
+
+def descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        for child in children(todo.pop()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def in_group(pgid: int) -> list[int]:
+    """Live processes of process group ``pgid`` (the run's session: it and all it started)."""
+    members = []
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat_file.parent.name))
+    return members
+
+
+@pytest.fixture(scope="module")
+def trained_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    log_dir = tmp_path_factory.mktemp("trained") / "logs"
+    done = subprocess.run(
+        [sys.executable, "-m", "project.train", *SMALL, "test=false", f"paths.log_dir={log_dir}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=clean_env(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run,) = run_dirs(log_dir)
+    return run / "checkpoints" / "last.ckpt"
+
+
+@dataclass
+class Hold:
+    """Where a run of the real CLI is held for the first Ctrl-C, and how the test knows."""
+
+    command: list[str]  # project.<task> and its overrides
+    held: Callable[[], bool]
+    marker: Path | None = None  # written by the holding callback: the phase, then what it holds
+    phase: str = ""  # the phase the project's own signal handling is in there
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def hold_in(where: str, tmp_path: Path, request: pytest.FixtureRequest) -> Hold:
+    train = ["train", *SMALL, f"paths.log_dir={tmp_path / 'logs'}"]
+    if where in ("fit", "saving", "test", "eval"):
+        at = "train" if where in ("fit", "saving") else "test"
+        hold, marker = callback(tmp_path, "Pause", "pause", at=at)
+        if where == "eval":
+            checkpoint = request.getfixturevalue("trained_checkpoint")
+            return Hold(["eval", f"ckpt_path={checkpoint}", *hold], marker.exists, marker, "eval")
+        if where == "saving":  # HoldSave's marker is waited for after the first Ctrl-C
+            hold += callback(tmp_path, "HoldSave", "hold_save")[0]
+        return Hold([*train, *hold], marker.exists, marker, "test" if at == "test" else "fit")
+    if where == "export":
+        hold, marker = callback(tmp_path, "PauseInExport", "pause")
+        return Hold([*train, *hold], marker.exists, marker, "export")
+    assert where == "waiting for GPUs"
+    (tmp_path / "fake_cuda").mkdir()
+    (tmp_path / "fake_cuda" / "sitecustomize.py").write_text(FAKE_CUDA)
+    wait = ["trainer.accelerator=gpu", "select_gpus=least_used", "gpu_max_util=30"]
+    wait += ["gpu_wait_s=3600", f"gpu_lock_dir={tmp_path / 'locks'}"]
+    logs = (tmp_path / "stdout", tmp_path / "stderr")
+    return Hold(
+        [*train, *wait],
+        lambda: any("Waiting for 1 GPU(s)" in log.read_text() for log in logs),
+        env={
+            "PYTHONPATH": f"{tmp_path / 'fake_cuda'}{os.pathsep}{TESTS}",
+            "PROJECT_NVML_BACKEND": "project.machinery.testing.fake_nvml:create",
+            "PROJECT_FAKE_NVML": BUSY_GPUS,
+        },
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["fit", "test", "eval", "export", "waiting for GPUs", "saving"])
+def test_a_second_ctrl_c_through_the_cli_quits_at_once_in_every_phase(
+    tmp_path: Path, where: str, request: pytest.FixtureRequest
+) -> None:
+    # Issue #24.3. The run is held where the first Ctrl-C comes (a user callback waiting for a
+    # file, or the GPU wait itself); both Ctrl-Cs go to the whole process group, as a terminal's.
+    hold, out, err = hold_in(where, tmp_path, request), tmp_path / "stdout", tmp_path / "stderr"
+    task, *overrides = hold.command
+    with out.open("w") as stdout, err.open("w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", f"project.{task}", *overrides],
+            cwd=tmp_path,
+            env=clean_env(**{"PYTHONPATH": str(TESTS), **hold.env}),
+            stdout=stdout,
+            stderr=stderr,
+            text=True,
+            start_new_session=True,
+        )
+    try:
+        until(hold.held, process, f"the hold in {where}", err)
+        if hold.marker is not None:
+            assert hold.marker.read_text().split("\n")[0] == hold.phase
+        os.killpg(process.pid, signal.SIGINT)
+        until(lambda: FIRST_CTRL_C in err.read_text(), process, "the first Ctrl-C's line", err)
+        if where == "saving":  # let the stop go on to its save, and hold the save there
+            saving = tmp_path / "hold_save"
+            Path(f"{hold.marker}.release").touch()
+            until(saving.exists, process, "the save after the first Ctrl-C", err)
+            assert saving.read_text() == f"fit\nsaving after signal {int(signal.SIGINT)}"
+        started = descendants(process.pid)
+        os.killpg(process.pid, signal.SIGINT)
+        sent = time.monotonic()
+        process.wait(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    text = err.read_text()
+    assert process.returncode == 130, text[-3000:]
+    assert last_line(text) == QUIT_LINE, text[-3000:]
+    assert "Traceback" not in text
+    assert took < 15, f"{took:.1f} s"  # at once: the hold would have lasted 300 s
+    print(f"{where}: exit 130 {took:.2f} s after the second Ctrl-C")
+    assert not [pid for pid in started if alive(pid)]
+    deadline = time.time() + 30  # what the run started may take a moment to go
+    while in_group(process.pid) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not in_group(process.pid), "processes of the run are left behind"
+    for run in run_dirs(tmp_path / "logs"):  # quit without saving: nothing new is written
+        assert not (run / "checkpoints" / "interrupted.ckpt").exists()
+        assert not (run / "model.pth").exists() and not (run / "metrics.json").exists()
