@@ -1919,3 +1919,33 @@ def test_groups_dropped_together_are_named_together(caplog) -> None:
         "gpu_stats: cuda0 no longer reports pcie, ecc; left out"
     ]
     fake.nvmlShutdown()
+
+
+def test_batch_length_looks_into_dataclasses_and_says_once_when_a_batch_has_none(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from dataclasses import dataclass
+
+    @dataclass
+    class Points:
+        x: torch.Tensor
+        y: torch.Tensor
+
+    class Opaque:
+        pass
+
+    assert batch_length(Points(torch.zeros(5, 2), torch.zeros(5))) == 5
+    assert batch_length(Points) is None  # the class itself is no batch
+    timer = LoopTimer(clock=iter(range(100)).__next__)
+    with caplog.at_level(logging.INFO):
+        for _ in range(2):
+            timer.start_epoch()
+            timer.batch_start()
+            timer.batch_end(Opaque())
+    summary = timer.summary()
+    assert summary is not None and "samples" not in summary and summary["steps"] == 1
+    said = [r.getMessage() for r in caplog.records if "holds no tensor" in r.getMessage()]
+    assert said == [
+        "loop: a training batch of type Opaque holds no tensor to count samples in; "
+        "loop/samples_per_s is not logged (loop/data_wait_frac is)"
+    ]

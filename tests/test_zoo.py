@@ -60,12 +60,16 @@ def figures_of(run: Path) -> dict[str, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module", MODULES)
+@pytest.mark.parametrize(
+    ("module", "extra"),
+    [(m, []) for m in MODULES] + [("lazy", ["+trainer.accumulate_grad_batches=3"])],
+    ids=[*MODULES, "lazy-accumulating"],
+)
 def test_a_foreign_module_trains_tests_exports_and_evaluates_to_the_same_figures(
-    project: Path, cli: CliRunner, log_dir: Path, module: str
+    project: Path, cli: CliRunner, log_dir: Path, module: str, extra: list[str]
 ) -> None:
     # Issue #19.2-3: the export raised AttributeError on model.net, eval refused the run.
-    done = train(cli, log_dir, f"experiment=zoo_{module}", "trainer.max_epochs=2")
+    done = train(cli, log_dir, f"experiment=zoo_{module}", "trainer.max_epochs=2", *extra)
     assert done.returncode == 0, done.stderr[-3000:]
     (run,) = run_dirs(log_dir)
     reported = figures_of(run)

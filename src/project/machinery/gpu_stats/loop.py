@@ -15,21 +15,31 @@ waiting means the input pipeline, not the GPU, sets the pace.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+log = logging.getLogger(__name__)
+
 
 def batch_length(batch: Any) -> int | None:
-    """The number of samples in ``batch``: the first dimension of the first tensor in it."""
+    """The number of samples in ``batch``: the first dimension of the first tensor in it.
+
+    Tensors, mappings, lists, tuples and dataclasses are looked into, as Lightning's own
+    ``batch_to_device`` does; anything else (a custom object) has no known length: ``None``.
+    """
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.ndim else None
     if isinstance(batch, Mapping):
         items: Any = batch.values()
     elif isinstance(batch, (list, tuple)):
         items = batch
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        items = (getattr(batch, f.name) for f in dataclasses.fields(batch))
     else:
         return None
     for item in items:
@@ -44,6 +54,7 @@ class LoopTimer:
 
     def __init__(self, clock: Any = time.perf_counter) -> None:
         self.clock = clock
+        self._said_uncountable = False
         self.start_epoch()
 
     def start_epoch(self) -> None:
@@ -67,6 +78,13 @@ class LoopTimer:
         self.steps += 1
         if self.samples is not None:
             size = batch_length(batch)
+            if size is None and not self._said_uncountable:
+                self._said_uncountable = True
+                log.info(
+                    "loop: a training batch of type %s holds no tensor to count samples in; "
+                    "loop/samples_per_s is not logged (loop/data_wait_frac is)",
+                    type(batch).__name__,
+                )
             self.samples = None if size is None else self.samples + size
 
     def pause(self) -> None:
