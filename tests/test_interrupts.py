@@ -104,3 +104,29 @@ def test_resume_command_keeps_overrides_and_replaces_ckpt_path(
     assert command.endswith(
         "trainer.max_epochs=3 'a=b c' ckpt_path=/runs/x/checkpoints/interrupted.ckpt"
     )
+
+
+LATE_SIGNAL = """
+import os, signal, time
+from project.machinery.safety import signals
+with signals.stop_on_signal(until_exit=True):
+    pass  # the run is done; what follows is the process shutting down
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(30)
+print("not reached")
+"""
+
+
+def test_a_ctrl_c_while_a_finished_run_shuts_down_is_one_line_and_130() -> None:
+    # Issue #25.5: a Ctrl-C after "Run directory:" ended the process by the signal, silently.
+    done = subprocess.run(
+        [sys.executable, "-c", LATE_SIGNAL],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+    )
+    assert done.returncode == 130, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: SIGINT received after the run had finished (its files are complete); exit code 130"
+    )

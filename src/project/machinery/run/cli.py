@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from project.errors import ProjectError
-from project.machinery import quoting
+from project.machinery import compat, quoting
 
 PACKAGE_DIR = Path(__file__).resolve().parents[2]  # src/project (or site-packages/project)
 
@@ -72,7 +72,8 @@ def hydra_entry(task: Callable[[Any], Any], config_name: str) -> Callable[[], No
 
         _quiet_reported_failures()
         try:
-            with stop_on_signal():  # Ctrl-C, SIGTERM: recorded, acted on at a safe point, 128+N
+            # Ctrl-C, SIGTERM: recorded, acted on at a safe point, 128+N; after the run too
+            with stop_on_signal(until_exit=True):
                 jobs = _sweep_to_show(sys.argv[1:])
                 if jobs is None:
                     app(_reporting(task))()
@@ -169,7 +170,7 @@ def _quiet_reported_failures() -> None:
         return  # another Hydra, or done already
 
     def return_value(self: Any) -> Any:
-        failure = getattr(self, "_return_value", None)  # where Hydra keeps the job's exception
+        failure = compat.job_failure(self)  # the job's exception, without Hydra's report
         if self.status == JobStatus.FAILED and isinstance(failure, ReportedJobError):
             raise failure
         return hydras.fget(self)
@@ -184,11 +185,10 @@ def _sweep_to_show(argv: list[str]) -> list[tuple[list[str], list[str]]] | None:
 
     Only the command line's sweeps are expanded (a sweeper's own search space is not).
     """
-    from hydra._internal.utils import get_args_parser  # Hydra's own argument parser
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
-        args = get_args_parser().parse_args(argv)
+        args = compat.hydra_args_parser().parse_args(argv)  # Hydra's own argument parser
     except SystemExit:  # a bad flag: Hydra's own run says so
         return None
     if not (args.multirun and args.cfg):

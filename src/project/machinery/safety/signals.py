@@ -78,10 +78,13 @@ def stop_signals() -> tuple[signal.Signals, ...]:
 
 
 @contextmanager
-def stop_on_signal() -> Iterator[StopRequest]:
+def stop_on_signal(until_exit: bool = False) -> Iterator[StopRequest]:
     """Record stop signals for the length of the block; a stop not acted on ends it in 128 + N.
 
-    Outside the main thread (where handlers cannot be set) the block runs unchanged.
+    ``until_exit`` (the CLI, whose process ends after the block): a signal after the block,
+    while the interpreter shuts down, still ends in one line and ``128 + N`` rather than in a
+    bare death by the signal. Outside the main thread (where handlers cannot be set) the block
+    runs unchanged.
     """
     global request
     if threading.current_thread() is not threading.main_thread() or request.active:
@@ -98,10 +101,19 @@ def stop_on_signal() -> Iterator[StopRequest]:
         request.active = False
         watcher.close()
         for signum, handler in previous.items():
+            if until_exit:
+                handler = _after_the_run
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
     if request.received is not None and not _started_by_rank0():
         # The work finished but a signal came: say so in the exit code.
         exit_stopped(request.received)
+
+
+def _after_the_run(signum: int, frame: FrameType | None) -> None:
+    """A stop signal while the finished process shuts down: its files are all written."""
+    if request.quiet:
+        os._exit(128 + signum)
+    quit_now(signum, "received after the run had finished (its files are complete)")
 
 
 def _record(signum: int, frame: FrameType | None) -> None:
