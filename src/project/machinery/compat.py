@@ -1,9 +1,9 @@
-"""Every private Lightning, torch and OmegaConf API the template relies on, in one list.
+"""Every private Lightning, torch, OmegaConf and Hydra API the template relies on, in one list.
 
 Each entry names the private attribute, who uses it and why no public API does the job, and has a
 probe: ``tests/test_compat.py`` runs every probe, so a release that moves one fails with a line
-naming the access (``check_all`` gives the same lines at run time). The two simplest accesses
-live here as functions; the others are overrides of private methods in subclasses or reads of a
+naming the access (``check_all`` gives the same lines at run time). The simplest accesses live
+here as functions; the others are overrides of private methods in subclasses or reads of a
 private attribute inside one class, which the table points at.
 
 Import-light on purpose (no torch or Lightning at import): the probes import what they check.
@@ -94,6 +94,21 @@ def _omegaconf_get_node() -> bool:
 
     node = OmegaConf.create({"a": "${b}", "b": 1})
     return node._get_node("a")._value() == "${b}"
+
+
+def _hydra_args_parser() -> bool:
+    args = hydra_args_parser().parse_args(["-m", "--cfg", "job", "a=1"])
+    return args.multirun is True and args.cfg == "job" and args.overrides == ["a=1"]
+
+
+def _job_return_value() -> bool:
+    from hydra.core.utils import JobReturn, JobStatus
+
+    hydras = JobReturn.__dict__.get("return_value")
+    failure = ValueError("a job's failure")
+    job = JobReturn(status=JobStatus.FAILED)
+    job.return_value = failure
+    return isinstance(hydras, property) and hydras.fset is not None and job_failure(job) is failure
 
 
 PRIVATE_APIS: tuple[PrivateApi, ...] = (
@@ -210,6 +225,21 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
             ).__init__.__code__.co_names
         ),
     ),
+    PrivateApi(
+        "hydra._internal.utils",
+        "get_args_parser",
+        "machinery.compat.hydra_args_parser (machinery.run.cli, -m with --cfg)",
+        "Hydra's own command-line parser, to tell flags from overrides exactly as Hydra will",
+        _hydra_args_parser,
+    ),
+    PrivateApi(
+        "hydra.core.utils:JobReturn",
+        "_return_value",
+        "machinery.compat.job_failure (machinery.run.cli, a sweep's reported job)",
+        "a failed job's exception, read without Hydra's 'Error executing job' report, which "
+        "the public return_value writes first",
+        _job_return_value,
+    ),
 )
 
 
@@ -250,3 +280,16 @@ def default_store() -> Any:
     import torch.distributed.distributed_c10d as c10d
 
     return c10d._get_default_store()
+
+
+def hydra_args_parser() -> Any:
+    """Hydra's own ``argparse`` parser of a command line (private: see PRIVATE_APIS)."""
+    from hydra._internal.utils import get_args_parser
+
+    return get_args_parser()
+
+
+def job_failure(job: Any) -> Any:
+    """What a Hydra ``JobReturn`` holds (a failed job's exception) without the report Hydra's
+    ``return_value`` writes (private: see PRIVATE_APIS)."""
+    return getattr(job, "_return_value", None)
