@@ -3,8 +3,8 @@
 Each printed override or command goes through the two parsers a paste meets: a real ``bash``
 (``printf '%s\\0'`` shows the words it makes) and Hydra's override grammar (its own parser, or the
 real CLI). The hostile values hold a space, é, quotes, ``$HOME``, ``=``, a comma and brackets.
-Also here: the one-line endings of sweeps (a bad job; ``-m`` with ``--cfg``) and the hint for
-``trainer.precision``, followed.
+Also here: the one-line endings of sweeps (a bad job; ``-m`` with ``--cfg``), the hints for
+``trainer.precision`` (the CLI's and the run's), followed, and the ``trusted_targets=[...]`` hint.
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from conftest import FAST, CliRunner, clean_env, run_dirs
-from project.machinery import quoting
+from project.errors import ProjectError
+from project.machinery import quoting, speed
 from project.machinery.safety.interrupts import resume_command
+from project.machinery.safety.trusted import check_trusted
 
 TESTS = Path(__file__).resolve().parent
 HOSTILE = [
@@ -99,6 +101,59 @@ def test_override_survives_random_strings() -> None:
         value = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 14)))
         (word,) = shlex.split(quoting.override("k", value))  # POSIX shell rules
         assert config_value(word) == value, (value, quoting.override("k", value))
+
+
+def test_override_of_a_list_survives_bash_and_hydra_for_hostile_values() -> None:
+    values = [*HOSTILE, 16, -1, 0.5, True, None, ["a b", 2]]
+    (word,) = bash_words(quoting.override("trusted_targets", values))
+    got = OmegaConf.to_container(config_value(word), resolve=True)  # type: ignore[arg-type]
+    assert got == values, word
+    assert [type(v) for v in got] == [type(v) for v in values]  # type: ignore[union-attr]
+    assert bash_words(quoting.override("k", ())) == ["k=[]"]
+    assert config_value("k=[]") == []
+
+
+def test_plain_values_stay_as_a_user_types_them() -> None:
+    # Digits, a dash, a word: a string to Hydra (no number has a dash there), left unquoted.
+    for value in ("16-mixed", "32-true", "bf16-mixed", "/data/run-1.ckpt", "torch.nn."):
+        assert quoting.override("k", value) == f"k={value}"
+        assert config_value(f"k={value}") == value
+    assert quoting.override("k", "16") == "'k=\"16\"'"  # a number: quoted to stay a string
+    assert quoting.override("k", "1e-5") == "'k=\"1e-5\"'"
+
+
+@pytest.mark.parametrize("value", ["16-mixed", "it's $HOME=a,b [x] é", 16, "null", "1e-5"])
+def test_trainer_precision_line_of_a_built_run_pastes_back_the_value(value: object) -> None:
+    # +trainer.precision=... passes the CLI's key check; the run itself refuses it in one line.
+    cfg = OmegaConf.create({"trainer": {"precision": value}})
+    with pytest.raises(ProjectError) as refused:
+        speed.trainer_settings(cfg, None)
+    hint = str(refused.value).rsplit("top-level key: ", 1)[1]
+    (word,) = bash_words(hint)
+    assert word.partition("=")[0] == "precision"
+    got = config_value(word)
+    assert got == value and type(got) is type(value), (hint, got)
+    if value == "16-mixed":
+        assert hint == "precision=16-mixed"
+
+
+def test_trusted_targets_hint_pastes_back_the_list_that_lets_the_file_in() -> None:
+    tree = {"model": {"_target_": "collections.OrderedDict"}}
+    allowed = ["torch.nn.", "my pkg.", "it's $HOME=a,b [x] é.", "null", "${oc.env:HOME}."]
+    with pytest.raises(ProjectError) as refused:
+        check_trusted(tree, allowed, "given.ckpt")
+    message = str(refused.value)
+    hint = message.split(" allow it with ", 1)[1].split(" (python -m project.eval)", 1)[0]
+    (word,) = bash_words(hint)
+    assert word.startswith("trusted_targets=[")
+    widened = OmegaConf.to_container(config_value(word), resolve=True)
+    assert widened == [*allowed, "collections."]
+    check_trusted(tree, widened, "given.ckpt")  # pasted, the list lets the file in
+    # The everyday case reads as before: one shell word, quoted for its brackets.
+    with pytest.raises(
+        ProjectError, match=r"with 'trusted_targets=\[torch\.nn\.,collections\.\]' "
+    ):
+        check_trusted(tree, ["torch.nn."], "given.ckpt")
 
 
 def test_resume_command_pastes_back_the_overrides_and_the_checkpoint(
@@ -193,6 +248,24 @@ def test_trainer_precision_hint_leads_to_a_run_that_works(cli: CliRunner, tmp_pa
     done = cli("train", *TINY, *bash_words(hint))
     assert done.returncode == 0, done.stderr[-2000:]
     (run,) = run_dirs(tmp_path / "logs")
+    assert OmegaConf.load(run / "config.yaml").precision == "16-mixed"
+
+
+@pytest.mark.slow
+def test_added_trainer_precision_is_refused_by_the_run_with_a_hint_that_works(
+    cli: CliRunner, tmp_path: Path
+) -> None:
+    # +trainer.precision=... gets past the key check; the run refuses it before building anything.
+    failed = cli("train", *TINY, "+trainer.precision=16-mixed")
+    assert failed.returncode == 2, failed.stderr[-2000:]
+    assert "Traceback" not in failed.stderr
+    (line,) = error_lines(failed.stderr)
+    assert line.strip() == failed.stderr.strip().splitlines()[-1].strip()
+    hint = line.rsplit("top-level key: ", 1)[1]
+    assert bash_words(hint) == ["precision=16-mixed"]
+    done = cli("train", *TINY, *bash_words(hint))
+    assert done.returncode == 0, done.stderr[-2000:]
+    run = run_dirs(tmp_path / "logs")[-1]
     assert OmegaConf.load(run / "config.yaml").precision == "16-mixed"
 
 

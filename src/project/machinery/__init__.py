@@ -13,8 +13,9 @@ safety/        crash-safe checkpoint I/O and loading, exact resume, interrupts, 
 run/           the Hydra entry, preflight checks, builders, run files, sweep/DDP launch
 speed.py       the GPU speed switches (TF32, precision=auto, compile, channels-last)
 plots.py       ``curves.png`` and ``python -m project.plot``
+quoting.py     what the program prints for the user to paste, quoted for the shell and Hydra
 strategies/    ``trainer.strategy=dp``
 testing/       the fake NVML used by tests, benchmarks and CPU demos
-compat.py      every access to a private Lightning/torch/OmegaConf API, each with a test
+compat.py      every access to a private Lightning/torch/OmegaConf/Hydra API, each with a test
 =============  ==================================================================================
 """

@@ -11,16 +11,22 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 # Strings Hydra reads unquoted as exactly themselves: a letter, ``_`` or ``/`` first, then only
-# ASCII word characters, dots, slashes and dashes (no word Hydra would read as another type).
-_PLAIN = re.compile(r"[A-Za-z_/][\w./-]*", re.ASCII)
+# ASCII word characters, dots, slashes and dashes (no word Hydra would read as another type); or
+# digits, a dash and such a word (``16-mixed``: no number has a dash after its first digits).
+_PLAIN = re.compile(r"(?:[0-9]+-)?[A-Za-z_/][\w./-]*", re.ASCII)
 _NOT_STRINGS = {"null", "true", "false", "nan", "inf"}
 
 
-def override(key: str, value: str | int | float | bool | None) -> str:
-    """``key=value`` as one shell word from which Hydra gives the config exactly ``value``."""
+Value = str | int | float | bool | None | Sequence["Value"]
+"""What a printed override can hold: a scalar, or a list (``[a,b]``) of values."""
+
+
+def override(key: str, value: Value) -> str:
+    """``key=value`` as one shell word from which Hydra gives the config exactly ``value`` (a
+    sequence becomes a list)."""
     return shlex.quote(f"{key}={hydra_value(value)}")
 
 
@@ -30,13 +36,16 @@ def command(words: Iterable[str]) -> str:
     return " ".join(shlex.quote(word) for word in words)
 
 
-def hydra_value(value: str | int | float | bool | None) -> str:
+def hydra_value(value: Value) -> str:
     """``value`` as Hydra's override grammar writes it (before any shell quoting).
 
     A string that is not plain goes in double quotes: inside them Hydra wants ``\\"`` for a quote
     and doubled backslashes before a quote or the closing quote; ``${`` becomes ``\\${`` (with
-    the backslashes before it doubled) so that OmegaConf keeps it as text.
+    the backslashes before it doubled) so that OmegaConf keeps it as text. A sequence (list,
+    tuple, OmegaConf's ListConfig) is ``[a,b]`` with each element written so.
     """
+    if isinstance(value, Sequence) and not isinstance(value, str):  # a list, a tuple, a ListConfig
+        return "[" + ",".join(hydra_value(item) for item in value) + "]"
     if value is None:
         return "null"
     if isinstance(value, bool):

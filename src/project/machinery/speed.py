@@ -39,6 +39,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
 from project.errors import ProjectError
+from project.machinery import quoting
 
 log = logging.getLogger(__name__)
 
@@ -223,9 +224,10 @@ def trainer_settings(cfg: Any, plan: Any) -> dict[str, Any]:
     devices); ``precision`` is the top-level key resolved for those devices. Logs one line.
     """
     if cfg.trainer.get("precision") is not None:
+        hint = quoting.override("precision", cfg.trainer.precision)  # pasteable as it is
         raise ProjectError(
-            f"trainer.precision={cfg.trainer.precision} is not read; the run's precision is the "
-            f"top-level key: precision={cfg.trainer.precision} (auto: bf16-mixed on a bf16 GPU)"
+            f"trainer.precision={cfg.trainer.precision} is not read; the run's precision (auto: "
+            f"bf16-mixed on a bf16 GPU) is the top-level key: {hint}"
         )
     cuda = cuda_indices(plan.accelerator, plan.devices)
     matmul = apply_matmul_precision(cfg.get("matmul_precision", "high"), cuda)

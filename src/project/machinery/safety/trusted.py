@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import Any
 
 from project.errors import ProjectError
+from project.machinery import quoting
 
 # The defaults of ``trusted_targets`` (eval.yaml) and of ``load_network(allowed=...)``: what a
 # network and a data module are built from, and nothing that writes files or loads code.
@@ -126,10 +127,10 @@ def _refuse(
 ) -> None:
     really = f" (which is {real})" if real and real != target else ""
     prefix = (real or target).rpartition(".")[0] + "."
-    widened = ",".join((*allowed, prefix))
+    widened = quoting.override("trusted_targets", [*allowed, prefix])  # pasteable as it is
     raise ProjectError(
         f"{str(source)!r} asks to instantiate {where}={target!r}{really}, which is not under the "
         f"trusted targets [{', '.join(allowed)}]; only if you trust this file, allow it with "
-        f"'trusted_targets=[{widened}]' (python -m project.eval) or "
+        f"{widened} (python -m project.eval) or "
         f"load_network(..., allowed=[..., {prefix!r}])"
     )
