@@ -380,3 +380,81 @@ def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
         "python -m project.train debug=fdr",
     } | {c for c in CHECKS if "project.plot " in c and CHECKS[c].how == RUN}
     assert ran == {c for c, k in CHECKS.items() if k.how == RUN}, "a RUN command was not run"
+
+
+# ------------------------------------------------------------------------------------------------
+# Claims in README's prose and tables
+
+
+def _reliability_row(test_id: str) -> str:
+    (row,) = [line for line in README.read_text().splitlines() if line.startswith(f"| `{test_id}`")]
+    return row
+
+
+def test_readme_tells_the_flow_in_its_own_words() -> None:
+    """No reference to an article the reader cannot see; the flow is spelled out, in order."""
+    text = README.read_text()
+    assert "article" not in text.lower()
+    flow = text.split("**The flow.**", 1)[1].split("\n\n", 1)[0]
+    steps = ["check the GPUs", "train on the CPU", "choose which", "build the data and the model",
+             "; train;", "evaluate the best", "save the tested network as `model.pth`",
+             "restores onto any device"]  # fmt: skip
+    positions = [flow.find(step) for step in steps]
+    assert -1 not in positions and positions == sorted(positions), list(
+        zip(steps, positions, strict=True)
+    )
+
+
+def test_the_ddp_row_claims_what_its_test_asserts() -> None:
+    row = _reliability_row("test_ddp_metrics_count_every_sample_once")
+    assert "the accuracy equals one process's to the last bit" in row
+    assert "the loss agrees to float32 rounding, within a relative 1e-6, not to the bit" in row
+    source = (ROOT / "tests" / "test_data.py").read_text()
+    body = source.split("def test_ddp_metrics_count_every_sample_once", 1)[1]
+    assert 'assert validated["val/acc"] == logged["val/acc"]' in body  # exact: to the bit
+    assert 'assert tested["test/acc"] == logged["test/acc"]' in body
+    for key in ('validated["val/loss"]', 'tested["test/loss"]'):
+        assert f"assert {key} == pytest.approx(" in body and "rel=1e-6, abs=0)" in body
+
+
+def test_the_makefile_claim_matches_the_makefile() -> None:
+    text = " ".join(README.read_text().split())
+    assert (
+        "They run `.venv/bin/python` when there is a `.venv`, else the `python3` on `PATH`" in text
+    )
+    (line,) = [x for x in (ROOT / "Makefile").read_text().splitlines() if x.startswith("PY ?=")]
+    assert "$(wildcard .venv/bin/python),.venv/bin/python," in line and "python3" in line
+
+
+def test_the_fast_test_figure_is_a_measurement_with_its_date() -> None:
+    text = README.read_text()
+    assert "(seconds)" not in text
+    (line,) = [x for x in text.splitlines() if x.startswith('python -m pytest -m "not slow"')]
+    assert re.search(r"# the fast tests only \(\d+ s on 2 cores, \d{4}-\d{2}-\d{2}\)$", line), line
+
+
+@pytest.mark.slow
+def test_the_crafted_checkpoint_row_is_the_line_eval_prints(tmp_path: Path) -> None:
+    from test_untrusted_files import crafted_checkpoint
+
+    import prewarmed
+
+    victim = tmp_path / "keep me.txt"
+    victim.write_text("precious")
+    net = {"_target_": "pathlib.Path.unlink", "_args_": [str(victim)]}
+    path = crafted_checkpoint(tmp_path / "given.ckpt", {"model": {"net": net}, "data": {}})
+    done = prewarmed.run(
+        [sys.executable, "-m", "project.eval", f"ckpt_path={path}", f"paths.log_dir={tmp_path}"],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    row = _reliability_row("test_eval_of_a_crafted_checkpoint_deletes_nothing")
+    shown = re.search(r"\| `(error: .*?)` \(exit 2\) \|", row)
+    assert shown, row
+    printed = done.stderr.strip().splitlines()[-1]
+    assert printed == shown.group(1).replace("…/", f"{tmp_path}/")
+    assert victim.read_text() == "precious"
