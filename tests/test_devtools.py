@@ -15,10 +15,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PLOT_OUTPUTS = ("curves.png", "compare.png", "ab.svg", "runs.pdf")
+# What an outer make (`make test-fast ARGS=...`) exports to the tests; none may reach the make here.
+MAKE_ENV = ("PY", "ARGS", "RUN", "NAME", "MODULE", "TESTS", "MAKEFLAGS", "MFLAGS", "MAKELEVEL",
+            "MAKEOVERRIDES", "VIRTUAL_ENV")  # fmt: skip
 
 
 def make(cwd: Path, *args: str, path: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PY", "MAKEFLAGS", "VIRTUAL_ENV")}
+    env = {k: v for k, v in os.environ.items() if k not in MAKE_ENV}
     if path is not None:
         env["PATH"] = path
     return subprocess.run(

@@ -5,8 +5,8 @@
     python -m project.plot RUN_A RUN_B --out ab.png # several runs side by side
 
 Every training run draws its own ``curves.png`` at the end (rank 0, :func:`after_run`), so the
-first look at a run is one image, not a CSV. The figures come from ``csv/metrics.csv`` (the CSV
-logger, on by default), one point per epoch:
+first look at a run is one image, not a CSV. The figures come from ``csv/metrics.csv`` (the run's
+own CSV log, written whichever loggers ``logger=`` adds), one point per epoch:
 
 * one panel per metric logged for ``train/`` and ``val/`` (``loss``, ``acc``, ...), train and
   validation on the same axes, so over- and under-fitting show at a glance;
