@@ -9,6 +9,7 @@ training a model. NVML is the fake, on a clock driven by hand; the real ``Traine
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from types import SimpleNamespace
@@ -1949,3 +1950,17 @@ def test_batch_length_looks_into_dataclasses_and_says_once_when_a_batch_has_none
         "loop: a training batch of type Opaque holds no tensor to count samples in; "
         "loop/samples_per_s is not logged (loop/data_wait_frac is)"
     ]
+
+
+def test_with_a_monitor_on_another_rank_every_rank_gets_every_payload(store) -> None:
+    mine, theirs = {"node": 0, "r": 1}, {"node": 0, "r": 0}
+    store.set("project/training epoch end/1/0", json.dumps(theirs))  # rank 0 posted already
+    rank1 = RankExchange("training epoch end", timeout_s=5)
+    gathered = rank1.gather(SimpleNamespace(world_size=2, global_rank=1), mine, every_rank=True)
+    assert gathered == [theirs, mine]  # in rank order, rank 1 included
+    assert store.check(["project/training epoch end/1/1"])  # posted for rank 0 to read
+    assert store.check(["project/training epoch end/1/0"])  # the owner removes its own, later
+    for _ in range(2):
+        store.set(f"project/training epoch end/{rank1._round + 1}/0", "{}")
+        rank1.gather(SimpleNamespace(world_size=2, global_rank=1), mine, every_rank=True)
+    assert not store.check(["project/training epoch end/1/1"])  # two rounds on: removed

@@ -27,8 +27,9 @@ Logging, in one call per epoch: rank 0 hands the epoch's figures to each logger 
 (``logger.log_metrics``), not through ``self.log`` (which costs a result-collection entry, and
 under DDP an all-reduce, per key). Keys a monitor names (``EarlyStopping``, ``ModelCheckpoint``,
 a scheduler's ``monitor``) are also put in ``trainer.callback_metrics`` on every rank, so those
-callbacks work as with ``self.log`` (on rank 0 with every rank's figures, on the other ranks with
-their own); list them after this callback, which fills the keys in its ``on_train_epoch_end``.
+callbacks work on every rank as with ``self.log`` (then every rank, not only rank 0, waits for
+the others' figures at the epoch ends); list them after this callback, which fills the keys in
+its ``on_train_epoch_end``.
 
 Logged keys (training epoch; validation uses ``gpu_val/`` instead of ``gpu/``)::
 
@@ -326,7 +327,8 @@ class GpuStatsMonitor(pl.Callback):
             self._close()
             local = {"status": f"failed to start ({type(err).__name__}: {err})", "gpus": []}
         local.update(node=trainer.node_rank, rank=trainer.global_rank)
-        everyone = self._exchanges["setup"].gather(trainer, local)  # before anyone may raise
+        # before anyone may raise
+        everyone = self._exchanges["setup"].gather(trainer, local, self._watched(trainer))
         errors = [p["config_error"] for p in everyone if p.get("config_error")]
         if errors:
             self._close()
@@ -491,7 +493,7 @@ class GpuStatsMonitor(pl.Callback):
         if peaks is not None:
             self._guarded("peak reset", lambda: peaks.restart())
         # Every rank, every validation: the run's energy is current when a checkpoint is saved.
-        everyone = self._exchanges["validation end"].gather(trainer, local)
+        everyone = self._exchanges["validation end"].gather(trainer, local, self._watched(trainer))
         self._add_energy(everyone)
         self._epoch_samples = count_samples([p.get("loop") for p in everyone])
         if self.report_validation and self._active:
@@ -507,7 +509,9 @@ class GpuStatsMonitor(pl.Callback):
         if self._sampler is not None:
             self._guarded("epoch end", lambda: self._sampler.set_phase(None, sample=False))
         local["loop"] = self._loop.summary()
-        everyone = self._exchanges["training epoch end"].gather(trainer, local)
+        everyone = self._exchanges["training epoch end"].gather(
+            trainer, local, self._watched(trainer)
+        )
         flat = flatten_epoch(
             everyone, self.key_prefix, self.log_sampler_cost, self.per_gpu_keys_up_to
         )
@@ -550,6 +554,12 @@ class GpuStatsMonitor(pl.Callback):
         payload["boards"] = {r.label: r.board_uuid for r in sampler.readers}
         payload["energy_total_j"] = sampler.energy_totals_j()
         return payload
+
+    def _watched(self, trainer: pl.Trainer) -> bool:
+        """Whether a monitor watches one of this callback's keys: then every rank needs the
+        run's figures, not only rank 0 (each rank waits for the others at the epoch ends)."""
+        ours = (f"{self.key_prefix}/", f"{self.key_prefix}_val/", "loop/")
+        return any(key.startswith(ours) for key in monitored_keys(trainer))
 
     def _publish(self, trainer: pl.Trainer, metrics: dict[str, float]) -> None:
         """Hand the figures to every logger in one call (rank 0), and the monitored ones to

@@ -35,7 +35,8 @@ class RankExchange:
     """Every rank's payload for rank 0, in rank order, through the job's key-value store.
 
     Each hook that exchanges (``setup``, validation end, training epoch end) has its own
-    exchange; every rank calls it at the same hooks, so the rounds match by count.
+    exchange; every rank calls it at the same hooks, so the rounds match by count. Rank 0 removes
+    what it read; with ``every_rank``, each rank removes its own payload two rounds later.
 
     Args:
         name: what the keys start with, and the hook named in the warning.
@@ -48,34 +49,46 @@ class RankExchange:
         self._round = 0
         self._late: list[str] = []
 
-    def gather(self, trainer: Any, payload: dict[str, Any]) -> list[dict[str, Any]]:
+    def gather(
+        self, trainer: Any, payload: dict[str, Any], every_rank: bool = False
+    ) -> list[dict[str, Any]]:
         """Rank 0: its own payload and every other rank's that arrived in time, in rank order.
 
-        Any other rank, and a run of one process: ``[payload]``.
+        Any other rank, and a run of one process: ``[payload]``; with ``every_rank`` (a monitor
+        on another rank needs the run's figures) every rank waits for the others as rank 0 does.
+        Every rank posts before it waits, so a wait ends as soon as the others reach the hook.
         """
-        world = int(trainer.world_size)
+        world, rank = int(trainer.world_size), int(trainer.global_rank)
         if world < 2 or not dist.is_available() or not dist.is_initialized():
             return [payload]
         store = compat.default_store()
         self._round += 1
         prefix = f"project/{self.name}/{self._round}/"
-        if trainer.global_rank != 0:
-            store.set(prefix + str(trainer.global_rank), json.dumps(payload))
-            return [payload]
-        self._forget_late(store)
-        keys = [prefix + str(rank) for rank in range(1, world)]
+        if rank != 0:
+            store.set(prefix + str(rank), json.dumps(payload))
+            if not every_rank:
+                return [payload]
+            with contextlib.suppress(Exception):  # two rounds on, every reader has read it
+                store.delete_key(f"project/{self.name}/{self._round - 2}/{rank}")
+        elif every_rank:
+            store.set(prefix + "0", json.dumps(payload))
+        else:
+            self._forget_late(store)
+        others = [r for r in range(world) if r != rank]
+        keys = [prefix + str(r) for r in others]
         deadline = time.monotonic() + self.timeout_s
         while not store.check(keys) and time.monotonic() < deadline:
             # a slice that runs out raises (DistStoreError / RuntimeError): look again
             with contextlib.suppress(Exception):
                 store.wait(keys, timedelta(seconds=POLL_S))
-        gathered, late = [payload], []
-        for rank, key in enumerate(keys, start=1):
+        gathered, late = {rank: payload}, []
+        for other, key in zip(others, keys, strict=True):
             if store.check([key]):
-                gathered.append(json.loads(store.get(key)))
-                store.delete_key(key)
+                gathered[other] = json.loads(store.get(key))
+                if not every_rank:
+                    store.delete_key(key)
             else:
-                late.append(rank)
+                late.append(other)
                 self._late.append(key)
         if late:
             log.warning(
@@ -85,7 +98,7 @@ class RankExchange:
                 self.name,
                 self.timeout_s,
             )
-        return gathered
+        return [gathered[r] for r in sorted(gathered)]
 
     def _forget_late(self, store: Any) -> None:
         """Drop the keys late ranks posted after rank 0 had gone on, so the store stays small."""
