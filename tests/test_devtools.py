@@ -118,7 +118,9 @@ def test_rename_is_not_blocked_by_plot_outputs_or_runs(tmp_path: Path) -> None:
     for name, data in outputs.items():
         (repo / name).parent.mkdir(parents=True, exist_ok=True)
         (repo / name).write_bytes(data)
-    new = "mypkg" if rename.current_name(repo) != "mypkg" else "mypkg2"
+    new = (
+        "zz" + "renamed"
+    )  # spelled apart: this file is in the clone, and rename refuses a name in use
     assert rename.main([new], root=repo) == 0
     assert (repo / "src" / new).is_dir()
     assert {name: (repo / name).read_bytes() for name in outputs} == outputs
