@@ -283,29 +283,14 @@ def earlier_run(trained_run: Path, log_dir: Path) -> Path:
     return run
 
 
-_READ_AFTER_START = (
-    "safety/resume.py copies the earlier csv/metrics.csv in on_train_start, after the new run "
-    "directory exists, without checking it"
-)
-RESUME_KNOWN_FAILURES = {
-    "empty": _READ_AFTER_START + ": an empty file is taken as no rows; the run goes on",
-    "truncated": _READ_AFTER_START + ": the cut-short last row is copied as it is; exit 0",
-    "binary": _READ_AFTER_START + ": UnicodeDecodeError traceback, exit 1",
-    "png": _READ_AFTER_START + ": UnicodeDecodeError traceback, exit 1",
-    "directory": _READ_AFTER_START + ": a directory is taken as no CSV log; exit 0",
-}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["empty", "truncated", "binary", "png", "directory"])
 def test_resuming_from_a_run_whose_csv_log_is_damaged(
-    cli: CliRunner, log_dir: Path, earlier_run: Path, kind: str, request: pytest.FixtureRequest
+    cli: CliRunner, log_dir: Path, earlier_run: Path, kind: str
 ) -> None:
     """Resume reads the earlier run's CSV log to carry its rows on: damage there is one line
-    naming the file, before the new run starts. Known to fail today (RESUME_KNOWN_FAILURES):
-    strict xfail, so the test turns red the moment resume.py is fixed and the marker must go."""
-    if kind in RESUME_KNOWN_FAILURES:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=RESUME_KNOWN_FAILURES[kind]))
+    naming the file, before the new run starts (it was a UnicodeDecodeError traceback, or a
+    silent copy of a cut-short row)."""
     damage(earlier_run / plots.METRICS_CSV, kind)
     before = snapshot(earlier_run)
     result = cli("train", *FAST, "trainer.max_epochs=3", f"ckpt_path={earlier_run}")

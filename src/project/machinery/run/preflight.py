@@ -372,6 +372,22 @@ def check_inputs(cfg: DictConfig) -> None:
             "training cannot resume from it; pass a Lightning checkpoint (a .ckpt file or a run "
             "directory), or evaluate it with python -m project.eval"
         )
+    if trains and cfg.get("train"):
+        _check_earlier_log(path)
+
+
+def _check_earlier_log(checkpoint: Path) -> None:
+    """The earlier run's CSV log, which a resumed run carries on, read once now: damage there
+    is one line naming the file, before the new run directory is made."""
+    from project.machinery import plots
+    from project.machinery.safety.resume import run_dir_of
+
+    log = run_dir_of(checkpoint) / plots.METRICS_CSV
+    if log.exists() or log.is_symlink():
+        try:
+            plots.read_csv_log(log)
+        except plots.PlotError as err:
+            raise ProjectError(f"{err}; resume from a run whose log is intact") from err
 
 
 def _peek_checkpoint(path: Path, value: Any) -> dict[str, Any]:
