@@ -85,10 +85,6 @@ def hydra_entry(task: Callable[[Any], Any], config_name: str) -> Callable[[], No
             raise SystemExit(err.exit_code) from None
         except ProjectError as err:
             _fail(str(err), err.exit_code)
-        except ValueError as err:  # Hydra: --cfg with --info, say (argparse lets both through)
-            if not str(err).startswith("Only one of --run, --multirun"):
-                raise
-            _fail(str(err), 2)
         except (HydraException, OmegaConfBaseException) as err:
             _fail(one_line(err), 2)
         except yaml.YAMLError as err:  # a config file (the user's own experiment, say) is damaged
@@ -98,6 +94,12 @@ def hydra_entry(task: Callable[[Any], Any], config_name: str) -> Callable[[], No
             if problem is None:  # not a config file: a data file, say; a bug's traceback then
                 raise
             _fail(problem, 2)
+        # Hydra: --cfg with --info, say (argparse lets both through); after UnicodeDecodeError,
+        # which is a ValueError too
+        except ValueError as err:
+            if not str(err).startswith("Only one of --run, --multirun"):
+                raise
+            _fail(str(err), 2)
         except OSError as err:  # Hydra creating the run directory under a file, a full disk...
             if err.filename is None:
                 raise
