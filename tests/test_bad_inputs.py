@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 import torch
 
 import prewarmed
@@ -257,9 +258,15 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     other.mkdir()
     shutil.copy(run / "model.pth", other / "model.pth")
     config = (run / "config.yaml").read_text()
-    mlp = "  net:\n    _target_: project.models.nets.MLP\n    in_features: 64\n    hidden: [16]\n    num_classes: 10\n    dropout: 0.0\n"
-    head, _, _ = config.partition("  net:\n")
-    (other / "config.yaml").write_text(head + mlp)
+    crafted = OmegaConf.create(config)  # the same run, with an MLP for the ConvNet
+    crafted.model.net = {
+        "_target_": "project.models.nets.MLP",
+        "in_features": 64,
+        "hidden": [16],
+        "num_classes": 10,
+        "dropout": 0.0,
+    }
+    OmegaConf.save(crafted, other / "config.yaml")
     broken = bad / "broken_config"
     broken.mkdir()
     shutil.copy(run / "model.pth", broken / "model.pth")

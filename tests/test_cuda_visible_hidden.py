@@ -50,7 +50,7 @@ def no_nvml(value: str):
 def test_without_nvml_the_fallback_line_names_the_variable() -> None:
     plan = resolve_devices("auto", "auto", inventory=no_nvml("banana,,7"))
     assert plan.accelerator == "cpu"
-    assert plan.message == f"No usable GPU: {BANANA}; training runs on the CPU."
+    assert plan.message == f"No usable GPU: {BANANA}; this run uses the CPU."
 
 
 def test_without_nvml_the_gpu_error_names_the_variable_and_the_fix() -> None:
@@ -75,7 +75,7 @@ def test_the_variable_is_named_before_torch_reporting_no_cuda() -> None:
         assert hidden_by_variable(inv) == "CUDA_VISIBLE_DEVICES='GPU-nope' hides every GPU"
         plan = resolve_devices("auto", "auto", inventory=inv)
         assert plan.message == (
-            "No usable GPU: CUDA_VISIBLE_DEVICES='GPU-nope' hides every GPU; training runs on "
+            "No usable GPU: CUDA_VISIBLE_DEVICES='GPU-nope' hides every GPU; this run uses "
             "the CPU."
         )
         inv = collect_inventory(torch_info=TorchCuda(), env={})
@@ -89,7 +89,7 @@ def test_the_variable_is_named_before_torch_reporting_no_cuda() -> None:
 def test_auto_trains_on_the_cpu_and_logs_the_variable(cli: CliRunner, log_dir) -> None:
     result = cli("train", *FAST, "trainer.max_epochs=1", env={"CUDA_VISIBLE_DEVICES": "banana,,7"})
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"No usable GPU: {BANANA}; training runs on the CPU." in result.stdout.splitlines()
+    assert f"No usable GPU: {BANANA}; this run uses the CPU." in result.stdout.splitlines()
     (run,) = run_dirs(log_dir)
     assert BANANA in (run / "train.log").read_text()
     assert json.loads((run / "metrics.json").read_text())["accelerator"] == "CPUAccelerator"

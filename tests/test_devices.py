@@ -479,7 +479,7 @@ CPU_ONLY = build_inventory(None, TorchCuda(), env={}, nvml_reason="NVML is not a
 def test_auto_without_gpu_falls_back_to_cpu_with_one_message():
     plan = resolve_devices("auto", "auto", inventory=CPU_ONLY)
     assert plan.trainer_kwargs() == {"accelerator": "cpu", "devices": "auto"}
-    assert plan.message == "No usable GPU: NVML is not available (x); training runs on the CPU."
+    assert plan.message == "No usable GPU: NVML is not available (x); this run uses the CPU."
 
 
 def test_auto_without_gpu_keeps_a_process_count_and_maps_all_to_auto():
@@ -488,7 +488,7 @@ def test_auto_without_gpu_keeps_a_process_count_and_maps_all_to_auto():
 
 
 def test_auto_without_gpu_rejects_gpu_indices():
-    with pytest.raises(DeviceError, match=r"^devices=\[0, 1\] lists GPU indices, but training"):
+    with pytest.raises(DeviceError, match=r"^devices=\[0, 1\] lists GPU indices, but this run uses"):
         resolve_devices("auto", "0,1", inventory=CPU_ONLY)
 
 

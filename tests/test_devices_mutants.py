@@ -186,7 +186,7 @@ def test_no_gpu_reason_names_the_cause(inv: Inventory, reason: str) -> None:
 def test_auto_on_a_machine_without_gpu_runs_on_the_cpu() -> None:
     plan = resolve_devices("auto", 2, inventory=machine(0))
     assert plan.trainer_kwargs() == {"accelerator": "cpu", "devices": 2}
-    assert plan.message == "No usable GPU: no NVIDIA GPU found; training runs on the CPU."
+    assert plan.message == "No usable GPU: no NVIDIA GPU found; this run uses the CPU."
     mac = build_inventory(None, TorchCuda(mps_available=True), env={})
     with pytest.raises(DeviceError):
         resolve_devices("gpu", 1, inventory=mac)  # MPS does not answer a GPU request
@@ -786,7 +786,7 @@ def test_cpu_plans_refuse_gpu_requests_in_exact_words() -> None:
     with pytest.raises(DeviceError) as info:
         resolve_devices("cpu", [0])
     assert str(info.value) == (
-        "devices=[0] lists GPU indices, but training runs on the CPU, where devices is a process "
+        "devices=[0] lists GPU indices, but this run uses the CPU, where devices is a process "
         "count (an integer ≥ 1 or 'auto')"
     )
     with pytest.raises(DeviceError) as info:
@@ -1005,7 +1005,7 @@ def test_parse_devices_reads_brackets_only_as_a_pair_and_a_trailing_comma() -> N
 def test_resolve_devices_defaults_to_auto() -> None:
     plan = resolve_devices(inventory=machine(0))
     assert plan.trainer_kwargs() == {"accelerator": "cpu", "devices": "auto"}
-    assert plan.message == "No usable GPU: no NVIDIA GPU found; training runs on the CPU."
+    assert plan.message == "No usable GPU: no NVIDIA GPU found; this run uses the CPU."
     assert resolve_devices(inventory=machine(2)).trainer_kwargs() == {
         "accelerator": "auto",
         "devices": "auto",

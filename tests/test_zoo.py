@@ -86,6 +86,11 @@ def test_a_foreign_module_trains_tests_exports_and_evaluates_to_the_same_figures
         assert again.returncode == 0, again.stderr[-3000:]
         evaluated = sorted(run_dirs(log_dir, "eval"), key=lambda p: p.stat().st_mtime)[-1]
         assert figures_of(evaluated) == reported  # exactly, not approximately
+        # Issue #25.4: it said "epochs": 0 and gave the weights as its "best_checkpoint".
+        tested = source / "model.pth" if source.is_dir() else source
+        assert metrics(evaluated)["evaluated"] == str(tested)
+        assert not {"epochs", "best_checkpoint", "resumed_from"} & metrics(evaluated).keys()
+        assert "uses the CPU" in again.stdout and "training runs" not in again.stdout
 
 
 @pytest.mark.slow

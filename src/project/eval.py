@@ -69,7 +69,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     metrics = run_files.scalars(trainer.callback_metrics, prefix="test")
     if trainer.is_global_zero:
         run_files.save_metrics(
-            metrics, out, best_checkpoint=str(source), trainer=trainer, started=started
+            metrics, out, best_checkpoint=None, trainer=trainer, started=started, evaluated=source
         )
         summary = ", ".join(f"{key}={value:.4f}" for key, value in metrics.items())
         log.info("Evaluated %s: %s", source, summary)

@@ -191,7 +191,7 @@ def resolve_devices(
             raise DeviceError(
                 f"accelerator={accelerator} asks for a GPU, but {_describe_visible(inv)}; {remedy}"
             )
-        message = f"No usable GPU: {_no_gpu_reason(inv)}; training runs on the CPU."
+        message = f"No usable GPU: {_no_gpu_reason(inv)}; this run uses the CPU."
         return _cpu_plan("cpu", "auto" if wanted == -1 else wanted, message=message)
     if isinstance(wanted, list):
         missing = [i for i in wanted if i >= count]
@@ -250,7 +250,7 @@ def resolve_for_run(
 def _cpu_plan(accelerator: Any, wanted: str | int | list[int], message: str | None) -> DevicePlan:
     if isinstance(wanted, list):
         raise DeviceError(
-            f"devices={wanted} lists GPU indices, but training runs on the CPU, where devices is "
+            f"devices={wanted} lists GPU indices, but this run uses the CPU, where devices is "
             "a process count (an integer ≥ 1 or 'auto')"
         )
     if wanted == -1:

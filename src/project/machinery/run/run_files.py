@@ -52,20 +52,27 @@ def save_metrics(
     *,
     started: float,
     energy: Mapping[str, Any] | None = None,
+    evaluated: str | Path | None = None,
 ) -> Path:
     """Write ``metrics.json``: the figures, where they came from, and how long the run took.
+
+    ``evaluated``: the weights file an eval run tested; its ``metrics.json`` then names it and
+    leaves out what only training has (epochs, steps, best checkpoint, resume).
 
     ``resumed_from`` is the checkpoint a resumed run continued (in an earlier run's directory);
     ``started`` the ``time.time()`` at which this run (this job of a sweep) began; ``energy``
     the GPUs' energy over the whole run, resumes included
     (:func:`project.machinery.gpu_stats.callback.energy_report`), written when known.
     """
-    payload = {
-        "metrics": dict(metrics),
+    training = {
         "best_checkpoint": best_checkpoint,
         "resumed_from": str(resumed_from) if resumed_from is not None else None,
         "epochs": trainer.current_epoch,
         "global_step": trainer.global_step,
+    }
+    payload = {
+        "metrics": dict(metrics),
+        **({"evaluated": str(evaluated)} if evaluated is not None else training),
         "accelerator": type(trainer.accelerator).__name__,
         "devices": trainer.num_devices,
         "num_nodes": trainer.num_nodes,

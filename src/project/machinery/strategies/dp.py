@@ -54,7 +54,7 @@ def check_dp_request(accelerator: Any, devices: Any, num_nodes: Any = 1) -> None
     # a missing index, still fails here with resolve_devices' own line.
     plan = resolve_devices("auto", "auto" if devices is None else devices)
     if not plan.gpus:
-        reason = (plan.message or "no usable GPU").split(";")[0]  # drop "training runs on the CPU"
+        reason = (plan.message or "no usable GPU").split(";")[0]  # drop "this run uses the CPU"
         raise ProjectError(f"{NEEDS_GPU}, but: {reason}; {CPU_HINT}")
 
 
