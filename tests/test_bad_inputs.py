@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 import torch
+from omegaconf import OmegaConf
 
 import prewarmed
 from conftest import FAST, clean_env, run_dirs

@@ -75,8 +75,7 @@ def test_the_variable_is_named_before_torch_reporting_no_cuda() -> None:
         assert hidden_by_variable(inv) == "CUDA_VISIBLE_DEVICES='GPU-nope' hides every GPU"
         plan = resolve_devices("auto", "auto", inventory=inv)
         assert plan.message == (
-            "No usable GPU: CUDA_VISIBLE_DEVICES='GPU-nope' hides every GPU; this run uses "
-            "the CPU."
+            "No usable GPU: CUDA_VISIBLE_DEVICES='GPU-nope' hides every GPU; this run uses the CPU."
         )
         inv = collect_inventory(torch_info=TorchCuda(), env={})
         assert hidden_by_variable(inv) is None  # no variable: torch's own reason stands

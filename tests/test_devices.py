@@ -488,7 +488,9 @@ def test_auto_without_gpu_keeps_a_process_count_and_maps_all_to_auto():
 
 
 def test_auto_without_gpu_rejects_gpu_indices():
-    with pytest.raises(DeviceError, match=r"^devices=\[0, 1\] lists GPU indices, but this run uses"):
+    with pytest.raises(
+        DeviceError, match=r"^devices=\[0, 1\] lists GPU indices, but this run uses"
+    ):
         resolve_devices("auto", "0,1", inventory=CPU_ONLY)
 
 
