@@ -140,6 +140,13 @@ CHECKS: dict[str, Check] = {
     "PYTHONPATH=. python -m project.train --config-dir my_configs model=tiny data=my_csv": Check(
         SKIP, "tests/test_customize.py runs it with the worked example's files"
     ),
+    "PYTHONPATH=. python -m project.train --config-dir my_configs experiment=regression": Check(
+        SKIP, "tests/test_zoo.py runs the same module and experiment through the CLI"
+    ),
+    "PYTHONPATH=. python -m project.train --config-dir my_configs experiment=regression "
+    "trainer.devices=2": Check(SKIP, "tests/test_zoo.py: DDP x2 with every default callback"),
+    "PYTHONPATH=. python -m project.eval ckpt_path=logs/train/runs/<run> "
+    "'trusted_targets=[my_project.]'": Check(SKIP, "tests/test_zoo.py evaluates such a run"),
     # Tests
     "python -m pytest": Check(SKIP, "the suite itself (TEST_COMMAND)"),
     'python -m pytest -m "not slow"': Check(DRY, "the suite itself"),
