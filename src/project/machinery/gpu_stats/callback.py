@@ -149,7 +149,7 @@ def process_devices(trainer: Any) -> list[tuple[int, torch.device]]:
 def monitored_keys(trainer: Any) -> set[str]:
     """The metric names a callback (``EarlyStopping``, ``ModelCheckpoint``, ...) or a learning
     rate scheduler watches, through their public ``monitor`` attributes."""
-    watchers = [*trainer.callbacks, *getattr(trainer, "lr_scheduler_configs", [])]
+    watchers = [*getattr(trainer, "callbacks", []), *getattr(trainer, "lr_scheduler_configs", [])]
     return {m for w in watchers if isinstance(m := getattr(w, "monitor", None), str)}
 
 
