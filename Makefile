@@ -8,7 +8,7 @@ ARGS ?=
 # make plot draws RUN (default: the newest training run under logs/train/runs).
 RUN ?= $(shell ls -td logs/train/runs/*/ 2>/dev/null | head -n 1)
 
-.PHONY: help setup train test test-fast lint format notebooks clean devices plot bench gpu-wheels gpu-check-dry rename mutate
+.PHONY: help setup train test test-fast lint format notebooks clean devices plot bench gpu-wheels gpu-check-dry mutate
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
@@ -40,12 +40,14 @@ notebooks: ## run every notebook top to bottom; executed copies go to logs/noteb
 		--output='../logs/notebooks/{notebook_name}' notebooks/*.ipynb
 
 devices: ## list the GPUs this process may use, as cuda:N
-	$(PY) -m project.devices $(ARGS)
+	$(PY) -m runkit.devices $(ARGS)
 
 plot: ## redraw curves.png of RUN=<run or sweep dir> (default: the newest run)
 	@test -n "$(RUN)" || { echo "error: no run under logs/train/runs; pass RUN=<run dir>" >&2; exit 2; }
-	$(PY) -m project.plot $(RUN) $(ARGS)
+	$(PY) -m runkit.plot $(RUN) $(ARGS)
 
+# repo-only: begin
+# This repository's own tools (the GPU check, mutation testing, benchmarks).
 gpu-wheels: ## fetch the wheels a GPU machine without internet lacks (wheels/gpu-py312)
 	$(PY) scripts/gpu_check.py --fetch-wheels
 
@@ -58,9 +60,8 @@ mutate: ## mutation score of MODULE=checkpoints|gpus|gpu_stats (or a path, with 
 
 bench: ## every benchmark briefly; ratios to benchmarks/results/<date>.json, compared with the last
 	$(PY) benchmarks/run_all.py $(ARGS)
+# repo-only: end
 
-rename: ## rename the package everywhere: make rename NAME=mypkg (ARGS=--dry-run to preview)
-	$(PY) scripts/rename.py $(NAME) $(ARGS)
 
 clean: ## delete caches and build outputs (never logs/: your runs stay)
 	rm -rf outputs multirun lightning_logs .pytest_cache .ruff_cache build dist

@@ -33,9 +33,9 @@ EPOCH_STAMPS: list[tuple[float, float]] = []
 # Wall-clock durations of training steps, start of one batch to the start of the next (the last
 # batch of each epoch, followed by validation, is left out), of the run being measured.
 STEP_TIMES: list[float] = []
-FIRST_STEP_ENV = "PROJECT_BENCH_FIRST_STEP"
+FIRST_STEP_ENV = "RUNKIT_BENCH_FIRST_STEP"
 # Set by run_all.py: every ratio line printed is also appended here as one JSON object.
-RESULTS_ENV = "PROJECT_BENCH_RESULTS"
+RESULTS_ENV = "RUNKIT_BENCH_RESULTS"
 
 
 def stamp() -> tuple[float, float]:
@@ -75,13 +75,13 @@ def epoch_clock() -> Any:
     return _Clock()
 
 
-EPOCH_FILE_ENV = "PROJECT_BENCH_EPOCH_FILE"
+EPOCH_FILE_ENV = "RUNKIT_BENCH_EPOCH_FILE"
 
 
 def epoch_clock_file() -> Any:
     """Like :func:`epoch_clock`, for a run in another process (``python -m project.train``):
     rank 0 appends ``time.time()`` and its CPU time (``time.process_time()``) to the file named
-    by ``$PROJECT_BENCH_EPOCH_FILE`` at each training epoch start and at the end of training."""
+    by ``$RUNKIT_BENCH_EPOCH_FILE`` at each training epoch start and at the end of training."""
     from lightning.pytorch import Callback
 
     class _FileClock(Callback):
@@ -101,7 +101,7 @@ def epoch_clock_file() -> Any:
 
 def first_step_stamp() -> Any:
     """A Lightning callback that, at the first training batch, writes ``time.time()`` to the file
-    named by ``$PROJECT_BENCH_FIRST_STEP`` and ends the process at once (exit code 0).
+    named by ``$RUNKIT_BENCH_FIRST_STEP`` and ends the process at once (exit code 0).
 
     ``startup.py`` adds it to a real ``python -m project.train`` run to time the way from the
     shell to the first step; ending there keeps the benchmark short and leaves no checkpoint.
@@ -154,7 +154,7 @@ def spread(values: Sequence[float]) -> tuple[float, float]:
 
 def ratio_line(label: str, ratios: Sequence[float], target: float | None = None) -> str:
     """``label  median  [min .. max]  target`` as one aligned line (and a JSON record, when
-    ``$PROJECT_BENCH_RESULTS`` names a file: the ratios :mod:`run_all` collects)."""
+    ``$RUNKIT_BENCH_RESULTS`` names a file: the ratios :mod:`run_all` collects)."""
     low, high = spread(ratios)
     median = statistics.median(ratios)
     text = f"{label:<34} {median:7.3f}   [{low:.3f} .. {high:.3f}]"

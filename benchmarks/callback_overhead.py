@@ -35,10 +35,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from project.machinery.gpu_stats import callback as gpu_callback
-from project.machinery.gpu_stats.callback import GpuStatsMonitor
-from project.machinery.gpus import nvml
-from project.machinery.testing.fake_nvml import FakeGpu, FakeNvml
+from runkit.gpu_stats import callback as gpu_callback
+from runkit.gpu_stats.callback import GpuStatsMonitor
+from runkit.gpus import nvml
+from runkit.testing.fake_nvml import FakeGpu, FakeNvml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

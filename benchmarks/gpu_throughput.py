@@ -82,7 +82,7 @@ def synthetic_data(shape: list[int], samples: int, **kwargs: Any) -> Any:
     """An ArrayDataModule over ``samples`` random inputs of ``shape``, with 10 classes."""
     import torch
 
-    from project.data.arrays import ArrayDataModule
+    from runkit.data import ArrayDataModule
 
     class Synthetic(ArrayDataModule):
         def load_arrays(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,7 +114,7 @@ def compose(workload: str, epochs: int, out: Path, cpu: bool, extra: list[str]) 
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from project.machinery.run.cli import config_dir
+    from project import config_dir
 
     table = CPU_WORKLOADS if cpu else WORKLOADS
     overrides, shape, batch, samples = table[workload]
@@ -149,7 +149,7 @@ def choices(cfg: Any, cpu: bool) -> tuple[Any, str, bool]:
     """(torch device, Lightning precision, channels-last) that the template picks for ``cfg``."""
     import torch
 
-    from project.machinery import speed
+    from runkit import speed
 
     indices = [] if cpu else [torch.cuda.current_device()]
     precision = speed.resolve_precision(cfg.precision, indices)
@@ -165,8 +165,8 @@ def run_plain(cfg: Any, cpu: bool) -> list[tuple[float, float]]:
     from hydra.utils import instantiate
     from torch.utils.data import DataLoader
 
-    from project.data.arrays import EpochShuffle, collate_rows
-    from project.machinery import speed
+    from runkit import speed
+    from runkit.data import EpochShuffle, collate_rows
 
     device, precision, layout = choices(cfg, cpu)
     speed.apply_matmul_precision(cfg.matmul_precision, [] if cpu else [device.index])

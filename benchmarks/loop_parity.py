@@ -83,7 +83,7 @@ def compose(size: str, epochs: int, out: Path, extra: list[str]) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from project.machinery.run.cli import config_dir
+    from project import config_dir
 
     overrides = [
         *SIZES[size][0],
@@ -135,7 +135,7 @@ def run_hand(cfg: Any, save: str) -> list[tuple[float, float]]:
     from hydra.utils import instantiate
     from torch.utils.data import DataLoader
 
-    from project.data.arrays import EpochShuffle, collate_rows
+    from runkit.data import EpochShuffle, collate_rows
 
     torch.manual_seed(cfg.seed)
     data = instantiate(cfg.data)
@@ -232,7 +232,7 @@ def _loaders(cfg: Any) -> tuple[Any, Any]:
     from hydra.utils import instantiate
     from torch.utils.data import DataLoader
 
-    from project.data.arrays import EpochShuffle, collate_rows
+    from runkit.data import EpochShuffle, collate_rows
 
     data = instantiate(cfg.data)
     data.setup("fit")

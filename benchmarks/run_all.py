@@ -9,7 +9,7 @@ a script with its full defaults (its ``--help``) before believing a difference i
     python benchmarks/run_all.py --compare benchmarks/results/2026-11-30.json
 
 Each script prints its ratio lines through ``_common.ratio_line``, which also appends them as JSON
-to the file named by ``$PROJECT_BENCH_RESULTS``; this runner collects them per script.
+to the file named by ``$RUNKIT_BENCH_RESULTS``; this runner collects them per script.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def run_script(name: str, args: list[str], timeout: float) -> dict:
     """Run one benchmark; its ratio records, exit code and seconds."""
     with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as handle:
         records_file = Path(handle.name)
-    env = {**os.environ, "PROJECT_BENCH_RESULTS": str(records_file)}
+    env = {**os.environ, "RUNKIT_BENCH_RESULTS": str(records_file)}
     start = time.perf_counter()
     try:
         proc = subprocess.run(

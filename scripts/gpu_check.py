@@ -87,7 +87,15 @@ SETUP_IMPORTS = (
     "packaging",
 )
 # Folders of this repository whose modules tests import (from src/, or through sys.path).
-LOCAL_MODULE_DIRS = ("src", "tests", "benchmarks", "scripts")
+LIBRARY = Path("lib") / "runkit"  # the vendored lightning-runkit: its source goes on PYTHONPATH
+LOCAL_MODULE_DIRS = (
+    "src",
+    str(LIBRARY / "src"),
+    "tests",
+    str(LIBRARY / "tests"),
+    "benchmarks",
+    "scripts",
+)
 TARGET_PYTHON = "3.12"
 TARGET_PLATFORM = "manylinux2014_x86_64"
 # For evaluating environment markers of the wheels' requirements as the GPU machine would.
@@ -345,18 +353,25 @@ def local_versions(names: Sequence[str] = WHEELS) -> dict[str, str]:
 
 
 def project_requirements(root: Path = ROOT) -> list[str]:
-    """Names in pyproject.toml's [project].dependencies ([] where tomllib is missing: Python 3.10)."""
+    """Names in the [project].dependencies of the project's and the vendored library's
+    pyproject.toml, less the library itself, whose source goes on PYTHONPATH ([] where tomllib
+    is missing: Python 3.10)."""
     try:
         import tomllib
     except ImportError:
         return []
-    data = tomllib.loads((root / "pyproject.toml").read_text())
-    names = []
-    for spec in data.get("project", {}).get("dependencies", []):
-        match = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", spec)
-        if match:
-            names.append(match.group(0))
-    return names
+    names, vendored = [], set()
+    for pyproject in (root / "pyproject.toml", root / LIBRARY / "pyproject.toml"):
+        if not pyproject.is_file():
+            continue
+        data = tomllib.loads(pyproject.read_text())
+        if pyproject.parent != root:
+            vendored.add(normalize(data["project"]["name"]))
+        for spec in data.get("project", {}).get("dependencies", []):
+            match = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", spec)
+            if match:
+                names.append(match.group(0))
+    return [n for n in dict.fromkeys(names) if normalize(n) not in vendored]
 
 
 def fetch_wheels(folder: Path = WHEELS_DIR) -> int:
@@ -838,11 +853,11 @@ def default_steps() -> list[Step]:
     """Every GPU path of the template, most important first, so a short budget still says most."""
     py_m = ["-m"]
     return [
-        Step("devices", "GPU listing", [*py_m, "project.devices"], 60, check_devices),
+        Step("devices", "GPU listing", [*py_m, "runkit.devices"], 60, check_devices),
         Step(
             "devices_json",
             "GPU listing as JSON, device_count >= 1",
-            [*py_m, "project.devices", "--json"],
+            [*py_m, "runkit.devices", "--json"],
             60,
             check_devices_json,
             stdout_only=True,
@@ -910,8 +925,8 @@ LEAKY_ENV = (
     "MASTER_PORT",
     "PL_GLOBAL_SEED",
     "PROJECT_LOG_DIR",
-    "PROJECT_NVML_BACKEND",
-    "PROJECT_FAKE_NVML",
+    "RUNKIT_NVML_BACKEND",
+    "RUNKIT_FAKE_NVML",
     "HYDRA_FULL_ERROR",
 )
 
@@ -919,7 +934,7 @@ LEAKY_ENV = (
 def step_env(root: Path, site: Path, dry_run: bool) -> dict[str, str]:
     """The steps' environment: src/ and the installed wheels importable, GPUs hidden on a dry run."""
     env = {k: v for k, v in os.environ.items() if k not in LEAKY_ENV}
-    paths = [str(root / "src")] + ([] if dry_run else [str(site)])
+    paths = [str(root / "src"), str(root / LIBRARY / "src")] + ([] if dry_run else [str(site)])
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("MPLBACKEND", "Agg")
@@ -1074,7 +1089,8 @@ def interrupt(signum: int, frame: Any) -> None:
 def wheels_result(folder: Path) -> StepResult:
     """The dry run's wheel check as a report row, its problems also printed one per line."""
     errors = check_wheels(folder, local_versions(), project_requires=project_requirements())
-    errors += check_test_imports(ROOT / "tests", GPU_MACHINE_HAS + GPU_MACHINE_BRINGS + WHEELS)
+    for tests in (ROOT / "tests", ROOT / LIBRARY / "tests"):
+        errors += check_test_imports(tests, GPU_MACHINE_HAS + GPU_MACHINE_BRINGS + WHEELS)
     for line in errors:
         print(f"error: {line}", file=sys.stderr)
     return StepResult(

@@ -10,7 +10,7 @@ each with its reason, in docs/mutation/equivalent.md: a listed mutant that no lo
 with the same change is reported as stale, never silently excused.
 
     python scripts/mutate.py checkpoints
-    python scripts/mutate.py src/project/machinery/gpus/resolve.py --tests tests/test_devices.py
+    python scripts/mutate.py lib/runkit/src/runkit/gpus/resolve.py --tests tests/test_devices.py
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ EQUIVALENT_FILE = ROOT / "docs" / "mutation" / "equivalent.md"
 MODULES: dict[str, tuple[list[str], list[str]]] = {
     # checkpoint I/O and loading, with the allow-list of _target_s from files and the CRC check
     "checkpoints": (
-        ["src/project/machinery/safety/checkpoints.py", "src/project/machinery/safety/trusted.py"],
+        ["lib/runkit/src/runkit/safety/checkpoints.py", "lib/runkit/src/runkit/safety/trusted.py"],
         [
             "tests/test_checkpointing.py",
             "tests/test_checkpoints_mutants.py",
@@ -48,7 +48,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     # device resolution and selection, CUDA_VISIBLE_DEVICES, the NVML reader, the listing
     "gpus": (
-        ["src/project/machinery/gpus/*.py"],
+        ["lib/runkit/src/runkit/gpus/*.py"],
         [
             "tests/test_devices.py",
             "tests/test_devices_cli.py",
@@ -64,12 +64,12 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # files that also train a model through the callback (test_gpu_stats.py,
     # test_gpu_telemetry.py) would cost seconds per mutant; their real fits prove the same parts.
     "gpu_stats": (
-        ["src/project/machinery/gpu_stats/*.py"],
+        ["lib/runkit/src/runkit/gpu_stats/*.py"],
         ["tests/test_gpu_stats_units.py", "tests/test_gpu_stats_mutants.py"],
     ),
     # a small module to try the tool on
     "finite_loss": (
-        ["src/project/machinery/safety/finite_loss.py"],
+        ["lib/runkit/src/runkit/safety/finite_loss.py"],
         ["tests/test_finite_loss.py"],
     ),
 }

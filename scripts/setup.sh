@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create (or reuse) a virtual environment with the template installed for development.
+# Create (or reuse) a virtual environment with the project and its library installed for development.
 #
 #   bash scripts/setup.sh            # .venv in the repository
 #   bash scripts/setup.sh /some/env  # elsewhere
@@ -34,5 +34,8 @@ else
             --index-url "$CPU_INDEX" --extra-index-url https://pypi.org/simple
 fi
 
+# The machinery: the lightning-runkit library, vendored in lib/runkit (`copier update` keeps it
+# current). To use a published release instead, delete this line.
+"$PY" -m pip install -q -e lib/runkit
 "$PY" -m pip install -q -e ".[dev]"
 echo "setup: done; activate with: . $VENV/bin/activate"

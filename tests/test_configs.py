@@ -11,9 +11,9 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from project.errors import ProjectError
-from project.machinery.run.cli import config_dir
-from project.machinery.run.preflight import check_config, check_targets
+from project import config_dir
+from runkit.errors import RunError
+from runkit.run.preflight import check_config, check_targets
 
 CONFIGS = config_dir()
 # Groups that need an optional extra or real hardware to instantiate; they are composed only.
@@ -56,7 +56,7 @@ def test_every_option_composes_and_passes_preflight(group: str, option: str) -> 
         return
     if cfg.trainer.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
         # A GPU preset on a CPU-only machine must be refused before anything starts.
-        with pytest.raises(ProjectError, match="asks for a GPU"):
+        with pytest.raises(RunError, match="asks for a GPU"):
             check_config(cfg)
         return
     check_config(cfg)
@@ -92,12 +92,12 @@ def test_every_target_node_maps_one_to_one_onto_its_class() -> None:
     cfg = compose_train()
     with open_dict(cfg):
         cfg.model.net.widht = 3
-    with pytest.raises(ProjectError, match=r"model\.net\.widht is not an argument of .*ConvNet"):
+    with pytest.raises(RunError, match=r"model\.net\.widht is not an argument of .*ConvNet"):
         check_targets(cfg.model, "model")
 
 
 def test_checkpoint_hyperparameters_are_plain_data(tmp_path: Path) -> None:
-    from project.machinery.run.builders import plain
+    from runkit.run.builders import plain
 
     cfg = compose_train()
     with open_dict(cfg):
@@ -162,7 +162,7 @@ def test_checkpoint_hyperparameters_are_plain_data(tmp_path: Path) -> None:
     ids=lambda value: value[0] if isinstance(value, list) else None,
 )
 def test_preflight_names_the_bad_value_in_one_line(overrides: list[str], message: str) -> None:
-    with pytest.raises(ProjectError, match=message) as info:
+    with pytest.raises(RunError, match=message) as info:
         check_config(compose_train(*overrides))
     assert "\n" not in str(info.value)
 
@@ -174,7 +174,7 @@ def test_the_largest_seed_and_every_shipped_optimizer_value_pass() -> None:
 
 
 def test_a_required_value_left_out_is_named() -> None:
-    with pytest.raises(ProjectError, match=r"^ckpt_path is required; add ckpt_path=<a \.ckpt"):
+    with pytest.raises(RunError, match=r"^ckpt_path is required; add ckpt_path=<a \.ckpt"):
         check_config(compose_train(name="eval"))
 
 
@@ -194,20 +194,20 @@ def test_eval_takes_the_same_gpu_wait_and_claim_keys_as_train() -> None:
     keys = {k for k in train if str(k).startswith("gpu_")}
     assert keys and {k: evaluation[k] for k in keys} == {k: train[k] for k in keys}
     check_config(compose_train("ckpt_path=x", "gpu_wait_s=600", name="eval"))
-    with pytest.raises(ProjectError, match=r"^gpu_wait_s=-5 is invalid; expected"):
+    with pytest.raises(RunError, match=r"^gpu_wait_s=-5 is invalid; expected"):
         check_config(compose_train("ckpt_path=x", "gpu_wait_s=-5", name="eval"))
 
 
 def test_a_decoding_error_blames_only_config_files_that_do_not_decode(tmp_path: Path) -> None:
     """A non-UTF-8 data file read by the run is not reported as a config file (its traceback stays)."""
-    from project.machinery.run.cli import undecodable_config
+    from runkit.run.cli import undecodable_config
 
     err = UnicodeDecodeError("utf-8", b"ab\xe9", 2, 3, "invalid continuation byte")
-    assert undecodable_config(err, [f"--config-dir={tmp_path}"]) is None
+    assert undecodable_config(err, [f"--config-dir={tmp_path}"], CONFIGS) is None
     (tmp_path / "experiment").mkdir()
     (tmp_path / "experiment" / "fine.yaml").write_text("a: 1\n")
     latin1 = tmp_path / "experiment" / "réglages.yaml"
     latin1.write_bytes("# réglages\n".encode("latin-1"))
     expected = f"{latin1} is not UTF-8 text (byte 0xe9 at position 2); save it as UTF-8"
-    assert undecodable_config(err, ["--config-dir", str(tmp_path)]) == expected
-    assert undecodable_config(err, [f"-cd={tmp_path}"]) == expected
+    assert undecodable_config(err, ["--config-dir", str(tmp_path)], CONFIGS) == expected
+    assert undecodable_config(err, [f"-cd={tmp_path}"], CONFIGS) == expected

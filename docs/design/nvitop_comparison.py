@@ -1,8 +1,8 @@
-"""Run ``project.devices`` and nvitop on the same faked GPUs and print where they differ.
+"""Run ``runkit.devices`` and nvitop on the same faked GPUs and print where they differ.
 
-Issue #10, item 10 asks whether the GPU code (now ``project.machinery.gpus``) should give way to nvitop (which re-exports
+Issue #10, item 10 asks whether the GPU code (now ``runkit.gpus``) should give way to nvitop (which re-exports
 ``parse_cuda_visible_devices``, ``Device``/``CudaDevice`` and ``select_devices``). This script is
-the evidence: both implementations read the *same* :class:`project.machinery.testing.fake_nvml.FakeNvml`, so
+the evidence: both implementations read the *same* :class:`runkit.testing.fake_nvml.FakeNvml`, so
 every difference in the tables is a difference in rules, not in data. ``docs/design/notes.md``
 records the decisions; ``nvitop_comparison.txt`` beside this file is its output.
 
@@ -75,8 +75,8 @@ def _first_module(*names: str) -> Any:
 
 def _merged(*names: str) -> SimpleNamespace:
     """The names defined in every importable module in ``names`` (earlier ones win), so the script
-    keeps working while the GPU code moves between modules (``project.devices`` before the
-    "two zones" restructure, ``project.machinery.gpus.*`` after it)."""
+    keeps working while the GPU code moves between modules (``runkit.devices`` before the
+    "two zones" restructure, ``runkit.gpus.*`` after it)."""
     merged: dict[str, Any] = {}
     for name in reversed(names):
         try:
@@ -86,14 +86,14 @@ def _merged(*names: str) -> SimpleNamespace:
     return SimpleNamespace(**merged)
 
 
-nvml = _first_module("project.machinery.gpus.nvml", "project.nvml")
-fake_nvml = _first_module("project.machinery.testing.fake_nvml", "project.testing.fake_nvml")
+nvml = _first_module("runkit.gpus.nvml", "project.nvml")
+fake_nvml = _first_module("runkit.testing.fake_nvml", "project.testing.fake_nvml")
 devices = _merged(
-    "project.machinery.gpus.inventory",
-    "project.machinery.gpus.records",
-    "project.machinery.gpus.resolve",
-    "project.machinery.gpus.visible",
-    "project.devices",
+    "runkit.gpus.inventory",
+    "runkit.gpus.records",
+    "runkit.gpus.resolve",
+    "runkit.gpus.visible",
+    "runkit.devices",
 )
 
 GIB, FakeGpu, FakeNvml = fake_nvml.GIB, fake_nvml.FakeGpu, fake_nvml.FakeNvml

@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from project.machinery.run.cli import hydra_entry
+import runkit
+from project import config_dir
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -31,44 +32,39 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     from hydra.utils import instantiate
     from lightning.pytorch.utilities import rank_zero_only
 
-    from project.machinery import speed
-    from project.machinery.gpus.claims import policy_from_config
-    from project.machinery.gpus.resolve import resolve_for_run
-    from project.machinery.run import builders, rebuild, run_files
-    from project.machinery.safety import checkpoints as checkpointing
-    from project.machinery.safety import interrupts
-
     started, out = time.time(), Path(cfg.paths.output_dir)
     # A run directory stands for its model.pth: the weights whose test figures it reported.
-    source = checkpointing.resolve_ckpt_path(
+    source = runkit.resolve_ckpt_path(
         cfg.ckpt_path, cfg.paths.log_dir, "train", tested_weights=True
     )
     assert source is not None  # ckpt_path is required (???) in eval.yaml
 
     # Rebuild the run's model and data from its own config (trusted _target_s only).
-    data = checkpointing.load_file(source, mmap=True)
-    trained = rebuild.trained_config(cfg, source, data)
+    data = runkit.load_file(source, mmap=True)
+    trained = runkit.trained_config(cfg, source, data)
     pl.seed_everything(cfg.seed, workers=True)
-    model, ckpt = rebuild.trained_model(trained["model"], source, data)
+    model, ckpt = runkit.trained_model(trained["model"], source, data)
     datamodule = instantiate(trained["data"])
-    plan = resolve_for_run(  # least_used waits for and claims GPUs as in training (gpu_* keys)
-        cfg.trainer.accelerator,
-        cfg.trainer.devices,
-        select=cfg.select_gpus,
-        policy=policy_from_config(cfg),
+    plan = (
+        runkit.resolve_for_run(  # least_used waits for and claims GPUs as in training (gpu_* keys)
+            cfg.trainer.accelerator,
+            cfg.trainer.devices,
+            select=cfg.select_gpus,
+            policy=runkit.policy_from_config(cfg),
+        )
     )
     if plan.message and rank_zero_only.rank == 0:  # once, not once per DDP process
         log.info(plan.message)
     # The same hardware settings as training (precision=auto -> bf16-mixed on a bf16 GPU...).
-    trainer = builders.build_trainer(cfg, **speed.trainer_settings(cfg, plan))
+    trainer = runkit.build_trainer(cfg, **runkit.trainer_settings(cfg, plan))
     if trainer.is_global_zero:
-        run_files.save_config(cfg, out)
+        runkit.save_config(cfg, out)
     # Ctrl-C / SIGTERM: every rank stops, exit 128+N. A full disk (the CSV log): one line.
-    with interrupts.phase("eval", trainer), checkpointing.full_disk_in_one_line(out):
+    with runkit.phase("eval", trainer), runkit.full_disk_in_one_line(out):
         trainer.test(model, datamodule=datamodule, ckpt_path=ckpt, weights_only=True)
-    metrics = run_files.scalars(trainer.callback_metrics, prefix="test")
+    metrics = runkit.scalars(trainer.callback_metrics, prefix="test")
     if trainer.is_global_zero:
-        run_files.save_metrics(
+        runkit.save_metrics(
             metrics, out, best_checkpoint=None, trainer=trainer, started=started, evaluated=source
         )
         summary = ", ".join(f"{key}={value:.4f}" for key, value in metrics.items())
@@ -77,7 +73,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     return metrics
 
 
-main = hydra_entry(evaluate, config_name="eval")
+main = runkit.hydra_entry(evaluate, config_name="eval", config_dir=config_dir())
 
 if __name__ == "__main__":
     main()

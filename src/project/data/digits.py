@@ -13,7 +13,7 @@ from importlib import resources
 import numpy as np
 import torch
 
-from project.data.arrays import ArrayDataModule
+from runkit import ArrayDataModule
 
 NUM_CLASSES = 10
 IMAGE_SHAPE = (1, 8, 8)

@@ -1,0 +1,295 @@
+"""Every private Lightning, torch, OmegaConf and Hydra API the template relies on, in one list.
+
+Each entry names the private attribute, who uses it and why no public API does the job, and has a
+probe: ``tests/test_compat.py`` runs every probe, so a release that moves one fails with a line
+naming the access (``check_all`` gives the same lines at run time). The simplest accesses live
+here as functions; the others are overrides of private methods in subclasses or reads of a
+private attribute inside one class, which the table points at.
+
+Import-light on purpose (no torch or Lightning at import): the probes import what they check.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PrivateApi:
+    """One private access: ``owner`` (a dotted path) has ``name``; ``probe`` proves it exists."""
+
+    owner: str
+    name: str
+    used_by: str
+    why: str
+    probe: Callable[[], bool] | None = None
+
+    def missing(self) -> str | None:
+        """``None`` while the access still works; else one line naming it and who breaks."""
+        try:
+            found = (
+                self.probe() if self.probe is not None else hasattr(_resolve(self.owner), self.name)
+            )
+        except Exception as err:  # an import that moved, a signature that changed
+            found, detail = False, f" ({type(err).__name__}: {err})"
+        else:
+            detail = ""
+        if found:
+            return None
+        return (
+            f"{self.owner}.{self.name} is gone or changed{detail}; {self.used_by} relies on it "
+            f"({self.why}); adapt it to this release"
+        )
+
+
+def _resolve(path: str) -> Any:
+    module_name, _, rest = path.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in filter(None, rest.split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _trainer_attribute(name: str) -> Callable[[], bool]:
+    def probe() -> bool:
+        from lightning.pytorch import Trainer
+
+        trainer = Trainer(
+            accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False
+        )
+        return hasattr(trainer, name)
+
+    return probe
+
+
+def _csv_writer_keys() -> bool:
+    import tempfile
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    with tempfile.TemporaryDirectory() as root:
+        writer = CSVLogger(root).experiment
+        return isinstance(writer.metrics_keys, list)
+
+
+def _compiled_marker() -> bool:
+    import torch
+
+    net = torch.nn.Linear(1, 1)
+    net.compile()  # marks the module; nothing is compiled before the first call
+    return getattr(net, "_compiled_call_impl", None) is not None
+
+
+def _default_store_probe() -> bool:
+    import torch.distributed.distributed_c10d as c10d
+
+    return callable(getattr(c10d, "_get_default_store", None))
+
+
+def _omegaconf_get_node() -> bool:
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.create({"a": "${b}", "b": 1})
+    return node._get_node("a")._value() == "${b}"
+
+
+def _hydra_args_parser() -> bool:
+    args = hydra_args_parser().parse_args(["-m", "--cfg", "job", "a=1"])
+    return args.multirun is True and args.cfg == "job" and args.overrides == ["a=1"]
+
+
+def _job_return_value() -> bool:
+    from hydra.core.utils import JobReturn, JobStatus
+
+    hydras = JobReturn.__dict__.get("return_value")
+    failure = ValueError("a job's failure")
+    job = JobReturn(status=JobStatus.FAILED)
+    job.return_value = failure
+    return isinstance(hydras, property) and hydras.fset is not None and job_failure(job) is failure
+
+
+PRIVATE_APIS: tuple[PrivateApi, ...] = (
+    PrivateApi(
+        "lightning.pytorch.trainer.connectors.signal_connector:_SignalConnector",
+        "register_signal_handlers",
+        "runkit.safety.interrupts",
+        "a subclass without Lightning's SIGTERM handler, so all ranks stop together; no switch",
+    ),
+    PrivateApi(
+        "lightning.pytorch:Trainer",
+        "_signal_connector",
+        "runkit.safety.interrupts",
+        "the flag Lightning's loop checks to stop at a batch boundary",
+        _trainer_attribute("_signal_connector"),
+    ),
+    PrivateApi(
+        "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop",
+        "batch_idx",
+        "runkit.compat.fit_batch_index (finite-loss guard)",
+        "the batch index inside the epoch, which the error names; not on the Trainer",
+        lambda: hasattr(_trainer_attribute_value("fit_loop").epoch_loop, "batch_idx"),
+    ),
+    PrivateApi(
+        "lightning.pytorch.callbacks:ModelCheckpoint",
+        "_save_topk_checkpoint",
+        "runkit.safety.model_checkpoint",
+        "last.ckpt at every save point (Lightning 2.6 lets it fall behind)",
+    ),
+    PrivateApi(
+        "lightning.pytorch.callbacks:ModelCheckpoint",
+        "_save_last_checkpoint",
+        "runkit.safety.model_checkpoint",
+        "last.ckpt as a hard link to the best file written at the same step",
+    ),
+    PrivateApi(
+        "lightning.pytorch.callbacks:ModelCheckpoint",
+        "_save_checkpoint",
+        "runkit.safety.model_checkpoint",
+        "knowing which file a save point wrote",
+    ),
+    PrivateApi(
+        "lightning.pytorch.callbacks:ModelCheckpoint",
+        "_should_remove_checkpoint",
+        "runkit.safety.model_checkpoint",
+        "the same rule as Lightning's for replacing last.ckpt",
+    ),
+    PrivateApi(
+        "lightning.pytorch.callbacks:ModelCheckpoint",
+        "_remove_checkpoint",
+        "runkit.safety.model_checkpoint",
+        "removing the previous last.ckpt the way Lightning does",
+    ),
+    PrivateApi(
+        "lightning.pytorch.callbacks.progress:RichProgressBar",
+        "_update_metrics",
+        "runkit.run.progress_bar",
+        "the one place the bar reads logged values (a device read per step otherwise)",
+    ),
+    PrivateApi(
+        "lightning.fabric.loggers.csv_logs:_ExperimentWriter",
+        "metrics_keys",
+        "runkit.compat.add_csv_columns (resume)",
+        "the CSV header must hold the earlier run's columns copied into a resumed run",
+        _csv_writer_keys,
+    ),
+    PrivateApi(
+        "torch.nn:Module",
+        "_compiled_call_impl",
+        "runkit.speed, runkit.strategies.dp",
+        "whether nn.Module.compile was called (compile once; refuse DP of a compiled network)",
+        _compiled_marker,
+    ),
+    PrivateApi(
+        "torch.nn:Module",
+        "_modules",
+        "runkit.strategies.dp",
+        "pl_module.net shadowed by the DataParallel wrapper without registering it, so "
+        "parameters and state_dict keys stay those of the network",
+        lambda: "net" in _linear_holder()._modules,
+    ),
+    PrivateApi(
+        "lightning.pytorch:Trainer",
+        "callback_metrics",
+        "runkit.gpu_stats.callback",
+        "written, not only read: the monitored GPU keys reach monitors without self.log's "
+        "per-key result entry and all-reduce",
+        lambda: isinstance(_trainer_attribute_value("callback_metrics"), dict),
+    ),
+    PrivateApi(
+        "torch.distributed.distributed_c10d",
+        "_get_default_store",
+        "runkit.compat.default_store (gpu_stats' exchange between ranks)",
+        "the job's key-value store: ranks hand rank 0 their figures without a collective, "
+        "which would deadlock against Lightning's rank-0-only metric sync",
+        _default_store_probe,
+    ),
+    PrivateApi(
+        "omegaconf:DictConfig",
+        "_get_node",
+        "runkit.run.preflight",
+        "reading a node without resolving its interpolations (they may not resolve yet)",
+        _omegaconf_get_node,
+    ),
+    PrivateApi(
+        "lightning.pytorch.strategies.launchers.subprocess_script:_SubprocessScriptLauncher",
+        "procs",
+        "runkit.run.launch",
+        "collecting a sweep job's DDP children before the next job starts",
+        lambda: (
+            "procs"
+            in _resolve(
+                "lightning.pytorch.strategies.launchers.subprocess_script:_SubprocessScriptLauncher"
+            ).__init__.__code__.co_names
+        ),
+    ),
+    PrivateApi(
+        "hydra._internal.utils",
+        "get_args_parser",
+        "runkit.compat.hydra_args_parser (runkit.run.cli, -m with --cfg)",
+        "Hydra's own command-line parser, to tell flags from overrides exactly as Hydra will",
+        _hydra_args_parser,
+    ),
+    PrivateApi(
+        "hydra.core.utils:JobReturn",
+        "_return_value",
+        "runkit.compat.job_failure (runkit.run.cli, a sweep's reported job)",
+        "a failed job's exception, read without Hydra's 'Error executing job' report, which "
+        "the public return_value writes first",
+        _job_return_value,
+    ),
+)
+
+
+def _trainer_attribute_value(name: str) -> Any:
+    from lightning.pytorch import Trainer
+
+    trainer = Trainer(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
+    return getattr(trainer, name)
+
+
+def _linear_holder() -> Any:
+    import torch
+
+    holder = torch.nn.Module()
+    holder.net = torch.nn.Linear(1, 1)
+    return holder
+
+
+def check_all() -> list[str]:
+    """One line per private access that no longer works in the installed releases."""
+    return [line for api in PRIVATE_APIS if (line := api.missing()) is not None]
+
+
+def fit_batch_index(trainer: Any) -> int:
+    """The index of the current training batch within its epoch (private: see PRIVATE_APIS)."""
+    return int(trainer.fit_loop.epoch_loop.batch_idx)
+
+
+def add_csv_columns(writer: Any, keys: list[str]) -> None:
+    """Make a CSV logger's writer keep ``keys`` as columns (private: see PRIVATE_APIS)."""
+    writer.metrics_keys = sorted(set(writer.metrics_keys) | set(keys))
+
+
+def default_store() -> Any:
+    """The default process group's key-value store (private: see PRIVATE_APIS)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d._get_default_store()
+
+
+def hydra_args_parser() -> Any:
+    """Hydra's own ``argparse`` parser of a command line (private: see PRIVATE_APIS)."""
+    from hydra._internal.utils import get_args_parser
+
+    return get_args_parser()
+
+
+def job_failure(job: Any) -> Any:
+    """What a Hydra ``JobReturn`` holds (a failed job's exception) without the report Hydra's
+    ``return_value`` writes (private: see PRIVATE_APIS)."""
+    return getattr(job, "_return_value", None)

@@ -1,0 +1,146 @@
+"""GPM (GPU Performance Monitoring, Hopper and newer): what the SMs did, not only *whether* they ran.
+
+NVML's ``utilization`` says which share of time *some* kernel ran; GPM says how busy the SMs
+were (``sm_active``), how full they were (``sm_occupancy``), whether the tensor cores worked
+(``tensor_active``) and how much of the memory bandwidth was used (``dram_active``).
+
+A GPM figure is a difference of two samples: NVML fills a sample with the GPU's counters, and
+``nvmlGpmMetricsGet`` turns two samples into the metrics of the interval between them. Each
+:class:`GpmCounters` owns two samples and swaps them at every reading, so every reading covers
+exactly the interval since the previous one (the sampler's interval) and nothing is allocated
+while sampling. A MIG slice is sampled through ``nvmlGpmMigSampleGet`` on its physical GPU with
+its GPU instance id.
+
+GPM counters are shared with profilers (DCGM, Nsight Compute/Systems): while one holds them NVML
+refuses the sample. That pauses GPM for the GPU (one log line) and the next reading tries again;
+training never notices. ``NVMLError_GpuIsLost`` is the one error passed on: the GPU is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from runkit.gpus import nvml
+
+log = logging.getLogger(__name__)
+
+# Logged metric -> pynvml's metric id constant; all are percentages (0-100).
+GPM_METRICS = {
+    "sm_active": "NVML_GPM_METRIC_SM_UTIL",
+    "sm_occupancy": "NVML_GPM_METRIC_SM_OCCUPANCY",
+    "tensor_active": "NVML_GPM_METRIC_ANY_TENSOR_UTIL",
+    "dram_active": "NVML_GPM_METRIC_DRAM_BW_UTIL",
+    "fp16_active": "NVML_GPM_METRIC_FP16_UTIL",
+    "fp32_active": "NVML_GPM_METRIC_FP32_UTIL",
+    "fp64_active": "NVML_GPM_METRIC_FP64_UTIL",
+}
+
+
+class GpmUnsupported(Exception):
+    """This GPU (or driver, or binding) has no GPM: the metrics are left out, never zero."""
+
+
+class GpmCounters:
+    """GPM metrics of one device, one reading per call to :meth:`read` (see the module docstring).
+
+    ``board`` is the physical GPU's handle; ``gpu_instance_id`` the slice's GPU instance for a MIG
+    slice, ``None`` for a whole GPU. :meth:`close` frees the samples; call it on every path.
+    """
+
+    def __init__(self, lib: Any, board: Any, label: str, gpu_instance_id: int | None) -> None:
+        self.lib = lib
+        self.board = board
+        self.label = label
+        self.gpu_instance_id = gpu_instance_id
+        self._samples: list[Any] = []
+        self._have_previous = False
+        self._paused = False
+        self._lost = nvml.error_classes(lib, ("NVMLError_GpuIsLost",))
+        self._names: list[str] = []
+        self._request: Any = None
+
+    def open(self) -> None:
+        """Ask NVML whether the GPU has GPM, allocate the two samples and take the first.
+
+        Raises :class:`GpmUnsupported` when it has none; frees what it allocated on any error.
+        """
+        lib = self.lib
+        try:
+            support = lib.nvmlGpmQueryDeviceSupport(self.board)
+        except (*nvml.error_classes(lib, nvml.UNSUPPORTED_ERRORS), AttributeError) as err:
+            raise GpmUnsupported(type(err).__name__.replace("NVMLError_", "")) from err
+        if not getattr(support, "isSupportedDevice", 0):
+            raise GpmUnsupported("NotSupported")
+        ids = {name: getattr(lib, const, None) for name, const in GPM_METRICS.items()}
+        self._names = [name for name, metric_id in ids.items() if isinstance(metric_id, int)]
+        try:
+            request = lib.c_nvmlGpmMetricsGet_t()
+            request.version = lib.NVML_GPM_METRICS_GET_VERSION
+            request.numMetrics = len(self._names)
+            for i, name in enumerate(self._names):
+                request.metrics[i].metricId = ids[name]
+            self._request = request
+            for _ in range(2):
+                self._samples.append(lib.nvmlGpmSampleAlloc())
+            self.read()  # the first sample of the first pair; no figures yet
+        except BaseException:
+            self.close()
+            raise
+
+    def read(self) -> dict[str, float]:
+        """The metrics since the previous call (empty the first time, or while GPM is refused)."""
+        if len(self._samples) < 2:
+            return {}
+        previous, current = self._samples
+        try:
+            self._take(current)
+            values = self._metrics(previous, current) if self._have_previous else {}
+        except self._lost:
+            raise
+        except self.lib.NVMLError as err:
+            self._have_previous = False  # the next reading starts a fresh pair
+            if not self._paused:
+                self._paused = True
+                log.info(
+                    "gpu_stats: %s: GPM refused (%s); a profiler (DCGM, Nsight) may hold the "
+                    "counters. GPM figures pause and come back when it lets go",
+                    self.label,
+                    type(err).__name__.replace("NVMLError_", ""),
+                )
+            return {}
+        if self._paused and values:
+            self._paused = False
+            log.info("gpu_stats: %s: GPM figures are back", self.label)
+        self._samples = [current, previous]
+        self._have_previous = True
+        return values
+
+    def _take(self, sample: Any) -> None:
+        if self.gpu_instance_id is None:
+            self.lib.nvmlGpmSampleGet(self.board, sample)
+        else:
+            self.lib.nvmlGpmMigSampleGet(self.board, self.gpu_instance_id, sample)
+
+    def _metrics(self, first: Any, second: Any) -> dict[str, float]:
+        request = self._request
+        request.sample1 = first
+        request.sample2 = second
+        self.lib.nvmlGpmMetricsGet(request)
+        values = {}
+        for i, name in enumerate(self._names):
+            metric = request.metrics[i]
+            if metric.nvmlReturn == self.lib.NVML_SUCCESS and math.isfinite(metric.value):
+                values[name] = float(metric.value)
+        return values
+
+    def close(self) -> None:
+        """Free the samples (safe to call again, and after a failed :meth:`open`)."""
+        samples, self._samples = self._samples, []
+        self._have_previous = False
+        for sample in samples:
+            try:
+                self.lib.nvmlGpmSampleFree(sample)
+            except self.lib.NVMLError as err:
+                log.debug("gpu_stats: %s: freeing a GPM sample failed: %s", self.label, err)

@@ -1,0 +1,370 @@
+"""Sampling GPUs for the statistics: which metrics each GPU supports, and a background thread.
+
+:class:`GpuReader` is one GPU as the statistics see it: metric groups (utilisation, memory,
+power, ...) read through the shared :class:`~runkit.gpus.reader.DeviceReader`, each
+probed once and left out for good when the GPU does not support it (never logged as 0).
+:class:`GpuSampler` reads a set of them every ``interval_s`` in a background thread into
+per-phase accumulators. Phases (a training epoch, a validation run) are switched by the training
+thread without any NVML call: each sample counts for the phase current when it is stored, and a
+counter's change (energy, GPM) for the phase in which its interval ended. A phase that ends before
+its first sample gets one on the thread that closes it.
+:class:`TorchPeakMemory` keeps PyTorch's own peak memory per phase.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from runkit.gpu_stats.gpm import GpmCounters, GpmUnsupported
+from runkit.gpu_stats.statistics import GpuAccumulator
+from runkit.gpus import nvml
+from runkit.gpus.reader import DeviceReader
+
+log = logging.getLogger(__name__)
+
+GIB = 1024**3
+TRAIN, VAL = "train", "val"
+
+# Clock event ("throttle") reason bits, from nvml.h (nvmlClocksEventReason*).
+_SW_POWER_CAP = 0x4
+_HW_SLOWDOWN = 0x8
+_SW_THERMAL = 0x20
+_HW_THERMAL = 0x40
+_HW_POWER_BRAKE = 0x80
+THROTTLE_MASKS = {
+    "throttle_power": _SW_POWER_CAP | _HW_POWER_BRAKE,
+    "throttle_thermal": _SW_THERMAL | _HW_THERMAL,
+    "throttle_hw": _HW_SLOWDOWN,
+    "throttle_any": _SW_POWER_CAP | _HW_POWER_BRAKE | _SW_THERMAL | _HW_THERMAL | _HW_SLOWDOWN,
+}
+DEFAULT_GROUPS = (
+    "utilization",
+    "memory",
+    "process_memory",
+    "temperature",
+    "power",
+    "clock",
+    "throttle",
+    "energy",
+    "gpm",
+)
+OPTIONAL_GROUPS = ("fan", "pcie", "ecc", "memory_temperature")
+# At the probe, these also mean "leave the group out" rather than "this GPU is failing".
+_PROBE_SKIP_ERRORS = (*nvml.UNSUPPORTED_ERRORS, "NVMLError_NoPermission", "NVMLError_NotFound")
+
+
+class GpuReader:
+    """One GPU as the statistics see it: probes once which metric groups it supports, then reads
+    those (through :class:`~runkit.gpus.reader.DeviceReader`) into metric values."""
+
+    def __init__(self, lib: Any, handle: Any, label: str, groups: Sequence[str]) -> None:
+        self.lib = lib
+        self.device = DeviceReader.open(lib, handle)
+        self.label = label
+        self.groups = list(groups)
+        self.unsupported: dict[str, str] = {}
+        self.dead: str | None = None
+        self.power_limit_mw: float | None = None
+        self.pid = os.getpid()
+        self._unsupported_errors = nvml.error_classes(lib, nvml.UNSUPPORTED_ERRORS)
+        self._probe_skip_errors = nvml.error_classes(lib, _PROBE_SKIP_ERRORS)
+        self.is_mig = self.device.is_mig
+        self.name = self.device.name()
+        self.uuid = self.device.uuid()
+        # The physical GPU: energy is counted once per board, however many slices a run uses.
+        self.board_uuid = (
+            nvml.as_text(lib.nvmlDeviceGetUUID(self.device.board)) if self.is_mig else self.uuid
+        )
+        self.gpm: GpmCounters | None = None
+        self.nvml_index = nvml.optional(lib, self.device.index)
+        self.pci_bus_id = nvml.optional(lib, self.device.pci_bus_id)
+
+    def probe(self) -> None:
+        """Read every group once; those the GPU refuses are dropped and listed in ``unsupported``.
+
+        NVMLError_GpuIsLost (and any other failure) propagates: the caller gives up on this GPU.
+        """
+        if "power" in self.groups:
+            self.power_limit_mw = nvml.optional(self.lib, self.device.power_limit_mw)
+        if "gpm" in self.groups:
+            self._open_gpm()
+        for group in list(self.groups):
+            if group == "gpm":
+                continue
+            try:
+                getattr(self, f"_read_{group}")({})
+            except (*self._probe_skip_errors, AttributeError) as err:
+                self.groups.remove(group)
+                self.unsupported[group] = type(err).__name__.replace("NVMLError_", "")
+
+    def _open_gpm(self) -> None:
+        instance = self.device.gpu_instance_id() if self.is_mig else None
+        counters = GpmCounters(self.lib, self.device.board, self.label, instance)
+        try:
+            counters.open()
+        except GpmUnsupported as err:
+            self.groups.remove("gpm")
+            self.unsupported["gpm"] = str(err)
+            return
+        except self._probe_skip_errors as err:  # refused at the first sample: never had it
+            self.groups.remove("gpm")
+            self.unsupported["gpm"] = type(err).__name__.replace("NVMLError_", "")
+            return
+        self.gpm = counters
+
+    def close(self) -> None:
+        """Free what the reader holds in NVML (the GPM samples); safe to call again."""
+        if self.gpm is not None:
+            self.gpm.close()
+
+    def read(self) -> tuple[dict[str, float], list[str]]:
+        """One sample: ``({metric: value}, groups that stopped being supported just now)``."""
+        out: dict[str, float] = {}
+        dropped = []
+        for group in list(self.groups):
+            try:
+                getattr(self, f"_read_{group}")(out)
+            except self._unsupported_errors as err:
+                self.groups.remove(group)
+                self.unsupported[group] = type(err).__name__.replace("NVMLError_", "")
+                dropped.append(group)
+        return out, dropped
+
+    # One method per group; each writes its metrics into ``out``.
+    def _read_utilization(self, out: dict[str, float]) -> None:
+        gpu, memory = self.device.utilization()
+        out["util"] = float(gpu)
+        out["mem_util"] = float(memory)
+
+    def _read_memory(self, out: dict[str, float]) -> None:
+        total, used, _free = self.device.memory()
+        out["mem_used_gib"] = used / GIB
+        out["mem_total_gib"] = total / GIB
+
+    def _read_process_memory(self, out: dict[str, float]) -> None:
+        procs = self.device.compute_processes()
+        mine = [used for pid, used in procs if pid == self.pid and used is not None]
+        if mine:  # absent (not yet on the GPU, or another PID namespace): no sample, not a zero
+            out["proc_mem_gib"] = sum(mine) / GIB
+
+    def _read_temperature(self, out: dict[str, float]) -> None:
+        out["temp_c"] = float(self.device.temperature_c())
+
+    def _read_power(self, out: dict[str, float]) -> None:
+        milliwatts = self.device.power_mw()
+        out["power_w"] = milliwatts / 1000.0
+        if self.power_limit_mw:
+            out["power_ratio"] = milliwatts / self.power_limit_mw
+
+    def _read_clock(self, out: dict[str, float]) -> None:
+        out["sm_clock_mhz"] = self.device.sm_clock_mhz()
+
+    def _read_throttle(self, out: dict[str, float]) -> None:
+        reasons = self.device.clock_event_reasons()
+        for metric, mask in THROTTLE_MASKS.items():
+            out[metric] = 1.0 if reasons & mask else 0.0
+
+    def _read_energy(self, out: dict[str, float]) -> None:
+        out["_energy_mj"] = self.device.energy_mj()
+
+    def _read_fan(self, out: dict[str, float]) -> None:
+        out["fan_pct"] = self.device.fan_pct()
+
+    def _read_pcie(self, out: dict[str, float]) -> None:
+        sent, received = self.device.pcie_kbs()
+        out["pcie_tx_mbs"] = sent / 1024
+        out["pcie_rx_mbs"] = received / 1024
+
+    def _read_ecc(self, out: dict[str, float]) -> None:
+        out["ecc_uncorrected"] = self.device.ecc_uncorrected()
+
+    def _read_memory_temperature(self, out: dict[str, float]) -> None:
+        out["mem_temp_c"] = self.device.memory_temperature_c()
+
+    def _read_gpm(self, out: dict[str, float]) -> None:
+        if self.gpm is not None:
+            out.update(self.gpm.read())
+
+    def identity(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "name": self.name,
+            "uuid": self.uuid,
+            "nvml_index": self.nvml_index,
+            "pci_bus_id": self.pci_bus_id,
+            "mig": self.is_mig,
+            "board_uuid": self.board_uuid,
+            "unsupported": sorted(self.unsupported),
+        }
+
+
+class GpuSampler:
+    """Samples a set of :class:`GpuReader` into per-phase accumulators, in a background thread.
+
+    The thread takes a first sample as soon as it starts (it primes the energy counter and the
+    GPM pairs), then one every ``interval_s``. NVML is read outside the lock that guards the
+    accumulators, so the training thread switching phases never waits for a sample.
+    ``set_phase(..., sample=True)`` and ``collect(..., sample=True)`` take a boundary sample on
+    the calling thread, which splits phases exactly (tests drive the sampler that way against a
+    fake clock); the callback passes ``sample=False`` and never makes an NVML call between steps.
+    """
+
+    def __init__(self, readers: Sequence[GpuReader], interval_s: float) -> None:
+        self.readers = list(readers)
+        self.interval_s = interval_s
+        self.phase: str | None = None
+        self._acc: dict[str, dict[str, GpuAccumulator]] = {}
+        self._last_energy: dict[str, float] = {}
+        self._energy_total_mj: dict[str, float] = {}
+        self._lock = threading.Lock()  # the accumulators and the phase
+        self._reading = threading.Lock()  # one sample at a time (the GPM pairs are stateful)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def alive(self) -> list[GpuReader]:
+        return [r for r in self.readers if r.dead is None]
+
+    def start(self) -> None:
+        if self._thread is None and self.alive:
+            self._thread = threading.Thread(target=self._run, name="gpu-stats-sampler", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread and free what the readers hold in NVML (before NVML shuts down)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval_s + 10.0)
+            self._thread = None
+        with self._reading:
+            for reader in self.readers:
+                reader.close()
+
+    def _run(self) -> None:
+        self.sample_now()
+        while not self._stop.wait(self.interval_s) and self.alive:
+            self.sample_now()
+
+    def sample_now(self) -> None:
+        """Read every live GPU once and add the values to the phase current at that moment."""
+        with self._reading:
+            if self._stop.is_set() and self._thread is None:
+                return  # stopped: the readers are closed
+            readings = [(reader, self._read(reader)) for reader in self.alive]
+            with self._lock:
+                for reader, reading in readings:
+                    if reading is not None:
+                        self._add(reader, *reading)
+
+    def _read(self, reader: GpuReader) -> tuple[dict[str, float], float] | None:
+        start = time.perf_counter()
+        try:
+            values, dropped = reader.read()
+        except Exception as err:  # GpuIsLost, NVML gone, anything: this GPU is done, training not
+            reader.dead = f"{type(err).__name__}: {err}"
+            log.warning(
+                "gpu_stats: stopped sampling %s (%s): %s; training continues",
+                reader.label,
+                reader.name,
+                reader.dead,
+            )
+            return None
+        if dropped:
+            log.info(
+                "gpu_stats: %s no longer reports %s; left out", reader.label, ", ".join(dropped)
+            )
+        return values, time.perf_counter() - start
+
+    def _add(self, reader: GpuReader, values: dict[str, float], seconds: float) -> None:
+        energy = values.pop("_energy_mj", None)
+        acc = self._acc.get(self.phase) if self.phase is not None else None
+        if energy is not None:
+            previous = self._last_energy.get(reader.label)
+            self._last_energy[reader.label] = energy
+            if previous is not None:
+                delta = energy - previous
+                total = self._energy_total_mj.get(reader.label, 0.0)
+                self._energy_total_mj[reader.label] = total + delta
+                if acc is not None:
+                    acc.setdefault(reader.label, GpuAccumulator()).add_energy(delta)
+        if acc is not None:
+            acc.setdefault(reader.label, GpuAccumulator()).add(values, seconds)
+
+    def set_phase(self, phase: str | None, *, reset: bool = True, sample: bool = True) -> None:
+        """Send later samples to ``phase``; with ``sample``, first close the current one with a
+        sample taken here."""
+        if sample:
+            self.sample_now()
+        with self._lock:
+            self.phase = phase
+            if phase is not None and (reset or phase not in self._acc):
+                self._acc[phase] = {}
+
+    def has_samples(self, phase: str) -> bool:
+        """Whether ``phase`` holds at least one sample of every live GPU."""
+        with self._lock:
+            held = self._acc.get(phase, {})
+            return all(r.label in held and held[r.label].samples for r in self.alive)
+
+    def collect(self, phase: str, *, sample: bool = True) -> dict[str, dict[str, float]]:
+        """``{label: summary}`` of ``phase`` so far (after one closing sample if it is current)."""
+        if sample and self.phase == phase:
+            self.sample_now()
+        with self._lock:
+            return {label: acc.summary() for label, acc in self._acc.get(phase, {}).items()}
+
+    def energy_totals_j(self) -> dict[str, float]:
+        """Each GPU's energy since the first sample, whatever the phase, in joules."""
+        with self._lock:
+            return {label: mj / 1000.0 for label, mj in self._energy_total_mj.items()}
+
+
+class TorchPeakMemory:
+    """PyTorch's own peak allocated/reserved memory per CUDA device, split by phase."""
+
+    def __init__(self, devices: dict[str, torch.device]) -> None:
+        self.devices = {k: d for k, d in devices.items() if d.type == "cuda"}
+        self._carry: dict[str, tuple[float, float]] = {}
+
+    def _read(self, device: torch.device) -> tuple[float, float]:
+        return (
+            torch.cuda.max_memory_allocated(device) / GIB,
+            torch.cuda.max_memory_reserved(device) / GIB,
+        )
+
+    def clear(self) -> None:
+        """A new training epoch: forget everything and restart the peaks."""
+        self._carry.clear()
+        self._restart()
+
+    def stash(self) -> None:
+        """Validation starts: remember the training peaks so far, then restart the peaks."""
+        for label, device in self.devices.items():
+            old, now = self._carry.get(label, (0.0, 0.0)), self._read(device)
+            self._carry[label] = (max(old[0], now[0]), max(old[1], now[1]))
+        self._restart()
+
+    def restart(self) -> None:
+        """Validation ends: its peaks were read; training continues from fresh peaks."""
+        self._restart()
+
+    def _restart(self) -> None:
+        for device in self.devices.values():
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def peaks(self, include_carry: bool) -> dict[str, dict[str, float]]:
+        out = {}
+        for label, device in self.devices.items():
+            alloc, reserved = self._read(device)
+            if include_carry:
+                carry = self._carry.get(label, (0.0, 0.0))
+                alloc, reserved = max(alloc, carry[0]), max(reserved, carry[1])
+            out[label] = {"torch_peak_alloc_gib": alloc, "torch_peak_reserved_gib": reserved}
+        return out

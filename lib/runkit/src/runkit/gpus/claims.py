@@ -1,0 +1,418 @@
+"""Waiting for GPUs and claiming them: ``select_gpus=least_used`` on a shared machine.
+
+Lightning takes the first GPUs; a "least used" choice made from one reading lets two launches
+started together take the same GPU. So a run that selects by load:
+
+* **measures** every visible GPU afresh, in one NVML session: free memory (the lowest reading over
+  the window) and utilisation (the mean of readings every 0.2 s over ``gpu_util_window_s``, not
+  one instant, which catches a busy GPU between two kernels as idle);
+* **qualifies** GPUs: at least ``gpu_min_free_gib`` free, at most ``gpu_max_util`` percent busy,
+  readable (a GPU whose reading fails, lost or erroring, does not qualify; a reading the GPU does
+  not support, such as a MIG device's utilisation, is no requirement), and not claimed by another
+  run;
+* **claims** the best qualifying ones (most free memory, then lowest utilisation): an exclusive
+  ``flock`` on ``<gpu_lock_dir>/<GPU UUID>.lock``, taken without blocking. DDP rank 0 holds it for
+  the life of the run (its children reuse its choice, ``RUNKIT_GPU_SELECTION``); the kernel drops
+  it when the process ends, however it ends, so a dead run's lock never blocks anyone and there is
+  no pid file to clean up. :func:`finish_job` drops it at the end of each job of a sweep;
+* **waits** until enough GPUs qualify or ``gpu_wait_s`` runs out, logging one status line a
+  minute; on time-out, one ``error:`` line naming every GPU and why it did not qualify.
+
+The default lock directory is per user (``$XDG_RUNTIME_DIR/runkit-gpu-locks``, else
+``/tmp/runkit-gpu-locks-<uid>``); point ``gpu_lock_dir`` of every user at one shared directory
+(mode 1777) to coordinate across users: a read-only descriptor locks too, so another user's lock
+file works. Lock files are never deleted (deleting one would race with its next holder).
+
+Why not nvitop's ``select_devices``: it has the thresholds but neither waits nor claims, and
+judges utilisation from one instant (docs/design/notes.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import re
+import stat
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from runkit.gpus import nvml
+from runkit.gpus.inventory import forget_readings
+from runkit.gpus.reader import DeviceReader
+from runkit.gpus.records import DeviceError, Gpu, Inventory
+
+log = logging.getLogger(__name__)
+
+STATUS_EVERY_S = 60.0
+"""How often a waiting run logs where it stands."""
+POLL_S = 2.0
+"""Pause between two measurements while waiting (each measurement also takes the window)."""
+SAMPLE_EVERY_S = 0.2
+"""Spacing of the utilisation readings averaged over the window."""
+_MIB = 1024 * 1024
+
+_held: dict[str, int] = {}
+"""Claimed GPU UUID -> the descriptor holding its lock, for this process's current run."""
+
+
+@dataclass(frozen=True)
+class SelectionPolicy:
+    """The ``gpu_*`` keys of ``select_gpus=least_used`` (configs/train.yaml): the defaults ask
+    nothing of a GPU but that no other run claimed it, and do not wait."""
+
+    min_free_gib: float = 0.0
+    max_util_percent: float = 100.0
+    wait_s: float = 0.0
+    util_window_s: float = 1.0
+    lock_dir: str | None = None
+
+    @property
+    def has_thresholds(self) -> bool:
+        return self.min_free_gib > 0 or self.max_util_percent < 100
+
+
+_KEYS = {
+    "gpu_min_free_gib": ("min_free_gib", 0.0, math.inf, "a number of GiB >= 0"),
+    "gpu_max_util": ("max_util_percent", 0.0, 100.0, "a percentage from 0 to 100"),
+    "gpu_wait_s": ("wait_s", 0.0, math.inf, "a number of seconds >= 0"),
+    "gpu_util_window_s": ("util_window_s", 0.0, 60.0, "a number of seconds > 0 and <= 60"),
+}
+
+
+def policy_from_config(cfg: Mapping[str, Any]) -> SelectionPolicy:
+    """The :class:`SelectionPolicy` from a run config's ``gpu_*`` keys (absent ones keep their
+    defaults); a bad value is one :class:`DeviceError` line naming the key and what is accepted."""
+    values: dict[str, Any] = {}
+    for key, (field, low, high, accepted) in _KEYS.items():
+        value = cfg.get(key)
+        if value is None:
+            continue
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = ok and math.isfinite(value) and low <= value <= high
+        if ok and key == "gpu_util_window_s":
+            ok = value > 0
+        if not ok:
+            raise DeviceError(f"{key}={value!r} is invalid; expected {accepted}")
+        values[field] = float(value)
+    lock_dir = cfg.get("gpu_lock_dir")
+    if lock_dir is not None:
+        if not isinstance(lock_dir, str) or not lock_dir.strip() or "\0" in lock_dir:
+            raise DeviceError(
+                f"gpu_lock_dir={lock_dir!r} is invalid; expected a directory path or null "
+                "(a directory per user)"
+            )
+        values["lock_dir"] = lock_dir
+    return SelectionPolicy(**values)
+
+
+# --------------------------------------------------------------------------------------------
+# Measuring
+
+
+@dataclass(frozen=True)
+class Load:
+    """What one measurement says about a device: the lowest free memory and the mean utilisation
+    over the window; ``*_error`` when NVML failed (not when the device does not support it)."""
+
+    free_mib: int | None = None
+    util_percent: float | None = None
+    memory_error: str | None = None
+    util_error: str | None = None
+
+
+def measure_loads(gpus: Sequence[Gpu], window_s: float) -> list[Load]:
+    """One :class:`Load` per GPU in ``gpus`` (matched by UUID), from readings spread over
+    ``window_s`` seconds in one NVML session. Raises
+    :class:`~runkit.gpus.nvml.NvmlUnavailable` when NVML cannot start."""
+    samples = max(2, round(window_s / SAMPLE_EVERY_S) + 1)
+    with nvml.nvml_session() as lib:
+        unsupported = nvml.error_classes(lib, nvml.UNSUPPORTED_ERRORS)
+        readers: list[DeviceReader | str] = []
+        for gpu in gpus:
+            found = nvml.find_handle(lib, gpu.uuid)
+            try:
+                readers.append(
+                    DeviceReader.open(lib, found[0]) if found else "NVML knows no such GPU"
+                )
+            except lib.NVMLError as err:
+                readers.append(str(err))
+        free: list[list[int]] = [[] for _ in gpus]
+        util: list[list[int]] = [[] for _ in gpus]
+        mem_err: list[str | None] = [r if isinstance(r, str) else None for r in readers]
+        util_err: list[str | None] = list(mem_err)
+        for k in range(samples):
+            if k:
+                time.sleep(window_s / (samples - 1))
+            for i, reader in enumerate(readers):
+                if isinstance(reader, str):
+                    continue
+                try:
+                    free[i].append(reader.memory()[2])
+                except unsupported:
+                    pass
+                except lib.NVMLError as err:
+                    mem_err[i] = str(err)
+                try:
+                    util[i].append(reader.utilization()[0])
+                except unsupported:
+                    pass
+                except lib.NVMLError as err:
+                    util_err[i] = str(err)
+    return [
+        Load(
+            free_mib=min(free[i]) // _MIB if free[i] and mem_err[i] is None else None,
+            util_percent=sum(util[i]) / len(util[i]) if util[i] and util_err[i] is None else None,
+            memory_error=mem_err[i],
+            util_error=util_err[i],
+        )
+        for i in range(len(gpus))
+    ]
+
+
+def rank_by_load(gpus: Sequence[Gpu]) -> list[int]:
+    """Indices of ``gpus`` (``cuda:N`` positions), best first: most free memory, then lowest
+    utilisation, then lowest index. Unknown values rank after known ones.
+
+    Why not nvitop's ``select_devices``: it breaks ties by the highest index and ranks a GPU whose
+    memory reading failed first (docs/design/notes.md)."""
+
+    def key(i: int) -> tuple[bool, int, bool, int, int]:
+        g = gpus[i]
+        free, util = g.memory_free_mib, g.utilization_percent
+        return (free is None, -(free or 0), util is None, util or 0, i)
+
+    return sorted(range(len(gpus)), key=key)
+
+
+def judge(load: Load, policy: SelectionPolicy) -> str | None:
+    """Why a GPU with ``load`` does not qualify under ``policy``; ``None`` when it does."""
+    if load.memory_error:
+        return f"memory unreadable ({load.memory_error})"
+    if load.util_error:
+        return f"utilization unreadable ({load.util_error})"
+    if policy.min_free_gib > 0:
+        if load.free_mib is None:
+            return "free memory not reported, so gpu_min_free_gib cannot be checked"
+        if load.free_mib < policy.min_free_gib * 1024:
+            return f"{load.free_mib / 1024:.1f} GiB free < gpu_min_free_gib={policy.min_free_gib:g}"
+    if load.util_percent is not None and load.util_percent > policy.max_util_percent:
+        return (
+            f"utilization {load.util_percent:.0f}% (mean over {policy.util_window_s:g} s) "
+            f"> gpu_max_util={policy.max_util_percent:g}"
+        )
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Locks
+
+
+def lock_dir_for(policy: SelectionPolicy) -> Path:
+    """The lock directory, created if missing; :class:`DeviceError` when it cannot be used."""
+    if policy.lock_dir is not None:
+        path = Path(os.path.expanduser(policy.lock_dir))
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise DeviceError(
+                f"gpu_lock_dir={policy.lock_dir!r} cannot be created ({err.strerror}); "
+                "give a writable directory or null"
+            ) from err
+        return path
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        path = Path(runtime) / "runkit-gpu-locks"
+    else:
+        path = Path(tempfile.gettempdir()) / f"runkit-gpu-locks-{os.getuid()}"
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        info = path.lstat()
+    except OSError as err:
+        raise DeviceError(
+            f"the GPU lock directory {str(path)!r} cannot be created ({err.strerror}); "
+            "set gpu_lock_dir"
+        ) from err
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise DeviceError(
+            f"the GPU lock directory {str(path)!r} is not a directory of this user; set gpu_lock_dir"
+        )
+    return path
+
+
+def lock_path(lock_dir: Path, uuid: str) -> Path:
+    """The lock file of a GPU: its UUID, with anything but letters, digits, ``-`` and ``_``
+    replaced (a UUID comes from NVML; it must not name a path)."""
+    return lock_dir / f"{re.sub(r'[^A-Za-z0-9_-]', '_', uuid)}.lock"
+
+
+def try_lock(path: Path) -> int | str:
+    """Lock ``path`` exclusively without waiting: the open descriptor, or why not (one phrase).
+
+    The file is opened without following a symlink and without blocking on a FIFO; only a
+    regular file is locked. The holder writes its pid into it, for the others' messages."""
+    import fcntl  # POSIX only: imported where used, so importing this module works anywhere
+
+    flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags | os.O_RDWR | os.O_CREAT, 0o644)
+    except PermissionError:
+        try:  # another user's lock file in a shared directory: a read-only descriptor locks too
+            fd = os.open(path, flags | os.O_RDONLY)
+        except OSError as err:
+            return f"its lock file {str(path)!r} cannot be opened ({err.strerror})"
+    except OSError as err:
+        return f"its lock file {str(path)!r} cannot be opened ({err.strerror})"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return f"its lock file {str(path)!r} is not a regular file"
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        return f"claimed by {holder}"
+    except OSError as err:
+        os.close(fd)
+        return f"its lock file {str(path)!r} cannot be locked ({err.strerror})"
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        pass  # a read-only descriptor: the lock holds, only the pid note is missing
+    return fd
+
+
+def _holder(fd: int) -> str:
+    """Who holds a lock, from the pid its holder wrote (any content is tolerated)."""
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace")
+    except OSError:
+        text = ""
+    match = re.fullmatch(r"\s*(\d{1,10})\s*", text)
+    return f"another run (pid {match.group(1)})" if match else "another run"
+
+
+def release_claims() -> None:
+    """Give back every GPU this process claimed (closing the descriptor drops the lock)."""
+    while _held:
+        _uuid, fd = _held.popitem()
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def claimed_uuids() -> tuple[str, ...]:
+    """The UUIDs of the GPUs this process holds claimed."""
+    return tuple(_held)
+
+
+def finish_job() -> None:
+    """End of a job: give back its GPUs and forget its NVML reading, so that the next job of a
+    sweep measures and claims anew (called by the Hydra entry point after every job)."""
+    release_claims()
+    forget_readings()
+
+
+# --------------------------------------------------------------------------------------------
+# Waiting and claiming
+
+
+def _attempt(
+    candidates: Sequence[Gpu], count: int, policy: SelectionPolicy, lock_dir: Path
+) -> tuple[list[int] | None, list[str | None]]:
+    """One measurement and claim: ``(chosen cuda:N indices or None, why each GPU is out)``."""
+    try:
+        loads = measure_loads(candidates, policy.util_window_s)
+    except nvml.NvmlUnavailable as err:
+        loads = [Load(memory_error=str(err))] * len(candidates)
+    reasons: list[str | None] = [judge(load, policy) for load in loads]
+    measured = [
+        replace(
+            g,
+            memory_free_mib=load.free_mib,
+            utilization_percent=None if load.util_percent is None else round(load.util_percent),
+        )
+        for g, load in zip(candidates, loads, strict=True)
+    ]
+    got: dict[int, int] = {}
+    for i in rank_by_load(measured):
+        if reasons[i] is not None:
+            continue
+        if len(got) == count:
+            break
+        outcome = try_lock(lock_path(lock_dir, candidates[i].uuid))
+        if isinstance(outcome, str):
+            reasons[i] = outcome
+        else:
+            got[i] = outcome
+    if len(got) < count:
+        for fd in got.values():
+            os.close(fd)
+        return None, reasons
+    for i, fd in got.items():
+        _held[candidates[i].uuid] = fd
+    return sorted(got), reasons
+
+
+def _standing(reasons: Sequence[str | None]) -> str:
+    return "; ".join(
+        f"cuda:{i} {'qualifies' if why is None else why}" for i, why in enumerate(reasons)
+    )
+
+
+def wait_and_claim(inv: Inventory, count: int, policy: SelectionPolicy) -> tuple[list[int], str]:
+    """Claim ``count`` of ``inv``'s GPUs that qualify under ``policy``, waiting up to
+    ``policy.wait_s`` for them: the chosen ``cuda:N`` indices (sorted) and a one-line message.
+
+    Raises :class:`DeviceError` on time-out (one line: each GPU and why it did not qualify), or
+    when thresholds are asked but NVML gives no readings. Without NVML (no UUIDs, nothing to
+    measure or lock) and without thresholds, the first ``count`` GPUs are taken unclaimed, as
+    before claims existed."""
+    candidates = list(inv.visible[: inv.usable_gpu_count])
+    if not inv.nvml_available or not all(g.uuid for g in candidates):
+        why = inv.nvml_reason or "NVML gave no UUIDs"
+        if policy.has_thresholds or policy.wait_s > 0:
+            raise DeviceError(
+                f"select_gpus=least_used with gpu_min_free_gib/gpu_max_util/gpu_wait_s needs "
+                f"NVML readings, but there are none ({why}); use select_gpus=first"
+            )
+        chosen = list(range(count))
+        return chosen, (
+            f"select_gpus=least_used: no GPU load readings ({why}); using the first {count}: "
+            f"{chosen}"
+        )
+    lock_dir = lock_dir_for(policy)
+    started = time.monotonic()
+    deadline = started + policy.wait_s
+    next_status = started
+    while True:
+        chosen, reasons = _attempt(candidates, count, policy, lock_dir)
+        now = time.monotonic()
+        if chosen is not None:
+            waited = f", after waiting {now - started:.0f} s" if now - started >= POLL_S else ""
+            return chosen, (
+                f"select_gpus=least_used picked {', '.join(f'cuda:{i}' for i in chosen)} of "
+                f"{len(candidates)} (most free memory, then lowest utilisation{waited}); "
+                f"claimed until the run ends (locks in {lock_dir})"
+            )
+        if now >= deadline:
+            ok = sum(why is None for why in reasons)
+            waited = f"after waiting {policy.wait_s:g} s" if policy.wait_s else "with gpu_wait_s=0"
+            raise DeviceError(
+                f"select_gpus=least_used found {ok} of the {count} GPU(s) wanted {waited}: "
+                f"{_standing(reasons)}"
+            )
+        if now >= next_status:
+            log.info(
+                "Waiting for %d GPU(s) (select_gpus=least_used, %.0f s left): %s",
+                count,
+                deadline - now,
+                _standing(reasons),
+            )
+            next_status = now + STATUS_EVERY_S
+        time.sleep(max(0.0, min(POLL_S, deadline - now)))

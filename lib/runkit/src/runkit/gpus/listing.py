@@ -1,0 +1,262 @@
+"""``python -m runkit.devices [--json] [--watch [SECONDS]]``: the GPUs this process may use, as
+``cuda:N``, once or refreshed in place.
+
+The one place that reads NVML in full (load, temperature, power, processes with their names):
+device resolution reads only what it needs (:mod:`runkit.gpus.inventory`). ``--watch``
+asks torch once and reads NVML once per refresh (one session), so a refresh stays cheap.
+
+Why not nvitop's TUI: it numbers GPUs by NVML index, not as ``cuda:N`` for this process, and
+cannot be pointed at the fake NVML (docs/design/notes.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from runkit.gpus import nvml
+from runkit.gpus.inventory import (
+    build_inventory,
+    collect_inventory,
+    probe_torch,
+    read_nvml,
+)
+from runkit.gpus.records import Gpu, Inventory, TorchCuda
+
+DEFAULT_WATCH_S = 2.0
+MIN_WATCH_S = 0.1
+
+JSON_SCHEMA_VERSION = 1
+"""Bumped whenever a key of ``python -m runkit.devices --json`` changes meaning or goes away."""
+
+
+def _gpu_json(gpu: Gpu, index: int | None) -> dict[str, Any]:
+    return {
+        "index": index,
+        "nvml_index": gpu.nvml_index,
+        "name": gpu.name,
+        "uuid": gpu.uuid,
+        "mig": gpu.is_mig,
+        "parent_uuid": gpu.parent_uuid,
+        "memory_used_mib": gpu.memory_used_mib,
+        "memory_total_mib": gpu.memory_total_mib,
+        "memory_free_mib": gpu.memory_free_mib,
+        "utilization_percent": gpu.utilization_percent,
+        "temperature_c": gpu.temperature_c,
+        "power_w": gpu.power_w,
+        "power_limit_w": gpu.power_limit_w,
+        "processes": [
+            {"pid": p.pid, "used_memory_mib": p.used_memory_mib, "name": p.name}
+            for p in gpu.processes
+        ],
+    }
+
+
+def inventory_to_json(inv: Inventory) -> dict[str, Any]:
+    """The ``--json`` document. Keys (schema_version 1; values may be ``null`` when unknown):
+
+    ``schema_version``; ``cuda_available`` (torch can use CUDA); ``device_count`` (``cuda:N``
+    devices training can use); ``training_device`` (``"cuda"`` or ``"cpu"``); ``message`` (the
+    one-line summary); ``nvml`` {``available``, ``reason``, ``driver_version``};
+    ``cuda_visible_devices`` (raw value or ``null`` if unset); ``cuda_device_order``;
+    ``index_mapping`` (``torch-uuid`` | ``env-rules`` | ``torch-only`` | ``none``); ``gpus``: one
+    object per ``cuda:N`` with ``index`` (N), ``nvml_index``, ``name``, ``uuid``, ``mig``,
+    ``parent_uuid``, ``memory_used_mib``, ``memory_total_mib``, ``memory_free_mib``,
+    ``utilization_percent``, ``temperature_c``, ``power_w``, ``power_limit_w``, ``processes``
+    [{``pid``, ``used_memory_mib``, ``name``}]; ``hidden_gpus``: physical GPUs CUDA does not show
+    this process, same keys with ``index`` null; ``notes``: list of one-line remarks.
+    """
+    return {
+        "schema_version": JSON_SCHEMA_VERSION,
+        "cuda_available": inv.torch.available,
+        "device_count": inv.usable_gpu_count,
+        "training_device": "cuda" if inv.usable_gpu_count else "cpu",
+        "message": inv.summary(),
+        "nvml": {
+            "available": inv.nvml_available,
+            "reason": inv.nvml_reason,
+            "driver_version": inv.driver_version,
+        },
+        "cuda_visible_devices": inv.cuda_visible_devices,
+        "cuda_device_order": inv.cuda_device_order,
+        "index_mapping": inv.mapping,
+        "gpus": [_gpu_json(g, i) for i, g in enumerate(inv.visible)],
+        "hidden_gpus": [_gpu_json(g, None) for g in inv.hidden],
+        "notes": list(inv.notes),
+    }
+
+
+def _fmt(value: Any, unit: str = "", digits: int = 0) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}{unit}" if isinstance(value, float) else f"{value}{unit}"
+
+
+def _memory(g: Gpu) -> str:
+    if g.memory_total_mib is None:
+        return "-"
+    return f"{_fmt(g.memory_used_mib)} / {g.memory_total_mib} MiB"
+
+
+def _procs(g: Gpu) -> str:
+    if not g.processes:
+        return "-"
+    return ", ".join(
+        f"{p.pid}{' ' + p.name if p.name else ''} ({_fmt(p.used_memory_mib, ' MiB')})"
+        for p in g.processes
+    )
+
+
+_MAPPING_TEXT = {
+    "torch-uuid": "cuda:N matched to NVML by UUID (torch)",
+    "env-rules": "cuda:N worked out by CUDA's CUDA_VISIBLE_DEVICES/CUDA_DEVICE_ORDER rules",
+    "torch-only": "names from torch; NVML unavailable, so no metrics",
+    "none": "no GPU",
+}
+
+
+def listing(inv: Inventory, header: str | None = None) -> Any:
+    """The human listing as one Rich renderable (printed once, or refreshed by ``--watch``)."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    parts: list[Any] = [Text(header)] if header else []
+    if not inv.visible:
+        return Group(*parts, Text(inv.summary()))
+    if inv.torch.available:
+        built = f"torch CUDA {inv.torch.version}, " if inv.torch.version else ""
+        cuda = f"yes ({built}{inv.torch.device_count} device(s))"
+    else:
+        cuda = "no (training will use the CPU)"
+    parts.append(Text(f"CUDA available: {cuda}"))
+    parts.append(
+        Text(
+            f"NVML driver {inv.driver_version or '?'}; CUDA_VISIBLE_DEVICES="
+            f"{'(unset)' if inv.cuda_visible_devices is None else repr(inv.cuda_visible_devices)}; "
+            f"CUDA_DEVICE_ORDER={inv.cuda_device_order}; {_MAPPING_TEXT[inv.mapping]}"
+        )
+    )
+    table = Table(title=inv.summary(), title_justify="left")
+    for column in ("cuda", "nvml", "name", "uuid", "memory", "util", "temp", "power", "processes"):
+        table.add_column(column, overflow="fold")
+    for i, g in enumerate(inv.visible):
+        nvml_idx = "-" if g.nvml_index is None else str(g.nvml_index)
+        if g.is_mig:
+            nvml_idx += f" MIG {g.mig_index}"
+        power = _fmt(g.power_w, " W")
+        if g.power_limit_w is not None:
+            power += f" / {_fmt(g.power_limit_w, ' W')}"
+        table.add_row(
+            f"cuda:{i}",
+            nvml_idx,
+            g.name,
+            g.uuid,
+            _memory(g),
+            _fmt(g.utilization_percent, "%"),
+            _fmt(g.temperature_c, " °C"),
+            power,
+            _procs(g),
+        )
+    parts.append(table)
+    for g in inv.hidden:
+        parts.append(Text(f"not visible to CUDA here: NVML GPU {g.nvml_index} {g.name} {g.uuid}"))
+    for note in inv.notes:
+        parts.append(Text(f"note: {note}"))
+    return Group(*parts)
+
+
+def render(inv: Inventory, console: Any) -> None:
+    """Print the human listing on a Rich ``console``."""
+    from rich.text import Text
+
+    for part in listing(inv).renderables:
+        console.print(part, highlight=False, soft_wrap=isinstance(part, Text))
+
+
+def watch_seconds(text: str) -> float:
+    """argparse type of ``--watch SECONDS``: a finite number >= 0.1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= MIN_WATCH_S):
+        raise argparse.ArgumentTypeError(
+            f"SECONDS={text!r} is invalid; expected a number of seconds >= {MIN_WATCH_S}"
+        )
+    return value
+
+
+def snapshots(torch_info: TorchCuda) -> Iterator[Inventory]:
+    """Inventories read afresh, one per ``next()``: NVML once each, torch's answer reused."""
+    while True:
+        try:
+            physical, driver, notes = read_nvml()
+        except nvml.NvmlUnavailable as err:
+            yield build_inventory(None, torch_info, nvml_reason=str(err))
+            continue
+        yield build_inventory(physical, torch_info, driver_version=driver, notes=notes)
+
+
+def watch(seconds: float, as_json: bool, console: Any = None) -> int:
+    """Refresh the listing every ``seconds`` until Ctrl-C (exit 0): a Rich table redrawn in place
+    on ``console`` (default: stdout), or with ``as_json`` one JSON document per line (the
+    ``--json`` schema plus ``time``, Unix seconds)."""
+    try:
+        inventories = snapshots(probe_torch())
+        if as_json:
+            for inv in inventories:
+                print(json.dumps({**inventory_to_json(inv), "time": time.time()}), flush=True)
+                time.sleep(seconds)
+        _watch_table(inventories, seconds, console)
+    except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:  # ``... --json --watch | head``: the reader left; so do we, quietly
+        sys.stdout = None  # type: ignore[assignment]  # nothing left to flush at exit
+    return 0
+
+
+def _watch_table(inventories: Iterator[Inventory], seconds: float, console: Any) -> None:
+    from rich.console import Console
+    from rich.live import Live
+
+    with Live(console=console or Console(), auto_refresh=False) as live:
+        for inv in inventories:
+            header = f"{time.strftime('%H:%M:%S')}  every {seconds:g} s; Ctrl-C to quit"
+            live.update(listing(inv, header), refresh=True)
+            time.sleep(seconds)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m runkit.devices [--json] [--watch [SECONDS]]``: list the GPUs this process may
+    use, once or until Ctrl-C."""
+    parser = argparse.ArgumentParser(
+        prog="python -m runkit.devices",
+        description="List the GPUs this process may use (as cuda:N), their load and processes.",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+    parser.add_argument(
+        "--watch",
+        nargs="?",
+        const=DEFAULT_WATCH_S,
+        type=watch_seconds,
+        metavar="SECONDS",
+        help=f"refresh every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C; with --json, "
+        "one JSON document per line",
+    )
+    args = parser.parse_args(argv)
+    if args.watch is not None:
+        return watch(args.watch, args.json)
+    inv = collect_inventory()
+    if args.json:
+        print(json.dumps(inventory_to_json(inv), indent=2))
+        return 0
+    from rich.console import Console
+
+    render(inv, Console())
+    return 0

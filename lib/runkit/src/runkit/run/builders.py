@@ -1,0 +1,126 @@
+"""Turn the composed config into the objects a run needs: callbacks, loggers, the Trainer.
+
+Each config node with a ``_target_`` is instantiated as it stands, so a node maps one-to-one onto
+the class it names and a user's own class drops in by changing ``_target_``.
+
+One logger is not a choice: the run's own record, ``<run>/csv/metrics.csv`` (:func:`run_record`),
+which ``curves.png``, ``python -m runkit.plot`` and resume read. The ``logger`` group adds loggers
+to it (``logger=none``: none added); ``logger.csv`` configures the record itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from hydra.utils import instantiate
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.loggers import CSVLogger, Logger
+from omegaconf import DictConfig, OmegaConf
+
+import runkit.strategies  # noqa: F401  (registers trainer.strategy=dp before any Trainer)
+from runkit.run import launch
+
+log = logging.getLogger(__name__)
+
+
+def build_callbacks(cfg: DictConfig | None) -> list[Callback]:
+    """One callback per entry of ``cfg.callbacks`` (entries without a ``_target_`` are skipped)."""
+    return [instantiate(node) for node in _target_nodes(cfg)]
+
+
+def build_loggers(cfg: DictConfig | None, record: CSVLogger | None = None) -> list[Logger]:
+    """One logger per entry of ``cfg.logger``, after the run's ``record`` (:func:`run_record`)
+    unless an entry already writes that CSV file; an empty list means no logger."""
+    loggers = [instantiate(node) for node in _target_nodes(cfg)]
+    if record is None or any(_same_csv(logger, record) for logger in loggers):
+        return loggers
+    return [record, *loggers]
+
+
+def run_record(cfg: DictConfig) -> CSVLogger | None:
+    """The CSV log every run keeps in ``<paths.output_dir>/csv/``, whatever ``logger`` says.
+
+    The run's record must not depend on which extra logger the user picked: ``curves.png``,
+    ``python -m runkit.plot`` and resume all read ``csv/metrics.csv``. None when the config has
+    no ``paths.output_dir`` (a Trainer built outside a run)."""
+    out = OmegaConf.select(cfg, "paths.output_dir", default=None)
+    return CSVLogger(save_dir=str(out), name="csv", version="") if out else None
+
+
+def _same_csv(logger: Logger, record: CSVLogger) -> bool:
+    if not isinstance(logger, CSVLogger):
+        return False
+    return Path(logger.log_dir).absolute() == Path(record.log_dir).absolute()
+
+
+# The safety parts of a training run, each a config node like every other (configs/callbacks/,
+# configs/trainer/default.yaml), and what a run loses when one is removed on purpose.
+SAFETY_PARTS = (
+    (
+        "callbacks.resume_state removed",
+        "runkit.safety.resume.ResumeState",
+        "a resumed run will not restore the random state at each batch or carry on the "
+        "earlier run's logs",
+    ),
+    (
+        "callbacks.graceful_interrupt removed",
+        "runkit.safety.interrupts.GracefulInterrupt",
+        "Ctrl-C/SIGTERM will not save a checkpoint, and a DDP worker whose launching process "
+        "dies waits in a collective until its timeout",
+    ),
+    (
+        "trainer.plugins has no AtomicCheckpointIO",
+        "runkit.safety.checkpoints.AtomicCheckpointIO",
+        "checkpoint writes are not crash-safe: a kill or a full disk during a save can leave "
+        "a half-written file",
+    ),
+)
+
+
+def build_trainer(cfg: DictConfig, **overrides: Any) -> Trainer:
+    """The Trainer of ``cfg.trainer`` with the run's callbacks and loggers.
+
+    ``overrides`` replace trainer arguments the run decided on (the resolved devices, say);
+    everything else reaches the Trainer exactly as configured, the safety parts included
+    (:data:`SAFETY_PARTS`). A run that trains logs one line for each safety part it lacks.
+    """
+    from hydra.utils import get_object
+    from lightning.pytorch.utilities import rank_zero_only
+
+    from runkit.safety import interrupts
+
+    callbacks = build_callbacks(cfg.get("callbacks"))
+    record = run_record(cfg)
+    loggers = build_loggers(cfg.get("logger"), record)
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **overrides)
+    if trainer.fast_dev_run and record is not None:
+        # Lightning mutes every logger under fast_dev_run; the run's own record stays on.
+        trainer.loggers = [logger for logger in loggers if _same_csv(logger, record)]
+    parts = [*callbacks, trainer.strategy.checkpoint_io]
+    missing = {
+        key: lost
+        for key, target, lost in SAFETY_PARTS
+        if not any(isinstance(part, get_object(target)) for part in parts)
+    }
+    if not any(key.startswith("callbacks.graceful_interrupt") for key in missing):
+        interrupts.watch_parent()  # part of that callback's job: a worker exits when rank 0 dies
+    if cfg.get("train") and rank_zero_only.rank == 0:  # eval and test-only runs need none of them
+        for key, lost in missing.items():
+            log.warning("%s: %s", key, lost)
+    launch.track(trainer)  # in a sweep, the job collects the DDP children this Trainer starts
+    return trainer
+
+
+def _target_nodes(group: DictConfig | None) -> list[DictConfig]:
+    if not group:
+        return []
+    return [node for node in group.values() if isinstance(node, DictConfig) and "_target_" in node]
+
+
+def plain(cfg: DictConfig) -> dict[str, Any]:
+    """The config as plain, resolved Python data (safe to store in a ``weights_only`` checkpoint)."""
+    data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    assert isinstance(data, dict)
+    return data

@@ -1,0 +1,111 @@
+"""What ``eval`` rebuilds from a trained run: its config, its model and the model's weights.
+
+Any LightningModule, with or without a ``net``: the model is rebuilt from the ``model`` node of
+the run's own config (inside the checkpoint, or ``config.yaml`` beside the file), only from
+trusted ``_target_``s. A Lightning checkpoint is then loaded by Lightning itself
+(``trainer.test(ckpt_path=...)``, so the module's ``on_load_checkpoint`` and ``configure_model``
+run as they did in training, and the figures are those training reported); a ``model.pth`` is
+loaded into the part of the model it was exported from (:func:`.checkpoints.exported_part`).
+
+The eval command's own ``data.*`` overrides (``data.batch_size=1``, ``data.num_workers=4``)
+apply to the run's data config; ``model.*`` overrides would describe another model than the
+weights' and are refused in one line.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from runkit.errors import RunError
+from runkit.safety import checkpoints
+
+log = logging.getLogger(__name__)
+
+
+def trained_config(cfg: DictConfig, source: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """The ``model`` and ``data`` config of the run behind ``source``, with this command's
+    ``data.*`` overrides applied.
+
+    A file with no config inside or beside it (a ``model.pth`` copied alone) is rebuilt from
+    this command's ``model`` and ``data`` config instead (``model=...`` on the command line).
+    """
+    overrides = _task_overrides()
+    try:
+        parts = checkpoints.run_config(source, data, cfg.trusted_targets, ("model", "data"))
+    except checkpoints.NoRunConfig:
+        log.info(
+            "%s has no run config inside or beside it: rebuilding it from this command's model "
+            "and data config",
+            source,
+        )
+        return {key: OmegaConf.to_container(cfg[key], resolve=True) for key in ("model", "data")}
+    for override in overrides:
+        key = override.key_or_group
+        if key == "model" or key.startswith("model."):
+            raise RunError(
+                f"{override.input_line} is not used: eval rebuilds the model from the config of "
+                f"the run that wrote {str(source)!r}; drop it (data.* overrides do apply)"
+            )
+    return {"model": parts["model"], "data": _with_data_overrides(parts["data"], cfg, overrides)}
+
+
+def trained_model(model_config: dict[str, Any], source: Path, data: dict[str, Any]) -> Any:
+    """``(model, ckpt_path)``: the rebuilt LightningModule, and the checkpoint Lightning should
+    load into it (``None`` for a ``model.pth``, whose weights are already in)."""
+    model = checkpoints.rebuild_model(model_config)
+    if _is_lightning_checkpoint(data):
+        expected = model.state_dict()
+        mismatch = expected and checkpoints.state_mismatch(expected, data["state_dict"])
+        if mismatch:
+            raise RunError(
+                f"{str(source)!r} does not fit {type(model).__name__} rebuilt from its run's "
+                f"config: {mismatch}"
+            )
+        return model, source
+    part: nn.Module = checkpoints.exported_part(model)
+    prefix = "net." if part is not model else ""
+    checkpoints.load_state_into(part, checkpoints.network_state(data, source, prefix), source)
+    return model, None
+
+
+def _is_lightning_checkpoint(data: dict[str, Any]) -> bool:
+    return "pytorch-lightning_version" in data and isinstance(data.get("state_dict"), dict)
+
+
+def _with_data_overrides(
+    trained: dict[str, Any], cfg: DictConfig, overrides: list[Any]
+) -> dict[str, Any]:
+    """The run's data config, with the values this command set under ``data`` (as composed)."""
+    node = OmegaConf.create(trained)
+    for override in overrides:
+        key = override.key_or_group
+        if key == "data":  # another data config altogether: the composed one, as given
+            node = OmegaConf.create(OmegaConf.to_container(cfg.data, resolve=True))
+        elif key.startswith("data."):
+            path = key[len("data.") :]
+            if override.is_delete():
+                parent, _, leaf = path.rpartition(".")
+                holder = OmegaConf.select(node, parent) if parent else node
+                if holder is not None and leaf in holder:
+                    del holder[leaf]
+            else:
+                value = OmegaConf.select(cfg.data, path, throw_on_missing=False)
+                OmegaConf.update(node, path, value, merge=False, force_add=True)
+    return OmegaConf.to_container(node, resolve=False)
+
+
+def _task_overrides() -> list[Any]:
+    """This command's overrides, parsed by Hydra's own grammar (none outside a Hydra app)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        lines = list(HydraConfig.get().overrides.task)
+    except Exception:  # not under Hydra (a notebook, a test calling evaluate directly)
+        return []
+    return OverridesParser.create().parse_overrides(lines)

@@ -1,0 +1,85 @@
+"""What a run leaves in its directory besides checkpoints and logger files.
+
+``config.yaml``  the composed config, resolved (what ``model.pth`` is rebuilt from);
+``metrics.json`` the final train/val/test figures, the best checkpoint and the run's size.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Trainer
+from omegaconf import DictConfig, OmegaConf
+
+from runkit.safety.checkpoints import CONFIG_FILE, atomic_write
+
+METRICS_FILE = "metrics.json"
+
+
+def save_config(cfg: DictConfig, out: Path) -> Path:
+    """Write the resolved config as ``config.yaml`` in the run directory."""
+    text = OmegaConf.to_yaml(cfg, resolve=True)
+    atomic_write(out / CONFIG_FILE, lambda handle: handle.write(text.encode()))
+    return out / CONFIG_FILE
+
+
+def scalars(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """Logged metrics as plain floats (one host sync, at the end), optionally one stage's only."""
+    return {
+        key: float(value)
+        for key, value in sorted(metrics.items())
+        if key.startswith(prefix) and getattr(value, "numel", lambda: 1)() == 1
+    }
+
+
+def best_checkpoint(trainer: Trainer) -> str | None:
+    """The best checkpoint the ModelCheckpoint callback kept, if it kept one."""
+    callback = trainer.checkpoint_callback
+    path = getattr(callback, "best_model_path", "") if callback is not None else ""
+    return path or None
+
+
+def save_metrics(
+    metrics: Mapping[str, float],
+    out: Path,
+    best_checkpoint: str | None,
+    trainer: Trainer,
+    resumed_from: str | Path | None = None,
+    *,
+    started: float,
+    energy: Mapping[str, Any] | None = None,
+    evaluated: str | Path | None = None,
+) -> Path:
+    """Write ``metrics.json``: the figures, where they came from, and how long the run took.
+
+    ``evaluated``: the weights file an eval run tested; its ``metrics.json`` then names it and
+    leaves out what only training has (epochs, steps, best checkpoint, resume).
+
+    ``resumed_from`` is the checkpoint a resumed run continued (in an earlier run's directory);
+    ``started`` the ``time.time()`` at which this run (this job of a sweep) began; ``energy``
+    the GPUs' energy over the whole run, resumes included
+    (:func:`runkit.gpu_stats.callback.energy_report`), written when known.
+    """
+    training = {
+        "best_checkpoint": best_checkpoint,
+        "resumed_from": str(resumed_from) if resumed_from is not None else None,
+        "epochs": trainer.current_epoch,
+        "global_step": trainer.global_step,
+    }
+    payload = {
+        "metrics": dict(metrics),
+        **({"evaluated": str(evaluated)} if evaluated is not None else training),
+        "accelerator": type(trainer.accelerator).__name__,
+        "devices": trainer.num_devices,
+        "num_nodes": trainer.num_nodes,
+        "wall_seconds": round(time.time() - started, 2),
+    }
+    if energy is not None:
+        payload["energy"] = dict(energy)
+    text = json.dumps(payload, indent=2) + "\n"
+    atomic_write(out / METRICS_FILE, lambda handle: handle.write(text.encode()))
+    return out / METRICS_FILE

@@ -1,0 +1,153 @@
+"""Stop (or skip the batch) when the training loss is NaN or infinite, and never save such weights.
+
+A NaN loss makes NaN gradients, and one optimiser step later every weight is NaN; training on
+is wasted time, and a checkpoint saved after that point would overwrite ``last.ckpt`` with a
+useless file. Checking ``loss.isfinite()`` on the host every step would make the CPU wait for the
+GPU at every step (a sync that empties the launch queue). So, with ``action: stop``:
+
+* every step, the loss is copied into a small device-side buffer (one copy kernel, no host
+  sync; its step, epoch and batch are noted on the host);
+* the buffer is read on the host only every ``check_every_n_steps`` steps (sooner if it fills
+  up), at the end of each epoch, and before any checkpoint is written. A non-finite loss
+  therefore stops training within that many steps, and the checkpoint that would hold its
+  weights is never written: the save is refused from ``on_save_checkpoint``, before Lightning
+  opens the file;
+* the error names the step, epoch and batch, and the process exits with code 3.
+
+``action: skip`` drops such batches instead: their gradients are discarded before the optimiser
+step, so weights and optimiser state are as if the batch never came. Deciding that needs the
+loss on the host, so ``skip`` costs one sync per step. After ``max_skipped`` skipped batches in a
+run the callback stops as ``stop`` would (a model that keeps producing NaN does not recover).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import Tensor
+
+from runkit import compat
+from runkit.errors import RunError
+
+log = logging.getLogger(__name__)
+
+# Losses kept on the device between two host reads, at most: with gradient accumulation there
+# are several per step, and a large check_every_n_steps should not mean a large buffer.
+_MAX_KEPT = 1024
+
+
+class NonFiniteLossError(RunError):
+    """The training loss became NaN or infinite; the last good checkpoint is kept."""
+
+    exit_code = 3
+
+
+class FiniteLoss(Callback):
+    """Watch the training loss for NaN/inf; ``action`` is ``stop`` (default) or ``skip``."""
+
+    def __init__(
+        self,
+        action: Literal["stop", "skip"] = "stop",
+        check_every_n_steps: int = 50,
+        max_skipped: int = 100,
+    ) -> None:
+        if action not in ("stop", "skip"):
+            raise RunError(
+                f"callbacks.finite_loss.action={action!r} is invalid; expected stop or skip"
+            )
+        if not isinstance(check_every_n_steps, int) or check_every_n_steps < 1:
+            raise RunError(
+                f"callbacks.finite_loss.check_every_n_steps={check_every_n_steps!r} is invalid; "
+                "expected an integer >= 1"
+            )
+        self.action = action
+        self.check_every_n_steps = check_every_n_steps
+        self.max_skipped = max_skipped
+        self.skipped = 0
+        self._losses: Tensor | None = None  # the losses since the last host read (stop mode)
+        self._where: list[tuple[int, int, int]] = []  # (step, epoch, batch) of each of them
+        self._loss_finite: Tensor | None = None  # this step's verdict (skip mode)
+
+    # --- the device-side record ------------------------------------------------------------
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        size = min(self.check_every_n_steps, _MAX_KEPT)
+        self._losses = torch.zeros(size, device=pl_module.device)
+        self._where = []
+
+    def on_before_backward(
+        self, trainer: Trainer, pl_module: LightningModule, loss: Tensor
+    ) -> None:
+        value = loss.detach()
+        if self.action == "skip":
+            finite = torch.isfinite(value).all()
+            self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
+            return
+        if self._losses is None:
+            return
+        if len(self._where) == len(self._losses):
+            self.check()  # full: more backward passes than check_every_n_steps since the last read
+        # One device-side copy per step (a NaN or inf in a non-scalar loss stays in its sum).
+        self._losses[len(self._where)] = value if value.ndim == 0 else value.sum()
+        self._where.append((trainer.global_step, trainer.current_epoch, _batch_index(trainer)))
+
+    def on_before_optimizer_step(
+        self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self.action != "skip" or self._loss_finite is None:
+            return
+        finite, self._loss_finite = bool(self._loss_finite), None  # the one host sync per step
+        if finite:
+            return
+        self.skipped += 1
+        log.warning(
+            "Non-finite training loss at step %d (epoch %d, batch %d): batch skipped (%d so far)",
+            trainer.global_step,
+            trainer.current_epoch,
+            _batch_index(trainer),
+            self.skipped,
+        )
+        # Parameters without a gradient are left alone by every torch optimiser: an exact skip.
+        optimizer.zero_grad(set_to_none=True)
+        if self.skipped > self.max_skipped:
+            raise NonFiniteLossError(
+                f"{self.skipped} training batches had a non-finite loss "
+                f"(callbacks.finite_loss.max_skipped={self.max_skipped}); stopping"
+            )
+
+    # --- when the host looks ---------------------------------------------------------------
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if (trainer.global_step % self.check_every_n_steps) == 0:
+            self.check()
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.check()
+
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self.check()  # raising here keeps Lightning from writing the file
+
+    def check(self) -> None:
+        """Raise :class:`NonFiniteLossError` if a non-finite loss was recorded (one host sync)."""
+        if self._losses is None or not self._where:
+            return
+        finite = torch.isfinite(self._losses[: len(self._where)])
+        if bool(finite.all()):
+            self._where.clear()
+            return
+        # Kept as they are: any later check (a save on the way out) refuses again.
+        step, epoch, batch = self._where[int((~finite).nonzero()[0, 0])]
+        raise NonFiniteLossError(
+            f"non-finite training loss (NaN or inf) at step {step} (epoch {epoch}, batch {batch}); "
+            "training stopped, checkpoints saved before it are kept. Lower model.optimizer.lr, "
+            "or set callbacks.finite_loss.action=skip to skip such batches"
+        )
+
+
+def _batch_index(trainer: Trainer) -> int:
+    return compat.fit_batch_index(trainer)

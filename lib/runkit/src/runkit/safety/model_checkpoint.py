@@ -1,0 +1,167 @@
+"""Lightning's ModelCheckpoint: ``last.ckpt`` always current, one serialisation, relocatable runs.
+
+* Lightning 2.6 writes ``last.ckpt`` only at a step where a top-k checkpoint was also written:
+  once the monitored metric stops improving (the digits' ``val/acc`` reaches 1.0 within a few
+  epochs), ``last.ckpt`` stays behind, and ``ckpt_path=last``, a crash or a requeue resumes from
+  an old epoch. Here every save point refreshes ``last.ckpt``, improved or not.
+* When the best and ``last.ckpt`` fall on the same step, the state is serialised once:
+  ``last.ckpt`` becomes a hard link to the file just written (a copy of its bytes where the
+  filesystem has no hard links), swapped in atomically. Lightning's own ``save_last="link"`` makes
+  a symlink, which dangles once the run folder is copied without it or the best is rotated out.
+* A resumed run writes to a new directory. Lightning then keeps the earlier run's absolute
+  ``best_model_path`` (``FileNotFoundError`` once that run was moved; else the resumed run names
+  a best checkpoint in another run) and forgets the best score. Here the earlier run's best
+  checkpoints are found relative to the checkpoint resumed from, linked (or copied) into this
+  run's directory, and tracked from there: the resumed run's best checkpoint is its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from fsspec.utils import get_protocol
+from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
+
+from runkit.safety.checkpoints import atomic_link
+from runkit.safety.resume import run_dir_of
+
+log = logging.getLogger(__name__)
+
+
+class ModelCheckpoint(LightningModelCheckpoint):
+    """Drop-in for ``lightning.pytorch.callbacks.ModelCheckpoint`` (same arguments)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._written: tuple[int, str] | None = None  # (global step, file) serialised last
+        self._resuming: pl.Trainer | None = None
+
+    # ---------------------------------------------------------------- one serialisation
+    # private: overrides a ModelCheckpoint internal (Lightning 2.6), no public hook for it
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        super()._save_checkpoint(trainer, filepath)  # private: Lightning's save of one file
+        self._written = (trainer.global_step, filepath)
+
+    # private: overrides a ModelCheckpoint internal (Lightning 2.6), no public hook for it
+    def _save_topk_checkpoint(
+        self, trainer: pl.Trainer, monitor_candidates: dict[str, Any]
+    ) -> None:
+        # last_model_path is part of the saved state; the file written now will also be last.ckpt,
+        # so it carries the path last.ckpt is about to get (then restored for the real update).
+        previous_last = self.last_model_path
+        if self.save_last is True:
+            self.last_model_path = self._last_filepath(trainer, monitor_candidates)
+        try:
+            super()._save_topk_checkpoint(trainer, monitor_candidates)  # private
+        finally:
+            self.last_model_path = previous_last
+        # Lightning saves last.ckpt after this call only if a file was written at this step; a
+        # save point was reached either way, so mark the step as saved.
+        self._last_global_step_saved = trainer.global_step  # private: Lightning's step marker
+
+    # private: overrides a ModelCheckpoint internal (Lightning 2.6), no public hook for it
+    def _save_last_checkpoint(
+        self, trainer: pl.Trainer, monitor_candidates: dict[str, Any]
+    ) -> None:
+        written = self._written
+        same_step = written is not None and written[0] == trainer.global_step
+        if self.save_last is not True or not same_step or get_protocol(written[1]) != "file":
+            super()._save_last_checkpoint(trainer, monitor_candidates)  # private
+            return
+        filepath = self._last_filepath(trainer, monitor_candidates)
+        # Rank 0 decides (a sharded checkpoint is a directory: serialise it again), all ranks agree.
+        linkable = trainer.is_global_zero and Path(written[1]).is_file()
+        if not trainer.strategy.broadcast(linkable, src=0):
+            super()._save_last_checkpoint(trainer, monitor_candidates)  # private
+            return
+        previous, self.last_model_path = self.last_model_path, filepath
+        if trainer.is_global_zero and Path(written[1]) != Path(filepath):
+            atomic_link(written[1], filepath)
+        trainer.strategy.barrier("ModelCheckpoint.last")
+        self._last_checkpoint_saved = filepath  # private: what Lightning records after a save
+        if previous and self._should_remove_checkpoint(trainer, previous, filepath):  # private
+            self._remove_checkpoint(trainer, previous)  # private
+
+    def _last_filepath(self, trainer: pl.Trainer, monitor_candidates: dict[str, Any]) -> str:
+        """The name Lightning's ``_save_last_checkpoint`` gives ``last.ckpt`` (versioned if taken)."""
+        filepath = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST)
+        if self._enable_version_counter:  # private: Lightning's option, same rule as its own
+            version = self.STARTING_VERSION
+            while self.file_exists(filepath, trainer) and filepath != self.last_model_path:
+                filepath = self.format_checkpoint_name(
+                    monitor_candidates, self.CHECKPOINT_NAME_LAST, ver=version
+                )
+                version += 1
+        return filepath
+
+    # ---------------------------------------------------------------- relocatable resume
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self._resuming = trainer  # load_state_dict, called next, needs the path resumed from
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        trainer, self._resuming = self._resuming, None
+        earlier_dir = state_dict.get("dirpath", self.dirpath)
+        if trainer is not None and trainer.state.fn != TrainerFn.FITTING:
+            return  # test/validate with ckpt_path=...: this callback saves nothing, keeps its own
+        if trainer is None or trainer.ckpt_path is None or earlier_dir == self.dirpath:
+            super().load_state_dict(state_dict)  # the same directory: Lightning's way
+            return
+        files = [
+            path
+            for path in [*state_dict.get("best_k_models", {}), state_dict.get("best_model_path")]
+            if path and (self.save_top_k != -1 or path == state_dict.get("best_model_path"))
+        ]
+        carried: dict[str, str] | None = None
+        if trainer.is_global_zero:
+            carried = self._carry(files, str(earlier_dir), Path(trainer.ckpt_path))
+        carried = trainer.strategy.broadcast(carried, src=0)
+        if not carried:
+            if files:
+                log.warning(
+                    "The best checkpoints of the run resumed from are not beside %s; this run "
+                    "chooses its best among its own checkpoints",
+                    trainer.ckpt_path,
+                )
+            self.best_model_path = ""
+            return
+        scores = state_dict.get("best_k_models", {})
+        self.best_k_models = {carried[p]: scores[p] for p in scores if p in carried}
+        self.best_model_path = carried.get(state_dict.get("best_model_path") or "", "")
+        self.best_model_score = state_dict.get("best_model_score")
+        kth = state_dict.get("kth_best_model_path") or ""
+        if kth in carried:
+            self.kth_best_model_path = carried[kth]
+            self.kth_value = state_dict.get("kth_value", self.kth_value)
+
+    def _carry(self, files: list[str], earlier_dir: str, resumed: Path) -> dict[str, str] | None:
+        """Link (or copy) the earlier run's ``files`` into this run's directory: old -> new path.
+
+        The earlier run may have moved since it saved them: each is looked for by its path
+        relative to the earlier checkpoint directory, beside the checkpoint resumed from first.
+        ``None`` unless every one of them is found.
+        """
+        assert self.dirpath is not None
+        homes = [resumed.parent, Path(earlier_dir), run_dir_of(resumed) / Path(earlier_dir).name]
+        located: dict[str, Path] = {}
+        for old in files:
+            try:
+                relative = Path(old).relative_to(earlier_dir)
+            except ValueError:
+                relative = Path(Path(old).name)
+            found = next((home / relative for home in homes if (home / relative).is_file()), None)
+            if found is None:
+                return None
+            located[old] = found
+        carried = {}
+        for old, found in located.items():
+            new = Path(self.dirpath) / found.name
+            if not new.exists():
+                atomic_link(found, new)
+            carried[old] = str(new)
+        return carried

@@ -1,0 +1,192 @@
+"""Resuming a run exactly: the random state at every batch, the logs carried on, a record of origin.
+
+A resumed run (``ckpt_path=...``) gets a new run directory; the earlier run's directory is only
+read, never written. :class:`ResumeState` makes the continuation indistinguishable from a run
+that never stopped:
+
+* the global random generators (torch CPU and CUDA, NumPy, ``random``) are reseeded from
+  ``(seed, epoch)`` at the first batch of every epoch, and their exact state at a mid-epoch
+  checkpoint is saved and put back before the next batch, so dropout draws the same masks;
+* the training loader (:class:`runkit.data.ResumableLoader`) orders each epoch by
+  ``(seed, epoch)`` and skips the batches a mid-epoch checkpoint had already used;
+* the earlier run's ``csv/metrics.csv`` (and TensorBoard event files) are copied into this run's
+  logger directories before training, so the curves read as one, with epochs and steps going on.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from runkit import compat
+from runkit.errors import RunError
+
+log = logging.getLogger(__name__)
+
+
+def run_dir_of(checkpoint: str | Path) -> Path:
+    """The run directory a checkpoint belongs to, wherever the run folder now lies.
+
+    The nearest folder above it (three levels at most) that looks like a run folder (Hydra's
+    ``.hydra``, or ``config.yaml`` beside ``checkpoints/``), so ``<run>/steps/x.ckpt`` also gives
+    ``<run>``; else ``<dir>/checkpoints/x.ckpt`` -> ``<dir>`` and ``<dir>/x.ckpt`` -> ``<dir>``.
+    """
+    path = Path(checkpoint)
+    for folder in list(path.parents)[:3]:
+        if (folder / ".hydra").is_dir() or (
+            (folder / "config.yaml").is_file() and (folder / "checkpoints").is_dir()
+        ):
+            return folder
+    return path.parent.parent if path.parent.name == "checkpoints" else path.parent
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """A well-spread 63-bit seed for ``epoch`` of a run seeded with ``seed``."""
+    return ((seed + 1) * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9) % (2**63)
+
+
+def reseed(seed: int) -> None:
+    """Seed torch (all devices), NumPy and ``random`` without Lightning's log line."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """The global generators' state as tensors and plain data (loads with ``weights_only``)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+        "random": [version, list(internal), gauss_next],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = state["random"]
+    random.setstate((version, tuple(internal), gauss_next))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class ResumeState(Callback):
+    """Random state per batch, carried-on logs and the log line that says where a run came from."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self.resumed_from: Path | None = None
+        self._pending: dict[str, Any] | None = None  # generator state to put back (mid-epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed, "rng": rng_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.seed = int(state_dict.get("seed", self.seed))  # the resumed run's seed, not a new one
+        self._pending = state_dict.get("rng")
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.ckpt_path is None:
+            return
+        self.resumed_from = Path(trainer.ckpt_path)
+        earlier = run_dir_of(self.resumed_from)
+        log.info(
+            "Resuming from %s at epoch %d, step %d (the run in %s is left unchanged; this run "
+            "writes to %s)",
+            self.resumed_from,
+            trainer.current_epoch,
+            trainer.global_step,
+            earlier,
+            trainer.default_root_dir,
+        )
+        if trainer.is_global_zero:
+            continue_logs(trainer, earlier)
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx == 0:
+            reseed(epoch_seed(self.seed, trainer.current_epoch))
+        elif self._pending is not None:
+            set_rng_state(self._pending)
+        self._pending = None
+
+
+def continue_logs(trainer: Trainer, earlier: Path) -> None:
+    """Copy the earlier run's CSV rows (up to the checkpoint's step) and TensorBoard events here."""
+    root = Path(trainer.default_root_dir)
+    for logger in trainer.loggers:
+        if isinstance(logger, CSVLogger):
+            writer = logger.experiment  # created now, so it cannot delete what we copy
+            relative = Path(writer.metrics_file_path).relative_to(root)
+            source = earlier / relative
+            if source.is_file():
+                keys = _copy_csv_rows(source, Path(writer.metrics_file_path), trainer.global_step)
+                compat.add_csv_columns(writer, keys)
+        elif isinstance(logger, TensorBoardLogger):
+            relative = Path(logger.log_dir).relative_to(root)
+            for event_file in sorted((earlier / relative).glob("events.out.tfevents.*")):
+                Path(logger.log_dir).mkdir(parents=True, exist_ok=True)
+                shutil.copy2(event_file, Path(logger.log_dir) / f"earlier.{event_file.name}")
+
+
+def _copy_csv_rows(source: Path, target: Path, before_step: int) -> list[str]:
+    with source.open(newline="") as handle:
+        reader = csv.DictReader(handle)
+        keys = list(reader.fieldnames or [])
+        rows = [row for row in reader if _step(row) < before_step]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with target.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=sorted(keys))
+        writer.writeheader()
+        writer.writerows(rows)
+    return keys
+
+
+def _step(row: dict[str, str]) -> float:
+    try:
+        return float(row.get("step") or 0)
+    except ValueError:
+        return 0.0
+
+
+def check_fits(model: LightningModule, checkpoint: Path) -> None:
+    """Fail in one line when the checkpoint's weights do not fit the model this run built.
+
+    Resuming with other ``model.*`` overrides than the checkpoint's run would otherwise end in
+    Lightning's many-line ``load_state_dict`` error, after the run directory was made. Only the
+    shapes are looked at: the tensors are memory-mapped, not read (Lightning reads them next).
+    """
+    from runkit.safety.checkpoints import load_file, state_mismatch
+
+    expected = model.state_dict()
+    if not expected:  # layers made in configure_model, later: Lightning's own load checks them
+        return
+    data = load_file(checkpoint, mmap=True)
+    state = data.get("state_dict")
+    if not isinstance(state, dict):
+        raise RunError(
+            f"ckpt_path={str(checkpoint)!r} is not a Lightning checkpoint (no state_dict); "
+            "to start from a model.pth, load it into the network instead of resuming"
+        )
+    mismatch = state_mismatch(expected, state)
+    if mismatch:
+        raise RunError(
+            f"ckpt_path={str(checkpoint)!r} was trained with another model ({mismatch}); "
+            "resume with the same model.* overrides as that run (see its config.yaml)"
+        )

@@ -1,0 +1,237 @@
+"""The GPU-ready speed switches: each one a config key, each defaulting to the fast choice where
+that choice is safe, and each a no-op where it would not help (on the CPU, on older GPUs).
+
+=================================  =========  ==============================================
+config key                         default    what it does
+=================================  =========  ==============================================
+``matmul_precision``               ``high``   ``torch.set_float32_matmul_precision`` on CUDA
+                                              GPUs of compute capability >= 8.0 (Ampere and
+                                              newer): float32 matmuls and convolutions run on
+                                              TF32 tensor cores. Elsewhere left at
+                                              ``highest``.
+``precision``                      ``auto``   the run's one precision key: ``bf16-mixed`` on
+                                              a CUDA GPU that supports bf16, ``32-true``
+                                              elsewhere; any Lightning precision is used as
+                                              given.
+``callbacks.speed.compile``        ``false``  ``torch.compile`` of the network only (in place,
+                                              so ``state_dict`` keys and ``model.pth`` stay
+                                              plain): pays off on long GPU runs; the first
+                                              steps pay the compilation.
+``callbacks.speed.channels_last``  ``true``   NHWC layout for a network with 2-D convolutions
+                                              and its 4-D inputs, on CUDA (tensor-core
+                                              convolutions); nothing changes on the CPU or
+                                              for an MLP.
+=================================  =========  ==============================================
+
+The two ``callbacks.speed`` switches are :class:`NetworkSpeedups`, a callback, so the
+LightningModule carries no speed code. This module imports Lightning (for that callback); the
+entry points import it inside their task functions, so ``--help`` and ``--cfg job`` stay instant.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
+
+from runkit import quoting
+from runkit.errors import RunError
+
+log = logging.getLogger(__name__)
+
+MATMUL_PRECISIONS = ("highest", "high", "medium")
+# Lightning 2.x precision values (the short legacy spellings are accepted by Lightning as well).
+LIGHTNING_PRECISIONS = (
+    "transformer-engine",
+    "transformer-engine-float16",
+    "16-true",
+    "16-mixed",
+    "bf16-true",
+    "bf16-mixed",
+    "32-true",
+    "64-true",
+    "64",
+    "32",
+    "16",
+    "bf16",
+)
+TF32_MIN_CAPABILITY = (8, 0)
+BF16_MIN_CAPABILITY = (8, 0)
+
+
+def cuda_indices(accelerator: Any, devices: Any) -> list[int]:
+    """The CUDA device indices a run with this ``accelerator``/``devices`` trains on; ``[]`` for
+    a run on the CPU (or on an accelerator that is not CUDA, or a machine without CUDA).
+
+    ``devices`` as the Trainer takes it: a count, a list of indices, ``-1`` or ``"auto"``.
+    """
+    name = str(accelerator).strip().lower()
+    if name not in ("auto", "gpu", "cuda") or not torch.cuda.is_available():
+        return []
+    visible = torch.cuda.device_count()
+    if isinstance(devices, Sequence) and not isinstance(devices, str):
+        return [int(i) for i in devices]
+    if isinstance(devices, str):
+        text = devices.strip()
+        if text in ("auto", "-1"):
+            return list(range(visible))
+        if "," in text:
+            return [int(i) for i in text.split(",") if i.strip()]
+        devices = int(text)
+    count = visible if devices == -1 else int(devices)
+    return list(range(min(count, visible)))
+
+
+def apply_matmul_precision(value: str, cuda: Sequence[int]) -> str:
+    """Set the float32 matmul precision for this process when every GPU it uses is Ampere or
+    newer (capability >= 8.0), where ``high`` means TF32 tensor cores; return what is in force.
+
+    On the CPU and on older GPUs nothing is changed (``highest``): there TF32 does not exist and
+    ``high``/``medium`` could let a CPU backend trade float32 accuracy for bf16 arithmetic.
+    """
+    if value not in MATMUL_PRECISIONS:
+        raise RunError(
+            f"matmul_precision={value!r} is invalid; expected one of {', '.join(MATMUL_PRECISIONS)}"
+        )
+    if not cuda or any(torch.cuda.get_device_capability(i) < TF32_MIN_CAPABILITY for i in cuda):
+        return torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(value)
+    return value
+
+
+def resolve_precision(value: Any, cuda: Sequence[int]) -> str:
+    """``auto`` -> ``bf16-mixed`` when every GPU the run uses has native bf16 (Ampere and newer),
+    else ``32-true`` (the CPU included: bf16 there is slow on most processors);
+    any other value is a Lightning precision and is returned as it is (as text).
+    """
+    text = str(value).strip()
+    if text != "auto":
+        if text not in LIGHTNING_PRECISIONS:
+            raise RunError(
+                f"precision={value!r} is invalid; expected auto or one of "
+                f"{', '.join(LIGHTNING_PRECISIONS)}"
+            )
+        return text
+    if not cuda:
+        return "32-true"
+    # Native bf16 arithmetic starts with Ampere (capability 8.0), as torch.cuda.is_bf16_supported
+    # decides for the current device; here every device of the run is asked.
+    if all(torch.cuda.get_device_capability(i) >= BF16_MIN_CAPABILITY for i in cuda):
+        return "bf16-mixed"
+    return "32-true"
+
+
+def maybe_compile(net: nn.Module, enabled: bool) -> nn.Module:
+    """Compile ``net`` in place when ``enabled`` (``nn.Module.compile``), and return it.
+
+    In place rather than ``torch.compile(net)``: the wrapper that returns would prefix every
+    ``state_dict`` key with ``_orig_mod.``, and checkpoints and ``model.pth`` would no longer load
+    into a plain network. Compilation itself happens at the first forward pass.
+    """
+    if enabled:
+        net.compile()
+    return net
+
+
+def to_channels_last(batch: Any) -> Any:
+    """The batch with its 4-D tensors (images) in channels-last layout; other entries as they are."""
+    if isinstance(batch, torch.Tensor):
+        return batch.contiguous(memory_format=torch.channels_last) if batch.ndim == 4 else batch
+    if isinstance(batch, list | tuple):
+        return type(batch)(to_channels_last(item) for item in batch)
+    return batch
+
+
+def uses_channels_last(enabled: bool, device: Any) -> bool:
+    """Whether channels-last applies: switched on, and the module lives on a CUDA device."""
+    return bool(enabled) and getattr(device, "type", str(device)) == "cuda"
+
+
+def describe(matmul: str, precision: str, cuda: Sequence[int]) -> str:
+    """One log line with the choices in force, so a run's log says how it ran."""
+    where = f"cuda:{','.join(map(str, cuda))}" if cuda else "cpu"
+    return f"Speed: precision={precision}, float32 matmul precision={matmul} ({where})"
+
+
+class NetworkSpeedups(Callback):
+    """``callbacks.speed``: ``torch.compile`` and channels-last for the LightningModule's network.
+
+    Both act on ``pl_module.<network>`` (``net`` by default) in ``setup``, before the strategy
+    moves the module to its device and wraps it (DDP):
+
+    * ``compile``: :func:`maybe_compile`, in place, once.
+    * ``channels_last``: on a CUDA run of a network with a 2-D convolution, the network's weights
+      go NHWC, and a forward pre-hook converts its 4-D inputs (removed again at ``teardown``).
+      On the CPU, and for networks without convolutions, nothing changes.
+
+    A LightningModule without that attribute is left alone, with one log line saying so (and
+    ``compile=true`` then fails in one line, since it was asked for explicitly).
+    """
+
+    def __init__(
+        self, compile: bool = False, channels_last: bool = True, network: str = "net"
+    ) -> None:
+        self.compile = compile
+        self.channels_last = channels_last
+        self.network = network
+        self._input_hook: Any = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        net = getattr(pl_module, self.network, None)
+        if not isinstance(net, nn.Module):
+            if self.compile:
+                raise RunError(
+                    f"callbacks.speed.compile=true compiles {type(pl_module).__name__}."
+                    f"{self.network}, but there is no such network; set callbacks.speed.network "
+                    "to the attribute holding it"
+                )
+            if self.channels_last and stage == "fit":
+                log.info(
+                    "callbacks.speed: %s has no nn.Module attribute %r, so channels_last is not "
+                    "applied; set callbacks.speed.network to the attribute holding your network",
+                    type(pl_module).__name__,
+                    self.network,
+                )
+            return
+        device = getattr(trainer.strategy, "root_device", None)
+        has_conv = any(isinstance(m, nn.Conv2d) for m in net.modules())
+        if uses_channels_last(self.channels_last, device) and has_conv:
+            net.to(memory_format=torch.channels_last)
+            if self._input_hook is None:
+                self._input_hook = net.register_forward_pre_hook(_inputs_to_channels_last)
+        # private: nn.Module.compile's marker, so a second setup (fit, then test) compiles once.
+        if self.compile and getattr(net, "_compiled_call_impl", None) is None:
+            maybe_compile(net, True)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._input_hook is not None:
+            self._input_hook.remove()
+            self._input_hook = None
+
+
+def _inputs_to_channels_last(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return to_channels_last(args)
+
+
+def trainer_settings(cfg: Any, plan: Any) -> dict[str, Any]:
+    """The Trainer arguments a run decides for its hardware, with TF32 applied on the way.
+
+    ``plan`` is the :class:`runkit.gpus.resolve.DevicePlan` (its accelerator and
+    devices); ``precision`` is the top-level key resolved for those devices. Logs one line.
+    """
+    if cfg.trainer.get("precision") is not None:
+        hint = quoting.override("precision", cfg.trainer.precision)  # pasteable as it is
+        raise RunError(
+            f"trainer.precision={cfg.trainer.precision} is not read; the run's precision (auto: "
+            f"bf16-mixed on a bf16 GPU) is the top-level key: {hint}"
+        )
+    cuda = cuda_indices(plan.accelerator, plan.devices)
+    matmul = apply_matmul_precision(cfg.get("matmul_precision", "high"), cuda)
+    kwargs = plan.trainer_kwargs()
+    kwargs["precision"] = resolve_precision(cfg.get("precision", "auto"), cuda)
+    log.info(describe(matmul, kwargs["precision"], cuda))
+    return kwargs

@@ -1,0 +1,119 @@
+"""Shared test helpers: run the real CLI in a subprocess, find the run directories it made."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import prewarmed
+
+# Variables a parent test process (or an earlier DDP test) may leave behind and that would change
+# how a child run behaves.
+_LEAKY_ENV = (
+    "LOCAL_RANK",
+    "RANK",
+    "WORLD_SIZE",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PL_GLOBAL_SEED",
+    "PL_SEED_WORKERS",
+    "RUNKIT_GPU_SELECTION",
+    "RUNKIT_NVML_BACKEND",
+    "RUNKIT_FAKE_NVML",
+    "PROJECT_LOG_DIR",
+    "HYDRA_FULL_ERROR",
+)
+
+# Small, quiet budgets for CLI tests: the real pipeline, a fraction of the work.
+FAST = ("trainer.max_epochs=2", "data.batch_size=256", "callbacks.progress_bar.refresh_rate=0")
+
+CliRunner = Callable[..., subprocess.CompletedProcess]
+# python -m runkit.<these>; every other task is the template project's (python -m project.<task>).
+LIBRARY_COMMANDS = ("plot", "devices")
+
+# What the template's eval.yaml trusts: the library's default (torch) and the template's packages,
+# whose networks these tests rebuild from files.
+TEMPLATE_TARGETS = ("project.models.", "project.data.", "torch.nn.", "torch.optim.")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LEAKY_ENV}
+    env.update(extra)
+    return env
+
+
+@pytest.fixture
+def log_dir(tmp_path: Path) -> Path:
+    return tmp_path / "logs"
+
+
+@pytest.fixture
+def cli(tmp_path: Path, log_dir: Path) -> CliRunner:
+    """``cli("train", "trainer.max_epochs=1", env={...})`` runs ``python -m project.train``.
+
+    The run happens in ``tmp_path`` with ``paths.log_dir`` pointing at ``log_dir``.
+    """
+
+    def run(
+        task: str, *overrides: str, env: dict[str, str] | None = None, timeout: float = 300
+    ) -> subprocess.CompletedProcess:
+        package = "runkit" if task in LIBRARY_COMMANDS else "project"
+        command = [sys.executable, "-m", f"{package}.{task}", *overrides]
+        if task in ("train", "eval") and not any(o.startswith("--") for o in overrides):
+            command.append(f"paths.log_dir={log_dir}")
+        return prewarmed.run(
+            command,
+            cwd=tmp_path,
+            env=clean_env(**(env or {})),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    return run
+
+
+def run_dirs(log_dir: Path, task: str = "train") -> list[Path]:
+    """Every run directory under ``log_dir`` for ``task`` (single runs and sweep jobs), oldest first."""
+    return sorted(p.parent for p in (log_dir / task).glob("**/.hydra") if p.is_dir())
+
+
+def last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+@pytest.fixture
+def use_fake() -> Iterator[Callable[[Any], Any]]:
+    """``use_fake(FakeNvml([...]))`` makes a fake the process's NVML for one test, then removes it."""
+    from runkit.gpus import nvml
+
+    def install(fake: Any) -> Any:
+        nvml.use_library(fake)
+        return fake
+
+    yield install
+    nvml.use_library(None)
+
+
+def compose_train(*overrides: str, name: str = "train") -> Any:
+    """The template's config as the CLI composes it (hydra config included), without a run."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import open_dict
+
+    from project import config_dir
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        cfg = compose(name, overrides=list(overrides), return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.paths.output_dir = "/tmp/never-used"  # normally set by Hydra at run time
+    return cfg

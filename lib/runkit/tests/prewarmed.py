@@ -1,0 +1,215 @@
+"""``python -m project.<entry> ...`` for the tests, without paying the imports each time.
+
+Every CLI run of the suite would spend ~10 s of its life importing torch, Lightning, torchmetrics
+and Hydra before it reads its first argument; the suite has well over a hundred of them. Here a
+server process imports those once, and each run is a ``fork`` of it that then does what
+``python -m`` does: ``runpy`` runs the entry module as ``__main__`` with the test's ``sys.argv``,
+working directory (also ``sys.path[0]``), environment, and stdin/stdout/stderr. So each run is
+still its own process, with its own pid, exit status, output, atexit handlers and signals; DDP
+ranks and the torchrun/SLURM launchers it starts are fresh interpreters as always. What differs
+from a fresh interpreter: modules the entry never imports may already be loaded (so a test of what
+*is* imported, e.g. "``--help`` loads no torch", must use ``subprocess``), and the interpreter flags
+are the server's (commands with flags before ``-m`` run fresh).
+
+``run(command, ...)`` takes the arguments of :func:`subprocess.run`; commands other than
+``[sys.executable, "-m", "project.<entry>", ...]`` simply go to :func:`subprocess.run`.
+``RUNKIT_TEST_FRESH=1`` sends every command there, to check that the server changes nothing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+# Imported by the server before it forks: what `python -m project.train` would import anyway.
+WARM = (
+    "torch",
+    "lightning.pytorch",
+    "torchmetrics",
+    "hydra",
+    "hydra.core.hydra_config",
+    "omegaconf",
+    "rich.console",
+    "matplotlib.pyplot",
+    "runkit.run.builders",
+    "runkit.run.preflight",
+    "runkit.run.launch",
+    "runkit.run.run_files",
+    "runkit.safety.checkpoints",
+    "runkit.safety.interrupts",
+    "runkit.safety.signals",
+    "runkit.gpu_stats.callback",
+    "runkit.gpus.resolve",
+    "runkit.gpus.claims",
+    "runkit.plots",
+    "runkit.speed",
+)
+
+
+def _serve() -> None:
+    """The server: import, then fork one child per request line; reply its pid, then its status."""
+    import importlib
+
+    os.environ["MPLBACKEND"] = os.environ.get("MPLBACKEND", "Agg")
+    for name in WARM:
+        with contextlib.suppress(ImportError):  # an optional extra that is not installed
+            importlib.import_module(name)
+    import gc
+
+    gc.freeze()  # children would otherwise copy every page the collector walks
+    requests, replies = sys.stdin.buffer, sys.stdout.buffer
+    for line in iter(requests.readline, b""):
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(request)  # raises SystemExit, which ends this process as `python -m` would
+        replies.write(json.dumps({"pid": pid}).encode() + b"\n")
+        replies.flush()
+        _, status = os.waitpid(pid, 0)
+        replies.write(
+            json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n"
+        )
+        replies.flush()
+
+
+def _child(request: dict[str, Any]) -> None:
+    import random
+    import runpy
+
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    for fd, (path, flags) in enumerate(
+        [
+            (os.devnull, os.O_RDONLY),
+            (request["stdout"], os.O_WRONLY | os.O_TRUNC),
+            (request["stderr"], os.O_WRONLY | os.O_TRUNC),
+        ]
+    ):
+        opened = os.open(path, flags)
+        os.dup2(opened, fd)
+        os.close(opened)
+    random.seed()  # a fresh interpreter seeds from the OS; forks would all share the server's
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    sys.path[0] = os.getcwd()
+    sys.argv = [request["module"], *request["args"]]  # runpy puts the module's file first
+    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    raise SystemExit(0)
+
+
+class _Server:
+    """One server per test process (each xdist worker has its own), started on first use."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.process: subprocess.Popen | None = None
+        self.pending = b""  # read from the server, not yet a whole reply line
+
+    def start(self) -> subprocess.Popen:
+        if self.process is None or self.process.poll() is not None:
+            self.process = subprocess.Popen(
+                [sys.executable, __file__],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                cwd=Path(__file__).parent,
+                env=_server_env(),
+            )
+            atexit.register(self.process.kill)
+            self.pending = b""
+        return self.process
+
+    def run(
+        self, module: str, args: list[str], cwd: str, env: dict[str, str], timeout: float | None
+    ) -> tuple[int, bytes, bytes]:
+        with self.lock, tempfile.TemporaryDirectory(prefix="prewarmed") as tmp:
+            out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+            out.touch()
+            err.touch()
+            server = self.start()
+            request = {"module": module, "args": args, "cwd": cwd, "env": env}
+            request.update(stdout=str(out), stderr=str(err))
+            server.stdin.write(json.dumps(request).encode() + b"\n")
+            server.stdin.flush()
+            pid = self._reply(server, None)["pid"]
+            try:
+                returncode = self._reply(server, timeout)["returncode"]
+            except subprocess.TimeoutExpired:
+                os.kill(pid, signal.SIGKILL)
+                self._reply(server, None)
+                raise subprocess.TimeoutExpired(
+                    [module, *args], timeout or 0, out.read_bytes(), err.read_bytes()
+                ) from None
+            return returncode, out.read_bytes(), err.read_bytes()
+
+    def _reply(self, server: subprocess.Popen, timeout: float | None) -> dict[str, int]:
+        # Read the pipe directly: a buffered readline could swallow the pid and the exit status
+        # of a fast child in one go, and select() would then wait for a line already read.
+        while b"\n" not in self.pending:
+            ready, _, _ = select.select([server.stdout], [], [], timeout)
+            if not ready:
+                raise subprocess.TimeoutExpired("prewarmed", timeout or 0)
+            chunk = os.read(server.stdout.fileno(), 4096)
+            if not chunk:
+                raise RuntimeError(
+                    "the prewarmed server died; run with RUNKIT_TEST_FRESH=1 to compare"
+                )
+            self.pending += chunk
+        line, _, self.pending = self.pending.partition(b"\n")
+        return json.loads(line)
+
+
+_SERVER = _Server()
+
+
+def _server_env() -> dict[str, str]:
+    from conftest import clean_env
+
+    return clean_env()
+
+
+def _interpreter_settings(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith("PYTHON")}
+
+
+def run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+    """:func:`subprocess.run` for ``[sys.executable, "-m", "project.x", ...]``, on a prewarmed fork."""
+    usable = (
+        len(command) >= 3
+        and command[0] == sys.executable
+        and command[1] == "-m"
+        and str(command[2]).startswith(("project.", "runkit."))
+        and os.environ.get("RUNKIT_TEST_FRESH") != "1"
+        and set(kwargs) <= {"cwd", "env", "capture_output", "text", "timeout", "check"}
+        and kwargs.get("capture_output")
+    )
+    env = dict(kwargs["env"]) if kwargs.get("env") is not None else dict(os.environ)
+    if not usable or _interpreter_settings(env) != _interpreter_settings(_server_env()):
+        return subprocess.run(command, **kwargs)  # PYTHONPATH & co. act at interpreter start
+    cwd = str(Path(kwargs.get("cwd") or os.getcwd()).resolve())
+    returncode, out, err = _SERVER.run(
+        str(command[2]), [str(a) for a in command[3:]], cwd, env, kwargs.get("timeout")
+    )
+    if kwargs.get("text"):
+        out, err = out.decode(errors="replace"), err.decode(errors="replace")
+    done = subprocess.CompletedProcess(command, returncode, out, err)
+    if kwargs.get("check"):
+        done.check_returncode()
+    return done
+
+
+if __name__ == "__main__":
+    _serve()

@@ -1,0 +1,35 @@
+"""The two zones hold: import-linter's contracts from pyproject.toml, one test each.
+
+The library imports nothing of the project, the project imports only the library's public API
+(``runkit.<name>``), its models and data nothing of its entry points, and the library is layered
+without cycles (README "Layout"). An id missing
+from pyproject.toml fails too: import-linter refuses unknown contract ids.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import importlinter.cli
+import pytest
+from importlinter.cli import EXIT_STATUS_SUCCESS, lint_imports
+
+PYPROJECT = Path(__file__).resolve().parents[3] / "pyproject.toml"
+CONTRACTS = ("library", "public-api", "user-zone", "layers", "acyclic")
+
+
+@pytest.mark.parametrize("contract", CONTRACTS)
+def test_import_contract_is_kept(
+    contract: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(PYPROJECT.parent)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # lint_imports prepends the cwd
+    # Its logging set-up is a dictConfig that disables every existing logger of this process.
+    monkeypatch.setattr(importlinter.cli, "_configure_logging", lambda verbose: None)
+    status = lint_imports(
+        config_filename=str(PYPROJECT), limit_to_contracts=(contract,), no_cache=True
+    )
+    assert status == EXIT_STATUS_SUCCESS, (
+        f"import contract {contract} is broken:\n{capsys.readouterr().out}"
+    )

@@ -1,0 +1,365 @@
+"""Bad input through the real CLI: one clear line on stderr, a non-zero exit, nothing lost.
+
+Every case runs next to an earlier, finished run; its whole directory (checkpoints, logs,
+model.pth) is hashed before and after each case and must not change by a byte, and the case must
+leave nothing behind: no run directory, no file anywhere in the test's folder. The bad files live
+in a folder whose name has a space and a non-ASCII letter, so every path the CLI reports is one a
+user could have.
+
+An output directory that cannot be created is simulated, because the tests run as root:
+``paths.log_dir`` below a regular *file* (root ignores ``chmod``, but nobody can make a directory
+inside a file: ``ENOTDIR``). A disk that fills up during training is a real small tmpfs in
+tests/test_crash_safety.py.
+
+README.md's reliability table lists every case here with the line a user sees;
+:func:`test_readme_reliability_table_lists_every_case` keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import prewarmed
+from conftest import FAST, clean_env, run_dirs
+
+FAKE_NVML = "runkit.testing.fake_nvml:create"
+ROOT = Path(__file__).resolve().parents[3]
+PAYLOAD_FILE = "payload_ran"  # what the malicious checkpoint's pickle would create
+
+
+@dataclass
+class Case:
+    id: str
+    task: str
+    args: Callable[[dict[str, Path]], list[str]]
+    expect: str  # a piece of the one error line
+    code: int = 2
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def q(path: Path | str) -> str:
+    """A path as a quoted Hydra value: spaces and non-ASCII letters need the quotes."""
+    return f'"{path}"'
+
+
+class Evil:
+    """Unpickling this runs ``touch <PAYLOAD_FILE>``: what loading with weights_only must refuse."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch '{self.target}'",))
+
+
+CASES = [
+    Case("unknown-key", "train", lambda p: ["trainer.devicez=2"], "is not a key of the config"),
+    Case("unknown-group", "train", lambda p: ["model=nosuch"], "nosuch"),
+    Case("wrong-type", "train", lambda p: ["trainer.max_epochs=abc"], "wrong type"),
+    Case("zero-epochs", "train", lambda p: ["trainer.max_epochs=0"], "max_epochs=0 is invalid"),
+    Case("negative-epochs", "train", lambda p: ["trainer.max_epochs=-3"], "max_epochs=-3"),
+    Case("zero-batch", "train", lambda p: ["data.batch_size=0"], "data.batch_size"),
+    Case("negative-lr", "train", lambda p: ["model.optimizer.lr=-1"], "model.optimizer.lr=-1"),
+    Case("nan-lr", "train", lambda p: ["model.optimizer.lr=nan"], "lr=nan is not a finite"),
+    Case(
+        "betas-out-of-range",
+        "train",
+        lambda p: ["+model.optimizer.betas=[0.9,1.5]"],
+        "model.optimizer.betas=[0.9, 1.5] is invalid",
+    ),
+    Case("negative-seed", "train", lambda p: ["seed=-1"], "seed=-1 is invalid"),
+    Case("seed-not-a-number", "train", lambda p: ["seed=abc"], "seed='abc' is invalid"),
+    Case(
+        "experiment-yaml-broken",
+        "train",
+        lambda p: [f"--config-dir={p['in']}/configs", "experiment=broken"],
+        "broken.yaml is not valid YAML (line ",
+    ),
+    Case(
+        "experiment-not-utf8",
+        "train",
+        lambda p: [f"--config-dir={p['in']}/configs", "experiment=latin1"],
+        "latin1.yaml is not UTF-8 text (byte 0xe9 at position",
+    ),
+    Case("no-such-strategy", "train", lambda p: ["trainer.strategy=warp"], "does not exist"),
+    Case(
+        "accelerator-not-here",
+        "train",
+        lambda p: ["trainer.accelerator=tpu"],
+        "trainer.accelerator=tpu is not available",
+    ),
+    Case(
+        "gpus-beyond-what-exists",
+        "train",
+        lambda p: ["trainer.accelerator=gpu", "trainer.devices=4"],
+        "GPU",
+        env={"RUNKIT_NVML_BACKEND": FAKE_NVML, "RUNKIT_FAKE_NVML": '{"gpus": 2}'},
+    ),
+    Case(
+        "ckpt-missing",
+        "train",
+        lambda p: [f"ckpt_path={q(p['in'] / 'nope.ckpt')}"],
+        "does not exist",
+    ),
+    Case("ckpt-empty", "train", lambda p: [f"ckpt_path={q(p['in'] / 'empty.ckpt')}"], "empty"),
+    Case(
+        "ckpt-truncated", "train", lambda p: [f"ckpt_path={q(p['in'] / 'half.ckpt')}"], "truncated"
+    ),
+    Case(
+        "ckpt-not-a-ckpt",
+        "train",
+        lambda p: [f"ckpt_path={q(p['in'] / 'notes.txt')}"],
+        "not a complete",
+    ),
+    Case(
+        "ckpt-malicious",
+        "train",
+        lambda p: [f"ckpt_path={q(p['in'] / 'evil.ckpt')}"],
+        "was refused",
+    ),
+    Case(
+        "resume-from-model-pth",
+        "train",
+        lambda p: [f"ckpt_path={q(p['run'] / 'model.pth')}"],
+        "training cannot resume from it",
+    ),
+    Case(
+        "resume-other-model",
+        "train",
+        lambda p: ["model=mlp", f"ckpt_path={q(p['run'])}"],
+        "was trained with another model",
+    ),
+    Case(
+        "ckpt-last-none",
+        "train",
+        lambda p: [f"paths.log_dir={q(p['in'] / 'empty_logs')}", "ckpt_path=last"],
+        "found no",
+    ),
+    Case("eval-without-ckpt", "eval", lambda p: [], "ckpt_path is required"),
+    Case(
+        "eval-other-architecture",
+        "eval",
+        lambda p: [f"ckpt_path={q(p['in'] / 'other_arch' / 'model.pth')}"],
+        "does not fit MLP: missing keys",
+    ),
+    Case(
+        "eval-truncated-pth", "eval", lambda p: [f"ckpt_path={q(p['in'] / 'half.pth')}"], "half.pth"
+    ),
+    Case(
+        "eval-config-yaml-broken",
+        "eval",
+        lambda p: [f"ckpt_path={q(p['in'] / 'broken_config' / 'model.pth')}"],
+        "config.yaml",
+    ),
+    Case(
+        "output-dir-not-writable",
+        "train",
+        lambda p: [f"paths.log_dir={q(p['in'] / 'a_file' / 'logs')}"],
+        "cannot create or write",
+    ),
+    Case("log-dir-empty", "train", lambda p: ["paths.log_dir="], "paths.log_dir is empty"),
+    Case(
+        "path-not-quoted",
+        "train",
+        lambda p: [f"paths.log_dir={p['in']}/logs"],
+        "quote a value with spaces, non-ASCII or special characters",
+    ),
+    Case(
+        "run-dir-holds-a-run",
+        "train",
+        lambda p: [f"hydra.run.dir={q(p['run'])}"],
+        "already holds a run",
+    ),
+    Case(
+        "run-dir-taken",
+        "train",
+        lambda p: [f"hydra.run.dir={q(p['in'] / 'starting')}"],
+        "is taken",
+    ),
+    Case(
+        "cuda-visible-devices-garbage",
+        "train",
+        lambda p: ["trainer.accelerator=gpu"],
+        "no usable GPU",  # a CPU-only torch is reported first; on CUDA torch devices.py reports it
+        env={
+            "CUDA_VISIBLE_DEVICES": "banana,,7",
+            "RUNKIT_NVML_BACKEND": FAKE_NVML,
+            "RUNKIT_FAKE_NVML": '{"gpus": 2}',
+        },
+    ),
+    Case(
+        "nvml-init-fails",
+        "train",
+        lambda p: ["trainer.accelerator=gpu"],
+        "NVML",
+        env={
+            "RUNKIT_NVML_BACKEND": FAKE_NVML,
+            "RUNKIT_FAKE_NVML": '{"gpus": 2, "init_error": "driver_not_loaded"}',
+        },
+    ),
+]
+
+
+def tree_hash(directory: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """An earlier finished run, and a folder of bad files made from it."""
+    root = tmp_path_factory.mktemp("bad_inputs")
+    logs = root / "logs"
+    done = prewarmed.run(
+        [
+            sys.executable,
+            "-m",
+            "project.train",
+            *FAST,
+            "trainer.max_epochs=1",
+            f"paths.log_dir={logs}",
+        ],
+        cwd=root,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (run,) = run_dirs(logs)
+    bad = root / "bad inputs é"
+    bad.mkdir()
+    (bad / "empty.ckpt").write_bytes(b"")
+    data = (run / "checkpoints" / "last.ckpt").read_bytes()
+    (bad / "half.ckpt").write_bytes(data[: len(data) // 2])
+    weights = (run / "model.pth").read_bytes()
+    (bad / "half.pth").write_bytes(weights[: len(weights) // 2])
+    (bad / "notes.txt").write_text("not a checkpoint\n")
+    (bad / "a_file").write_text("a regular file, not a directory\n")
+    (bad / "empty_logs").mkdir()
+    torch.save({"state_dict": {}, "trap": Evil(bad / PAYLOAD_FILE)}, bad / "evil.ckpt")
+    (bad / "starting" / ".hydra").mkdir(parents=True)  # another run has just claimed it
+    other = bad / "other_arch"
+    other.mkdir()
+    shutil.copy(run / "model.pth", other / "model.pth")
+    config = (run / "config.yaml").read_text()
+    crafted = OmegaConf.create(config)  # the same run, with an MLP for the ConvNet
+    crafted.model.net = {
+        "_target_": "project.models.nets.MLP",
+        "in_features": 64,
+        "hidden": [16],
+        "num_classes": 10,
+        "dropout": 0.0,
+    }
+    OmegaConf.save(crafted, other / "config.yaml")
+    broken = bad / "broken_config"
+    broken.mkdir()
+    shutil.copy(run / "model.pth", broken / "model.pth")
+    (broken / "config.yaml").write_text(config[: len(config) // 3] + "\n  net: [unclosed\n")
+    (bad / "configs" / "experiment").mkdir(parents=True)
+    (bad / "configs" / "experiment" / "broken.yaml").write_text(
+        "# @package _global_\ntrainer:\n  max_epochs: [1\n"
+    )
+    (bad / "configs" / "experiment" / "latin1.yaml").write_bytes(  # saved by a Latin-1 editor
+        "# @package _global_\n# réglages\ntrainer:\n  max_epochs: 2\n".encode("latin-1")
+    )
+    return {"root": root, "logs": logs, "run": run, "in": bad}
+
+
+def command_for(case: Case, world: dict[str, Path]) -> list[str]:
+    args = case.args(world)
+    options = [a for a in args if a.startswith("--")]  # Hydra's own flags go first
+    overrides = [a for a in args if not a.startswith("--")]
+    budget = FAST if case.task == "train" else ()  # eval has no callbacks or epochs
+    command = [sys.executable, "-m", f"project.{case.task}", *options, *budget, *overrides]
+    if not any(a.startswith("paths.log_dir=") for a in args):
+        command.append(f"paths.log_dir={q(world['logs'])}")
+    return command
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_one_line_and_loses_nothing(world: dict[str, Path], case: Case) -> None:
+    before = tree_hash(world["run"])
+    everything = set(world["root"].rglob("*"))
+    done = prewarmed.run(
+        command_for(case, world),
+        cwd=world["root"],
+        env=clean_env(**case.env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    assert done.returncode == case.code, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "Error executing job" not in done.stderr, done.stderr[-2000:]
+    assert lines and lines[-1].startswith("error: "), done.stderr[-2000:]
+    assert case.expect in lines[-1], lines[-1]
+    assert tree_hash(world["run"]) == before, "the earlier run's files changed"
+    json.loads((world["run"] / "metrics.json").read_text())  # still whole
+    assert not (world["in"] / PAYLOAD_FILE).exists(), "the malicious checkpoint's code ran"
+    created = sorted(str(p) for p in set(world["root"].rglob("*")) - everything)
+    assert not created, f"a run that never started left {created}"
+
+
+# ------------------------------------------------------------------------------------------------
+# README.md's reliability table: one row per case, each with the line a user sees.
+#
+# A row reads | `<id>` | <what is wrong> | <the error line> (exit <code>) | `tests/<file>.py` |.
+# Rows for this file must name a case of CASES, show its expected text and exit code, and every
+# case must have a row. Rows may also name a test of another file (a test function or a pytest
+# id defined there), so the table can cover interrupts, races and the like; such a row must name
+# something that exists in that file.
+
+
+def readme_rows() -> list[list[str]]:
+    text = (ROOT / "lib" / "runkit" / "README.md").read_text()
+    match = re.search(r"^## Reliability\n(.*?)(?=^## |\Z)", text, flags=re.M | re.S)
+    assert match, "README.md has no '## Reliability' section with the table of bad inputs"
+    rows = [
+        [cell.strip() for cell in line.strip().strip("|").split("|")]
+        for line in match.group(1).splitlines()
+        if line.startswith("| `")
+    ]
+    assert rows, "README.md's reliability section has no table rows"
+    return rows
+
+
+def test_readme_reliability_table_lists_every_case() -> None:
+    cases = {case.id: case for case in CASES}
+    listed = set()
+    for row in readme_rows():
+        assert len(row) == 4, f"a reliability row needs 4 cells: {row}"
+        case_id, _, shown, test_file = (cell.strip("`") for cell in row)
+        path = ROOT / "lib" / "runkit" / test_file  # the library README's own paths
+        assert path.is_file(), f"README reliability row {case_id!r} names {test_file}: no such file"
+        if path.name == Path(__file__).name:
+            assert case_id in cases, f"README reliability row {case_id!r} is not a case here"
+            case = cases[case_id]
+            assert case.expect in shown, f"row {case_id!r} should show {case.expect!r}"
+            assert f"(exit {case.code})" in shown, f"row {case_id!r} should say (exit {case.code})"
+            listed.add(case_id)
+        else:
+            source = path.read_text()
+            defined = re.search(
+                rf"def {re.escape(case_id)}\(|[\"']{re.escape(case_id)}[\"']", source
+            )
+            assert defined, f"README reliability row {case_id!r}: no such test in {test_file}"
+    missing = sorted(set(cases) - listed)
+    assert not missing, f"cases without a row in README.md's reliability table: {missing}"

@@ -1,0 +1,58 @@
+"""Every private Lightning/torch/OmegaConf access the template makes still works (one test each).
+
+A release that moves one fails here with a line naming the access and who relies on it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runkit import compat
+
+
+@pytest.mark.parametrize("api", compat.PRIVATE_APIS, ids=lambda a: f"{a.owner}.{a.name}")
+def test_private_access_still_works(api: compat.PrivateApi) -> None:
+    assert api.missing() is None, api.missing()
+
+
+def test_a_moved_access_is_named_in_one_line() -> None:
+    gone = compat.PrivateApi("lightning.pytorch:Trainer", "_no_such_thing", "someone", "a reason")
+    line = gone.missing()
+    assert line is not None and "\n" not in line
+    assert line.startswith("lightning.pytorch:Trainer._no_such_thing is gone or changed")
+    assert "someone relies on it (a reason)" in line
+
+
+def test_a_failing_probe_is_reported_with_its_error() -> None:
+    def probe() -> bool:
+        raise ImportError("moved")
+
+    line = compat.PrivateApi("x:Y", "z", "who", "why", probe).missing()
+    assert line is not None and "(ImportError: moved)" in line
+
+
+def test_private_hydra_accesses_go_through_compat() -> None:
+    # cli.py read hydra._internal and JobReturn._return_value directly, outside the table.
+    source = Path(compat.__file__).parent.parent  # src/project
+    for path in source.rglob("*.py"):
+        if path.name == "compat.py":
+            continue
+        text = path.read_text(encoding="utf-8")
+        assert "hydra._internal" not in text and "_return_value" not in text, path
+    names = {(api.owner, api.name) for api in compat.PRIVATE_APIS}
+    assert ("hydra._internal.utils", "get_args_parser") in names
+    assert ("hydra.core.utils:JobReturn", "_return_value") in names
+
+
+def test_job_failure_reads_a_failed_jobs_exception_without_hydras_report(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from hydra.core.utils import JobReturn, JobStatus
+
+    failure = RuntimeError("job 3 failed")
+    job = JobReturn(status=JobStatus.FAILED, overrides=["lr=1"])
+    job.return_value = failure
+    assert compat.job_failure(job) is failure
+    assert capsys.readouterr().err == ""  # Hydra's return_value would write "Error executing job"

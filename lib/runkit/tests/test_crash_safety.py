@@ -1,0 +1,359 @@
+"""A kill -9 at any moment leaves a last.ckpt that loads and resumes.
+
+One driver process imports torch and Lightning once, then forks a training run per round (the
+real Hydra entry point, saving a checkpoint every step), kills it with SIGKILL at a random moment
+after its first checkpoint, and checks that ``last.ckpt`` loads with ``weights_only=True``. Each
+round resumes from the previous round's ``last.ckpt``, so "it resumes" is checked 20 times too:
+a round passes only when its own ``last.ckpt`` shows a later step than the one it started from.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import clean_env, last_line
+from runkit.safety import checkpoints as checkpointing
+from runkit.safety.checkpoints import (
+    AtomicCheckpointIO,
+    CheckpointSaveError,
+    FileWriteError,
+    full_disk_in_one_line,
+    save_weights,
+)
+
+DRIVER = r"""
+import json, os, random, signal, sys, time
+from pathlib import Path
+import torch
+import hydra, lightning.pytorch  # the heavy imports happen once, here, not in every round
+import project.train, runkit.run.builders, runkit.safety.checkpoints, runkit.gpus.resolve, runkit.run.preflight
+import project.data.digits, project.models.classifier, project.models.nets
+
+log_dir, rounds = Path(sys.argv[1]), int(sys.argv[2])
+random.seed(1234)
+overrides = [
+    f"paths.log_dir={log_dir}", "model=mlp", "model.net.hidden=[32]", "data.batch_size=32",
+    "trainer.max_epochs=1000", "trainer.accelerator=cpu", "test=false", "export_weights=false",
+    "logger=none", "callbacks.progress_bar.refresh_rate=0", "callbacks.model_checkpoint.monitor=null",
+    "callbacks.model_checkpoint.every_n_epochs=null",
+    "+callbacks.model_checkpoint.every_n_train_steps=1",
+]
+results, previous, previous_step = [], None, -1
+for index in range(rounds):
+    run = log_dir / f"round_{index:02d}"
+    extra = [f"hydra.run.dir={run}"] + ([f"ckpt_path={previous}"] if previous else [])
+    pid = os.fork()
+    if pid == 0:
+        sys.argv = ["train", *overrides, *extra]
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1); os.dup2(devnull, 2)
+        try:
+            project.train.main()
+        finally:
+            os._exit(0)
+    last = run / "checkpoints" / "last.ckpt"
+    deadline = time.time() + 60
+    while not last.exists() and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(random.uniform(0.0, 0.8))
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    try:
+        step = torch.load(last, map_location="cpu", weights_only=True)["global_step"]
+        error = None
+    except Exception as err:  # reported, and the test fails
+        step, error = None, f"{type(err).__name__}: {err}"
+    results.append({"round": index, "step": step, "started_from": previous_step, "error": error})
+    if error:
+        break
+    previous, previous_step = last, step
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_kill_9_twenty_times_leaves_a_loadable_resumable_last_ckpt(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(tmp_path / "logs"), "20"],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,  # ~1 s a round; a loaded 2-core machine needed 300 s for the 20
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(results) == 20, results
+    for result in results:
+        assert result["error"] is None, result
+        assert result["step"] > result["started_from"], result
+
+
+def test_failed_write_leaves_the_old_checkpoint_and_no_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    io = AtomicCheckpointIO()
+    target = tmp_path / "last.ckpt"
+    io.save_checkpoint({"step": torch.tensor(1)}, target)
+    before = target.read_bytes()
+
+    def failing_save(obj: Any, handle: Any, *args: Any, **kwargs: Any) -> None:
+        handle.write(b"PK\x03\x04 partial")  # some bytes reach the temporary file first
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(CheckpointSaveError, match="No space left on device") as info:
+        io.save_checkpoint({"step": torch.tensor(2)}, target)
+    assert str(info.value).startswith("the disk is full: could not write checkpoint")
+    assert f"the last good checkpoint is {str(target)!r}" in str(info.value)
+    assert target.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+    assert torch.load(target, weights_only=True)["step"] == 1
+
+
+def test_write_is_in_the_target_directory_not_tmpdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A TMPDIR that cannot be written: Lightning's own save would stage its bytes there.
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "missing" / "tmp"))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    target = tmp_path / "ckpts" / "a.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"x": torch.ones(3)}, target)
+    assert torch.equal(torch.load(target, weights_only=True)["x"], torch.ones(3))
+
+
+# --------------------------------------------------------------------------- a real full disk
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
+    """``small_disk(kib)``: a fresh tmpfs of that size (a real full disk, as ENOSPC comes)."""
+    mounted: list[Path] = []
+
+    def mount(kib: int) -> Path:
+        point = tmp_path / f"small disk é {len(mounted)}"
+        point.mkdir()
+        if os.geteuid() != 0:
+            pytest.skip("mounting a small tmpfs (a real full disk) needs root")
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(point)],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+def fill_with_checkpoints(directory: Path) -> tuple[list[Path], CheckpointSaveError]:
+    """Save 40 kB checkpoints until the disk is full; the saved ones and the error."""
+    io, saved = AtomicCheckpointIO(), []
+    for epoch in range(100):
+        path = directory / f"epoch_{epoch:03d}.ckpt"
+        try:
+            io.save_checkpoint({"epoch": epoch, "w": torch.randn(10_000)}, path)
+        except CheckpointSaveError as err:
+            return saved, err
+        saved.append(path)
+    raise AssertionError("the small disk never filled up")
+
+
+def test_a_full_disk_is_one_line_naming_the_checkpoint_that_remains(
+    small_disk: Callable[[int], Path],
+) -> None:
+    checkpoints = small_disk(256) / "run" / "checkpoints"
+    saved, error = fill_with_checkpoints(checkpoints)
+    message = str(error)
+    assert saved, "not one checkpoint fitted"
+    assert "\n" not in message
+    assert message.startswith("the disk is full: could not write checkpoint")
+    assert str(checkpoints / f"epoch_{len(saved):03d}.ckpt") in message  # where
+    assert message.endswith(f"the last good checkpoint is {str(saved[-1])!r}")
+    assert isinstance(error.__cause__, OSError) and error.__cause__.errno == errno.ENOSPC
+    for epoch, path in enumerate(saved):
+        assert torch.load(path, weights_only=True)["epoch"] == epoch
+    assert not list(checkpoints.glob(".*.tmp"))
+
+    # Overwriting a checkpoint (last.ckpt) on the full disk keeps its previous version.
+    with pytest.raises(CheckpointSaveError) as info:
+        AtomicCheckpointIO().save_checkpoint({"w": torch.randn(50_000)}, saved[0])
+    assert f"the last good checkpoint is {str(saved[0])!r}" in str(info.value)
+    assert torch.load(saved[0], weights_only=True)["epoch"] == 0
+
+
+def test_every_write_of_a_run_on_a_full_disk_is_one_line(small_disk: Callable[[int], Path]) -> None:
+    run = small_disk(256) / "run"
+    saved, _ = fill_with_checkpoints(run / "checkpoints")
+    kept = f"the last good checkpoint is {str(saved[-1])!r}"
+
+    # model.pth export, and config.yaml / metrics.json (the same crash-safe writer)
+    with pytest.raises(FileWriteError) as info, full_disk_in_one_line(run):
+        save_weights(torch.nn.Linear(200, 200), run / "model.pth")
+    assert str(info.value).startswith(
+        f"the disk is full: could not write {str(run / 'model.pth')!r}"
+    )
+    assert str(info.value).endswith(kept)
+    assert not (run / "model.pth").exists() and not list(run.glob(".*.tmp"))
+
+    # a logger's plain write (Lightning's CSV log): an OSError with no file name
+    with (
+        pytest.raises(FileWriteError) as info,
+        full_disk_in_one_line(run),
+        (run / "metrics.csv").open("a") as handle,
+    ):
+        handle.write("0.5," * 100_000)
+    assert str(info.value).startswith("the disk is full: could not write the run's files")
+    assert str(run) in str(info.value) and str(info.value).endswith(kept)
+
+    # Lightning ends a failed fit by flushing its loggers: their error must not hide the first one
+    with pytest.raises(CheckpointSaveError) as info, full_disk_in_one_line(run):
+        try:
+            raise fill_with_checkpoints(run / "checkpoints")[1]
+        except CheckpointSaveError:
+            with (run / "metrics.csv").open("a") as handle:
+                handle.write("0.5," * 100_000)
+    assert str(info.value).startswith("the disk is full: could not write checkpoint")
+
+
+FULL_DISK_RUNS = {
+    # the issue's case: not even the first checkpoint fits (the default ConvNet)
+    "no-checkpoint-fits": (300, ["trainer.max_epochs=2"]),
+    # two epochs' checkpoints fit (the MLP's are ~640 kB), the third does not
+    "two-checkpoints-fit": (
+        1700,
+        [
+            "model=mlp",
+            "trainer.max_epochs=5",
+            "callbacks.model_checkpoint.monitor=null",
+            "callbacks.model_checkpoint.save_top_k=-1",
+        ],
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", FULL_DISK_RUNS, ids=list(FULL_DISK_RUNS))
+def test_training_on_a_full_disk_ends_in_one_line(
+    small_disk: Callable[[int], Path], case: str
+) -> None:
+    kib, overrides = FULL_DISK_RUNS[case]
+    disk = small_disk(kib)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "project.train",
+            f'paths.log_dir="{disk / "logs"}"',
+            "data.batch_size=256",
+            "callbacks.progress_bar.refresh_rate=0",
+            *overrides,
+        ],
+        cwd=disk.parent,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    line = last_line(done.stderr)
+    assert line.startswith("error: the disk is full: could not write checkpoint"), line
+    assert str(disk) in line
+    assert not list(disk.rglob(".*.tmp"))
+    if case == "no-checkpoint-fits":
+        assert line.endswith("no checkpoint was kept before it"), line
+        return
+    remains = Path(line.split("the last good checkpoint is ")[1].strip("'"))
+    assert torch.load(remains, weights_only=True)["epoch"] == 1
+
+
+# --------------------------------------------------------------------------- stale temporaries
+
+
+def temporary_name(target: str, pid: int, host: str = checkpointing._HOST) -> str:
+    return f".{target}.{pid}-{host}-0badc0de.tmp"  # atomic_write's pattern
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_the_next_write_removes_temporary_files_of_dead_writers_only(tmp_path: Path) -> None:
+    dead = dead_pid()
+    stale = [
+        tmp_path / temporary_name("model.pth", dead),
+        tmp_path / temporary_name("last.ckpt", dead),  # any target's, in that directory
+        tmp_path / temporary_name("model.pth", 4242, host="00000000"),  # another machine's ...
+    ]
+    kept = [
+        tmp_path / temporary_name("model.pth", os.getppid()),  # a writer that still runs
+        tmp_path / temporary_name("model.pth", os.getpid()),  # this process's own
+        tmp_path / temporary_name("epoch_001.ckpt", 4242, host="00000000"),  # ... fresh
+        tmp_path / ".model.pth.tmp",  # names not of the pattern: not ours to remove
+        tmp_path / ".model.pth.x1y2z3.tmp",
+        tmp_path / "notes.tmp",
+    ]
+    for path in stale + kept:
+        path.write_bytes(b"PK\x03\x04 half")
+    two_days_ago = time.time() - 2 * 24 * 3600
+    os.utime(stale[2], (two_days_ago, two_days_ago))  # ... a day old
+    save_weights(torch.nn.Linear(2, 2), tmp_path / "model.pth")
+    assert [p.name for p in stale if p.exists()] == []
+    assert [p.name for p in kept if not p.exists()] == []
+
+
+KILLED_WRITER = r"""
+import sys, time
+from pathlib import Path
+from runkit.safety.checkpoints import atomic_write
+
+def slow_export(handle):
+    handle.write(b"PK\x03\x04" + bytes(4096))
+    handle.flush()
+    print("writing", flush=True)
+    time.sleep(120)
+
+atomic_write(Path(sys.argv[1]), slow_export)
+"""
+
+
+@pytest.mark.slow
+def test_kill_9_during_export_leaves_a_temporary_file_the_next_export_removes(
+    tmp_path: Path,
+) -> None:
+    target = tmp_path / "run é" / "model.pth"
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WRITER, str(target)],
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None and child.stdout.readline().strip() == "writing"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    (leftover,) = target.parent.glob(".model.pth.*.tmp")
+    assert f".{child.pid}-" in leftover.name
+    save_weights(torch.nn.Linear(2, 2), target)
+    assert not leftover.exists()
+    assert set(torch.load(target, weights_only=True)) == {"weight", "bias"}

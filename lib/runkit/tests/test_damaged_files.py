@@ -1,0 +1,300 @@
+"""Files the program wrote, found damaged or foreign when a tool reads them back.
+
+Every tool that reads such a file (``python -m runkit.plot`` and ``curves.png``: the CSV log and
+Hydra's overrides; resume: the earlier run's CSV log; ``select_gpus=least_used``: the lock files
+in the GPU claims directory) gets each file empty, cut short, binary, and of the wrong kind (a PNG,
+a directory), and must answer in one line, ``error: ...`` naming the file, exit 2, nothing created
+and nothing lost; or, where the content does not matter (a lock file), carry on.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import prewarmed
+from conftest import FAST, CliRunner, clean_env, run_dirs
+from runkit import plots
+from runkit.gpus import claims, nvml
+from runkit.gpus.claims import SelectionPolicy
+from runkit.gpus.inventory import collect_inventory
+from runkit.gpus.records import DeviceError, TorchCuda
+from runkit.testing.fake_nvml import FakeGpu, FakeNvml
+
+PNG = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x01"
+GOOD_CSV = (
+    "epoch,step,train/loss,val/loss,val/acc\r\n"
+    "0,9,,1.2,0.5\r\n"
+    "0,9,1.5,,\r\n"
+    "1,19,,0.8,0.7\r\n"
+    "1,19,1.0,,\r\n"
+)
+
+
+def damage(path: Path, kind: str) -> None:
+    """Put a damaged or foreign ``kind`` of file at ``path`` (a directory for ``directory``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+    if kind == "directory":
+        path.mkdir()
+        (path / "inside.txt").write_text("not a CSV log\n")
+        return
+    data = {
+        "empty": b"",
+        "truncated": GOOD_CSV.encode()[:-9],  # cut in the middle of the last row
+        "binary": bytes(range(256)) * 4,
+        "png": PNG,
+        "latin-1": "epoch,step,précision\n0,1,0.5\n".encode("latin-1"),
+        "foreign-csv": b"name,age\nada,36\n",
+        "ragged": b"epoch,step,train/loss\n0,1,0.5,0.7,0.9\n",
+    }[kind]
+    path.write_bytes(data)
+
+
+def snapshot(root: Path) -> dict[str, bytes | None]:
+    """Every path under ``root`` with its bytes (None for a directory): to prove nothing changed."""
+    return {
+        str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None)
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def one_error_line(result) -> str:
+    assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+# ------------------------------------------------------------------------- plot: csv/metrics.csv
+
+CSV_CASES = {
+    "empty": "is empty: it has no rows yet",
+    "truncated": "is cut short: its last line ends without a newline",
+    "binary": "it holds binary data (a NUL byte at offset 0)",
+    "png": "it holds a PNG image",
+    "latin-1": "it holds binary data (byte 0xe9 at offset 13 is not UTF-8)",
+    "directory": "is a directory; expected a CSV log",
+    "foreign-csv": "its header 'name,age' has no epoch and step columns",
+    "ragged": "is damaged: row 2 has 5 fields, its header 3",
+}
+
+
+def a_run(root: Path) -> Path:
+    """A run directory as a training run leaves it, as far as plot reads it."""
+    run = root / "logs" / "train" / "runs" / "run é"
+    (run / "csv").mkdir(parents=True)
+    (run / "csv" / "metrics.csv").write_text(GOOD_CSV)
+    (run / ".hydra").mkdir()
+    (run / ".hydra" / "overrides.yaml").write_text("- model.optimizer.lr=0.01\n")
+    return run
+
+
+@pytest.mark.parametrize("kind", sorted(CSV_CASES))
+def test_plot_reading_a_damaged_csv_log_raises_one_line(tmp_path: Path, kind: str) -> None:
+    run = a_run(tmp_path)
+    damage(run / plots.METRICS_CSV, kind)
+    with pytest.raises(plots.PlotError) as info:
+        plots.read_metrics(run)
+    message = str(info.value)
+    assert "\n" not in message and CSV_CASES[kind] in message, message
+    assert message.startswith(repr(str(run / plots.METRICS_CSV)))
+
+
+def test_the_intact_csv_log_still_reads(tmp_path: Path) -> None:
+    """The checks refuse damage, not the CSV logger's own files (CRLF rows, empty cells)."""
+    metrics = plots.read_metrics(a_run(tmp_path))
+    assert metrics.curve("val/loss") == ([0, 1], [1.2, 0.8])
+    assert metrics.curve("train/loss") == ([0, 1], [1.5, 1.0])
+    assert metrics.label.endswith("model.optimizer.lr=0.01")
+
+
+@pytest.mark.parametrize("kind", ["binary", "png", "directory"])
+def test_after_run_never_fails_a_run_over_a_damaged_csv_log(
+    tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("matplotlib", reason="after_run draws only with matplotlib installed")
+    run = a_run(tmp_path)
+    damage(run / plots.METRICS_CSV, kind)
+    assert plots.after_run(run) is None
+    assert CSV_CASES[kind] in caplog.text
+    assert not (run / plots.PLOT_FILE).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(CSV_CASES))
+def test_plot_cli_on_a_damaged_csv_log_is_one_line_and_exit_2(
+    cli: CliRunner, tmp_path: Path, kind: str
+) -> None:
+    run = a_run(tmp_path)
+    damage(run / plots.METRICS_CSV, kind)
+    before = snapshot(tmp_path)
+    line = one_error_line(cli("plot", str(run)))
+    assert line.startswith(f"error: {str(run / plots.METRICS_CSV)!r} ")
+    assert CSV_CASES[kind] in line, line
+    assert snapshot(tmp_path) == before  # no curves.png, the damaged file as it was
+
+
+@pytest.mark.slow
+def test_plot_cli_on_a_sweep_names_the_damaged_job(cli: CliRunner, tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    for job in ("0", "1"):
+        (sweep / job / "csv").mkdir(parents=True)
+        (sweep / job / "csv" / "metrics.csv").write_text(GOOD_CSV)
+    damage(sweep / "1" / plots.METRICS_CSV, "png")
+    before = snapshot(tmp_path)
+    line = one_error_line(cli("plot", str(sweep), "--out", str(tmp_path / "compare.png")))
+    assert line == (
+        f"error: {str(sweep / '1' / plots.METRICS_CSV)!r} is not a CSV log (the text file "
+        "Lightning's CSVLogger writes): it holds a PNG image; the file is damaged or foreign"
+    )
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["binary", "png", "directory"])
+def test_plot_cli_on_damaged_hydra_overrides_is_one_line(
+    cli: CliRunner, tmp_path: Path, kind: str
+) -> None:
+    run = a_run(tmp_path)
+    damage(run / ".hydra" / "overrides.yaml", kind)
+    before = snapshot(tmp_path)
+    line = one_error_line(cli("plot", str(run)))
+    assert line.startswith(f"error: {str(run / '.hydra' / 'overrides.yaml')!r} "), line
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.slow
+def test_plot_cli_on_a_png_given_as_the_run_is_one_line(cli: CliRunner, tmp_path: Path) -> None:
+    (tmp_path / "curves.png").write_bytes(PNG)
+    line = one_error_line(cli("plot", "curves.png"))
+    assert line == "error: 'curves.png' is a file; expected a run or sweep directory"
+
+
+# ------------------------------------------------------------------------- GPU claims: lock files
+
+LOCK_UUID = "GPU-11110000-1111-2222-3333-444455556666"
+
+
+@pytest.fixture
+def one_fake_gpu() -> Callable[[], object]:
+    nvml.use_library(FakeNvml([FakeGpu(uuid=LOCK_UUID)]))
+    claims.finish_job()
+    yield lambda: collect_inventory(torch_info=TorchCuda(True, 1), env={})
+    claims.finish_job()
+    nvml.use_library(None)
+
+
+@pytest.mark.parametrize("kind", ["empty", "truncated", "binary", "png", "latin-1"])
+def test_a_damaged_lock_file_nobody_holds_is_claimed_and_rewritten(
+    tmp_path: Path, one_fake_gpu: Callable[[], object], kind: str
+) -> None:
+    """A lock file's content is a note (the holder's pid); the lock is the kernel's. A damaged
+    note left by a run that died is no claim: the GPU is taken and the note rewritten."""
+    lock = claims.lock_path(tmp_path, LOCK_UUID)
+    damage(lock, kind)
+    chosen, message = claims.wait_and_claim(
+        one_fake_gpu(), 1, SelectionPolicy(lock_dir=str(tmp_path))
+    )
+    assert chosen == [0] and claims.claimed_uuids() == (LOCK_UUID,)
+    assert "picked cuda:0" in message
+    assert lock.read_bytes() == f"{os.getpid()}\n".encode()
+
+
+@pytest.mark.parametrize("kind", ["binary", "png", "empty"])
+def test_a_held_lock_file_with_damaged_content_still_keeps_others_off(
+    tmp_path: Path, one_fake_gpu: Callable[[], object], kind: str
+) -> None:
+    """Another run holds the lock and its note is garbage: the GPU is still taken."""
+    lock = claims.lock_path(tmp_path, LOCK_UUID)
+    holder = claims.try_lock(lock)  # another open file: flock keeps this process off it too
+    assert isinstance(holder, int)
+    os.ftruncate(holder, 0)
+    os.pwrite(holder, {"binary": bytes(range(256)), "png": PNG, "empty": b""}[kind], 0)
+    with pytest.raises(DeviceError) as info:
+        claims.wait_and_claim(one_fake_gpu(), 1, SelectionPolicy(lock_dir=str(tmp_path)))
+    assert str(info.value) == (
+        "select_gpus=least_used found 0 of the 1 GPU(s) wanted with gpu_wait_s=0: "
+        "cuda:0 claimed by another run"
+    )
+    os.close(holder)
+
+
+def test_a_directory_where_a_lock_file_belongs_is_one_line_naming_it(
+    tmp_path: Path, one_fake_gpu: Callable[[], object]
+) -> None:
+    lock = claims.lock_path(tmp_path, LOCK_UUID)
+    damage(lock, "directory")
+    before = snapshot(tmp_path)
+    with pytest.raises(DeviceError) as info:
+        claims.wait_and_claim(one_fake_gpu(), 1, SelectionPolicy(lock_dir=str(tmp_path)))
+    assert str(info.value) == (
+        "select_gpus=least_used found 0 of the 1 GPU(s) wanted with gpu_wait_s=0: "
+        f"cuda:0 its lock file {str(lock)!r} cannot be opened (Is a directory)"
+    )
+    assert snapshot(tmp_path) == before and claims.claimed_uuids() == ()
+
+
+def test_a_png_where_the_lock_directory_belongs_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "locks").write_bytes(PNG)
+    with pytest.raises(DeviceError) as info:
+        claims.lock_dir_for(SelectionPolicy(lock_dir=str(tmp_path / "locks")))
+    assert str(info.value) == (
+        f"gpu_lock_dir={str(tmp_path / 'locks')!r} cannot be created (File exists); "
+        "give a writable directory or null"
+    )
+    assert (tmp_path / "locks").read_bytes() == PNG
+
+
+# ------------------------------------------------------------------------- resume: the earlier CSV
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One short training run, copied by each resume test (training costs more than the test)."""
+    root = tmp_path_factory.mktemp("trained")
+    result = prewarmed.run(
+        [sys.executable, "-m", "project.train", *FAST, f"paths.log_dir={root / 'logs'}"],
+        cwd=root,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = run_dirs(root / "logs")
+    return run
+
+
+@pytest.fixture
+def earlier_run(trained_run: Path, log_dir: Path) -> Path:
+    run = log_dir / "train" / "runs" / trained_run.name
+    shutil.copytree(trained_run, run)
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["empty", "truncated", "binary", "png", "directory"])
+def test_resuming_from_a_run_whose_csv_log_is_damaged(
+    cli: CliRunner, log_dir: Path, earlier_run: Path, kind: str
+) -> None:
+    """Resume reads the earlier run's CSV log to carry its rows on: damage there is one line
+    naming the file, before the new run starts (it was a UnicodeDecodeError traceback, or a
+    silent copy of a cut-short row)."""
+    damage(earlier_run / plots.METRICS_CSV, kind)
+    before = snapshot(earlier_run)
+    result = cli("train", *FAST, "trainer.max_epochs=3", f"ckpt_path={earlier_run}")
+    assert snapshot(earlier_run) == before  # the earlier run is never changed
+    line = one_error_line(result)
+    assert line.startswith(f"error: {str(earlier_run / plots.METRICS_CSV)!r} "), line
+    assert run_dirs(log_dir) == [earlier_run]  # nothing created

@@ -1,0 +1,137 @@
+"""The shipped digits and the array DataModule: shapes, a fixed split, clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from lightning.pytorch import Trainer
+from omegaconf import OmegaConf
+from torch.utils.data import DistributedSampler
+
+from conftest import CliRunner, run_dirs
+from project.data.digits import DigitsDataModule, load_digits
+from runkit.data import ArrayDataModule
+from runkit.errors import RunError
+
+
+def test_digits_ship_with_the_package() -> None:
+    inputs, labels = load_digits()
+    assert inputs.shape == (1797, 1, 8, 8)
+    assert inputs.dtype == torch.float32
+    assert inputs.min() >= 0.0 and inputs.max() <= 1.0
+    assert labels.dtype == torch.int64
+    assert torch.bincount(labels).tolist() == [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
+
+
+def _indices(dm: ArrayDataModule) -> list[set[int]]:
+    return [set(subset.indices) for subset in (dm.train_set, dm.val_set, dm.test_set)]
+
+
+def test_split_is_disjoint_complete_and_fixed() -> None:
+    first, second = DigitsDataModule(), DigitsDataModule()
+    first.setup()
+    torch.manual_seed(1234)  # the training seed must not move samples between splits
+    second.setup()
+    train, val, test = _indices(first)
+    assert len(train) + len(val) + len(test) == 1797
+    assert not (train & val or train & test or val & test)
+    assert (len(val), len(test)) == (270, 270)
+    assert _indices(first) == _indices(second)
+
+
+def test_a_different_split_seed_gives_a_different_split() -> None:
+    a, b = DigitsDataModule(split_seed=0), DigitsDataModule(split_seed=1)
+    a.setup()
+    b.setup()
+    assert _indices(a)[2] != _indices(b)[2]
+
+
+def test_loaders_batch_and_shuffle_only_training() -> None:
+    dm = DigitsDataModule(batch_size=100)
+    dm.setup()
+    images, labels = next(iter(dm.train_dataloader()))
+    assert images.shape == (100, 1, 8, 8) and labels.shape == (100,)
+    assert len(dm.test_dataloader()) == 3  # 270 samples in batches of 100
+    first = next(iter(dm.val_dataloader()))[1]
+    again = next(iter(dm.val_dataloader()))[1]
+    assert torch.equal(first, again)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"batch_size": 0}, r"data\.batch_size=0 is invalid; expected an integer >= 1"),
+        ({"val_fraction": 1.5}, r"data\.val_fraction=1\.5 is invalid"),
+        ({"val_fraction": 0.5, "test_fraction": 0.5}, "leaves nothing to train on"),
+        ({"num_workers": -2}, r"data\.num_workers=-2 is invalid"),
+    ],
+)
+def test_bad_arguments_fail_in_one_line(kwargs: dict, message: str) -> None:
+    with pytest.raises(RunError, match=message) as info:
+        DigitsDataModule(**kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_own_data_is_one_method() -> None:
+    class Xor(ArrayDataModule):
+        def load_arrays(self) -> tuple[torch.Tensor, torch.Tensor]:
+            inputs = torch.randint(0, 2, (200, 2)).float()
+            return inputs, (inputs[:, 0] != inputs[:, 1]).long()
+
+    dm = Xor(batch_size=10)
+    dm.setup()
+    inputs, labels = next(iter(dm.train_dataloader()))
+    assert torch.equal(labels, (inputs[:, 0] != inputs[:, 1]).long())
+
+
+def test_under_ddp_every_evaluation_sample_is_served_exactly_once() -> None:
+    """Lightning's default sampler pads a split to a multiple of the process count (repeating
+    samples); the DataModule's evaluation sampler gives each rank every N-th sample instead."""
+    served: dict[str, list[int]] = {"val": [], "test": []}
+    for rank in range(3):
+        dm = DigitsDataModule(batch_size=50, val_fraction=0.17, test_fraction=0.17)  # 305 each
+        dm.trainer = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 3, "rank": rank})
+        dm.setup()
+        for stage, loader in (("val", dm.val_dataloader()), ("test", dm.test_dataloader())):
+            # A DistributedSampler already: Lightning keeps it instead of injecting its own.
+            assert isinstance(loader.sampler, DistributedSampler)
+            served[stage] += [int(i) for i in loader.sampler]
+    for stage, split in (("val", dm.val_set), ("test", dm.test_set)):
+        assert len(split) == 305
+        assert sorted(served[stage]) == list(range(305)), stage
+    one = DigitsDataModule()
+    one.trainer = SimpleNamespace(distributed_sampler_kwargs=None)  # one process, or dp
+    one.setup()
+    assert not isinstance(one.test_dataloader().sampler, DistributedSampler)
+
+
+@pytest.mark.slow
+def test_ddp_metrics_count_every_sample_once(cli: CliRunner, log_dir: Path) -> None:
+    """Two DDP processes over gloo, validation and test splits of 305 samples (odd): every sample
+    counts once, so the accuracy the DDP run logged equals one process's on the same weights to
+    the last bit (a count of correct samples); the loss, a float32 sum that the all-reduce adds
+    up in another order, agrees to float32 rounding (relative 1e-6), not to the bit."""
+    split = ("data.val_fraction=0.17", "data.test_fraction=0.17", "data.batch_size=64")
+    result = cli("train", "trainer=ddp_sim", "trainer.max_epochs=1", "model=mlp", *split,
+                 "callbacks.progress_bar.refresh_rate=0", timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = run_dirs(log_dir)
+    logged = json.loads((run / "metrics.json").read_text())["metrics"]
+    config = OmegaConf.load(run / "config.yaml")
+    data, model = instantiate(config.data), instantiate(config.model)
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    model.load_state_dict(checkpoint["state_dict"])
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+    (validated,) = trainer.validate(model, datamodule=data, verbose=False)
+    (tested,) = trainer.test(model, datamodule=data, verbose=False)
+    assert len(data.val_set) == len(data.test_set) == 305
+    assert validated["val/acc"] == logged["val/acc"] < 1.0
+    assert tested["test/acc"] == logged["test/acc"] < 1.0
+    assert validated["val/loss"] == pytest.approx(logged["val/loss"], rel=1e-6, abs=0)
+    assert tested["test/loss"] == pytest.approx(logged["test/loss"], rel=1e-6, abs=0)

@@ -1,0 +1,93 @@
+"""The developer tools around the code: the Makefile's interpreter, and git ignoring what the
+program itself writes into the repository."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+PLOT_OUTPUTS = ("curves.png", "compare.png", "ab.svg", "runs.pdf")
+# What an outer make (`make test-fast ARGS=...`) exports to the tests; none may reach the make here.
+MAKE_ENV = ("PY", "ARGS", "RUN", "NAME", "MODULE", "TESTS", "MAKEFLAGS", "MFLAGS", "MAKELEVEL",
+            "MAKEOVERRIDES", "VIRTUAL_ENV")  # fmt: skip
+
+
+def make(cwd: Path, *args: str, path: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in MAKE_ENV}
+    if path is not None:
+        env["PATH"] = path
+    return subprocess.run(
+        ["make", "--no-print-directory", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.fixture
+def bare_checkout(tmp_path: Path) -> Path:
+    """The Makefile alone in a directory without .venv ("your own environment")."""
+    shutil.copy(REPO / "Makefile", tmp_path / "Makefile")
+    return tmp_path
+
+
+def test_make_uses_the_python3_on_path_without_a_venv(bare_checkout: Path, tmp_path: Path) -> None:
+    done = make(bare_checkout, "-n", "devices")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["python3", "-m", "runkit.devices"]  # found on PATH by name
+
+
+def test_make_uses_the_venv_when_there_is_one(bare_checkout: Path) -> None:
+    (bare_checkout / ".venv" / "bin").mkdir(parents=True)
+    (bare_checkout / ".venv" / "bin" / "python").symlink_to(sys.executable)
+    done = make(bare_checkout, "-n", "devices")
+    assert done.stdout.split() == [".venv/bin/python", "-m", "runkit.devices"]
+    assert make(bare_checkout, "-n", "devices", "PY=/opt/x/python").stdout.split()[0] == (
+        "/opt/x/python"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["own environment", "repository .venv"])
+def test_make_devices_runs_both_ways(bare_checkout: Path, where: str) -> None:
+    """A real target: with no .venv, the active environment's python3 (here this interpreter's
+    bin directory first on PATH, as `activate` does); in the repository, its .venv."""
+    if where == "own environment":
+        path = f"{Path(sys.executable).parent}:/usr/bin:/bin"  # as `activate` puts it first
+        done = make(bare_checkout, "devices", "ARGS=--json", path=path)
+        assert done.stdout.startswith("python3 -m runkit.devices --json\n")
+    else:
+        if not (REPO / ".venv" / "bin" / "python").exists():
+            pytest.skip("the repository has no .venv (make setup creates it)")
+        done = make(REPO, "devices", "ARGS=--json")
+        assert done.stdout.startswith(".venv/bin/python -m runkit.devices --json\n")
+    assert done.returncode == 0, done.stderr
+    document = done.stdout[done.stdout.index("{") :]
+    assert json.loads(document)["schema_version"] == 1
+
+
+def git(repo: Path, *args: str) -> str:
+    command = ["git", "-c", "user.name=test", "-c", "user.email=test@example.invalid", *args]
+    return subprocess.run(command, cwd=repo, capture_output=True, text=True, check=True).stdout
+
+
+def test_plot_outputs_and_logs_are_ignored_and_nothing_else(tmp_path: Path) -> None:
+    git(tmp_path, "init", "-q")
+    shutil.copy(REPO / ".gitignore", tmp_path / ".gitignore")
+    ignored = [*PLOT_OUTPUTS, "logs/train/runs/x/curves.png", "outputs/a.txt"]
+    kept = ["docs/img/new.png", "notebooks/figure.svg", "notes.txt", "src/project/x.py"]
+    for name in ignored + kept:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x\n")
+    status = git(tmp_path, "status", "--porcelain", "--untracked-files=all").split("\n")
+    listed = sorted(line[3:] for line in status if line)
+    assert listed == sorted([".gitignore", *kept])

@@ -1,0 +1,342 @@
+"""``trainer.strategy=dp``: registration, the CPU refusal, and the network's parallel wrapper.
+
+On a machine without GPUs ``nn.DataParallel`` only calls the network, which would hide every
+mistake in splitting and gathering. So most tests here swap in :class:`SplitDataParallel`, a CPU
+stand-in that does what DataParallel does with GPUs (split the input, run shallow per-"device"
+copies of the network, concatenate the outputs) and compare against plain single-device
+training. The ``gpu`` tests at the end run the real thing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+from omegaconf import OmegaConf
+from torch import Tensor, nn
+
+from project.data.digits import DigitsDataModule
+from project.models.classifier import ClassifierModule
+from project.models.nets import MLP
+from runkit.errors import RunError
+from runkit.run.preflight import check_config, check_strategy
+from runkit.speed import maybe_compile
+from runkit.strategies.dp import (
+    AutocastDataParallel,
+    DataParallelStrategy,
+    check_dp_request,
+)
+
+# ------------------------------------------------------------------------------------------------
+# A CPU stand-in for nn.DataParallel
+
+
+def _replicate(module: nn.Module) -> nn.Module:
+    """Like torch.nn.parallel.replicate: shallow copies of every submodule, sharing the parameters
+    (a real replicate broadcasts copies to each GPU, differentiably)."""
+    copies = {}
+    for sub in module.modules():
+        replica = sub._replicate_for_data_parallel()
+        replica._parameters = dict(sub._parameters)
+        copies[sub] = replica
+    for sub, replica in copies.items():
+        replica._modules = {k: copies.get(c) for k, c in sub._modules.items()}
+    return copies[module]
+
+
+def _split(value: Any, parts: int) -> list[Any]:
+    if isinstance(value, Tensor):
+        return list(value.chunk(parts))
+    if isinstance(value, list | tuple):
+        columns = [_split(v, parts) for v in value]
+        count = min((len(c) for c in columns), default=parts)
+        return [type(value)(c[i] for c in columns) for i in range(count)]
+    return [value] * parts
+
+
+class SplitDataParallel(nn.Module):
+    """Records the size of each slice it runs the network on, one list per call."""
+
+    def __init__(self, module: nn.Module, parts: int, calls: list[list[int]]) -> None:
+        super().__init__()
+        self.module, self.parts, self.calls = module, parts, calls
+
+    def forward(self, *inputs: Any) -> Any:
+        chunks = _split(inputs, self.parts)
+        self.calls.append([len(chunk[0]) for chunk in chunks])
+        return torch.cat([_replicate(self.module)(*chunk) for chunk in chunks])
+
+
+class CpuSplitDP(DataParallelStrategy):
+    """The real strategy with the stand-in wrapper, allowed on the CPU for this test."""
+
+    def _require_cuda(self) -> None:
+        return None
+
+    calls: list[list[int]]
+
+    def _data_parallel(self, net: nn.Module) -> nn.Module:
+        self.calls = getattr(self, "calls", [])
+        return SplitDataParallel(net, parts=2, calls=self.calls)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def make_module() -> ClassifierModule:
+    # No dropout: then DP over two halves must match one device exactly.
+    return ClassifierModule(MLP(hidden=(32,), dropout=0.0), partial(torch.optim.SGD, lr=0.1))
+
+
+def fit(strategy: Any, tmp_path: Path) -> tuple[ClassifierModule, dict[str, Tensor]]:
+    pl.seed_everything(3)
+    module = make_module()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2 if isinstance(strategy, DataParallelStrategy) else 1,
+        strategy=strategy,
+        max_epochs=1,
+        limit_train_batches=4,
+        limit_val_batches=2,
+        limit_test_batches=2,
+        logger=False,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    datamodule = DigitsDataModule(batch_size=61)  # odd: the halves differ in size
+    trainer.fit(module, datamodule=datamodule)
+    metrics = dict(trainer.callback_metrics)
+    trainer.test(module, datamodule=datamodule, verbose=False)
+    return module, {**metrics, **trainer.callback_metrics}
+
+
+def test_dp_is_registered_and_accepted_by_preflight() -> None:
+    assert "dp" in StrategyRegistry
+    check_strategy("dp")  # no error
+    trainer = pl.Trainer(strategy="dp", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, DataParallelStrategy)
+    assert trainer.strategy.network == "net"  # the registered name parallelises pl_module.net
+    assert trainer.num_devices == 2 and trainer.world_size == 1 and trainer.is_global_zero
+
+
+def test_dp_without_cuda_fails_in_one_line() -> None:
+    with pytest.raises(
+        RunError, match=r"dp asks for a GPU .*, but trainer.accelerator=cpu; .*ddp_sim"
+    ):
+        check_dp_request("cpu", 2)
+    with pytest.raises(RunError, match=r"num_nodes=2"):
+        check_dp_request("gpu", 2, num_nodes=2)
+    if not torch.cuda.is_available():
+        with pytest.raises(RunError, match=r"strategy=dp asks for a GPU .*, but: No usable GPU"):
+            check_dp_request("auto", 2)
+        cfg = OmegaConf.create(
+            {"trainer": {"strategy": "dp", "accelerator": "auto", "devices": 2, "num_nodes": 1}}
+        )
+        with pytest.raises(RunError, match="strategy=dp asks for a GPU"):
+            check_config(cfg)
+
+
+def test_dp_strategy_refuses_cpu_devices_at_setup(tmp_path: Path) -> None:
+    trainer = pl.Trainer(strategy="dp", accelerator="cpu", devices=2, max_epochs=1, logger=False)
+    with pytest.raises(RunError, match=r"asks for a GPU .*, but the Trainer's devices are cpu"):
+        trainer.fit(make_module(), datamodule=DigitsDataModule(batch_size=64))
+
+
+def test_the_step_runs_once_over_the_gathered_outputs() -> None:
+    """Only the network is split: the loss and the metric update happen once, on the whole
+    (odd) batch, so they equal the single-device ones; the module's keys do not change."""
+    module = make_module()
+    batch = (torch.rand(7, 1, 8, 8), torch.randint(0, 10, (7,)))
+    expected = module.training_step(batch, 0).detach()
+    module.train_metrics.reset()
+    keys, parameters = list(module.state_dict()), list(module.parameters())
+
+    strategy = CpuSplitDP(parallel_devices=[torch.device("cpu")] * 2)
+    strategy._setup_model(module)
+    assert isinstance(module.net, SplitDataParallel) and module.net.module is module._modules["net"]
+    loss = module.training_step(batch, 0)
+    assert strategy.calls == [[4, 3]]  # the network ran on both halves, in one call
+    assert loss.ndim == 0 and torch.allclose(loss, expected, atol=1e-6)
+    assert module.train_metrics["loss"].update_count == 1
+    assert list(module.state_dict()) == keys  # the wrapper is not a submodule
+    assert list(module.parameters()) == parameters  # each parameter once, as before
+
+
+def test_split_dp_trains_exactly_like_one_device_and_saves_plain_keys(tmp_path: Path) -> None:
+    single, metrics_single = fit("auto", tmp_path / "single")
+    strategy = CpuSplitDP()
+    split, metrics_split = fit(strategy, tmp_path / "dp")
+
+    # every step's network call went through the splitting wrapper, in two uneven halves
+    assert len(strategy.calls) == 4 + 2 + 2  # training, validation, test batches
+    assert strategy.calls[0] == [31, 30]
+    assert isinstance(split.net, MLP)  # after the run, pl_module.net is the plain network again
+    for (name, a), (_, b) in zip(
+        single.state_dict().items(), split.state_dict().items(), strict=True
+    ):
+        assert torch.allclose(a, b, atol=1e-5), name
+    for key in ("train/loss", "train/acc", "val/loss", "val/acc", "test/loss", "test/acc"):
+        assert torch.isclose(metrics_single[key], metrics_split[key], atol=1e-5), key
+
+    ckpt = next((tmp_path / "dp" / "checkpoints").glob("*.ckpt"))
+    state = torch.load(ckpt, weights_only=True)["state_dict"]
+    assert not [key for key in state if "module." in key]
+    make_module().load_state_dict(state, strict=True)
+
+
+class Encoder(pl.LightningModule):
+    """A LightningModule whose network is not called ``net``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(4, 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.encoder(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_encoder(strategy: DataParallelStrategy, tmp_path: Path) -> None:
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(Encoder(), torch.utils.data.DataLoader(data, batch_size=8))
+
+
+def test_the_network_attribute_is_configurable(tmp_path: Path) -> None:
+    strategy = CpuSplitDP(network="encoder")
+    _fit_encoder(strategy, tmp_path)
+    assert strategy.calls == [[4, 4], [4, 4]]
+    with pytest.raises(
+        RunError,
+        match=r"parallelises the network in Encoder\.net, but .*"
+        r"no nn\.Module attribute 'net'; set trainer\.strategy\.network",
+    ):
+        _fit_encoder(CpuSplitDP(), tmp_path)
+
+
+def test_the_dp_preset_names_the_network_attribute() -> None:
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from project import config_dir
+
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=["trainer=dp", "trainer.strategy.network=encoder"])
+    strategy = instantiate(cfg.trainer.strategy)
+    assert isinstance(strategy, DataParallelStrategy) and strategy.network == "encoder"
+
+
+def test_a_compiled_network_is_refused_in_one_line() -> None:
+    module = make_module()
+    maybe_compile(module.net, True)
+    with pytest.raises(
+        RunError,
+        match=r"^a compiled network \(callbacks\.speed\.compile=true\) does not work with",
+    ):
+        CpuSplitDP(parallel_devices=[torch.device("cpu")] * 2)._setup_model(module)
+
+
+def test_copies_on_other_gpus_compute_in_the_callers_autocast_dtype(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch's parallel_apply runs each copy in a thread of its own, with autocast on but at the
+    thread's default dtype; the wrapper hands the caller's dtype over. Shown on the CPU, whose
+    default autocast dtype is bf16, with the caller in float16."""
+    data_parallel = importlib.import_module("torch.nn.parallel.data_parallel")  # not the function
+
+    def threaded_apply(replicas: Any, inputs: Any, kwargs: Any, devices: Any) -> list[Any]:
+        enabled, results = torch.is_autocast_enabled("cpu"), {}
+
+        def work(i: int) -> None:  # what torch's worker does, on the CPU
+            with torch.autocast("cpu", enabled=enabled):
+                results[i] = replicas[i](*inputs[i], **kwargs[i])
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(replicas))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return [results[i] for i in range(len(replicas))]
+
+    monkeypatch.setattr(data_parallel, "parallel_apply", threaded_apply)
+    wrapper = AutocastDataParallel(nn.Linear(4, 2))  # on a CPU-only machine: no device setup
+    wrapper.src_device_obj, wrapper.device_ids = torch.device("cpu"), [0, 1]
+    replicas = [wrapper.module, wrapper.module]
+    inputs = [(torch.randn(2, 4),), (torch.randn(2, 4),)]
+    with torch.autocast("cpu", dtype=torch.float16):
+        outputs = wrapper.parallel_apply(replicas, inputs, [{}, {}])
+    assert [out.dtype for out in outputs] == [torch.float16, torch.float16]
+    plain = nn.DataParallel.parallel_apply
+    with torch.autocast("cpu", dtype=torch.float16):
+        outputs = plain(wrapper, replicas, inputs, [{}, {}])
+    assert outputs[0].dtype == torch.bfloat16  # what the plain wrapper does: not the caller's
+
+
+# ------------------------------------------------------------------------------------------------
+# Real GPUs
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("count", [1, 2])
+def test_dp_on_real_gpus_matches_one_gpu(tmp_path: Path, count: int) -> None:
+    if _gpus() < count:
+        pytest.skip(f"needs {count} CUDA GPU(s); this machine has {_gpus()}")
+
+    def run(strategy: Any, devices: int, root: Path) -> tuple[ClassifierModule, pl.Trainer]:
+        pl.seed_everything(3)
+        module = make_module()
+        trainer = pl.Trainer(
+            accelerator="gpu",
+            devices=devices,
+            strategy=strategy,
+            max_epochs=1,
+            limit_train_batches=4,
+            limit_val_batches=2,
+            logger=False,
+            default_root_dir=root,
+            enable_progress_bar=False,
+            num_sanity_val_steps=0,
+            deterministic=True,
+        )
+        trainer.fit(module, datamodule=DigitsDataModule(batch_size=61))
+        return module, trainer
+
+    single, single_trainer = run("auto", 1, tmp_path / "single")
+    dp, dp_trainer = run("dp", count, tmp_path / "dp")
+    assert isinstance(dp_trainer.strategy, DataParallelStrategy)
+    for (name, a), (_, b) in zip(single.state_dict().items(), dp.state_dict().items(), strict=True):
+        assert torch.allclose(a.float(), b.float(), atol=1e-4), name
+    for key in ("train/loss", "val/acc", "val/loss"):
+        assert torch.isclose(
+            single_trainer.callback_metrics[key].cpu(),
+            dp_trainer.callback_metrics[key].cpu(),
+            atol=1e-4,
+        ), key
+    state = torch.load(next((tmp_path / "dp" / "checkpoints").glob("*.ckpt")), weights_only=True)
+    assert not [key for key in state["state_dict"] if key.startswith("module.")]

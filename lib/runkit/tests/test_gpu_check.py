@@ -1,0 +1,339 @@
+"""scripts/gpu_check.py: the wheel check, time limits that cut hangs, the GPU figures' checks on
+files shaped like a run's, and a real dry run writing its report under $OUT."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+SCRIPT = ROOT / "scripts" / "gpu_check.py"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+gc = _load()
+
+# What the real wheels require (their METADATA), markers and extras included.
+REQUIRES = {
+    "hydra-core": [
+        "omegaconf<2.4,>=2.2",
+        "antlr4-python3-runtime==4.9.*",
+        'importlib-resources; python_version < "3.9"',
+        "packaging",
+    ],
+    "omegaconf": ["antlr4-python3-runtime==4.9.*", "PyYAML>=5.1.0"],
+    "antlr4-python3-runtime": ['typing; python_version < "3.5"'],
+    "pytest-timeout": ["pytest>=7.0.0", 'pytest-cov; extra == "cov"'],
+    "import-linter": ["click>=8.2.0", "grimp>=3.20", "rich>=14.2.0", "fastapi; extra == 'ui'"],
+    "grimp": [],
+    "click": ['colorama; platform_system == "Windows"'],
+}
+
+
+def make_wheel(
+    folder: Path, name: str, version: str, requires: list[str], tag: str = "py3-none-any"
+) -> Path:
+    """A tiny real wheel (METADATA, WHEEL, RECORD) that pip installs, with no code in it."""
+    dist = name.replace("-", "_")
+    info = f"{dist}-{version}.dist-info"
+    path = folder / f"{dist}-{version}-{tag}.whl"
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    metadata += "".join(f"Requires-Dist: {r}\n" for r in requires)
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(f"{info}/METADATA", metadata)
+        archive.writestr(
+            f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+        )
+        archive.writestr(f"{info}/RECORD", f"{info}/METADATA,,\n{info}/WHEEL,,\n{info}/RECORD,,\n")
+    return path
+
+
+@pytest.fixture
+def versions() -> dict[str, str]:
+    return gc.local_versions()
+
+
+@pytest.fixture
+def wheels(tmp_path: Path, versions: dict[str, str]) -> Path:
+    """A complete wheels folder for this environment's versions."""
+    folder = tmp_path / "wheels"
+    folder.mkdir()
+    for name, version in versions.items():
+        make_wheel(folder, name, version, REQUIRES[name])
+    (folder / gc.MANIFEST).write_text("".join(f"{n}=={v}\n" for n, v in versions.items()))
+    return folder
+
+
+# ---- the wheel check ----------------------------------------------------------------------------
+
+
+def test_a_complete_folder_passes(wheels: Path, versions: dict[str, str]) -> None:
+    assert gc.check_wheels(wheels, versions, project_requires=gc.project_requirements()) == []
+
+
+def test_a_missing_wheel_is_one_line_naming_it(wheels: Path, versions: dict[str, str]) -> None:
+    next(wheels.glob("pytest_timeout-*.whl")).unlink()
+    errors = gc.check_wheels(wheels, versions)
+    assert len(errors) == 1 and "\n" not in errors[0]
+    assert f"pytest-timeout=={versions['pytest-timeout']}" in errors[0]
+    assert "--fetch-wheels" in errors[0]
+
+
+def test_a_wheel_for_another_python_or_platform_is_refused(
+    wheels: Path, versions: dict[str, str]
+) -> None:
+    next(wheels.glob("omegaconf-*.whl")).unlink()
+    wrong = make_wheel(wheels, "omegaconf", versions["omegaconf"], [], tag="cp311-cp311-win_amd64")
+    (error,) = gc.check_wheels(wheels, versions)
+    assert wrong.name in error and "does not install" in error
+
+
+def test_another_version_than_this_environment_is_refused(
+    wheels: Path, versions: dict[str, str]
+) -> None:
+    (wheels / gc.MANIFEST).write_text(
+        (wheels / gc.MANIFEST).read_text().replace(versions["omegaconf"], "0.0.1")
+    )
+    (error,) = gc.check_wheels(wheels, versions)
+    assert "omegaconf==0.0.1" in error and versions["omegaconf"] in error
+
+
+def test_a_dependency_neither_there_nor_brought_is_named(
+    wheels: Path, versions: dict[str, str]
+) -> None:
+    next(wheels.glob("hydra_core-*.whl")).unlink()
+    make_wheel(wheels, "hydra-core", versions["hydra-core"], ["omegaconf", "einops>=0.7"])
+    assert gc.check_wheels(wheels, versions) == [
+        f"hydra-core needs einops, which is neither on the GPU machine nor in {wheels}"
+    ]
+    next(wheels.glob("hydra_core-*.whl")).unlink()
+    make_wheel(wheels, "hydra-core", versions["hydra-core"], REQUIRES["hydra-core"])
+    (error,) = gc.check_wheels(wheels, versions, project_requires=["torch", "hydra-core", "wandb"])
+    assert error.startswith("the project needs wandb")
+
+
+def test_no_folder_says_how_to_make_it(tmp_path: Path, versions: dict[str, str]) -> None:
+    (error,) = gc.check_wheels(tmp_path / "nowhere", versions)
+    assert "does not exist" in error and "--fetch-wheels" in error
+
+
+def test_a_test_module_importing_what_the_gpu_machine_lacks_is_named(tmp_path: Path) -> None:
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "helpers.py").write_text("")
+    (tmp_path / "src" / "mylib").mkdir(parents=True)
+    (tests / "test_fine.py").write_text(
+        "import json\nimport helpers\nimport torch\nfrom mylib import x\n"
+        "try:\n    import importlinter\nexcept ImportError:\n    pass\n"
+        "def test():\n    import importlinter\n"
+    )
+    (tests / "test_lint.py").write_text("import yaml\nfrom importlinter.cli import lint_imports\n")
+    machine = gc.GPU_MACHINE_HAS + gc.GPU_MACHINE_BRINGS
+    (error,) = gc.check_test_imports(tests, machine, root=tmp_path)
+    assert error.startswith("test_lint.py imports importlinter (import-linter) at module level")
+    assert gc.check_test_imports(tests, [*machine, "import-linter"], root=tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("tag", "ok"),
+    [
+        (("py3", "none", "any"), True),
+        (("cp312", "cp312", "manylinux_2_17_x86_64"), True),
+        (("cp38", "abi3", "manylinux2014_x86_64"), True),
+        (("cp311", "cp311", "manylinux2014_x86_64"), False),
+        (("cp312", "cp312", "manylinux2014_aarch64"), False),
+        (("cp312", "cp312", "macosx_11_0_arm64"), False),
+        (("py2", "none", "any"), False),
+    ],
+)
+def test_installable_tags(tag: tuple[str, str, str], ok: bool) -> None:
+    assert gc.tag_installable(*tag) is ok
+
+
+# ---- time limits --------------------------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    try:
+        return "State:\tZ" not in status.read_text()
+    except FileNotFoundError:
+        return False
+
+
+def test_a_hang_is_cut_at_its_limit_with_what_it_started(tmp_path: Path) -> None:
+    pid_file = tmp_path / "grandchild.pid"
+    # The step starts a grandchild that ignores SIGTERM, then hangs: both must go.
+    code = (
+        "import subprocess, sys, time;"
+        "child = subprocess.Popen([sys.executable, '-c', "
+        "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)']);"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid)); print('started', flush=True);"
+        "time.sleep(60)"
+    )
+    steps = [
+        gc.Step("hang", "sleeps", ["-c", code], 1.0),
+        gc.Step("after", "runs once the hang is cut", ["-c", "print('ok')"], 10.0),
+    ]
+    ctx = gc.Context(ROOT, tmp_path, dict(os.environ))
+    start = time.monotonic()
+    hang, after = gc.run_steps(steps, ctx, budget_s=60)
+    assert time.monotonic() - start < 12
+    assert hang.status == "timeout" and "limit of 1 s" in hang.message
+    assert hang.output_tail == ["started"]
+    assert not _alive(int(pid_file.read_text()))
+    assert (after.status, after.output_tail) == ("pass", ["ok"])
+
+
+def test_the_overall_budget_stops_the_steps_it_cannot_fit(tmp_path: Path) -> None:
+    sleep = ["-c", "import time; time.sleep(30)"]
+    steps = [gc.Step("long", "", sleep, 20.0), gc.Step("next", "", ["-c", "pass"], 5.0)]
+    first, second = gc.run_steps(steps, gc.Context(ROOT, tmp_path, dict(os.environ)), budget_s=1.0)
+    assert first.status == "timeout" and first.seconds < 8
+    assert second.status == "timeout" and "not started" in second.message
+    assert not gc.overall([first, second])[0]
+
+
+# ---- the GPU checks, on files shaped like a GPU run's ---------------------------------------------
+
+
+def fake_run(run: Path, columns: dict[str, str], accelerator: str = "CUDAAccelerator") -> Path:
+    """A run directory as a GPU training leaves it: metrics.json, csv/metrics.csv, config.yaml."""
+    (run / "csv").mkdir(parents=True)
+    summary = {"metrics": {"test/acc": 0.9}, "accelerator": accelerator, "wall_seconds": 9.0}
+    (run / "metrics.json").write_text(json.dumps(summary))
+    strategy = "  strategy:\n    _target_: runkit.strategies.dp.DataParallelStrategy\n"
+    (run / "config.yaml").write_text(f"trainer:\n{strategy}")
+    with (run / "csv" / "metrics.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, ["epoch", *columns])
+        writer.writeheader()
+        writer.writerow({"epoch": "0", **columns})
+        writer.writerow({"epoch": "0"})  # a row from another logging call: empty GPU columns
+    return run
+
+
+GPU_ROW = {
+    "gpu/node0/cuda0/util_mean": "37.5",
+    "gpu/node0/cuda0/mem_used_gib_max": "1.25",
+    "gpu/node0/cuda0/power_w_mean": "180",
+    "gpu/node0/cuda0/energy_j": "900",
+    "gpu/all/util_mean_max": "0",
+}
+
+
+def run_check(tmp_path: Path, name: str, run: Path) -> gc.StepResult:
+    """The step ``name`` of the real table, its command replaced by one printing the run's path."""
+    (step,) = [s for s in gc.default_steps() if s.name == name]
+    step.argv = ["-c", f"print('Run directory: {run}')"]
+    return gc.run_step(step, gc.Context(ROOT, tmp_path, dict(os.environ)))
+
+
+def test_a_gpu_run_passes_with_its_figures(tmp_path: Path) -> None:
+    run = fake_run(tmp_path / "run", {"gpu/host7/cuda0/util_mean": "37.5", **GPU_ROW})
+    result = run_check(tmp_path, "train_dp", run)
+    assert result.status == "pass", result.message
+    assert result.figures["gpu/node0/cuda0/power_w_mean"] == 180
+    matched = result.figures["matched /strategies\\.dp\\.DataParallelStrategy/"]
+    assert matched == "strategies.dp.DataParallelStrategy"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"gpu/node0/cuda0/util_mean": "0"}, "util_mean = 0.0"),
+        ({"gpu/node0/cuda0/power_w_mean": ""}, "power_w_mean"),
+        ({"gpu/node0/cuda0/energy_j": "-3"}, "energy_j = -3.0"),
+    ],
+)
+def test_a_gpu_run_with_implausible_figures_fails(
+    tmp_path: Path, change: dict[str, str], message: str
+) -> None:
+    run = fake_run(tmp_path / "run", {**GPU_ROW, **change})
+    result = run_check(tmp_path, "train_gpu", run)
+    assert result.status == "fail" and message in result.message
+    assert result.figures["accelerator"] == "CUDAAccelerator"  # what was read stays in the report
+
+
+def test_a_run_on_the_cpu_fails(tmp_path: Path) -> None:
+    run = fake_run(tmp_path / "run", GPU_ROW, accelerator="CPUAccelerator")
+    result = run_check(tmp_path, "train_gpu", run)
+    assert result.status == "fail" and "CPUAccelerator" in result.message
+
+
+def test_gpm_figures_are_a_skip_until_they_exist(tmp_path: Path) -> None:
+    ctx = gc.Context(ROOT, tmp_path, dict(os.environ))
+    (gpm,) = [s for s in gc.default_steps() if s.name == "gpm_figures"]
+    ctx.run_dirs["train_gpu"] = fake_run(tmp_path / "a", GPU_ROW)
+    result = gc.run_step(gpm, ctx)
+    assert result.status == "skip" and "not present" in result.message
+    row = {**GPU_ROW, "gpu/node0/cuda0/sm_active_mean": "42"}
+    ctx.run_dirs["train_gpu"] = fake_run(tmp_path / "b", row)
+    result = gc.run_step(gpm, ctx)
+    assert (result.status, result.figures) == ("pass", {"gpu/node0/cuda0/sm_active_mean": 42.0})
+
+
+# ---- the real dry run ---------------------------------------------------------------------------
+
+
+def dry_run(tmp_path: Path, wheels: Path, steps: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PROJECT_LOG_DIR")}
+    env["OUT"] = str(tmp_path / "out")
+    command = [sys.executable, str(SCRIPT), "--dry-run", "--wheels", str(wheels), "--steps", steps]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_dry_run_writes_its_report_under_out(tmp_path: Path, wheels: Path) -> None:
+    result = dry_run(tmp_path, wheels, "train_dp,gpm_figures")
+    assert result.returncode == 0, result.stdout + result.stderr
+    doc = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    steps = {s["name"]: s for s in doc["steps"]}
+    assert list(steps) == ["wheels", "setup", "gpm_figures", "train_dp"]
+    assert {s["status"] for s in doc["steps"]} == {"dry-run"}
+    assert doc["mode"] == "dry-run" and doc["ok"] is True
+    # The fake wheels really went through pip, and the training command really composed.
+    assert steps["setup"]["figures"]["installed"] == gc.local_versions()
+    assert "trainer=dp" in steps["train_dp"]["command"]
+    assert steps["train_dp"]["command"].endswith("--cfg job")
+    tail = steps["train_dp"]["output_tail"]
+    assert any(line.strip().endswith("strategies.dp.DataParallelStrategy") for line in tail)
+    md = (tmp_path / "out" / "gpu_check.md").read_text()
+    assert md.startswith("# GPU check (dry-run): PASS")
+
+
+@pytest.mark.slow
+def test_dry_run_fails_on_a_missing_wheel(tmp_path: Path, wheels: Path) -> None:
+    next(wheels.glob("pytest_timeout-*.whl")).unlink()
+    result = dry_run(tmp_path, wheels, "gpm_figures")
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "missing wheel: pytest-timeout==" in errors[0]
+    doc = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert doc["steps"][0]["status"] == "fail" and doc["ok"] is False
+
+
+@pytest.mark.slow
+def test_dry_run_catches_an_override_that_does_not_compose(tmp_path: Path) -> None:
+    step = gc.Step("bad", "", ["-m", "project.train", "trainer.devicez=1"], 60, dry="compose")
+    env = gc.step_env(ROOT, tmp_path / "site", dry_run=True)
+    result = gc.run_step(step, gc.Context(ROOT, tmp_path, env, dry_run=True))
+    assert result.status == "fail" and "exit code 2" in result.message
+    assert "trainer.devicez" in result.message

@@ -1,0 +1,614 @@
+"""GpuStatsMonitor on machines without a GPU: the fake NVML stands in for the driver.
+
+The sampler is driven by hand against a FakeClock where exact statistics are checked; full
+``Trainer.fit`` runs use the ``device_uuids`` argument to say which fake GPU the CPU "device" is.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import lightning.pytorch as pl
+import pynvml
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from runkit.gpu_stats.callback import GpuStatsMonitor, cuda_device_uuid, process_devices
+from runkit.gpu_stats.sampler import DEFAULT_GROUPS, TRAIN, VAL, GpuReader, GpuSampler
+from runkit.gpu_stats.statistics import flatten_epoch
+from runkit.gpus import nvml
+from runkit.gpus.nvml import find_handle
+from runkit.testing.fake_nvml import GIB, FakeClock, FakeGpu, FakeNvml, FakeProcess
+
+SW_POWER_CAP = pynvml.nvmlClocksEventReasonSwPowerCap
+LOGGER = "runkit.gpu_stats"  # every module of the package logs under it
+REPO = Path(__file__).resolve().parents[3]
+
+
+def open_reader(fake: FakeNvml, index: int, groups=DEFAULT_GROUPS) -> GpuReader:
+    handle = fake.nvmlDeviceGetHandleByIndex(index)
+    reader = GpuReader(fake, handle, f"cuda{index}", groups)
+    reader.probe()
+    return reader
+
+
+# --------------------------------------------------------------------------- device mapping
+def visible_uuids(fake: FakeNvml, cuda_visible_devices: str | None, fastest_first: bool) -> list:
+    """What CUDA would enumerate: a stand-in for the driver, so the test can say what torch sees.
+
+    CUDA_DEVICE_ORDER=FASTEST_FIRST (CUDA's default) may order devices differently from NVML's
+    PCI order; the fake's GPUs are identical, so "fastest first" is modelled as reversed order.
+    """
+    physical = [g.uuid for g in fake.gpus]
+    if fastest_first:
+        physical = physical[::-1]
+    every = physical + [m.uuid for g in fake.gpus for m in g.mig]
+    if cuda_visible_devices is None:
+        chosen = physical
+    else:
+        chosen = []
+        for item in cuda_visible_devices.split(","):
+            chosen.append(
+                physical[int(item)] if item.isdigit() else next(u for u in every if u == item)
+            )
+    return [u.split("-", 1)[1] for u in chosen]  # torch reports the bare UUID, no GPU-/MIG-
+
+
+FOUR = FakeNvml(
+    [FakeGpu(name=f"gpu{i}") for i in range(3)]
+    + [FakeGpu(name="gpu3", mig=[FakeGpu(name="slice")])]
+)
+
+
+@pytest.mark.parametrize(
+    ("cvd", "fastest_first", "expected"),
+    [
+        (None, False, ["gpu0", "gpu1", "gpu2", "gpu3"]),
+        ("2,3", False, ["gpu2", "gpu3"]),  # cuda:0 is physical GPU 2, not NVML index 0
+        ("3,1", False, ["gpu3", "gpu1"]),
+        (f"{FOUR.gpus[2].uuid},{FOUR.gpus[0].uuid}", False, ["gpu2", "gpu0"]),
+        (FOUR.gpus[3].mig[0].uuid, False, ["slice"]),
+        ("0,1", True, ["gpu3", "gpu2"]),  # CUDA_DEVICE_ORDER=FASTEST_FIRST reorders
+    ],
+)
+def test_torch_device_maps_to_the_right_nvml_device(
+    monkeypatch: pytest.MonkeyPatch, cvd, fastest_first, expected
+) -> None:
+    uuids = visible_uuids(FOUR, cvd, fastest_first)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=uuids[i], name="x")
+    )
+    FOUR.nvmlInit()
+    try:
+        names = []
+        for index in range(len(uuids)):
+            handle, nvml_uuid = find_handle(FOUR, cuda_device_uuid(index))
+            assert nvml_uuid.startswith(("GPU-", "MIG-"))
+            names.append(FOUR.nvmlDeviceGetName(handle))
+    finally:
+        FOUR.nvmlShutdown()
+    assert names == expected
+
+
+def test_callback_setup_resolves_cuda_devices_by_uuid(monkeypatch, use_fake, caplog) -> None:
+    """The whole setup path with CUDA devices (faked torch side): cuda0 -> physical GPU 2."""
+    fake = use_fake(FakeNvml([FakeGpu(name=f"gpu{i}") for i in range(4)]))
+    uuids = visible_uuids(fake, "2,3", fastest_first=False)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=uuids[i])
+    )
+    trainer = fake_trainer(parallel_devices=[torch.device("cuda", 0), torch.device("cuda", 1)])
+    monitor = GpuStatsMonitor()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        monitor.setup(trainer, None, "fit")
+    try:
+        (payload,) = monitor.identities
+        assert [(g["label"], g["name"], g["nvml_index"]) for g in payload["gpus"]] == [
+            ("cuda0", "gpu2", 2),
+            ("cuda1", "gpu3", 3),
+        ]
+        assert any(
+            "node0/cuda0 = gpu2" in r.message and fake.gpus[2].uuid in r.message
+            for r in caplog.records
+        )
+    finally:
+        monitor.teardown(trainer, None, "fit")
+    assert fake.balanced and not fake.initialised
+
+
+def fake_trainer(parallel_devices, world_size=1, num_nodes=1, local_rank=0, node_rank=0) -> Any:
+    root = parallel_devices[local_rank]
+    return SimpleNamespace(
+        strategy=SimpleNamespace(parallel_devices=parallel_devices, root_device=root),
+        world_size=world_size,
+        num_nodes=num_nodes,
+        local_rank=local_rank,
+        node_rank=node_rank,
+        global_rank=node_rank * len(parallel_devices) + local_rank,
+        is_global_zero=node_rank == 0 and local_rank == 0,
+        sanity_checking=False,
+    )
+
+
+def test_process_devices_one_process_many_gpus_vs_one_per_rank() -> None:
+    cuda = [torch.device("cuda", i) for i in range(2)]
+    # one process drives both (DataParallel-like): both are sampled here
+    assert [p for p, _ in process_devices(fake_trainer(cuda))] == [0, 1]
+    # DDP: rank 1 drives parallel_devices[1] only
+    ddp = fake_trainer(cuda, world_size=2, local_rank=1)
+    assert process_devices(ddp) == [(1, torch.device("cuda", 1))]
+    single = SimpleNamespace(
+        strategy=SimpleNamespace(root_device=torch.device("cpu")),
+        world_size=1,
+        num_nodes=1,
+        local_rank=0,
+    )
+    assert process_devices(single) == [(0, torch.device("cpu"))]
+
+
+# --------------------------------------------------------------------------- statistics
+def test_epoch_statistics_are_exact_on_a_fake_clock() -> None:
+    clock = FakeClock()
+    fake = FakeNvml(
+        [
+            FakeGpu(
+                util_gpu=[(0, 10), (2, 50), (4, 90)],
+                util_memory=[(0, 20), (3, 40)],
+                memory_used=[(0, 4 * GIB), (3, 8 * GIB)],
+                memory_total=16 * GIB,
+                temperature=[(0, 50), (1, 70)],
+                power_mw=350_000,
+                power_limit_mw=700_000,
+                clock_sm_mhz=[(0, 1800), (3, 1200)],
+                clocks_event_reasons=[(0, 0), (3, SW_POWER_CAP)],
+                processes=[FakeProcess("self", [(0, GIB), (2, 3 * GIB)])],
+            )
+        ],
+        clock=clock,
+    )
+    fake.nvmlInit()
+    sampler = GpuSampler([open_reader(fake, 0)], interval_s=1.0)
+    sampler.sample_now()  # before any phase: only primes the energy counter
+    sampler.set_phase(TRAIN)  # t=0
+    for _ in range(3):  # t=1, 2, 3
+        clock.advance(1)
+        sampler.sample_now()
+    clock.advance(1)  # t=4: collect takes the closing sample
+    summary = sampler.collect(TRAIN)["cuda0"]
+    # A boundary sample belongs to the phase it closes: the t=0 one closed "no phase", so the
+    # epoch's samples are t = 1, 2, 3, 4.
+    assert summary["samples"] == 4
+    assert summary["util_mean"] == pytest.approx((10 + 50 + 50 + 90) / 4)
+    assert (summary["util_max"], summary["util_min"]) == (90, 10)
+    assert summary["mem_util_mean"] == pytest.approx((20 + 20 + 40 + 40) / 4)
+    assert summary["mem_used_gib_mean"] == pytest.approx((4 + 4 + 8 + 8) / 4)
+    assert summary["mem_used_gib_max"] == 8 and summary["mem_total_gib"] == 16
+    assert summary["proc_mem_gib_mean"] == pytest.approx((1 + 3 + 3 + 3) / 4)
+    assert (summary["temp_c_mean"], summary["temp_c_max"]) == (70, 70)
+    assert summary["power_w_mean"] == 350 and summary["power_ratio_max"] == 0.5
+    assert summary["sm_clock_mhz_min"] == 1200
+    assert summary["sm_clock_mhz_mean"] == pytest.approx((1800 + 1800 + 1200 + 1200) / 4)
+    assert summary["throttle_power_frac"] == pytest.approx(2 / 4)
+    assert summary["throttle_any_frac"] == pytest.approx(2 / 4)
+    assert summary["throttle_thermal_frac"] == 0
+    assert summary["energy_j"] == pytest.approx(350 * 4)  # 350 W for the 4 s of the phase
+    fake.nvmlShutdown()
+
+
+def test_validation_is_split_out_of_the_training_epoch() -> None:
+    clock = FakeClock()
+    fake = FakeNvml(
+        [
+            FakeGpu(
+                util_gpu=[(0, 80), (2, 10), (3, 80)],
+                power_mw=[(0, 400_000), (2, 100_000), (3, 400_000)],
+            )
+        ],
+        clock=clock,
+    )
+    fake.nvmlInit()
+    sampler = GpuSampler([open_reader(fake, 0)], interval_s=1.0)
+    sampler.set_phase(TRAIN)  # t=0
+    clock.set(1)
+    sampler.sample_now()
+    clock.set(2)
+    sampler.set_phase(VAL)  # closes train with t=2 (util 10 counts for train), opens val
+    clock.set(3)
+    val = sampler.collect(VAL)["cuda0"]  # closing sample t=3 (util 80)
+    sampler.set_phase(TRAIN, reset=False, sample=False)
+    clock.set(4)
+    train = sampler.collect(TRAIN)["cuda0"]
+    # A boundary sample belongs to the phase it closes: train has t = 1 (80), 2 (10), 4 (80);
+    # validation has t = 3 (80).
+    assert train["samples"] == 3 and val["samples"] == 1
+    assert train["util_mean"] == pytest.approx((80 + 10 + 80) / 3)
+    assert val["util_mean"] == 80
+    # energy: train gets t 0..2 (2 s x 400 W) and 3..4 (400 W); val gets 2..3 (100 W)
+    assert train["energy_j"] == pytest.approx(800 + 400)
+    assert val["energy_j"] == pytest.approx(100)
+    fake.nvmlShutdown()
+
+
+def test_unsupported_metrics_are_left_out_never_zero() -> None:
+    mig_parent = FakeGpu(name="A100", mig=[FakeGpu(name="A100 MIG 1g.10gb", memory_total=10 * GIB)])
+    datacenter = FakeGpu(fan_pct=None).fail("power", "not_supported")
+    datacenter.fail("nvmlDeviceGetCurrentClocksEventReasons", "function_not_found")  # old driver
+    fake = FakeNvml([datacenter, mig_parent])
+    fake.nvmlInit()
+    groups = [*DEFAULT_GROUPS, "fan", "memory_temperature"]
+    plain = open_reader(fake, 0, groups)
+    mig_handle = fake.nvmlDeviceGetMigDeviceHandleByIndex(fake.nvmlDeviceGetHandleByIndex(1), 0)
+    mig = GpuReader(fake, mig_handle, "cuda1", groups)
+    mig.probe()
+    assert set(plain.unsupported) == {"power", "fan", "memory_temperature", "gpm"}  # no GPM here
+    assert "throttle" in plain.groups  # fell back to nvmlDeviceGetCurrentClocksThrottleReasons
+    assert set(mig.unsupported) == {"utilization", "fan", "memory_temperature", "gpm"}
+    assert mig.is_mig and mig.nvml_index == 1  # whole-GPU values come from the parent
+    sampler = GpuSampler([plain, mig], interval_s=1.0)
+    sampler.set_phase(TRAIN)
+    out = sampler.collect(TRAIN)
+    assert not any(k.startswith(("power", "fan", "mem_temp")) for k in out["cuda0"])
+    assert "throttle_any_frac" in out["cuda0"] and "temp_c_mean" in out["cuda0"]
+    assert not any(k.startswith(("util", "mem_util", "fan")) for k in out["cuda1"])
+    assert out["cuda1"]["mem_total_gib"] == 10 and "power_w_mean" in out["cuda1"]
+    fake.nvmlShutdown()
+
+
+def test_gpu_lost_mid_run_warns_once_and_the_others_continue(caplog) -> None:
+    clock = FakeClock()
+    fake = FakeNvml([FakeGpu(util_gpu=30), FakeGpu(util_gpu=60).lose(at=2.0)], clock=clock)
+    fake.nvmlInit()
+    sampler = GpuSampler([open_reader(fake, 0), open_reader(fake, 1)], interval_s=1.0)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        sampler.set_phase(TRAIN)
+        for _ in range(4):
+            clock.advance(1)
+            sampler.sample_now()
+    out = sampler.collect(TRAIN)
+    # samples at t = 1, 2, 3, 4 and the closing one at t = 4; the lost GPU only has t = 1
+    assert out["cuda0"]["samples"] == 5 and out["cuda0"]["util_mean"] == 30
+    assert out["cuda1"]["samples"] == 1 and out["cuda1"]["util_mean"] == 60
+    lost = [r for r in caplog.records if "stopped sampling cuda1" in r.message]
+    assert len(lost) == 1 and "GpuIsLost" in lost[0].message
+    assert [r.label for r in sampler.alive] == ["cuda0"]
+    fake.nvmlShutdown()
+
+
+def test_flatten_keys_per_node_and_across_gpus() -> None:
+    payloads = [
+        {"node": 0, "gpus": {"cuda0": {"util_mean": 90.0, "energy_j": 10.0, "sample_ms": 1.0}}},
+        {"node": 1, "gpus": {"cuda0": {"util_mean": 30.0, "energy_j": 20.0, "sample_ms": 2.0}}},
+        {"node": 1, "gpus": {}},  # a rank whose NVML failed still takes part
+    ]
+    logged = flatten_epoch(payloads, "gpu", log_cost=False)
+    assert logged["gpu/node0/cuda0/util_mean"] == 90 and logged["gpu/node1/cuda0/util_mean"] == 30
+    assert (logged["gpu/all/util_mean_min"], logged["gpu/all/util_mean_max"]) == (30, 90)
+    assert logged["gpu/all/util_mean_mean"] == 60 and logged["gpu/all/energy_j_sum"] == 30
+    assert not any("sample_ms" in k for k in logged)
+    assert "gpu/node1/cuda0/sample_ms" in flatten_epoch(payloads, "gpu", log_cost=True)
+
+
+def test_bad_arguments_fail_with_one_clear_line() -> None:
+    with pytest.raises(ValueError, match=r"interval_s=0; give seconds > 0"):
+        GpuStatsMonitor(interval_s=0)
+    with pytest.raises(ValueError, match="device_uuids='GPU-1'; give a list"):
+        GpuStatsMonitor(device_uuids="GPU-1")
+    with pytest.raises(ValueError, match="key_prefix='a/b'"):
+        GpuStatsMonitor(key_prefix="a/b")
+
+
+def test_device_uuids_is_not_in_the_users_yaml_but_an_override_still_reaches_it() -> None:
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from project import config_dir
+    from runkit.run.preflight import check_targets
+
+    assert "device_uuids" not in (REPO / "configs" / "callbacks" / "gpu_stats.yaml").read_text()
+    uuid = "GPU-00000000-fa6e-4000-8000-000000000000"
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=[f"+callbacks.gpu_stats.device_uuids=['{uuid}']"])
+    check_targets(cfg.callbacks.gpu_stats, "callbacks.gpu_stats")  # the preflight accepts it
+    assert instantiate(cfg.callbacks.gpu_stats).device_uuids == [uuid]
+
+
+def test_too_few_device_uuids_is_a_clear_error(use_fake) -> None:
+    fake = use_fake(FakeNvml(1))
+    trainer = fake_trainer([torch.device("cpu"), torch.device("cpu")], world_size=2, local_rank=1)
+    with pytest.raises(ValueError, match=r"device_uuids has 1 entries .*parallel_devices\[1\]"):
+        GpuStatsMonitor(device_uuids=[fake.gpus[0].uuid]).setup(trainer, None, "fit")
+    assert fake.balanced
+
+
+def test_nvml_init_failure_is_one_line_and_nothing_else(use_fake, caplog) -> None:
+    fake = use_fake(FakeNvml(1, init_error="driver_not_loaded"))
+    trainer = fake_trainer([torch.device("cpu")])
+    monitor = GpuStatsMonitor(device_uuids=[fake.gpus[0].uuid])
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        monitor.setup(trainer, None, "fit")
+        monitor.on_train_epoch_start(trainer, None)
+        monitor.on_train_epoch_end(trainer, None)  # would need pl_module.log if it were active
+        monitor.teardown(trainer, None, "fit")
+    lines = [r for r in caplog.records if r.name.startswith(LOGGER)]
+    assert len(lines) == 1 and "Driver Not Loaded" in lines[0].getMessage()
+    assert fake.init_count == fake.shutdown_count == 0
+
+
+# --------------------------------------------------------------------------- real Trainer.fit
+class TinyModel(pl.LightningModule):
+    def __init__(self, fail_at_step: int | None = None) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+        self.fail_at_step = fail_at_step
+
+    def training_step(self, batch, batch_idx):
+        if self.fail_at_step is not None and self.global_step >= self.fail_at_step:
+            raise RuntimeError("model blew up")
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.layer(x), y)
+        self.log("train_loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self.layer(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def loader() -> torch.utils.data.DataLoader:
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+class CallsPerStep(pl.Callback):
+    """Records the fake's NVML call count from the training thread at every step."""
+
+    def __init__(self, fake: FakeNvml, step_s: float = 0.0) -> None:
+        self.fake = fake
+        self.step_s = step_s  # a floor on step time: an epoch outlasts the sampler interval
+        self.counts: dict[int, list[int]] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.counts.setdefault(trainer.current_epoch, []).append(self.fake.calls_in_thread())
+        time.sleep(self.step_s)
+
+
+def fit(tmp_path: Path, monitor: GpuStatsMonitor, *callbacks, loggers=None, model=None, epochs=2):
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        limit_train_batches=12,
+        limit_val_batches=2,
+        num_sanity_val_steps=1,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=loggers if loggers is not None else CSVLogger(tmp_path, name="csv", version=0),
+        callbacks=[monitor, *callbacks],
+    )
+    trainer.fit(model or TinyModel(), loader(), loader())
+    return trainer
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open() as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_fit_on_cpu_writes_gpu_columns_to_metrics_csv(
+    tmp_path, use_fake, capsys, monkeypatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # Rich wraps the table at 80 columns otherwise
+    fake = use_fake(
+        FakeNvml(
+            [
+                FakeGpu(
+                    name="Fake H100",
+                    util_gpu=40,
+                    util_memory=20,
+                    memory_used=10 * GIB,
+                    power_mw=350_000,
+                    temperature=61,
+                    processes=[FakeProcess("self", 2 * GIB)],
+                )
+            ]
+        )
+    )
+    monitor = GpuStatsMonitor(
+        interval_s=0.02, device_uuids=[fake.gpus[0].uuid], log_sampler_cost=True
+    )
+    steps = CallsPerStep(fake, step_s=0.01)  # 12 steps of >= 10 ms: several 20 ms samples
+    fit(tmp_path, monitor, steps)
+
+    rows = read_csv(tmp_path / "csv" / "version_0" / "metrics.csv")
+    train = [r for r in rows if r.get("gpu/node0/cuda0/util_mean")]
+    val = [r for r in rows if r.get("gpu_val/node0/cuda0/util_mean")]
+    assert len(train) == 2 and len(val) == 2  # one row per epoch; the sanity check is not logged
+    for row in train:
+        assert float(row["gpu/node0/cuda0/util_mean"]) == 40
+        assert float(row["gpu/node0/cuda0/util_max"]) == 40
+        assert float(row["gpu/node0/cuda0/mem_util_mean"]) == 20
+        assert float(row["gpu/node0/cuda0/mem_used_gib_max"]) == 10
+        assert float(row["gpu/node0/cuda0/proc_mem_gib_max"]) == 2
+        assert float(row["gpu/node0/cuda0/power_ratio_mean"]) == 0.5
+        assert float(row["gpu/node0/cuda0/temp_c_max"]) == 61
+        assert float(row["gpu/node0/cuda0/energy_j"]) > 0
+        assert float(row["gpu/node0/cuda0/samples"]) >= 2
+        assert float(row["gpu/node0/cuda0/sample_ms"]) >= 0
+        assert float(row["loop/data_wait_frac"]) < 1 and float(row["loop/samples_per_s"]) > 0
+    assert not any(k.startswith("gpu/all/") for k in rows[0])  # one GPU: no copies of its keys
+    assert "gpu/node0/cuda0/fan_pct_mean" not in rows[0]  # option off
+    assert not any("torch_peak" in k for k in rows[0])  # no CUDA device, so no torch peaks
+    # no NVML call from the training thread between steps of an epoch
+    for epoch, counts in steps.counts.items():
+        assert len(counts) == 12 and len(set(counts[1:])) == 1, (epoch, counts)
+    assert fake.balanced and not fake.initialised
+    out = capsys.readouterr().out
+    assert "GPU statistics over the run" in out and "Fake H100" in out
+    (row,) = monitor.run_summary()
+    assert row["util_mean"] == 40 and row["mem_used_gib_max"] == 10
+
+
+def test_fit_with_several_loggers(tmp_path, use_fake) -> None:
+    pytest.importorskip("tensorboard", reason="TensorBoardLogger needs tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    fake = use_fake(FakeNvml([FakeGpu(util_gpu=55)]))
+    monitor = GpuStatsMonitor(
+        interval_s=0.05, device_uuids=[fake.gpus[0].uuid], summary_table=False
+    )
+    loggers = [
+        CSVLogger(tmp_path, name="csv", version=0),
+        TensorBoardLogger(tmp_path, name="tb", version=0),
+    ]
+    fit(tmp_path, monitor, loggers=loggers, epochs=1)
+    rows = read_csv(tmp_path / "csv" / "version_0" / "metrics.csv")
+    assert [
+        float(r["gpu/node0/cuda0/util_mean"]) for r in rows if r.get("gpu/node0/cuda0/util_mean")
+    ] == [55]
+    events = EventAccumulator(str(tmp_path / "tb" / "version_0"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("gpu/node0/cuda0/util_mean")] == [55]
+    assert fake.balanced
+
+
+def test_exception_in_training_still_shuts_nvml_down(tmp_path, use_fake) -> None:
+    fake = use_fake(FakeNvml(1))
+    monitor = GpuStatsMonitor(interval_s=0.05, device_uuids=[fake.gpus[0].uuid])
+    with pytest.raises(RuntimeError, match="model blew up"):
+        fit(tmp_path, monitor, model=TinyModel(fail_at_step=3))
+    assert fake.init_count == 1 and fake.balanced and not fake.initialised
+
+
+def test_fit_with_gpu_lost_keeps_training(tmp_path, use_fake, caplog) -> None:
+    clock = FakeClock()
+    fake = use_fake(FakeNvml([FakeGpu(util_gpu=70)], clock=clock))
+    monitor = GpuStatsMonitor(interval_s=30.0, device_uuids=[fake.gpus[0].uuid])
+
+    class LoseAfterFirstEpoch(pl.Callback):
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            fake.gpus[0].lose(at=clock.advance(1.0))
+
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        trainer = fit(tmp_path, monitor, LoseAfterFirstEpoch(), epochs=3)
+    assert trainer.current_epoch == 3  # every epoch ran
+    rows = read_csv(tmp_path / "csv" / "version_0" / "metrics.csv")
+    assert [
+        float(r["gpu/node0/cuda0/util_mean"]) for r in rows if r.get("gpu/node0/cuda0/util_mean")
+    ] == [70]
+    assert sum("stopped sampling cuda0" in r.message for r in caplog.records) == 1
+    assert fake.balanced
+
+
+def test_cpu_run_without_device_uuids_does_not_touch_nvml(tmp_path, use_fake, caplog) -> None:
+    fake = use_fake(FakeNvml(1))
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        fit(tmp_path, GpuStatsMonitor(), epochs=1)
+    assert fake.total_calls() == 0
+    (line,) = [r.getMessage() for r in caplog.records if r.name.startswith(LOGGER)]
+    assert "uses no CUDA device" in line
+
+
+NO_NVML_SCRIPT = textwrap.dedent(
+    """
+    import logging, sys, warnings
+    warnings.simplefilter("error")  # any warning from us (or a pynvml wrapper) is fatal
+    if sys.argv[1] == "no-bindings":
+        sys.modules["pynvml"] = None  # as if nvidia-ml-py were not installed
+    import torch
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.warnings import PossibleUserWarning
+    warnings.filterwarnings("ignore", category=PossibleUserWarning)  # Lightning's own advice
+    # Lightning 2.6.6's own FutureWarning under torch >= 2.10, raised inside Lightning, not ours
+    warnings.filterwarnings("ignore", message=r".*treespec, LeafSpec", category=FutureWarning)
+    from runkit.gpu_stats.callback import GpuStatsMonitor
+    logging.basicConfig(level=logging.INFO, format="LOG %(name)s %(message)s")
+
+    class M(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 2)
+        def training_step(self, batch, i):
+            return self.layer(batch[0]).sum()
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4))
+    monitor = GpuStatsMonitor(device_uuids=["GPU-00000000-fa6e-4000-8000-000000000000"])
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[monitor])
+    trainer.fit(M(), torch.utils.data.DataLoader(data, batch_size=4))
+    print("FIT DONE")
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["no-bindings", "no-driver"])
+def test_no_nvml_under_warnings_as_errors(tmp_path, variant) -> None:
+    script = tmp_path / "run.py"
+    script.write_text(NO_NVML_SCRIPT)
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("PROJECT_")}
+    result = subprocess.run(
+        [sys.executable, "-W", "error", str(script), variant],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "FIT DONE" in output and "Traceback" not in output
+    ours = [line for line in output.splitlines() if line.startswith(f"LOG {LOGGER}")]
+    assert len(ours) == 1, output
+    if variant == "no-bindings":
+        assert "not installed" in ours[0]
+    elif not torch.cuda.is_available():
+        assert "NVML is not available" in ours[0]
+
+
+@pytest.mark.gpu
+def test_real_gpu_values(tmp_path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU with an NVIDIA driver (torch.cuda.is_available() is False)")
+    nvml.use_library(None)
+    monitor = GpuStatsMonitor(interval_s=0.1)
+    trainer = pl.Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_epochs=1,
+        limit_train_batches=50,
+        limit_val_batches=2,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        logger=CSVLogger(tmp_path, name="csv", version=0),
+        callbacks=[monitor],
+    )
+    trainer.fit(TinyModel(), loader(), loader())
+    (row,) = [
+        r
+        for r in read_csv(tmp_path / "csv" / "version_0" / "metrics.csv")
+        if r.get("gpu/node0/cuda0/samples")
+    ]
+    assert 0 <= float(row["gpu/node0/cuda0/util_mean"]) <= 100
+    total = torch.cuda.get_device_properties(0).total_memory / GIB
+    assert float(row["gpu/node0/cuda0/mem_total_gib"]) == pytest.approx(total, rel=0.05)
+    assert 0 < float(row["gpu/node0/cuda0/torch_peak_alloc_gib"]) < total
+    assert float(row["gpu/node0/cuda0/proc_mem_gib_max"]) > 0
+    (ident,) = monitor.identities[0]["gpus"]
+    assert ident["uuid"].startswith(("GPU-", "MIG-"))

@@ -1,0 +1,132 @@
+"""Ctrl-C (SIGINT) and SIGTERM during training: a checkpoint, the command that resumes, exit 128+N."""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import prewarmed
+from conftest import clean_env, run_dirs
+from runkit.safety.interrupts import resume_command
+
+SLOW_TRAINING = (
+    "trainer.accelerator=cpu",
+    "trainer.max_epochs=200",
+    "data.batch_size=64",
+    "callbacks.progress_bar.refresh_rate=0",
+    "test=false",
+)
+
+
+def start(tmp_path: Path, log_dir: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "project.train", *overrides, f"paths.log_dir={log_dir}"],
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_training(process: subprocess.Popen, log_dir: Path, timeout: float = 300) -> Path:
+    """The run directory, once its first epoch checkpoint exists (so training is under way)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = list(log_dir.glob("train/runs/*/checkpoints/last.ckpt"))
+        if found:
+            return found[0].parent.parent
+        if process.poll() is not None:
+            raise AssertionError(
+                f"exited with {process.returncode}: {process.stderr.read()[-3000:]}"
+            )
+        time.sleep(0.1)
+    process.kill()
+    raise AssertionError(f"no epoch finished in {timeout} s")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_saves_prints_resume_command_and_resume_works(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    log_dir = tmp_path / "logs"
+    process = start(tmp_path, log_dir, *SLOW_TRAINING)
+    run = wait_for_training(process, log_dir)
+    time.sleep(0.3)  # somewhere inside an epoch
+    process.send_signal(signum)
+    out, err = process.communicate(timeout=180)
+    assert process.returncode == 128 + signum, err[-2000:]
+
+    saved = run / "checkpoints" / "interrupted.ckpt"
+    state = torch.load(saved, map_location="cpu", weights_only=True)
+    assert state["global_step"] > 0
+    text = out + err
+    assert f"{signum.name} received" in text
+    command = next(line.strip() for line in text.splitlines() if "ckpt_path=" in line)
+    assert command.startswith("python -m project.train ")
+    assert command.endswith(f"ckpt_path={saved}")
+    for override in SLOW_TRAINING:
+        assert override in command
+
+    # The printed command resumes (with a smaller budget appended for the test).
+    argv = [a for a in shlex.split(command)[1:] if not a.startswith("trainer.max_epochs=")]
+    argv.append("trainer.max_epochs=4")
+    resumed = prewarmed.run(
+        [sys.executable, *argv],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    new_run = [d for d in run_dirs(log_dir) if d != run]
+    if state["epoch"] >= 4:
+        pytest.skip("the interrupt came after epoch 4; nothing left to resume to")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert len(new_run) == 1
+    assert f"Resuming from {saved}" in (new_run[0] / "train.log").read_text()
+
+
+def test_resume_command_keeps_overrides_and_replaces_ckpt_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["train.py", "trainer.max_epochs=3", "ckpt_path=old", "a=b c"])
+    command = resume_command(Path("/runs/x/checkpoints/interrupted.ckpt"))
+    assert "ckpt_path=old" not in command
+    assert command.endswith(
+        "trainer.max_epochs=3 'a=b c' ckpt_path=/runs/x/checkpoints/interrupted.ckpt"
+    )
+
+
+LATE_SIGNAL = """
+import os, signal, time
+from runkit.safety import signals
+with signals.stop_on_signal(until_exit=True):
+    pass  # the run is done; what follows is the process shutting down
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(30)
+print("not reached")
+"""
+
+
+def test_a_ctrl_c_while_a_finished_run_shuts_down_is_one_line_and_130() -> None:
+    # Issue #25.5: a Ctrl-C after "Run directory:" ended the process by the signal, silently.
+    done = subprocess.run(
+        [sys.executable, "-c", LATE_SIGNAL],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+    )
+    assert done.returncode == 130, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: SIGINT received after the run had finished (its files are complete); exit code 130"
+    )

@@ -1,0 +1,175 @@
+"""last.ckpt follows every save point, is written once per save point, and resumes relocate.
+
+Without the subclass, last.ckpt stays behind when the monitored metric stops improving, the best
+and last.ckpt at one step are two serialisations, and a resumed run names the best checkpoint of
+another (possibly moved) run.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+
+from project.data.digits import DigitsDataModule
+from project.models.classifier import ClassifierModule
+from project.models.nets import MLP
+from runkit.safety.checkpoints import AtomicCheckpointIO
+from runkit.safety.model_checkpoint import ModelCheckpoint
+
+
+def last_epoch_after_fit(tmp_path: Path, callback_class: type) -> int:
+    pl.seed_everything(0)
+    # "max" of a falling val/loss: the best is epoch 0, nothing improves after it.
+    checkpoint = callback_class(
+        dirpath=tmp_path, monitor="val/loss", mode="max", save_top_k=1, save_last=True
+    )
+    trainer = pl.Trainer(
+        max_epochs=4,
+        accelerator="cpu",
+        logger=False,
+        callbacks=[checkpoint],
+        limit_train_batches=3,
+        limit_val_batches=2,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    module = ClassifierModule(MLP(hidden=(16,)), partial(torch.optim.SGD, lr=0.1))
+    trainer.fit(module, datamodule=DigitsDataModule(batch_size=32))
+    return torch.load(tmp_path / "last.ckpt", weights_only=True)["epoch"]
+
+
+def test_last_ckpt_holds_the_final_epoch(tmp_path: Path) -> None:
+    assert last_epoch_after_fit(tmp_path, ModelCheckpoint) == 3
+
+
+def test_lightning_alone_leaves_last_ckpt_behind(tmp_path: Path) -> None:
+    """The reason for the subclass; if Lightning fixes it, this fails and the subclass can go."""
+    epoch = last_epoch_after_fit(tmp_path, LightningModelCheckpoint)
+    if epoch == 3:
+        pytest.fail("Lightning now keeps last.ckpt current: drop runkit.safety.model_checkpoint")
+    assert epoch == 0
+
+
+# --------------------------------------------------------------------------- one serialisation
+
+
+def fit_counting_saves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **checkpoint_args: Any
+) -> tuple[ModelCheckpoint, list[str]]:
+    """Fit with the crash-safe I/O; return the callback and one entry per ``torch.save``."""
+    saves: list[str] = []
+    real_save = torch.save
+
+    def counting_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        saves.append(str(getattr(f, "name", f)))
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", counting_save)
+    pl.seed_everything(0)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True, **checkpoint_args)
+    trainer = pl.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        logger=False,
+        callbacks=[checkpoint],
+        plugins=[AtomicCheckpointIO()],
+        limit_train_batches=2,
+        limit_val_batches=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    module = ClassifierModule(MLP(hidden=(16,)), partial(torch.optim.SGD, lr=0.1))
+    trainer.fit(module, datamodule=DigitsDataModule(batch_size=32))
+    return checkpoint, saves
+
+
+def test_best_and_last_at_one_step_are_serialised_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # monitor=None: every epoch writes a new top-k file and last.ckpt (Lightning: 2 saves each).
+    checkpoint, saves = fit_counting_saves(tmp_path, monkeypatch, monitor=None, save_top_k=-1)
+    assert len(saves) == 2, saves  # one per save point
+    best, last = Path(checkpoint.best_model_path), tmp_path / "last.ckpt"
+    assert best.name == "epoch=1-step=4.ckpt"
+    assert last.stat().st_ino == best.stat().st_ino  # a hard link: one copy on disk
+    assert torch.load(last, weights_only=True)["epoch"] == 1
+    assert {p.name for p in tmp_path.iterdir()} == {"epoch=0-step=2.ckpt", best.name, last.name}
+    # The state in a file that is also last.ckpt names last.ckpt as the last checkpoint, as
+    # Lightning's own last.ckpt does (set before the first save point's best is written).
+    first = torch.load(tmp_path / "epoch=0-step=2.ckpt", weights_only=True)
+    (state,) = [v for k, v in first["callbacks"].items() if k.startswith("ModelCheckpoint")]
+    assert state["last_model_path"] == str(last)
+
+
+def test_without_hard_links_last_ckpt_is_a_copy_of_the_same_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_links(*args: Any, **kwargs: Any) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    checkpoint, saves = fit_counting_saves(tmp_path, monkeypatch, monitor=None, save_top_k=1)
+    assert len(saves) == 2, saves
+    best, last = Path(checkpoint.best_model_path), tmp_path / "last.ckpt"
+    assert last.stat().st_ino != best.stat().st_ino
+    assert last.read_bytes() == best.read_bytes()
+    assert {p.name for p in tmp_path.iterdir()} == {best.name, last.name}
+
+
+# --------------------------------------------------------------------------- relocatable resume
+
+
+def fit(
+    dirpath: Path, epochs: int, callback_class: type = ModelCheckpoint, ckpt_path: Any = None
+) -> tuple[pl.Trainer, LightningModelCheckpoint]:
+    pl.seed_everything(0)
+    checkpoint = callback_class(
+        dirpath=dirpath, monitor="val/acc", mode="max", save_top_k=1, save_last=True
+    )
+    trainer = pl.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        logger=False,
+        callbacks=[checkpoint],
+        plugins=[AtomicCheckpointIO()],
+        limit_train_batches=3,
+        limit_val_batches=2,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    module = ClassifierModule(MLP(hidden=(16,)), partial(torch.optim.SGD, lr=0.1))
+    trainer.fit(module, datamodule=DigitsDataModule(batch_size=32), ckpt_path=ckpt_path)
+    return trainer, checkpoint
+
+
+@pytest.mark.slow
+def test_a_moved_finished_run_resumes_with_its_best_checkpoint_its_own(tmp_path: Path) -> None:
+    _, first = fit(tmp_path / "run a" / "checkpoints", epochs=2)
+    best_name, best_score = Path(first.best_model_path).name, first.best_model_score
+    moved = tmp_path / "elsewhere" / "run é"
+    moved.parent.mkdir()
+    shutil.move(tmp_path / "run a", moved)
+
+    own = tmp_path / "run b" / "checkpoints"
+    trainer, resumed = fit(own, epochs=2, ckpt_path=moved / "checkpoints" / "last.ckpt")
+    best = Path(resumed.best_model_path)
+    assert best == own / best_name and best.is_file()  # its own directory, not the old path
+    assert best.read_bytes() == (moved / "checkpoints" / best_name).read_bytes()
+    assert resumed.best_model_score == best_score
+    trainer.test(ckpt_path=str(best), datamodule=DigitsDataModule(batch_size=32))
+    assert resumed.best_model_path == str(best)  # test's restore does not point elsewhere
+
+    # Lightning alone: the moved run's old absolute path, which no longer exists.
+    _, plain = fit(
+        tmp_path / "run c", 2, LightningModelCheckpoint, moved / "checkpoints" / "last.ckpt"
+    )
+    assert not Path(plain.best_model_path).exists()

@@ -1,0 +1,125 @@
+"""Multi-node DDP through Lightning's own cluster environments, simulated on localhost.
+
+Two ``torchrun`` agents, one per "node", one CPU process each, meet on 127.0.0.1. Every process
+runs Hydra itself, so they must agree on one run directory (``torchrun-<rdzv id>``); rank 0
+writes the outputs, rank 1 trains and logs to its own file in the same directory.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import prewarmed
+from conftest import clean_env, last_line
+from runkit.errors import RunError
+from runkit.run.launch import launched_externally, rank_suffix, run_id
+
+TINY = (
+    "trainer.max_epochs=1",
+    "data.batch_size=256",
+    "+trainer.limit_val_batches=1",
+    "callbacks.progress_bar.refresh_rate=0",
+)
+
+
+def test_run_id_names_the_launch_so_every_rank_agrees() -> None:
+    slurm = {"SLURM_JOB_ID": "812", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0"}
+    assert run_id("%Y", slurm) == "slurm-812.0"
+    assert run_id("%Y", {"TORCHELASTIC_RUN_ID": "abc", "WORLD_SIZE": "4"}) == "torchrun-abc"
+    assert run_id("%Y", {}).isdigit()  # a plain run: the timestamp
+    # One task: the timestamp (several runs in one job stay apart), naming the job for a requeue.
+    year = time.strftime("%Y")
+    assert run_id("%Y", {"SLURM_JOB_ID": "9", "SLURM_NTASKS": "1"}) == f"{year}_slurm-9"
+    # Lightning's own DDP children are handed hydra.run.dir, but must not fail if asked.
+    assert run_id("%Y", {"LOCAL_RANK": "1", "WORLD_SIZE": "2"}).isdigit()
+    for env in ({"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2"}, {"WORLD_SIZE": "2"}):
+        with pytest.raises(RunError, match=r"pass hydra.run.dir=<dir>"):
+            run_id("%Y", env)
+
+
+def test_rank_suffix_and_external_launch_detection() -> None:
+    assert rank_suffix({}) == "" and rank_suffix({"RANK": "0"}) == ""
+    assert rank_suffix({"RANK": "3"}) == "_rank3"
+    assert rank_suffix({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "2", "SLURM_PROCID": "1"}) == "_rank1"
+    assert not launched_externally({})
+    assert launched_externally({"TORCHELASTIC_RUN_ID": "x"})
+    assert launched_externally({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "2"})
+    assert not launched_externally({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "1"})
+
+
+@pytest.mark.slow
+def test_multi_process_launch_without_a_run_id_fails_in_one_line(tmp_path: Path) -> None:
+    result = prewarmed.run(
+        [sys.executable, "-m", "project.train", f"paths.log_dir={tmp_path}"],
+        cwd=tmp_path,
+        env=clean_env(WORLD_SIZE="2", TORCHELASTIC_RUN_ID="none", RANK="0", LOCAL_RANK="0"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "pass hydra.run.dir=<dir>" in last_line(result.stderr)
+    assert not list(tmp_path.rglob(".hydra"))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_share_one_run(tmp_path: Path) -> None:
+    log_dir, port = tmp_path / "logs", _free_port()
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                f"--node-rank={rank}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                "--rdzv-id=nodes-test",
+                "-m",
+                "project.train",
+                "trainer=multi_node",
+                "trainer.accelerator=cpu",
+                "trainer.devices=1",
+                f"paths.log_dir={log_dir}",
+                *TINY,
+            ],
+            cwd=tmp_path,
+            env=clean_env(OMP_NUM_THREADS="1"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = []
+    try:
+        for node in nodes:
+            outputs.append(node.communicate(timeout=300)[0])
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)[-4000:]
+
+    runs = [p for p in (log_dir / "train" / "runs").iterdir()]
+    assert [p.name for p in runs] == ["torchrun-nodes-test"]
+    run = runs[0]
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in (run / "train_rank1.log").read_text()
+    summary = json.loads((run / "metrics.json").read_text())
+    assert summary["num_nodes"] == 2
+    assert summary["global_step"] == 3  # 629 of the 1257 training samples per rank, 256 a batch
+    assert "Run directory:" in outputs[0] and "Run directory:" not in outputs[1]

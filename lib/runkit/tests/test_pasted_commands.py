@@ -1,0 +1,322 @@
+"""What the program prints for the user to paste works when pasted, whatever the value holds.
+
+Each printed override or command goes through the two parsers a paste meets: a real ``bash``
+(``printf '%s\\0'`` shows the words it makes) and Hydra's override grammar (its own parser, or the
+real CLI). The hostile values hold a space, é, quotes, ``$HOME``, ``=``, a comma and brackets.
+Also here: the one-line endings of sweeps (a bad job; ``-m`` with ``--cfg``), the hints for
+``trainer.precision`` (the CLI's and the run's), followed, and the ``trusted_targets=[...]`` hint.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
+
+from conftest import FAST, CliRunner, clean_env, run_dirs
+from runkit import quoting, speed
+from runkit.errors import RunError
+from runkit.safety.interrupts import resume_command
+from runkit.safety.trusted import check_trusted
+
+TESTS = Path(__file__).resolve().parent
+HOSTILE = [
+    "/data/my runs/é.ckpt",
+    "it's",
+    'say "hi"',
+    "$HOME/x",
+    "a=b",
+    "a,b",
+    "[1,2]",
+    "{a: 1}",
+    "x\\",
+    'x\\"y',
+    "${oc.env:HOME}",
+    "\\${x}",
+    "tab\there",
+    "null",
+    "True",
+    "16",
+    "-1",
+    "",
+    " ",
+    "/plain/path-1.ckpt",
+    "/data/it's $HOME=a,b [x] é/run (1).ckpt",
+]
+TINY = (*FAST, "trainer.max_epochs=1", "+trainer.limit_train_batches=2", "test=false")
+
+
+def bash_words(line: str) -> list[str]:
+    """The words a real bash makes of ``line``, as if it were pasted after ``printf '%s\\0'``."""
+    done = subprocess.run(
+        ["bash", "-c", f"printf '%s\\0' {line}"], capture_output=True, check=True, timeout=30
+    )
+    return done.stdout.decode().split("\0")[:-1]
+
+
+def config_value(word: str) -> object:
+    """What Hydra's parser, then OmegaConf, make of one ``key=value`` word."""
+    (parsed,) = OverridesParser.create().parse_overrides([word])
+    return OmegaConf.create({"k": parsed.value()}).k
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error: ")]
+
+
+# ------------------------------------------------------------------------------------------------
+# The function every printing site uses
+
+
+def test_override_survives_bash_and_hydra_for_hostile_values() -> None:
+    words = bash_words(" ".join(quoting.override("ckpt_path", v) for v in HOSTILE))
+    assert len(words) == len(HOSTILE), words  # one word each: nothing split, nothing expanded
+    for word, value in zip(words, HOSTILE, strict=True):
+        assert word.startswith("ckpt_path="), word
+        got = config_value(word)
+        assert got == value and isinstance(got, str), (value, word, got)
+
+
+def test_override_keeps_the_type_of_non_strings() -> None:
+    for value in (16, -1, 0.5, True, False, None):
+        (word,) = bash_words(quoting.override("k", value))
+        got = config_value(word)
+        assert got == value and type(got) is type(value), (value, word)
+
+
+def test_override_survives_random_strings() -> None:
+    alphabet = list(" é日'\"\\$={}[](),:;|&<>`~!?*#%@+-./_\t\nab01")
+    rng = random.Random(24)
+    for _ in range(3000):
+        value = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 14)))
+        (word,) = shlex.split(quoting.override("k", value))  # POSIX shell rules
+        assert config_value(word) == value, (value, quoting.override("k", value))
+
+
+def test_override_of_a_list_survives_bash_and_hydra_for_hostile_values() -> None:
+    values = [*HOSTILE, 16, -1, 0.5, True, None, ["a b", 2]]
+    (word,) = bash_words(quoting.override("trusted_targets", values))
+    got = OmegaConf.to_container(config_value(word), resolve=True)  # type: ignore[arg-type]
+    assert got == values, word
+    assert [type(v) for v in got] == [type(v) for v in values]  # type: ignore[union-attr]
+    assert bash_words(quoting.override("k", ())) == ["k=[]"]
+    assert config_value("k=[]") == []
+
+
+def test_plain_values_stay_as_a_user_types_them() -> None:
+    # Digits, a dash, a word: a string to Hydra (no number has a dash there), left unquoted.
+    for value in ("16-mixed", "32-true", "bf16-mixed", "/data/run-1.ckpt", "torch.nn."):
+        assert quoting.override("k", value) == f"k={value}"
+        assert config_value(f"k={value}") == value
+    assert quoting.override("k", "16") == "'k=\"16\"'"  # a number: quoted to stay a string
+    assert quoting.override("k", "1e-5") == "'k=\"1e-5\"'"
+
+
+@pytest.mark.parametrize("value", ["16-mixed", "it's $HOME=a,b [x] é", 16, "null", "1e-5"])
+def test_trainer_precision_line_of_a_built_run_pastes_back_the_value(value: object) -> None:
+    # +trainer.precision=... passes the CLI's key check; the run itself refuses it in one line.
+    cfg = OmegaConf.create({"trainer": {"precision": value}})
+    with pytest.raises(RunError) as refused:
+        speed.trainer_settings(cfg, None)
+    hint = str(refused.value).rsplit("top-level key: ", 1)[1]
+    (word,) = bash_words(hint)
+    assert word.partition("=")[0] == "precision"
+    got = config_value(word)
+    assert got == value and type(got) is type(value), (hint, got)
+    if value == "16-mixed":
+        assert hint == "precision=16-mixed"
+
+
+def test_trusted_targets_hint_pastes_back_the_list_that_lets_the_file_in() -> None:
+    tree = {"model": {"_target_": "collections.OrderedDict"}}
+    allowed = ["torch.nn.", "my pkg.", "it's $HOME=a,b [x] é.", "null", "${oc.env:HOME}."]
+    with pytest.raises(RunError) as refused:
+        check_trusted(tree, allowed, "given.ckpt")
+    message = str(refused.value)
+    hint = message.split(" allow it with ", 1)[1].split(" (eval)", 1)[0]
+    (word,) = bash_words(hint)
+    assert word.startswith("trusted_targets=[")
+    widened = OmegaConf.to_container(config_value(word), resolve=True)
+    assert widened == [*allowed, "collections."]
+    check_trusted(tree, widened, "given.ckpt")  # pasted, the list lets the file in
+    # The everyday case reads as before: one shell word, quoted for its brackets.
+    with pytest.raises(RunError, match=r"with 'trusted_targets=\[torch\.nn\.,collections\.\]' "):
+        check_trusted(tree, ["torch.nn."], "given.ckpt")
+
+
+def test_resume_command_pastes_back_the_overrides_and_the_checkpoint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    typed = ['paths.log_dir="/data/it\'s $HOME=a,b [x] é"', "trainer.max_epochs=3", "ckpt_path=x"]
+    monkeypatch.setattr(sys, "argv", ["train.py", *typed])
+    checkpoint = Path(HOSTILE[-1])
+    words = bash_words(resume_command(checkpoint))
+    program = words.index(typed[0])
+    assert words[program:-1] == typed[:2]  # the user's overrides as typed; no old ckpt_path
+    assert words[-1].startswith("ckpt_path=")
+    assert config_value(words[-1]) == str(checkpoint)
+    assert config_value(words[program]) == "/data/it's $HOME=a,b [x] é"
+
+
+# ------------------------------------------------------------------------------------------------
+# The real CLI: print, paste, run
+
+
+@pytest.mark.slow
+def test_resume_command_printed_after_ctrl_c_resumes_when_pasted_into_bash(tmp_path: Path) -> None:
+    log_dir = tmp_path / "it's $HOME=a,b [x] é"
+    marker = tmp_path / "paused"
+    overrides = [
+        *FAST,
+        "trainer.accelerator=cpu",
+        "test=false",
+        "+callbacks.pause._target_=user_callbacks.Pause",
+        "+callbacks.pause.at=train",
+        f"+callbacks.pause.marker={marker}",
+        f'paths.log_dir="{log_dir}"',  # as a user types it: Hydra's quotes inside the shell's
+    ]
+    env = clean_env(PYTHONPATH=str(TESTS))
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # `python`
+    process = subprocess.Popen(
+        [sys.executable, "-m", "project.train", *overrides],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 240
+    while not marker.exists():
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        assert time.time() < deadline, "the run never reached its first batch"
+        time.sleep(0.1)
+    process.send_signal(signal.SIGINT)
+    Path(f"{marker}.release").touch()
+    out, err = process.communicate(timeout=180)
+    assert process.returncode == 130, err[-3000:]
+    (run,) = run_dirs(log_dir)
+    saved = run / "checkpoints" / "interrupted.ckpt"
+    assert saved.is_file()
+    lines = (out + err).splitlines()
+    command = lines[next(i for i, line in enumerate(lines) if "resume with:" in line) + 1].strip()
+    assert config_value(bash_words(command)[-1]) == str(saved)
+
+    resumed = subprocess.run(
+        ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (new_run,) = [d for d in run_dirs(log_dir) if d != run]
+    assert f"Resuming from {saved}" in (new_run / "train.log").read_text()
+
+
+@pytest.mark.slow
+def test_unquoted_path_hint_works_when_pasted(cli: CliRunner, tmp_path: Path) -> None:
+    value = str(tmp_path / "it's $HOME=a,b [x] é")
+    failed = cli("train", f"paths.log_dir={value}", "--cfg", "job")
+    assert failed.returncode == 2, failed.stderr[-2000:]
+    (line,) = error_lines(failed.stderr)
+    hint = line.rsplit("e.g. ", 1)[1]
+    shown = cli("train", *bash_words(hint), "--cfg", "job")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert yaml.safe_load(shown.stdout)["paths"]["log_dir"] == value
+
+
+@pytest.mark.slow
+def test_trainer_precision_hint_leads_to_a_run_that_works(cli: CliRunner, tmp_path: Path) -> None:
+    before = set(tmp_path.rglob("*"))
+    failed = cli("train", *TINY, "trainer.precision=16-mixed")
+    assert failed.returncode == 2, failed.stderr[-2000:]
+    assert "Traceback" not in failed.stderr
+    (line,) = error_lines(failed.stderr)
+    assert line.strip() == failed.stderr.strip().splitlines()[-1].strip()
+    assert "+trainer.precision" not in line  # the hint that was refused later
+    assert set(tmp_path.rglob("*")) == before, "a refused run created files"
+    hint = line.rsplit("write ", 1)[1]
+    assert bash_words(hint) == ["precision=16-mixed"]
+    done = cli("train", *TINY, *bash_words(hint))
+    assert done.returncode == 0, done.stderr[-2000:]
+    (run,) = run_dirs(tmp_path / "logs")
+    assert OmegaConf.load(run / "config.yaml").precision == "16-mixed"
+
+
+@pytest.mark.slow
+def test_added_trainer_precision_is_refused_by_the_run_with_a_hint_that_works(
+    cli: CliRunner, tmp_path: Path
+) -> None:
+    # +trainer.precision=... gets past the key check; the run refuses it before building anything.
+    failed = cli("train", *TINY, "+trainer.precision=16-mixed")
+    assert failed.returncode == 2, failed.stderr[-2000:]
+    assert "Traceback" not in failed.stderr
+    (line,) = error_lines(failed.stderr)
+    assert line.strip() == failed.stderr.strip().splitlines()[-1].strip()
+    hint = line.rsplit("top-level key: ", 1)[1]
+    assert bash_words(hint) == ["precision=16-mixed"]
+    done = cli("train", *TINY, *bash_words(hint))
+    assert done.returncode == 0, done.stderr[-2000:]
+    run = run_dirs(tmp_path / "logs")[-1]
+    assert OmegaConf.load(run / "config.yaml").precision == "16-mixed"
+
+
+@pytest.mark.slow
+def test_trainer_precision_hint_keeps_a_hostile_value(cli: CliRunner) -> None:
+    value = "it's $HOME=a,b [x] é"
+    failed = cli("train", f'trainer.precision="{value}"', "--cfg", "job")
+    assert failed.returncode == 2, failed.stderr[-2000:]
+    hint = error_lines(failed.stderr)[0].rsplit("write ", 1)[1]
+    shown = cli("train", *bash_words(hint), "--cfg", "job")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert yaml.safe_load(shown.stdout)["precision"] == value
+
+
+# ------------------------------------------------------------------------------------------------
+# Sweeps
+
+
+@pytest.mark.slow
+def test_bad_value_in_a_sweep_is_one_line_and_exit_2_after_the_other_jobs(
+    cli: CliRunner, log_dir: Path
+) -> None:
+    done = cli("train", "-m", "model.optimizer.lr=-1,0.01", *TINY)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert error_lines(done.stderr) == [
+        "error: model.optimizer.lr=-1 is invalid: torch.optim.AdamW refuses it "
+        "(Invalid learning rate: -1)"
+    ]
+    assert "Error executing job" not in done.stderr
+    assert "Traceback" not in done.stderr
+    (sweep,) = (log_dir / "train" / "multiruns").iterdir()
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["1"]  # job 0 left nothing
+    assert (sweep / "1" / "metrics.json").is_file()  # the good job still ran
+
+
+@pytest.mark.slow
+def test_cfg_job_with_multirun_shows_each_job(cli: CliRunner, tmp_path: Path) -> None:
+    before = set(tmp_path.rglob("*"))
+    done = cli("train", "-m", "--cfg", "job", "model.optimizer.lr=0.1,0.01", "seed=3")
+    assert done.returncode == 0, done.stderr[-2000:]
+    jobs = list(yaml.safe_load_all(done.stdout))
+    assert [job["model"]["optimizer"]["lr"] for job in jobs] == [0.1, 0.01]
+    assert {job["seed"] for job in jobs} == {3}
+    assert "hydra" not in jobs[0]
+    assert "# job #1: model.optimizer.lr=0.01 seed=3" in done.stdout
+    assert set(tmp_path.rglob("*")) == before, "showing a config created files"
+
+
+@pytest.mark.slow
+def test_cfg_job_with_an_interval_sweep_is_one_line(cli: CliRunner) -> None:
+    done = cli("train", "--multirun", "--cfg", "job", "model.optimizer.lr=interval(0,1)")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        "error: model.optimizer.lr=interval(0,1) is an interval: it has no list of jobs for "
+        "--cfg to show; give model.optimizer.lr a list of values (a,b,...) to see each job's config"
+    ]

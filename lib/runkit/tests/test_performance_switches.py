@@ -1,0 +1,462 @@
+"""The speed switches (runkit.speed and the keys that drive them) and the no-sync promise.
+
+No test here measures time: benchmarks/ prints ratios. These check that each switch does what
+its config key says, is a no-op where it should be, rejects bad values in one line, and that a
+training step of the template's default loop reads nothing back from the device.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from host_reads import HostReadProbe, ReadRecorder, host_side_storages
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+import runkit
+from conftest import CliRunner, run_dirs
+from project import config_dir
+from project.data.digits import DigitsDataModule
+from project.models.classifier import ClassifierModule
+from project.models.nets import MLP, ConvNet
+from runkit import speed
+from runkit.errors import RunError
+from runkit.run import builders
+
+
+def _compose(*overrides: str) -> Any:
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+@pytest.fixture
+def restore_matmul_precision() -> Any:
+    before = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, count: int, capability: tuple[int, int]) -> None:
+    """Pretend this CPU machine has ``count`` CUDA GPUs of one compute capability."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+
+
+# --------------------------------------------------------------------------- the config keys
+def test_config_defaults_are_the_fast_safe_choices() -> None:
+    cfg = _compose()
+    assert cfg.precision == "auto"
+    assert cfg.matmul_precision == "high"
+    assert "precision" not in cfg.trainer  # one precision key, the top-level one
+    assert cfg.callbacks.speed.compile is False
+    assert cfg.callbacks.speed.channels_last is True  # applied on CUDA, to convolutional nets
+    assert "compile" not in cfg.model and "channels_last" not in cfg.model
+    assert cfg.model.optimizer.fused is True  # one kernel per step, step counters on the device
+    assert _compose("model=mlp").model.optimizer.fused is True
+    assert cfg.data.num_workers == "auto" and cfg.data.pin_memory == "auto"
+
+
+# --------------------------------------------------------------------------- devices
+def test_cuda_indices_is_empty_for_cpu_runs_and_on_machines_without_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert speed.cuda_indices("auto", 1) == []
+    assert speed.cuda_indices("gpu", 2) == []
+    _fake_cuda(monkeypatch, 4, (9, 0))
+    assert speed.cuda_indices("cpu", 2) == []
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "devices", "expected"),
+    [
+        ("gpu", 2, [0, 1]),
+        ("auto", [1, 3], [1, 3]),
+        ("cuda", "auto", [0, 1, 2, 3]),
+        ("gpu", -1, [0, 1, 2, 3]),
+        ("gpu", "0,2", [0, 2]),
+        ("gpu", "2", [0, 1]),
+    ],
+)
+def test_cuda_indices_follow_the_trainer_meaning_of_devices(
+    monkeypatch: pytest.MonkeyPatch, accelerator: str, devices: Any, expected: list[int]
+) -> None:
+    _fake_cuda(monkeypatch, 4, (9, 0))
+    assert speed.cuda_indices(accelerator, devices) == expected
+
+
+# --------------------------------------------------------------------------- TF32
+def test_matmul_precision_is_left_alone_on_the_cpu(restore_matmul_precision: Any) -> None:
+    torch.set_float32_matmul_precision("highest")
+    assert speed.apply_matmul_precision("high", []) == "highest"
+    assert torch.get_float32_matmul_precision() == "highest"
+
+
+def test_matmul_precision_high_on_ampere_and_not_on_turing(
+    monkeypatch: pytest.MonkeyPatch, restore_matmul_precision: Any
+) -> None:
+    torch.set_float32_matmul_precision("highest")
+    _fake_cuda(monkeypatch, 1, (7, 5))
+    assert speed.apply_matmul_precision("high", [0]) == "highest"
+    _fake_cuda(monkeypatch, 1, (8, 0))
+    assert speed.apply_matmul_precision("high", [0]) == "high"
+    assert torch.get_float32_matmul_precision() == "high"
+
+
+def test_bad_matmul_precision_is_one_line(restore_matmul_precision: Any) -> None:
+    with pytest.raises(RunError, match=r"^matmul_precision='tf32' is invalid; expected one of"):
+        speed.apply_matmul_precision("tf32", [])
+
+
+# --------------------------------------------------------------------------- precision
+def test_auto_precision_is_bf16_mixed_only_on_bf16_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert speed.resolve_precision("auto", []) == "32-true"
+    _fake_cuda(monkeypatch, 2, (8, 6))
+    assert speed.resolve_precision("auto", [0, 1]) == "bf16-mixed"
+    _fake_cuda(monkeypatch, 2, (7, 0))
+    assert speed.resolve_precision("auto", [0, 1]) == "32-true"
+
+
+def test_explicit_precision_passes_through_and_bad_ones_fail_in_one_line() -> None:
+    assert speed.resolve_precision("16-mixed", []) == "16-mixed"
+    assert speed.resolve_precision(32, []) == "32"
+    with pytest.raises(RunError, match=r"^precision='fp8' is invalid; expected auto or one of"):
+        speed.resolve_precision("fp8", [])
+
+
+# --------------------------------------------------------------------------- compile, layout
+def test_compile_is_in_place_so_state_dict_keys_stay_plain() -> None:
+    net = speed.maybe_compile(MLP(hidden=(8,)), True)
+    assert getattr(net, "_compiled_call_impl", None) is not None
+    assert all(not key.startswith("_orig_mod") for key in net.state_dict())
+    plain = speed.maybe_compile(MLP(hidden=(8,)), False)
+    assert getattr(plain, "_compiled_call_impl", None) is None
+
+
+def _trainer_on(device: str) -> Any:
+    """What the speed callback and the data module read of a Trainer: its strategy's root device."""
+    return types.SimpleNamespace(strategy=types.SimpleNamespace(root_device=torch.device(device)))
+
+
+def _sees_channels_last(net: ConvNet) -> bool:
+    """Whether the first convolution receives its input in channels-last layout."""
+    seen: list[bool] = []
+    hook = net.features[0].register_forward_pre_hook(
+        lambda module, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last))
+    )
+    net(torch.rand(2, 3, 8, 8))
+    hook.remove()
+    return seen[0]
+
+
+def test_channels_last_applies_to_conv_nets_on_cuda_only() -> None:
+    switches = speed.NetworkSpeedups(channels_last=True)
+    module = ClassifierModule(ConvNet(in_channels=3, channels=(4, 8)), torch.optim.SGD)
+    switches.setup(_trainer_on("cpu"), module, "fit")
+    assert not module.net.features[3].weight.is_contiguous(memory_format=torch.channels_last)
+    assert not _sees_channels_last(module.net)
+    # The layout change is device-independent, so a CPU test can check it for a CUDA run.
+    switches.setup(_trainer_on("cuda"), module, "fit")
+    assert module.net.features[3].weight.is_contiguous(memory_format=torch.channels_last)
+    assert _sees_channels_last(module.net)  # the batches are converted on their way in
+    switches.teardown(_trainer_on("cuda"), module, "fit")
+    assert not _sees_channels_last(module.net)  # the input hook goes with the run
+
+    mlp = ClassifierModule(MLP(), torch.optim.SGD)
+    speed.NetworkSpeedups(channels_last=True).setup(_trainer_on("cuda"), mlp, "fit")
+    assert not mlp.net.layers[1].weight.is_contiguous(memory_format=torch.channels_last)
+    off = ClassifierModule(ConvNet(in_channels=3, channels=(4, 8)), torch.optim.SGD)
+    speed.NetworkSpeedups(channels_last=False).setup(_trainer_on("cuda"), off, "fit")
+    assert not _sees_channels_last(off.net)
+
+
+def test_channels_last_batches_convert_images_and_leave_labels() -> None:
+    images, labels = torch.rand(4, 3, 8, 8), torch.arange(4)
+    out_images, out_labels = speed.to_channels_last((images, labels))
+    assert out_images.is_contiguous(memory_format=torch.channels_last)
+    assert not images.is_contiguous(memory_format=torch.channels_last)
+    assert out_labels is labels
+
+
+def test_the_speed_callback_compiles_the_configured_network_once() -> None:
+    cfg = _compose("callbacks.speed.compile=true", "model.net.channels=[4,8]")
+    switches = instantiate(cfg.callbacks.speed)
+    assert isinstance(switches, speed.NetworkSpeedups)
+    model = instantiate(cfg.model)
+    switches.setup(_trainer_on("cpu"), model, "fit")
+    compiled = getattr(model.net, "_compiled_call_impl", None)
+    assert compiled is not None
+    assert all(not key.startswith("_orig_mod") for key in model.state_dict())
+    switches.setup(_trainer_on("cpu"), model, "test")  # fit, then test: compiled once
+    assert model.net._compiled_call_impl is compiled
+
+
+def test_the_speed_callback_leaves_a_module_without_the_network_alone() -> None:
+    class NoNet(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = ConvNet(channels=(4,))
+
+    speed.NetworkSpeedups(channels_last=True).setup(_trainer_on("cuda"), NoNet(), "fit")
+    with pytest.raises(RunError, match=r"^callbacks\.speed\.compile=true compiles NoNet\.net"):
+        speed.NetworkSpeedups(compile=True).setup(_trainer_on("cpu"), NoNet(), "fit")
+    named = NoNet()
+    speed.NetworkSpeedups(network="encoder").setup(_trainer_on("cuda"), named, "fit")
+    assert named.encoder.features[0].weight.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.slow
+def test_compiled_network_trains_on_the_cpu(tmp_path: Path) -> None:
+    cfg = _compose("model=mlp", "callbacks.speed.compile=true", "model.net.hidden=[16]")
+    model = instantiate(cfg.model)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        limit_train_batches=3,
+        limit_val_batches=1,
+        logger=False,
+        callbacks=[instantiate(cfg.callbacks.speed)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    before = [p.detach().clone() for p in model.net.parameters()]
+    trainer.fit(model, datamodule=DigitsDataModule(batch_size=32))
+    assert getattr(model.net, "_compiled_call_impl", None) is not None
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.net.parameters(), strict=True))
+    assert torch.isfinite(torch.as_tensor(trainer.callback_metrics["train/loss"]))
+
+
+# --------------------------------------------------------------------------- data loading
+def test_pin_memory_auto_pins_only_for_cuda_runs() -> None:
+    data = DigitsDataModule(pin_memory="auto")
+    assert data._pin() is False  # no Trainer attached
+    data.trainer = _trainer_on("cpu")
+    assert data._pin() is False
+    data.trainer = _trainer_on("cuda")
+    assert data._pin() is True
+    assert DigitsDataModule(pin_memory=True)._pin() is True
+    assert DigitsDataModule(pin_memory=False, num_workers="auto").num_workers == 0
+
+
+def test_bad_pin_memory_is_one_line() -> None:
+    with pytest.raises(RunError, match=r"^data\.pin_memory='yes' is invalid; expected"):
+        DigitsDataModule(pin_memory="yes")
+
+
+# --------------------------------------------------------------------------- no per-step sync
+# tests/host_reads.py counts, at the operator, every read of a tensor value by the host made in
+# a training or validation step window; on a GPU each read of a GPU tensor waits for the device.
+
+
+def _count_log_calls(probe: HostReadProbe, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record every ``LightningModule.log`` call made inside one of ``probe``'s windows."""
+    calls: list[str] = []
+    original = pl.LightningModule.log
+
+    def log(self: pl.LightningModule, name: str, *args: Any, **kwargs: Any) -> Any:
+        if probe.stage:
+            calls.append(f"{probe.stage}:{name}")
+        return original(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(pl.LightningModule, "log", log)
+    return calls
+
+
+@pytest.mark.parametrize("strategy", ["auto", "dp"])
+def test_a_step_reads_no_device_tensor_and_logs_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: str
+) -> None:
+    """The template's default loop (its module and ConvNet, metrics, CSV logger, Rich progress
+    bar, checkpointing, GPU statistics) makes no host read of a tensor a GPU run keeps on the
+    GPU, and no ``log`` call, in any training or validation step; with ``strategy=dp`` as well
+    (the CPU stand-in of tests/test_dp.py splitting the network's batches in two)."""
+    from test_dp import CpuSplitDP
+
+    cfg = _compose(
+        f"paths.output_dir={tmp_path}",
+        "trainer.accelerator=cpu",
+        "trainer.max_epochs=2",
+        "model.net.channels=[8,16]",  # the default network's operators, at a fraction of the work
+        "data.batch_size=256",
+        "+trainer.limit_train_batches=4",  # windows: batches 1-3 of each epoch
+        "+trainer.limit_val_batches=2",  # and batch 1 of each validation
+    )
+    probe = HostReadProbe()
+    logs = _count_log_calls(probe, monkeypatch)
+    data, model = instantiate(cfg.data), instantiate(cfg.model)
+    dp = {"strategy": CpuSplitDP(), "devices": 2} if strategy == "dp" else {}
+    trainer = builders.build_trainer(cfg, **dp)
+    trainer.callbacks.insert(0, probe)
+    trainer.fit(model, datamodule=data)
+
+    assert probe.windows >= 8  # train and validation windows were really observed
+    assert probe.reads == [], probe.summary()
+    assert logs == []
+    assert trainer.callback_metrics["train/acc"] > 0  # and the epoch-level figures still came
+    if strategy == "dp":
+        assert trainer.strategy.calls  # the network really ran split
+
+
+def test_the_probe_names_the_operator_and_the_line_of_each_read() -> None:
+    """The probe catches what a GPU run would wait for, with the operator and the line: the NaN
+    check torchmetrics runs by default (off in the template) and batch norm's epoch average
+    (``momentum=None``, the template's old ConvNet); it lets pass what costs nothing there."""
+    from torchmetrics import MeanMetric
+
+    # Made before the window, as the batch, the module and its metrics are: accelerator data.
+    values, images = torch.ones(4), torch.rand(2, 4, 3, 3)
+    checked, unchecked = MeanMetric(nan_strategy="warn"), MeanMetric(nan_strategy="disable")
+    momentum, epoch_average = torch.nn.BatchNorm2d(4), torch.nn.BatchNorm2d(4, momentum=None)
+    probe = HostReadProbe()
+    probe.stage = "train"
+    with ReadRecorder(probe):
+        checked.update(values)
+    assert probe.reads, "the probe missed the NaN check"
+    read = probe.reads[0]
+    assert read.op == "aten._local_scalar_dense.default"
+    assert read.line.startswith("torchmetrics/") and read.code.startswith("if ")
+    assert str(read).startswith("train: aten._local_scalar_dense.default at torchmetrics/")
+    assert "test_performance_switches.py:" in read.caller  # and the test's line that led there
+
+    probe.reads.clear()
+    with ReadRecorder(probe):
+        unchecked.update(values)
+        momentum(images)  # a batch norm with a momentum: no read
+        flag = torch.tensor([3], dtype=torch.int32)  # made from a Python number: a host tensor,
+        assert int((flag * 2).max().item()) == 6  # so reading it (or what it gives) is free
+    assert probe.reads == [], probe.summary()
+    with ReadRecorder(probe):
+        epoch_average(images)
+        bool((images.mean() + flag) > 0)  # host data meeting accelerator data: on the accelerator
+    lines = [r.line.split(":")[0] for r in probe.reads]
+    assert lines == ["torch/nn/modules/batchnorm.py", "test_performance_switches.py"]
+    assert "num_batches_tracked" in probe.reads[0].code
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_optimiser_step_counters_on_the_host_are_free(fused: bool) -> None:
+    """AdamW reads its step counters at every step unless fused; they live on the host (unless
+    capturable or fused), so the read waits for nothing. Fused, there is no read at all."""
+    net = MLP(hidden=(8,))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.01, fused=fused)
+    net(torch.rand(4, 64)).sum().backward()
+    optimizer.step()  # creates the counters
+    probe = HostReadProbe()
+    probe.stage = "train"
+    probe.host_side = host_side_storages([optimizer])
+    assert len(probe.host_side) == (0 if fused else len(list(net.parameters())))
+    with ReadRecorder(probe):
+        optimizer.step()
+    assert probe.reads == []
+    probe.host_side = set()  # as if the counters lived on the GPU: the same step, counted
+    with ReadRecorder(probe):
+        optimizer.step()
+    expected = 0 if fused else len(list(net.parameters()))
+    assert len(probe.reads) == expected, probe.summary()
+    assert all(r.line.startswith("torch/optim/") for r in probe.reads)
+
+
+@pytest.mark.slow
+def test_ddp_steps_read_no_device_tensor_and_validate_far_above_chance(
+    cli: CliRunner, log_dir: Path, tmp_path: Path
+) -> None:
+    """Two DDP processes over gloo, the default ConvNet, two short epochs (each rank sees half the
+    data): no host read in any step window of either rank, and a validation accuracy far above
+    chance (0.1), which batch norm's running statistics used to bring down to chance."""
+    report = tmp_path / "reads"
+    result = cli(
+        "train",
+        "trainer=ddp_sim",
+        "trainer.max_epochs=2",
+        "callbacks.progress_bar.refresh_rate=0",
+        "+callbacks.host_reads._target_=host_reads.HostReadProbe",
+        f"+callbacks.host_reads.report={report}",
+        env={"PYTHONPATH": str(Path(__file__).parent)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        found = json.loads(Path(f"{report}.{rank}.json").read_text())
+        assert found["windows"] >= 10, found
+        assert found["reads"] == [], found["reads"][:5]
+    (run,) = run_dirs(log_dir)
+    metrics = json.loads((run / "metrics.json").read_text())["metrics"]
+    assert metrics["val/acc"] > 0.7, metrics
+
+
+# --------------------------------------------------------------------------- train.py wiring
+def _built_trainer_kwargs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str
+) -> dict[str, Any]:
+    """The keyword arguments project.train hands to build_trainer for a run that trains nothing."""
+    from project import train as train_module
+
+    seen: dict[str, Any] = {}
+    original = builders.build_trainer
+
+    def spy(cfg: Any, **kwargs: Any) -> Any:
+        seen.update(kwargs)
+        return original(cfg, **kwargs)
+
+    monkeypatch.setattr(builders, "build_trainer", spy)
+    monkeypatch.setattr(runkit, "build_trainer", spy)  # what the project's train.py calls
+    monkeypatch.setattr("runkit.plots.after_run", lambda out: None)
+    cfg = _compose(
+        f"paths.output_dir={tmp_path}",
+        "trainer.accelerator=cpu",
+        "train=false",
+        "test=false",
+        "export_weights=false",
+        "model=mlp",
+        *overrides,
+    )
+    train_module.train(cfg)
+    return seen
+
+
+def test_train_passes_the_resolved_precision_to_the_trainer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restore_matmul_precision: Any
+) -> None:
+    assert _built_trainer_kwargs(tmp_path / "a", monkeypatch)["precision"] == "32-true"
+    # The one precision key, set: it reaches the Trainer as given.
+    kwargs = _built_trainer_kwargs(tmp_path / "b", monkeypatch, "precision=bf16-mixed")
+    assert kwargs["precision"] == "bf16-mixed"
+    # trainer.precision is not a second key: one line naming the key to use instead.
+    with pytest.raises(
+        RunError,
+        match=r"^trainer\.precision=16-mixed is not read; .*"
+        r"top-level key: precision=16-mixed",
+    ):
+        _built_trainer_kwargs(tmp_path / "d", monkeypatch, "+trainer.precision=16-mixed")
+    # A run on an Ampere GPU (faked: the Trainer itself still runs on the CPU).
+    monkeypatch.setattr(speed, "cuda_indices", lambda accelerator, devices: [0])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    torch.set_float32_matmul_precision("highest")
+    assert _built_trainer_kwargs(tmp_path / "c", monkeypatch)["precision"] == "bf16-mixed"
+    assert torch.get_float32_matmul_precision() == "high"
+
+
+def test_in_memory_batches_come_from_one_index_and_match_the_per_sample_path() -> None:
+    from torch.utils.data import DataLoader
+
+    from runkit.data import BatchedTensorDataset, Rows, collate_rows
+
+    data = DigitsDataModule(batch_size=32)
+    data.setup()
+    fast = data.val_dataloader()
+    assert fast.collate_fn is collate_rows and data.train_dataloader().collate_fn is collate_rows
+    rows = data.val_set.__getitems__([3, 1, 2])  # Subset passes the call to the tensors
+    assert isinstance(rows, Rows) and len(rows) == 3 and rows.tensors[0].shape[0] == 3
+    # A loader built by hand over the split (default collate) still gets (input, label) samples.
+    by_hand = DataLoader(data.val_set, batch_size=32)
+    for (x_fast, y_fast), (x_slow, y_slow) in zip(fast, by_hand, strict=True):
+        assert torch.equal(x_fast, x_slow) and torch.equal(y_fast, y_slow)
+    assert isinstance(data.val_set.dataset, BatchedTensorDataset)

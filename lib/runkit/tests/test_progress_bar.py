@@ -1,0 +1,90 @@
+"""The progress bar reads the logged values once per redraw, and always at the end of an epoch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import RichProgressBar as LightningRichProgressBar
+from torch.utils.data import DataLoader, TensorDataset
+
+from runkit.run import progress_bar
+from runkit.run.progress_bar import RichProgressBar
+
+BATCHES = 6  # training batches per epoch
+EPOCHS = 2
+
+
+class LogsEveryStep(LightningModule):
+    """Logs a value to the progress bar at every training step (Lightning reads it per batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.log("step_value", float(self.global_step), prog_bar=True)
+        return self.layer(batch[0]).pow(2).mean()
+
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        self.log("val_value", 1.0, prog_bar=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def reads_during_fit(bar: LightningRichProgressBar, tmp_path: Path) -> list[dict[str, Any]]:
+    """Every set of values the bar read during a short fit, in order."""
+    reads: list[dict[str, Any]] = []
+    read = bar.get_metrics
+
+    def counting(trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+        values = read(trainer, pl_module)
+        reads.append(dict(values))
+        return values
+
+    bar.get_metrics = counting  # type: ignore[method-assign]
+    data = DataLoader(TensorDataset(torch.randn(BATCHES * 4, 2)), batch_size=4)
+    trainer = Trainer(
+        accelerator="cpu",
+        max_epochs=EPOCHS,
+        callbacks=[bar],
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=2,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(LogsEveryStep(), data, data)
+    return reads
+
+
+@pytest.fixture(scope="module")
+def lightning_reads(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return reads_during_fit(LightningRichProgressBar(), tmp_path_factory.mktemp("lightning"))
+
+
+def test_batches_read_at_most_once_per_redraw_epochs_always(
+    lightning_reads: list[dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(progress_bar, "time", SimpleNamespace(monotonic=lambda: 1000.0))
+    reads = reads_during_fit(RichProgressBar(refresh_rate=1), tmp_path)
+    # The clock stands still: one redraw interval never passes, so only the first batch reads;
+    # every epoch end and validation end still does.
+    assert len(lightning_reads) - len(reads) == EPOCHS * BATCHES - 1
+    assert reads[-1] == lightning_reads[-1]  # the values shown at the end are the final ones
+    assert reads[-1]["step_value"] == EPOCHS * BATCHES - 1
+
+
+def test_every_batch_reads_when_a_redraw_is_due(
+    lightning_reads: list[dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ticks = iter(range(0, 10_000, 2))  # two seconds a call: every batch is past the interval
+    monkeypatch.setattr(progress_bar, "time", SimpleNamespace(monotonic=lambda: next(ticks)))
+    reads = reads_during_fit(RichProgressBar(refresh_rate=1), tmp_path)
+    assert reads == lightning_reads

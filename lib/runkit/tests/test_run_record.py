@@ -1,0 +1,88 @@
+"""A run's own record (``csv/metrics.csv`` and the ``curves.png`` drawn from it) does not depend
+on the ``logger`` group: every logger option and every debug preset leaves both; the debug
+presets run as README says (CPU, anomaly detection)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from omegaconf import OmegaConf
+
+from conftest import FAST, CliRunner, compose_train, run_dirs
+from runkit import plots
+from runkit.run import builders
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def loggers_of(*overrides: str, out: Path) -> list:
+    cfg = compose_train(*overrides)
+    cfg.paths.output_dir = str(out)
+    return builders.build_loggers(cfg.get("logger"), builders.run_record(cfg))
+
+
+@pytest.mark.parametrize(
+    ("option", "extra"),
+    [
+        ("csv", []),
+        ("none", []),
+        ("tensorboard", [TensorBoardLogger]),
+        ("many_loggers", [TensorBoardLogger]),
+    ],
+)
+def test_every_logger_option_keeps_exactly_one_csv_record(
+    tmp_path: Path, option: str, extra: list[type]
+) -> None:
+    loggers = loggers_of(f"logger={option}", out=tmp_path)
+    records = [logger for logger in loggers if isinstance(logger, CSVLogger)]
+    assert len(records) == 1  # one writer of csv/metrics.csv, never two
+    assert Path(records[0].log_dir) == tmp_path / "csv"
+    assert [type(logger) for logger in loggers if logger is not records[0]] == extra
+
+
+def test_the_record_follows_the_csv_node_when_one_is_configured(tmp_path: Path) -> None:
+    (logger,) = loggers_of("logger=csv", "+logger.csv.flush_logs_every_n_steps=7", out=tmp_path)
+    assert logger._flush_logs_every_n_steps == 7  # the configured node, not a second default one
+
+
+def test_without_an_output_dir_nothing_is_added() -> None:
+    assert builders.run_record(OmegaConf.create({"paths": {}})) is None
+    assert builders.build_loggers(OmegaConf.create({}), None) == []
+
+
+def test_debug_overfit_runs_with_anomaly_detection_like_every_debug_preset() -> None:
+    for preset in ("default", "fdr", "overfit", "limit", "profiler"):
+        cfg = compose_train(f"debug={preset}")
+        assert cfg.trainer.detect_anomaly is True, preset
+        assert cfg.trainer.accelerator == "cpu", preset
+        assert cfg.hydra.job_logging.root.level == "DEBUG", preset
+    assert compose_train("debug=overfit").trainer.overfit_batches == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("overrides", "task"),
+    [
+        (("logger=tensorboard",), "train"),
+        (("logger=none",), "train"),
+        (("debug=fdr", "callbacks.progress_bar.refresh_rate=0"), "debug"),
+    ],
+    ids=["tensorboard", "none", "fdr"],
+)
+def test_every_run_leaves_its_csv_log_and_curves(
+    cli: CliRunner, log_dir: Path, overrides: tuple[str, ...], task: str
+) -> None:
+    pytest.importorskip("matplotlib", reason="curves.png is drawn with matplotlib (plot extra)")
+    budget = () if task == "debug" else FAST
+    result = cli("train", *budget, *overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = run_dirs(log_dir, task)
+    metrics = plots.read_metrics(run)  # the CSV log a real run wrote passes the damage checks
+    assert metrics.curve("val/loss")[0], "no validation loss per epoch in csv/metrics.csv"
+    assert "test/acc" in metrics.final
+    assert (run / plots.PLOT_FILE).read_bytes()[:8] == PNG_SIGNATURE
+    assert "findfont" not in result.stdout  # matplotlib's DEBUG chatter stays out of debug runs
+    if "logger=tensorboard" in overrides:
+        assert list((run / "tensorboard").glob("events.out.tfevents.*"))

@@ -1,0 +1,282 @@
+"""Setting up a run: the safety parts come from the config, the run directory is claimed
+atomically and removed again when the run stops at once, the checkpoint is checked before
+anything exists, and eval builds its Trainer with the same hardware settings as train."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+import runkit
+from project import config_dir
+from runkit import speed
+from runkit.errors import RunError
+from runkit.run import builders, preflight, run_files
+from runkit.run.launch import register_resolvers
+from runkit.safety.checkpoints import AtomicCheckpointIO, save_weights
+from runkit.safety.interrupts import GracefulInterrupt
+from runkit.safety.resume import ResumeState
+
+LAUNCH_ENV = (
+    "LOCAL_RANK",
+    "RANK",
+    "NODE_RANK",
+    "SLURM_PROCID",
+    "SLURM_JOB_ID",
+    "SLURM_RESTART_COUNT",
+    "TORCHELASTIC_RUN_ID",
+    "LSB_JOBID",
+)
+
+
+def composed(*overrides: str, name: str = "train") -> DictConfig:
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose(name, overrides=list(overrides))
+
+
+@pytest.fixture
+def single_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain run started by hand: no launcher variables, no claim left by another test."""
+    for name in LAUNCH_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(preflight, "_claimed", None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Safety parts: config nodes, instantiated 1:1, each removal said in one line
+
+
+def test_safety_parts_are_config_nodes_and_reach_the_trainer(tmp_path: Path) -> None:
+    cfg = composed(f"paths.output_dir={tmp_path}", "trainer.accelerator=cpu", "seed=7")
+    assert cfg.callbacks.resume_state._target_.endswith("resume.ResumeState")
+    assert cfg.callbacks.graceful_interrupt._target_.endswith("interrupts.GracefulInterrupt")
+    assert [p._target_ for p in cfg.trainer.plugins] == [
+        "runkit.safety.checkpoints.AtomicCheckpointIO"
+    ]
+    trainer = builders.build_trainer(cfg)
+    assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+    (resume,) = [c for c in trainer.callbacks if isinstance(c, ResumeState)]
+    assert resume.seed == 7
+    assert sum(isinstance(c, GracefulInterrupt) for c in trainer.callbacks) == 1
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        ("~callbacks.graceful_interrupt", "callbacks.graceful_interrupt removed: Ctrl-C/SIGTERM"),
+        ("~callbacks.resume_state", "callbacks.resume_state removed: a resumed run"),
+        ("trainer.plugins=[]", "trainer.plugins has no AtomicCheckpointIO: checkpoint writes"),
+    ],
+)
+def test_removing_a_safety_part_works_and_says_what_is_lost(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, override: str, line: str
+) -> None:
+    cfg = composed(f"paths.output_dir={tmp_path}", "trainer.accelerator=cpu", override)
+    with caplog.at_level(logging.WARNING, logger=builders.__name__):
+        trainer = builders.build_trainer(cfg)
+    said = [r.getMessage() for r in caplog.records if r.name == builders.__name__]
+    assert len(said) == 1 and said[0].startswith(line), said
+    assert trainer.max_epochs == cfg.trainer.max_epochs  # the run is built all the same
+
+
+def test_a_complete_run_and_a_test_only_run_say_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger=builders.__name__):
+        builders.build_trainer(composed(f"paths.output_dir={tmp_path}", "trainer.accelerator=cpu"))
+        builders.build_trainer(
+            composed(f"paths.output_dir={tmp_path}", "trainer.accelerator=cpu", "train=false",
+                     "callbacks=none", "trainer.plugins=[]")
+        )  # fmt: skip
+    assert [r for r in caplog.records if r.name == builders.__name__] == []
+
+
+# ------------------------------------------------------------------------------------------------
+# The run directory: claimed atomically, discarded when unused
+
+
+def _run_cfg(directory: Path) -> DictConfig:
+    return OmegaConf.create(
+        {"hydra": {"run": {"dir": str(directory)}, "sweep": {"dir": str(directory)}}}
+    )
+
+
+def test_two_racing_claims_for_one_directory_give_one_winner(
+    tmp_path: Path, single_process: None
+) -> None:
+    cfg = _run_cfg(tmp_path / "logs" / "run é")
+    start = threading.Barrier(8)
+    outcomes: list[str] = []
+
+    def claim() -> None:
+        start.wait()
+        try:
+            preflight.claim_run_dir(cfg, "hydra.run.dir")
+            outcomes.append("won")
+        except RunError as err:
+            outcomes.append(str(err))
+
+    threads = [threading.Thread(target=claim) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert outcomes.count("won") == 1, outcomes
+    assert all("is taken: it already has .hydra" in o for o in outcomes if o != "won")
+
+
+def test_a_sweep_directory_is_claimed_once(tmp_path: Path, single_process: None) -> None:
+    cfg = _run_cfg(tmp_path / "sweep")
+    preflight.claim_run_dir(cfg, "hydra.sweep.dir")
+    assert (tmp_path / "sweep" / "multirun.yaml").is_file()
+    with pytest.raises(RunError, match=r"hydra.sweep.dir=.* is taken: .*multirun.yaml"):
+        preflight.claim_run_dir(cfg, "hydra.sweep.dir")
+
+
+def test_a_directory_below_a_file_is_one_line(tmp_path: Path, single_process: None) -> None:
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(RunError, match=r"cannot create or write .*a_file.*Not a directory"):
+        preflight.claim_run_dir(_run_cfg(tmp_path / "a_file" / "run"), "hydra.run.dir")
+    assert (tmp_path / "a_file").read_text() == "x"
+
+
+def _start_files(run: Path) -> None:
+    """What Hydra and a run's first steps write before the run produces anything."""
+    for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+        (run / ".hydra" / name).write_text("x: 1\n")
+    (run / "train.log").write_text("[INFO] Seed set to 42\n")
+    (run / "config.yaml").write_text("seed: 42\n")
+
+
+def test_an_unused_run_directory_goes_with_the_parents_its_claim_made(
+    tmp_path: Path, single_process: None
+) -> None:
+    run = tmp_path / "logs" / "train" / "runs" / "1"
+    preflight.claim_run_dir(_run_cfg(run), "hydra.run.dir")
+    _start_files(run)
+    assert preflight.discard_unused(run)
+    assert list(tmp_path.iterdir()) == []  # logs/ did not exist before: gone too
+
+
+def test_parents_that_existed_before_the_claim_stay(tmp_path: Path, single_process: None) -> None:
+    (tmp_path / "logs" / "train").mkdir(parents=True)
+    run = tmp_path / "logs" / "train" / "runs" / "1"
+    preflight.claim_run_dir(_run_cfg(run), "hydra.run.dir")
+    _start_files(run)
+    assert preflight.discard_unused(run)
+    assert [p.name for p in (tmp_path / "logs").iterdir()] == ["train"]
+    assert list((tmp_path / "logs" / "train").iterdir()) == []
+
+
+def test_a_given_directory_that_had_files_is_never_removed(
+    tmp_path: Path, single_process: None
+) -> None:
+    run = tmp_path / "mine"
+    run.mkdir()
+    (run / "notes.log").write_text("the user's own")
+    preflight.claim_run_dir(_run_cfg(run), "hydra.run.dir")
+    _start_files(run)
+    assert not preflight.discard_unused(run)
+    assert (run / "notes.log").read_text() == "the user's own"
+
+
+@pytest.mark.parametrize("extra", ["checkpoints/last.ckpt", "notes.txt", ".hydra/mine.yaml"])
+def test_a_run_directory_holding_anything_else_is_kept(
+    tmp_path: Path, single_process: None, extra: str
+) -> None:
+    run = tmp_path / "logs" / "1"
+    preflight.claim_run_dir(_run_cfg(run), "hydra.run.dir")
+    _start_files(run)
+    (run / extra).parent.mkdir(parents=True, exist_ok=True)
+    (run / extra).write_text("keep me")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    assert not preflight.discard_unused(run)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+# ------------------------------------------------------------------------------------------------
+# The checkpoint a run reads, checked before the run directory exists
+
+
+class _Payload:
+    def __init__(self, target: Path) -> None:
+        self.target = target
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch '{self.target}'",))
+
+
+def _inputs_cfg(ckpt: Path | str, log_dir: Path, **keys: Any) -> DictConfig:
+    return OmegaConf.create({"ckpt_path": str(ckpt), "paths": {"log_dir": str(log_dir)}, **keys})
+
+
+def test_check_inputs_tells_a_checkpoint_from_weights(tmp_path: Path) -> None:
+    ckpt, weights = tmp_path / "last.ckpt", tmp_path / "model.pth"
+    torch.save({"state_dict": {"net.w": torch.ones(2)}, "pytorch-lightning_version": "2.6"}, ckpt)
+    torch.save({"w": torch.ones(2)}, weights)
+    preflight.check_inputs(_inputs_cfg(ckpt, tmp_path, train=True))  # resumes
+    preflight.check_inputs(_inputs_cfg(weights, tmp_path))  # eval's config: any weights
+    preflight.check_inputs(_inputs_cfg(weights, tmp_path, train=False))  # test only
+    with pytest.raises(RunError, match=r"holds only weights .* cannot resume"):
+        preflight.check_inputs(_inputs_cfg(weights, tmp_path, train=True))
+
+
+def test_check_inputs_refuses_a_malicious_checkpoint_without_running_it(tmp_path: Path) -> None:
+    evil, ran = tmp_path / "evil dir é" / "evil.ckpt", tmp_path / "payload_ran"
+    evil.parent.mkdir()
+    torch.save({"state_dict": {}, "trap": _Payload(ran)}, evil)
+    with pytest.raises(RunError, match=r"was refused: .*GLOBAL posix.system") as info:
+        preflight.check_inputs(_inputs_cfg(evil, tmp_path, train=True))
+    assert "\n" not in str(info.value)
+    assert not ran.exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# eval: the same Trainer settings as train
+
+
+class _Built(Exception):
+    """Raised by the build_trainer spy: the arguments are known, nothing more is needed."""
+
+
+def test_eval_tests_at_the_precision_training_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from project.eval import evaluate
+    from project.train import train
+
+    seen: dict[str, Any] = {}
+
+    def spy(cfg: DictConfig, **kwargs: Any) -> Any:
+        seen[cfg.task_name] = kwargs.get("precision")
+        raise _Built
+
+    monkeypatch.setattr(builders, "build_trainer", spy)
+    monkeypatch.setattr(runkit, "build_trainer", spy)  # what the project's train.py calls
+    # A bf16 GPU (Ampere), faked: nothing is built on it.
+    monkeypatch.setattr(speed, "cuda_indices", lambda accelerator, devices: [0])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    matmul = torch.get_float32_matmul_precision()
+    try:
+        cfg = composed(f"paths.output_dir={tmp_path / 'train'}", "model=mlp")
+        with pytest.raises(_Built):
+            train(cfg)
+        weights = tmp_path / "trained" / "model.pth"
+        save_weights(instantiate(cfg.model).net, weights)
+        run_files.save_config(cfg, weights.parent)
+        with pytest.raises(_Built):
+            evaluate(composed(f"paths.output_dir={tmp_path / 'eval'}", f"ckpt_path={weights}",
+                              name="eval"))  # fmt: skip
+    finally:
+        torch.set_float32_matmul_precision(matmul)
+    assert seen == {"train": "bf16-mixed", "eval": "bf16-mixed"}

@@ -1,0 +1,235 @@
+"""The real CLI in subprocesses: a training run, its run directory, eval, a sweep, presets, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import prewarmed
+from conftest import FAST, TEMPLATE_TARGETS, clean_env, last_line, run_dirs
+from runkit.safety.checkpoints import load_network
+
+pytestmark = pytest.mark.slow
+
+
+def _run(cwd: Path, module: str, *args: str) -> subprocess.CompletedProcess:
+    return prewarmed.run(
+        [sys.executable, "-m", f"project.{module}", *args],
+        cwd=cwd,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def q(path: Path | str) -> str:
+    """A path as a quoted Hydra value: spaces and non-ASCII letters need the quotes."""
+    return f'"{path}"'
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One short training run shared by the tests that inspect its outputs; its directory has a
+    space and a non-ASCII letter, as a user's may."""
+    root = tmp_path_factory.mktemp("trained")
+    result = _run(root, "train", *FAST, f"paths.log_dir={q(root / 'my logs é')}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = run_dirs(root / "my logs é")
+    return run
+
+
+def test_run_directory_holds_everything_a_run_leaves(trained: Path) -> None:
+    for name in ("config.yaml", "train.log", "csv/metrics.csv", "model.pth", "metrics.json"):
+        assert (trained / name).is_file(), name
+    checkpoints = {p.name for p in (trained / "checkpoints").iterdir()}
+    assert "last.ckpt" in checkpoints and any(n.startswith("epoch_") for n in checkpoints)
+    assert "Run directory" in (trained / "train.log").read_text()
+
+
+def test_metrics_json_has_final_train_val_test_figures(trained: Path) -> None:
+    report = json.loads((trained / "metrics.json").read_text())
+    metrics = report["metrics"]
+    for key in ("train/loss", "train/acc", "val/acc", "val/acc_best", "test/acc", "test/loss"):
+        assert 0.0 <= metrics[key] < 10.0, key
+    assert metrics["val/acc_best"] >= metrics["val/acc"] - 1e-9
+    assert Path(report["best_checkpoint"]).is_file()
+    assert report["epochs"] == 2
+
+
+def test_checkpoints_and_model_pth_load_with_weights_only(trained: Path) -> None:
+    for ckpt in (trained / "checkpoints").glob("*.ckpt"):
+        data = torch.load(ckpt, weights_only=True)
+        assert data["hyper_parameters"]["config"]["model"]["net"]["_target_"].endswith("ConvNet")
+    state = torch.load(trained / "model.pth", weights_only=True)
+    assert all(isinstance(v, torch.Tensor) for v in state.values())
+    assert not any(key.startswith("net.") for key in state)  # the bare network's keys
+    net = load_network(trained / "model.pth", device="cpu", allowed=TEMPLATE_TARGETS)
+    assert net(torch.rand(3, 1, 8, 8)).shape == (3, 10)
+
+
+@pytest.mark.parametrize("source", ["model.pth", "best"])
+def test_eval_matches_what_training_reported(trained: Path, tmp_path: Path, source: str) -> None:
+    report = json.loads((trained / "metrics.json").read_text())
+    path = trained / "model.pth" if source == "model.pth" else report["best_checkpoint"]
+    result = _run(tmp_path, "eval", f"ckpt_path={q(path)}", f"paths.log_dir={tmp_path / 'logs'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = run_dirs(tmp_path / "logs", "eval")
+    evaluated = json.loads((run / "metrics.json").read_text())["metrics"]["test/acc"]
+    assert abs(evaluated - report["metrics"]["test/acc"]) <= 1e-3
+
+
+def test_installed_wheel_finds_its_configs_from_any_directory(tmp_path: Path) -> None:
+    """``pip install .`` puts the configs inside the package; a run from elsewhere uses them."""
+    repo = Path(__file__).resolve().parents[3]
+    wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(wheel_dir), str(repo)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    (wheel,) = wheel_dir.glob("project-*.whl")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
+         str(wheel)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = clean_env(PYTHONPATH=str(target))
+    probe = subprocess.run(
+        [sys.executable, "-c", "import project as c; print(c.__file__); print(c.config_dir())"],
+        cwd=elsewhere, env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    module_file, configs = probe.stdout.split()
+    assert module_file.startswith(str(target)) and configs.startswith(str(target))
+    result = subprocess.run(
+        [sys.executable, "-m", "project.train", "debug=fdr"],
+        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert run_dirs(elsewhere / "logs", "debug"), "outputs go under ./logs by default"
+
+
+def test_debug_preset_fast_dev_run(cli, log_dir: Path) -> None:
+    result = cli("train", "debug=fdr")
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = run_dirs(log_dir, "debug")
+    assert (run / "model.pth").is_file()
+    assert json.loads((run / "metrics.json").read_text())["global_step"] == 1  # one batch
+
+
+def test_multirun_sweep_gives_each_job_its_folder(cli, log_dir: Path) -> None:
+    result = cli("train", "-m", "model.optimizer.lr=0.01,0.001", "trainer.max_epochs=1",
+                 "data.batch_size=256", "callbacks.progress_bar.refresh_rate=0")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    jobs = run_dirs(log_dir)
+    assert [job.name for job in jobs] == ["0", "1"] and jobs[0].parent == jobs[1].parent
+    learning_rates = [OmegaConf.load(job / "config.yaml").model.optimizer.lr for job in jobs]
+    assert learning_rates == [0.01, 0.001]
+    assert all((job / "metrics.json").is_file() for job in jobs)
+    for job in jobs:  # each job's own duration, not the time since the sweep began
+        span = (job / "metrics.json").stat().st_mtime - (job / ".hydra").stat().st_mtime
+        wall = json.loads((job / "metrics.json").read_text())["wall_seconds"]
+        assert 0 < wall <= span + 0.5, (job.name, wall, span)
+
+
+def test_two_runs_racing_for_one_directory(tmp_path: Path) -> None:
+    """Two runs given the same hydra.run.dir at once: one trains, the other stops in one line
+    before writing anything (the directory is claimed atomically, not checked then created)."""
+    run = tmp_path / "shared run é"
+    command = [sys.executable, "-m", "project.train", "debug=fdr", f"hydra.run.dir={q(run)}"]
+    racers = {
+        seed: subprocess.Popen(
+            [*command, f"seed={seed}", "callbacks.progress_bar.refresh_rate=0"],
+            cwd=tmp_path,
+            env=clean_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed in (1, 2)
+    }
+    errors = {seed: proc.communicate(timeout=300)[1] for seed, proc in racers.items()}
+    outcomes = {seed: (racers[seed].returncode, errors[seed]) for seed in racers}
+    codes = sorted(code for code, _ in outcomes.values())
+    assert codes == [0, 2], outcomes
+    (winner,) = [seed for seed, (code, _) in outcomes.items() if code == 0]
+    (loser,) = [err for code, err in outcomes.values() if code == 2]
+    assert "Traceback" not in loser
+    assert last_line(loser).startswith(f"error: hydra.run.dir={str(run)!r} ")
+    assert "is taken" in last_line(loser) or "already holds a run" in last_line(loser)
+    assert OmegaConf.load(run / "config.yaml").seed == winner
+    assert json.loads((run / "metrics.json").read_text())["global_step"] == 1
+
+
+def test_empty_project_log_dir_means_unset(tmp_path: Path) -> None:
+    """``PROJECT_LOG_DIR=`` (set, but empty) is the default ./logs, not the filesystem root."""
+    result = subprocess.run(
+        [sys.executable, "-m", "project.train", "debug=fdr", "callbacks.progress_bar.refresh_rate=0"],
+        cwd=tmp_path, env=clean_env(PROJECT_LOG_DIR=""), capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(run_dirs(tmp_path / "logs", "debug")) == 1
+
+
+def test_removing_a_safety_callback_runs_and_says_what_is_lost(cli, log_dir: Path) -> None:
+    result = cli("train", "debug=fdr", "~callbacks.graceful_interrupt")
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = [line for line in result.stdout.splitlines() if "callbacks.graceful_interrupt" in line]
+    assert said == [
+        "callbacks.graceful_interrupt removed: Ctrl-C/SIGTERM will not save a checkpoint, and a "
+        "DDP worker whose launching process dies waits in a collective until its timeout"
+    ]
+    (run,) = run_dirs(log_dir, "debug")
+    assert (run / "metrics.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "trainer.devicez=2",
+            "trainer.devicez is not a key of the config (did you mean trainer.devices?)",
+        ),
+        ("trainer.max_epochs=abc", "trainer.max_epochs='abc' has the wrong type"),
+        ("trainer.max_epochs=0", "trainer.max_epochs=0 is invalid"),
+        ("ckpt_path=/no/such/file.ckpt", "ckpt_path='/no/such/file.ckpt' does not exist"),
+        ("model=nope", "Could not find 'model/nope'"),
+    ],
+)
+def test_user_mistakes_end_in_one_line_and_leave_nothing(
+    cli, log_dir: Path, override: str, message: str
+) -> None:
+    result = cli("train", override)
+    assert result.returncode == 2
+    assert last_line(result.stderr).startswith("error: ")
+    assert message in last_line(result.stderr)
+    assert "Traceback" not in result.stderr
+    assert not log_dir.exists() or not any(log_dir.rglob("*")), (
+        "a run that never started left files"
+    )
+
+
+def test_help_and_cfg_job_do_not_import_torch(tmp_path: Path) -> None:
+    probe = (
+        "import sys, runpy; sys.argv = ['train', '{flag}'];\n"
+        "try: runpy.run_module('project.train', run_name='__main__')\n"
+        "except SystemExit: pass\n"
+        "print('TORCH' if 'torch' in sys.modules or 'lightning' in sys.modules else 'LIGHT')"
+    )
+    for flag in ("--help", "--cfg=job"):
+        flag_args = flag.replace("=", "', '")
+        result = subprocess.run(
+            [sys.executable, "-c", probe.format(flag=flag_args)],
+            cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip().endswith("LIGHT"), flag

@@ -1,0 +1,1 @@
+../../../../src/project/data/__init__.py

@@ -1,0 +1,1 @@
+../../../../src/project/models/__init__.py

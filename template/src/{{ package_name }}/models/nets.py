@@ -1,0 +1,1 @@
+../../../../src/project/models/nets.py

@@ -1,0 +1,55 @@
+"""The project end to end through its own command line, small: train, evaluate, DDP on two CPUs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = "project"
+SMALL = ("trainer.max_epochs=1", "data.batch_size=256", "callbacks.progress_bar.refresh_rate=0")
+# What a parent process (a DDP run, a test runner) may leave in the environment.
+LEAKY = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def run(task: str, *overrides: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in LEAKY}
+    return subprocess.run(
+        [sys.executable, "-m", f"{PACKAGE}.{task}", *overrides, f"paths.log_dir={cwd / 'logs'}"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def only_run(log_dir: Path) -> Path:
+    (run_dir,) = log_dir.iterdir()
+    return run_dir
+
+
+def test_a_training_run_then_eval_of_what_it_saved_gives_the_same_test_figures(
+    tmp_path: Path,
+) -> None:
+    trained = run("train", *SMALL, cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    run_dir = only_run(tmp_path / "logs" / "train" / "runs")
+    reported = json.loads((run_dir / "metrics.json").read_text())["metrics"]
+    assert reported["test/acc"] > 0.5  # one epoch on the digits already learns something
+    assert (run_dir / "model.pth").is_file() and (run_dir / "curves.png").is_file()
+
+    evaluated = run("eval", f"ckpt_path={run_dir}", cwd=tmp_path)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    eval_dir = only_run(tmp_path / "logs" / "eval" / "runs")
+    again = json.loads((eval_dir / "metrics.json").read_text())["metrics"]
+    assert again["test/acc"] == reported["test/acc"]
+
+
+def test_ddp_on_two_cpu_processes_writes_one_run(tmp_path: Path) -> None:
+    done = run("train", *SMALL, "trainer.devices=2", "test=false", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = only_run(tmp_path / "logs" / "train" / "runs")
+    assert json.loads((run_dir / "metrics.json").read_text())["devices"] == 2
