@@ -86,6 +86,8 @@ def make_project(repository: Path, where: Path, ref: str = "v1") -> Path:
         f"package_name={PACKAGE}",
         "--data",
         "description=Vision models of our own",
+        "--data",
+        "project_name=Acme Vision",
         str(repository),
         str(where),
         cwd=where.parent,
@@ -127,6 +129,7 @@ def test_copier_copy_makes_a_project_of_its_own_name(repository: Path, tmp_path:
     for repo_only in ("template", "tools", "copier.yml", "tests/test_template.py", "docs"):
         assert not (project / repo_only).exists(), repo_only
     assert (project / ".copier-answers.yml").is_file()
+    assert (project / "README.md").read_text().startswith("# Acme Vision — ")
     assert not any(p.is_symlink() for p in project.rglob("*"))
     # It runs: its config composes under its own name (its whole suite: the next test).
     env = {**os.environ, "PYTHONPATH": str(project / "src")}

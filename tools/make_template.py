@@ -74,6 +74,7 @@ _SETTINGS = (
         "{{ python_version | replace('.', '') }}",
     ),
     (re.compile(r'(?<=python-version: ")[0-9.]+(?=")'), "{{ python_version }}"),
+    (re.compile(r"\A# project(?= — )"), "# {{ project_name }}"),  # README's title
 )
 _JINJA = re.compile(r"\{[{%#]|[}%#]\}")
 
