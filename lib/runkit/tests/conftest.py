@@ -80,6 +80,18 @@ def cli(tmp_path: Path, log_dir: Path) -> CliRunner:
     return run
 
 
+def run_python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -c <code> <args>`` in a fresh interpreter with a clean environment (for what only
+    a process of its own shows: its signal handling, its exit code)."""
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=clean_env(),
+    )
+
+
 def run_dirs(log_dir: Path, task: str = "train") -> list[Path]:
     """Every run directory under ``log_dir`` for ``task`` (single runs and sweep jobs), oldest first."""
     return sorted(p.parent for p in (log_dir / task).glob("**/.hydra") if p.is_dir())

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import prewarmed
-from conftest import clean_env, run_dirs
+from conftest import clean_env, run_dirs, run_python
 from runkit.safety.interrupts import resume_command
 
 SLOW_TRAINING = (
@@ -119,13 +119,7 @@ print("not reached")
 
 def test_a_ctrl_c_while_a_finished_run_shuts_down_is_one_line_and_130() -> None:
     # Issue #25.5: a Ctrl-C after "Run directory:" ended the process by the signal, silently.
-    done = subprocess.run(
-        [sys.executable, "-c", LATE_SIGNAL],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=clean_env(),
-    )
+    done = run_python(LATE_SIGNAL, timeout=60)
     assert done.returncode == 130, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         "error: SIGINT received after the run had finished (its files are complete); exit code 130"

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import clean_env, last_line, run_dirs
+from conftest import clean_env, last_line, run_dirs, run_python
 from runkit.run import launch
 from runkit.safety import interrupts, signals
 
@@ -73,13 +73,7 @@ print("not reached")
 def test_a_second_ctrl_c_quits_at_once_with_130() -> None:
     # Issue #24.3: it exited 1 (a KeyboardInterrupt traceback); 130 is the documented code.
     started = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-c", SECOND_CTRL_C],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=clean_env(),
-    )
+    done = run_python(SECOND_CTRL_C, timeout=60)
     assert done.returncode == 130, done.stderr
     assert time.monotonic() - started < 20  # not the 30 s sleep: at once
     assert "not reached" not in done.stdout and "Traceback" not in done.stderr
@@ -105,13 +99,7 @@ print("not reached")
 def test_sigterm_ends_a_rank_stuck_in_a_collective_within_seconds(tmp_path: Path) -> None:
     # Issue #19.1: a rank blocked in C++ runs no Python signal handler; SIGTERM did nothing.
     started = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-c", STUCK_RANK, str(tmp_path / "store")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=clean_env(),
-    )
+    done = run_python(STUCK_RANK, str(tmp_path / "store"))
     took = time.monotonic() - started
     assert done.returncode == 143, done.stderr
     assert took < 60, f"{took:.0f} s"  # the grace (10 s) plus start-up, not the 300 s timeout
