@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
 
 from runkit.errors import RunError
 from runkit.safety import checkpoints
@@ -67,9 +66,7 @@ def trained_model(model_config: dict[str, Any], source: Path, data: dict[str, An
                 f"config: {mismatch}"
             )
         return model, source
-    part: nn.Module = checkpoints.exported_part(model)
-    prefix = "net." if part is not model else ""
-    checkpoints.load_state_into(part, checkpoints.network_state(data, source, prefix), source)
+    checkpoints.load_exported_weights(model, data, source)
     return model, None
 
 

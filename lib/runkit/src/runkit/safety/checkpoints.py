@@ -3,8 +3,9 @@
 ``model.pth`` is what ``torch.save(net.state_dict(), "model.pth")`` writes: a plain ``state_dict``
 of the LightningModule's network ``net`` where it has one (loadable by any PyTorch code, without
 Lightning), else of the whole LightningModule (:func:`exported_part`, the one place that rule
-lives). Lightning checkpoints (``*.ckpt``) carry the whole training state. Both load with ``weights_only=True``, after their zip CRCs are checked (torch does
-not check them: a flipped byte would load as a wrong weight). The run's config travels as plain
+lives). Lightning checkpoints (``*.ckpt``) carry the whole training state. Both load with
+``weights_only=True``, after their zip CRCs are checked (torch does not check them: a flipped byte
+would load as a wrong weight). The run's config travels as plain
 data (``config.yaml`` beside ``model.pth``, ``hyper_parameters["config"]`` inside a checkpoint);
 the network is rebuilt from it only through trusted ``_target_``s (:mod:`.trusted`).
 """
@@ -331,6 +332,15 @@ def exported_part(model: nn.Module) -> nn.Module:
     return net if isinstance(net, nn.Module) else model
 
 
+def load_exported_weights(model: nn.Module, data: dict[str, Any], source: str | Path) -> nn.Module:
+    """Load the weights of a ``model.pth`` or a ``.ckpt`` into the part of ``model`` that
+    :func:`exported_part` names, checked key by key (one line on a mismatch); return that part."""
+    part = exported_part(model)
+    prefix = "net." if part is not model else ""
+    load_state_into(part, network_state(data, source, prefix), source)
+    return part
+
+
 def build_layers(model: nn.Module) -> nn.Module:
     """Run a LightningModule's ``configure_model`` (layers built there, not in ``__init__``)
     before its weights are loaded by hand; Lightning requires the hook to be idempotent and
@@ -573,10 +583,7 @@ def load_network(
                     "to rebuild the model from"
                 )
             model = rebuild_model(model_config)
-            part = exported_part(model)
-            prefix = "net." if part is not model else ""
-            load_state_into(part, network_state(data, path, prefix), path)
-            return part.to(device).eval()
+            return load_exported_weights(model, data, path).to(device).eval()
     net = instantiate(net_config)
     load_state_into(net, network_state(data, path), path)
     return net.to(device).eval()
