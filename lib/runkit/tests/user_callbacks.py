@@ -102,3 +102,40 @@ class FailAtStart(Callback):
         lr = trainer.optimizers[0].param_groups[0]["lr"]
         if math.isclose(lr, self.lr):
             raise ValueError(f"user callback: refusing lr={lr}")
+
+
+def _lr(trainer: Trainer) -> float:
+    return trainer.optimizers[0].param_groups[0]["lr"]
+
+
+class Rendezvous(Callback):
+    """Jobs of a sweep meet: at train start each of ``parties`` jobs writes a file into
+    ``folder`` and waits for the others' (300 s at most, then raises). A sweep that ran its jobs
+    one after another fails here: the first job would wait alone. ``skip_lr``: a job with this
+    learning rate takes no part."""
+
+    def __init__(self, folder: str, parties: int, skip_lr: float | None = None) -> None:
+        self.folder, self.parties, self.skip_lr = Path(folder), parties, skip_lr
+
+    def on_train_start(self, trainer: Trainer, *args: Any) -> None:
+        if self.skip_lr is not None and math.isclose(_lr(trainer), self.skip_lr):
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / f"{_lr(trainer)}").write_text(str(time.time()))
+        deadline = time.time() + 300
+        while len(list(self.folder.iterdir())) < self.parties:
+            if time.time() > deadline:
+                raise RuntimeError(f"rendezvous: alone in {self.folder} after 300 s")
+            time.sleep(0.05)
+
+
+class PauseAtLr(Pause):
+    """:class:`Pause` in the job of a sweep whose learning rate is ``lr`` only."""
+
+    def __init__(self, at: str, marker: str, lr: float) -> None:
+        super().__init__(at, marker)
+        self.lr = lr
+
+    def _pause(self, trainer: Trainer) -> None:
+        if math.isclose(_lr(trainer), self.lr):
+            super()._pause(trainer)

@@ -74,8 +74,10 @@ def hydra_entry(
             "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated"
         )
         from runkit.run.launch import register_resolvers
+        from runkit.run.sweep import follow_sweep_parent
 
         register_resolvers()  # ${run_id:...}: one run directory for all processes of a launch
+        follow_sweep_parent()  # a job of a parallel sweep ends with the sweep (kill -9 included)
         app = hydra.main(version_base="1.3", config_path=str(config_dir), config_name=config_name)
         from runkit.safety.signals import stop_on_signal
 
@@ -286,7 +288,15 @@ def _undecodable(path: Path) -> bool:
 
 
 def one_line(err: BaseException) -> str:
-    """Fold an exception from Hydra or OmegaConf (often several lines) into one readable line."""
+    """Fold an exception from Hydra or OmegaConf (often several lines) into one readable line.
+
+    A :class:`RunError` raised inside Hydra (a plugin refusing its settings) is that line itself.
+    """
+    cause = err.__cause__
+    while cause is not None:
+        if isinstance(cause, RunError):
+            return str(cause)
+        cause = cause.__cause__
     unknown = _unknown_key(err)
     if unknown:
         return unknown

@@ -60,6 +60,10 @@ class PreflightCallback(Callback):
         try:
             check_config(config)
             check_inputs(config)
+            if dir_key == "hydra.sweep.dir" and _resumable_sweep(config):
+                from runkit.run.sweep import check_n_jobs
+
+                check_n_jobs(OmegaConf.select(config, "hydra.launcher.n_jobs"))
             claim_run_dir(config, dir_key)  # last: it creates the directory
         except RunError as err:
             print(f"error: {err}", file=sys.stderr)
@@ -450,6 +454,8 @@ def claim_run_dir(cfg: DictConfig, key: str) -> None:
     if launched_externally():
         return  # torchrun / SLURM: every rank runs Hydra here; run_id names the launch
     sweep = key == "hydra.sweep.dir"
+    if sweep and _resumable_sweep(cfg) and (directory / "multirun.yaml").is_file():
+        return  # an earlier parallel sweep, resumed there; its launcher locks the folder
     marker = (
         "multirun.yaml" if sweep else str(OmegaConf.select(cfg, "hydra.output_subdir") or ".hydra")
     )
@@ -471,6 +477,13 @@ def claim_run_dir(cfg: DictConfig, key: str) -> None:
             f"cannot create or write {str(err.filename or directory)!r}: {err.strerror}"
         ) from err
     _claimed = _Claim(directory, first_new, marker, had_files)
+
+
+def _resumable_sweep(cfg: DictConfig) -> bool:
+    """Whether the sweep runs with the parallel launcher, which resumes an earlier sweep's folder
+    (:mod:`runkit.run.sweep`)."""
+    target = OmegaConf.select(cfg, "hydra.launcher._target_", default=None)
+    return str(target).endswith(".RunkitParallelLauncher")
 
 
 # What Hydra and a run's first steps write before the run produced anything of its own.

@@ -1,7 +1,8 @@
 """What a run leaves in its directory besides checkpoints and logger files.
 
 ``config.yaml``  the composed config, resolved (what ``model.pth`` is rebuilt from);
-``metrics.json`` the final train/val/test figures, the best checkpoint and the run's size.
+``metrics.json`` the final train/val/test figures, the best checkpoint (and its monitored score)
+and the run's size.
 """
 
 from __future__ import annotations
@@ -64,8 +65,13 @@ def save_metrics(
     the GPUs' energy over the whole run, resumes included
     (:func:`runkit.gpu_stats.callback.energy_report`), written when known.
     """
+    callback = trainer.checkpoint_callback
+    score = getattr(callback, "best_model_score", None) if best_checkpoint else None
     training = {
         "best_checkpoint": best_checkpoint,
+        # what the checkpoint callback kept the best by, and that best (sweep summaries read it)
+        "monitor": getattr(callback, "monitor", None),
+        "best_score": float(score) if score is not None else None,
         "resumed_from": str(resumed_from) if resumed_from is not None else None,
         "epochs": trainer.current_epoch,
         "global_step": trainer.global_step,

@@ -1,0 +1,44 @@
+"""A Hydra app whose jobs only claim GPUs, for the parallel launcher's claim tests.
+
+``python -m sweep_app -m hydra/launcher=runkit_parallel hold_s=1,8,15 ...`` with the fake NVML
+(``RUNKIT_NVML_BACKEND``): each job claims one of the fake GPUs as a training run does
+(``select_gpus``, ``gpu_wait_s`` from the launcher's ``job_overrides``), holds it ``hold_s``
+seconds (less after a stop signal), and writes ``claimed`` at once, then ``claims.json`` (the GPU, when it got it, when it let go) and ``metrics.json``.
+torch has no CUDA here, so it is told that CUDA sees the fake GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+
+import runkit
+from runkit.gpus import inventory
+from runkit.gpus.claims import SelectionPolicy
+from runkit.gpus.records import TorchCuda
+from runkit.gpus.resolve import resolve_for_run
+from runkit.safety import signals
+
+
+def task(cfg) -> dict:
+    inventory.probe_torch = lambda uuids=True: TorchCuda(True, 2)
+    policy = SelectionPolicy(wait_s=cfg.gpu_wait_s, util_window_s=0.2, lock_dir=cfg.gpu_lock_dir)
+    plan = resolve_for_run("gpu", 1, select=cfg.select_gpus, policy=policy, environ={})
+    claimed, out = time.time(), Path(HydraConfig.get().runtime.output_dir)
+    (out / "claimed").write_text(str(plan.devices))
+    while time.time() < claimed + cfg.hold_s and signals.request.received is None:
+        time.sleep(0.05)  # a stop signal ends the hold, as a run stops at its next batch
+    record = {"gpus": plan.devices, "claimed": claimed, "released": time.time()}
+    (out / "claims.json").write_text(json.dumps(record))
+    metrics = {"hold_s": float(cfg.hold_s)}
+    (out / "metrics.json").write_text(json.dumps({"metrics": metrics}))
+    return metrics
+
+
+main = runkit.hydra_entry(task, "config", Path(__file__).parent / "sweep_app_configs")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,381 @@
+"""``hydra/launcher=parallel``: jobs at once, GPU claims between them, stops, resumes, summaries.
+
+The claim tests run ``sweep_app`` (jobs that only claim fake GPUs: seconds each); the others run
+the template's real training through the real CLI, each job a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import CliRunner, clean_env
+from runkit.errors import RunError
+from runkit.run import sweep, sweep_summary
+from runkit.run.sweep import Attempt, SweepState
+
+TESTS = Path(__file__).resolve().parent
+TINY = (
+    "trainer.max_epochs=2",
+    "+trainer.limit_train_batches=3",
+    "+trainer.limit_val_batches=1",
+    "+trainer.limit_test_batches=1",
+    "data.batch_size=64",
+    "callbacks.progress_bar.refresh_rate=0",
+)
+
+
+# ------------------------------------------------------------------------------- unit tests
+
+
+def test_a_job_command_runs_one_job_in_its_folder_and_the_jobs_own_values_win() -> None:
+    command = sweep.job_command(
+        ["python", "-m", "project.train"],
+        ["model.optimizer.lr=0.1", "select_gpus=first"],
+        ["hydra/launcher=parallel", "hydra.mode=MULTIRUN", "hydra.sweep.dir=/s"],
+        {"select_gpus": "least_used", "gpu_wait_s": 60},
+        Path("/s/a b é/3"),
+        3,
+    )
+    assert command == [
+        "python",
+        "-m",
+        "project.train",
+        "model.optimizer.lr=0.1",
+        "select_gpus=first",  # the job's own value, not the launcher's
+        "gpu_wait_s=60",
+        "hydra/launcher=parallel",
+        "hydra.sweep.dir=/s",
+        'hydra.run.dir="/s/a b é/3"',
+        "hydra.job.num=3",
+        "hydra.job.id=3",
+        "hydra.mode=RUN",
+    ]
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, "four", True])
+def test_n_jobs_must_be_a_positive_integer(value) -> None:
+    with pytest.raises(RunError, match=rf"hydra.launcher.n_jobs={value!r} is invalid; expected"):
+        sweep.check_n_jobs(value)
+    assert sweep.check_n_jobs(None) is None and sweep.check_n_jobs(3) == 3
+
+
+def test_n_jobs_defaults_to_the_visible_gpus(use_fake) -> None:
+    from runkit.testing.fake_nvml import FakeGpu, FakeNvml
+
+    assert sweep.default_n_jobs({}) == 1  # no NVML in this process: no GPU
+    use_fake(FakeNvml([FakeGpu(), FakeGpu(), FakeGpu()]))
+    assert sweep.default_n_jobs({}) == 3
+    assert sweep.default_n_jobs({"CUDA_VISIBLE_DEVICES": "0,2"}) == 2
+
+
+def test_a_damaged_state_file_is_one_line_naming_it(tmp_path: Path) -> None:
+    (tmp_path / sweep.STATE_FILE).write_text('{"attempts": [{"num": ')
+    with pytest.raises(RunError, match=r"sweep_state.json' is damaged .*another hydra.sweep.dir"):
+        SweepState(tmp_path)
+
+
+def test_a_job_follows_the_sweep_that_started_it() -> None:
+    env = {sweep.PARENT_ENV: str(os.getppid())}
+    sweep.follow_sweep_parent(env)  # its parent: the job goes on
+    assert sweep.PARENT_ENV not in env  # and its own DDP ranks follow it, not the sweep
+    with pytest.raises(SystemExit) as stopped:
+        sweep.follow_sweep_parent({sweep.PARENT_ENV: "1"})  # the sweep is gone already
+    assert stopped.value.code == 128 + signal.SIGTERM
+
+
+def test_the_summary_has_a_row_per_job_with_all_its_attempts(tmp_path: Path) -> None:
+    def run(name: str, metrics: dict | None) -> str:
+        folder = tmp_path / name
+        folder.mkdir()
+        if metrics is not None:
+            record = {
+                "metrics": metrics,
+                "monitor": "val/acc",
+                "best_score": metrics["val/acc"] + 0.1,
+                "energy": {"energy_j": 12.5},
+            }
+            (folder / "metrics.json").write_text(json.dumps(record))
+        return str(folder)
+
+    attempts = [
+        Attempt(0, ["lr=0.1", "e=2"], run("0", {"val/acc": 0.5}), "l0", "finished", 0, 10, 30),
+        Attempt(1, ["lr=0.2", "e=2"], run("1", None), "l1", "interrupted", 143, 10, 15),
+        Attempt(2, ["lr=0.3", "e=2"], run("2", None), "l2", "failed", 1, 11, 12),
+        Attempt(
+            1, ["lr=0.2", "e=2"], run("1-attempt2", {"val/acc": 0.7}), "l", "finished", 0, 40, 50
+        ),
+    ]
+    rows = sweep_summary.job_rows(attempts, not_started=[["lr=0.4", "e=2"]])
+    path = sweep_summary.write_summary(tmp_path, rows)
+    table = list(csv.DictReader(path.open()))
+    assert [(r["job"], r["status"], r["attempts"]) for r in table] == [
+        ("0", "finished", "1"),
+        ("1", "finished", "2"),
+        ("2", "failed", "1"),
+        ("", "not started", ""),
+    ]
+    second = table[1]
+    assert second["overrides"] == "lr=0.2 e=2" and second["val/acc"] == "0.7"
+    assert float(second["best"]) == pytest.approx(0.8) and second["energy_j"] == "12.5"
+    assert float(second["wall_s"]) == 15.0 and second["dir"].endswith("1-attempt2")
+    assert sweep_summary.varying(rows) == ["lr=0.1", "lr=0.2", "lr=0.3", "lr=0.4"]
+
+
+# ------------------------------------------------------------------ claims between jobs
+
+
+def app(tmp_path: Path, *overrides: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "sweep_app",
+        "-m",
+        "hydra/launcher=runkit_parallel",
+        "+hydra.launcher.job_overrides.select_gpus=least_used",
+        "+hydra.launcher.job_overrides.gpu_wait_s=600",
+        f"gpu_lock_dir={tmp_path / 'locks'}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        *overrides,
+    ]
+
+
+def app_env() -> dict[str, str]:
+    return clean_env(
+        RUNKIT_NVML_BACKEND="runkit.testing.fake_nvml:create",
+        RUNKIT_FAKE_NVML=json.dumps({"gpus": 2}),
+        PYTHONPATH=str(TESTS),
+    )
+
+
+def state(sweep_dir: Path) -> list[dict]:
+    return json.loads((sweep_dir / sweep.STATE_FILE).read_text())["attempts"]
+
+
+@pytest.mark.slow
+def test_jobs_never_share_a_gpu_and_a_waiting_job_takes_the_first_freed(tmp_path: Path) -> None:
+    # 3 jobs at once on 2 fake GPUs: two claim one each, the third waits in its claim loop.
+    result = subprocess.run(
+        app(tmp_path, "hydra.launcher.n_jobs=3", "hold_s=1,8,15"),
+        env=app_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "0 job(s) skipped (finished earlier), 0 resumed, 3 started" in result.stdout
+    jobs = [json.loads(p.read_text()) for p in sorted((tmp_path / "sweep").glob("*/claims.json"))]
+    assert len(jobs) == 3
+    for gpu in (0, 1):
+        spans = sorted((j["claimed"], j["released"]) for j in jobs if j["gpus"] == [gpu])
+        for (_, released), (claimed, _) in itertools.pairwise(spans):
+            assert claimed >= released  # one holder at a time
+    waiter = max(jobs, key=lambda j: j["claimed"])
+    first_freed = min((j for j in jobs if j is not waiter), key=lambda j: j["released"])
+    assert waiter["gpus"] == first_freed["gpus"] and waiter["claimed"] >= first_freed["released"]
+    attempts = state(tmp_path / "sweep")
+    assert max(a["started"] for a in attempts) < min(a["ended"] for a in attempts)  # all at once
+
+
+def gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_sweep_leaves_no_job_behind(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        app(tmp_path, "hydra.launcher.n_jobs=2", "hold_s=300,300"),
+        env=app_env(),
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.time() + 120
+        while len(list((tmp_path / "sweep").glob("*/claimed"))) < 2:
+            assert time.time() < deadline and proc.poll() is None, "the jobs never claimed a GPU"
+            time.sleep(0.1)
+        pids = [a["pid"] for a in state(tmp_path / "sweep")]
+        assert len(pids) == 2 and not any(gone(pid) for pid in pids)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.time() + 5
+    while not all(gone(pid) for pid in pids) and time.time() < deadline:
+        time.sleep(0.1)
+    assert all(gone(pid) for pid in pids), "a job outlived the sweep by 5 s"
+
+
+# ------------------------------------------------------------- real training through the CLI
+
+
+def sweep_dir_of(log_dir: Path) -> Path:
+    (found,) = (log_dir / "train" / "multiruns").iterdir()
+    return found
+
+
+@pytest.mark.slow
+def test_jobs_run_at_the_same_time_and_a_failing_job_does_not_stop_the_others(
+    cli: CliRunner, log_dir: Path, tmp_path: Path
+) -> None:
+    # lr=0.02 fails at train start; the other two meet at train start (Rendezvous): run one
+    # after another, the first would wait alone and fail.
+    result = cli(
+        "train",
+        "-m",
+        "hydra/launcher=parallel",
+        "hydra.launcher.n_jobs=2",
+        "model.optimizer.lr=0.01,0.02,0.03",
+        *TINY,
+        "+callbacks.boom._target_=user_callbacks.FailAtStart",
+        "+callbacks.boom.lr=0.02",
+        "+callbacks.meet._target_=user_callbacks.Rendezvous",
+        f"+callbacks.meet.folder={tmp_path / 'meet'}",
+        "+callbacks.meet.parties=2",
+        "+callbacks.meet.skip_lr=0.02",
+        env={"PYTHONPATH": str(TESTS)},
+        timeout=500,
+    )
+    assert result.returncode == 1, (result.stdout + result.stderr)[-3000:]
+    assert (
+        "error: 1 of 3 sweep job(s) failed: #1 (exit 1: ValueError: user callback: refusing "
+        "lr=0.02); their logs are in "
+    ) in result.stderr
+    folder = sweep_dir_of(log_dir)
+    rows = list(csv.DictReader((folder / "summary.csv").open()))
+    assert [(r["job"], r["status"]) for r in rows] == [
+        ("0", "finished"),
+        ("1", "failed"),
+        ("2", "finished"),
+    ]
+    assert all(float(rows[n]["test/acc"]) >= 0 and float(rows[n]["best"]) >= 0 for n in (0, 2))
+    first, _, third = state(folder)
+    assert third["started"] < first["ended"]  # they overlapped
+    assert (folder / "summary.png").is_file()
+
+
+@pytest.mark.slow
+def test_a_stopped_sweep_reruns_into_the_rest_without_repeating_a_finished_job(
+    log_dir: Path, tmp_path: Path
+) -> None:
+    # One job at a time: #0 finishes, #1 is stopped in its first epoch, #2 never starts.
+    folder = tmp_path / "sweep dir é"
+    marker = tmp_path / "paused"
+    command = [
+        sys.executable,
+        "-m",
+        "project.train",
+        "-m",
+        "hydra/launcher=parallel",
+        "hydra.launcher.n_jobs=1",
+        "model.optimizer.lr=0.01,0.02,0.03",
+        *TINY,
+        "+callbacks.pause._target_=user_callbacks.PauseAtLr",
+        "+callbacks.pause.at=train",
+        f"+callbacks.pause.marker={marker}",
+        "+callbacks.pause.lr=0.02",
+        f"paths.log_dir={log_dir}",
+        f'hydra.sweep.dir="{folder}"',
+    ]
+    env = clean_env(PYTHONPATH=str(TESTS))
+    proc = subprocess.Popen(
+        command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.time() + 300
+    while not marker.exists():
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(1)  # the job has the signal (it waits in the pause, where handlers run)
+    Path(f"{marker}.release").touch()
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, (out + err)[-3000:]
+    assert "stopped by SIGTERM during sweep; rerun the same command with hydra.sweep.dir=" in err
+    rows = list(csv.DictReader((folder / "summary.csv").open()))
+    assert [r["status"] for r in rows] == ["finished", "interrupted", "not started"]
+    assert (folder / "1" / "checkpoints" / "interrupted.ckpt").is_file()
+    assert all(gone(a["pid"]) for a in state(folder))
+    finished_at = (folder / "0" / "metrics.json").stat().st_mtime_ns
+
+    again = subprocess.run(
+        command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=500
+    )
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert "1 job(s) skipped (finished earlier), 1 resumed, 1 started" in again.stdout
+    assert (folder / "0" / "metrics.json").stat().st_mtime_ns == finished_at
+    assert sorted(p.name for p in folder.iterdir() if (p / ".hydra").is_dir()) == [
+        "0",
+        "1",
+        "1-attempt2",
+        "2",
+    ]
+    resumed = json.loads((folder / "1-attempt2" / "metrics.json").read_text())
+    assert resumed["resumed_from"] == str(folder / "1" / "checkpoints" / "interrupted.ckpt")
+    assert resumed["epochs"] == 2
+    rows = list(csv.DictReader((folder / "summary.csv").open()))
+    assert [(r["status"], r["attempts"]) for r in rows] == [
+        ("finished", "1"),
+        ("finished", "2"),
+        ("finished", "1"),
+    ]
+
+
+@pytest.mark.slow
+def test_an_optuna_search_continues_its_study_from_the_sweep_folder(
+    cli: CliRunner, log_dir: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip(
+        "hydra_plugins.hydra_optuna_sweeper", reason="pip install 'project[optuna]'"
+    )
+    folder = tmp_path / "search"
+    args = (
+        "-m",
+        "hparams_search=optuna",
+        "hydra/launcher=parallel",
+        "hydra.launcher.n_jobs=2",
+        "hydra.sweeper.n_jobs=2",
+        f"hydra.sweep.dir={folder}",
+        *TINY,
+    )
+    first = cli("train", *args, "hydra.sweeper.n_trials=2", timeout=500)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    # Another sampler seed: the same seed would draw the first trial's values again (the sweep
+    # would then skip it as finished, and the study count it as one more trial).
+    again = cli(
+        "train", *args, "hydra.sweeper.n_trials=1", "hydra.sweeper.sampler.seed=8", timeout=500
+    )
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert "Using an existing study" in again.stdout + again.stderr
+    assert "0 job(s) skipped (finished earlier), 0 resumed, 1 started" in again.stdout
+
+    import optuna
+
+    study = optuna.load_study(study_name="train", storage=f"sqlite:///{folder}/optuna.db")
+    assert [t.state.name for t in study.trials] == ["COMPLETE"] * 3
+    rows = list(csv.DictReader((folder / "summary.csv").open()))
+    assert sorted(r["job"] for r in rows) == ["0", "1", "2"]
+    assert all(r["status"] == "finished" for r in rows)
+    assert len({r["overrides"] for r in rows}) == 3  # three different draws, three folders
+
+
+def test_a_bad_n_jobs_is_one_line_and_creates_nothing(cli: CliRunner, log_dir: Path) -> None:
+    result = cli("train", "-m", "hydra/launcher=parallel", "hydra.launcher.n_jobs=0")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: hydra.launcher.n_jobs=0 is invalid; expected a positive integer (jobs at once) "
+        "or null (one per visible GPU, 1 without a GPU)"
+    ]
+    assert not log_dir.exists()
