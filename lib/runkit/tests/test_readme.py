@@ -58,6 +58,10 @@ class Check:
 
 GPU = "needs CUDA GPUs"
 SAME_AS_RUN = "the same code path as a RUN command, with other values"
+PARALLEL = (
+    "python -m project.train -m hydra/launcher=parallel hydra.launcher.n_jobs=2 "
+    "model.optimizer.lr=0.01,0.001"
+)
 CHECKS: dict[str, Check] = {
     TRAIN_COMMAND: Check(SKIP, "creates .venv and pip-installs; the training it runs is RUN below"),
     TEST_COMMAND: Check(SKIP, "the suite itself; .ci/run runs it verbatim (checked below)"),
@@ -133,6 +137,8 @@ CHECKS: dict[str, Check] = {
     ),
     # Sweeps
     "python -m project.train -m model.optimizer.lr=0.01,0.001": Check(RUN),
+    PARALLEL: Check(RUN),
+    f"{PARALLEL} hydra.sweep.dir=logs/train/multiruns/<that-sweep>": Check(RUN),
     "python -m project.train -m hparams_search=optuna": Check(
         SKIP, "needs the optuna extra (a network install) and 20 trainings"
     ),
@@ -354,9 +360,10 @@ def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
             command.replace("logs/train/runs/<run>", str(first.relative_to(tmp_path)))
             .replace("logs/train/runs/<other-run>", str(resumed.relative_to(tmp_path)))
             .replace("logs/train/multiruns/<sweep>", str(sweep.relative_to(tmp_path)))
+            .replace("logs/train/multiruns/<that-sweep>", str(parallel.relative_to(tmp_path)))
         )
 
-    sweep = tmp_path / "unused"
+    sweep = parallel = tmp_path / "unused"
     _run(fill("python -m project.eval ckpt_path=logs/train/runs/<run>/model.pth"), tmp_path)
     (evaluated,) = run_dirs(log_dir, "eval")
     tested = json.loads((evaluated / "metrics.json").read_text())["metrics"]["test/acc"]
@@ -365,6 +372,15 @@ def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
     _run("python -m project.train -m model.optimizer.lr=0.01,0.001", tmp_path, BUDGET)
     (sweep,) = (log_dir / "train" / "multiruns").iterdir()
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
+
+    # Two jobs at once; the same sweep in its own folder again finds both finished.
+    _run(PARALLEL, tmp_path, BUDGET)
+    (parallel,) = set((log_dir / "train" / "multiruns").iterdir()) - {sweep}
+    assert (parallel / "summary.csv").is_file()
+    again = _run(
+        fill(f"{PARALLEL} hydra.sweep.dir=logs/train/multiruns/<that-sweep>"), tmp_path, BUDGET
+    )
+    assert "2 job(s) skipped (finished earlier), 0 resumed, 0 started" in again.stdout
 
     (first / "curves.png").unlink()
     for command in (c for c, k in CHECKS.items() if k.how == RUN and "runkit.plot " in c):
@@ -398,6 +414,8 @@ def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
         "python -m project.eval ckpt_path=logs/train/runs/<run>/model.pth",
         "python -m project.train -m model.optimizer.lr=0.01,0.001",
         "python -m project.train debug=fdr",
+        PARALLEL,
+        f"{PARALLEL} hydra.sweep.dir=logs/train/multiruns/<that-sweep>",
     } | {c for c in CHECKS if "runkit.plot " in c and CHECKS[c].how == RUN}
     assert ran == {c for c, k in CHECKS.items() if k.how == RUN}, "a RUN command was not run"
 
