@@ -4,7 +4,8 @@
 (``RUNKIT_NVML_BACKEND``): each job claims one of the fake GPUs as a training run does
 (``select_gpus``, ``gpu_wait_s`` from the launcher's ``job_overrides``), holds it ``hold_s``
 seconds (less after a stop signal), and writes ``claimed`` at once, then ``claims.json`` (the GPU, when it got it, when it let go) and ``metrics.json``.
-torch has no CUDA here, so it is told that CUDA sees the fake GPUs.
+torch has no CUDA here, so it is told that CUDA sees the fake GPUs. A job whose ``hold_s`` is
+``late_hold_s`` claims only after ``after_claims`` other jobs have claimed theirs.
 """
 
 from __future__ import annotations
@@ -25,9 +26,13 @@ from runkit.safety import signals
 
 def task(cfg) -> dict:
     inventory.probe_torch = lambda uuids=True: TorchCuda(True, 2)
+    out = Path(HydraConfig.get().runtime.output_dir)
+    after = cfg.after_claims if cfg.hold_s == cfg.late_hold_s else 0
+    while after and len(list(out.parent.glob("*/claimed"))) < after:
+        time.sleep(0.05)  # a late job: it asks only when the others hold their GPUs
     policy = SelectionPolicy(wait_s=cfg.gpu_wait_s, util_window_s=0.2, lock_dir=cfg.gpu_lock_dir)
     plan = resolve_for_run("gpu", 1, select=cfg.select_gpus, policy=policy, environ={})
-    claimed, out = time.time(), Path(HydraConfig.get().runtime.output_dir)
+    claimed = time.time()
     (out / "claimed").write_text(str(plan.devices))
     while time.time() < claimed + cfg.hold_s and signals.request.received is None:
         time.sleep(0.05)  # a stop signal ends the hold, as a run stops at its next batch

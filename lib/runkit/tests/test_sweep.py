@@ -161,29 +161,39 @@ def state(sweep_dir: Path) -> list[dict]:
     return json.loads((sweep_dir / sweep.STATE_FILE).read_text())["attempts"]
 
 
+def run_app(tmp_path: Path, *overrides: str, **how) -> subprocess.Popen:
+    return subprocess.Popen(app(tmp_path, *overrides), env=app_env(), cwd=tmp_path, **how)
+
+
 @pytest.mark.slow
 def test_jobs_never_share_a_gpu_and_a_waiting_job_takes_the_first_freed(tmp_path: Path) -> None:
-    # 3 jobs at once on 2 fake GPUs: two claim one each, the third waits in its claim loop.
-    result = subprocess.run(
-        app(tmp_path, "hydra.launcher.n_jobs=3", "hold_s=1,8,15"),
-        env=app_env(),
-        cwd=tmp_path,
-        capture_output=True,
+    # 3 jobs at once on 2 fake GPUs. The 15 s job asks once the other two hold both GPUs, so it
+    # waits in its claim loop; the 1 s job lets go first, 7 s before the 8 s job.
+    proc = run_app(
+        tmp_path,
+        "hydra.launcher.n_jobs=3",
+        "hold_s=1,8,15",
+        "late_hold_s=15",
+        "after_claims=2",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "0 job(s) skipped (finished earlier), 0 resumed, 3 started" in result.stdout
-    jobs = [json.loads(p.read_text()) for p in sorted((tmp_path / "sweep").glob("*/claims.json"))]
-    assert len(jobs) == 3
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "0 job(s) skipped (finished earlier), 0 resumed, 3 started" in out
+    folder = tmp_path / "sweep"
+    short, long, late = (json.loads((folder / n / "claims.json").read_text()) for n in "012")
     for gpu in (0, 1):
-        spans = sorted((j["claimed"], j["released"]) for j in jobs if j["gpus"] == [gpu])
+        spans = sorted(
+            (j["claimed"], j["released"]) for j in (short, long, late) if j["gpus"] == [gpu]
+        )
         for (_, released), (claimed, _) in itertools.pairwise(spans):
             assert claimed >= released  # one holder at a time
-    waiter = max(jobs, key=lambda j: j["claimed"])
-    first_freed = min((j for j in jobs if j is not waiter), key=lambda j: j["released"])
-    assert waiter["gpus"] == first_freed["gpus"] and waiter["claimed"] >= first_freed["released"]
-    attempts = state(tmp_path / "sweep")
+    assert short["gpus"] != long["gpus"]
+    assert late["gpus"] == short["gpus"]  # the first GPU freed
+    assert short["released"] <= late["claimed"] < long["released"]  # as soon as it was freed
+    attempts = state(folder)
     assert max(a["started"] for a in attempts) < min(a["ended"] for a in attempts)  # all at once
 
 
@@ -196,10 +206,10 @@ def gone(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_kill_9_of_the_sweep_leaves_no_job_behind(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        app(tmp_path, "hydra.launcher.n_jobs=2", "hold_s=300,300"),
-        env=app_env(),
-        cwd=tmp_path,
+    proc = run_app(
+        tmp_path,
+        "hydra.launcher.n_jobs=2",
+        "hold_s=300,300",
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
