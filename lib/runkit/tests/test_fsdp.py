@@ -21,19 +21,22 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint
 
 from conftest import CliRunner, clean_env, last_line, run_dirs
 from runkit.safety import checkpoints
 
-FSDP = (
+ZOO = Path(__file__).resolve().parent / "zoo"
+
+TWO_PROCESSES = (
     "trainer=fsdp",
     "trainer.devices=2",
     "trainer.accelerator=cpu",
     "trainer.deterministic=true",
     "data.batch_size=128",
     "callbacks.progress_bar.refresh_rate=0",
-    "model.scheduler.T_max=8",  # the same schedule whatever epoch a run stops at
 )
+FSDP = (*TWO_PROCESSES, "model.scheduler.T_max=8")  # one schedule whatever epoch a run stops at
 
 
 def start(tmp_path: Path, log_dir: Path, *overrides: str) -> subprocess.Popen:
@@ -195,6 +198,42 @@ def test_fsdp_kill_9_during_a_sharded_save_leaves_last_complete(
     # The dead writer's staging directory goes with the next save in that directory.
     assert checkpoints.remove_stale_temporaries(folder) == [staging]
     assert checkpoints.damaged_files(last) is None
+
+
+@pytest.mark.slow
+def test_fsdp_shards_a_foreign_module_whose_configure_model_builds_its_layers(
+    cli: CliRunner, tmp_path: Path
+) -> None:
+    # The zoo's LazyModule makes its layers in its own configure_model (honoured, not replaced)
+    # and shards nothing there: its Linear layers become the FSDP units afterwards.
+    shutil.copytree(ZOO, tmp_path / "zoo", ignore=shutil.ignore_patterns("__pycache__"))
+    log_dir = tmp_path / "logs"
+    done = cli(
+        "train",
+        "--config-dir",
+        "zoo/configs",
+        "experiment=zoo_lazy",
+        *TWO_PROCESSES,
+        "trainer.max_epochs=2",
+        f"paths.log_dir={log_dir}",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run,) = run_dirs(log_dir)
+    index = torch.distributed.checkpoint.FileSystemReader(str(run / "checkpoints" / "last.ckpt"))
+    keys = index.read_metadata().state_dict_metadata
+    assert "state_dict.layers.0.weight" in keys  # the module's own layers, saved sharded
+    assert set(torch.load(run / "model.pth", weights_only=True)) == {
+        "layers.0.weight",
+        "layers.0.bias",
+        "layers.2.weight",
+        "layers.2.bias",
+    }
+    best = json.loads((run / "metrics.json").read_text())["best_checkpoint"]
+    for source in (best, run / "model.pth"):
+        evaluated = cli("eval", f"ckpt_path={source}", "trusted_targets=[zoo.,torch.]")
+        assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+        (eval_run,) = run_dirs(log_dir, "eval")[-1:]
+        assert figures_of(eval_run) == pytest.approx(figures_of(run), rel=1e-6), source
 
 
 def _train_logs(log_dir: Path) -> str:

@@ -385,10 +385,14 @@ def rebuild_model(model_config: dict[str, Any]) -> nn.Module:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    """Whether ``model`` holds sharded parameters (``trainer=fsdp``): exporting it is collective."""
+    """Whether ``model`` is sharded (``trainer=fsdp``): exporting it is collective. Asked of its
+    FSDP units, not of its parameters: after a forward, FSDP may hold them gathered."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return any(isinstance(m, FSDPModule) for m in model.modules()) or any(
+        isinstance(p, DTensor) for p in model.parameters()
+    )
 
 
 def save_weights(net: nn.Module, path: str | Path) -> Path:
@@ -400,12 +404,12 @@ def save_weights(net: nn.Module, path: str | Path) -> Path:
     """
     from torch.distributed.tensor import DTensor
 
-    state, sharded = {}, False
+    state = {}
     for key, value in net.state_dict().items():
         if isinstance(value, DTensor):
-            value, sharded = value.full_tensor(), True  # collective: every rank, same order
+            value = value.full_tensor()  # collective: every rank, in the same order
         state[key] = value.detach().cpu()
-    if sharded and torch.distributed.get_rank() != 0:
+    if is_sharded(net) and torch.distributed.is_initialized() and torch.distributed.get_rank():
         return Path(path)
     atomic_write(path, lambda handle: torch.save(state, handle))
     return Path(path)

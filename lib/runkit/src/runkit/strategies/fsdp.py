@@ -4,7 +4,8 @@
 * Sharding: every submodule whose class ``shard_modules`` names becomes an FSDP unit (its
   parameters are gathered just before it runs and freed after), then each top-level child of the
   LightningModule that still holds parameters of its own (``net``, say) is sharded too. A
-  LightningModule with its own ``configure_model`` shards itself: that hook is honoured instead.
+  LightningModule with its own ``configure_model`` that applies ``fully_shard`` shards itself: the
+  hook is honoured instead; one that only builds layers there gets them sharded afterwards.
 * Mixed precision follows the run's ``precision``: ``bf16-*`` keeps bf16 parameters for the
   forward/backward and reduces gradients in float32 (``MixedPrecisionPolicy``); anything else
   trains float32 parameters (on the CPU, ``precision=auto`` resolves to ``32-true``).
@@ -102,6 +103,22 @@ class FSDPStrategy(ModelParallelStrategy):
 
             model.configure_model = types.MethodType(configure_model, model)
         super().connect(model)
+
+    def setup(self, trainer: Any) -> None:
+        """A module's own ``configure_model`` that built layers without sharding them (layers
+        made lazily, say): shard them now, as for a module without one; else FSDP would train
+        an unsynchronised copy on every rank."""
+        from torch.distributed.fsdp import FSDPModule
+
+        module = self.lightning_module
+        if module is not None and not any(isinstance(m, FSDPModule) for m in module.modules()):
+            if not self._classes:
+                raise RunError(
+                    f"{type(module).__name__}.configure_model shards nothing; under trainer=fsdp "
+                    "it must apply fully_shard, or set trainer.strategy.shard_modules"
+                )
+            self.shard(module)
+        super().setup(trainer)
 
     def setup_environment(self) -> None:
         # One mesh dimension over every process: FSDP over all of them, no tensor parallelism.
