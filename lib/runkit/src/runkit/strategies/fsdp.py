@@ -7,8 +7,9 @@
   LightningModule with its own ``configure_model`` that applies ``fully_shard`` shards itself: the
   hook is honoured instead; one that only builds layers there gets them sharded afterwards.
 * Mixed precision follows the run's ``precision``: ``bf16-*`` keeps bf16 parameters for the
-  forward/backward and reduces gradients in float32 (``MixedPrecisionPolicy``); anything else
-  trains float32 parameters (on the CPU, ``precision=auto`` resolves to ``32-true``).
+  forward/backward and reduces gradients in float32 (``MixedPrecisionPolicy``), batch norms
+  excepted (units of their own in float32); anything else trains float32 parameters (on the
+  CPU, ``precision=auto`` resolves to ``32-true``).
 * ``cpu_offload``: parameters, gradients and optimiser state live in CPU memory between uses.
 * Pure data parallelism: one shard per process, ``trainer.devices * trainer.num_nodes`` shards;
   ``data.batch_size`` is per process, as with DDP.
@@ -43,6 +44,7 @@ from runkit.safety import checkpoints
 log = logging.getLogger(__name__)
 
 _BF16 = ("bf16-mixed", "bf16-true", "bf16")
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 class FSDPStrategy(ModelParallelStrategy):
@@ -120,6 +122,13 @@ class FSDPStrategy(ModelParallelStrategy):
             self.shard(module)
         super().setup(trainer)
 
+    def model_to_device(self) -> None:
+        """Lightning's ``model.to(device)``, except under ``cpu_offload``: there FSDP has put
+        the buffers on the GPU and keeps the parameter shards in CPU memory on purpose."""
+        if self.cpu_offload and self.root_device.type != "cpu":
+            return
+        super().model_to_device()
+
     def setup_environment(self) -> None:
         # One mesh dimension over every process: FSDP over all of them, no tensor parallelism.
         compat.set_data_parallel_size(self, self.num_nodes * self.num_processes)
@@ -137,7 +146,12 @@ class FSDPStrategy(ModelParallelStrategy):
     def shard(self, module: LightningModule) -> None:
         """Apply ``fully_shard`` to the configured units, then to each top-level child that still
         holds parameters outside them. A second call (``test`` after ``fit``) finds it done."""
-        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            FSDPModule,
+            MixedPrecisionPolicy,
+            fully_shard,
+        )
 
         if any(isinstance(m, FSDPModule) for m in module.modules()):
             return
@@ -157,8 +171,19 @@ class FSDPStrategy(ModelParallelStrategy):
                 log.info("trainer.strategy.cpu_offload: the run is on the CPU already; ignored")
             else:
                 kwargs["offload_policy"] = CPUOffloadPolicy()
-        for unit in units:
-            fully_shard(unit, **kwargs)
+        # Under bf16 a batch norm is a unit of its own in float32 (its input cast up): its
+        # running statistics are float32 buffers, which batch_norm refuses beside bf16 weights.
+        norms = [m for m in module.modules() if isinstance(m, _BATCH_NORMS)] if policy else []
+        chosen = {*units, *norms}
+        ordered = [m for m in module.modules() if m in chosen]
+        for unit in reversed(ordered):  # reversed pre-order: every unit before its parents
+            if unit in norms:
+                float32 = MixedPrecisionPolicy(
+                    param_dtype=torch.float32, reduce_dtype=torch.float32
+                )
+                fully_shard(unit, **{**kwargs, "mp_policy": float32})
+            else:
+                fully_shard(unit, **kwargs)
         for child in module.children():
             if _owns_parameters(child):
                 fully_shard(child, **kwargs)
