@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -126,6 +127,8 @@ def test_fsdp_sigterm_resume_exactly_export_and_eval(cli: CliRunner, tmp_path: P
     # when the best fell on the last step, else its own save; either way the latest step.
     record = json.loads((full_run / "metrics.json").read_text())
     assert a["global_step"] == record["global_step"]
+    # batch_size is per process and each process sees half the data: 629 samples, 5 steps of 128.
+    assert record["global_step"] == (epoch + 2) * 5
 
     # model.pth: the full state gathered on rank 0, plain tensors, loads into the plain network.
     from project.models.nets import ConvNet
@@ -236,6 +239,47 @@ def test_fsdp_shards_a_foreign_module_whose_configure_model_builds_its_layers(
         assert evaluated.returncode == 0, evaluated.stderr[-3000:]
         (eval_run,) = run_dirs(log_dir, "eval")[-1:]
         assert figures_of(eval_run) == pytest.approx(figures_of(run), rel=1e-6), source
+
+
+@pytest.mark.slow
+def test_fsdp_over_two_torchrun_nodes_shards_over_every_process(tmp_path: Path) -> None:
+    # trainer.num_nodes as for DDP: 2 nodes x 1 process is one mesh of 2 shards; each rank sees
+    # half the data (3 steps of 256 from 629 samples) and writes its own shard file.
+    log_dir = tmp_path / "logs"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+        "--master-addr=127.0.0.1", f"--master-port={port}", "--rdzv-id=fsdp-nodes",
+        "-m", "project.train", "trainer=fsdp", "trainer.num_nodes=2", "trainer.devices=1",
+        "trainer.accelerator=cpu", "trainer.max_epochs=1", "data.batch_size=256",
+        "callbacks.progress_bar.refresh_rate=0", f"paths.log_dir={log_dir}",
+    ]  # fmt: skip
+    nodes = [
+        subprocess.Popen(
+            [*command[:5], f"--node-rank={rank}", *command[5:]],
+            cwd=tmp_path,
+            env=clean_env(OMP_NUM_THREADS="1"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)[-4000:]
+    run = log_dir / "train" / "runs" / "torchrun-fsdp-nodes"
+    summary = json.loads((run / "metrics.json").read_text())
+    assert (summary["num_nodes"], summary["global_step"]) == (2, 3)
+    last = run / "checkpoints" / "last.ckpt"
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(checkpoints.manifest_names(last))
+    assert checkpoints.damaged_files(last) is None
+    assert (run / "model.pth").is_file()
 
 
 def _train_logs(log_dir: Path) -> str:
