@@ -52,7 +52,8 @@ class FSDPStrategy(ModelParallelStrategy):
 
     Args:
         shard_modules: classes (import paths, ``torch.nn.Conv2d``, or bare class names) whose
-            instances become FSDP units. Needed unless the module defines ``configure_model``.
+            instances become FSDP units. Needed unless the module's own ``configure_model``
+            applies ``fully_shard``.
         cpu_offload: keep parameters, gradients and optimiser state in CPU memory (GPUs only;
             ignored with a log line on the CPU).
         reduce_dtype: the dtype gradients are reduced in under bf16 mixed precision.
