@@ -133,6 +133,21 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
         "callbacks.speed.compile=true",
         *TRAIN_COMMON,
     ),
+    # FSDP2 over every visible GPU (1 here, all of them on a machine with more), then its
+    # sharded checkpoint evaluated on one GPU.
+    # monitor=null: the tested weights are the last ones, which eval_fsdp reads back.
+    "train_fsdp": (
+        "trainer=fsdp",
+        "trainer.devices=-1",
+        "precision=auto",
+        "callbacks.model_checkpoint.monitor=null",
+        *TRAIN_COMMON,
+    ),
+    "eval_fsdp": (
+        "trainer=gpu",
+        "ckpt_path={run:train_fsdp}/checkpoints/last.ckpt",
+        "paths.log_dir={log_dir}",
+    ),
     "pytest_gpu": ("-m", "gpu", "-p", "no:cacheprovider", "--timeout=150"),
     "benchmark": ("--workloads", "mlp", "--repeats", "1", "--epochs", "2"),
 }
@@ -140,7 +155,10 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
 EXPECT: dict[str, tuple[str, ...]] = {
     "train_dp": (r"strategies\.dp\.DataParallelStrategy",),
     "train_bf16_compile": (r"precision=bf16", r"compile:\s*true"),
+    "train_fsdp": (r"strategies\.fsdp\.FSDPStrategy", r"precision=bf16"),
 }
+# The training whose test accuracy an eval step must reproduce.
+EVAL_OF = {"eval_gpu": "train_gpu", "eval_fsdp": "train_fsdp"}
 # Per-GPU statistics in csv/metrics.csv: "gpu/" then any prefix (node, device) then the name, so a
 # slightly different layout still matches; gpu/all/ (aggregates) and gpu_val/ are left out.
 GPU_STATS = ("util_mean", "mem_used_gib_max", "power_w_mean", "energy_j")
@@ -740,14 +758,14 @@ def check_train(step: Step, ctx: Context, output: str, log: Path) -> dict[str, A
 
 
 def check_eval(step: Step, ctx: Context, output: str, log: Path) -> dict[str, Any]:
-    """model.pth evaluated on cuda:0 reproduces the test accuracy its training reported."""
+    """Weights evaluated on cuda:0 reproduce the test accuracy their training reported."""
     if ctx.dry_run:
         return {}
     run = find_run_dir(output, step, ctx)
     keep_artifacts(step.name, run, ctx)
     summary = json.loads((run / "metrics.json").read_text())
     acc = summary.get("metrics", {}).get("test/acc")
-    trained = json.loads((ctx.run_dirs["train_gpu"] / "metrics.json").read_text())
+    trained = json.loads((ctx.run_dirs[EVAL_OF[step.name]] / "metrics.json").read_text())
     reference = trained.get("metrics", {}).get("test/acc")
     figures = {"accelerator": summary.get("accelerator"), "test/acc": acc, "trained": reference}
     if "cuda" not in str(summary.get("accelerator", "")).lower():
@@ -893,6 +911,22 @@ def default_steps() -> list[Step]:
             [*py_m, "project.train", *OVERRIDES["train_bf16_compile"]],
             180,
             check_train,
+            dry="compose",
+        ),
+        Step(
+            "train_fsdp",
+            "FSDP2 (trainer=fsdp) over every GPU, bf16 parameters, sharded checkpoints",
+            [*py_m, "project.train", *OVERRIDES["train_fsdp"]],
+            150,
+            check_train,
+            dry="compose",
+        ),
+        Step(
+            "eval_fsdp",
+            "the sharded last.ckpt evaluated on one GPU reproduces the test accuracy",
+            [*py_m, "project.eval", *OVERRIDES["eval_fsdp"]],
+            90,
+            check_eval,
             dry="compose",
         ),
         Step(

@@ -78,10 +78,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     metrics = {**fit_metrics, **test_metrics}
     # A signal here: the files are written, then exit 128+N. A full disk: one line.
     with runkit.phase("export"), runkit.full_disk_in_one_line(out):
+        if cfg.export_weights and (trainer.is_global_zero or runkit.is_sharded(model)):
+            # trainer=fsdp: every rank takes part in gathering the shards, rank 0 writes.
+            runkit.save_weights(runkit.exported_part(model), out / runkit.WEIGHTS_FILE)
         if trainer.is_global_zero:
-            if cfg.export_weights:
-                weights = runkit.exported_part(model)
-                runkit.save_weights(weights, out / runkit.WEIGHTS_FILE)
             runkit.save_metrics(
                 metrics,
                 out,

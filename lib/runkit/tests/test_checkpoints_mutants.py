@@ -649,10 +649,13 @@ def test_the_next_write_removes_dead_writers_files_only(folder: Path) -> None:
     dead = folder / name.format(pid=2**22 + 1, host=host)  # above pid_max: never a live process
     foreign_fresh = folder / name.format(pid=7, host="0000000f")
     foreign_old = folder / name.format(pid=8, host="0000000f")
-    a_dir = folder / name.format(pid=2**22 + 2, host=host)
+    a_dir = folder / name.format(pid=2**22 + 2, host=host)  # a sharded save's staging directory
     for path in (own, parent, dead, foreign_fresh, foreign_old):
         path.write_bytes(b"half")
     a_dir.mkdir()
+    (a_dir / "__0_0.distcp").write_bytes(b"half")
+    live_dir = folder / name.format(pid=writer.pid, host=host).replace(".model", ".last")
+    live_dir.mkdir()
     day = 24 * 3600
     os.utime(foreign_old, (time.time() - day - 60, time.time() - day - 60))
     os.utime(foreign_fresh, (time.time() - day + 60, time.time() - day + 60))
@@ -662,8 +665,8 @@ def test_the_next_write_removes_dead_writers_files_only(folder: Path) -> None:
     finally:
         writer.kill()
         writer.wait()
-    assert sorted(removed) == sorted([dead, foreign_old])
-    assert own.exists() and parent.exists() and foreign_fresh.exists() and a_dir.is_dir()
+    assert sorted(removed) == sorted([dead, foreign_old, a_dir])
+    assert own.exists() and parent.exists() and foreign_fresh.exists() and live_dir.is_dir()
     assert remove_stale_temporaries(folder / "missing") == []
 
 

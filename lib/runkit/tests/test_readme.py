@@ -94,6 +94,10 @@ CHECKS: dict[str, Check] = {
     "CUDA_VISIBLE_DEVICES=1,3 python -m project.train trainer.devices=2": Check(COMPOSE_ONLY, GPU),
     "python -m project.train trainer=ddp trainer.devices=4": Check(COMPOSE_ONLY, GPU),
     "python -m project.train trainer=dp trainer.devices=2": Check(COMPOSE_ONLY, GPU),
+    "python -m project.train trainer=fsdp trainer.devices=4": Check(COMPOSE_ONLY, GPU),
+    "python -m project.train trainer=fsdp trainer.devices=2 trainer.accelerator=cpu": Check(
+        COMPOSE, "two CPU processes for 20 epochs; tests/test_fsdp.py runs FSDP on the CPU"
+    ),
     "python -m project.train trainer=ddp_sim": Check(
         COMPOSE, "two CPU processes for 20 epochs; tests/test_ddp_cli.py runs DDP on the CPU"
     ),

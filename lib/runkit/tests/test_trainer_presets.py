@@ -1,7 +1,8 @@
 """Every preset in configs/trainer/ composes, passes preflight where it can run, and runs on the CPU.
 
 ``multi_node`` runs in tests/test_multinode.py (two simulated nodes) and plain DDP through the
-CLI in tests/test_ddp_cli.py; ``dp`` needs CUDA GPUs (tests/test_dp.py has its GPU test).
+CLI in tests/test_ddp_cli.py; ``dp`` needs CUDA GPUs (tests/test_dp.py has its GPU test);
+``fsdp`` runs on 2 CPU processes in tests/test_fsdp.py.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from runkit.errors import RunError
 from runkit.run.launch import register_resolvers
 from runkit.run.preflight import check_config
 
-PRESETS = ("default", "cpu", "gpu", "ddp", "ddp_sim", "ddp_spawn", "dp", "multi_node")
+PRESETS = ("default", "cpu", "gpu", "ddp", "ddp_sim", "ddp_spawn", "dp", "fsdp", "multi_node")
 TINY = (
     "trainer.max_epochs=1",
     "data.batch_size=256",
@@ -50,18 +51,21 @@ def test_preset_composes_with_the_expected_strategy(preset: str) -> None:
         "ddp_sim": ("ddp", 2, 1),
         "ddp_spawn": ("ddp_spawn", 2, 1),
         "dp": ("dp", 2, 1),
+        "fsdp": ("fsdp", 2, 1),
         "multi_node": ("ddp", "auto", 2),
     }.get(preset, ("auto", 1, 1))
     # trainer=dp names the strategy by its class, with the network attribute it parallelises.
-    strategy = trainer.strategy if isinstance(trainer.strategy, str) else "dp"
+    strategy = trainer.strategy if isinstance(trainer.strategy, str) else preset
     if preset == "dp":
         assert trainer.strategy._target_.endswith("strategies.dp.DataParallelStrategy")
+    if preset == "fsdp":
+        assert trainer.strategy._target_.endswith("strategies.fsdp.FSDPStrategy")
     assert (strategy, trainer.devices, trainer.num_nodes) == expected
     assert trainer._target_ == "lightning.pytorch.Trainer"
 
 
 def test_cpu_presets_pass_preflight_and_ddp_on_cpu_equals_ddp_sim() -> None:
-    for preset in ("cpu", "ddp_sim", "ddp_spawn", "multi_node"):
+    for preset in ("cpu", "ddp_sim", "ddp_spawn", "fsdp", "multi_node"):
         check_config(composed(f"trainer={preset}", "trainer.accelerator=cpu"))
     ddp_cpu = OmegaConf.to_container(composed("trainer=ddp", "trainer.accelerator=cpu").trainer)
     ddp_sim = OmegaConf.to_container(composed("trainer=ddp_sim").trainer)

@@ -56,6 +56,7 @@ PUBLIC: dict[str, str] = {
     "WEIGHTS_FILE": "runkit.safety.checkpoints",
     "exported_part": "runkit.safety.checkpoints",
     "save_weights": "runkit.safety.checkpoints",
+    "is_sharded": "runkit.safety.checkpoints",
     "load_network": "runkit.safety.checkpoints",
     "TRUSTED_TARGETS": "runkit.safety.trusted",
     "trained_config": "runkit.run.rebuild",

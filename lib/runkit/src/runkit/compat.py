@@ -240,6 +240,17 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "the public return_value writes first",
         _job_return_value,
     ),
+    PrivateApi(
+        "lightning.pytorch.strategies:ModelParallelStrategy",
+        "_data_parallel_size",
+        "runkit.compat.set_data_parallel_size (runkit.strategies.fsdp)",
+        "FSDP over every process: the data-parallel size is devices * num_nodes, known only "
+        "once the Trainer has set the processes up ('auto' means num_nodes)",
+        lambda: (
+            "_data_parallel_size"
+            in vars(_resolve("lightning.pytorch.strategies:ModelParallelStrategy")())
+        ),
+    ),
 )
 
 
@@ -293,3 +304,9 @@ def job_failure(job: Any) -> Any:
     """What a Hydra ``JobReturn`` holds (a failed job's exception) without the report Hydra's
     ``return_value`` writes (private: see PRIVATE_APIS)."""
     return getattr(job, "_return_value", None)
+
+
+def set_data_parallel_size(strategy: Any, size: int) -> None:
+    """Set a ``ModelParallelStrategy``'s data-parallel mesh size before it builds the mesh
+    (private: see PRIVATE_APIS)."""
+    strategy._data_parallel_size = int(size)

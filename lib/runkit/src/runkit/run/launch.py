@@ -258,7 +258,7 @@ def requeued_checkpoint(
             continue
         if _overrides(earlier) != [str(o) for o in overrides]:
             continue  # another command of the same job script
-        found += [p for p in (earlier / "checkpoints").glob("*.ckpt") if zipfile.is_zipfile(p)]
+        found += [p for p in (earlier / "checkpoints").glob("*.ckpt") if _complete(p)]
     if not found:
         if rank_zero(env):
             log.info("SLURM job %s was requeued; no checkpoint of this command to resume", job)
@@ -267,6 +267,15 @@ def requeued_checkpoint(
     if rank_zero(env):
         log.info("SLURM job %s was requeued: resuming from %s", job, newest)
     return newest
+
+
+def _complete(checkpoint: Path) -> bool:
+    """A whole checkpoint file, or a sharded checkpoint directory (``trainer=fsdp``)."""
+    if checkpoint.is_dir():
+        from runkit.safety.checkpoints import is_sharded_checkpoint  # torch: only when needed
+
+        return is_sharded_checkpoint(checkpoint)
+    return zipfile.is_zipfile(checkpoint)
 
 
 def _overrides(run_dir: Path) -> list[str] | None:

@@ -21,6 +21,7 @@ import secrets
 import shutil
 import socket
 import time
+import warnings
 import zipfile
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -93,7 +94,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Lightning's load, after the CRC check, never unpickling objects unless asked to."""
+        """Lightning's load, after the CRC check, never unpickling objects unless asked to.
+
+        A sharded checkpoint directory (``trainer=fsdp``) is checked against its manifest and
+        gathered into one full checkpoint: eval and test on one process load it like a file.
+        """
+        if get_protocol(str(path)) == "file" and is_sharded_checkpoint(path):
+            return load_sharded(path, map_location=map_location or "cpu")
         if get_protocol(str(path)) == "file" and Path(str(path)).is_file():
             verify_archive(path)
         kwargs = {} if map_location is None else {"map_location": map_location}
@@ -165,7 +172,7 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
         cause = err if isinstance(err, OSError) else (handle.error if handle else None)
         if cause is None or not isinstance(err, Exception):
             raise
-        raise FileWriteError(*_write_failure(target, cause, kept)) from cause
+        raise FileWriteError(*write_failure(target, cause, kept)) from cause
     _fsync_dir(target.parent)
 
 
@@ -179,7 +186,7 @@ def _temporary(target: Path) -> tuple[int, Path]:
             continue
 
 
-def _write_failure(target: Path, err: OSError, kept: bool) -> tuple[str, str]:
+def write_failure(target: Path, err: OSError, kept: bool) -> tuple[str, str]:
     """(what failed, what remains) for :class:`FileWriteError`."""
     outcome = "its previous version is unchanged" if kept else "nothing was written"
     if err.errno in _DISK_FULL:
@@ -191,7 +198,8 @@ def _write_failure(target: Path, err: OSError, kept: bool) -> tuple[str, str]:
 def remove_stale_temporaries(directory: Path) -> list[Path]:
     """Remove the temporary files of writers that died mid-write (``kill -9``), and only those.
 
-    Only names of :func:`atomic_write`'s pattern; only when the writer (the pid in the name, on
+    Only names of :func:`atomic_write`'s pattern (files, and the staging directories of sharded
+    saves, :func:`new_staging_dir`); only when the writer (the pid in the name, on
     this machine) no longer runs, or the file is a day old and came from another machine.
     """
     removed = []
@@ -201,7 +209,7 @@ def remove_stale_temporaries(directory: Path) -> list[Path]:
         return removed
     for entry in entries:
         match = _TEMP.fullmatch(entry.name)
-        if match is None or not entry.is_file(follow_symlinks=False):
+        if match is None or entry.is_symlink():
             continue
         pid, stale = int(match["pid"]), False
         if match["host"] == _HOST:
@@ -211,7 +219,10 @@ def remove_stale_temporaries(directory: Path) -> list[Path]:
                 stale = time.time() - entry.stat().st_mtime > _FOREIGN_TEMP_AGE_S
         if stale:
             with contextlib.suppress(OSError):
-                os.unlink(entry.path)
+                if entry.is_dir(follow_symlinks=False):  # a sharded save's staging directory
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
                 removed.append(Path(entry.path))
     return removed
 
@@ -243,9 +254,17 @@ def atomic_link(source: str | Path, target: str | Path) -> None:
     """Make ``target`` a second name of ``source``'s bytes, replacing ``target`` atomically.
 
     A hard link when the filesystem allows one (no second copy on disk), else a crash-safe copy.
-    Either way a kill at any moment leaves ``target`` whole: the old file or the new one.
+    Either way a kill at any moment leaves ``target`` whole: the old file or the new one. A
+    sharded checkpoint directory is linked file by file into a new directory (:func:`swap_in`).
     """
     source, target = Path(source), Path(target)
+    if source.is_dir():  # a sharded checkpoint: a staging directory of links, swapped in
+        staging = new_staging_dir(target)
+        for name in [*checkpoint_files(source), MANIFEST_FILE]:
+            if (source / name).is_file():
+                atomic_link(source / name, staging / name)
+        swap_in(staging, target)
+        return
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(target.parent)
     tmp = target.parent / f".{target.name}.{os.getpid()}-{_HOST}-{secrets.token_hex(4)}.tmp"
@@ -259,15 +278,15 @@ def atomic_link(source: str | Path, target: str | Path) -> None:
         os.replace(tmp, target)
     except OSError as err:
         tmp.unlink(missing_ok=True)
-        raise FileWriteError(*_write_failure(target, err, target.is_file())) from err
+        raise FileWriteError(*write_failure(target, err, target.is_file())) from err
     _fsync_dir(target.parent)
 
 
 def last_good_checkpoint(directory: Path, prefer: Path | None = None) -> str:
     """Say which checkpoint survives in ``directory``: ``prefer`` if it exists, else the newest."""
-    if prefer is not None and prefer.is_file():
+    if prefer is not None and is_checkpoint(prefer):
         return f"the last good checkpoint is {str(prefer)!r}"
-    found = [p for p in Path(directory).glob("*.ckpt") if p.is_file()]
+    found = [p for p in Path(directory).glob("*.ckpt") if is_checkpoint(p)]
     if not found:
         return "no checkpoint was kept before it"
     newest = max(found, key=lambda p: p.stat().st_mtime)
@@ -365,11 +384,255 @@ def rebuild_model(model_config: dict[str, Any]) -> nn.Module:
     return build_layers(instantiate({k: v for k, v in model_config.items() if k not in retired}))
 
 
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` is sharded (``trainer=fsdp``): exporting it is collective. Asked of its
+    FSDP units, not of its parameters: after a forward, FSDP may hold them gathered."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(m, FSDPModule) for m in model.modules()) or any(
+        isinstance(p, DTensor) for p in model.parameters()
+    )
+
+
 def save_weights(net: nn.Module, path: str | Path) -> Path:
-    """Export ``net.state_dict()`` (tensors moved to the CPU) to ``path``, crash-safe."""
-    state = {key: value.detach().cpu() for key, value in net.state_dict().items()}
+    """Export ``net.state_dict()`` (tensors moved to the CPU) to ``path``, crash-safe.
+
+    A sharded network (``trainer=fsdp``) is gathered tensor by tensor into its full, plain state
+    and written by rank 0 only: every rank must call this then (the gathering is collective);
+    elsewhere any one process may.
+    """
+    from torch.distributed.tensor import DTensor
+
+    state = {}
+    for key, value in net.state_dict().items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()  # collective: every rank, in the same order
+        state[key] = value.detach().cpu()
+    if is_sharded(net) and torch.distributed.is_initialized() and torch.distributed.get_rank():
+        return Path(path)
     atomic_write(path, lambda handle: torch.save(state, handle))
     return Path(path)
+
+
+# --------------------------------------------------------------------------- sharded checkpoints
+# trainer=fsdp writes a checkpoint as a directory: one file of shards per rank (``__<rank>_0.distcp``,
+# torch.distributed.checkpoint), the shards' index (``.metadata``), Lightning's other state
+# (``meta.pt``) and, written last, MANIFEST_FILE: every file's size and CRC-32.
+
+MANIFEST_FILE = "manifest.json"
+_SHARDED_MARKERS = (MANIFEST_FILE, ".metadata", "meta.pt")
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a sharded checkpoint directory (torch.distributed.checkpoint's)."""
+    folder = Path(str(path))
+    return folder.is_dir() and any((folder / name).is_file() for name in _SHARDED_MARKERS)
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """A checkpoint file, or a sharded checkpoint directory."""
+    return Path(path).is_file() or is_sharded_checkpoint(path)
+
+
+def new_staging_dir(target: Path) -> Path:
+    """An empty directory beside ``target`` for a sharded save, named like :func:`atomic_write`'s
+    temporaries (a dead writer's is removed by the next save in the directory)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(target.parent)
+    while True:
+        tmp = target.parent / f".{target.name}.{os.getpid()}-{_HOST}-{secrets.token_hex(4)}.tmp"
+        try:
+            tmp.mkdir()
+            return tmp
+        except FileExistsError:
+            continue
+
+
+def checkpoint_files(folder: Path) -> list[str]:
+    """The names of the files of a checkpoint directory, sorted (the manifest's own excluded)."""
+    return sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST_FILE)
+
+
+def _crc(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def describe_files(folder: Path, names: Iterable[str]) -> list[dict[str, Any]]:
+    """Size and CRC-32 of each named file, each file fsynced (a rank describes its share)."""
+    entries = []
+    for name in names:
+        path = folder / name
+        with path.open("rb") as handle:
+            os.fsync(handle.fileno())
+        entries.append({"name": name, "size": path.stat().st_size, "crc32": _crc(path)})
+    return entries
+
+
+def write_manifest(folder: Path, entries: list[dict[str, Any]]) -> None:
+    """Write the directory's manifest (crash-safe), the last file of a sharded save."""
+    import json
+
+    listed = {e["name"] for e in entries}
+    missing = sorted(set(checkpoint_files(folder)) - listed)
+    entries = [*entries, *describe_files(folder, missing)]  # files no rank described (none)
+    text = json.dumps({"files": sorted(entries, key=lambda e: e["name"])}, indent=1)
+    atomic_write(folder / MANIFEST_FILE, lambda handle: handle.write(text.encode()))
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two paths in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``); False where
+    the system or filesystem cannot."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    done = renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange)
+    return done == 0
+
+
+def swap_in(staging: Path, target: Path) -> None:
+    """Make the complete directory ``staging`` the checkpoint ``target``, crash-safe.
+
+    A new name: one rename. Replacing a checkpoint (``last.ckpt``, ``interrupted.ckpt``): the
+    two are exchanged atomically, so ``target`` names a complete checkpoint at every moment,
+    then the old one is removed; where the system has no atomic exchange, the old one is first
+    renamed aside (a kill between the two renames leaves it there, complete, under a temporary
+    name that :func:`remove_stale_temporaries` removes later, and ``ckpt_path=<run>`` takes the
+    newest checkpoint instead).
+    """
+    _fsync_dir(staging)
+    if target.is_file():
+        target.unlink()
+    if not target.exists():
+        os.replace(staging, target)
+    elif _exchange(staging, target):
+        shutil.rmtree(staging, ignore_errors=True)
+    else:
+        aside = staging.with_name(staging.name.replace(".tmp", "") + f"-{secrets.token_hex(4)}.tmp")
+        os.replace(target, aside)
+        os.replace(staging, target)
+        shutil.rmtree(aside, ignore_errors=True)
+    _fsync_dir(target.parent)
+
+
+def manifest_names(folder: Path) -> list[str]:
+    """The files a checkpoint directory's manifest lists; ``[]`` when it has none."""
+    return [entry["name"] for entry in _manifest(folder) or []]
+
+
+def _manifest(folder: Path) -> list[dict[str, Any]] | None:
+    import json
+
+    path = folder / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        files = json.loads(path.read_text(encoding="utf-8"))["files"]
+        return [
+            {"name": str(e["name"]), "size": int(e["size"]), "crc32": int(e["crc32"])}
+            for e in files
+        ]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise RunError(
+            f"{str(folder)!r} is damaged: its {MANIFEST_FILE} cannot be read ({err})"
+        ) from err
+
+
+def damaged_files(folder: Path, names: Iterable[str] | None = None) -> str | None:
+    """One line naming the first damaged file of a checkpoint directory (checked against its
+    manifest: present, same size, same CRC-32), or ``None``. ``names``: only these files (a
+    rank checks its share); default every file the manifest lists."""
+    manifest = _manifest(folder)
+    if manifest is None:
+        if not (folder / ".metadata").is_file():
+            return (
+                f"{str(folder)!r} is not a complete sharded checkpoint: it has neither a "
+                f"{MANIFEST_FILE} nor a .metadata (a save that did not finish?)"
+            )
+        log.debug("%s has no %s; its integrity cannot be checked", folder, MANIFEST_FILE)
+        return None
+    wanted = None if names is None else set(names)
+    for entry in manifest:
+        if wanted is not None and entry["name"] not in wanted:
+            continue
+        path = folder / entry["name"]
+        if not path.is_file():
+            return f"{str(folder)!r} is damaged: shard file {entry['name']!r} is missing"
+        size = path.stat().st_size
+        if size != entry["size"]:
+            return (
+                f"{str(folder)!r} is damaged: shard file {entry['name']!r} has {size} bytes, "
+                f"{entry['size']} were written; use an intact copy of the checkpoint"
+            )
+        if _crc(path) != entry["crc32"]:
+            return (
+                f"{str(folder)!r} is damaged: shard file {entry['name']!r} does not match its "
+                "recorded CRC-32 checksum (bytes changed on disk or in a copy); use an intact "
+                "copy of the checkpoint"
+            )
+    return None
+
+
+def verify_checkpoint_dir(folder: str | Path) -> None:
+    """Refuse a sharded checkpoint directory with a missing or damaged file, in one line."""
+    problem = damaged_files(Path(folder))
+    if problem:
+        raise RunError(problem)
+
+
+def load_sharded(folder: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
+    """A sharded checkpoint directory as one full Lightning checkpoint, on one process.
+
+    The manifest is checked first; ``meta.pt`` (Lightning's loops, callbacks, hyperparameters)
+    is loaded with ``weights_only=True``; every tensor of ``state_dict`` is gathered from the
+    shards at its full size (torch.distributed.checkpoint without a process group). Optimiser
+    states are left out: this is for test and eval, not for resuming.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    folder = Path(folder)
+    verify_checkpoint_dir(folder)
+    meta = folder / "meta.pt"
+    data = load_file(meta, map_location=map_location) if meta.is_file() else {}
+    reader = dcp.FileSystemReader(str(folder))
+    try:
+        index = reader.read_metadata().state_dict_metadata
+        state: dict[str, Any] = {}
+        for key, item in index.items():
+            if key.startswith("state_dict.") and hasattr(item, "size"):
+                state[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    except Exception as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RunError(f"{str(folder)!r} is not a readable sharded checkpoint: {reason}") from err
+    data["state_dict"] = {key[len("state_dict.") :]: value for key, value in state.items()}
+    return data
+
+
+def sharded_shapes(folder: str | Path) -> dict[str, torch.Size]:
+    """The full shape of every tensor of a sharded checkpoint's ``state_dict``, from its index."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        index = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    except Exception as err:
+        raise RunError(f"{str(folder)!r} is not a readable sharded checkpoint: {err}") from err
+    return {
+        key[len("state_dict.") :]: torch.Size(item.size)
+        for key, item in index.items()
+        if key.startswith("state_dict.") and hasattr(item, "size")
+    }
 
 
 # --------------------------------------------------------------------------- verified loading
@@ -418,8 +681,11 @@ def load_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -
     """``torch.load`` with ``weights_only=True`` after :func:`verify_archive`; one line on failure.
 
     ``mmap=True`` maps the tensors instead of reading them: for looking at shapes only.
+    A sharded checkpoint directory is gathered into one (:func:`load_sharded`).
     """
     file = Path(path)
+    if is_sharded_checkpoint(file):
+        return load_sharded(file, map_location=map_location)
     if not file.is_file():
         raise RunError(f"ckpt_path={str(path)!r} does not exist or is not a file")
     if file.stat().st_size == 0:
@@ -594,7 +860,8 @@ def resolve_ckpt_path(
 ) -> Path | None:
     """Turn the ``ckpt_path`` a user typed into a checkpoint file, or fail in one line.
 
-    Accepted: a ``.ckpt`` / ``model.pth`` file; a run directory; ``last``: the newest run under
+    Accepted: a ``.ckpt`` / ``model.pth`` file, or a sharded ``.ckpt`` directory (its manifest
+    checked); a run directory; ``last``: the newest run under
     ``<log_dir>/<task_name>`` that has a ``last.ckpt``. A run directory gives its
     ``checkpoints/last.ckpt``, else its newest checkpoint (``interrupted.ckpt`` of a run stopped
     before its first save point, say; the choice is logged). ``tested_weights`` (eval): its
@@ -616,8 +883,11 @@ def resolve_ckpt_path(
         path = runs[-1]
     else:
         path = Path(value).expanduser()
-        if path.is_dir():
+        if path.is_dir() and not is_sharded_checkpoint(path):
             path = _checkpoint_in(path, value, tested_weights)
+    if is_sharded_checkpoint(path):
+        verify_checkpoint_dir(path)
+        return path.resolve()
     if not path.is_file():
         raise RunError(
             f"ckpt_path={value!r} does not exist; pass a .ckpt file, a model.pth, a run directory or 'last'"
@@ -636,13 +906,15 @@ def _checkpoint_in(folder: Path, value: str, tested_weights: bool) -> Path:
     """The file a run directory stands for (see :func:`resolve_ckpt_path`)."""
     first = [folder / WEIGHTS_FILE] if tested_weights else []
     for candidate in (*first, folder / "checkpoints" / "last.ckpt", folder / "last.ckpt"):
-        if candidate.is_file():
+        if is_checkpoint(candidate):
             if candidate.name == WEIGHTS_FILE:
                 log.info(
                     "ckpt_path=%s: evaluating its %s (the weights it tested)", value, WEIGHTS_FILE
                 )
             return candidate
-    found = [p for d in (folder / "checkpoints", folder) for p in d.glob("*.ckpt") if p.is_file()]
+    found = [
+        p for d in (folder / "checkpoints", folder) for p in d.glob("*.ckpt") if is_checkpoint(p)
+    ]
     if not found:
         raise RunError(
             f"ckpt_path={value!r} is a directory without checkpoints/last.ckpt or any other .ckpt "

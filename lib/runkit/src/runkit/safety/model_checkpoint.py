@@ -26,7 +26,7 @@ from fsspec.utils import get_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
-from runkit.safety.checkpoints import atomic_link
+from runkit.safety.checkpoints import atomic_link, is_checkpoint
 from runkit.safety.resume import run_dir_of
 
 log = logging.getLogger(__name__)
@@ -73,8 +73,8 @@ class ModelCheckpoint(LightningModelCheckpoint):
             super()._save_last_checkpoint(trainer, monitor_candidates)  # private
             return
         filepath = self._last_filepath(trainer, monitor_candidates)
-        # Rank 0 decides (a sharded checkpoint is a directory: serialise it again), all ranks agree.
-        linkable = trainer.is_global_zero and Path(written[1]).is_file()
+        # Rank 0 decides (a sharded checkpoint directory is linked file by file), all ranks agree.
+        linkable = trainer.is_global_zero and is_checkpoint(written[1])
         if not trainer.strategy.broadcast(linkable, src=0):
             super()._save_last_checkpoint(trainer, monitor_candidates)  # private
             return
@@ -154,7 +154,9 @@ class ModelCheckpoint(LightningModelCheckpoint):
                 relative = Path(old).relative_to(earlier_dir)
             except ValueError:
                 relative = Path(Path(old).name)
-            found = next((home / relative for home in homes if (home / relative).is_file()), None)
+            found = next(
+                (home / relative for home in homes if is_checkpoint(home / relative)), None
+            )
             if found is None:
                 return None
             located[old] = found

@@ -172,13 +172,19 @@ def check_fits(model: LightningModule, checkpoint: Path) -> None:
     Lightning's many-line ``load_state_dict`` error, after the run directory was made. Only the
     shapes are looked at: the tensors are memory-mapped, not read (Lightning reads them next).
     """
+    import torch
+
+    from runkit.safety import checkpoints
     from runkit.safety.checkpoints import load_file, state_mismatch
 
     expected = model.state_dict()
     if not expected:  # layers made in configure_model, later: Lightning's own load checks them
         return
-    data = load_file(checkpoint, mmap=True)
-    state = data.get("state_dict")
+    if checkpoints.is_sharded_checkpoint(checkpoint):  # trainer=fsdp: the shapes from its index
+        shapes = checkpoints.sharded_shapes(checkpoint)
+        state = {key: torch.empty(shape, device="meta") for key, shape in shapes.items()}
+    else:
+        state = load_file(checkpoint, mmap=True).get("state_dict")
     if not isinstance(state, dict):
         raise RunError(
             f"ckpt_path={str(checkpoint)!r} is not a Lightning checkpoint (no state_dict); "

@@ -1,0 +1,353 @@
+"""``trainer=fsdp`` (FSDP2 through ModelParallelStrategy) on 2 CPU processes over gloo, through the
+real CLI: fit, test, export, eval, SIGTERM, exact resume, kill -9 during a sharded save, a damaged
+shard and a checkpoint of another model.
+
+Each 2-process run costs ~20 s here, so the runs are few and each checks many things. Nothing
+waits on time: signals are sent once files show the run is where the test needs it, and the run
+compared with a resumed one is sized after the interruption (its epoch is read from the
+checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint
+
+from conftest import CliRunner, clean_env, last_line, run_dirs
+from runkit.safety import checkpoints
+
+ZOO = Path(__file__).resolve().parent / "zoo"
+
+TWO_PROCESSES = (
+    "trainer=fsdp",
+    "trainer.devices=2",
+    "trainer.accelerator=cpu",
+    "trainer.deterministic=true",
+    "data.batch_size=128",
+    "callbacks.progress_bar.refresh_rate=0",
+)
+FSDP = (*TWO_PROCESSES, "model.scheduler.T_max=8")  # one schedule whatever epoch a run stops at
+
+
+def start(tmp_path: Path, log_dir: Path, *overrides: str) -> subprocess.Popen:
+    """A training run of its own process group (a kill reaches every rank at once)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "project.train", *FSDP, *overrides, f"paths.log_dir={log_dir}"],
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def wait_for(process: subprocess.Popen, found: object, what: str, timeout: float = 300) -> Path:
+    """Poll (1 ms) until ``found()`` returns a path; fail if the run ends first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        path = found()  # type: ignore[operator]
+        if path is not None:
+            return path
+        if process.poll() is not None:
+            raise AssertionError(
+                f"exited {process.returncode} before {what}: {process.stderr.read()[-3000:]}"
+            )
+        time.sleep(0.001)
+    os.killpg(process.pid, signal.SIGKILL)
+    raise AssertionError(f"no {what} within {timeout} s")
+
+
+def first(pattern: str, root: Path) -> object:
+    return lambda: next(iter(root.glob(pattern)), None)
+
+
+def meta(checkpoint: Path) -> dict:
+    return torch.load(checkpoint / "meta.pt", map_location="cpu", weights_only=True)
+
+
+def figures_of(run: Path) -> dict[str, float]:
+    record = json.loads((run / "metrics.json").read_text())
+    return {k: v for k, v in record["metrics"].items() if k.startswith("test/")}
+
+
+@pytest.mark.slow
+def test_fsdp_sigterm_resume_exactly_export_and_eval(cli: CliRunner, tmp_path: Path) -> None:
+    log_dir = tmp_path / "logs"
+    # SIGTERM once the first epoch's checkpoint exists: both ranks save one sharded
+    # interrupted.ckpt and the run exits 128+15.
+    process = start(tmp_path, log_dir, "trainer.max_epochs=100", "test=false")
+    last = wait_for(
+        process, first("train/runs/*/checkpoints/last.ckpt/manifest.json", log_dir), "a checkpoint"
+    )
+    os.killpg(process.pid, signal.SIGTERM)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+    interrupted_run = last.parent.parent.parent
+    interrupted = interrupted_run / "checkpoints" / "interrupted.ckpt"
+    assert checkpoints.damaged_files(interrupted) is None
+    assert sorted(checkpoints.manifest_names(interrupted)) == sorted(
+        [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    )
+    epoch = meta(interrupted)["epoch"]
+    assert meta(interrupted)["global_step"] > 0
+    assert "ckpt_path=" in out + err  # the command that resumes
+    assert not list(interrupted.parent.glob(".*.tmp"))  # no staging directory left behind
+
+    # The same run in one go, to the epoch after the interrupted one; then the resumed run.
+    epochs = f"trainer.max_epochs={epoch + 2}"
+    full = cli("train", *FSDP, epochs)
+    assert full.returncode == 0, full.stderr[-3000:]
+    (full_run,) = [r for r in run_dirs(log_dir) if r != interrupted_run]
+    resumed = cli("train", *FSDP, epochs, f"ckpt_path={interrupted}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (resumed_run,) = [r for r in run_dirs(log_dir) if r not in (interrupted_run, full_run)]
+
+    # Exact resume: the same final weights, the same test figures.
+    a = checkpoints.load_sharded(full_run / "checkpoints" / "last.ckpt")
+    b = checkpoints.load_sharded(resumed_run / "checkpoints" / "last.ckpt")
+    assert a["global_step"] == b["global_step"] > meta(interrupted)["global_step"]
+    for key, value in a["state_dict"].items():
+        assert torch.equal(value, b["state_dict"][key]), key
+    figures = figures_of(full_run)
+    assert figures_of(resumed_run) == figures
+
+    # last.ckpt names the latest save point: a directory of links to the epoch file's shards
+    # when the best fell on the last step, else its own save; either way the latest step.
+    record = json.loads((full_run / "metrics.json").read_text())
+    assert a["global_step"] == record["global_step"]
+    # batch_size is per process and each process sees half the data: 629 samples, 5 steps of 128.
+    assert record["global_step"] == (epoch + 2) * 5
+
+    # model.pth: the full state gathered on rank 0, plain tensors, loads into the plain network.
+    from project.models.nets import ConvNet
+
+    exported = torch.load(full_run / "model.pth", map_location="cpu", weights_only=True)
+    net = ConvNet()
+    net.load_state_dict(exported)  # strict: every key, full shapes
+    assert all(type(v) is torch.Tensor for v in exported.values())
+
+    # eval on one process, of the sharded best checkpoint and of model.pth: the test figures.
+    best = Path(record["best_checkpoint"])
+    assert best.is_dir()
+    for source in (best, full_run / "model.pth"):
+        evaluated = cli("eval", f"ckpt_path={source}")
+        assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+        (eval_run,) = run_dirs(log_dir, "eval")[-1:]
+        assert figures_of(eval_run) == pytest.approx(figures, rel=1e-6), source
+
+
+@pytest.mark.slow
+def test_fsdp_kill_9_during_a_sharded_save_leaves_last_complete(
+    cli: CliRunner, tmp_path: Path
+) -> None:
+    log_dir = tmp_path / "logs"
+    every_step = (
+        # bf16 parameters, float32 batch norms (what a bf16 GPU runs), here on the CPU
+        "precision=bf16-mixed",
+        "test=false",
+        "export_weights=false",
+        "callbacks.model_checkpoint.monitor=null",
+        "callbacks.model_checkpoint.every_n_epochs=null",
+        "+callbacks.model_checkpoint.every_n_train_steps=1",
+    )
+    process = start(tmp_path, log_dir, "trainer.max_epochs=100", *every_step)
+    wait_for(
+        process, first("train/runs/*/checkpoints/last.ckpt/manifest.json", log_dir), "a checkpoint"
+    )
+    # The next save's staging directory: kill -9 every rank in the middle of writing it.
+    staging = wait_for(
+        process, first("train/runs/*/checkpoints/.last.ckpt.*.tmp", log_dir), "a save"
+    )
+    os.killpg(process.pid, signal.SIGKILL)
+    process.communicate(timeout=60)
+    folder = staging.parent
+    last = folder / "last.ckpt"
+    assert checkpoints.damaged_files(last) is None  # the previous save, complete
+    step = checkpoints.load_sharded(last)["global_step"]
+    assert step >= 1
+
+    # A damaged shard is named in one line before anything loads; a checkpoint of another
+    # model is one line too.
+    copy = tmp_path / "damaged.ckpt"
+    shutil.copytree(last, copy)
+    shard = copy / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    broken = cli("eval", f"ckpt_path={copy}")
+    assert broken.returncode != 0
+    assert "'__1_0.distcp' does not match its recorded CRC-32" in last_line(broken.stderr)
+    other = cli("train", *FSDP, "model.net.channels=[8,16]", f"ckpt_path={last}")
+    assert other.returncode != 0
+    assert "was trained with another model" in last_line(other.stderr), other.stderr[-2000:]
+
+    # Resuming from the killed run's directory continues from that save.
+    epoch = checkpoints.load_sharded(last)["epoch"]
+    resumed = cli(
+        "train", *FSDP, *every_step, f"trainer.max_epochs={epoch + 1}", f"ckpt_path={folder.parent}"
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Resuming from {last}" in resumed.stdout + resumed.stderr + _train_logs(log_dir)
+    # The dead writer's staging directory goes with the next save in that directory.
+    assert checkpoints.remove_stale_temporaries(folder) == [staging]
+    assert checkpoints.damaged_files(last) is None
+
+
+@pytest.mark.slow
+def test_fsdp_shards_a_foreign_module_whose_configure_model_builds_its_layers(
+    cli: CliRunner, tmp_path: Path
+) -> None:
+    # The zoo's LazyModule makes its layers in its own configure_model (honoured, not replaced)
+    # and shards nothing there: its Linear layers become the FSDP units afterwards.
+    shutil.copytree(ZOO, tmp_path / "zoo", ignore=shutil.ignore_patterns("__pycache__"))
+    log_dir = tmp_path / "logs"
+    done = cli(
+        "train",
+        "--config-dir",
+        "zoo/configs",
+        "experiment=zoo_lazy",
+        *TWO_PROCESSES,
+        "trainer.max_epochs=2",
+        f"paths.log_dir={log_dir}",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run,) = run_dirs(log_dir)
+    index = torch.distributed.checkpoint.FileSystemReader(str(run / "checkpoints" / "last.ckpt"))
+    keys = index.read_metadata().state_dict_metadata
+    assert "state_dict.layers.0.weight" in keys  # the module's own layers, saved sharded
+    assert set(torch.load(run / "model.pth", weights_only=True)) == {
+        "layers.0.weight",
+        "layers.0.bias",
+        "layers.2.weight",
+        "layers.2.bias",
+    }
+    best = json.loads((run / "metrics.json").read_text())["best_checkpoint"]
+    for source in (best, run / "model.pth"):
+        evaluated = cli("eval", f"ckpt_path={source}", "trusted_targets=[zoo.,torch.]")
+        assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+        (eval_run,) = run_dirs(log_dir, "eval")[-1:]
+        assert figures_of(eval_run) == pytest.approx(figures_of(run), rel=1e-6), source
+
+
+@pytest.mark.slow
+def test_fsdp_over_two_torchrun_nodes_shards_over_every_process(tmp_path: Path) -> None:
+    # trainer.num_nodes as for DDP: 2 nodes x 1 process is one mesh of 2 shards; each rank sees
+    # half the data (3 steps of 256 from 629 samples) and writes its own shard file.
+    log_dir = tmp_path / "logs"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+        "--master-addr=127.0.0.1", f"--master-port={port}", "--rdzv-id=fsdp-nodes",
+        "-m", "project.train", "trainer=fsdp", "trainer.num_nodes=2", "trainer.devices=1",
+        "trainer.accelerator=cpu", "trainer.max_epochs=1", "data.batch_size=256",
+        "callbacks.progress_bar.refresh_rate=0", f"paths.log_dir={log_dir}",
+    ]  # fmt: skip
+    nodes = [
+        subprocess.Popen(
+            [*command[:5], f"--node-rank={rank}", *command[5:]],
+            cwd=tmp_path,
+            env=clean_env(OMP_NUM_THREADS="1"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)[-4000:]
+    run = log_dir / "train" / "runs" / "torchrun-fsdp-nodes"
+    summary = json.loads((run / "metrics.json").read_text())
+    assert (summary["num_nodes"], summary["global_step"]) == (2, 3)
+    last = run / "checkpoints" / "last.ckpt"
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(checkpoints.manifest_names(last))
+    assert checkpoints.damaged_files(last) is None
+    assert (run / "model.pth").is_file()
+
+
+def _train_logs(log_dir: Path) -> str:
+    return "".join(p.read_text() for p in log_dir.glob("train/runs/*/train.log"))
+
+
+# ---- the directory machinery, without processes -----------------------------------------------
+
+
+def fake_checkpoint(folder: Path, marker: bytes = b"a") -> Path:
+    """A checkpoint directory as a sharded save leaves it: shards, index, meta, manifest last."""
+    folder.mkdir(parents=True)
+    for name in ("__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"):
+        (folder / name).write_bytes(marker * 100 + name.encode())
+    names = checkpoints.checkpoint_files(folder)
+    checkpoints.write_manifest(folder, checkpoints.describe_files(folder, names[:2]))
+    return folder
+
+
+def test_a_damaged_missing_or_cut_shard_is_named_in_one_line(tmp_path: Path) -> None:
+    folder = fake_checkpoint(tmp_path / "epoch_001.ckpt")
+    assert checkpoints.damaged_files(folder) is None
+    assert len(checkpoints.manifest_names(folder)) == 4  # the ranks' shares and the rest
+    shard = folder / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[3] ^= 1
+    shard.write_bytes(bytes(data))
+    assert "'__1_0.distcp' does not match its recorded CRC-32" in str(
+        checkpoints.damaged_files(folder)
+    )
+    assert checkpoints.damaged_files(folder, ["__0_0.distcp"]) is None  # another rank's share
+    shard.write_bytes(bytes(data[:-1]))
+    assert "'__1_0.distcp' has 111 bytes, 112 were written" in str(
+        checkpoints.damaged_files(folder)
+    )
+    shard.unlink()
+    with pytest.raises(Exception, match=r"shard file '__1_0\.distcp' is missing"):
+        checkpoints.resolve_ckpt_path(str(folder), tmp_path)
+    (folder / checkpoints.MANIFEST_FILE).unlink()
+    (folder / ".metadata").unlink()
+    assert "neither a manifest.json nor a .metadata" in str(checkpoints.damaged_files(folder))
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two renames"])
+def test_swap_in_replaces_a_checkpoint_directory_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
+) -> None:
+    if not exchange:
+        monkeypatch.setattr(checkpoints, "_exchange", lambda a, b: False)
+    target = fake_checkpoint(tmp_path / "last.ckpt", b"o")
+    new = fake_checkpoint(checkpoints.new_staging_dir(target) / "x", b"n").parent
+    for path in (new / "x").iterdir():
+        path.rename(new / path.name)
+    (new / "x").rmdir()
+    checkpoints.swap_in(new, target)
+    assert (target / "meta.pt").read_bytes().startswith(b"n")
+    assert checkpoints.damaged_files(target) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # nothing left aside
+
+
+def test_last_is_a_directory_of_links_and_a_run_directory_resolves_to_it(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    best = fake_checkpoint(run / "checkpoints" / "epoch_003.ckpt")
+    last = run / "checkpoints" / "last.ckpt"
+    fake_checkpoint(last, b"o")  # the previous last.ckpt, replaced
+    checkpoints.atomic_link(best, last)
+    for name in [*checkpoints.manifest_names(best), checkpoints.MANIFEST_FILE]:
+        assert (last / name).stat().st_ino == (best / name).stat().st_ino
+    assert checkpoints.resolve_ckpt_path(str(run), tmp_path) == last.resolve()
+    assert checkpoints.resolve_ckpt_path(str(best), tmp_path) == best.resolve()
+    assert checkpoints.last_good_checkpoint(last.parent, prefer=last).endswith(f"{str(last)!r}")
