@@ -180,6 +180,9 @@ class _Watcher:
             self._previous_fd = None
             self.close()
             return
+        # Here, not in the thread: a block that ends at once closes the socket before the thread
+        # runs, and settimeout on a closed socket would end the thread with a traceback.
+        self._reader.settimeout(0.5)
         self._thread = threading.Thread(target=self._run, name="signal-watch", daemon=True)
         self._thread.start()
 
@@ -194,7 +197,6 @@ class _Watcher:
 
     def _run(self) -> None:
         stops = {int(s) for s in stop_signals()}
-        self._reader.settimeout(0.5)
         first: int | None = None
         while True:
             try:
