@@ -322,13 +322,18 @@ class _Collect(logging.Handler):
 
 
 def _tie_to_parent(parent_pid: int) -> None:
-    """Die with the parent: PR_SET_PDEATHSIG on Linux; signals the trainer handles are not ours."""
+    """Die with the parent (PR_SET_PDEATHSIG on Linux), yield the CPU to it, and leave it the
+    signals it handles."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before prctl: nobody to serve
         os._exit(0)
+    # The lowest CPU priority: where cores are shared, training goes first; the sampler needs a
+    # few percent of a core at most, and its answers come while the trainer waits for them.
+    with contextlib.suppress(OSError, AttributeError):
+        os.nice(19)
     for name in ("SIGTERM", "SIGHUP"):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_DFL)
