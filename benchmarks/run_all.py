@@ -1,6 +1,6 @@
 """Run every benchmark briefly and keep its ratios: ``benchmarks/results/<date>.json``.
 
-A regression guard, not a measurement to quote: each script runs with few repeats (about ten
+A regression guard, not a measurement to quote: each script runs with few repeats (about twenty
 minutes in all on 2 cores), so compare a change against the file the last change left, and rerun
 a script with its full defaults (its ``--help``) before believing a difference inside the spread.
 
@@ -29,7 +29,7 @@ RESULTS_DIR = BENCH_DIR / "results"
 
 # script -> brief arguments (the full defaults take several minutes each).
 BRIEF = {
-    "loop_parity": ["--sizes", "tiny,mid", "--repeats", "2"],
+    "loop_parity": ["--sizes", "tiny,mid", "--repeats", "4"],  # issue 21's arguments
     # issue 21's own arguments: 8 fake GPUs at 0.3 ms a call, at least 5 repeats
     "callback_overhead": [
         "--gpus",
@@ -41,7 +41,7 @@ BRIEF = {
         "--steps",
         "800",
     ],
-    "startup": ["--repeats", "2"],
+    "startup": ["--repeats", "3"],
     "ddp_scaling": ["--repeats", "1", "--epochs", "3"],
     "gpu_throughput": ["--repeats", "1", "--epochs", "2"],  # exits 0 with no ratio without a GPU
 }
