@@ -7,9 +7,11 @@ a thread where no process can be started.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -379,3 +381,91 @@ def test_no_sampler_outlives_its_trainer(tmp_path, signum, variant) -> None:
     finally:
         trainer.kill()
         trainer.wait()
+
+
+# --------------------------------------------------------------------------- under DDP launchers
+DDP_TRAINER = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch
+    import lightning.pytorch as pl
+    from runkit.gpu_stats.callback import GpuStatsMonitor
+
+    launcher = sys.argv[1]
+
+    class Report(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 2:
+                pid = trainer.callbacks[0]._sampler.pid
+                # one write: the ranks share the pipe, and a small write is not split
+                os.write(1, f"SAMPLER {trainer.global_rank} {os.getpid()} {pid}\\n".encode())
+
+    class M(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 2)
+        def training_step(self, batch, i):
+            time.sleep(0.05)
+            return self.layer(batch[0]).sum()
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    if __name__ == "__main__":  # ddp_spawn imports this file in each rank
+        uuids = [f"GPU-0000000{i}-fa6e-4000-8000-00000000000{i}" for i in range(2)]
+        monitor = GpuStatsMonitor(interval_s=0.05, device_uuids=uuids, summary_table=False)
+        strategy = "ddp_spawn" if launcher == "ddp_spawn" else "ddp"
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1,
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, callbacks=[monitor, Report()])
+        data = torch.utils.data.TensorDataset(torch.randn(4000, 4))
+        trainer.fit(M(), torch.utils.data.DataLoader(data, batch_size=1))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["ddp", "ddp_spawn", "torchrun"])
+def test_no_sampler_outlives_a_ddp_rank_killed_with_sigkill(tmp_path, launcher) -> None:
+    script = tmp_path / "ddp_trainer.py"
+    script.write_text(DDP_TRAINER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PROJECT_", "LOCAL_RANK"))}
+    env.update(
+        OMP_NUM_THREADS="1",
+        RUNKIT_NVML_BACKEND="runkit.testing.fake_nvml:create",
+        RUNKIT_FAKE_NVML='{"gpus": 2}',
+    )
+    command = [sys.executable, str(script), launcher]
+    if launcher == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                   "--master-port", "29517", str(script), launcher]  # fmt: skip
+    job = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        start_new_session=True,
+    )
+    seen: dict[int, tuple[int, int]] = {}
+    output = []
+    try:
+        for line in job.stdout:
+            output.append(line)
+            for rank, trainer, sampler in re.findall(r"SAMPLER (\d+) (\d+) (\d+)", line):
+                seen[int(rank)] = (int(trainer), int(sampler))
+            if len(seen) == 2:
+                break
+        assert len(seen) == 2, "".join(output)
+        assert all(process_alive(s) for _, s in seen.values())
+        for trainer, _ in seen.values():  # every rank dies at once, as an OOM killer would
+            os.kill(trainer, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while any(process_alive(s) for _, s in seen.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = [s for _, s in seen.values() if process_alive(s)]
+        assert not left, f"samplers {left} outlived their ranks by 5 s"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
