@@ -1,22 +1,24 @@
 """Does GpuStatsMonitor slow training? Loop and whole-epoch throughput with the callback on vs off,
 and what its ``on_train_epoch_end`` costs the training thread.
 
-The callback promises that the training thread makes no NVML call: sampling happens in a
-background thread, phases are switched with a clock read, and the epoch's figures reach the
-loggers in one call. This benchmark measures what that costs anyway (the thread still competes
-for the GIL), on CPU with the fake NVML where every call sleeps ``--call-cost-ms`` (a real NVML
-call takes roughly 0.1-1 ms) and one process drives ``--gpus`` fake GPUs (the worst case for the
-epoch end: every GPU's figures are gathered, flattened and logged there). Arms are interleaved
-(A/B/C, B/C/A, ...) over several repeats; printed is the median of the per-repeat ratios (each
-"on" run over the "off" run of the same repeat) with their min and max, because absolute times
-say more about the machine than about the callback. A reference arm logs the same figures the
-way the callback used to (``self.log`` once per key), for comparison.
+The callback promises that the training process does no NVML work between epoch boundaries:
+sampling happens in a process of its own (``sampler="process"``, the default; issue 21), phases
+are switched with a few bytes down a pipe, and the epoch's figures reach the loggers in one
+call. This benchmark measures what that costs anyway, side by side with the background thread
+of the training process (``sampler="thread"``, which competes for the GIL), on CPU with the fake
+NVML where every call sleeps ``--call-cost-ms`` (a real NVML call takes roughly 0.1-1 ms) and
+one process drives ``--gpus`` fake GPUs (the worst case for the epoch end: every GPU's figures
+are gathered, flattened and logged there). Arms are interleaved (A/B/C, B/C/A, ...) over
+several repeats; printed is the median of the per-repeat ratios (each "on" run over the "off"
+run of the same repeat) with their min and max, because absolute times say more about the
+machine than about the callback.
 
 Side by side, per arm: the steady loop's throughput (first batch to last batch of each epoch),
 the whole run's epoch rate (first epoch start to the end of training: validation, the epoch-end
 hooks, the loggers' files, everything), and the median time of the callback's own
-``on_train_epoch_end``. Targets (issue #12): whole-epoch ratio >= 0.99 at the default 1 s
-interval, and ``on_train_epoch_end`` <= 3 ms with 8 GPUs at 0.3 ms per NVML call.
+``on_train_epoch_end``. Targets (issue 21, the process sampler): whole-epoch ratio >= 0.99 at
+the default 1 s interval and >= 0.97 at 0.05 s, ``on_train_epoch_end`` <= 3 ms, with 8 GPUs at
+0.3 ms per NVML call.
 
     python benchmarks/callback_overhead.py              # a few minutes
     python benchmarks/callback_overhead.py --repeats 9 --steps 1500
@@ -79,14 +81,6 @@ class TimedMonitor(GpuStatsMonitor):
         self.epoch_end_s.append(time.perf_counter() - start)
 
 
-class PerKeyLogMonitor(TimedMonitor):
-    """For comparison only: the figures logged as before, one ``self.log`` per key."""
-
-    def _publish(self, trainer, metrics) -> None:
-        for key, value in metrics.items():
-            trainer.lightning_module.log(key, float(value), on_step=False, on_epoch=True)
-
-
 class LoopTimer(pl.Callback):
     """Times the steady loop of each epoch and the whole run (first epoch start to train end)."""
 
@@ -112,16 +106,16 @@ class LoopTimer(pl.Callback):
         self.run_end = time.perf_counter()
 
 
-def one_run(
-    steps: int, epochs: int, arm: tuple[type | None, float], uuids: list[str], log_dir: str
-):
+def one_run(steps: int, epochs: int, arm: tuple[str | None, float], uuids: list[str], log_dir: str):
     """(loop steps/s, epochs/s of the whole run, epoch-end seconds list) for one arm."""
-    kind, interval_s = arm
+    sampler, interval_s = arm
     timer = LoopTimer()
     callbacks: list[pl.Callback] = [timer]
     monitor = None
-    if kind is not None:
-        monitor = kind(interval_s=interval_s, device_uuids=uuids, summary_table=False)
+    if sampler is not None:
+        monitor = TimedMonitor(
+            interval_s=interval_s, device_uuids=uuids, summary_table=False, sampler=sampler
+        )
         callbacks.insert(0, monitor)
     data = torch.utils.data.TensorDataset(
         torch.randn(steps * 32, 128), torch.randint(0, 10, (steps * 32,))
@@ -178,11 +172,10 @@ def main() -> None:
     gpu_callback.process_devices = lambda trainer: [
         (i, torch.device("cpu")) for i in range(args.gpus)
     ]
-    arms: dict[str, tuple[type | None, float]] = {"off": (None, 0.0)}
-    arms.update({f"on, every {v:g} s": (TimedMonitor, v) for v in intervals})
-    reference = f"before: self.log per key, {intervals[0]:g} s" if intervals else None
-    if reference:
-        arms[reference] = (PerKeyLogMonitor, intervals[0])
+    arms: dict[str, tuple[str | None, float]] = {"off": (None, 0.0)}
+    for v in intervals:
+        for sampler in ("process", "thread"):
+            arms[f"{sampler}, every {v:g} s"] = (sampler, v)
     loop = _common.Arms(list(arms))
     whole = _common.Arms(list(arms))
     epoch_end_ms: dict[str, list[float]] = {name: [] for name in arms}
@@ -207,8 +200,8 @@ def main() -> None:
     )
     print(f"{'arm':<34} {'loop ratio':>10} {'whole-epoch ratio':>18} {'epoch end ms':>22}")
     verdict = True
-    for name, (kind, interval) in arms.items():
-        if kind is None:
+    for name, (sampler, interval) in arms.items():
+        if sampler is None:
             continue
         loop_ratio = statistics.median(loop.ratios(name, "off"))
         whole_ratios = whole.ratios(name, "off")
@@ -220,15 +213,20 @@ def main() -> None:
             f"{name:<34} {loop_ratio:>10.3f} {whole_ratio:>8.3f} [{low:.3f}..{high:.3f}] "
             f"{end_text:>22}"
         )
-        _common.ratio_line(f"{name} (whole epoch)", whole_ratios)  # for run_all's records
-        if kind is TimedMonitor and interval >= 1.0:
-            verdict = verdict and whole_ratio >= 0.99 and statistics.median(ends) <= 3.0
+        floor = (0.99 if interval >= 1.0 else 0.97) if sampler == "process" else None
+        _common.ratio_line(f"{name} (whole epoch)", whole_ratios, floor)  # run_all's records
+        _common.ratio_line(f"{name} (epoch end ms)", ends)  # not a ratio: milliseconds
+        if floor is not None:
+            verdict = verdict and whole_ratio >= floor and statistics.median(ends) <= 3.0
     print(
-        "targets (default interval, 1 s): whole-epoch ratio >= 0.99 and on_train_epoch_end "
-        "<= 3 ms -> "
+        "targets (process sampler): whole-epoch ratio >= 0.99 at 1 s, >= 0.97 at 0.05 s, "
+        "on_train_epoch_end <= 3 ms -> "
         + ("met" if verdict else "NOT met (check the spread: a noisy machine needs more repeats)")
     )
-    print(f"fake NVML calls made: {fake.total_calls()} (init/shutdown balanced: {fake.balanced})")
+    print(
+        f"fake NVML calls made in the training process: {fake.total_calls()} (the process "
+        f"sampler's are its own; init/shutdown balanced: {fake.balanced})"
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Run every benchmark briefly and keep its ratios: ``benchmarks/results/<date>.json``.
 
-A regression guard, not a measurement to quote: each script runs with few repeats (about ten
+A regression guard, not a measurement to quote: each script runs with few repeats (about twenty
 minutes in all on 2 cores), so compare a change against the file the last change left, and rerun
 a script with its full defaults (its ``--help``) before believing a difference inside the spread.
 
@@ -29,9 +29,19 @@ RESULTS_DIR = BENCH_DIR / "results"
 
 # script -> brief arguments (the full defaults take several minutes each).
 BRIEF = {
-    "loop_parity": ["--sizes", "tiny,mid", "--repeats", "2"],
-    "callback_overhead": ["--repeats", "2", "--steps", "800"],
-    "startup": ["--repeats", "2"],
+    "loop_parity": ["--sizes", "tiny,mid", "--repeats", "4"],  # issue 21's arguments
+    # issue 21's own arguments: 8 fake GPUs at 0.3 ms a call, at least 5 repeats
+    "callback_overhead": [
+        "--gpus",
+        "8",
+        "--call-cost-ms",
+        "0.3",
+        "--repeats",
+        "5",
+        "--steps",
+        "800",
+    ],
+    "startup": ["--repeats", "3"],
     "ddp_scaling": ["--repeats", "1", "--epochs", "3"],
     "gpu_throughput": ["--repeats", "1", "--epochs", "2"],  # exits 0 with no ratio without a GPU
 }
@@ -43,6 +53,7 @@ def run_script(name: str, args: list[str], timeout: float) -> dict:
         records_file = Path(handle.name)
     env = {**os.environ, "RUNKIT_BENCH_RESULTS": str(records_file)}
     start = time.perf_counter()
+    load_before = os.getloadavg()
     try:
         proc = subprocess.run(
             [sys.executable, str(BENCH_DIR / f"{name}.py"), *args],
@@ -60,6 +71,8 @@ def run_script(name: str, args: list[str], timeout: float) -> dict:
         "args": args,
         "exit_code": code,
         "seconds": round(time.perf_counter() - start, 1),
+        # 1-minute load average before and after: on a shared machine, how loaded it was
+        "load_average": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "ratios": [json.loads(line) for line in lines],
         "output_tail": tail if code != 0 else [],
     }

@@ -496,7 +496,8 @@ def test_exception_in_training_still_shuts_nvml_down(tmp_path, use_fake) -> None
 def test_fit_with_gpu_lost_keeps_training(tmp_path, use_fake, caplog) -> None:
     clock = FakeClock()
     fake = use_fake(FakeNvml([FakeGpu(util_gpu=70)], clock=clock))
-    monitor = GpuStatsMonitor(interval_s=30.0, device_uuids=[fake.gpus[0].uuid])
+    # the test loses the GPU in this process's fake: the sampler must read it here
+    monitor = GpuStatsMonitor(interval_s=30.0, device_uuids=[fake.gpus[0].uuid], sampler="thread")
 
     class LoseAfterFirstEpoch(pl.Callback):
         def on_train_epoch_end(self, trainer, pl_module) -> None:

@@ -82,8 +82,14 @@ def stub_trainer(**overrides: Any) -> SimpleNamespace:
 
 @pytest.fixture
 def no_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No background sampling: the hooks' own closing samples are the only ones (exact sums)."""
+    """No background sampling: the hooks' own closing samples are the only ones (exact sums).
+
+    The sampler is driven by hand in this process (a thread sampler that never starts its
+    thread), so ``GpuStatsMonitor``'s default becomes ``sampler="thread"`` here.
+    """
     monkeypatch.setattr(GpuSampler, "start", lambda self: None)
+    init = GpuStatsMonitor.__init__
+    monkeypatch.setattr(init, "__defaults__", (*init.__defaults__[:-1], "thread"))
 
 
 def monitor_on(
@@ -1550,7 +1556,7 @@ def test_energy_of_ranks_without_boards_is_counted_per_node_and_label() -> None:
 
 def test_teardown_stops_the_sampling_thread(use_fake) -> None:
     fake = use_fake(FakeNvml(1))
-    monitor = GpuStatsMonitor(interval_s=0.01, device_uuids=[fake.gpus[0].uuid])
+    monitor = GpuStatsMonitor(interval_s=0.01, device_uuids=[fake.gpus[0].uuid], sampler="thread")
     trainer = stub_trainer()
     monitor.setup(trainer, None, "fit")
     samplers = [t for t in threading.enumerate() if t.name == "gpu-stats-sampler"]

@@ -88,3 +88,34 @@ def test_every_batch_reads_when_a_redraw_is_due(
     monkeypatch.setattr(progress_bar, "time", SimpleNamespace(monotonic=lambda: next(ticks)))
     reads = reads_during_fit(RichProgressBar(refresh_rate=1), tmp_path)
     assert reads == lightning_reads
+
+
+class CountAtEpochEnd(RichProgressBar):
+    """Notes the training bar's count once each epoch is over."""
+
+    counts: list[float]
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        self.counts.append(self.progress.tasks[self.train_progress_bar_id].completed)
+
+
+def test_batches_between_redraws_leave_the_bar_alone_but_each_epoch_ends_on_its_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(progress_bar, "time", SimpleNamespace(monotonic=lambda: 1000.0))
+    bar = CountAtEpochEnd(refresh_rate=1)
+    bar.counts = []
+    updates = []
+    update = LightningRichProgressBar._update
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> None:
+        updates.append(args)
+        update(self, *args, **kwargs)
+
+    monkeypatch.setattr(LightningRichProgressBar, "_update", counting)
+    reads_during_fit(bar, tmp_path)
+    assert bar.counts == [BATCHES] * EPOCHS
+    # per epoch: the first batch (due once, clock frozen) or the last, and validation's own
+    trained = [a for a in updates if a and a[0] == bar.train_progress_bar_id]
+    assert len(trained) == 1 + EPOCHS

@@ -2,11 +2,13 @@
 
 Why not Lightning's ``DeviceStatsMonitor``: it reads ``torch.cuda.memory_stats`` on the training
 thread at every step and knows nothing of utilisation, power or throttling. This callback samples
-NVML in a background thread (default every second), keeps running statistics per GPU and logs,
-once per epoch, the mean/max/min over the epoch. The training thread makes no NVML call: it only
-tells the sampler when an epoch or a validation run starts and ends (a sample counts for the phase
-current when it is stored; the energy and GPM of an interval for the phase in which it ended). A
-phase that ends before its first background sample gets one sample when it closes.
+NVML in a process of its own (:mod:`.process`; a background thread of this process where none can
+be started, or with ``sampler="thread"``), default every second, keeps running statistics per GPU
+and logs, once per epoch, the mean/max/min over the epoch. The training thread makes no NVML
+call: it only tells the sampler when an epoch or a validation run starts and ends (a sample
+counts for the phase current when it is stored; the energy and GPM of an interval for the phase
+in which it ended). A phase that ends before its first background sample gets one sample when
+it closes.
 
 Which GPU: every torch device this process trains on is mapped to its NVML device by UUID
 (``torch.cuda.get_device_properties(i).uuid`` → ``nvmlDeviceGetHandleByUUID("GPU-…"|"MIG-…")``),
@@ -85,7 +87,8 @@ NVML is opened with :func:`runkit.gpus.nvml.nvml_session` and closed on every pa
 exceptions included (``teardown`` and ``on_exception``).
 
 The parts, one job per module: :mod:`.statistics` (running statistics, the key scheme),
-:mod:`.sampler` (which metrics a GPU supports, the background thread), :mod:`.gpm` (GPM sample
+:mod:`.sampler` (which metrics a GPU supports, the sampling loop), :mod:`.process` (the sampler
+process), :mod:`.gpm` (GPM sample
 pairs), :mod:`.loop` (the data wait), this callback (the Lightning lifecycle, the gathers across
 ranks, the run's energy) and :mod:`.report` (the end-of-run table).
 """
@@ -104,6 +107,7 @@ import torch
 from runkit.gpu_stats import report
 from runkit.gpu_stats.exchange import RankExchange
 from runkit.gpu_stats.loop import LoopTimer
+from runkit.gpu_stats.process import ProcessSampler, SamplerUnavailable
 from runkit.gpu_stats.sampler import (
     DEFAULT_GROUPS,
     OPTIONAL_GROUPS,
@@ -122,6 +126,7 @@ MIN_WAIT_WARNING_S = 1.0
 """An epoch waiting for data less than this in all gets no warning, whatever the share: a short
 epoch's first batch (loader start-up) would otherwise raise it for nothing."""
 STATE_VERSION = 1
+SAMPLERS = ("process", "thread")
 
 
 # --------------------------------------------------------------------------- device mapping
@@ -172,6 +177,16 @@ def count_samples(loops: Sequence[dict[str, float] | None]) -> float | None:
     return sum(loop["samples"] for loop in loops if loop)
 
 
+def _loads() -> bool:
+    """Load NVML's bindings (not initialise them), so that a sampler process forked now inherits
+    the same library; False where there are none (the session below says so in one line)."""
+    try:
+        nvml.load_library()
+    except nvml.NvmlUnavailable:
+        return False
+    return True
+
+
 def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -217,6 +232,10 @@ class GpuStatsMonitor(pl.Callback):
         gpu_idle_below_pct: "mostly idle": mean utilisation of the run's GPUs below this.
         gather_timeout_s: how long rank 0 waits at an epoch end for the other ranks' figures
             before it logs the epoch without the late ones (one warning naming them).
+        sampler: ``"process"`` (default): sample in a child process of each rank, so the
+            training process does no NVML work between the epoch boundaries (:mod:`.process`;
+            where no process can be started, a thread, with one log line); ``"thread"``: in a
+            background thread of the training process.
     """
 
     def __init__(
@@ -236,7 +255,13 @@ class GpuStatsMonitor(pl.Callback):
         data_wait_warning: float = 0.3,
         gpu_idle_below_pct: float = 50.0,
         gather_timeout_s: float = 30.0,
+        sampler: str = "process",
     ) -> None:
+        if sampler not in SAMPLERS:
+            raise ValueError(
+                f"GpuStatsMonitor: sampler={sampler!r}; give one of {', '.join(SAMPLERS)}"
+            )
+        self.sampler = sampler
         for name, seconds in (("interval_s", interval_s), ("gather_timeout_s", gather_timeout_s)):
             if (
                 isinstance(seconds, bool)
@@ -290,7 +315,7 @@ class GpuStatsMonitor(pl.Callback):
 
     def _reset_state(self) -> None:
         self._stack = ExitStack()
-        self._sampler: GpuSampler | None = None
+        self._sampler: GpuSampler | ProcessSampler | None = None
         self._peaks: TorchPeakMemory | None = None
         self._active = False  # some rank samples a GPU (rank 0 knows of all, others of their own)
         self._exchanges = {
@@ -338,7 +363,20 @@ class GpuStatsMonitor(pl.Callback):
         if trainer.is_global_zero:
             self._report_setup(everyone)
         if self._sampler is not None:
+            self._start_sampler()
+
+    def _start_sampler(self) -> None:
+        sampler = self._sampler
+        try:
+            sampler.start()
+        except SamplerUnavailable as err:
+            self._fall_back(err)
+            sampler.stop()
+            self._sampler = GpuSampler(sampler.readers, self.interval_s)
             self._sampler.start()
+
+    def _fall_back(self, err: Exception) -> None:
+        log.warning("gpu_stats: %s; sampling in a thread of the training process instead", err)
 
     def _open(self, trainer: pl.Trainer) -> dict[str, Any]:
         """Map this process's devices to NVML and probe them. Returns what rank 0 should hear."""
@@ -357,9 +395,22 @@ class GpuStatsMonitor(pl.Callback):
                 wanted.append((f"cuda{index}", device, cuda_device_uuid(index)))
         if not wanted:
             return {"status": "off: this run uses no CUDA device", "gpus": [], "quiet": True}
+        child = None
+        if self.sampler == "process" and _loads():  # forked before this process opens NVML
+            try:
+                child = ProcessSampler.fork(
+                    [(label, uuid) for label, _device, uuid in wanted if uuid],
+                    self.groups,
+                    self.interval_s,
+                )
+            except SamplerUnavailable as err:
+                self._fall_back(err)
+            else:
+                self._stack.callback(child.stop)
         try:
             lib = self._stack.enter_context(nvml.nvml_session())
         except nvml.NvmlUnavailable as err:
+            self._close()  # the child, if any, found the same
             return {"status": f"off: {err}", "gpus": []}
         readers, problems = [], []
         for label, _device, uuid in wanted:
@@ -378,8 +429,12 @@ class GpuStatsMonitor(pl.Callback):
                 continue
             readers.append(reader)
             self._stack.callback(reader.close)  # its GPM samples go before NVML shuts down
-        if readers:
+        if readers and child is not None:
+            child.attach(readers)
+            self._sampler = child
+        elif readers:
             self._sampler = GpuSampler(readers, self.interval_s)
+        if readers:
             self._peaks = TorchPeakMemory({label: dev for label, dev, _ in wanted})
         else:
             self._close()
@@ -538,12 +593,7 @@ class GpuStatsMonitor(pl.Callback):
         if sampler is None:
             return payload
 
-        def summaries() -> dict[str, dict[str, float]]:
-            if not sampler.has_samples(phase):  # a phase shorter than the interval
-                sampler.sample_now()
-            return sampler.collect(phase, sample=False)
-
-        gpus = self._guarded(f"{phase} summary", summaries) or {}
+        gpus = self._guarded(f"{phase} summary", lambda: sampler.summaries(phase)) or {}
         if peaks is not None:
             for label, values in (
                 self._guarded("peaks", lambda: peaks.peaks(include_carry)) or {}

@@ -9,6 +9,10 @@ thread without any NVML call: each sample counts for the phase current when it i
 counter's change (energy, GPM) for the phase in which its interval ended. A phase that ends before
 its first sample gets one on the thread that closes it.
 :class:`TorchPeakMemory` keeps PyTorch's own peak memory per phase.
+
+The callback runs :class:`GpuSampler` in a process of its own by default
+(:mod:`.process`: the same class serves there, so both give the same figures); in the training
+process it is the fallback, or ``sampler="thread"``.
 """
 
 from __future__ import annotations
@@ -232,9 +236,13 @@ class GpuSampler:
     def alive(self) -> list[GpuReader]:
         return [r for r in self.readers if r.dead is None]
 
-    def start(self) -> None:
+    def start(self, first_sample: bool = True) -> None:
+        """Start the thread; without ``first_sample`` its first sample is one interval away (the
+        caller took one already)."""
         if self._thread is None and self.alive:
-            self._thread = threading.Thread(target=self._run, name="gpu-stats-sampler", daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, args=(first_sample,), name="gpu-stats-sampler", daemon=True
+            )
             self._thread.start()
 
     def stop(self) -> None:
@@ -247,8 +255,9 @@ class GpuSampler:
             for reader in self.readers:
                 reader.close()
 
-    def _run(self) -> None:
-        self.sample_now()
+    def _run(self, first_sample: bool = True) -> None:
+        if first_sample:
+            self.sample_now()
         while not self._stop.wait(self.interval_s) and self.alive:
             self.sample_now()
 
@@ -319,6 +328,13 @@ class GpuSampler:
             self.sample_now()
         with self._lock:
             return {label: acc.summary() for label, acc in self._acc.get(phase, {}).items()}
+
+    def summaries(self, phase: str) -> dict[str, dict[str, float]]:
+        """``phase``'s figures so far, after one sample if it has none yet (a phase shorter than
+        the interval)."""
+        if not self.has_samples(phase):
+            self.sample_now()
+        return self.collect(phase, sample=False)
 
     def energy_totals_j(self) -> dict[str, float]:
         """Each GPU's energy since the first sample, whatever the phase, in joules."""

@@ -6,8 +6,10 @@ which on a GPU waits for the device), although it redraws the bar at most ``refr
 a second. On short steps that is a few percent of the step (benchmarks/README.md, "Where the
 time goes"), and a value logged with ``prog_bar=True`` at every step costs a device sync per
 step. Here a training batch reads them only once a redraw interval has passed since the last
-read; the end of each training epoch and of each validation reads them always, so the figures
-the bar shows once an epoch is over are the final ones.
+read, and between those batches does not touch the bar at all (Rich's task update and refresh
+request: nothing is drawn in between anyway); the last batch of an epoch updates the count, and
+the end of each training epoch and of each validation reads the values, so what the bar shows
+once an epoch is over is final.
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ class RichProgressBar(LightningRichProgressBar):
     ) -> None:
         now = time.monotonic()
         self._batch_read_due = now >= self._next_batch_read
+        last = batch_idx + 1 == trainer.num_training_batches
+        if not (self._batch_read_due or last) and self.train_progress_bar_id is not None:
+            # Nothing to redraw before the interval has passed: the count is set (absolutely)
+            # at the next due batch and always at the epoch's last one.
+            self._batch_read_due = True
+            return
         if self._batch_read_due and self.refresh_rate > 0:
             self._next_batch_read = now + 1.0 / self.refresh_rate
         try:

@@ -56,7 +56,7 @@ JSON schema (every key optional)::
       "fan_pct": SCRIPT|null,        # null (the default): no fan, like datacenter cards
       "pcie_tx_kbs": SCRIPT, "pcie_rx_kbs": SCRIPT, "ecc_uncorrected": SCRIPT,
       "compute_capability": [9, 0],
-      "processes": [{"pid": 1234 | "self", "used_memory": SCRIPT}],   # "self": the caller's pid
+      "processes": [{"pid": 1234 | "self", "used_memory": SCRIPT}],   # "self": the fake's maker
       "mig": [GPU, ...],             # MIG children; their uuid should start with "MIG-"
       "gpu_instance_id": 1, "compute_instance_id": 0,   # a MIG child's (default: slot + 1, 0)
       "failures": {METRIC: FAILURE},
@@ -457,6 +457,9 @@ class FakeNvml:
         gpu_list = [FakeGpu() for _ in range(gpus)] if isinstance(gpus, int) else list(gpus)
         self.gpus: list[FakeGpu] = [g if isinstance(g, FakeGpu) else FakeGpu(**g) for g in gpu_list]
         self.clock: Callable[[], float] = clock if clock is not None else MonotonicClock()
+        # "self" in a process list: the process that made the fake (a GPU statistics sampler
+        # forked from it is asked about the training process, not about itself)
+        self.owner_pid = os.getpid()
         self.call_cost_s = float(call_cost_s)
         if init_error is not None:
             nvml_error(init_error)
@@ -693,7 +696,7 @@ class FakeNvml:
         result = []
         for owner, instance, compute_instance in owners:
             for proc in owner.processes:
-                pid = os.getpid() if proc.pid == SELF_PID else proc.pid
+                pid = self.owner_pid if proc.pid == SELF_PID else proc.pid
                 result.append(
                     SimpleNamespace(
                         pid=pid,

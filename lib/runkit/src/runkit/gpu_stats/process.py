@@ -1,0 +1,421 @@
+"""The GPU sampler in a process of its own, so that the training process does no NVML work.
+
+Why a process and not a thread: a sampling thread in the training process takes the GIL back
+from the training thread around each of the ~15 NVML calls a GPU costs per reading (about 120
+with 8 GPUs): on small steps that cost the loop 5 % at a 1 s interval and 19 % at 0.05 s
+(issue 21). In a process of its own the sampler competes for nothing but a CPU core; the
+training process only writes a few bytes to a pipe at the phase boundaries and reads the
+phase's figures back at its end (one round trip).
+
+Per rank, not per node: each training process starts its own sampler for the devices it drives,
+exactly as the thread did. One per node would need an election among the ranks of a node, a
+channel from every rank to it and a lifetime tied to whichever rank started it; one per rank is
+the child of the one process it serves, so it ends with it (below) under plain DDP, ddp_spawn,
+torchrun and SLURM alike, and the NVML work per node is the same (each GPU is read by one
+sampler either way).
+
+How it starts: the training process forks (``multiprocessing``'s ``fork`` context) before it
+opens NVML itself, so the child opens its own NVML session from scratch (a session inherited
+across ``fork`` is not safe to share). The child reuses the code of the thread
+(:class:`~runkit.gpu_stats.sampler.GpuSampler` and its readers), so the figures are computed by
+the very same code; it reads process memory for the training process's PID, not its own. Forking
+also carries an in-process NVML stand-in (:func:`runkit.gpus.nvml.use_library`, the fake of
+:mod:`runkit.testing.fake_nvml`) into the child, as ``RUNKIT_NVML_BACKEND`` does for a fresh one.
+Where no process can be forked (no ``fork`` on the platform, a daemonic training process, the
+child failing to open NVML or to answer within ``start_timeout_s``), the callback samples in a
+thread instead, with one log line.
+
+How it ends, however the training process ends: ``stop()`` at teardown or on an exception
+(normal paths); on Linux the child asks the kernel for SIGKILL when its parent dies
+(``PR_SET_PDEATHSIG``), which covers SIGKILL of the trainer; everywhere it also watches the
+pipe (EOF when the parent is gone) and its parent PID (checked every ``WATCH_S``), in case the
+pipe is held open by the trainer's other children (DataLoader workers). SIGTERM and SIGHUP keep
+their default action in the child (SLURM and torchrun signal every process of a job); SIGINT,
+SIGUSR1 and SIGUSR2 are ignored there, since the trainer handles those itself (Ctrl-C reaches the
+whole process group; SLURM's requeue signal is the trainer's business) and stops the child when
+done. Note: the kernel's death signal follows the *thread* that forked; the callback's ``setup``
+runs on the trainer's main thread.
+
+A sampler that dies or hangs: every wait on the pipe is bounded (``reply_timeout_s``); a missing
+reply or a dead child costs one warning, the figures of the phase being read, and the child (it
+is killed); sampling then continues in a thread of the training process over the readers the
+callback opened there, and the run's energy continues from the child's last totals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from contextlib import ExitStack
+from typing import Any
+
+from runkit.gpu_stats.sampler import GpuReader, GpuSampler
+from runkit.gpus import nvml
+
+log = logging.getLogger(__name__)
+
+WATCH_S = 1.0
+"""How often the child checks that its parent is still there when no request comes."""
+_PR_SET_PDEATHSIG = 1
+_TIMEOUT, _GONE = object(), object()  # what _receive gives instead of an answer
+
+
+class SamplerUnavailable(RuntimeError):
+    """No sampler process here: the reason, in one line (the callback falls back to a thread)."""
+
+
+class ProcessSampler:
+    """:class:`~runkit.gpu_stats.sampler.GpuSampler`'s interface, served by a child process.
+
+    Create it with :meth:`fork` *before* this process opens NVML, then :meth:`attach` the
+    readers this process probed (their identities and boards are what the callback reports; they
+    are read only after a fallback to a thread), then :meth:`start`.
+    """
+
+    reply_timeout_s = 2.0
+    """Longest wait for one answer of the child: a hung child costs this, once."""
+    start_timeout_s = 20.0
+    """Longest wait for the child to open NVML and take its first sample (``nvmlInit`` on a
+    large node without persistence mode can take seconds)."""
+
+    def __init__(self, process: Any, conn: Any, interval_s: float) -> None:
+        self.readers: list[GpuReader] = []
+        self.interval_s = interval_s
+        self.phase: str | None = None
+        self._process = process
+        self._conn = conn
+        self._seq = 0
+        self._energy: dict[str, float] = {}
+        self._fallback: GpuSampler | None = None
+        self._energy_before_fallback: dict[str, float] = {}
+        self._stopped = False
+
+    # ------------------------------------------------------------------ start
+    @classmethod
+    def fork(
+        cls,
+        gpus: Sequence[tuple[str, str]],
+        groups: Sequence[str],
+        interval_s: float,
+    ) -> ProcessSampler:
+        """Fork the child for ``gpus`` (``(label, NVML UUID)`` pairs), reading ``groups``.
+
+        Raises :class:`SamplerUnavailable` where no process can be forked.
+        """
+        try:
+            context = multiprocessing.get_context("fork")
+        except ValueError as err:
+            raise SamplerUnavailable(f"this platform cannot fork ({err})") from err
+        mine, theirs = context.Pipe(duplex=True)
+        process = context.Process(
+            target=_child_main,
+            args=(theirs, mine, os.getpid(), list(gpus), list(groups), interval_s),
+            name="gpu-stats-sampler",
+            daemon=True,
+        )
+        try:
+            with warnings.catch_warnings():  # 3.12+: "use of fork() may lead to deadlocks"
+                warnings.simplefilter("ignore", DeprecationWarning)
+                process.start()
+        except Exception as err:  # a daemonic trainer, no memory, a process limit ...
+            mine.close()
+            theirs.close()
+            raise SamplerUnavailable(f"{type(err).__name__}: {err}") from err
+        theirs.close()
+        return cls(process, mine, interval_s)
+
+    @property
+    def pid(self) -> int | None:
+        """The child's PID (None after a fallback to a thread)."""
+        return None if self._process is None else self._process.pid
+
+    def attach(self, readers: Sequence[GpuReader]) -> None:
+        """The readers this process opened: figures are kept for their labels only."""
+        self.readers = list(readers)
+
+    def start(self) -> None:
+        """Wait until the child has opened its GPUs and taken its first sample.
+
+        Raises :class:`SamplerUnavailable` (and ends the child) when it does not in time.
+        """
+        answer = self._receive(0, self.start_timeout_s)
+        if not (isinstance(answer, tuple) and answer and answer[0] == "ready"):
+            self._end_child()
+            if answer is _TIMEOUT:
+                reason = f"no answer within {self.start_timeout_s:g} s"
+            elif isinstance(answer, tuple) and answer[0] == "error":
+                reason = answer[1]
+            else:
+                reason = f"ended ({self._exit_text()})"
+            raise SamplerUnavailable(f"the sampler process did not start: {reason}")
+
+    # ------------------------------------------------------------------ the pipe
+    def _exit_text(self) -> str:
+        code = None if self._process is None else self._process.exitcode
+        if code is not None and code < 0:
+            with contextlib.suppress(ValueError):
+                return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"
+
+    def _receive(self, seq: int, timeout_s: float) -> Any:
+        """The answer to request ``seq``, ``_TIMEOUT``, or ``_GONE`` if the child is gone.
+        Answers to earlier requests that timed out are dropped; logs are passed on."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._conn.poll(left):
+                return _TIMEOUT
+            try:
+                got, result, records = self._conn.recv()
+            except (EOFError, OSError):
+                return _GONE
+            _relog(records)
+            if got == seq:
+                return result
+
+    def _request(self, op: str, *args: Any, reply: bool = True) -> Any:
+        """Send ``op`` to the child; with ``reply``, wait for its answer. ``None`` on failure
+        (one warning, a fallback to a thread)."""
+        if self._conn is None:
+            return None
+        self._seq += 1
+        try:
+            self._conn.send((self._seq if reply else None, op, args))
+        except (OSError, ValueError):
+            self._fail("has ended")
+            return None
+        if not reply:
+            return None
+        answer = self._receive(self._seq, self.reply_timeout_s)
+        if answer is _TIMEOUT:
+            self._fail(f"did not answer within {self.reply_timeout_s:g} s")
+            return None
+        if answer is _GONE:
+            self._fail("has ended")
+            return None
+        return answer
+
+    def _fail(self, what: str) -> None:
+        """One warning; the child is ended and sampling goes on in a thread of this process."""
+        pid = self.pid
+        self._end_child()
+        log.warning(
+            "gpu_stats: the sampler process (pid %s) %s (%s); this phase's GPU figures are lost "
+            "and sampling continues in a thread of the training process",
+            pid,
+            what,
+            self._exit_text(),
+        )
+        self._energy_before_fallback = dict(self._energy)
+        if self.readers and not self._stopped:
+            self._fallback = GpuSampler(self.readers, self.interval_s)
+            self._fallback.set_phase(self.phase, reset=True, sample=False)
+            self._fallback.start()
+        self._process = None
+
+    def _end_child(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(OSError):
+                self._conn.close()
+            self._conn = None
+        process = self._process
+        if process is not None and process.is_alive():
+            with contextlib.suppress(OSError):
+                process.kill()
+            process.join(timeout=5.0)
+
+    # ------------------------------------------------------------------ GpuSampler's interface
+    @property
+    def alive(self) -> list[GpuReader]:
+        return self._fallback.alive if self._fallback is not None else self.readers
+
+    def set_phase(self, phase: str | None, *, reset: bool = True, sample: bool = True) -> None:
+        """As :meth:`GpuSampler.set_phase`; without ``sample`` it does not wait for the child."""
+        self.phase = phase
+        if self._fallback is not None:
+            self._fallback.set_phase(phase, reset=reset, sample=sample)
+        else:
+            self._request("set_phase", phase, reset, sample, reply=sample)
+
+    def sample_now(self) -> None:
+        if self._fallback is not None:
+            self._fallback.sample_now()
+        else:
+            self._request("sample_now")
+
+    def has_samples(self, phase: str) -> bool:
+        if self._fallback is not None:
+            return self._fallback.has_samples(phase)
+        return bool(self._request("has_samples", phase))
+
+    def collect(self, phase: str, *, sample: bool = True) -> dict[str, dict[str, float]]:
+        if self._fallback is not None:
+            return self._fallback.collect(phase, sample=sample)
+        return self._figures(self._request("collect", phase, sample))
+
+    def summaries(self, phase: str) -> dict[str, dict[str, float]]:
+        """``phase``'s figures so far, after one sample if it has none yet: one round trip."""
+        if self._fallback is not None:
+            return self._fallback.summaries(phase)
+        return self._figures(self._request("summaries", phase))
+
+    def _figures(self, answer: Any) -> dict[str, dict[str, float]]:
+        if answer is None:
+            return {}
+        figures, self._energy = answer
+        ours = {r.label for r in self.readers}
+        return {label: values for label, values in figures.items() if label in ours}
+
+    def energy_totals_j(self) -> dict[str, float]:
+        """Each GPU's energy since the first sample, as of the last :meth:`summaries` or
+        :meth:`collect` (the callback reads it right after), in joules."""
+        if self._fallback is None:
+            return dict(self._energy)
+        totals = dict(self._energy_before_fallback)
+        for label, joules in self._fallback.energy_totals_j().items():
+            totals[label] = totals.get(label, 0.0) + joules
+        return totals
+
+    def stop(self) -> None:
+        """End the child (bounded waits, quietly) or the fallback thread; safe to call again."""
+        self._stopped = True
+        if self._fallback is not None:
+            self._fallback.stop()
+        if self._conn is not None:
+            self._seq += 1
+            with contextlib.suppress(OSError, ValueError):
+                self._conn.send((self._seq, "stop", ()))
+                self._receive(self._seq, self.reply_timeout_s)
+        if self._process is not None:
+            self._process.join(timeout=self.reply_timeout_s)
+            self._end_child()
+
+
+# --------------------------------------------------------------------------- in the child
+def _relog(records: Sequence[tuple[str, int, str]]) -> None:
+    """Log in this process what the child logged (tests and log files see one stream)."""
+    for name, level, message in records:
+        logging.getLogger(name).log(level, "%s", message)
+
+
+class _Collect(logging.Handler):
+    """The child's log records, kept to travel with its next answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[str, int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append((record.name, record.levelno, record.getMessage()))
+
+    def drain(self) -> list[tuple[str, int, str]]:
+        out, self.records = self.records, []
+        return out
+
+
+def _tie_to_parent(parent_pid: int) -> None:
+    """Die with the parent (PR_SET_PDEATHSIG on Linux), yield the CPU to it, and leave it the
+    signals it handles."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl: nobody to serve
+        os._exit(0)
+    # The lowest CPU priority: where cores are shared, training goes first; the sampler needs a
+    # few percent of a core at most, and its answers come while the trainer waits for them.
+    with contextlib.suppress(OSError, AttributeError):
+        os.nice(19)
+    for name in ("SIGTERM", "SIGHUP"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+    for name in ("SIGINT", "SIGUSR1", "SIGUSR2"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
+def _child_main(
+    conn: Any,
+    parent_end: Any,
+    parent_pid: int,
+    gpus: list[tuple[str, str]],
+    groups: list[str],
+    interval_s: float,
+) -> None:
+    _tie_to_parent(parent_pid)
+    parent_end.close()
+    collect = _Collect()
+    package = logging.getLogger("runkit.gpu_stats")
+    package.handlers = [collect]
+    package.propagate = False  # the trainer logs them, once, when they arrive
+    with ExitStack() as stack:
+        try:
+            lib = stack.enter_context(nvml.nvml_session())
+            readers = []
+            for label, uuid in gpus:
+                found = nvml.find_handle(lib, uuid)
+                if found is None:
+                    continue  # the training process names it
+                reader = GpuReader(lib, found[0], label, groups)
+                stack.callback(reader.close)
+                reader.pid = parent_pid  # process memory: the trainer's, not ours
+                reader.probe()
+                readers.append(reader)
+            sampler = GpuSampler(readers, interval_s)
+            stack.callback(sampler.stop)  # before the readers close (last in, first out)
+            sampler.sample_now()  # primes the counters before anyone switches a phase
+            sampler.start(first_sample=False)
+        except Exception as err:
+            with contextlib.suppress(OSError):
+                conn.send((0, ("error", f"{type(err).__name__}: {err}"), collect.drain()))
+            return
+        conn.send((0, ("ready",), collect.drain()))
+        _serve(conn, sampler, parent_pid, collect)
+
+
+def _serve(conn: Any, sampler: GpuSampler, parent_pid: int, collect: _Collect) -> None:
+    """Answer the trainer's requests until it says stop, its pipe closes or it is gone."""
+
+    def summaries(phase: str) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+        return sampler.summaries(phase), sampler.energy_totals_j()
+
+    def collect_phase(phase: str, sample: bool) -> Any:
+        return sampler.collect(phase, sample=sample), sampler.energy_totals_j()
+
+    handlers = {
+        "set_phase": lambda phase, reset, sample: sampler.set_phase(
+            phase, reset=reset, sample=sample
+        ),
+        "sample_now": sampler.sample_now,
+        "has_samples": sampler.has_samples,
+        "collect": collect_phase,
+        "summaries": summaries,
+        "stop": lambda: None,
+    }
+    while True:
+        if not conn.poll(WATCH_S):
+            if os.getppid() != parent_pid:
+                return
+            continue
+        try:
+            seq, op, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        if op == "stop":
+            sampler.stop()
+        result = handlers[op](*args)
+        if seq is not None:
+            try:
+                conn.send((seq, result, collect.drain()))
+            except OSError:
+                return
+        if op == "stop":
+            return
