@@ -309,8 +309,23 @@ def test_teardown_and_an_exception_end_the_child(tmp_path, use_fake) -> None:
 
 
 # --------------------------------------------------------------------------- the trainer dies
-TRAINER = textwrap.dedent(
+# A module of 50 ms steps (the trainer scripts below: the sampler is seen running).
+SLOW_MODULE = textwrap.dedent(
     """
+    class M(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 2)
+        def training_step(self, batch, i):
+            time.sleep(0.05)
+            return self.layer(batch[0]).sum()
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+    """
+)
+TRAINER = (
+    textwrap.dedent(
+        """
     import os, sys, time
     import torch
     import lightning.pytorch as pl
@@ -325,15 +340,11 @@ TRAINER = textwrap.dedent(
             if batch_idx == 2:
                 print("SAMPLER", trainer.callbacks[0]._sampler.pid, flush=True)
 
-    class M(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.Linear(4, 2)
-        def training_step(self, batch, i):
-            time.sleep(0.05)
-            return self.layer(batch[0]).sum()
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+    """
+    )
+    + SLOW_MODULE
+    + textwrap.dedent(
+        """
 
     data = torch.utils.data.TensorDataset(torch.randn(4000, 4))
     uuid = "GPU-00000000-fa6e-4000-8000-000000000000"  # the fake's first GPU
@@ -343,6 +354,7 @@ TRAINER = textwrap.dedent(
                          enable_model_summary=False, callbacks=[monitor, Report()])
     trainer.fit(M(), torch.utils.data.DataLoader(data, batch_size=1, num_workers=1))
     """
+    )
 )
 
 
@@ -384,8 +396,9 @@ def test_no_sampler_outlives_its_trainer(tmp_path, signum, variant) -> None:
 
 
 # --------------------------------------------------------------------------- under DDP launchers
-DDP_TRAINER = textwrap.dedent(
-    """
+DDP_TRAINER = (
+    textwrap.dedent(
+        """
     import os, sys, time
     import torch
     import lightning.pytorch as pl
@@ -400,15 +413,11 @@ DDP_TRAINER = textwrap.dedent(
                 # one write: the ranks share the pipe, and a small write is not split
                 os.write(1, f"SAMPLER {trainer.global_rank} {os.getpid()} {pid}\\n".encode())
 
-    class M(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.Linear(4, 2)
-        def training_step(self, batch, i):
-            time.sleep(0.05)
-            return self.layer(batch[0]).sum()
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+    """
+    )
+    + SLOW_MODULE
+    + textwrap.dedent(
+        """
 
     if __name__ == "__main__":  # ddp_spawn imports this file in each rank
         uuids = [f"GPU-0000000{i}-fa6e-4000-8000-00000000000{i}" for i in range(2)]
@@ -420,6 +429,7 @@ DDP_TRAINER = textwrap.dedent(
         data = torch.utils.data.TensorDataset(torch.randn(4000, 4))
         trainer.fit(M(), torch.utils.data.DataLoader(data, batch_size=1))
     """
+    )
 )
 
 
