@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -90,6 +91,40 @@ def run_python(code: str, *args: str, timeout: float = 120) -> subprocess.Comple
         timeout=timeout,
         env=clean_env(),
     )
+
+
+def train_on_two_torchrun_nodes(
+    cwd: Path, rdzv_id: str, *overrides: str, timeout: float = 300
+) -> list[str]:
+    """``python -m project.train`` as two torchrun nodes of one process each, on this machine
+    (``--rdzv-id`` names the run directory: ``torchrun-<rdzv_id>``); both must exit 0. Returns
+    each node's output."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+        "--master-addr=127.0.0.1", f"--master-port={port}", f"--rdzv-id={rdzv_id}",
+        "-m", "project.train", *overrides,
+    ]  # fmt: skip
+    nodes = [
+        subprocess.Popen(
+            [*command[:5], f"--node-rank={rank}", *command[5:]],
+            cwd=cwd,
+            env=clean_env(OMP_NUM_THREADS="1"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [node.communicate(timeout=timeout)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)[-4000:]
+    return outputs
 
 
 def run_dirs(log_dir: Path, task: str = "train") -> list[Path]:

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint
 
-from conftest import CliRunner, clean_env, last_line, run_dirs
+from conftest import CliRunner, clean_env, last_line, run_dirs, train_on_two_torchrun_nodes
 from runkit.safety import checkpoints
 
 ZOO = Path(__file__).resolve().parent / "zoo"
@@ -246,33 +245,18 @@ def test_fsdp_over_two_torchrun_nodes_shards_over_every_process(tmp_path: Path) 
     # trainer.num_nodes as for DDP: 2 nodes x 1 process is one mesh of 2 shards; each rank sees
     # half the data (3 steps of 256 from 629 samples) and writes its own shard file.
     log_dir = tmp_path / "logs"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-        "--master-addr=127.0.0.1", f"--master-port={port}", "--rdzv-id=fsdp-nodes",
-        "-m", "project.train", "trainer=fsdp", "trainer.num_nodes=2", "trainer.devices=1",
-        "trainer.accelerator=cpu", "trainer.max_epochs=1", "data.batch_size=256",
-        "callbacks.progress_bar.refresh_rate=0", f"paths.log_dir={log_dir}",
-    ]  # fmt: skip
-    nodes = [
-        subprocess.Popen(
-            [*command[:5], f"--node-rank={rank}", *command[5:]],
-            cwd=tmp_path,
-            env=clean_env(OMP_NUM_THREADS="1"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    try:
-        outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)[-4000:]
+    train_on_two_torchrun_nodes(
+        tmp_path,
+        "fsdp-nodes",
+        "trainer=fsdp",
+        "trainer.num_nodes=2",
+        "trainer.devices=1",
+        "trainer.accelerator=cpu",
+        "trainer.max_epochs=1",
+        "data.batch_size=256",
+        "callbacks.progress_bar.refresh_rate=0",
+        f"paths.log_dir={log_dir}",
+    )
     run = log_dir / "train" / "runs" / "torchrun-fsdp-nodes"
     summary = json.loads((run / "metrics.json").read_text())
     assert (summary["num_nodes"], summary["global_step"]) == (2, 3)

@@ -8,8 +8,6 @@ writes the outputs, rank 1 trains and logs to its own file in the same directory
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import prewarmed
-from conftest import clean_env, last_line
+from conftest import clean_env, last_line, train_on_two_torchrun_nodes
 from runkit.errors import RunError
 from runkit.run.launch import launched_externally, rank_suffix, run_id
 
@@ -69,51 +67,18 @@ def test_multi_process_launch_without_a_run_id_fails_in_one_line(tmp_path: Path)
     assert not list(tmp_path.rglob(".hydra"))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_torchrun_nodes_share_one_run(tmp_path: Path) -> None:
-    log_dir, port = tmp_path / "logs", _free_port()
-    nodes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                "--nproc-per-node=1",
-                f"--node-rank={rank}",
-                "--master-addr=127.0.0.1",
-                f"--master-port={port}",
-                "--rdzv-id=nodes-test",
-                "-m",
-                "project.train",
-                "trainer=multi_node",
-                "trainer.accelerator=cpu",
-                "trainer.devices=1",
-                f"paths.log_dir={log_dir}",
-                *TINY,
-            ],
-            cwd=tmp_path,
-            env=clean_env(OMP_NUM_THREADS="1"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    outputs = []
-    try:
-        for node in nodes:
-            outputs.append(node.communicate(timeout=300)[0])
-    finally:
-        for node in nodes:
-            node.kill()
-    assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)[-4000:]
+    log_dir = tmp_path / "logs"
+    outputs = train_on_two_torchrun_nodes(
+        tmp_path,
+        "nodes-test",
+        "trainer=multi_node",
+        "trainer.accelerator=cpu",
+        "trainer.devices=1",
+        f"paths.log_dir={log_dir}",
+        *TINY,
+    )
 
     runs = [p for p in (log_dir / "train" / "runs").iterdir()]
     assert [p.name for p in runs] == ["torchrun-nodes-test"]
