@@ -258,7 +258,7 @@ def requeued_checkpoint(
             continue
         if _overrides(earlier) != [str(o) for o in overrides]:
             continue  # another command of the same job script
-        found += [p for p in (earlier / "checkpoints").glob("*.ckpt") if _complete(p)]
+        found += [p for p in (earlier / "checkpoints").glob("*.ckpt") if complete_checkpoint(p)]
     if not found:
         if rank_zero(env):
             log.info("SLURM job %s was requeued; no checkpoint of this command to resume", job)
@@ -269,8 +269,9 @@ def requeued_checkpoint(
     return newest
 
 
-def _complete(checkpoint: Path) -> bool:
-    """A whole checkpoint file, or a sharded checkpoint directory (``trainer=fsdp``)."""
+def complete_checkpoint(checkpoint: Path) -> bool:
+    """A whole checkpoint file, or a sharded checkpoint directory (``trainer=fsdp``); what a
+    requeued job or a resumed sweep job may continue from."""
     if checkpoint.is_dir():
         from runkit.safety.checkpoints import is_sharded_checkpoint  # torch: only when needed
 

@@ -45,7 +45,6 @@ import signal
 import subprocess
 import sys
 import time
-import zipfile
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -127,12 +126,15 @@ def finished(attempt: Attempt) -> bool:
 
 
 def newest_checkpoint(attempts: Sequence[Attempt]) -> Path | None:
-    """The newest complete checkpoint any attempt of a job saved (``interrupted.ckpt``, ``last``)."""
+    """The newest complete checkpoint any attempt of a job saved (``interrupted.ckpt``, ``last``;
+    a file, or a sharded directory under ``trainer=fsdp``)."""
+    from runkit.run.launch import complete_checkpoint
+
     found = [
         path
         for attempt in attempts
         for path in (Path(attempt.dir) / "checkpoints").glob("*.ckpt")
-        if path.is_file() and zipfile.is_zipfile(path)
+        if complete_checkpoint(path)
     ]
     return max(found, key=lambda p: (p.stat().st_mtime_ns, p.name)) if found else None
 

@@ -176,10 +176,16 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
     _fsync_dir(target.parent)
 
 
+def _temporary_name(target: Path) -> Path:
+    """A name beside ``target`` made of it, this process and this machine (``_TEMP``'s pattern,
+    which :func:`remove_stale_temporaries` recognises)."""
+    return target.parent / f".{target.name}.{os.getpid()}-{_HOST}-{secrets.token_hex(4)}.tmp"
+
+
 def _temporary(target: Path) -> tuple[int, Path]:
     """A new temporary file beside ``target`` named after it, this process and this machine."""
     while True:
-        tmp = target.parent / f".{target.name}.{os.getpid()}-{_HOST}-{secrets.token_hex(4)}.tmp"
+        tmp = _temporary_name(target)
         try:
             return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), tmp
         except FileExistsError:
@@ -267,7 +273,7 @@ def atomic_link(source: str | Path, target: str | Path) -> None:
         return
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(target.parent)
-    tmp = target.parent / f".{target.name}.{os.getpid()}-{_HOST}-{secrets.token_hex(4)}.tmp"
+    tmp = _temporary_name(target)
     try:
         os.link(source, tmp)
     except OSError:  # no hard links here (some network and FUSE filesystems): copy the bytes
@@ -441,7 +447,7 @@ def new_staging_dir(target: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(target.parent)
     while True:
-        tmp = target.parent / f".{target.name}.{os.getpid()}-{_HOST}-{secrets.token_hex(4)}.tmp"
+        tmp = _temporary_name(target)
         try:
             tmp.mkdir()
             return tmp
@@ -605,11 +611,10 @@ def load_sharded(folder: str | Path, map_location: Any = "cpu") -> dict[str, Any
     data = load_file(meta, map_location=map_location) if meta.is_file() else {}
     reader = dcp.FileSystemReader(str(folder))
     try:
-        index = reader.read_metadata().state_dict_metadata
-        state: dict[str, Any] = {}
-        for key, item in index.items():
-            if key.startswith("state_dict.") and hasattr(item, "size"):
-                state[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+        state = {
+            f"state_dict.{key}": torch.empty(tuple(item.size), dtype=item.properties.dtype)
+            for key, item in _tensor_index(reader).items()
+        }
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, storage_reader=reader, no_dist=True)
@@ -625,11 +630,18 @@ def sharded_shapes(folder: str | Path) -> dict[str, torch.Size]:
     import torch.distributed.checkpoint as dcp
 
     try:
-        index = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        index = _tensor_index(dcp.FileSystemReader(str(folder)))
     except Exception as err:
         raise RunError(f"{str(folder)!r} is not a readable sharded checkpoint: {err}") from err
+    return {key: torch.Size(item.size) for key, item in index.items()}
+
+
+def _tensor_index(reader: Any) -> dict[str, Any]:
+    """The index entry of every tensor of a sharded checkpoint's ``state_dict``, by its key in
+    the network (``state_dict.`` dropped)."""
+    index = reader.read_metadata().state_dict_metadata
     return {
-        key[len("state_dict.") :]: torch.Size(item.size)
+        key[len("state_dict.") :]: item
         for key, item in index.items()
         if key.startswith("state_dict.") and hasattr(item, "size")
     }
