@@ -20,7 +20,7 @@ import runkit
 from project import config_dir
 from runkit import speed
 from runkit.errors import RunError
-from runkit.run import builders, preflight, run_files
+from runkit.run import builders, cli, preflight, run_files
 from runkit.run.launch import register_resolvers
 from runkit.safety.checkpoints import AtomicCheckpointIO, save_weights
 from runkit.safety.interrupts import GracefulInterrupt
@@ -280,3 +280,69 @@ def test_eval_tests_at_the_precision_training_used(
     finally:
         torch.set_float32_matmul_precision(matmul)
     assert seen == {"train": "bf16-mixed", "eval": "bf16-mixed"}
+
+
+# ------------------------------------------------------------------------------------------------
+# Start-up: the cyclic garbage collector is off during the imports, on (and frozen) for the job
+
+
+def _gc_app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *argv: str) -> tuple[Any, list]:
+    """A Hydra app through runkit.hydra_entry whose job records the collector's state."""
+    import gc
+
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    (configs / "app.yaml").write_text("value: 1\n")
+    seen: list[tuple[bool, int]] = []
+
+    def task(cfg: Any) -> None:
+        seen.append((gc.isenabled(), gc.get_freeze_count()))
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["app", f"hydra.run.dir={tmp_path / 'run'}", *argv])
+    monkeypatch.setattr(cli, "_collector_paused", False)
+    return runkit.hydra_entry(task, "app", configs), seen
+
+
+def test_the_collector_is_back_on_with_the_imports_frozen_when_the_job_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, single_process: None
+) -> None:
+    import gc
+
+    main, seen = _gc_app(tmp_path, monkeypatch)
+    assert gc.isenabled()
+    before = gc.get_freeze_count()
+    try:
+        main()
+        assert seen == [(True, seen[0][1])] and seen[0][1] > before
+        assert gc.isenabled()
+    finally:
+        gc.unfreeze()
+
+
+def test_the_collector_is_back_on_when_no_job_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, single_process: None
+) -> None:
+    import gc
+
+    main, seen = _gc_app(tmp_path, monkeypatch, "no_such_key=2")
+    before = gc.get_freeze_count()
+    with pytest.raises(SystemExit) as stop:
+        main()
+    assert stop.value.code == 2 and seen == []
+    assert gc.isenabled() and gc.get_freeze_count() == before
+
+
+def test_a_caller_that_holds_the_collector_off_keeps_it_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, single_process: None
+) -> None:
+    import gc
+
+    main, seen = _gc_app(tmp_path, monkeypatch)
+    before = gc.get_freeze_count()
+    gc.disable()
+    try:
+        main()
+        assert seen == [(False, before)] and not gc.isenabled()
+    finally:
+        gc.enable()
