@@ -444,6 +444,30 @@ def test_train_passes_the_resolved_precision_to_the_trainer(
     assert torch.get_float32_matmul_precision() == "high"
 
 
+def test_no_profiler_asked_for_is_the_cheap_one_and_a_profiler_asked_for_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning.pytorch.profilers import SimpleProfiler
+
+    kwargs = _built_trainer_kwargs(tmp_path / "a", monkeypatch)
+    assert isinstance(kwargs["profiler"], speed.NoProfiler)
+    kwargs = _built_trainer_kwargs(tmp_path / "b", monkeypatch, "debug=profiler")
+    assert "profiler" not in kwargs  # the config's profiler reaches the Trainer as configured
+    cfg = _compose(f"paths.output_dir={tmp_path / 'c'}", "debug=profiler")
+    assert isinstance(instantiate(cfg.trainer.profiler), SimpleProfiler)
+
+
+def test_no_profiler_runs_the_profiled_code_and_records_nothing() -> None:
+    profiler = speed.NoProfiler()
+    ran = []
+    with profiler.profile("[Callback]FiniteLoss.on_before_backward") as value:
+        ran.append(value)
+    # an error inside passes through
+    with pytest.raises(ValueError, match="raised inside"), profiler.profile("[Module]M.step"):
+        raise ValueError("raised inside")
+    assert ran == [None] and profiler.summary() == ""
+
+
 def test_in_memory_batches_come_from_one_index_and_match_the_per_sample_path() -> None:
     from torch.utils.data import DataLoader
 

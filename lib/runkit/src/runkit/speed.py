@@ -21,6 +21,12 @@ config key                         default    what it does
                                               and its 4-D inputs, on CUDA (tensor-core
                                               convolutions); nothing changes on the CPU or
                                               for an MLP.
+``trainer.profiler``               ``null``   none asked for: :class:`NoProfiler` (Lightning
+                                              times nothing either way; its default wraps
+                                              each of the ~90 hook calls of a training step in
+                                              a generator context, ~2.5 us each). Any
+                                              Lightning profiler is used as given
+                                              (``debug=profiler``).
 =================================  =========  ==============================================
 
 The two ``callbacks.speed`` switches are :class:`NetworkSpeedups`, a callback, so the
@@ -30,12 +36,14 @@ entry points import it inside their task functions, so ``--help`` and ``--cfg jo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.profilers import Profiler
 from torch import nn
 
 from runkit import quoting
@@ -233,5 +241,33 @@ def trainer_settings(cfg: Any, plan: Any) -> dict[str, Any]:
     matmul = apply_matmul_precision(cfg.get("matmul_precision", "high"), cuda)
     kwargs = plan.trainer_kwargs()
     kwargs["precision"] = resolve_precision(cfg.get("precision", "auto"), cuda)
+    if cfg.trainer.get("profiler") is None:
+        kwargs["profiler"] = NoProfiler()
     log.info(describe(matmul, kwargs["precision"], cuda))
     return kwargs
+
+
+class NoProfiler(Profiler):
+    """A Lightning profiler that times nothing, at the least cost per hook call.
+
+    Lightning calls ``trainer.profiler.profile(name)`` around every hook of every callback, of the
+    module and of the strategy: about 90 a training step with the template's callbacks. Its
+    default, ``PassThroughProfiler``, also times nothing, but through a ``@contextmanager``
+    generator built, entered and closed each time (~3 us); this returns one shared
+    ``nullcontext`` (~0.5 us). On a small model's 5 ms step that is ~4 % of the step.
+    """
+
+    def start(self, action_name: str) -> None:
+        pass
+
+    def stop(self, action_name: str) -> None:
+        pass
+
+    def profile(self, action_name: str) -> contextlib.nullcontext:
+        return _NOTHING
+
+    def summary(self) -> str:
+        return ""
+
+
+_NOTHING = contextlib.nullcontext()
