@@ -20,7 +20,7 @@ import runkit
 from project import config_dir
 from runkit import speed
 from runkit.errors import RunError
-from runkit.run import builders, cli, preflight, run_files
+from runkit.run import builders, collector, preflight, run_files
 from runkit.run.launch import register_resolvers
 from runkit.safety.checkpoints import AtomicCheckpointIO, save_weights
 from runkit.safety.interrupts import GracefulInterrupt
@@ -300,7 +300,7 @@ def _gc_app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *argv: str) -> tupl
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.argv", ["app", f"hydra.run.dir={tmp_path / 'run'}", *argv])
-    monkeypatch.setattr(cli, "_collector_paused", False)
+    monkeypatch.setattr(collector, "_collector_paused", False)
     return runkit.hydra_entry(task, "app", configs), seen
 
 
@@ -346,3 +346,24 @@ def test_a_caller_that_holds_the_collector_off_keeps_it_off(
         assert seen == [(False, before)] and not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_the_preflight_turns_the_collector_back_on_for_a_sweeps_parent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gc
+
+    # A sweep's parent runs no job in-process (the parallel launcher starts each as a process
+    # of its own): its collector comes back on after the preflight's imports.
+    for name in ("check_config", "check_inputs", "claim_run_dir"):
+        monkeypatch.setattr(preflight, name, lambda *args: None)
+    monkeypatch.setattr(preflight, "_resumable_sweep", lambda config: False)
+    monkeypatch.setattr(collector, "_collector_paused", False)
+    before = gc.get_freeze_count()
+    try:
+        assert collector.pause_collector() and not gc.isenabled()
+        preflight.PreflightCallback().on_multirun_start(OmegaConf.create({}))
+        assert gc.isenabled() and gc.get_freeze_count() > before
+    finally:
+        gc.enable()
+        gc.unfreeze()

@@ -5,7 +5,6 @@ Kept free of torch and Lightning imports, so ``--help`` and ``--cfg job`` answer
 
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import os
@@ -17,6 +16,7 @@ from typing import Any
 
 from runkit import compat, quoting
 from runkit.errors import RunError
+from runkit.run.collector import pause_collector, resume_collector
 
 
 class QuietFilter(logging.Filter):
@@ -64,12 +64,12 @@ def hydra_entry(
     """
 
     def main() -> None:
-        paused = _pause_collector()
+        paused = pause_collector()
         try:
             _main()
         finally:
             if paused:  # the job never ran (--help, --cfg, a mistake): as the caller had it
-                _resume_collector(freeze=False)
+                resume_collector(freeze=False)
 
     def _main() -> None:
         import hydra
@@ -128,42 +128,6 @@ def hydra_entry(
     return main
 
 
-# True while the entry point holds Python's cyclic garbage collector off (see _pause_collector).
-_collector_paused = False
-
-
-def _pause_collector() -> bool:
-    """Hold the cyclic garbage collector off until the job's imports are done; True if it was on.
-
-    Importing torch and Lightning creates ~400k objects and next to no garbage, yet the collector
-    runs a full collection over all of them again and again on the way (one costs ~0.2 s on a
-    laptop-class core): 0.7-1.2 s of a ~5.5 s ``import lightning`` (benchmarks/startup.py).
-    :func:`_resume_collector` turns it back on once the heavy imports are done.
-    """
-    global _collector_paused
-    if not gc.isenabled():
-        return False  # the caller manages the collector
-    gc.disable()
-    _collector_paused = True
-    return True
-
-
-def _resume_collector(freeze: bool) -> None:
-    """Turn the collector back on (once; the first job of a process). ``freeze``: first move
-    every object alive now (modules, classes, the config) to the permanent generation
-    (``gc.freeze``), so later collections skip them, and processes forked later (the GPU sampler,
-    DataLoader workers) share those pages instead of copying each on the first collection, as the
-    ``gc`` documentation recommends. What it costs: the little garbage the config composition left
-    (kilobytes) stays in memory."""
-    global _collector_paused
-    if not _collector_paused:
-        return
-    _collector_paused = False
-    if freeze:
-        gc.freeze()
-    gc.enable()
-
-
 def _reporting(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """Run ``task``; a user mistake inside it becomes one line, and a run that never started
     leaves no directory behind.
@@ -182,7 +146,7 @@ def _reporting(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
         try:
             check_config(cfg)  # again per job: the values of a sweep's jobs differ
-            _resume_collector(freeze=True)  # the heavy imports are done (check_config's targets)
+            resume_collector(freeze=True)  # the heavy imports are done (check_config's targets)
             # In a sweep, DDP children run this job only (runkit.run.launch).
             with job_scope():
                 return sweep_objective(cfg, task(cfg))

@@ -35,6 +35,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from runkit.errors import RunError
+from runkit.run.collector import resume_collector
 
 HYDRA_KEYS = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
 # Files only a finished or started run writes (DDP workers > 0 write none of them).
@@ -60,6 +61,7 @@ class PreflightCallback(Callback):
         try:
             check_config(config)
             check_inputs(config)
+            resume_collector(freeze=True)  # check_config imported every _target_: the heavy part
             if dir_key == "hydra.sweep.dir" and _resumable_sweep(config):
                 from runkit.run.sweep import check_n_jobs
 
