@@ -45,12 +45,10 @@ callback opened there, and the run's energy continues from the child's last tota
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import multiprocessing
 import os
 import signal
-import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -59,12 +57,12 @@ from typing import Any
 
 from runkit.gpu_stats.sampler import GpuReader, GpuSampler
 from runkit.gpus import nvml
+from runkit.processes import die_with_parent
 
 log = logging.getLogger(__name__)
 
 WATCH_S = 1.0
 """How often the child checks that its parent is still there when no request comes."""
-_PR_SET_PDEATHSIG = 1
 _TIMEOUT, _GONE = object(), object()  # what _receive gives instead of an answer
 
 
@@ -324,10 +322,7 @@ class _Collect(logging.Handler):
 def _tie_to_parent(parent_pid: int) -> None:
     """Die with the parent (PR_SET_PDEATHSIG on Linux), yield the CPU to it, and leave it the
     signals it handles."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    die_with_parent(signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before prctl: nobody to serve
         os._exit(0)
     # The lowest CPU priority: where cores are shared, training goes first; the sampler needs a

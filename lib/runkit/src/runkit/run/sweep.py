@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from runkit.errors import RunError
+from runkit.processes import die_with_parent
 from runkit.quoting import hydra_value
 
 log = logging.getLogger(__name__)
@@ -222,11 +223,7 @@ def follow_sweep_parent(environ: MutableMapping[str, str] | None = None) -> None
     parent = env.pop(PARENT_ENV, None)  # the job's own DDP ranks follow the job, not the sweep
     if not parent:
         return
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    die_with_parent(signal.SIGTERM)
     if str(os.getppid()) != parent:
         print(f"error: the sweep (pid {parent}) ended before this job started", file=sys.stderr)
         raise SystemExit(128 + signal.SIGTERM)
