@@ -64,12 +64,13 @@ def hydra_entry(
     """
 
     def main() -> None:
-        paused = pause_collector()
+        pause_collector()
         try:
             _main()
         finally:
-            if paused:  # the job never ran (--help, --cfg, a mistake): as the caller had it
-                resume_collector(freeze=False)
+            # The job never ran (--help, --cfg, a mistake): on again, unless the job already
+            # turned it on or the caller had it off (then this does nothing).
+            resume_collector(freeze=False)
 
     def _main() -> None:
         import hydra
