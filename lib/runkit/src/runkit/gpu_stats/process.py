@@ -393,7 +393,7 @@ def _serve(conn: Any, sampler: GpuSampler, parent_pid: int, collect: _Collect) -
         "has_samples": sampler.has_samples,
         "collect": collect_phase,
         "summaries": summaries,
-        "stop": lambda: None,
+        "stop": sampler.stop,
     }
     while True:
         if not conn.poll(WATCH_S):
@@ -404,8 +404,6 @@ def _serve(conn: Any, sampler: GpuSampler, parent_pid: int, collect: _Collect) -
             seq, op, args = conn.recv()
         except (EOFError, OSError):
             return
-        if op == "stop":
-            sampler.stop()
         result = handlers[op](*args)
         if seq is not None:
             try:
