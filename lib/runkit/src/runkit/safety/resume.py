@@ -174,14 +174,18 @@ def check_fits(model: LightningModule, checkpoint: Path) -> None:
     """
     import torch
 
-    from runkit.safety import checkpoints
-    from runkit.safety.checkpoints import load_file, state_mismatch
+    from runkit.safety.checkpoints import (
+        is_sharded_checkpoint,
+        load_file,
+        sharded_shapes,
+        state_mismatch,
+    )
 
     expected = model.state_dict()
     if not expected:  # layers made in configure_model, later: Lightning's own load checks them
         return
-    if checkpoints.is_sharded_checkpoint(checkpoint):  # trainer=fsdp: the shapes from its index
-        shapes = checkpoints.sharded_shapes(checkpoint)
+    if is_sharded_checkpoint(checkpoint):  # trainer=fsdp: the shapes from its index
+        shapes = sharded_shapes(checkpoint)
         state = {key: torch.empty(shape, device="meta") for key, shape in shapes.items()}
     else:
         state = load_file(checkpoint, mmap=True).get("state_dict")
