@@ -14,6 +14,9 @@ Arms, each a fresh ``python`` process, interleaved over ``--repeats`` (rotated o
 * ``--help`` and ``--cfg job``: must not import torch or Lightning; ``python -X importtime``
   tells which modules they loaded, and the table says so. Timed to the exit of the process.
 * ``python -c pass``: the interpreter alone, for scale (to its exit).
+* ``import lightning, collector off``: the same import after ``gc.disable()``: what the cyclic
+  garbage collector's full collections cost the import (the entry point holds the collector off
+  until its imports are done, ``runkit.run.collector``).
 
 Printed: each arm's median as a ratio to ``import lightning`` (target, issue 21: first step <= 1.15x), with
 the min and max of the per-repeat ratios.
@@ -54,10 +57,11 @@ def run_wall(command: list[str], env: dict[str, str], cwd: str) -> float:
     return time.perf_counter() - start
 
 
-def run_import(module: str, env: dict[str, str], cwd: str) -> float:
-    """Seconds from starting ``python`` to the end of ``import module``: the process prints the
-    time there, so its exit (tearing torch down) is not counted, as in the first-step arm."""
-    code = f"import time, {module}; print(time.time())"
+def run_import(module: str, env: dict[str, str], cwd: str, prelude: str = "") -> float:
+    """Seconds from starting ``python`` to the end of ``import module`` (after ``prelude``): the
+    process prints the time there, so its exit (tearing torch down) is not counted, as in the
+    first-step arm."""
+    code = f"{prelude}import time, {module}; print(time.time())"
     start = time.time()
     done = subprocess.run(
         [PY, "-c", code], env=env, cwd=cwd, check=True, capture_output=True, text=True
@@ -119,6 +123,7 @@ def main() -> None:
         "--help",
         "--cfg job",
         "python -c pass",
+        "import lightning, collector off",
     ]
     times = _common.Arms(arms)
     with tempfile.TemporaryDirectory(prefix="startup_") as name:
@@ -133,6 +138,9 @@ def main() -> None:
             for arm in order:
                 if arm == "train to first step":
                     times.add(arm, run_to_first_step(tmp, args.overrides))
+                elif arm == "import lightning, collector off":
+                    prelude = "import gc; gc.disable(); "
+                    times.add(arm, run_import("lightning", _env(), name, prelude))
                 elif arm.startswith("import "):
                     times.add(arm, run_import(arm.removeprefix("import "), _env(), name))
                 else:
