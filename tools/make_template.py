@@ -9,10 +9,13 @@ derives one from the other, so there is one source of truth:
   else wrapped in ``{% raw %}`` so that no ``{{`` of its own is rendered;
 * a user-owned file that does not name it becomes a symbolic link to the file itself (a
   ``.gitignore`` a copy: git does not follow links there);
-* ``lib/`` (the library, vendored into every project) is a link to ``../lib``; copier.yml leaves
-  its tests and benchmarks out;
+* ``lib/runkit`` (the library, vendored into every project) links to the library's files, less
+  its tests; its README is rendered like a user-owned file (the user's package in its commands);
 * a line ending in ``# repo-only``, and a block between ``# repo-only: begin`` and
-  ``# repo-only: end``, are dropped (the library's tests in pytest's settings, mutation testing).
+  ``# repo-only: end``, are dropped (the library's tests in pytest's settings, mutation testing);
+  a ``# template-only: <line>`` comment becomes ``<line>`` (the project's settings that differ
+  from this repository's, such as leaving the vendored library out of lint). In Markdown the
+  same markers are HTML comments (``<!-- repo-only: begin -->``).
 
 ``python tools/make_template.py`` rewrites ``template/``; ``--check`` exits 1 naming the first
 file that differs (``tests/test_template.py`` runs it, so a change to the project that was not
@@ -55,15 +58,24 @@ OWNED = (
 """What a user owns: copied into every generated project (everything else is this repository's)."""
 
 REPO_ONLY = ("tests/test_template.py",)
+LIBRARY_LEFT_OUT = ("tests", "__pycache__")
+"""What of lib/runkit stays in this repository: the library's own test suite."""
 """Under :data:`OWNED` but about this repository (Copier, the template itself)."""
 
-# The package's name where code, configs and commands use it: a module path (not pyproject's
-# [project.*] tables), a quoted name, an environment variable prefix; prose ("your project")
-# stays as it is.
+# The package's name wherever code, configs, commands and paths use it; the word in prose ("your
+# project", "the project's configs") and pyproject's own [project] tables stay as they are:
+# - a module path or attribute (project.train), a package's extras (project[optuna]), a path
+#   (src/project, project/configs), quoted ("project", 'project', `project`);
+# - after -m / from / import; an environment variable prefix (PROJECT_LOG_DIR);
+# - a YAML or TOML value of its own (wandb's `project: project`).
 _NAME = re.compile(
-    rf"(?<![\w\-]){PACKAGE}(?=[./:]\w)(?!\.(?:optional-dependencies|scripts|gui-scripts|urls|"
-    rf"entry-points)\])|(?<=\"){PACKAGE}(?=\")|\b{PACKAGE.upper()}_(?=[A-Z])"
-    rf"|(?<=\bfrom ){PACKAGE}\b|(?<=\bimport ){PACKAGE}\b"
+    rf"(?<![\w\-\[]){PACKAGE}(?=\.[\w\"'`\\]|\[\w|/)"
+    rf"|(?<=/){PACKAGE}\b(?![\-])"
+    rf"|(?<=[\"'`]){PACKAGE}(?=[\"'`])"
+    rf"|(?<=-m ){PACKAGE}\b|(?<=\bfrom ){PACKAGE}\b|(?<=\bimport ){PACKAGE}\b"
+    rf"|\b{PACKAGE.upper()}_(?=[A-Z])"
+    rf"|(?<=: ){PACKAGE}$",
+    re.M,
 )
 # What else a user chooses, where pyproject.toml and the CI workflow say it.
 _SETTINGS = (
@@ -102,18 +114,48 @@ def render(text: str) -> str | None:
     return "".join(pieces) if spans else None
 
 
+_MARK = re.compile(r"^\s*(?:#|<!--)\s*(repo-only|template-only)(?:: (.*?))?\s*(?:-->)?\s*$")
+
+
 def without_repo_only(text: str) -> str:
-    """``text`` less its lines ending in ``# repo-only`` and its ``# repo-only: begin`` ...
-    ``# repo-only: end`` blocks."""
+    """``text`` as a generated project has it: less its lines ending in ``repo-only`` and its
+    ``repo-only: begin`` ... ``repo-only: end`` blocks, with each ``template-only: <line>``
+    comment replaced by ``<line>``.
+
+    Markers are comments of the file's kind: ``# ...`` (Python, YAML, TOML, Makefile, shell) or
+    ``<!-- ... -->`` (Markdown, where a comment does not show). A line that ends in
+    ``# repo-only`` or ``<!-- repo-only -->`` is dropped whole.
+    """
     kept, skipping = [], False
     for line in text.splitlines(keepends=True):
-        mark = line.strip()
-        if mark == "# repo-only: begin":
+        mark = _MARK.match(line)
+        kind, rest = (mark.group(1), mark.group(2)) if mark else (None, None)
+        if kind == "repo-only" and rest == "begin":
             skipping = True
-        elif mark == "# repo-only: end":
+        elif kind == "repo-only" and rest == "end":
             skipping = False
-        elif not skipping and not mark.endswith("# repo-only"):
+        elif skipping:
+            continue
+        elif kind == "template-only" and rest is not None:
+            kept.append(line[: len(line) - len(line.lstrip())] + rest + "\n")
+        elif not line.rstrip().endswith(("# repo-only", "<!-- repo-only -->")):
             kept.append(line)
+    return "".join(kept)
+
+
+def without_test_column(text: str) -> str:
+    """``text`` less the last column of each Markdown table headed ``| ... | Test |``: the
+    library's README names the test behind each row, a file its vendored copy does not have."""
+    kept, in_table = [], False
+    for line in text.splitlines(keepends=True):
+        row = line.rstrip("\n")
+        if row.startswith("|") and row.rstrip().endswith("| Test |"):
+            in_table = True
+        elif not row.startswith("|"):
+            in_table = False
+        if in_table:
+            line = row.rstrip()[:-1].rsplit("|", 1)[0] + "|\n"
+        kept.append(line)
     return "".join(kept)
 
 
@@ -153,20 +195,123 @@ def write(target: Path, home: Path | None = None) -> None:
         except UnicodeDecodeError:
             text = None
         rendered = None if text is None else render(text)
-        # git does not follow a linked .gitignore (it warns at every command): a copy, then
-        if relative.name == ".gitignore" and rendered is None:
+        if rendered is None and text is not None and without_repo_only(text) != text:
+            rendered = _raw(without_repo_only(text))
+        if rendered is not None:
+            Path(f"{destination}.jinja").write_text(rendered, encoding="utf-8")
+        elif relative.name == ".gitignore":  # git does not follow a linked .gitignore
             shutil.copy2(source, destination)
-        elif rendered is None and (text is None or without_repo_only(text) == text):
-            destination.symlink_to(os.path.relpath(source, (home / name).parent))
         else:
-            Path(f"{destination}.jinja").write_text(rendered or _raw(text or ""), encoding="utf-8")
-    (target / "lib").symlink_to(os.path.relpath(ROOT / "lib", home))
+            destination.symlink_to(os.path.relpath(source, (home / name).parent))
+    # The library, vendored: its files as they are, but its README as the project reads it (the
+    # project's own package name in its commands, this repository's tools and tests left out).
+    library = Path("lib", "runkit")
+    (target / library).mkdir(parents=True)
+    for source in sorted((ROOT / library).iterdir()):
+        relative = library / source.name
+        if source.name in LIBRARY_LEFT_OUT or source.name.startswith("."):
+            continue
+        if source.name == "README.md":
+            text = without_test_column(source.read_text(encoding="utf-8"))
+            jinja = render(text) or _raw(without_repo_only(text))
+            Path(f"{target / relative}.jinja").write_text(jinja, encoding="utf-8")
+        else:
+            (target / relative).symlink_to(os.path.relpath(source, (home / relative).parent))
     answers = target / "{{ _copier_conf.answers_file }}.jinja"
     answers.write_text(
         "# Written by Copier; do not edit: `copier update` reads it.\n"
         "{{ _copier_answers | to_nice_yaml -}}\n",
         encoding="utf-8",
     )
+
+
+NAMES_FILE = ROOT / "tools" / "package_name.jinja"
+"""copier.yml's checks of the package name (its default from the project name, the names it may
+not take), with the lists :func:`write_names` writes into it."""
+_NAMES = re.compile(
+    r"(?<=\{%- set reserved = ).*?(?= -%\})|(?<=\{%- set base_letters = ).*?(?= -%\})", re.S
+)
+_NO_DECOMPOSITION = {
+    "ß": "ss",
+    "æ": "ae",
+    "œ": "oe",
+    "ø": "o",
+    "ł": "l",
+    "đ": "d",
+    "ð": "d",
+    "þ": "th",
+    "ı": "i",
+}
+
+
+def reserved_names() -> list[str]:
+    """The names a project's package may not take: the top-level import names and distribution
+    names of everything the project installs (its dependencies and dev extras, recursively, as
+    installed here), the optional integrations' own, Python's standard library and keywords.
+    A package of such a name shadows the real one (``numpy``: ``import torch`` fails) or, as a
+    distribution, replaces it on install (``lightning_runkit`` uninstalls the vendored library)."""
+    import importlib.metadata as metadata
+    import keyword
+
+    from packaging.requirements import Requirement
+
+    def normal(name: str) -> str:
+        return re.sub(r"[-_.]+", "_", name).lower()
+
+    names = {"wandb", "mlflow", "hydra_plugins", "runkit", "lightning_runkit", "test", "tests"}
+    names |= set(sys.stdlib_module_names) | set(keyword.kwlist) | set(keyword.softkwlist)
+    seen: dict[str, set[str]] = {}
+    todo = [(PACKAGE, {"dev"}), ("lightning-runkit", set())]
+    while todo:
+        name, extras = todo.pop()
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue  # an optional integration not installed here (its name is listed above)
+        key = normal(dist.metadata["Name"])
+        if key in seen and extras <= seen[key]:
+            continue
+        seen[key] = seen.get(key, set()) | extras
+        names.add(key)
+        for line in (dist.read_text("top_level.txt") or "").split():
+            names.add(line)
+        for file in dist.files or []:
+            top = file.parts[0] if file.parts else ""
+            if top.endswith((".dist-info", ".egg-info", ".data")) or top in ("..", "__pycache__"):
+                continue
+            names.add(top.split(".")[0] if len(file.parts) == 1 else top)
+        for text in dist.requires or []:
+            requirement = Requirement(text)
+            marker = requirement.marker
+            if marker is None or any(marker.evaluate({"extra": e}) for e in extras | {""}):
+                todo.append((requirement.name, set(requirement.extras)))
+    names.discard(PACKAGE)  # the template's own name
+    return sorted({n.lower() for n in names if re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", n)})
+
+
+def base_letters() -> dict[str, str]:
+    """Each lowercase Latin letter with a diacritic and the ASCII letters it is written with
+    (é: e, ß: ss): the package name's default keeps them from a project name like "Élan"."""
+    import unicodedata
+
+    table = dict(_NO_DECOMPOSITION)
+    for code in range(0xC0, 0x250):
+        char = chr(code)
+        if not char.isalpha() or char != char.lower():
+            continue
+        base = "".join(c for c in unicodedata.normalize("NFKD", char) if c.isascii())
+        if base.isalpha() and base != char:
+            table.setdefault(char, base.lower())
+    return dict(sorted(table.items()))
+
+
+def write_names() -> None:
+    """Rewrite the two lists in :data:`NAMES_FILE` from this environment."""
+    import json
+
+    values = iter([json.dumps(reserved_names()), json.dumps(base_letters(), ensure_ascii=False)])
+    text = NAMES_FILE.read_text(encoding="utf-8")
+    NAMES_FILE.write_text(_NAMES.sub(lambda _: next(values), text), encoding="utf-8")
 
 
 def differences(left: Path, right: Path) -> str | None:
@@ -194,7 +339,15 @@ def differences(left: Path, right: Path) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only compare; exit 1 on a change")
+    parser.add_argument(
+        "--names",
+        action="store_true",
+        help=f"rewrite the reserved names in {NAMES_FILE.relative_to(ROOT)} from this environment",
+    )
     args = parser.parse_args(argv)
+    if args.names:
+        write_names()
+        return 0
     if args.check:
         with tempfile.TemporaryDirectory(dir=ROOT) as scratch:
             fresh = Path(scratch) / TEMPLATE
