@@ -1,7 +1,7 @@
 """Every private Lightning, torch, OmegaConf and Hydra API the template relies on, in one list.
 
 Each entry names the private attribute, who uses it and why no public API does the job, and has a
-probe: ``tests/test_compat.py`` runs every probe, so a release that moves one fails with a line
+probe: the library's test suite runs every probe, so a release that moves one fails with a line
 naming the access (``check_all`` gives the same lines at run time). The simplest accesses live
 here as functions; the others are overrides of private methods in subclasses or reads of a
 private attribute inside one class, which the table points at.

@@ -24,7 +24,7 @@ The default lock directory is per user (``$XDG_RUNTIME_DIR/runkit-gpu-locks``, e
 file works. Lock files are never deleted (deleting one would race with its next holder).
 
 Why not nvitop's ``select_devices``: it has the thresholds but neither waits nor claims, and
-judges utilisation from one instant (docs/design/notes.md).
+judges utilisation from one instant (the library's design notes).
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def rank_by_load(gpus: Sequence[Gpu]) -> list[int]:
     utilisation, then lowest index. Unknown values rank after known ones.
 
     Why not nvitop's ``select_devices``: it breaks ties by the highest index and ranks a GPU whose
-    memory reading failed first (docs/design/notes.md)."""
+    memory reading failed first (the library's design notes)."""
 
     def key(i: int) -> tuple[bool, int, bool, int, int]:
         g = gpus[i]

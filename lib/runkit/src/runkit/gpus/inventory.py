@@ -158,7 +158,7 @@ def read_nvml(detail: str = FULL) -> tuple[list[Gpu], str | None, list[str]]:
     :class:`runkit.gpus.nvml.NvmlUnavailable` when NVML cannot start.
 
     Why not nvitop: the same queries, but through the one door the fake NVML replaces, also in a
-    subprocess (docs/design/notes.md)."""
+    subprocess (the library's design notes)."""
     if detail not in DETAILS:
         raise ValueError(f"detail={detail!r}; use one of {', '.join(DETAILS)}")
     with nvml.nvml_session() as lib:

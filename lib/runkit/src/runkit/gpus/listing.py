@@ -6,7 +6,7 @@ device resolution reads only what it needs (:mod:`runkit.gpus.inventory`). ``--w
 asks torch once and reads NVML once per refresh (one session), so a refresh stays cheap.
 
 Why not nvitop's TUI: it numbers GPUs by NVML index, not as ``cuda:N`` for this process, and
-cannot be pointed at the fake NVML (docs/design/notes.md).
+cannot be pointed at the fake NVML (the library's design notes).
 """
 
 from __future__ import annotations

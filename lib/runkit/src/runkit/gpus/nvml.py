@@ -4,7 +4,7 @@ Everything in the template that reads GPU state (the device listing, GPU selecti
 statistics callback) goes through :func:`nvml_session`. The object it yields is the ``pynvml``
 module from the ``nvidia-ml-py`` package, or anything with the same functions and error classes:
 tests, benchmarks and CPU-only demos swap in :mod:`runkit.testing.fake_nvml` either
-in-process with :func:`use_library` or, for a subprocess such as ``python -m project.train``, with
+in-process with :func:`use_library` or, for a subprocess such as a project's ``python -m <package>.train``, with
 the environment variable ``RUNKIT_NVML_BACKEND=package.module:factory``.
 
 Keeping the interface identical to pynvml's means the real code path is the tested code path:
@@ -83,7 +83,7 @@ def nvml_session() -> Iterator[Any]:
     cannot start, for example on a machine without an NVIDIA driver.
 
     Why not nvitop's ``libnvml``: its lazy module-level init and atexit shutdown import ``pynvml``
-    directly, out of reach of ``RUNKIT_NVML_BACKEND`` (docs/design/notes.md).
+    directly, out of reach of ``RUNKIT_NVML_BACKEND`` (the library's design notes).
     """
     lib = load_library()
     try:

@@ -34,7 +34,7 @@ class Gpu:
     read at the detail asked, are ``None``.
 
     Why not nvitop's ``Device``: a plain record, read once; nvitop's devices query a module-level
-    NVML state the fake NVML cannot reach (docs/design/notes.md).
+    NVML state the fake NVML cannot reach (the library's design notes).
     """
 
     uuid: str

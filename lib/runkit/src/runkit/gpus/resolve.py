@@ -273,7 +273,7 @@ def select_least_used(gpus: Sequence[Gpu], count: int) -> list[int]:
     """The ``count`` best GPUs by :func:`rank_by_load`, as a sorted list of ``cuda:N`` indices.
 
     Why not nvitop's ``select_devices``: it answers in NVML indices, ignoring
-    ``CUDA_VISIBLE_DEVICES``, and may return fewer GPUs without an error (docs/design/notes.md)."""
+    ``CUDA_VISIBLE_DEVICES``, and may return fewer GPUs without an error (the library's design notes)."""
     return sorted(rank_by_load(gpus)[:count])
 
 

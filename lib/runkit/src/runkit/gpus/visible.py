@@ -25,7 +25,7 @@ Sources: [PG] CUDA Programming Guide §5.2.1.1 ``CUDA_VISIBLE_DEVICES``,
 https://docs.nvidia.com/cuda/cuda-programming-guide/05-appendices/environment-variables.html;
 [MIG] MIG User Guide, "MIG Device Names → CUDA Device Enumeration",
 https://docs.nvidia.com/datacenter/tesla/mig-user-guide/mig-device-names.html
-(docs/design/notes.md keeps the comparison with nvitop and torch).
+(the design notes of the library's repository keep the comparison with nvitop and torch).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _cuda_units(gpu: Gpu) -> list[Gpu]:
     (before :func:`apply_mig_limits` keeps those the driver enumerates).
 
     Why not nvitop: it always applies the pre-R570 rule, one MIG device in all
-    (docs/design/notes.md).
+    (the library's design notes).
     """
     return list(gpu.mig_devices) if gpu.mig_enabled else [gpu]
 
@@ -86,7 +86,7 @@ def apply_mig_limits(
     contradicts the R570 paragraph; this follows the paragraph. An unknown driver version gets the
     R570 rule (current drivers).
 
-    Why not nvitop: it applies the pre-R570 rule whatever the driver (docs/design/notes.md).
+    Why not nvitop: it applies the pre-R570 rule whatever the driver (the library's design notes).
     """
     notes: list[str] = []
     mig = [u for u in units if u.is_mig]
@@ -137,7 +137,7 @@ def cuda_enumeration(physical: Sequence[Gpu], order: str | None) -> tuple[list[G
     note says so.
 
     Why not nvitop: without a driver it ignores ``CUDA_DEVICE_ORDER`` and uses NVML index order,
-    not PCI bus order (docs/design/notes.md).
+    not PCI bus order (the library's design notes).
     """
     notes: list[str] = []
     ordered = sorted(physical, key=lambda g: (g.pci_bus_id or "", g.nvml_index or 0))
@@ -164,7 +164,7 @@ def _match_uuid(prefix: str, candidates: Sequence[Gpu]) -> Gpu | str | None:
 def _match_old_mig(entry: str, physical: Sequence[Gpu]) -> Gpu | None:
     """``MIG-GPU-<uuid>/<gpu instance>/<compute instance>``, the form used before driver R470.
 
-    Why not nvitop: it cannot resolve this form from NVML alone (docs/design/notes.md)."""
+    Why not nvitop: it cannot resolve this form from NVML alone (the library's design notes)."""
     match = re.fullmatch(r"MIG-(GPU-[^/]+)/(\d+)/(\d+)", entry.strip())
     if not match:
         return None
@@ -241,7 +241,7 @@ def apply_visible_devices(
     (:func:`apply_mig_limits`).
 
     Why not nvitop: without a driver its rules miss unique UUID prefixes and ``+1``, and with one
-    it spawns a child process per new value (docs/design/notes.md).
+    it spawns a child process per new value (the library's design notes).
     """
     enumeration, notes = cuda_enumeration(physical, order)
     if cuda_visible_devices is None:

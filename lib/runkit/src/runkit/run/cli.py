@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable
@@ -92,6 +93,9 @@ def hydra_entry(
         from runkit.safety.signals import stop_on_signal
 
         _quiet_reported_failures()
+        conflicted = conflicted_config(sys.argv[1:], Path(config_dir))
+        if conflicted is not None:
+            _fail(conflicted, 2)
         try:
             # Ctrl-C, SIGTERM: recorded, acted on at a safe point, 128+N; after the run too
             with stop_on_signal(until_exit=True):
@@ -274,18 +278,48 @@ def undecodable_config(err: UnicodeDecodeError, argv: list[str], config_dir: Pat
     Hydra's error names no file, so the config directories in use (the template's and any
     ``--config-dir``) are searched for the YAML files that do not decode.
     """
+    bad = [str(p) for p in _config_files(argv, config_dir) if _undecodable(p)]
+    if not bad:
+        return None
+    byte = err.object[err.start : err.start + 1].hex()
+    where = f"byte 0x{byte} at position {err.start}"
+    return f"{', '.join(bad)} is not UTF-8 text ({where}); save it as UTF-8"
+
+
+_CONFLICT_MARKER = re.compile(rb"^(?:<{7}|>{7})(?: |$)|^={7}$", re.M)
+
+
+def conflicted_config(argv: list[str], config_dir: Path) -> str | None:
+    """``configs/train.yaml:22 has merge-conflict markers ...``, or ``None``.
+
+    ``copier update`` (and git) leave a conflict as ``<<<<<<<``/``=======``/``>>>>>>>`` lines and
+    exit 0; such a file may even parse as YAML, and train on half of each side. Checked before
+    Hydra reads anything, so the run stops before its directory exists.
+    """
+    for path in _config_files(argv, config_dir):
+        try:
+            found = _CONFLICT_MARKER.search(path.read_bytes())
+        except OSError:  # unreadable is another problem, reported where it is read
+            continue
+        if found is not None:
+            line = found.string.count(b"\n", 0, found.start()) + 1
+            shown = os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd()) else path
+            return (
+                f"{shown}:{line} has merge-conflict markers (<<<<<<< ======= >>>>>>>, left by "
+                "copier update or git); keep the lines you want and delete the markers"
+            )
+    return None
+
+
+def _config_files(argv: list[str], config_dir: Path) -> list[Path]:
+    """The YAML files of the config directories in use: the project's and any ``--config-dir``."""
     dirs = [config_dir]
     for i, arg in enumerate(argv):
         if arg.startswith(("--config-dir=", "-cd=")):
             dirs.append(Path(arg.split("=", 1)[1]))
         elif arg in ("--config-dir", "-cd") and i + 1 < len(argv):
             dirs.append(Path(argv[i + 1]))
-    bad = [str(p) for d in dirs if d.is_dir() for p in sorted(d.rglob("*.yaml")) if _undecodable(p)]
-    if not bad:
-        return None
-    byte = err.object[err.start : err.start + 1].hex()
-    where = f"byte 0x{byte} at position {err.start}"
-    return f"{', '.join(bad)} is not UTF-8 text ({where}); save it as UTF-8"
+    return [p for d in dirs if d.is_dir() for p in sorted(d.rglob("*.yaml"))]
 
 
 def _undecodable(path: Path) -> bool:

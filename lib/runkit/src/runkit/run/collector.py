@@ -18,7 +18,7 @@ def pause_collector() -> bool:
 
     Importing torch and Lightning creates ~400k objects and next to no garbage, yet the collector
     runs a full collection over all of them again and again on the way (one costs ~0.2 s on a
-    laptop-class core): 0.7-1.2 s of a ~5.5 s ``import lightning`` (benchmarks/startup.py).
+    laptop-class core): 0.7-1.2 s of a ~5.5 s ``import lightning`` (measured by the library's start-up benchmark).
     :func:`resume_collector` turns it back on once the heavy imports are done: after the
     preflight (Hydra's ``on_run_start``/``on_multirun_start``, which imports every ``_target_``),
     or at the latest when the job starts, so a sweep's parent process collects as usual.

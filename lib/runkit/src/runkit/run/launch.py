@@ -2,7 +2,7 @@
 
 Two problems, both from the fact that every DDP process runs the Hydra entry point itself.
 
-**A sweep with DDP** (``python -m project.train -m ... trainer.devices=2``). Lightning starts
+**A sweep with DDP** (``python -m <package>.train -m ... trainer.devices=2``). Lightning starts
 ranks > 0 by re-running ``sys.argv`` with ``hydra.run.dir=<HydraConfig.run.dir>`` appended. In a
 sweep that command still holds ``-m`` and every sweep value, so each child re-runs the *whole*
 sweep, in lockstep with rank 0 by luck only (Lightning #11300): an adaptive sweeper (Optuna)

@@ -376,10 +376,18 @@ def check_inputs(cfg: DictConfig) -> None:
         raise RunError(
             f"ckpt_path={value!r} holds only weights (a model.pth or a bare state_dict), so "
             "training cannot resume from it; pass a Lightning checkpoint (a .ckpt file or a run "
-            "directory), or evaluate it with eval"
+            f"directory), or evaluate it with {_sibling_entry('eval')}"
         )
     if trains and cfg.get("train"):
         _check_earlier_log(path)
+
+
+def _sibling_entry(task: str) -> str:
+    """``python -m <package>.<task>`` for the package whose entry point runs (``project.train``
+    gives ``python -m project.eval``); the task's name alone when not run with ``-m``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    package = (getattr(spec, "name", None) or "").rpartition(".")[0]
+    return f"python -m {package}.{task}" if package else task
 
 
 def _check_earlier_log(checkpoint: Path) -> None:

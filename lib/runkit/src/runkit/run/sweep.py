@@ -1,6 +1,6 @@
 """Sweeps that fill one machine: up to ``n_jobs`` jobs at once, each a process of its own, resumable.
 
-``python -m project.train -m hydra/launcher=parallel model.optimizer.lr=0.1,0.01,0.001``
+``python -m <package>.train -m hydra/launcher=parallel model.optimizer.lr=0.1,0.01,0.001``
 
 **One job, one process, one single run.** Each job is started as
 ``python -m <entry> <the job's overrides> hydra.run.dir=<its folder> hydra.mode=RUN``, so what a

@@ -194,7 +194,7 @@ def checkpoint_dir(trainer: Trainer) -> Path:
 
 
 def resume_command(checkpoint: Path) -> str:
-    """``python -m project.train <the same overrides> ckpt_path=<checkpoint>``, ready to paste.
+    """``python -m <package>.train <the same overrides> ckpt_path=<checkpoint>``, ready to paste.
 
     The overrides are the user's own, already in Hydra's syntax, so only the shell quotes them;
     the checkpoint's path is a raw value (spaces, é, quotes...) and is quoted for Hydra as well.

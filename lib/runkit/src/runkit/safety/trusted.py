@@ -6,7 +6,7 @@ the network. So before anything is rebuilt from a file, every ``_target_`` in it
 or function under one of the allowed prefixes (the network and data classes, ``torch.nn``,
 ``torch.optim``, and what the user adds). The name is checked as written *and* as the object it
 resolves to, because a dotted path can walk through a module's imports
-(``project.models.nets.torch.save`` is ``torch.save``).
+(``mypkg.models.nets.torch.save`` is ``torch.save``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ _DOTTED = re.compile(r"[A-Za-z][A-Za-z0-9_]*(\.[A-Za-z][A-Za-z0-9_]*)*")
 def is_allowed(name: str, allowed: Iterable[str]) -> bool:
     """Whether the dotted ``name`` lies under one of the ``allowed`` package or module prefixes.
 
-    ``project.`` and ``project`` both allow ``project.x`` but never ``projectevil.x``.
+    ``mypkg.`` and ``mypkg`` both allow ``mypkg.x`` but never ``mypkgevil.x``.
     """
     for prefix in allowed:
         stem = str(prefix).strip().rstrip(".")

@@ -25,7 +25,7 @@ In-process use (tests)::
     clock.advance(4.0)
     assert fake.init_count == fake.shutdown_count
 
-Subprocess use (``python -m project.train`` and friends)::
+Subprocess use (a project's ``python -m <package>.train`` and friends)::
 
     RUNKIT_NVML_BACKEND=runkit.testing.fake_nvml:create
     RUNKIT_FAKE_NVML='{"gpus": 2}'          # inline JSON, or a path to a .json file, or empty
