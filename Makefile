@@ -8,12 +8,12 @@ ARGS ?=
 # make plot draws RUN (default: the newest training run under logs/train/runs).
 RUN ?= $(shell ls -td logs/train/runs/*/ 2>/dev/null | head -n 1)
 
-.PHONY: help setup train test test-fast lint format notebooks clean devices plot bench gpu-wheels gpu-check-dry mutate
+.PHONY: help setup train test test-fast lint format notebooks clean devices plot
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
 
-setup: ## create .venv with the template and its development tools
+setup: ## create .venv with the project, its library and the development tools
 	bash scripts/setup.sh
 
 train: ## train with the default config (ARGS="key=value ..." to override)
@@ -48,6 +48,7 @@ plot: ## redraw curves.png of RUN=<run or sweep dir> (default: the newest run)
 
 # repo-only: begin
 # This repository's own tools (the GPU check, mutation testing, benchmarks).
+.PHONY: bench gpu-wheels gpu-check-dry mutate
 gpu-wheels: ## fetch the wheels a GPU machine without internet lacks (wheels/gpu-py312)
 	$(PY) scripts/gpu_check.py --fetch-wheels
 

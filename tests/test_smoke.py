@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -10,6 +11,9 @@ from pathlib import Path
 
 PACKAGE = "project"
 SMALL = ("trainer.max_epochs=1", "data.batch_size=256", "callbacks.progress_bar.refresh_rate=0")
+# Enough steps (3 epochs of 64) that learning shows whatever the seed: 0.98-0.99 test accuracy
+# for seeds 0-9 here, where one epoch of 256 ranged from 0.31 to 0.53.
+LEARNS = ("trainer.max_epochs=3", "data.batch_size=64", "callbacks.progress_bar.refresh_rate=0")
 # What a parent process (a DDP run, a test runner) may leave in the environment.
 LEAKY = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -34,11 +38,13 @@ def only_run(log_dir: Path) -> Path:
 def test_a_training_run_then_eval_of_what_it_saved_gives_the_same_test_figures(
     tmp_path: Path,
 ) -> None:
-    trained = run("train", *SMALL, cwd=tmp_path)
+    trained = run("train", *LEARNS, cwd=tmp_path)
     assert trained.returncode == 0, trained.stderr[-3000:]
     run_dir = only_run(tmp_path / "logs" / "train" / "runs")
     reported = json.loads((run_dir / "metrics.json").read_text())["metrics"]
-    assert reported["test/acc"] > 0.5  # one epoch on the digits already learns something
+    # It learned: far above chance (1 in 10), and the loss fell from where it started (ln 10).
+    assert reported["test/acc"] > 0.5
+    assert reported["train/loss"] < 0.5 * math.log(10)
     assert (run_dir / "model.pth").is_file() and (run_dir / "curves.png").is_file()
 
     evaluated = run("eval", f"ckpt_path={run_dir}", cwd=tmp_path)
