@@ -93,6 +93,12 @@ CASES = [
         lambda p: [f"--config-dir={p['in']}/configs", "experiment=latin1"],
         "latin1.yaml is not UTF-8 text (byte 0xe9 at position",
     ),
+    Case(
+        "config-with-conflict-markers",
+        "train",
+        lambda p: [f"--config-dir={p['in']}/conflicted", "experiment=updated"],
+        "updated.yaml:3 has merge-conflict markers",
+    ),
     Case("no-such-strategy", "train", lambda p: ["trainer.strategy=warp"], "does not exist"),
     Case(
         "accelerator-not-here",
@@ -277,6 +283,11 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     )
     (bad / "configs" / "experiment" / "latin1.yaml").write_bytes(  # saved by a Latin-1 editor
         "# @package _global_\n# réglages\ntrainer:\n  max_epochs: 2\n".encode("latin-1")
+    )
+    (bad / "conflicted" / "experiment").mkdir(parents=True)
+    (bad / "conflicted" / "experiment" / "updated.yaml").write_text(  # as copier update leaves it
+        "# @package _global_\ntrainer:\n<<<<<<< before updating\n  max_epochs: 2\n=======\n"
+        "  max_epochs: 3\n>>>>>>> after updating\n"
     )
     return {"root": root, "logs": logs, "run": run, "in": bad}
 
