@@ -348,7 +348,6 @@ def test_copier_update_keeps_the_users_edits_and_a_conflict_cannot_train(
         ),
         (["package_name=hydra_plugins"], "package_name=hydra_plugins is the name of a package"),
         (["package_name=json"], "package_name=json is the name of a package"),
-        (["project_name=NumPy"], "package_name=numpy is the name of a package"),
         (["package_name=Acme-Vision"], "package_name=Acme-Vision is not a Python package name"),
     ],
 )
@@ -361,6 +360,57 @@ def test_a_package_name_that_would_break_the_project_is_refused_in_one_line(
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and shown in lines[0], done.stderr[-2000:]
+    assert not where.exists()
+
+
+@pytest.mark.slow
+def test_a_project_name_whose_package_would_be_refused_gets_a_default_that_is_not(
+    repository: Path, tmp_path: Path
+) -> None:
+    """Copier checks a default before it asks (a refused one is a traceback), so NumPy's default
+    package is numpy_project, not numpy."""
+    where = tmp_path / "numpy"
+    done = copier(
+        "copy",
+        "--defaults",
+        "--quiet",
+        "--data",
+        "project_name=NumPy",
+        str(repository),
+        str(where),
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (where / "src" / "numpy_project" / "train.py").is_file()
+
+
+@pytest.mark.slow
+def test_asked_interactively_a_refused_package_name_is_said_at_the_prompt_and_asked_again(
+    repository: Path, tmp_path: Path
+) -> None:
+    import pexpect  # a terminal for Copier's prompts (the dev tools bring it, with IPython)
+
+    where = tmp_path / "asked"
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "copier", "copy", str(repository), str(where)],
+        encoding="utf-8",
+        timeout=120,
+        dimensions=(40, 250),
+    )
+    clear = "\x15"  # Ctrl-U: Copier's prompt starts filled with the default
+    child.expect("project's name")
+    child.send(clear)
+    child.sendline("NumPy")
+    child.expect("package's name")
+    child.expect("numpy_project")  # the default offered is one that is accepted
+    child.send(clear)
+    child.sendline("numpy")
+    child.expect("package_name=numpy is the name of a package the project installs or imports")
+    child.send(clear)
+    child.sendline("numpy_tools")
+    child.expect("saying what the project does")  # accepted: the next question
+    child.terminate(force=True)
     assert not where.exists()
 
 
