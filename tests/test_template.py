@@ -30,6 +30,9 @@ NAMES = [
     pytest.param(("Acme Vision", "acme_vision"), id="acme_vision"),
     pytest.param(("Élan Vital", "elan_vital"), id="elan_vital"),
 ]
+# Each test of a generated project may be the one whose fixture sets it up and runs both README
+# commands (a fresh install and a 20-epoch run): minutes on a quiet machine, many on a busy one.
+SETUP_AND_RUN_S = 3600
 # What of this repository must not reach a project (each a class the issue lists): the package's
 # placeholder name where code uses it, this repository's tools, tests and material.
 LEFTOVERS = re.compile(
@@ -177,6 +180,7 @@ def test_the_template_is_what_the_generator_writes_from_the_project() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SETUP_AND_RUN_S)
 def test_the_readme_train_command_as_written_trains_to_what_the_readme_claims(
     generated: Generated,
 ) -> None:
@@ -191,6 +195,7 @@ def test_the_readme_train_command_as_written_trains_to_what_the_readme_claims(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SETUP_AND_RUN_S)
 def test_the_readme_test_command_as_written_passes_the_generated_suite(
     generated: Generated,
 ) -> None:
@@ -200,6 +205,7 @@ def test_the_readme_test_command_as_written_passes_the_generated_suite(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SETUP_AND_RUN_S)
 def test_the_generated_projects_wheel_holds_its_package_and_configs(
     generated: Generated, tmp_path: Path
 ) -> None:
@@ -231,6 +237,7 @@ def test_the_generated_projects_wheel_holds_its_package_and_configs(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SETUP_AND_RUN_S)
 def test_nothing_in_a_generated_project_names_the_template_or_this_repository(
     generated: Generated,
 ) -> None:
@@ -273,6 +280,7 @@ def repository_v2(repository: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SETUP_AND_RUN_S)
 def test_copier_update_keeps_the_users_edits_and_a_conflict_cannot_train(
     generated: Generated, repository_v2: Path
 ) -> None:
