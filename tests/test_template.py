@@ -36,10 +36,10 @@ SETUP_AND_RUN_S = 3600
 # What of this repository must not reach a project (each a class the issue lists): the package's
 # placeholder name where code uses it, this repository's tools, tests and material.
 LEFTOVERS = re.compile(
-    r"(?<![\w\-\[])project(?=\.[\w\"'`\\]|\[\w|/)|(?<=[\"'`/])project\b(?!-)|-m project\b"
-    r"|\bPROJECT_|benchmarks/|scripts/gpu_check|gpu-check|mutmut|mutants|make mutate|docs/"
+    r"(?<![\w\-])(?<!^\[)project(?=\.[\w\"'`\\]|\[\w|/)|(?<=[\"'`/])project\b(?!-)|-m project\b"
+    r"|\bPROJECT_|benchmarks/|scripts/gpu_check|gpu-check|mutmut|mutants|make mutate|(?<![/\w])docs/"
     r"|tools/|copier\.yml|test_template|lib/runkit/tests|tests/README|\$OUT|rename\.py"
-    r"|tests/test_\w+\.py|with the template"
+    r"|tests/test_\w+\.py"
 )
 
 

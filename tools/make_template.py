@@ -69,7 +69,7 @@ LIBRARY_LEFT_OUT = ("tests", "__pycache__")
 # - after -m / from / import; an environment variable prefix (PROJECT_LOG_DIR);
 # - a YAML or TOML value of its own (wandb's `project: project`).
 _NAME = re.compile(
-    rf"(?<![\w\-\[]){PACKAGE}(?=\.[\w\"'`\\]|\[\w|/)"
+    rf"(?<![\w\-])(?<!^\[){PACKAGE}(?=\.[\w\"'`\\]|\[\w|/)"
     rf"|(?<=/){PACKAGE}\b(?![\-])"
     rf"|(?<=[\"'`]){PACKAGE}(?=[\"'`])"
     rf"|(?<=-m ){PACKAGE}\b|(?<=\bfrom ){PACKAGE}\b|(?<=\bimport ){PACKAGE}\b"

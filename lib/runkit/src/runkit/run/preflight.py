@@ -383,8 +383,8 @@ def check_inputs(cfg: DictConfig) -> None:
 
 
 def _sibling_entry(task: str) -> str:
-    """``python -m <package>.<task>`` for the package whose entry point runs (``project.train``
-    gives ``python -m project.eval``); the task's name alone when not run with ``-m``."""
+    """``python -m <package>.<task>`` for the package whose entry point runs (``mypkg.train``
+    gives ``python -m mypkg.eval``); the task's name alone when not run with ``-m``."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     package = (getattr(spec, "name", None) or "").rpartition(".")[0]
     return f"python -m {package}.{task}" if package else task
