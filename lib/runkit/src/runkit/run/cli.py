@@ -143,7 +143,7 @@ def _reporting(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
         from hydra.types import RunMode
 
         from runkit.run.launch import job_scope, sweep_objective
-        from runkit.run.preflight import check_config, discard_unused
+        from runkit.run.preflight import check_config, discard_unused, is_worker_process
 
         try:
             check_config(cfg)  # again per job: the values of a sweep's jobs differ
@@ -155,6 +155,10 @@ def _reporting(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
             mistake = _user_mistake(err)
             if mistake is None:
                 raise
+            if is_worker_process():
+                # Rank 0 meets the same mistake: it says it once and removes the run directory
+                # (two removals racing each other failed with a false "cannot write train.log").
+                raise SystemExit(mistake.exit_code) from None
             hydra_cfg = HydraConfig.get()
             discard_unused(Path(hydra_cfg.runtime.output_dir))
             if hydra_cfg.mode == RunMode.MULTIRUN:
