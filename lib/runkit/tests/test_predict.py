@@ -85,8 +85,10 @@ def test_the_template_predicts_its_classes_in_dataset_order(
     runs: dict[str, Path], tmp_path: Path, devices: str
 ) -> None:
     trained = runs["template"]
+    # one process: a .ckpt, in batches of another size (data.* overrides apply); DDP: the run
     source = trained / "checkpoints" / "last.ckpt" if devices == "one" else trained
-    run, output = predict(runs, tmp_path, f"ckpt_path={source}", *(DDP if devices == "ddp" else ()))
+    extra = ("data.batch_size=100",) if devices == "one" else DDP
+    run, output = predict(runs, tmp_path, f"ckpt_path={source}", *extra)
     assert output.count("Predicting with ClassifierModule.predict_step, on ") == 1, output
     assert "DigitsDataModule.predict_dataloader" in output
 
