@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,60 @@ def test_fast_dev_run_writes_no_checkpoint_as_lightning_says(tmp_path: Path) -> 
     (run,) = run_dirs(tmp_path / "logs", "debug")
     assert not list(run.glob("checkpoints/*.ckpt"))
     assert (run / "model.pth").is_file()  # the run still tests and exports its weights
+
+
+WORKER = """
+import sys
+from runkit.errors import RunError
+from runkit.run import cli
+print("ready", flush=True)
+cli.WORKER_WAIT_S = float(sys.argv[1])
+cli._worker_fails(RunError("callbacks.x=1 is wrong"))
+"""
+
+
+def test_a_worker_whose_rank_0_lives_on_says_the_mistake_itself() -> None:
+    """A mistake of rank 1 alone: rank 0 (here: this process, its parent) does not end, so after
+    the wait the worker says it, naming its rank."""
+    env = clean_env(LOCAL_RANK="1", RANK="1")
+    done = subprocess.run(
+        [sys.executable, "-c", WORKER, "0.2"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2
+    assert done.stderr == "error: rank 1: callbacks.x=1 is wrong\n"
+    assert done.stdout == "ready\n"
+
+
+def test_a_worker_leaves_the_line_to_rank_0_once_rank_0_ends(tmp_path: Path) -> None:
+    """Rank 0 (the parent) reports and ends: the worker then ends too, without a second line."""
+    err = tmp_path / "worker.err"
+    parent = f"""
+import subprocess, sys
+worker = subprocess.Popen(
+    [sys.executable, "-c", {WORKER!r}, "300"],
+    stdout=subprocess.PIPE, stderr=open({str(err)!r}, "w"), stdin=subprocess.DEVNULL,
+)
+worker.stdout.readline()  # it knows its parent now
+print(worker.pid, flush=True)
+sys.stdin.readline()  # ends when the test closes stdin
+"""
+    env = clean_env(LOCAL_RANK="1", RANK="1")
+    rank0 = subprocess.Popen(
+        [sys.executable, "-c", parent], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    worker = int(rank0.stdout.readline())
+    rank0.stdin.close()  # rank 0 ends
+    rank0.wait(timeout=120)
+    # the worker is not our child (nor reaped at once): wait until it has exited, bounded far
+    # below its own 300 s wait
+    stat = Path(f"/proc/{worker}/stat")
+    deadline = time.monotonic() + 120
+    while stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, (
+            "the worker outlived rank 0",
+            Path(f"/proc/{worker}/status").read_text()[:400],
+            err.read_text(),
+        )
+        time.sleep(0.05)
+    assert err.read_text() == ""

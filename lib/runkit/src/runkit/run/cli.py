@@ -173,6 +173,7 @@ def _reporting(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 WORKER_WAIT_S = 20.0
 """How long a worker Lightning started waits for rank 0 to report a mistake before it does."""
+_PARENT = os.getppid()  # at start: for a worker Lightning started, rank 0
 
 
 def _worker_fails(mistake: RunError) -> None:
@@ -187,12 +188,11 @@ def _worker_fails(mistake: RunError) -> None:
     """
     import time
 
-    parent = os.getppid()
     if "LOCAL_RANK" in os.environ and not os.environ.get("TORCHELASTIC_RUN_ID"):
         deadline = time.monotonic() + WORKER_WAIT_S
-        while os.getppid() == parent and time.monotonic() < deadline:
+        while os.getppid() == _PARENT and time.monotonic() < deadline:
             time.sleep(0.05)
-        if os.getppid() != parent:  # rank 0 has ended: it has said it
+        if os.getppid() != _PARENT:  # rank 0 has ended: it has said it
             raise SystemExit(mistake.exit_code)
     rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "?"))
     _fail(f"rank {rank}: {mistake}", mistake.exit_code)
