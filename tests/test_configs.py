@@ -67,6 +67,22 @@ def test_eval_config_composes_and_requires_a_checkpoint() -> None:
     assert OmegaConf.is_missing(cfg, "ckpt_path")
 
 
+def test_predict_config_is_eval_s_with_the_prediction_writer() -> None:
+    """Same checkpoint, trust, GPU and speed keys as eval; the writer puts predictions.pt in
+    the run directory; a missing ckpt_path is named."""
+    cfg = compose_train("ckpt_path=x", name="predict")
+    evaluation = compose_train("ckpt_path=x", name="eval")
+    assert cfg.task_name == "predict"
+    assert cfg.callbacks.predictions._target_ == "runkit.run.predictions.PredictionWriter"
+    assert cfg.callbacks.predictions.output_dir == cfg.paths.output_dir
+    assert "graceful_interrupt" in cfg.callbacks
+    shared = [k for k in evaluation if k not in ("task_name", "callbacks", "paths", "hydra")]
+    assert {k: cfg[k] for k in shared} == {k: evaluation[k] for k in shared}
+    check_config(cfg)
+    with pytest.raises(RunError, match=r"^ckpt_path is required"):
+        check_config(compose_train(name="predict"))
+
+
 def test_overrides_reach_the_trainer_untouched() -> None:
     cfg = compose_train("trainer.max_epochs=3", "model.optimizer.lr=0.01", "trainer.devices=2")
     assert cfg.trainer.max_epochs == 3

@@ -67,7 +67,7 @@ def cli(tmp_path: Path, log_dir: Path) -> CliRunner:
     ) -> subprocess.CompletedProcess:
         package = "runkit" if task in LIBRARY_COMMANDS else "project"
         command = [sys.executable, "-m", f"{package}.{task}", *overrides]
-        if task in ("train", "eval") and not any(o.startswith("--") for o in overrides):
+        if task in ("train", "eval", "predict") and not any(o.startswith("--") for o in overrides):
             command.append(f"paths.log_dir={log_dir}")
         return prewarmed.run(
             command,

@@ -942,9 +942,35 @@ def test_check_trusted_names_the_node_and_how_to_allow_it() -> None:
     assert message == (
         "'given.ckpt' asks to instantiate model.layers.0._target_='collections.OrderedDict', "
         "which is not under the trusted targets [torch.nn.]; only if you trust this file, allow "
-        "it with 'trusted_targets=[torch.nn.,collections.]' (eval) or "
+        "it with 'trusted_targets=[torch.nn.,collections.]' (eval, predict) or "
         "load_network(..., allowed=[..., 'collections.'])"
     )
+
+
+def test_check_trusted_names_every_untrusted_target_at_once() -> None:
+    """One round trip: the line names each refused node, and its list lets all of them in."""
+    tree = {
+        "model": {
+            "net": {"_target_": "collections.OrderedDict"},
+            "loss": {"_target_": "json.JSONDecoder"},
+        },
+        "data": {
+            "_target_": "json.JSONEncoder",
+            "layer": {"_target_": "torch.nn.modules.module.torch.save"},
+        },
+        "fine": {"_target_": "torch.nn.Linear", "in_features": 1, "out_features": 1},
+    }
+    message = refused(tree)
+    assert message == (
+        "'given.ckpt' asks to instantiate data._target_='json.JSONEncoder', "
+        "data.layer._target_='torch.nn.modules.module.torch.save' (which is "
+        "torch.serialization.save), model.loss._target_='json.JSONDecoder', "
+        "model.net._target_='collections.OrderedDict', which are not under the trusted targets "
+        "[torch.nn.]; only if you trust this file, allow them with "
+        "'trusted_targets=[torch.nn.,json.,torch.serialization.,collections.]' (eval, predict) "
+        "or load_network(..., allowed=[..., 'json.', 'torch.serialization.', 'collections.'])"
+    )
+    check_trusted(tree, ["torch.nn.", "json.", "torch.serialization.", "collections."], "x")
 
 
 def test_check_trusted_names_what_a_target_really_is() -> None:

@@ -143,7 +143,7 @@ def test_trusted_targets_hint_pastes_back_the_list_that_lets_the_file_in() -> No
     with pytest.raises(RunError) as refused:
         check_trusted(tree, allowed, "given.ckpt")
     message = str(refused.value)
-    hint = message.split(" allow it with ", 1)[1].split(" (eval)", 1)[0]
+    hint = message.split(" allow it with ", 1)[1].split(" (eval, predict)", 1)[0]
     (word,) = bash_words(hint)
     assert word.startswith("trusted_targets=[")
     widened = OmegaConf.to_container(config_value(word), resolve=True)

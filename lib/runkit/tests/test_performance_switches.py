@@ -8,6 +8,7 @@ training step of the template's default loop reads nothing back from the device.
 from __future__ import annotations
 
 import json
+import logging
 import types
 from pathlib import Path
 from typing import Any
@@ -140,9 +141,13 @@ def test_compile_is_in_place_so_state_dict_keys_stay_plain() -> None:
     assert getattr(plain, "_compiled_call_impl", None) is None
 
 
-def _trainer_on(device: str) -> Any:
-    """What the speed callback and the data module read of a Trainer: its strategy's root device."""
-    return types.SimpleNamespace(strategy=types.SimpleNamespace(root_device=torch.device(device)))
+def _trainer_on(device: str, global_zero: bool = True) -> Any:
+    """What the speed callback and the data module read of a Trainer: its strategy's root
+    device, and whether this is rank 0."""
+    return types.SimpleNamespace(
+        strategy=types.SimpleNamespace(root_device=torch.device(device)),
+        is_global_zero=global_zero,
+    )
 
 
 def _sees_channels_last(net: ConvNet) -> bool:
@@ -198,13 +203,20 @@ def test_the_speed_callback_compiles_the_configured_network_once() -> None:
     assert model.net._compiled_call_impl is compiled
 
 
-def test_the_speed_callback_leaves_a_module_without_the_network_alone() -> None:
+def test_the_speed_callback_leaves_a_module_without_the_network_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     class NoNet(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.encoder = ConvNet(channels=(4,))
 
-    speed.NetworkSpeedups(channels_last=True).setup(_trainer_on("cuda"), NoNet(), "fit")
+    said = "callbacks.speed: NoNet has no nn.Module attribute 'net', so channels_last is not"
+    with caplog.at_level(logging.INFO, logger="runkit.speed"):
+        for trainer in (_trainer_on("cuda"), _trainer_on("cuda", False), _trainer_on("cpu")):
+            speed.NetworkSpeedups(channels_last=True).setup(trainer, NoNet(), "fit")
+    # once (rank 0 of a CUDA run); on the CPU channels-last means nothing, so nothing is said
+    assert [r.getMessage().startswith(said) for r in caplog.records] == [True]
     with pytest.raises(RunError, match=r"^callbacks\.speed\.compile=true compiles NoNet\.net"):
         speed.NetworkSpeedups(compile=True).setup(_trainer_on("cpu"), NoNet(), "fit")
     named = NoNet()
@@ -436,6 +448,9 @@ def test_train_passes_the_resolved_precision_to_the_trainer(
         r"top-level key: precision=16-mixed",
     ):
         _built_trainer_kwargs(tmp_path / "d", monkeypatch, "+trainer.precision=16-mixed")
+    # fp16 AMP does not exist on the CPU: what Lightning would run instead is what is passed.
+    kwargs = _built_trainer_kwargs(tmp_path / "e", monkeypatch, "precision=16-mixed")
+    assert kwargs["precision"] == "bf16-mixed"
     # A run on an Ampere GPU (faked: the Trainer itself still runs on the CPU).
     monkeypatch.setattr(speed, "cuda_indices", lambda accelerator, devices: [0])
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))

@@ -133,6 +133,12 @@ CHECKS: dict[str, Check] = {
     "python -m project.eval ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt": Check(
         COMPOSE, SAME_AS_RUN
     ),
+    # Predict
+    "python -m project.predict ckpt_path=logs/train/runs/<run>": Check(
+        COMPOSE, "tests/test_predict.py runs predict on a run directory, a .ckpt and under DDP"
+    ),
+    "python -m project.predict ckpt_path=logs/train/runs/<run>/model.pth data.batch_size=512 "
+    "trainer.devices=2": Check(COMPOSE, "tests/test_predict.py runs predict under DDP x2"),
     # Plots
     "python -m runkit.plot logs/train/runs/<run>": Check(RUN),
     "python -m runkit.plot logs/train/multiruns/<sweep>": Check(RUN),
@@ -289,7 +295,9 @@ def _compose(command: str, preflight: bool) -> None:
 
     _, words = split(command)
     assert words[:2] == ["python", "-m"], command
-    config_name = {"project.train": "train", "project.eval": "eval"}[words[2]]
+    config_name = {"project.train": "train", "project.eval": "eval", "project.predict": "predict"}[
+        words[2]
+    ]
     overrides = [w.replace("<run>", "some-run") for w in words[3:]]
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         cfg = compose(config_name=config_name, overrides=overrides)

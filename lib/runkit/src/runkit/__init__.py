@@ -61,6 +61,7 @@ PUBLIC: dict[str, str] = {
     "TRUSTED_TARGETS": "runkit.safety.trusted",
     "trained_config": "runkit.run.rebuild",
     "trained_model": "runkit.run.rebuild",
+    "prepare_predict": "runkit.run.predictions",
     # what a run leaves
     "save_config": "runkit.run.run_files",
     "save_metrics": "runkit.run.run_files",

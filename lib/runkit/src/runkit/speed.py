@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.profilers import Profiler
+from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
 from runkit import quoting
@@ -52,6 +53,8 @@ from runkit.errors import RunError
 log = logging.getLogger(__name__)
 
 MATMUL_PRECISIONS = ("highest", "high", "medium")
+# What Lightning turns into bf16-mixed on the CPU (with a warning): fp16 AMP is CUDA-only.
+CPU_HAS_NO_FP16_AMP = ("16-mixed", "16")
 # Lightning 2.x precision values (the short legacy spellings are accepted by Lightning as well).
 LIGHTNING_PRECISIONS = (
     "transformer-engine",
@@ -176,8 +179,9 @@ class NetworkSpeedups(Callback):
       go NHWC, and a forward pre-hook converts its 4-D inputs (removed again at ``teardown``).
       On the CPU, and for networks without convolutions, nothing changes.
 
-    A LightningModule without that attribute is left alone, with one log line saying so (and
-    ``compile=true`` then fails in one line, since it was asked for explicitly).
+    A LightningModule without that attribute is left alone, with one line from rank 0 saying so
+    on a CUDA run (on the CPU channels-last means nothing, so nothing is said; ``compile=true``
+    then fails in one line, since it was asked for explicitly).
     """
 
     def __init__(
@@ -190,6 +194,7 @@ class NetworkSpeedups(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         net = getattr(pl_module, self.network, None)
+        device = getattr(trainer.strategy, "root_device", None)
         if not isinstance(net, nn.Module):
             if self.compile:
                 raise RunError(
@@ -197,7 +202,9 @@ class NetworkSpeedups(Callback):
                     f"{self.network}, but there is no such network; set callbacks.speed.network "
                     "to the attribute holding it"
                 )
-            if self.channels_last and stage == "fit":
+            # Only where channels-last would have applied (CUDA), and once, not once per rank.
+            on_cuda = uses_channels_last(self.channels_last, device)
+            if on_cuda and stage == "fit" and trainer.is_global_zero:
                 log.info(
                     "callbacks.speed: %s has no nn.Module attribute %r, so channels_last is not "
                     "applied; set callbacks.speed.network to the attribute holding your network",
@@ -205,7 +212,6 @@ class NetworkSpeedups(Callback):
                     self.network,
                 )
             return
-        device = getattr(trainer.strategy, "root_device", None)
         has_conv = any(isinstance(m, nn.Conv2d) for m in net.modules())
         if uses_channels_last(self.channels_last, device) and has_conv:
             net.to(memory_format=torch.channels_last)
@@ -240,10 +246,21 @@ def trainer_settings(cfg: Any, plan: Any) -> dict[str, Any]:
     cuda = cuda_indices(plan.accelerator, plan.devices)
     matmul = apply_matmul_precision(cfg.get("matmul_precision", "high"), cuda)
     kwargs = plan.trainer_kwargs()
-    kwargs["precision"] = resolve_precision(cfg.get("precision", "auto"), cuda)
+    precision = resolve_precision(cfg.get("precision", "auto"), cuda)
+    if precision in CPU_HAS_NO_FP16_AMP and str(plan.accelerator).strip().lower() == "cpu":
+        # Lightning would warn and run bf16-mixed; the line below says what runs, once.
+        if rank_zero_only.rank == 0:
+            log.info(
+                "precision=%s: fp16 mixed precision does not exist on the CPU, so this run "
+                "uses bf16-mixed (set precision=bf16-mixed or 32-true to choose)",
+                precision,
+            )
+        precision = "bf16-mixed"
+    kwargs["precision"] = precision
     if cfg.trainer.get("profiler") is None:
         kwargs["profiler"] = NoProfiler()
-    log.info(describe(matmul, kwargs["precision"], cuda))
+    if rank_zero_only.rank == 0:  # once, not once per DDP process
+        log.info(describe(matmul, precision, cuda))
     return kwargs
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from hydra.utils import instantiate
 from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.loggers import CSVLogger, Logger
 from omegaconf import DictConfig, OmegaConf
 
@@ -92,6 +93,11 @@ def build_trainer(cfg: DictConfig, **overrides: Any) -> Trainer:
     from runkit.safety import interrupts
 
     callbacks = build_callbacks(cfg.get("callbacks"))
+    if cfg.trainer.get("enable_model_summary") is None and any(
+        isinstance(callback, ModelSummary) for callback in callbacks
+    ):
+        # callbacks.model_summary is the summary; Lightning's own would only say it skips itself
+        overrides.setdefault("enable_model_summary", False)
     record = run_record(cfg)
     loggers = build_loggers(cfg.get("logger"), record)
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **overrides)

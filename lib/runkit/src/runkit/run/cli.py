@@ -147,7 +147,7 @@ def _reporting(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
         from hydra.types import RunMode
 
         from runkit.run.launch import job_scope, sweep_objective
-        from runkit.run.preflight import check_config, discard_unused
+        from runkit.run.preflight import check_config, discard_unused, is_worker_process
 
         try:
             check_config(cfg)  # again per job: the values of a sweep's jobs differ
@@ -159,6 +159,8 @@ def _reporting(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
             mistake = _user_mistake(err)
             if mistake is None:
                 raise
+            if is_worker_process():
+                _worker_fails(mistake)
             hydra_cfg = HydraConfig.get()
             discard_unused(Path(hydra_cfg.runtime.output_dir))
             if hydra_cfg.mode == RunMode.MULTIRUN:
@@ -171,6 +173,33 @@ def _reporting(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
             finish_job()  # the job's claimed GPUs go back; the next job of a sweep measures anew
 
     return job
+
+
+WORKER_WAIT_S = 20.0
+"""How long a worker Lightning started waits for rank 0 to report a mistake before it does."""
+_PARENT = os.getppid()  # at start: for a worker Lightning started, rank 0
+
+
+def _worker_fails(mistake: RunError) -> None:
+    """End a DDP worker on a user's mistake, leaving the one line to rank 0.
+
+    Rank 0 meets the same mistake (the ranks run the same config), says it once and removes the
+    run directory; a second line per rank and a second removal racing the first (which failed
+    with a false "cannot create or write train.log") are noise. A worker Lightning started is
+    rank 0's child: it waits for rank 0 to end, and says the mistake itself only if rank 0 has
+    not ended by then (a mistake of this rank alone). Exiting first would let Lightning's
+    observer kill rank 0 before it speaks.
+    """
+    import time
+
+    if "LOCAL_RANK" in os.environ and not os.environ.get("TORCHELASTIC_RUN_ID"):
+        deadline = time.monotonic() + WORKER_WAIT_S
+        while os.getppid() == _PARENT and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if os.getppid() != _PARENT:  # rank 0 has ended: it has said it
+            raise SystemExit(mistake.exit_code)
+    rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "?"))
+    _fail(f"rank {rank}: {mistake}", mistake.exit_code)
 
 
 class ReportedJobError(RunError):

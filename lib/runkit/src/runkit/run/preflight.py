@@ -447,7 +447,7 @@ def claim_run_dir(cfg: DictConfig, key: str) -> None:
     global _claimed
     from runkit.run.launch import launched_externally
 
-    if _is_worker_process():
+    if is_worker_process():
         return  # DDP workers reuse rank 0's directory on purpose
     if os.environ.get("SLURM_RESTART_COUNT", "0") not in ("", "0"):
         return  # a requeued SLURM job resumes in its own directory (runkit.run.launch.run_id)
@@ -548,7 +548,8 @@ def _only_start_files(run_dir: Path, subdir: Path) -> bool:
     return True
 
 
-def _is_worker_process() -> bool:
+def is_worker_process() -> bool:
+    """Whether this process is a DDP rank other than the first (global or node rank > 0)."""
     return any(
         os.environ.get(var, "0") not in ("", "0")
         for var in ("LOCAL_RANK", "RANK", "NODE_RANK", "SLURM_PROCID")

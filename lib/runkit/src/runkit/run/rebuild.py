@@ -15,6 +15,7 @@ weights' and are refused in one line.
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,8 @@ from runkit.errors import RunError
 from runkit.safety import checkpoints
 
 log = logging.getLogger(__name__)
+
+_TRAINING_CALLBACKS_WARNING = r"Be aware that when using `ckpt_path`, callbacks used to create"
 
 
 def trained_config(cfg: DictConfig, source: Path, data: dict[str, Any]) -> dict[str, Any]:
@@ -65,6 +68,9 @@ def trained_model(model_config: dict[str, Any], source: Path, data: dict[str, An
                 f"{str(source)!r} does not fit {type(model).__name__} rebuilt from its run's "
                 f"config: {mismatch}"
             )
+        # Lightning restores callback states from a checkpoint in test and predict too, and warns
+        # about every training callback (ModelCheckpoint, ResumeState...) this run has no use for.
+        warnings.filterwarnings("ignore", message=_TRAINING_CALLBACKS_WARNING)
         return model, source
     checkpoints.load_exported_weights(model, data, source)
     return model, None

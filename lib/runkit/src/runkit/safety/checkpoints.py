@@ -920,9 +920,7 @@ def _checkpoint_in(folder: Path, value: str, tested_weights: bool) -> Path:
     for candidate in (*first, folder / "checkpoints" / "last.ckpt", folder / "last.ckpt"):
         if is_checkpoint(candidate):
             if candidate.name == WEIGHTS_FILE:
-                log.info(
-                    "ckpt_path=%s: evaluating its %s (the weights it tested)", value, WEIGHTS_FILE
-                )
+                log.info("ckpt_path=%s: using its %s (the weights it tested)", value, WEIGHTS_FILE)
             return candidate
     found = [
         p for d in (folder / "checkpoints", folder) for p in d.glob("*.ckpt") if is_checkpoint(p)

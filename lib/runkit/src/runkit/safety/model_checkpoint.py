@@ -13,6 +13,8 @@
   a best checkpoint in another run) and forgets the best score. Here the earlier run's best
   checkpoints are found relative to the checkpoint resumed from, linked (or copied) into this
   run's directory, and tracked from there: the resumed run's best checkpoint is its own.
+* Under ``fast_dev_run`` nothing is written, as Lightning's own message says (its
+  ``on_train_end`` would still write ``last.ckpt``).
 """
 
 from __future__ import annotations
@@ -97,6 +99,12 @@ class ModelCheckpoint(LightningModelCheckpoint):
                 )
                 version += 1
         return filepath
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning's on_train_end writes last.ckpt even under fast_dev_run, where it says
+        # "checkpointing is suppressed": as it says, a fast_dev_run writes no checkpoint.
+        if not trainer.fast_dev_run:
+            super().on_train_end(trainer, pl_module)
 
     # ---------------------------------------------------------------- relocatable resume
     def on_load_checkpoint(

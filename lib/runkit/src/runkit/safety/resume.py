@@ -105,6 +105,8 @@ class ResumeState(Callback):
             return
         self.resumed_from = Path(trainer.ckpt_path)
         earlier = run_dir_of(self.resumed_from)
+        if not trainer.is_global_zero:  # one line per run, not one per process
+            return
         log.info(
             "Resuming from %s at epoch %d, step %d (the run in %s is left unchanged; this run "
             "writes to %s)",
@@ -114,8 +116,7 @@ class ResumeState(Callback):
             earlier,
             trainer.default_root_dir,
         )
-        if trainer.is_global_zero:
-            continue_logs(trainer, earlier)
+        continue_logs(trainer, earlier)
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int

@@ -51,6 +51,7 @@ def check_trusted(tree: Any, allowed: Iterable[str], source: str | Path) -> None
     exponential blow-up when copied) and nesting deeper than :data:`MAX_DEPTH`.
     """
     allowed = tuple(str(prefix) for prefix in allowed)
+    refused: list[tuple[str, str, str]] = []  # (where, target, what it really is)
     seen: set[int] = set()
     stack: list[tuple[Any, str, int]] = [(tree, "", 0)]
     while stack:
@@ -78,18 +79,26 @@ def check_trusted(tree: Any, allowed: Iterable[str], source: str | Path) -> None
             if isinstance(key, str) and "${" in key:
                 raise RunError(f"{str(source)!r} holds an interpolation in a key ({key[:60]!r})")
             if key == "_target_":
-                _check_target(value, path, allowed, source)
+                refusal = _check_target(value, path, allowed, source)
+                if refusal is not None:
+                    refused.append(refusal)
             stack.append((value, path, depth + 1))
+    if refused:  # every untrusted target at once: one round trip to allow them, not one each
+        _refuse(sorted(refused), allowed, source)
 
 
-def _check_target(target: Any, where: str, allowed: tuple[str, ...], source: str | Path) -> None:
+def _check_target(
+    target: Any, where: str, allowed: tuple[str, ...], source: str | Path
+) -> tuple[str, str, str] | None:
+    """``(where, target, real)`` when ``target`` is not trusted; a malformed or unimportable
+    one is refused at once."""
     if not isinstance(target, str) or not _DOTTED.fullmatch(target):
         raise RunError(
             f"{str(source)!r} has {where}={str(target)[:80]!r}, not a plain dotted name "
             "(letters, digits, '_' and '.', no leading '_'); refusing to instantiate it"
         )
     if not is_allowed(target, allowed) or any(part.startswith("_") for part in target.split(".")):
-        _refuse(target, where, allowed, source)
+        return where, target, ""  # not imported: nothing outside the prefixes runs
     try:
         obj = _locate(target)  # imports modules under an allowed prefix only (checked above)
     except Exception as err:
@@ -101,7 +110,8 @@ def _check_target(target: Any, where: str, allowed: tuple[str, ...], source: str
     qualname = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
     real = f"{module}.{qualname}" if isinstance(module, str) and isinstance(qualname, str) else ""
     if not real or not is_allowed(real, allowed):
-        _refuse(target, where, allowed, source, real=real or type(obj).__name__)
+        return where, target, real or type(obj).__name__
+    return None
 
 
 def _locate(path: str) -> Any:
@@ -122,14 +132,20 @@ def _locate(path: str) -> Any:
 
 
 def _refuse(
-    target: str, where: str, allowed: tuple[str, ...], source: str | Path, real: str = ""
+    refused: list[tuple[str, str, str]], allowed: tuple[str, ...], source: str | Path
 ) -> None:
-    really = f" (which is {real})" if real and real != target else ""
-    prefix = (real or target).rpartition(".")[0] + "."
-    widened = quoting.override("trusted_targets", [*allowed, prefix])  # pasteable as it is
+    named, prefixes = [], []
+    for where, target, real in refused:
+        really = f" (which is {real})" if real and real != target else ""
+        named.append(f"{where}={target!r}{really}")
+        prefix = (real or target).rpartition(".")[0] + "."
+        if prefix not in prefixes and prefix not in allowed:
+            prefixes.append(prefix)
+    widened = quoting.override("trusted_targets", [*allowed, *prefixes])  # pasteable as it is
+    one = len(named) == 1
     raise RunError(
-        f"{str(source)!r} asks to instantiate {where}={target!r}{really}, which is not under the "
-        f"trusted targets [{', '.join(allowed)}]; only if you trust this file, allow it with "
-        f"{widened} (eval) or "
-        f"load_network(..., allowed=[..., {prefix!r}])"
+        f"{str(source)!r} asks to instantiate {', '.join(named)}, which "
+        f"{'is' if one else 'are'} not under the trusted targets [{', '.join(allowed)}]; only if "
+        f"you trust this file, allow {'it' if one else 'them'} with {widened} (eval, predict) or "
+        f"load_network(..., allowed=[..., {', '.join(map(repr, prefixes))}])"
     )

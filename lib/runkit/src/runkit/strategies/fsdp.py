@@ -169,7 +169,8 @@ class FSDPStrategy(ModelParallelStrategy):
             kwargs["mp_policy"] = policy
         if self.cpu_offload:
             if self.root_device.type == "cpu":
-                log.info("trainer.strategy.cpu_offload: the run is on the CPU already; ignored")
+                if self.global_rank == 0:  # one line per run, not one per process
+                    log.info("trainer.strategy.cpu_offload: the run is on the CPU already; ignored")
             else:
                 kwargs["offload_policy"] = CPUOffloadPolicy()
         # Under bf16 a batch norm is a unit of its own in float32 (its input cast up): its

@@ -1,0 +1,225 @@
+"""What ``predict`` runs on which loader, and the files it leaves: predictions in dataset order.
+
+``predictions.pt`` (``torch.load(path, weights_only=True)``) is a dict:
+
+* ``"predictions"``: what the module returned for every item, concatenated along the first
+  dimension in dataset order (a tensor, or the same dict/list/tuple of tensors ``predict_step``
+  returns per batch);
+* ``"index"``: the dataset index of each row (``0 .. N-1`` when the whole loader ran).
+
+``predictions.csv`` is written beside it when the predictions are one tensor a spreadsheet can
+hold: ``index,prediction`` for one value per item (shape ``N`` or ``N x 1``), ``index,class`` (the
+argmax) for ``N x C`` floating scores. A predict loader per ``predict_dataloader`` entry: with
+several, ``predictions_<i>.pt`` / ``.csv`` each.
+
+Under DDP each process predicts its share (Lightning's sampler interleaves the items, and a
+padding sampler repeats some); the rows are put back in dataset order by the indices Lightning
+records for each batch, each item once, and rank 0 writes the files.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from runkit.errors import RunError
+from runkit.safety.checkpoints import atomic_write
+
+log = logging.getLogger(__name__)
+
+PREDICTIONS_FILE = "predictions.pt"
+
+
+def prepare_predict(model: LightningModule, datamodule: LightningDataModule) -> str:
+    """Make ``trainer.predict(model, datamodule=datamodule)`` run, and say in one line what runs.
+
+    Args:
+        model: the module; its own ``predict_step`` when it defines one, else its forward on
+            the inputs of each batch (a tensor batch, or the first element of a tuple/list batch:
+            ``(inputs, targets)``).
+        datamodule: its ``predict_dataloader`` when it defines one, else its test split
+            (``setup("test")`` then ``test_dataloader``), the data eval would test on.
+
+    Returns:
+        The line to log (once, rank 0).
+    """
+    name = type(model).__name__
+    if is_overridden("predict_step", model, LightningModule):
+        step = f"{name}.predict_step"
+    else:
+        model.predict_step = types.MethodType(_forward_on_inputs, model)  # type: ignore[method-assign]
+        step = f"{name}'s forward (it has no predict_step) on the inputs of each batch"
+    if is_overridden("predict_dataloader", datamodule, LightningDataModule):
+        loader = "predict_dataloader"
+    elif is_overridden("test_dataloader", datamodule, LightningDataModule):
+        datamodule.predict_dataloader = types.MethodType(_test_loader, datamodule)  # type: ignore[method-assign]
+        loader = "test_dataloader (it has no predict_dataloader)"
+    else:
+        raise RunError(
+            f"{type(datamodule).__name__} has neither predict_dataloader nor test_dataloader: "
+            "define one, or pass data=<a data config that has one>"
+        )
+    return f"Predicting with {step}, on {type(datamodule).__name__}.{loader}"
+
+
+def _forward_on_inputs(self: LightningModule, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return self(batch)
+    if isinstance(batch, list | tuple) and batch:
+        return self(batch[0])
+    raise RunError(
+        f"{type(self).__name__} has no predict_step and its batches are {type(batch).__name__}s, "
+        "not a tensor or an (inputs, ...) tuple: define predict_step(self, batch, batch_idx)"
+    )
+
+
+def _test_loader(self: LightningDataModule) -> Any:
+    self.setup("test")  # Lightning set it up for "predict", which a data module may ignore
+    return self.test_dataloader()
+
+
+class PredictionWriter(BasePredictionWriter):
+    """Write every prediction of ``trainer.predict`` to ``output_dir``, once, in dataset order.
+
+    Args:
+        output_dir: the run directory (``predictions.pt`` and maybe ``predictions.csv`` go there).
+
+    Rank 0 gathers the other processes' predictions and their dataset indices (one collective
+    at the end of the predict epoch, which every rank reaches) and writes the files.
+    """
+
+    def __init__(self, output_dir: str | Path) -> None:
+        super().__init__(write_interval="epoch")
+        self.output_dir = Path(output_dir)
+        self.written: list[Path] = []
+
+    def write_on_epoch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        predictions: Sequence[Any],
+        batch_indices: Sequence[Any],
+    ) -> None:
+        loaders = list(predictions) if len(batch_indices) > 1 else [predictions]
+        share = [
+            (list(batches), [list(b) for b in indices])
+            for batches, indices in zip(loaders, batch_indices, strict=True)
+        ]
+        shares = _gather_to_rank_zero(share, trainer.world_size)
+        if not trainer.is_global_zero:
+            return
+        for i in range(len(share)):
+            stem = "predictions" if len(share) == 1 else f"predictions_{i}"
+            rows, index = _in_dataset_order([rank_share[i] for rank_share in shares])
+            self.written += _write(rows, index, self.output_dir, stem)
+
+
+def _gather_to_rank_zero(share: Any, world_size: int) -> list[Any]:
+    if world_size < 2 or not torch.distributed.is_initialized():
+        return [share]
+    gathered: list[Any] | None = [None] * world_size if torch.distributed.get_rank() == 0 else None
+    torch.distributed.gather_object(share, gathered, dst=0)
+    return gathered or []
+
+
+def _in_dataset_order(shares: list[tuple[list[Any], list[list[int]]]]) -> tuple[Any, torch.Tensor]:
+    """Every rank's batches as one set of rows sorted by dataset index, each index once."""
+    batches = [batch for rank_batches, _ in shares for batch in rank_batches]
+    if not batches:
+        return torch.empty(0), torch.empty(0, dtype=torch.long)
+    indices = [index for _, rank_indices in shares for index in rank_indices]
+    rows = _concat(batches)
+    counted = _rows(rows)
+    if len(indices) == len(batches):  # Lightning recorded each batch's items
+        flat = torch.tensor([i for batch in indices for i in batch], dtype=torch.long)
+        if len(flat) != counted:
+            raise RunError(
+                f"predict_step returned {counted} rows for {len(flat)} items: predictions are "
+                "written one row per item, so return a tensor (or dict/list/tuple of tensors) "
+                "whose first dimension is the batch"
+            )
+    else:  # a loader Lightning cannot index (an IterableDataset): the order it gave
+        log.info("The predict loader has no sampler to index: the rows are in the order it gave")
+        flat = torch.arange(counted)
+    index, first = _first_of_each(flat)
+    return _take(rows, first), index
+
+
+def _first_of_each(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sorted distinct indices and the position of each one's first row (padding repeats)."""
+    order = torch.sort(flat, stable=True).indices
+    ordered = flat[order]
+    keep = torch.ones_like(ordered, dtype=torch.bool)
+    keep[1:] = ordered[1:] != ordered[:-1]
+    return ordered[keep], order[keep]
+
+
+def _concat(batches: list[Any]) -> Any:
+    first = batches[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat([b.reshape(1) if b.ndim == 0 else b for b in batches])
+    if isinstance(first, Mapping):
+        return {key: _concat([b[key] for b in batches]) for key in first}
+    if isinstance(first, list | tuple):
+        return type(first)(_concat([b[i] for b in batches]) for i in range(len(first)))
+    raise RunError(
+        f"predict_step returned a {type(first).__name__}: return a tensor, or a dict/list/tuple "
+        "of tensors, whose first dimension is the batch"
+    )
+
+
+def _rows(rows: Any) -> int:
+    if isinstance(rows, torch.Tensor):
+        return len(rows)
+    counts = {_rows(v) for v in (rows.values() if isinstance(rows, Mapping) else rows)}
+    if len(counts) != 1:
+        raise RunError(
+            f"predict_step returned parts with different numbers of rows ({sorted(counts)}): "
+            "each must have the batch as its first dimension"
+        )
+    return counts.pop()
+
+
+def _take(rows: Any, positions: torch.Tensor) -> Any:
+    if isinstance(rows, torch.Tensor):
+        return rows[positions]
+    if isinstance(rows, Mapping):
+        return {key: _take(value, positions) for key, value in rows.items()}
+    return type(rows)(_take(value, positions) for value in rows)
+
+
+def _write(rows: Any, index: torch.Tensor, out: Path, stem: str) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{stem}.pt"
+    atomic_write(path, lambda handle: torch.save({"predictions": rows, "index": index}, handle))
+    written = [path]
+    table = _csv_columns(rows)
+    if table is not None:
+        header, values = table
+        lines = [f"index,{header}"] + [
+            f"{i},{v}" for i, v in zip(index.tolist(), values.tolist(), strict=True)
+        ]
+        csv = out / f"{stem}.csv"
+        atomic_write(csv, lambda handle: handle.write(("\n".join(lines) + "\n").encode()))
+        written.append(csv)
+    log.info("Predictions of %d items: %s", len(index), ", ".join(str(p) for p in written))
+    return written
+
+
+def _csv_columns(rows: Any) -> tuple[str, torch.Tensor] | None:
+    """``(column, values)`` when one column per item says it all, else None (no CSV)."""
+    if not isinstance(rows, torch.Tensor):
+        return None
+    if rows.ndim == 1 or (rows.ndim == 2 and rows.shape[1] == 1):
+        return "prediction", rows.reshape(-1)
+    if rows.ndim == 2 and rows.is_floating_point():
+        return "class", rows.argmax(dim=1)
+    return None

@@ -1,0 +1,80 @@
+"""Predict with trained weights: a Lightning checkpoint, a model.pth or a run.
+
+    python -m project.predict ckpt_path=logs/train/runs/<run>               # the weights it tested
+    python -m project.predict ckpt_path=logs/train/runs/<run>/model.pth data.batch_size=512
+    python -m project.predict ckpt_path=logs/train/runs/<run> data=<another data config>
+
+The model and data are rebuilt from the run's config as in eval (``data=`` / ``data.*`` choose
+other data). It runs the module's ``predict_step`` (its forward when it has none) on the data
+module's ``predict_dataloader`` (its test split when it has none) and writes ``predictions.pt``
+(and ``predictions.csv`` for one value or class per item) in dataset order to this run's
+directory, on one process or under DDP (``trainer.devices=2``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import runkit
+from project import config_dir
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
+
+
+def predict(cfg: DictConfig) -> None:
+    """Predict with the weights at ``cfg.ckpt_path``; the files go to the run directory."""
+    from pathlib import Path
+
+    import lightning.pytorch as pl
+    from hydra.utils import instantiate
+    from lightning.pytorch.utilities import rank_zero_only
+
+    out = Path(cfg.paths.output_dir)
+    # A run directory stands for its model.pth: the weights whose test figures it reported.
+    source = runkit.resolve_ckpt_path(
+        cfg.ckpt_path, cfg.paths.log_dir, "train", tested_weights=True
+    )
+    assert source is not None  # ckpt_path is required (???) in predict.yaml
+
+    # Rebuild the run's model and data from its own config (trusted _target_s only).
+    data = runkit.load_file(source, mmap=True)
+    trained = runkit.trained_config(cfg, source, data)
+    pl.seed_everything(cfg.seed, workers=True)
+    model, ckpt = runkit.trained_model(trained["model"], source, data)
+    datamodule = instantiate(trained["data"])
+    plan = runkit.resolve_for_run(
+        cfg.trainer.accelerator,
+        cfg.trainer.devices,
+        select=cfg.select_gpus,
+        policy=runkit.policy_from_config(cfg),
+    )
+    # predict_step, or the forward; predict_dataloader, or the test split: which, in one line.
+    what = runkit.prepare_predict(model, datamodule)
+    if rank_zero_only.rank == 0:  # once, not once per DDP process
+        if plan.message:
+            log.info(plan.message)
+        log.info(what)
+    trainer = runkit.build_trainer(cfg, **runkit.trainer_settings(cfg, plan))
+    if trainer.is_global_zero:
+        runkit.save_config(cfg, out)
+    # callbacks.predictions writes the files. Ctrl-C / SIGTERM: every rank stops, exit 128+N.
+    with runkit.phase("predict", trainer), runkit.full_disk_in_one_line(out):
+        trainer.predict(
+            model,
+            datamodule=datamodule,
+            ckpt_path=ckpt,
+            return_predictions=False,
+            weights_only=True,
+        )
+    if trainer.is_global_zero:
+        log.info("Run directory: %s", out)
+
+
+main = runkit.hydra_entry(predict, config_name="predict", config_dir=config_dir())
+
+if __name__ == "__main__":
+    main()
