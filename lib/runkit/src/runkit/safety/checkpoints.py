@@ -1,8 +1,8 @@
 """Saving and loading model state: crash-safe writes, integrity, ``model.pth``, networks from files.
 
 ``model.pth`` is what ``torch.save(net.state_dict(), "model.pth")`` writes: a plain ``state_dict``
-of the LightningModule's network ``net`` where it has one (loadable by any PyTorch code, without
-Lightning), else of the whole LightningModule (:func:`exported_part`, the one place that rule
+of the LightningModule's network ``net`` where that holds all its weights (loadable by any PyTorch
+code, without Lightning), else of the whole LightningModule (:func:`exported_part`, the one place that rule
 lives). Lightning checkpoints (``*.ckpt``) carry the whole training state. Both load with
 ``weights_only=True``, after their zip CRCs are checked (torch does not check them: a flipped byte
 would load as a wrong weight). The run's config travels as plain
@@ -348,13 +348,22 @@ def _chain(err: BaseException) -> list[BaseException]:
 
 def exported_part(model: nn.Module) -> nn.Module:
     """The module whose weights ``model.pth`` holds: ``model.net`` when it is an ``nn.Module``
-    (a plain network, loadable without Lightning or the LightningModule's code), else ``model``.
+    holding every weight of ``model`` (a plain network, loadable without Lightning
+    or the LightningModule's code), else ``model`` (a head beside ``net``, as in the
+    lightning-hydra-template layout, is part of what the forward uses and must not be dropped).
 
     Export, eval and :func:`load_network` all go through this rule, so whatever a user's
     LightningModule looks like, the file loads back into the same part of it.
     """
     net = getattr(model, "net", None)
-    return net if isinstance(net, nn.Module) else model
+    if not isinstance(net, nn.Module):
+        return model
+    # Weights: parameters and saved buffers, not extra state (a metric's best-so-far), each once
+    # however tied; those that ``net.state_dict()`` does not hold would be lost.
+    weights = {id(t) for t in (*model.parameters(), *model.buffers())}
+    inside = {id(t) for t in net.state_dict(keep_vars=True).values()}
+    saved = (id(t) for t in model.state_dict(keep_vars=True).values())
+    return model if any(i in weights and i not in inside for i in saved) else net
 
 
 def load_exported_weights(model: nn.Module, data: dict[str, Any], source: str | Path) -> nn.Module:
