@@ -44,7 +44,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     trained = runkit.trained_config(cfg, source, data)
     pl.seed_everything(cfg.seed, workers=True)
     model, ckpt = runkit.trained_model(trained["model"], source, data)
-    datamodule = instantiate(trained["data"])
+    datamodule = instantiate(trained["data"], _convert_="all")  # plain containers, as in training
     plan = (
         runkit.resolve_for_run(  # least_used waits for and claims GPUs as in training (gpu_* keys)
             cfg.trainer.accelerator,

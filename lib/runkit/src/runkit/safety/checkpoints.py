@@ -391,12 +391,14 @@ def rebuild_model(model_config: dict[str, Any]) -> nn.Module:
     """The LightningModule a run's (trusted) ``model`` config describes, its layers built.
 
     Runs made before ``callbacks.speed`` existed kept its two switches under ``model``; they are
-    dropped here, so such runs still rebuild.
+    dropped here, so such runs still rebuild. Lists and dicts reach the module as plain Python
+    containers, as in training (``_convert_="all"``).
     """
     from hydra.utils import instantiate
 
     retired = ("compile", "channels_last")
-    return build_layers(instantiate({k: v for k, v in model_config.items() if k not in retired}))
+    node = {k: v for k, v in model_config.items() if k not in retired}
+    return build_layers(instantiate(node, _convert_="all"))
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -871,7 +873,7 @@ def load_network(
                 )
             model = rebuild_model(model_config)
             return load_exported_weights(model, data, path).to(device).eval()
-    net = instantiate(net_config)
+    net = instantiate(net_config, _convert_="all")
     load_state_into(net, network_state(data, path), path)
     return net.to(device).eval()
 
