@@ -811,14 +811,19 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return config
 
 
-def state_mismatch(expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> str | None:
+def state_mismatch(
+    expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor], built_later: bool = False
+) -> str | None:
     """How ``state`` fails to fit a module whose ``state_dict()`` is ``expected``, in one line.
 
     ``None`` when every key is present with the right shape; else the missing keys, the unexpected
     ones and the ones of another shape (a few of each), e.g. for a file of another architecture.
+    ``built_later``: the module has not been set up yet, so layers its ``setup()`` or
+    ``configure_model`` builds are not in ``expected``; unexpected keys are then left to the load
+    that runs after those hooks (Lightning's, strict), and only the rest is judged here.
     """
     missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
+    unexpected = [] if built_later else sorted(set(state) - set(expected))
     mismatched = sorted(
         k for k in set(expected) & set(state) if expected[k].shape != state[k].shape
     )
@@ -832,6 +837,48 @@ def state_mismatch(expected: dict[str, torch.Tensor], state: dict[str, torch.Ten
         if keys
     ]
     return "; ".join(details) or None
+
+
+STANDS_FOR: dict[str, Path] = {}
+"""A checkpoint written for Lightning to load (:func:`as_lightning_checkpoint`) -> its source."""
+
+
+def as_lightning_checkpoint(state: dict[str, torch.Tensor], source: str | Path) -> Path:
+    """``state`` (a whole module's, keys as in its ``state_dict()``) as a minimal Lightning
+    checkpoint in a temporary file, for ``trainer.test(ckpt_path=...)``: Lightning then loads it
+    where it loads any checkpoint, after ``setup()`` and ``configure_model`` built every layer,
+    strictly (every weight of the module filled). Removed when the process exits."""
+    import atexit
+    import tempfile
+
+    import lightning
+
+    handle, name = tempfile.mkstemp(suffix=".ckpt", prefix="weights-")
+    with os.fdopen(handle, "wb") as file:
+        torch.save({"state_dict": state, "pytorch-lightning_version": lightning.__version__}, file)
+    atexit.register(lambda: Path(name).unlink(missing_ok=True))
+    STANDS_FOR[name] = Path(source)
+    return Path(name)
+
+
+def explain_load_failure(trainer: Any, err: BaseException) -> RunError | None:
+    """Lightning's multi-line ``load_state_dict`` error for ``trainer.ckpt_path`` as one line
+    naming the keys, judged against the module as set up; ``None`` when that is not the error."""
+    path = getattr(trainer, "ckpt_path", None)
+    if not path or not isinstance(err, RuntimeError) or "state_dict" not in str(err):
+        return None
+    try:
+        state = load_file(path, mmap=True).get("state_dict")
+        mismatch = state_mismatch(trainer.lightning_module.state_dict(), state)
+    except Exception:  # not a file we can read again: Lightning's own error stands
+        return None
+    if not mismatch:
+        return None
+    source = STANDS_FOR.get(str(path), path)
+    return RunError(
+        f"{str(source)!r} does not fit {type(trainer.lightning_module).__name__} as set up "
+        f"(after setup() and configure_model): {mismatch}"
+    )
 
 
 def load_state_into(net: nn.Module, state: dict[str, torch.Tensor], source: str | Path) -> None:
