@@ -62,7 +62,7 @@ def figures_of(run: Path) -> dict[str, float]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("module", "extra"),
-    [(m, []) for m in MODULES] + [("lazy", ["+trainer.accumulate_grad_batches=3"])],
+    [(m, []) for m in MODULES] + [("lazy", ["trainer.accumulate_grad_batches=3"])],
     ids=[*MODULES, "lazy-accumulating"],
 )
 def test_a_foreign_module_trains_tests_exports_and_evaluates_to_the_same_figures(

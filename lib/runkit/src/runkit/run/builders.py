@@ -89,12 +89,14 @@ def build_trainer(cfg: DictConfig, **overrides: Any) -> Trainer:
     from hydra.utils import get_object
     from lightning.pytorch.utilities import rank_zero_only
 
+    from runkit.run.trainer_args import set_arguments
     from runkit.safety import interrupts
 
     callbacks = build_callbacks(cfg.get("callbacks"))
     record = run_record(cfg)
     loggers = build_loggers(cfg.get("logger"), record)
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **overrides)
+    arguments = set_arguments(cfg.trainer)
+    trainer = instantiate(arguments, callbacks=callbacks, logger=loggers or False, **overrides)
     if trainer.fast_dev_run and record is not None:
         # Lightning mutes every logger under fast_dev_run; the run's own record stays on.
         trainer.loggers = [logger for logger in loggers if _same_csv(logger, record)]
