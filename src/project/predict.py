@@ -45,7 +45,7 @@ def predict(cfg: DictConfig) -> None:
     trained = runkit.trained_config(cfg, source, data)
     pl.seed_everything(cfg.seed, workers=True)
     model, ckpt = runkit.trained_model(trained["model"], source, data)
-    datamodule = instantiate(trained["data"])
+    datamodule = instantiate(trained["data"], _convert_="all")
     plan = runkit.resolve_for_run(
         cfg.trainer.accelerator,
         cfg.trainer.devices,
