@@ -10,7 +10,9 @@ each with its reason, in docs/mutation/equivalent.md: a listed mutant that no lo
 with the same change is reported as stale, never silently excused.
 
     python scripts/mutate.py checkpoints
-    python scripts/mutate.py lib/runkit/src/runkit/gpus/resolve.py --tests tests/test_devices.py
+    python scripts/mutate.py finite_loss
+    python scripts/mutate.py lib/runkit/src/runkit/gpus/resolve.py \\
+        --tests lib/runkit/tests/test_devices.py
 """
 
 from __future__ import annotations
@@ -41,23 +43,23 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "checkpoints": (
         ["lib/runkit/src/runkit/safety/checkpoints.py", "lib/runkit/src/runkit/safety/trusted.py"],
         [
-            "tests/test_checkpointing.py",
-            "tests/test_checkpoints_mutants.py",
-            "tests/test_untrusted_files.py",
+            "lib/runkit/tests/test_checkpointing.py",
+            "lib/runkit/tests/test_checkpoints_mutants.py",
+            "lib/runkit/tests/test_untrusted_files.py",
         ],
     ),
     # device resolution and selection, CUDA_VISIBLE_DEVICES, the NVML reader, the listing
     "gpus": (
         ["lib/runkit/src/runkit/gpus/*.py"],
         [
-            "tests/test_devices.py",
-            "tests/test_devices_cli.py",
-            "tests/test_devices_watch.py",
-            "tests/test_devices_mutants.py",
-            "tests/test_gpu_claims.py",
-            "tests/test_claims_mutants.py",
-            "tests/test_inventory_mutants.py",
-            "tests/test_fake_nvml.py",
+            "lib/runkit/tests/test_devices.py",
+            "lib/runkit/tests/test_devices_cli.py",
+            "lib/runkit/tests/test_devices_watch.py",
+            "lib/runkit/tests/test_devices_mutants.py",
+            "lib/runkit/tests/test_gpu_claims.py",
+            "lib/runkit/tests/test_claims_mutants.py",
+            "lib/runkit/tests/test_inventory_mutants.py",
+            "lib/runkit/tests/test_fake_nvml.py",
         ],
     ),
     # the GPU statistics callback, its sampler, statistics and report. Unit tests only: the
@@ -65,12 +67,12 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # test_gpu_telemetry.py) would cost seconds per mutant; their real fits prove the same parts.
     "gpu_stats": (
         ["lib/runkit/src/runkit/gpu_stats/*.py"],
-        ["tests/test_gpu_stats_units.py", "tests/test_gpu_stats_mutants.py"],
+        ["lib/runkit/tests/test_gpu_stats_units.py", "lib/runkit/tests/test_gpu_stats_mutants.py"],
     ),
     # a small module to try the tool on
     "finite_loss": (
         ["lib/runkit/src/runkit/safety/finite_loss.py"],
-        ["tests/test_finite_loss.py"],
+        ["lib/runkit/tests/test_finite_loss.py"],
     ),
 }
 
@@ -200,10 +202,14 @@ def added_lines(diff: str) -> str:
     return normalise(" ".join(lines))
 
 
+# Where mutmut's dotted module names live ([tool.mutmut] source_paths): the library first.
+SOURCE_ROOTS = ("lib/runkit/src/", "src/")
+
+
 def module_of(mutant: str) -> str:
-    """``project.a.b.x_f__mutmut_3`` -> ``src/project/a/b.py``."""
-    dotted = re.split(r"\.x[_ǁ]", mutant, maxsplit=1)[0]
-    return "src/" + dotted.replace(".", "/") + ".py"
+    """``runkit.a.b.x_f__mutmut_3`` -> ``lib/runkit/src/runkit/a/b.py`` (the file that exists)."""
+    dotted = re.split(r"\.x[_ǁ]", mutant, maxsplit=1)[0].replace(".", "/") + ".py"
+    return next((r + dotted for r in SOURCE_ROOTS if (ROOT / r / dotted).is_file()), dotted)
 
 
 def table_row(
