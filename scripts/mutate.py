@@ -35,6 +35,9 @@ except ModuleNotFoundError:  # Python 3.10: mutmut brings the toml package there
 
 ROOT = Path(__file__).resolve().parent.parent
 EQUIVALENT_FILE = ROOT / "docs" / "mutation" / "equivalent.md"
+# Where the library's package lives in the tree; mutmut's dotted names map back there first.
+LIBRARY_SRC = "lib/runkit/src/"
+SOURCE_ROOTS = (LIBRARY_SRC, "src/")
 
 # The modules that guard data, devices and GPU figures (issue #16), each with the fast tests
 # that are its own. `-m "not slow"` is added to every run: slow tests never count.
@@ -124,16 +127,30 @@ def resolve_module(module: str, tests: list[str] | None) -> tuple[list[str], lis
 
 
 def copy_tree(destination: Path) -> None:
+    """The tree, with the library's package also under the copy's ``src/``, beside the project's:
+    mutmut names a module by its path below ``src/`` (or the root), and a mutant whose name is not
+    the module's import name is never found by the tests."""
     if destination.exists():
         shutil.rmtree(destination)
     shutil.copytree(ROOT, destination, ignore=IGNORED_IN_COPY, symlinks=True)
+    library = destination / LIBRARY_SRC / "runkit"
+    shutil.copytree(library, destination / "src" / "runkit", ignore=IGNORED_IN_COPY)
+
+
+def in_copy(pattern: str) -> str:
+    """A source pattern of the tree as mutmut sees it in the copy (see :func:`copy_tree`)."""
+    return "src/" + pattern.removeprefix(LIBRARY_SRC)
 
 
 def set_mutmut_config(pyproject: Path, files: list[str], tests: list[str]) -> None:
     """Narrow the copy's [tool.mutmut] to the module and its tests, keeping the rest of it."""
     text = pyproject.read_text(encoding="utf-8")
     settings = tomllib.loads(text).get("tool", {}).get("mutmut", {})
-    settings.update(only_mutate=files, pytest_add_cli_args_test_selection=tests)
+    settings.update(
+        source_paths=["src/"],
+        only_mutate=[in_copy(f) for f in files],
+        pytest_add_cli_args_test_selection=tests,
+    )
     # Strings, lists of strings, numbers and booleans: their JSON is valid TOML.
     section = "[tool.mutmut]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())
     text, count = re.subn(r"(?ms)^\[tool\.mutmut\]\n.*?(?=^\[|\Z)", section + "\n", text)
@@ -143,7 +160,8 @@ def set_mutmut_config(pyproject: Path, files: list[str], tests: list[str]) -> No
 
 
 def mutmut(copy: Path, *args: str, log: Path | None = None) -> subprocess.CompletedProcess:
-    """``python -m mutmut ...`` in the copy, its mutated sources first on every child's path.
+    """``python -m mutmut ...`` in the copy, its mutated sources (the library's and the
+    project's packages) first on every child's path, ahead of the editable installs.
 
     The folder must exist before Python starts: a path entry that is missing at startup is
     cached as unimportable, and the tests would silently import the unmutated package.
@@ -200,10 +218,6 @@ def added_lines(diff: str) -> str:
     """The mutated line(s) of a ``mutmut show`` diff."""
     lines = [ln[1:] for ln in diff.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
     return normalise(" ".join(lines))
-
-
-# Where mutmut's dotted module names live ([tool.mutmut] source_paths): the library first.
-SOURCE_ROOTS = ("lib/runkit/src/", "src/")
 
 
 def module_of(mutant: str) -> str:
