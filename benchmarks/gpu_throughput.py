@@ -13,7 +13,10 @@ CSV logger, checkpoints, GPU statistics; the speed defaults: ``precision=auto`` 
 a bf16 GPU, ``matmul_precision=high``, channels-last for the ConvNet, ``callbacks.speed.compile`` as
 given). Arm "plain": the same network, optimiser, data order, precision (``torch.autocast`` to
 bf16 when the template chose bf16-mixed), matmul precision and memory layout in a hand-written
-loop, with a validation pass per epoch like the template's. Both are timed from one epoch start
+loop, with a validation pass per epoch like the template's. Arm "lightning": the same module
+and data through the ``lightning.pytorch.Trainer`` a user writes by hand (its defaults: progress
+bar, checkpoint each epoch, model summary, CSV logger; ``loop_parity.run_plain``), with the
+template's precision and float32 matmul precision, without channels-last or compile. All are timed from one epoch start
 to the next (the first epoch, with cuDNN autotuning and compilation, excluded), with a
 ``torch.cuda.synchronize()`` at each stamp.
 
@@ -38,6 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common
+import loop_parity
 
 # Dense peak TFLOP/s (no sparsity) by (name fragment, dtype): vendor data sheets, SXM parts.
 PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
@@ -232,6 +236,18 @@ def run_plain(cfg: Any, cpu: bool) -> list[tuple[float, float]]:
     return stamps
 
 
+def run_lightning(cfg: Any, cpu: bool) -> list[tuple[float, float]]:
+    """The module through a hand-written Lightning Trainer (loop_parity's plain Lightning arm)."""
+    from runkit import speed
+
+    device, precision, _ = choices(cfg, cpu)
+    speed.apply_matmul_precision(cfg.matmul_precision, [] if cpu else [device.index])
+    return loop_parity.run_plain(cfg, precision=precision, clock=synced_clock())
+
+
+ARMS = {"template": run_template, "lightning": run_lightning, "plain": run_plain}
+
+
 def step_flops(cfg: Any, cpu: bool) -> int:
     """FLOPs of one training step (forward + backward) of the workload's network and batch."""
     import torch
@@ -295,13 +311,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gpu_throughput_") as tmp:
         for workload in workloads:
             batch = table[workload][2]
-            arms = _common.Arms(["template", "plain"])
+            arms = _common.Arms(list(ARMS))
             cfg = None
-            for r, order in enumerate(_common.interleaved(args.repeats, ["template", "plain"])):
+            for r, order in enumerate(_common.interleaved(args.repeats, list(ARMS))):
                 for arm in order:
                     out = Path(tmp) / f"{workload}-{arm}-{r}"
                     cfg = compose(workload, args.epochs, out, cpu, extra)
-                    stamps = run_template(cfg) if arm == "template" else run_plain(cfg, cpu)
+                    stamps = run_template(cfg) if arm == "template" else ARMS[arm](cfg, cpu)
                     train_samples = _common.train_samples(cfg)
                     epochs = len(stamps) - 2
                     arms.add(arm, epochs * train_samples / (stamps[-1][0] - stamps[1][0]))
@@ -315,10 +331,10 @@ def main() -> None:
                 f"channels_last {layout}, compile {args.compile}; {args.repeats} repeats of "
                 f"{args.epochs} epochs (first excluded)"
             )
-            print(
-                _common.ratio_line("  template / plain samples/s", arms.ratios("template", "plain"))
-            )
-            for arm in ("template", "plain"):
+            for other, label in (("lightning", "plain Lightning"), ("plain", "hand loop")):
+                ratios = arms.ratios("template", other)
+                print(_common.ratio_line(f"  {workload} / {label}, samples/s", ratios))
+            for arm in ARMS:
                 rate = arms.median(arm)
                 achieved = flops / batch * rate
                 mfu = f"{100 * achieved / peak:.1f} %" if peak else "n/a (unknown peak)"

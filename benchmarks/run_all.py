@@ -7,6 +7,7 @@ a script with its full defaults (its ``--help``) before believing a difference i
     python benchmarks/run_all.py               # all, brief; prints the change against the last file
     python benchmarks/run_all.py --only startup,callback_overhead
     python benchmarks/run_all.py --compare benchmarks/results/2026-11-30.json
+    python benchmarks/run_all.py --compare results/old.json results/new.json   # two files, no run
 
 Each script prints its ratio lines through ``_common.ratio_line``, which also appends them as JSON
 to the file named by ``$RUNKIT_BENCH_RESULTS``; this runner collects them per script.
@@ -84,21 +85,40 @@ def newest_result(exclude: Path) -> Path | None:
 
 
 def compare(previous: dict, current: dict) -> list[str]:
-    """One line per ratio found in both: previous median -> now (change)."""
+    """One line per figure of the scripts in ``current``: the earlier median -> now (change).
+
+    Marked: a median outside the earlier run's [min .. max] (a change beyond its run-to-run
+    spread), a target met before and missed now (``REGRESSION``), and a figure only one of the
+    two runs has. Figures pair by script and label.
+    """
     lines = []
     for name, run in current["scripts"].items():
         before = {
             r["label"]: r for r in previous.get("scripts", {}).get(name, {}).get("ratios", [])
         }
-        for record in run["ratios"]:
-            old = before.get(record["label"])
-            if old:
-                change = record["median"] - old["median"]
-                lines.append(
-                    f"{name + ': ' + record['label']:<60} {old['median']:.3f} -> "
-                    f"{record['median']:.3f} ({change:+.3f})"
-                )
+        now = {r["label"]: r for r in run["ratios"]}
+        for label in [*now, *(label for label in before if label not in now)]:
+            old, new = before.get(label), now.get(label)
+            head = f"{name + ': ' + label:<60}"
+            if old is None or new is None:
+                present = old or new
+                which = "now only" if old is None else "earlier only"
+                lines.append(f"{head} {present['median']:.3f} ({which})")
+                continue
+            change = new["median"] - old["median"]
+            line = f"{head} {old['median']:.3f} -> {new['median']:.3f} ({change:+.3f})"
+            if "min" in old and not old["min"] <= new["median"] <= old["max"]:
+                line += f"  outside the earlier [{old['min']:.3f} .. {old['max']:.3f}]"
+            if old.get("met") and new.get("met") is False:
+                line += f"  REGRESSION: target >= {new['target']:g} met before, not now"
+            lines.append(line)
     return lines
+
+
+def print_comparison(previous: Path, current: dict) -> None:
+    print(f"change against {previous}:")
+    for line in compare(json.loads(previous.read_text()), current):
+        print("  " + line)
 
 
 def main() -> int:
@@ -106,8 +126,25 @@ def main() -> int:
     parser.add_argument("--only", default="", help="comma separated script names")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per script")
     parser.add_argument("--out", type=Path, default=None, help="default: results/<date>.json")
-    parser.add_argument("--compare", type=Path, default=None, help="default: the newest file")
+    parser.add_argument(
+        "--compare",
+        type=Path,
+        nargs="+",
+        metavar="FILE",
+        default=None,
+        help="the earlier file to compare this run with (default: the newest); with two files, "
+        "compare the second with the first and run nothing",
+    )
     args = parser.parse_args()
+    earlier = args.compare or []
+    if len(earlier) > 2 or not all(path.is_file() for path in earlier):
+        parser.error(
+            f"--compare {' '.join(map(str, earlier))}: one or two existing result files "
+            "(benchmarks/results/*.json)"
+        )
+    if len(earlier) == 2:
+        print_comparison(earlier[0], json.loads(earlier[1].read_text()))
+        return 0
     names = [n.strip() for n in args.only.split(",") if n.strip()] or list(BRIEF)
     unknown = [n for n in names if n not in BRIEF]
     if unknown:
@@ -125,11 +162,9 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"ratios written to {out}")
-    previous = args.compare or newest_result(exclude=out)
-    if previous is not None and previous.is_file():
-        print(f"change against {previous}:")
-        for line in compare(json.loads(previous.read_text()), result):
-            print("  " + line)
+    previous = earlier[0] if earlier else newest_result(exclude=out)
+    if previous is not None:
+        print_comparison(previous, result)
     return 0 if all(run["exit_code"] == 0 for run in result["scripts"].values()) else 1
 
 

@@ -10,7 +10,9 @@ each with its reason, in docs/mutation/equivalent.md: a listed mutant that no lo
 with the same change is reported as stale, never silently excused.
 
     python scripts/mutate.py checkpoints
-    python scripts/mutate.py lib/runkit/src/runkit/gpus/resolve.py --tests tests/test_devices.py
+    python scripts/mutate.py finite_loss
+    python scripts/mutate.py lib/runkit/src/runkit/gpus/resolve.py \\
+        --tests lib/runkit/tests/test_devices.py
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ except ModuleNotFoundError:  # Python 3.10: mutmut brings the toml package there
 
 ROOT = Path(__file__).resolve().parent.parent
 EQUIVALENT_FILE = ROOT / "docs" / "mutation" / "equivalent.md"
+# Where the library's package lives in the tree; mutmut's dotted names map back there first.
+LIBRARY_SRC = "lib/runkit/src/"
+SOURCE_ROOTS = (LIBRARY_SRC, "src/")
 
 # The modules that guard data, devices and GPU figures (issue #16), each with the fast tests
 # that are its own. `-m "not slow"` is added to every run: slow tests never count.
@@ -41,23 +46,23 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "checkpoints": (
         ["lib/runkit/src/runkit/safety/checkpoints.py", "lib/runkit/src/runkit/safety/trusted.py"],
         [
-            "tests/test_checkpointing.py",
-            "tests/test_checkpoints_mutants.py",
-            "tests/test_untrusted_files.py",
+            "lib/runkit/tests/test_checkpointing.py",
+            "lib/runkit/tests/test_checkpoints_mutants.py",
+            "lib/runkit/tests/test_untrusted_files.py",
         ],
     ),
     # device resolution and selection, CUDA_VISIBLE_DEVICES, the NVML reader, the listing
     "gpus": (
         ["lib/runkit/src/runkit/gpus/*.py"],
         [
-            "tests/test_devices.py",
-            "tests/test_devices_cli.py",
-            "tests/test_devices_watch.py",
-            "tests/test_devices_mutants.py",
-            "tests/test_gpu_claims.py",
-            "tests/test_claims_mutants.py",
-            "tests/test_inventory_mutants.py",
-            "tests/test_fake_nvml.py",
+            "lib/runkit/tests/test_devices.py",
+            "lib/runkit/tests/test_devices_cli.py",
+            "lib/runkit/tests/test_devices_watch.py",
+            "lib/runkit/tests/test_devices_mutants.py",
+            "lib/runkit/tests/test_gpu_claims.py",
+            "lib/runkit/tests/test_claims_mutants.py",
+            "lib/runkit/tests/test_inventory_mutants.py",
+            "lib/runkit/tests/test_fake_nvml.py",
         ],
     ),
     # the GPU statistics callback, its sampler, statistics and report. Unit tests only: the
@@ -65,12 +70,12 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # test_gpu_telemetry.py) would cost seconds per mutant; their real fits prove the same parts.
     "gpu_stats": (
         ["lib/runkit/src/runkit/gpu_stats/*.py"],
-        ["tests/test_gpu_stats_units.py", "tests/test_gpu_stats_mutants.py"],
+        ["lib/runkit/tests/test_gpu_stats_units.py", "lib/runkit/tests/test_gpu_stats_mutants.py"],
     ),
     # a small module to try the tool on
     "finite_loss": (
         ["lib/runkit/src/runkit/safety/finite_loss.py"],
-        ["tests/test_finite_loss.py"],
+        ["lib/runkit/tests/test_finite_loss.py"],
     ),
 }
 
@@ -122,16 +127,30 @@ def resolve_module(module: str, tests: list[str] | None) -> tuple[list[str], lis
 
 
 def copy_tree(destination: Path) -> None:
+    """The tree, with the library's package also under the copy's ``src/``, beside the project's:
+    mutmut names a module by its path below ``src/`` (or the root), and a mutant whose name is not
+    the module's import name is never found by the tests."""
     if destination.exists():
         shutil.rmtree(destination)
     shutil.copytree(ROOT, destination, ignore=IGNORED_IN_COPY, symlinks=True)
+    library = destination / LIBRARY_SRC / "runkit"
+    shutil.copytree(library, destination / "src" / "runkit", ignore=IGNORED_IN_COPY)
+
+
+def in_copy(pattern: str) -> str:
+    """A source pattern of the tree as mutmut sees it in the copy (see :func:`copy_tree`)."""
+    return "src/" + pattern.removeprefix(LIBRARY_SRC)
 
 
 def set_mutmut_config(pyproject: Path, files: list[str], tests: list[str]) -> None:
     """Narrow the copy's [tool.mutmut] to the module and its tests, keeping the rest of it."""
     text = pyproject.read_text(encoding="utf-8")
     settings = tomllib.loads(text).get("tool", {}).get("mutmut", {})
-    settings.update(only_mutate=files, pytest_add_cli_args_test_selection=tests)
+    settings.update(
+        source_paths=["src/"],
+        only_mutate=[in_copy(f) for f in files],
+        pytest_add_cli_args_test_selection=tests,
+    )
     # Strings, lists of strings, numbers and booleans: their JSON is valid TOML.
     section = "[tool.mutmut]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())
     text, count = re.subn(r"(?ms)^\[tool\.mutmut\]\n.*?(?=^\[|\Z)", section + "\n", text)
@@ -141,7 +160,8 @@ def set_mutmut_config(pyproject: Path, files: list[str], tests: list[str]) -> No
 
 
 def mutmut(copy: Path, *args: str, log: Path | None = None) -> subprocess.CompletedProcess:
-    """``python -m mutmut ...`` in the copy, its mutated sources first on every child's path.
+    """``python -m mutmut ...`` in the copy, its mutated sources (the library's and the
+    project's packages) first on every child's path, ahead of the editable installs.
 
     The folder must exist before Python starts: a path entry that is missing at startup is
     cached as unimportable, and the tests would silently import the unmutated package.
@@ -201,9 +221,9 @@ def added_lines(diff: str) -> str:
 
 
 def module_of(mutant: str) -> str:
-    """``project.a.b.x_f__mutmut_3`` -> ``src/project/a/b.py``."""
-    dotted = re.split(r"\.x[_ǁ]", mutant, maxsplit=1)[0]
-    return "src/" + dotted.replace(".", "/") + ".py"
+    """``runkit.a.b.x_f__mutmut_3`` -> ``lib/runkit/src/runkit/a/b.py`` (the file that exists)."""
+    dotted = re.split(r"\.x[_ǁ]", mutant, maxsplit=1)[0].replace(".", "/") + ".py"
+    return next((r + dotted for r in SOURCE_ROOTS if (ROOT / r / dotted).is_file()), dotted)
 
 
 def table_row(

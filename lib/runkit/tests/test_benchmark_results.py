@@ -53,8 +53,62 @@ def test_compare_pairs_ratios_by_script_and_label() -> None:
         return {"scripts": {"startup": {"ratios": ratios}}}
 
     lines = run_all.compare(result(first_step=1.2, help=0.3), result(first_step=1.1, new=2.0))
-    assert len(lines) == 1
+    assert len(lines) == 3
     assert "startup: first_step" in lines[0] and "1.200 -> 1.100 (-0.100)" in lines[0]
+    assert "startup: new" in lines[1] and "2.000 (now only)" in lines[1]
+    assert "startup: help" in lines[2] and "0.300 (earlier only)" in lines[2]
+
+
+def _results_file(path: Path, ratios: list[dict]) -> Path:
+    """A results file as run_all writes it, with the records ratio_line writes."""
+    records = [
+        {"script": "loop_parity", "repeats": 6, **record} for record in ratios
+    ]  # label, median, min, max, target, met
+    run = {"args": [], "exit_code": 0, "seconds": 1.0, "load_average": [1.0, 1.0]}
+    path.write_text(json.dumps({"scripts": {"loop_parity": {**run, "ratios": records}}}))
+    return path
+
+
+def test_compare_two_files_shows_each_change_and_marks_a_regression(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    wall = {"label": "tiny / plain Lightning, wall clock", "target": 1.0}
+    step = {"label": "tiny median training step only", "target": None, "met": None}
+    earlier = _results_file(
+        tmp_path / "earlier.json",
+        [
+            {**wall, "median": 1.02, "min": 1.0, "max": 1.05, "met": True},
+            {**step, "median": 0.70, "min": 0.60, "max": 0.80},
+        ],
+    )
+    now = _results_file(
+        tmp_path / "now.json",
+        [
+            {**wall, "median": 0.97, "min": 0.95, "max": 0.99, "met": False},
+            {**step, "median": 0.75, "min": 0.70, "max": 0.78},
+        ],
+    )
+    monkeypatch.setattr(sys, "argv", ["run_all.py", "--compare", str(earlier), str(now)])
+    assert run_all.main() == 0  # two files: compared, nothing run
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"change against {earlier}:"
+    wall_line, step_line = out[1:]
+    assert "1.020 -> 0.970 (-0.050)" in wall_line
+    assert "outside the earlier [1.000 .. 1.050]" in wall_line
+    assert "REGRESSION: target >= 1 met before, not now" in wall_line
+    assert "0.700 -> 0.750 (+0.050)" in step_line  # inside the spread, no target: no mark
+    assert "outside" not in step_line and "REGRESSION" not in step_line
+
+
+def test_compare_refuses_a_missing_file_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["run_all.py", "--compare", str(tmp_path / "gone.json")])
+    with pytest.raises(SystemExit) as exit_info:
+        run_all.main()
+    assert exit_info.value.code == 2
+    assert "gone.json: one or two existing result files" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_an_unknown_benchmark_name_is_refused_in_one_line(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -91,3 +92,39 @@ def test_plot_outputs_and_logs_are_ignored_and_nothing_else(tmp_path: Path) -> N
     status = git(tmp_path, "status", "--porcelain", "--untracked-files=all").split("\n")
     listed = sorted(line[3:] for line in status if line)
     assert listed == sorted([".gitignore", *kept])
+
+
+def _mutate_script() -> object:
+    """scripts/mutate.py as a module (importing it runs nothing)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mutate", REPO / "scripts" / "mutate.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["mutate"] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_mutation_module_names_sources_and_tests_that_exist() -> None:
+    mutate = _mutate_script()
+    assert {"checkpoints", "gpus", "gpu_stats", "finite_loss"} <= set(mutate.MODULES)
+    for name, (sources, tests) in mutate.MODULES.items():
+        for pattern in sources:
+            assert list(REPO.glob(pattern)), f"{name}: no file matches {pattern}"
+        missing = [t for t in tests if not (REPO / t).is_file()]
+        assert not missing, f"{name}: test files missing: {missing}"
+    # The documented commands name modules the script knows (or paths that exist).
+    documented = {
+        module
+        for doc in (REPO / "docs" / "mutation").glob("*.md")
+        for module in re.findall(r"make mutate MODULE=(\S+?)[`\s]", doc.read_text())
+    }
+    assert "finite_loss" in documented
+    for module in documented:
+        assert module in mutate.MODULES or (REPO / module).exists(), module
+
+
+def test_a_mutant_name_maps_to_the_library_file_it_mutates() -> None:
+    mutate = _mutate_script()
+    name = "runkit.safety.finite_loss.xǁFiniteLossǁon_train_batch_end__mutmut_3"
+    assert mutate.module_of(name) == "lib/runkit/src/runkit/safety/finite_loss.py"

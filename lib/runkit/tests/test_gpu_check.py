@@ -337,3 +337,37 @@ def test_dry_run_catches_an_override_that_does_not_compose(tmp_path: Path) -> No
     result = gc.run_step(step, gc.Context(ROOT, tmp_path, env, dry_run=True))
     assert result.status == "fail" and "exit code 2" in result.message
     assert "trainer.devicez" in result.message
+
+
+BENCHMARK_OUTPUT = """\
+mlp: batch 4096, precision bf16-mixed, float32 matmul high, channels_last False, compile False
+  mlp / plain Lightning, samples/s   1.032   [1.032 .. 1.032]
+  mlp / hand loop, samples/s         0.981   [0.981 .. 0.981]
+  template        812345 samples/s     512.40 TFLOP/s   MFU 51.8 %
+  lightning       787002 samples/s     496.41 TFLOP/s   MFU 50.2 %
+  plain           828100 samples/s     522.34 TFLOP/s   MFU 52.8 %
+"""
+
+
+def test_the_benchmark_check_reads_every_arm_and_both_ratios(tmp_path: Path) -> None:
+    (step,) = [s for s in gc.default_steps() if s.name == "benchmark"]
+    ctx = gc.Context(ROOT, tmp_path, dict(os.environ))
+    figures = gc.check_benchmark(step, ctx, BENCHMARK_OUTPUT, tmp_path / "log")
+    assert figures["lightning samples/s"] == 787002 and figures["template MFU"] == "51.8 %"
+    assert figures["template / plain Lightning"] == 1.032
+    assert figures["template / hand loop"] == 0.981
+    without = BENCHMARK_OUTPUT.replace("  lightning", "  (lost)")
+    with pytest.raises(gc.CheckFailed, match="no 'samples/s' figure for lightning"):
+        gc.check_benchmark(step, ctx, without, tmp_path / "log")
+
+
+@pytest.mark.slow
+def test_the_benchmark_dry_run_takes_every_arm_on_the_cpu(tmp_path: Path) -> None:
+    (step,) = [s for s in gc.default_steps() if s.name == "benchmark"]
+    env = gc.step_env(ROOT, tmp_path / "site", dry_run=True)
+    result = gc.run_step(step, gc.Context(ROOT, tmp_path, env, dry_run=True))
+    assert result.status == "dry-run", (result.message, result.output_tail)
+    assert result.command.endswith("--allow-cpu")
+    for arm in gc.BENCHMARK_ARMS:
+        assert result.figures[f"{arm} samples/s"] > 0
+    assert {"template / plain Lightning", "template / hand loop"} <= result.figures.keys()

@@ -479,3 +479,22 @@ def test_no_sampler_outlives_a_ddp_rank_killed_with_sigkill(tmp_path, launcher) 
         with contextlib.suppress(ProcessLookupError):
             os.killpg(job.pid, signal.SIGKILL)
         job.wait()
+
+
+def test_parallel_reads_give_the_serial_figures_a_thread_a_gpu() -> None:
+    # What the sampler process does: each sample reads the GPUs side by side, one thread each,
+    # so a phase end that waits for a reading waits for one GPU's NVML calls, not all of them.
+    seen = {}
+    for parallel in (False, True):
+        clock = SharedClock()
+        fake = scenario(clock)
+        fake.nvmlInit()
+        sampler = GpuSampler(readers_of(fake), interval_s=1000.0, parallel=parallel)
+        fake.reset_counters()
+        seen[parallel] = drive(sampler, clock)
+        here, total = fake.calls_in_thread(), fake.total_calls()
+        sampler.stop()
+        fake.nvmlShutdown()
+        # serial: every call from this thread; parallel: none from here (the pool's threads)
+        assert total > 0 and here == (0 if parallel else total)
+    assert without_timings(seen[True]) == without_timings(seen[False])

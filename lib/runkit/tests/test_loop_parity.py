@@ -59,3 +59,67 @@ def test_parts_are_exclusive_and_add_up_to_the_steady_window(
     assert parts[loop_parity.LIGHTNING_LOOP] == (6.0, 6.0)  # 4 in the epoch's own code, 2 after
     named = sum(value[0] for name, value in parts.items() if not name.startswith("_"))
     assert named == 12.0 and parts["_epochs"] == 1
+
+
+def _result(size: str, ratio: float, parts: bool) -> dict:
+    """What measure_size returns, for two repeats with the template ``ratio`` times as fast as
+    plain Lightning and the hand loop."""
+    sample = {"_epochs": 2, "_actions": 400}
+    template = {
+        **sample,
+        loop_parity.TRAINING_STEP: (0.2, 0.2),
+        "callback FiniteLoss: batch hooks": (0.01, 0.01),
+    }
+    plain = {**sample, loop_parity.TRAINING_STEP: (0.2, 0.19)}
+    epoch = {
+        f"{arm}/epoch_{clock}": [100.0, 110.0]
+        for arm in ("template", "plain", "hand", "parts", "plain_parts")
+        for clock in ("wall", "cpu")
+    }
+    return {
+        "size": size,
+        "steps": 20,
+        "ratios": {
+            (first, second, clock): [ratio, ratio + 0.02]
+            for first, second in (("template", "plain"), ("template", "hand"), ("plain", "hand"))
+            for clock in ("wall", "cpu", "step")
+        },
+        "step_ms": 5.0,
+        "epoch": epoch,
+        "parts": {"template": [template] * parts, "plain": [plain] * parts},
+        "hand_parts": {name: [(10.0, 9.0)] for name in ("steps", "validation", "save")},
+    }
+
+
+def test_each_size_prints_its_ratios_in_one_form_with_the_targets(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    verdicts = loop_parity.print_size(_result("mid", 0.97, parts=False), {})
+    lines = capsys.readouterr().out.splitlines()
+    wall = next(line for line in lines if line.startswith("  mid / plain Lightning, wall clock"))
+    assert wall.endswith("0.980   [0.970 .. 0.990]   target >= 1: NOT met")
+    assert any(line.startswith("  mid / plain Lightning, CPU time") for line in lines)
+    assert any(line.startswith("  mid / hand loop, wall clock") for line in lines)
+    assert verdicts == [
+        ("mid / plain Lightning, wall clock", 1.0, False),
+        ("mid / plain Lightning, CPU time", 1.0, False),
+        ("mid / hand loop, wall clock", 0.95, True),
+        ("mid / hand loop, CPU time", 0.95, True),
+    ]
+    # tiny against the hand loop is reported, not targeted
+    tiny = [label for label, _, _ in loop_parity.print_size(_result("tiny", 1.0, False), {})]
+    assert tiny == ["tiny / plain Lightning, wall clock", "tiny / plain Lightning, CPU time"]
+
+
+def test_parts_show_what_the_template_spends_beyond_plain_lightning(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    loop_parity.print_size(_result("tiny", 1.0, parts=True), {})
+    lines = capsys.readouterr().out.splitlines()
+    # CPU ms an epoch (seconds over 2 epochs): template, plain, beyond, beyond a step (20 steps)
+    finite = next(line for line in lines if "callback FiniteLoss: batch hooks" in line)
+    assert finite.split()[-5:-1] == ["5.00", "0.00", "+5.00", "+0.250"]
+    step = next(line for line in lines if line.strip().startswith("training steps"))
+    assert step.split()[-5:-1] == ["100.00", "95.00", "+5.00", "+0.250"]
+    total = next(line for line in lines if "sum (the profiled epoch)" in line)
+    assert total.split()[-5:-1] == ["105.00", "95.00", "+10.00", "+0.500"]

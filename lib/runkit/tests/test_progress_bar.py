@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import RichProgressBar as LightningRichProgressBar
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -116,6 +117,60 @@ def test_batches_between_redraws_leave_the_bar_alone_but_each_epoch_ends_on_its_
     monkeypatch.setattr(LightningRichProgressBar, "_update", counting)
     reads_during_fit(bar, tmp_path)
     assert bar.counts == [BATCHES] * EPOCHS
-    # per epoch: the first batch (due once, clock frozen) or the last, and validation's own
+    # per epoch: the first batch and the last (the rate's two ends), nothing in between
     trained = [a for a in updates if a and a[0] == bar.train_progress_bar_id]
-    assert len(trained) == 1 + EPOCHS
+    assert [a[1] for a in trained] == [1, BATCHES] * EPOCHS
+
+
+class SlowSteps(LogsEveryStep):
+    """Steps of a few milliseconds: the rate is the steps', not the loop's overhead."""
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        time.sleep(0.004)
+        return super().training_step(batch, batch_idx)
+
+
+class ShownRate(Callback):
+    """Per epoch: the rate the training bar shows (its speed column, rendered) and the batches
+    per second the loop actually ran, by this process's clock, from the epoch's start to its
+    last batch's end."""
+
+    def __init__(self, bar: RichProgressBar) -> None:
+        self.bar = bar
+        self.pairs: list[tuple[float, float]] = []
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.start = time.monotonic()
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        self.batches, self.end = args[-1] + 1, time.monotonic()
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        progress = self.bar.progress
+        task = progress.tasks[self.bar.train_progress_bar_id]
+        (column,) = [c for c in progress.columns if type(c).__name__ == "ProcessingSpeedColumn"]
+        shown = float(column.render(task).plain.removesuffix("it/s"))
+        self.pairs.append((shown, self.batches / (self.end - self.start)))
+
+
+def test_the_rate_shown_is_the_rate_run(tmp_path: Path) -> None:
+    # A redraw interval (1 s) longer than an epoch (~40 steps of 4 ms): the case that showed
+    # 0.00it/s, since between redraws the bar is left alone.
+    bar = RichProgressBar(refresh_rate=1)
+    rate = ShownRate(bar)
+    data = DataLoader(TensorDataset(torch.randn(40 * 2, 2)), batch_size=2)
+    trainer = Trainer(
+        accelerator="cpu",
+        max_epochs=3,
+        callbacks=[bar, rate],
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=1,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(SlowSteps(), data, data)
+    assert len(rate.pairs) == 3
+    for shown, run in rate.pairs:
+        assert abs(shown / run - 1) <= 0.2, rate.pairs

@@ -364,7 +364,7 @@ def _child_main(
                 reader.pid = parent_pid  # process memory: the trainer's, not ours
                 reader.probe()
                 readers.append(reader)
-            sampler = GpuSampler(readers, interval_s)
+            sampler = GpuSampler(readers, interval_s, parallel=True)
             stack.callback(sampler.stop)  # before the readers close (last in, first out)
             sampler.sample_now()  # primes the counters before anyone switches a phase
             sampler.start(first_sample=False)

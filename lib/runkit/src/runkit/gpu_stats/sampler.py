@@ -17,6 +17,7 @@ process it is the fallback, or ``sampler="thread"``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import threading
@@ -218,11 +219,28 @@ class GpuSampler:
     ``set_phase(..., sample=True)`` and ``collect(..., sample=True)`` take a boundary sample on
     the calling thread, which splits phases exactly (tests drive the sampler that way against a
     fake clock); the callback passes ``sample=False`` and never makes an NVML call between steps.
+
+    Args:
+        readers: the GPUs to sample, each read by its own :class:`GpuReader`.
+        interval_s: seconds between background samples.
+        parallel: read the GPUs of one sample side by side, a thread each. The sampler process
+            does: a reading of 8 GPUs then takes about one GPU's time, and that reading is what
+            a phase end without a sample of its own (each validation, an epoch shorter than the
+            interval) waits for; NVML is thread-safe and each reader's state is its own. In the
+            training process those threads would take the GIL from training, so the thread
+            sampler reads one GPU after the other.
     """
 
-    def __init__(self, readers: Sequence[GpuReader], interval_s: float) -> None:
+    def __init__(
+        self, readers: Sequence[GpuReader], interval_s: float, parallel: bool = False
+    ) -> None:
         self.readers = list(readers)
         self.interval_s = interval_s
+        self._pool = (
+            concurrent.futures.ThreadPoolExecutor(len(self.readers), "gpu-stats-read")
+            if parallel and len(self.readers) > 1
+            else None
+        )
         self.phase: str | None = None
         self._acc: dict[str, dict[str, GpuAccumulator]] = {}
         self._last_energy: dict[str, float] = {}
@@ -252,6 +270,8 @@ class GpuSampler:
             self._thread.join(timeout=self.interval_s + 10.0)
             self._thread = None
         with self._reading:
+            if self._pool is not None:
+                self._pool.shutdown()
             for reader in self.readers:
                 reader.close()
 
@@ -266,7 +286,11 @@ class GpuSampler:
         with self._reading:
             if self._stop.is_set() and self._thread is None:
                 return  # stopped: the readers are closed
-            readings = [(reader, self._read(reader)) for reader in self.alive]
+            alive = self.alive
+            if self._pool is not None:
+                readings = list(zip(alive, self._pool.map(self._read, alive), strict=True))
+            else:
+                readings = [(reader, self._read(reader)) for reader in alive]
             with self._lock:
                 for reader, reading in readings:
                     if reading is not None:

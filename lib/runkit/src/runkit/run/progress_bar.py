@@ -3,13 +3,18 @@
 Lightning's ``RichProgressBar`` collects the progress-bar values after every training batch
 (``trainer.progress_bar_metrics``: a walk over everything logged, and ``.item()`` of each tensor,
 which on a GPU waits for the device), although it redraws the bar at most ``refresh_rate`` times
-a second. On short steps that is a few percent of the step (benchmarks/README.md, "Where the
-time goes"), and a value logged with ``prog_bar=True`` at every step costs a device sync per
+a second. On short steps that is a few percent of the step (the library's benchmarks measure
+it), and a value logged with ``prog_bar=True`` at every step costs a device sync per
 step. Here a training batch reads them only once a redraw interval has passed since the last
 read, and between those batches does not touch the bar at all (Rich's task update and refresh
 request: nothing is drawn in between anyway); the last batch of an epoch updates the count, and
 the end of each training epoch and of each validation reads the values, so what the bar shows
 once an epoch is over is final.
+
+The first batch of every epoch also updates the count (not the values): Rich computes the
+``it/s`` it shows from the count's samples since the task's last reset, and Lightning resets the
+training task at each epoch start; without a sample near the start, an epoch shorter than a
+redraw interval had one sample (its last batch) and the bar showed ``0.00it/s``.
 """
 
 from __future__ import annotations
@@ -34,10 +39,11 @@ class RichProgressBar(LightningRichProgressBar):
     ) -> None:
         now = time.monotonic()
         self._batch_read_due = now >= self._next_batch_read
-        last = batch_idx + 1 == trainer.num_training_batches
-        if not (self._batch_read_due or last) and self.train_progress_bar_id is not None:
+        # the epoch's first and last batches always set the count: the rate's two ends
+        ends = batch_idx == 0 or batch_idx + 1 == trainer.num_training_batches
+        if not (self._batch_read_due or ends) and self.train_progress_bar_id is not None:
             # Nothing to redraw before the interval has passed: the count is set (absolutely)
-            # at the next due batch and always at the epoch's last one.
+            # at the next due batch and always at the epoch's first and last ones.
             self._batch_read_due = True
             return
         if self._batch_read_due and self.refresh_rate > 0:
