@@ -274,12 +274,8 @@ def undecodable_config(err: UnicodeDecodeError, argv: list[str], config_dir: Pat
     Hydra's error names no file, so the config directories in use (the template's and any
     ``--config-dir``) are searched for the YAML files that do not decode.
     """
-    dirs = [config_dir]
-    for i, arg in enumerate(argv):
-        if arg.startswith(("--config-dir=", "-cd=")):
-            dirs.append(Path(arg.split("=", 1)[1]))
-        elif arg in ("--config-dir", "-cd") and i + 1 < len(argv):
-            dirs.append(Path(argv[i + 1]))
+    options = quoting.config_options(argv)
+    dirs = [config_dir, *(Path(v) for o, v in itertools.pairwise(options) if o == "--config-dir")]
     bad = [str(p) for d in dirs if d.is_dir() for p in sorted(d.rglob("*.yaml")) if _undecodable(p)]
     if not bad:
         return None
