@@ -10,6 +10,8 @@ Each command is looked up in :data:`CHECKS`, which says how it is proven:
 * ``COMPOSE_ONLY``: composed, not preflighted (it needs GPUs or files this machine lacks);
 * ``DRY``: ``make -n`` or ``pytest --collect-only`` (running the suite from inside itself would
   recurse);
+* ``SECTION``: run as written, in order, with the files its README section defines
+  (``test_readme_sections.py``);
 * ``SKIP``: not run here, with the reason (SLURM, several machines, network installs).
 
 A README command missing from CHECKS fails the test, and so does a CHECKS entry the README no
@@ -48,6 +50,7 @@ TEST_COMMAND = "bash scripts/setup.sh && .venv/bin/python -m pytest"
 BUDGET = ("trainer.max_epochs=1", "data.batch_size=256", "callbacks.progress_bar.refresh_rate=0")
 
 RUN, CLI, COMPOSE, COMPOSE_ONLY, DRY, SKIP = "run", "cli", "compose", "compose-only", "dry", "skip"
+SECTION = "section"  # run as written with its section's files: test_readme_sections.py
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class Check:
 
 GPU = "needs CUDA GPUs"
 SAME_AS_RUN = "the same code path as a RUN command, with other values"
+OWN = "test_readme_sections.py runs the section 'Your own model and data' as written"
 PARALLEL = (
     "python -m project.train -m hydra/launcher=parallel hydra.launcher.n_jobs=2 "
     "model.optimizer.lr=0.01,0.001"
@@ -151,17 +155,18 @@ CHECKS: dict[str, Check] = {
     "python -m project.train debug=overfit": Check(COMPOSE, "30 epochs"),
     "python -m project.train debug=limit": Check(COMPOSE, "3 epochs; fdr runs the same loop"),
     "python -m project.train debug=profiler": Check(COMPOSE, "one full epoch; fdr runs the loop"),
-    # Your own model and data
+    # Your own model and data: run as written, in order, with the section's files
+    "python make_table.py": Check(SECTION, OWN),
     "PYTHONPATH=. python -m project.train --config-dir my_configs model=tiny data=my_csv": Check(
-        SKIP, "tests/test_customize.py runs it with the worked example's files"
+        SECTION, OWN
     ),
     "PYTHONPATH=. python -m project.train --config-dir my_configs experiment=regression": Check(
-        SKIP, "tests/test_zoo.py runs the same module and experiment through the CLI"
+        SECTION, OWN
     ),
     "PYTHONPATH=. python -m project.train --config-dir my_configs experiment=regression "
-    "trainer.devices=2": Check(SKIP, "tests/test_zoo.py: DDP x2 with every default callback"),
+    "trainer.devices=2": Check(SECTION, OWN),
     "PYTHONPATH=. python -m project.eval ckpt_path=logs/train/runs/<run> "
-    "'trusted_targets=[my_project.]'": Check(SKIP, "tests/test_zoo.py evaluates such a run"),
+    "'trusted_targets=[my_project.]'": Check(SECTION, OWN),
     # Tests
     "python -m pytest": Check(SKIP, "the suite itself (TEST_COMMAND)"),
     'python -m pytest -m "not slow"': Check(DRY, "the suite itself"),
