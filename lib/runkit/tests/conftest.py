@@ -44,6 +44,16 @@ LIBRARY_COMMANDS = ("plot", "devices")
 TEMPLATE_TARGETS = ("project.models.", "project.data.", "torch.nn.", "torch.optim.")
 
 
+def user_config_dir(folder: Path) -> Path:
+    """A config directory of a user's own, outside the project (``--config-dir``): ``model=mine``
+    (the template's MLP) is only there, so a command that lost ``--config-dir`` fails to compose.
+    """
+    template = Path(__file__).resolve().parents[3] / "configs" / "model" / "mlp.yaml"
+    (folder / "model").mkdir(parents=True)
+    (folder / "model" / "mine.yaml").write_text(template.read_text())
+    return folder
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _LEAKY_ENV}
     env.update(extra)

@@ -29,14 +29,19 @@ TINY = (
 )
 
 
-def test_single_job_argv_drops_the_sweep_and_keeps_hydra_overrides() -> None:
+def test_single_job_argv_drops_the_sweep_and_keeps_hydra_overrides_and_config_options() -> None:
     argv = launch.single_job_argv(
         "train.py",
         ["model.optimizer.lr=0.01", "data.batch_size=64"],
         ["hydra.mode=MULTIRUN", "hydra.sweep.dir=/x"],
+        ["-m", "-cd", "my configs", "--config-name=exp", "model.optimizer.lr=0.01,0.1"],
     )
     assert argv == [
         "train.py",
+        "--config-dir",
+        "my configs",
+        "--config-name",
+        "exp",
         "model.optimizer.lr=0.01",
         "data.batch_size=64",
         "hydra.sweep.dir=/x",

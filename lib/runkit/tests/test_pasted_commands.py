@@ -23,7 +23,7 @@ import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from conftest import FAST, CliRunner, clean_env, run_dirs
+from conftest import FAST, CliRunner, clean_env, run_dirs, user_config_dir
 from runkit import quoting, speed
 from runkit.errors import RunError
 from runkit.safety.interrupts import resume_command
@@ -158,10 +158,16 @@ def test_resume_command_pastes_back_the_overrides_and_the_checkpoint(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     typed = ['paths.log_dir="/data/it\'s $HOME=a,b [x] é"', "trainer.max_epochs=3", "ckpt_path=x"]
-    monkeypatch.setattr(sys, "argv", ["train.py", *typed])
+    options = ["-cd", "my configs é", "--config-name=exp", "-cp", "conf"]
+    monkeypatch.setattr(sys, "argv", ["train.py", *options, *typed])
+    monkeypatch.setenv("PYTHONPATH", "/my code/é:.")
     checkpoint = Path(HOSTILE[-1])
     words = bash_words(resume_command(checkpoint))
+    assert words[:2] == ["PYTHONPATH=/my code/é:.", "python"]
     program = words.index(typed[0])
+    assert words[program - 6 : program] == [
+        *("--config-dir", "my configs é", "--config-name", "exp", "--config-path", "conf")
+    ]
     assert words[program:-1] == typed[:2]  # the user's overrides as typed; no old ckpt_path
     assert words[-1].startswith("ckpt_path=")
     assert config_value(words[-1]) == str(checkpoint)
@@ -185,12 +191,24 @@ def test_resume_command_printed_after_ctrl_c_resumes_when_pasted_into_bash(tmp_p
         f"+callbacks.pause.marker={marker}",
         f'paths.log_dir="{log_dir}"',  # as a user types it: Hydra's quotes inside the shell's
     ]
-    env = clean_env(PYTHONPATH=str(TESTS))
+    # The user's code (user_callbacks) is found through PYTHONPATH, model=mine in a config folder
+    # of their own: the pasted command must bring both, the shell it is pasted into has neither.
+    user_config_dir(tmp_path / "my configs")
+    env = clean_env()
+    env.pop("PYTHONPATH", None)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # `python`
     process = subprocess.Popen(
-        [sys.executable, "-m", "project.train", *overrides],
+        [
+            sys.executable,
+            "-m",
+            "project.train",
+            "--config-dir",
+            "my configs",
+            "model=mine",
+            *overrides,
+        ],
         cwd=tmp_path,
-        env=env,
+        env={**env, "PYTHONPATH": str(TESTS)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -209,6 +227,7 @@ def test_resume_command_printed_after_ctrl_c_resumes_when_pasted_into_bash(tmp_p
     assert saved.is_file()
     lines = (out + err).splitlines()
     command = lines[next(i for i, line in enumerate(lines) if "resume with:" in line) + 1].strip()
+    assert command.startswith(f"PYTHONPATH={TESTS} python -m project.train --config-dir ")
     assert config_value(bash_words(command)[-1]) == str(saved)
 
     resumed = subprocess.run(
@@ -217,6 +236,7 @@ def test_resume_command_printed_after_ctrl_c_resumes_when_pasted_into_bash(tmp_p
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     (new_run,) = [d for d in run_dirs(log_dir) if d != run]
     assert f"Resuming from {saved}" in (new_run / "train.log").read_text()
+    assert "_target_: project.models.nets.MLP" in (new_run / "config.yaml").read_text()
 
 
 @pytest.mark.slow

@@ -2,18 +2,20 @@
 
 Each command is looked up in :data:`CHECKS`, which says how it is proven:
 
-* ``RUN``: run for real in a temporary directory, with a small budget appended (one epoch);
+* ``RUN``: run for real, in the README's order, in one temporary directory; a command that
+  trains gets :data:`BUDGET` appended (one epoch: see there why), nothing else;
 * ``CLI``: run exactly as written (it trains nothing: ``--help``, ``--cfg job``, ``devices``);
-* ``COMPOSE``: its overrides composed in-process with Hydra and checked by the preflight check,
-  as the CLI would before training (training with them would take minutes, or does the same as a
-  RUN command with other values);
-* ``COMPOSE_ONLY``: composed, not preflighted (it needs GPUs or files this machine lacks);
+* ``COMPOSE_ONLY``: composed by Hydra (it needs GPUs, which this machine lacks);
 * ``DRY``: ``make -n`` or ``pytest --collect-only`` (running the suite from inside itself would
   recurse);
+* ``SECTION``: run as written, in order, with the files its README section defines
+  (``test_readme_sections.py``);
 * ``SKIP``: not run here, with the reason (SLURM, several machines, network installs).
 
 A README command missing from CHECKS fails the test, and so does a CHECKS entry the README no
-longer has, so the two cannot drift apart.
+longer has, so the two cannot drift apart. Every command of a ``bash`` block is RUN, CLI or
+SECTION unless the README marks the block, on the line before it, with
+``<!-- not run by the README test: <why> -->`` (GPUs, SLURM, several machines, the suite itself).
 """
 
 from __future__ import annotations
@@ -46,8 +48,13 @@ README = _Readmes()
 TRAIN_COMMAND = "bash scripts/setup.sh && .venv/bin/python -m project.train"
 TEST_COMMAND = "bash scripts/setup.sh && .venv/bin/python -m pytest"
 BUDGET = ("trainer.max_epochs=1", "data.batch_size=256", "callbacks.progress_bar.refresh_rate=0")
+"""Appended to every RUN command that trains (but the debug presets), visibly: the README's 20 to
+25 epochs repeat the one epoch's code path, and a dozen full trainings would not fit the suite's
+CI budget. The worked examples of "Your own model and data" run with their own epochs (SECTION)."""
+MARKER = re.compile(r"^<!-- not run by the README test: (.+) -->$")
 
-RUN, CLI, COMPOSE, COMPOSE_ONLY, DRY, SKIP = "run", "cli", "compose", "compose-only", "dry", "skip"
+RUN, CLI, COMPOSE_ONLY, DRY, SKIP = "run", "cli", "compose-only", "dry", "skip"
+SECTION = "section"  # run as written with its section's files: test_readme_sections.py
 
 
 @dataclass(frozen=True)
@@ -57,7 +64,7 @@ class Check:
 
 
 GPU = "needs CUDA GPUs"
-SAME_AS_RUN = "the same code path as a RUN command, with other values"
+OWN = "test_readme_sections.py runs the section 'Your own model and data' as written"
 PARALLEL = (
     "python -m project.train -m hydra/launcher=parallel hydra.launcher.n_jobs=2 "
     "model.optimizer.lr=0.01,0.001"
@@ -66,11 +73,9 @@ CHECKS: dict[str, Check] = {
     TRAIN_COMMAND: Check(SKIP, "creates .venv and pip-installs; the training it runs is RUN below"),
     TEST_COMMAND: Check(SKIP, "the suite itself; .ci/run runs it verbatim (checked below)"),
     "python -m project.train": Check(RUN),
-    "python -m project.train trainer.max_epochs=3 model.optimizer.lr=0.01": Check(
-        COMPOSE, SAME_AS_RUN
-    ),
-    "python -m project.train model=mlp data.batch_size=128": Check(COMPOSE, SAME_AS_RUN),
-    "python -m project.train experiment=example": Check(COMPOSE, "25 epochs of the same training"),
+    "python -m project.train trainer.max_epochs=3 model.optimizer.lr=0.01": Check(RUN),
+    "python -m project.train model=mlp data.batch_size=128": Check(RUN),
+    "python -m project.train experiment=example": Check(RUN),
     "python -m project.train --help": Check(CLI),
     "python -m project.train --cfg job": Check(CLI),
     "python -m runkit.devices": Check(CLI),
@@ -95,12 +100,8 @@ CHECKS: dict[str, Check] = {
     "python -m project.train trainer=ddp trainer.devices=4": Check(COMPOSE_ONLY, GPU),
     "python -m project.train trainer=dp trainer.devices=2": Check(COMPOSE_ONLY, GPU),
     "python -m project.train trainer=fsdp trainer.devices=4": Check(COMPOSE_ONLY, GPU),
-    "python -m project.train trainer=fsdp trainer.devices=2 trainer.accelerator=cpu": Check(
-        COMPOSE, "two CPU processes for 20 epochs; tests/test_fsdp.py runs FSDP on the CPU"
-    ),
-    "python -m project.train trainer=ddp_sim": Check(
-        COMPOSE, "two CPU processes for 20 epochs; tests/test_ddp_cli.py runs DDP on the CPU"
-    ),
+    "python -m project.train trainer=fsdp trainer.devices=2 trainer.accelerator=cpu": Check(RUN),
+    "python -m project.train trainer=ddp_sim": Check(RUN),
     # Several machines
     "torchrun --nnodes=2 --nproc-per-node=4 --node-rank=0 --master-addr=node0 "
     "--master-port=29500 --rdzv-id=exp1 -m project.train trainer=multi_node trainer.devices=4": Check(
@@ -119,26 +120,18 @@ CHECKS: dict[str, Check] = {
     ),
     # Resume
     "python -m project.train ckpt_path=last": Check(RUN),
-    "python -m project.train ckpt_path=logs/train/runs/<run>": Check(
-        COMPOSE, "resumes like ckpt_path=last (RUN), from a named run"
-    ),
-    "python -m project.train callbacks.finite_loss.action=skip": Check(
-        COMPOSE, "a normal run with one value changed; tests/test_finite_loss.py runs skip mode"
-    ),
+    "python -m project.train ckpt_path=logs/train/runs/<run>": Check(RUN),
+    "python -m project.train callbacks.finite_loss.action=skip": Check(RUN),
     # Evaluate
     "python -m project.eval ckpt_path=logs/train/runs/<run>/model.pth": Check(RUN),
     "python -m project.eval ckpt_path=logs/train/runs/<run>/model.pth 'trusted_targets=[project.models.,project.data.,torch.nn.,torch.optim.,my_project.]'": Check(
-        COMPOSE, "the eval above with a longer allow-list"
+        RUN
     ),
-    "python -m project.eval ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt": Check(
-        COMPOSE, SAME_AS_RUN
-    ),
+    "python -m project.eval ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt": Check(RUN),
     # Predict
-    "python -m project.predict ckpt_path=logs/train/runs/<run>": Check(
-        COMPOSE, "tests/test_predict.py runs predict on a run directory, a .ckpt and under DDP"
-    ),
+    "python -m project.predict ckpt_path=logs/train/runs/<run>": Check(RUN),
     "python -m project.predict ckpt_path=logs/train/runs/<run>/model.pth data.batch_size=512 "
-    "trainer.devices=2": Check(COMPOSE, "tests/test_predict.py runs predict under DDP x2"),
+    "trainer.devices=2": Check(RUN),
     # Plots
     "python -m runkit.plot logs/train/runs/<run>": Check(RUN),
     "python -m runkit.plot logs/train/multiruns/<sweep>": Check(RUN),
@@ -154,20 +147,21 @@ CHECKS: dict[str, Check] = {
     ),
     # Debug presets
     "python -m project.train debug=fdr": Check(RUN),
-    "python -m project.train debug=overfit": Check(COMPOSE, "30 epochs"),
-    "python -m project.train debug=limit": Check(COMPOSE, "3 epochs; fdr runs the same loop"),
-    "python -m project.train debug=profiler": Check(COMPOSE, "one full epoch; fdr runs the loop"),
-    # Your own model and data
+    "python -m project.train debug=overfit": Check(RUN),
+    "python -m project.train debug=limit": Check(RUN),
+    "python -m project.train debug=profiler": Check(RUN),
+    # Your own model and data: run as written, in order, with the section's files
+    "python make_table.py": Check(SECTION, OWN),
     "PYTHONPATH=. python -m project.train --config-dir my_configs model=tiny data=my_csv": Check(
-        SKIP, "tests/test_customize.py runs it with the worked example's files"
+        SECTION, OWN
     ),
     "PYTHONPATH=. python -m project.train --config-dir my_configs experiment=regression": Check(
-        SKIP, "tests/test_zoo.py runs the same module and experiment through the CLI"
+        SECTION, OWN
     ),
     "PYTHONPATH=. python -m project.train --config-dir my_configs experiment=regression "
-    "trainer.devices=2": Check(SKIP, "tests/test_zoo.py: DDP x2 with every default callback"),
+    "trainer.devices=2": Check(SECTION, OWN),
     "PYTHONPATH=. python -m project.eval ckpt_path=logs/train/runs/<run> "
-    "'trusted_targets=[my_project.]'": Check(SKIP, "tests/test_zoo.py evaluates such a run"),
+    "'trusted_targets=[my_project.]'": Check(SECTION, OWN),
     # Tests
     "python -m pytest": Check(SKIP, "the suite itself (TEST_COMMAND)"),
     'python -m pytest -m "not slow"': Check(DRY, "the suite itself"),
@@ -238,6 +232,35 @@ def test_every_readme_command_is_checked_and_every_check_is_in_readme() -> None:
         assert check.how in (RUN, CLI) or check.why, f"{command!r} needs a reason"
 
 
+def marked_blocks() -> list[tuple[str | None, list[str]]]:
+    """Every ``bash`` block of both READMEs: the reason its marker gives (None: unmarked), its
+    commands."""
+    found = []
+    for path in README.files:
+        lines = path.read_text().splitlines(keepends=True)
+        for i, line in enumerate(lines):
+            if line != "```bash\n":
+                continue
+            end = lines.index("```\n", i + 1)
+            marker = MARKER.match(lines[i - 1].strip())
+            block = "".join(lines[i : end + 1])
+            found.append((marker.group(1) if marker else None, readme_commands(block)))
+    return found
+
+
+def test_every_command_of_an_unmarked_block_runs() -> None:
+    blocks = marked_blocks()
+    assert len(blocks) == README.read_text().count("```bash\n")
+    for reason, commands in blocks:
+        if reason is None:
+            idle = [c for c in commands if CHECKS[c].how not in (RUN, CLI, SECTION)]
+            assert not idle, f"README commands not run and not marked as such: {idle}"
+        else:
+            assert any(CHECKS[c].how not in (RUN, CLI, SECTION) for c in commands), (
+                f"a marked block whose commands all run: {commands}"
+            )
+
+
 def test_readme_extraction_joins_continuations_and_drops_comments() -> None:
     text = "```bash\n# a comment\npython -m a \\\n  x=1   # why\n```\n```text\nnot this\n```\n"
     assert readme_commands(text) == ["python -m a x=1"]
@@ -287,11 +310,10 @@ def test_config_group_table_names_real_options() -> None:
             assert path.is_file(), f"README's config table names {group}={option}; no {path}"
 
 
-def _compose(command: str, preflight: bool) -> None:
+def _compose(command: str) -> None:
     from hydra import compose, initialize_config_dir
 
     from project import config_dir
-    from runkit.run.preflight import check_config
 
     _, words = split(command)
     assert words[:2] == ["python", "-m"], command
@@ -300,16 +322,12 @@ def _compose(command: str, preflight: bool) -> None:
     ]
     overrides = [w.replace("<run>", "some-run") for w in words[3:]]
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        cfg = compose(config_name=config_name, overrides=overrides)
-    if preflight:
-        check_config(cfg)
+        compose(config_name=config_name, overrides=overrides)  # what Hydra refuses fails here
 
 
-@pytest.mark.parametrize(
-    "command", [c for c, k in CHECKS.items() if k.how in (COMPOSE, COMPOSE_ONLY)]
-)
+@pytest.mark.parametrize("command", [c for c, k in CHECKS.items() if k.how == COMPOSE_ONLY])
 def test_composed_commands(command: str) -> None:
-    _compose(command, preflight=CHECKS[command].how == COMPOSE)
+    _compose(command)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -352,56 +370,82 @@ def test_dry_run_commands_name_real_targets_and_tests() -> None:
             )
 
 
+def budget(command: str) -> tuple[str, ...]:
+    """:data:`BUDGET`'s overrides for a command that trains, less the keys the command sets. The
+    debug presets run as written: short already, and each sets its own batches and epochs."""
+    if "project.train" not in command or "debug=" in command:
+        return ()
+    own = {word.partition("=")[0] for word in shlex.split(command)}
+    return tuple(o for o in BUDGET if o.partition("=")[0] not in own)
+
+
 @pytest.mark.slow
 def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
-    """The RUN commands in the order a newcomer would type them, sharing one directory."""
+    """Every RUN command, sharing one directory: first the run the others evaluate, resume and
+    plot, then the rest in the README's order."""
     text = README.read_text()
     log_dir = tmp_path / "logs"
+    ran: list[str] = []
 
-    _run("python -m project.train", tmp_path, BUDGET)
-    (first,) = run_dirs(log_dir)
-    assert (first / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # drawn by every run
-    report = json.loads((first / "metrics.json").read_text())
-
-    _run("python -m project.train ckpt_path=last", tmp_path, (*BUDGET, "trainer.max_epochs=2"))
-    (resumed,) = set(run_dirs(log_dir)) - {first}
-    assert json.loads((resumed / "metrics.json").read_text())["resumed_from"]
-
-    def fill(command: str) -> str:
-        return (
+    def run(command: str, *extra: str) -> subprocess.CompletedProcess:
+        ran.append(command)
+        filled = (
             command.replace("logs/train/runs/<run>", str(first.relative_to(tmp_path)))
             .replace("logs/train/runs/<other-run>", str(resumed.relative_to(tmp_path)))
             .replace("logs/train/multiruns/<sweep>", str(sweep.relative_to(tmp_path)))
             .replace("logs/train/multiruns/<that-sweep>", str(parallel.relative_to(tmp_path)))
         )
+        return _run(filled, tmp_path, (*budget(command), *extra))
 
-    sweep = parallel = tmp_path / "unused"
-    _run(fill("python -m project.eval ckpt_path=logs/train/runs/<run>/model.pth"), tmp_path)
+    first = resumed = sweep = parallel = tmp_path / "unused"
+    run("python -m project.train")
+    (first,) = run_dirs(log_dir)
+    assert (first / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # drawn by every run
+    report = json.loads((first / "metrics.json").read_text())
+
+    # A 1-epoch run resumed with 1 epoch has nothing left to train: this one asks for a second.
+    run("python -m project.train ckpt_path=last", "trainer.max_epochs=2")
+    (resumed,) = set(run_dirs(log_dir)) - {first}
+    assert json.loads((resumed / "metrics.json").read_text())["resumed_from"]
+    run("python -m project.train ckpt_path=logs/train/runs/<run>", "trainer.max_epochs=2")
+    (named,) = set(run_dirs(log_dir)) - {first, resumed}
+    assert first.name in json.loads((named / "metrics.json").read_text())["resumed_from"]
+
+    run("python -m project.eval ckpt_path=logs/train/runs/<run>/model.pth")
     (evaluated,) = run_dirs(log_dir, "eval")
     tested = json.loads((evaluated / "metrics.json").read_text())["metrics"]["test/acc"]
     assert abs(tested - report["metrics"]["test/acc"]) <= 1e-3
+    for command in (c for c, k in CHECKS.items() if k.how == RUN and "project.eval" in c):
+        if command not in ran:
+            run(command)
+    assert len(run_dirs(log_dir, "eval")) == 3
 
-    _run("python -m project.train -m model.optimizer.lr=0.01,0.001", tmp_path, BUDGET)
+    run("python -m project.train -m model.optimizer.lr=0.01,0.001")
     (sweep,) = (log_dir / "train" / "multiruns").iterdir()
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
 
     # Two jobs at once; the same sweep in its own folder again finds both finished.
-    _run(PARALLEL, tmp_path, BUDGET)
+    run(PARALLEL)
     (parallel,) = set((log_dir / "train" / "multiruns").iterdir()) - {sweep}
     assert (parallel / "summary.csv").is_file()
-    again = _run(
-        fill(f"{PARALLEL} hydra.sweep.dir=logs/train/multiruns/<that-sweep>"), tmp_path, BUDGET
-    )
+    again = run(f"{PARALLEL} hydra.sweep.dir=logs/train/multiruns/<that-sweep>")
     assert "2 job(s) skipped (finished earlier), 0 resumed, 0 started" in again.stdout
 
     (first / "curves.png").unlink()
     for command in (c for c, k in CHECKS.items() if k.how == RUN and "runkit.plot " in c):
-        _run(fill(command), tmp_path)
+        run(command)
     assert (first / "curves.png").is_file() and (sweep / "curves.png").is_file()
     assert (tmp_path / "compare.png").is_file()
 
-    _run("python -m project.train debug=fdr", tmp_path)
+    run("python -m project.train debug=fdr")
     assert run_dirs(log_dir, "debug")
+
+    # Every other command that trains, each a run of its own (DDP and FSDP on 2 CPU processes).
+    before = len(run_dirs(log_dir)) + len(run_dirs(log_dir, "debug"))
+    rest = [c for c, k in CHECKS.items() if k.how == RUN and c not in ran]
+    for command in rest:
+        run(command)
+    assert len(run_dirs(log_dir)) + len(run_dirs(log_dir, "debug")) == before + len(rest)
 
     # README's snippets that load model.pth: onto the chosen device, and with a longer allow-list.
     outputs = []
@@ -419,17 +463,7 @@ def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
         outputs.append(result.stdout)
     assert len(outputs) == 2
     assert re.fullmatch(r"tensor\(\[(\d, ){4}\d\]\)\n", outputs[0]), outputs[0]
-
-    ran = {
-        "python -m project.train",
-        "python -m project.train ckpt_path=last",
-        "python -m project.eval ckpt_path=logs/train/runs/<run>/model.pth",
-        "python -m project.train -m model.optimizer.lr=0.01,0.001",
-        "python -m project.train debug=fdr",
-        PARALLEL,
-        f"{PARALLEL} hydra.sweep.dir=logs/train/multiruns/<that-sweep>",
-    } | {c for c in CHECKS if "runkit.plot " in c and CHECKS[c].how == RUN}
-    assert ran == {c for c, k in CHECKS.items() if k.how == RUN}, "a RUN command was not run"
+    assert sorted(ran) == sorted(c for c, k in CHECKS.items() if k.how == RUN)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CliRunner, clean_env
+from conftest import CliRunner, clean_env, user_config_dir
 from runkit.errors import RunError
 from runkit.run import sweep, sweep_summary
 from runkit.run.sweep import Attempt, SweepState
@@ -281,14 +281,20 @@ def test_jobs_run_at_the_same_time_and_a_failing_job_does_not_stop_the_others(
 def test_a_stopped_sweep_reruns_into_the_rest_without_repeating_a_finished_job(
     log_dir: Path, tmp_path: Path
 ) -> None:
-    # One job at a time: #0 finishes, #1 is stopped in its first epoch, #2 never starts.
+    # One job at a time: #0 finishes, #1 is stopped in its second epoch, #2 never starts. The
+    # user's code (user_callbacks, on PYTHONPATH) and a config folder of their own: every job,
+    # first and resumed, must get both.
     folder = tmp_path / "sweep dir é"
     marker = tmp_path / "paused"
+    user_config_dir(tmp_path / "my configs")
     command = [
         sys.executable,
         "-m",
         "project.train",
         "-m",
+        "--config-dir",
+        "my configs",
+        "model=mine",
         "hydra/launcher=parallel",
         "hydra.launcher.n_jobs=1",
         "model.optimizer.lr=0.01,0.02,0.03",
@@ -297,6 +303,7 @@ def test_a_stopped_sweep_reruns_into_the_rest_without_repeating_a_finished_job(
         "+callbacks.pause.at=train",
         f"+callbacks.pause.marker={marker}",
         "+callbacks.pause.lr=0.02",
+        "+callbacks.pause.epoch=1",
         f"paths.log_dir={log_dir}",
         f'hydra.sweep.dir="{folder}"',
     ]
@@ -317,6 +324,14 @@ def test_a_stopped_sweep_reruns_into_the_rest_without_repeating_a_finished_job(
     rows = list(csv.DictReader((folder / "summary.csv").open()))
     assert [r["status"] for r in rows] == ["finished", "interrupted", "not started"]
     assert (folder / "1" / "checkpoints" / "interrupted.ckpt").is_file()
+    assert not (folder / "1" / "metrics.json").exists()
+    # The stopped job's best so far comes from its checkpoint (it validated once), the finished
+    # one's from its metrics.json; both are drawn.
+    stopped = rows[1]
+    assert stopped["monitor"] == rows[0]["monitor"] == "val/acc"
+    assert 0 <= float(stopped["best"]) <= 1 and 0 <= float(rows[0]["best"]) <= 1
+    assert (folder / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (folder / "summary.png").unlink()
     assert all(gone(a["pid"]) for a in state(folder))
     finished_at = (folder / "0" / "metrics.json").stat().st_mtime_ns
 
@@ -335,12 +350,16 @@ def test_a_stopped_sweep_reruns_into_the_rest_without_repeating_a_finished_job(
     resumed = json.loads((folder / "1-attempt2" / "metrics.json").read_text())
     assert resumed["resumed_from"] == str(folder / "1" / "checkpoints" / "interrupted.ckpt")
     assert resumed["epochs"] == 2
+    for job in ("0", "1-attempt2", "2"):
+        config = (folder / job / "config.yaml").read_text()
+        assert "_target_: project.models.nets.MLP" in config, job  # model=mine, my configs'
     rows = list(csv.DictReader((folder / "summary.csv").open()))
     assert [(r["status"], r["attempts"]) for r in rows] == [
         ("finished", "1"),
         ("finished", "2"),
         ("finished", "1"),
     ]
+    assert (folder / "summary.png").is_file()
 
 
 @pytest.mark.slow

@@ -16,15 +16,16 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 class Pause(Callback):
     """Hold the run at a known point, so a test can send a signal there.
 
-    At the first batch end of the phase named by ``at`` (``train``, ``test``) write ``marker``
-    and wait until the test creates ``<marker>.release``. A resumed fit does not pause.
+    At the first batch end of the phase named by ``at`` (``train``, ``test``; in training, of
+    epoch ``epoch`` or later) write ``marker`` and wait until the test creates
+    ``<marker>.release``. A resumed fit does not pause.
     """
 
-    def __init__(self, at: str, marker: str) -> None:
-        self.at, self.marker, self.done = at, Path(marker), False
+    def __init__(self, at: str, marker: str, epoch: int = 0) -> None:
+        self.at, self.marker, self.epoch, self.done = at, Path(marker), epoch, False
 
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
-        if self.at == "train" and trainer.ckpt_path is None:
+        if self.at == "train" and trainer.ckpt_path is None and trainer.current_epoch >= self.epoch:
             self._pause(trainer)
 
     def on_test_batch_end(self, trainer: Trainer, *args: Any) -> None:
@@ -105,7 +106,9 @@ class FailAtStart(Callback):
 
 
 def _lr(trainer: Trainer) -> float:
-    return trainer.optimizers[0].param_groups[0]["lr"]
+    """The job's configured learning rate (a scheduler's ``initial_lr``, once one has stepped)."""
+    group = trainer.optimizers[0].param_groups[0]
+    return group.get("initial_lr", group["lr"])
 
 
 class Rendezvous(Callback):
@@ -132,8 +135,8 @@ class Rendezvous(Callback):
 class PauseAtLr(Pause):
     """:class:`Pause` in the job of a sweep whose learning rate is ``lr`` only."""
 
-    def __init__(self, at: str, marker: str, lr: float) -> None:
-        super().__init__(at, marker)
+    def __init__(self, at: str, marker: str, lr: float, epoch: int = 0) -> None:
+        super().__init__(at, marker, epoch)
         self.lr = lr
 
     def _pause(self, trainer: Trainer) -> None:

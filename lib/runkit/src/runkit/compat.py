@@ -97,8 +97,14 @@ def _omegaconf_get_node() -> bool:
 
 
 def _hydra_args_parser() -> bool:
-    args = hydra_args_parser().parse_args(["-m", "--cfg", "job", "a=1"])
-    return args.multirun is True and args.cfg == "job" and args.overrides == ["a=1"]
+    args = hydra_args_parser().parse_args(["-m", "--cfg", "job", "-cd", "d", "a=1"])
+    return (
+        args.multirun is True
+        and args.cfg == "job"
+        and args.config_dir == "d"
+        and args.config_name is None
+        and args.overrides == ["a=1"]
+    )
 
 
 def _job_return_value() -> bool:
@@ -228,7 +234,8 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi(
         "hydra._internal.utils",
         "get_args_parser",
-        "runkit.compat.hydra_args_parser (runkit.run.cli, -m with --cfg)",
+        "runkit.compat.hydra_args_parser (runkit.run.cli, -m with --cfg; runkit.quoting.config_options; "
+        "runkit.safety.interrupts outside Hydra)",
         "Hydra's own command-line parser, to tell flags from overrides exactly as Hydra will",
         _hydra_args_parser,
     ),

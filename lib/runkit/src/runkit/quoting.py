@@ -4,14 +4,15 @@ A printed ``key=value`` passes two parsers: the POSIX shell, then Hydra's overri
 ``shlex.quote`` alone satisfies the shell only: Hydra takes spaces, non-ASCII letters, ``$``,
 commas, brackets and ``=`` in a value only inside quotes (else ``LexerNoViableAltException``, or a
 sweep, or a list), and OmegaConf reads ``${...}`` as an interpolation. :func:`override` quotes for
-Hydra first, then for the shell. Stdlib only, so every layer of the machinery may import it.
+Hydra first, then for the shell. Stdlib only at import, so every layer of the machinery may
+import it (:func:`config_options` asks Hydra's parser when it runs).
 """
 
 from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 # Strings Hydra reads unquoted as exactly themselves: a letter, ``_`` or ``/`` first, then only
 # ASCII word characters, dots, slashes and dashes (no word Hydra would read as another type); or
@@ -57,3 +58,33 @@ def hydra_value(value: Value) -> str:
     text = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + r"\${", value)  # OmegaConf's escape
     text = re.sub(r'(\\*)("|\Z)', lambda m: m.group(1) * 2 + ('\\"' if m.group(2) else ""), text)
     return f'"{text}"'
+
+
+_CONFIG_OPTIONS = (("config_dir", "--config-dir"), ("config_name", "--config-name"),
+                   ("config_path", "--config-path"))  # fmt: skip
+
+
+def config_options(argv: Sequence[str]) -> list[str]:
+    """The options of the Hydra command line ``argv`` that choose its configs, as typed values
+    behind their long names (``["--config-dir", "my_configs", ...]``).
+
+    A command that starts this program again (a sweep's job, a printed resume command) needs them
+    to find the same configs; Hydra's own parser reads them, whatever spelling was used
+    (``-cd x``, ``--config-dir=x``).
+    """
+    from runkit import compat  # Hydra's parser, imported only when a command is rebuilt
+
+    args, _ = compat.hydra_args_parser().parse_known_args(list(argv))
+    words = []
+    for attribute, option in _CONFIG_OPTIONS:
+        value = getattr(args, attribute, None)
+        if value is not None:
+            words += [option, str(value)]
+    return words
+
+
+def environment_prefix(environ: Mapping[str, str]) -> list[str]:
+    """``["PYTHONPATH=<value>"]`` when the run found code through ``PYTHONPATH`` (a user's package
+    outside the project), for a printed command to find it again; else nothing."""
+    value = environ.get("PYTHONPATH")
+    return [f"PYTHONPATH={shlex.quote(value)}"] if value else []

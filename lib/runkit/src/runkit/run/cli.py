@@ -346,12 +346,8 @@ def conflicted_config(argv: list[str], config_dir: Path) -> str | None:
 
 def _config_files(argv: list[str], config_dir: Path) -> list[Path]:
     """The YAML files of the config directories in use: the project's and any ``--config-dir``."""
-    dirs = [config_dir]
-    for i, arg in enumerate(argv):
-        if arg.startswith(("--config-dir=", "-cd=")):
-            dirs.append(Path(arg.split("=", 1)[1]))
-        elif arg in ("--config-dir", "-cd") and i + 1 < len(argv):
-            dirs.append(Path(argv[i + 1]))
+    options = quoting.config_options(argv)
+    dirs = [config_dir, *(Path(v) for o, v in itertools.pairwise(options) if o == "--config-dir")]
     return [p for d in dirs if d.is_dir() for p in sorted(d.rglob("*.yaml"))]
 
 

@@ -51,13 +51,14 @@ import re
 import subprocess
 import sys
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from runkit.errors import RunError
+from runkit.quoting import config_options
 from runkit.safety.signals import rank_zero, slurm_job_id
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,9 @@ def job_scope() -> Iterator[None]:
     saved_env = {key: os.environ.get(key) for key in (*LAUNCH_ENV, SWEEP_JOB_ENV)}
     saved_run_dir = hydra_cfg.run.dir
     job = _Job()
-    sys.argv = single_job_argv(sys.argv[0], hydra_cfg.overrides.task, hydra_cfg.overrides.hydra)
+    sys.argv = single_job_argv(
+        sys.argv[0], hydra_cfg.overrides.task, hydra_cfg.overrides.hydra, sys.argv[1:]
+    )
     _set_run_dir(hydra_cfg, str(hydra_cfg.runtime.output_dir))
     os.environ[SWEEP_JOB_ENV] = str(hydra_cfg.job.num)
     _active.append(job)
@@ -128,14 +131,15 @@ def job_scope() -> Iterator[None]:
                 os.environ[key] = value
 
 
-def single_job_argv(program: str, task: Any, hydra: Any) -> list[str]:
+def single_job_argv(program: str, task: Any, hydra: Any, argv: Sequence[str] = ()) -> list[str]:
     """The command line (after the interpreter) that runs one job of a sweep as a single run.
 
     ``task`` are the job's overrides (already one value each); ``hydra`` the command line's
-    ``hydra.*`` overrides, minus the run mode, which becomes ``hydra.mode=RUN``.
+    ``hydra.*`` overrides, minus the run mode, which becomes ``hydra.mode=RUN``; ``argv`` the
+    sweep's own arguments, whose config options (``--config-dir``...) the job keeps.
     """
     kept = [str(o) for o in hydra if not str(o).lstrip("~+").startswith("hydra.mode=")]
-    return [program, *map(str, task), *kept, "hydra.mode=RUN"]
+    return [program, *config_options(argv), *map(str, task), *kept, "hydra.mode=RUN"]
 
 
 def track(trainer: Any) -> None:

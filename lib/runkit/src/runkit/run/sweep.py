@@ -52,7 +52,7 @@ from typing import Any
 
 from runkit.errors import RunError
 from runkit.processes import die_with_parent
-from runkit.quoting import hydra_value
+from runkit.quoting import config_options, hydra_value
 
 log = logging.getLogger(__name__)
 
@@ -204,12 +204,14 @@ def job_command(
 
 
 def entry_command() -> list[str]:
-    """How to start this program again: ``python -m <module>`` when run so, else its script."""
+    """How to start this program again: ``python -m <module>`` when run so, else its script,
+    with the command line's config options (``--config-dir``...): a job finds the same configs."""
+    options = config_options(sys.argv[1:])
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     if spec is not None and spec.name:
         module = spec.name.removesuffix(".__main__")
-        return [sys.executable, "-m", module]
-    return [sys.executable, os.path.abspath(sys.argv[0])]
+        return [sys.executable, "-m", module, *options]
+    return [sys.executable, os.path.abspath(sys.argv[0]), *options]
 
 
 def follow_sweep_parent(environ: MutableMapping[str, str] | None = None) -> None:

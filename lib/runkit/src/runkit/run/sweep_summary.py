@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from runkit.run.sweep import Attempt, finished, read_metrics
+from runkit.run.sweep import Attempt, finished, newest_checkpoint, read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +37,16 @@ def job_rows(attempts: Sequence[Attempt], not_started: Sequence[Sequence[str]] =
         last = done or tries[-1]
         data = read_metrics(last.dir) or {}
         energy = (data.get("energy") or {}).get("energy_j")
+        monitor, best = data.get("monitor") or "", data.get("best_score")
+        if done is None:  # stopped or failed: no metrics.json, but its checkpoints know the best
+            monitor, best = checkpoint_best(tries)
         row: dict[str, Any] = {
             "job": tries[0].num,
             "status": "finished" if done is not None else last.status,
             "overrides": " ".join(overrides),
             "attempts": len(tries),
-            "monitor": data.get("monitor") or "",
-            "best": data.get("best_score"),
+            "monitor": monitor,
+            "best": best,
             "wall_s": round(sum((a.ended or a.started) - a.started for a in tries), 1),
             "energy_j": energy,
             "dir": last.dir,
@@ -54,6 +57,32 @@ def job_rows(attempts: Sequence[Attempt], not_started: Sequence[Sequence[str]] =
         if tuple(overrides) not in by_job:
             rows.append({"job": "", "status": "not started", "overrides": " ".join(overrides)})
     return rows
+
+
+def checkpoint_best(attempts: Sequence[Attempt]) -> tuple[str, float | None]:
+    """The monitored key and best score so far of a job that did not finish, from the state its
+    ModelCheckpoint saved in the job's newest checkpoint; ``("", None)`` without one.
+
+    Args:
+        attempts: every attempt of one job.
+    """
+    path = newest_checkpoint(attempts)
+    if path is None:
+        return "", None
+    from runkit.errors import RunError
+    from runkit.safety.checkpoints import load_file
+
+    try:  # a sharded checkpoint keeps the callbacks' state in meta.pt, beside the shards
+        data = load_file(path / "meta.pt" if path.is_dir() else path, mmap=True)
+    except RunError as err:
+        log.warning("No best score for the summary from %s: %s", path, err)
+        return "", None
+    for key, state in (data.get("callbacks") or {}).items():
+        if key.startswith("ModelCheckpoint") and isinstance(state, dict):
+            score = state.get("best_model_score")
+            if score is not None:
+                return str(state.get("monitor") or ""), float(score)
+    return "", None
 
 
 def write_summary(sweep_dir: Path, rows: Sequence[dict]) -> Path:
@@ -96,9 +125,9 @@ def print_table(rows: Sequence[dict], key: str | None) -> None:
 
 
 def plot_summary(sweep_dir: Path, rows: Sequence[dict], key: str | None) -> Path | None:
-    """``summary.png``: each finished job's best score (or ``key``) as a bar, labelled by its
-    values; ``None`` without matplotlib (``pip install 'lightning-runkit[plot]'``) or a figure."""
-    name = key or "best"
+    """``summary.png``: each job's best score (or ``key``, when a job has it) as a bar, labelled
+    by its values; ``None`` without matplotlib (``pip install 'lightning-runkit[plot]'``) or a figure."""
+    name = key if key and any(_number(row.get(key)) is not None for row in rows) else "best"
     labels = varying(rows)
     points = [
         (label or f"#{row['job']}", _number(row.get(name)))
@@ -121,7 +150,7 @@ def plot_summary(sweep_dir: Path, rows: Sequence[dict], key: str | None) -> Path
     axes.set_yticks(range(len(values)), labels=labels, fontsize=8)
     axes.invert_yaxis()
     monitor = next((row.get("monitor") for row in rows if row.get("monitor")), "")
-    axes.set_xlabel(key or f"best {monitor}".strip())
+    axes.set_xlabel(name if name != "best" else f"best {monitor}".strip())
     axes.set_title(f"{len(points)} job(s) of {sweep_dir.name}")
     with warnings.catch_warnings():  # very long labels: the figure is still readable
         warnings.simplefilter("ignore")

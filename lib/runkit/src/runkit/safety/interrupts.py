@@ -42,7 +42,7 @@ from lightning.pytorch.trainer.connectors.signal_connector import (  # private: 
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from runkit import quoting
+from runkit import compat, quoting
 from runkit.errors import RunError
 from runkit.safety import signals
 from runkit.safety.checkpoints import explain_load_failure
@@ -198,17 +198,23 @@ def checkpoint_dir(trainer: Trainer) -> Path:
 
 
 def resume_command(checkpoint: Path) -> str:
-    """``python -m <package>.train <the same overrides> ckpt_path=<checkpoint>``, ready to paste.
+    """``[PYTHONPATH=...] python -m <package>.train <config options> <the same overrides>
+    ckpt_path=<checkpoint>``, ready to paste.
 
-    The overrides are the user's own, already in Hydra's syntax, so only the shell quotes them;
-    the checkpoint's path is a raw value (spaces, é, quotes...) and is quoted for Hydra as well.
+    Whatever found the run's configs and code comes along (``--config-dir`` and the other config
+    options, ``PYTHONPATH``): without them the pasted command fails to compose or to import. The
+    overrides are the user's own, already in Hydra's syntax, so only the shell quotes them; the
+    checkpoint's path is a raw value (spaces, é, quotes...) and is quoted for Hydra as well.
     """
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     program = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
+    options = quoting.config_options(sys.argv[1:])
     overrides = _task_overrides()
     kept = [o for o in overrides if not o.lstrip("+~").startswith("ckpt_path=")]
-    return f"{quoting.command([*program, *kept])} {quoting.override('ckpt_path', str(checkpoint))}"
+    command = quoting.command([*program, *options, *kept])
+    prefix = "".join(f"{word} " for word in quoting.environment_prefix(os.environ))
+    return f"{prefix}{command} {quoting.override('ckpt_path', str(checkpoint))}"
 
 
 def _task_overrides() -> list[str]:
@@ -216,8 +222,9 @@ def _task_overrides() -> list[str]:
         from hydra.core.hydra_config import HydraConfig
 
         return list(HydraConfig.get().overrides.task)
-    except Exception:  # not running under Hydra (a notebook, a test)
-        return list(sys.argv[1:])
+    except Exception:  # not running under Hydra (a notebook, a test): the command line's
+        args, _ = compat.hydra_args_parser().parse_known_args(sys.argv[1:])
+        return list(args.overrides)
 
 
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")

@@ -1,0 +1,259 @@
+"""README sections that a user follows top to bottom run from their own text, nothing stripped.
+
+A *file block* is a ``python`` or ``yaml`` block whose first comment line that is not a Hydra
+header (``# @package ...`` must stay the file's first line) names a relative path: it is written
+to that path verbatim. The ``bash`` blocks' commands then run in order, in a real ``bash``, in the
+same scratch folder, with ``python`` the suite's interpreter and no ``PYTHONPATH`` but what the
+command sets. ``logs/train/runs/<run>`` is filled from the ``Run directory: ...`` line the previous
+run printed. Nothing is added to a command: its epochs are the README's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from test_readme import CHECKS, SECTION
+
+from conftest import clean_env
+
+ROOT = Path(__file__).resolve().parents[3]
+READMES = (ROOT / "README.md", ROOT / "lib" / "runkit" / "README.md")
+SECTIONS = {"own model and data": (ROOT / "README.md", "## Your own model and data")}
+"""Sections run as written, each by a test below: (file, heading)."""
+
+
+@dataclass(frozen=True)
+class Block:
+    lang: str
+    text: str
+
+
+def blocks(text: str) -> list[Block]:
+    return [
+        Block(lang, body) for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", text, re.S | re.M)
+    ]
+
+
+def file_path(block: Block) -> str | None:
+    """The path a file block names (``# my_project/nets.py``, ``# a.yaml: why``), else None."""
+    if block.lang not in ("python", "yaml"):
+        return None
+    for line in block.text.splitlines():
+        if re.match(r"#\s*@", line):
+            continue  # a Hydra header: it has to come first
+        found = re.match(r"# ((?:[\w.-]+/)*[\w.-]+\.(?:py|yaml))(?::\s|$)", line)
+        return found.group(1) if found else None
+    return None
+
+
+def section(readme: Path, heading: str) -> str:
+    """The text under ``heading`` up to the next heading of its level or above (a ``#`` line
+    inside a code block is a comment, not a heading)."""
+    lines = readme.read_text().splitlines(keepends=True)
+    start = lines.index(f"{heading}\n")
+    level = len(heading.split(" ", 1)[0])
+    fenced = False
+    for end in range(start + 1, len(lines)):
+        fenced ^= lines[end].startswith("```")
+        if not fenced and re.match(rf"#{{1,{level}}} ", lines[end]):
+            break
+    else:
+        end = len(lines)
+    return "".join(lines[start:end])
+
+
+def commands(block: Block) -> list[str]:
+    """A bash block's commands: continuation lines joined, comment-only lines left out."""
+    lines = block.text.replace("\\\n", " ").splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+
+
+def shell_env() -> dict[str, str]:
+    """A user's shell: ``python`` is this interpreter, nothing on ``PYTHONPATH``."""
+    env = clean_env()
+    env.pop("PYTHONPATH", None)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def run_section(text: str, cwd: Path) -> list[tuple[str, subprocess.CompletedProcess]]:
+    """Write the file blocks of ``text`` and run its commands in order (module docstring): each
+    command as the README has it, with what it printed."""
+    done: list[tuple[str, subprocess.CompletedProcess]] = []
+    printed: str | None = None
+    for block in blocks(text):
+        path = file_path(block)
+        if path is not None:
+            (cwd / path).parent.mkdir(parents=True, exist_ok=True)
+            (cwd / path).write_text(block.text)
+        if block.lang != "bash":
+            continue
+        for command in commands(block):
+            line = command
+            if "logs/train/runs/<run>" in command:
+                assert printed, f"{command!r} needs a run directory; no command before printed one"
+                line = command.replace("logs/train/runs/<run>", shlex.quote(printed))
+            result = subprocess.run(
+                ["bash", "-c", line],
+                cwd=cwd,
+                env=shell_env(),
+                capture_output=True,
+                text=True,
+                timeout=900,
+            )
+            output = result.stdout + result.stderr
+            assert result.returncode == 0, f"{line}\n{output[-4000:]}"
+            found = re.findall(r"Run directory: (\S.*)", output)
+            printed = found[-1].strip() if found else printed
+            done.append((command, result))
+    return done
+
+
+# ------------------------------------------------------------------------------------------------
+# Fast checks
+
+
+def test_file_blocks_name_their_path_and_keep_hydra_headers_first() -> None:
+    for readme in READMES:
+        for block in blocks(readme.read_text()):
+            if "@package" in block.text:
+                first = block.text.splitlines()[0]
+                assert first.startswith("# @package"), (
+                    f"{readme.name}: Hydra reads '# @package' only before any other line:\n"
+                    + block.text
+                )
+            if block.lang == "yaml" and file_path(block) is None:
+                pytest.fail(f"{readme.name}: a YAML block names no path:\n{block.text}")
+
+
+def test_every_file_block_is_in_a_section_that_runs() -> None:
+    covered = {
+        file_path(b)
+        for readme, heading in SECTIONS.values()
+        for b in blocks(section(readme, heading))
+    }
+    for readme in READMES[:1]:  # the library README's files are the suite's own (tests/...)
+        named = {file_path(b) for b in blocks(readme.read_text())} - {None}
+        assert named <= covered, f"file blocks no test writes: {sorted(named - covered)}"
+
+
+def test_block_parsing_keeps_the_header_and_finds_the_path() -> None:
+    header = Block("yaml", "# @package _global_\n# my/x.yaml: why\na: 1\n")
+    assert file_path(header) == "my/x.yaml"
+    assert (
+        file_path(Block("python", "# my_project/nets.py\nimport torch\n")) == "my_project/nets.py"
+    )
+    assert file_path(Block("python", "import torch\n# not/a/path.py\n")) is None
+    assert file_path(Block("python", "# a comment, not a path\n")) is None
+    assert commands(Block("bash", "# say\npython -m a \\\n  x=1\n\n")) == ["python -m a    x=1"]
+
+
+# ------------------------------------------------------------------------------------------------
+# The sections, run
+
+
+@pytest.mark.slow
+def test_your_own_model_and_data_runs_as_written(tmp_path: Path) -> None:
+    readme, heading = SECTIONS["own model and data"]
+    done = run_section(section(readme, heading), tmp_path)
+    ran = [command for command, _ in done]
+    assert ran[0] == "python make_table.py" and len(ran) == 5, ran
+    assert set(ran) == {c for c, k in CHECKS.items() if k.how == SECTION}  # test_readme's list
+
+    runs = sorted((tmp_path / "logs" / "train" / "runs").iterdir())
+    assert len(runs) == 3, runs  # tiny + csv, the regression, the regression under DDP
+    tiny, regression, ddp = runs
+    config = yaml.safe_load((tiny / "config.yaml").read_text())
+    assert config["model"]["net"]["_target_"] == "my_project.nets.TinyNet"
+    assert config["data"]["_target_"] == "my_project.data.CsvDataModule"
+    metrics = json.loads((tiny / "metrics.json").read_text())["metrics"]
+    assert metrics["test/acc"] > 0.9, metrics  # it learned the three classes
+    assert (tiny / "model.pth").is_file() and (tiny / "curves.png").is_file()
+
+    for run in (regression, ddp):
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        assert config["model"]["_target_"] == "my_project.regression.RegressionModule"
+        assert config["data"]["_target_"] == "my_project.points.PointsDataModule"
+        report = json.loads((run / "metrics.json").read_text())
+        assert report["monitor"] == "val/loss", report  # the experiment's checkpoint key
+    assert yaml.safe_load((ddp / "config.yaml").read_text())["trainer"]["devices"] == 2
+
+    (evaluated,) = (tmp_path / "logs" / "eval" / "runs").iterdir()
+    tested = json.loads((evaluated / "metrics.json").read_text())["metrics"]
+    trained = json.loads((ddp / "metrics.json").read_text())["metrics"]
+    assert tested["test/loss"] == pytest.approx(trained["test/loss"], rel=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------
+# Python blocks outside the sections
+
+
+def python_snippets() -> list[tuple[Path, Block]]:
+    """Every python block of both READMEs that no section test runs."""
+    in_sections = {
+        b.text for readme, heading in SECTIONS.values() for b in blocks(section(readme, heading))
+    }
+    return [
+        (readme, b)
+        for readme in READMES
+        for b in blocks(readme.read_text())
+        if b.lang == "python" and b.text not in in_sections
+    ]
+
+
+def test_every_python_block_is_run_somewhere() -> None:
+    for readme, block in python_snippets():
+        # load_network's snippets need a trained run: test_readme.py runs them on its run.
+        assert "load_network" in block.text or file_path(block) in (None, "tests/test_mine.py"), (
+            f"{readme.name}: a python block no test runs:\n{block.text}"
+        )
+
+
+@pytest.mark.slow
+def test_library_readme_snippets_run(tmp_path: Path) -> None:
+    """The library README's Trainer snippet, and its example test file run by pytest with the
+    suite's conftest (its ``cli`` fixture and ``FAST``), as the README tells a contributor."""
+    tests = Path(__file__).resolve().parent
+    snippets = [b for _, b in python_snippets() if "load_network" not in b.text]
+    (trainer,) = [b for b in snippets if file_path(b) is None]
+    (test_file,) = [b for b in snippets if file_path(b) == "tests/test_mine.py"]
+    done = subprocess.run(
+        [sys.executable, "-c", trainer.text],
+        cwd=tmp_path,
+        env=shell_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_mine.py").write_text(test_file.text)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "tests/test_mine.py",
+            "-p",
+            "conftest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+        ],
+        cwd=tmp_path,
+        env={**shell_env(), "PYTHONPATH": str(tests)},  # where the suite's conftest lives
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "1 passed" in done.stdout, done.stdout[-2000:]
