@@ -168,11 +168,14 @@ CHECKS: dict[str, Check] = {
     "python -m pytest lib/runkit/tests/test_plot.py": Check(DRY, "the suite itself"),
     "python -m pytest tests": Check(DRY, "the project's own tests, run by the suite itself"),
     "pip install copier": Check(SKIP, "installs from PyPI; the dev extra has it"),
-    "copier copy --trust <this repository> my-project": Check(
+    "copier copy <this repository> my-project": Check(
         SKIP, "tests/test_template.py makes a project from a local git repository of the template"
     ),
-    "copier update --trust": Check(
+    "copier update --skip-answered": Check(
         SKIP, "tests/test_template.py updates such a project to a later tagged version"
+    ),
+    "git status && git diff --check": Check(
+        SKIP, "tests/test_template.py runs it after an update that conflicts"
     ),
     "python -m pytest -m gpu": Check(DRY, "the suite itself"),
     # Developer tools
