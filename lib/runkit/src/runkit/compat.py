@@ -279,6 +279,13 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "batches read again on resume are not new batches; Lightning adds the checkpoint's own",
         lambda: "fetched" in vars(_resolve("lightning.pytorch.loops.fetchers:_DataFetcher")()),
     ),
+    PrivateApi(
+        "lightning.pytorch.strategies:DDPStrategy",
+        "_get_process_group_backend",
+        "runkit.compat.process_group_backend (runkit.run.launch.join_restarted_group)",
+        "the backend Lightning would pass to init_process_group, for a torchrun restart that "
+        "sets the group up first (torch's store for it lacks a per-attempt prefix)",
+    ),
 )
 
 
@@ -369,3 +376,10 @@ def restart_train_data(trainer: Any, epoch: int, skip: int) -> int:
         read += 1
     fetcher.fetched -= read  # Lightning adds the batches the checkpoint had done
     return read
+
+
+def process_group_backend(strategy: Any) -> str | None:
+    """The process-group backend a Lightning strategy will use (``gloo``, ``nccl``...), or
+    ``None`` for a strategy without one (private: see PRIVATE_APIS)."""
+    get = getattr(strategy, "_get_process_group_backend", None)
+    return get() if callable(get) else None
