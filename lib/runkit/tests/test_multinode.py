@@ -21,7 +21,7 @@ import torch
 import prewarmed
 from conftest import clean_env, last_line, train_on_two_torchrun_nodes
 from runkit.errors import RunError
-from runkit.run.launch import launched_externally, rank_suffix, run_id
+from runkit.run.launch import launched_externally, rank_suffix, requeued_checkpoint, run_id
 
 TINY = (
     "trainer.max_epochs=1",
@@ -57,6 +57,27 @@ def test_rank_suffix_and_external_launch_detection() -> None:
     assert launched_externally({"TORCHELASTIC_RUN_ID": "x"})
     assert launched_externally({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "2"})
     assert not launched_externally({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "1"})
+
+
+def test_a_restarted_torchrun_group_resumes_from_its_own_launch_only(tmp_path: Path) -> None:
+    def run(name: str, overrides: str = "a=1") -> Path:
+        (tmp_path / name / ".hydra").mkdir(parents=True)
+        (tmp_path / name / ".hydra" / "overrides.yaml").write_text(f"- {overrides}\n")
+        (tmp_path / name / "checkpoints").mkdir()
+        torch.save({}, tmp_path / name / "checkpoints" / "last.ckpt")  # a complete file
+        return tmp_path / name / "checkpoints" / "last.ckpt"
+
+    mine = run("torchrun-x")
+    run("torchrun-xy")  # another launch, newer
+    run("torchrun-x-restart1", "a=2")  # another command
+    (tmp_path / "torchrun-x" / "checkpoints" / "broken.ckpt").write_bytes(b"PK")  # cut short
+    env = {"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "2", "RANK": "0"}
+    current = tmp_path / "torchrun-x-restart2"
+    assert requeued_checkpoint(current, ["a=1"], env) == mine.resolve()
+    assert requeued_checkpoint(current, ["a=1"], {**env, "TORCHELASTIC_RESTART_COUNT": "0"}) is None
+    (tmp_path / "torchrun-x" / "metrics.json").write_text("{}")  # that run finished: a rerun
+    with pytest.raises(RunError, match=r"--rdzv-id=x has run to its end already.*new --rdzv-id"):
+        requeued_checkpoint(current, ["a=1"], env)
 
 
 @pytest.mark.slow

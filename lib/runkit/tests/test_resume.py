@@ -298,3 +298,22 @@ def test_the_resume_check_does_not_read_the_weights_lightning_reads_next(tmp_pat
     assert done.returncode == 0, done.stderr[-2000:]
     grown_mb = int(done.stdout.split()[-1])
     assert grown_mb < 40, f"the check raised the peak memory by {grown_mb} MB"
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield from range(10)
+
+
+def test_resuming_a_stateless_iterable_dataset_says_what_will_differ(caplog) -> None:
+    from runkit.safety.resume import _say_what_differs
+
+    mapped = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(10)))
+    with caplog.at_level("WARNING", logger="runkit.safety.resume"):
+        _say_what_differs([mapped], epoch=2, done=3)
+        assert not caplog.records  # map-style data resumes exactly: nothing to say
+        _say_what_differs([torch.utils.data.DataLoader(Stream(), batch_size=2)], epoch=2, done=3)
+    (record,) = caplog.records
+    line = record.getMessage()
+    assert "\n" not in line and line.startswith("Resuming epoch 2: the training data (Stream)")
+    assert "its first 3 batches are read again and dropped" in line
