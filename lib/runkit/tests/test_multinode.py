@@ -8,16 +8,20 @@ writes the outputs, rank 1 trains and logs to its own file in the same directory
 from __future__ import annotations
 
 import json
+import shutil
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import prewarmed
 from conftest import clean_env, last_line, train_on_two_torchrun_nodes
 from runkit.errors import RunError
-from runkit.run.launch import launched_externally, rank_suffix, run_id
+from runkit.run.launch import launched_externally, rank_suffix, requeued_checkpoint, run_id
 
 TINY = (
     "trainer.max_epochs=1",
@@ -31,6 +35,9 @@ def test_run_id_names_the_launch_so_every_rank_agrees() -> None:
     slurm = {"SLURM_JOB_ID": "812", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0"}
     assert run_id("%Y", slurm) == "slurm-812.0"
     assert run_id("%Y", {"TORCHELASTIC_RUN_ID": "abc", "WORLD_SIZE": "4"}) == "torchrun-abc"
+    # A group torchrun restarted (--max-restarts) writes beside the attempt it resumes.
+    restarted = {"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "2"}
+    assert run_id("%Y", restarted) == "torchrun-abc-restart2"
     assert run_id("%Y", {}).isdigit()  # a plain run: the timestamp
     # One task: the timestamp (several runs in one job stay apart), naming the job for a requeue.
     year = time.strftime("%Y")
@@ -50,6 +57,27 @@ def test_rank_suffix_and_external_launch_detection() -> None:
     assert launched_externally({"TORCHELASTIC_RUN_ID": "x"})
     assert launched_externally({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "2"})
     assert not launched_externally({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "1"})
+
+
+def test_a_restarted_torchrun_group_resumes_from_its_own_launch_only(tmp_path: Path) -> None:
+    def run(name: str, overrides: str = "a=1") -> Path:
+        (tmp_path / name / ".hydra").mkdir(parents=True)
+        (tmp_path / name / ".hydra" / "overrides.yaml").write_text(f"- {overrides}\n")
+        (tmp_path / name / "checkpoints").mkdir()
+        torch.save({}, tmp_path / name / "checkpoints" / "last.ckpt")  # a complete file
+        return tmp_path / name / "checkpoints" / "last.ckpt"
+
+    mine = run("torchrun-x")
+    run("torchrun-xy")  # another launch, newer
+    run("torchrun-x-restart1", "a=2")  # another command
+    (tmp_path / "torchrun-x" / "checkpoints" / "broken.ckpt").write_bytes(b"PK")  # cut short
+    env = {"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "2", "RANK": "0"}
+    current = tmp_path / "torchrun-x-restart2"
+    assert requeued_checkpoint(current, ["a=1"], env) == mine.resolve()
+    assert requeued_checkpoint(current, ["a=1"], {**env, "TORCHELASTIC_RESTART_COUNT": "0"}) is None
+    (tmp_path / "torchrun-x" / "metrics.json").write_text("{}")  # that run finished: a rerun
+    with pytest.raises(RunError, match=r"--rdzv-id=x has run to its end already.*new --rdzv-id"):
+        requeued_checkpoint(current, ["a=1"], env)
 
 
 @pytest.mark.slow
@@ -88,3 +116,73 @@ def test_two_torchrun_nodes_share_one_run(tmp_path: Path) -> None:
     assert summary["num_nodes"] == 2
     assert summary["global_step"] == 3  # 629 of the 1257 training samples per rank, 256 a batch
     assert "Run directory:" in outputs[0] and "Run directory:" not in outputs[1]
+
+
+# DDP x2 on the CPU, bit-identical: 629 training samples per rank, 5 steps an epoch.
+ELASTIC = (
+    "trainer=multi_node",
+    "trainer.num_nodes=1",
+    "trainer.devices=2",
+    "trainer.accelerator=cpu",
+    "trainer.deterministic=true",
+    "trainer.max_epochs=3",
+    "model.scheduler.T_max=3",
+    "data.batch_size=128",
+    "callbacks.progress_bar.refresh_rate=0",
+    "test=false",
+    "export_weights=false",
+)
+
+
+def torchrun(cwd: Path, rdzv_id: str, *overrides: str) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node=2 --max-restarts=1 --rdzv-backend=c10d ... -m project.train``."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}",
+        "-m", "project.train", *ELASTIC, f"paths.log_dir={cwd / 'logs'}", *overrides,
+    ]  # fmt: skip
+    return subprocess.run(
+        command,
+        cwd=cwd,
+        env=clean_env(OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_after_a_killed_worker_continue_the_run_exactly(tmp_path: Path) -> None:
+    shutil.copy(Path(__file__).parent / "resume_zoo.py", tmp_path)  # the user's callback
+    straight = torchrun(tmp_path, "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    # kill -9 of rank 1 two batches into epoch 1: torchrun restarts both ranks, which resume.
+    kill = ["+callbacks.kill._target_=resume_zoo.KillRank", "+callbacks.kill.rank=1"]
+    kill += ["+callbacks.kill.epoch=1", "+callbacks.kill.batch=2"]
+    killed = torchrun(tmp_path, "el", *kill)
+    output = killed.stdout + killed.stderr
+    assert killed.returncode == 0, output[-3000:]
+    runs = tmp_path / "logs" / "train" / "runs"
+    first, again = runs / "torchrun-el", runs / "torchrun-el-restart1"
+    line = f"torchrun restarted the group (restart 1 of 1): resuming from {first.resolve()}"
+    assert output.count(line) == 1, output[-3000:]
+    weights = [
+        torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+        for run in (runs / "torchrun-straight", again)
+    ]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert json.loads((again / "metrics.json").read_text())["global_step"] == 15
+
+    # The same command again: its rendezvous id names a finished run. One line from each rank
+    # (in each of torchrun's two attempts), no C++ frames from a rank left waiting.
+    rerun = torchrun(tmp_path, "el", *kill)
+    assert rerun.returncode != 0
+    errors = [line for line in rerun.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 4, rerun.stderr[-3000:]
+    assert all("give torchrun a new --rdzv-id (not el)" in line for line in errors)
+    assert "frame #" not in rerun.stderr and "Exception raised from" not in rerun.stderr

@@ -1,7 +1,9 @@
 """Resuming continues a run exactly, in a new directory, with the logs carried on.
 
 Bit-identical comparisons need ``trainer.deterministic=true`` and the CPU. The digits train split
-has 1,257 samples: with ``data.batch_size=128`` an epoch is 10 steps.
+has 1,257 samples: with ``data.batch_size=128`` an epoch is 10 steps. ``resume_zoo.py`` (copied
+into each run's working directory, as a user's own module) holds a user's data module and a
+callback that sends SIGTERM at a chosen batch.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import prewarmed
 from conftest import CliRunner, clean_env, run_dirs
-from runkit.data import EpochShuffle, ResumableLoader
 
 EXACT = (
     "trainer.accelerator=cpu",
@@ -38,6 +40,79 @@ STEP_CKPTS = (
     "+callbacks.steps.save_top_k=-1",
     "+callbacks.steps.auto_insert_metric_name=false",
 )
+
+
+ZOO = Path(__file__).resolve().parent / "resume_zoo.py"
+# A user's DataModule: a shuffled torch DataLoader, augmentation from torch's global generator,
+# two worker processes (resume_zoo.UserDigits in place of the template's data module).
+USER_DATA = (
+    "data._target_=resume_zoo.UserDigits",
+    "~data.val_fraction",
+    "~data.test_fraction",
+    "~data.split_seed",
+    "~data.pin_memory",
+    "data.num_workers=2",
+)
+
+
+def stop_in(phase: str, epoch: int, batch: int = 1) -> tuple[str, ...]:
+    """The overrides that SIGTERM the run at ``batch`` of ``phase`` (train, validation) in ``epoch``."""
+    return (
+        "+callbacks.stop._target_=resume_zoo.StopIn",
+        f"+callbacks.stop.phase={phase}",
+        f"+callbacks.stop.epoch={epoch}",
+        f"+callbacks.stop.batch={batch}",
+    )
+
+
+@pytest.fixture
+def zoo(tmp_path: Path) -> None:
+    shutil.copy(ZOO, tmp_path)  # the runs' working directory: importable as a user's module
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One uninterrupted 4-epoch run (with mid-epoch checkpoints), shared by the tests here."""
+    cwd = tmp_path_factory.mktemp("straight")
+    done = prewarmed.run(
+        [
+            sys.executable,
+            "-m",
+            "project.train",
+            *EXACT,
+            *STEP_CKPTS,
+            "trainer.max_epochs=4",
+            f"paths.log_dir={cwd / 'logs'}",
+        ],
+        cwd=cwd,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (run,) = run_dirs(cwd / "logs")
+    return run
+
+
+def assert_same_run(expected: Path, actual: Path) -> None:
+    """The same weights and buffers at the end, the same metrics rows, the same best checkpoint."""
+    assert_equal_weights(
+        expected / "checkpoints" / "last.ckpt", actual / "checkpoints" / "last.ckpt"
+    )
+    assert logged(actual) == logged(expected)
+    best = [
+        Path(json.loads((r / "metrics.json").read_text())["best_checkpoint"])
+        for r in (expected, actual)
+    ]
+    assert best[0].name == best[1].name
+    assert_equal_weights(*best)
+
+
+def logged(run: Path) -> list[dict[str, str]]:
+    """The CSV rows without the loop's timings (samples per second differ from run to run)."""
+    rows = [{k: v for k, v in r.items() if v and not k.startswith("loop/")} for r in csv_rows(run)]
+    return sorted((r for r in rows if set(r) - {"epoch", "step"}), key=lambda r: sorted(r.items()))
 
 
 def tree_hash(directory: Path) -> dict[str, str]:
@@ -65,23 +140,20 @@ def csv_rows(run: Path) -> list[dict[str, str]]:
 
 
 @pytest.mark.slow
-def test_resume_is_bit_identical_at_epoch_end_and_mid_epoch(cli: CliRunner, log_dir: Path) -> None:
-    # One go: 4 epochs (40 steps), with mid-epoch checkpoints to resume from later.
-    done = cli("train", *EXACT, *STEP_CKPTS, "trainer.max_epochs=4")
-    assert done.returncode == 0, done.stderr[-2000:]
-    (full,) = run_dirs(log_dir)
-
+def test_resume_is_bit_identical_at_epoch_end_and_mid_epoch(
+    cli: CliRunner, log_dir: Path, straight: Path
+) -> None:
     # Two epochs, then resume to four from the run directory (its last.ckpt).
     first = cli("train", *EXACT, "trainer.max_epochs=2")
     assert first.returncode == 0, first.stderr[-2000:]
-    half = next(d for d in run_dirs(log_dir) if d != full)
+    (half,) = run_dirs(log_dir)
     before = tree_hash(half)
     second = cli("train", *EXACT, "trainer.max_epochs=4", f"ckpt_path={half}")
     assert second.returncode == 0, second.stderr[-2000:]
-    resumed = next(d for d in run_dirs(log_dir) if d not in (full, half))
+    resumed = next(d for d in run_dirs(log_dir) if d != half)
 
     assert tree_hash(half) == before, "the earlier run's directory changed"
-    assert_equal_weights(full / "checkpoints" / "last.ckpt", resumed / "checkpoints" / "last.ckpt")
+    assert_same_run(straight, resumed)
     record = json.loads((resumed / "metrics.json").read_text())
     assert record["resumed_from"] == str((half / "checkpoints" / "last.ckpt").resolve())
     assert record["epochs"] == 4 and record["global_step"] == 40
@@ -92,12 +164,69 @@ def test_resume_is_bit_identical_at_epoch_end_and_mid_epoch(cli: CliRunner, log_
     steps = [int(r["step"]) for r in rows]
     assert steps == sorted(steps) and len(set(steps)) == 4
 
-    # Mid-epoch: step 26 is 6 batches into epoch 2; the loader must skip exactly those.
-    mid = full / "steps" / "step_26.ckpt"
+    # Mid-epoch: step 26 is 6 batches into epoch 2; the batches before it are read and dropped.
+    mid = straight / "steps" / "step_26.ckpt"
     third = cli("train", *EXACT, "trainer.max_epochs=4", f"ckpt_path={mid}")
     assert third.returncode == 0, third.stderr[-2000:]
     assert "not resumable" not in third.stdout + third.stderr
-    from_mid = next(d for d in run_dirs(log_dir) if d not in (full, half, resumed))
+    from_mid = next(d for d in run_dirs(log_dir) if d not in (half, resumed))
+    assert_equal_weights(
+        straight / "checkpoints" / "last.ckpt", from_mid / "checkpoints" / "last.ckpt"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["validation", "train"])
+def test_a_stop_resumes_as_if_never_stopped(
+    cli: CliRunner, log_dir: Path, straight: Path, zoo: None, phase: str
+) -> None:
+    """SIGTERM in epoch 2's validation or mid-way through its training batches, then the printed
+    resume: the same rows (no NaN or zero epoch), weights, buffers and best checkpoint."""
+    stopped = cli(
+        "train",
+        *EXACT,
+        "trainer.max_epochs=4",
+        *stop_in(phase, 2, batch=6 if phase == "train" else 1),
+    )
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    (run,) = run_dirs(log_dir)
+    saved = run / "checkpoints" / "interrupted.ckpt"
+    assert saved.is_file(), stopped.stderr[-2000:]
+    again = cli("train", *EXACT, "trainer.max_epochs=4", f"ckpt_path={saved}")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "before the ``update``" not in again.stderr  # torchmetrics: an epoch without data
+    (resumed,) = [d for d in run_dirs(log_dir) if d != run]
+    assert_same_run(straight, resumed)
+
+
+@pytest.mark.slow
+def test_a_users_datamodule_resumes_bit_identically(
+    cli: CliRunner, log_dir: Path, zoo: None
+) -> None:
+    """Shuffling, augmentation drawn from torch's global generator, two workers: 4 epochs in one
+    go against 2 + 2 (from the epoch's end) and against a SIGTERM mid-epoch and its resume."""
+    done = cli("train", *EXACT, *USER_DATA, "trainer.max_epochs=4")
+    assert done.returncode == 0, done.stderr[-2000:]
+    (full,) = run_dirs(log_dir)
+
+    first = cli("train", *EXACT, *USER_DATA, "trainer.max_epochs=2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    (half,) = [d for d in run_dirs(log_dir) if d != full]
+    second = cli("train", *EXACT, *USER_DATA, "trainer.max_epochs=4", f"ckpt_path={half}")
+    assert second.returncode == 0, second.stderr[-2000:]
+    (resumed,) = [d for d in run_dirs(log_dir) if d not in (full, half)]
+    assert_same_run(full, resumed)
+
+    stopped = cli(
+        "train", *EXACT, *USER_DATA, "trainer.max_epochs=4", *stop_in("train", 2, batch=6)
+    )
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    (run,) = [d for d in run_dirs(log_dir) if d not in (full, half, resumed)]
+    saved = run / "checkpoints" / "interrupted.ckpt"
+    third = cli("train", *EXACT, *USER_DATA, "trainer.max_epochs=4", f"ckpt_path={saved}")
+    assert third.returncode == 0, third.stderr[-2000:]
+    assert "not resumable" not in third.stdout + third.stderr
+    (from_mid,) = [d for d in run_dirs(log_dir) if d not in (full, half, resumed, run)]
     assert_equal_weights(full / "checkpoints" / "last.ckpt", from_mid / "checkpoints" / "last.ckpt")
 
 
@@ -112,35 +241,6 @@ def test_resume_with_another_model_fails_in_one_line(cli: CliRunner, log_dir: Pa
     lines = wrong.stderr.strip().splitlines()
     assert lines[-1].startswith("error: ckpt_path=") and "another model" in lines[-1]
     assert tree_hash(run) == before
-
-
-def test_loader_skips_exactly_the_batches_a_checkpoint_used() -> None:
-    data = torch.utils.data.TensorDataset(torch.arange(20))
-    loader = ResumableLoader(data, batch_size=3, sampler=EpochShuffle(data, seed=7))
-    loader.sampler.set_epoch(2)
-    full = [batch[0].tolist() for batch in loader]
-    it = iter(loader)
-    seen = [next(it)[0].tolist() for _ in range(4)]
-    state = loader.state_dict()
-    assert state == {"epoch": 2, "batches": 4, "seed": 7}
-
-    fresh = ResumableLoader(data, batch_size=3, sampler=EpochShuffle(data, seed=0))
-    fresh.load_state_dict(state)
-    fresh.sampler.set_epoch(2)
-    rest = [batch[0].tolist() for batch in fresh]
-    assert seen + rest == full
-    # The next epoch is whole again, and in a different order.
-    fresh.sampler.set_epoch(3)
-    following = [batch[0].tolist() for batch in fresh]
-    assert len(following) == len(full) and following != full
-
-
-def test_loader_state_for_another_epoch_is_ignored() -> None:
-    data = torch.utils.data.TensorDataset(torch.arange(10))
-    loader = ResumableLoader(data, batch_size=2, sampler=EpochShuffle(data, seed=1))
-    loader.load_state_dict({"epoch": 0, "batches": 5, "seed": 1})
-    loader.sampler.set_epoch(1)  # an end-of-epoch checkpoint of epoch 0: epoch 1 is whole
-    assert len(list(loader)) == 5
 
 
 @pytest.mark.slow
@@ -198,3 +298,22 @@ def test_the_resume_check_does_not_read_the_weights_lightning_reads_next(tmp_pat
     assert done.returncode == 0, done.stderr[-2000:]
     grown_mb = int(done.stdout.split()[-1])
     assert grown_mb < 40, f"the check raised the peak memory by {grown_mb} MB"
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield from range(10)
+
+
+def test_resuming_a_stateless_iterable_dataset_says_what_will_differ(caplog) -> None:
+    from runkit.safety.resume import _say_what_differs
+
+    mapped = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(10)))
+    with caplog.at_level("WARNING", logger="runkit.safety.resume"):
+        _say_what_differs([mapped], epoch=2, done=3)
+        assert not caplog.records  # map-style data resumes exactly: nothing to say
+        _say_what_differs([torch.utils.data.DataLoader(Stream(), batch_size=2)], epoch=2, done=3)
+    (record,) = caplog.records
+    line = record.getMessage()
+    assert "\n" not in line and line.startswith("Resuming epoch 2: the training data (Stream)")
+    assert "its first 3 batches are read again and dropped" in line

@@ -55,6 +55,8 @@ class ClassifierModule(LightningModule):
                 "loss": MeanMetric(nan_strategy="disable"),
             }
             setattr(self, f"{stage}_metrics", MetricCollection(metrics, prefix=f"{stage}/"))
+        # Saved in checkpoints: a run resumed mid-epoch logs that epoch's figures over all of it.
+        self.train_metrics.persistent(True)
         self.val_acc_best = MaxMetric()
         self.val_acc_best.persistent(True)  # saved in checkpoints, so a resumed run keeps its best
 

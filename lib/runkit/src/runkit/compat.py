@@ -258,6 +258,41 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
             in vars(_resolve("lightning.pytorch.strategies:ModelParallelStrategy")())
         ),
     ),
+    PrivateApi(
+        "lightning.pytorch.loops.fit_loop:_FitLoop",
+        "_data_fetcher",
+        "runkit.compat.restart_train_data (runkit.safety.resume)",
+        "the training epoch's iterator: Lightning creates it before any hook of a run's first "
+        "epoch, so a resume re-creates it after reseeding (and reads the batches trained on)",
+        lambda: "_data_fetcher" in vars(_trainer_attribute_value("fit_loop")),
+    ),
+    PrivateApi(
+        "lightning.pytorch.loops.fit_loop:_FitLoop",
+        "_combined_loader",
+        "runkit.compat.train_loaders (runkit.safety.resume)",
+        "the training DataLoaders as Lightning processed them (DistributedSampler injected)",
+        lambda: "_combined_loader" in vars(_trainer_attribute_value("fit_loop")),
+    ),
+    PrivateApi(
+        "lightning.fabric.utilities.data",
+        "_set_sampler_epoch",
+        "runkit.compat.restart_train_data (runkit.safety.resume)",
+        "the epoch every sampler must know before the epoch's iterator is created",
+    ),
+    PrivateApi(
+        "lightning.pytorch.loops.fetchers:_DataFetcher",
+        "fetched",
+        "runkit.compat.restart_train_data (runkit.safety.resume)",
+        "batches read again on resume are not new batches; Lightning adds the checkpoint's own",
+        lambda: "fetched" in vars(_resolve("lightning.pytorch.loops.fetchers:_DataFetcher")()),
+    ),
+    PrivateApi(
+        "lightning.pytorch.strategies:DDPStrategy",
+        "_get_process_group_backend",
+        "runkit.compat.process_group_backend (runkit.run.launch.join_restarted_group)",
+        "the backend Lightning would pass to init_process_group, for a torchrun restart that "
+        "sets the group up first (torch's store for it lacks a per-attempt prefix)",
+    ),
 )
 
 
@@ -317,3 +352,41 @@ def set_data_parallel_size(strategy: Any, size: int) -> None:
     """Set a ``ModelParallelStrategy``'s data-parallel mesh size before it builds the mesh
     (private: see PRIVATE_APIS)."""
     strategy._data_parallel_size = int(size)
+
+
+def train_loaders(trainer: Any) -> list[Any]:
+    """The training loaders of ``trainer``'s fit, as Lightning processed them (private: see
+    PRIVATE_APIS); empty before they are set up."""
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    return list(combined.flattened) if combined is not None else []
+
+
+def restart_train_data(trainer: Any, epoch: int, skip: int) -> int:
+    """Create the training epoch's iterator again, for ``epoch``, and read ``skip`` batches.
+
+    Returns how many were read (fewer when the data ends first). Private: see PRIVATE_APIS.
+    """
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    if fetcher is None:
+        return 0
+    for loader in train_loaders(trainer):
+        _set_sampler_epoch(loader, epoch)
+    iter(fetcher)
+    read = 0
+    for _ in range(skip):
+        try:
+            next(fetcher)
+        except StopIteration:
+            break
+        read += 1
+    fetcher.fetched -= read  # Lightning adds the batches the checkpoint had done
+    return read
+
+
+def process_group_backend(strategy: Any) -> str | None:
+    """The process-group backend a Lightning strategy will use (``gloo``, ``nccl``...), or
+    ``None`` for a strategy without one (private: see PRIVATE_APIS)."""
+    get = getattr(strategy, "_get_process_group_backend", None)
+    return get() if callable(get) else None

@@ -111,7 +111,7 @@ class ArrayDataModule(LightningDataModule):
             return DataLoader(dataset, sampler=self._evaluation_sampler(dataset), **options)
         # The seed pl.seed_everything set (Lightning's DistributedSampler reads the same variable).
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        return ResumableLoader(dataset, sampler=EpochShuffle(dataset, seed), **options)
+        return DataLoader(dataset, sampler=EpochShuffle(dataset, seed), **options)
 
     def _evaluation_sampler(self, dataset: Dataset) -> UnrepeatedDistributedSampler | None:
         """Under DDP, each process takes every N-th sample and none twice, so every validation
@@ -177,7 +177,8 @@ class EpochShuffle(RandomSampler):
     """A new order every epoch that depends only on ``(seed, epoch)``, not on any global RNG.
 
     So the order of epoch 7 is the same whether a run got there in one go or was resumed from a
-    checkpoint. Lightning calls :meth:`set_epoch` before each epoch; under DDP it replaces this
+    checkpoint (:class:`runkit.safety.resume.ResumeState` makes any sampler do the same, by seeding
+    the generators per epoch; this one needs no seeding). Lightning calls :meth:`set_epoch` before each epoch; under DDP it replaces this
     sampler with a ``DistributedSampler``, which orders by ``(seed, epoch)`` in the same spirit.
     """
 
@@ -192,51 +193,6 @@ class EpochShuffle(RandomSampler):
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         yield from torch.randperm(len(self.data_source), generator=generator).tolist()
-
-
-class ResumableLoader(DataLoader):
-    """A DataLoader that remembers how far into the epoch it got, so a mid-epoch resume is exact.
-
-    Lightning saves ``state_dict()`` of the training loader in every checkpoint and calls
-    ``load_state_dict()`` before the first batch when it resumes mid-epoch; the loader then skips
-    the batches the checkpoint had already trained on, in the same order (:class:`EpochShuffle`).
-    Without this, Lightning restarts the epoch's data from its beginning and warns.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._yielded = 0  # batches handed out in the current epoch
-        self._resume: dict[str, int] | None = None
-
-    def _epoch(self) -> int:
-        return int(getattr(self.sampler, "epoch", 0))
-
-    def state_dict(self) -> dict[str, int]:
-        state = {"epoch": self._epoch(), "batches": self._yielded}
-        if isinstance(self.sampler, EpochShuffle):
-            state["seed"] = self.sampler.seed
-        return state
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self._resume = dict(state)
-        if "seed" in state and isinstance(self.sampler, EpochShuffle):
-            self.sampler.seed = int(state["seed"])
-
-    def __iter__(self) -> Iterator[Any]:
-        # A generator: its body runs at the first next(), after Lightning has called set_epoch().
-        skip, self._resume = self._skip_count(), None
-        self._yielded = skip
-        batches = super().__iter__()
-        for _ in range(skip):
-            next(batches, None)
-        for batch in batches:
-            self._yielded += 1
-            yield batch
-
-    def _skip_count(self) -> int:
-        if not self._resume or self._resume.get("epoch") != self._epoch():
-            return 0
-        return min(int(self._resume.get("batches", 0)), len(self))
 
 
 def _resolve_workers(num_workers: int | str) -> int:

@@ -118,6 +118,7 @@ def build_trainer(cfg: DictConfig, **overrides: Any) -> Trainer:
         for key, lost in missing.items():
             log.warning("%s: %s", key, lost)
     launch.track(trainer)  # in a sweep, the job collects the DDP children this Trainer starts
+    launch.join_restarted_group(trainer)  # torchrun --max-restarts: a group started again
     return trainer
 
 

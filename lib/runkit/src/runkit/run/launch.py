@@ -158,6 +158,50 @@ def launched_externally(environ: Mapping[str, str] | None = None) -> bool:
     return _slurm_tasks(env) > 1
 
 
+def join_restarted_group(trainer: Any, environ: Mapping[str, str] | None = None) -> None:
+    """In a group torchrun restarted, set up the process group before Lightning does.
+
+    torchrun's c10d rendezvous keeps one store for the whole launch, and torch connects a
+    restarted group's ranks through it without a per-attempt prefix ("a new TCPStore for every
+    retry"): gloo then reads the dead attempt's addresses and fails (``connectFullMesh ...
+    Connection refused``) or hangs. Here the ranks meet under ``runkit/attempt_<N>/`` in that store,
+    and Lightning, finding the group set up, uses it. Does nothing in a first attempt.
+    """
+    env = os.environ if environ is None else environ
+    restart = _int(env.get("TORCHELASTIC_RESTART_COUNT"))
+    if restart == 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from runkit import compat
+
+    if dist.is_initialized():
+        return
+    backend = compat.process_group_backend(trainer.strategy)
+    if backend is None:
+        return  # not a distributed strategy
+    world = _int(env.get("WORLD_SIZE"))
+    store = dist.TCPStore(
+        env["MASTER_ADDR"], _int(env.get("MASTER_PORT")), world, is_master=False,
+        timeout=timedelta(minutes=30),
+    )  # fmt: skip
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"runkit/attempt_{restart}/", store),
+        rank=_int(env.get("RANK")),
+        world_size=world,
+    )
+
+
+def ranks_start_together(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether every rank was started at once by a launcher (torchrun, SLURM tasks), rather
+    than by rank 0's Lightning once rank 0 had made the run directory."""
+    env = os.environ if environ is None else environ
+    return "TORCHELASTIC_RUN_ID" in env or _slurm_tasks(env) > 1
+
+
 def _set_run_dir(hydra_cfg: Any, value: str | None) -> None:
     from omegaconf import read_write
 
@@ -226,7 +270,8 @@ def run_id(pattern: str, environ: Mapping[str, str] | None = None) -> str:
         return f"slurm-{job}" + (f".{step}" if step else "") + requeue
     elastic = env.get("TORCHELASTIC_RUN_ID", "")
     if elastic and elastic != "none":
-        return f"torchrun-{elastic}"
+        restart = _int(env.get("TORCHELASTIC_RESTART_COUNT"))
+        return f"torchrun-{elastic}" + (f"-restart{restart}" if restart else "")
     world = _int(env.get("WORLD_SIZE"))
     # Lightning's own DDP children (LOCAL_RANK, no torchrun id) are handed hydra.run.dir.
     if world > 1 and (elastic == "none" or "LOCAL_RANK" not in env):
@@ -244,33 +289,67 @@ def requeued_checkpoint(
     overrides: list[str] | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> Path | None:
-    """After a SLURM requeue: the newest checkpoint that an earlier run of this job, with the same
-    ``overrides`` (by default this run's), left beside ``run_dir``; else ``None``."""
+    """After a SLURM requeue or a torchrun restart: the newest complete checkpoint that an earlier
+    run of this job (or of this torchrun launch), with the same ``overrides`` (by default this
+    run's), left beside ``run_dir``; else ``None``.
+
+    A torchrun launch whose earlier run finished (``metrics.json``) is a rerun of a used
+    ``--rdzv-id``, not a restart: one line says so (:class:`RunError`).
+    """
     env = os.environ if environ is None else environ
-    job = slurm_job_id(env)
-    if not job or not _restarted(env):
+    earlier_runs = _earlier_runs(env)
+    if earlier_runs is None:
         return None
+    what, name = earlier_runs
     if overrides is None:
         from hydra.core.hydra_config import HydraConfig
 
         overrides = list(HydraConfig.get().overrides.task)
     current = Path(run_dir).resolve()
-    name = re.compile(rf"(^|_)slurm-{re.escape(job)}(\.\d+)?(-requeue\d+)?$")
     found: list[Path] = []
+    finished: list[Path] = []
     for earlier in current.parent.iterdir():
         if earlier == current or not name.search(earlier.name):
             continue
         if _overrides(earlier) != [str(o) for o in overrides]:
             continue  # another command of the same job script
+        if (earlier / "metrics.json").is_file():
+            finished.append(earlier)
         found += [p for p in (earlier / "checkpoints").glob("*.ckpt") if complete_checkpoint(p)]
+    if finished and "TORCHELASTIC_RUN_ID" in env:
+        raise RunError(
+            f"torchrun --rdzv-id={env['TORCHELASTIC_RUN_ID']} has run to its end already, in "
+            f"{finished[0]}; give torchrun a new --rdzv-id to train again"
+        )
     if not found:
         if rank_zero(env):
-            log.info("SLURM job %s was requeued; no checkpoint of this command to resume", job)
+            log.info("%s; no checkpoint of this command to resume", what)
         return None
     newest = max(found, key=lambda p: p.stat().st_mtime).resolve()
     if rank_zero(env):
-        log.info("SLURM job %s was requeued: resuming from %s", job, newest)
+        log.info("%s: resuming from %s", what, newest)
     return newest
+
+
+def _earlier_runs(env: Mapping[str, str]) -> tuple[str, re.Pattern[str]] | None:
+    """For a requeued SLURM job or a restarted torchrun group: what happened, in words, and the
+    pattern of the run directories its earlier attempts made (:func:`run_id`); else ``None``."""
+    job = slurm_job_id(env)
+    if job and _restarted(env):
+        return (
+            f"SLURM job {job} was requeued",
+            re.compile(rf"(^|_)slurm-{re.escape(job)}(\.\d+)?(-requeue\d+)?$"),
+        )
+    elastic = env.get("TORCHELASTIC_RUN_ID", "")
+    restart = _int(env.get("TORCHELASTIC_RESTART_COUNT"))
+    if elastic and elastic != "none" and restart > 0:
+        limit = env.get("TORCHELASTIC_MAX_RESTARTS")
+        of = f" of {limit}" if limit else ""
+        return (
+            f"torchrun restarted the group (restart {restart}{of})",
+            re.compile(rf"^torchrun-{re.escape(elastic)}(-restart\d+)?$"),
+        )
+    return None
 
 
 def complete_checkpoint(checkpoint: Path) -> bool:

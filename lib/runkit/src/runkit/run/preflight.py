@@ -445,10 +445,14 @@ def claim_run_dir(cfg: DictConfig, key: str) -> None:
     been claimed already (DDP ranks, torchrun and SLURM tasks) share its directory on purpose.
     """
     global _claimed
-    from runkit.run.launch import launched_externally
+    from runkit.run.launch import launched_externally, ranks_start_together
 
-    if is_worker_process():
-        return  # DDP workers reuse rank 0's directory on purpose
+    # Lightning's DDP children reuse rank 0's directory, made before they start. The ranks of
+    # torchrun and SLURM start together, each checks (none can write there before all have met
+    # in the process group), so a used directory is one line on every node, not one rank's line
+    # and a peer's C++ traceback from the rendezvous it waits in.
+    if is_worker_process() and not ranks_start_together():
+        return
     if os.environ.get("SLURM_RESTART_COUNT", "0") not in ("", "0"):
         return  # a requeued SLURM job resumes in its own directory (runkit.run.launch.run_id)
     try:
@@ -457,9 +461,15 @@ def claim_run_dir(cfg: DictConfig, key: str) -> None:
         return
     found = [name for name in RUN_MARKERS if (directory / name).exists()]
     if found:
+        elastic = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        hint = (
+            f"give torchrun a new --rdzv-id (not {elastic})"
+            if elastic != "none"
+            else "pick a new directory"
+        )
         raise RunError(
-            f"{key}={str(directory)!r} already holds a run ({', '.join(found)}); pick a new "
-            "directory (resuming with ckpt_path=... starts a new run directory by itself)"
+            f"{key}={str(directory)!r} already holds a run ({', '.join(found)}); {hint} "
+            "(resuming with ckpt_path=... starts a new run directory by itself)"
         )
     if launched_externally():
         return  # torchrun / SLURM: every rank runs Hydra here; run_id names the launch

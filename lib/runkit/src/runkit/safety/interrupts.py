@@ -107,7 +107,13 @@ class GracefulInterrupt(Callback):
             # exits non-zero; the workers now stop with 128+N on purpose, and rank 0 waits for them.
             request.children = list(procs)
             procs.clear()
-        trainer._signal_connector.received_sigterm = True  # private: Lightning's loop-stop flag
+        if not _in_fit_validation(trainer):
+            trainer._signal_connector.received_sigterm = True  # private: Lightning's loop-stop flag
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # A stop agreed during fit's validation takes effect once that validation is over.
+        if self._stopping and _in_fit_validation(trainer):
+            trainer._signal_connector.received_sigterm = True  # private: see _agree
 
     def on_exception(
         self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
@@ -128,6 +134,20 @@ class GracefulInterrupt(Callback):
         )
         if trainer.is_global_zero:
             log.warning("Interrupted; resume with:\n  %s", resume_command(path))
+
+
+def _in_fit_validation(trainer: Trainer) -> bool:
+    """Whether fit is validating (not its sanity check).
+
+    Lightning can stop there, but it can not resume there exactly: the checkpoint holds neither
+    the epoch's training metrics (logged at the epoch's end) nor the half-done validation, so the
+    resumed run logs NaN and zero for that epoch and validates on part of the data. A stop there
+    lets the validation finish: the epoch then ends as uninterrupted (metrics logged, the best
+    and last checkpoints saved) and the run stops before the next training batch.
+    """
+    return (
+        trainer.state.fn == TrainerFn.FITTING and trainer.validating and not trainer.sanity_checking
+    )
 
 
 def _distributed(trainer: Trainer) -> bool:

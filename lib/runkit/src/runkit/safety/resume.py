@@ -4,11 +4,14 @@ A resumed run (``ckpt_path=...``) gets a new run directory; the earlier run's di
 read, never written. :class:`ResumeState` makes the continuation indistinguishable from a run
 that never stopped:
 
-* the global random generators (torch CPU and CUDA, NumPy, ``random``) are reseeded from
-  ``(seed, epoch)`` at the first batch of every epoch, and their exact state at a mid-epoch
-  checkpoint is saved and put back before the next batch, so dropout draws the same masks;
-* the training loader (:class:`runkit.data.ResumableLoader`) orders each epoch by
-  ``(seed, epoch)`` and skips the batches a mid-epoch checkpoint had already used;
+* the global random generators (torch CPU and CUDA, NumPy, ``random``) and the training
+  loaders' own generators are seeded from ``(seed, epoch)`` before each epoch's DataLoader
+  iterator is created, so the sampler's order, the workers' seeds and any augmentation drawn
+  from them depend on the epoch alone; at a mid-epoch checkpoint the generators' exact state is
+  saved;
+* a resumed run creates its first epoch's iterator again after that seeding and, mid-epoch,
+  reads and drops the batches the checkpoint had trained on (a loader with its own
+  ``state_dict``, ``_Stateful`` to Lightning, skips them itself), then puts the saved state back;
 * the earlier run's ``csv/metrics.csv`` (and TensorBoard event files) are copied into this run's
   logger directories before training, so the curves read as one, with epochs and steps going on.
 """
@@ -19,6 +22,7 @@ import csv
 import logging
 import random
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,7 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from torch.utils.data import IterableDataset
 
 from runkit import compat
 from runkit.errors import RunError
@@ -86,12 +91,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class ResumeState(Callback):
-    """Random state per batch, carried-on logs and the log line that says where a run came from."""
+    """Random state per epoch and per batch, carried-on logs, and the line that says where a run
+    came from.
+
+    Args:
+        seed: the run's seed; each epoch's generators are seeded from ``(seed, epoch)``.
+    """
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
         self.resumed_from: Path | None = None
         self._pending: dict[str, Any] | None = None  # generator state to put back (mid-epoch)
+        self._seeded_epoch: int | None = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "rng": rng_state()}
@@ -101,31 +112,98 @@ class ResumeState(Callback):
         self._pending = state_dict.get("rng")
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.ckpt_path is None:
-            return
-        self.resumed_from = Path(trainer.ckpt_path)
-        earlier = run_dir_of(self.resumed_from)
-        if not trainer.is_global_zero:  # one line per run, not one per process
-            return
-        log.info(
-            "Resuming from %s at epoch %d, step %d (the run in %s is left unchanged; this run "
-            "writes to %s)",
-            self.resumed_from,
-            trainer.current_epoch,
-            trainer.global_step,
-            earlier,
-            trainer.default_root_dir,
-        )
-        continue_logs(trainer, earlier)
+        if trainer.ckpt_path is not None:
+            self.resumed_from = Path(trainer.ckpt_path)
+            earlier = run_dir_of(self.resumed_from)
+            if trainer.is_global_zero:
+                log.info(
+                    "Resuming from %s at epoch %d, step %d (the run in %s is left unchanged; "
+                    "this run writes to %s)",
+                    self.resumed_from,
+                    trainer.current_epoch,
+                    trainer.global_step,
+                    earlier,
+                    trainer.default_root_dir,
+                )
+                continue_logs(trainer, earlier)
+        self._start_data(trainer)
 
-    def on_train_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if batch_idx == 0:
-            reseed(epoch_seed(self.seed, trainer.current_epoch))
-        elif self._pending is not None:
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Lightning creates a later epoch's iterator after this hook: seeding here comes first.
+        if self._seeded_epoch != trainer.current_epoch:
+            self._seed_epoch(trainer)
+
+    def _seed_epoch(self, trainer: Trainer) -> None:
+        """Seed the global generators, and the loaders' own, from ``(seed, epoch)``."""
+        epoch = trainer.current_epoch
+        reseed(epoch_seed(self.seed, epoch))
+        for loader in compat.train_loaders(trainer):
+            for generator in _generators(loader):
+                generator.manual_seed(epoch_seed(self.seed + 1, epoch))
+        self._seeded_epoch = epoch
+
+    def _start_data(self, trainer: Trainer) -> None:
+        """Start the run's first epoch of data as an uninterrupted run starts that epoch.
+
+        Lightning creates the first epoch's DataLoader iterator before any hook: its workers fork,
+        the sampler draws its order and the first batches are prefetched from whatever state the
+        generators had. So the generators are seeded for the epoch, the iterator is created
+        again, and after a mid-epoch checkpoint the batches it had trained on are read (their
+        augmentation draws and the workers' generators advance as they did) and dropped; then the
+        generators get the checkpoint's exact state back for the next batch.
+        """
+        self._seed_epoch(trainer)
+        loop = trainer.fit_loop
+        done = loop.epoch_loop.batch_progress.current.processed
+        mid_epoch = loop.restarted_mid_epoch and 0 < done < trainer.num_training_batches
+        loaders = compat.train_loaders(trainer)
+        stateful = [dl for dl in loaders if _stateful(dl)]
+        skip = done if mid_epoch and not stateful else 0
+        if trainer.ckpt_path is not None and trainer.is_global_zero:
+            _say_what_differs(loaders, trainer.current_epoch, done if mid_epoch else 0)
+        if skip:
+            warnings.filterwarnings("ignore", message=_NOT_RESUMABLE)  # the batches are skipped
+        compat.restart_train_data(trainer, trainer.current_epoch, skip)
+        if mid_epoch and self._pending is not None:
             set_rng_state(self._pending)
         self._pending = None
+
+
+_NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
+
+
+def _stateful(loader: Any) -> bool:
+    """Lightning's test for a loader that restores its own position (``_Stateful``)."""
+    return callable(getattr(loader, "state_dict", None)) and callable(
+        getattr(loader, "load_state_dict", None)
+    )
+
+
+def _generators(loader: Any) -> list[torch.Generator]:
+    """The generators a DataLoader and its samplers draw from instead of the global one."""
+    holders = [loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)]
+    holders.append(getattr(holders[2], "sampler", None))
+    found = [getattr(h, "generator", None) for h in holders if h is not None]
+    unique = {id(g): g for g in found if isinstance(g, torch.Generator)}
+    return list(unique.values())
+
+
+def _say_what_differs(loaders: list[Any], epoch: int, done: int) -> None:
+    """One line when the resumed epoch's data can differ: an IterableDataset without state."""
+    iterable = [dl for dl in loaders if isinstance(getattr(dl, "dataset", None), IterableDataset)]
+    names = ", ".join(type(dl.dataset).__name__ for dl in iterable if not _stateful(dl))
+    if not names:
+        return
+    where = f"its first {done} batches are read again and dropped; " if done else ""
+    log.warning(
+        "Resuming epoch %d: the training data (%s) is an IterableDataset without "
+        "state_dict/load_state_dict, so the epoch's stream starts again from its beginning (%s"
+        "the batches after that are the uninterrupted run's only if the stream depends on "
+        "nothing but torch's global generator, which is seeded per epoch)",
+        epoch,
+        names,
+        where,
+    )
 
 
 def continue_logs(trainer: Trainer, earlier: Path) -> None:
@@ -137,7 +215,12 @@ def continue_logs(trainer: Trainer, earlier: Path) -> None:
             relative = Path(writer.metrics_file_path).relative_to(root)
             source = earlier / relative
             if source.is_file():
-                keys = _copy_csv_rows(source, Path(writer.metrics_file_path), trainer.global_step)
+                keys = _copy_csv_rows(
+                    source,
+                    Path(writer.metrics_file_path),
+                    trainer.current_epoch,
+                    trainer.global_step,
+                )
                 compat.add_csv_columns(writer, keys)
         elif isinstance(logger, TensorBoardLogger):
             relative = Path(logger.log_dir).relative_to(root)
@@ -146,11 +229,17 @@ def continue_logs(trainer: Trainer, earlier: Path) -> None:
                 shutil.copy2(event_file, Path(logger.log_dir) / f"earlier.{event_file.name}")
 
 
-def _copy_csv_rows(source: Path, target: Path, before_step: int) -> list[str]:
+def _copy_csv_rows(source: Path, target: Path, epoch: int, step: int) -> list[str]:
+    """Copy the rows logged before the checkpoint: those of earlier epochs (an epoch's end logs
+    some at the step its last batch led to, the checkpoint's own), and this epoch's before ``step``."""
     with source.open(newline="") as handle:
         reader = csv.DictReader(handle)
         keys = list(reader.fieldnames or [])
-        rows = [row for row in reader if _step(row) < before_step]
+        rows = [
+            row
+            for row in reader
+            if _number(row, "epoch", epoch) < epoch or _number(row, "step") < step
+        ]
     target.parent.mkdir(parents=True, exist_ok=True)
     with target.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=sorted(keys))
@@ -159,11 +248,11 @@ def _copy_csv_rows(source: Path, target: Path, before_step: int) -> list[str]:
     return keys
 
 
-def _step(row: dict[str, str]) -> float:
+def _number(row: dict[str, str], key: str, missing: float = 0.0) -> float:
     try:
-        return float(row.get("step") or 0)
+        return float(row.get(key) or missing)
     except ValueError:
-        return 0.0
+        return missing
 
 
 def check_fits(model: LightningModule, checkpoint: Path) -> None:

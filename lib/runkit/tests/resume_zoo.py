@@ -1,0 +1,103 @@
+"""A user's own data module and a stop at a chosen point, for the resume tests (``test_resume.py``).
+
+Not part of the project: the tests put this directory on ``PYTHONPATH``, the CLI instantiates
+``resume_zoo.<name>`` from ``data._target_=...`` or ``+callbacks.<name>._target_=...``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningDataModule, Trainer
+from torch.utils.data import DataLoader, Dataset
+
+from project.data.digits import DigitsDataModule
+
+
+class Jittered(Dataset):
+    """The digits with noise drawn from torch's global generator at every read (augmentation)."""
+
+    def __init__(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        self.inputs, self.labels = inputs, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inputs[i] + 0.3 * torch.rand(self.inputs[i].shape), self.labels[i]
+
+
+class UserDigits(LightningDataModule):
+    """Written as Lightning's documentation teaches: a shuffled torch DataLoader with workers."""
+
+    def __init__(self, batch_size: int = 128, num_workers: int = 2) -> None:
+        super().__init__()
+        self.batch_size, self.num_workers = batch_size, num_workers
+
+    def setup(self, stage: str | None = None) -> None:
+        digits = DigitsDataModule()
+        digits.setup()
+        self.train_set = Jittered(*_tensors(digits.train_set))
+        self.val_set = Jittered(*_tensors(digits.val_set))
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(
+            self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.batch_size)
+
+
+def _tensors(subset: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs, labels = subset.dataset.tensors
+    index = torch.as_tensor(subset.indices)
+    return inputs[index], labels[index]
+
+
+class StopIn(Callback):
+    """SIGTERM to this process at batch ``batch`` of ``phase`` (train, validation) in ``epoch``,
+    once, and only in a run that does not resume."""
+
+    def __init__(self, phase: str, epoch: int, batch: int = 1) -> None:
+        self.phase, self.epoch, self.batch, self.done = phase, epoch, batch, False
+
+    def _maybe(self, trainer: Trainer, phase: str, batch_idx: int) -> None:
+        if self.done or phase != self.phase or trainer.ckpt_path is not None:
+            return
+        if trainer.sanity_checking or not trainer.is_global_zero:
+            return
+        if trainer.current_epoch == self.epoch and batch_idx == self.batch:
+            self.done = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        self._maybe(trainer, "train", args[-1])
+
+    def on_validation_batch_start(
+        self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int, *args: Any
+    ) -> None:
+        self._maybe(trainer, "validation", batch_idx)
+
+
+class KillRank(Callback):
+    """``kill -9`` of global rank ``rank`` at batch ``batch`` of ``epoch``, in torchrun's first
+    attempt only (``TORCHELASTIC_RESTART_COUNT`` 0): the restarted group trains on."""
+
+    def __init__(self, rank: int, epoch: int, batch: int) -> None:
+        self.rank, self.epoch, self.batch = rank, epoch, batch
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: Any, batch: Any, index: int
+    ) -> None:
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            return
+        if (trainer.global_rank, trainer.current_epoch, index) == (
+            self.rank,
+            self.epoch,
+            self.batch,
+        ):
+            os.kill(os.getpid(), signal.SIGKILL)
