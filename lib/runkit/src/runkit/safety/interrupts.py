@@ -159,6 +159,9 @@ def phase(name: str, trainer: Trainer | None = None) -> Iterator[None]:
         ) from err
     if request.agreed is not None:  # agreed at the phase's last batch: every rank stops here
         _stop(request.agreed)
+    if trainer is None and request.received is not None and not request.detail:
+        # Not stoppable half-way (export): the last line says the files are all there.
+        request.detail = ", which finished first (its files are written)"
 
 
 def _stop(signum: int) -> None:
