@@ -55,8 +55,7 @@ def test_a_signal_outside_lightning_lets_the_phase_finish_then_exits_143(
     assert stop.value.code == 143
     assert finished
     assert last_line(capsys.readouterr().err) == (
-        "stopped by SIGTERM during export, which finished first (its files are written); "
-        "exit code 143"
+        "stopped by SIGTERM after export had finished (its files are written); exit code 143"
     )
     assert signal.getsignal(signal.SIGTERM) is before
 
@@ -667,3 +666,39 @@ def _group_gone(pgid: int, timeout: float = 30) -> bool:
     while in_group(pgid) and time.time() < deadline:
         time.sleep(0.1)
     return not in_group(pgid)
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_just_after_the_run_directory_line_is_one_line(tmp_path: Path) -> None:
+    # Issue #32.6: a Ctrl-C to the group as "Run directory:" is printed exited 130 with nothing on
+    # stderr in 4 of 7 tries. Wherever it lands now (the end of export, the interpreter's
+    # teardown), the files are complete and the last line says so.
+    log_dir = tmp_path / "logs"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "project.train", *SMALL, f"paths.log_dir={log_dir}"],
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    assert process.stdout is not None
+    try:
+        for line in process.stdout:
+            if "Run directory: " in line:
+                os.killpg(process.pid, signal.SIGINT)
+                break
+        rest = process.stdout.read()
+        process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 130, rest[-3000:]
+    assert last_line(rest) in (
+        "stopped by SIGINT after export had finished (its files are written); exit code 130",
+        "error: SIGINT received after the run had finished (its files are complete); exit code 130",
+    ), rest[-3000:]
+    (run,) = run_dirs(log_dir)
+    assert (run / "metrics.json").is_file() and (run / "model.pth").is_file()

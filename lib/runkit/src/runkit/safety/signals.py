@@ -70,6 +70,8 @@ class StopRequest:
     """The stop every rank agreed on (set by :mod:`~runkit.safety.interrupts`)."""
     phase: str = "startup"
     """What the run is doing (fit, test, export...), for the last line."""
+    phase_done: bool = False
+    """Whether that phase has finished (its files are written), for the last line."""
     detail: str = ""
     """What the stop did (saved a checkpoint, requeued the job), for the last line."""
     quiet: bool = False
@@ -142,15 +144,14 @@ def _after_the_run(signum: int, frame: FrameType | None) -> None:
 
 
 def _at_exit() -> None:
-    """The last point where Python still runs a handler: from here on the interpreter tears down
-    and would reset the handlers, so that a signal ended the process silently. The stop signals
-    are blocked instead, and one that came is said in one line with its 128 + N."""
-    stops = set(stop_signals())
-    with contextlib.suppress(OSError, ValueError):
-        signal.pthread_sigmask(signal.SIG_BLOCK, stops)
-        pending = sorted(stops & signal.sigpending())
-        if pending and request.received is None:  # else the exit code says that stop already
-            _after_the_run(int(pending[0]), None)
+    """The last point where Python still runs a handler (a signal that came on another thread is
+    handled here, as this is Python code). Past it the interpreter tears down and resets the
+    handlers, so that a stop signal ended the process silently, by the signal. From here on the
+    stop signals are ignored instead (process-wide): the run's files are complete, and the
+    process exits with the run's own exit code."""
+    for signum in stop_signals():
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(signum, signal.SIG_IGN)
 
 
 def _record(signum: int, frame: FrameType | None) -> None:
@@ -315,7 +316,10 @@ def exit_stopped(signum: int) -> None:
     request.children = []
     code = 128 + int(signum)
     name = signal.Signals(signum).name
-    _say(f"stopped by {name} during {request.phase}{request.detail}; exit code {code}")
+    when = f"during {request.phase}"
+    if request.phase_done:
+        when = f"after {request.phase} had finished (its files are written)"
+    _say(f"stopped by {name} {when}{request.detail}; exit code {code}")
     raise SystemExit(code)
 
 
