@@ -24,7 +24,7 @@ every signal through :func:`signal.set_wakeup_fd` even while the main thread is 
 ``kill -TERM -<pgid>`` reach every process of the group, GNU ``timeout`` signals its child and
 then the child's group, the kernel sends ``PR_SET_PDEATHSIG`` once per thread of a dying parent.
 The rule: a process counts only the signals it was sent itself, and every stop signal within
-``STOP_REPEAT_S`` of the first is that same stop. So forked children (DataLoader workers) get no
+``STOP_REPEAT_S`` of the first, or after the process's parent died, is that same stop. So forked children (DataLoader workers) get no
 share of this process's wakeup descriptor and are left out of the stop (see
 :func:`_in_forked_child`), and a second request means a person asking again after the first
 line was printed, which takes longer than ``STOP_REPEAT_S``.
@@ -84,6 +84,8 @@ class StopRequest:
     """``time.monotonic()`` when the first stop signal came."""
     watched: bool = False
     """Whether the watcher thread hears every delivery (it then judges the repeats)."""
+    parent: int = 0
+    """This process's parent when the run began; another one means it died (PR_SET_PDEATHSIG)."""
 
 
 request = StopRequest()
@@ -110,7 +112,7 @@ def stop_on_signal(until_exit: bool = False) -> Iterator[StopRequest]:
         yield request
         return
     previous = {signum: signal.getsignal(signum) for signum in stop_signals()}
-    request = StopRequest(active=True, quiet=not rank_zero())  # a fresh one per run
+    request = StopRequest(active=True, quiet=not rank_zero(), parent=os.getppid())
     _before_the_run.clear()
     _before_the_run.update(previous)
     if until_exit:
@@ -138,6 +140,10 @@ _AFTER_THE_RUN = "received after the run had finished (its files are complete)"
 
 def _after_the_run(signum: int, frame: FrameType | None) -> None:
     """A stop signal while the finished process shuts down: its files are all written."""
+    if request.received is not None:  # the run was stopped: its line and 128 + N are given
+        if _second_request(request, signum, time.monotonic()):
+            quit_now(signum, "again: quitting at once")
+        return
     if request.quiet:
         os._exit(128 + signum)
     quit_now(signum, _AFTER_THE_RUN)
@@ -171,9 +177,17 @@ def _second_request(stop: StopRequest, signum: int, now: float) -> bool:
     """Whether ``signum`` at ``now`` is a new request to quit, not the first stop delivered again
     (the rule in the module docstring)."""
     first = stop.received
-    if first is None or now - stop.received_at < STOP_REPEAT_S:
+    if first is None or _same_stop(stop, now):
         return False
     return _quits_at_once(first, signum)
+
+
+def _same_stop(stop: StopRequest, now: float) -> bool:
+    """Within ``STOP_REPEAT_S`` of the first signal, or once the parent died: the kernel sends
+    ``PR_SET_PDEATHSIG`` again as each thread of the dead parent exits, seconds apart under load."""
+    return now - stop.received_at < STOP_REPEAT_S or bool(
+        stop.parent and os.getppid() != stop.parent
+    )
 
 
 def _quits_at_once(first: int, again: int) -> bool:
@@ -258,7 +272,7 @@ class _Watcher:
                 if first is None:
                     first, self.first_at = signum, now
                     self.stop.received_at = self.stop.received_at or now
-                elif now - self.first_at >= STOP_REPEAT_S and _quits_at_once(first, signum):
+                elif not _same_stop(self.stop, now) and _quits_at_once(first, signum):
                     quit_now(signum, "again: quitting at once, without saving")
             if first is not None and _distributed():
                 self._check_stuck(first)
