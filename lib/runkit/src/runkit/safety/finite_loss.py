@@ -144,16 +144,16 @@ class FiniteLoss(Callback):
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         self.check()  # raising here keeps Lightning from writing the file
-        state = checkpoint.get("state_dict", {})
-        if _agreed(trainer, not _all_finite(state.values())):
+        # The module's parameters and buffers, not the checkpoint's whole state_dict: a metric's
+        # state may start at -inf (MaxMetric) and be saved so on purpose.
+        if _agreed(trainer, not _all_finite(_weights(pl_module))):
             raise DivergedError(
                 self._diverged(trainer, "weights are", "this checkpoint is not written")
             )
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """The end of training: non-finite weights or monitored metric end the run here."""
-        weights = [*pl_module.parameters(), *pl_module.buffers()]
-        if _agreed(trainer, not _all_finite(weights)):
+        if _agreed(trainer, not _all_finite(_weights(pl_module))):
             raise DivergedError(
                 self._diverged(trainer, "weights are", "nothing is tested or exported")
             )
@@ -190,6 +190,10 @@ class FiniteLoss(Callback):
             "training stopped, checkpoints saved before it are kept. Lower model.optimizer.lr, "
             "or set callbacks.finite_loss.action=skip to skip such batches"
         )
+
+
+def _weights(pl_module: LightningModule) -> list[Tensor]:
+    return [*pl_module.parameters(), *pl_module.buffers()]
 
 
 def _all_finite(tensors: Any) -> bool:
