@@ -10,6 +10,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
+from conftest import FAST, CliRunner, run_dirs
 from runkit.errors import RunError
 from runkit.safety import finite_loss
 from runkit.safety.checkpoints import AtomicCheckpointIO
@@ -94,3 +95,83 @@ def test_bad_options_are_one_line() -> None:
         FiniteLoss(action="ignore")  # type: ignore[arg-type]
     with pytest.raises(RunError, match="check_every_n_steps=0"):
         FiniteLoss(check_every_n_steps=0)
+
+
+class Diverging(Poisoned):
+    """Finite losses throughout, but from step ``at`` on a running statistic is NaN (what the
+    forward passes of skipped batches do to BatchNorm's buffers)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__(set())
+        self.register_buffer("running", torch.zeros(1))
+        self.at = at
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.global_step == self.at:
+            self.running.fill_(float("nan"))
+        return super().training_step(batch, batch_idx)
+
+
+def test_diverged_weights_are_never_saved_and_end_the_run_in_one_line(tmp_path: Path) -> None:
+    # Issue #32.7: action=skip with lr=1e12 exited 0 and exported NaN weights.
+    with pytest.raises(finite_loss.DivergedError) as info:
+        fit(Diverging(at=13), FiniteLoss(action="skip"), tmp_path)
+    message = str(info.value)
+    assert "\n" not in message and info.value.exit_code == 3
+    assert message.startswith("training diverged: the weights are not finite (NaN or inf) at step")
+    assert f"the last finite checkpoint is {tmp_path / 'last.ckpt'}" in message
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 13
+    for file in tmp_path.glob("*.ckpt"):
+        state = torch.load(file, weights_only=True)["state_dict"]
+        assert all(torch.isfinite(v).all() for v in state.values()), file
+
+
+def test_a_non_finite_monitored_metric_at_the_end_is_a_divergence(tmp_path: Path) -> None:
+    class NanValidation(Poisoned):
+        def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+            self.log("val/loss", float("nan"))
+
+    loader = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4)
+    trainer = Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        callbacks=[FiniteLoss(), ModelCheckpoint(dirpath=tmp_path, monitor="val/loss")],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with pytest.raises(finite_loss.DivergedError, match=r"monitored metric val/loss=nan is not"):
+        trainer.fit(NanValidation(set()), loader, loader)
+
+
+def test_metrics_json_is_strict_json() -> None:
+    import json
+
+    from runkit.run.run_files import strict_json
+
+    text = strict_json({"metrics": {"val/loss": float("nan"), "acc": 0.5}, "e": [float("inf")]})
+    assert json.loads(text, parse_constant=lambda name: pytest.fail(name)) == {
+        "metrics": {"val/loss": None, "acc": 0.5},
+        "e": [None],
+    }
+
+
+@pytest.mark.slow
+def test_a_diverging_run_with_skip_fails_in_one_line_and_exports_nothing(
+    cli: CliRunner, log_dir: Path
+) -> None:
+    # Issue #32.7: 58 "batch skipped" lines, exit 0, NaN weights tested and exported, NaN in
+    # metrics.json. Now one line, exit 3, no model.pth, and only finite checkpoints are kept.
+    done = cli("train", "callbacks.finite_loss.action=skip", "model.optimizer.lr=1e12", *FAST)
+    assert done.returncode == 3, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: training diverged: the "), errors
+    assert "Traceback" not in done.stderr
+    (run,) = run_dirs(log_dir)
+    assert not (run / "model.pth").exists() and not (run / "metrics.json").exists()
+    for file in run.glob("checkpoints/*.ckpt"):
+        state = torch.load(file, weights_only=True)["state_dict"]
+        assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+    for file in run.rglob("*.json"):  # strict: a NaN would be refused
+        assert "NaN" not in file.read_text() and "Infinity" not in file.read_text(), file

@@ -408,3 +408,41 @@ def test_a_bad_n_jobs_is_one_line_and_creates_nothing(cli: CliRunner, log_dir: P
         "or null (one per visible GPU, 1 without a GPU)"
     ]
     assert not log_dir.exists()
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_training_sweep_lets_every_running_job_save(
+    log_dir: Path, tmp_path: Path
+) -> None:
+    # Issue #32.3: the kernel's PR_SET_PDEATHSIG came once per thread of the dead sweep, and each
+    # job took the second SIGTERM for a second request: "quitting at once, without saving".
+    command = [
+        sys.executable, "-m", "project.train", "-m", "hydra/launcher=parallel",
+        "hydra.launcher.n_jobs=2", "model.optimizer.lr=0.01,0.02", "trainer.max_epochs=300",
+        "data.batch_size=64", "test=false", "callbacks.progress_bar.refresh_rate=0",
+        f"paths.log_dir={log_dir}",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        command, cwd=tmp_path, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    pids: list[int] = []
+    try:
+        deadline = time.time() + 300
+        while len(list(log_dir.glob("train/multiruns/*/*/checkpoints/last.ckpt"))) < 2:
+            assert proc.poll() is None, proc.stderr.read()[-3000:] if proc.stderr else ""
+            assert time.time() < deadline, "the jobs never finished an epoch"
+            time.sleep(0.2)
+        attempts = state(sweep_dir_of(log_dir))
+        pids = [a["pid"] for a in attempts]
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.time() + 180
+    while not all(gone(pid) for pid in pids) and time.time() < deadline:
+        time.sleep(0.2)
+    assert all(gone(pid) for pid in pids), "a job did not stop within 180 s of the sweep's death"
+    for attempt in attempts:
+        log = Path(attempt["log"]).read_text()
+        assert log.count("SIGTERM received") == 1, log[-3000:]
+        assert "again: quitting" not in log and "Traceback" not in log, log[-3000:]
+        assert (Path(attempt["dir"]) / "checkpoints" / "interrupted.ckpt").is_file(), log[-3000:]

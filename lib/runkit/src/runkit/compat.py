@@ -248,6 +248,15 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         _job_return_value,
     ),
     PrivateApi(
+        "torch.utils.data._utils.signal_handling",
+        "_set_worker_signal_handlers",
+        "runkit.compat.leave_dataloader_workers_out_of_stops (runkit.safety.signals)",
+        "a forked DataLoader worker sets torch's SIGTERM handler, which dies by a signal its parent "
+        "did not send (a process group's SIGTERM) and so crashes the parent's stop; the only "
+        "point after it and before the worker's loop",
+        lambda: _worker_signal_handlers(),
+    ),
+    PrivateApi(
         "lightning.pytorch.strategies:ModelParallelStrategy",
         "_data_parallel_size",
         "runkit.compat.set_data_parallel_size (runkit.strategies.fsdp)",
@@ -294,6 +303,17 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "sets the group up first (torch's store for it lacks a per-attempt prefix)",
     ),
 )
+
+
+def _worker_signal_handlers() -> bool:
+    from torch.utils.data import _utils
+    from torch.utils.data._utils import signal_handling, worker
+
+    return callable(signal_handling._set_worker_signal_handlers) and (
+        "signal_handling" in vars(worker)
+        and "_set_worker_signal_handlers" in worker._worker_loop.__code__.co_names
+        and _utils.signal_handling is signal_handling
+    )
 
 
 def _trainer_attribute_value(name: str) -> Any:
@@ -390,3 +410,17 @@ def process_group_backend(strategy: Any) -> str | None:
     ``None`` for a strategy without one (private: see PRIVATE_APIS)."""
     get = getattr(strategy, "_get_process_group_backend", None)
     return get() if callable(get) else None
+
+
+def leave_dataloader_workers_out_of_stops(install: Callable[[], Any]) -> None:
+    """In a forked child: run ``install`` right after a DataLoader worker sets torch's signal
+    handlers, before its loop (private: see PRIVATE_APIS). Only this child's module changes."""
+    from torch.utils.data._utils import signal_handling
+
+    torchs = signal_handling._set_worker_signal_handlers
+
+    def worker_handlers(*args: Any) -> None:
+        torchs(*args)
+        install()
+
+    signal_handling._set_worker_signal_handlers = worker_handlers

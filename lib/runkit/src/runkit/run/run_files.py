@@ -8,6 +8,7 @@ and the run's size.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -87,6 +88,27 @@ def save_metrics(
     }
     if energy is not None:
         payload["energy"] = dict(energy)
-    text = json.dumps(payload, indent=2) + "\n"
+    text = strict_json(payload, indent=2) + "\n"
     atomic_write(out / METRICS_FILE, lambda handle: handle.write(text.encode()))
     return out / METRICS_FILE
+
+
+def strict_json(payload: Any, **kwargs: Any) -> str:
+    """JSON that strict parsers read: a NaN or infinite figure is ``null`` (``json.dumps`` alone
+    writes ``NaN``, which is not JSON).
+
+    Args:
+        payload: dicts, lists and scalars.
+        **kwargs: passed to :func:`json.dumps` (``indent``...).
+    """
+    return json.dumps(_finite_or_none(payload), allow_nan=False, **kwargs)
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {key: _finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(item) for item in value]
+    return value

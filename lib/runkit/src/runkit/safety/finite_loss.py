@@ -18,11 +18,20 @@ GPU at every step (a sync that empties the launch queue). So, with ``action: sto
 step, so weights and optimiser state are as if the batch never came. Deciding that needs the
 loss on the host, so ``skip`` costs one sync per step. After ``max_skipped`` skipped batches in a
 run the callback stops as ``stop`` would (a model that keeps producing NaN does not recover).
+
+A finite loss does not make finite weights: one huge step (``lr=1e12``) overflows them, and the
+forward passes of skipped batches still feed NaN into BatchNorm's running statistics. So in either
+mode a diverged run is not a success: a checkpoint whose weights or buffers are not finite is
+refused (the last finite one stays), and when training ends with non-finite weights or a
+non-finite monitored metric the run stops in one line, exit code 3, before it tests or exports.
+The ranks agree on each verdict (Lightning's ``reduce_boolean_decision``, at points every rank
+reaches): each rank sees its own buffers, or its shard under FSDP.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -43,6 +52,10 @@ class NonFiniteLossError(RunError):
     """The training loss became NaN or infinite; the last good checkpoint is kept."""
 
     exit_code = 3
+
+
+class DivergedError(NonFiniteLossError):
+    """The weights or the monitored metric are NaN or infinite: the run diverged."""
 
 
 class FiniteLoss(Callback):
@@ -131,6 +144,36 @@ class FiniteLoss(Callback):
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         self.check()  # raising here keeps Lightning from writing the file
+        # The module's parameters and buffers, not the checkpoint's whole state_dict: a metric's
+        # state may start at -inf (MaxMetric) and be saved so on purpose.
+        if _agreed(trainer, not _all_finite(_weights(pl_module))):
+            raise DivergedError(
+                self._diverged(trainer, "weights are", "this checkpoint is not written")
+            )
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The end of training: non-finite weights or monitored metric end the run here."""
+        if _agreed(trainer, not _all_finite(_weights(pl_module))):
+            raise DivergedError(
+                self._diverged(trainer, "weights are", "nothing is tested or exported")
+            )
+        monitor = getattr(trainer.checkpoint_callback, "monitor", None)
+        value = trainer.callback_metrics.get(monitor) if monitor else None
+        if _agreed(trainer, value is not None and not _all_finite([value])):
+            what = f"monitored metric {monitor}={float(value)} is"
+            raise DivergedError(self._diverged(trainer, what, "nothing is tested or exported"))
+
+    def _diverged(self, trainer: Trainer, what: str, outcome: str) -> str:
+        callback = trainer.checkpoint_callback
+        # Lightning names last_model_path before it writes it: only a file that is there counts.
+        paths = (getattr(callback, n, "") for n in ("last_model_path", "best_model_path"))
+        kept = next((p for p in paths if p and Path(p).exists()), "")
+        skipped = f", {self.skipped} batch(es) skipped" if self.skipped else ""
+        return (
+            f"training diverged: the {what} not finite (NaN or inf) at step {trainer.global_step} "
+            f"(epoch {trainer.current_epoch}{skipped}); {outcome}; the last finite checkpoint is "
+            f"{kept or 'none (none was saved)'}. Lower model.optimizer.lr"
+        )
 
     def check(self) -> None:
         """Raise :class:`NonFiniteLossError` if a non-finite loss was recorded (one host sync)."""
@@ -147,6 +190,30 @@ class FiniteLoss(Callback):
             "training stopped, checkpoints saved before it are kept. Lower model.optimizer.lr, "
             "or set callbacks.finite_loss.action=skip to skip such batches"
         )
+
+
+def _weights(pl_module: LightningModule) -> list[Tensor]:
+    return [*pl_module.parameters(), *pl_module.buffers()]
+
+
+def _all_finite(tensors: Any) -> bool:
+    """Whether every floating-point tensor holds finite values (one host sync for all); a
+    sharded tensor is checked on this rank's shard."""
+    flags = [
+        torch.isfinite(local).all()
+        for tensor in tensors
+        if isinstance(tensor, Tensor)
+        and (
+            local := tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        ).is_floating_point()
+        and local.numel()
+    ]
+    return bool(torch.stack([f.to(flags[0].device) for f in flags]).all()) if flags else True
+
+
+def _agreed(trainer: Trainer, bad: bool) -> bool:
+    """``bad`` on any rank (every rank calls this at the same point)."""
+    return bool(trainer.strategy.reduce_boolean_decision(bad, all=False))
 
 
 def _batch_index(trainer: Trainer) -> int:

@@ -161,7 +161,7 @@ def phase(name: str, trainer: Trainer | None = None) -> Iterator[None]:
     ``trainer``: the phase runs Lightning with it (its ranks agree on stops at batch boundaries).
     """
     request = signals.request
-    request.phase = name
+    request.phase, request.phase_done = name, False
     try:
         yield
     except SIGTERMException:  # Lightning ended the loop: an agreed stop, or Lightning's own handler
@@ -183,6 +183,7 @@ def phase(name: str, trainer: Trainer | None = None) -> Iterator[None]:
         ) from err
     if request.agreed is not None:  # agreed at the phase's last batch: every rank stops here
         _stop(request.agreed)
+    request.phase_done = True  # a signal from here on comes after the phase's files are written
 
 
 def _stop(signum: int) -> None:

@@ -20,12 +20,22 @@ every signal through :func:`signal.set_wakeup_fd` even while the main thread is 
   one ``torch.distributed`` call that long since, the rank says so in one line and exits
   ``128 + signal`` without saving; the last complete checkpoint stays.
 
+**One stop per event.** One stop often arrives as several deliveries: a terminal's Ctrl-C and
+``kill -TERM -<pgid>`` reach every process of the group, GNU ``timeout`` signals its child and
+then the child's group, the kernel sends ``PR_SET_PDEATHSIG`` once per thread of a dying parent.
+The rule: a process counts only the signals it was sent itself, and every stop signal within
+``STOP_REPEAT_S`` of the first, or after the process's parent died, is that same stop. So forked children (DataLoader workers) get no
+share of this process's wakeup descriptor and are left out of the stop (see
+:func:`_in_forked_child`), and a second request means a person asking again after the first
+line was printed, which takes longer than ``STOP_REPEAT_S``.
+
 Standard library only: the CLI installs the handlers before torch and Lightning load, so a DDP
 worker signalled while it starts up is covered too.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
@@ -45,6 +55,9 @@ CHILD_GRACE_S = 30.0
 """How long a stopping rank 0 waits for the DDP workers it launched before killing them."""
 STUCK_GRACE_S = 10.0
 """How long a rank of a distributed run may stay stuck after a stop signal before it quits."""
+STOP_REPEAT_S = 1.0
+"""Stop signals this soon after the first are the same stop delivered again (module docstring):
+deliveries of one event come within milliseconds, a person's second Ctrl-C after the first line."""
 
 
 @dataclass
@@ -57,6 +70,8 @@ class StopRequest:
     """The stop every rank agreed on (set by :mod:`~runkit.safety.interrupts`)."""
     phase: str = "startup"
     """What the run is doing (fit, test, export...), for the last line."""
+    phase_done: bool = False
+    """Whether that phase has finished (its files are written), for the last line."""
     detail: str = ""
     """What the stop did (saved a checkpoint, requeued the job), for the last line."""
     quiet: bool = False
@@ -65,6 +80,12 @@ class StopRequest:
     """DDP workers this process launched, waited for before it exits."""
     active: bool = False
     """Whether :func:`stop_on_signal` handles the signals now."""
+    received_at: float = 0.0
+    """``time.monotonic()`` when the first stop signal came."""
+    watched: bool = False
+    """Whether the watcher thread hears every delivery (it then judges the repeats)."""
+    parent: int = 0
+    """This process's parent when the run began; another one means it died (PR_SET_PDEATHSIG)."""
 
 
 request = StopRequest()
@@ -91,7 +112,12 @@ def stop_on_signal(until_exit: bool = False) -> Iterator[StopRequest]:
         yield request
         return
     previous = {signum: signal.getsignal(signum) for signum in stop_signals()}
-    request = StopRequest(active=True, quiet=not rank_zero())  # a fresh one per run
+    request = StopRequest(active=True, quiet=not rank_zero(), parent=os.getppid())
+    _before_the_run.clear()
+    _before_the_run.update(previous)
+    if until_exit:
+        atexit.unregister(_at_exit)  # once per process
+        atexit.register(_at_exit)  # early: runs after the hooks torch and Lightning register
     for signum in previous:
         signal.signal(signum, _record)
     watcher = _Watcher(request)
@@ -109,21 +135,59 @@ def stop_on_signal(until_exit: bool = False) -> Iterator[StopRequest]:
         exit_stopped(request.received)
 
 
+_AFTER_THE_RUN = "received after the run had finished (its files are complete)"
+
+
 def _after_the_run(signum: int, frame: FrameType | None) -> None:
     """A stop signal while the finished process shuts down: its files are all written."""
+    if request.received is not None:  # the run was stopped: its line and 128 + N are given
+        if _second_request(request, signum, time.monotonic()):
+            quit_now(signum, "again: quitting at once")
+        return
     if request.quiet:
         os._exit(128 + signum)
-    quit_now(signum, "received after the run had finished (its files are complete)")
+    quit_now(signum, _AFTER_THE_RUN)
+
+
+def _at_exit() -> None:
+    """The last point where Python still runs a handler (a signal that came on another thread is
+    handled here, as this is Python code). Past it the interpreter tears down and resets the
+    handlers, so that a stop signal ended the process silently, by the signal. From here on the
+    stop signals are ignored instead (process-wide): the run's files are complete, and the
+    process exits with the run's own exit code."""
+    for signum in stop_signals():
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(signum, signal.SIG_IGN)
 
 
 def _record(signum: int, frame: FrameType | None) -> None:
+    now = time.monotonic()
     if request.received is not None:
-        if _quits_at_once(request.received, signum):
+        # The watcher, when there is one, saw every delivery as it came and judges repeats; here
+        # two deliveries may show as one call, and late (the main thread was in C++).
+        if not request.watched and _second_request(request, signum, now):
             quit_now(signum, "again: quitting at once, without saving")
         return
-    request.received = signum
+    request.received, request.received_at = signum, request.received_at or now
     again = " (Ctrl-C again quits at once, without saving)" if signum == signal.SIGINT else ""
     _say(f"\n{signal.Signals(signum).name} received: stopping at the next safe point{again}")
+
+
+def _second_request(stop: StopRequest, signum: int, now: float) -> bool:
+    """Whether ``signum`` at ``now`` is a new request to quit, not the first stop delivered again
+    (the rule in the module docstring)."""
+    first = stop.received
+    if first is None or _same_stop(stop, now):
+        return False
+    return _quits_at_once(first, signum)
+
+
+def _same_stop(stop: StopRequest, now: float) -> bool:
+    """Within ``STOP_REPEAT_S`` of the first signal, or once the parent died: the kernel sends
+    ``PR_SET_PDEATHSIG`` again as each thread of the dead parent exits, seconds apart under load."""
+    return now - stop.received_at < STOP_REPEAT_S or bool(
+        stop.parent and os.getppid() != stop.parent
+    )
 
 
 def _quits_at_once(first: int, again: int) -> bool:
@@ -147,12 +211,8 @@ def quit_now(signum: int, why: str) -> None:
     code = 128 + int(signum)
     rank = os.environ.get("RANK") or os.environ.get("LOCAL_RANK")
     where = f"rank {rank}: " if rank not in (None, "", "0") else ""
+    _write_line(f"\nerror: {where}{signal.Signals(signum).name} {why}; exit code {code}")
     with contextlib.suppress(Exception):
-        print(
-            f"\nerror: {where}{signal.Signals(signum).name} {why}; exit code {code}",
-            file=sys.stderr,
-            flush=True,
-        )
         sys.stdout.flush()
     for child in request.children:
         with contextlib.suppress(Exception):
@@ -185,8 +245,10 @@ class _Watcher:
         self._reader.settimeout(0.5)
         self._thread = threading.Thread(target=self._run, name="signal-watch", daemon=True)
         self._thread.start()
+        stop.watched = True
 
     def close(self) -> None:
+        self.stop.watched = False
         if self._previous_fd is not None:
             with contextlib.suppress(ValueError, OSError):
                 signal.set_wakeup_fd(self._previous_fd)
@@ -205,10 +267,12 @@ class _Watcher:
                 data = b""
             except OSError:
                 return  # closed: the run is over
+            now = time.monotonic()
             for signum in (b for b in data if b in stops):
                 if first is None:
-                    first, self.first_at = signum, time.monotonic()
-                elif _quits_at_once(first, signum):
+                    first, self.first_at = signum, now
+                    self.stop.received_at = self.stop.received_at or now
+                elif not _same_stop(self.stop, now) and _quits_at_once(first, signum):
                     quit_now(signum, "again: quitting at once, without saving")
             if first is not None and _distributed():
                 self._check_stuck(first)
@@ -266,15 +330,68 @@ def exit_stopped(signum: int) -> None:
     request.children = []
     code = 128 + int(signum)
     name = signal.Signals(signum).name
-    _say(f"stopped by {name} during {request.phase}{request.detail}; exit code {code}")
+    when = f"during {request.phase}"
+    if request.phase_done:
+        when = f"after {request.phase} had finished (its files are written)"
+    _say(f"stopped by {name} {when}{request.detail}; exit code {code}")
     raise SystemExit(code)
 
 
 def _say(text: str) -> None:
-    if request.quiet:
-        return
-    with contextlib.suppress(RuntimeError, OSError):  # a reentrant write (handler), a closed stream
+    if not request.quiet:
+        _write_line(text)
+
+
+def _write_line(text: str) -> None:
+    """Print ``text`` to stderr, also from a handler that interrupted a write to stderr (Python's
+    buffered stream refuses that reentrant write: the line went missing)."""
+    try:
         print(text, file=sys.stderr, flush=True)
+    except RuntimeError:
+        with contextlib.suppress(OSError):
+            os.write(2, f"{text}\n".encode(errors="replace"))
+    except (OSError, ValueError):  # a closed stream
+        pass
+
+
+_before_the_run: dict[int, Any] = {}
+"""The handlers :func:`stop_on_signal` replaced, which forked children get back."""
+
+
+def _in_forked_child() -> None:
+    """In a child forked during a run: none of this process's stop handling.
+
+    The child shares nothing it could count (its wakeup descriptor is cleared: its signals were
+    bytes in the parent's watcher, each a "second" Ctrl-C) and gets the handlers from before the
+    run back, so a forked helper stops as it would without this library. A DataLoader worker,
+    which a stop of its parent ends, ignores the stop signals instead
+    (:func:`runkit.compat.leave_dataloader_workers_out_of_stops`), since one that died by the
+    group's signal turned the stop into torch's "DataLoader worker ... killed" crash.
+    """
+    global request
+    if not request.active:
+        return
+    request = StopRequest(quiet=True)
+    with contextlib.suppress(ValueError, OSError):
+        signal.set_wakeup_fd(-1)
+        for signum, handler in _before_the_run.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+    if "torch.utils.data._utils.signal_handling" in sys.modules:  # torch: only if it is loaded
+        from runkit import compat
+
+        with contextlib.suppress(Exception):
+            compat.leave_dataloader_workers_out_of_stops(
+                lambda: [signal.signal(s, _ignore) for s in _before_the_run]
+            )
+
+
+def _ignore(signum: int, frame: FrameType | None) -> None:
+    """A DataLoader worker's stop signal: its parent stops, and ends the worker (a handler, not
+    ``SIG_IGN``, which a program the worker runs would inherit)."""
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_in_forked_child)
 
 
 def slurm_job_id(environ: Mapping[str, str] | None = None) -> str | None:
