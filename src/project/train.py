@@ -49,8 +49,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     # Build: the data, and the model (any LightningModule; the template's holds a network, model.net).
     pl.seed_everything(cfg.seed, workers=True)
-    datamodule = instantiate(cfg.data)
-    model = instantiate(cfg.model)
+    # _convert_="all": lists and dicts of the config reach the code as plain Python containers, so
+    # checkpoints (save_hyperparameters) hold no OmegaConf objects that weights_only refuses.
+    datamodule = instantiate(cfg.data, _convert_="all")
+    model = instantiate(cfg.model, _convert_="all")
     if cfg.train and resume is not None:
         runkit.check_fits(model, resume)  # the same model as the run it continues, else one line
     model.save_hyperparameters({"config": runkit.plain(cfg)}, logger=False)
@@ -68,7 +70,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # Evaluate the best checkpoint on the test split (the weights in the model when none was kept).
     best = runkit.best_checkpoint(trainer)
     test_metrics: dict[str, float] = {}
-    if cfg.test:
+    if cfg.test and runkit.can_test(model, datamodule):  # else one line; the run still exports
         with runkit.phase("test", trainer), runkit.full_disk_in_one_line(out):
             trainer.test(model, datamodule=datamodule, ckpt_path=best, weights_only=True)
         test_metrics = runkit.scalars(trainer.callback_metrics, prefix="test")

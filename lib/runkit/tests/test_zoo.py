@@ -62,7 +62,7 @@ def figures_of(run: Path) -> dict[str, float]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("module", "extra"),
-    [(m, []) for m in MODULES] + [("lazy", ["+trainer.accumulate_grad_batches=3"])],
+    [(m, []) for m in MODULES] + [("lazy", ["trainer.accumulate_grad_batches=3"])],
     ids=[*MODULES, "lazy-accumulating"],
 )
 def test_a_foreign_module_trains_tests_exports_and_evaluates_to_the_same_figures(
@@ -149,10 +149,12 @@ def test_a_foreign_module_resumes_from_its_run_directory(
     ],
     ids=["template-default", "slash-for-underscore", "early-stopping"],
 )
-def test_a_monitor_key_the_module_never_logs_ends_the_run_before_training(
+def test_a_monitor_key_the_module_never_logs_ends_the_run_at_the_first_validation(
     project: Path, cli: CliRunner, log_dir: Path, overrides: list[str], setting: str, key: str
 ) -> None:
-    # Issue #19.3: a MisconfigurationException of 85 lines after the first epoch.
+    # Issue #19.3: a MisconfigurationException of 85 lines after the first epoch. Judged where
+    # Lightning judges it (#31.3: the sanity check's keys are not all the module logs), before
+    # the checkpoint callback saves anything.
     done = train(cli, log_dir, *overrides)
     assert done.returncode == 2, done.stderr[-3000:]
     line = last_line(done.stderr)
@@ -160,7 +162,7 @@ def test_a_monitor_key_the_module_never_logs_ends_the_run_before_training(
     assert "Traceback" not in done.stderr
     logs = line.split("; it logs: ")[1]
     expected = "val_loss" if "two_optimizers" in overrides[0] else "val/loss"
-    assert expected in logs and "train" not in logs  # the sanity check's keys, before training
+    assert expected in logs
     assert not list(log_dir.glob("train/**/checkpoints/*.ckpt"))
 
 

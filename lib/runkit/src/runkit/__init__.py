@@ -44,6 +44,7 @@ PUBLIC: dict[str, str] = {
     # build
     "build_trainer": "runkit.run.builders",
     "plain": "runkit.run.builders",
+    "can_test": "runkit.run.builders",
     "ArrayDataModule": "runkit.data",
     # train, resume, stop
     "resolve_ckpt_path": "runkit.safety.checkpoints",

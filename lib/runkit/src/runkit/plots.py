@@ -52,7 +52,6 @@ PLOT_FILE = "curves.png"
 METRICS_CSV = Path("csv") / "metrics.csv"
 INSTALL_HINT = "pip install matplotlib"
 FORMATS = (".png", ".svg", ".pdf")
-STAGES = ("train", "val")
 
 # Training-epoch GPU statistics written by runkit.gpu_stats.callback (key_prefix "gpu").
 _GPU_KEY = re.compile(r"^gpu/(?P<gpu>node\d+/cuda\d+)/(?P<stat>[a-z0-9_]+)$")
@@ -85,21 +84,30 @@ class RunMetrics:
         return [epoch for epoch, _ in points], [value for _, value in points]
 
     def metric_names(self) -> list[str]:
-        """Names logged for train/ or val/ (``loss``, ``acc``...): loss first, then accuracy."""
-        names = set()
-        for column in self.series:
-            stage, _, name = column.partition("/")
-            if stage in STAGES and name and not name.endswith(("_best", "_step")):
-                names.add(name.removesuffix("_epoch"))
+        """The metrics logged per epoch (``loss``, ``acc``...), whatever the separator after the
+        stage (``val/loss``, ``val_loss``) and the loader (``val_loss/dataloader_idx_0``): loss
+        first, then accuracy; a name logged without a stage is a metric of its own."""
+        names = {split_column(c)[1] for c in self.series if split_column(c) is not None}
         order = {"loss": 0, "acc": 1}
         return sorted(names, key=lambda n: (order.get(n, 2), n))
 
-    def stage_column(self, stage: str, name: str) -> str | None:
-        """The column holding ``stage/name`` (Lightning adds ``_epoch`` when a metric is also
-        logged per step)."""
-        for column in (f"{stage}/{name}", f"{stage}/{name}_epoch"):
-            if column in self.series:
-                return column
+    def lines(self, name: str) -> list[tuple[str, str]]:
+        """``(label, column)`` of every curve of metric ``name``: one per stage and loader."""
+        found = []
+        for column in self.series:
+            parts = split_column(column)
+            if parts is not None and parts[1] == name:
+                stage, _, loader = parts
+                found.append((" ".join(p for p in (stage, loader) if p) or name, column))
+        rank = {"train": 0, "val": 1}
+        return sorted(found, key=lambda line: (rank.get(line[0].split(" ")[0], 2), line[0]))
+
+    def test_figure(self, name: str) -> float | None:
+        """The test figure of metric ``name`` (``test/loss``, ``test_loss``...), if one."""
+        for column, value in self.final.items():
+            parts = split_column(column)
+            if parts is not None and parts[1] == name and not parts[2]:
+                return value
         return None
 
     def lr_columns(self) -> list[str]:
@@ -110,6 +118,34 @@ class RunMetrics:
         """GPUs with statistics, as ``node{N}/cuda{i}``, in node then CUDA index order."""
         found = {m["gpu"] for c in self.series if (m := _GPU_KEY.match(c))}
         return sorted(found, key=lambda g: tuple(int(n) for n in re.findall(r"\d+", g)))
+
+
+_STAGED = re.compile(r"^(?P<stage>train|val|test)(?:[/_.\-](?P<name>.+))?$")
+_LOADER = re.compile(r"/(?P<loader>dataloader_idx_\d+)$")
+_OTHER_PANELS = ("lr-", "gpu/", "loop/")  # columns drawn by panels of their own
+
+
+def split_column(column: str) -> tuple[str, str, str] | None:
+    """``(stage, name, loader)`` of a per-epoch column the module logged, ``None`` for columns
+    that are not a metric curve (per-step values, ``*_best``, the lr, GPU and loop panels').
+
+    ``val/loss``, ``val_loss`` and ``val-loss`` are ``("val", "loss", "")``;
+    ``val_loss/dataloader_idx_1`` is ``("val", "loss", "dataloader_idx_1")``; Lightning's
+    ``_epoch`` suffix (a value logged per step and per epoch) is dropped; ``alpha``, logged
+    without a stage, is ``("", "alpha", "")``.
+    """
+    if column.startswith(_OTHER_PANELS):
+        return None
+    loader_match = _LOADER.search(column)
+    loader = loader_match["loader"] if loader_match else ""
+    rest = column[: loader_match.start()] if loader_match else column
+    if rest.endswith(("_step", "_best")):
+        return None
+    rest = rest.removesuffix("_epoch")
+    staged = _STAGED.match(rest)
+    if staged is None:
+        return ("", rest, loader) if rest else None
+    return staged["stage"], staged["name"] or staged["stage"], loader
 
 
 # --------------------------------------------------------------------------------------------
@@ -140,7 +176,8 @@ def read_metrics(run_dir: str | Path, label: str | None = None) -> RunMetrics:
             value = _number(text)
             if column in ("epoch", "step") or value is None:
                 continue
-            if column.startswith("test/"):
+            parts = split_column(column)
+            if parts is not None and parts[0] == "test":
                 metrics.final[column] = value
             else:
                 metrics.series.setdefault(column, {})[int(epoch)] = value
@@ -327,7 +364,7 @@ def draw(runs: Sequence[RunMetrics]) -> Any:
     if not panels:
         names = ", ".join(repr(str(run.run_dir)) for run in runs)
         raise PlotError(
-            f"{names} logged no train/, val/, lr- or gpu/ values per epoch, nothing to plot "
+            f"{names} logged no values per epoch, nothing to plot "
             "(an eval run has test/ figures only; see its metrics.json)"
         )
     if len(runs) == 1:
@@ -374,14 +411,12 @@ def _draw_panel(ax: Any, panel: Panel, run: RunMetrics) -> bool:
     """Draw ``panel`` for ``run`` on ``ax``; False when the run has nothing for it."""
     drawn = False
     if panel.kind == "metric":
-        for stage, style in (("train", "-"), ("val", "--")):
-            column = run.stage_column(stage, panel.name)
-            if column is None:
-                continue
+        for label, column in run.lines(panel.name):
             epochs, values = run.curve(column)
-            ax.plot(epochs, values, style, marker="o", markersize=3, label=stage)
+            style = "-" if label.startswith("train") else "--"
+            ax.plot(epochs, values, style, marker="o", markersize=3, label=label)
             drawn = True
-        test = run.final.get(f"test/{panel.name}")
+        test = run.test_figure(panel.name)
         if test is not None and drawn:
             ax.axhline(test, color="tab:green", linestyle=":", label=f"test {test:.4g}")
     elif panel.kind == "lr":

@@ -28,7 +28,9 @@ def _as_dict(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.T
 
 class PointsData(LightningDataModule):
     """``y = x @ w + noise``, split 70/15/15 with a fixed seed; batches as ``tuple``, ``dict``
-    or ``dataclass``."""
+    or ``dataclass``. ``outputs``: what a model's ``setup()`` reads to size its head."""
+
+    outputs = 1
 
     def __init__(
         self,
@@ -76,3 +78,10 @@ class PointsData(LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader("test")
+
+
+class TwoValidationSets(PointsData):
+    """:class:`PointsData` with two validation loaders (the validation split, then the test one)."""
+
+    def val_dataloader(self) -> list[DataLoader]:  # type: ignore[override]
+        return [self._loader("val"), self._loader("test")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -121,3 +122,110 @@ class LazyModule(LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+class HeadModule(LightningModule):
+    """The lightning-hydra-template layout: a network ``net`` from ``__init__`` and a head beside
+    it built in ``setup()`` from the data module (as Lightning's docs teach); layer sizes arrive
+    as a list and options as a dict from the config."""
+
+    def __init__(
+        self,
+        hidden: list[int] | None = None,
+        options: dict[str, Any] | None = None,
+        in_features: int = 8,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        sizes = [in_features, *(hidden or [16])]
+        layers: list[nn.Module] = []
+        for a, b in itertools.pairwise(sizes):
+            layers += [nn.Linear(a, b), nn.Tanh()]
+        self.net = nn.Sequential(*layers)
+        self.width = sizes[-1]
+        self.lr = float((options or {}).get("lr", 0.05))
+        self.head: nn.Module | None = None
+
+    def setup(self, stage: str) -> None:
+        if self.head is None:  # reads the data, as Lightning documents; idempotent
+            outputs = self.trainer.datamodule.outputs
+            self.head = nn.Linear(self.width, outputs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.head is not None
+        return self.head(self.net(x)).squeeze(-1)
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, on_epoch=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", self._loss(batch), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class TwoLoadersModule(LightningModule):
+    """Two validation loaders (Lightning suffixes each key with ``/dataloader_idx_N``), a score
+    logged only in ``on_validation_epoch_end`` outside the sanity check, and no ``test_step``."""
+
+    def __init__(self, in_features: int = 8, lr: float = 0.05) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = nn.Linear(in_features, 1)
+        self.errors: list[torch.Tensor] = []
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.layer(x).squeeze(-1), y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, on_epoch=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        loss = self._loss(batch)
+        self.errors.append(loss.detach())
+        self.log("val_loss", loss, sync_dist=True)
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.trainer.sanity_checking:
+            self.log("val_score", -torch.stack(self.errors).mean(), sync_dist=True)
+        self.errors.clear()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+class NoValidationModule(LightningModule):
+    """No ``validation_step`` (like Lightning's demo ``LightningTransformer``)."""
+
+    def __init__(self, in_features: int = 8, lr: float = 0.05) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = nn.Linear(in_features, 1)
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.layer(x).squeeze(-1), y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, on_epoch=True, sync_dist=True)
+        return loss
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", self._loss(batch), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)

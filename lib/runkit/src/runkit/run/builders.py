@@ -89,12 +89,14 @@ def build_trainer(cfg: DictConfig, **overrides: Any) -> Trainer:
     from hydra.utils import get_object
     from lightning.pytorch.utilities import rank_zero_only
 
+    from runkit.run.trainer_args import set_arguments
     from runkit.safety import interrupts
 
     callbacks = build_callbacks(cfg.get("callbacks"))
     record = run_record(cfg)
     loggers = build_loggers(cfg.get("logger"), record)
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **overrides)
+    arguments = set_arguments(cfg.trainer)
+    trainer = instantiate(arguments, callbacks=callbacks, logger=loggers or False, **overrides)
     if trainer.fast_dev_run and record is not None:
         # Lightning mutes every logger under fast_dev_run; the run's own record stays on.
         trainer.loggers = [logger for logger in loggers if _same_csv(logger, record)]
@@ -124,3 +126,30 @@ def plain(cfg: DictConfig) -> dict[str, Any]:
     data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
     assert isinstance(data, dict)
     return data
+
+
+def can_test(model: Any, datamodule: Any = None) -> bool:
+    """Whether ``trainer.test`` can run on ``model`` (a ``test_step``, and a ``test_dataloader``
+    in the model or the datamodule); else one line, rank 0, and ``False``.
+
+    Lightning documents both as optional, but ``trainer.test`` without them raises a long
+    traceback; a run that trained should still export its weights and write ``metrics.json``.
+
+    Args:
+        model: the LightningModule.
+        datamodule: the LightningDataModule, if the run has one.
+    """
+    from lightning.pytorch.utilities import rank_zero_only
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if not is_overridden("test_step", model):
+        missing = f"{type(model).__name__} has no test_step"
+    elif not any(
+        part is not None and is_overridden("test_dataloader", part) for part in (model, datamodule)
+    ):
+        missing = f"neither {type(model).__name__} nor the data module has a test_dataloader"
+    else:
+        return True
+    if rank_zero_only.rank == 0:
+        log.info("No test phase: %s", missing)
+    return False

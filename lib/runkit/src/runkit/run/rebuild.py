@@ -5,7 +5,8 @@ the run's own config (inside the checkpoint, or ``config.yaml`` beside the file)
 trusted ``_target_``s. A Lightning checkpoint is then loaded by Lightning itself
 (``trainer.test(ckpt_path=...)``, so the module's ``on_load_checkpoint`` and ``configure_model``
 run as they did in training, and the figures are those training reported); a ``model.pth`` is
-loaded into the part of the model it was exported from (:func:`.checkpoints.exported_part`).
+loaded into the part of the model it was exported from (:func:`.checkpoints.exported_part`), by
+Lightning too when the module builds layers in ``setup()``.
 
 The eval command's own ``data.*`` overrides (``data.batch_size=1``, ``data.num_workers=4``)
 apply to the run's data config; ``model.*`` overrides would describe another model than the
@@ -55,18 +56,30 @@ def trained_config(cfg: DictConfig, source: Path, data: dict[str, Any]) -> dict[
 
 def trained_model(model_config: dict[str, Any], source: Path, data: dict[str, Any]) -> Any:
     """``(model, ckpt_path)``: the rebuilt LightningModule, and the checkpoint Lightning should
-    load into it (``None`` for a ``model.pth``, whose weights are already in)."""
+    load into it (``None`` for a ``model.pth`` whose weights are already in).
+
+    Layers a module builds in ``setup()`` do not exist yet: what can be judged now (missing keys,
+    shapes) fails here in one line; the rest is judged by Lightning's own strict load after
+    ``setup()``, which a ``model.pth`` then goes through too (:func:`.as_lightning_checkpoint`).
+    """
     model = checkpoints.rebuild_model(model_config)
     if _is_lightning_checkpoint(data):
-        expected = model.state_dict()
-        mismatch = expected and checkpoints.state_mismatch(expected, data["state_dict"])
+        mismatch = checkpoints.state_mismatch(model.state_dict(), data["state_dict"], True)
         if mismatch:
             raise RunError(
                 f"{str(source)!r} does not fit {type(model).__name__} rebuilt from its run's "
                 f"config: {mismatch}"
             )
         return model, source
-    checkpoints.load_exported_weights(model, data, source)
+    state = checkpoints.network_state(data, source, prefix="")
+    expected = model.state_dict()
+    if set(expected) <= set(state) and not checkpoints.state_mismatch(expected, state, True):
+        if set(state) == set(expected):  # the whole module's weights, every layer built
+            model.load_state_dict(state)
+            return model, None
+        # ... and weights of layers setup() builds: Lightning loads them after it, strictly
+        return model, checkpoints.as_lightning_checkpoint(state, source)
+    checkpoints.load_exported_weights(model, data, source)  # the network's, or one line
     return model, None
 
 

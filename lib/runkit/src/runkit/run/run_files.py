@@ -70,7 +70,8 @@ def save_metrics(
     training = {
         "best_checkpoint": best_checkpoint,
         # what the checkpoint callback kept the best by, and that best (sweep summaries read it)
-        "monitor": getattr(callback, "monitor", None),
+        # (none when no best was kept: without validation, say, the monitor judged nothing)
+        "monitor": getattr(callback, "monitor", None) if best_checkpoint else None,
         "best_score": float(score) if score is not None else None,
         "resumed_from": str(resumed_from) if resumed_from is not None else None,
         "epochs": trainer.current_epoch,

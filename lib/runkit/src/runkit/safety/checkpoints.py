@@ -1,8 +1,8 @@
 """Saving and loading model state: crash-safe writes, integrity, ``model.pth``, networks from files.
 
 ``model.pth`` is what ``torch.save(net.state_dict(), "model.pth")`` writes: a plain ``state_dict``
-of the LightningModule's network ``net`` where it has one (loadable by any PyTorch code, without
-Lightning), else of the whole LightningModule (:func:`exported_part`, the one place that rule
+of the LightningModule's network ``net`` where that holds all its weights (loadable by any PyTorch
+code, without Lightning), else of the whole LightningModule (:func:`exported_part`, the one place that rule
 lives). Lightning checkpoints (``*.ckpt``) carry the whole training state. Both load with
 ``weights_only=True``, after their zip CRCs are checked (torch does not check them: a flipped byte
 would load as a wrong weight). The run's config travels as plain
@@ -348,13 +348,22 @@ def _chain(err: BaseException) -> list[BaseException]:
 
 def exported_part(model: nn.Module) -> nn.Module:
     """The module whose weights ``model.pth`` holds: ``model.net`` when it is an ``nn.Module``
-    (a plain network, loadable without Lightning or the LightningModule's code), else ``model``.
+    holding every weight of ``model`` (a plain network, loadable without Lightning
+    or the LightningModule's code), else ``model`` (a head beside ``net``, as in the
+    lightning-hydra-template layout, is part of what the forward uses and must not be dropped).
 
     Export, eval and :func:`load_network` all go through this rule, so whatever a user's
     LightningModule looks like, the file loads back into the same part of it.
     """
     net = getattr(model, "net", None)
-    return net if isinstance(net, nn.Module) else model
+    if not isinstance(net, nn.Module):
+        return model
+    # Weights: parameters and saved buffers, not extra state (a metric's best-so-far), each once
+    # however tied; those that ``net.state_dict()`` does not hold would be lost.
+    weights = {id(t) for t in (*model.parameters(), *model.buffers())}
+    inside = {id(t) for t in net.state_dict(keep_vars=True).values()}
+    saved = (id(t) for t in model.state_dict(keep_vars=True).values())
+    return model if any(i in weights and i not in inside for i in saved) else net
 
 
 def load_exported_weights(model: nn.Module, data: dict[str, Any], source: str | Path) -> nn.Module:
@@ -382,12 +391,14 @@ def rebuild_model(model_config: dict[str, Any]) -> nn.Module:
     """The LightningModule a run's (trusted) ``model`` config describes, its layers built.
 
     Runs made before ``callbacks.speed`` existed kept its two switches under ``model``; they are
-    dropped here, so such runs still rebuild.
+    dropped here, so such runs still rebuild. Lists and dicts reach the module as plain Python
+    containers, as in training (``_convert_="all"``).
     """
     from hydra.utils import instantiate
 
     retired = ("compile", "channels_last")
-    return build_layers(instantiate({k: v for k, v in model_config.items() if k not in retired}))
+    node = {k: v for k, v in model_config.items() if k not in retired}
+    return build_layers(instantiate(node, _convert_="all"))
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -800,14 +811,19 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return config
 
 
-def state_mismatch(expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> str | None:
+def state_mismatch(
+    expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor], built_later: bool = False
+) -> str | None:
     """How ``state`` fails to fit a module whose ``state_dict()`` is ``expected``, in one line.
 
     ``None`` when every key is present with the right shape; else the missing keys, the unexpected
     ones and the ones of another shape (a few of each), e.g. for a file of another architecture.
+    ``built_later``: the module has not been set up yet, so layers its ``setup()`` or
+    ``configure_model`` builds are not in ``expected``; unexpected keys are then left to the load
+    that runs after those hooks (Lightning's, strict), and only the rest is judged here.
     """
     missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
+    unexpected = [] if built_later else sorted(set(state) - set(expected))
     mismatched = sorted(
         k for k in set(expected) & set(state) if expected[k].shape != state[k].shape
     )
@@ -821,6 +837,48 @@ def state_mismatch(expected: dict[str, torch.Tensor], state: dict[str, torch.Ten
         if keys
     ]
     return "; ".join(details) or None
+
+
+STANDS_FOR: dict[str, Path] = {}
+"""A checkpoint written for Lightning to load (:func:`as_lightning_checkpoint`) -> its source."""
+
+
+def as_lightning_checkpoint(state: dict[str, torch.Tensor], source: str | Path) -> Path:
+    """``state`` (a whole module's, keys as in its ``state_dict()``) as a minimal Lightning
+    checkpoint in a temporary file, for ``trainer.test(ckpt_path=...)``: Lightning then loads it
+    where it loads any checkpoint, after ``setup()`` and ``configure_model`` built every layer,
+    strictly (every weight of the module filled). Removed when the process exits."""
+    import atexit
+    import tempfile
+
+    import lightning
+
+    handle, name = tempfile.mkstemp(suffix=".ckpt", prefix="weights-")
+    with os.fdopen(handle, "wb") as file:
+        torch.save({"state_dict": state, "pytorch-lightning_version": lightning.__version__}, file)
+    atexit.register(lambda: Path(name).unlink(missing_ok=True))
+    STANDS_FOR[name] = Path(source)
+    return Path(name)
+
+
+def explain_load_failure(trainer: Any, err: BaseException) -> RunError | None:
+    """Lightning's multi-line ``load_state_dict`` error for ``trainer.ckpt_path`` as one line
+    naming the keys, judged against the module as set up; ``None`` when that is not the error."""
+    path = getattr(trainer, "ckpt_path", None)
+    if not path or not isinstance(err, RuntimeError) or "state_dict" not in str(err):
+        return None
+    try:
+        state = load_file(path, mmap=True).get("state_dict")
+        mismatch = state_mismatch(trainer.lightning_module.state_dict(), state)
+    except Exception:  # not a file we can read again: Lightning's own error stands
+        return None
+    if not mismatch:
+        return None
+    source = STANDS_FOR.get(str(path), path)
+    return RunError(
+        f"{str(source)!r} does not fit {type(trainer.lightning_module).__name__} as set up "
+        f"(after setup() and configure_model): {mismatch}"
+    )
 
 
 def load_state_into(net: nn.Module, state: dict[str, torch.Tensor], source: str | Path) -> None:
@@ -862,7 +920,7 @@ def load_network(
                 )
             model = rebuild_model(model_config)
             return load_exported_weights(model, data, path).to(device).eval()
-    net = instantiate(net_config)
+    net = instantiate(net_config, _convert_="all")
     load_state_into(net, network_state(data, path), path)
     return net.to(device).eval()
 

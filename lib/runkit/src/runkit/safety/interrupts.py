@@ -45,6 +45,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from runkit import quoting
 from runkit.errors import RunError
 from runkit.safety import signals
+from runkit.safety.checkpoints import explain_load_failure
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,9 @@ def phase(name: str, trainer: Trainer | None = None) -> Iterator[None]:
     except SIGTERMException:  # Lightning ended the loop: an agreed stop, or Lightning's own handler
         _stop(request.agreed or request.received or signal.SIGTERM)
     except RuntimeError as err:
+        misfit = trainer is not None and explain_load_failure(trainer, err)
+        if misfit:  # Lightning's strict load, after setup(): one line naming the keys
+            raise misfit from err
         if trainer is None or trainer.world_size < 2 or not any(t in str(err) for t in _PEER_GONE):
             raise
         if request.active and request.received is not None:  # that rank quit on the signal too

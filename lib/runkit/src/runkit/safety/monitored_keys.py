@@ -1,29 +1,34 @@
-"""A monitored key the LightningModule never logs ends the run in one line, before training.
+"""A monitored key the LightningModule never logs ends the run in one line, where Lightning would fail.
 
 ``ModelCheckpoint(monitor=...)``, ``EarlyStopping(monitor=...)`` and a scheduler's ``monitor``
 name a key the module is expected to ``self.log``. When it does not (a module of one's own that
-logs ``val_loss`` where the config says ``val/acc``), Lightning finds out only after the first
-training epoch and raises an 85-line MisconfigurationException. This callback looks right after
-the sanity check, when the module has logged its validation keys, and names what it does log.
+logs ``val_loss`` where the config says ``val/acc``), Lightning raises an 85-line
+MisconfigurationException. This callback judges each key where Lightning's own callbacks judge it,
+so that what plain Lightning trains trains here too, and names what the module does log.
 
-Which keys are checked when, following Lightning's own rules:
-
-* at the end of the sanity check: every monitored key that names a validation figure (it starts
-  with ``val``, as ``val/loss`` or ``val_loss`` do), of callbacks and schedulers alike;
-* at the end of the first real validation (before the checkpoint callback, which Lightning runs
-  last): every callback's key, since that is when ``ModelCheckpoint`` and a strict
-  ``EarlyStopping`` would fail. Scheduler keys may name training figures that exist only once the
-  first epoch ends; Lightning reports those itself.
+* At the end of the first real validation (not the sanity check: Lightning keeps no
+  ``callback_metrics`` there with several validation loaders, and a module may log a key in
+  ``on_validation_epoch_end`` only outside it), before the checkpoint callback, which Lightning
+  runs last: every callback's key, with every logging place and loader suffix
+  (``val_loss/dataloader_idx_0``) Lightning has produced by then. Scheduler keys may name
+  training figures that exist only once the epoch ends; Lightning reports those itself.
+* At the end of a training epoch with no validation before it (no ``validation_step``,
+  ``limit_val_batches=0``): Lightning's ``ModelCheckpoint`` judges there and only warns; this
+  says once, in one line, that no best checkpoint will be kept and why.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_only
 
 from runkit.errors import RunError
+
+log = logging.getLogger(__name__)
 
 
 class MonitoredKeysCheck(Callback):
@@ -38,27 +43,50 @@ class MonitoredKeysCheck(Callback):
     def __init__(self, settings: Mapping[str, str] | None = None) -> None:
         self.settings = dict(settings or {})
         self._checked_validation = False
-
-    def on_sanity_check_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._check(trainer, pl_module, lambda key, kind: key.startswith("val"))
+        self._warned_unvalidated = False
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or self._checked_validation:
             return
         self._checked_validation = True
-        self._check(trainer, pl_module, lambda key, kind: kind != "scheduler")
-
-    def _check(self, trainer: Trainer, pl_module: LightningModule, applies: Any) -> None:
-        logged = sorted(trainer.callback_metrics)
-        for kind, key in _monitors(trainer):
-            if key in logged or not applies(key, kind):
-                continue
-            setting = self.settings.get(kind, f"{kind}(monitor=...)")
+        for _, key, setting, logged in self._missing(trainer, lambda kind: kind != "scheduler"):
             shown = ", ".join(logged) if logged else "nothing yet"
             raise RunError(
                 f"{setting}={key!r} is not a key {type(pl_module).__name__} logs; it logs: "
                 f"{shown}. Set {setting} to one of them (and its mode to min or max)"
             )
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._checked_validation or self._warned_unvalidated:
+            return
+        self._warned_unvalidated = True
+        missing = self._missing(trainer, lambda kind: kind == "ModelCheckpoint")
+        for _, key, setting, _ in missing:
+            if rank_zero_only.rank == 0:
+                log.warning(
+                    "%s=%r: no validation ran (%s has %s) and training does not log that key, "
+                    "so no best checkpoint is kept and the last weights are tested; set %s to a "
+                    "key training logs to keep the best",
+                    setting,
+                    key,
+                    type(pl_module).__name__,
+                    "no validation_step" if _no_validation_step(pl_module) else "no val batches",
+                    setting,
+                )
+
+    def _missing(self, trainer: Trainer, applies: Any) -> list[tuple[str, str, str, list[str]]]:
+        logged = sorted(trainer.callback_metrics)
+        return [
+            (kind, key, self.settings.get(kind, f"{kind}(monitor=...)"), logged)
+            for kind, key in _monitors(trainer)
+            if key not in logged and applies(kind)
+        ]
+
+
+def _no_validation_step(pl_module: LightningModule) -> bool:
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    return not is_overridden("validation_step", pl_module)
 
 
 def _monitors(trainer: Trainer) -> Iterator[tuple[str, str]]:

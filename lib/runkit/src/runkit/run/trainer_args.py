@@ -1,0 +1,88 @@
+"""Every ``lightning.pytorch.Trainer`` argument as a key of the config: ``trainer.X=...`` needs no ``+``.
+
+LightningCLI accepts every Trainer argument; a Hydra config accepts only the keys it has. The
+node below (Lightning's own defaults, registered as ``trainer/lightning`` and merged under
+``configs/trainer/default.yaml``) gives the config all of them, so ``trainer.gradient_clip_val=1``
+works and a misspelt key still gets Hydra's "not a key" with a "did you mean" among the real
+ones. Kept here as data rather than read from ``inspect.signature(Trainer)`` so that composing a
+config (``--help``, ``--cfg job``) does not import Lightning; ``test_compat.py`` checks it against
+the installed Trainer. Keys still at these defaults are not passed (:func:`set_arguments`), so a
+Lightning release that drops one of them does not break every run.
+
+Left out: ``precision`` (the run's top-level key), ``callbacks`` and ``logger`` (the
+``callbacks`` and ``logger`` groups).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+OWNED_ELSEWHERE = ("precision", "callbacks", "logger")
+
+TRAINER_DEFAULTS: dict[str, Any] = {
+    "accelerator": "auto",
+    "strategy": "auto",
+    "devices": "auto",
+    "num_nodes": 1,
+    "fast_dev_run": False,
+    "max_epochs": None,
+    "min_epochs": None,
+    "max_steps": -1,
+    "min_steps": None,
+    "max_time": None,
+    "limit_train_batches": None,
+    "limit_val_batches": None,
+    "limit_test_batches": None,
+    "limit_predict_batches": None,
+    "overfit_batches": 0.0,
+    "val_check_interval": None,
+    "check_val_every_n_epoch": 1,
+    "num_sanity_val_steps": None,
+    "log_every_n_steps": None,
+    "enable_checkpointing": None,
+    "enable_progress_bar": None,
+    "enable_model_summary": None,
+    "accumulate_grad_batches": 1,
+    "gradient_clip_val": None,
+    "gradient_clip_algorithm": None,
+    "deterministic": None,
+    "benchmark": None,
+    "inference_mode": True,
+    "use_distributed_sampler": True,
+    "profiler": None,
+    "detect_anomaly": False,
+    "barebones": False,
+    "plugins": None,
+    "sync_batchnorm": False,
+    "reload_dataloaders_every_n_epochs": 0,
+    "default_root_dir": None,
+    "enable_autolog_hparams": True,
+    "model_registry": None,
+}
+"""``Trainer.__init__``'s arguments and defaults (Lightning 2.6), less :data:`OWNED_ELSEWHERE`."""
+
+
+def register_trainer_schema() -> None:
+    """Store :data:`TRAINER_DEFAULTS` as the config ``trainer/lightning`` (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(
+        group="trainer", name="lightning", node=dict(TRAINER_DEFAULTS), provider="runkit"
+    )
+
+
+def set_arguments(trainer: Any) -> dict[str, Any]:
+    """The composed ``trainer`` node (resolved) less the keys still at Lightning's defaults: what
+    reaches ``Trainer(...)``, exactly as before the node had every key."""
+    from omegaconf import OmegaConf
+
+    resolved = OmegaConf.to_container(trainer, resolve=True)
+    return {
+        key: value
+        for key, value in resolved.items()
+        if key not in TRAINER_DEFAULTS or not _same(value, TRAINER_DEFAULTS[key])
+    }
+
+
+def _same(value: Any, default: Any) -> bool:
+    return type(value) is type(default) and value == default
