@@ -44,12 +44,17 @@ class Member:
         ddp: also run as DDP x2 on the CPU.
         exact_resume: a resumed run ends with the same weights as one that did not stop (false
             for data that draws from torch's generator while it is iterated and keeps no state).
+        fixed_test_data: the test split is the same whenever it is set up (false for data drawn
+            from torch's generator in ``setup`` or while iterated, as in Lightning's
+            ``IterableBoringDataModule``: eval, which starts from the seed, then sees other
+            samples than the test after fit, which starts where training left the generator).
     """
 
     name: str
     monitor: tuple[str, str] | None
     ddp: bool = False
     exact_resume: bool = True
+    fixed_test_data: bool = True
 
     def overrides(self, **trainer: Any) -> list[str]:
         """The CLI's arguments for this member: ``TRAINER``, updated by ``trainer``."""
@@ -62,7 +67,7 @@ class Member:
             f"data={self.name}",
             *watch,
             f"seed={SEED}",
-            *(f"++trainer.{k}={v}" for k, v in {**TRAINER, **trainer}.items()),
+            *(f"trainer.{k}={v}" for k, v in {**TRAINER, **trainer}.items()),
         ]
 
 
@@ -73,7 +78,12 @@ MEMBERS = {
         Member("manual_boring", None),
         Member("demo", None),
         Member("transformer", None),
-        Member("iterable", ("val_loss/dataloader_idx_0", "min"), exact_resume=False),
+        Member(
+            "iterable",
+            ("val_loss/dataloader_idx_0", "min"),
+            exact_resume=False,
+            fixed_test_data=False,
+        ),
         Member("patterns", ("val_score", "max"), ddp=True),
     ]
 }
@@ -110,16 +120,16 @@ def _source_has(text: str) -> Callable[[Any, Any], bool]:
 
 FEATURES = [
     Feature("Lightning's `BoringModel` / `BoringDataModule`", "boring",
-            "trained, tested, exported, evaluated, resumed, DDP x2",
+            "as a bare Trainer (one process, DDP x2); eval, exact resume, SIGTERM under DDP",
             lambda m, d: m.__name__ == "BoringModel" and d.__name__ == "BoringDataModule"),
     Feature("Lightning's `ManualOptimBoringModel` (manual optimisation)", "manual_boring",
-            "as under Lightning", lambda m, d: m.__name__ == "ManualOptimBoringModel"),
-    Feature("Lightning's `DemoModel`", "demo", "as under Lightning",
+            "as a bare Trainer; eval, exact resume", lambda m, d: m.__name__ == "ManualOptimBoringModel"),
+    Feature("Lightning's `DemoModel`", "demo", "as a bare Trainer; exact resume",
             lambda m, d: m.__name__ == "DemoModel"),
     Feature("Lightning's `LightningTransformer` on generated tokens", "transformer",
-            "as under Lightning", lambda m, d: m.__base__.__name__ == "LightningTransformer"),
+            "other dropout masks than a bare Trainer (the reseed at each epoch's first batch); resume not exact", lambda m, d: m.__base__.__name__ == "LightningTransformer"),
     Feature("Lightning's `IterableBoringDataModule` (several train loaders, iterable data)",
-            "iterable", "trained; resume not exact (the data draws from torch's generator)",
+            "iterable", "other data than a bare Trainer after the first batch (the reseed); resume not exact",
             lambda m, d: d.__name__ == "IterableBoringDataModule"),
     Feature("`configure_optimizers`: one optimiser", "demo", "as under Lightning",
             _source_has("return torch.optim.Adam(")),
@@ -128,12 +138,12 @@ FEATURES = [
     Feature("`configure_optimizers`: dict with a scheduler object", "iterable",
             "as under Lightning", _source_has('"lr_scheduler": torch.optim.lr_scheduler.StepLR')),
     Feature("`configure_optimizers`: scheduler dict with `monitor` and `interval`", "patterns",
-            "the monitor is checked like Lightning's", _source_has('"interval": "epoch"')),
+            "the suffixed monitor is accepted", _source_has('"interval": "epoch"')),
     Feature("several validation and test loaders (`dataloader_idx` keys)", "patterns",
-            "monitors with the `/dataloader_idx_N` suffix accepted",
+            "`/dataloader_idx_N` monitors accepted; test figures per loader",
             lambda m, d: d.val_dataloader.__annotations__.get("return") == "list[DataLoader]"),
     Feature("a key logged in `on_validation_epoch_end`", "patterns",
-            "monitored like any other key", lambda m, d: _overrides(m, "on_validation_epoch_end")),
+            "monitored by the checkpoint", lambda m, d: _overrides(m, "on_validation_epoch_end")),
     Feature("layers built in `setup()`", "patterns", "evaluated and resumed",
             lambda m, d: _overrides(m, "setup")),
     Feature("layers built in `configure_model`", "iterable", "evaluated and resumed",
@@ -142,19 +152,19 @@ FEATURES = [
             lambda m, d: not _overrides(m, "validation_step")),
     Feature("no `test_step`", "demo", "the test phase is skipped with one line",
             lambda m, d: not _overrides(m, "test_step")),
-    Feature("`predict_step`", "patterns", "not run by train (predict is its own entry)",
+    Feature("`predict_step`", "patterns", "not run by train or eval",
             lambda m, d: _overrides(m, "predict_step")),
     Feature("`training_step` returning a dict", "patterns", "as under Lightning",
             _source_has('return {"loss": loss')),
     Feature("`save_hyperparameters` with a nested module and containers", "patterns",
-            "the module gets plain lists and dicts", _source_has("save_hyperparameters(ignore")),
-    Feature("`prepare_data` writing files", "patterns", "called once, before `setup`",
+            "plain lists and dicts reach the module", _source_has("save_hyperparameters(ignore")),
+    Feature("`prepare_data` writing files", "patterns", "as under Lightning",
             lambda m, d: _overrides(d, "prepare_data")),
     Feature("`setup(stage)`", "patterns", "as under Lightning", lambda m, d: _overrides(d, "setup")),
     Feature("`transfer_batch_to_device`", "patterns", "as under Lightning",
             lambda m, d: _overrides(d, "transfer_batch_to_device")),
     Feature("workers (`num_workers=2`) with augmentation from torch's generator", "patterns",
-            "resume exact", _source_has("num_workers: int = 2")),
+            "first epoch as a bare Trainer, later ones not (the reseed); resume not exact", _source_has("num_workers: int = 2")),
 ]  # fmt: skip
 
 
