@@ -159,6 +159,21 @@ def test_monitors_plain_lightning_accepts_keep_the_best_and_a_run_without_test_s
 
 
 @pytest.mark.slow
+def test_under_ddp_no_test_step_is_said_once_and_the_run_keeps_its_best_and_exports(
+    project: Path, cli: CliRunner, log_dir: Path
+) -> None:
+    done = train(
+        cli, log_dir, "experiment=zoo_two_loaders", "trainer.devices=2", "trainer.max_epochs=1"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    output = (done.stdout + done.stderr).splitlines()
+    assert len([line for line in output if "No test phase" in line]) == 1
+    (run,) = run_dirs(log_dir)
+    assert metrics(run)["devices"] == 2 and Path(metrics(run)["best_checkpoint"]).is_file()
+    assert torch.load(run / "model.pth", weights_only=True).keys() == {"layer.weight", "layer.bias"}
+
+
+@pytest.mark.slow
 def test_a_monitor_missing_its_loader_suffix_is_refused_naming_the_keys_lightning_made(
     project: Path, cli: CliRunner, log_dir: Path
 ) -> None:
