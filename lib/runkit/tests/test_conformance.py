@@ -232,7 +232,7 @@ def test_sigterm_under_ddp_saves_one_checkpoint_and_exits_143(trained, name: str
         os.killpg(process.pid, signal.SIGKILL)
         raise AssertionError(f"still running {TIMEOUT} s after SIGTERM") from None
     assert process.returncode == 143, err[-3000:]
-    assert "stopped by SIGTERM during fit at epoch" in last_line(err)
+    assert "stopped by SIGTERM during fit at epoch" in last_line(err), err[-3000:]
     (interrupted,) = log_dir.glob("train/runs/*/checkpoints/interrupted.ckpt")
     oracle, _ = final_weights(pair)
     assert torch.load(interrupted, weights_only=True)["state_dict"].keys() == oracle.keys()
