@@ -164,7 +164,8 @@ FEATURES = [
     Feature("`transfer_batch_to_device`", "patterns", "as under Lightning",
             lambda m, d: _overrides(d, "transfer_batch_to_device")),
     Feature("workers (`num_workers=2`) with augmentation from torch's generator", "patterns",
-            "first epoch as a bare Trainer, later ones not (the reseed); resume not exact", _source_has("num_workers: int = 2")),
+            "first epoch as a bare Trainer, later ones not (the reseed); resume not exact; "
+            "SIGTERM to the process group under DDP kills the workers and the run (exit 1)", _source_has("num_workers: int = 2")),
 ]  # fmt: skip
 
 
