@@ -191,7 +191,7 @@ def run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
         len(command) >= 3
         and command[0] == sys.executable
         and command[1] == "-m"
-        and str(command[2]).startswith(("project.", "runkit."))
+        and str(command[2]).startswith(("project.", "runkit.", "conformance."))
         and os.environ.get("RUNKIT_TEST_FRESH") != "1"
         and set(kwargs) <= {"cwd", "env", "capture_output", "text", "timeout", "check"}
         and kwargs.get("capture_output")

@@ -1,0 +1,176 @@
+"""The conformance corpus: LightningModules and DataModules that are not the template's (issue #31).
+
+Lightning's own demo classes (``lightning.pytorch.demos``) as they ship, and the members of
+:mod:`conformance.members`, one documented pattern of Lightning's LightningModule and DataModule
+pages each, several per class. ``test_conformance.py`` copies this package into a run's working
+directory, as a user drops their package into their project, and runs each member under a bare
+``lightning.pytorch.Trainer`` (:mod:`conformance.oracle`) and through ``python -m project.train
+--config-dir conformance/configs model=<member> data=<member>``.
+
+``MEMBERS`` says how each member runs; ``FEATURES`` which Lightning feature it exercises and what
+the template does with it: the README's table is generated from it (``feature_table``) and a test
+keeps the two equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+SEED = 42  # the template's default seed (train.yaml); the oracle seeds the same way
+
+# The same Trainer arguments for the oracle and the CLI (as trainer.<key>=<value>): a few batches.
+TRAINER: dict[str, Any] = {
+    "max_epochs": 2,
+    "limit_train_batches": 4,
+    "limit_val_batches": 2,
+    "limit_test_batches": 2,
+    "log_every_n_steps": 1,
+    "num_sanity_val_steps": 2,
+}
+
+
+@dataclass(frozen=True)
+class Member:
+    """One corpus member: ``configs/model/<name>.yaml`` with ``configs/data/<name>.yaml``.
+
+    Args:
+        name: the config name of its model and data.
+        monitor: the key checkpoints follow and its mode (``None``: the module logs no
+            validation figure, so there is no best checkpoint, as under plain Lightning).
+        ddp: also run as DDP x2 on the CPU.
+        exact_resume: a resumed run ends with the same weights as one that did not stop (false
+            for data that draws from torch's generator while it is iterated and keeps no state).
+        fixed_test_data: the test split is the same whenever it is set up (false for data drawn
+            from torch's generator in ``setup`` or while iterated, as in Lightning's
+            ``IterableBoringDataModule``: eval, which starts from the seed, then sees other
+            samples than the test after fit, which starts where training left the generator).
+    """
+
+    name: str
+    monitor: tuple[str, str] | None
+    ddp: bool = False
+    exact_resume: bool = True
+    fixed_test_data: bool = True
+
+    def overrides(self, **trainer: Any) -> list[str]:
+        """The CLI's arguments for this member: ``TRAINER``, updated by ``trainer``."""
+        key = "callbacks.model_checkpoint"
+        watch = [f"{key}.monitor=null"]
+        if self.monitor is not None:
+            watch = [f"{key}.monitor={self.monitor[0]}", f"{key}.mode={self.monitor[1]}"]
+        return [
+            f"model={self.name}",
+            f"data={self.name}",
+            *watch,
+            f"seed={SEED}",
+            *(f"trainer.{k}={v}" for k, v in {**TRAINER, **trainer}.items()),
+        ]
+
+
+MEMBERS = {
+    m.name: m
+    for m in [
+        Member("boring", None, ddp=True),
+        Member("manual_boring", None),
+        Member("demo", None),
+        Member("transformer", None),
+        Member(
+            "iterable",
+            ("val_loss/dataloader_idx_0", "min"),
+            exact_resume=False,
+            fixed_test_data=False,
+        ),
+        Member("patterns", ("val_score", "max"), ddp=True),
+    ]
+}
+
+
+@dataclass(frozen=True)
+class Feature:
+    """A feature of Lightning's LightningModule / DataModule documentation in the corpus.
+
+    Args:
+        name: the feature, as the README's table shows it.
+        member: the corpus member that has it.
+        template: what the template does with it (the README's third column).
+        present: whether the member's classes (model, data) have it: the table's claim, checked.
+    """
+
+    name: str
+    member: str
+    template: str
+    present: Callable[[Any, Any], bool]
+
+
+def _overrides(cls: Any, hook: str) -> bool:
+    """Whether ``cls`` defines ``hook`` itself rather than inheriting Lightning's default."""
+    base = next(c for c in cls.__mro__ if c.__module__.startswith("lightning.pytorch.core"))
+    return getattr(cls, hook, None) is not getattr(base, hook, None)
+
+
+def _source_has(text: str) -> Callable[[Any, Any], bool]:
+    import inspect
+
+    return lambda model, data: any(text in inspect.getsource(c) for c in (model, data))
+
+
+FEATURES = [
+    Feature("Lightning's `BoringModel` / `BoringDataModule`", "boring",
+            "as a bare Trainer (one process, DDP x2); eval, exact resume, SIGTERM under DDP",
+            lambda m, d: m.__name__ == "BoringModel" and d.__name__ == "BoringDataModule"),
+    Feature("Lightning's `ManualOptimBoringModel` (manual optimisation)", "manual_boring",
+            "as a bare Trainer; eval, exact resume", lambda m, d: m.__name__ == "ManualOptimBoringModel"),
+    Feature("Lightning's `DemoModel`", "demo", "as a bare Trainer; exact resume",
+            lambda m, d: m.__name__ == "DemoModel"),
+    Feature("Lightning's `LightningTransformer` on generated tokens", "transformer",
+            "other dropout masks than a bare Trainer (the reseed at each epoch's first batch); resume not exact", lambda m, d: m.__base__.__name__ == "LightningTransformer"),
+    Feature("Lightning's `IterableBoringDataModule` (several train loaders, iterable data)",
+            "iterable", "other data than a bare Trainer after the first batch (the reseed); resume not exact",
+            lambda m, d: d.__name__ == "IterableBoringDataModule"),
+    Feature("`configure_optimizers`: one optimiser", "demo", "as under Lightning",
+            _source_has("return torch.optim.Adam(")),
+    Feature("`configure_optimizers`: `[optimizers], [schedulers]`", "boring",
+            "as under Lightning", _source_has("return [optimizer], [lr_scheduler]")),
+    Feature("`configure_optimizers`: dict with a scheduler object", "iterable",
+            "as under Lightning", _source_has('"lr_scheduler": torch.optim.lr_scheduler.StepLR')),
+    Feature("`configure_optimizers`: scheduler dict with `monitor` and `interval`", "patterns",
+            "the suffixed monitor is accepted", _source_has('"interval": "epoch"')),
+    Feature("several validation and test loaders (`dataloader_idx` keys)", "patterns",
+            "`/dataloader_idx_N` monitors accepted; test figures per loader",
+            lambda m, d: d.val_dataloader.__annotations__.get("return") == "list[DataLoader]"),
+    Feature("a key logged in `on_validation_epoch_end`", "patterns",
+            "monitored by the checkpoint", lambda m, d: _overrides(m, "on_validation_epoch_end")),
+    Feature("layers built in `setup()`", "patterns", "evaluated and resumed",
+            lambda m, d: _overrides(m, "setup")),
+    Feature("layers built in `configure_model`", "iterable", "evaluated and resumed",
+            lambda m, d: _overrides(m, "configure_model")),
+    Feature("no `validation_step`", "transformer", "no validation, no best checkpoint",
+            lambda m, d: not _overrides(m, "validation_step")),
+    Feature("no `test_step`", "demo", "the test phase is skipped with one line",
+            lambda m, d: not _overrides(m, "test_step")),
+    Feature("`predict_step`", "patterns", "not run by train or eval",
+            lambda m, d: _overrides(m, "predict_step")),
+    Feature("`training_step` returning a dict", "patterns", "as under Lightning",
+            _source_has('return {"loss": loss')),
+    Feature("`save_hyperparameters` with a nested module and containers", "patterns",
+            "plain lists and dicts reach the module", _source_has("save_hyperparameters(ignore")),
+    Feature("`prepare_data` writing files", "patterns", "as under Lightning",
+            lambda m, d: _overrides(d, "prepare_data")),
+    Feature("`setup(stage)`", "patterns", "as under Lightning", lambda m, d: _overrides(d, "setup")),
+    Feature("`transfer_batch_to_device`", "patterns", "as under Lightning",
+            lambda m, d: _overrides(d, "transfer_batch_to_device")),
+    Feature("workers (`num_workers=2`) with augmentation from torch's generator", "patterns",
+            "first epoch as a bare Trainer, later ones not (the reseed); resume not exact; "
+            "SIGTERM to the process group under DDP kills the workers and the run (exit 1)", _source_has("num_workers: int = 2")),
+]  # fmt: skip
+
+
+def feature_table() -> str:
+    """The README's table of Lightning features against what the template does with each."""
+    rows = ["| Lightning feature | corpus member | what the template does |", "|---|---|---|"]
+    rows += [f"| {f.name} | `{f.member}` | {f.template} |" for f in FEATURES]
+    return "\n".join(rows)
