@@ -108,6 +108,11 @@ CHECKS: dict[str, Check] = {
         SKIP, "two machines with 4 GPUs each; tests/test_multinode.py runs two nodes on localhost"
     ),
     "mkdir -p logs/slurm && sbatch scripts/slurm/train.sbatch": Check(SKIP, "needs SLURM"),
+    "torchrun --nproc-per-node=4 --max-restarts=3 --rdzv-backend=c10d "
+    "--rdzv-endpoint=localhost:29400 --rdzv-id=exp1 -m project.train trainer=multi_node "
+    "trainer.num_nodes=1 trainer.devices=4": Check(
+        SKIP, "4 GPUs; tests/test_multinode.py restarts a killed worker on two CPU processes"
+    ),
     "python scripts/gpu_check.py --fetch-wheels": Check(
         SKIP, "downloads wheels; tests/test_gpu_check.py checks the folder logic"
     ),
