@@ -44,6 +44,10 @@ class Member:
         ddp: also run as DDP x2 on the CPU.
         exact_resume: a resumed run ends with the same weights as one that did not stop (false
             for data that draws from torch's generator while it is iterated and keeps no state).
+        draws_random: the module or its data draws from torch's generator while it trains
+            (dropout, augmentation, iterable data): the template seeds every epoch from
+            ``(seed, epoch)`` (``runkit.safety.resume.ResumeState``, what makes resume exact), so
+            its oracle is plain Lightning plus that one callback.
         fixed_test_data: the test split is the same whenever it is set up (false for data drawn
             from torch's generator in ``setup`` or while iterated, as in Lightning's
             ``IterableBoringDataModule``: eval, which starts from the seed, then sees other
@@ -54,6 +58,7 @@ class Member:
     monitor: tuple[str, str] | None
     ddp: bool = False
     exact_resume: bool = True
+    draws_random: bool = False
     fixed_test_data: bool = True
 
     def overrides(self, **trainer: Any) -> list[str]:
@@ -77,14 +82,15 @@ MEMBERS = {
         Member("boring", None, ddp=True),
         Member("manual_boring", None),
         Member("demo", None),
-        Member("transformer", None),
+        Member("transformer", None, draws_random=True),
         Member(
             "iterable",
             ("val_loss/dataloader_idx_0", "min"),
             exact_resume=False,
+            draws_random=True,
             fixed_test_data=False,
         ),
-        Member("patterns", ("val_score", "max"), ddp=True),
+        Member("patterns", ("val_score", "max"), ddp=True, draws_random=True),
     ]
 }
 

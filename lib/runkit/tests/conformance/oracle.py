@@ -2,6 +2,10 @@
 
     python -m conformance.oracle <member> <out_dir> <devices>
 
+A member that draws from torch's generator while it trains (``Member.draws_random``) gets the
+one callback of the template that changes what it learns: ``ResumeState``, which seeds every
+epoch from ``(seed, epoch)`` so that a resumed run continues exactly. Everything else stays plain.
+
 Builds the member's model and data from its configs as plain Python (``_convert_="all"``: lists and
 dicts, no OmegaConf containers), seeds as ``project.train`` does (``seed_everything(SEED,
 workers=True)`` before building the data, then the model), fits with ``conformance.TRAINER``
@@ -21,7 +25,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import OmegaConf
 
-from conformance import CONFIGS, SEED, TRAINER
+from conformance import CONFIGS, MEMBERS, SEED, TRAINER
 
 
 def build(name: str, group: str) -> object:
@@ -33,8 +37,14 @@ def main(name: str, out: Path, devices: int) -> None:
     pl.seed_everything(SEED, workers=True)
     datamodule = build(name, "data")
     model = build(name, "model")
+    callbacks = []
+    if MEMBERS[name].draws_random:
+        from runkit.safety.resume import ResumeState
+
+        callbacks.append(ResumeState(SEED))
     trainer = pl.Trainer(
         accelerator="cpu",
+        callbacks=callbacks,
         devices=devices,
         strategy="ddp" if devices > 1 else "auto",
         logger=CSVLogger(out, name="csv", version=""),
