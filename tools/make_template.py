@@ -117,6 +117,9 @@ def render(text: str) -> str | None:
 _MARK = re.compile(r"^\s*(?:#|<!--)\s*(repo-only|template-only)(?:: (.*?))?\s*(?:-->)?\s*$")
 
 
+_NOT_RUN = "<!-- not run by the README test:"
+
+
 def without_repo_only(text: str) -> str:
     """``text`` as a generated project has it: less its lines ending in ``repo-only`` and its
     ``repo-only: begin`` ... ``repo-only: end`` blocks, with each ``template-only: <line>``
@@ -124,7 +127,8 @@ def without_repo_only(text: str) -> str:
 
     Markers are comments of the file's kind: ``# ...`` (Python, YAML, TOML, Makefile, shell) or
     ``<!-- ... -->`` (Markdown, where a comment does not show). A line that ends in
-    ``# repo-only`` or ``<!-- repo-only -->`` is dropped whole.
+    ``# repo-only`` or ``<!-- repo-only -->`` is dropped whole, and so is a README's
+    ``<!-- not run by the README test: ... -->``, which speaks to this repository's own test.
     """
     kept, skipping = [], False
     for line in text.splitlines(keepends=True):
@@ -138,6 +142,8 @@ def without_repo_only(text: str) -> str:
             continue
         elif kind == "template-only" and rest is not None:
             kept.append(line[: len(line) - len(line.lstrip())] + rest + "\n")
+        elif line.startswith(_NOT_RUN):  # what this repository's README test leaves out
+            continue
         elif not line.rstrip().endswith(("# repo-only", "<!-- repo-only -->")):
             kept.append(line)
     return "".join(kept)
