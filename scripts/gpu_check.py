@@ -494,7 +494,7 @@ class Step:
     argv: list[str]
     limit_s: float
     check: Callable[[Step, Context, str, Path], dict[str, Any]] | None = None
-    # On a dry run: "compose" (append --cfg job), "run" (as is, GPUs hidden), "collect" (pytest
+    # On a dry run: "compose" (append --cfg job --package trainer), "run" (as is, GPUs hidden), "collect" (pytest
     # --collect-only), "cpu" (append --allow-cpu: a benchmark's whole path on the CPU), "none"
     # (nothing to run).
     dry: str = "run"
@@ -595,8 +595,8 @@ def run_step(step: Step, ctx: Context) -> StepResult:
     except Skip as skip:
         result.status, result.message = "skip", str(skip)
         return result
-    if ctx.dry_run and step.dry == "compose":
-        argv += ["--cfg", "job"]
+    if ctx.dry_run and step.dry == "compose":  # the trainer section: what the step would run
+        argv += ["--cfg", "job", "--package", "trainer"]
     elif ctx.dry_run and step.dry == "collect":
         argv += ["--collect-only", "-q"]
     elif ctx.dry_run and step.dry == "cpu":

@@ -312,7 +312,7 @@ def test_dry_run_writes_its_report_under_out(tmp_path: Path, wheels: Path) -> No
     # The fake wheels really went through pip, and the training command really composed.
     assert steps["setup"]["figures"]["installed"] == gc.local_versions()
     assert "trainer=dp" in steps["train_dp"]["command"]
-    assert steps["train_dp"]["command"].endswith("--cfg job")
+    assert steps["train_dp"]["command"].endswith("--cfg job --package trainer")
     tail = steps["train_dp"]["output_tail"]
     assert any(line.strip().endswith("strategies.dp.DataParallelStrategy") for line in tail)
     md = (tmp_path / "out" / "gpu_check.md").read_text()
