@@ -449,11 +449,16 @@ def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
     assert run_dirs(log_dir, "debug")
 
     # Every other command that trains, each a run of its own (DDP and FSDP on 2 CPU processes).
-    before = len(run_dirs(log_dir)) + len(run_dirs(log_dir, "debug"))
+    # Predict's runs go to logs/predict/, each with its predictions.
+    def counted() -> int:
+        return sum(len(run_dirs(log_dir, task)) for task in ("train", "debug", "predict"))
+
+    before = counted()
     rest = [c for c, k in CHECKS.items() if k.how == RUN and c not in ran]
     for command in rest:
         run(command)
-    assert len(run_dirs(log_dir)) + len(run_dirs(log_dir, "debug")) == before + len(rest)
+    assert counted() == before + len(rest)
+    assert all((d / "predictions.pt").is_file() for d in run_dirs(log_dir, "predict"))
 
     # README's snippets that load model.pth: onto the chosen device, and with a longer allow-list.
     outputs = []
