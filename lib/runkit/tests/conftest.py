@@ -65,6 +65,23 @@ def log_dir(tmp_path: Path) -> Path:
     return tmp_path / "logs"
 
 
+def run_entry(
+    cwd: Path, task: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``python -m project.<task> <args>`` (``runkit.<task>`` for the library's own commands) in
+    ``cwd``, forked from the prewarmed server: for module-scoped fixtures, which cannot use
+    :func:`cli`."""
+    package = "runkit" if task in LIBRARY_COMMANDS else "project"
+    return prewarmed.run(
+        [sys.executable, "-m", f"{package}.{task}", *args],
+        cwd=cwd,
+        env=clean_env(**(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 @pytest.fixture
 def cli(tmp_path: Path, log_dir: Path) -> CliRunner:
     """``cli("train", "trainer.max_epochs=1", env={...})`` runs ``python -m project.train``.
@@ -75,18 +92,9 @@ def cli(tmp_path: Path, log_dir: Path) -> CliRunner:
     def run(
         task: str, *overrides: str, env: dict[str, str] | None = None, timeout: float = 300
     ) -> subprocess.CompletedProcess:
-        package = "runkit" if task in LIBRARY_COMMANDS else "project"
-        command = [sys.executable, "-m", f"{package}.{task}", *overrides]
         if task in ("train", "eval", "predict") and not any(o.startswith("--") for o in overrides):
-            command.append(f"paths.log_dir={log_dir}")
-        return prewarmed.run(
-            command,
-            cwd=tmp_path,
-            env=clean_env(**(env or {})),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+            overrides = (*overrides, f"paths.log_dir={log_dir}")
+        return run_entry(tmp_path, task, *overrides, env=env, timeout=timeout)
 
     return run
 

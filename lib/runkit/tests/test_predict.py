@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-import prewarmed
-from conftest import FAST, clean_env, last_line, run_dirs
+from conftest import FAST, last_line, run_dirs, run_entry
 from runkit.safety.checkpoints import load_network
 
 pytestmark = pytest.mark.slow
@@ -25,14 +23,7 @@ DDP = ("trainer=ddp_sim",)
 
 
 def _run(cwd: Path, module: str, *args: str) -> subprocess.CompletedProcess:
-    return prewarmed.run(
-        [sys.executable, "-m", f"project.{module}", *args],
-        cwd=cwd,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return run_entry(cwd, module, *args, timeout=600)
 
 
 @pytest.fixture(scope="module")

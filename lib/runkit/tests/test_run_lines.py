@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-import prewarmed
-from conftest import clean_env, last_line, run_dirs
+from conftest import clean_env, last_line, run_dirs, run_entry
 
 pytestmark = pytest.mark.slow
 
@@ -34,14 +33,7 @@ ZOO_DDP = (
 
 
 def _run(cwd: Path, module: str, *args: str) -> subprocess.CompletedProcess:
-    return prewarmed.run(
-        [sys.executable, "-m", f"project.{module}", *args],
-        cwd=cwd,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return run_entry(cwd, module, *args, timeout=600)
 
 
 def _ok(done: subprocess.CompletedProcess) -> str:

@@ -11,22 +11,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import prewarmed
-from conftest import FAST, TEMPLATE_TARGETS, clean_env, last_line, run_dirs
+from conftest import FAST, TEMPLATE_TARGETS, clean_env, last_line, run_dirs, run_entry
 from runkit.safety.checkpoints import load_network
 
 pytestmark = pytest.mark.slow
 
 
 def _run(cwd: Path, module: str, *args: str) -> subprocess.CompletedProcess:
-    return prewarmed.run(
-        [sys.executable, "-m", f"project.{module}", *args],
-        cwd=cwd,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_entry(cwd, module, *args, timeout=300)
 
 
 def q(path: Path | str) -> str:
