@@ -31,7 +31,14 @@ def batch_length(batch: Any) -> int | None:
 
     Tensors, mappings, lists, tuples and dataclasses are looked into, as Lightning's own
     ``batch_to_device`` does; anything else (a custom object) has no known length: ``None``.
+    It runs once a training step: the common batch, a tuple or list that starts with a tensor,
+    takes a path of its own (about 0.5 us instead of 2.5: ``Mapping``'s ``isinstance`` is slow).
     """
+    kind = type(batch)
+    if (kind is tuple or kind is list) and batch and isinstance(batch[0], torch.Tensor):
+        shape = batch[0].shape
+        if shape:
+            return int(shape[0])
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.ndim else None
     if isinstance(batch, Mapping):
@@ -68,13 +75,16 @@ class LoopTimer:
         self.samples: int | None = 0
 
     def batch_start(self) -> None:
-        self.resume()  # after validation: the whole gap since it started is left out
-        self.wait_s += self.clock() - self._last_end
+        now = self.clock()
+        if self._paused_at is not None:  # after validation: the whole gap since it started is out
+            self._resume_at(now)
+        self.wait_s += now - self._last_end
 
     def batch_end(self, batch: Any) -> None:
         self._last_end = self._loop_end = self.clock()
-        self.paused_s += self._pending_pause
-        self._pending_pause = 0.0
+        if self._pending_pause:
+            self.paused_s += self._pending_pause
+            self._pending_pause = 0.0
         self.steps += 1
         if self.samples is not None:
             size = batch_length(batch)
@@ -95,10 +105,13 @@ class LoopTimer:
     def resume(self) -> None:
         """Training goes on (the next batch starts): the time since :meth:`pause` is left out."""
         if self._paused_at is not None:
-            paused = self.clock() - self._paused_at
-            self._paused_at = None
-            self._pending_pause += paused
-            self._last_end += paused
+            self._resume_at(self.clock())
+
+    def _resume_at(self, now: float) -> None:
+        paused = now - self._paused_at
+        self._paused_at = None
+        self._pending_pause += paused
+        self._last_end += paused
 
     def summary(self) -> dict[str, float] | None:
         """``loop_s`` (epoch start to the last step's end, less validation), ``data_wait_s``,
