@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = "project"
 SMALL = ("trainer.max_epochs=1", "data.batch_size=256", "callbacks.progress_bar.refresh_rate=0")
 # Enough steps (3 epochs of 64) that learning shows whatever the seed: 0.98-0.99 test accuracy
@@ -35,6 +37,7 @@ def only_run(log_dir: Path) -> Path:
     return run_dir
 
 
+@pytest.mark.slow  # CLI end to end
 def test_a_training_run_then_eval_of_what_it_saved_gives_the_same_test_figures(
     tmp_path: Path,
 ) -> None:
@@ -54,6 +57,7 @@ def test_a_training_run_then_eval_of_what_it_saved_gives_the_same_test_figures(
     assert again["test/acc"] == reported["test/acc"]
 
 
+@pytest.mark.slow  # two processes
 def test_ddp_on_two_cpu_processes_writes_one_run(tmp_path: Path) -> None:
     done = run("train", *SMALL, "trainer.devices=2", "test=false", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]

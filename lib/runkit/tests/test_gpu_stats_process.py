@@ -358,6 +358,7 @@ TRAINER = (
 )
 
 
+@pytest.mark.slow  # a trainer process of its own, killed
 @pytest.mark.parametrize(
     ("signum", "variant"),
     [(signal.SIGKILL, "deathsig"), (signal.SIGKILL, "no-deathsig"), (signal.SIGTERM, "deathsig")],

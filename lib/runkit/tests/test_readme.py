@@ -3,7 +3,9 @@
 Each command is looked up in :data:`CHECKS`, which says how it is proven:
 
 * ``RUN``: run for real, in the README's order, in one temporary directory; a command that
-  trains gets :data:`BUDGET` appended (one epoch: see there why), nothing else;
+  trains gets :data:`BUDGET` appended (one epoch: see there why), nothing else. The first,
+  ``python -m project.train``, starts a fresh interpreter; the others fork from the prewarmed
+  server (``prewarmed.py``), which spares each ~10 s of imports and nothing else;
 * ``CLI``: run exactly as written (it trains nothing: ``--help``, ``--cfg job``, ``devices``);
 * ``COMPOSE_ONLY``: composed by Hydra (it needs GPUs, which this machine lacks);
 * ``DRY``: ``make -n`` or ``pytest --collect-only`` (running the suite from inside itself would
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+import prewarmed
 from conftest import clean_env, run_dirs
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -342,9 +345,14 @@ def test_composed_commands(command: str) -> None:
 # Commands that run
 
 
-def _run(command: str, cwd: Path, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def _run(
+    command: str, cwd: Path, extra: tuple[str, ...] = (), fresh: bool = False
+) -> subprocess.CompletedProcess:
+    """``command`` as written (and ``extra``), in ``cwd``; it must succeed. A ``python -m
+    project.<task>`` command forks from the prewarmed server (``prewarmed.py``: its own process,
+    arguments, directory and environment, only the imports done already) unless ``fresh``."""
     env, words = split(command)
-    result = subprocess.run(
+    result = (subprocess.run if fresh else prewarmed.run)(
         [*argv(words), *extra],
         cwd=cwd,
         env=clean_env(**env),
@@ -395,7 +403,7 @@ def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
     log_dir = tmp_path / "logs"
     ran: list[str] = []
 
-    def run(command: str, *extra: str) -> subprocess.CompletedProcess:
+    def run(command: str, *extra: str, fresh: bool = False) -> subprocess.CompletedProcess:
         ran.append(command)
         filled = (
             command.replace("logs/train/runs/<run>", str(first.relative_to(tmp_path)))
@@ -403,10 +411,10 @@ def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
             .replace("logs/train/multiruns/<sweep>", str(sweep.relative_to(tmp_path)))
             .replace("logs/train/multiruns/<that-sweep>", str(parallel.relative_to(tmp_path)))
         )
-        return _run(filled, tmp_path, (*budget(command), *extra))
+        return _run(filled, tmp_path, (*budget(command), *extra), fresh)
 
     first = resumed = sweep = parallel = tmp_path / "unused"
-    run("python -m project.train")
+    run("python -m project.train", fresh=True)  # the first in an interpreter of its own
     (first,) = run_dirs(log_dir)
     assert (first / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # drawn by every run
     report = json.loads((first / "metrics.json").read_text())

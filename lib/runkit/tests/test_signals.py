@@ -123,6 +123,7 @@ print("not reached")
 """
 
 
+@pytest.mark.slow  # two DDP ranks, fresh interpreters
 def test_sigterm_ends_a_rank_stuck_in_a_collective_within_seconds(tmp_path: Path) -> None:
     # Issue #19.1: a rank blocked in C++ runs no Python signal handler; SIGTERM did nothing.
     started = time.monotonic()

@@ -400,6 +400,7 @@ def test_an_optuna_search_continues_its_study_from_the_sweep_folder(
     assert len({r["overrides"] for r in rows}) == 3  # three different draws, three folders
 
 
+@pytest.mark.slow  # CLI end to end, in a fresh interpreter
 def test_a_bad_n_jobs_is_one_line_and_creates_nothing(cli: CliRunner, log_dir: Path) -> None:
     result = cli("train", "-m", "hydra/launcher=parallel", "hydra.launcher.n_jobs=0")
     assert result.returncode == 2
