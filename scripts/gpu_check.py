@@ -494,9 +494,9 @@ class Step:
     argv: list[str]
     limit_s: float
     check: Callable[[Step, Context, str, Path], dict[str, Any]] | None = None
-    # On a dry run: "compose" (append --cfg job --package trainer), "run" (as is, GPUs hidden), "collect" (pytest
-    # --collect-only), "cpu" (append --allow-cpu: a benchmark's whole path on the CPU), "none"
-    # (nothing to run).
+    # On a dry run: "compose" (append --cfg job --package trainer), "run" (as is, GPUs hidden),
+    # "collect" (pytest --collect-only), "cpu" (append --allow-cpu: a benchmark's whole path on
+    # the CPU), "none" (nothing to run).
     dry: str = "run"
     stdout_only: bool = False  # give the check stdout alone (JSON), not stdout + stderr
 
