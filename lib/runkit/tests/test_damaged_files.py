@@ -184,7 +184,12 @@ def test_plot_cli_on_a_png_given_as_the_run_is_one_line(cli: CliRunner, tmp_path
 # ------------------------------------------------------------------------- GPU claims: lock files
 
 LOCK_UUID = "GPU-11110000-1111-2222-3333-444455556666"
-QUICK_WINDOW_S = 0.05  # the utilisation window a claim reads the fake GPU over (default 1 s)
+
+
+def quick_policy(lock_dir: Path) -> SelectionPolicy:
+    """The default policy with its locks in ``lock_dir``, reading the fake GPU's utilisation over
+    0.05 s instead of 1 s: these tests are about the lock file, not the window."""
+    return SelectionPolicy(lock_dir=str(lock_dir), util_window_s=0.05)
 
 
 @pytest.fixture
@@ -204,9 +209,7 @@ def test_a_damaged_lock_file_nobody_holds_is_claimed_and_rewritten(
     note left by a run that died is no claim: the GPU is taken and the note rewritten."""
     lock = claims.lock_path(tmp_path, LOCK_UUID)
     damage(lock, kind)
-    chosen, message = claims.wait_and_claim(
-        one_fake_gpu(), 1, SelectionPolicy(lock_dir=str(tmp_path), util_window_s=QUICK_WINDOW_S)
-    )
+    chosen, message = claims.wait_and_claim(one_fake_gpu(), 1, quick_policy(tmp_path))
     assert chosen == [0] and claims.claimed_uuids() == (LOCK_UUID,)
     assert "picked cuda:0" in message
     assert lock.read_bytes() == f"{os.getpid()}\n".encode()
@@ -223,9 +226,7 @@ def test_a_held_lock_file_with_damaged_content_still_keeps_others_off(
     os.ftruncate(holder, 0)
     os.pwrite(holder, {"binary": bytes(range(256)), "png": PNG, "empty": b""}[kind], 0)
     with pytest.raises(DeviceError) as info:
-        claims.wait_and_claim(
-            one_fake_gpu(), 1, SelectionPolicy(lock_dir=str(tmp_path), util_window_s=QUICK_WINDOW_S)
-        )
+        claims.wait_and_claim(one_fake_gpu(), 1, quick_policy(tmp_path))
     assert str(info.value) == (
         "select_gpus=least_used found 0 of the 1 GPU(s) wanted with gpu_wait_s=0: "
         "cuda:0 claimed by another run"
@@ -240,9 +241,7 @@ def test_a_directory_where_a_lock_file_belongs_is_one_line_naming_it(
     damage(lock, "directory")
     before = snapshot(tmp_path)
     with pytest.raises(DeviceError) as info:
-        claims.wait_and_claim(
-            one_fake_gpu(), 1, SelectionPolicy(lock_dir=str(tmp_path), util_window_s=QUICK_WINDOW_S)
-        )
+        claims.wait_and_claim(one_fake_gpu(), 1, quick_policy(tmp_path))
     assert str(info.value) == (
         "select_gpus=least_used found 0 of the 1 GPU(s) wanted with gpu_wait_s=0: "
         f"cuda:0 its lock file {str(lock)!r} cannot be opened (Is a directory)"
