@@ -12,6 +12,7 @@ Import-light on purpose (no torch or Lightning at import): the probes import wha
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -257,6 +258,19 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         lambda: _worker_signal_handlers(),
     ),
     PrivateApi(
+        "torch.utils.data.dataloader:_MultiProcessingDataLoaderIter",
+        "__init__",
+        "runkit.compat.forked_for_a_dataloader_worker (runkit.safety.signals)",
+        "a child forked from there will be a DataLoader worker, which keeps the stop signals "
+        "blocked from the fork on; nothing else marks a worker before its loop starts",
+        lambda: (
+            "start"
+            in _resolve(
+                "torch.utils.data.dataloader:_MultiProcessingDataLoaderIter.__init__"
+            ).__code__.co_names
+        ),
+    ),
+    PrivateApi(
         "lightning.pytorch.strategies:ModelParallelStrategy",
         "_data_parallel_size",
         "runkit.compat.set_data_parallel_size (runkit.strategies.fsdp)",
@@ -424,3 +438,16 @@ def leave_dataloader_workers_out_of_stops(install: Callable[[], Any]) -> None:
         install()
 
     signal_handling._set_worker_signal_handlers = worker_handlers
+
+
+def forked_for_a_dataloader_worker() -> bool:
+    """In a child, right after the fork: whether torch's DataLoader forked it to be a worker (the
+    fork was called from ``_MultiProcessingDataLoaderIter.__init__``; private: see PRIVATE_APIS)."""
+    dataloader = sys.modules.get("torch.utils.data.dataloader")
+    if dataloader is None:
+        return False
+    starts = dataloader._MultiProcessingDataLoaderIter.__init__.__code__
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not starts:
+        frame = frame.f_back
+    return frame is not None

@@ -171,7 +171,7 @@ FEATURES = [
             lambda m, d: _overrides(d, "transfer_batch_to_device")),
     Feature("workers (`num_workers=2`) with augmentation from torch's generator", "patterns",
             "first epoch as a bare Trainer, later ones not (the reseed); resume not exact; "
-            "SIGTERM to the process group under DDP kills the workers and the run (exit 1)", _source_has("num_workers: int = 2")),
+            "SIGTERM to the process group under DDP is one stop: interrupted.ckpt, exit 143", _source_has("num_workers: int = 2")),
 ]  # fmt: skip
 
 

@@ -24,10 +24,10 @@ every signal through :func:`signal.set_wakeup_fd` even while the main thread is 
 ``kill -TERM -<pgid>`` reach every process of the group, GNU ``timeout`` signals its child and
 then the child's group, the kernel sends ``PR_SET_PDEATHSIG`` once per thread of a dying parent.
 The rule: a process counts only the signals it was sent itself, and every stop signal within
-``STOP_REPEAT_S`` of the first, or after the process's parent died, is that same stop. So forked children (DataLoader workers) get no
-share of this process's wakeup descriptor and are left out of the stop (see
-:func:`_in_forked_child`), and a second request means a person asking again after the first
-line was printed, which takes longer than ``STOP_REPEAT_S``.
+``STOP_REPEAT_S`` of the first, or after the process's parent died, is that same stop. So forked
+children (DataLoader workers) get no share of this process's wakeup descriptor and are left out
+of the stop (see :func:`_in_forked_child`), and a second request means a person asking again
+after the first line was printed, which takes longer than ``STOP_REPEAT_S``.
 
 Standard library only: the CLI installs the handlers before torch and Lightning load, so a DDP
 worker signalled while it starts up is covered too.
@@ -358,17 +358,42 @@ _before_the_run: dict[int, Any] = {}
 """The handlers :func:`stop_on_signal` replaced, which forked children get back."""
 
 
+_fork = threading.local()
+"""The forking thread's signal mask from before :func:`_before_fork`, put back after it."""
+
+
+def _before_fork() -> None:
+    """During a run, a child starts with the stop signals blocked (inherited from the forking
+    thread): none lands before the child has its own stop handling (:func:`_in_forked_child`).
+    A group's signal in that moment reached the parent's handler, in the child."""
+    _fork.mask = None
+    if request.active:
+        with contextlib.suppress(ValueError, OSError):
+            _fork.mask = signal.pthread_sigmask(signal.SIG_BLOCK, tuple(_before_the_run))
+
+
+def _after_fork_in_parent() -> None:
+    if getattr(_fork, "mask", None) is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, _fork.mask)  # what came meanwhile is handled
+        _fork.mask = None
+
+
 def _in_forked_child() -> None:
     """In a child forked during a run: none of this process's stop handling.
 
     The child shares nothing it could count (its wakeup descriptor is cleared: its signals were
     bytes in the parent's watcher, each a "second" Ctrl-C) and gets the handlers from before the
-    run back, so a forked helper stops as it would without this library. A DataLoader worker,
-    which a stop of its parent ends, ignores the stop signals instead
-    (:func:`runkit.compat.leave_dataloader_workers_out_of_stops`), since one that died by the
-    group's signal turned the stop into torch's "DataLoader worker ... killed" crash.
+    run back, then the stop signals (blocked by :func:`_before_fork`), so a forked helper stops
+    as it would without this library. A DataLoader worker, which its parent ends when it stops,
+    keeps them blocked and is left out of the stop (:func:`_dataloader_worker_stops`).
     """
-    global request
+    global request, _worker_stops
+    mask, _fork.mask = getattr(_fork, "mask", None), None
+    if _worker_stops:  # forked by a DataLoader worker: this child gets the stop signals back
+        with contextlib.suppress(ValueError, OSError):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _worker_stops)
+        _worker_stops = ()
+        return
     if not request.active:
         return
     request = StopRequest(quiet=True)
@@ -376,22 +401,53 @@ def _in_forked_child() -> None:
         signal.set_wakeup_fd(-1)
         for signum, handler in _before_the_run.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-    if "torch.utils.data._utils.signal_handling" in sys.modules:  # torch: only if it is loaded
+    # Only where torch is loaded (this module is stdlib-only) and the sender can be read.
+    if "torch.utils.data._utils.signal_handling" in sys.modules and hasattr(signal, "sigwaitinfo"):
         from runkit import compat
 
-        with contextlib.suppress(Exception):
-            compat.leave_dataloader_workers_out_of_stops(
-                lambda: [signal.signal(s, _ignore) for s in _before_the_run]
-            )
+        if compat.forked_for_a_dataloader_worker():
+            compat.leave_dataloader_workers_out_of_stops(_dataloader_worker_stops)
+            return
+    if mask is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
-def _ignore(signum: int, frame: FrameType | None) -> None:
-    """A DataLoader worker's stop signal: its parent stops, and ends the worker (a handler, not
-    ``SIG_IGN``, which a program the worker runs would inherit)."""
+_worker_stops: tuple[int, ...] = ()
+"""In a DataLoader worker: the stop signals it keeps blocked (:func:`_dataloader_worker_stops`)."""
+
+
+def _dataloader_worker_stops() -> None:
+    """In a DataLoader worker, after torch's handlers: its parent alone ends it.
+
+    torch's own SIGTERM handler tells its parent's signal from the others (``si_pid``) and exits
+    quietly on the parent's only: the worker ends when the parent shuts it down or exits
+    (multiprocessing terminates its workers at exit). A group's stop signal killed the worker,
+    which crashed the parent's stop; ignoring the stop signals kept the worker alive when its
+    parent exited, and the parent waited for it forever. Python's handlers do not see the sender,
+    so the stop signals stay blocked and a thread takes them with :func:`signal.sigwaitinfo`:
+    the parent's SIGTERM ends the worker (exit 0, as torch's), any other stop signal is left to
+    the parent, which stops and ends its workers. A program the worker starts inherits the
+    blocked signals; a child it forks gets them back (:func:`_in_forked_child`).
+    """
+    global _worker_stops
+    stops = tuple(_before_the_run)
+    signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+    _worker_stops = stops
+    parent = os.getppid()
+
+    def take() -> None:
+        while True:
+            got = signal.sigwaitinfo(stops)
+            if got.si_signo == signal.SIGTERM and got.si_pid == parent:
+                os._exit(0)
+
+    threading.Thread(target=take, name="dataloader-worker-stops", daemon=True).start()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_in_forked_child)
+    os.register_at_fork(
+        before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_in_forked_child
+    )
 
 
 def slurm_job_id(environ: Mapping[str, str] | None = None) -> str | None:
