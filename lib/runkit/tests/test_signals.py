@@ -619,13 +619,8 @@ DELIVERIES = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("how", list(DELIVERIES))
-def test_one_stop_delivered_to_every_process_saves_once(tmp_path: Path, how: str) -> None:
-    # Issue #32.1, .2, .4: with DataLoader workers a group's Ctrl-C counted once per worker and
-    # quit without saving; a group's SIGTERM killed the workers and torch crashed the run; rank 0
-    # signalled twice by `timeout` quit without saving. Each is one stop now: a save, 128+N.
-    trainer, signum, rank0_first = DELIVERIES[how]
+def start_with_workers(tmp_path: Path, *trainer: str) -> tuple[subprocess.Popen, Path, Path]:
+    """A long run with two DataLoader workers, in its own session: (process, log dir, stderr)."""
     log_dir, err_file = tmp_path / "logs", tmp_path / "stderr"
     command = [sys.executable, "-m", "project.train", *WORKERS_RUN, *trainer, *QUIET]
     with err_file.open("w") as stderr:
@@ -637,6 +632,17 @@ def test_one_stop_delivered_to_every_process_saves_once(tmp_path: Path, how: str
             stderr=stderr,
             start_new_session=True,
         )
+    return process, log_dir, err_file
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", list(DELIVERIES))
+def test_one_stop_delivered_to_every_process_saves_once(tmp_path: Path, how: str) -> None:
+    # Issue #32.1, .2, .4: with DataLoader workers a group's Ctrl-C counted once per worker and
+    # quit without saving; a group's SIGTERM killed the workers and torch crashed the run; rank 0
+    # signalled twice by `timeout` quit without saving. Each is one stop now: a save, 128+N.
+    trainer, signum, rank0_first = DELIVERIES[how]
+    process, log_dir, err_file = start_with_workers(tmp_path, *trainer)
     try:
         checkpoints = wait_for(log_dir, "train/runs/*/checkpoints", process)
         ranks = 2 if trainer else 1
@@ -714,17 +720,7 @@ def test_a_dataloader_worker_ends_by_its_parent_alone() -> None:
 def test_a_dataloader_worker_killed_during_a_run_ends_it_with_exit_1(tmp_path: Path) -> None:
     # The kernel's OOM killer ends a worker: torch raises in the run, which exits. It waited
     # forever for the other worker (which ignored the SIGTERM that ends workers at exit).
-    log_dir, err_file = tmp_path / "logs", tmp_path / "stderr"
-    command = [sys.executable, "-m", "project.train", *WORKERS_RUN, *QUIET]
-    with err_file.open("w") as stderr:
-        process = subprocess.Popen(
-            [*command, f"paths.log_dir={log_dir}"],
-            cwd=tmp_path,
-            env=clean_env(),
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            start_new_session=True,
-        )
+    process, log_dir, err_file = start_with_workers(tmp_path)
     try:
         wait_for(log_dir, "train/runs/*/checkpoints", process)
         until(lambda: len(descendants(process.pid)) >= 2, process, "workers", err_file)
