@@ -119,6 +119,12 @@ def _read_until(fd: int, done, timeout: float) -> bytes:
     return data
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """In the child: Ctrl-C's default action, whatever this suite inherited. A suite started in
+    the background (``nohup ... &``) ignores SIGINT, and so would every child it starts."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_json_watch_in_a_subprocess_until_sigint():
     proc = subprocess.Popen(
@@ -126,6 +132,7 @@ def test_json_watch_in_a_subprocess_until_sigint():
         env=fake_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        preexec_fn=_ctrl_c_as_in_a_terminal,
     )
     data = _read_until(proc.stdout.fileno(), lambda d: d.count(b"\n") >= 3, timeout=180)
     proc.send_signal(signal.SIGINT)
@@ -151,6 +158,7 @@ def test_live_table_under_a_pseudo_terminal_until_sigint():
         stdout=terminal,
         stderr=terminal,
         close_fds=True,
+        preexec_fn=_ctrl_c_as_in_a_terminal,
     )
     os.close(terminal)
     try:
