@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -174,3 +175,23 @@ def test_the_rate_shown_is_the_rate_run(tmp_path: Path) -> None:
     assert len(rate.pairs) == 3
     for shown, run in rate.pairs:
         assert abs(shown / run - 1) <= 0.2, rate.pairs
+
+
+def test_a_stage_ends_without_waiting_for_the_refresh_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Lightning's refresh thread sleeps a whole redraw interval (1 s here) between checks of its
+    # flag, and Lightning's stop joins it: each stage ended up to a second after its work.
+    joined: dict[str, list[str]] = {}
+    join = threading.Thread.join
+
+    def noting(self: threading.Thread, timeout: float | None = None) -> None:
+        if self.is_alive():
+            joined[stage].append(type(self).__name__)
+        join(self, timeout)
+
+    monkeypatch.setattr(threading.Thread, "join", noting)
+    for stage, bar in (("lightning", LightningRichProgressBar()), ("runkit", RichProgressBar())):
+        joined[stage] = []
+        reads_during_fit(bar, tmp_path / stage)
+    assert joined == {"lightning": ["_RefreshThread"], "runkit": []}

@@ -176,6 +176,26 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "the one place the bar reads logged values (a device read per step otherwise)",
     ),
     PrivateApi(
+        "lightning.pytorch.callbacks.progress:RichProgressBar",
+        "_stop_progress",
+        "runkit.run.progress_bar",
+        "the one place the bar stops its display (each stage's end, an exception)",
+    ),
+    PrivateApi(
+        "rich.live:Live",
+        "_refresh_thread",
+        "runkit.compat.detach_refresh_thread (runkit.run.progress_bar)",
+        "Lightning's refresh thread sleeps 1/refresh_rate and its stop joins it: each stage's "
+        "end waited up to a second; nothing public stops a display without that join",
+        lambda: (
+            "_refresh_thread" in vars(_resolve("rich.live:Live")())
+            and "_refresh_thread"
+            in _resolve(
+                "lightning.pytorch.callbacks.progress.rich_progress:CustomProgress.stop"
+            ).__code__.co_names
+        ),
+    ),
+    PrivateApi(
         "lightning.fabric.loggers.csv_logs:_ExperimentWriter",
         "metrics_keys",
         "runkit.compat.add_csv_columns (resume)",
@@ -360,6 +380,19 @@ def fit_batch_index(trainer: Any) -> int:
 def add_csv_columns(writer: Any, keys: list[str]) -> None:
     """Make a CSV logger's writer keep ``keys`` as columns (private: see PRIVATE_APIS)."""
     writer.metrics_keys = sorted(set(writer.metrics_keys) | set(keys))
+
+
+def detach_refresh_thread(progress: Any) -> None:
+    """Tell a Rich display's refresh thread to end and let the display stop without joining it
+    (private: see PRIVATE_APIS). Lightning's thread sleeps a whole redraw interval between
+    checks of its flag; detached, it ends at its next wake-up by itself (a daemon thread that
+    draws nothing more)."""
+    live = progress.live
+    thread = live._refresh_thread
+    if thread is not None:
+        thread.refresh_cond = False  # Lightning's "redraw when you wake" request
+        thread.stop()
+        live._refresh_thread = None
 
 
 def default_store() -> Any:

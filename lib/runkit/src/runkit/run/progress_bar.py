@@ -15,6 +15,10 @@ The first batch of every epoch also updates the count (not the values): Rich com
 ``it/s`` it shows from the count's samples since the task's last reset, and Lightning resets the
 training task at each epoch start; without a sample near the start, an epoch shorter than a
 redraw interval had one sample (its last batch) and the bar showed ``0.00it/s``.
+
+Stopping the display (each stage's end) does not wait for Lightning's refresh thread, which
+sleeps a whole redraw interval between checks: every fit, validate and test ended up to a second
+(the default rate) later than its work, and up to a second per epoch with ``leave=True``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import RichProgressBar as LightningRichProgressBar
+
+from runkit import compat
 
 
 class RichProgressBar(LightningRichProgressBar):
@@ -57,3 +63,9 @@ class RichProgressBar(LightningRichProgressBar):
         # private: Lightning's one place that reads the values (batch ends, epoch ends)
         if self._batch_read_due:
             super()._update_metrics(trainer, pl_module)  # private: see above
+
+    def _stop_progress(self) -> None:
+        # private: Lightning's one place that stops the display (stage ends, exceptions)
+        if self.progress is not None:
+            compat.detach_refresh_thread(self.progress)
+        super()._stop_progress()  # private: see above
