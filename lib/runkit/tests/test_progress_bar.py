@@ -186,12 +186,12 @@ def test_a_stage_ends_without_waiting_for_the_refresh_thread(
     join = threading.Thread.join
 
     def noting(self: threading.Thread, timeout: float | None = None) -> None:
-        if self.is_alive():
-            joined[stage].append(type(self).__name__)
+        joined[stage].append(type(self).__name__)
         join(self, timeout)
 
     monkeypatch.setattr(threading.Thread, "join", noting)
     for stage, bar in (("lightning", LightningRichProgressBar()), ("runkit", RichProgressBar())):
         joined[stage] = []
         reads_during_fit(bar, tmp_path / stage)
-    assert joined == {"lightning": ["_RefreshThread"], "runkit": []}
+    assert "_RefreshThread" in joined["lightning"]
+    assert "_RefreshThread" not in joined["runkit"]
