@@ -403,6 +403,47 @@ def fit(tmp_path: Path, monitor: GpuStatsMonitor, *callbacks, loggers=None, mode
     return trainer
 
 
+class SamplesInBatches(pl.Callback):
+    """Per epoch: the samples in the batches trained on, and the monitor's count of them."""
+
+    def __init__(self, monitor: GpuStatsMonitor) -> None:
+        self.monitor = monitor
+        self.pairs: list[tuple[int, float]] = []
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self.seen = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.seen += len(batch[0])
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self.pairs.append((self.seen, self.monitor._loop.summary()["samples"]))
+
+
+@pytest.mark.parametrize("batch_size", [4, 5, 6])  # 64 samples: 16 whole, 13 whole, 10 + 4
+def test_a_fit_counts_its_samples_from_its_loader_exactly(tmp_path, use_fake, batch_size) -> None:
+    # limit_train_batches=12 stops before the last batch at 4 and 5, not at 6.
+    fake = use_fake(FakeNvml([FakeGpu()]))
+    monitor = GpuStatsMonitor(interval_s=1000.0, device_uuids=[fake.gpus[0].uuid])
+    truth = SamplesInBatches(monitor)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    batches = torch.utils.data.DataLoader(data, batch_size=batch_size)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        limit_train_batches=12,
+        limit_val_batches=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+        callbacks=[truth, monitor],
+    )
+    trainer.fit(TinyModel(), batches)
+    assert monitor._loop._fixed_size == batch_size  # the loader's sizes, not each batch's
+    assert truth.pairs == [(min(64, 12 * batch_size), min(64, 12 * batch_size))] * 2
+
+
 def read_csv(path: Path) -> list[dict[str, str]]:
     with path.open() as handle:
         return list(csv.DictReader(handle))

@@ -10,6 +10,7 @@ training a model. NVML is the fake, on a clock driven by hand; the real ``Traine
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import threading
@@ -27,7 +28,7 @@ from runkit.gpu_stats.callback import (
 )
 from runkit.gpu_stats.exchange import RankExchange
 from runkit.gpu_stats.gpm import GpmCounters, GpmUnsupported
-from runkit.gpu_stats.loop import LoopTimer, batch_length
+from runkit.gpu_stats.loop import LoopTimer, batch_length, fixed_batches
 from runkit.gpu_stats.report import RunSummary, print_table
 from runkit.gpu_stats.sampler import (
     GIB,
@@ -731,6 +732,71 @@ def test_loop_timer_pauses_once_and_resumes_only_after_a_pause() -> None:
     timer.batch_start()
     timer.batch_end(torch.zeros(2))
     assert timer.summary() == {"loop_s": 0.0, "data_wait_s": 0.0, "steps": 1.0, "samples": 2.0}
+
+
+def samples_seen(loader: Any, fixed: Any, window: tuple[int, int | None]) -> float:
+    """The samples a LoopTimer counts over the batches ``window`` (start, stop) of ``loader``."""
+    timer = LoopTimer()
+    timer.start_epoch(fixed)
+    for index, batch in itertools.islice(enumerate(loader), *window):
+        timer.batch_start()
+        timer.batch_end(batch, index)
+    return timer.summary()["samples"]
+
+
+def loaders() -> dict[str, Any]:
+    data = torch.utils.data.TensorDataset(torch.zeros(10, 2), torch.zeros(10))
+    loader = torch.utils.data.DataLoader
+    rank_1_of_3 = torch.utils.data.DistributedSampler(data, num_replicas=3, rank=1, shuffle=False)
+    return {
+        "last-short": loader(data, batch_size=4),
+        "drop-last": loader(data, batch_size=4, drop_last=True),
+        "exact": loader(data, batch_size=5),
+        "ddp-rank": loader(data, batch_size=3, sampler=rank_1_of_3),
+        "batch-sampler": loader(
+            data, batch_sampler=torch.utils.data.BatchSampler(range(7), 3, drop_last=False)
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", list(loaders()))
+@pytest.mark.parametrize("window", [(0, None), (0, 1), (1, None), (1, 2)], ids=str)
+def test_samples_counted_from_the_loader_are_those_in_its_batches(name, window) -> None:
+    # (1, None) is a resumed epoch; (0, 1) a limit_train_batches that never reaches the last
+    loader = loaders()[name]
+    fixed = fixed_batches(loader)
+    assert fixed is not None
+    in_batches = sum(len(batch[0]) for _, batch in itertools.islice(enumerate(loader), *window))
+    assert samples_seen(loader, fixed, window) == in_batches
+    assert samples_seen(loader, None, window) == in_batches  # counted batch by batch
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(torch.zeros(10, 2))
+
+
+class OwnLoader(torch.utils.data.DataLoader):
+    pass
+
+
+class OwnBatches(torch.utils.data.BatchSampler):
+    pass
+
+
+def test_only_loaders_whose_batch_sizes_torch_fixes_are_counted_without_their_batches() -> None:
+    data = torch.utils.data.TensorDataset(torch.zeros(10, 2))
+    loader = torch.utils.data.DataLoader
+    for other in (
+        None,
+        [loader(data, batch_size=4)],  # several loaders: Lightning's batch holds each one's
+        loader(data, batch_size=4, collate_fn=lambda samples: samples[:1]),
+        loader(data, batch_sampler=OwnBatches(range(10), 4, drop_last=False)),
+        OwnLoader(data, batch_size=4),
+        loader(data, batch_size=None),
+        loader(Stream(), batch_size=4),
+    ):
+        assert fixed_batches(other) is None, other
 
 
 def test_loop_timer_uses_the_wall_clock_by_default() -> None:

@@ -106,7 +106,7 @@ import torch
 
 from runkit.gpu_stats import report
 from runkit.gpu_stats.exchange import RankExchange
-from runkit.gpu_stats.loop import LoopTimer
+from runkit.gpu_stats.loop import LoopTimer, fixed_batches
 from runkit.gpu_stats.process import ProcessSampler, SamplerUnavailable
 from runkit.gpu_stats.sampler import (
     DEFAULT_GROUPS,
@@ -498,7 +498,7 @@ class GpuStatsMonitor(pl.Callback):
 
     # ------------------------------------------------------------------ phases
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._loop.start_epoch()
+        self._loop.start_epoch(fixed_batches(getattr(trainer, "train_dataloader", None)))
         if self._sampler is not None:
             self._guarded(
                 "epoch start", lambda: self._sampler.set_phase(TRAIN, reset=True, sample=False)
@@ -519,7 +519,7 @@ class GpuStatsMonitor(pl.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        self._loop.batch_end(batch)
+        self._loop.batch_end(batch, batch_idx)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
