@@ -529,8 +529,10 @@ class GpuStatsMonitor(pl.Callback):
         if trainer.sanity_checking or self._sampler is None:
             return
         self._phase_before_val = self._sampler.phase
+        sampler = self._sampler
         self._guarded(
-            "validation start", lambda: self._sampler.set_phase(VAL, reset=True, sample=False)
+            "validation start",
+            lambda: (sampler.set_phase(VAL, reset=True, sample=False), sampler.sample_soon()),
         )
         if self._peaks is not None:
             self._guarded("peak reset", lambda: self._peaks.stash())

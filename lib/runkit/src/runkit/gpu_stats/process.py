@@ -249,6 +249,13 @@ class ProcessSampler:
         else:
             self._request("sample_now")
 
+    def sample_soon(self) -> None:
+        """Have the child take a sample now, without waiting for it: a phase that just began
+        (each validation) may end before the next interval, and its end then finds a sample
+        instead of waiting for one (about 5 ms with 8 GPUs, on the training's time)."""
+        if self._fallback is None:
+            self._request("sample_now", reply=False)
+
     def has_samples(self, phase: str) -> bool:
         if self._fallback is not None:
             return self._fallback.has_samples(phase)

@@ -340,6 +340,11 @@ class GpuSampler:
             if phase is not None and (reset or phase not in self._acc):
                 self._acc[phase] = {}
 
+    def sample_soon(self) -> None:
+        """Nothing here: a sample on another thread of the training process would take the GIL
+        from training; a phase end without a sample takes one (:meth:`summaries`). The sampler
+        process samples at once (:meth:`ProcessSampler.sample_soon`)."""
+
     def has_samples(self, phase: str) -> bool:
         """Whether ``phase`` holds at least one sample of every live GPU."""
         with self._lock:
