@@ -384,7 +384,15 @@ class CallsPerStep(pl.Callback):
         time.sleep(self.step_s)
 
 
-def fit(tmp_path: Path, monitor: GpuStatsMonitor, *callbacks, loggers=None, model=None, epochs=2):
+def fit(
+    tmp_path: Path,
+    monitor: GpuStatsMonitor,
+    *callbacks,
+    loggers=None,
+    model=None,
+    epochs=2,
+    train_loader=None,
+):
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -399,7 +407,7 @@ def fit(tmp_path: Path, monitor: GpuStatsMonitor, *callbacks, loggers=None, mode
         logger=loggers if loggers is not None else CSVLogger(tmp_path, name="csv", version=0),
         callbacks=[monitor, *callbacks],
     )
-    trainer.fit(model or TinyModel(), loader(), loader())
+    trainer.fit(model or TinyModel(), train_loader or loader(), loader())
     return trainer
 
 
@@ -427,19 +435,7 @@ def test_a_fit_counts_its_samples_from_its_loader_exactly(tmp_path, use_fake, ba
     monitor = GpuStatsMonitor(interval_s=1000.0, device_uuids=[fake.gpus[0].uuid])
     truth = SamplesInBatches(monitor)
     data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
-    batches = torch.utils.data.DataLoader(data, batch_size=batch_size)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=2,
-        limit_train_batches=12,
-        limit_val_batches=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
-        callbacks=[truth, monitor],
-    )
-    trainer.fit(TinyModel(), batches)
+    fit(tmp_path, monitor, truth, train_loader=torch.utils.data.DataLoader(data, batch_size))
     assert monitor._loop._fixed_size == batch_size  # the loader's sizes, not each batch's
     assert truth.pairs == [(min(64, 12 * batch_size), min(64, 12 * batch_size))] * 2
 
