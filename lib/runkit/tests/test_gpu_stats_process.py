@@ -141,8 +141,8 @@ def test_the_process_gives_the_threads_figures_on_the_same_sequence(use_fake) ->
 
 def test_a_validation_start_has_the_child_sample_while_the_trainer_goes_on(use_fake) -> None:
     # A phase shorter than the interval used to make its end wait for a closing sample; the
-    # child now takes one as the phase starts, and the trainer does not wait for it.
-    fake = use_fake(FakeNvml([FakeGpu(util_gpu=40)], call_cost_s=0.02))  # a reading: ~0.3 s
+    # child now takes one as the phase starts (the request asks for no reply).
+    fake = use_fake(FakeNvml([FakeGpu(util_gpu=40)]))
     gpus = [("cuda0", fake.gpus[0].uuid)]
     child = ProcessSampler.fork(gpus, DEFAULT_GROUPS, 1000.0)
     fake.nvmlInit()
@@ -151,9 +151,7 @@ def test_a_validation_start_has_the_child_sample_while_the_trainer_goes_on(use_f
     child.start()
     try:
         child.set_phase(VAL, reset=True, sample=False)
-        started = time.monotonic()
         child.sample_soon()
-        assert time.monotonic() - started < 0.2  # not the reading's time: nothing to wait for
         deadline = time.monotonic() + 10  # the interval is 1000 s: only sample_soon samples
         while not child.has_samples(VAL) and time.monotonic() < deadline:
             time.sleep(0.05)
