@@ -92,7 +92,7 @@ class LoopTimer:
         "_fixed_size",
         "_last_end",
         "_last_index",
-        "_last_short",
+        "_last_size",
         "_paused_at",
         "_said_uncountable",
         "clock",
@@ -110,8 +110,7 @@ class LoopTimer:
     def start_epoch(self, fixed: tuple[int, int, int] | None = None) -> None:
         """A new epoch; ``fixed`` is :func:`fixed_batches` of its loader (None: count each batch)."""
         self._epoch_start = self._last_end = self.clock()
-        self._fixed_size, self._last_index, last_size = fixed or (0, -1, 0)
-        self._last_short = self._fixed_size - last_size
+        self._fixed_size, self._last_index, self._last_size = fixed or (0, -1, 0)
         self._paused_at: float | None = None
         self.wait_s = 0.0
         self.paused_s = 0.0  # validation between the epoch start and the last step
@@ -131,9 +130,9 @@ class LoopTimer:
         self._last_end = self.clock()
         self.steps += 1
         samples = self.samples
-        if self._fixed_size:  # summary() counts steps * size; only the last batch is short
-            if batch_idx == self._last_index:
-                self.samples = samples - self._last_short
+        if self._fixed_size:  # known from the loader: only the last batch may be short
+            last = batch_idx == self._last_index
+            self.samples = samples + (self._last_size if last else self._fixed_size)
             return
         if samples is None:
             return
@@ -173,8 +172,6 @@ class LoopTimer:
             "data_wait_s": self.wait_s,
             "steps": float(self.steps),
         }
-        if self._fixed_size:
-            out["samples"] = float(self.samples + self.steps * self._fixed_size)
-        elif self.samples is not None:
+        if self.samples is not None:
             out["samples"] = float(self.samples)
         return out
