@@ -530,10 +530,12 @@ class GpuStatsMonitor(pl.Callback):
             return
         self._phase_before_val = self._sampler.phase
         sampler = self._sampler
-        self._guarded(
-            "validation start",
-            lambda: (sampler.set_phase(VAL, reset=True, sample=False), sampler.sample_soon()),
-        )
+
+        def start_validation() -> None:
+            sampler.set_phase(VAL, reset=True, sample=False)
+            sampler.sample_soon()  # so that the validation's end need not wait for a reading
+
+        self._guarded("validation start", start_validation)
         if self._peaks is not None:
             self._guarded("peak reset", lambda: self._peaks.stash())
 
