@@ -202,6 +202,7 @@ def test_safety_parts_and_speed_switches_show_in_the_composed_configs() -> None:
     evaluation = compose_train("ckpt_path=x", name="eval")
     assert "graceful_interrupt" in evaluation.callbacks
     assert (evaluation.precision, evaluation.matmul_precision) == (train.precision, "high")
+    assert evaluation.keep_freed_memory is train.keep_freed_memory is True
 
 
 def test_eval_takes_the_same_gpu_wait_and_claim_keys_as_train() -> None:

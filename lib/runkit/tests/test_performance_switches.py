@@ -7,8 +7,13 @@ training step of the template's default loop reads nothing back from the device.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
+import platform
+import resource
+import subprocess
+import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -21,7 +26,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 import runkit
-from conftest import CliRunner, run_dirs
+from conftest import CliRunner, clean_env, run_dirs
 from project import config_dir
 from project.data.digits import DigitsDataModule
 from project.models.classifier import ClassifierModule
@@ -55,6 +60,7 @@ def test_config_defaults_are_the_fast_safe_choices() -> None:
     cfg = _compose()
     assert cfg.precision == "auto"
     assert cfg.matmul_precision == "high"
+    assert cfg.keep_freed_memory is True
     assert "precision" not in cfg.trainer  # one precision key, the top-level one
     assert cfg.callbacks.speed.compile is False
     assert cfg.callbacks.speed.channels_last is True  # applied on CUDA, to convolutional nets
@@ -114,6 +120,55 @@ def test_matmul_precision_high_on_ampere_and_not_on_turing(
 def test_bad_matmul_precision_is_one_line(restore_matmul_precision: Any) -> None:
     with pytest.raises(RunError, match=r"^matmul_precision='tf32' is invalid; expected one of"):
         speed.apply_matmul_precision("tf32", [])
+
+
+# --------------------------------------------------------------------------- freed memory
+# A fresh interpreter (the allocator's settings are the process's, and cannot be undone) frees
+# and allocates again what a training step does, 16 blocks of 4 MB, and prints the pages it
+# faulted in over five such rounds after the first.
+_CHURN = """
+import resource, sys, torch
+from runkit import speed
+print(speed.keep_freed_memory(sys.argv[1] == "on"))
+def step():
+    blocks = [torch.ones(1 << 20) for _ in range(16)]
+    del blocks
+step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+def test_kept_freed_memory_is_not_faulted_in_again_at_the_next_step() -> None:
+    runs = {
+        mode: subprocess.Popen(
+            [sys.executable, "-c", _CHURN, mode], stdout=subprocess.PIPE, text=True, env=clean_env()
+        )
+        for mode in ("on", "off")
+    }
+    printed = {mode: run.communicate(timeout=120)[0].split() for mode, run in runs.items()}
+    assert printed["on"][0] == "True" and printed["off"][0] == "False"
+    pages = 16 * (4 << 20) // resource.getpagesize()  # one round's blocks
+    # glibc's defaults unmap the first round's blocks and grow the heap for the next round's
+    # (faulted in), then may trim it again; kept, a round's blocks are the last round's.
+    assert int(printed["off"][1]) >= pages, printed
+    assert int(printed["on"][1]) < pages // 4, printed
+
+
+def test_keep_freed_memory_is_a_no_op_without_glibc_and_bad_values_are_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(platform, "libc_ver", lambda: ("", ""))
+    monkeypatch.setattr(ctypes, "CDLL", lambda *a: pytest.fail("the allocator was touched"))
+    assert speed.keep_freed_memory(True) is False
+    assert speed.keep_freed_memory(False) is False
+    with pytest.raises(
+        RunError, match=r"^keep_freed_memory='yes' is invalid; expected true or false$"
+    ):
+        speed.keep_freed_memory("yes")
 
 
 # --------------------------------------------------------------------------- precision
@@ -457,6 +512,18 @@ def test_train_passes_the_resolved_precision_to_the_trainer(
     torch.set_float32_matmul_precision("highest")
     assert _built_trainer_kwargs(tmp_path / "c", monkeypatch)["precision"] == "bf16-mixed"
     assert torch.get_float32_matmul_precision() == "high"
+
+
+def test_train_applies_keep_freed_memory_from_its_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    asked: list[Any] = []
+    monkeypatch.setattr(speed, "keep_freed_memory", lambda value: asked.append(value) or value)
+    with caplog.at_level(logging.INFO, logger="runkit.speed"):
+        _built_trainer_kwargs(tmp_path / "a", monkeypatch)
+    assert "float32 matmul precision=highest, freed memory kept (cpu)" in caplog.text
+    _built_trainer_kwargs(tmp_path / "b", monkeypatch, "keep_freed_memory=false")
+    assert asked == [True, False]
 
 
 def test_no_profiler_asked_for_is_the_cheap_one_and_a_profiler_asked_for_is_kept(
