@@ -25,7 +25,9 @@ question: is my module slower through the template than through the Trainer I wo
 Each run trains ``--epochs`` epochs; the first is warm-up (allocator, oneDNN kernels, the sanity
 check) and excluded; the rest are timed from one epoch start to the next (the last one to the
 end of training), so the timed window holds every step, the validation passes and the epoch-end
-work of every arm. Arms rotate (template, plain, hand; plain, hand, template; ...) over
+work of every arm. Each run is a process of its own, forked from the benchmark's (which trains
+nothing), as a user's run is: the template's process-wide switches (``keep_freed_memory``)
+reach no other arm. Arms rotate (template, plain, hand; plain, hand, template; ...) over
 ``--repeats``; printed is the median of the per-repeat ratios of throughput (template / plain
 Lightning and template / hand: 1.0 is parity, 0.95 is a loop 5 % slower) with the min and max, by wall clock and by the process's CPU time
 (steadier on a shared machine). A third line compares the median training step alone (from
@@ -56,10 +58,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import pickle
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -85,6 +89,56 @@ HAND_PARTS: dict[str, list[float]] = {}
 PARTS: list[dict[str, Any]] = []
 # (wall, CPU) seconds of each training step of the last floor run, batch start to batch start.
 FLOOR_STEPS: list[tuple[float, float]] = []
+
+
+# --same-allocator: every arm's process keeps freed memory, as the template's does by default.
+SAME_ALLOCATOR = False
+
+
+def in_own_process(run: Any, *args: Any) -> Any:
+    """``run(*args)`` in a child forked for it; returns what it returns, with the step times and
+    parts it recorded copied back into this process's lists.
+
+    Each run is a process of its own, as a user's run is: no arm inherits the allocator settings
+    of another (the template's ``keep_freed_memory`` is process-wide and cannot be undone) or the
+    heap it left. This process trains nothing itself, so each child starts from the same state.
+    With :data:`SAME_ALLOCATOR` every child keeps freed memory before it runs.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: run, send the result back, and leave without this process's exit
+        os.close(read)
+        status, payload = 0, b""
+        try:
+            if SAME_ALLOCATOR:
+                from runkit.speed import keep_freed_memory
+
+                keep_freed_memory(True)
+            recorded = (_common.STEP_TIMES, PARTS, HAND_PARTS, FLOOR_STEPS)
+            payload = pickle.dumps((run(*args), recorded))
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        with os.fdopen(write, "wb") as pipe:
+            pipe.write(payload)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        payload = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        raise SystemExit(f"{run.__name__} failed in its process (above); exit status {status}")
+    result, (steps, parts, hand_parts, floor_steps) = pickle.loads(payload)
+    _common.STEP_TIMES[:] = steps
+    PARTS[:] = parts
+    HAND_PARTS.clear()
+    HAND_PARTS.update(hand_parts)
+    FLOOR_STEPS[:] = floor_steps
+    return result
 
 
 def compose(size: str, epochs: int, out: Path, extra: list[str]) -> Any:
@@ -556,9 +610,10 @@ def measure_floor(tmp: Path, epochs: int, repeats: int) -> dict[str, Any]:
     for order in _common.interleaved(repeats, list(arms.names)):
         for arm in order:
             if arm == "plain":
-                stamps = run_floor_plain(cfg)
+                stamps = in_own_process(run_floor_plain, cfg)
             else:
-                stamps = run_floor_lightning(cfg, callbacks if arm == "callbacks" else 0)
+                count = callbacks if arm == "callbacks" else 0
+                stamps = in_own_process(run_floor_lightning, cfg, count)
             for clock, name in enumerate(("wall", "cpu")):
                 arms.add(f"{arm}/epoch/{name}", steady_epoch_ms(stamps, clock))
                 step = statistics.median(times[clock] for times in FLOOR_STEPS)
@@ -627,7 +682,7 @@ def measure_size(size: str, repeats: int, args: argparse.Namespace, tmp: Path) -
             cfg = compose(size, args.epochs, out, extra)
             PARTS.clear()
             if arm == "hand":
-                stamps = run_hand(cfg, save=args.hand_save)
+                stamps = in_own_process(run_hand, cfg, args.hand_save)
                 epochs = len(stamps) - 2
                 for name, (wall, cpu) in HAND_PARTS.items():
                     hand_parts[name].append((1000 * wall / epochs, 1000 * cpu / epochs))
@@ -641,9 +696,9 @@ def measure_size(size: str, repeats: int, args: argparse.Namespace, tmp: Path) -
                 )
             elif arm in ("plain", "plain_parts"):
                 profiler = parts_profiler() if arm == "plain_parts" else None
-                stamps = run_plain(cfg, profiler=profiler)
+                stamps = in_own_process(run_plain, cfg, profiler)
             else:
-                stamps = run_template(cfg)
+                stamps = in_own_process(run_template, cfg)
             if arm in PROFILED:
                 parts[PROFILED[arm]] += PARTS
             samples = _common.train_samples(cfg)
@@ -750,9 +805,17 @@ def main() -> None:
         "--parts", action="store_true", help="also profile the template: where its epochs go"
     )
     parser.add_argument(
+        "--same-allocator",
+        action="store_true",
+        help="keep freed memory in every arm's process, not only the template's: the loops "
+        "alone, without the template's keep_freed_memory",
+    )
+    parser.add_argument(
         "--floor-repeats", type=int, default=6, help="repeats of Lightning's floor (0: skip it)"
     )
     args = parser.parse_args()
+    global SAME_ALLOCATOR
+    SAME_ALLOCATOR = args.same_allocator
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SIZES]
     if unknown or args.epochs < 2 or args.repeats < 0 or args.floor_repeats < 0:
@@ -782,6 +845,7 @@ def main() -> None:
     print(
         f"{args.epochs} epochs per run, the first excluded; hand-written loop saves: "
         f"{args.hand_save}"
+        + ("; every arm keeps freed memory" if args.same_allocator else "")
         + (
             f"; template overrides: {' '.join(args.template_overrides)}"
             if args.template_overrides
