@@ -97,6 +97,28 @@ def test_one_stop_delivered_twice_and_a_forked_childs_signal_are_one_stop() -> N
     assert last_line(done.stderr) == "stopped by SIGTERM during startup; exit code 143"
 
 
+AFTER_A_FAILED_RUN = """
+import os, signal, sys
+from runkit.safety import signals
+try:
+    with signals.stop_on_signal(until_exit=True):
+        raise ValueError("bad input")
+except ValueError:
+    # torchrun SIGTERMs this rank because another one exited 2, as this one prints its line.
+    os.kill(os.getpid(), signal.SIGTERM)
+    print("error: bad input", file=sys.stderr)
+    raise SystemExit(2)
+"""
+
+
+def test_a_signal_after_a_failed_run_leaves_its_one_line_and_exit_code() -> None:
+    # CI once: the rerun of a finished torchrun run failed in one line on each rank, and the rank
+    # torchrun then stopped added "SIGTERM received after the run had finished" with exit 143.
+    done = run_python(AFTER_A_FAILED_RUN, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == "error: bad input"
+
+
 def test_a_second_ctrl_c_quits_at_once_with_130() -> None:
     # Issue #24.3: it exited 1 (a KeyboardInterrupt traceback); 130 is the documented code.
     started = time.monotonic()

@@ -86,6 +86,8 @@ class StopRequest:
     """Whether the watcher thread hears every delivery (it then judges the repeats)."""
     parent: int = 0
     """This process's parent when the run began; another one means it died (PR_SET_PDEATHSIG)."""
+    failed: bool = False
+    """Whether the block ended in an exception: its one line and exit code are on their way."""
 
 
 request = StopRequest()
@@ -123,6 +125,9 @@ def stop_on_signal(until_exit: bool = False) -> Iterator[StopRequest]:
     watcher = _Watcher(request)
     try:
         yield request
+    except BaseException:
+        request.failed = True
+        raise
     finally:
         request.active = False
         watcher.close()
@@ -139,10 +144,18 @@ _AFTER_THE_RUN = "received after the run had finished (its files are complete)"
 
 
 def _after_the_run(signum: int, frame: FrameType | None) -> None:
-    """A stop signal while the finished process shuts down: its files are all written."""
+    """A stop signal while the finished process shuts down: its files are all written.
+
+    After a run that failed, the signal is ignored, as from :func:`_at_exit` on: the error's one
+    line is printed after the block and the process exits with its code. A launcher tearing the
+    group down over that error (torchrun SIGTERMs the other ranks when one exits 2) would
+    otherwise add a second line saying the run had finished, or end the process before its own.
+    """
     if request.received is not None:  # the run was stopped: its line and 128 + N are given
         if _second_request(request, signum, time.monotonic()):
             quit_now(signum, "again: quitting at once")
+        return
+    if request.failed:
         return
     if request.quiet:
         os._exit(128 + signum)
