@@ -141,6 +141,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+@pytest.mark.slow  # two fresh interpreters importing torch and Lightning
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 def test_kept_freed_memory_is_not_faulted_in_again_at_the_next_step() -> None:
     runs = {
