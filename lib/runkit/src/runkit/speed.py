@@ -78,11 +78,11 @@ LIGHTNING_PRECISIONS = (
     "bf16",
 )
 TF32_MIN_CAPABILITY = (8, 0)
+BF16_MIN_CAPABILITY = (8, 0)
 # glibc's mallopt parameters (malloc.h) and the values keep_freed_memory sets.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 KEPT_FREE_BYTES = 1 << 30  # at most this much freed memory stays with the process
 MMAP_THRESHOLD_BYTES = 32 << 20  # blocks at least this large still come from, and go back to, mmap
-BF16_MIN_CAPABILITY = (8, 0)
 
 
 def cuda_indices(accelerator: Any, devices: Any) -> list[int]:
@@ -135,11 +135,11 @@ def keep_freed_memory(enabled: Any) -> bool:
     them in again, zeroed: on the default network ~2,000 faults a step, 15 to 25 % of a CPU step
     (the template repository's loop-parity benchmark). PyTorch's CPU tuning guide gets this by
     swapping the allocator (jemalloc, tcmalloc with ``LD_PRELOAD``); glibc's own ``mallopt``
-    does it in process, with nothing to install: the mmap threshold fixed at 32 MB (larger blocks are still
-    mapped and returned at once) and the trim threshold at 1 GiB (up to that much freed memory
-    stays with the process, so its resident size stays near its high-water mark). GPU runs
-    allocate little on the host and are unaffected either way. Process-wide and not undone:
-    every rank and entry point calls this in its own process.
+    does it in process, with nothing to install: the mmap threshold fixed at 32 MB (larger
+    blocks are still mapped and returned at once) and the trim threshold at 1 GiB (up to that
+    much freed memory stays with the process, so its resident size stays near its high-water
+    mark). GPU runs allocate little on the host and are unaffected either way. Process-wide and
+    not undone: every rank and entry point calls this in its own process.
     """
     if not isinstance(enabled, bool):
         raise RunError(f"keep_freed_memory={enabled!r} is invalid; expected true or false")
