@@ -12,13 +12,18 @@ they record timestamps only, so they add no work of their own to what they measu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pickle
 import platform
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,6 +140,120 @@ class Arms:
         return [
             a / b for a, b in zip(self.values[numerator], self.values[denominator], strict=True)
         ]
+
+
+def in_own_process(run: Callable[..., Any], *args: Any) -> Any:
+    """``run(*args)`` in a child forked for it; returns what it returns (pickled back).
+
+    A user's run is a process of its own. Run one after the other in one process, arms share the
+    heap and the garbage collector's state the earlier ones left, and a process-wide setting one
+    arm makes (the template's ``keep_freed_memory``) reaches every arm after it. The caller
+    trains nothing itself, so each child starts from the same state.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: run, send the result back, and leave without the parent's exit
+        os.close(read)
+        status, payload = 0, b""
+        try:
+            payload = pickle.dumps(run(*args))
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        with os.fdopen(write, "wb") as pipe:
+            pipe.write(payload)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        payload = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        raise SystemExit(f"{run.__name__} failed in its process (above); exit status {status}")
+    return pickle.loads(payload)
+
+
+Slices = list[tuple[float, float]]  # (continued, stopped) times of one run, by perf_counter
+
+
+def side_by_side(runs: Sequence[tuple[Callable[..., Any], tuple]], slice_s: float) -> list:
+    """Run ``fn(*args)`` for each of ``runs`` at once, each in a process group of its own, taking
+    turns of ``slice_s`` seconds (the others stopped by SIGSTOP); returns ``(result, slices)`` per
+    run, ``slices`` the spans it ran. :func:`active_s` turns a span the run timed into the seconds
+    it actually ran.
+
+    Why: the machines these run on change speed by +-10 % from one 10 ms to the next and by
+    +-50 % over seconds (a pure Python loop, timed alone, nothing else running here: other
+    tenants of the host). Arms run one after the other each meet a different machine, and a
+    ratio of two 3 s runs spreads by +-30 %. Taking turns every few milliseconds, every arm meets
+    the same machine: two identical arms of 5 s agree within 1-3 %. Each run is a process of its
+    own (with its children, e.g. a sampler process, in its group), as a user's run is.
+
+    Clocks: a span timed inside a run includes the slices of the others; pass it through
+    :func:`active_s`. A timer or interval inside a run (``time.sleep``, a sampler's period) runs
+    on in wall time while the run is stopped.
+    """
+    procs = []
+    try:
+        for fn, args in runs:
+            handle, path = tempfile.mkstemp(prefix="side-by-side-", suffix=".pickle")
+            os.close(handle)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:  # the run: wait to be continued, run, leave the result in its file
+                status = 0
+                try:
+                    os.setpgid(0, 0)
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                    result = fn(*args)
+                    Path(path).write_bytes(pickle.dumps(result))
+                except BaseException:
+                    traceback.print_exc()
+                    status = 1
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)
+            with contextlib.suppress(PermissionError, ProcessLookupError):
+                os.setpgid(pid, pid)  # also here: no race with the child's own call
+            os.waitpid(pid, os.WUNTRACED)  # stopped, ready
+            procs.append((pid, path, [], fn.__name__))
+        running = list(range(len(procs)))
+        while running:
+            for index in list(running):
+                pid, path, slices, name = procs[index]
+                start = time.perf_counter()
+                os.killpg(pid, signal.SIGCONT)
+                time.sleep(slice_s)
+                with contextlib.suppress(ProcessLookupError):  # the group ended
+                    os.killpg(pid, signal.SIGSTOP)
+                _, status = os.waitpid(pid, os.WUNTRACED)  # stopped, or ended
+                slices.append((start, time.perf_counter()))
+                if not os.WIFSTOPPED(status):
+                    running.remove(index)
+                    if os.waitstatus_to_exitcode(status) != 0:
+                        raise SystemExit(f"{name} failed in its process (above)")
+        return [(pickle.loads(Path(path).read_bytes()), slices) for _, path, slices, _ in procs]
+    finally:
+        for pid, path, _, _ in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+            Path(path).unlink(missing_ok=True)
+
+
+def active_s(slices: Slices, spans: Sequence[tuple[float, float]]) -> float:
+    """Seconds of the ``(start, end)`` spans (perf_counter) during which the run held the
+    machine."""
+    return sum(
+        max(0.0, min(end, stopped) - max(start, continued))
+        for start, end in spans
+        for continued, stopped in slices
+    )
 
 
 def interleaved(repeats: int, arms: Sequence[str]) -> list[list[str]]:

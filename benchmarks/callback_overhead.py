@@ -8,10 +8,17 @@ call. This benchmark measures what that costs anyway, side by side with the back
 of the training process (``sampler="thread"``, which competes for the GIL), on CPU with the fake
 NVML where every call sleeps ``--call-cost-ms`` (a real NVML call takes roughly 0.1-1 ms) and
 one process drives ``--gpus`` fake GPUs (the worst case for the epoch end: every GPU's figures
-are gathered, flattened and logged there). Arms are interleaved (A/B/C, B/C/A, ...) over
-several repeats; printed is the median of the per-repeat ratios (each "on" run over the "off"
-run of the same repeat) with their min and max, because absolute times say more about the
-machine than about the callback.
+are gathered, flattened and logged there).
+
+How: in each repeat every arm is a process of its own, and the arms take turns on the machine
+every ``--slice-ms`` (:func:`_common.side_by_side`): this machine's speed wanders by +-50 % over
+seconds, and arms run one after the other spread by +-30 % a ratio; taking turns, each meets
+the same machine. Times are the seconds each run held the machine. A sampler's interval is wall
+time and runs on while its arm waits for its turn, so each arm's interval is stretched by the
+number of arms: per second of its own training it samples as often as at the nominal interval.
+Printed is the median of the per-repeat ratios (each arm's run over the "off" run of the same
+repeat) with their min and max, and a control arm that is "off" again: its ratio is what the
+measurement itself spreads (a few percent a run here), the resolution of every other row.
 
 Side by side, per arm: the steady loop's throughput (first batch to last batch of each epoch),
 the whole run's epoch rate (first epoch start to the end of training: validation, the epoch-end
@@ -33,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -48,7 +56,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common  # benchmarks/ is not a package: found through sys.path
 
+Spans = list[tuple[float, float]]  # (start, end) by time.perf_counter
+LONG_S = 0.0005  # a hook call longer than this keeps its span (StepHooksTimed)
 EMPTY = "empty callback"  # the arm with a callback that does nothing
+CONTROL = "off, again (control)"  # "off" twice: what the measurement itself spreads
 GPM = {"SM_UTIL": 60, "SM_OCCUPANCY": 30, "ANY_TENSOR_UTIL": 20, "DRAM_BW_UTIL": 45}
 
 
@@ -75,62 +86,80 @@ class StepHooksTimed:
     """Times a callback's own per-step hooks (batch start and end) on the training thread.
 
     Mixed into the monitor and into an empty callback alike, so the timer's own cost is in both
-    and their difference is what the monitor's per-step bookkeeping adds to each step."""
+    and their difference is what the monitor's per-step bookkeeping adds to each step. A hook
+    call is a microsecond; one that took over :data:`LONG_S` (the run was stopped inside it:
+    :func:`_common.side_by_side`, or a garbage collection) keeps its span instead, for the
+    seconds the run held the machine to be counted."""
 
     step_hooks_s = 0.0
+    long_spans: Spans
+
+    def _add(self, start: float) -> None:
+        end = time.perf_counter()
+        if end - start < LONG_S:
+            self.step_hooks_s += end - start
+        else:
+            self.long_spans.append((start, end))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         start = time.perf_counter()
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        self.step_hooks_s += time.perf_counter() - start
+        self._add(start)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         start = time.perf_counter()
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        self.step_hooks_s += time.perf_counter() - start
+        self._add(start)
 
 
 class TimedEmpty(StepHooksTimed, pl.Callback):
     """A callback that does nothing: what Lightning's hook calls cost by themselves."""
 
+    def __init__(self) -> None:
+        self.long_spans = []
+
 
 class TimedMonitor(StepHooksTimed, GpuStatsMonitor):
-    """The callback as shipped, with its ``on_train_epoch_end`` and per-step hooks timed."""
+    """The callback as shipped, with its per-step hooks timed and the spans of its epoch-boundary
+    hooks recorded (epoch start and end, validation start and end: where the training thread
+    waits for the sampler), per epoch."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.epoch_end_s: list[float] = []
-        self.boundaries_s: list[float] = []  # per epoch: every epoch-boundary hook together
+        self.long_spans = []
+        self.epoch_ends: Spans = []
+        self.boundaries: list[Spans] = []
 
-    def _timed(self, hook, *args) -> float:
+    def _timed(self, hook, *args) -> tuple[float, float]:
         start = time.perf_counter()
         hook(*args)
-        return time.perf_counter() - start
+        return start, time.perf_counter()
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
-        self.boundaries_s.append(self._timed(super().on_train_epoch_start, trainer, pl_module))
+        self.boundaries.append([self._timed(super().on_train_epoch_start, trainer, pl_module)])
 
     def on_validation_epoch_start(self, trainer, pl_module) -> None:
-        seconds = self._timed(super().on_validation_epoch_start, trainer, pl_module)
-        if not trainer.sanity_checking and self.boundaries_s:
-            self.boundaries_s[-1] += seconds
+        span = self._timed(super().on_validation_epoch_start, trainer, pl_module)
+        if not trainer.sanity_checking and self.boundaries:
+            self.boundaries[-1].append(span)
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        seconds = self._timed(super().on_validation_epoch_end, trainer, pl_module)
-        if not trainer.sanity_checking and self.boundaries_s:
-            self.boundaries_s[-1] += seconds
+        span = self._timed(super().on_validation_epoch_end, trainer, pl_module)
+        if not trainer.sanity_checking and self.boundaries:
+            self.boundaries[-1].append(span)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
-        seconds = self._timed(super().on_train_epoch_end, trainer, pl_module)
-        self.epoch_end_s.append(seconds)
-        self.boundaries_s[-1] += seconds
+        span = self._timed(super().on_train_epoch_end, trainer, pl_module)
+        self.epoch_ends.append(span)
+        self.boundaries[-1].append(span)
 
 
 class LoopTimer(pl.Callback):
-    """Times the steady loop of each epoch and the whole run (first epoch start to train end)."""
+    """Records the span of each epoch's steady loop (first batch start to last batch end) and of
+    the whole run (first epoch start to train end)."""
 
     def __init__(self) -> None:
-        self.loop_s = 0.0
+        self.loops: Spans = []
         self.steps = 0
         self.first = self.run_start = self.run_end = 0.0
 
@@ -144,17 +173,35 @@ class LoopTimer(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if batch_idx + 1 == trainer.num_training_batches:
-            self.loop_s += time.perf_counter() - self.first
+            self.loops.append((self.first, time.perf_counter()))
             self.steps += batch_idx + 1
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.run_end = time.perf_counter()
 
 
-def one_run(steps: int, epochs: int, arm: tuple[str | None, float], uuids: list[str], log_dir: str):
-    """(loop steps/s, epochs/s of the whole run, seconds of each epoch end, seconds of each
-    epoch's boundary hooks together: epoch start and end, validation start and end, and the
-    seconds a training step spent in the arm's callback's per-step hooks)."""
+@dataclass
+class Run:
+    """What one run recorded: spans by ``time.perf_counter`` (turned into the seconds the run
+    held the machine by :func:`_common.active_s`), CPU seconds, counts."""
+
+    loops: Spans
+    steps: int
+    whole: tuple[float, float]
+    epoch_ends: Spans
+    boundaries: list[Spans]
+    step_hooks_s: float  # seconds in the arm's callback's batch hooks, the calls under LONG_S
+    step_hooks_long: Spans  # and the calls that took longer
+    nvml_calls: int  # fake NVML calls the training process made
+    balanced: bool  # every nvmlInit had its nvmlShutdown
+
+
+def one_run(
+    steps: int, epochs: int, arm: tuple[str | None, float], fake: FakeNvml, log_dir: str
+) -> Run:
+    """Trains :class:`Mlp` for ``epochs`` of ``steps`` with the arm's callback, if any."""
+    uuids = [g.uuid for g in fake.gpus]
+    calls_before = fake.total_calls()
     sampler, interval_s = arm
     timer = LoopTimer()
     callbacks: list[pl.Callback] = [timer]
@@ -187,11 +234,17 @@ def one_run(steps: int, epochs: int, arm: tuple[str | None, float], uuids: list[
         torch.utils.data.DataLoader(data, batch_size=32),
         torch.utils.data.DataLoader(val, batch_size=32),
     )
-    ends = getattr(monitor, "epoch_end_s", [])
-    boundaries = getattr(monitor, "boundaries_s", [])
-    step_hooks_s = monitor.step_hooks_s / (steps * epochs) if monitor is not None else 0.0
-    rates = timer.steps / timer.loop_s, epochs / (timer.run_end - timer.run_start)
-    return *rates, ends, boundaries, step_hooks_s
+    return Run(
+        loops=timer.loops,
+        steps=timer.steps,
+        whole=(timer.run_start, timer.run_end),
+        epoch_ends=getattr(monitor, "epoch_ends", []),
+        boundaries=getattr(monitor, "boundaries", []),
+        step_hooks_s=getattr(monitor, "step_hooks_s", 0.0),
+        step_hooks_long=getattr(monitor, "long_spans", []),
+        nvml_calls=fake.total_calls() - calls_before,
+        balanced=fake.balanced,
+    )
 
 
 def main() -> None:
@@ -206,11 +259,21 @@ def main() -> None:
     parser.add_argument(
         "--intervals", default="1.0,0.05", help="sampler intervals to test, comma separated"
     )
+    parser.add_argument(
+        "--slice-ms", type=float, default=20.0, help="each arm's turn on the machine (ms)"
+    )
     args = parser.parse_args()
-    if args.repeats < 1 or args.steps < 10 or args.epochs < 1 or args.gpus < 1:
+    if (
+        args.repeats < 1
+        or args.steps < 10
+        or args.epochs < 1
+        or args.gpus < 1
+        or not 1 <= args.slice_ms <= 1000
+    ):
         parser.error(
             f"--repeats={args.repeats} --steps={args.steps} --epochs={args.epochs} "
-            f"--gpus={args.gpus}: need repeats >= 1, steps >= 10, epochs >= 1, gpus >= 1"
+            f"--gpus={args.gpus} --slice-ms={args.slice_ms:g}: need repeats >= 1, steps >= 10, "
+            "epochs >= 1, gpus >= 1, slice-ms 1 to 1000"
         )
     intervals = [float(v) for v in args.intervals.split(",") if v.strip()]
 
@@ -219,16 +282,23 @@ def main() -> None:
 
     gpus = [FakeGpu(util_gpu=[(0, 40), (5, 90)], gpm=GPM) for _ in range(args.gpus)]
     fake = FakeNvml(gpus, call_cost_s=args.call_cost_ms / 1000)
-    uuids = [g.uuid for g in fake.gpus]
     nvml.use_library(fake)
     # One process drives every fake GPU (as DataParallel would): parallel_devices[i] -> GPU i.
     gpu_callback.process_devices = lambda trainer: [
         (i, torch.device("cpu")) for i in range(args.gpus)
     ]
-    arms: dict[str, tuple[str | None, float]] = {"off": (None, 0.0), EMPTY: (EMPTY, 0.0)}
+    arms: dict[str, tuple[str | None, float]] = {
+        "off": (None, 0.0),
+        CONTROL: (None, 0.0),
+        EMPTY: (EMPTY, 0.0),
+    }
     for v in intervals:
         for sampler in ("process", "thread"):
             arms[f"{sampler}, every {v:g} s"] = (sampler, v)
+    # The arms take turns (side_by_side): each holds the machine one run's share of the time,
+    # while a sampler's period runs in wall time. Stretched by the number of arms, each samples
+    # as often per second of its own training as at the nominal interval.
+    stretch = len(arms)
     loop = _common.Arms(list(arms))
     whole = _common.Arms(list(arms))
     epoch_end_ms: dict[str, list[float]] = {name: [] for name in arms}
@@ -236,23 +306,48 @@ def main() -> None:
     epoch_s: dict[str, list[float]] = {name: [] for name in arms}
     step_us: dict[str, list[float]] = {name: [] for name in arms}  # loop time a step
     hooks_us: dict[str, list[float]] = {name: [] for name in arms}  # in the per-step hooks
+    calls, balanced = 0, True
     with tempfile.TemporaryDirectory() as log_dir:
-        one_run(20, 1, next(iter(arms.values())), uuids, log_dir)  # warm-up
+        # Warm-up here, so that every run's process starts with Lightning's lazy imports done.
+        for arm in list(arms.values())[:3]:
+            one_run(20, 1, arm, fake, log_dir)
         for order in _common.interleaved(args.repeats, list(arms)):
-            for name in order:
-                rate, epochs_per_s, ends, boundaries, hooks_s = one_run(
-                    args.steps, args.epochs, arms[name], uuids, log_dir
+            runs = [
+                (
+                    one_run,
+                    (
+                        args.steps,
+                        args.epochs,
+                        (arms[name][0], arms[name][1] * stretch),
+                        fake,
+                        str(Path(log_dir, name.replace(" ", "_"))),
+                    ),
                 )
+                for name in order
+            ]
+            results = _common.side_by_side(runs, args.slice_ms / 1000)
+            for name, (run, slices) in zip(order, results, strict=True):
+                calls, balanced = calls + run.nvml_calls, balanced and run.balanced
+                rate = run.steps / _common.active_s(slices, run.loops)
+                epochs_per_s = args.epochs / _common.active_s(slices, [run.whole])
                 step_us[name].append(1e6 / rate)
-                hooks_us[name].append(1e6 * hooks_s)
+                in_hooks_s = run.step_hooks_s + _common.active_s(slices, run.step_hooks_long)
+                hooks_us[name].append(1e6 * in_hooks_s / run.steps)
                 loop.add(name, rate)
                 whole.add(name, epochs_per_s)
-                epoch_end_ms[name] += [1000 * s for s in ends]
-                boundary_ms[name] += [1000 * s for s in boundaries]
+                epoch_end_ms[name] += [
+                    1000 * _common.active_s(slices, [span]) for span in run.epoch_ends
+                ]
+                boundary_ms[name] += [
+                    1000 * _common.active_s(slices, spans) for spans in run.boundaries
+                ]
                 epoch_s[name].append(1.0 / epochs_per_s)
     nvml.use_library(None)
 
-    print("\ncallback overhead: GpuStatsMonitor on / off, same process, interleaved")
+    print(
+        f"\ncallback overhead: GpuStatsMonitor on / off, the arms side by side in turns of "
+        f"{args.slice_ms:g} ms, intervals stretched {stretch}x (see the docstring)"
+    )
     print(f"machine: {_common.machine_summary()}; torch threads 1")
     print(
         f"{args.gpus} fake GPUs with GPM, NVML call cost {args.call_cost_ms} ms, {args.repeats} "
@@ -265,12 +360,15 @@ def main() -> None:
     )
     verdict = True
     for name, (sampler, interval) in arms.items():
-        if sampler in (None, EMPTY):
+        if name == "off":
             continue
         loop_ratio = statistics.median(loop.ratios(name, "off"))
         whole_ratios = whole.ratios(name, "off")
         whole_ratio = statistics.median(whole_ratios)
         low, high = _common.spread(whole_ratios)
+        if sampler in (None, EMPTY):
+            print(f"{name:<34} {loop_ratio:>10.3f} {whole_ratio:>8.3f} [{low:.3f}..{high:.3f}]")
+            continue
         ends = epoch_end_ms[name]
         end_text = f"{statistics.median(ends):.2f} (max {max(ends):.2f})"
         bounds = boundary_ms[name]
@@ -310,8 +408,8 @@ def main() -> None:
         + ("met" if verdict else "NOT met (check the spread: a noisy machine needs more repeats)")
     )
     print(
-        f"fake NVML calls made in the training process: {fake.total_calls()} (the process "
-        f"sampler's are its own; init/shutdown balanced: {fake.balanced})"
+        f"fake NVML calls made in the training processes: {calls} (the process sampler's are "
+        f"its own; init/shutdown balanced: {balanced})"
     )
 
 

@@ -58,12 +58,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import pickle
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -96,43 +94,19 @@ SAME_ALLOCATOR = False
 
 
 def in_own_process(run: Any, *args: Any) -> Any:
-    """``run(*args)`` in a child forked for it; returns what it returns, with the step times and
-    parts it recorded copied back into this process's lists.
+    """``run(*args)`` in a child forked for it (:func:`_common.in_own_process`), with the step
+    times and parts it recorded copied back into this process's lists. With
+    :data:`SAME_ALLOCATOR` every child keeps freed memory before it runs."""
 
-    Each run is a process of its own, as a user's run is: no arm inherits the allocator settings
-    of another (the template's ``keep_freed_memory`` is process-wide and cannot be undone) or the
-    heap it left. This process trains nothing itself, so each child starts from the same state.
-    With :data:`SAME_ALLOCATOR` every child keeps freed memory before it runs.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: run, send the result back, and leave without this process's exit
-        os.close(read)
-        status, payload = 0, b""
-        try:
-            if SAME_ALLOCATOR:
-                from runkit.speed import keep_freed_memory
+    def recorded_run() -> Any:
+        if SAME_ALLOCATOR:
+            from runkit.speed import keep_freed_memory
 
-                keep_freed_memory(True)
-            recorded = (_common.STEP_TIMES, PARTS, HAND_PARTS, FLOOR_STEPS)
-            payload = pickle.dumps((run(*args), recorded))
-        except BaseException:
-            traceback.print_exc()
-            status = 1
-        with os.fdopen(write, "wb") as pipe:
-            pipe.write(payload)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-    os.close(write)
-    with os.fdopen(read, "rb") as pipe:
-        payload = pipe.read()
-    _, status = os.waitpid(pid, 0)
-    if status != 0:
-        raise SystemExit(f"{run.__name__} failed in its process (above); exit status {status}")
-    result, (steps, parts, hand_parts, floor_steps) = pickle.loads(payload)
+            keep_freed_memory(True)
+        return run(*args), (_common.STEP_TIMES, PARTS, HAND_PARTS, FLOOR_STEPS)
+
+    recorded_run.__name__ = run.__name__
+    result, (steps, parts, hand_parts, floor_steps) = _common.in_own_process(recorded_run)
     _common.STEP_TIMES[:] = steps
     PARTS[:] = parts
     HAND_PARTS.clear()
