@@ -56,3 +56,97 @@ def test_job_failure_reads_a_failed_jobs_exception_without_hydras_report(
     job.return_value = failure
     assert compat.job_failure(job) is failure
     assert capsys.readouterr().err == ""  # Hydra's return_value would write "Error executing job"
+
+
+def _runkit_callback_classes() -> list[type]:
+    import importlib
+    import pkgutil
+
+    import lightning.pytorch as pl
+
+    import runkit
+
+    for module in pkgutil.walk_packages(runkit.__path__, "runkit."):
+        if not module.name.startswith("runkit.testing"):
+            importlib.import_module(module.name)
+
+    def subclasses(cls: type) -> list[type]:
+        return [c for s in cls.__subclasses__() for c in (s, *subclasses(s))]
+
+    return sorted(
+        {c for c in subclasses(pl.Callback) if c.__module__.startswith("runkit.")},
+        key=lambda c: c.__qualname__,
+    )
+
+
+def test_every_runkit_callback_leaves_the_dispatch_of_batch_hooks_it_does_not_implement(
+    tmp_path: Path,
+) -> None:
+    # Lightning dispatches every hook to every callback (about 2 us a call, six a training step
+    # each); a runkit callback built with its defaults opts out of those it inherits unchanged.
+    import lightning.pytorch as pl
+
+    classes = _runkit_callback_classes()
+    assert {"GpuStatsMonitor", "FiniteLoss", "GracefulInterrupt", "ModelCheckpoint"} <= {
+        c.__name__ for c in classes
+    }
+    required = {"PredictionWriter": {"output_dir": tmp_path}}
+    for cls in classes:
+        callback = cls(**required.get(cls.__name__, {}))
+        for name in compat.BATCH_HOOKS:
+            inherited = getattr(cls, name) is getattr(pl.Callback, name)
+            assert (getattr(callback, name) is None) == inherited, (cls.__qualname__, name)
+
+
+def test_a_hook_a_subclass_implements_is_kept_and_super_still_reaches_the_no_op() -> None:
+    import lightning.pytorch as pl
+
+    calls: list[str] = []
+
+    class Base(pl.Callback):
+        def on_train_batch_end(self, *args: object) -> None:
+            calls.append("base")
+
+    class Mine(Base):
+        def on_before_backward(self, trainer: object, pl_module: object, loss: object) -> None:
+            super().on_before_backward(trainer, pl_module, loss)  # Callback's no-op
+            calls.append("mine")
+
+    callback = Mine()
+    compat.skip_unused_batch_hooks(callback)
+    callback.on_before_backward(None, None, None)
+    callback.on_train_batch_end(None, None, None, None, 0)
+    assert calls == ["mine", "base"]
+    assert callback.on_after_backward is None and callback.on_validation_batch_end is None
+
+
+def test_a_fit_dispatches_only_the_batch_hooks_a_runkit_callback_implements(tmp_path: Path) -> None:
+    # Through a real Trainer: the profiler names every hook call Lightning makes to a callback.
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.profilers import SimpleProfiler
+
+    from runkit.safety.finite_loss import FiniteLoss
+
+    profiler = SimpleProfiler()
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        max_steps=3,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[FiniteLoss(), pl.Callback()],
+        profiler=profiler,
+    )
+    torch.manual_seed(0)
+    trainer.fit(BoringModel())
+    actions = set(profiler.recorded_durations)
+    assert "[Callback]Callback.on_after_backward" in actions  # a plain callback: every hook
+    finite = {a.split(".", 1)[1] for a in actions if a.startswith("[Callback]FiniteLoss.")}
+    per_step = finite & set(compat.BATCH_HOOKS)
+    implemented = {n for n in compat.BATCH_HOOKS if n in vars(FiniteLoss)}
+    assert per_step == implemented and implemented, (per_step, implemented)

@@ -54,7 +54,7 @@ from lightning.pytorch.profilers import Profiler
 from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
-from runkit import quoting
+from runkit import compat, quoting
 from runkit.errors import RunError
 
 log = logging.getLogger(__name__)
@@ -230,6 +230,7 @@ class NetworkSpeedups(Callback):
         self.channels_last = channels_last
         self.network = network
         self._input_hook: Any = None
+        compat.skip_unused_batch_hooks(self)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         net = getattr(pl_module, self.network, None)

@@ -83,6 +83,7 @@ class FiniteLoss(Callback):
         self._losses: Tensor | None = None  # the losses since the last host read (stop mode)
         self._where: list[tuple[int, int, int]] = []  # (step, epoch, batch) of each of them
         self._loss_finite: Tensor | None = None  # this step's verdict (skip mode)
+        compat.skip_unused_batch_hooks(self)
 
     # --- the device-side record ------------------------------------------------------------
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

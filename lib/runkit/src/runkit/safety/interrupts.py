@@ -66,6 +66,7 @@ class GracefulInterrupt(Callback):
         self.saved: Path | None = None
         self._group: Any = None
         self._stopping = False
+        compat.skip_unused_batch_hooks(self)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         request = signals.request

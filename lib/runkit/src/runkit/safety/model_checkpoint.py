@@ -28,6 +28,7 @@ from fsspec.utils import get_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
+from runkit import compat
 from runkit.safety.checkpoints import atomic_link, is_checkpoint
 from runkit.safety.resume import run_dir_of
 
@@ -41,6 +42,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
         super().__init__(*args, **kwargs)
         self._written: tuple[int, str] | None = None  # (global step, file) serialised last
         self._resuming: pl.Trainer | None = None
+        compat.skip_unused_batch_hooks(self)
 
     # ---------------------------------------------------------------- one serialisation
     # private: overrides a ModelCheckpoint internal (Lightning 2.6), no public hook for it
