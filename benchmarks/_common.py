@@ -43,14 +43,31 @@ FIRST_STEP_ENV = "RUNKIT_BENCH_FIRST_STEP"
 RESULTS_ENV = "RUNKIT_BENCH_RESULTS"
 
 
+_WAITED: Any = None  # in a run of side_by_side: the seconds it has waited for its turns
+
+
+def clock() -> float:
+    """``time.perf_counter()``, less the seconds this run waited for its turns when it runs
+    :func:`side_by_side` (a shared value its controller raises while the run is stopped): the
+    wall time the run held the machine. Read twice around the clock, so that a stop between the
+    reads cannot mix one turn's waiting with another's time."""
+    if _WAITED is None:
+        return time.perf_counter()
+    while True:
+        waited = _WAITED.value
+        now = time.perf_counter()
+        if _WAITED.value == waited:
+            return now - waited
+
+
 def stamp() -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process, all threads) at this moment.
+    """(:func:`clock` seconds, CPU seconds of this process, all threads) at this moment.
 
     The CPU time is what the process itself did: on a machine shared with other busy processes it
     barely moves when the scheduler parks this one, so its ratios are steadier than wall time
     (for a single-threaded CPU run they measure the same work).
     """
-    return time.perf_counter(), time.process_time()
+    return clock(), time.process_time()
 
 
 def epoch_clock() -> Any:
@@ -69,7 +86,7 @@ def epoch_clock() -> Any:
             self.batch_start: float | None = None
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
-            now = time.perf_counter()
+            now = clock()
             if getattr(self, "batch_start", None) is not None:
                 STEP_TIMES.append(now - self.batch_start)
             self.batch_start = now
@@ -176,14 +193,10 @@ def in_own_process(run: Callable[..., Any], *args: Any) -> Any:
     return pickle.loads(payload)
 
 
-Slices = list[tuple[float, float]]  # (continued, stopped) times of one run, by perf_counter
-
-
 def side_by_side(runs: Sequence[tuple[Callable[..., Any], tuple]], slice_s: float) -> list:
     """Run ``fn(*args)`` for each of ``runs`` at once, each in a process group of its own, taking
-    turns of ``slice_s`` seconds (the others stopped by SIGSTOP); returns ``(result, slices)`` per
-    run, ``slices`` the spans it ran. :func:`active_s` turns a span the run timed into the seconds
-    it actually ran.
+    turns of ``slice_s`` seconds (the others stopped by SIGSTOP); returns each one's result.
+    Inside a run, :func:`clock` counts only the seconds it held the machine.
 
     Why: the machines these run on change speed by +-10 % from one 10 ms to the next and by
     +-50 % over seconds (a pure Python loop, timed alone, nothing else running here: other
@@ -192,21 +205,25 @@ def side_by_side(runs: Sequence[tuple[Callable[..., Any], tuple]], slice_s: floa
     the same machine: two identical arms of 5 s agree within 1-3 %. Each run is a process of its
     own (with its children, e.g. a sampler process, in its group), as a user's run is.
 
-    Clocks: a span timed inside a run includes the slices of the others; pass it through
-    :func:`active_s`. A timer or interval inside a run (``time.sleep``, a sampler's period) runs
-    on in wall time while the run is stopped.
+    A span a run times by ``time.perf_counter`` includes the others' turns; a timer or interval
+    inside a run (``time.sleep``, a sampler's period) runs on in wall time while it is stopped.
     """
+    from multiprocessing.sharedctypes import RawValue
+
+    global _WAITED
     procs = []
     try:
         for fn, args in runs:
             handle, path = tempfile.mkstemp(prefix="side-by-side-", suffix=".pickle")
             os.close(handle)
+            waited = RawValue("d", 0.0)
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:  # the run: wait to be continued, run, leave the result in its file
                 status = 0
                 try:
+                    _WAITED = waited
                     os.setpgid(0, 0)
                     os.kill(os.getpid(), signal.SIGSTOP)
                     result = fn(*args)
@@ -220,40 +237,33 @@ def side_by_side(runs: Sequence[tuple[Callable[..., Any], tuple]], slice_s: floa
             with contextlib.suppress(PermissionError, ProcessLookupError):
                 os.setpgid(pid, pid)  # also here: no race with the child's own call
             os.waitpid(pid, os.WUNTRACED)  # stopped, ready
-            procs.append((pid, path, [], fn.__name__))
+            procs.append((pid, path, fn.__name__, waited))
         running = list(range(len(procs)))
+        turn_ended: dict[int, float] = {}
         while running:
             for index in list(running):
-                pid, path, slices, name = procs[index]
+                pid, path, name, waited = procs[index]
                 start = time.perf_counter()
+                if index in turn_ended:  # stopped since then: its clock() leaves that out
+                    waited.value += start - turn_ended[index]
                 os.killpg(pid, signal.SIGCONT)
                 time.sleep(slice_s)
                 with contextlib.suppress(ProcessLookupError):  # the group ended
                     os.killpg(pid, signal.SIGSTOP)
                 _, status = os.waitpid(pid, os.WUNTRACED)  # stopped, or ended
-                slices.append((start, time.perf_counter()))
+                turn_ended[index] = time.perf_counter()
                 if not os.WIFSTOPPED(status):
                     running.remove(index)
                     if os.waitstatus_to_exitcode(status) != 0:
                         raise SystemExit(f"{name} failed in its process (above)")
-        return [(pickle.loads(Path(path).read_bytes()), slices) for _, path, slices, _ in procs]
+        return [pickle.loads(Path(path).read_bytes()) for _, path, *_ in procs]
     finally:
-        for pid, path, _, _ in procs:
+        for pid, path, *_ in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
             Path(path).unlink(missing_ok=True)
-
-
-def active_s(slices: Slices, spans: Sequence[tuple[float, float]]) -> float:
-    """Seconds of the ``(start, end)`` spans (perf_counter) during which the run held the
-    machine."""
-    return sum(
-        max(0.0, min(end, stopped) - max(start, continued))
-        for start, end in spans
-        for continued, stopped in slices
-    )
 
 
 def interleaved(repeats: int, arms: Sequence[str]) -> list[list[str]]:

@@ -39,7 +39,6 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,8 +55,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common  # benchmarks/ is not a package: found through sys.path
 
-Spans = list[tuple[float, float]]  # (start, end) by time.perf_counter
-LONG_S = 0.0005  # a hook call longer than this keeps its span (StepHooksTimed)
 EMPTY = "empty callback"  # the arm with a callback that does nothing
 CONTROL = "off, again (control)"  # "off" twice: what the measurement itself spreads
 GPM = {"SM_UTIL": 60, "SM_OCCUPANCY": 30, "ANY_TENSOR_UTIL": 20, "DRAM_BW_UTIL": 45}
@@ -86,112 +83,93 @@ class StepHooksTimed:
     """Times a callback's own per-step hooks (batch start and end) on the training thread.
 
     Mixed into the monitor and into an empty callback alike, so the timer's own cost is in both
-    and their difference is what the monitor's per-step bookkeeping adds to each step. A hook
-    call is a microsecond; one that took over :data:`LONG_S` (the run was stopped inside it:
-    :func:`_common.side_by_side`, or a garbage collection) keeps its span instead, for the
-    seconds the run held the machine to be counted."""
+    and their difference is what the monitor's per-step bookkeeping adds to each step. Every
+    time here is :func:`_common.clock`'s: the seconds the run held the machine."""
 
     step_hooks_s = 0.0
-    long_spans: Spans
-
-    def _add(self, start: float) -> None:
-        end = time.perf_counter()
-        if end - start < LONG_S:
-            self.step_hooks_s += end - start
-        else:
-            self.long_spans.append((start, end))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        start = time.perf_counter()
+        start = _common.clock()
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        self._add(start)
+        self.step_hooks_s += _common.clock() - start
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        start = time.perf_counter()
+        start = _common.clock()
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        self._add(start)
+        self.step_hooks_s += _common.clock() - start
 
 
 class TimedEmpty(StepHooksTimed, pl.Callback):
     """A callback that does nothing: what Lightning's hook calls cost by themselves."""
 
-    def __init__(self) -> None:
-        self.long_spans = []
-
 
 class TimedMonitor(StepHooksTimed, GpuStatsMonitor):
-    """The callback as shipped, with its per-step hooks timed and the spans of its epoch-boundary
-    hooks recorded (epoch start and end, validation start and end: where the training thread
-    waits for the sampler), per epoch."""
+    """The callback as shipped, with its ``on_train_epoch_end`` and per-step hooks timed."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.long_spans = []
-        self.epoch_ends: Spans = []
-        self.boundaries: list[Spans] = []
+        self.epoch_end_s: list[float] = []
+        self.boundaries_s: list[float] = []  # per epoch: every epoch-boundary hook together
 
-    def _timed(self, hook, *args) -> tuple[float, float]:
-        start = time.perf_counter()
+    def _timed(self, hook, *args) -> float:
+        start = _common.clock()
         hook(*args)
-        return start, time.perf_counter()
+        return _common.clock() - start
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
-        self.boundaries.append([self._timed(super().on_train_epoch_start, trainer, pl_module)])
+        self.boundaries_s.append(self._timed(super().on_train_epoch_start, trainer, pl_module))
 
     def on_validation_epoch_start(self, trainer, pl_module) -> None:
-        span = self._timed(super().on_validation_epoch_start, trainer, pl_module)
-        if not trainer.sanity_checking and self.boundaries:
-            self.boundaries[-1].append(span)
+        seconds = self._timed(super().on_validation_epoch_start, trainer, pl_module)
+        if not trainer.sanity_checking and self.boundaries_s:
+            self.boundaries_s[-1] += seconds
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        span = self._timed(super().on_validation_epoch_end, trainer, pl_module)
-        if not trainer.sanity_checking and self.boundaries:
-            self.boundaries[-1].append(span)
+        seconds = self._timed(super().on_validation_epoch_end, trainer, pl_module)
+        if not trainer.sanity_checking and self.boundaries_s:
+            self.boundaries_s[-1] += seconds
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
-        span = self._timed(super().on_train_epoch_end, trainer, pl_module)
-        self.epoch_ends.append(span)
-        self.boundaries[-1].append(span)
+        seconds = self._timed(super().on_train_epoch_end, trainer, pl_module)
+        self.epoch_end_s.append(seconds)
+        self.boundaries_s[-1] += seconds
 
 
 class LoopTimer(pl.Callback):
-    """Records the span of each epoch's steady loop (first batch start to last batch end) and of
-    the whole run (first epoch start to train end)."""
+    """Times the steady loop of each epoch and the whole run (first epoch start to train end)."""
 
     def __init__(self) -> None:
-        self.loops: Spans = []
+        self.loop_s = 0.0
         self.steps = 0
         self.first = self.run_start = self.run_end = 0.0
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         if not self.run_start:
-            self.run_start = time.perf_counter()
+            self.run_start = _common.clock()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if batch_idx == 0:
-            self.first = time.perf_counter()
+            self.first = _common.clock()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if batch_idx + 1 == trainer.num_training_batches:
-            self.loops.append((self.first, time.perf_counter()))
+            self.loop_s += _common.clock() - self.first
             self.steps += batch_idx + 1
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self.run_end = time.perf_counter()
+        self.run_end = _common.clock()
 
 
 @dataclass
 class Run:
-    """What one run recorded: spans by ``time.perf_counter`` (turned into the seconds the run
-    held the machine by :func:`_common.active_s`), CPU seconds, counts."""
+    """What one run measured, in :func:`_common.clock` seconds."""
 
-    loops: Spans
+    loop_s: float  # the steady loops (first batch start to last batch end), every epoch
     steps: int
-    whole: tuple[float, float]
-    epoch_ends: Spans
-    boundaries: list[Spans]
-    step_hooks_s: float  # seconds in the arm's callback's batch hooks, the calls under LONG_S
-    step_hooks_long: Spans  # and the calls that took longer
+    whole_s: float  # first epoch start to train end
+    epoch_end_s: list[float]  # each on_train_epoch_end of the monitor
+    boundaries_s: list[float]  # per epoch, the monitor's boundary hooks together
+    step_hooks_s: float  # the arm's callback's batch hooks, all steps
     nvml_calls: int  # fake NVML calls the training process made
     balanced: bool  # every nvmlInit had its nvmlShutdown
 
@@ -235,13 +213,12 @@ def one_run(
         torch.utils.data.DataLoader(val, batch_size=32),
     )
     return Run(
-        loops=timer.loops,
+        loop_s=timer.loop_s,
         steps=timer.steps,
-        whole=(timer.run_start, timer.run_end),
-        epoch_ends=getattr(monitor, "epoch_ends", []),
-        boundaries=getattr(monitor, "boundaries", []),
+        whole_s=timer.run_end - timer.run_start,
+        epoch_end_s=getattr(monitor, "epoch_end_s", []),
+        boundaries_s=getattr(monitor, "boundaries_s", []),
         step_hooks_s=getattr(monitor, "step_hooks_s", 0.0),
-        step_hooks_long=getattr(monitor, "long_spans", []),
         nvml_calls=fake.total_calls() - calls_before,
         balanced=fake.balanced,
     )
@@ -326,22 +303,15 @@ def main() -> None:
                 for name in order
             ]
             results = _common.side_by_side(runs, args.slice_ms / 1000)
-            for name, (run, slices) in zip(order, results, strict=True):
+            for name, run in zip(order, results, strict=True):
                 calls, balanced = calls + run.nvml_calls, balanced and run.balanced
-                rate = run.steps / _common.active_s(slices, run.loops)
-                epochs_per_s = args.epochs / _common.active_s(slices, [run.whole])
-                step_us[name].append(1e6 / rate)
-                in_hooks_s = run.step_hooks_s + _common.active_s(slices, run.step_hooks_long)
-                hooks_us[name].append(1e6 * in_hooks_s / run.steps)
-                loop.add(name, rate)
-                whole.add(name, epochs_per_s)
-                epoch_end_ms[name] += [
-                    1000 * _common.active_s(slices, [span]) for span in run.epoch_ends
-                ]
-                boundary_ms[name] += [
-                    1000 * _common.active_s(slices, spans) for spans in run.boundaries
-                ]
-                epoch_s[name].append(1.0 / epochs_per_s)
+                step_us[name].append(1e6 * run.loop_s / run.steps)
+                hooks_us[name].append(1e6 * run.step_hooks_s / run.steps)
+                loop.add(name, run.steps / run.loop_s)
+                whole.add(name, args.epochs / run.whole_s)
+                epoch_end_ms[name] += [1000 * s for s in run.epoch_end_s]
+                boundary_ms[name] += [1000 * s for s in run.boundaries_s]
+                epoch_s[name].append(run.whole_s / args.epochs)
     nvml.use_library(None)
 
     print(

@@ -27,12 +27,16 @@ check) and excluded; the rest are timed from one epoch start to the next (the la
 end of training), so the timed window holds every step, the validation passes and the epoch-end
 work of every arm. Each run is a process of its own, forked from the benchmark's (which trains
 nothing), as a user's run is: the template's process-wide switches (``keep_freed_memory``)
-reach no other arm. Arms rotate (template, plain, hand; plain, hand, template; ...) over
-``--repeats``; printed is the median of the per-repeat ratios of throughput (template / plain
-Lightning and template / hand: 1.0 is parity, 0.95 is a loop 5 % slower) with the min and max, by wall clock and by the process's CPU time
-(steadier on a shared machine). A third line compares the median training step alone (from
-one batch start to the next, the last batch of each epoch left out): the per-step overhead,
-without the once-per-epoch work (validation set-up, logging, checkpoints).
+reach no other arm. The runs of a repeat take turns on the machine every ``--slice-ms``
+(:func:`_common.side_by_side`), timed by the seconds each held it: this machine's speed swings
+by +-10 % from one 10 ms to the next and by +-50 % over seconds, and arms run one after the
+other (``--one-at-a-time``) spread tiny's ratio by +-25 %; in turns, over a second or more of
+timed epochs, by +-5-10 %. Printed is the median of the per-repeat ratios of throughput
+(template / plain Lightning and template / hand: 1.0 is parity, 0.95 is a loop 5 % slower)
+with the min and max, by wall clock and by the process's CPU time. A third line compares the
+median training step alone (from one batch start to the next, the last batch of each epoch left
+out): the per-step overhead, without the once-per-epoch work (validation set-up, logging,
+checkpoints).
 
 Lightning's floor (printed first): the same two loops with a trivial step (one scalar parameter,
 no network), Lightning with no callback, logger, checkpoint, progress bar or model summary, on
@@ -47,7 +51,7 @@ where their steady epochs go, part by part, in CPU milliseconds per epoch and pe
 with what the template spends beyond plain Lightning in each part, beside the hand loop's own
 parts; the profiler's own cost is printed too.
 
-    python benchmarks/loop_parity.py                        # three sizes, about three minutes
+    python benchmarks/loop_parity.py                        # three sizes, a few minutes
     python benchmarks/loop_parity.py --sizes mid --repeats 9 --epochs 5
     python benchmarks/loop_parity.py --sizes tiny --parts   # where the time goes
     python benchmarks/loop_parity.py --template-overrides callbacks.progress_bar.refresh_rate=0
@@ -61,7 +65,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -93,26 +96,34 @@ FLOOR_STEPS: list[tuple[float, float]] = []
 SAME_ALLOCATOR = False
 
 
-def in_own_process(run: Any, *args: Any) -> Any:
-    """``run(*args)`` in a child forked for it (:func:`_common.in_own_process`), with the step
-    times and parts it recorded copied back into this process's lists. With
-    :data:`SAME_ALLOCATOR` every child keeps freed memory before it runs."""
+def _recorded(run: Any, *args: Any) -> tuple[Any, tuple]:
+    """In a run's own process: ``run(*args)`` and the step times and parts it recorded. With
+    :data:`SAME_ALLOCATOR` it keeps freed memory first."""
+    if SAME_ALLOCATOR:
+        from runkit.speed import keep_freed_memory
 
-    def recorded_run() -> Any:
-        if SAME_ALLOCATOR:
-            from runkit.speed import keep_freed_memory
+        keep_freed_memory(True)
+    for recorded in (_common.STEP_TIMES, PARTS, HAND_PARTS, FLOOR_STEPS):
+        recorded.clear()
+    return run(*args), (_common.STEP_TIMES, PARTS, HAND_PARTS, FLOOR_STEPS)
 
-            keep_freed_memory(True)
-        return run(*args), (_common.STEP_TIMES, PARTS, HAND_PARTS, FLOOR_STEPS)
 
-    recorded_run.__name__ = run.__name__
-    result, (steps, parts, hand_parts, floor_steps) = _common.in_own_process(recorded_run)
+def _adopt(result: tuple[Any, tuple]) -> Any:
+    """What :func:`_recorded` returned: the run's result, its records copied into this process's
+    lists."""
+    value, (steps, parts, hand_parts, floor_steps) = result
     _common.STEP_TIMES[:] = steps
     PARTS[:] = parts
     HAND_PARTS.clear()
     HAND_PARTS.update(hand_parts)
     FLOOR_STEPS[:] = floor_steps
-    return result
+    return value
+
+
+def in_own_process(run: Any, *args: Any) -> Any:
+    """``run(*args)`` in a child forked for it (:func:`_common.in_own_process`), its records
+    copied back."""
+    return _adopt(_common.in_own_process(_recorded, run, *args))
 
 
 def compose(size: str, epochs: int, out: Path, extra: list[str]) -> Any:
@@ -235,7 +246,7 @@ def run_hand(cfg: Any, save: str) -> list[tuple[float, float]]:
         loss_sum, correct, seen = torch.zeros(()), torch.zeros((), dtype=torch.long), 0
         batch_start = None
         for inputs, targets in train_loader:
-            now = time.perf_counter()  # as the template's clock: after the batch is fetched
+            now = _common.clock()  # as the template's clock: after the batch is fetched
             if batch_start is not None:
                 _common.STEP_TIMES.append(now - batch_start)
             batch_start = now
@@ -640,23 +651,45 @@ ARMS = ("template", "plain", "hand")
 PROFILED = {"parts": "template", "plain_parts": "plain"}  # profiled arm -> the arm it profiles
 
 
-def measure_size(size: str, repeats: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    """The interleaved template, plain Lightning and hand runs of one size (and, with --parts,
-    the profiled template's and plain Lightning's)."""
+def run_plain_profiled(cfg: Any) -> list[tuple[float, float]]:
+    """:func:`run_plain` under the parts profiler (``--parts``)."""
+    return run_plain(cfg, parts_profiler())
+
+
+def measure_size(
+    size: str, repeats: int, epochs: int, args: argparse.Namespace, tmp: Path
+) -> dict[str, Any]:
+    """The template, plain Lightning and hand runs of one size (and, with --parts, the profiled
+    template's and plain Lightning's), side by side in each repeat."""
     names = list(ARMS) + (list(PROFILED) if args.parts else [])
     arms = _common.Arms(names)
     parts: dict[str, list[dict[str, Any]]] = {"template": [], "plain": []}
     hand_parts: dict[str, list[Any]] = defaultdict(list)
     for r, order in enumerate(_common.interleaved(repeats, names)):
+        runs, configs = [], []
         for arm in order:
             out = tmp / f"{size}-{arm}-{r}"
             extra = list(args.template_overrides) if arm in ("template", "parts") else []
             if arm == "parts":
                 extra.append(f"+trainer.profiler._target_={__name__}.parts_profiler")
-            cfg = compose(size, args.epochs, out, extra)
-            PARTS.clear()
+            cfg = compose(size, epochs, out, extra)
+            configs.append(cfg)
             if arm == "hand":
-                stamps = in_own_process(run_hand, cfg, args.hand_save)
+                runs.append((_recorded, (run_hand, cfg, args.hand_save)))
+            elif arm == "plain_parts":
+                runs.append((_recorded, (run_plain_profiled, cfg)))
+            elif arm == "plain":
+                runs.append((_recorded, (run_plain, cfg)))
+            else:
+                runs.append((_recorded, (run_template, cfg)))
+        if args.one_at_a_time:
+            results = [_common.in_own_process(fn, *fn_args) for fn, fn_args in runs]
+        else:
+            results = _common.side_by_side(runs, args.slice_ms / 1000)
+        samples = _common.train_samples(configs[0])  # the same data in every arm
+        for arm, result in zip(order, results, strict=True):
+            stamps = _adopt(result)
+            if arm == "hand":
                 epochs = len(stamps) - 2
                 for name, (wall, cpu) in HAND_PARTS.items():
                     hand_parts[name].append((1000 * wall / epochs, 1000 * cpu / epochs))
@@ -668,20 +701,15 @@ def measure_size(size: str, repeats: int, args: argparse.Namespace, tmp: Path) -
                         for clock in (0, 1)
                     )
                 )
-            elif arm in ("plain", "plain_parts"):
-                profiler = parts_profiler() if arm == "plain_parts" else None
-                stamps = in_own_process(run_plain, cfg, profiler)
-            else:
-                stamps = in_own_process(run_template, cfg)
             if arm in PROFILED:
                 parts[PROFILED[arm]] += PARTS
-            samples = _common.train_samples(cfg)
             arms.add(f"{arm}/wall", steady_rate(stamps, samples, 0))
             arms.add(f"{arm}/cpu", steady_rate(stamps, samples, 1))
             arms.add(f"{arm}/epoch_wall", steady_epoch_ms(stamps, 0))
             arms.add(f"{arm}/epoch_cpu", steady_epoch_ms(stamps, 1))
             # Steps per second from the median step: robust to a busy machine's spikes.
             arms.add(f"{arm}/step", 1.0 / statistics.median(_common.STEP_TIMES))
+    cfg = configs[0]
     steps = math.ceil(samples / cfg.data.batch_size)
     return {
         "size": size,
@@ -763,7 +791,13 @@ def main() -> None:
         "--sizes", default="tiny,mid,large", help="comma separated: " + ",".join(SIZES)
     )
     parser.add_argument("--repeats", type=int, default=0, help="per size (default: 6, 6, 4)")
-    parser.add_argument("--epochs", type=int, default=3, help="per run; the first is warm-up")
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=0,
+        help="per run, the first warm-up (default: tiny 21, mid 3, large 3: a second or more "
+        "measured, which a repeat's turns need to average this machine's fast swings)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: less noise)")
     parser.add_argument(
         "--hand-save",
@@ -787,16 +821,35 @@ def main() -> None:
     parser.add_argument(
         "--floor-repeats", type=int, default=6, help="repeats of Lightning's floor (0: skip it)"
     )
+    parser.add_argument(
+        "--slice-ms",
+        type=float,
+        default=20.0,
+        help="each arm's turn on the machine (ms): the arms of a repeat run side by side",
+    )
+    parser.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="run the arms of a repeat one after the other instead (the design before issue 33)",
+    )
     args = parser.parse_args()
     global SAME_ALLOCATOR
     SAME_ALLOCATOR = args.same_allocator
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SIZES]
-    if unknown or args.epochs < 2 or args.repeats < 0 or args.floor_repeats < 0:
+    if (
+        unknown
+        or args.epochs == 1
+        or args.epochs < 0
+        or args.repeats < 0
+        or args.floor_repeats < 0
+        or not 1 <= args.slice_ms <= 1000
+    ):
         parser.error(
             f"--sizes={args.sizes} --epochs={args.epochs} --repeats={args.repeats} "
-            f"--floor-repeats={args.floor_repeats}: sizes are {', '.join(SIZES)}; "
-            "epochs >= 2 (the first is warm-up); repeats >= 1; floor repeats >= 0"
+            f"--floor-repeats={args.floor_repeats} --slice-ms={args.slice_ms:g}: sizes are "
+            f"{', '.join(SIZES)}; epochs >= 2 (the first is warm-up); repeats >= 1; floor "
+            "repeats >= 0; slice-ms 1 to 1000"
         )
 
     import torch
@@ -804,12 +857,14 @@ def main() -> None:
     _common.quiet()
     torch.set_num_threads(args.threads)
     default_repeats = {"tiny": 6, "mid": 6, "large": 4}
+    default_epochs = {"tiny": 21, "mid": 3, "large": 3}
     with tempfile.TemporaryDirectory(prefix="loop_parity_") as tmp:
-        floor = measure_floor(Path(tmp), args.epochs, args.floor_repeats)
+        floor = measure_floor(Path(tmp), args.epochs or 3, args.floor_repeats)
         table = []
         for size in sizes:
             repeats = args.repeats or default_repeats[size]
-            table.append(measure_size(size, repeats, args, Path(tmp)))
+            epochs = args.epochs or default_epochs[size]
+            table.append(measure_size(size, repeats, epochs, args, Path(tmp)))
 
     print(
         "\nloop parity: template / plain Lightning and / hand-written, training samples per "
@@ -817,7 +872,9 @@ def main() -> None:
     )
     print(f"machine: {_common.machine_summary()}; torch threads {args.threads}")
     print(
-        f"{args.epochs} epochs per run, the first excluded; hand-written loop saves: "
+        f"{args.epochs or 'tiny 21, mid 3, large 3'} epochs per run, the first excluded; arms "
+        + ("one at a time" if args.one_at_a_time else f"side by side in {args.slice_ms:g} ms turns")
+        + "; hand-written loop saves: "
         f"{args.hand_save}"
         + ("; every arm keeps freed memory" if args.same_allocator else "")
         + (
