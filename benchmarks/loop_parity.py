@@ -690,9 +690,9 @@ def measure_size(
         for arm, result in zip(order, results, strict=True):
             stamps = _adopt(result)
             if arm == "hand":
-                epochs = len(stamps) - 2
+                timed = len(stamps) - 2  # epochs after the warm-up
                 for name, (wall, cpu) in HAND_PARTS.items():
-                    hand_parts[name].append((1000 * wall / epochs, 1000 * cpu / epochs))
+                    hand_parts[name].append((1000 * wall / timed, 1000 * cpu / timed))
                 hand_parts["steps"].append(
                     tuple(
                         steady_epoch_ms(stamps, clock)
