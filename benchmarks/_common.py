@@ -13,6 +13,7 @@ they record timestamps only, so they add no work of their own to what they measu
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import pickle
@@ -159,6 +160,34 @@ class Arms:
         ]
 
 
+def _fork(run: Callable[..., Any], args: tuple, result_path: str, first: Any = None) -> int:
+    """Fork a child that calls ``first()`` (when given), then ``run(*args)``, writes the pickled
+    result to ``result_path`` and leaves without the parent's exit (status 1, the traceback on
+    stderr, when either raises); returns its PID."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    status = 0
+    try:
+        if first is not None:
+            first()
+        Path(result_path).write_bytes(pickle.dumps(run(*args)))
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _result_file() -> str:
+    handle, path = tempfile.mkstemp(prefix="benchmark-run-", suffix=".pickle")
+    os.close(handle)
+    return path
+
+
 def in_own_process(run: Callable[..., Any], *args: Any) -> Any:
     """``run(*args)`` in a child forked for it; returns what it returns (pickled back).
 
@@ -167,30 +196,22 @@ def in_own_process(run: Callable[..., Any], *args: Any) -> Any:
     arm makes (the template's ``keep_freed_memory``) reaches every arm after it. The caller
     trains nothing itself, so each child starts from the same state.
     """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: run, send the result back, and leave without the parent's exit
-        os.close(read)
-        status, payload = 0, b""
-        try:
-            payload = pickle.dumps(run(*args))
-        except BaseException:
-            traceback.print_exc()
-            status = 1
-        with os.fdopen(write, "wb") as pipe:
-            pipe.write(payload)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-    os.close(write)
-    with os.fdopen(read, "rb") as pipe:
-        payload = pipe.read()
-    _, status = os.waitpid(pid, 0)
-    if status != 0:
-        raise SystemExit(f"{run.__name__} failed in its process (above); exit status {status}")
-    return pickle.loads(payload)
+    path = _result_file()
+    try:
+        _, status = os.waitpid(_fork(run, args, path), 0)
+        if status != 0:
+            raise SystemExit(f"{run.__name__} failed in its process (above); exit status {status}")
+        return pickle.loads(Path(path).read_bytes())
+    finally:
+        Path(path).unlink(missing_ok=True)
+
+
+def _first_turn(waited: Any) -> None:
+    """In a run of :func:`side_by_side`: a process group of its own, stopped until its turn."""
+    global _WAITED
+    _WAITED = waited
+    os.setpgid(0, 0)
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def side_by_side(runs: Sequence[tuple[Callable[..., Any], tuple]], slice_s: float) -> list:
@@ -210,30 +231,11 @@ def side_by_side(runs: Sequence[tuple[Callable[..., Any], tuple]], slice_s: floa
     """
     from multiprocessing.sharedctypes import RawValue
 
-    global _WAITED
     procs = []
     try:
         for fn, args in runs:
-            handle, path = tempfile.mkstemp(prefix="side-by-side-", suffix=".pickle")
-            os.close(handle)
-            waited = RawValue("d", 0.0)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:  # the run: wait to be continued, run, leave the result in its file
-                status = 0
-                try:
-                    _WAITED = waited
-                    os.setpgid(0, 0)
-                    os.kill(os.getpid(), signal.SIGSTOP)
-                    result = fn(*args)
-                    Path(path).write_bytes(pickle.dumps(result))
-                except BaseException:
-                    traceback.print_exc()
-                    status = 1
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(status)
+            path, waited = _result_file(), RawValue("d", 0.0)
+            pid = _fork(fn, args, path, functools.partial(_first_turn, waited))
             with contextlib.suppress(PermissionError, ProcessLookupError):
                 os.setpgid(pid, pid)  # also here: no race with the child's own call
             os.waitpid(pid, os.WUNTRACED)  # stopped, ready
