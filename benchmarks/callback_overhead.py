@@ -285,8 +285,9 @@ def main() -> None:
     hooks_us: dict[str, list[float]] = {name: [] for name in arms}  # in the per-step hooks
     calls, balanced = 0, True
     with tempfile.TemporaryDirectory() as log_dir:
-        # Warm-up here, so that every run's process starts with Lightning's lazy imports done.
-        for arm in list(arms.values())[:3]:
+        # Warm-up here, one arm of each kind (no callback, the empty one, each sampler), so that
+        # every run's process starts with the lazy imports of what it runs done.
+        for arm in {sampler: (sampler, interval) for sampler, interval in arms.values()}.values():
             one_run(20, 1, arm, fake, log_dir)
         for order in _common.interleaved(args.repeats, list(arms)):
             runs = [
