@@ -103,8 +103,7 @@ def _recorded(run: Any, *args: Any) -> tuple[Any, tuple]:
         from runkit.speed import keep_freed_memory
 
         keep_freed_memory(True)
-    for recorded in (_common.STEP_TIMES, PARTS, HAND_PARTS, FLOOR_STEPS):
-        recorded.clear()
+    PARTS.clear()  # the runs clear the other records themselves; the profiler appends here
     return run(*args), (_common.STEP_TIMES, PARTS, HAND_PARTS, FLOOR_STEPS)
 
 
@@ -686,7 +685,8 @@ def measure_size(
             results = [_common.in_own_process(fn, *fn_args) for fn, fn_args in runs]
         else:
             results = _common.side_by_side(runs, args.slice_ms / 1000)
-        samples = _common.train_samples(configs[0])  # the same data in every arm
+        if r == 0:  # the same data in every arm and repeat
+            samples = _common.train_samples(configs[0])
         for arm, result in zip(order, results, strict=True):
             stamps = _adopt(result)
             if arm == "hand":
