@@ -47,6 +47,9 @@ SCRIPT = textwrap.dedent(
         def training_step(self, batch, i):
             x, y = batch
             return torch.nn.functional.cross_entropy(self.layer(x), y)
+        def validation_step(self, batch, i):
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.cross_entropy(self.layer(x), y))
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
@@ -70,7 +73,8 @@ SCRIPT = textwrap.dedent(
         enable_progress_bar=False, enable_model_summary=False,
         callbacks=[monitor, LoseGpu1(), *watchers],
     )
-    trainer.fit(M(), torch.utils.data.DataLoader(data, batch_size=4))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    trainer.fit(M(), loader, loader)
     if watchers:
         print(f"RANK {trainer.global_rank} BEST {float(watchers[1].best_model_score)} "
               f"SAMPLES {monitor.run_samples()} GPUS {sorted(monitor.run_energy_j())}", flush=True)
@@ -113,6 +117,9 @@ def test_ddp_gathers_every_rank_gpu(tmp_path: Path) -> None:
     assert column(rows, "gpu/all/util_mean_max") == [80, 80]
     assert column(rows, "gpu/all/util_mean_mean") == [55, 55]
     assert len(column(rows, "loop/data_wait_frac")) == 2
+    # each validation's figures, every rank's, reach rank 0 with the epoch's exchange
+    assert column(rows, "gpu_val/node0/cuda1/util_mean") == [80, 80]
+    assert column(rows, "gpu_val/all/util_mean_mean") == [55, 55]
     for rank in (0, 1):
         assert f"RANK {rank} DONE balanced=True inits=1" in output, output
         # rank 1's monitors saw rank 1's own key and the aggregates, without any all-reduce

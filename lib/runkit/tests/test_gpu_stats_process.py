@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -159,6 +160,82 @@ def test_a_validation_start_has_the_child_sample_while_the_trainer_goes_on(use_f
         assert child.summaries(VAL)["cuda0"]["samples"] == 1  # its own, no closing one
     finally:
         child.stop()
+        fake.nvmlShutdown()
+
+
+def test_a_validation_end_waits_for_nothing_and_its_figures_come_later(use_fake, caplog) -> None:
+    # The child is stopped: anything that waited for its answer would time out, warn and fall
+    # back to a thread. A validation's end asks for its figures, switches the phase back and
+    # reads the run's energy without a wait; the figures come once the child answers, with
+    # the closing sample it took for the validation before it switched.
+    fake = use_fake(FakeNvml([FakeGpu(util_gpu=40, power_mw=100_000)]))
+    gpus = [("cuda0", fake.gpus[0].uuid)]
+    child = ProcessSampler.fork(gpus, DEFAULT_GROUPS, 1000.0)
+    fake.nvmlInit()
+    handle = nvml.find_handle(fake, gpus[0][1])[0]
+    child.attach([GpuReader(fake, handle, "cuda0", DEFAULT_GROUPS)])
+    child.start()  # its first sample primes the energy counter
+    try:
+        child.set_phase(VAL, reset=True, sample=False)
+        os.kill(child.pid, signal.SIGSTOP)
+        try:
+            with caplog.at_level(logging.WARNING, logger=LOGGER):
+                later = child.summaries_later(VAL)
+                child.set_phase(TRAIN, reset=False, sample=False)
+                assert child.energy_totals_j() == {}  # one reading: no energy yet
+                assert not later.ready()
+        finally:
+            os.kill(child.pid, signal.SIGCONT)
+        assert caplog.records == [] and child._fallback is None
+        deadline = time.monotonic() + 10
+        while not later.ready() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        val = later.result()
+        assert val["cuda0"]["samples"] == 1 and val["cuda0"]["util_mean"] == 40
+        train = child.summaries(TRAIN)  # its own closing sample: the validation's is not in it
+        assert train["cuda0"]["samples"] == 1
+        assert child.energy_totals_j()["cuda0"] >= train["cuda0"]["energy_j"] > 0
+    finally:
+        child.stop()
+        fake.nvmlShutdown()
+
+
+def test_a_reading_counts_for_the_phase_it_began_in_and_closes_it(use_fake) -> None:
+    # A validation shorter than one reading: its reading, begun in it, ends after the phase
+    # went back to training. It counts for the validation, and closing the validation waits
+    # for it instead of taking a second one.
+    fake = use_fake(FakeNvml([FakeGpu(util_gpu=40)]))
+    fake.nvmlInit()
+    reader = GpuReader(fake, nvml.find_handle(fake, fake.gpus[0].uuid)[0], "cuda0", DEFAULT_GROUPS)
+    reader.probe()
+    sampler = GpuSampler([reader], interval_s=1000.0)
+    started, release, reads = threading.Event(), threading.Event(), []
+    read = sampler._read
+
+    def slow_read(reader):
+        reads.append(reader.label)
+        started.set()
+        assert release.wait(10)
+        return read(reader)
+
+    sampler._read = slow_read
+    closed = {}
+    try:
+        sampler.set_phase(VAL, sample=False)
+        reading = threading.Thread(target=sampler.sample_now)
+        reading.start()
+        assert started.wait(10)
+        closing = threading.Thread(target=lambda: closed.update(sampler.summaries(VAL)))
+        closing.start()
+        sampler.set_phase(TRAIN, reset=True, sample=False)  # the validation ends meanwhile
+        release.set()
+        reading.join(10)
+        closing.join(10)
+        assert reads == ["cuda0"]  # one reading
+        assert closed["cuda0"]["samples"] == 1 and not sampler.has_samples(TRAIN)
+    finally:
+        release.set()
+        sampler.stop()
         fake.nvmlShutdown()
 
 

@@ -343,8 +343,9 @@ def test_sanity_checking_and_disabled_validation_log_no_validation_figures(
     monitor.on_validation_start(trainer, None)
     monitor.on_validation_epoch_start(trainer, None)
     clock.set(4.0)
-    monitor.on_validation_epoch_end(trainer, None)  # primes energy; logs nothing
+    monitor.on_validation_epoch_end(trainer, None)  # logs nothing, reads no GPU
     assert logger.calls == []
+    assert fake.calls["nvmlDeviceGetUtilizationRates"] == 1  # no closing sample: not reported
     assert monitor.run_samples() == 8.0  # the epoch so far counts, for a checkpoint saved now
     clock.set(6.0)
     train_steps(monitor, trainer, clock, [0.0])  # validation 2..6 left out; t = 7
@@ -352,7 +353,6 @@ def test_sanity_checking_and_disabled_validation_log_no_validation_figures(
     monitor.teardown(trainer, None, "fit")
     ((row, _),) = logger.calls
     assert row["dev/node0/cuda0/util_mean"] == 10.0
-    assert row["dev/node0/cuda0/energy_j"] == pytest.approx(70.0 * 3)  # t = 4..7 at 70 W
     assert row["loop/data_wait_frac"] == pytest.approx(1.0 / 3.0)
     assert not any(k.startswith("dev_val/") for k in row)
     assert monitor.run_samples() == 16.0
@@ -1328,6 +1328,42 @@ def test_the_background_thread_samples_until_stopped() -> None:
     fake.nvmlShutdown()
 
 
+def test_a_wake_adds_a_sample_and_leaves_the_intervals_where_they_were(monkeypatch) -> None:
+    # The sampler process wakes its thread at each validation's start. Were every wake to
+    # restart the interval, validations closer together than it would leave the training
+    # between them without a sample of its own (each epoch end would then wait for one).
+    from runkit.gpu_stats import sampler as sampler_module
+
+    clock = FakeClock()
+    sampler = GpuSampler([], interval_s=1.0)
+    script = [(0.4, True), (0.6, False), (0.3, True), (0.2, True), (0.5, False)]
+    waits, samples = [], []
+
+    class ScriptedWake:
+        """Each wait takes the script's time and says whether a wake ended it."""
+
+        def wait(self, timeout: float) -> bool:
+            waits.append(round(timeout, 6))
+            seconds, woken = script.pop(0)
+            clock.advance(seconds)
+            if not script:
+                sampler._stop.set()
+            return woken
+
+        def clear(self) -> None:
+            pass
+
+    monkeypatch.setattr(sampler_module.time, "monotonic", clock)
+    monkeypatch.setattr(GpuSampler, "alive", [object()])
+    monkeypatch.setattr(sampler, "sample_now", lambda: samples.append(clock()))
+    sampler._wake = ScriptedWake()
+    sampler._run(first_sample=False)
+    # woken at 0.4: a sample, and the interval's sample still at 1.0; woken at 1.3 and 1.5:
+    # two samples, the next still at 2.0
+    assert samples == pytest.approx([0.4, 1.0, 1.3, 1.5])
+    assert waits == pytest.approx([1.0, 0.6, 1.0, 0.7, 0.5])
+
+
 def test_the_thread_ends_when_every_gpu_is_lost_and_never_starts_without_one() -> None:
     clock = FakeClock()
     fake = opened_fake([FakeGpu().lose(at=1.0)], clock)
@@ -1686,7 +1722,7 @@ def test_each_epoch_and_each_validation_has_only_its_own_samples(
         ("stash", None, "peak reset"),
         ("restart", None, "peak reset"),
         ("peaks", None, "peaks"),
-        ("collect", None, "val summary"),
+        ("collect", None, "validation summary"),
     ],
 )
 def test_a_failing_step_is_named_in_its_one_line(

@@ -11,6 +11,8 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
+import signal
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +27,7 @@ from runkit.gpu_stats import callback as gpu_callback
 from runkit.gpu_stats.callback import GpuStatsMonitor, energy_report
 from runkit.gpu_stats.gpm import GPM_METRICS, GpmCounters
 from runkit.gpu_stats.loop import LoopTimer, batch_length
+from runkit.gpu_stats.process import ProcessSampler
 from runkit.gpu_stats.report import RunSummary
 from runkit.gpu_stats.sampler import DEFAULT_GROUPS, TRAIN, GpuReader, GpuSampler
 from runkit.gpu_stats.statistics import flatten_epoch, flatten_loop
@@ -277,9 +280,12 @@ class TinyModel(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit(tmp_path, monitor, *callbacks, epochs=2, slow_s=0.0, ckpt_path=None, logger=None):
+def fit(
+    tmp_path, monitor, *callbacks, epochs=2, slow_s=0.0, ckpt_path=None, logger=None, **options
+):
     data = torch.utils.data.DataLoader(SlowData(slow_s), batch_size=4)
     trainer = pl.Trainer(
+        **options,
         accelerator="cpu",
         devices=1,
         max_epochs=epochs,
@@ -339,6 +345,52 @@ def test_figures_reach_the_logger_in_one_call_and_monitors_still_see_them(
     assert set(trainer.callback_metrics) >= {key, "gpu/node0/cuda0/sm_active_mean"}
     assert "gpu/node0/cuda0/temp_c_max" not in trainer.callback_metrics  # no monitor asks
     assert [float(r[key]) for r in gpu_rows(tmp_path)] == [70, 70]
+
+
+@pytest.mark.slow
+def test_validation_figures_come_at_the_validations_step_and_at_once_to_a_monitor(
+    tmp_path, use_fake, monkeypatch, caplog
+) -> None:
+    fake = use_fake(FakeNvml([FakeGpu(util_gpu=[(0, 70)])]))
+    uuids = [fake.gpus[0].uuid]
+    key = "gpu_val/node0/cuda0/util_mean"
+
+    class AtValidationEnd(pl.Callback):
+        def __init__(self) -> None:
+            self.steps, self.seen = [], []
+
+        def on_validation_end(self, trainer, pl_module) -> None:
+            self.steps.append(str(trainer.global_step))
+            self.seen.append(trainer.callback_metrics.get(key))
+
+    class StopsTheSampler(pl.Callback):
+        """Holds the sampler process still (SIGSTOP) over the monitor's validation end: a wait
+        for it there would run out (one warning, a fallback to a thread)."""
+
+        def on_validation_epoch_end(self, trainer, pl_module) -> None:
+            os.kill(monitor._sampler.pid, signal.SIGSTOP)
+
+        def on_validation_end(self, trainer, pl_module) -> None:
+            os.kill(monitor._sampler.pid, signal.SIGCONT)
+
+    # Unwatched, they are logged at the training epoch's end, each at the step of its
+    # validation (two validations an epoch), and nothing waits for them at the validation.
+    monkeypatch.setattr(ProcessSampler, "reply_timeout_s", 0.5)
+    unwatched = AtValidationEnd()
+    monitor = GpuStatsMonitor(interval_s=0.05, device_uuids=uuids)
+    with caplog.at_level(logging.WARNING, logger="runkit.gpu_stats"):
+        fit(tmp_path, StopsTheSampler(), monitor, unwatched, val_check_interval=0.5)
+    assert caplog.records == []
+    with (tmp_path / "csv" / "version_0" / "metrics.csv").open() as handle:
+        rows = [r for r in csv.DictReader(handle) if r.get(key)]
+    assert [r["step"] for r in rows] == unwatched.steps and len(rows) == 4
+    assert [float(r[key]) for r in rows] == [70.0] * 4 and unwatched.seen == [None] * 4
+    # Watched, a monitor has them at the validation's end, every time.
+    watched = AtValidationEnd()
+    best = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor=key, mode="max")
+    monitor = GpuStatsMonitor(interval_s=0.05, device_uuids=uuids)
+    fit(tmp_path / "watched", monitor, best, watched, val_check_interval=0.5)
+    assert [float(v) for v in watched.seen] == [70.0] * 4 and float(best.best_model_score) == 70
 
 
 @pytest.mark.slow

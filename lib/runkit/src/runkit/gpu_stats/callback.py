@@ -31,7 +31,12 @@ under DDP an all-reduce, per key). Keys a monitor names (``EarlyStopping``, ``Mo
 a scheduler's ``monitor``) are also put in ``trainer.callback_metrics`` on every rank, so those
 callbacks work on every rank as with ``self.log`` (then every rank, not only rank 0, waits for
 the others' figures at the epoch ends); list them after this callback, which fills the keys in
-its ``on_train_epoch_end``.
+its ``on_train_epoch_end``. A validation's figures are logged, at the step of the validation,
+at the first epoch end or validation end by which the sampler has them (at the latest when
+training ends): the sampler closes the validation while training goes on, so the training
+thread never waits for a reading at a validation's end (a validation shorter than one reading,
+about 5 ms for 8 GPUs, would). A monitor of a ``gpu_val/`` key gets them at the validation's
+end, and waits for them there.
 
 Logged keys (training epoch; validation uses ``gpu_val/`` instead of ``gpu/``)::
 
@@ -95,6 +100,7 @@ ranks, the run's energy) and :mod:`.report` (the end-of-run table).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -116,6 +122,7 @@ from runkit.gpu_stats.sampler import (
     VAL,
     GpuReader,
     GpuSampler,
+    Later,
     TorchPeakMemory,
 )
 from runkit.gpu_stats.statistics import flatten_epoch, flatten_loop
@@ -186,6 +193,16 @@ def _loads() -> bool:
     except nvml.NvmlUnavailable:
         return False
     return True
+
+
+@dataclasses.dataclass
+class _Validation:
+    """One validation of this rank whose figures rank 0 has not had yet."""
+
+    number: int
+    payload: dict[str, Any]  # node, boards, step and epoch: the rest of what rank 0 needs
+    figures: Later = dataclasses.field(default_factory=lambda: Later(dict))
+    peaks: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
 def _finite(value: Any) -> bool:
@@ -322,11 +339,14 @@ class GpuStatsMonitor(pl.Callback):
         self._active = False  # some rank samples a GPU (rank 0 knows of all, others of their own)
         self._exchanges = {
             hook: RankExchange(hook, self.gather_timeout_s)
-            for hook in ("setup", "validation end", "training epoch end")
+            for hook in ("setup", "validation end", "training epoch end", "training end")
         }
         self._identities: list[dict[str, Any]] = []
         self._summary = report.RunSummary()
         self._phase_before_val: str | None = None
+        self._validation_count = 0  # this fit's validations, numbered alike on every rank
+        self._validations: list[_Validation] = []  # this rank's, their figures not sent yet
+        self._arrived: dict[int, dict[int, dict[str, Any]]] = {}  # rank 0: number -> rank -> it
         self._loop = LoopTimer()
         self._fit_energy_j: dict[str, float] = {}  # this fit, per physical GPU
         self._fit_samples: float | None = 0.0  # training samples of this fit, every rank
@@ -542,37 +562,69 @@ class GpuStatsMonitor(pl.Callback):
             self._guarded("peak reset", lambda: self._peaks.stash())
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The validation's figures are asked for here and published once the sampler has
+        them (see the module docstring): nothing here waits for a reading."""
         if trainer.sanity_checking:
             return
-        local = self._local_payload(trainer, VAL, include_carry=False)
-        local["loop"] = self._loop.summary()  # the epoch so far, for a checkpoint saved now
         sampler, peaks, resume = self._sampler, self._peaks, self._phase_before_val
+        local = self._energy_payload(trainer)
+        self._validation_count += 1
+        validation = _Validation(
+            self._validation_count,
+            {
+                "node": local["node"],
+                "boards": local.get("boards", {}),
+                "step": trainer.global_step,
+                "epoch": trainer.current_epoch,
+            },
+        )
+        if sampler is not None and self.report_validation:  # asked before the phase switches
+            later = self._guarded("validation summary", lambda: sampler.summaries_later(VAL))
+            validation.figures = later or validation.figures
+            if peaks is not None:
+                validation.peaks = self._guarded("peaks", lambda: peaks.peaks(False)) or {}
         if sampler is not None:
             self._guarded(
                 "validation end", lambda: sampler.set_phase(resume, reset=False, sample=False)
             )
         if peaks is not None:
             self._guarded("peak reset", lambda: peaks.restart())
+        root = f"{self.key_prefix}_val"
+        watched = self.report_validation and self._watches(trainer, f"{root}/")
+        local["loop"] = self._loop.summary()  # the epoch so far, for a checkpoint saved now
+        if watched:  # a monitor reads the figures right after this hook: wait for them
+            local["gpus"] = self._figures("validation", validation.figures, validation.peaks)
+        elif self.report_validation:
+            self._validations.append(validation)
+            local["validations"] = self._ready_validations(wait=False)
         # Every rank, every validation: the run's energy is current when a checkpoint is saved.
         everyone = self._exchanges["validation end"].gather(trainer, local, self._watched(trainer))
         self._add_energy(everyone)
         self._epoch_samples = count_samples([p.get("loop") for p in everyone])
-        if self.report_validation and self._active:
-            root = f"{self.key_prefix}_val"
+        if watched and self._active:
             flat = flatten_epoch(everyone, root, self.log_sampler_cost, self.per_gpu_keys_up_to)
             self._publish(trainer, flat)
+        self._publish_validations(trainer, everyone)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._active:
-            local = self._local_payload(trainer, TRAIN, include_carry=True)
-        else:
-            local = {"node": trainer.node_rank}
-        if self._sampler is not None:
-            self._guarded("epoch end", lambda: self._sampler.set_phase(None, sample=False))
+        sampler, peaks = self._sampler, self._peaks
+        gpus = None
+        if sampler is not None:
+            epoch_peaks = {}
+            if peaks is not None:
+                epoch_peaks = self._guarded("peaks", lambda: peaks.peaks(True)) or {}
+            gpus = self._figures("training", Later(lambda: sampler.summaries(TRAIN)), epoch_peaks)
+        local = self._energy_payload(trainer)  # after the epoch's closing sample, if it took one
+        if gpus is not None:
+            local["gpus"] = gpus
+        if sampler is not None:
+            self._guarded("epoch end", lambda: sampler.set_phase(None, sample=False))
         local["loop"] = self._loop.summary()
+        local["validations"] = self._ready_validations(wait=False)
         everyone = self._exchanges["training epoch end"].gather(
             trainer, local, self._watched(trainer)
         )
+        self._publish_validations(trainer, everyone)
         flat = flatten_epoch(
             everyone, self.key_prefix, self.log_sampler_cost, self.per_gpu_keys_up_to
         )
@@ -591,35 +643,86 @@ class GpuStatsMonitor(pl.Callback):
         if trainer.is_global_zero:
             self._warn_if_starved(trainer, everyone, flat)
 
-    def _local_payload(
-        self, trainer: pl.Trainer, phase: str, include_carry: bool
-    ) -> dict[str, Any]:
-        payload: dict[str, Any] = {"node": trainer.node_rank}
-        sampler, peaks = self._sampler, self._peaks
-        if sampler is None:
-            return payload
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The validations whose figures were not in yet: waited for, and published."""
+        local = {"rank": trainer.global_rank, "validations": self._ready_validations(wait=True)}
+        everyone = self._exchanges["training end"].gather(trainer, local)
+        self._publish_validations(trainer, everyone, final=True)
 
-        gpus = self._guarded(f"{phase} summary", lambda: sampler.summaries(phase)) or {}
-        if peaks is not None:
-            for label, values in (
-                self._guarded("peaks", lambda: peaks.peaks(include_carry)) or {}
-            ).items():
-                if label in gpus:
-                    gpus[label].update(values)
-        payload["gpus"] = gpus
-        payload["boards"] = {r.label: r.board_uuid for r in sampler.readers}
-        payload["energy_total_j"] = sampler.energy_totals_j()
+    # ------------------------------------------------------------------ validations, late
+    def _ready_validations(self, wait: bool) -> list[tuple[int, dict[str, Any]]]:
+        """This rank's validations whose figures are in (``wait``: all of them), as
+        ``(number, payload)`` for rank 0, in the order they ran."""
+        ready = []
+        for validation in self._validations:
+            if not (wait or validation.figures.ready()):
+                break
+            ready.append(validation)
+        del self._validations[: len(ready)]
+        return [
+            (v.number, {**v.payload, "gpus": self._figures("validation", v.figures, v.peaks)})
+            for v in ready
+        ]
+
+    def _publish_validations(
+        self, trainer: pl.Trainer, everyone: Sequence[dict[str, Any]], final: bool = False
+    ) -> None:
+        """Rank 0: take in the validations every rank sent, and publish each, in order, once
+        every rank of this exchange has sent it (``final``: whatever came)."""
+        if not trainer.is_global_zero:
+            return
+        for payload in everyone:
+            for number, figures in payload.get("validations", []):
+                self._arrived.setdefault(number, {})[payload["rank"]] = figures
+        present = {payload["rank"] for payload in everyone}
+        root = f"{self.key_prefix}_val"
+        for number in sorted(self._arrived):
+            ranks = self._arrived[number]
+            if not (final or present <= ranks.keys()):
+                break
+            del self._arrived[number]
+            payloads = [ranks[rank] for rank in sorted(ranks)]
+            if self._active:
+                flat = flatten_epoch(payloads, root, self.log_sampler_cost, self.per_gpu_keys_up_to)
+                self._publish(trainer, flat, payloads[0]["step"], payloads[0]["epoch"])
+
+    def _energy_payload(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """Who this rank is, and its GPUs' energy so far (read without a wait)."""
+        payload: dict[str, Any] = {"node": trainer.node_rank, "rank": trainer.global_rank}
+        sampler = self._sampler
+        if sampler is not None:
+            payload["boards"] = {r.label: r.board_uuid for r in sampler.readers}
+            payload["energy_total_j"] = self._guarded("energy", sampler.energy_totals_j) or {}
         return payload
+
+    def _figures(
+        self, phase: str, figures: Later, peaks: dict[str, dict[str, float]]
+    ) -> dict[str, dict[str, float]]:
+        """A phase's figures per GPU from the sampler, with PyTorch's peaks added."""
+        gpus = self._guarded(f"{phase} summary", figures.result) or {}
+        for label, values in peaks.items():
+            if label in gpus:
+                gpus[label].update(values)
+        return gpus
+
+    def _watches(self, trainer: pl.Trainer, *prefixes: str) -> bool:
+        return any(key.startswith(prefixes) for key in monitored_keys(trainer))
 
     def _watched(self, trainer: pl.Trainer) -> bool:
         """Whether a monitor watches one of this callback's keys: then every rank needs the
         run's figures, not only rank 0 (each rank waits for the others at the epoch ends)."""
-        ours = (f"{self.key_prefix}/", f"{self.key_prefix}_val/", "loop/")
-        return any(key.startswith(ours) for key in monitored_keys(trainer))
+        return self._watches(trainer, f"{self.key_prefix}/", f"{self.key_prefix}_val/", "loop/")
 
-    def _publish(self, trainer: pl.Trainer, metrics: dict[str, float]) -> None:
+    def _publish(
+        self,
+        trainer: pl.Trainer,
+        metrics: dict[str, float],
+        step: int | None = None,
+        epoch: int | None = None,
+    ) -> None:
         """Hand the figures to every logger in one call (rank 0), and the monitored ones to
-        ``trainer.callback_metrics`` (every rank); see the module docstring."""
+        ``trainer.callback_metrics`` (every rank); see the module docstring. ``step`` and
+        ``epoch``: of the phase the figures are of (default: now)."""
         if not metrics:
             return
         wanted = monitored_keys(trainer) & metrics.keys()
@@ -629,11 +732,12 @@ class GpuStatsMonitor(pl.Callback):
             # entry and an all-reduce per key for values every rank already holds.
             trainer.callback_metrics.update({k: torch.tensor(float(metrics[k])) for k in wanted})
         if trainer.is_global_zero and trainer.loggers:
-            row = {**metrics, "epoch": trainer.current_epoch}
+            row = {**metrics, "epoch": trainer.current_epoch if epoch is None else epoch}
+            step = trainer.global_step if step is None else step
             # Files are written when Lightning next saves its loggers (its own epoch-end log
             # moments later, or the end of training), not here on the training thread.
             for logger in trainer.loggers:
-                logger.log_metrics(row, step=trainer.global_step)
+                logger.log_metrics(row, step=step)
 
     # ------------------------------------------------------------------ data starvation
     def _warn_if_starved(

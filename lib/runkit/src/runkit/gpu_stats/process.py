@@ -5,7 +5,9 @@ from the training thread around each of the ~15 NVML calls a GPU costs per readi
 with 8 GPUs): on small steps that cost the loop 5 % at a 1 s interval and 19 % at 0.05 s
 (issue 21). In a process of its own the sampler competes for nothing but a CPU core; the
 training process only writes a few bytes to a pipe at the phase boundaries and reads the
-phase's figures back at its end (one round trip).
+epoch's figures back at its end (one round trip); a validation's figures come back whenever the
+child has them (:meth:`ProcessSampler.summaries_later`), and the energy totals through shared
+memory, so a validation's end waits for nothing.
 
 Per rank, not per node: each training process starts its own sampler for the devices it drives,
 exactly as the thread did. One per node would need an election among the ranks of a node, a
@@ -46,16 +48,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import multiprocessing
 import os
 import signal
+import threading
 import time
 import warnings
 from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import Any
 
-from runkit.gpu_stats.sampler import GpuReader, GpuSampler
+from runkit.gpu_stats.sampler import GpuReader, GpuSampler, Later
 from runkit.gpus import nvml
 from runkit.processes import die_with_parent
 
@@ -91,7 +95,10 @@ class ProcessSampler:
         self._process = process
         self._conn = conn
         self._seq = 0
-        self._energy: dict[str, float] = {}
+        self._labels: list[str] = []
+        self._energy_j: Any = None  # the child's energy totals, shared memory (fork sets both)
+        self._unclaimed: dict[int, Any] = {}  # answers to requests whose reply is awaited later
+        self._later: set[int] = set()  # those requests
         self._fallback: GpuSampler | None = None
         self._energy_before_fallback: dict[str, float] = {}
         self._stopped = False
@@ -113,9 +120,12 @@ class ProcessSampler:
         except ValueError as err:
             raise SamplerUnavailable(f"this platform cannot fork ({err})") from err
         mine, theirs = context.Pipe(duplex=True)
+        # Each GPU's energy total (J), written by the child after every reading and read here
+        # without a round trip (a validation's end reads it while the child may be busy).
+        energy_j = context.RawArray("d", [math.nan] * len(gpus))
         process = context.Process(
             target=_child_main,
-            args=(theirs, mine, os.getpid(), list(gpus), list(groups), interval_s),
+            args=(theirs, mine, os.getpid(), list(gpus), list(groups), interval_s, energy_j),
             name="gpu-stats-sampler",
             daemon=True,
         )
@@ -128,7 +138,9 @@ class ProcessSampler:
             theirs.close()
             raise SamplerUnavailable(f"{type(err).__name__}: {err}") from err
         theirs.close()
-        return cls(process, mine, interval_s)
+        sampler = cls(process, mine, interval_s)
+        sampler._labels, sampler._energy_j = [label for label, _uuid in gpus], energy_j
+        return sampler
 
     @property
     def pid(self) -> int | None:
@@ -165,7 +177,10 @@ class ProcessSampler:
 
     def _receive(self, seq: int, timeout_s: float) -> Any:
         """The answer to request ``seq``, ``_TIMEOUT``, or ``_GONE`` if the child is gone.
-        Answers to earlier requests that timed out are dropped; logs are passed on."""
+        Answers to requests awaited later are kept for them; answers to earlier requests that
+        timed out are dropped; logs are passed on."""
+        if seq in self._unclaimed:
+            return self._unclaimed.pop(seq)
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
@@ -178,10 +193,12 @@ class ProcessSampler:
             _relog(records)
             if got == seq:
                 return result
+            if got in self._later:
+                self._unclaimed[got] = result
 
-    def _request(self, op: str, *args: Any, reply: bool = True) -> Any:
-        """Send ``op`` to the child; with ``reply``, wait for its answer. ``None`` on failure
-        (one warning, a fallback to a thread)."""
+    def _send(self, op: str, *args: Any, reply: bool = True) -> int | None:
+        """Send ``op`` to the child; the number of its answer with ``reply``. ``None`` when the
+        child is gone (one warning, a fallback to a thread)."""
         if self._conn is None:
             return None
         self._seq += 1
@@ -190,9 +207,16 @@ class ProcessSampler:
         except (OSError, ValueError):
             self._fail("has ended")
             return None
-        if not reply:
+        return self._seq
+
+    def _answer(self, seq: int | None) -> Any:
+        """The child's answer to request ``seq``; ``None`` on failure (as :meth:`_send`)."""
+        self._later.discard(seq)
+        if seq in self._unclaimed:
+            return self._unclaimed.pop(seq)
+        if seq is None or self._conn is None:
             return None
-        answer = self._receive(self._seq, self.reply_timeout_s)
+        answer = self._receive(seq, self.reply_timeout_s)
         if answer is _TIMEOUT:
             self._fail(f"did not answer within {self.reply_timeout_s:g} s")
             return None
@@ -200,6 +224,11 @@ class ProcessSampler:
             self._fail("has ended")
             return None
         return answer
+
+    def _request(self, op: str, *args: Any, reply: bool = True) -> Any:
+        """Send ``op`` to the child; with ``reply``, wait for its answer (as :meth:`_answer`)."""
+        seq = self._send(op, *args, reply=reply)
+        return self._answer(seq) if reply else None
 
     def _fail(self, what: str) -> None:
         """One warning; the child is ended and sampling goes on in a thread of this process."""
@@ -212,7 +241,7 @@ class ProcessSampler:
             what,
             self._exit_text(),
         )
-        self._energy_before_fallback = dict(self._energy)
+        self._energy_before_fallback = self._child_energy_j()
         if self.readers and not self._stopped:
             self._fallback = GpuSampler(self.readers, self.interval_s)
             self._fallback.set_phase(self.phase, reset=True, sample=False)
@@ -250,11 +279,11 @@ class ProcessSampler:
             self._request("sample_now")
 
     def sample_soon(self) -> None:
-        """Have the child take a sample now, without waiting for it: a phase that just began
-        (each validation) may end before the next interval, and its end then finds a sample
-        instead of waiting for one (about 5 ms with 8 GPUs, on the training's time)."""
+        """Have the child's sampling thread take its next sample now, without waiting for it: a
+        phase that just began (each validation) may end before the next interval, and this
+        reading, begun in the phase, counts for it."""
         if self._fallback is None:
-            self._request("sample_now", reply=False)
+            self._request("wake", reply=False)
 
     def has_samples(self, phase: str) -> bool:
         if self._fallback is not None:
@@ -272,18 +301,48 @@ class ProcessSampler:
             return self._fallback.summaries(phase)
         return self._figures(self._request("summaries", phase))
 
+    def summaries_later(self, phase: str) -> Later:
+        """:meth:`summaries` of ``phase`` as it is now, handed over when the child has them. The
+        child closes the phase (the reading begun in it, or one more) while the training goes
+        on, so that a phase shorter than one reading (a validation) waits for none."""
+        if self._fallback is not None:
+            return self._fallback.summaries_later(phase)
+        seq = self._send("summaries later", phase)
+        self._later.add(seq)
+        return Later(lambda: self._figures(self._answer(seq)), lambda: self._answered(seq))
+
+    def _answered(self, seq: int | None) -> bool:
+        """Whether the answer to ``seq`` is here (or will never come), without waiting."""
+        try:
+            while self._conn is not None and seq not in self._unclaimed and self._conn.poll(0):
+                got, result, records = self._conn.recv()
+                _relog(records)
+                if got in self._later:
+                    self._unclaimed[got] = result
+        except (EOFError, OSError):
+            return True  # the child is gone: the figures are lost, at once
+        return self._conn is None or seq in self._unclaimed
+
     def _figures(self, answer: Any) -> dict[str, dict[str, float]]:
         if answer is None:
             return {}
-        figures, self._energy = answer
         ours = {r.label for r in self.readers}
-        return {label: values for label, values in figures.items() if label in ours}
+        return {label: values for label, values in answer.items() if label in ours}
+
+    def _child_energy_j(self) -> dict[str, float]:
+        if self._energy_j is None:
+            return {}
+        return {
+            label: joules
+            for label, joules in zip(self._labels, self._energy_j, strict=True)
+            if not math.isnan(joules)
+        }
 
     def energy_totals_j(self) -> dict[str, float]:
-        """Each GPU's energy since the first sample, as of the last :meth:`summaries` or
-        :meth:`collect` (the callback reads it right after), in joules."""
+        """Each GPU's energy since the first sample, as of the child's latest reading (read from
+        memory shared with it, no round trip), in joules."""
         if self._fallback is None:
-            return dict(self._energy)
+            return self._child_energy_j()
         totals = dict(self._energy_before_fallback)
         for label, joules in self._fallback.energy_totals_j().items():
             totals[label] = totals.get(label, 0.0) + joules
@@ -351,6 +410,7 @@ def _child_main(
     gpus: list[tuple[str, str]],
     groups: list[str],
     interval_s: float,
+    energy_j: Any,
 ) -> None:
     _tie_to_parent(parent_pid)
     parent_end.close()
@@ -371,7 +431,12 @@ def _child_main(
                 reader.pid = parent_pid  # process memory: the trainer's, not ours
                 reader.probe()
                 readers.append(reader)
-            sampler = GpuSampler(readers, interval_s, parallel=True)
+            position = {label: i for i, (label, _uuid) in enumerate(gpus)}
+
+            def publish(label: str, joules: float) -> None:
+                energy_j[position[label]] = joules
+
+            sampler = GpuSampler(readers, interval_s, parallel=True, on_energy=publish)
             stack.callback(sampler.stop)  # before the readers close (last in, first out)
             sampler.sample_now()  # primes the counters before anyone switches a phase
             sampler.start(first_sample=False)
@@ -384,22 +449,39 @@ def _child_main(
 
 
 def _serve(conn: Any, sampler: GpuSampler, parent_pid: int, collect: _Collect) -> None:
-    """Answer the trainer's requests until it says stop, its pipe closes or it is gone."""
+    """Answer the trainer's requests until it says stop, its pipe closes or it is gone.
 
-    def summaries(phase: str) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
-        return sampler.summaries(phase), sampler.energy_totals_j()
+    Requests are taken in order, and none waits for a reading here: "summaries later" (a phase
+    closed by the trainer, which may need the reading under way or one more) is answered from
+    a thread of its own, so the requests behind it (the next phase's, the epoch's figures) are
+    answered meanwhile; the trainer matches answers to requests by number.
+    """
+    sending = threading.Lock()
 
-    def collect_phase(phase: str, sample: bool) -> Any:
-        return sampler.collect(phase, sample=sample), sampler.energy_totals_j()
+    def answer(seq: int, result: Any) -> bool:
+        with sending:
+            try:
+                conn.send((seq, result, collect.drain()))
+            except OSError:
+                return False
+        return True
+
+    def summaries_later(seq: int, phase: str) -> None:
+        threading.Thread(
+            target=lambda: answer(seq, sampler.summaries(phase)),
+            name="gpu-stats-close",
+            daemon=True,
+        ).start()
 
     handlers = {
         "set_phase": lambda phase, reset, sample: sampler.set_phase(
             phase, reset=reset, sample=sample
         ),
         "sample_now": sampler.sample_now,
+        "wake": sampler.wake,
         "has_samples": sampler.has_samples,
-        "collect": collect_phase,
-        "summaries": summaries,
+        "collect": lambda phase, sample: sampler.collect(phase, sample=sample),
+        "summaries": sampler.summaries,
         "stop": sampler.stop,
     }
     while True:
@@ -411,11 +493,11 @@ def _serve(conn: Any, sampler: GpuSampler, parent_pid: int, collect: _Collect) -
             seq, op, args = conn.recv()
         except (EOFError, OSError):
             return
+        if op == "summaries later":
+            summaries_later(seq, *args)
+            continue
         result = handlers[op](*args)
-        if seq is not None:
-            try:
-                conn.send((seq, result, collect.drain()))
-            except OSError:
-                return
+        if seq is not None and not answer(seq, result):
+            return
         if op == "stop":
             return

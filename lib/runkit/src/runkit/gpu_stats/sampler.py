@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -210,6 +210,23 @@ class GpuReader:
         }
 
 
+class Later:
+    """A phase's figures, handed over when they are ready.
+
+    Args:
+        result: gives them, waiting for them if need be.
+        ready: whether ``result`` would give them without a wait.
+    """
+
+    def __init__(
+        self,
+        result: Callable[[], dict[str, dict[str, float]]],
+        ready: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.result = result
+        self.ready = ready
+
+
 class GpuSampler:
     """Samples a set of :class:`GpuReader` into per-phase accumulators, in a background thread.
 
@@ -229,13 +246,20 @@ class GpuSampler:
             interval) waits for; NVML is thread-safe and each reader's state is its own. In the
             training process those threads would take the GIL from training, so the thread
             sampler reads one GPU after the other.
+        on_energy: called with a GPU's label and its energy total (J) each time a reading
+            moves it on (the sampler process publishes them to the training process).
     """
 
     def __init__(
-        self, readers: Sequence[GpuReader], interval_s: float, parallel: bool = False
+        self,
+        readers: Sequence[GpuReader],
+        interval_s: float,
+        parallel: bool = False,
+        on_energy: Callable[[str, float], None] | None = None,
     ) -> None:
         self.readers = list(readers)
         self.interval_s = interval_s
+        self._on_energy = on_energy
         self._pool = (
             concurrent.futures.ThreadPoolExecutor(len(self.readers), "gpu-stats-read")
             if parallel and len(self.readers) > 1
@@ -248,6 +272,7 @@ class GpuSampler:
         self._lock = threading.Lock()  # the accumulators and the phase
         self._reading = threading.Lock()  # one sample at a time (the GPM pairs are stateful)
         self._stop = threading.Event()
+        self._wake = threading.Event()  # the thread's next sample now (stop, or wake())
         self._thread: threading.Thread | None = None
 
     @property
@@ -266,6 +291,7 @@ class GpuSampler:
     def stop(self) -> None:
         """Stop the thread and free what the readers hold in NVML (before NVML shuts down)."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=self.interval_s + 10.0)
             self._thread = None
@@ -278,23 +304,43 @@ class GpuSampler:
     def _run(self, first_sample: bool = True) -> None:
         if first_sample:
             self.sample_now()
-        while not self._stop.wait(self.interval_s) and self.alive:
+        due = time.monotonic() + self.interval_s
+        while True:
+            woken = self._wake.wait(max(0.0, due - time.monotonic()))
+            self._wake.clear()
+            if self._stop.is_set() or not self.alive:
+                return
             self.sample_now()
+            if not woken:
+                due = time.monotonic() + self.interval_s
+
+    def wake(self) -> None:
+        """Have the background thread take one sample now, besides those of its interval (the
+        sampler process does this as a validation starts, without holding up its answers to
+        the training process)."""
+        self._wake.set()
 
     def sample_now(self) -> None:
-        """Read every live GPU once and add the values to the phase current at that moment."""
+        """Read every live GPU once; the values count for the phase current as the reading
+        starts (a phase that ends while its reading runs still gets it)."""
         with self._reading:
-            if self._stop.is_set() and self._thread is None:
-                return  # stopped: the readers are closed
-            alive = self.alive
-            if self._pool is not None:
-                readings = list(zip(alive, self._pool.map(self._read, alive), strict=True))
-            else:
-                readings = [(reader, self._read(reader)) for reader in alive]
             with self._lock:
-                for reader, reading in readings:
-                    if reading is not None:
-                        self._add(reader, *reading)
+                phase = self.phase
+            self._sample(phase)
+
+    def _sample(self, phase: str | None) -> None:
+        """One reading of every live GPU for ``phase``; the caller holds ``_reading``."""
+        if self._stop.is_set() and self._thread is None:
+            return  # stopped: the readers are closed
+        alive = self.alive
+        if self._pool is not None:
+            readings = list(zip(alive, self._pool.map(self._read, alive), strict=True))
+        else:
+            readings = [(reader, self._read(reader)) for reader in alive]
+        with self._lock:
+            for reader, reading in readings:
+                if reading is not None:
+                    self._add(reader, phase, *reading)
 
     def _read(self, reader: GpuReader) -> tuple[dict[str, float], float] | None:
         start = time.perf_counter()
@@ -315,16 +361,20 @@ class GpuSampler:
             )
         return values, time.perf_counter() - start
 
-    def _add(self, reader: GpuReader, values: dict[str, float], seconds: float) -> None:
+    def _add(
+        self, reader: GpuReader, phase: str | None, values: dict[str, float], seconds: float
+    ) -> None:
         energy = values.pop("_energy_mj", None)
-        acc = self._acc.get(self.phase) if self.phase is not None else None
+        acc = self._acc.get(phase) if phase is not None else None
         if energy is not None:
             previous = self._last_energy.get(reader.label)
             self._last_energy[reader.label] = energy
             if previous is not None:
                 delta = energy - previous
-                total = self._energy_total_mj.get(reader.label, 0.0)
-                self._energy_total_mj[reader.label] = total + delta
+                total = self._energy_total_mj.get(reader.label, 0.0) + delta
+                self._energy_total_mj[reader.label] = total
+                if self._on_energy is not None:
+                    self._on_energy(reader.label, total / 1000.0)
                 if acc is not None:
                     acc.setdefault(reader.label, GpuAccumulator()).add_energy(delta)
         if acc is not None:
@@ -360,10 +410,18 @@ class GpuSampler:
 
     def summaries(self, phase: str) -> dict[str, dict[str, float]]:
         """``phase``'s figures so far, after one sample if it has none yet (a phase shorter than
-        the interval)."""
+        the interval): a reading under way, which may be the phase's own, ends first."""
         if not self.has_samples(phase):
-            self.sample_now()
+            with self._reading:
+                if not self.has_samples(phase):
+                    self._sample(phase)
         return self.collect(phase, sample=False)
+
+    def summaries_later(self, phase: str) -> Later:
+        """:meth:`summaries` of ``phase`` now, ready at once (the interface of
+        :meth:`ProcessSampler.summaries_later`, which defers the work)."""
+        figures = self.summaries(phase)
+        return Later(lambda: figures)
 
     def energy_totals_j(self) -> dict[str, float]:
         """Each GPU's energy since the first sample, whatever the phase, in joules."""
