@@ -593,7 +593,7 @@ class GpuStatsMonitor(pl.Callback):
         watched = self.report_validation and self._watches(trainer, f"{root}/")
         local["loop"] = self._loop.summary()  # the epoch so far, for a checkpoint saved now
         if watched:  # a monitor reads the figures right after this hook: wait for them
-            local["gpus"] = self._figures("validation", validation.figures, validation.peaks)
+            local["gpus"] = self._figures("validation", validation.figures.result, validation.peaks)
         elif self.report_validation:
             self._validations.append(validation)
             local["validations"] = self._ready_validations(wait=False)
@@ -613,7 +613,7 @@ class GpuStatsMonitor(pl.Callback):
             epoch_peaks = {}
             if peaks is not None:
                 epoch_peaks = self._guarded("peaks", lambda: peaks.peaks(True)) or {}
-            gpus = self._figures("training", Later(lambda: sampler.summaries(TRAIN)), epoch_peaks)
+            gpus = self._figures("training", lambda: sampler.summaries(TRAIN), epoch_peaks)
         local = self._energy_payload(trainer)  # after the epoch's closing sample, if it took one
         if gpus is not None:
             local["gpus"] = gpus
@@ -645,6 +645,8 @@ class GpuStatsMonitor(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The validations whose figures were not in yet: waited for, and published."""
+        if not self.report_validation:  # alike on every rank: none to wait for
+            return
         local = {"rank": trainer.global_rank, "validations": self._ready_validations(wait=True)}
         everyone = self._exchanges["training end"].gather(trainer, local)
         self._publish_validations(trainer, everyone, final=True)
@@ -660,7 +662,10 @@ class GpuStatsMonitor(pl.Callback):
             ready.append(validation)
         del self._validations[: len(ready)]
         return [
-            (v.number, {**v.payload, "gpus": self._figures("validation", v.figures, v.peaks)})
+            (
+                v.number,
+                {**v.payload, "gpus": self._figures("validation", v.figures.result, v.peaks)},
+            )
             for v in ready
         ]
 
@@ -696,10 +701,13 @@ class GpuStatsMonitor(pl.Callback):
         return payload
 
     def _figures(
-        self, phase: str, figures: Later, peaks: dict[str, dict[str, float]]
+        self,
+        phase: str,
+        figures: Callable[[], dict[str, dict[str, float]]],
+        peaks: dict[str, dict[str, float]],
     ) -> dict[str, dict[str, float]]:
-        """A phase's figures per GPU from the sampler, with PyTorch's peaks added."""
-        gpus = self._guarded(f"{phase} summary", figures.result) or {}
+        """A phase's figures per GPU from the sampler (``figures``), with PyTorch's peaks added."""
+        gpus = self._guarded(f"{phase} summary", figures) or {}
         for label, values in peaks.items():
             if label in gpus:
                 gpus[label].update(values)

@@ -178,13 +178,12 @@ class ProcessSampler:
     def _receive(self, seq: int, timeout_s: float) -> Any:
         """The answer to request ``seq``, ``_TIMEOUT``, or ``_GONE`` if the child is gone.
         Answers to requests awaited later are kept for them; answers to earlier requests that
-        timed out are dropped; logs are passed on."""
+        timed out are dropped; logs are passed on. With ``timeout_s`` 0: what has arrived."""
         if seq in self._unclaimed:
             return self._unclaimed.pop(seq)
         deadline = time.monotonic() + timeout_s
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._conn.poll(left):
+            if not self._conn.poll(max(0.0, deadline - time.monotonic())):
                 return _TIMEOUT
             try:
                 got, result, records = self._conn.recv()
@@ -313,15 +312,12 @@ class ProcessSampler:
 
     def _answered(self, seq: int | None) -> bool:
         """Whether the answer to ``seq`` is here (or will never come), without waiting."""
-        try:
-            while self._conn is not None and seq not in self._unclaimed and self._conn.poll(0):
-                got, result, records = self._conn.recv()
-                _relog(records)
-                if got in self._later:
-                    self._unclaimed[got] = result
-        except (EOFError, OSError):
-            return True  # the child is gone: the figures are lost, at once
-        return self._conn is None or seq in self._unclaimed
+        if seq in self._unclaimed or self._conn is None:
+            return True
+        answer = self._receive(seq, 0.0)
+        if answer is not _TIMEOUT and answer is not _GONE:
+            self._unclaimed[seq] = answer
+        return answer is not _TIMEOUT  # gone: the figures are lost, at once
 
     def _figures(self, answer: Any) -> dict[str, dict[str, float]]:
         if answer is None:
