@@ -15,7 +15,9 @@ every ``--slice-ms`` (:func:`_common.side_by_side`): this machine's speed wander
 seconds, and arms run one after the other spread by +-30 % a ratio; taking turns, each meets
 the same machine. Times are the seconds each run held the machine. A sampler's interval is wall
 time and runs on while its arm waits for its turn, so each arm's interval is stretched by the
-number of arms: per second of its own training it samples as often as at the nominal interval.
+number of arms: per second of its own training it samples as often as at the nominal interval
+(and the monitor's loop-timing windows, ``runkit.gpu_stats.loop``, are stretched alike and read
+step times on the held seconds: a fast loop is timed in windows as it is when run alone).
 Printed is the median of the per-repeat ratios (each arm's run over the "off" run of the same
 repeat) with their min and max, and a control arm that is "off" again: its ratio is what the
 measurement itself spreads (a few percent a run here), the resolution of every other row.
@@ -41,6 +43,7 @@ the default 1 s interval and >= 0.97 at 0.05 s, ``on_train_epoch_end`` <= 3 ms, 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
@@ -52,6 +55,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from runkit.gpu_stats import callback as gpu_callback
+from runkit.gpu_stats import loop as gpu_loop
 from runkit.gpu_stats.callback import GpuStatsMonitor
 from runkit.gpus import nvml
 from runkit.testing.fake_nvml import FakeGpu, FakeNvml
@@ -291,6 +295,12 @@ def main() -> None:
     # while a sampler's period runs in wall time. Stretched by the number of arms, each samples
     # as often per second of its own training as at the nominal interval.
     stretch = len(arms)
+    # The monitor times its loop on the seconds its run held the machine, as a run alone would:
+    # on the wall clock each step here looks `stretch` times slower, and a fast loop would be
+    # timed at every step instead of in windows (runkit.gpu_stats.loop), whose period is wall
+    # time, stretched as a sampler's interval.
+    gpu_callback.LoopTimer = functools.partial(gpu_loop.LoopTimer, _common.clock)
+    gpu_loop.WINDOW_EVERY_S *= stretch
     loop = _common.Arms(list(arms))
     whole = _common.Arms(list(arms))
     epoch_end_ms: dict[str, list[float]] = {name: [] for name in arms}

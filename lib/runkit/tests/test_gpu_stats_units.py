@@ -734,6 +734,75 @@ def test_loop_timer_pauses_once_and_resumes_only_after_a_pause() -> None:
     assert timer.summary() == {"loop_s": 0.0, "data_wait_s": 0.0, "steps": 1.0, "samples": 2.0}
 
 
+def run_steps(timer: LoopTimer, clock: FakeClock, indices: range, measured: bool) -> list[bool]:
+    """Steps of 1 ms waiting and 2 ms in the step; the hooks called only if ``measured``."""
+    said = []
+    for index in indices:
+        clock.advance(0.001)
+        if measured:
+            timer.batch_start()
+        clock.advance(0.002)
+        if measured:
+            said.append(timer.batch_end((torch.zeros(4),), index))
+    return said
+
+
+@pytest.mark.parametrize("first", [0, 2], ids=["epoch", "resumed at batch 2"])
+def test_fast_steps_are_measured_in_windows_and_the_epoch_still_adds_up(first) -> None:
+    clock = FakeClock()
+    timer = LoopTimer(clock, window_steps=3, slow_step_s=0.005)
+    timer.start_epoch((4, 9, 2))  # 10 batches of 4, the last of 2
+    clock.advance(1.0)  # the loader's workers start: the first wait, 1.001 s
+    # the first window holds the start-up, so it is slow and a second one follows
+    assert run_steps(timer, clock, range(first, first + 6), True) == [True] * 5 + [False]
+    assert timer.windowed
+    run_steps(timer, clock, range(first + 6, 8), False)  # the hooks are off
+    assert timer.batch_end((torch.zeros(4),), 7) is True  # back within a step: not counted
+    run_steps(timer, clock, range(8, 10), True)  # a window again: its first wait is unseen
+    steps = 10 - first
+    summary = timer.summary(9)
+    assert summary == {
+        "loop_s": pytest.approx(1.0 + 0.003 * steps),
+        "data_wait_s": pytest.approx(1.0 + 0.001 * steps),  # the unseen ones at the mean
+        "steps": steps,
+        "samples": 4 * steps - 2,
+    }
+
+
+def test_slow_steps_and_batches_counted_one_by_one_are_measured_at_every_step() -> None:
+    clock = FakeClock()
+    for fixed, step_s in (((4, 9, 2), 0.006), (None, 0.001)):
+        timer = LoopTimer(clock, window_steps=3, slow_step_s=0.005)
+        timer.start_epoch(fixed)
+        for index in range(10):
+            timer.batch_start()
+            clock.advance(step_s)
+            assert timer.batch_end((torch.zeros(2),), index) is True
+        assert not timer.windowed
+        assert timer.summary(None)["steps"] == 10.0
+
+
+def test_a_validation_after_a_closed_window_is_left_out_and_opens_the_next() -> None:
+    clock = FakeClock()
+    timer = LoopTimer(clock, window_steps=2, slow_step_s=0.005)
+    timer.start_epoch((4, -1, 4))
+    assert run_steps(timer, clock, range(2), True) == [True, False]
+    run_steps(timer, clock, range(2, 6), False)
+    timer.pause()  # validation: 5 s
+    clock.advance(5.0)
+    assert run_steps(timer, clock, range(6, 9), True) == [True, True, False]
+    run_steps(timer, clock, range(9, 10), False)
+    timer.pause()  # validation at the end, the last step unseen: the loop ends as it begins
+    clock.advance(3.0)
+    # the first batch after the validation waited inside it: its wait is none, not the mean's
+    assert timer.summary(9) == {
+        "loop_s": pytest.approx(10 * 0.003 - 0.001),
+        "data_wait_s": pytest.approx(9 * 0.001),
+        "steps": 10.0,
+        "samples": 40.0,
+    }
+
+
 def samples_seen(loader: Any, fixed: Any, window: tuple[int, int | None]) -> float:
     """The samples a LoopTimer counts over the batches ``window`` (start, stop) of ``loader``."""
     timer = LoopTimer()

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,6 +25,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from runkit.gpu_stats import callback as gpu_callback
+from runkit.gpu_stats import loop as gpu_loop
 from runkit.gpu_stats.callback import GpuStatsMonitor, energy_report
 from runkit.gpu_stats.gpm import GPM_METRICS, GpmCounters
 from runkit.gpu_stats.loop import LoopTimer, batch_length
@@ -474,6 +476,56 @@ def test_a_wait_under_the_threshold_or_a_busy_gpu_gets_no_starvation_line(
         fit(tmp_path / "busy", busy, epochs=1, slow_s=0.01)  # waits, but the GPU is 95 % busy
         fit(tmp_path / "cpu", GpuStatsMonitor(data_wait_warning=0.99), epochs=1, slow_s=0.01)
     assert not [r for r in caplog.records if "waited for the next batch" in r.getMessage()]
+
+
+class CountingLoopTimer(LoopTimer):
+    """The monitor's loop timer, counting the steps whose hooks Lightning called."""
+
+    def __init__(self) -> None:
+        super().__init__(window_steps=8, slow_step_s=1.0)  # every step "fast": windows close
+        self.calls = 0
+
+    def batch_end(self, batch, batch_idx=-1):
+        self.calls += 1
+        return super().batch_end(batch, batch_idx)
+
+
+def fit_fast_steps(tmp_path, monitor, epochs=2):
+    """200 steps an epoch, each waiting at least 2 ms for its one sample."""
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=epochs,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=CSVLogger(tmp_path, name="csv", version=0),
+        callbacks=[monitor],
+    )
+    data = torch.utils.data.DataLoader(SlowData(0.002, n=200), batch_size=1)
+    trainer.fit(TinyModel(), data, torch.utils.data.DataLoader(SlowData(0.0), batch_size=4))
+    return monitor._loop.calls
+
+
+@pytest.mark.slow
+def test_fast_steps_are_timed_in_windows_and_the_epochs_figures_still_add_up(
+    tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setattr(gpu_callback, "LoopTimer", CountingLoopTimer)
+    monkeypatch.setattr(gpu_loop, "WINDOW_EVERY_S", 600.0)  # no window but each epoch's first
+    monitor = GpuStatsMonitor()
+    assert fit_fast_steps(tmp_path, monitor) == 2 * 8  # of 400 steps
+    assert monitor.run_samples() == 400.0  # counted from Lightning's batch index
+    rows = gpu_rows(tmp_path, "loop/data_wait_frac")
+    assert len(rows) == 2
+    for row in rows:  # the 2 ms waits of the 192 steps not timed are in it (0.08 if left out)
+        assert float(row["loop/data_wait_frac"]) > 0.3, row["loop/data_wait_frac"]
+    assert "on_train_batch_start" not in vars(monitor)  # the hooks are back for the next fit
+    assert not [t for t in threading.enumerate() if t.name == "runkit-loop-windows"]
+    # the ticker begins a window every WINDOW_EVERY_S
+    monkeypatch.setattr(gpu_loop, "WINDOW_EVERY_S", 0.02)
+    assert fit_fast_steps(tmp_path / "ticking", GpuStatsMonitor()) > 2 * 8
 
 
 def test_monitored_keys_come_from_callbacks_and_schedulers() -> None:

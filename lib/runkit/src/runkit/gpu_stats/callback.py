@@ -62,7 +62,8 @@ Logged keys (training epoch; validation uses ``gpu_val/`` instead of ``gpu/``)::
                                         AGGREGATED (plus gpu/all/energy_j_sum, each physical GPU
                                         once), so a straggler shows; only with more than one GPU
     loop/data_wait_frac                 share of the epoch's training loop spent waiting for the
-                                        next batch (loop.py; the rank that waited most)
+                                        next batch (loop.py: fast steps timed in windows;
+                                        the rank that waited most)
     loop/samples_per_s                  training samples per second, every rank together
 
 Per-GPU keys are written for nodes with at most ``per_gpu_keys_up_to`` GPUs; beyond, the
@@ -103,6 +104,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from typing import Any
@@ -111,9 +113,9 @@ import lightning.pytorch as pl
 import torch
 
 from runkit import compat
-from runkit.gpu_stats import report
+from runkit.gpu_stats import loop, report
 from runkit.gpu_stats.exchange import RankExchange
-from runkit.gpu_stats.loop import LoopTimer, fixed_batches
+from runkit.gpu_stats.loop import LoopTimer, Ticker, fixed_batches
 from runkit.gpu_stats.process import ProcessSampler, SamplerUnavailable
 from runkit.gpu_stats.sampler import (
     DEFAULT_GROUPS,
@@ -203,6 +205,12 @@ class _Validation:
     payload: dict[str, Any]  # node, boards, step and epoch: the rest of what rank 0 needs
     figures: Later = dataclasses.field(default_factory=lambda: Later(dict))
     peaks: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+
+
+_STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end")  # the loop timer's
+_HOOKS_LOCK = threading.Lock()
+"""Turns a monitor's two batch hooks on and off as one, against the ticker's thread (one for
+every monitor: an instance's own would not pickle, as ``ddp_spawn`` does)."""
 
 
 def _finite(value: Any) -> bool:
@@ -348,6 +356,8 @@ class GpuStatsMonitor(pl.Callback):
         self._validations: list[_Validation] = []  # this rank's, their figures not sent yet
         self._arrived: dict[int, dict[int, dict[str, Any]]] = {}  # rank 0: number -> rank -> it
         self._loop = LoopTimer()
+        self._ticker: Ticker | None = None  # begins the loop's measuring windows (loop.py)
+        self._measure_steps()
         self._fit_energy_j: dict[str, float] = {}  # this fit, per physical GPU
         self._fit_samples: float | None = 0.0  # training samples of this fit, every rank
         self._epoch_samples: float | None = 0.0  # of the epoch under way, at its validation
@@ -521,6 +531,7 @@ class GpuStatsMonitor(pl.Callback):
     # ------------------------------------------------------------------ phases
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._loop.start_epoch(fixed_batches(getattr(trainer, "train_dataloader", None)))
+        self._measure_steps()
         if self._sampler is not None:
             self._guarded(
                 "epoch start", lambda: self._sampler.set_phase(TRAIN, reset=True, sample=False)
@@ -541,11 +552,38 @@ class GpuStatsMonitor(pl.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        self._loop.batch_end(batch, batch_idx)
+        if not self._loop.batch_end(batch, batch_idx):  # a window's fast steps: enough
+            self._skip_steps()
+
+    def _measure_steps(self) -> None:
+        """Lightning calls the two batch hooks again (from the ticker's thread too)."""
+        with _HOOKS_LOCK:
+            compat.restore_hooks(self, *_STEP_HOOKS)
+
+    def _skip_steps(self) -> None:
+        """Lightning skips the two batch hooks until the ticker, an epoch's start or a
+        validation's start begins the next window."""
+        with _HOOKS_LOCK:
+            compat.skip_hooks(self, *_STEP_HOOKS)
+        if self._ticker is None:
+            self._ticker = Ticker(loop.WINDOW_EVERY_S, self._measure_steps)
+            self._stack.callback(self._stop_ticker)
+
+    def _stop_ticker(self) -> None:
+        ticker, self._ticker = self._ticker, None
+        if ticker is not None:
+            ticker.stop()
+        self._measure_steps()
+
+    def _loop_summary(self, trainer: pl.Trainer) -> dict[str, float] | None:
+        """The epoch's loop figures; once a window closed, counted from Lightning's batch index."""
+        timer = self._loop
+        return timer.summary(compat.fit_batch_index(trainer) if timer.windowed else None)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
             self._loop.pause()  # until the next training batch: validation is not a data wait
+            self._measure_steps()  # which the next training batch's start tells
 
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or self._sampler is None:
@@ -591,7 +629,7 @@ class GpuStatsMonitor(pl.Callback):
             self._guarded("peak reset", lambda: peaks.restart())
         root = f"{self.key_prefix}_val"
         watched = self.report_validation and self._watches(trainer, f"{root}/")
-        local["loop"] = self._loop.summary()  # the epoch so far, for a checkpoint saved now
+        local["loop"] = self._loop_summary(trainer)  # the epoch so far, for a checkpoint now
         if watched:  # a monitor reads the figures right after this hook: wait for them
             local["gpus"] = self._figures("validation", validation.figures.result, validation.peaks)
         elif self.report_validation:
@@ -619,7 +657,7 @@ class GpuStatsMonitor(pl.Callback):
             local["gpus"] = gpus
         if sampler is not None:
             self._guarded("epoch end", lambda: sampler.set_phase(None, sample=False))
-        local["loop"] = self._loop.summary()
+        local["loop"] = self._loop_summary(trainer)
         local["validations"] = self._ready_validations(wait=False)
         everyone = self._exchanges["training epoch end"].gather(
             trainer, local, self._watched(trainer)
