@@ -283,16 +283,22 @@ class TinyModel(pl.LightningModule):
 
 
 def fit(
-    tmp_path, monitor, *callbacks, epochs=2, slow_s=0.0, ckpt_path=None, logger=None, **options
+    tmp_path,
+    monitor,
+    *callbacks,
+    epochs=2,
+    slow_s=0.0,
+    ckpt_path=None,
+    logger=None,
+    train=None,
+    **options,
 ):
-    data = torch.utils.data.DataLoader(SlowData(slow_s), batch_size=4)
+    options = {"limit_train_batches": 12, "limit_val_batches": 2, **options}
     trainer = pl.Trainer(
         **options,
         accelerator="cpu",
         devices=1,
         max_epochs=epochs,
-        limit_train_batches=12,
-        limit_val_batches=2,
         num_sanity_val_steps=0,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -302,7 +308,7 @@ def fit(
     )
     trainer.fit(
         TinyModel(),
-        data,
+        train or torch.utils.data.DataLoader(SlowData(slow_s), batch_size=4),
         torch.utils.data.DataLoader(SlowData(0.0), batch_size=4),
         ckpt_path=ckpt_path,
     )
@@ -490,21 +496,10 @@ class CountingLoopTimer(LoopTimer):
         return super().batch_end(batch, batch_idx)
 
 
-def fit_fast_steps(tmp_path, monitor, epochs=2):
-    """200 steps an epoch, each waiting at least 2 ms for its one sample."""
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=epochs,
-        limit_val_batches=1,
-        num_sanity_val_steps=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=CSVLogger(tmp_path, name="csv", version=0),
-        callbacks=[monitor],
-    )
-    data = torch.utils.data.DataLoader(SlowData(0.002, n=200), batch_size=1)
-    trainer.fit(TinyModel(), data, torch.utils.data.DataLoader(SlowData(0.0), batch_size=4))
+def fit_fast_steps(tmp_path, monitor):
+    """Two epochs of 200 steps, each waiting at least 2 ms for its one sample."""
+    train = torch.utils.data.DataLoader(SlowData(0.002, n=200), batch_size=1)
+    fit(tmp_path, monitor, train=train, limit_train_batches=None, limit_val_batches=1)
     return monitor._loop.calls
 
 
