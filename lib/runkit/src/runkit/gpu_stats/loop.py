@@ -104,14 +104,15 @@ class LoopTimer:
     rest).
 
     Windows: the two hook calls a step cost about 6 us with Lightning's dispatch, 1 % of a
-    0.7 ms step. So where the loader's batch sizes are known and ``window_steps`` steps took less
-    than ``slow_step_s`` each, :meth:`batch_end` returns False: the caller stops calling the two
-    hooks until it calls them again (``GpuStatsMonitor``: every ``WINDOW_EVERY_S``, and at each
-    epoch's and validation's start), when a new window begins. The epoch's steps and samples then come from the batch index the caller passes
-    to :meth:`summary`, exactly; its data wait is the wait measured plus, for each step whose
-    wait was not, the mean wait of the typical steps measured (not the epoch's first, whose wait
-    includes starting the loader's workers, nor one right after a validation). Slower steps, and loaders whose batches are counted one by
-    one, are measured at every step: their figures are exact.
+    0.7 ms step. So where the loader's batch sizes are known and ``window_steps`` steps took
+    less than ``slow_step_s`` each, :meth:`batch_end` returns False: the caller stops calling
+    the two hooks until it calls them again (``GpuStatsMonitor``: every ``WINDOW_EVERY_S``, and
+    at each epoch's and validation's start), when a new window begins. The epoch's steps and
+    samples then come from the batch index the caller passes to :meth:`summary`, exactly; its
+    data wait is the wait measured plus, for each step whose wait was not, the mean wait of the
+    typical steps measured (not the epoch's first, whose wait includes starting the loader's
+    workers, nor one right after a validation). Slower steps, and loaders whose batches are
+    counted one by one, are measured at every step: their figures are exact.
     """
 
     __slots__ = (
