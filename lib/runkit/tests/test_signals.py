@@ -799,3 +799,24 @@ def test_a_ctrl_c_just_after_the_run_directory_line_is_one_line(tmp_path: Path) 
     ), rest[-3000:]
     (run,) = run_dirs(log_dir)
     assert (run / "metrics.json").is_file() and (run / "model.pth").is_file()
+
+
+WORKER_STARTED_UNDER_A_STOP = """
+import os, signal
+from runkit.safety import signals
+
+with signals.stop_on_signal():
+    signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGINT))
+    os.kill(os.getpid(), signal.SIGTERM)  # a group's stop as the worker starts: pending
+    signals._dataloader_worker_stops()  # as in a worker, after torch's handlers
+    print("pending", sorted(signal.sigpending()), flush=True)
+"""
+
+
+def test_a_stop_pending_as_a_worker_starts_is_taken_before_the_parents_can_merge_into_it() -> None:
+    # One SIGTERM of each kind stays pending, with its first sender: left for the worker's thread,
+    # the parent's SIGTERM arriving before that thread ran merged into it and was lost, and the
+    # worker outlived its parent's terminate() (CI once: test_a_dataloader_worker_ends_by_...).
+    done = run_python(WORKER_STARTED_UNDER_A_STOP, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["pending []"], done.stderr[-3000:]

@@ -448,11 +448,19 @@ def _dataloader_worker_stops() -> None:
     _worker_stops = stops
     parent = os.getppid()
 
+    def end_if_the_parents(got: Any) -> None:
+        if got is not None and got.si_signo == signal.SIGTERM and got.si_pid == parent:
+            os._exit(0)
+
+    # Taken here first: a signal that came while the worker started (a group's, at the fork) is
+    # pending, and a second SIGTERM, the parent's, would merge into it unseen (one of a kind is
+    # kept pending, with the first sender's si_pid) until the thread below runs.
+    while (got := signal.sigtimedwait(stops, 0)) is not None:
+        end_if_the_parents(got)
+
     def take() -> None:
         while True:
-            got = signal.sigwaitinfo(stops)
-            if got.si_signo == signal.SIGTERM and got.si_pid == parent:
-                os._exit(0)
+            end_if_the_parents(signal.sigwaitinfo(stops))
 
     threading.Thread(target=take, name="dataloader-worker-stops", daemon=True).start()
 
