@@ -813,6 +813,7 @@ with signals.stop_on_signal():
 """
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_a_stop_pending_as_a_worker_starts_is_taken_before_the_parents_can_merge_into_it() -> None:
     # One SIGTERM of each kind stays pending, with its first sender: left for the worker's thread,
     # the parent's SIGTERM arriving before that thread ran merged into it and was lost, and the
