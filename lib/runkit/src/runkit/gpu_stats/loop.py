@@ -117,7 +117,6 @@ class LoopTimer:
 
     __slots__ = (
         "_check_at",
-        "_closed",
         "_epoch_start",
         "_first_index",
         "_fixed_size",
@@ -134,6 +133,7 @@ class LoopTimer:
         "_unknown_waits",
         "_window_start",
         "_window_steps",
+        "_windowed",
         "clock",
         "paused_s",
         "samples",
@@ -160,7 +160,7 @@ class LoopTimer:
         self._fixed_size, self._last_index, self._last_size = fixed or (0, -1, 0)
         self._pending = True  # the next batch start settles the epoch's first wait
         self._open = True  # the hooks are called
-        self._closed = False  # some of this epoch's steps were not measured
+        self._windowed = False  # some of this epoch's steps were not measured
         self._check_at = self._window_steps
         self._paused_at: float | None = None
         self._first_index = 0
@@ -242,8 +242,8 @@ class LoopTimer:
         if now - self._window_start >= self._window_steps * self._slow_step_s:
             self._window_start = now
             return True
-        if not self._closed:  # every step so far was measured: the first index follows
-            self._closed = True
+        if not self._windowed:  # every step so far was measured: the first index follows
+            self._windowed = True
             self._first_index = batch_idx - self.steps + 1
         self._open = False
         self._pending = True  # the next batch start seen begins a window
@@ -259,7 +259,7 @@ class LoopTimer:
     @property
     def windowed(self) -> bool:
         """Some of this epoch's steps were not measured: :meth:`summary` needs the batch index."""
-        return self._closed
+        return self._windowed
 
     def summary(self, batch_idx: int | None = None) -> dict[str, float] | None:
         """``loop_s`` (epoch start to the last step's end, less validation), ``data_wait_s``,
@@ -270,11 +270,10 @@ class LoopTimer:
         """
         if not self.steps:
             return None
-        if not self._closed or batch_idx is None:
-            end = self._last_end
+        end = self._last_end
+        if not self._windowed or batch_idx is None:
             steps, samples, wait = self.steps, self.samples, self.wait_s
         else:
-            end = self._last_end
             if not self._open:  # the last step went unseen: until the validation, or now
                 end = self.clock() if self._paused_at is None else self._paused_at
             steps = batch_idx - self._first_index + 1
@@ -314,5 +313,4 @@ class Ticker:
 
     def stop(self) -> None:
         self._stopped.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+        self._thread.join()
