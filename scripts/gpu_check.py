@@ -70,6 +70,8 @@ WHEELS = (
     "omegaconf",
     "antlr4-python3-runtime",
     "pytest-timeout",
+    "pytest-xdist",  # pytest's settings here name its -n
+    "execnet",
     "import-linter",
     "grimp",
     "click",
@@ -80,6 +82,8 @@ SETUP_IMPORTS = (
     "omegaconf",
     "antlr4",
     "pytest_timeout",
+    "xdist",
+    "execnet",
     "importlinter",
     "grimp",
     "click",
@@ -148,7 +152,7 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
         "ckpt_path={run:train_fsdp}/checkpoints/last.ckpt",
         "paths.log_dir={log_dir}",
     ),
-    "pytest_gpu": ("-m", "gpu", "-p", "no:cacheprovider", "--timeout=150"),
+    "pytest_gpu": ("-m", "gpu", "-p", "no:cacheprovider", "--timeout=150", "-n", "0"),
     "benchmark": ("--workloads", "mlp", "--repeats", "1", "--epochs", "2"),
 }
 # Regexes a step's output, train.log or config.yaml must match: proof that a switch took effect.

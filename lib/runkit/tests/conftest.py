@@ -111,15 +111,21 @@ def run_python(code: str, *args: str, timeout: float = 120) -> subprocess.Comple
     )
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now, for a launcher's rendezvous: a fixed one may be held by
+    a test of the other pytest worker, or another run on the machine."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def train_on_two_torchrun_nodes(
     cwd: Path, rdzv_id: str, *overrides: str, timeout: float = 300
 ) -> list[str]:
     """``python -m project.train`` as two torchrun nodes of one process each, on this machine
     (``--rdzv-id`` names the run directory: ``torchrun-<rdzv_id>``); both must exit 0. Returns
     each node's output."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
         "--master-addr=127.0.0.1", f"--master-port={port}", f"--rdzv-id={rdzv_id}",

@@ -42,6 +42,8 @@ REQUIRES = {
     "omegaconf": ["antlr4-python3-runtime==4.9.*", "PyYAML>=5.1.0"],
     "antlr4-python3-runtime": ['typing; python_version < "3.5"'],
     "pytest-timeout": ["pytest>=7.0.0", 'pytest-cov; extra == "cov"'],
+    "pytest-xdist": ["execnet>=2.1", "pytest>=7.0.0", 'psutil>=3.0; extra == "psutil"'],
+    "execnet": ['hatch; extra == "testing"'],
     "import-linter": ["click>=8.2.0", "grimp>=3.20", "rich>=14.2.0", "fastapi; extra == 'ui'"],
     "grimp": [],
     "click": ['colorama; platform_system == "Windows"'],

@@ -25,6 +25,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
+from conftest import free_port
 from runkit.gpu_stats import process as process_module
 from runkit.gpu_stats.callback import GpuStatsMonitor
 from runkit.gpu_stats.process import ProcessSampler
@@ -548,7 +549,7 @@ def test_no_sampler_outlives_a_ddp_rank_killed_with_sigkill(tmp_path, launcher) 
     command = [sys.executable, str(script), launcher]
     if launcher == "torchrun":
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                   "--master-port", "29517", str(script), launcher]  # fmt: skip
+                   "--master-port", str(free_port()), str(script), launcher]  # fmt: skip
     job = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,

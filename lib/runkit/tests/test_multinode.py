@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import pytest
 import torch
 
 import prewarmed
-from conftest import clean_env, last_line, train_on_two_torchrun_nodes
+from conftest import clean_env, free_port, last_line, train_on_two_torchrun_nodes
 from runkit.errors import RunError
 from runkit.run.launch import launched_externally, rank_suffix, requeued_checkpoint, run_id
 
@@ -136,9 +135,7 @@ ELASTIC = (
 
 def torchrun(cwd: Path, rdzv_id: str, *overrides: str) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node=2 --max-restarts=1 --rdzv-backend=c10d ... -m project.train``."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}",
