@@ -14,6 +14,7 @@ import itertools
 import json
 import logging
 import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,7 +29,7 @@ from runkit.gpu_stats.callback import (
 )
 from runkit.gpu_stats.exchange import RankExchange
 from runkit.gpu_stats.gpm import GpmCounters, GpmUnsupported
-from runkit.gpu_stats.loop import LoopTimer, batch_length, fixed_batches
+from runkit.gpu_stats.loop import LoopTimer, Ticker, batch_length, fixed_batches
 from runkit.gpu_stats.report import RunSummary, print_table
 from runkit.gpu_stats.sampler import (
     GIB,
@@ -716,7 +717,7 @@ def test_loop_timer_pauses_once_and_resumes_only_after_a_pause() -> None:
     clock.advance(1.0)
     timer.batch_start()  # 4 s of validation since the last pause started; waited 1 s
     clock.advance(2.0)
-    timer.batch_end({"x": torch.zeros(5)})
+    assert timer.batch_end({"x": torch.zeros(5)}) is True  # counted one by one: every step
     # 10 s since the epoch start, less 4 s of validation (from the first pause to the batch)
     assert timer.summary() == {"loop_s": 6.0, "data_wait_s": 2.0, "steps": 2.0, "samples": 10.0}
     timer.batch_start()
@@ -725,7 +726,7 @@ def test_loop_timer_pauses_once_and_resumes_only_after_a_pause() -> None:
     summary = timer.summary()
     assert "samples" not in summary and summary["steps"] == 3.0
     timer.batch_start()
-    timer.batch_end(torch.zeros(5))
+    assert timer.batch_end(torch.zeros(5)) is True
     assert "samples" not in timer.summary()  # unknown for the rest of the epoch
     timer.start_epoch()
     assert timer.summary() is None and timer.samples == 0 and timer.wait_s == 0.0
@@ -759,6 +760,7 @@ def test_fast_steps_are_measured_in_windows_and_the_epoch_still_adds_up(first) -
     run_steps(timer, clock, range(first + 6, 8), False)  # the hooks are off
     assert timer.batch_end((torch.zeros(4),), 7) is True  # back within a step: not counted
     run_steps(timer, clock, range(8, 10), True)  # a window again: its first wait is unseen
+    clock.advance(0.5)  # after the last step, which was seen: not in the loop
     steps = 10 - first
     summary = timer.summary(9)
     assert summary == {
@@ -778,8 +780,10 @@ def test_slow_steps_and_batches_counted_one_by_one_are_measured_at_every_step() 
             timer.batch_start()
             clock.advance(step_s)
             assert timer.batch_end((torch.zeros(2),), index) is True
-        assert not timer.windowed
-        assert timer.summary(None)["steps"] == 10.0
+        assert timer.windowed is False
+        summary = timer.summary(9)  # measured at every step: the batch index changes nothing
+        assert (summary["steps"], summary["samples"]) == (10.0, 38.0 if fixed else 20.0)
+        assert summary == timer.summary(None)
 
 
 def test_a_validation_after_a_closed_window_is_left_out_and_opens_the_next() -> None:
@@ -801,6 +805,84 @@ def test_a_validation_after_a_closed_window_is_left_out_and_opens_the_next() -> 
         "steps": 10.0,
         "samples": 40.0,
     }
+
+
+def test_each_reopened_window_leaves_one_wait_unseen_that_the_mean_fills() -> None:
+    clock = FakeClock()
+    timer = LoopTimer(clock, window_steps=2, slow_step_s=0.005)
+    timer.start_epoch((4, -1, 4))
+    clock.advance(0.003)  # the loader starting: a first wait of 4 ms, not typical
+    assert run_steps(timer, clock, range(2), True) == [True, False]
+    run_steps(timer, clock, range(2, 4), False)
+    for start in (4, 9):  # a later window's first wait is unseen: it measures 2 steps more
+        assert run_steps(timer, clock, range(start, start + 3), True) == [True, True, False]
+        run_steps(timer, clock, range(start + 3, start + 5), False)
+    summary = timer.summary(13)
+    assert summary["steps"] == 14.0 and summary["samples"] == 56.0
+    # seen: the first wait and five typical ones; the later windows' first and the unseen: mean
+    assert summary["data_wait_s"] == pytest.approx(0.003 + 14 * 0.001)
+    assert summary["loop_s"] == pytest.approx(0.003 + 14 * 0.003)  # closed: until now
+
+
+@pytest.mark.parametrize("window_steps", [1, 2])
+def test_a_window_with_no_typical_step_or_one_estimates_from_what_it_has(window_steps) -> None:
+    clock = FakeClock()
+    timer = LoopTimer(clock, window_steps=window_steps, slow_step_s=0.005)
+    timer.start_epoch((4, -1, 4))
+    measured = run_steps(timer, clock, range(window_steps), True)
+    assert measured == [True] * (window_steps - 1) + [False]
+    run_steps(timer, clock, range(window_steps, 5), False)
+    summary = timer.summary(4)
+    # one step measured: no typical wait, the unseen count as none; two: the second's, 1 ms
+    typical_s = 0.0 if window_steps == 1 else 0.001
+    seen_s = 0.001 * window_steps
+    assert summary["data_wait_s"] == pytest.approx(seen_s + typical_s * (5 - window_steps))
+    assert summary["loop_s"] == pytest.approx(5 * 0.003)
+
+
+def test_an_epoch_resumed_at_its_short_last_batch_counts_that_batch_alone() -> None:
+    clock = FakeClock()
+    timer = LoopTimer(clock, window_steps=1, slow_step_s=0.005)
+    timer.start_epoch((4, 2, 2))  # 3 batches, the last of 2
+    assert run_steps(timer, clock, range(2, 3), True) == [False]  # a window of 1 fast step
+    assert timer.summary(2)["samples"] == 2.0
+
+
+def test_a_window_exactly_as_slow_as_the_limit_is_measured_on() -> None:
+    clock = FakeClock()
+    timer = LoopTimer(clock, window_steps=2, slow_step_s=0.5)
+    timer.start_epoch((4, -1, 4))
+    for index in range(2):
+        timer.batch_start()
+        clock.advance(0.5)  # 2 steps of exactly the limit: slow, the hooks stay on
+        assert timer.batch_end((torch.zeros(4),), index) is True
+    assert timer.windowed is False
+
+
+def test_the_loaders_fixed_batches_are_its_size_and_last_batch() -> None:
+    data = torch.utils.data.TensorDataset(torch.zeros(10, 2))
+    loader = torch.utils.data.DataLoader
+    assert fixed_batches(loader(data, batch_size=4)) == (4, 2, 2)
+    assert fixed_batches(loader(data, batch_size=4, drop_last=True)) == (4, -1, 4)
+    assert fixed_batches(loader(data, batch_size=5)) == (5, -1, 5)
+
+
+def test_a_ticker_ticks_from_its_daemon_thread_until_stopped() -> None:
+    threads = []
+    ticked = threading.Event()
+
+    def tick() -> None:
+        threads.append(threading.current_thread())
+        ticked.set()
+
+    ticker = Ticker(0.001, tick)
+    assert ticked.wait(5.0)
+    ticker.stop()
+    (thread,) = set(threads)
+    assert thread.name == "runkit-loop-windows" and thread.daemon and not thread.is_alive()
+    calls = len(threads)
+    time.sleep(0.02)
+    assert len(threads) == calls
 
 
 def samples_seen(loader: Any, fixed: Any, window: tuple[int, int | None]) -> float:
