@@ -1395,6 +1395,34 @@ def sampler_on(fake: FakeNvml, groups: list[str], count: int = 1) -> GpuSampler:
     return GpuSampler(readers, interval_s=1.0)
 
 
+@pytest.mark.parametrize("parallel", [False, True])
+def test_several_gpus_are_read_on_a_pool_only_when_asked_and_report_their_energy(parallel) -> None:
+    clock = FakeClock()
+    fake = opened_fake([FakeGpu(power_mw=100_000), FakeGpu(power_mw=50_000)], clock)
+    readers = sampler_on(fake, ["utilization", "energy"], count=2).readers
+    reported: list[tuple[str, float]] = []
+    threads: set[str] = set()
+    sampler = GpuSampler(
+        readers, interval_s=1.0, parallel=parallel, on_energy=lambda *r: reported.append(r)
+    )
+    read = sampler._read
+    sampler._read = lambda reader: threads.add(threading.current_thread().name) or read(reader)
+    sampler.set_phase(TRAIN, sample=False)
+    sampler.sample_now()  # primes both counters
+    clock.set(2.0)
+    sampler.sample_now()
+    assert reported == [("cuda0", pytest.approx(200.0)), ("cuda1", pytest.approx(100.0))]
+    train = sampler.collect(TRAIN, sample=False)
+    assert {gpu: figures["samples"] for gpu, figures in train.items()} == {"cuda0": 2, "cuda1": 2}
+    pool = {name for name in threads if name.startswith("gpu-stats-read")}
+    assert (len(pool) > 0) is parallel and (
+        threading.current_thread().name in threads
+    ) is not parallel
+    assert GpuSampler(readers[:1], interval_s=1.0, parallel=True)._pool is None  # one: no pool
+    sampler.stop()
+    fake.nvmlShutdown()
+
+
 def test_phases_energy_and_the_runs_energy_totals() -> None:
     clock = FakeClock()
     fake = opened_fake([FakeGpu(power_mw=100_000, util_gpu=[(0, 10), (3, 30)])], clock)
