@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import multiprocessing
 import os
 import re
@@ -108,7 +109,48 @@ def drive(sampler, clock: SharedClock) -> list:
     return seen
 
 
-def test_the_process_gives_the_threads_figures_on_the_same_sequence(use_fake) -> None:
+class ServingThread:
+    """The child's serving loop in a thread of this process, standing in for the forked child:
+    mutation testing sees only code that runs in the test's own process."""
+
+    exitcode = None
+
+    def __init__(self, conn, sampler: GpuSampler) -> None:
+        self.pid = os.getpid()
+        args = (conn, sampler, os.getppid(), process_module._Collect())
+        self._thread = threading.Thread(target=process_module._serve, args=args, daemon=True)
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def kill(self) -> None:
+        raise AssertionError("a serving thread that ends by itself is never killed")
+
+
+def served_in_a_thread(fake: FakeNvml, interval_s: float) -> ProcessSampler:
+    """A ProcessSampler whose child is a :class:`ServingThread`, wired as ``_child_main`` does."""
+    labels = [label for label, _uuid in gpus_of(fake)]
+    energy_j = [math.nan] * len(labels)
+    inner = GpuSampler(
+        readers_of(fake),
+        interval_s,
+        parallel=True,
+        on_energy=lambda label, joules: energy_j.__setitem__(labels.index(label), joules),
+    )
+    inner.sample_now()
+    inner.start(first_sample=False)
+    mine, theirs = multiprocessing.Pipe(duplex=True)
+    sampler = ProcessSampler(ServingThread(theirs, inner), mine, interval_s)
+    sampler._labels, sampler._energy_j = labels, energy_j
+    return sampler
+
+
+@pytest.mark.parametrize("served", ["forked", "thread"])
+def test_the_process_gives_the_threads_figures_on_the_same_sequence(use_fake, served) -> None:
     clock = SharedClock()
     thread_fake = scenario(clock)
     thread_fake.nvmlInit()
@@ -120,10 +162,16 @@ def test_the_process_gives_the_threads_figures_on_the_same_sequence(use_fake) ->
 
     clock.value.value = 0.0
     fake = use_fake(scenario(clock))
-    child = ProcessSampler.fork(gpus_of(fake), DEFAULT_GROUPS, 1000.0)
-    fake.nvmlInit()
-    child.attach(readers_of(fake))
-    child.start()
+    if served == "forked":
+        child = ProcessSampler.fork(gpus_of(fake), DEFAULT_GROUPS, 1000.0)
+        fake.nvmlInit()
+        child.attach(readers_of(fake))
+        child.start()
+    else:
+        fake.nvmlInit()
+        child = served_in_a_thread(fake, 1000.0)
+        child.attach(readers_of(fake))
+    serving = child._process
     got = drive(child, clock)
     pid = child.pid
     child.stop()
@@ -138,7 +186,7 @@ def test_the_process_gives_the_threads_figures_on_the_same_sequence(use_fake) ->
     assert "util_mean" not in train["cuda1"] and train["cuda1"]["mem_used_gib_max"] == 6  # MIG
     assert train["cuda0"]["energy_j"] > 0 and energy["cuda0"] > train["cuda0"]["energy_j"]
     assert val["cuda0"]["samples"] == 1 and short["cuda0"]["samples"] == 1
-    assert not process_alive(pid)
+    assert not serving.is_alive() and (served == "thread" or not process_alive(pid))
 
 
 def test_a_validation_start_has_the_child_sample_while_the_trainer_goes_on(use_fake) -> None:
