@@ -132,17 +132,10 @@ class ServingThread:
 
 
 def served_in_a_thread(fake: FakeNvml, interval_s: float) -> ProcessSampler:
-    """A ProcessSampler whose child is a :class:`ServingThread`, wired as ``_child_main`` does."""
+    """A ProcessSampler whose child is a :class:`ServingThread`, with the child's own sampler."""
     labels = [label for label, _uuid in gpus_of(fake)]
     energy_j = [math.nan] * len(labels)
-    inner = GpuSampler(
-        readers_of(fake),
-        interval_s,
-        parallel=True,
-        on_energy=lambda label, joules: energy_j.__setitem__(labels.index(label), joules),
-    )
-    inner.sample_now()
-    inner.start(first_sample=False)
+    inner = process_module._started_sampler(readers_of(fake), labels, interval_s, energy_j)
     mine, theirs = multiprocessing.Pipe(duplex=True)
     sampler = ProcessSampler(ServingThread(theirs, inner), mine, interval_s)
     sampler._labels, sampler._energy_j = labels, energy_j

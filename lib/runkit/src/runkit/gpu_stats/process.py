@@ -427,21 +427,36 @@ def _child_main(
                 reader.pid = parent_pid  # process memory: the trainer's, not ours
                 reader.probe()
                 readers.append(reader)
-            position = {label: i for i, (label, _uuid) in enumerate(gpus)}
-
-            def publish(label: str, joules: float) -> None:
-                energy_j[position[label]] = joules
-
-            sampler = GpuSampler(readers, interval_s, parallel=True, on_energy=publish)
+            labels = [label for label, _uuid in gpus]
+            sampler = _started_sampler(readers, labels, interval_s, energy_j)
             stack.callback(sampler.stop)  # before the readers close (last in, first out)
-            sampler.sample_now()  # primes the counters before anyone switches a phase
-            sampler.start(first_sample=False)
         except Exception as err:
             with contextlib.suppress(OSError):
                 conn.send((0, ("error", f"{type(err).__name__}: {err}"), collect.drain()))
             return
         conn.send((0, ("ready",), collect.drain()))
         _serve(conn, sampler, parent_pid, collect)
+
+
+def _started_sampler(
+    readers: Sequence[GpuReader], labels: Sequence[str], interval_s: float, energy_j: Any
+) -> GpuSampler:
+    """The child's sampler, running: it reads its GPUs side by side, writes each GPU's energy
+    total into ``energy_j`` at the GPU's place in ``labels``, and has taken a first sample, which
+    primes the counters before anyone switches a phase."""
+    position = {label: i for i, label in enumerate(labels)}
+
+    def publish(label: str, joules: float) -> None:
+        energy_j[position[label]] = joules
+
+    sampler = GpuSampler(readers, interval_s, parallel=True, on_energy=publish)
+    try:
+        sampler.sample_now()
+        sampler.start(first_sample=False)
+    except BaseException:
+        sampler.stop()
+        raise
+    return sampler
 
 
 def _serve(conn: Any, sampler: GpuSampler, parent_pid: int, collect: _Collect) -> None:
