@@ -77,6 +77,7 @@ def stub_trainer(**overrides: Any) -> SimpleNamespace:
         callback_metrics={},
         current_epoch=0,
         global_step=12,
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=12)),
         train_dataloader=SimpleNamespace(num_workers=0, pin_memory=False, batch_size=4),
     )
     values.update(overrides)
@@ -152,8 +153,8 @@ def test_an_epoch_with_validation_logs_exact_figures_once_each(
     monitor.on_fit_end(trainer, None)
     monitor.teardown(trainer, None, "fit")
 
-    (val, _), (train, step) = logger.calls
-    assert step == 12
+    (val, val_step), (train, step) = logger.calls
+    assert (val_step, step) == (12, 11)  # 12 batches stepped; Lightning's epoch row is at 11
     assert val == {
         "gpu_val/node0/cuda0/util_mean": 60.0,
         "gpu_val/node0/cuda0/util_max": 60.0,
@@ -227,7 +228,7 @@ def test_a_starved_epoch_without_gpu_readings_gets_one_line_naming_the_settings(
     ((row, step),) = logger.calls
     assert row == {"loop/data_wait_frac": pytest.approx(4 / 6), "loop/samples_per_s": 16 / 6,
                    "epoch": 3}  # fmt: skip
-    assert step == 12
+    assert step == 11  # Lightning's own row of the epoch: its last batch's (12 stepped)
     (line,) = starvation_lines(caplog)
     assert line == (
         "loop: epoch 3 waited for the next batch 67% of its training time (4.0 s) and no GPU "

@@ -365,10 +365,9 @@ def test_validation_figures_come_at_the_validations_step_and_at_once_to_a_monito
 
     class AtValidationEnd(pl.Callback):
         def __init__(self) -> None:
-            self.steps, self.seen = [], []
+            self.seen = []
 
         def on_validation_end(self, trainer, pl_module) -> None:
-            self.steps.append(str(trainer.global_step))
             self.seen.append(trainer.callback_metrics.get(key))
 
     class StopsTheSampler(pl.Callback):
@@ -383,6 +382,7 @@ def test_validation_figures_come_at_the_validations_step_and_at_once_to_a_monito
 
     # Unwatched, they are logged at the training epoch's end, each at the step of its
     # validation (two validations an epoch), and nothing waits for them at the validation.
+    # The steps are those of Lightning's own rows: its val_loss, its train_loss of the epoch.
     monkeypatch.setattr(ProcessSampler, "reply_timeout_s", 0.5)
     unwatched = AtValidationEnd()
     monitor = GpuStatsMonitor(interval_s=0.05, device_uuids=uuids)
@@ -390,8 +390,12 @@ def test_validation_figures_come_at_the_validations_step_and_at_once_to_a_monito
         fit(tmp_path, StopsTheSampler(), monitor, unwatched, val_check_interval=0.5)
     assert caplog.records == []
     with (tmp_path / "csv" / "version_0" / "metrics.csv").open() as handle:
-        rows = [r for r in csv.DictReader(handle) if r.get(key)]
-    assert [r["step"] for r in rows] == unwatched.steps and len(rows) == 4
+        every_row = list(csv.DictReader(handle))
+    rows = [r for r in every_row if r.get(key)]
+    lightnings = [r["step"] for r in every_row if r.get("val_loss")]
+    assert [r["step"] for r in rows] == lightnings and len(rows) == 4
+    epochs = [r["step"] for r in every_row if r.get("train_loss")]
+    assert [r["step"] for r in gpu_rows(tmp_path)] == epochs == ["11", "23"]
     assert [float(r[key]) for r in rows] == [70.0] * 4 and unwatched.seen == [None] * 4
     # Watched, a monitor has them at the validation's end, every time.
     watched = AtValidationEnd()

@@ -31,9 +31,10 @@ under DDP an all-reduce, per key). Keys a monitor names (``EarlyStopping``, ``Mo
 a scheduler's ``monitor``) are also put in ``trainer.callback_metrics`` on every rank, so those
 callbacks work on every rank as with ``self.log`` (then every rank, not only rank 0, waits for
 the others' figures at the epoch ends); list them after this callback, which fills the keys in
-its ``on_train_epoch_end``. A validation's figures are logged, at the step of the validation,
-at the first epoch end or validation end by which the sampler has them (at the latest when
-training ends): the sampler closes the validation while training goes on, so the training
+its ``on_train_epoch_end``. Rows carry the step of Lightning's own rows of the same moment (an
+epoch's figures that of its ``on_epoch`` metrics, the epoch's last batch). A validation's figures
+are logged, at the step of the validation, at the first epoch end or validation end by which the
+sampler has them (at the latest when training ends): the sampler closes the validation while training goes on, so the training
 thread never waits for a reading at a validation's end (a validation shorter than one reading,
 about 5 ms for 8 GPUs, would). A monitor of a ``gpu_val/`` key gets them at the validation's
 end, and waits for them there.
@@ -612,7 +613,7 @@ class GpuStatsMonitor(pl.Callback):
             {
                 "node": local["node"],
                 "boards": local.get("boards", {}),
-                "step": trainer.global_step,
+                "step": compat.logging_step(trainer),
                 "epoch": trainer.current_epoch,
             },
         )
@@ -668,7 +669,7 @@ class GpuStatsMonitor(pl.Callback):
         )
         loops = [p.get("loop") for p in everyone]
         flat.update(flatten_loop(loops))
-        self._publish(trainer, flat)
+        self._publish(trainer, flat, epoch_end=True)
         self._add_energy(everyone)
         epoch_samples = count_samples(loops)
         self._fit_samples = (
@@ -765,10 +766,12 @@ class GpuStatsMonitor(pl.Callback):
         metrics: dict[str, float],
         step: int | None = None,
         epoch: int | None = None,
+        epoch_end: bool = False,
     ) -> None:
         """Hand the figures to every logger in one call (rank 0), and the monitored ones to
         ``trainer.callback_metrics`` (every rank); see the module docstring. ``step`` and
-        ``epoch``: of the phase the figures are of (default: now)."""
+        ``epoch``: of the phase the figures are of (default: now, the step of Lightning's rows
+        now; ``epoch_end``: of its rows of the epoch, one lower)."""
         if not metrics:
             return
         wanted = monitored_keys(trainer) & metrics.keys()
@@ -779,7 +782,8 @@ class GpuStatsMonitor(pl.Callback):
             trainer.callback_metrics.update({k: torch.tensor(float(metrics[k])) for k in wanted})
         if trainer.is_global_zero and trainer.loggers:
             row = {**metrics, "epoch": trainer.current_epoch if epoch is None else epoch}
-            step = trainer.global_step if step is None else step
+            if step is None:
+                step = compat.logging_step(trainer) - int(epoch_end)
             # Files are written when Lightning next saves its loggers (its own epoch-end log
             # moments later, or the end of training), not here on the training thread.
             for logger in trainer.loggers:
