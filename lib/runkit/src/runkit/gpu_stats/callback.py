@@ -784,8 +784,9 @@ class GpuStatsMonitor(pl.Callback):
             row = {**metrics, "epoch": trainer.current_epoch if epoch is None else epoch}
             if step is None:
                 step = compat.logging_step(trainer) - int(epoch_end)
-            # Files are written when Lightning next saves its loggers (its own epoch-end log
-            # moments later, or the end of training), not here on the training thread.
+            # Files are written when Lightning next saves its loggers (for its own rows of this
+            # moment, or at the end of training); a CSV logger writes here only at a step of
+            # its flush interval, where it would write for Lightning's row of the step anyway.
             for logger in trainer.loggers:
                 logger.log_metrics(row, step=step)
 
