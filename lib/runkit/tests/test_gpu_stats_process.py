@@ -110,15 +110,19 @@ def drive(sampler, clock: SharedClock) -> list:
 
 
 class ServingThread:
-    """The child's serving loop in a thread of this process, standing in for the forked child:
-    mutation testing sees only code that runs in the test's own process."""
+    """The child's set-up and serving loop in a thread of this process, standing in for the
+    forked child: mutation testing sees only code that runs in the test's own process."""
 
     exitcode = None
 
-    def __init__(self, conn, sampler: GpuSampler) -> None:
+    def __init__(self, conn, gpus, interval_s: float, energy_j) -> None:
         self.pid = os.getpid()
-        args = (conn, sampler, os.getppid(), process_module._Collect())
-        self._thread = threading.Thread(target=process_module._serve, args=args, daemon=True)
+        # The trainer is this process; the serving ends if this process's parent goes.
+        args = (conn, gpus, DEFAULT_GROUPS, interval_s, energy_j, process_module._Collect())
+        args += (os.getpid(), os.getppid())
+        self._thread = threading.Thread(
+            target=process_module._open_and_serve, args=args, daemon=True
+        )
         self._thread.start()
 
     def is_alive(self) -> bool:
@@ -132,13 +136,13 @@ class ServingThread:
 
 
 def served_in_a_thread(fake: FakeNvml, interval_s: float) -> ProcessSampler:
-    """A ProcessSampler whose child is a :class:`ServingThread`, with the child's own sampler."""
-    labels = [label for label, _uuid in gpus_of(fake)]
-    energy_j = [math.nan] * len(labels)
-    inner = process_module._started_sampler(readers_of(fake), labels, interval_s, energy_j)
+    """A ProcessSampler whose child is a :class:`ServingThread`, as ``ProcessSampler.fork`` wires
+    a forked one."""
+    gpus = gpus_of(fake)
+    energy_j = [math.nan] * len(gpus)
     mine, theirs = multiprocessing.Pipe(duplex=True)
-    sampler = ProcessSampler(ServingThread(theirs, inner), mine, interval_s)
-    sampler._labels, sampler._energy_j = labels, energy_j
+    sampler = ProcessSampler(ServingThread(theirs, gpus, interval_s, energy_j), mine, interval_s)
+    sampler._labels, sampler._energy_j = [label for label, _uuid in gpus], energy_j
     return sampler
 
 
@@ -157,13 +161,11 @@ def test_the_process_gives_the_threads_figures_on_the_same_sequence(use_fake, se
     fake = use_fake(scenario(clock))
     if served == "forked":
         child = ProcessSampler.fork(gpus_of(fake), DEFAULT_GROUPS, 1000.0)
-        fake.nvmlInit()
-        child.attach(readers_of(fake))
-        child.start()
     else:
-        fake.nvmlInit()
         child = served_in_a_thread(fake, 1000.0)
-        child.attach(readers_of(fake))
+    fake.nvmlInit()
+    child.attach(readers_of(fake))
+    child.start()
     serving = child._process
     got = drive(child, clock)
     pid = child.pid

@@ -414,6 +414,22 @@ def _child_main(
     package = logging.getLogger("runkit.gpu_stats")
     package.handlers = [collect]
     package.propagate = False  # the trainer logs them, once, when they arrive
+    _open_and_serve(conn, gpus, groups, interval_s, energy_j, collect, parent_pid, parent_pid)
+
+
+def _open_and_serve(
+    conn: Any,
+    gpus: list[tuple[str, str]],
+    groups: list[str],
+    interval_s: float,
+    energy_j: Any,
+    collect: _Collect,
+    trainer_pid: int,
+    parent_pid: int,
+) -> None:
+    """Open the GPUs and start the sampler, tell the trainer "ready" (or why not), then serve it
+    (:func:`_serve`). ``trainer_pid``: whose memory on the GPUs is read; ``parent_pid``: the
+    process whose end ends the serving (both the trainer's, in the child)."""
     with ExitStack() as stack:
         try:
             lib = stack.enter_context(nvml.nvml_session())
@@ -424,7 +440,7 @@ def _child_main(
                     continue  # the training process names it
                 reader = GpuReader(lib, found[0], label, groups)
                 stack.callback(reader.close)
-                reader.pid = parent_pid  # process memory: the trainer's, not ours
+                reader.pid = trainer_pid  # process memory: the trainer's, not ours
                 reader.probe()
                 readers.append(reader)
             labels = [label for label, _uuid in gpus]
