@@ -132,13 +132,15 @@ class ServingThread:
         self._thread.join(timeout)
 
     def kill(self) -> None:
-        raise AssertionError("a serving thread that ends by itself is never killed")
+        self._thread.join(5.0)  # no killing a thread: it ends by itself, or a test fails
 
 
-def served_in_a_thread(fake: FakeNvml, interval_s: float) -> ProcessSampler:
+def served_in_a_thread(
+    fake: FakeNvml, interval_s: float, gpus: list[tuple[str, str]] | None = None
+) -> ProcessSampler:
     """A ProcessSampler whose child is a :class:`ServingThread`, as ``ProcessSampler.fork`` wires
-    a forked one."""
-    gpus = gpus_of(fake)
+    a forked one (for ``gpus``, default: the fake's)."""
+    gpus = gpus_of(fake) if gpus is None else gpus
     energy_j = [math.nan] * len(gpus)
     mine, theirs = multiprocessing.Pipe(duplex=True)
     sampler = ProcessSampler(ServingThread(theirs, gpus, interval_s, energy_j), mine, interval_s)
@@ -182,6 +184,39 @@ def test_the_process_gives_the_threads_figures_on_the_same_sequence(use_fake, se
     assert train["cuda0"]["energy_j"] > 0 and energy["cuda0"] > train["cuda0"]["energy_j"]
     assert val["cuda0"]["samples"] == 1 and short["cuda0"]["samples"] == 1
     assert not serving.is_alive() and (served == "thread" or not process_alive(pid))
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+def test_the_child_skips_a_gpu_it_cannot_find_and_frees_what_it_opened(use_fake) -> None:
+    fake = use_fake(FakeNvml([FakeGpu(util_gpu=40, gpm=GPM), FakeGpu(util_gpu=60, gpm=GPM)]))
+    # The first is a UUID that NVML here does not know: the others are still sampled.
+    gpus = [("cuda0", fake.gpus[0].uuid), ("cuda1", fake.gpus[1].uuid)]
+    child = served_in_a_thread(fake, 1000.0, [("cuda7", "GPU-not-here"), *gpus])
+    child.start()
+    serving, opened = child._process, fake.gpm_samples_live
+    fake.nvmlInit()
+    child.attach(
+        [GpuReader(fake, nvml.find_handle(fake, u)[0], g, DEFAULT_GROUPS) for g, u in gpus]
+    )
+    child.set_phase(TRAIN, reset=True, sample=False)
+    figures = child.summaries(TRAIN)
+    child.stop()
+    fake.nvmlShutdown()
+    assert {label: gpu["util_mean"] for label, gpu in figures.items()} == {"cuda0": 40, "cuda1": 60}
+    assert opened > 0 and fake.gpm_samples_live == 0  # the child's readers closed theirs
+    assert fake.balanced and not serving.is_alive()
+
+
+def test_a_child_that_cannot_open_nvml_says_why(use_fake) -> None:
+    fake = use_fake(FakeNvml([FakeGpu()], init_error="driver_not_loaded"))
+    child = served_in_a_thread(fake, 1000.0, [("cuda0", fake.gpus[0].uuid)])
+    with pytest.raises(process_module.SamplerUnavailable) as failed:
+        child.start()
+    assert str(failed.value) == (
+        "the sampler process did not start: NvmlUnavailable: NVML is not available "
+        "(Driver Not Loaded)"
+    )
+    assert not child._process.is_alive()
 
 
 def test_a_validation_start_has_the_child_sample_while_the_trainer_goes_on(use_fake) -> None:
