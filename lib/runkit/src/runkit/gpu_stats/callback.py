@@ -34,10 +34,10 @@ the others' figures at the epoch ends); list them after this callback, which fil
 its ``on_train_epoch_end``. Rows carry the step of Lightning's own rows of the same moment (an
 epoch's figures that of its ``on_epoch`` metrics, the epoch's last batch). A validation's figures
 are logged, at the step of the validation, at the first epoch end or validation end by which the
-sampler has them (at the latest when training ends): the sampler closes the validation while training goes on, so the training
-thread never waits for a reading at a validation's end (a validation shorter than one reading,
-about 5 ms for 8 GPUs, would). A monitor of a ``gpu_val/`` key gets them at the validation's
-end, and waits for them there.
+sampler has them (at the latest when training ends): the sampler closes the validation while
+training goes on, so the training thread never waits for a reading at a validation's end (a
+validation shorter than one reading, about 5 ms for 8 GPUs, would). A monitor of a ``gpu_val/``
+key gets them at the validation's end, and waits for them there.
 
 Logged keys (training epoch; validation uses ``gpu_val/`` instead of ``gpu/``)::
 
