@@ -712,7 +712,8 @@ with signals.stop_on_signal():
     time.sleep(0.5)
     print("alive", [w.is_alive() for w in workers], "batches", len(list(batches)) + 1, flush=True)
     batches = iter(loader)
-    next(batches)
+    next(batches), next(batches)  # batch i comes from worker i % 2: both are past their start-up
+    # (a SIGTERM sent before would merge into the one pending since the fork, and be lost)
     workers = multiprocessing.active_children()
     workers[0].terminate()  # the parent's SIGTERM, as multiprocessing ends a worker at exit
     workers[0].join(20)
