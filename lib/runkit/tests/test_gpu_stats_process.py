@@ -73,9 +73,9 @@ def scenario(clock: SharedClock) -> FakeNvml:
     )
 
 
-def readers_of(fake: FakeNvml) -> list[GpuReader]:
+def readers_of(fake: FakeNvml, gpus: list[tuple[str, str]] | None = None) -> list[GpuReader]:
     out = []
-    for label, uuid in gpus_of(fake):
+    for label, uuid in gpus_of(fake) if gpus is None else gpus:
         reader = GpuReader(fake, nvml.find_handle(fake, uuid)[0], label, DEFAULT_GROUPS)
         reader.probe()
         out.append(reader)
@@ -195,12 +195,13 @@ def test_the_child_skips_a_gpu_it_cannot_find_and_frees_what_it_opened(use_fake)
     child.start()
     serving, opened = child._process, fake.gpm_samples_live
     fake.nvmlInit()
-    child.attach(
-        [GpuReader(fake, nvml.find_handle(fake, u)[0], g, DEFAULT_GROUPS) for g, u in gpus]
-    )
+    mine = readers_of(fake, gpus)
+    child.attach(mine)
     child.set_phase(TRAIN, reset=True, sample=False)
     figures = child.summaries(TRAIN)
     child.stop()
+    for reader in mine:
+        reader.close()
     fake.nvmlShutdown()
     assert {label: gpu["util_mean"] for label, gpu in figures.items()} == {"cuda0": 40, "cuda1": 60}
     assert opened > 0 and fake.gpm_samples_live == 0  # the child's readers closed theirs

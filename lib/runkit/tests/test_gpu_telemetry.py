@@ -389,12 +389,10 @@ def test_validation_figures_come_at_the_validations_step_and_at_once_to_a_monito
     with caplog.at_level(logging.WARNING, logger="runkit.gpu_stats"):
         fit(tmp_path, StopsTheSampler(), monitor, unwatched, val_check_interval=0.5)
     assert caplog.records == []
-    with (tmp_path / "csv" / "version_0" / "metrics.csv").open() as handle:
-        every_row = list(csv.DictReader(handle))
-    rows = [r for r in every_row if r.get(key)]
-    lightnings = [r["step"] for r in every_row if r.get("val_loss")]
+    rows = gpu_rows(tmp_path, key)
+    lightnings = [r["step"] for r in gpu_rows(tmp_path, "val_loss")]
     assert [r["step"] for r in rows] == lightnings and len(rows) == 4
-    epochs = [r["step"] for r in every_row if r.get("train_loss")]
+    epochs = [r["step"] for r in gpu_rows(tmp_path, "train_loss")]
     assert [r["step"] for r in gpu_rows(tmp_path)] == epochs == ["11", "23"]
     assert [float(r[key]) for r in rows] == [70.0] * 4 and unwatched.seen == [None] * 4
     # Watched, a monitor has them at the validation's end, every time.
