@@ -404,6 +404,44 @@ def test_validation_figures_come_at_the_validations_step_and_at_once_to_a_monito
 
 
 @pytest.mark.slow
+def test_an_epoch_shorter_than_the_interval_is_read_from_its_start(tmp_path, use_fake) -> None:
+    # Its end used to find no reading of the epoch and take one of every GPU on the training
+    # thread (about 10 ms for 8 GPUs at 0.3 ms a call). Now the epoch's start has the sampler
+    # process begin the epoch's first reading, and the end finds it done. The utilization is
+    # 40 until the epoch's last step has seen a reading begun in the epoch, 90 after it: the
+    # epoch's figure says which reading it got.
+    reads, late = tmp_path / "reads", tmp_path / "late"
+
+    def utilization(t: float) -> int:  # runs in the sampler process
+        with reads.open("a") as handle:
+            handle.write(f"{time.monotonic()}\n")
+        return 90 if late.exists() else 40
+
+    class LastStepAfterAReading(pl.Callback):
+        """Before the monitor: stamps the epoch's start; its last step waits for a reading."""
+
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            self.started = time.monotonic()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if batch_idx + 1 < trainer.num_training_batches:
+                return
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not any(
+                float(t) > self.started for t in reads.read_text().split()
+            ):
+                time.sleep(0.01)
+            late.touch()
+
+    fake = use_fake(FakeNvml([FakeGpu(util_gpu=utilization)]))
+    monitor = GpuStatsMonitor(interval_s=1000.0, device_uuids=[fake.gpus[0].uuid])
+    fit(tmp_path, LastStepAfterAReading(), monitor, epochs=1, limit_val_batches=0)
+    (row,) = gpu_rows(tmp_path)
+    assert (row["gpu/node0/cuda0/samples"], row["gpu/node0/cuda0/util_mean"]) == ("1.0", "40.0")
+    assert late.exists()
+
+
+@pytest.mark.slow
 def test_energy_continues_across_a_resume_and_reaches_metrics_json(tmp_path, use_fake) -> None:
     fake = use_fake(FakeNvml([FakeGpu(power_mw=300_000)]))
     uuids = [fake.gpus[0].uuid]

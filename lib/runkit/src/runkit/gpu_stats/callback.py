@@ -7,8 +7,9 @@ be started, or with ``sampler="thread"``), default every second, keeps running s
 and logs, once per epoch, the mean/max/min over the epoch. The training thread makes no NVML
 call: it only tells the sampler when an epoch or a validation run starts and ends (a sample
 counts for the phase current when it is stored; the energy and GPM of an interval for the phase
-in which it ended). A phase that ends before its first background sample gets one sample when
-it closes.
+in which it ended). The sampler process begins each phase's first reading as the phase starts;
+a phase that ends before any reading of it (or with the thread sampler, before its first
+background sample) gets one sample when it closes.
 
 Which GPU: every torch device this process trains on is mapped to its NVML device by UUID
 (``torch.cuda.get_device_properties(i).uuid`` → ``nvmlDeviceGetHandleByUUID("GPU-…"|"MIG-…")``),
@@ -534,11 +535,21 @@ class GpuStatsMonitor(pl.Callback):
         self._loop.start_epoch(fixed_batches(getattr(trainer, "train_dataloader", None)))
         self._measure_steps()
         if self._sampler is not None:
-            self._guarded(
-                "epoch start", lambda: self._sampler.set_phase(TRAIN, reset=True, sample=False)
-            )
+            self._begin_phase(TRAIN, "epoch start")
         if self._peaks is not None:
             self._guarded("peak reset", lambda: self._peaks.clear())
+
+    def _begin_phase(self, phase: str, what: str) -> None:
+        """Later readings count for ``phase``, the first of them begun now by the sampler process
+        (not by this thread): a phase shorter than the interval (a validation, a short epoch)
+        then ends without waiting for a reading of every GPU."""
+        sampler = self._sampler
+
+        def begin() -> None:
+            sampler.set_phase(phase, reset=True, sample=False)
+            sampler.sample_soon()
+
+        self._guarded(what, begin)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -590,13 +601,7 @@ class GpuStatsMonitor(pl.Callback):
         if trainer.sanity_checking or self._sampler is None:
             return
         self._phase_before_val = self._sampler.phase
-        sampler = self._sampler
-
-        def start_validation() -> None:
-            sampler.set_phase(VAL, reset=True, sample=False)
-            sampler.sample_soon()  # so that the validation's end need not wait for a reading
-
-        self._guarded("validation start", start_validation)
+        self._begin_phase(VAL, "validation start")
         if self._peaks is not None:
             self._guarded("peak reset", lambda: self._peaks.stash())
 

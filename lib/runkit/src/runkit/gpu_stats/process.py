@@ -279,8 +279,8 @@ class ProcessSampler:
 
     def sample_soon(self) -> None:
         """Have the child's sampling thread take its next sample now, without waiting for it: a
-        phase that just began (each validation) may end before the next interval, and this
-        reading, begun in the phase, counts for it."""
+        phase that just began (each validation, each training epoch) may end before the next
+        interval, and this reading, begun in the phase, counts for it."""
         if self._fallback is None:
             self._request("wake", reply=False)
 

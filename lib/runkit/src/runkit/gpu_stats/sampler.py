@@ -316,8 +316,8 @@ class GpuSampler:
 
     def wake(self) -> None:
         """Have the background thread take one sample now, besides those of its interval (the
-        sampler process does this as a validation starts, without holding up its answers to
-        the training process)."""
+        sampler process does this as a validation or a training epoch starts, without holding
+        up its answers to the training process)."""
         self._wake.set()
 
     def sample_now(self) -> None:
