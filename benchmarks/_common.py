@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import pickle
 import platform
@@ -153,10 +154,13 @@ class Arms:
     def median(self, name: str) -> float:
         return statistics.median(self.values[name])
 
-    def ratios(self, numerator: str, denominator: str) -> list[float]:
-        """Per-repeat ratios (repeat i of one arm over repeat i of the other)."""
+    def ratios(self, numerator: str, *denominators: str) -> list[float]:
+        """Per-repeat ratios: repeat i of one arm over repeat i of the other, or over the
+        geometric mean of repeat i of several (a baseline measured more than once)."""
+        columns = [self.values[name] for name in denominators]
         return [
-            a / b for a, b in zip(self.values[numerator], self.values[denominator], strict=True)
+            value / math.prod(row) ** (1 / len(row))
+            for value, *row in zip(self.values[numerator], *columns, strict=True)
         ]
 
 

@@ -18,9 +18,13 @@ time and runs on while its arm waits for its turn, so each arm's interval is str
 number of arms: per second of its own training it samples as often as at the nominal interval
 (and the monitor's loop-timing windows, ``runkit.gpu_stats.loop``, are stretched alike and read
 step times on the held seconds: a fast loop is timed in windows as it is when run alone).
-Printed is the median of the per-repeat ratios (each arm's run over the "off" run of the same
-repeat) with their min and max, and a control arm that is "off" again: its ratio is what the
-measurement itself spreads (a few percent a run here), the resolution of every other row.
+Each repeat trains without the callback twice, "off" and "off, again". Printed is the median of
+the per-repeat ratios with their min and max: each arm's run over the geometric mean of the two
+runs without it in the same repeat. Why two: one process runs a few percent faster or slower
+than the next, and a single run without the callback put its luck into every row at once: over
+eight runs of 9 to 27 repeats, the control row's median (the same run again, over it) went from
+0.988 to 1.015. The control row, the second run without the callback over the first, still shows
+what one run against one other spreads: the resolution of the other rows.
 
 The per-step cost in the callback's own batch hooks is timed in two arms of its own, the
 monitor and an empty callback each with a timer around its batch hooks (``... batch hooks
@@ -66,7 +70,7 @@ import _common  # benchmarks/ is not a package: found through sys.path
 
 EMPTY = "empty callback"  # the arm with a callback that does nothing
 TIMED = ", batch hooks timed"  # an arm whose callback's per-step hooks are timed: its own row
-CONTROL = "off, again (control)"  # "off" twice: what the measurement itself spreads
+CONTROL = "off, again (control)"  # "off" twice: the baseline, and what one run spreads
 GPM = {"SM_UTIL": 60, "SM_OCCUPANCY": 30, "ANY_TENSOR_UTIL": 20, "DRAM_BW_UTIL": 45}
 
 
@@ -347,8 +351,8 @@ def main() -> None:
     print(f"machine: {_common.machine_summary()}; torch threads 1")
     print(
         f"{args.gpus} fake GPUs with GPM, NVML call cost {args.call_cost_ms} ms, {args.repeats} "
-        f"repeats, {args.epochs} epochs of {args.steps} steps per run, CSV logger; ratios > 1 are "
-        "noise"
+        f"repeats, {args.epochs} epochs of {args.steps} steps per run, CSV logger; ratios over "
+        "the two runs without it (the control: over 'off' alone); ratios > 1 are noise"
     )
     print(
         f"{'arm':<44} {'loop ratio':>10} {'whole-epoch ratio':>18} {'epoch end ms':>22} "
@@ -358,8 +362,9 @@ def main() -> None:
     for name, (sampler, interval, timed) in arms.items():
         if name == "off":
             continue
-        loop_ratio = statistics.median(loop.ratios(name, "off"))
-        whole_ratios = whole.ratios(name, "off")
+        baseline = ("off",) if name == CONTROL else ("off", CONTROL)
+        loop_ratio = statistics.median(loop.ratios(name, *baseline))
+        whole_ratios = whole.ratios(name, *baseline)
         whole_ratio = statistics.median(whole_ratios)
         low, high = _common.spread(whole_ratios)
         if sampler in (None, EMPTY):
