@@ -22,8 +22,8 @@ Each repeat trains without the callback twice, "off" and "off, again". Printed i
 the per-repeat ratios with their min and max: each arm's run over the geometric mean of the two
 runs without it in the same repeat. Why two: one process runs a few percent faster or slower
 than the next, and a single run without the callback put its luck into every row at once: over
-eight runs of 9 to 27 repeats, the control row's median (the same run again, over it) went from
-0.988 to 1.015. The control row, the second run without the callback over the first, still shows
+six runs here and two probes of these arms, 9 to 27 repeats each, the control row's median (the
+same run again, over it) went from 0.988 to 1.015. The control row, the second run without the callback over the first, still shows
 what one run against one other spreads: the resolution of the other rows.
 
 The per-step cost in the callback's own batch hooks is timed in two arms of its own, the
