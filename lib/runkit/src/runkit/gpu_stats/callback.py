@@ -7,9 +7,11 @@ be started, or with ``sampler="thread"``), default every second, keeps running s
 and logs, once per epoch, the mean/max/min over the epoch. The training thread makes no NVML
 call: it only tells the sampler when an epoch or a validation run starts and ends (a sample
 counts for the phase current when it is stored; the energy and GPM of an interval for the phase
-in which it ended). The sampler process begins each phase's first reading as the phase starts;
-a phase that ends before any reading of it (or with the thread sampler, before its first
-background sample) gets one sample when it closes.
+in which it ended). The sampler process begins each phase's first reading as the phase starts,
+so that no phase's end waits for one; a phase shorter than the interval is then described by
+that reading (NVML's utilization over its own last sample period, GPM and energy since the
+reading before), not by one at its end. A phase that ends before any reading of it (with the
+thread sampler, before its first background sample) gets one sample when it closes.
 
 Which GPU: every torch device this process trains on is mapped to its NVML device by UUID
 (``torch.cuda.get_device_properties(i).uuid`` → ``nvmlDeviceGetHandleByUUID("GPU-…"|"MIG-…")``),
