@@ -1,28 +1,13 @@
 """lightning-runkit: everything a training run needs that is not the user's model, data or flow.
 
-The public API is what this module names (``runkit.hydra_entry``, ``runkit.resolve_for_run``,
-...; :data:`PUBLIC`), loaded on first use: ``import runkit`` pulls in neither torch nor
-Lightning, so a project's ``--help`` stays instant. The components (callbacks, the CheckpointIO,
-the strategy) are named by their modules in a project's configs. The rest is private: a project
-imports nothing else (an import-linter contract checks the template's).
-
-Grouped by job, one job per file; nothing here imports a project's code (it arrives through
-``_target_`` in the configs).
-
-=============  ==================================================================================
-gpus/          NVML access, the GPU inventory, ``CUDA_VISIBLE_DEVICES`` rules, device resolution,
-               the listing CLI
-gpu_stats/     per-epoch GPU statistics: sampling, statistics, the callback, the run summary
-safety/        crash-safe checkpoint I/O and loading, exact resume, interrupts, the finite-loss
-               guard, the checkpoint callback
-run/           the Hydra entry, preflight checks, builders, run files, sweep/DDP launch
-speed.py       the GPU speed switches (TF32, precision=auto, compile, channels-last)
-plots.py       ``curves.png`` and ``python -m runkit.plot``
-quoting.py     what the program prints for the user to paste, quoted for the shell and Hydra
-strategies/    ``trainer.strategy=dp``
-testing/       the fake NVML used by tests, benchmarks and CPU demos
-compat.py      every access to a private Lightning/torch/OmegaConf/Hydra API, each with a test
-=============  ==================================================================================
+The public API is :data:`__all__`, loaded on first use, so ``import runkit`` pulls in neither
+torch nor Lightning and a project's ``--help`` stays instant. The components (callbacks, the
+CheckpointIO, the strategy) are named by their modules in a project's configs. Grouped by job:
+``gpus/`` (NVML, the inventory, device resolution, claims), ``gpu_stats/`` (per-epoch GPU
+statistics), ``safety/`` (checkpoints, resume, interrupts, the finite-loss guard), ``run/`` (the
+Hydra entry, preflight, builders, run files, launch), ``speed.py``, ``plots.py``, ``quoting.py``,
+``strategies/`` (DP, FSDP), ``testing/`` (the fake NVML) and ``compat.py`` (every private API used,
+each with a test). Nothing here imports a project's code; it arrives through ``_target_``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
-"""Which devices to train on: the ``accelerator``/``devices`` the user typed, checked against the
-machine before anything is built, and turned into what the Lightning ``Trainer`` gets.
+"""Which devices to train on: ``accelerator``/``devices`` as typed, checked against the machine
+before anything is built and turned into what the Lightning ``Trainer`` gets.
 
-So that "4 GPUs on a 2-GPU machine" is one clear line instead of a traceback from deep inside
-Lightning, and "no GPU" falls back to the CPU with one message. ``select="least_used"`` picks the N
-GPUs with the most free memory (then the lowest utilisation, then the lowest index) and makes every
-DDP rank agree on that choice.
-
-:func:`resolve_devices` decides and changes nothing, so preflight checks may call it freely;
-:func:`resolve_for_run` is what ``train``/``eval`` call where the run starts: for ``least_used`` it
-measures the GPUs afresh, waits for enough of them to qualify and claims them
-(:mod:`runkit.gpus.claims`), and hands rank 0's choice to the DDP ranks Lightning is
-about to launch. Both read the GPU list through
-:func:`~runkit.gpus.inventory.cached_inventory`, once per job, and only for a GPU
-request: ``accelerator=cpu`` (or ``mps``, ...) never touches NVML.
+So that "4 GPUs on a 2-GPU machine" is one clear line instead of a traceback from Lightning, and
+"no GPU" falls back to the CPU with one message. :func:`resolve_devices` decides and changes
+nothing (preflight calls it freely); :func:`resolve_for_run` is called where the run starts and,
+for ``select="least_used"``, measures, waits for and claims GPUs (:mod:`runkit.gpus.claims`) and
+hands rank 0's choice to the DDP ranks. ``accelerator=cpu`` never touches NVML.
 """
 
 from __future__ import annotations

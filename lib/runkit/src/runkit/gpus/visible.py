@@ -1,31 +1,12 @@
 """Which physical GPU is ``cuda:N``: the ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` rules.
 
-NVML numbers GPUs in PCI bus order, while CUDA numbers them in ``CUDA_DEVICE_ORDER`` (default
-``FASTEST_FIRST``, which may differ on a machine with mixed GPUs), then filters and reorders them
-by ``CUDA_VISIBLE_DEVICES``. When torch can see CUDA the inventory matches each ``cuda:N`` to NVML
-by UUID (exact); otherwise it applies these rules, as the CUDA programming guide documents them
-([PG] below) and, where it is silent, as torch's NVML-based device count encodes them (torch 2.13
-``torch.cuda._parse_visible_devices``/``_transform_uuid_to_ordinals``; Lightning uses that count):
-
-* entries are comma separated; each is a device ordinal (parsed like ``strtoul``: leading digits
-  count, so ``"1gpu"`` means 1, ``"+1"`` is 1), a ``GPU-`` UUID or a prefix of one that matches
-  exactly one GPU, or a ``MIG-`` UUID (also the pre-R470 form ``MIG-GPU-<uuid>/<gi>/<ci>``);
-* the first entry sets the kind of the whole list (ordinals, ``GPU-`` UUIDs or ``MIG-`` UUIDs): an
-  entry of another kind ends it, as it does in torch (``0,GPU-…`` is one GPU; [PG] is silent);
-* the list ends at the first entry that is invalid (negative, out of range, unknown or ambiguous
-  UUID), so ``0,2,-1,1`` shows devices 0 and 2 [PG];
-* a device named twice hides every device (torch's NVML-based counting encodes the same rule);
-* an empty string hides every GPU [PG];
-* a GPU in MIG mode cannot run CUDA work itself; CUDA shows MIG devices instead, as many as the
-  driver allows (:func:`apply_mig_limits`).
-
-Pure functions over :class:`~runkit.gpus.records.Gpu` records: no NVML, no torch.
-
-Sources: [PG] CUDA Programming Guide §5.2.1.1 ``CUDA_VISIBLE_DEVICES``,
-https://docs.nvidia.com/cuda/cuda-programming-guide/05-appendices/environment-variables.html;
-[MIG] MIG User Guide, "MIG Device Names → CUDA Device Enumeration",
-https://docs.nvidia.com/datacenter/tesla/mig-user-guide/mig-device-names.html
-(the design notes of the library's repository keep the comparison with nvitop and torch).
+NVML numbers GPUs in PCI bus order; CUDA in ``CUDA_DEVICE_ORDER``, then filtered and reordered by
+``CUDA_VISIBLE_DEVICES``. When torch sees CUDA the inventory matches devices by UUID; otherwise
+these pure functions apply the rules of the CUDA programming guide (section 5.2.1.1) and, where it
+is silent, those torch's NVML-based device count encodes (Lightning uses that count): ordinals
+parsed like ``strtoul``, UUID prefixes, the first entry's kind sets the list's, the list ends at
+the first invalid entry, a duplicate hides every device, an empty string hides all, and a GPU in
+MIG mode shows its MIG devices (:func:`apply_mig_limits`).
 """
 
 from __future__ import annotations
