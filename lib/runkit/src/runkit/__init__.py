@@ -13,7 +13,35 @@ each with a test). Nothing here imports a project's code; it arrives through ``_
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names as a type checker sees them; at run time, loaded on first use
+    from runkit.data import ArrayDataModule
+    from runkit.errors import RunError
+    from runkit.gpu_stats.callback import energy_report
+    from runkit.gpus.claims import policy_from_config
+    from runkit.gpus.resolve import resolve_for_run
+    from runkit.plots import after_run
+    from runkit.run.builders import build_trainer, can_test, plain
+    from runkit.run.cli import find_configs, hydra_entry
+    from runkit.run.launch import requeued_checkpoint
+    from runkit.run.predictions import prepare_predict
+    from runkit.run.rebuild import trained_config, trained_model
+    from runkit.run.run_files import best_checkpoint, save_config, save_metrics, scalars
+    from runkit.safety.checkpoints import (
+        WEIGHTS_FILE,
+        exported_part,
+        full_disk_in_one_line,
+        is_sharded,
+        load_file,
+        load_network,
+        resolve_ckpt_path,
+        save_weights,
+    )
+    from runkit.safety.interrupts import phase
+    from runkit.safety.resume import check_fits
+    from runkit.safety.trusted import TRUSTED_TARGETS
+    from runkit.speed import trainer_settings
 
 __version__ = "0.1.0"
 
@@ -58,7 +86,39 @@ PUBLIC: dict[str, str] = {
 }
 """Each public name and the module that defines it."""
 
-__all__ = sorted(PUBLIC)
+__all__ = [
+    "TRUSTED_TARGETS",
+    "WEIGHTS_FILE",
+    "ArrayDataModule",
+    "RunError",
+    "after_run",
+    "best_checkpoint",
+    "build_trainer",
+    "can_test",
+    "check_fits",
+    "energy_report",
+    "exported_part",
+    "find_configs",
+    "full_disk_in_one_line",
+    "hydra_entry",
+    "is_sharded",
+    "load_file",
+    "load_network",
+    "phase",
+    "plain",
+    "policy_from_config",
+    "prepare_predict",
+    "requeued_checkpoint",
+    "resolve_ckpt_path",
+    "resolve_for_run",
+    "save_config",
+    "save_metrics",
+    "save_weights",
+    "scalars",
+    "trained_config",
+    "trained_model",
+    "trainer_settings",
+]
 
 
 def __getattr__(name: str) -> Any:
