@@ -33,7 +33,7 @@ NAMES = [
     pytest.param(("Sky Survey", "sky_survey"), id="sky_survey"),  # its imports sort after runkit's
     pytest.param(("Élan Vital", "elan_vital"), id="elan_vital"),  # and before
 ]
-# The project whose README commands run as written (the other is made and checked file by file).
+# The project whose README train command runs as written (both run their CI job's steps).
 SET_UP = "Élan Vital"
 # Each test of the set-up project may be the one whose fixture sets it up and runs both README
 # commands (a fresh install and a 20-epoch run): minutes on a quiet machine, many on a busy one.
