@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-import runkit
 from project import config_dir
+import runkit
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig

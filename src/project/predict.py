@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-import runkit
 from project import config_dir
+import runkit
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
