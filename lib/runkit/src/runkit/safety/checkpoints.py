@@ -13,7 +13,6 @@ the network is rebuilt from it only through trusted ``_target_``s (:mod:`.truste
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import re
@@ -33,14 +32,13 @@ from fsspec.utils import get_protocol
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch import nn
 
-from runkit.errors import RunError
+from runkit.errors import DISK_FULL, EnvironmentFailure, RunError, file_failure
 from runkit.safety.trusted import TRUSTED_TARGETS, check_trusted
 
 log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.pth"
 CONFIG_FILE = "config.yaml"
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 # Temporary files: ".<target name>.<pid>-<host tag>-<random>.tmp", so that the next write in the
 # directory can tell a dead writer's leftover (kill -9 mid-write) from a live writer's file.
 _HOST = f"{zlib.crc32(socket.gethostname().encode()):08x}"
@@ -48,13 +46,11 @@ _TEMP = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)-(?P<host>[0-9a-f]{8})-[0-9a-f]
 _FOREIGN_TEMP_AGE_S = 24 * 3600  # another machine's temporary file: removed once this old
 
 
-class FileWriteError(RunError):
+class FileWriteError(EnvironmentFailure):
     """A file of the run could not be written (full disk, no permission); nothing half-written.
 
     ``problem`` is the message's first part: what failed, where and why.
     """
-
-    exit_code = 1
 
     def __init__(self, problem: str, outcome: str = "") -> None:
         super().__init__(f"{problem}; {outcome}" if outcome else problem)
@@ -195,7 +191,7 @@ def _temporary(target: Path) -> tuple[int, Path]:
 def write_failure(target: Path, err: OSError, kept: bool) -> tuple[str, str]:
     """(what failed, what remains) for :class:`FileWriteError`."""
     outcome = "its previous version is unchanged" if kept else "nothing was written"
-    if err.errno in _DISK_FULL:
+    if err.errno in DISK_FULL:
         return f"the disk is full: could not write {str(target)!r} ({err.strerror})", outcome
     reason = err.strerror or str(err) or type(err).__name__
     return f"could not write {str(target)!r}: {reason}", outcome
@@ -301,11 +297,12 @@ def last_good_checkpoint(directory: Path, prefer: Path | None = None) -> str:
 
 @contextlib.contextmanager
 def full_disk_in_one_line(run_dir: str | Path) -> Iterator[None]:
-    """Turn a full disk anywhere in the block into one :class:`FileWriteError` line.
+    """Turn a failed write of the run's files anywhere in the block into one
+    :class:`FileWriteError` line: a full disk, or the run directory deleted or made unwritable.
 
     Lightning's loggers write too (the CSV log, at every flush and when a failed fit ends), and
     their ``OSError`` replaces the checkpoint's own error; whichever write failed first, the line
-    says the disk is full, where, and which good checkpoint of the run remains.
+    says what failed, where, and which good checkpoint of the run remains.
     """
     try:
         yield
@@ -314,8 +311,9 @@ def full_disk_in_one_line(run_dir: str | Path) -> Iterator[None]:
         ours = next((e for e in chain if isinstance(e, FileWriteError)), None)
         if isinstance(ours, CheckpointSaveError):
             raise ours from None
-        full = next((e for e in chain if isinstance(e, OSError) and e.errno in _DISK_FULL), None)
-        if ours is None and full is None:
+        failures = (file_failure(e, run_dir) for e in chain if isinstance(e, OSError))
+        failed = next((f for f in failures if isinstance(f, EnvironmentFailure)), None)
+        if ours is None and failed is None:
             raise
         checkpoints = sorted(
             (p for p in Path(run_dir).rglob("*.ckpt") if p.is_file()),
@@ -326,15 +324,7 @@ def full_disk_in_one_line(run_dir: str | Path) -> Iterator[None]:
             if checkpoints
             else "no checkpoint of this run was kept"
         )
-        if ours is not None:
-            raise FileWriteError(ours.problem, kept) from err
-        assert full is not None
-        where = full.filename or Path(run_dir)
-        raise FileWriteError(
-            f"the disk is full: could not write the run's files in {str(where)!r} "
-            f"({full.strerror})",
-            kept,
-        ) from err
+        raise FileWriteError(ours.problem if ours else str(failed), kept) from err
 
 
 def _chain(err: BaseException) -> list[BaseException]:
