@@ -19,6 +19,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 import time
 import warnings
 import zipfile
@@ -948,18 +949,40 @@ def resolve_ckpt_path(
     if is_sharded_checkpoint(path):
         verify_checkpoint_dir(path)
         return path.resolve()
-    if not path.is_file():
+    named = typed_as(path, value)
+    if not path.exists():
         raise RunError(
-            f"ckpt_path={value!r} does not exist; pass a .ckpt file, a model.pth, a run directory or 'last'"
+            f"{named} does not exist; pass a .ckpt file, a model.pth, a run directory or 'last'"
+        )
+    if not path.is_file():
+        kind = _SPECIAL.get(stat.S_IFMT(path.stat().st_mode), "a special file")
+        raise RunError(
+            f"{named} is {kind}, not a regular file; pass a .ckpt file, a model.pth, a run "
+            "directory or 'last'"
         )
     if path.stat().st_size == 0:
-        raise RunError(f"ckpt_path={value!r} is an empty file; expected a checkpoint")
+        raise RunError(f"{named} is an empty file; expected a checkpoint")
     if not zipfile.is_zipfile(path):
         raise RunError(
-            f"ckpt_path={value!r} is not a complete torch checkpoint (truncated, or another kind of file)"
+            f"{named} is not a complete torch checkpoint (truncated, or another kind of file)"
         )
     verify_archive(path)
     return path.resolve()
+
+
+_SPECIAL = {
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def typed_as(path: str | Path, value: str) -> str:
+    """``ckpt_path='<the file as resolved>'``, and the value typed when that is another (``last``,
+    a run directory, a relative path): a line names the file it judged."""
+    shown = str(Path(path).absolute())
+    return f"ckpt_path={shown!r}" + ("" if value == shown else f" (typed {value!r})")
 
 
 def _checkpoint_in(folder: Path, value: str, tested_weights: bool) -> Path:
@@ -975,8 +998,8 @@ def _checkpoint_in(folder: Path, value: str, tested_weights: bool) -> Path:
     ]
     if not found:
         raise RunError(
-            f"ckpt_path={value!r} is a directory without checkpoints/last.ckpt or any other .ckpt "
-            "file; pass a .ckpt file, a model.pth, a run directory or 'last'"
+            f"{typed_as(folder, value)} is a directory without checkpoints/last.ckpt or any other "
+            ".ckpt file; pass a .ckpt file, a model.pth, a run directory or 'last'"
         )
     newest = max(found, key=lambda p: (p.stat().st_mtime_ns, p.name))
     log.info("ckpt_path=%s has no last.ckpt: using its newest checkpoint, %s", value, newest.name)
