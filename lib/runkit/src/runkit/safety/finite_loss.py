@@ -144,7 +144,7 @@ class FiniteLoss(Callback):
         self.check()
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not trainer.sanity_checking:  # before the checkpoint callback, which Lightning runs last
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:  # before ModelCheckpoint's
             self._check_monitored(trainer, "training stopped, no checkpoint holds it")
 
     def on_save_checkpoint(
@@ -180,8 +180,8 @@ class FiniteLoss(Callback):
         # Lightning names last_model_path before it writes it: only a file that is there counts.
         paths = (getattr(callback, n, "") for n in ("last_model_path", "best_model_path"))
         kept = next((p for p in paths if p and Path(p).exists()), "")
-        if kept:  # the epoch and step it holds, which a save at the loop's end counts on by one
-            held = load_file(kept, mmap=True)
+        if kept:  # the epoch and step it holds (a sharded one: in its meta.pt, not its shards)
+            held = load_file(Path(kept) / "meta.pt" if Path(kept).is_dir() else kept, mmap=True)
             kept = f"{kept} (epoch {held.get('epoch')}, step {held.get('global_step')})"
         skipped = f", {self.skipped} batch(es) skipped" if self.skipped else ""
         # The epoch of the latest step: after the loop, current_epoch is already one more.
