@@ -700,10 +700,7 @@ def load_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -
     file = Path(path)
     if is_sharded_checkpoint(file):
         return load_sharded(file, map_location=map_location)
-    if not file.is_file():
-        raise RunError(f"ckpt_path={str(path)!r} does not exist or is not a file")
-    if file.stat().st_size == 0:
-        raise RunError(f"ckpt_path={str(path)!r} is empty; expected a .ckpt or model.pth file")
+    _check_file(file, str(path))
     verify_archive(file)
     try:
         try:
@@ -949,6 +946,19 @@ def resolve_ckpt_path(
     if is_sharded_checkpoint(path):
         verify_checkpoint_dir(path)
         return path.resolve()
+    _check_file(path, value)
+    if not zipfile.is_zipfile(path):
+        raise RunError(
+            f"{typed_as(path, value)} is not a complete torch checkpoint (truncated, or another "
+            "kind of file)"
+        )
+    verify_archive(path)
+    return path.resolve()
+
+
+def _check_file(path: Path, value: str) -> None:
+    """Refuse a path that is not a non-empty regular file, in one line naming it (never opened:
+    reading a FIFO would wait forever)."""
     named = typed_as(path, value)
     if not path.exists():
         raise RunError(
@@ -962,15 +972,10 @@ def resolve_ckpt_path(
         )
     if path.stat().st_size == 0:
         raise RunError(f"{named} is an empty file; expected a checkpoint")
-    if not zipfile.is_zipfile(path):
-        raise RunError(
-            f"{named} is not a complete torch checkpoint (truncated, or another kind of file)"
-        )
-    verify_archive(path)
-    return path.resolve()
 
 
 _SPECIAL = {
+    stat.S_IFDIR: "a directory",
     stat.S_IFCHR: "a character device",
     stat.S_IFBLK: "a block device",
     stat.S_IFIFO: "a FIFO (named pipe)",
