@@ -287,7 +287,7 @@ def test_training_on_a_full_disk_ends_in_one_line(
 
 
 TAKE_AWAY = """
-import shutil
+import shutil, subprocess
 from pathlib import Path
 from lightning.pytorch import Callback
 
@@ -296,32 +296,39 @@ class TakeAway(Callback):
         self.folder, self.how = Path(folder), how
 
     def on_train_epoch_end(self, trainer, pl_module):
-        if trainer.current_epoch == 1:
-            shutil.rmtree(self.folder)
-            if self.how == "a-file-in-its-place":
-                self.folder.write_text("not a directory")
+        if trainer.current_epoch != 1:
+            return
+        if self.how == "made-read-only":  # a read-only mount of it over it (root ignores chmod)
+            folder = str(self.folder)
+            subprocess.run(["mount", "--bind", "-o", "ro", folder, folder], check=True)
+            return
+        shutil.rmtree(self.folder)
+        if self.how == "a-file-in-its-place":
+            self.folder.write_text("not a directory")
 """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["deleted", "a-file-in-its-place"])
+@pytest.mark.parametrize("how", ["deleted", "a-file-in-its-place", "made-read-only"])
 def test_a_run_directory_taken_away_mid_run_is_an_environment_failure(
     tmp_path: Path, how: str
 ) -> None:
+    if how == "made-read-only" and os.geteuid() != 0:
+        pytest.skip("a read-only mount needs root")
     (tmp_path / "take_away.py").write_text(TAKE_AWAY)
-    run = tmp_path / "run"
+    run = tmp_path / "run é"
     done = subprocess.run(
         [
             sys.executable,
             "-m",
             "project.train",
-            f"hydra.run.dir={run}",
+            f'hydra.run.dir="{run}"',
             "model=mlp",
             "trainer.max_epochs=4",
             "data.batch_size=256",
             "callbacks.progress_bar.refresh_rate=0",
             "+callbacks.take_away._target_=take_away.TakeAway",
-            f"+callbacks.take_away.folder={run}",
+            f'+callbacks.take_away.folder="{run}"',
             f"+callbacks.take_away.how={how}",
         ],
         cwd=tmp_path,
@@ -330,6 +337,7 @@ def test_a_run_directory_taken_away_mid_run_is_an_environment_failure(
         text=True,
         timeout=600,
     )
+    subprocess.run(["umount", "-l", str(run)], capture_output=True, check=False)
     # Not exit 2 (a user's mistake) after Hydra's "Error executing job" line: one line, exit 4.
     assert done.returncode == 4, done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "Error executing job" not in done.stderr
