@@ -34,7 +34,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from runkit.errors import RunError
+from runkit.errors import RunError, file_failure
 from runkit.run.collector import resume_collector
 
 HYDRA_KEYS = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
@@ -492,10 +492,9 @@ def claim_run_dir(cfg: DictConfig, key: str) -> None:
             f"{key}={str(directory)!r} is taken: it already has {marker} (another run is starting "
             "there, or an earlier one stopped there); pick a new directory"
         ) from None
-    except OSError as err:
-        raise RunError(
-            f"cannot create or write {str(err.filename or directory)!r}: {err.strerror}"
-        ) from err
+    except OSError as err:  # below a file, no permission (the user's path); a full disk
+        err.filename = err.filename or str(directory)
+        raise file_failure(err) from err
     _claimed = _Claim(directory, first_new, marker, had_files)
 
 
