@@ -157,7 +157,8 @@ def test_a_non_finite_monitored_metric_stops_training_at_that_validation(tmp_pat
     assert str(info.value) == (
         "training diverged: the monitored metric val/loss=nan is not finite (NaN or inf) at step "
         "20 (epoch 1); training stopped, no checkpoint holds it; the last finite checkpoint is "
-        f"{tmp_path / 'last.ckpt'} (epoch 0, step 10). Lower model.optimizer.lr"
+        f"{tmp_path / 'last.ckpt'} (epoch 0, step 10). Lower the learning rate, or check how "
+        "NanValidation computes val/loss"
     )
     assert trainer.current_epoch == 1 and trainer.global_step == 20  # it did not train on
     for file in tmp_path.glob("*.ckpt"):
@@ -195,6 +196,7 @@ def test_a_diverging_run_with_skip_fails_in_one_line_and_exports_nothing(
     assert done.returncode == 3, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: training diverged: the "), errors
+    assert errors[0].endswith(". Lower model.optimizer.lr"), errors  # the key this config has
     assert "Traceback" not in done.stderr
     (run,) = run_dirs(log_dir)
     assert not (run / "model.pth").exists() and not (run / "metrics.json").exists()
@@ -234,6 +236,7 @@ def test_a_monitored_metric_that_turns_nan_ends_the_run_at_that_validation(
     assert last_line(done.stderr) == (
         "error: training diverged: the monitored metric val/acc=nan is not finite (NaN or inf) at "
         "step 128 (epoch 1); training stopped, no checkpoint holds it; the last finite checkpoint "
-        f"is {run / 'checkpoints' / 'last.ckpt'} (epoch 0, step 64). Lower model.optimizer.lr"
+        f"is {run / 'checkpoints' / 'last.ckpt'} (epoch 0, step 64). Lower the learning rate, or "
+        "check how NanAcc computes val/acc"  # a BoringModel has no model.optimizer.lr to lower
     )
     assert not (run / "model.pth").exists() and not (run / "metrics.json").exists()

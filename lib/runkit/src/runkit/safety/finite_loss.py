@@ -32,6 +32,7 @@ rank reaches): each rank sees its own buffers, or its shard under FSDP.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any, Literal
@@ -82,6 +83,7 @@ class FiniteLoss(Callback):
         self.check_every_n_steps = check_every_n_steps
         self.max_skipped = max_skipped
         self.skipped = 0
+        self._lower = "Lower the learning rate"  # the hint; the config key where there is one
         self._losses: Tensor | None = None  # the losses since the last host read (stop mode)
         self._where: list[tuple[int, int, int]] = []  # (step, epoch, batch) of each of them
         self._loss_finite: Tensor | None = None  # this step's verdict (skip mode)
@@ -90,6 +92,9 @@ class FiniteLoss(Callback):
     # --- the device-side record ------------------------------------------------------------
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         size = min(self.check_every_n_steps, _MAX_KEPT)
+        with contextlib.suppress(KeyError, TypeError):  # the run's config (hparams) has the key
+            pl_module.hparams["config"]["model"]["optimizer"]["lr"]
+            self._lower = "Lower model.optimizer.lr"
         self._losses = torch.zeros(size, device=pl_module.device)
         self._where = []
 
@@ -171,7 +176,8 @@ class FiniteLoss(Callback):
         if _agreed(trainer, value is not None and not _all_finite([value])):
             shown = float(value) if value is not None else "not finite on another rank"
             what = f"monitored metric {monitor}={shown} is"
-            raise DivergedError(self._diverged(trainer, what, outcome))
+            hint = f", or check how {type(trainer.lightning_module).__name__} computes {monitor}"
+            raise DivergedError(self._diverged(trainer, what, outcome) + hint)
 
     def _diverged(self, trainer: Trainer, what: str, outcome: str) -> str:
         from runkit.safety.checkpoints import load_file
@@ -189,7 +195,7 @@ class FiniteLoss(Callback):
         return (
             f"training diverged: the {what} not finite (NaN or inf) at step {trainer.global_step} "
             f"(epoch {epoch}{skipped}); {outcome}; the last finite checkpoint is "
-            f"{kept or 'none (none was saved)'}. Lower model.optimizer.lr"
+            f"{kept or 'none (none was saved)'}. {self._lower}"
         )
 
     def check(self) -> None:
@@ -204,7 +210,7 @@ class FiniteLoss(Callback):
         step, epoch, batch = self._where[int((~finite).nonzero()[0, 0])]
         raise NonFiniteLossError(
             f"non-finite training loss (NaN or inf) at step {step} (epoch {epoch}, batch {batch}); "
-            "training stopped, checkpoints saved before it are kept. Lower model.optimizer.lr, "
+            f"training stopped, checkpoints saved before it are kept. {self._lower}, "
             "or set callbacks.finite_loss.action=skip to skip such batches"
         )
 
