@@ -940,7 +940,7 @@ def resolve_ckpt_path(
             )
         path = runs[-1]
     else:
-        path = Path(value).expanduser()
+        path = Path(value).expanduser().absolute()  # lines name the file judged
         if path.is_dir() and not is_sharded_checkpoint(path):
             path = _checkpoint_in(path, value, tested_weights)
     if is_sharded_checkpoint(path):
