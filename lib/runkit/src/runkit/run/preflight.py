@@ -494,7 +494,7 @@ def claim_run_dir(cfg: DictConfig, key: str) -> None:
         ) from None
     except OSError as err:  # below a file, no permission (the user's path); a full disk
         err.filename = err.filename or str(directory)
-        raise file_failure(err) from err
+        raise file_failure(err) or err from err  # never None here: it names a file
     _claimed = _Claim(directory, first_new, marker, had_files)
 
 
