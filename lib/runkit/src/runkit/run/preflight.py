@@ -419,8 +419,8 @@ def _peek_checkpoint(path: Path, value: Any) -> dict[str, Any]:
         lines = [line.strip() for line in str(err.__cause__).splitlines() if "GLOBAL" in line]
         what = f" ({lines[0]})" if lines else ""
         raise RunError(
-            f"{typed_as(path, str(value))} was refused: it holds objects that loading with weights_only "
-            f"does not allow{what}; it is not loaded"
+            f"{typed_as(path, str(value))} was refused: it holds objects that loading with "
+            f"weights_only does not allow{what}; it is not loaded"
         ) from err
 
 

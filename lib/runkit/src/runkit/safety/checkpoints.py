@@ -935,9 +935,8 @@ def resolve_ckpt_path(
         )
         if not runs:
             raise RunError(
-                f"ckpt_path=last found no checkpoints/last.ckpt under "
-                f"{Path(log_dir).absolute() / task_name}; "
-                "pass a .ckpt file or a run directory"
+                "ckpt_path=last found no checkpoints/last.ckpt under "
+                f"{Path(log_dir).absolute() / task_name}; pass a .ckpt file or a run directory"
             )
         path = runs[-1]
     else:

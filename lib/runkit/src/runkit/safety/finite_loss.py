@@ -174,8 +174,8 @@ class FiniteLoss(Callback):
         monitor = getattr(trainer.checkpoint_callback, "monitor", None)
         value = trainer.callback_metrics.get(monitor) if monitor else None
         if _agreed(trainer, value is not None and not _all_finite([value])):
-            shown = float(value) if value is not None else "not finite on another rank"
-            what = f"monitored metric {monitor}={shown} is"
+            shown = f"={float(value)}" if value is not None else " (on another rank)"
+            what = f"monitored metric {monitor}{shown} is"
             hint = f", or check how {type(trainer.lightning_module).__name__} computes {monitor}"
             raise DivergedError(self._diverged(trainer, what, outcome) + hint)
 
