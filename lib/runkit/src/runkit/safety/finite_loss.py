@@ -173,8 +173,9 @@ class FiniteLoss(Callback):
     def _check_monitored(self, trainer: Trainer, outcome: str) -> None:
         monitor = getattr(trainer.checkpoint_callback, "monitor", None)
         value = trainer.callback_metrics.get(monitor) if monitor else None
-        if _agreed(trainer, value is not None and not _all_finite([value])):
-            shown = f"={float(value)}" if value is not None else " (on another rank)"
+        bad = value is not None and not _all_finite([value])
+        if _agreed(trainer, bad):
+            shown = f"={float(value)}" if bad else " (on another rank)"
             what = f"monitored metric {monitor}{shown} is"
             hint = f", or check how {type(trainer.lightning_module).__name__} computes {monitor}"
             raise DivergedError(self._diverged(trainer, what, outcome) + hint)
