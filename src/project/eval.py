@@ -45,6 +45,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     pl.seed_everything(cfg.seed, workers=True)
     model, ckpt = runkit.trained_model(trained["model"], source, data)
     datamodule = instantiate(trained["data"], _convert_="all")  # plain containers, as in training
+    runkit.can_test(model, datamodule, required=True)  # else one line: nothing to evaluate
     plan = (
         runkit.resolve_for_run(  # least_used waits for and claims GPUs as in training (gpu_* keys)
             cfg.trainer.accelerator,
@@ -60,9 +61,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     if trainer.is_global_zero:
         runkit.save_config(cfg, out)
     # Ctrl-C / SIGTERM: every rank stops, exit 128+N. A full disk (the CSV log): one line.
-    if runkit.can_test(model, datamodule):  # else one line, and no figures
-        with runkit.phase("eval", trainer), runkit.full_disk_in_one_line(out):
-            trainer.test(model, datamodule=datamodule, ckpt_path=ckpt, weights_only=True)
+    with runkit.phase("eval", trainer), runkit.full_disk_in_one_line(out):
+        trainer.test(model, datamodule=datamodule, ckpt_path=ckpt, weights_only=True)
     metrics = runkit.scalars(trainer.callback_metrics, prefix="test")
     if trainer.is_global_zero:
         runkit.save_metrics(
