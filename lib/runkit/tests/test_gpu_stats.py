@@ -35,7 +35,6 @@ from runkit.gpu_stats.callback import (
 )
 from runkit.gpu_stats.loop import LoopTimer
 from runkit.gpu_stats.sampler import DEFAULT_GROUPS, GpuReader, GpuSampler
-from runkit.gpu_stats.statistics import flatten_epoch
 from runkit.gpus import nvml
 from runkit.gpus.nvml import find_handle
 from runkit.run import run_files
@@ -114,85 +113,30 @@ def test_torch_device_maps_to_the_right_nvml_device(
     assert names == expected
 
 
-def test_callback_setup_resolves_cuda_devices_by_uuid(monkeypatch, use_fake, caplog) -> None:
-    """The whole setup path with CUDA devices (faked torch side): cuda0 -> physical GPU 2."""
-    fake = use_fake(FakeNvml([FakeGpu(name=f"gpu{i}") for i in range(4)]))
-    uuids = visible_uuids(fake, "2,3", fastest_first=False)
-    monkeypatch.setattr(
-        torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=uuids[i])
-    )
-    trainer = fake_trainer(parallel_devices=[torch.device("cuda", 0), torch.device("cuda", 1)])
-    monitor = GpuStatsMonitor()
-    with caplog.at_level(logging.INFO, logger=LOGGER):
-        monitor.setup(trainer, None, "fit")
-    try:
-        (payload,) = monitor.identities
-        assert [(g["label"], g["name"], g["nvml_index"]) for g in payload["gpus"]] == [
-            ("cuda0", "gpu2", 2),
-            ("cuda1", "gpu3", 3),
-        ]
-        assert any(
-            "node0/cuda0 = gpu2" in r.message and fake.gpus[2].uuid in r.message
-            for r in caplog.records
-        )
-    finally:
-        monitor.teardown(trainer, None, "fit")
-    assert fake.balanced and not fake.initialised
+CUDA = [torch.device("cuda", 0), torch.device("cuda", 1)]
 
 
-def fake_trainer(parallel_devices, world_size=1, num_nodes=1, local_rank=0, node_rank=0) -> Any:
-    root = parallel_devices[local_rank]
-    return SimpleNamespace(
-        strategy=SimpleNamespace(parallel_devices=parallel_devices, root_device=root),
+@pytest.mark.parametrize(
+    ("devices", "world_size", "num_nodes", "local_rank", "expected"),
+    [
+        (CUDA, 1, 1, 0, list(enumerate(CUDA))),  # one process drives both (DataParallel-like)
+        (CUDA, 2, 2, 0, list(enumerate(CUDA))),  # one process per node, several devices
+        (CUDA, 2, 1, 1, [(1, CUDA[1])]),  # DDP: rank 1 drives parallel_devices[1] only
+        (CUDA, 4, 2, 1, [(1, CUDA[1])]),
+        (CUDA[1:], 2, 1, 1, [(0, CUDA[1])]),  # a local rank beyond the list: position 0
+        (None, 1, 1, 0, [(0, CUDA[1])]),  # no parallel_devices: the root device
+    ],
+)
+def test_each_process_samples_the_devices_it_drives(
+    devices, world_size, num_nodes, local_rank, expected
+) -> None:
+    trainer = SimpleNamespace(
+        strategy=SimpleNamespace(parallel_devices=devices, root_device=CUDA[1]),
         world_size=world_size,
         num_nodes=num_nodes,
         local_rank=local_rank,
-        node_rank=node_rank,
-        global_rank=node_rank * len(parallel_devices) + local_rank,
-        is_global_zero=node_rank == 0 and local_rank == 0,
-        sanity_checking=False,
     )
-
-
-def test_process_devices_one_process_many_gpus_vs_one_per_rank() -> None:
-    cuda = [torch.device("cuda", i) for i in range(2)]
-    # one process drives both (DataParallel-like): both are sampled here
-    assert [p for p, _ in process_devices(fake_trainer(cuda))] == [0, 1]
-    # DDP: rank 1 drives parallel_devices[1] only
-    ddp = fake_trainer(cuda, world_size=2, local_rank=1)
-    assert process_devices(ddp) == [(1, torch.device("cuda", 1))]
-    single = SimpleNamespace(
-        strategy=SimpleNamespace(root_device=torch.device("cpu")),
-        world_size=1,
-        num_nodes=1,
-        local_rank=0,
-    )
-    assert process_devices(single) == [(0, torch.device("cpu"))]
-
-
-def test_process_devices_falls_back_to_the_root_device() -> None:
-    cuda = [torch.device("cuda", 0), torch.device("cuda", 1)]
-    two_nodes = SimpleNamespace(
-        strategy=SimpleNamespace(parallel_devices=cuda, root_device=cuda[1]),
-        world_size=4,
-        num_nodes=2,
-        local_rank=1,
-    )
-    assert process_devices(two_nodes) == [(1, cuda[1])]
-    one_per_node = SimpleNamespace(
-        strategy=SimpleNamespace(parallel_devices=cuda, root_device=cuda[0]),
-        world_size=2,
-        num_nodes=2,
-        local_rank=0,
-    )
-    assert process_devices(one_per_node) == list(enumerate(cuda))  # several devices, one process
-    odd = SimpleNamespace(
-        strategy=SimpleNamespace(parallel_devices=cuda[:1], root_device=cuda[0]),
-        world_size=2,
-        num_nodes=1,
-        local_rank=1,
-    )
-    assert process_devices(odd) == [(0, cuda[0])]  # a local rank beyond the list: position 0
+    assert process_devices(trainer) == expected
 
 
 def test_cuda_devices_are_found_by_uuid_and_get_pytorchs_peaks(
@@ -943,19 +887,6 @@ def test_energy_of_ranks_without_boards_is_counted_per_node_and_label() -> None:
         ]
     )
     assert monitor.run_energy_j() == {"node0/cuda0": 1.0, "node1/cuda0": 2.0}
-    flat = flatten_epoch(
-        [
-            {"node": 0, "gpus": {"cuda0": {"energy_j": 1.0}}},
-            {"node": 1, "gpus": {"cuda0": {"energy_j": 2.0}}},
-        ],
-        "gpu",
-        False,
-    )
-    assert flat["gpu/all/energy_j_sum"] == 3.0
-    boards = {"cuda0": "GPU-a", "cuda1": "GPU-a"}
-    same_board = [{"node": 0, "boards": boards, "gpus": {"cuda0": {"energy_j": 4.0},
-                                                          "cuda1": {"energy_j": 4.0}}}]  # fmt: skip
-    assert flatten_epoch(same_board, "gpu", False)["gpu/all/energy_j_sum"] == 4.0
 
 
 # --------------------------------------------------------------------------- energy

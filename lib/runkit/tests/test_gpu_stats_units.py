@@ -12,6 +12,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import pynvml
 import pytest
 import torch
 
@@ -20,11 +21,19 @@ from runkit.gpu_stats.exchange import RankExchange
 from runkit.gpu_stats.gpm import GpmCounters, GpmUnsupported
 from runkit.gpu_stats.loop import LoopTimer, batch_length
 from runkit.gpu_stats.report import RunSummary, print_table
-from runkit.gpu_stats.sampler import GIB, THROTTLE_MASKS, GpuReader, GpuSampler, Phase
+from runkit.gpu_stats.sampler import (
+    DEFAULT_GROUPS,
+    GIB,
+    THROTTLE_MASKS,
+    GpuReader,
+    GpuSampler,
+    Phase,
+)
 from runkit.gpu_stats.statistics import GpuAccumulator, RunningStat, flatten_epoch, flatten_loop
 from runkit.testing.fake_nvml import FakeClock, FakeGpu, FakeNvml, FakeProcess
 
 LOGGER = "runkit.gpu_stats"
+SW_POWER_CAP = pynvml.nvmlClocksEventReasonSwPowerCap
 
 
 # --------------------------------------------------------------------------- readers
@@ -282,6 +291,106 @@ def test_optional_groups_are_read_in_their_units() -> None:
 
 
 # --------------------------------------------------------------------------- the sampler
+def open_reader(fake: FakeNvml, index: int, groups=DEFAULT_GROUPS) -> GpuReader:
+    handle = fake.nvmlDeviceGetHandleByIndex(index)
+    reader = GpuReader(fake, handle, f"cuda{index}", groups)
+    reader.probe()
+    return reader
+
+
+def test_epoch_statistics_are_exact_on_a_fake_clock() -> None:
+    clock = FakeClock()
+    fake = FakeNvml(
+        [
+            FakeGpu(
+                util_gpu=[(0, 10), (2, 50), (4, 90)],
+                util_memory=[(0, 20), (3, 40)],
+                memory_used=[(0, 4 * GIB), (3, 8 * GIB)],
+                memory_total=16 * GIB,
+                temperature=[(0, 50), (1, 70)],
+                power_mw=350_000,
+                power_limit_mw=700_000,
+                clock_sm_mhz=[(0, 1800), (3, 1200)],
+                clocks_event_reasons=[(0, 0), (3, SW_POWER_CAP)],
+                processes=[FakeProcess("self", [(0, GIB), (2, 3 * GIB)])],
+            )
+        ],
+        clock=clock,
+    )
+    fake.nvmlInit()
+    sampler = GpuSampler([open_reader(fake, 0)], interval_s=1.0)
+    sampler.sample_now()  # before any phase: only primes the energy counter
+    phase = Phase()
+    sampler.begin(phase)  # t=0
+    for _ in range(4):  # t=1, 2, 3, 4
+        clock.advance(1)
+        sampler.sample_now()
+    summary = phase.figures()["cuda0"]
+    assert summary["samples"] == 4
+    assert summary["util_mean"] == pytest.approx((10 + 50 + 50 + 90) / 4)
+    assert (summary["util_max"], summary["util_min"]) == (90, 10)
+    assert summary["mem_util_mean"] == pytest.approx((20 + 20 + 40 + 40) / 4)
+    assert summary["mem_used_gib_mean"] == pytest.approx((4 + 4 + 8 + 8) / 4)
+    assert summary["mem_used_gib_max"] == 8 and summary["mem_total_gib"] == 16
+    assert summary["proc_mem_gib_mean"] == pytest.approx((1 + 3 + 3 + 3) / 4)
+    assert (summary["temp_c_mean"], summary["temp_c_max"]) == (70, 70)
+    assert summary["power_w_mean"] == 350 and summary["power_ratio_max"] == 0.5
+    assert summary["sm_clock_mhz_min"] == 1200
+    assert summary["sm_clock_mhz_mean"] == pytest.approx((1800 + 1800 + 1200 + 1200) / 4)
+    assert summary["throttle_power_frac"] == pytest.approx(2 / 4)
+    assert summary["throttle_any_frac"] == pytest.approx(2 / 4)
+    assert summary["throttle_thermal_frac"] == 0
+    assert summary["energy_j"] == pytest.approx(350 * 4)  # 350 W for the 4 s of the phase
+    fake.nvmlShutdown()
+
+
+def test_unsupported_metrics_are_left_out_never_zero() -> None:
+    mig_parent = FakeGpu(name="A100", mig=[FakeGpu(name="A100 MIG 1g.10gb", memory_total=10 * GIB)])
+    datacenter = FakeGpu(fan_pct=None).fail("power", "not_supported")
+    datacenter.fail("nvmlDeviceGetCurrentClocksEventReasons", "function_not_found")  # old driver
+    fake = FakeNvml([datacenter, mig_parent])
+    fake.nvmlInit()
+    groups = [*DEFAULT_GROUPS, "fan", "memory_temperature"]
+    plain = open_reader(fake, 0, groups)
+    mig_handle = fake.nvmlDeviceGetMigDeviceHandleByIndex(fake.nvmlDeviceGetHandleByIndex(1), 0)
+    mig = GpuReader(fake, mig_handle, "cuda1", groups)
+    mig.probe()
+    assert set(plain.unsupported) == {"power", "fan", "memory_temperature", "gpm"}  # no GPM here
+    assert "throttle" in plain.groups  # fell back to nvmlDeviceGetCurrentClocksThrottleReasons
+    assert set(mig.unsupported) == {"utilization", "fan", "memory_temperature", "gpm"}
+    assert mig.is_mig and mig.nvml_index == 1  # whole-GPU values come from the parent
+    sampler, phase = GpuSampler([plain, mig], interval_s=1.0), Phase()
+    sampler.begin(phase)
+    sampler.sample_now()
+    out = phase.figures()
+    assert not any(k.startswith(("power", "fan", "mem_temp")) for k in out["cuda0"])
+    assert "throttle_any_frac" in out["cuda0"] and "temp_c_mean" in out["cuda0"]
+    assert not any(k.startswith(("util", "mem_util", "fan")) for k in out["cuda1"])
+    assert out["cuda1"]["mem_total_gib"] == 10 and "power_w_mean" in out["cuda1"]
+    fake.nvmlShutdown()
+
+
+def test_gpu_lost_mid_run_warns_once_and_the_others_continue(caplog) -> None:
+    clock = FakeClock()
+    fake = FakeNvml([FakeGpu(util_gpu=30), FakeGpu(util_gpu=60).lose(at=2.0)], clock=clock)
+    fake.nvmlInit()
+    sampler = GpuSampler([open_reader(fake, 0), open_reader(fake, 1)], interval_s=1.0)
+    phase = Phase()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        sampler.begin(phase)
+        for _ in range(4):
+            clock.advance(1)
+            sampler.sample_now()
+    out = phase.figures()
+    # samples at t = 1, 2, 3, 4; the lost GPU only has t = 1
+    assert out["cuda0"]["samples"] == 4 and out["cuda0"]["util_mean"] == 30
+    assert out["cuda1"]["samples"] == 1 and out["cuda1"]["util_mean"] == 60
+    lost = [r for r in caplog.records if "stopped sampling cuda1" in r.message]
+    assert len(lost) == 1 and "GpuIsLost" in lost[0].message
+    assert [r.label for r in sampler.alive] == ["cuda0"]
+    fake.nvmlShutdown()
+
+
 def sampler_on(fake: FakeNvml, groups: list[str], count: int = 1) -> GpuSampler:
     readers = []
     for i in range(count):
@@ -516,10 +625,8 @@ def test_a_sample_that_cannot_be_freed_is_one_debug_line(monkeypatch, caplog) ->
     monkeypatch.setattr(fake, "nvmlGpmSampleFree", refuse)
     with caplog.at_level(logging.DEBUG, logger=LOGGER):
         counters.close()
-    messages = [(r.levelno, r.getMessage()) for r in caplog.records]
-    assert len(messages) == 2  # both samples tried
-    assert all(level == logging.DEBUG for level, _ in messages)
-    assert messages[0][1].startswith("gpu_stats: cuda0: freeing a GPM sample failed: ")
+    line = f"gpu_stats: cuda0: freeing a GPM sample failed: {fake.NVMLError_Uninitialized()}"
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [(logging.DEBUG, line)] * 2
     fake.nvmlShutdown()
 
 
@@ -538,23 +645,6 @@ def test_gpm_of_a_mig_slice_is_its_own(caplog) -> None:
     assert fake.calls["nvmlGpmMigSampleGet"] == 2 and fake.calls["nvmlGpmSampleGet"] == 0
     reader.close()
     assert fake.gpm_samples_live == 0
-    fake.nvmlShutdown()
-
-
-def test_a_gpm_sample_that_cannot_be_freed_names_the_error(monkeypatch, caplog) -> None:
-    fake = opened_fake([FakeGpu(gpm={"SM_UTIL": 1})])
-    counters = GpmCounters(fake, fake.nvmlDeviceGetHandleByIndex(0), "cuda0", None)
-    counters.open()
-
-    def refuse(sample: Any) -> None:
-        raise fake.NVMLError_Uninitialized()
-
-    monkeypatch.setattr(fake, "nvmlGpmSampleFree", refuse)
-    with caplog.at_level(logging.DEBUG, logger=LOGGER):
-        counters.close()
-    assert {r.getMessage() for r in caplog.records} == {
-        f"gpu_stats: cuda0: freeing a GPM sample failed: {fake.NVMLError_Uninitialized()}"
-    }
     fake.nvmlShutdown()
 
 
