@@ -359,20 +359,17 @@ class TorchPeakMemory:
     def clear(self) -> None:
         """A new training epoch: forget everything and restart the peaks."""
         self._carry.clear()
-        self._restart()
+        self.restart()
 
     def stash(self) -> None:
         """Validation starts: remember the training peaks so far, then restart the peaks."""
         for label, device in self.devices.items():
             old, now = self._carry.get(label, (0.0, 0.0)), self._read(device)
             self._carry[label] = (max(old[0], now[0]), max(old[1], now[1]))
-        self._restart()
+        self.restart()
 
     def restart(self) -> None:
-        """Validation ends: its peaks were read; training continues from fresh peaks."""
-        self._restart()
-
-    def _restart(self) -> None:
+        """Peaks from now (a validation's end: training continues from fresh peaks)."""
         for device in self.devices.values():
             torch.cuda.reset_peak_memory_stats(device)
 
