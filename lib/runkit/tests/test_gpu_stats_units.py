@@ -875,7 +875,7 @@ def test_loop_timer_uses_the_wall_clock_by_default() -> None:
 
 
 # --------------------------------------------------------------------------- the report
-def test_run_summary_rows_over_epochs(capsys, monkeypatch) -> None:
+def test_run_summary_rows_over_epochs() -> None:
     summary = RunSummary()
     assert not summary and summary.rows([]) == []
     summary.add_epoch(
@@ -948,102 +948,58 @@ def test_run_summary_rows_over_epochs(capsys, monkeypatch) -> None:
         "samples": 4,
         "sample_ms": 3.5,
     }
-    monkeypatch.setenv("COLUMNS", "200")
-    print_table([first, second])
-    lines = capsys.readouterr().out.splitlines()
-    assert "GPU statistics over the run (training epochs)" in lines[0]
-    header = next(line for line in lines if "GPU" in line and "name" in line)
-    assert [c.strip() for c in header.strip("┃ ").split("┃")] == [
-        "GPU", "name", "util %", "peak mem GiB", "torch peak GiB", "energy kJ", "samples",
-        "NVML ms/sample",
-    ]  # fmt: skip
-    cells = [[c.strip() for c in line.strip("│ ").split("│")] for line in lines if "node" in line]
-    assert cells == [
-        ["node0/cuda3", "?", "n/a", "n/a", "n/a", "n/a", "0", "n/a"],
-        ["node1/cuda0", "H", "50.0", "3.00", "2.50", "1.50", "4", "3.50"],
-    ]
-    # left-aligned names, right-aligned numbers
-    row = next(line for line in lines if "node1/cuda0" in line).split("│")
-    assert row[2].startswith(" H ") and row[3].endswith(" 50.0 ") and row[3].startswith("  ")
 
 
-def test_the_table_shows_gpm_columns_only_when_a_gpu_has_gpm(capsys, monkeypatch) -> None:
-    monkeypatch.setenv("COLUMNS", "250")
-    row = {
-        "gpu": "node0/cuda0", "name": "H", "util_mean": 1.0, "sm_active_mean": 12.34,
-        "sm_occupancy_mean": None, "tensor_active_mean": 5.0, "dram_active_mean": 7.0,
-        "mem_used_gib_max": None, "torch_peak_alloc_gib": None, "energy_j": None, "samples": 1,
-        "sample_ms": None,
-    }  # fmt: skip
-    print_table([row])
-    lines = capsys.readouterr().out.splitlines()
-    header = next(line for line in lines if "name" in line)
-    assert [c.strip() for c in header.strip("┃ ").split("┃")] == [
-        "GPU", "name", "util %", "SM active %", "tensor %", "DRAM bw %", "peak mem GiB",
-        "torch peak GiB", "energy kJ", "samples", "NVML ms/sample",
-    ]  # fmt: skip
-    (cells,) = [[c.strip() for c in ln.strip("│ ").split("│")] for ln in lines if "node0" in ln]
-    assert cells == ["node0/cuda0", "H", "1.0", "12.3", "5.0", "7.0", "n/a", "n/a", "n/a", "1",
-                     "n/a"]  # fmt: skip
+ROW = {
+    "gpu": "node0/cuda0", "name": "H", "util_mean": 1.0, "sm_active_mean": None,
+    "sm_occupancy_mean": None, "tensor_active_mean": None, "dram_active_mean": None,
+    "mem_used_gib_max": None, "torch_peak_alloc_gib": None, "energy_j": None, "samples": 1,
+    "sample_ms": None,
+}  # fmt: skip
+TAIL = ["peak mem GiB", "torch peak GiB", "energy kJ", "samples", "NVML ms/sample"]
 
 
-def test_the_table_is_not_wrapped_in_a_log_file_however_narrow_the_default(
-    capsys, monkeypatch
-) -> None:
-    """Rich assumes 80 columns when stdout is not a terminal; a CI log or a SLURM .out has room."""
-    monkeypatch.delenv("COLUMNS", raising=False)
-    row = {
-        "gpu": "node0/cuda0", "name": "NVIDIA H100 80GB HBM3", "util_mean": 1.0,
-        "sm_active_mean": 12.34, "sm_occupancy_mean": 3.0, "tensor_active_mean": 5.0,
-        "dram_active_mean": 7.0, "mem_used_gib_max": 1.0, "torch_peak_alloc_gib": 0.5,
-        "energy_j": 2000.0, "samples": 1, "sample_ms": 0.25,
-    }  # fmt: skip
-    print_table([row])
-    lines = capsys.readouterr().out.splitlines()
-    assert max(len(line) for line in lines) > 80  # wider than Rich's default
-    (cells,) = [[c.strip() for c in ln.strip("│ ").split("│")] for ln in lines if "node0" in ln]
-    assert cells == ["node0/cuda0", "NVIDIA H100 80GB HBM3", "1.0", "12.3", "3.0", "5.0", "7.0",
-                     "1.00", "0.50", "2.00", "1", "0.25"]  # fmt: skip
-
-
-def test_the_tables_title_columns_and_formats(capsys, monkeypatch) -> None:
-    monkeypatch.setenv("COLUMNS", "250")
-    summary = RunSummary()
-    summary.add_epoch([{"node": 0}])  # a rank without GPUs
-    summary.add_epoch(
-        [
+@pytest.mark.parametrize(
+    ("columns", "changes", "gpm", "cells"),
+    [
+        ("200", {}, [], ["1.0", "n/a", "n/a", "n/a", "1", "n/a"]),
+        (  # GPM columns only for the GPM figures some GPU has
+            "250",
+            {"sm_active_mean": 12.34, "tensor_active_mean": 5.0, "dram_active_mean": 7.0},
+            ["SM active %", "tensor %", "DRAM bw %"],
+            ["1.0", "12.3", "5.0", "7.0", "n/a", "n/a", "n/a", "1", "n/a"],
+        ),
+        (  # a log file: Rich would assume 80 columns, but a CI log or a SLURM .out has room
+            None,
             {
-                "node": 12,
-                "gpus": {
-                    "cuda10": {
-                        "sm_occupancy_mean": 33.0,
-                        "samples": 2.0,
-                        "mem_used_gib_max": 0.5,
-                        "torch_peak_alloc_gib": 0.25,
-                        "energy_j": 10_000.0,
-                    }
-                },
+                "name": "NVIDIA H100 80GB HBM3",
+                "sm_occupancy_mean": 3.0,
+                "mem_used_gib_max": 1.0,
+                "torch_peak_alloc_gib": 0.5,
+                "energy_j": 2000.0,
+                "sample_ms": 0.25,
             },
-            {"node": 1, "gpus": {"cuda0": {"samples": 1.0, "proc_mem_gib_max": 9.0}}},
-        ]
-    )
-    rows = summary.rows([{"node": 1}])
-    assert [r["gpu"] for r in rows] == ["node1/cuda0", "node12/cuda10"]
-    assert rows[0]["sample_ms"] is None and rows[0]["samples"] == 1
-    assert rows[1]["mem_used_gib_max"] == 0.5 and rows[1]["torch_peak_alloc_gib"] == 0.25
-    print_table(rows)
+            ["occupancy %"],
+            ["1.0", "3.0", "1.00", "0.50", "2.00", "1", "0.25"],
+        ),
+    ],
+)
+def test_the_table_of_the_run(capsys, monkeypatch, columns, changes, gpm, cells) -> None:
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", columns)
+    row = {**ROW, **changes}
+    print_table([row])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].strip() == "GPU statistics over the run (training epochs)"
+    assert columns or max(len(line) for line in lines) > 80  # not wrapped
     header = next(line for line in lines if "name" in line)
-    assert [c.strip() for c in header.strip("┃ ").split("┃")] == [
-        "GPU", "name", "util %", "occupancy %", "peak mem GiB", "torch peak GiB", "energy kJ",
-        "samples", "NVML ms/sample",
-    ]  # fmt: skip
-    first, second = (line.split("│") for line in lines if "node1" in line)
-    assert first[1] == " node1/cuda0   " and first[2] == " ?    "  # left-aligned
-    assert [c.strip() for c in second[1:-1]] == [
-        "node12/cuda10", "?", "n/a", "33.0", "0.50", "0.25", "10.00", "2", "n/a"
-    ]  # fmt: skip
+    assert [c.strip() for c in header.strip("┃ ").split("┃")] == ["GPU", "name", "util %", *gpm,
+                                                                  *TAIL]  # fmt: skip
+    (line,) = [line.split("│") for line in lines if "node0" in line]
+    assert [c.strip() for c in line[1:-1]] == ["node0/cuda0", row["name"], *cells]
+    assert line[2].startswith(f" {row['name']} ") and line[3].endswith(" 1.0 ")  # left, right
 
 
 # --------------------------------------------------------------------------- the exchange
