@@ -217,7 +217,8 @@ class Phase:
 
 class GpuSampler:
     """Reads a set of :class:`GpuReader` in a daemon thread, every ``interval_s`` and at once
-    when a phase begins, into the :class:`Phase` current as each reading begins.
+    when a phase begins, into the :class:`Phase` current as each reading begins (and those
+    begun since the reading before: :meth:`sample_now`).
 
     The training thread only swaps :attr:`phase` (:meth:`begin`) and reads finished figures; it
     makes no NVML call and never waits for a reading. NVML is read outside the lock that guards
