@@ -48,26 +48,11 @@ def _cuda_units(gpu: Gpu) -> list[Gpu]:
 def apply_mig_limits(
     units: Sequence[Gpu], driver_version: str | None
 ) -> tuple[list[Gpu], list[str]]:
-    """The devices CUDA enumerates out of ``units`` (in CUDA order), by the driver's MIG rule.
-
-    [MIG], "CUDA Device Enumeration":
-
-    * before R570 ("With CUDA 11/R450 and CUDA 12/R525, only enumeration of a single MIG instance
-      is supported"): one MIG device in all, "the first one available", and "CUDA will not
-      enumerate non-MIG GPU if any compute instance is enumerated on any other GPU";
-    * from R570 ("Starting with CUDA 12/R570, enumeration of a single compute instance (CI) per
-      GPU instance (GI) is supported"): one CI per GI, across GPUs; "CUDA will enumerate a non-MIG
-      GPU even if any compute instance is enumerated on any other GPU"; "at most 64 MIG instances
-      across all GPUs"; of several CIs of one GI "CUDA will pick one".
-
-    Not confirmed (no MIG hardware here, and the guide does not say): which CI "first available"
-    and "pick one" mean; this takes the first in CUDA order (NVML's MIG slot order within a GPU,
-    ``CUDA_VISIBLE_DEVICES`` order when it lists MIG UUIDs), and a note says so. The guide's R570
-    caveats also keep the older line "CUDA can only enumerate a single compute instance", which
-    contradicts the R570 paragraph; this follows the paragraph. An unknown driver version gets the
-    R570 rule (current drivers).
-
-    Why not nvitop: it applies the pre-R570 rule whatever the driver (the library's design notes).
+    """The devices CUDA enumerates out of ``units`` (in CUDA order), by the driver's MIG rule
+    (MIG user guide, "CUDA Device Enumeration"): before R570 one MIG device in all and no other
+    GPU; from R570 (and for an unknown driver) one compute instance per GPU instance, at most 64,
+    beside non-MIG GPUs. Which instance CUDA takes is not documented: the first in CUDA order, and
+    a note says so. nvitop applies the pre-R570 rule whatever the driver.
     """
     notes: list[str] = []
     mig = [u for u in units if u.is_mig]
