@@ -60,6 +60,33 @@ def test_a_signal_outside_lightning_lets_the_phase_finish_then_exits_143(
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+HANG_UP = """
+import os, signal, sys, time
+if sys.argv[1] == "nohup":
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts the program
+from runkit.safety import signals
+with signals.stop_on_signal():
+    os.kill(os.getpid(), signal.SIGHUP)
+    time.sleep(0.5)
+    print("finished the block", sorted(s.name for s in signals.stop_signals()))
+"""
+
+
+@pytest.mark.parametrize(
+    ("started", "code", "line"),
+    [
+        ("in a terminal", 129, "stopped by SIGHUP during startup; exit code 129"),
+        ("nohup", 0, ""),  # the user asked the run to outlive its terminal
+    ],
+)
+def test_a_hang_up_is_a_stop_unless_the_run_ignores_it(started: str, code: int, line: str) -> None:
+    done = run_python(HANG_UP, started, timeout=60)
+    assert done.returncode == code, done.stderr
+    stops = "['SIGINT', 'SIGTERM']" if started == "nohup" else "['SIGHUP', 'SIGINT', 'SIGTERM']"
+    assert done.stdout.strip() == f"finished the block {stops}"
+    assert last_line(done.stderr) == line
+
+
 SECOND_CTRL_C = """
 import os, signal, time
 from runkit.safety import signals

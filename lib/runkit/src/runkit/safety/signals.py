@@ -1,4 +1,4 @@
-"""Stop signals (Ctrl-C, SIGTERM, SLURM's SIGUSR1): recorded at once, acted on at a safe point.
+"""Stop signals (:data:`STOP_SIGNALS`): recorded at once, acted on at a safe point.
 
 A handler that does real work wherever Python happens to be (inside a gloo collective, say)
 hangs DDP jobs: Lightning 2.6's SIGTERM handler broadcasts a tensor from inside the handler and
@@ -11,9 +11,9 @@ with ``128 + signal`` (130 for Ctrl-C, 143 for SIGTERM) after one line saying so
 Two things Python's own signal handling cannot do are done by a watcher thread, which hears
 every signal through :func:`signal.set_wakeup_fd` even while the main thread is blocked in C++:
 
-* A second Ctrl-C (or SIGTERM) quits at once, without saving, exit ``128 + signal``, in any
-  phase, the first signal's save included. After SLURM's SIGUSR1 a SIGTERM does not: it comes
-  while the save SIGUSR1 asked for is under way.
+* A second Ctrl-C (or another stop signal) quits at once, without saving, exit ``128 + signal``,
+  in any phase, the first signal's save included. After SLURM's warning only that signal again does:
+  SLURM's SIGTERM comes while the save the warning asked for is under way.
 * In a distributed run, a rank whose main thread is stuck in a collective (waiting for a rank
   that never comes, where Python runs no handler) cannot reach the next safe point. When the
   handler has not run ``STUCK_GRACE_S`` after the signal, or the main thread has been waiting in
@@ -45,11 +45,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 CHILD_GRACE_S = 30.0
 """How long a stopping rank 0 waits for the DDP workers it launched before killing them."""
@@ -94,10 +94,29 @@ request = StopRequest()
 """This process's request; :func:`stop_on_signal` replaces it at the start of every run."""
 
 
+class Stop(NamedTuple):
+    """A stop signal: when it is one, and whether it warns of an end to come."""
+
+    when: Callable[[], bool]
+    """Whether the signal is a stop in this process (else it keeps its own handling)."""
+    warns: bool = False
+    """SLURM's notice before the time limit: the SIGTERM after it is the same stop (the save it
+    asked for is under way), not a second request to quit at once."""
+
+
+STOP_SIGNALS = {
+    # The library README's table of stop signals says what each does.
+    signal.SIGINT: Stop(lambda: True),  # Ctrl-C
+    signal.SIGTERM: Stop(lambda: True),  # kill, SLURM's end, Kubernetes, systemd, docker stop
+    signal.SIGHUP: Stop(lambda: signal.getsignal(signal.SIGHUP) != signal.SIG_IGN),  # not nohup
+    signal.SIGUSR1: Stop(lambda: slurm_job_id() is not None, warns=True),  # --signal=SIGUSR1@90
+}
+"""Every stop signal; one more is one more line."""
+
+
 def stop_signals() -> tuple[signal.Signals, ...]:
-    """Ctrl-C and SIGTERM; inside a SLURM job also SIGUSR1 (``#SBATCH --signal=SIGUSR1@90``)."""
-    usr1 = (signal.SIGUSR1,) if slurm_job_id() else ()
-    return (signal.SIGINT, signal.SIGTERM, *usr1)
+    """The signals of :data:`STOP_SIGNALS` that are stops in this process now."""
+    return tuple(signum for signum, stop in STOP_SIGNALS.items() if stop.when())
 
 
 @contextmanager
@@ -205,8 +224,8 @@ def _same_stop(stop: StopRequest, now: float) -> bool:
 
 def _quits_at_once(first: int, again: int) -> bool:
     """A second stop signal quits at once, unless it is the SIGTERM that follows SLURM's
-    SIGUSR1 warning (the save asked for is under way; SLURM's SIGKILL comes anyway)."""
-    return first != signal.SIGUSR1 or again == signal.SIGUSR1
+    warning (the save asked for is under way; SLURM's SIGKILL comes anyway)."""
+    return not STOP_SIGNALS[first].warns or again == first
 
 
 _quitting = threading.Lock()
