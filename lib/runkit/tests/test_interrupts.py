@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import signal
 import subprocess
@@ -11,10 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
 
 import prewarmed
-from conftest import clean_env, run_dirs, run_python
-from runkit.safety.interrupts import resume_command
+from conftest import clean_env, last_line, run_dirs, run_python
+from runkit.safety import interrupts, signals
+from runkit.safety.interrupts import GracefulInterrupt, resume_command
 
 SLOW_TRAINING = (
     "trainer.accelerator=cpu",
@@ -123,4 +127,91 @@ def test_a_ctrl_c_while_a_finished_run_shuts_down_is_one_line_and_130() -> None:
     assert done.returncode == 130, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         "error: SIGINT received after the run had finished (its files are complete); exit code 130"
+    )
+
+
+LOOPS = ("train", "validation", "test", "predict")
+
+
+class SignalOnce(Callback):
+    """Sends this process SIGTERM as the first batch of ``at`` ends (the sanity check's: its last
+    batch, after which fit trains), and counts the batches that start in each loop."""
+
+    def __init__(self, at: str) -> None:
+        self.at, self.sent = at, False
+        self.started = dict.fromkeys(("sanity", *LOOPS), 0)
+
+    def _loop(self, trainer: Trainer, loop: str) -> str:
+        return "sanity" if trainer.sanity_checking else loop
+
+    def _start(self, trainer: Trainer, loop: str) -> None:
+        self.started[self._loop(trainer, loop)] += 1
+
+    def _end(self, trainer: Trainer, loop: str, batch_idx: int) -> None:
+        last = batch_idx == trainer.num_sanity_val_steps - 1 or not trainer.sanity_checking
+        if self._loop(trainer, loop) == self.at and last and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+for _loop in LOOPS:  # the same two hooks in every loop
+    setattr(SignalOnce, f"on_{_loop}_batch_start", lambda s, t, *a, _l=_loop: s._start(t, _l))
+    setattr(
+        SignalOnce, f"on_{_loop}_batch_end", lambda s, t, m, o, b, i, *a, _l=_loop: s._end(t, _l, i)
+    )
+
+STOPS = {
+    # case: (what the trainer runs, the loop whose batch signals, the batches that start in
+    # each loop, how the line ends)
+    "training": ("fit", "train", {"sanity": 2, "train": 1}, "at epoch 0, step 1; saved {saved}"),
+    "sanity check": (
+        "fit",
+        "sanity",
+        {"sanity": 2},
+        "before the first training step (nothing to save)",
+    ),
+    "fit's validation": (
+        "fit",
+        "validation",
+        {"sanity": 2, "train": 4, "validation": 4},  # the validation ends; no more training
+        "at epoch 1, step 4; saved {saved}",
+    ),
+    "validate": ("validate", "validation", {"validation": 1}, ""),
+    "test": ("test", "test", {"test": 1}, ""),
+    "predict": ("predict", "predict", {"predict": 1}, ""),
+}
+
+
+@pytest.mark.parametrize("case", list(STOPS))
+def test_a_stop_ends_every_loop_at_the_next_batch(
+    tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(var, raising=False)
+    fn, at, started, end = STOPS[case]
+    probe = SignalOnce(at)
+    trainer = Trainer(
+        accelerator="cpu",
+        max_epochs=3,
+        limit_train_batches=4,
+        limit_val_batches=4,
+        limit_test_batches=4,
+        limit_predict_batches=4,
+        num_sanity_val_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[GracefulInterrupt(), probe],
+    )
+    with pytest.raises(SystemExit) as stop, signals.stop_on_signal(), interrupts.phase(fn, trainer):
+        getattr(trainer, fn)(BoringModel())
+    assert stop.value.code == 143
+    assert {loop: n for loop, n in probe.started.items() if n} == started
+    saved = tmp_path / "checkpoints" / interrupts.INTERRUPTED_FILE
+    assert saved.exists() == ("saved" in end)
+    tail = f" {end.format(saved=saved)}" if end else ""
+    assert (
+        last_line(capsys.readouterr().err) == f"stopped by SIGTERM during {fn}{tail}; exit code 143"
     )

@@ -66,6 +66,7 @@ class GracefulInterrupt(Callback):
         self.saved: Path | None = None
         self._group: Any = None
         self._stopping = False
+        self._limits: list[float] = []  # predict under DDP: the batches every rank runs, per loader
         compat.skip_unused_batch_hooks(self)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -79,19 +80,26 @@ class GracefulInterrupt(Callback):
         if self._group is None and _distributed(trainer) and dist.get_backend() != "gloo":
             self._group = dist.new_group(backend="gloo")  # every rank calls setup: collective-safe
 
-    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
-        self._agree(trainer)
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Lightning's predict sampler does not pad: the ranks may run different numbers of
+        batches, and agree at the starts of those they all run."""
+        self._limits = []
+        if _distributed(trainer) and signals.request.active:
+            counts = torch.tensor(trainer.num_predict_batches, dtype=torch.float64)
+            dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=self._group)
+            self._limits = counts.tolist()
 
-    def on_validation_batch_end(self, trainer: Trainer, *args: Any) -> None:
-        self._agree(trainer)
-
-    def on_test_batch_end(self, trainer: Trainer, *args: Any) -> None:
-        self._agree(trainer)
-
-    def _agree(self, trainer: Trainer) -> None:
-        """One all-reduce (MAX) of the signal each rank received: every rank learns the same."""
+    def _agree(
+        self, trainer: Trainer, module: Any, batch: Any, batch_idx: int, loader: int = 0
+    ) -> None:
+        """At the start of every batch of every loop (the sanity check's, predict's...): one
+        all-reduce (MAX) of the signal each rank received, so every rank learns the same, and
+        an agreed stop ends the loop there (fit's validation: at its end). Before a training
+        batch the last step is complete: a save there resumes as one at that step's end."""
         request = signals.request
         if self._stopping or not request.active:
+            return
+        if trainer.predicting and self._limits and batch_idx >= self._limits[loader]:
             return
         signum = request.received or 0
         if _distributed(trainer):
@@ -109,12 +117,15 @@ class GracefulInterrupt(Callback):
             request.children = list(procs)
             procs.clear()
         if not _in_fit_validation(trainer):
-            trainer._signal_connector.received_sigterm = True  # private: Lightning's loop-stop flag
+            raise SIGTERMException
+
+    on_train_batch_start = on_validation_batch_start = _agree
+    on_test_batch_start = on_predict_batch_start = _agree
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # A stop agreed during fit's validation takes effect once that validation is over.
         if self._stopping and _in_fit_validation(trainer):
-            trainer._signal_connector.received_sigterm = True  # private: see _agree
+            trainer._signal_connector.received_sigterm = True  # private: Lightning's loop-stop flag
 
     def on_exception(
         self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
