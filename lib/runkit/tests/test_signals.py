@@ -8,8 +8,10 @@ happened to be.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pty
 import signal
 import stat
 import subprocess
@@ -469,6 +471,56 @@ def test_a_slurm_job_saves_on_its_warning_signal_requeues_and_resumes_by_itself(
     assert f"SLURM job 4242 was requeued: resuming from {saved}" in log
     assert not marker.exists()  # the resumed run did not pause: it started after that batch
     assert not (first / "metrics.json").exists()  # the stopped run's directory is left as it was
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("terminal", ["pipe", "pty"])
+def test_a_hang_up_with_the_terminal_gone_saves_like_sigterm_and_exits_129(
+    tmp_path: Path, terminal: str
+) -> None:
+    # The terminal closed, or the ssh session dropped: the run's group gets SIGHUP, and its
+    # stdout and stderr are gone (a pipe whose reader died answers EPIPE; a closed pty, EIO).
+    log_dir = tmp_path / "logs"
+    hold, marker = pause(tmp_path, "train", "training")
+    reader, writer = pty.openpty() if terminal == "pty" else os.pipe()
+    command = ["trainer.max_epochs=2", "data.batch_size=64", "test=false", *hold]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "project.train", *command, f"paths.log_dir={log_dir}"],
+        cwd=tmp_path,
+        env=clean_env(PYTHONPATH=str(TESTS)),
+        stdout=writer,
+        stderr=writer,
+        start_new_session=True,
+    )
+    os.close(writer)
+    os.set_blocking(reader, False)
+    try:
+        deadline = time.time() + 300
+        while not marker.exists():  # read what it prints (the progress bar's too) until held
+            assert process.poll() is None and time.time() < deadline, process.returncode
+            with contextlib.suppress(OSError):  # BlockingIOError: nothing new
+                os.read(reader, 1 << 16)
+            time.sleep(0.05)
+        os.close(reader)
+        os.killpg(process.pid, signal.SIGHUP)
+        Path(f"{marker}.release").touch()
+        process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    (run,) = run_dirs(log_dir)
+    log = (run / "train.log").read_text()
+    assert process.returncode == 129, log[-3000:]
+    saved = run / "checkpoints" / interrupts.INTERRUPTED_FILE
+    step = int(
+        marker.read_text().split()[1]
+    )  # held after this step: the stop comes before the next
+    assert torch.load(saved, map_location="cpu", weights_only=True)["global_step"] == step
+    assert last_line(log).endswith(
+        f"[WARNING] stopped by SIGHUP during fit at epoch 0, step {step}; saved {saved}; exit code 129"
+    )
+    assert "ckpt_path=" in log  # the command that resumes
 
 
 # ------------------------------------------------------------------------------------------------

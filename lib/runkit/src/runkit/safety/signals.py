@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -201,6 +203,7 @@ def _record(signum: int, frame: FrameType | None) -> None:
             quit_now(signum, "again: quitting at once, without saving")
         return
     request.received, request.received_at = signum, request.received_at or now
+    _drop_closed_outputs()
     again = " (Ctrl-C again quits at once, without saving)" if signum == signal.SIGINT else ""
     _say(f"\n{signal.Signals(signum).name} received: stopping at the next safe point{again}")
 
@@ -365,13 +368,36 @@ def exit_stopped(signum: int) -> None:
     when = f"during {request.phase}"
     if request.phase_done:
         when = f"after {request.phase} had finished (its files are written)"
-    _say(f"stopped by {name} {when}{request.detail}; exit code {code}")
+    _drop_closed_outputs()
+    _say(f"stopped by {name} {when}{request.detail}; exit code {code}", run_log=True)
     raise SystemExit(code)
 
 
-def _say(text: str) -> None:
-    if not request.quiet:
-        _write_line(text)
+def _say(text: str, run_log: bool = False) -> None:
+    """Say ``text`` on stderr; ``run_log``: in the run's log files too (Hydra's ``train.log``),
+    the one place that tells how a run whose terminal closed ended."""
+    if request.quiet:
+        return
+    _write_line(text)
+    if run_log:
+        record = logging.LogRecord(__name__, logging.WARNING, __file__, 0, text, None, None)
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.FileHandler):
+                handler.handle(record)
+
+
+def _drop_closed_outputs() -> None:
+    """Point stdout and stderr at /dev/null when what they wrote to is gone (a closed terminal
+    answers EIO, a pipe without its reader EPIPE): a stop then goes on to its save and its exit
+    code instead of ending in the traceback (or Rich's exit 1) of the next line printed."""
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            poll = select.poll()
+            poll.register(fd, 0)
+            if any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0)):
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, fd)
+                os.close(null)
 
 
 def _write_line(text: str) -> None:
