@@ -31,6 +31,7 @@ from runkit.safety import interrupts, signals
 
 TESTS = Path(__file__).resolve().parent
 QUIET = ("callbacks.progress_bar.refresh_rate=0",)
+SMALL = ("trainer.max_epochs=1", "data.batch_size=64", *QUIET)
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "SLURM_JOB_ID")
 
 
@@ -392,31 +393,51 @@ def test_sigterm_stops_both_ddp_ranks_together(tmp_path: Path, target: str) -> N
     assert "weights_only` was not set" not in text  # issue #11.12b
 
 
-@pytest.mark.slow
-def test_signals_during_test_and_eval_end_the_run_with_one_line(tmp_path: Path) -> None:
-    # Issue #11.3: SIGTERM in the test phase exited 0, silently. Ctrl-C in eval: exit 130.
-    log_dir = tmp_path / "logs"
-    hold, marker = pause(tmp_path, "test", "testing")
-    small = ("trainer.max_epochs=1", "data.batch_size=64", *QUIET)
-    process = start(tmp_path, "train", *small, *hold, f"paths.log_dir={log_dir}")
-    wait_for(tmp_path, marker.name, process)
-    process.send_signal(signal.SIGTERM)
-    Path(f"{marker}.release").touch()
-    _, err = finish(process)
-    assert process.returncode == 143, err[-3000:]
-    assert last_line(err) == "stopped by SIGTERM during test; exit code 143"
-    (run,) = run_dirs(log_dir)
-    assert not (run / "model.pth").exists() and not (run / "metrics.json").exists()
+PHASE_STOPS = {
+    # where: (the task and its overrides, where it is held, the signal, the phase of the line,
+    # the files of the run directory the stop leaves unwritten)
+    "sanity check": (
+        ["train", "data.num_workers=2", "trainer.num_sanity_val_steps=1", *SMALL],
+        "sanity",  # its last batch: fit trained one step after it, and saved it
+        signal.SIGINT,
+        "fit before the first training step (nothing to save)",
+        ["checkpoints/interrupted.ckpt", "checkpoints/last.ckpt"],
+    ),
+    "test": (["train", *SMALL], "test", signal.SIGTERM, "test", ["model.pth", "metrics.json"]),
+    "eval": (["eval"], "test", signal.SIGINT, "eval", ["metrics.json"]),
+    "predict": (["predict"], "predict", signal.SIGTERM, "predict", ["predictions.pt"]),
+    "predict, DDP": (
+        ["predict", "trainer=ddp_sim"],
+        "predict",
+        signal.SIGTERM,
+        "predict",
+        ["predictions.pt"],
+    ),
+}
 
-    hold, marker = pause(tmp_path, "test", "evaluating")
-    checkpoint = run / "checkpoints" / "last.ckpt"
-    process = start(tmp_path, "eval", f"ckpt_path={checkpoint}", *hold)
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", list(PHASE_STOPS))
+def test_a_stop_in_any_phase_ends_it_at_the_next_batch_with_one_line(
+    tmp_path: Path, where: str, request: pytest.FixtureRequest
+) -> None:
+    # Issue #11.3: SIGTERM in the test phase exited 0, silently. A Ctrl-C in the sanity check
+    # trained a step and saved it; a SIGTERM in predict let it predict every batch first.
+    (task, *overrides), at, signum, phase, unwritten = PHASE_STOPS[where]
+    if task != "train":
+        overrides.append(f"ckpt_path={request.getfixturevalue('trained_checkpoint')}")
+    log_dir = tmp_path / "logs"
+    hold, marker = pause(tmp_path, at, "held")
+    process = start(tmp_path, task, *overrides, *hold, f"paths.log_dir={log_dir}")
     wait_for(tmp_path, marker.name, process)
-    process.send_signal(signal.SIGINT)
+    os.killpg(process.pid, signum)  # as a terminal's Ctrl-C, SLURM or Kubernetes: every process
     Path(f"{marker}.release").touch()
     _, err = finish(process)
-    assert process.returncode == 130, err[-3000:]
-    assert last_line(err) == "stopped by SIGINT during eval; exit code 130"
+    assert process.returncode == 128 + signum, err[-3000:]
+    assert last_line(err) == f"stopped by {signum.name} during {phase}; exit code {128 + signum}"
+    assert err.count(f"{signum.name} received") == 1 and "Traceback" not in err
+    (run,) = run_dirs(log_dir, task)
+    assert [name for name in unwritten if (run / name).exists()] == []
 
 
 @pytest.mark.slow
@@ -528,7 +549,6 @@ def test_a_hang_up_with_the_terminal_gone_saves_like_sigterm_and_exits_129(
 
 FIRST_CTRL_C = "SIGINT received: stopping at the next safe point"
 QUIT_LINE = "error: SIGINT again: quitting at once, without saving; exit code 130"
-SMALL = ("trainer.max_epochs=1", "data.batch_size=64", *QUIET)
 FAKE_CUDA = '''"""Test only: torch says it sees two CUDA devices (this machine has none), so that
 select_gpus=least_used measures the fake NVML's GPUs and waits for them."""
 from runkit.gpus import inventory
