@@ -63,6 +63,22 @@ def test_a_signal_outside_lightning_lets_the_phase_finish_then_exits_143(
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+@pytest.mark.parametrize(
+    ("first", "again", "quits"),
+    [
+        (signal.SIGINT, signal.SIGINT, True),
+        (signal.SIGHUP, signal.SIGTERM, True),
+        (signal.SIGUSR1, signal.SIGTERM, False),  # SLURM's end, after its warning: the same stop
+        (signal.SIGUSR1, signal.SIGINT, False),
+        (signal.SIGUSR1, signal.SIGUSR1, True),
+    ],
+)
+def test_a_second_stop_signal_quits_at_once_unless_it_follows_a_warning(
+    first: signal.Signals, again: signal.Signals, quits: bool
+) -> None:
+    assert signals._quits_at_once(first, again) is quits
+
+
 HANG_UP = """
 import os, signal, sys, time
 if sys.argv[1] == "nohup":
@@ -400,6 +416,13 @@ PHASE_STOPS = {
         ["train", "data.num_workers=2", "trainer.num_sanity_val_steps=1", *SMALL],
         "sanity",  # its last batch: fit trained one step after it, and saved it
         signal.SIGINT,
+        "fit before the first training step (nothing to save)",
+        ["checkpoints/interrupted.ckpt", "checkpoints/last.ckpt"],
+    ),
+    "sanity check, DDP": (  # rank 0 held, rank 1 waits at the next batch: they agree there
+        ["train", "trainer=ddp_sim", "trainer.num_sanity_val_steps=1", *SMALL],
+        "sanity",
+        signal.SIGTERM,
         "fit before the first training step (nothing to save)",
         ["checkpoints/interrupted.ckpt", "checkpoints/last.ckpt"],
     ),
