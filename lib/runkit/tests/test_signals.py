@@ -81,8 +81,8 @@ def test_a_second_stop_signal_quits_at_once_unless_it_follows_a_warning(
 
 HANG_UP = """
 import os, signal, sys, time
-if sys.argv[1] == "nohup":
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts the program
+# as nohup starts the program, or a shell (whatever the test runner's own is)
+signal.signal(signal.SIGHUP, signal.SIG_IGN if sys.argv[1] == "nohup" else signal.SIG_DFL)
 from runkit.safety import signals
 with signals.stop_on_signal():
     os.kill(os.getpid(), signal.SIGHUP)
@@ -528,14 +528,18 @@ def test_a_hang_up_with_the_terminal_gone_saves_like_sigterm_and_exits_129(
     hold, marker = pause(tmp_path, "train", "training")
     reader, writer = pty.openpty() if terminal == "pty" else os.pipe()
     command = ["trainer.max_epochs=2", "data.batch_size=64", "test=false", *hold]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "project.train", *command, f"paths.log_dir={log_dir}"],
-        cwd=tmp_path,
-        env=clean_env(PYTHONPATH=str(TESTS)),
-        stdout=writer,
-        stderr=writer,
-        start_new_session=True,
-    )
+    before = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as a shell starts it, not as nohup
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "project.train", *command, f"paths.log_dir={log_dir}"],
+            cwd=tmp_path,
+            env=clean_env(PYTHONPATH=str(TESTS)),
+            stdout=writer,
+            stderr=writer,
+            start_new_session=True,
+        )
+    finally:
+        signal.signal(signal.SIGHUP, before)
     os.close(writer)
     os.set_blocking(reader, False)
     try:

@@ -1,18 +1,18 @@
-"""Ctrl-C, SIGTERM and SLURM's SIGUSR1 in every phase: all ranks stop together, save once, exit 128+N.
+"""The stop signals in every phase: all ranks stop together, save once, exit 128+N.
 
 :mod:`~runkit.safety.signals` records a signal and nothing else. This module acts on it:
 
 * :class:`GracefulInterrupt` (always on) replaces Lightning's own signal handling for the run:
   Lightning 2.6's SIGTERM handler broadcasts inside the handler and each rank raises
-  ``SIGTERMException`` on its own, so DDP ranks diverge and hang. Instead, at the end of every
-  batch the ranks all-reduce the signal they received (one integer, on the CPU: a gloo group when
-  the job runs NCCL, so the GPU is never synchronised). When any rank got one, every rank sets
-  Lightning's stop flag at that same batch and Lightning ends the loop on all of them. During
-  training they then save ``checkpoints/interrupted.ckpt`` together (rank 0 writes) and rank 0
-  prints the command that resumes. Under SLURM, SIGUSR1 (``#SBATCH --signal=SIGUSR1@90``) does
-  the same and then requeues the job, which resumes from that checkpoint by itself
+  ``SIGTERMException`` on its own, so DDP ranks diverge and hang. Instead, at the start of every
+  batch of every loop the ranks all-reduce the signal they received (one integer, on the CPU: a
+  gloo group when the job runs NCCL, so the GPU is never synchronised). When any rank got one,
+  every rank ends the loop at that same batch. In fit they then save
+  ``checkpoints/interrupted.ckpt`` together (rank 0 writes) and rank 0 prints the command that
+  resumes. Under SLURM, SIGUSR1 (``#SBATCH --signal=SIGUSR1@90``) does the same and then
+  requeues the job, which resumes from that checkpoint by itself
   (:func:`runkit.run.launch.requeued_checkpoint`).
-* :func:`phase` wraps each phase of ``train.py`` and ``eval.py`` (fit, test, export, eval): a stop
+* :func:`phase` wraps each phase of the tasks (fit, test, export, eval, predict): a stop
   ends it with one line and exit code ``128 + signal`` (130 for Ctrl-C, 143 for SIGTERM); a DDP
   peer that died ends it with :class:`PeerDied` instead of a traceback.
 * :func:`watch_parent` ends a DDP worker whose rank 0 died.
@@ -60,7 +60,7 @@ class _RecordOnlyConnector(_SignalConnector):  # private: Lightning's signal con
 
 
 class GracefulInterrupt(Callback):
-    """Stop every rank at the same batch boundary when any rank got a stop signal; save in fit."""
+    """Stop every rank at the same batch when any rank got a stop signal; save in fit."""
 
     def __init__(self) -> None:
         self.saved: Path | None = None
