@@ -134,51 +134,54 @@ LOOPS = ("train", "validation", "test", "predict")
 
 
 class SignalOnce(Callback):
-    """Sends this process SIGTERM as the first batch of ``at`` ends (the sanity check's: its last
-    batch, after which fit trains), and counts the batches that start in each loop."""
+    """Sends this process SIGTERM as batch ``batch`` of ``at`` ends, and counts the batches that
+    end in each loop (``sanity``: fit's sanity check)."""
 
-    def __init__(self, at: str) -> None:
-        self.at, self.sent = at, False
-        self.started = dict.fromkeys(("sanity", *LOOPS), 0)
-
-    def _loop(self, trainer: Trainer, loop: str) -> str:
-        return "sanity" if trainer.sanity_checking else loop
-
-    def _start(self, trainer: Trainer, loop: str) -> None:
-        self.started[self._loop(trainer, loop)] += 1
+    def __init__(self, at: str, batch: int) -> None:
+        self.at, self.batch, self.sent = at, batch, False
+        self.ended = dict.fromkeys(("sanity", *LOOPS), 0)
 
     def _end(self, trainer: Trainer, loop: str, batch_idx: int) -> None:
-        last = batch_idx == trainer.num_sanity_val_steps - 1 or not trainer.sanity_checking
-        if self._loop(trainer, loop) == self.at and last and not self.sent:
+        loop = "sanity" if trainer.sanity_checking else loop
+        self.ended[loop] += 1
+        if (loop, batch_idx) == (self.at, self.batch) and not self.sent:
             self.sent = True
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-for _loop in LOOPS:  # the same two hooks in every loop
-    setattr(SignalOnce, f"on_{_loop}_batch_start", lambda s, t, *a, _l=_loop: s._start(t, _l))
+for _loop in LOOPS:  # the same hook in every loop
     setattr(
         SignalOnce, f"on_{_loop}_batch_end", lambda s, t, m, o, b, i, *a, _l=_loop: s._end(t, _l, i)
     )
 
 STOPS = {
-    # case: (what the trainer runs, the loop whose batch signals, the batches that start in
-    # each loop, how the line ends)
-    "training": ("fit", "train", {"sanity": 2, "train": 1}, "at epoch 0, step 1; saved {saved}"),
-    "sanity check": (
+    # case: (what the trainer runs, where the signal comes: the loop and batch, the batches that
+    # end in each loop, how the line ends)
+    "training": ("fit", "train", 1, {"sanity": 2, "train": 2}, "at epoch 0, step 2; saved {saved}"),
+    "sanity check": (  # its last batch: fit went on to train one step and saved it
         "fit",
         "sanity",
+        1,
         {"sanity": 2},
         "before the first training step (nothing to save)",
+    ),
+    "training's last batch": (  # the validation after it ends first, then the epoch
+        "fit",
+        "train",
+        3,
+        {"sanity": 2, "train": 4, "validation": 4},
+        "at epoch 1, step 4; saved {saved}",
     ),
     "fit's validation": (
         "fit",
         "validation",
-        {"sanity": 2, "train": 4, "validation": 4},  # the validation ends; no more training
+        0,
+        {"sanity": 2, "train": 4, "validation": 4},
         "at epoch 1, step 4; saved {saved}",
     ),
-    "validate": ("validate", "validation", {"validation": 1}, ""),
-    "test": ("test", "test", {"test": 1}, ""),
-    "predict": ("predict", "predict", {"predict": 1}, ""),
+    "validate": ("validate", "validation", 0, {"validation": 1}, ""),
+    "test": ("test", "test", 0, {"test": 1}, ""),
+    "predict": ("predict", "predict", 0, {"predict": 1}, ""),
 }
 
 
@@ -188,8 +191,8 @@ def test_a_stop_ends_every_loop_at_the_next_batch(
 ) -> None:
     for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "SLURM_JOB_ID"):
         monkeypatch.delenv(var, raising=False)
-    fn, at, started, end = STOPS[case]
-    probe = SignalOnce(at)
+    fn, at, batch, ended, end = STOPS[case]
+    probe = SignalOnce(at, batch)
     trainer = Trainer(
         accelerator="cpu",
         max_epochs=3,
@@ -203,12 +206,12 @@ def test_a_stop_ends_every_loop_at_the_next_batch(
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=tmp_path,
-        callbacks=[GracefulInterrupt(), probe],
+        callbacks=[probe, GracefulInterrupt()],
     )
     with pytest.raises(SystemExit) as stop, signals.stop_on_signal(), interrupts.phase(fn, trainer):
         getattr(trainer, fn)(BoringModel())
     assert stop.value.code == 143
-    assert {loop: n for loop, n in probe.started.items() if n} == started
+    assert {loop: n for loop, n in probe.ended.items() if n} == ended
     saved = tmp_path / "checkpoints" / interrupts.INTERRUPTED_FILE
     assert saved.exists() == ("saved" in end)
     tail = f" {end.format(saved=saved)}" if end else ""

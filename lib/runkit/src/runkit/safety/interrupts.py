@@ -89,13 +89,21 @@ class GracefulInterrupt(Callback):
             dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=self._group)
             self._limits = counts.tolist()
 
+    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_step == 0:  # before the first step: nothing to save, stop at once
+            self._agree(trainer, *args)
+
+    def on_train_batch_end(self, trainer: Trainer, module: Any, outputs: Any, *args: Any) -> None:
+        self._agree(trainer, module, *args)
+
     def _agree(
         self, trainer: Trainer, module: Any, batch: Any, batch_idx: int, loader: int = 0
     ) -> None:
-        """At the start of every batch of every loop (the sanity check's, predict's...): one
-        all-reduce (MAX) of the signal each rank received, so every rank learns the same, and
-        an agreed stop ends the loop there (fit's validation: at its end). Before a training
-        batch the last step is complete: a save there resumes as one at that step's end."""
+        """At the start of every batch of every loop (the sanity check's, predict's...) and the
+        end of every training batch: one all-reduce (MAX) of the signal each rank received, so
+        every rank learns the same, and an agreed stop ends the loop there. After a training
+        step Lightning ends fit after that batch, where a save resumes exactly (the next batch
+        is fetched, and its random draws taken, only after it); fit's validation ends first."""
         request = signals.request
         if self._stopping or not request.active:
             return
@@ -116,16 +124,23 @@ class GracefulInterrupt(Callback):
             # exits non-zero; the workers now stop with 128+N on purpose, and rank 0 waits for them.
             request.children = list(procs)
             procs.clear()
-        if not _in_fit_validation(trainer):
+        if trainer.training and trainer.global_step:
+            trainer._signal_connector.received_sigterm = True  # private: Lightning's loop-stop flag
+        elif not _in_fit_validation(trainer):
             raise SIGTERMException
 
-    on_train_batch_start = on_validation_batch_start = _agree
-    on_test_batch_start = on_predict_batch_start = _agree
+    on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _agree
 
-    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # A stop agreed during fit's validation takes effect once that validation is over.
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.on_validation_end(trainer, pl_module, stop=False)  # after a stop at a training batch
+
+    def on_validation_end(
+        self, trainer: Trainer, pl_module: LightningModule, stop: bool = True
+    ) -> None:
+        # A stop agreed before or during fit's validation takes effect once that validation is
+        # over (Lightning would end it at its first batch).
         if self._stopping and _in_fit_validation(trainer):
-            trainer._signal_connector.received_sigterm = True  # private: Lightning's loop-stop flag
+            trainer._signal_connector.received_sigterm = stop  # private: see _agree
 
     def on_exception(
         self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
