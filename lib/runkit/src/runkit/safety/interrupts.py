@@ -4,9 +4,10 @@
 
 * :class:`GracefulInterrupt` (always on) replaces Lightning's own signal handling for the run:
   Lightning 2.6's SIGTERM handler broadcasts inside the handler and each rank raises
-  ``SIGTERMException`` on its own, so DDP ranks diverge and hang. Instead, at the start of every
-  batch of every loop the ranks all-reduce the signal they received (one integer, on the CPU: a
-  gloo group when the job runs NCCL, so the GPU is never synchronised). When any rank got one,
+  ``SIGTERMException`` on its own, so DDP ranks diverge and hang. Instead, at the end of every
+  training batch and the start of every batch of the other loops the ranks all-reduce the signal
+  they received (one integer, on the CPU: a gloo group when the job runs NCCL, so the GPU is
+  never synchronised). When any rank got one,
   every rank ends the loop at that same batch. In fit they then save
   ``checkpoints/interrupted.ckpt`` together (rank 0 writes) and rank 0 prints the command that
   resumes. Under SLURM, SIGUSR1 (``#SBATCH --signal=SIGUSR1@90``) does the same and then
