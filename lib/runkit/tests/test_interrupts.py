@@ -191,6 +191,7 @@ def test_a_stop_ends_every_loop_at_the_next_batch(
 ) -> None:
     for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "SLURM_JOB_ID"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(sys, "argv", ["train.py"])  # the resume command reads it, not pytest's
     fn, at, batch, ended, end = STOPS[case]
     probe = SignalOnce(at, batch)
     trainer = Trainer(
