@@ -662,12 +662,12 @@ class Hold:
 
 def hold_in(where: str, tmp_path: Path, request: pytest.FixtureRequest) -> Hold:
     train = ["train", *SMALL, f"paths.log_dir={tmp_path / 'logs'}"]
-    if where in ("fit", "saving", "test", "eval"):
-        at = "train" if where in ("fit", "saving") else "test"
+    if where in ("fit", "saving", "test", "eval", "predict"):
+        at = {"fit": "train", "saving": "train", "predict": "predict"}.get(where, "test")
         hold, marker = callback(tmp_path, "Pause", "pause", at=at)
-        if where == "eval":
+        if where in ("eval", "predict"):
             checkpoint = request.getfixturevalue("trained_checkpoint")
-            return Hold(["eval", f"ckpt_path={checkpoint}", *hold], marker.exists, marker, "eval")
+            return Hold([where, f"ckpt_path={checkpoint}", *hold], marker.exists, marker, where)
         if where == "saving":  # HoldSave's marker is waited for after the first Ctrl-C
             hold += callback(tmp_path, "HoldSave", "hold_save")[0]
         return Hold([*train, *hold], marker.exists, marker, "test" if at == "test" else "fit")
@@ -692,7 +692,9 @@ def hold_in(where: str, tmp_path: Path, request: pytest.FixtureRequest) -> Hold:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", ["fit", "test", "eval", "export", "waiting for GPUs", "saving"])
+@pytest.mark.parametrize(
+    "where", ["fit", "test", "eval", "predict", "export", "waiting for GPUs", "saving"]
+)
 def test_a_second_ctrl_c_through_the_cli_quits_at_once_in_every_phase(
     tmp_path: Path, where: str, request: pytest.FixtureRequest
 ) -> None:
