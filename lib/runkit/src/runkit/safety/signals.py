@@ -12,8 +12,8 @@ Two things Python's own signal handling cannot do are done by a watcher thread, 
 every signal through :func:`signal.set_wakeup_fd` even while the main thread is blocked in C++:
 
 * A second Ctrl-C (or another stop signal) quits at once, without saving, exit ``128 + signal``,
-  in any phase, the first signal's save included. After SLURM's warning only that signal again does:
-  SLURM's SIGTERM comes while the save the warning asked for is under way.
+  in any phase, the first signal's save included. After SLURM's warning only that signal again
+  does: SLURM's SIGTERM comes while the save the warning asked for is under way.
 * In a distributed run, a rank whose main thread is stuck in a collective (waiting for a rank
   that never comes, where Python runs no handler) cannot reach the next safe point. When the
   handler has not run ``STUCK_GRACE_S`` after the signal, or the main thread has been waiting in
@@ -226,8 +226,8 @@ def _same_stop(stop: StopRequest, now: float) -> bool:
 
 
 def _quits_at_once(first: int, again: int) -> bool:
-    """A second stop signal quits at once, unless it is the SIGTERM that follows SLURM's
-    warning (the save asked for is under way; SLURM's SIGKILL comes anyway)."""
+    """A second stop signal quits at once; after SLURM's warning only the warning again does
+    (SLURM's SIGTERM comes while the save it asked for is under way; its SIGKILL comes anyway)."""
     return not STOP_SIGNALS[first].warns or again == first
 
 
