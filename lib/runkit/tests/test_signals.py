@@ -565,7 +565,8 @@ def test_a_hang_up_with_the_terminal_gone_saves_like_sigterm_and_exits_129(
     step = int(marker.read_text().split()[1]) + 1
     assert torch.load(saved, map_location="cpu", weights_only=True)["global_step"] == step
     assert last_line(log).endswith(
-        f"[WARNING] stopped by SIGHUP during fit at epoch 0, step {step}; saved {saved}; exit code 129"
+        f"[WARNING] stopped by SIGHUP during fit at epoch 0, step {step}; saved {saved}; "
+        "exit code 129"
     )
     assert "ckpt_path=" in log  # the command that resumes
 
