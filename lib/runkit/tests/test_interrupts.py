@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import signal
 import subprocess
@@ -11,10 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
 
 import prewarmed
-from conftest import clean_env, run_dirs, run_python
-from runkit.safety.interrupts import resume_command
+from conftest import clean_env, last_line, run_dirs, run_python
+from runkit.safety import interrupts, signals
+from runkit.safety.interrupts import GracefulInterrupt, resume_command
 
 SLOW_TRAINING = (
     "trainer.accelerator=cpu",
@@ -123,4 +127,95 @@ def test_a_ctrl_c_while_a_finished_run_shuts_down_is_one_line_and_130() -> None:
     assert done.returncode == 130, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         "error: SIGINT received after the run had finished (its files are complete); exit code 130"
+    )
+
+
+LOOPS = ("train", "validation", "test", "predict")
+
+
+class SignalOnce(Callback):
+    """Sends this process SIGTERM as batch ``batch`` of ``at`` ends, and counts the batches that
+    end in each loop (``sanity``: fit's sanity check)."""
+
+    def __init__(self, at: str, batch: int) -> None:
+        self.at, self.batch, self.sent = at, batch, False
+        self.ended = dict.fromkeys(("sanity", *LOOPS), 0)
+
+    def _end(self, trainer: Trainer, loop: str, batch_idx: int) -> None:
+        loop = "sanity" if trainer.sanity_checking else loop
+        self.ended[loop] += 1
+        if (loop, batch_idx) == (self.at, self.batch) and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+for _loop in LOOPS:  # the same hook in every loop
+    setattr(
+        SignalOnce, f"on_{_loop}_batch_end", lambda s, t, m, o, b, i, *a, _l=_loop: s._end(t, _l, i)
+    )
+
+STOPS = {
+    # case: (what the trainer runs, where the signal comes: the loop and batch, the batches that
+    # end in each loop, how the line ends)
+    "training": ("fit", "train", 1, {"sanity": 2, "train": 2}, "at epoch 0, step 2; saved {saved}"),
+    "sanity check": (  # its last batch: fit went on to train one step and saved it
+        "fit",
+        "sanity",
+        1,
+        {"sanity": 2},
+        "before the first training step (nothing to save)",
+    ),
+    "training's last batch": (  # the validation after it ends first, then the epoch
+        "fit",
+        "train",
+        3,
+        {"sanity": 2, "train": 4, "validation": 4},
+        "at epoch 1, step 4; saved {saved}",
+    ),
+    "fit's validation": (
+        "fit",
+        "validation",
+        0,
+        {"sanity": 2, "train": 4, "validation": 4},
+        "at epoch 1, step 4; saved {saved}",
+    ),
+    "validate": ("validate", "validation", 0, {"validation": 1}, ""),
+    "test": ("test", "test", 0, {"test": 1}, ""),
+    "predict": ("predict", "predict", 0, {"predict": 1}, ""),
+}
+
+
+@pytest.mark.parametrize("case", list(STOPS))
+def test_a_stop_ends_every_loop_at_the_next_batch(
+    tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(sys, "argv", ["train.py"])  # the resume command reads it, not pytest's
+    fn, at, batch, ended, end = STOPS[case]
+    probe = SignalOnce(at, batch)
+    trainer = Trainer(
+        accelerator="cpu",
+        max_epochs=3,
+        limit_train_batches=4,
+        limit_val_batches=4,
+        limit_test_batches=4,
+        limit_predict_batches=4,
+        num_sanity_val_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[probe, GracefulInterrupt()],
+    )
+    with pytest.raises(SystemExit) as stop, signals.stop_on_signal(), interrupts.phase(fn, trainer):
+        getattr(trainer, fn)(BoringModel())
+    assert stop.value.code == 143
+    assert {loop: n for loop, n in probe.ended.items() if n} == ended
+    saved = tmp_path / "checkpoints" / interrupts.INTERRUPTED_FILE
+    assert saved.exists() == ("saved" in end)
+    tail = f" {end.format(saved=saved)}" if end else ""
+    assert (
+        last_line(capsys.readouterr().err) == f"stopped by SIGTERM during {fn}{tail}; exit code 143"
     )

@@ -125,6 +125,17 @@ def test_a_module_without_predict_step_predicts_its_forward_on_the_test_split(
     assert [float(r["prediction"]) for r in csv_rows(run)] == pytest.approx(expected.tolist())
 
 
+def test_ddp_ranks_with_uneven_batch_counts_predict_every_item(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    # 91 items, 5 a batch: rank 0 runs 10 batches, rank 1 9 (predict's sampler does not pad),
+    # so the ranks agree on stops over the first 9 only
+    extra = ("data.test_fraction=0.0506", "data.batch_size=5", *DDP)
+    run, _ = predict(runs, tmp_path, f"ckpt_path={runs['template']}", *extra)
+    _, index = saved(run)
+    assert torch.equal(index, torch.arange(91))
+
+
 def test_a_bad_ckpt_path_is_one_line_and_exit_2(runs: dict[str, Path], tmp_path: Path) -> None:
     done = _run(
         runs["root"],

@@ -8,8 +8,10 @@ happened to be.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pty
 import signal
 import stat
 import subprocess
@@ -29,6 +31,7 @@ from runkit.safety import interrupts, signals
 
 TESTS = Path(__file__).resolve().parent
 QUIET = ("callbacks.progress_bar.refresh_rate=0",)
+SMALL = ("trainer.max_epochs=1", "data.batch_size=64", *QUIET)
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "SLURM_JOB_ID")
 
 
@@ -58,6 +61,49 @@ def test_a_signal_outside_lightning_lets_the_phase_finish_then_exits_143(
         "stopped by SIGTERM after export had finished (its files are written); exit code 143"
     )
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.parametrize(
+    ("first", "again", "quits"),
+    [
+        (signal.SIGINT, signal.SIGINT, True),
+        (signal.SIGHUP, signal.SIGTERM, True),
+        (signal.SIGUSR1, signal.SIGTERM, False),  # SLURM's end, after its warning: the same stop
+        (signal.SIGUSR1, signal.SIGINT, False),
+        (signal.SIGUSR1, signal.SIGUSR1, True),
+    ],
+)
+def test_a_second_stop_signal_quits_at_once_unless_it_follows_a_warning(
+    first: signal.Signals, again: signal.Signals, quits: bool
+) -> None:
+    assert signals._quits_at_once(first, again) is quits
+
+
+HANG_UP = """
+import os, signal, sys, time
+# as nohup starts the program, or a shell (whatever the test runner's own is)
+signal.signal(signal.SIGHUP, signal.SIG_IGN if sys.argv[1] == "nohup" else signal.SIG_DFL)
+from runkit.safety import signals
+with signals.stop_on_signal():
+    os.kill(os.getpid(), signal.SIGHUP)
+    time.sleep(0.5)
+    print("finished the block", sorted(s.name for s in signals.stop_signals()))
+"""
+
+
+@pytest.mark.parametrize(
+    ("started", "code", "line"),
+    [
+        ("in a terminal", 129, "stopped by SIGHUP during startup; exit code 129"),
+        ("nohup", 0, ""),  # the user asked the run to outlive its terminal
+    ],
+)
+def test_a_hang_up_is_a_stop_unless_the_run_ignores_it(started: str, code: int, line: str) -> None:
+    done = run_python(HANG_UP, started, timeout=60)
+    assert done.returncode == code, done.stderr
+    stops = "['SIGINT', 'SIGTERM']" if started == "nohup" else "['SIGHUP', 'SIGINT', 'SIGTERM']"
+    assert done.stdout.strip() == f"finished the block {stops}"
+    assert last_line(done.stderr) == line
 
 
 SECOND_CTRL_C = """
@@ -363,31 +409,58 @@ def test_sigterm_stops_both_ddp_ranks_together(tmp_path: Path, target: str) -> N
     assert "weights_only` was not set" not in text  # issue #11.12b
 
 
-@pytest.mark.slow
-def test_signals_during_test_and_eval_end_the_run_with_one_line(tmp_path: Path) -> None:
-    # Issue #11.3: SIGTERM in the test phase exited 0, silently. Ctrl-C in eval: exit 130.
-    log_dir = tmp_path / "logs"
-    hold, marker = pause(tmp_path, "test", "testing")
-    small = ("trainer.max_epochs=1", "data.batch_size=64", *QUIET)
-    process = start(tmp_path, "train", *small, *hold, f"paths.log_dir={log_dir}")
-    wait_for(tmp_path, marker.name, process)
-    process.send_signal(signal.SIGTERM)
-    Path(f"{marker}.release").touch()
-    _, err = finish(process)
-    assert process.returncode == 143, err[-3000:]
-    assert last_line(err) == "stopped by SIGTERM during test; exit code 143"
-    (run,) = run_dirs(log_dir)
-    assert not (run / "model.pth").exists() and not (run / "metrics.json").exists()
+PHASE_STOPS = {
+    # where: (the task and its overrides, where it is held, the signal, the phase of the line,
+    # the files of the run directory the stop leaves unwritten)
+    "sanity check": (
+        ["train", "data.num_workers=2", "trainer.num_sanity_val_steps=1", *SMALL],
+        "sanity",  # its last batch: fit trained one step after it, and saved it
+        signal.SIGINT,
+        "fit before the first training step (nothing to save)",
+        ["checkpoints/interrupted.ckpt", "checkpoints/last.ckpt"],
+    ),
+    "sanity check, DDP": (  # rank 0 held, rank 1 waits at the next batch: they agree there
+        ["train", "trainer=ddp_sim", "trainer.num_sanity_val_steps=1", *SMALL],
+        "sanity",
+        signal.SIGTERM,
+        "fit before the first training step (nothing to save)",
+        ["checkpoints/interrupted.ckpt", "checkpoints/last.ckpt"],
+    ),
+    "test": (["train", *SMALL], "test", signal.SIGTERM, "test", ["model.pth", "metrics.json"]),
+    "eval": (["eval"], "test", signal.SIGINT, "eval", ["metrics.json"]),
+    "predict": (["predict"], "predict", signal.SIGTERM, "predict", ["predictions.pt"]),
+    "predict, DDP": (
+        ["predict", "trainer=ddp_sim"],
+        "predict",
+        signal.SIGTERM,
+        "predict",
+        ["predictions.pt"],
+    ),
+}
 
-    hold, marker = pause(tmp_path, "test", "evaluating")
-    checkpoint = run / "checkpoints" / "last.ckpt"
-    process = start(tmp_path, "eval", f"ckpt_path={checkpoint}", *hold)
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", list(PHASE_STOPS))
+def test_a_stop_in_any_phase_ends_it_at_the_next_batch_with_one_line(
+    tmp_path: Path, where: str, request: pytest.FixtureRequest
+) -> None:
+    # Issue #11.3: SIGTERM in the test phase exited 0, silently. A Ctrl-C in the sanity check
+    # trained a step and saved it; a SIGTERM in predict let it predict every batch first.
+    (task, *overrides), at, signum, phase, unwritten = PHASE_STOPS[where]
+    if task != "train":
+        overrides.append(f"ckpt_path={request.getfixturevalue('trained_checkpoint')}")
+    log_dir = tmp_path / "logs"
+    hold, marker = pause(tmp_path, at, "held")
+    process = start(tmp_path, task, *overrides, *hold, f"paths.log_dir={log_dir}")
     wait_for(tmp_path, marker.name, process)
-    process.send_signal(signal.SIGINT)
+    os.killpg(process.pid, signum)  # as a terminal's Ctrl-C, SLURM or Kubernetes: every process
     Path(f"{marker}.release").touch()
     _, err = finish(process)
-    assert process.returncode == 130, err[-3000:]
-    assert last_line(err) == "stopped by SIGINT during eval; exit code 130"
+    assert process.returncode == 128 + signum, err[-3000:]
+    assert last_line(err) == f"stopped by {signum.name} during {phase}; exit code {128 + signum}"
+    assert err.count(f"{signum.name} received") == 1 and "Traceback" not in err
+    (run,) = run_dirs(log_dir, task)
+    assert [name for name in unwritten if (run / name).exists()] == []
 
 
 @pytest.mark.slow
@@ -444,12 +517,65 @@ def test_a_slurm_job_saves_on_its_warning_signal_requeues_and_resumes_by_itself(
     assert not (first / "metrics.json").exists()  # the stopped run's directory is left as it was
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("terminal", ["pipe", "pty"])
+def test_a_hang_up_with_the_terminal_gone_saves_like_sigterm_and_exits_129(
+    tmp_path: Path, terminal: str
+) -> None:
+    # The terminal closed, or the ssh session dropped: the run's group gets SIGHUP, and its
+    # stdout and stderr are gone (a pipe whose reader died answers EPIPE; a closed pty, EIO).
+    log_dir = tmp_path / "logs"
+    hold, marker = pause(tmp_path, "train", "training")
+    reader, writer = pty.openpty() if terminal == "pty" else os.pipe()
+    command = ["trainer.max_epochs=2", "data.batch_size=64", "test=false", *hold]
+    before = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as a shell starts it, not as nohup
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "project.train", *command, f"paths.log_dir={log_dir}"],
+            cwd=tmp_path,
+            env=clean_env(PYTHONPATH=str(TESTS)),
+            stdout=writer,
+            stderr=writer,
+            start_new_session=True,
+        )
+    finally:
+        signal.signal(signal.SIGHUP, before)
+    os.close(writer)
+    os.set_blocking(reader, False)
+    try:
+        deadline = time.time() + 300
+        while not marker.exists():  # read what it prints (the progress bar's too) until held
+            assert process.poll() is None and time.time() < deadline, process.returncode
+            with contextlib.suppress(OSError):  # BlockingIOError: nothing new
+                os.read(reader, 1 << 16)
+            time.sleep(0.05)
+        os.close(reader)
+        os.killpg(process.pid, signal.SIGHUP)
+        Path(f"{marker}.release").touch()
+        process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    (run,) = run_dirs(log_dir)
+    log = (run / "train.log").read_text()
+    assert process.returncode == 129, log[-3000:]
+    saved = run / "checkpoints" / interrupts.INTERRUPTED_FILE
+    # held at the end of a batch, after the stop check there: the next batch's end stops
+    step = int(marker.read_text().split()[1]) + 1
+    assert torch.load(saved, map_location="cpu", weights_only=True)["global_step"] == step
+    assert last_line(log).endswith(
+        f"[WARNING] stopped by SIGHUP during fit at epoch 0, step {step}; saved {saved}; "
+        "exit code 129"
+    )
+    assert "ckpt_path=" in log  # the command that resumes
+
+
 # ------------------------------------------------------------------------------------------------
 # A second Ctrl-C, through the real CLI, in every phase (issue #24.3)
 
 FIRST_CTRL_C = "SIGINT received: stopping at the next safe point"
 QUIT_LINE = "error: SIGINT again: quitting at once, without saving; exit code 130"
-SMALL = ("trainer.max_epochs=1", "data.batch_size=64", *QUIET)
 FAKE_CUDA = '''"""Test only: torch says it sees two CUDA devices (this machine has none), so that
 select_gpus=least_used measures the fake NVML's GPUs and waits for them."""
 from runkit.gpus import inventory
@@ -537,12 +663,12 @@ class Hold:
 
 def hold_in(where: str, tmp_path: Path, request: pytest.FixtureRequest) -> Hold:
     train = ["train", *SMALL, f"paths.log_dir={tmp_path / 'logs'}"]
-    if where in ("fit", "saving", "test", "eval"):
-        at = "train" if where in ("fit", "saving") else "test"
+    if where in ("fit", "saving", "test", "eval", "predict"):
+        at = {"fit": "train", "saving": "train", "predict": "predict"}.get(where, "test")
         hold, marker = callback(tmp_path, "Pause", "pause", at=at)
-        if where == "eval":
+        if where in ("eval", "predict"):
             checkpoint = request.getfixturevalue("trained_checkpoint")
-            return Hold(["eval", f"ckpt_path={checkpoint}", *hold], marker.exists, marker, "eval")
+            return Hold([where, f"ckpt_path={checkpoint}", *hold], marker.exists, marker, where)
         if where == "saving":  # HoldSave's marker is waited for after the first Ctrl-C
             hold += callback(tmp_path, "HoldSave", "hold_save")[0]
         return Hold([*train, *hold], marker.exists, marker, "test" if at == "test" else "fit")
@@ -567,7 +693,9 @@ def hold_in(where: str, tmp_path: Path, request: pytest.FixtureRequest) -> Hold:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", ["fit", "test", "eval", "export", "waiting for GPUs", "saving"])
+@pytest.mark.parametrize(
+    "where", ["fit", "test", "eval", "predict", "export", "waiting for GPUs", "saving"]
+)
 def test_a_second_ctrl_c_through_the_cli_quits_at_once_in_every_phase(
     tmp_path: Path, where: str, request: pytest.FixtureRequest
 ) -> None:

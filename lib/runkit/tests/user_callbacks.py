@@ -16,9 +16,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 class Pause(Callback):
     """Hold the run at a known point, so a test can send a signal there.
 
-    At the first batch end of the phase named by ``at`` (``train``, ``test``; in training, of
-    epoch ``epoch`` or later) write ``marker`` and wait until the test creates
-    ``<marker>.release``. A resumed fit does not pause.
+    At the first batch end of the phase named by ``at`` (``train``, ``sanity`` (fit's sanity
+    check), ``test``, ``predict``; in training, of epoch ``epoch`` or later) write ``marker`` and
+    wait until the test creates ``<marker>.release``. A resumed fit does not pause.
     """
 
     def __init__(self, at: str, marker: str, epoch: int = 0) -> None:
@@ -28,8 +28,16 @@ class Pause(Callback):
         if self.at == "train" and trainer.ckpt_path is None and trainer.current_epoch >= self.epoch:
             self._pause(trainer)
 
+    def on_validation_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if self.at == "sanity" and trainer.sanity_checking:
+            self._pause(trainer)
+
     def on_test_batch_end(self, trainer: Trainer, *args: Any) -> None:
         if self.at == "test":
+            self._pause(trainer)
+
+    def on_predict_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if self.at == "predict":
             self._pause(trainer)
 
     def _pause(self, trainer: Trainer) -> None:

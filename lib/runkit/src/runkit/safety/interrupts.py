@@ -1,18 +1,19 @@
-"""Ctrl-C, SIGTERM and SLURM's SIGUSR1 in every phase: all ranks stop together, save once, exit 128+N.
+"""The stop signals in every phase: all ranks stop together, save once, exit 128+N.
 
 :mod:`~runkit.safety.signals` records a signal and nothing else. This module acts on it:
 
 * :class:`GracefulInterrupt` (always on) replaces Lightning's own signal handling for the run:
   Lightning 2.6's SIGTERM handler broadcasts inside the handler and each rank raises
   ``SIGTERMException`` on its own, so DDP ranks diverge and hang. Instead, at the end of every
-  batch the ranks all-reduce the signal they received (one integer, on the CPU: a gloo group when
-  the job runs NCCL, so the GPU is never synchronised). When any rank got one, every rank sets
-  Lightning's stop flag at that same batch and Lightning ends the loop on all of them. During
-  training they then save ``checkpoints/interrupted.ckpt`` together (rank 0 writes) and rank 0
-  prints the command that resumes. Under SLURM, SIGUSR1 (``#SBATCH --signal=SIGUSR1@90``) does
-  the same and then requeues the job, which resumes from that checkpoint by itself
+  training batch and the start of every batch of the other loops the ranks all-reduce the signal
+  they received (one integer, on the CPU: a gloo group when the job runs NCCL, so the GPU is
+  never synchronised). When any rank got one,
+  every rank ends the loop at that same batch. In fit they then save
+  ``checkpoints/interrupted.ckpt`` together (rank 0 writes) and rank 0 prints the command that
+  resumes. Under SLURM, SIGUSR1 (``#SBATCH --signal=SIGUSR1@90``) does the same and then
+  requeues the job, which resumes from that checkpoint by itself
   (:func:`runkit.run.launch.requeued_checkpoint`).
-* :func:`phase` wraps each phase of ``train.py`` and ``eval.py`` (fit, test, export, eval): a stop
+* :func:`phase` wraps each phase of the tasks (fit, test, export, eval, predict): a stop
   ends it with one line and exit code ``128 + signal`` (130 for Ctrl-C, 143 for SIGTERM); a DDP
   peer that died ends it with :class:`PeerDied` instead of a traceback.
 * :func:`watch_parent` ends a DDP worker whose rank 0 died.
@@ -60,12 +61,13 @@ class _RecordOnlyConnector(_SignalConnector):  # private: Lightning's signal con
 
 
 class GracefulInterrupt(Callback):
-    """Stop every rank at the same batch boundary when any rank got a stop signal; save in fit."""
+    """Stop every rank at the same batch when any rank got a stop signal; save in fit."""
 
     def __init__(self) -> None:
         self.saved: Path | None = None
         self._group: Any = None
         self._stopping = False
+        self._limits: list[float] = []  # predict under DDP: the batches every rank runs, per loader
         compat.skip_unused_batch_hooks(self)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -79,19 +81,34 @@ class GracefulInterrupt(Callback):
         if self._group is None and _distributed(trainer) and dist.get_backend() != "gloo":
             self._group = dist.new_group(backend="gloo")  # every rank calls setup: collective-safe
 
-    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
-        self._agree(trainer)
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Lightning's predict sampler does not pad: the ranks may run different numbers of
+        batches, and agree at the starts of those they all run."""
+        self._limits = []
+        if _distributed(trainer) and signals.request.active:
+            counts = torch.tensor(trainer.num_predict_batches, dtype=torch.float64)
+            dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=self._group)
+            self._limits = counts.tolist()
 
-    def on_validation_batch_end(self, trainer: Trainer, *args: Any) -> None:
-        self._agree(trainer)
+    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_step == 0:  # before the first step: nothing to save, stop at once
+            self._agree(trainer, *args)
 
-    def on_test_batch_end(self, trainer: Trainer, *args: Any) -> None:
-        self._agree(trainer)
+    def on_train_batch_end(self, trainer: Trainer, module: Any, outputs: Any, *args: Any) -> None:
+        self._agree(trainer, module, *args)
 
-    def _agree(self, trainer: Trainer) -> None:
-        """One all-reduce (MAX) of the signal each rank received: every rank learns the same."""
+    def _agree(
+        self, trainer: Trainer, module: Any, batch: Any, batch_idx: int, loader: int = 0
+    ) -> None:
+        """At the start of every batch of every loop (the sanity check's, predict's...) and the
+        end of every training batch: one all-reduce (MAX) of the signal each rank received, so
+        every rank learns the same, and an agreed stop ends the loop there. After a training
+        step Lightning ends fit after that batch, where a save resumes exactly (the next batch
+        is fetched, and its random draws taken, only after it); fit's validation ends first."""
         request = signals.request
         if self._stopping or not request.active:
+            return
+        if trainer.predicting and self._limits and batch_idx >= self._limits[loader]:
             return
         signum = request.received or 0
         if _distributed(trainer):
@@ -108,13 +125,23 @@ class GracefulInterrupt(Callback):
             # exits non-zero; the workers now stop with 128+N on purpose, and rank 0 waits for them.
             request.children = list(procs)
             procs.clear()
-        if not _in_fit_validation(trainer):
+        if trainer.training and trainer.global_step:
             trainer._signal_connector.received_sigterm = True  # private: Lightning's loop-stop flag
+        elif not _in_fit_validation(trainer):
+            raise SIGTERMException
 
-    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # A stop agreed during fit's validation takes effect once that validation is over.
+    on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _agree
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.on_validation_end(trainer, pl_module, stop=False)  # after a stop at a training batch
+
+    def on_validation_end(
+        self, trainer: Trainer, pl_module: LightningModule, stop: bool = True
+    ) -> None:
+        # A stop agreed before or during fit's validation takes effect once that validation is
+        # over (Lightning would end it at its first batch).
         if self._stopping and _in_fit_validation(trainer):
-            trainer._signal_connector.received_sigterm = True  # private: see _agree
+            trainer._signal_connector.received_sigterm = stop  # private: see _agree
 
     def on_exception(
         self, trainer: Trainer, pl_module: LightningModule, exception: BaseException

@@ -1,4 +1,4 @@
-"""Stop signals (Ctrl-C, SIGTERM, SLURM's SIGUSR1): recorded at once, acted on at a safe point.
+"""Stop signals (:data:`STOP_SIGNALS`): recorded at once, acted on at a safe point.
 
 A handler that does real work wherever Python happens to be (inside a gloo collective, say)
 hangs DDP jobs: Lightning 2.6's SIGTERM handler broadcasts a tensor from inside the handler and
@@ -11,9 +11,9 @@ with ``128 + signal`` (130 for Ctrl-C, 143 for SIGTERM) after one line saying so
 Two things Python's own signal handling cannot do are done by a watcher thread, which hears
 every signal through :func:`signal.set_wakeup_fd` even while the main thread is blocked in C++:
 
-* A second Ctrl-C (or SIGTERM) quits at once, without saving, exit ``128 + signal``, in any
-  phase, the first signal's save included. After SLURM's SIGUSR1 a SIGTERM does not: it comes
-  while the save SIGUSR1 asked for is under way.
+* A second Ctrl-C (or another stop signal) quits at once, without saving, exit ``128 + signal``,
+  in any phase, the first signal's save included. After SLURM's warning only that signal again
+  does: SLURM's SIGTERM comes while the save the warning asked for is under way.
 * In a distributed run, a rank whose main thread is stuck in a collective (waiting for a rank
   that never comes, where Python runs no handler) cannot reach the next safe point. When the
   handler has not run ``STUCK_GRACE_S`` after the signal, or the main thread has been waiting in
@@ -37,19 +37,21 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 CHILD_GRACE_S = 30.0
 """How long a stopping rank 0 waits for the DDP workers it launched before killing them."""
@@ -94,10 +96,29 @@ request = StopRequest()
 """This process's request; :func:`stop_on_signal` replaces it at the start of every run."""
 
 
+class Stop(NamedTuple):
+    """A stop signal: when it is one, and whether it warns of an end to come."""
+
+    when: Callable[[], bool]
+    """Whether the signal is a stop in this process (else it keeps its own handling)."""
+    warns: bool = False
+    """SLURM's notice before the time limit: the SIGTERM after it is the same stop (the save it
+    asked for is under way), not a second request to quit at once."""
+
+
+STOP_SIGNALS = {
+    # The library README's table of stop signals says what each does.
+    signal.SIGINT: Stop(lambda: True),  # Ctrl-C
+    signal.SIGTERM: Stop(lambda: True),  # kill, SLURM's end, Kubernetes, systemd, docker stop
+    signal.SIGHUP: Stop(lambda: signal.getsignal(signal.SIGHUP) != signal.SIG_IGN),  # not nohup
+    signal.SIGUSR1: Stop(lambda: slurm_job_id() is not None, warns=True),  # --signal=SIGUSR1@90
+}
+"""Every stop signal; one more is one more line."""
+
+
 def stop_signals() -> tuple[signal.Signals, ...]:
-    """Ctrl-C and SIGTERM; inside a SLURM job also SIGUSR1 (``#SBATCH --signal=SIGUSR1@90``)."""
-    usr1 = (signal.SIGUSR1,) if slurm_job_id() else ()
-    return (signal.SIGINT, signal.SIGTERM, *usr1)
+    """The signals of :data:`STOP_SIGNALS` that are stops in this process now."""
+    return tuple(signum for signum, stop in STOP_SIGNALS.items() if stop.when())
 
 
 @contextmanager
@@ -182,6 +203,7 @@ def _record(signum: int, frame: FrameType | None) -> None:
             quit_now(signum, "again: quitting at once, without saving")
         return
     request.received, request.received_at = signum, request.received_at or now
+    _drop_closed_outputs()
     again = " (Ctrl-C again quits at once, without saving)" if signum == signal.SIGINT else ""
     _say(f"\n{signal.Signals(signum).name} received: stopping at the next safe point{again}")
 
@@ -204,9 +226,9 @@ def _same_stop(stop: StopRequest, now: float) -> bool:
 
 
 def _quits_at_once(first: int, again: int) -> bool:
-    """A second stop signal quits at once, unless it is the SIGTERM that follows SLURM's
-    SIGUSR1 warning (the save asked for is under way; SLURM's SIGKILL comes anyway)."""
-    return first != signal.SIGUSR1 or again == signal.SIGUSR1
+    """A second stop signal quits at once; after SLURM's warning only the warning again does
+    (SLURM's SIGTERM comes while the save it asked for is under way; its SIGKILL comes anyway)."""
+    return not STOP_SIGNALS[first].warns or again == first
 
 
 _quitting = threading.Lock()
@@ -346,13 +368,36 @@ def exit_stopped(signum: int) -> None:
     when = f"during {request.phase}"
     if request.phase_done:
         when = f"after {request.phase} had finished (its files are written)"
-    _say(f"stopped by {name} {when}{request.detail}; exit code {code}")
+    _drop_closed_outputs()
+    _say(f"stopped by {name} {when}{request.detail}; exit code {code}", run_log=True)
     raise SystemExit(code)
 
 
-def _say(text: str) -> None:
-    if not request.quiet:
-        _write_line(text)
+def _say(text: str, run_log: bool = False) -> None:
+    """Say ``text`` on stderr; ``run_log``: in the run's log files too (Hydra's ``train.log``),
+    the one place that tells how a run whose terminal closed ended."""
+    if request.quiet:
+        return
+    _write_line(text)
+    if run_log:
+        record = logging.LogRecord(__name__, logging.WARNING, __file__, 0, text, None, None)
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.FileHandler):
+                handler.handle(record)
+
+
+def _drop_closed_outputs() -> None:
+    """Point stdout and stderr at /dev/null when what they wrote to is gone (a closed terminal
+    answers EIO, a pipe without its reader EPIPE): a stop then goes on to its save and its exit
+    code instead of ending in the traceback (or Rich's exit 1) of the next line printed."""
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            poll = select.poll()
+            poll.register(fd, 0)
+            if any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0)):
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, fd)
+                os.close(null)
 
 
 def _write_line(text: str) -> None:
