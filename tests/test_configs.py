@@ -138,6 +138,18 @@ def test_every_target_node_maps_one_to_one_onto_its_class() -> None:
         check_targets(cfg.model, "model")
 
 
+def test_a_module_swapped_in_hears_every_key_it_does_not_take_and_how_to_drop_them() -> None:
+    cfg = compose_train("model._target_=lightning.pytorch.demos.boring_classes.BoringModel")
+    with open_dict(cfg):
+        del cfg.model.net
+    with pytest.raises(RunError) as error:
+        check_targets(cfg.model, "model")
+    assert str(error.value).endswith(
+        "are not arguments of lightning.pytorch.demos.boring_classes.BoringModel; it takes none; "
+        "remove them with ~model.num_classes ~model.optimizer ~model.scheduler"
+    )
+
+
 def test_checkpoint_hyperparameters_are_plain_data(tmp_path: Path) -> None:
     from runkit.run.builders import plain
 

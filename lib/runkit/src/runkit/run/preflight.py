@@ -144,22 +144,25 @@ def check_targets(node: DictConfig, path: str) -> None:
         params = inspect.signature(target).parameters
     except (TypeError, ValueError):  # builtins without a signature: nothing to check
         return
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        accepts_any = True
-    else:
-        accepts_any = False
+    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    unknown = [] if accepts_any else [k for k in node if k not in HYDRA_KEYS and k not in params]
+    if unknown:
+        names = [name for name in params if name not in ("self", "args", "kwargs")]
+        close = difflib.get_close_matches(str(unknown[0]), names, n=1)
+        hint = f" (did you mean {path}.{close[0]}?)" if close and len(unknown) == 1 else ""
+        keys = ", ".join(f"{path}.{k}" for k in unknown)
+        one = len(unknown) == 1
+        raise RunError(
+            f"{keys} {'is not an argument' if one else 'are not arguments'} of "
+            f"{node['_target_']}{hint}; "
+            + (f"accepted: {', '.join(names)}" if names else "it takes none")
+            + f"; remove {'it' if one else 'them'} with "
+            + " ".join(f"~{path}.{k}" for k in unknown)
+        )
     hints = _type_hints(target)
     for key in node:
         if key in HYDRA_KEYS:
             continue
-        if key not in params and not accepts_any:
-            names = [name for name in params if name not in ("self", "args", "kwargs")]
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean {path}.{close[0]}?)" if close else ""
-            raise RunError(
-                f"{path}.{key} is not an argument of {node['_target_']}{hint}; "
-                f"accepted: {', '.join(names)}"
-            )
         value = _value(node, key)
         expected = hints.get(key)
         if expected is not None and value is not _UNKNOWN and _accepts(expected, value) is False:
