@@ -67,7 +67,7 @@ JobCompType=jobcomp/filetxt
 JobCompLoc=$DIR/jobcomp.txt
 SlurmdTimeout=120
 InactiveLimit=0
-KillWait=30
+KillWait=10
 MinJobAge=3600
 NodeName=${NODES[0]} NodeHostname=${NODES[0]} NodeAddr=127.0.0.1 Port=16818 CPUs=1 RealMemory=2000 State=UNKNOWN
 NodeName=${NODES[1]} NodeHostname=${NODES[1]} NodeAddr=127.0.0.1 Port=16819 CPUs=1 RealMemory=2000 State=UNKNOWN

@@ -349,7 +349,7 @@ def requeued_checkpoint(
     found: list[Path] = []
     finished: list[Path] = []
     others: list[str] = []
-    submitit = "SUBMITIT_EXECUTOR" in env  # a sweep job: requeued into its own folder
+    submitit = env.get("SUBMITIT_EXECUTOR") == "slurm"  # a sweep job: requeued into its folder
     for earlier in [current] if submitit else current.parent.iterdir():
         if not submitit and (earlier == current or not name.search(earlier.name)):
             continue
