@@ -122,26 +122,28 @@ def output(site: Path, name: str, job_id: str) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def pause(site: Path, name: str) -> tuple[list[str], Path]:
+def pause(site: Path, name: str, epoch: int = 1) -> tuple[list[str], Path]:
+    """Hold rank 0 at its first batch of ``epoch`` (0: before any checkpoint) until released."""
     marker = site / f"{name}.pause"
     return [
         "+callbacks.pause._target_=user_callbacks.Pause",
         "+callbacks.pause.at=train",
-        "+callbacks.pause.epoch=1",
+        f"+callbacks.pause.epoch={epoch}",
         f"+callbacks.pause.marker={marker}",
     ], marker
 
 
 def hold_then(site: Path, name: str, job_id: str, marker: Path, send: list[str], got: str) -> None:
     """At the pause: ``send``, wait until the job's output says ``got``, let rank 0 go on."""
-    wait(f"job {job_id} paused", marker.exists)
+    wait(f"job {job_id} paused", lambda: marker.exists() or job(job_id)["JobState"] in FINAL)
+    assert marker.exists(), output(site, name, job_id)[-3000:]
     slurm(*send)
     wait(f"'{got}' from job {job_id}", lambda: got in output(site, name, job_id))
     Path(f"{marker}.release").touch()
 
 
 def runs(site: Path, job_id: str) -> list[Path]:
-    return sorted((site / "logs" / "train" / "runs").glob(f"*_slurm-{job_id}.0*"))
+    return sorted((site / "logs" / "train" / "runs").glob(f"*slurm-{job_id}.0*"))
 
 
 def weights(run: Path) -> dict[str, torch.Tensor]:
@@ -171,9 +173,9 @@ def hold_save(site: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def cancelled(site: Path) -> tuple[str, Path]:
-    """Job 1, cancelled (scancel) at epoch 1: its id and its run."""
+    """Job 1, cancelled (scancel) in its first epoch: its id and its run."""
     reset_cluster()
-    hold, marker = pause(site, OLDER)
+    hold, marker = pause(site, OLDER, epoch=0)
     job_id = submit(site, OLDER, *hold, *hold_save(site))
     Path(f"{site / OLDER}.save.release").touch()  # this job's save goes through
     hold_then(site, OLDER, job_id, marker, ["scancel", job_id], "SIGTERM received")
@@ -257,7 +259,7 @@ def test_a_reused_job_id_gets_its_own_run_and_never_resumes_from_the_older_job(
     reset_cluster()
     for stale in site.glob(f"{OLDER}.*"):
         stale.unlink()
-    hold, marker = pause(site, OLDER)
+    hold, marker = pause(site, OLDER, epoch=0)
     name = f"{OLDER}-again"
     job_id = submit(site, name, *hold, *hold_save(site))
     assert job_id == older_id == "1"
