@@ -24,9 +24,12 @@ CONF = Path(os.environ.get("RUNKIT_SLURM_DIR", "/tmp/runkit-slurm")) / "slurm.co
 def test_train_sbatch_trains_one_run_on_two_nodes(tmp_path: Path) -> None:
     env = {**os.environ, "SLURM_CONF": str(CONF), "OMP_NUM_THREADS": "1"}
     try:
-        up = (
-            subprocess.run(["sinfo", "-h"], env=env, capture_output=True, text=True).returncode == 0
+        sinfo = (
+            subprocess.run(["sinfo", "-h"], env=env, capture_output=True)
+            if CONF.is_file()
+            else None
         )
+        up = sinfo is not None and sinfo.returncode == 0
     except OSError:
         up = False
     if not up:

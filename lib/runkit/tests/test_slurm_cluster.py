@@ -62,9 +62,10 @@ def slurm(*command: str, cwd: Path | None = None) -> str:
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A submit directory as train.sbatch expects one (``.venv``, ``logs/slurm``), on a cluster."""
+    problem = None if CONF.is_file() else f"no {CONF}"
     try:
-        up = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env(), capture_output=True, text=True)
-        problem = None if up.returncode == 0 else up.stderr.strip() or "sinfo failed"
+        up = problem or subprocess.run(["sinfo", "-h"], env=env(), capture_output=True, text=True)
+        problem = problem or (up.returncode and (up.stderr.strip().splitlines() or ["sinfo"])[-1])
     except OSError as err:
         problem = str(err)
     if problem:
