@@ -349,6 +349,7 @@ def requeued_checkpoint(
     found: list[Path] = []
     finished: list[Path] = []
     others: list[str] = []
+    resuming = _restarted(env) or "TORCHELASTIC_RUN_ID" in env
     submitit = env.get("SUBMITIT_EXECUTOR") == "slurm"  # a sweep job: requeued into its folder
     for earlier in [current] if submitit else current.parent.iterdir():
         if not submitit and (earlier == current or not name.search(earlier.name)):
@@ -356,7 +357,7 @@ def requeued_checkpoint(
         if token and _read(earlier / JOB_TOKEN_FILE) != token:
             others.append(earlier.name)  # an earlier job that had the same id
             continue
-        if not _restarted(env) and "TORCHELASTIC_RUN_ID" not in env:
+        if not resuming:
             continue
         if _overrides(earlier) != [str(o) for o in overrides]:
             continue  # another command of the same job script
@@ -374,7 +375,7 @@ def requeued_checkpoint(
             "this job does not resume from them",
             slurm_job_id(env), len(others), current.parent, max(others),
         )  # fmt: skip
-    if not _restarted(env) and "TORCHELASTIC_RUN_ID" not in env:
+    if not resuming:
         return None
     if not found:
         if rank_zero(env):
@@ -387,8 +388,8 @@ def requeued_checkpoint(
 
 
 def _earlier_runs(env: Mapping[str, str]) -> tuple[str, re.Pattern[str]] | None:
-    """For a requeued SLURM job or a restarted torchrun group: what happened, in words, and the
-    pattern of the run directories its earlier attempts made (:func:`run_id`); else ``None``."""
+    """For a SLURM job or a restarted torchrun group: what happened, in words, and the pattern of
+    the run directories its earlier attempts made (:func:`run_id`); else ``None``."""
     job = slurm_job_id(env)
     if job:
         return (
@@ -456,17 +457,12 @@ def slurm_first_start(environ: Mapping[str, str] | None = None) -> str | None:
         start, _, comment = out.partition("|")
         comment = "" if comment == "(null)" else comment
         kept = re.search(r"runkit-start=(\S+)", comment)
-        if kept is None and re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", start):
-            kept = re.match(r"(.*)", start)  # the first attempt (or one requeued before it said so)
-            if rank_zero(env):
-                with contextlib.suppress(OSError, subprocess.SubprocessError):
-                    comment = f"comment={comment} runkit-start={start}".replace("= ", "=")
-                    subprocess.run(
-                        ["scontrol", "update", f"job={job}", comment],
-                        capture_output=True,
-                        timeout=60,
-                    )
-        _first_starts[job] = kept.group(1) if kept else None
+        valid = re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", start)
+        _first_starts[job] = kept.group(1) if kept else start if valid else None
+        if not kept and valid and rank_zero(env):  # the first attempt (or one requeued before)
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                comment = f"comment={comment} runkit-start={start}".replace("= ", "=")
+                subprocess.run(["scontrol", "update", f"job={job}", comment], timeout=60)
     return _first_starts[job]
 
 
