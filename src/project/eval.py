@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-import runkit
 from project import config_dir
+import runkit
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -45,6 +45,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     pl.seed_everything(cfg.seed, workers=True)
     model, ckpt = runkit.trained_model(trained["model"], source, data)
     datamodule = instantiate(trained["data"], _convert_="all")  # plain containers, as in training
+    runkit.can_test(model, datamodule, required=True)  # else one line: nothing to evaluate
     plan = (
         runkit.resolve_for_run(  # least_used waits for and claims GPUs as in training (gpu_* keys)
             cfg.trainer.accelerator,
@@ -53,16 +54,15 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             policy=runkit.policy_from_config(cfg),
         )
     )
-    if plan.message and rank_zero_only.rank == 0:  # once, not once per DDP process
-        log.info(plan.message)
+    if plan.message:
+        rank_zero_only(log.info)(plan.message)  # once, not once per DDP process
     # The same hardware settings as training (precision=auto -> bf16-mixed on a bf16 GPU...).
     trainer = runkit.build_trainer(cfg, **runkit.trainer_settings(cfg, plan))
     if trainer.is_global_zero:
         runkit.save_config(cfg, out)
     # Ctrl-C / SIGTERM: every rank stops, exit 128+N. A full disk (the CSV log): one line.
-    if runkit.can_test(model, datamodule):  # else one line, and no figures
-        with runkit.phase("eval", trainer), runkit.full_disk_in_one_line(out):
-            trainer.test(model, datamodule=datamodule, ckpt_path=ckpt, weights_only=True)
+    with runkit.phase("eval", trainer), runkit.full_disk_in_one_line(out):
+        trainer.test(model, datamodule=datamodule, ckpt_path=ckpt, weights_only=True)
     metrics = runkit.scalars(trainer.callback_metrics, prefix="test")
     if trainer.is_global_zero:
         runkit.save_metrics(

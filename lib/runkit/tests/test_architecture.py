@@ -33,3 +33,21 @@ def test_import_contract_is_kept(
     assert status == EXIT_STATUS_SUCCESS, (
         f"import contract {contract} is broken:\n{capsys.readouterr().out}"
     )
+
+
+def test_the_public_api_is_what_a_type_checker_sees() -> None:
+    """Every public name is in ``__all__``, imported for type checkers from the module that
+    loads it at run time, and the package says it is typed (``py.typed``)."""
+    import ast
+
+    import runkit
+
+    tree = ast.parse(Path(runkit.__file__).read_text("utf-8"))
+    checked = next(n for n in tree.body if isinstance(n, ast.If))  # if TYPE_CHECKING:
+    seen = {
+        a.name: i.module for i in checked.body if isinstance(i, ast.ImportFrom) for a in i.names
+    }
+    assert seen == runkit.PUBLIC
+    assert sorted(runkit.__all__) == sorted(runkit.PUBLIC)
+    assert all(getattr(runkit, name) is not None for name in runkit.__all__)
+    assert (Path(runkit.__file__).parent / "py.typed").is_file()

@@ -49,6 +49,14 @@ class Case:
     env: dict[str, str] = field(default_factory=dict)
 
 
+# Lightning's own demo modules and data, through the CLI (model._target_, data._target_).
+BORING = (
+    "~model",
+    "~data",
+    "+data._target_=lightning.pytorch.demos.boring_classes.BoringDataModule",
+)
+
+
 def q(path: Path | str) -> str:
     """A path as a quoted Hydra value: spaces and non-ASCII letters need the quotes."""
     return f'"{path}"'
@@ -153,7 +161,54 @@ CASES = [
         lambda p: [f"paths.log_dir={q(p['in'] / 'empty_logs')}", "ckpt_path=last"],
         "found no",
     ),
+    # The file judged is named as resolved, and the value typed beside it when that is another.
+    Case(
+        "ckpt-last-empty",
+        "train",
+        lambda p: [f"paths.log_dir={q(p['in'] / 'empty_last')}", "ckpt_path=last"],
+        "checkpoints/last.ckpt' (typed 'last') is an empty file",
+    ),
+    Case(
+        "ckpt-run-dir-empty-last",
+        "train",
+        lambda p: [f"ckpt_path={q(p['in'] / 'empty_last' / 'train' / 'runs' / 'r')}"],
+        "runs/r/checkpoints/last.ckpt' (typed '",
+    ),
+    Case(
+        "ckpt-dir-typed-relative",
+        "train",
+        lambda p: [f"ckpt_path={q(p['in'].name + '/empty_logs')}"],
+        "empty_logs' (typed 'bad inputs é/empty_logs') is a directory without",
+    ),
+    Case(
+        "ckpt-device",
+        "train",
+        lambda p: ["ckpt_path=/dev/zero"],
+        "'/dev/zero' is a character device, not a regular file",
+    ),
+    Case(
+        "ckpt-fifo",
+        "train",
+        lambda p: [f"ckpt_path={q(p['in'] / 'pipe.ckpt')}"],
+        "pipe.ckpt' is a FIFO (named pipe), not a regular file",
+    ),
     Case("eval-without-ckpt", "eval", lambda p: [], "ckpt_path is required"),
+    Case(
+        "eval-without-test-step",
+        "eval",
+        lambda p: [
+            f"ckpt_path={q(p['demo'])}",
+            "trusted_targets=[lightning.pytorch.demos.,torch.]",
+        ],
+        "DemoModel has no test_step, so there is nothing to evaluate",
+    ),
+    Case(
+        "monitor-of-a-module-that-logs-nothing",
+        "train",
+        lambda p: [*BORING, "+model._target_=lightning.pytorch.demos.boring_classes.BoringModel"],
+        "it logs nothing (no self.log call). Log 'val/acc' with self.log, or set "
+        "callbacks.model_checkpoint.monitor=null to keep the latest checkpoint only",
+    ),
     Case(
         "eval-other-architecture",
         "eval",
@@ -258,6 +313,28 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (bad / "notes.txt").write_text("not a checkpoint\n")
     (bad / "a_file").write_text("a regular file, not a directory\n")
     (bad / "empty_logs").mkdir()
+    (bad / "empty_last" / "train" / "runs" / "r" / "checkpoints").mkdir(parents=True)
+    (bad / "empty_last" / "train" / "runs" / "r" / "checkpoints" / "last.ckpt").write_bytes(b"")
+    os.mkfifo(bad / "pipe.ckpt")
+    demo = prewarmed.run(  # a module without test_step (Lightning's DemoModel), trained
+        [
+            sys.executable,
+            "-m",
+            "project.train",
+            *budget_for(BORING),
+            *BORING,
+            "+model._target_=lightning.pytorch.demos.boring_classes.DemoModel",
+            "trainer.max_epochs=1",
+            "callbacks.model_checkpoint.monitor=null",
+            f"paths.log_dir={root / 'demo_logs'}",
+        ],
+        cwd=root,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert demo.returncode == 0, demo.stderr[-2000:]
     torch.save({"state_dict": {}, "trap": Evil(bad / PAYLOAD_FILE)}, bad / "evil.ckpt")
     (bad / "starting" / ".hydra").mkdir(parents=True)  # another run has just claimed it
     other = bad / "other_arch"
@@ -289,14 +366,20 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "# @package _global_\ntrainer:\n<<<<<<< before updating\n  max_epochs: 2\n=======\n"
         "  max_epochs: 3\n>>>>>>> after updating\n"
     )
-    return {"root": root, "logs": logs, "run": run, "in": bad}
+    (demo_run,) = run_dirs(root / "demo_logs")
+    return {"root": root, "logs": logs, "run": run, "in": bad, "demo": demo_run}
+
+
+def budget_for(args: list[str] | tuple[str, ...]) -> list[str]:
+    """:data:`FAST`, less its ``data.*`` keys where the command replaces the data node."""
+    return [a for a in FAST if "~data" not in args or not a.startswith("data.")]
 
 
 def command_for(case: Case, world: dict[str, Path]) -> list[str]:
     args = case.args(world)
     options = [a for a in args if a.startswith("--")]  # Hydra's own flags go first
     overrides = [a for a in args if not a.startswith("--")]
-    budget = FAST if case.task == "train" else ()  # eval has no callbacks or epochs
+    budget = budget_for(args) if case.task == "train" else ()  # eval has no callbacks or epochs
     command = [sys.executable, "-m", f"project.{case.task}", *options, *budget, *overrides]
     if not any(a.startswith("paths.log_dir=") for a in args):
         command.append(f"paths.log_dir={q(world['logs'])}")

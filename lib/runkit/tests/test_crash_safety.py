@@ -273,8 +273,8 @@ def test_training_on_a_full_disk_ends_in_one_line(
         text=True,
         timeout=600,
     )
-    assert done.returncode == 1, done.stderr[-3000:]
-    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.returncode == 4, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "Error executing job" not in done.stderr
     line = last_line(done.stderr)
     assert line.startswith("error: the disk is full: could not write checkpoint"), line
     assert str(disk) in line
@@ -284,6 +284,66 @@ def test_training_on_a_full_disk_ends_in_one_line(
         return
     remains = Path(line.split("the last good checkpoint is ")[1].strip("'"))
     assert torch.load(remains, weights_only=True)["epoch"] == 1
+
+
+TAKE_AWAY = """
+import shutil, subprocess
+from pathlib import Path
+from lightning.pytorch import Callback
+
+class TakeAway(Callback):
+    def __init__(self, folder, how):
+        self.folder, self.how = Path(folder), how
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch != 1:
+            return
+        if self.how == "made-read-only":  # a read-only mount of it over it (root ignores chmod)
+            folder = str(self.folder)
+            subprocess.run(["mount", "--bind", "-o", "ro", folder, folder], check=True)
+            return
+        shutil.rmtree(self.folder)
+        if self.how == "a-file-in-its-place":
+            self.folder.write_text("not a directory")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["deleted", "a-file-in-its-place", "made-read-only"])
+def test_a_run_directory_taken_away_mid_run_is_an_environment_failure(
+    tmp_path: Path, how: str
+) -> None:
+    if how == "made-read-only" and os.geteuid() != 0:
+        pytest.skip("a read-only mount needs root")
+    (tmp_path / "take_away.py").write_text(TAKE_AWAY)
+    run = tmp_path / "run é"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "project.train",
+            f'hydra.run.dir="{run}"',
+            "model=mlp",
+            "trainer.max_epochs=4",
+            "data.batch_size=256",
+            "callbacks.progress_bar.refresh_rate=0",
+            "+callbacks.take_away._target_=take_away.TakeAway",
+            f'+callbacks.take_away.folder="{run}"',
+            f"+callbacks.take_away.how={how}",
+        ],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    subprocess.run(["umount", "-l", str(run)], capture_output=True, check=False)
+    # Not exit 2 (a user's mistake) after Hydra's "Error executing job" line: one line, exit 4.
+    assert done.returncode == 4, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "Error executing job" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [last_line(done.stderr)], errors
+    assert f"{run}/" in errors[0], errors
 
 
 # --------------------------------------------------------------------------- stale temporaries

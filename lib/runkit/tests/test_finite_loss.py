@@ -10,7 +10,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import FAST, CliRunner, run_dirs
+from conftest import FAST, CliRunner, last_line, run_dirs
 from runkit.errors import RunError
 from runkit.safety import finite_loss
 from runkit.safety.checkpoints import AtomicCheckpointIO
@@ -126,23 +126,52 @@ def test_diverged_weights_are_never_saved_and_end_the_run_in_one_line(tmp_path: 
         assert all(torch.isfinite(v).all() for v in state.values()), file
 
 
-def test_a_non_finite_monitored_metric_at_the_end_is_a_divergence(tmp_path: Path) -> None:
-    class NanValidation(Poisoned):
-        def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
-            self.log("val/loss", float("nan"))
+class NanValidation(Poisoned):
+    """Logs ``val/loss``, NaN from epoch ``bad_from`` on."""
 
-    loader = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4)
+    def __init__(self, bad_from: int) -> None:
+        super().__init__(set())
+        self.bad_from = bad_from
+
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        self.log("val/loss", float("nan") if self.current_epoch >= self.bad_from else 1.0)
+
+
+def test_a_non_finite_monitored_metric_stops_training_at_that_validation(tmp_path: Path) -> None:
+    # It trained on to its last epoch, saved last.ckpt with the NaN and called that file "the
+    # last finite checkpoint", "at step 40 (epoch 4)" for epochs 0-3.
+    loader = DataLoader(TensorDataset(torch.randn(40, 4)), batch_size=4)  # 10 steps per epoch
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="val/loss", save_last=True)
     trainer = Trainer(
         accelerator="cpu",
-        max_epochs=1,
-        callbacks=[FiniteLoss(), ModelCheckpoint(dirpath=tmp_path, monitor="val/loss")],
+        max_epochs=4,
+        callbacks=[FiniteLoss(), checkpoint],
+        plugins=[AtomicCheckpointIO()],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=tmp_path,
     )
-    with pytest.raises(finite_loss.DivergedError, match=r"monitored metric val/loss=nan is not"):
-        trainer.fit(NanValidation(set()), loader, loader)
+    with pytest.raises(finite_loss.DivergedError) as info:
+        trainer.fit(NanValidation(bad_from=1), loader, loader)
+    assert str(info.value) == (
+        "training diverged: the monitored metric val/loss=nan is not finite (NaN or inf) at step "
+        "20 (epoch 1); training stopped, no checkpoint holds it; the last finite checkpoint is "
+        f"{tmp_path / 'last.ckpt'} (epoch 0, step 10). Lower the learning rate, or check how "
+        "NanValidation computes val/loss"
+    )
+    assert trainer.current_epoch == 1 and trainer.global_step == 20  # it did not train on
+    for file in tmp_path.glob("*.ckpt"):
+        states = torch.load(file, weights_only=True)["callbacks"].values()
+        assert all(torch.isfinite(s["current_score"]) for s in states if "current_score" in s)
+
+
+def test_a_divergence_found_as_training_ends_names_the_epoch_that_ran(tmp_path: Path) -> None:
+    with pytest.raises(finite_loss.DivergedError) as info:
+        fit(Diverging(at=15), FiniteLoss(), tmp_path, every=1000)  # epochs 0 and 1, no save due
+    assert "the weights are not finite (NaN or inf) at step 20 (epoch 1); nothing is tested" in (
+        str(info.value)
+    )
 
 
 def test_metrics_json_is_strict_json() -> None:
@@ -167,6 +196,7 @@ def test_a_diverging_run_with_skip_fails_in_one_line_and_exports_nothing(
     assert done.returncode == 3, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: training diverged: the "), errors
+    assert errors[0].endswith(". Lower model.optimizer.lr"), errors  # the key this config has
     assert "Traceback" not in done.stderr
     (run,) = run_dirs(log_dir)
     assert not (run / "model.pth").exists() and not (run / "metrics.json").exists()
@@ -175,3 +205,46 @@ def test_a_diverging_run_with_skip_fails_in_one_line_and_exports_nothing(
         assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
     for file in run.rglob("*.json"):  # strict: a NaN would be refused
         assert "NaN" not in file.read_text() and "Infinity" not in file.read_text(), file
+
+
+NAN_ACC = """
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+class NanAcc(BoringModel):
+    def validation_step(self, batch, batch_idx):
+        last_rank = self.global_rank == self.trainer.world_size - 1
+        self.log("val/acc", float("nan") if self.current_epoch >= 1 and last_rank else 0.5)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("overrides", "shown", "steps"),
+    [([], "=nan", 64), (["trainer=ddp_sim"], " (on another rank)", 32)],
+    ids=["one-process", "ddp-nan-on-rank-1-only"],
+)
+def test_a_monitored_metric_that_turns_nan_ends_the_run_at_that_validation(
+    cli: CliRunner, log_dir: Path, tmp_path: Path, overrides: list[str], shown: str, steps: int
+) -> None:
+    (tmp_path / "nan_acc.py").write_text(NAN_ACC)  # Lightning's BoringModel, val/acc NaN from 1
+    done = cli(
+        "train",
+        "~model",
+        "+model._target_=nan_acc.NanAcc",
+        "~data",
+        "+data._target_=lightning.pytorch.demos.boring_classes.BoringDataModule",
+        "trainer.max_epochs=4",
+        "callbacks.progress_bar.refresh_rate=0",
+        *overrides,
+    )
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "Error executing job" not in done.stderr
+    assert len([line for line in done.stderr.splitlines() if line.startswith("error:")]) == 1
+    (run,) = run_dirs(log_dir)
+    assert last_line(done.stderr) == (
+        f"error: training diverged: the monitored metric val/acc{shown} is not finite (NaN or "
+        f"inf) at step {2 * steps} (epoch 1); training stopped, no checkpoint holds it; the last "
+        f"finite checkpoint is {run / 'checkpoints' / 'last.ckpt'} (epoch 0, step {steps}). Lower "
+        "the learning rate, or check how NanAcc computes val/acc"  # a BoringModel has no lr key
+    )
+    assert not (run / "model.pth").exists() and not (run / "metrics.json").exists()

@@ -19,6 +19,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 
+from conftest import CliRunner, last_line, run_dirs
 from project.data.digits import DigitsDataModule
 from project.models.classifier import ClassifierModule
 from project.models.nets import MLP
@@ -173,3 +174,27 @@ def test_a_moved_finished_run_resumes_with_its_best_checkpoint_its_own(tmp_path:
         tmp_path / "run c", 2, LightningModelCheckpoint, moved / "checkpoints" / "last.ckpt"
     )
     assert not Path(plain.best_model_path).exists()
+
+
+@pytest.mark.slow
+def test_the_setting_a_module_that_logs_nothing_is_told_to_use_trains_it(
+    cli: CliRunner, log_dir: Path
+) -> None:
+    # Lightning's BoringModel logs nothing: the refusal said "set ... to one of them" (of none).
+    boring = "lightning.pytorch.demos.boring_classes"
+    command = [
+        "~model",
+        f"+model._target_={boring}.BoringModel",
+        "~data",
+        f"+data._target_={boring}.BoringDataModule",
+        "trainer.max_epochs=2",
+        "callbacks.progress_bar.refresh_rate=0",
+    ]
+    refused = cli("train", *command)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    suggested = [word for word in last_line(refused.stderr).split() if word.endswith("=null")]
+    assert suggested == ["callbacks.model_checkpoint.monitor=null"], refused.stderr[-3000:]
+    done = cli("train", *command, *suggested)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run,) = run_dirs(log_dir)  # the refused run left nothing
+    assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "model.pth").is_file()

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
-from torchmetrics import MaxMetric, MeanMetric, MetricCollection
+from torchmetrics import MaxMetric, MeanMetric, Metric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
@@ -31,6 +31,10 @@ class ClassifierModule(LightningModule):
     with ``torch.load(..., weights_only=True)``.
     """
 
+    train_metrics: MetricCollection  # set per stage below
+    val_metrics: MetricCollection
+    test_metrics: MetricCollection
+
     def __init__(
         self,
         net: nn.Module,
@@ -50,7 +54,7 @@ class ClassifierModule(LightningModule):
         for stage in ("train", "val", "test"):
             # No per-step host sync: MeanMetric's NaN check branches on a device value at every
             # update (disabled: a NaN loss shows as NaN); argument checks are skipped per step too.
-            metrics = {
+            metrics: dict[str, Metric | MetricCollection] = {
                 "acc": MulticlassAccuracy(num_classes, average="micro", validate_args=False),
                 "loss": MeanMetric(nan_strategy="disable"),
             }
@@ -121,7 +125,7 @@ class ClassifierModule(LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {
                 "scheduler": scheduler,
-                "interval": self.hparams.scheduler_interval,
-                "monitor": self.hparams.monitor,
+                "interval": self.hparams["scheduler_interval"],
+                "monitor": self.hparams["monitor"],
             },
         }

@@ -46,6 +46,11 @@ class EpochBatchNorm2d(nn.BatchNorm2d):
     swaps it for torch's ``SyncBatchNorm``, with the usual momentum).
     """
 
+    running_mean: Tensor  # always tracked here (torch types them Optional)
+    running_var: Tensor
+    num_batches_tracked: Tensor
+    evaluated: Tensor
+
     def __init__(self, num_features: int, eps: float = 1e-5) -> None:
         super().__init__(num_features, eps=eps)
         # Set by an evaluation forward pass; a buffer, so it follows the layer to its device.

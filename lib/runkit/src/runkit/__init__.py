@@ -1,34 +1,47 @@
 """lightning-runkit: everything a training run needs that is not the user's model, data or flow.
 
-The public API is what this module names (``runkit.hydra_entry``, ``runkit.resolve_for_run``,
-...; :data:`PUBLIC`), loaded on first use: ``import runkit`` pulls in neither torch nor
-Lightning, so a project's ``--help`` stays instant. The components (callbacks, the CheckpointIO,
-the strategy) are named by their modules in a project's configs. The rest is private: a project
-imports nothing else (an import-linter contract checks the template's).
-
-Grouped by job, one job per file; nothing here imports a project's code (it arrives through
-``_target_`` in the configs).
-
-=============  ==================================================================================
-gpus/          NVML access, the GPU inventory, ``CUDA_VISIBLE_DEVICES`` rules, device resolution,
-               the listing CLI
-gpu_stats/     per-epoch GPU statistics: sampling, statistics, the callback, the run summary
-safety/        crash-safe checkpoint I/O and loading, exact resume, interrupts, the finite-loss
-               guard, the checkpoint callback
-run/           the Hydra entry, preflight checks, builders, run files, sweep/DDP launch
-speed.py       the GPU speed switches (TF32, precision=auto, compile, channels-last)
-plots.py       ``curves.png`` and ``python -m runkit.plot``
-quoting.py     what the program prints for the user to paste, quoted for the shell and Hydra
-strategies/    ``trainer.strategy=dp``
-testing/       the fake NVML used by tests, benchmarks and CPU demos
-compat.py      every access to a private Lightning/torch/OmegaConf/Hydra API, each with a test
-=============  ==================================================================================
+The public API is :data:`__all__`, loaded on first use, so ``import runkit`` pulls in neither
+torch nor Lightning and a project's ``--help`` stays instant. The components (callbacks, the
+CheckpointIO, the strategy) are named by their modules in a project's configs. Grouped by job:
+``gpus/`` (NVML, the inventory, device resolution, claims), ``gpu_stats/`` (per-epoch GPU
+statistics), ``safety/`` (checkpoints, resume, interrupts, the finite-loss guard), ``run/`` (the
+Hydra entry, preflight, builders, run files, launch), ``speed.py``, ``plots.py``, ``quoting.py``,
+``strategies/`` (DP, FSDP), ``testing/`` (the fake NVML) and ``compat.py`` (every private API used,
+each with a test). Nothing here imports a project's code; it arrives through ``_target_``.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names as a type checker sees them; at run time, loaded on first use
+    from runkit.data import ArrayDataModule
+    from runkit.errors import RunError
+    from runkit.gpu_stats.callback import energy_report
+    from runkit.gpus.claims import policy_from_config
+    from runkit.gpus.resolve import resolve_for_run
+    from runkit.plots import after_run
+    from runkit.run.builders import build_trainer, can_test, plain
+    from runkit.run.cli import find_configs, hydra_entry
+    from runkit.run.launch import requeued_checkpoint
+    from runkit.run.predictions import prepare_predict
+    from runkit.run.rebuild import trained_config, trained_model
+    from runkit.run.run_files import best_checkpoint, save_config, save_metrics, scalars
+    from runkit.safety.checkpoints import (
+        WEIGHTS_FILE,
+        exported_part,
+        full_disk_in_one_line,
+        is_sharded,
+        load_file,
+        load_network,
+        resolve_ckpt_path,
+        save_weights,
+    )
+    from runkit.safety.interrupts import phase
+    from runkit.safety.resume import check_fits
+    from runkit.safety.trusted import TRUSTED_TARGETS
+    from runkit.speed import trainer_settings
 
 __version__ = "0.1.0"
 
@@ -73,7 +86,39 @@ PUBLIC: dict[str, str] = {
 }
 """Each public name and the module that defines it."""
 
-__all__ = sorted(PUBLIC)
+__all__ = [
+    "TRUSTED_TARGETS",
+    "WEIGHTS_FILE",
+    "ArrayDataModule",
+    "RunError",
+    "after_run",
+    "best_checkpoint",
+    "build_trainer",
+    "can_test",
+    "check_fits",
+    "energy_report",
+    "exported_part",
+    "find_configs",
+    "full_disk_in_one_line",
+    "hydra_entry",
+    "is_sharded",
+    "load_file",
+    "load_network",
+    "phase",
+    "plain",
+    "policy_from_config",
+    "prepare_predict",
+    "requeued_checkpoint",
+    "resolve_ckpt_path",
+    "resolve_for_run",
+    "save_config",
+    "save_metrics",
+    "save_weights",
+    "scalars",
+    "trained_config",
+    "trained_model",
+    "trainer_settings",
+]
 
 
 def __getattr__(name: str) -> Any:

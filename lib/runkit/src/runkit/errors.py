@@ -1,10 +1,48 @@
-"""The error type for mistakes a user can fix: the CLI prints it as one line and exits non-zero.
+"""The error types for failures a user can act on: the CLI prints one line and exits non-zero.
 
 Anything else that escapes is a bug and keeps its traceback.
 """
+
+from __future__ import annotations
+
+import errno
+import os
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# What the run's own directory answers once it is deleted, moved or made unwritable under the run.
+_TAKEN_AWAY = (errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 class RunError(Exception):
     """A bad value from the user: the message names it and says what would be accepted."""
 
     exit_code = 2
+
+
+class EnvironmentFailure(RunError):
+    """The machine failed the run, not the user: the disk is full, or the run's directory was
+    deleted or made unwritable while the run used it."""
+
+    exit_code = 4
+
+
+def file_failure(err: OSError, run_dir: str | os.PathLike[str] | None = None) -> RunError | None:
+    """``err`` as one line: the environment's failure when the disk is full or the file lies in
+    ``run_dir`` (which the run made itself), else the user's (a path typed); ``None`` when it
+    names no file and the disk is not full."""
+    name, reason = err.filename or run_dir, err.strerror or str(err)
+    if err.errno in DISK_FULL:
+        return EnvironmentFailure(
+            f"the disk is full: could not write the run's files in {str(name)!r} ({reason})"
+        )
+    if err.filename is None:
+        return None
+    inside = run_dir is not None and os.path.abspath(name).startswith(
+        os.path.join(os.path.abspath(run_dir), "")
+    )
+    if inside and err.errno in _TAKEN_AWAY:
+        return EnvironmentFailure(
+            f"could not write {str(name)!r} ({reason}): the run directory {str(run_dir)!r} was "
+            "deleted, moved or made unwritable while the run used it"
+        )
+    return RunError(f"cannot create or write {str(name)!r}: {reason}")

@@ -4,30 +4,11 @@
     python -m runkit.plot SWEEP_DIR                # every job side by side: SWEEP_DIR/curves.png
     python -m runkit.plot RUN_A RUN_B --out ab.png # several runs side by side
 
-Every training run draws its own ``curves.png`` at the end (rank 0, :func:`after_run`), so the
-first look at a run is one image, not a CSV. The figures come from ``csv/metrics.csv`` (the run's
-own CSV log, written whichever loggers ``logger=`` adds), one point per epoch:
-
-* one panel per metric logged for ``train/`` and ``val/`` (``loss``, ``acc``, ...), train and
-  validation on the same axes, so over- and under-fitting show at a glance;
-* the learning rate when ``callbacks=...lr_monitor`` logged it (``lr-*`` columns);
-* when the GPU statistics callback logged (``gpu/node{N}/cuda{i}/...``, see
-  :mod:`runkit.gpu_stats.callback`): utilisation per GPU (epoch mean, with the max as a thin
-  line) and memory in use per GPU (epoch max, with the GPU's size dotted), one line per GPU, so an
-  idle or memory-starved GPU shows at once; on GPUs with GPM, SM activity per GPU (epoch mean,
-  tensor-core activity dashed), which tells a GPU that is merely busy from one that is used well;
-* the share of each epoch the training loop waited for data (``loop/data_wait_frac``): a starved
-  input pipeline shows as a high line.
-
-Several runs: one column per run, one row per panel, the y axes shared along a row so the runs
-compare directly. A sweep directory (``logs/train/multiruns/<time>``) stands for its jobs.
-
-matplotlib is an optional extra (``pip install 'lightning-runkit[plot]'``; ``scripts/setup.sh`` installs
-it with the dev tools): a cluster training image does not need a plotting stack, and a missing
-plot must never fail a finished run, so without matplotlib :func:`after_run` logs one line saying
-how to get plots and training carries on. Drawing uses matplotlib's object API on the Agg canvas:
-no display, no pyplot global state, safe in any thread or process. Importing this module is cheap
-(no torch, no matplotlib), so ``python -m runkit.plot`` starts quickly.
+Every training run draws its own ``curves.png`` from ``csv/metrics.csv`` at the end (rank 0,
+:func:`after_run`): train and validation metrics per epoch, the learning rate, each GPU's
+utilisation, memory and SM activity, and the data wait. matplotlib is an optional extra, so a
+missing plot never fails a finished run (one line says how to get it); drawing uses the Agg
+canvas, no pyplot state. Importing this module is cheap (no torch, no matplotlib).
 """
 
 from __future__ import annotations

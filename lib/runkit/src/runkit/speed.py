@@ -1,42 +1,13 @@
-"""The speed switches: each one a config key, each defaulting to the fast choice where
-that choice is safe, and each a no-op where it would not help (TF32 on the CPU or older GPUs,
-the allocator switch without glibc).
+"""The speed switches: each a config key, defaulting to the fast choice where it is safe, and a
+no-op where it would not help (TF32 on the CPU or older GPUs, the allocator switch without glibc).
 
-=================================  =========  ==============================================
-config key                         default    what it does
-=================================  =========  ==============================================
-``matmul_precision``               ``high``   ``torch.set_float32_matmul_precision`` on CUDA
-                                              GPUs of compute capability >= 8.0 (Ampere and
-                                              newer): float32 matmuls and convolutions run on
-                                              TF32 tensor cores. Elsewhere left at
-                                              ``highest``.
-``precision``                      ``auto``   the run's one precision key: ``bf16-mixed`` on
-                                              a CUDA GPU that supports bf16, ``32-true``
-                                              elsewhere; any Lightning precision is used as
-                                              given.
-``keep_freed_memory``              ``true``   :func:`keep_freed_memory`: memory a step frees
-                                              stays with the process for the next step
-                                              instead of being faulted in again (glibc's
-                                              malloc, Linux); elsewhere nothing is done.
-``callbacks.speed.compile``        ``false``  ``torch.compile`` of the network only (in place,
-                                              so ``state_dict`` keys and ``model.pth`` stay
-                                              plain): pays off on long GPU runs; the first
-                                              steps pay the compilation.
-``callbacks.speed.channels_last``  ``true``   NHWC layout for a network with 2-D convolutions
-                                              and its 4-D inputs, on CUDA (tensor-core
-                                              convolutions); nothing changes on the CPU or
-                                              for an MLP.
-``trainer.profiler``               ``null``   none asked for: :class:`NoProfiler` (Lightning
-                                              times nothing either way; its default wraps
-                                              each of the ~90 hook calls of a training step in
-                                              a generator context, ~2.5 us each). Any
-                                              Lightning profiler is used as given
-                                              (``debug=profiler``).
-=================================  =========  ==============================================
-
-The two ``callbacks.speed`` switches are :class:`NetworkSpeedups`, a callback, so the
-LightningModule carries no speed code. This module imports Lightning (for that callback); the
-entry points import it inside their task functions, so ``--help`` and ``--cfg job`` stay instant.
+``matmul_precision`` (``high``: TF32 on Ampere and newer), ``precision`` (``auto``: ``bf16-mixed``
+on a GPU that supports it, else ``32-true``), ``keep_freed_memory`` (glibc's malloc keeps freed
+memory for the next step), ``callbacks.speed.compile`` and ``callbacks.speed.channels_last``
+(:class:`NetworkSpeedups`, a callback, so the module carries no speed code), and
+``trainer.profiler=null`` as :class:`NoProfiler`. The library README's performance table says what
+each does. The entry points import this module inside their task functions, so ``--help`` stays
+instant.
 """
 
 from __future__ import annotations

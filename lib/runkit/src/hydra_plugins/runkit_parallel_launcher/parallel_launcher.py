@@ -72,12 +72,9 @@ class RunkitParallelLauncher(Launcher):
         self.config, self.hydra_context = config, hydra_context
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[Any]:
-        from hydra.core.utils import JobReturn, JobStatus, configure_log, setup_globals
-        from omegaconf import OmegaConf, open_dict
+        from hydra.core.utils import configure_log, setup_globals
+        from omegaconf import open_dict
 
-        from runkit.run import sweep_summary
-        from runkit.run.cli import ReportedJobError
-        from runkit.run.launch import sweep_objective
         from runkit.safety import signals
 
         setup_globals()
@@ -106,34 +103,13 @@ class RunkitParallelLauncher(Launcher):
         signals.request.phase = "sweep"
         attempts = self._sweep.run(jobs)
 
-        returns, failed = [], []
-        for config, (overrides, _, _), attempt in zip(configs, jobs, attempts, strict=True):
-            ret = JobReturn(overrides=overrides, cfg=config, hydra_cfg=config.hydra)
-            ret.task_name = str(config.hydra.job.name)
-            ret.working_dir = attempt.dir if attempt is not None else None
-            metrics = (read_metrics(attempt.dir) or {}).get("metrics") if attempt else None
-            if attempt is not None and attempt.status == "finished" and metrics is not None:
-                try:
-                    ret.return_value = sweep_objective(config, metrics)
-                    ret.status = JobStatus.COMPLETED
-                except RunError as err:
-                    print(f"error: job #{attempt.num}: {err}", file=sys.stderr)
-                    ret.return_value, ret.status = ReportedJobError(str(err)), JobStatus.FAILED
-            else:
-                status = attempt.status if attempt is not None else "not started"
-                if attempt is not None and attempt.status == "failed":
-                    failed.append(f"#{attempt.num} (exit {attempt.exit_code}: {attempt.cause})")
-                ret.return_value = ReportedJobError(f"sweep job {status}", 1)
-                ret.status = JobStatus.FAILED
-            returns.append(ret)
+        failed: list[str] = []
+        returns = [
+            _job_return(config, overrides, attempt, failed)
+            for config, (overrides, _, _), attempt in zip(configs, jobs, attempts, strict=True)
+        ]
 
-        not_started = [o for (o, _, _), a in zip(jobs, attempts, strict=True) if a is None]
-        rows = sweep_summary.job_rows(self._sweep.state.attempts, not_started)
-        path = sweep_summary.write_summary(sweep_dir, rows)
-        key = OmegaConf.select(self.config, "optimized_metric", default=None)
-        sweep_summary.print_table(rows, key)
-        sweep_summary.plot_summary(sweep_dir, rows, key)
-        log.info("Sweep summary: %s", path)
+        self._summarise(sweep_dir, jobs, attempts)
         if signals.request.received is not None:
             signals.request.detail = (
                 f"; rerun the same command with hydra.sweep.dir={hydra_value(str(sweep_dir))} "
@@ -147,3 +123,46 @@ class RunkitParallelLauncher(Launcher):
                 file=sys.stderr,
             )
         return returns
+
+    def _summarise(self, sweep_dir: Path, jobs: list[Any], attempts: list[Any]) -> None:
+        """The sweep's table, ``summary.csv`` and plot, over every attempt so far."""
+        from omegaconf import OmegaConf
+
+        from runkit.run import sweep_summary
+
+        assert self._sweep is not None
+        not_started = [o for (o, _, _), a in zip(jobs, attempts, strict=True) if a is None]
+        rows = sweep_summary.job_rows(self._sweep.state.attempts, not_started)
+        path = sweep_summary.write_summary(sweep_dir, rows)
+        key = OmegaConf.select(self.config, "optimized_metric", default=None)
+        sweep_summary.print_table(rows, key)
+        sweep_summary.plot_summary(sweep_dir, rows, key)
+        log.info("Sweep summary: %s", path)
+
+
+def _job_return(config: Any, overrides: list[str], attempt: Any, failed: list[str]) -> Any:
+    """Hydra's record of one job: its objective when it finished, else why not (``failed``
+    collects the jobs that ran and failed)."""
+    from hydra.core.utils import JobReturn, JobStatus
+
+    from runkit.run.cli import ReportedJobError
+    from runkit.run.launch import sweep_objective
+
+    ret = JobReturn(overrides=overrides, cfg=config, hydra_cfg=config.hydra)
+    ret.task_name = str(config.hydra.job.name)
+    ret.working_dir = attempt.dir if attempt is not None else None
+    metrics = (read_metrics(attempt.dir) or {}).get("metrics") if attempt else None
+    if attempt is not None and attempt.status == "finished" and metrics is not None:
+        try:
+            ret.return_value = sweep_objective(config, metrics)
+            ret.status = JobStatus.COMPLETED
+        except RunError as err:
+            print(f"error: job #{attempt.num}: {err}", file=sys.stderr)
+            ret.return_value, ret.status = ReportedJobError(str(err)), JobStatus.FAILED
+        return ret
+    status = attempt.status if attempt is not None else "not started"
+    if attempt is not None and attempt.status == "failed":
+        failed.append(f"#{attempt.num} (exit {attempt.exit_code}: {attempt.cause})")
+    ret.return_value = ReportedJobError(f"sweep job {status}", 1)
+    ret.status = JobStatus.FAILED
+    return ret

@@ -1,106 +1,16 @@
 """GPU statistics per epoch from NVML: what the GPUs of *this run* did, not a snapshot.
 
 Why not Lightning's ``DeviceStatsMonitor``: it reads ``torch.cuda.memory_stats`` on the training
-thread at every step and knows nothing of utilisation, power or throttling. This callback samples
-NVML in a process of its own (:mod:`.process`; a background thread of this process where none can
-be started, or with ``sampler="thread"``), default every second, keeps running statistics per GPU
-and logs, once per epoch, the mean/max/min over the epoch. The training thread makes no NVML
-call: it only tells the sampler when an epoch or a validation run starts and ends (a sample
-counts for the phase current when it is stored; the energy and GPM of an interval for the phase
-in which it ended). The sampler process begins each phase's first reading as the phase starts,
-so that no phase's end waits for one; a phase shorter than the interval is then described by
-that reading (NVML's utilization over its own last sample period, GPM and energy since the
-reading before), not by one at its end. A phase that ends before any reading of it (with the
-thread sampler, before its first background sample) gets one sample when it closes.
-
-Which GPU: every torch device this process trains on is mapped to its NVML device by UUID
-(``torch.cuda.get_device_properties(i).uuid`` → ``nvmlDeviceGetHandleByUUID("GPU-…"|"MIG-…")``),
-so ``CUDA_VISIBLE_DEVICES=2,3``, ``GPU-…``/``MIG-…`` UUIDs and ``CUDA_DEVICE_ORDER`` all land on
-the right physical GPU. Without a GPU (tests, demos with
-:mod:`runkit.testing.fake_nvml`), pass ``device_uuids``: entry *i* is the NVML UUID of
-``trainer.strategy.parallel_devices[i]`` (a constructor argument only: the user's
-``configs/callbacks/gpu_stats.yaml`` does not show it; ``+callbacks.gpu_stats.device_uuids=[...]``
-adds it from the command line).
-
-Which process: under DDP every rank samples its own device and, at epoch end, hands its figures
-to rank 0 through the job's key-value store (:mod:`.exchange`): no collective, so nothing can
-deadlock against Lightning's own metric sync, and a rank that is late costs rank 0 at most
-``gather_timeout_s`` and that rank's figures for the epoch. A process that drives several devices
-(one process per node) samples them all.
-
-Logging, in one call per epoch: rank 0 hands the epoch's figures to each logger at once
-(``logger.log_metrics``), not through ``self.log`` (which costs a result-collection entry, and
-under DDP an all-reduce, per key). Keys a monitor names (``EarlyStopping``, ``ModelCheckpoint``,
-a scheduler's ``monitor``) are also put in ``trainer.callback_metrics`` on every rank, so those
-callbacks work on every rank as with ``self.log`` (then every rank, not only rank 0, waits for
-the others' figures at the epoch ends); list them after this callback, which fills the keys in
-its ``on_train_epoch_end``. Rows carry the step of Lightning's own rows of the same moment (an
-epoch's figures that of its ``on_epoch`` metrics, the epoch's last batch). A validation's figures
-are logged, at the step of the validation, at the first epoch end or validation end by which the
-sampler has them (at the latest when training ends): the sampler closes the validation while
-training goes on, so the training thread never waits for a reading at a validation's end (a
-validation shorter than one reading, about 5 ms for 8 GPUs, would). A monitor of a ``gpu_val/``
-key gets them at the validation's end, and waits for them there.
-
-Logged keys (training epoch; validation uses ``gpu_val/`` instead of ``gpu/``)::
-
-    gpu/node{N}/cuda{i}/util_mean       GPU busy %: mean, max, min over the epoch's samples
-    gpu/node{N}/cuda{i}/mem_util_mean   memory-bandwidth busy %: mean, max
-    gpu/node{N}/cuda{i}/mem_used_gib_*  device memory in use (all processes): mean, max
-    gpu/node{N}/cuda{i}/mem_total_gib   device memory size
-    gpu/node{N}/cuda{i}/proc_mem_gib_*  this process's memory on the GPU: mean, max
-    gpu/node{N}/cuda{i}/torch_peak_alloc_gib, torch_peak_reserved_gib   PyTorch's peaks this epoch
-    gpu/node{N}/cuda{i}/temp_c_*        temperature: mean, max
-    gpu/node{N}/cuda{i}/power_w_*       power draw: mean, max; power_ratio_* = draw / power limit
-    gpu/node{N}/cuda{i}/sm_clock_mhz_*  SM clock: mean, min
-    gpu/node{N}/cuda{i}/throttle_*_frac share of samples with clocks held back: power, thermal,
-                                        hw (slowdown) or any of them
-    gpu/node{N}/cuda{i}/energy_j        energy used during the epoch (total-energy counter)
-    gpu/node{N}/cuda{i}/sm_active_*     GPM, Hopper and newer (gpm.py): SM activity %: mean, max;
-      sm_occupancy_*, tensor_active_*,  SM occupancy, tensor-core activity, DRAM bandwidth used
-      dram_active_*, fp{16,32,64}_active_mean  and non-tensor FP pipes, % of the interval
-    gpu/node{N}/cuda{i}/samples         number of samples behind the figures
-    optional: fan_pct_*, pcie_{tx,rx}_mbs_*, ecc_uncorrected, mem_temp_c_*, sample_ms (NVML time
-    per sample: the sampler's own cost)
-    gpu/all/{key}_{min,mean,max}        across every GPU of the run, for the headline keys in
-                                        AGGREGATED (plus gpu/all/energy_j_sum, each physical GPU
-                                        once), so a straggler shows; only with more than one GPU
-    loop/data_wait_frac                 share of the epoch's training loop spent waiting for the
-                                        next batch (loop.py: fast steps timed in windows;
-                                        the rank that waited most)
-    loop/samples_per_s                  training samples per second, every rank together
-
-Per-GPU keys are written for nodes with at most ``per_gpu_keys_up_to`` GPUs; beyond, the
-``gpu/all/`` aggregates stand for them, so a large run logs a bounded number of keys. The loop
-keys are logged on the CPU too. An epoch that waited more than ``data_wait_warning`` of its loop
-time (and at least a second) for data while the GPUs were mostly idle (busy below
-``gpu_idle_below_pct``, or no GPU reading at all) gets one log line naming the settings that help.
-
-Energy over the run: each physical GPU's energy (counted once, however many of its MIG slices the
-run uses) is kept in the checkpoint (``state_dict``) and continues after a resume;
-:func:`energy_report` gives it for ``metrics.json``.
-
-``N`` is ``trainer.node_rank``; ``i`` is the CUDA index in the process (or the position in
-``parallel_devices`` when ``device_uuids`` stands in for CUDA). A metric a GPU does not support
-(fan on datacenter cards, utilisation on MIG slices, ...) is probed once, listed once in the log
-and left out: never logged as 0. On a MIG slice, temperature, power, clocks, throttling and
-energy are those of the whole physical GPU (NVML reports them only there).
-
-Identity (name, UUID, NVML index, PCI bus) is written once per GPU as an INFO log line on rank 0
-(not as logger hyperparameters, which belong to the experiment config). At the end of ``fit``
-rank 0 prints one Rich table summarising each GPU over the run.
-
-Never breaks training: no NVML library, no driver or no GPU gives one log line and the callback
-does nothing; a GPU lost or NVML failing mid-run gives one warning and that GPU stops being
-sampled. Messages go through :mod:`logging`, never :mod:`warnings`, so ``python -W error`` runs.
-NVML is opened with :func:`runkit.gpus.nvml.nvml_session` and closed on every path,
-exceptions included (``teardown`` and ``on_exception``).
-
-The parts, one job per module: :mod:`.statistics` (running statistics, the key scheme),
-:mod:`.sampler` (which metrics a GPU supports, the sampling loop), :mod:`.process` (the sampler
-process), :mod:`.gpm` (GPM sample
-pairs), :mod:`.loop` (the data wait), this callback (the Lightning lifecycle, the gathers across
-ranks, the run's energy) and :mod:`.report` (the end-of-run table).
+thread at every step and knows nothing of utilisation, power or throttling. Here NVML is sampled
+off the training thread (a process of its own, :mod:`.process`, or a thread), every
+``interval_s``; once per epoch rank 0 logs the mean/max/min of each GPU (``gpu/node{N}/cuda{i}/...``,
+``gpu_val/`` for validation) in one ``logger.log_metrics`` call, at the step of Lightning's own rows.
+Each torch device is matched to its NVML device by UUID, so ``CUDA_VISIBLE_DEVICES`` and MIG land
+on the right GPU. Under DDP each rank hands its figures to rank 0 through the job's key-value
+store, not a collective, so nothing can deadlock against Lightning's own syncs. Keys a GPU cannot
+report are left out, never logged as 0; a missing driver or a lost GPU costs one log line, never
+the run. The run's energy is kept in the checkpoint and continues after a resume.
+The keys, the phases and the failure modes in full: the library repository's GPU statistics page.
 """
 
 from __future__ import annotations

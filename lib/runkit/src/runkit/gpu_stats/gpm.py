@@ -1,19 +1,10 @@
 """GPM (GPU Performance Monitoring, Hopper and newer): what the SMs did, not only *whether* they ran.
 
-NVML's ``utilization`` says which share of time *some* kernel ran; GPM says how busy the SMs
-were (``sm_active``), how full they were (``sm_occupancy``), whether the tensor cores worked
-(``tensor_active``) and how much of the memory bandwidth was used (``dram_active``).
-
-A GPM figure is a difference of two samples: NVML fills a sample with the GPU's counters, and
-``nvmlGpmMetricsGet`` turns two samples into the metrics of the interval between them. Each
-:class:`GpmCounters` owns two samples and swaps them at every reading, so every reading covers
-exactly the interval since the previous one (the sampler's interval) and nothing is allocated
-while sampling. A MIG slice is sampled through ``nvmlGpmMigSampleGet`` on its physical GPU with
-its GPU instance id.
-
-GPM counters are shared with profilers (DCGM, Nsight Compute/Systems): while one holds them NVML
-refuses the sample. That pauses GPM for the GPU (one log line) and the next reading tries again;
-training never notices. ``NVMLError_GpuIsLost`` is the one error passed on: the GPU is gone.
+A GPM figure is the difference of two samples of the GPU's counters (``nvmlGpmMetricsGet``).
+Each :class:`GpmCounters` owns two samples and swaps them at every reading, so each reading covers
+exactly the interval since the last and nothing is allocated while sampling; a MIG slice is
+sampled through its physical GPU. A profiler holding the counters pauses GPM (one log line) and
+the next reading tries again; only ``NVMLError_GpuIsLost`` is passed on.
 """
 
 from __future__ import annotations

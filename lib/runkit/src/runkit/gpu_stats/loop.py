@@ -1,20 +1,11 @@
 """How long the training loop waited for data: two clock reads per measured step, no device sync.
 
-Lightning's training loop, between one ``on_train_batch_end`` and the next
-``on_train_batch_start`` (``fit_loop.epoch_loop.advance``), fetches the next batch from the data
-loader (``next(data_fetcher)``), moves it to the device (``batch_to_device``, with the
-``on_before_batch_transfer`` hook), and writes the step's logged metrics; under DDP it also
-broadcasts the stop flag. The first wait of an epoch runs from ``on_train_epoch_start``, so it
-includes starting the loader's worker processes. Validation inside the epoch is not waiting
-for data: its time is left out of the wait and of the loop's time alike.
-
-The reading is the loop's wall time: an asynchronous GPU step that has not finished when the
-next batch is asked for overlaps with the wait instead of adding to it, so a high share of
-waiting means the input pipeline, not the GPU, sets the pace.
-
-Steps shorter than ``SLOW_STEP_S`` are measured in windows of ``WINDOW_STEPS`` steps, one every
-``WINDOW_EVERY_S`` (a :class:`Ticker`), so that the hooks' cost stays out of a fast loop (see
-:class:`LoopTimer`).
+The wait is the wall time between one ``on_train_batch_end`` and the next
+``on_train_batch_start`` (fetching, moving and hooking the next batch); validation inside the
+epoch is left out. An asynchronous GPU step overlaps the wait instead of adding to it, so a high
+share means the input pipeline, not the GPU, sets the pace. Steps shorter than ``SLOW_STEP_S``
+are timed in windows (:class:`LoopTimer`, :class:`Ticker`), so the hooks' cost stays out of a
+fast loop.
 """
 
 from __future__ import annotations

@@ -1,47 +1,11 @@
 """The GPU sampler in a process of its own, so that the training process does no NVML work.
 
-Why a process and not a thread: a sampling thread in the training process takes the GIL back
-from the training thread around each of the ~15 NVML calls a GPU costs per reading (about 120
-with 8 GPUs): on small steps that cost the loop 5 % at a 1 s interval and 19 % at 0.05 s
-(issue 21). In a process of its own the sampler competes for nothing but a CPU core; the
-training process only writes a few bytes to a pipe at the phase boundaries and reads the
-epoch's figures back at its end (one round trip); a validation's figures come back whenever the
-child has them (:meth:`ProcessSampler.summaries_later`), and the energy totals through shared
-memory, so a validation's end waits for nothing.
-
-Per rank, not per node: each training process starts its own sampler for the devices it drives,
-exactly as the thread did. One per node would need an election among the ranks of a node, a
-channel from every rank to it and a lifetime tied to whichever rank started it; one per rank is
-the child of the one process it serves, so it ends with it (below) under plain DDP, ddp_spawn,
-torchrun and SLURM alike, and the NVML work per node is the same (each GPU is read by one
-sampler either way).
-
-How it starts: the training process forks (``multiprocessing``'s ``fork`` context) before it
-opens NVML itself, so the child opens its own NVML session from scratch (a session inherited
-across ``fork`` is not safe to share). The child reuses the code of the thread
-(:class:`~runkit.gpu_stats.sampler.GpuSampler` and its readers), so the figures are computed by
-the very same code; it reads process memory for the training process's PID, not its own. Forking
-also carries an in-process NVML stand-in (:func:`runkit.gpus.nvml.use_library`, the fake of
-:mod:`runkit.testing.fake_nvml`) into the child, as ``RUNKIT_NVML_BACKEND`` does for a fresh one.
-Where no process can be forked (no ``fork`` on the platform, a daemonic training process, the
-child failing to open NVML or to answer within ``start_timeout_s``), the callback samples in a
-thread instead, with one log line.
-
-How it ends, however the training process ends: ``stop()`` at teardown or on an exception
-(normal paths); on Linux the child asks the kernel for SIGKILL when its parent dies
-(``PR_SET_PDEATHSIG``), which covers SIGKILL of the trainer; everywhere it also watches the
-pipe (EOF when the parent is gone) and its parent PID (checked every ``WATCH_S``), in case the
-pipe is held open by the trainer's other children (DataLoader workers). SIGTERM and SIGHUP keep
-their default action in the child (SLURM and torchrun signal every process of a job); SIGINT,
-SIGUSR1 and SIGUSR2 are ignored there, since the trainer handles those itself (Ctrl-C reaches the
-whole process group; SLURM's requeue signal is the trainer's business) and stops the child when
-done. Note: the kernel's death signal follows the *thread* that forked; the callback's ``setup``
-runs on the trainer's main thread.
-
-A sampler that dies or hangs: every wait on the pipe is bounded (``reply_timeout_s``); a missing
-reply or a dead child costs one warning, the figures of the phase being read, and the child (it
-is killed); sampling then continues in a thread of the training process over the readers the
-callback opened there, and the run's energy continues from the child's last totals.
+Why a process: a sampling thread takes the GIL from the training thread around each NVML call,
+which costs short steps measurably. The child is forked per rank before NVML is opened, reuses
+:class:`~runkit.gpu_stats.sampler.GpuSampler`, and talks to the trainer over a pipe at phase
+boundaries only. It dies with its parent (``PR_SET_PDEATHSIG``, a closed pipe, a changed parent
+PID); it ignores SIGINT, SIGUSR1 and SIGUSR2, which the trainer handles. Every wait on it is
+bounded: a child that dies or hangs costs one warning, and sampling goes on in a thread.
 """
 
 from __future__ import annotations

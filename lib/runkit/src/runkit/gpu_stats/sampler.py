@@ -1,18 +1,10 @@
 """Sampling GPUs for the statistics: which metrics each GPU supports, and a background thread.
 
-:class:`GpuReader` is one GPU as the statistics see it: metric groups (utilisation, memory,
-power, ...) read through the shared :class:`~runkit.gpus.reader.DeviceReader`, each
-probed once and left out for good when the GPU does not support it (never logged as 0).
-:class:`GpuSampler` reads a set of them every ``interval_s`` in a background thread into
-per-phase accumulators. Phases (a training epoch, a validation run) are switched by the training
-thread without any NVML call: each sample counts for the phase current when it is stored, and a
-counter's change (energy, GPM) for the phase in which its interval ended. A phase that ends before
-its first sample gets one on the thread that closes it.
+:class:`GpuReader` probes each metric group once and leaves out for good what the GPU does not
+support (never logged as 0). :class:`GpuSampler` reads a set of them every ``interval_s`` into
+per-phase accumulators; the training thread switches phases without any NVML call. The same
+class serves in the sampler process (:mod:`.process`) and as the in-process fallback.
 :class:`TorchPeakMemory` keeps PyTorch's own peak memory per phase.
-
-The callback runs :class:`GpuSampler` in a process of its own by default
-(:mod:`.process`: the same class serves there, so both give the same figures); in the training
-process it is the fallback, or ``sampler="thread"``.
 """
 
 from __future__ import annotations

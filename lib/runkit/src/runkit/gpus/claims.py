@@ -1,30 +1,12 @@
 """Waiting for GPUs and claiming them: ``select_gpus=least_used`` on a shared machine.
 
-Lightning takes the first GPUs; a "least used" choice made from one reading lets two launches
-started together take the same GPU. So a run that selects by load:
-
-* **measures** every visible GPU afresh, in one NVML session: free memory (the lowest reading over
-  the window) and utilisation (the mean of readings every 0.2 s over ``gpu_util_window_s``, not
-  one instant, which catches a busy GPU between two kernels as idle);
-* **qualifies** GPUs: at least ``gpu_min_free_gib`` free, at most ``gpu_max_util`` percent busy,
-  readable (a GPU whose reading fails, lost or erroring, does not qualify; a reading the GPU does
-  not support, such as a MIG device's utilisation, is no requirement), and not claimed by another
-  run;
-* **claims** the best qualifying ones (most free memory, then lowest utilisation): an exclusive
-  ``flock`` on ``<gpu_lock_dir>/<GPU UUID>.lock``, taken without blocking. DDP rank 0 holds it for
-  the life of the run (its children reuse its choice, ``RUNKIT_GPU_SELECTION``); the kernel drops
-  it when the process ends, however it ends, so a dead run's lock never blocks anyone and there is
-  no pid file to clean up. :func:`finish_job` drops it at the end of each job of a sweep;
-* **waits** until enough GPUs qualify or ``gpu_wait_s`` runs out, logging one status line a
-  minute; on time-out, one ``error:`` line naming every GPU and why it did not qualify.
-
-The default lock directory is per user (``$XDG_RUNTIME_DIR/runkit-gpu-locks``, else
-``/tmp/runkit-gpu-locks-<uid>``); point ``gpu_lock_dir`` of every user at one shared directory
-(mode 1777) to coordinate across users: a read-only descriptor locks too, so another user's lock
-file works. Lock files are never deleted (deleting one would race with its next holder).
-
-Why not nvitop's ``select_devices``: it has the thresholds but neither waits nor claims, and
-judges utilisation from one instant (the library's design notes).
+Why: a "least used" choice made from one reading lets two launches take the same GPU. So a run
+measures every visible GPU over a window (lowest free memory, mean utilisation), qualifies those
+with enough free memory, low utilisation and no other claim, and claims the best with a
+non-blocking ``flock`` on ``<gpu_lock_dir>/<UUID>.lock``, held by rank 0 for the run (the kernel
+drops it however the process ends: no pid files). It waits up to ``gpu_wait_s``, one status line a
+minute, and on time-out names every GPU and why it did not qualify. Lock files are never deleted
+(that would race with the next holder). nvitop's ``select_devices`` neither waits nor claims.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """What GPUs this machine has and which ``cuda:N`` each one is, from this process's point of view.
 
-:func:`collect_inventory` reads every GPU from NVML and asks torch about CUDA, then works out
-which GPUs CUDA shows this process and in what order (:mod:`runkit.gpus.visible`).
-NVML is read at the detail the caller needs, no more:
-
-* ``"identity"``: names, UUIDs, PCI bus ids and MIG layout, enough to number ``cuda:N`` (what a
-  plain device request needs);
-* ``"load"``: also memory and utilisation (``select_gpus=least_used``);
-* ``"full"``: also temperature, power and processes with their names (the listing).
-
-:func:`cached_inventory` is the one device resolution uses: NVML is read once per job, however
-often the devices are resolved (preflight, the job, ``train``, ``strategy=dp``).
-
-Importing this module is cheap (no torch, no Lightning, no Rich): torch is imported inside the
-functions that need it, so ``python -m runkit.devices`` answers quickly.
+:func:`collect_inventory` reads NVML at the detail the caller needs (``"identity"`` to number
+``cuda:N``, ``"load"`` for ``select_gpus=least_used``, ``"full"`` for the listing), asks torch
+about CUDA, and numbers the visible GPUs (:mod:`runkit.gpus.visible`). :func:`cached_inventory`
+reads NVML once per job however often devices are resolved. torch is imported inside functions,
+so ``python -m runkit.devices`` answers quickly.
 """
 
 from __future__ import annotations

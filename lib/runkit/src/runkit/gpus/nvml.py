@@ -1,18 +1,11 @@
 """The one door to NVML, the library behind ``nvidia-smi``.
 
-Everything in the template that reads GPU state (the device listing, GPU selection by load, the
-statistics callback) goes through :func:`nvml_session`. The object it yields is the ``pynvml``
-module from the ``nvidia-ml-py`` package, or anything with the same functions and error classes:
-tests, benchmarks and CPU-only demos swap in :mod:`runkit.testing.fake_nvml` either
-in-process with :func:`use_library` or, for a subprocess such as a project's ``python -m <package>.train``, with
-the environment variable ``RUNKIT_NVML_BACKEND=package.module:factory``.
-
-Keeping the interface identical to pynvml's means the real code path is the tested code path:
-the only thing a test replaces is the shared library underneath.
-
-Also here, because every NVML user needs them: :func:`optional` (one query a GPU or driver may
-not support), :func:`as_text`, and the one way to spell a device UUID (:func:`bare_uuid`,
-:func:`find_handle`). Reading a device's figures is :mod:`runkit.gpus.reader`'s job.
+Everything that reads GPU state goes through :func:`nvml_session`, which yields the ``pynvml``
+module (package ``nvidia-ml-py``) or anything with its functions and error classes: tests swap in
+:mod:`runkit.testing.fake_nvml` with :func:`use_library`, or for a subprocess with
+``RUNKIT_NVML_BACKEND=package.module:factory``. The real code path is the tested one; only the
+shared library underneath is replaced. Also here, as every NVML user needs them: :func:`optional`,
+:func:`as_text`, :func:`bare_uuid` and :func:`find_handle`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
-"""Which devices to train on: the ``accelerator``/``devices`` the user typed, checked against the
-machine before anything is built, and turned into what the Lightning ``Trainer`` gets.
+"""Which devices to train on: ``accelerator``/``devices`` as typed, checked against the machine
+before anything is built and turned into what the Lightning ``Trainer`` gets.
 
-So that "4 GPUs on a 2-GPU machine" is one clear line instead of a traceback from deep inside
-Lightning, and "no GPU" falls back to the CPU with one message. ``select="least_used"`` picks the N
-GPUs with the most free memory (then the lowest utilisation, then the lowest index) and makes every
-DDP rank agree on that choice.
-
-:func:`resolve_devices` decides and changes nothing, so preflight checks may call it freely;
-:func:`resolve_for_run` is what ``train``/``eval`` call where the run starts: for ``least_used`` it
-measures the GPUs afresh, waits for enough of them to qualify and claims them
-(:mod:`runkit.gpus.claims`), and hands rank 0's choice to the DDP ranks Lightning is
-about to launch. Both read the GPU list through
-:func:`~runkit.gpus.inventory.cached_inventory`, once per job, and only for a GPU
-request: ``accelerator=cpu`` (or ``mps``, ...) never touches NVML.
+So that "4 GPUs on a 2-GPU machine" is one clear line instead of a traceback from Lightning, and
+"no GPU" falls back to the CPU with one message. :func:`resolve_devices` decides and changes
+nothing (preflight calls it freely); :func:`resolve_for_run` is called where the run starts and,
+for ``select="least_used"``, measures, waits for and claims GPUs (:mod:`runkit.gpus.claims`) and
+hands rank 0's choice to the DDP ranks. ``accelerator=cpu`` never touches NVML.
 """
 
 from __future__ import annotations
@@ -179,20 +172,33 @@ def resolve_devices(
         return DevicePlan(accelerator, wanted)
     if inventory is None:
         inventory = cached_inventory(LOAD if select == "least_used" else IDENTITY)
-    inv = inventory
+    if inventory.usable_gpu_count == 0:
+        return _no_gpu_plan(accelerator, acc, wanted, inventory)
+    return _gpu_plan(
+        accelerator, wanted, inventory, select, os.environ if environ is None else environ
+    )
+
+
+def _no_gpu_plan(accelerator: Any, acc: Any, wanted: Any, inv: Inventory) -> DevicePlan:
+    """``auto`` falls back to the CPU (or MPS) with one message; a GPU asked for is an error."""
+    if acc == "auto" and inv.torch.mps_available:
+        return DevicePlan(accelerator, wanted)
+    if acc != "auto":
+        remedy = "use accelerator=cpu or accelerator=auto"
+        if hidden_by_variable(inv):
+            remedy = "set CUDA_VISIBLE_DEVICES to GPU indices or UUIDs (e.g. 0,1) or unset it"
+        raise DeviceError(
+            f"accelerator={accelerator} asks for a GPU, but {_describe_visible(inv)}; {remedy}"
+        )
+    message = f"No usable GPU: {_no_gpu_reason(inv)}; this run uses the CPU."
+    return _cpu_plan("cpu", "auto" if wanted == -1 else wanted, message=message)
+
+
+def _gpu_plan(
+    accelerator: Any, wanted: Any, inv: Inventory, select: str, environ: Mapping[str, str]
+) -> DevicePlan:
+    """The GPUs a count, a list of indices or "all" names, checked against those visible."""
     count = inv.usable_gpu_count
-    if count == 0:
-        if acc == "auto" and inv.torch.mps_available:
-            return DevicePlan(accelerator, wanted)
-        if acc != "auto":
-            remedy = "use accelerator=cpu or accelerator=auto"
-            if hidden_by_variable(inv):
-                remedy = "set CUDA_VISIBLE_DEVICES to GPU indices or UUIDs (e.g. 0,1) or unset it"
-            raise DeviceError(
-                f"accelerator={accelerator} asks for a GPU, but {_describe_visible(inv)}; {remedy}"
-            )
-        message = f"No usable GPU: {_no_gpu_reason(inv)}; this run uses the CPU."
-        return _cpu_plan("cpu", "auto" if wanted == -1 else wanted, message=message)
     if isinstance(wanted, list):
         missing = [i for i in wanted if i >= count]
         if missing:
@@ -201,19 +207,13 @@ def resolve_devices(
                 f"but {_describe_visible(inv)}"
             )
         return DevicePlan(accelerator, wanted, gpus=_gpus_at(inv, wanted))
+    if wanted not in ("auto", -1) and wanted > count:
+        raise DeviceError(f"devices={wanted} asks for {wanted} GPUs, but {_describe_visible(inv)}")
     if select == "least_used":
-        if wanted not in ("auto", -1) and wanted > count:
-            raise DeviceError(
-                f"devices={wanted} asks for {wanted} GPUs, but {_describe_visible(inv)}"
-            )
         number = count if wanted in ("auto", -1) else wanted
-        return _least_used_plan(
-            accelerator, number, inv, os.environ if environ is None else environ
-        )
+        return _least_used_plan(accelerator, number, inv, environ)
     if wanted in ("auto", -1):
         return DevicePlan(accelerator, wanted, gpus=inv.visible[:count])
-    if wanted > count:
-        raise DeviceError(f"devices={wanted} asks for {wanted} GPUs, but {_describe_visible(inv)}")
     return DevicePlan(accelerator, wanted, gpus=inv.visible[:wanted])
 
 

@@ -1,31 +1,12 @@
 """Which physical GPU is ``cuda:N``: the ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` rules.
 
-NVML numbers GPUs in PCI bus order, while CUDA numbers them in ``CUDA_DEVICE_ORDER`` (default
-``FASTEST_FIRST``, which may differ on a machine with mixed GPUs), then filters and reorders them
-by ``CUDA_VISIBLE_DEVICES``. When torch can see CUDA the inventory matches each ``cuda:N`` to NVML
-by UUID (exact); otherwise it applies these rules, as the CUDA programming guide documents them
-([PG] below) and, where it is silent, as torch's NVML-based device count encodes them (torch 2.13
-``torch.cuda._parse_visible_devices``/``_transform_uuid_to_ordinals``; Lightning uses that count):
-
-* entries are comma separated; each is a device ordinal (parsed like ``strtoul``: leading digits
-  count, so ``"1gpu"`` means 1, ``"+1"`` is 1), a ``GPU-`` UUID or a prefix of one that matches
-  exactly one GPU, or a ``MIG-`` UUID (also the pre-R470 form ``MIG-GPU-<uuid>/<gi>/<ci>``);
-* the first entry sets the kind of the whole list (ordinals, ``GPU-`` UUIDs or ``MIG-`` UUIDs): an
-  entry of another kind ends it, as it does in torch (``0,GPU-…`` is one GPU; [PG] is silent);
-* the list ends at the first entry that is invalid (negative, out of range, unknown or ambiguous
-  UUID), so ``0,2,-1,1`` shows devices 0 and 2 [PG];
-* a device named twice hides every device (torch's NVML-based counting encodes the same rule);
-* an empty string hides every GPU [PG];
-* a GPU in MIG mode cannot run CUDA work itself; CUDA shows MIG devices instead, as many as the
-  driver allows (:func:`apply_mig_limits`).
-
-Pure functions over :class:`~runkit.gpus.records.Gpu` records: no NVML, no torch.
-
-Sources: [PG] CUDA Programming Guide §5.2.1.1 ``CUDA_VISIBLE_DEVICES``,
-https://docs.nvidia.com/cuda/cuda-programming-guide/05-appendices/environment-variables.html;
-[MIG] MIG User Guide, "MIG Device Names → CUDA Device Enumeration",
-https://docs.nvidia.com/datacenter/tesla/mig-user-guide/mig-device-names.html
-(the design notes of the library's repository keep the comparison with nvitop and torch).
+NVML numbers GPUs in PCI bus order; CUDA in ``CUDA_DEVICE_ORDER``, then filtered and reordered by
+``CUDA_VISIBLE_DEVICES``. When torch sees CUDA the inventory matches devices by UUID; otherwise
+these pure functions apply the rules of the CUDA programming guide (section 5.2.1.1) and, where it
+is silent, those torch's NVML-based device count encodes (Lightning uses that count): ordinals
+parsed like ``strtoul``, UUID prefixes, the first entry's kind sets the list's, the list ends at
+the first invalid entry, a duplicate hides every device, an empty string hides all, and a GPU in
+MIG mode shows its MIG devices (:func:`apply_mig_limits`).
 """
 
 from __future__ import annotations
@@ -67,26 +48,11 @@ def _cuda_units(gpu: Gpu) -> list[Gpu]:
 def apply_mig_limits(
     units: Sequence[Gpu], driver_version: str | None
 ) -> tuple[list[Gpu], list[str]]:
-    """The devices CUDA enumerates out of ``units`` (in CUDA order), by the driver's MIG rule.
-
-    [MIG], "CUDA Device Enumeration":
-
-    * before R570 ("With CUDA 11/R450 and CUDA 12/R525, only enumeration of a single MIG instance
-      is supported"): one MIG device in all, "the first one available", and "CUDA will not
-      enumerate non-MIG GPU if any compute instance is enumerated on any other GPU";
-    * from R570 ("Starting with CUDA 12/R570, enumeration of a single compute instance (CI) per
-      GPU instance (GI) is supported"): one CI per GI, across GPUs; "CUDA will enumerate a non-MIG
-      GPU even if any compute instance is enumerated on any other GPU"; "at most 64 MIG instances
-      across all GPUs"; of several CIs of one GI "CUDA will pick one".
-
-    Not confirmed (no MIG hardware here, and the guide does not say): which CI "first available"
-    and "pick one" mean; this takes the first in CUDA order (NVML's MIG slot order within a GPU,
-    ``CUDA_VISIBLE_DEVICES`` order when it lists MIG UUIDs), and a note says so. The guide's R570
-    caveats also keep the older line "CUDA can only enumerate a single compute instance", which
-    contradicts the R570 paragraph; this follows the paragraph. An unknown driver version gets the
-    R570 rule (current drivers).
-
-    Why not nvitop: it applies the pre-R570 rule whatever the driver (the library's design notes).
+    """The devices CUDA enumerates out of ``units`` (in CUDA order), by the driver's MIG rule
+    (MIG user guide, "CUDA Device Enumeration"): before R570 one MIG device in all and no other
+    GPU; from R570 (and for an unknown driver) one compute instance per GPU instance, at most 64,
+    beside non-MIG GPUs. Which instance CUDA takes is not documented: the first in CUDA order, and
+    a note says so. nvitop applies the pre-R570 rule whatever the driver.
     """
     notes: list[str] = []
     mig = [u for u in units if u.is_mig]

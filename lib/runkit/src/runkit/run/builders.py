@@ -21,6 +21,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger
 from omegaconf import DictConfig, OmegaConf
 
 import runkit.strategies  # noqa: F401  (registers trainer.strategy=dp before any Trainer)
+from runkit.errors import RunError
 from runkit.run import launch
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ def plain(cfg: DictConfig) -> dict[str, Any]:
     return data
 
 
-def can_test(model: Any, datamodule: Any = None) -> bool:
+def can_test(model: Any, datamodule: Any = None, required: bool = False) -> bool:
     """Whether ``trainer.test`` can run on ``model`` (a ``test_step``, and a ``test_dataloader``
     in the model or the datamodule); else one line, rank 0, and ``False``.
 
@@ -145,6 +146,7 @@ def can_test(model: Any, datamodule: Any = None) -> bool:
     Args:
         model: the LightningModule.
         datamodule: the LightningDataModule, if the run has one.
+        required: testing is the run's one purpose (eval): without them, a :class:`RunError`.
     """
     from lightning.pytorch.utilities import rank_zero_only
     from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -157,6 +159,11 @@ def can_test(model: Any, datamodule: Any = None) -> bool:
         missing = f"neither {type(model).__name__} nor the data module has a test_dataloader"
     else:
         return True
+    if required:
+        raise RunError(
+            f"{missing}, so there is nothing to evaluate; Lightning's trainer.test needs a "
+            "test_step and a test_dataloader"
+        )
     if rank_zero_only.rank == 0:
         log.info("No test phase: %s", missing)
     return False

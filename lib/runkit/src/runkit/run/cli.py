@@ -5,6 +5,7 @@ Kept free of torch and Lightning imports, so ``--help`` and ``--cfg job`` answer
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from runkit import compat, quoting
-from runkit.errors import RunError
+from runkit.errors import RunError, file_failure
 from runkit.run.collector import pause_collector, resume_collector
 
 
@@ -37,10 +38,8 @@ def find_configs(package_file: str | Path, env_var: str | None = None) -> Path:
     outside the CLI (a test, a notebook) resolves as the CLI's does.
     """
     from runkit.run.launch import register_resolvers
-    from runkit.run.trainer_args import register_trainer_schema
 
     register_resolvers()
-    register_trainer_schema()  # trainer/lightning: every Trainer argument, a key of the config
     package = Path(package_file).resolve().parent
     candidates = [package / "configs", package.parent.parent / "configs"]
     if env_var and os.environ.get(env_var):
@@ -88,10 +87,8 @@ def hydra_entry(
         )
         from runkit.run.launch import register_resolvers
         from runkit.run.sweep import follow_sweep_parent
-        from runkit.run.trainer_args import register_trainer_schema
 
         register_resolvers()  # ${run_id:...}: one run directory for all processes of a launch
-        register_trainer_schema()  # trainer.X=... for every Trainer argument, without a +
         follow_sweep_parent()  # a job of a parallel sweep ends with the sweep (kill -9 included)
         app = hydra.main(version_base="1.3", config_path=str(config_dir), config_name=config_name)
         from runkit.safety.signals import stop_on_signal
@@ -130,9 +127,10 @@ def hydra_entry(
                 raise
             _fail(str(err), 2)
         except OSError as err:  # Hydra creating the run directory under a file, a full disk...
-            if err.filename is None:
+            failure = file_failure(err)
+            if failure is None:
                 raise
-            _fail(f"cannot create or write {str(err.filename)!r}: {err.strerror}", 2)
+            _fail(str(failure), failure.exit_code)
 
     return main
 
@@ -160,13 +158,14 @@ def _reporting(task: Callable[[Any], Any]) -> Callable[[Any], Any]:
             with job_scope():
                 return sweep_objective(cfg, task(cfg))
         except Exception as err:
-            mistake = _user_mistake(err)
+            hydra_cfg = HydraConfig.get()
+            mistake = _user_mistake(err, hydra_cfg.runtime.output_dir)
             if mistake is None:
                 raise
             if is_worker_process():
                 _worker_fails(mistake)
-            hydra_cfg = HydraConfig.get()
-            discard_unused(Path(hydra_cfg.runtime.output_dir))
+            with contextlib.suppress(OSError):  # a directory deleted or made unwritable: left
+                discard_unused(Path(hydra_cfg.runtime.output_dir))
             if hydra_cfg.mode == RunMode.MULTIRUN:
                 print(f"error: {mistake}", file=sys.stderr)
                 raise ReportedJobError(str(mistake), mistake.exit_code) from err
@@ -271,12 +270,13 @@ def _sweep_to_show(argv: list[str]) -> list[tuple[list[str], list[str]]] | None:
     return [([*flags, *values], list(values)) for values in itertools.product(*choices)]
 
 
-def _user_mistake(err: BaseException | None) -> RunError | None:
+def _user_mistake(err: BaseException | None, run_dir: str | None = None) -> RunError | None:
     """The user's mistake behind ``err``, as a RunError, or ``None`` for a bug.
 
     Hydra wraps errors raised while instantiating; an error of Hydra or OmegaConf itself (an
     interpolation to a key that does not exist, a class that rejects its arguments) and a
-    damaged YAML file (read by the task, say a run's ``config.yaml``) are mistakes too.
+    damaged YAML file (read by the task, say a run's ``config.yaml``) are mistakes too. A file
+    that fails is the environment's failure in ``run_dir`` (:func:`~runkit.errors.file_failure`).
     """
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -288,6 +288,8 @@ def _user_mistake(err: BaseException | None) -> RunError | None:
             return err
         if isinstance(err, YAMLError):
             return RunError(yaml_problem(err))
+        if isinstance(err, OSError) and (failure := file_failure(err, run_dir)) is not None:
+            return failure
         err = err.__cause__
     if isinstance(first, HydraException | OmegaConfBaseException):
         return RunError(one_line(first))

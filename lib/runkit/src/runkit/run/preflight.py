@@ -34,7 +34,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from runkit.errors import RunError
+from runkit.errors import RunError, file_failure
 from runkit.run.collector import resume_collector
 
 HYDRA_KEYS = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
@@ -374,9 +374,9 @@ def check_inputs(cfg: DictConfig) -> None:
     lightning = isinstance(data.get("state_dict"), dict) and "pytorch-lightning_version" in data
     if trains and cfg.get("train") and not lightning:
         raise RunError(
-            f"ckpt_path={value!r} holds only weights (a model.pth or a bare state_dict), so "
-            "training cannot resume from it; pass a Lightning checkpoint (a .ckpt file or a run "
-            f"directory), or evaluate it with {_sibling_entry('eval')}"
+            f"{checkpoints.typed_as(path, str(value))} holds only weights (a model.pth or a bare "
+            "state_dict), so training cannot resume from it; pass a Lightning checkpoint (a .ckpt "
+            f"file or a run directory), or evaluate it with {_sibling_entry('eval')}"
         )
     if trains and cfg.get("train"):
         _check_earlier_log(path)
@@ -409,7 +409,7 @@ def _peek_checkpoint(path: Path, value: Any) -> dict[str, Any]:
     that would run code when unpickled is refused without running it."""
     import pickle
 
-    from runkit.safety.checkpoints import load_file
+    from runkit.safety.checkpoints import load_file, typed_as
 
     try:
         return load_file(path, mmap=True)
@@ -419,8 +419,8 @@ def _peek_checkpoint(path: Path, value: Any) -> dict[str, Any]:
         lines = [line.strip() for line in str(err.__cause__).splitlines() if "GLOBAL" in line]
         what = f" ({lines[0]})" if lines else ""
         raise RunError(
-            f"ckpt_path={value!r} was refused: it holds objects that loading with weights_only "
-            f"does not allow{what}; it is not loaded"
+            f"{typed_as(path, str(value))} was refused: it holds objects that loading with "
+            f"weights_only does not allow{what}; it is not loaded"
         ) from err
 
 
@@ -492,10 +492,9 @@ def claim_run_dir(cfg: DictConfig, key: str) -> None:
             f"{key}={str(directory)!r} is taken: it already has {marker} (another run is starting "
             "there, or an earlier one stopped there); pick a new directory"
         ) from None
-    except OSError as err:
-        raise RunError(
-            f"cannot create or write {str(err.filename or directory)!r}: {err.strerror}"
-        ) from err
+    except OSError as err:  # below a file, no permission (the user's path); a full disk
+        err.filename = err.filename or str(directory)
+        raise file_failure(err) or err from err  # never None here: it names a file
     _claimed = _Claim(directory, first_new, marker, had_files)
 
 

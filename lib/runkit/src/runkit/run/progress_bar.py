@@ -1,24 +1,10 @@
 """Lightning's Rich progress bar, reading the logged values once per redraw, not every batch.
 
-Lightning's ``RichProgressBar`` collects the progress-bar values after every training batch
-(``trainer.progress_bar_metrics``: a walk over everything logged, and ``.item()`` of each tensor,
-which on a GPU waits for the device), although it redraws the bar at most ``refresh_rate`` times
-a second. On short steps that is a few percent of the step (the library's benchmarks measure
-it), and a value logged with ``prog_bar=True`` at every step costs a device sync per
-step. Here a training batch reads them only once a redraw interval has passed since the last
-read, and between those batches does not touch the bar at all (Rich's task update and refresh
-request: nothing is drawn in between anyway); the last batch of an epoch updates the count, and
-the end of each training epoch and of each validation reads the values, so what the bar shows
-once an epoch is over is final.
-
-The first batch of every epoch also updates the count (not the values): Rich computes the
-``it/s`` it shows from the count's samples since the task's last reset, and Lightning resets the
-training task at each epoch start; without a sample near the start, an epoch shorter than a
-redraw interval had one sample (its last batch) and the bar showed ``0.00it/s``.
-
-Stopping the display (each stage's end) does not wait for Lightning's refresh thread, which
-sleeps a whole redraw interval between checks: every fit, validate and test ended up to a second
-(the default rate) later than its work, and up to a second per epoch with ``leave=True``.
+Lightning's ``RichProgressBar`` collects ``trainer.progress_bar_metrics`` after every batch (an
+``.item()`` per value: a device sync on a GPU) though it redraws at most ``refresh_rate`` times a
+second. Here a batch reads them only when a redraw is due; the first and last batch of an epoch
+update the count (Rich's ``it/s`` needs a sample near the start) and each epoch's and validation's
+end reads the final values. Stopping the display does not wait out Lightning's refresh thread.
 """
 
 from __future__ import annotations

@@ -13,13 +13,13 @@ the network is rebuilt from it only through trusted ``_target_``s (:mod:`.truste
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import re
 import secrets
 import shutil
 import socket
+import stat
 import time
 import warnings
 import zipfile
@@ -33,14 +33,13 @@ from fsspec.utils import get_protocol
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch import nn
 
-from runkit.errors import RunError
+from runkit.errors import DISK_FULL, EnvironmentFailure, RunError, file_failure
 from runkit.safety.trusted import TRUSTED_TARGETS, check_trusted
 
 log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.pth"
 CONFIG_FILE = "config.yaml"
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 # Temporary files: ".<target name>.<pid>-<host tag>-<random>.tmp", so that the next write in the
 # directory can tell a dead writer's leftover (kill -9 mid-write) from a live writer's file.
 _HOST = f"{zlib.crc32(socket.gethostname().encode()):08x}"
@@ -48,13 +47,11 @@ _TEMP = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)-(?P<host>[0-9a-f]{8})-[0-9a-f]
 _FOREIGN_TEMP_AGE_S = 24 * 3600  # another machine's temporary file: removed once this old
 
 
-class FileWriteError(RunError):
+class FileWriteError(EnvironmentFailure):
     """A file of the run could not be written (full disk, no permission); nothing half-written.
 
     ``problem`` is the message's first part: what failed, where and why.
     """
-
-    exit_code = 1
 
     def __init__(self, problem: str, outcome: str = "") -> None:
         super().__init__(f"{problem}; {outcome}" if outcome else problem)
@@ -195,7 +192,7 @@ def _temporary(target: Path) -> tuple[int, Path]:
 def write_failure(target: Path, err: OSError, kept: bool) -> tuple[str, str]:
     """(what failed, what remains) for :class:`FileWriteError`."""
     outcome = "its previous version is unchanged" if kept else "nothing was written"
-    if err.errno in _DISK_FULL:
+    if err.errno in DISK_FULL:
         return f"the disk is full: could not write {str(target)!r} ({err.strerror})", outcome
     reason = err.strerror or str(err) or type(err).__name__
     return f"could not write {str(target)!r}: {reason}", outcome
@@ -301,11 +298,12 @@ def last_good_checkpoint(directory: Path, prefer: Path | None = None) -> str:
 
 @contextlib.contextmanager
 def full_disk_in_one_line(run_dir: str | Path) -> Iterator[None]:
-    """Turn a full disk anywhere in the block into one :class:`FileWriteError` line.
+    """Turn a failed write of the run's files anywhere in the block into one
+    :class:`FileWriteError` line: a full disk, or the run directory deleted or made unwritable.
 
     Lightning's loggers write too (the CSV log, at every flush and when a failed fit ends), and
     their ``OSError`` replaces the checkpoint's own error; whichever write failed first, the line
-    says the disk is full, where, and which good checkpoint of the run remains.
+    says what failed, where, and which good checkpoint of the run remains.
     """
     try:
         yield
@@ -314,8 +312,9 @@ def full_disk_in_one_line(run_dir: str | Path) -> Iterator[None]:
         ours = next((e for e in chain if isinstance(e, FileWriteError)), None)
         if isinstance(ours, CheckpointSaveError):
             raise ours from None
-        full = next((e for e in chain if isinstance(e, OSError) and e.errno in _DISK_FULL), None)
-        if ours is None and full is None:
+        failures = (file_failure(e, run_dir) for e in chain if isinstance(e, OSError))
+        failed = next((f for f in failures if isinstance(f, EnvironmentFailure)), None)
+        if ours is None and failed is None:
             raise
         checkpoints = sorted(
             (p for p in Path(run_dir).rglob("*.ckpt") if p.is_file()),
@@ -326,15 +325,7 @@ def full_disk_in_one_line(run_dir: str | Path) -> Iterator[None]:
             if checkpoints
             else "no checkpoint of this run was kept"
         )
-        if ours is not None:
-            raise FileWriteError(ours.problem, kept) from err
-        assert full is not None
-        where = full.filename or Path(run_dir)
-        raise FileWriteError(
-            f"the disk is full: could not write the run's files in {str(where)!r} "
-            f"({full.strerror})",
-            kept,
-        ) from err
+        raise FileWriteError(ours.problem if ours else str(failed), kept) from err
 
 
 def _chain(err: BaseException) -> list[BaseException]:
@@ -709,10 +700,7 @@ def load_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -
     file = Path(path)
     if is_sharded_checkpoint(file):
         return load_sharded(file, map_location=map_location)
-    if not file.is_file():
-        raise RunError(f"ckpt_path={str(path)!r} does not exist or is not a file")
-    if file.stat().st_size == 0:
-        raise RunError(f"ckpt_path={str(path)!r} is empty; expected a .ckpt or model.pth file")
+    _check_file(file, str(path))
     verify_archive(file)
     try:
         try:
@@ -947,29 +935,59 @@ def resolve_ckpt_path(
         )
         if not runs:
             raise RunError(
-                f"ckpt_path=last found no checkpoints/last.ckpt under {Path(log_dir) / task_name}; "
-                "pass a .ckpt file or a run directory"
+                "ckpt_path=last found no checkpoints/last.ckpt under "
+                f"{Path(log_dir).absolute() / task_name}; pass a .ckpt file or a run directory"
             )
         path = runs[-1]
     else:
-        path = Path(value).expanduser()
+        path = Path(value).expanduser().absolute()  # lines name the file judged
         if path.is_dir() and not is_sharded_checkpoint(path):
             path = _checkpoint_in(path, value, tested_weights)
     if is_sharded_checkpoint(path):
         verify_checkpoint_dir(path)
         return path.resolve()
-    if not path.is_file():
-        raise RunError(
-            f"ckpt_path={value!r} does not exist; pass a .ckpt file, a model.pth, a run directory or 'last'"
-        )
-    if path.stat().st_size == 0:
-        raise RunError(f"ckpt_path={value!r} is an empty file; expected a checkpoint")
+    _check_file(path, value)
     if not zipfile.is_zipfile(path):
         raise RunError(
-            f"ckpt_path={value!r} is not a complete torch checkpoint (truncated, or another kind of file)"
+            f"{typed_as(path, value)} is not a complete torch checkpoint (truncated, or another "
+            "kind of file)"
         )
     verify_archive(path)
     return path.resolve()
+
+
+def _check_file(path: Path, value: str) -> None:
+    """Refuse a path that is not a non-empty regular file, in one line naming it (never opened:
+    reading a FIFO would wait forever)."""
+    named = typed_as(path, value)
+    if not path.exists():
+        raise RunError(
+            f"{named} does not exist; pass a .ckpt file, a model.pth, a run directory or 'last'"
+        )
+    if not path.is_file():
+        kind = _SPECIAL.get(stat.S_IFMT(path.stat().st_mode), "a special file")
+        raise RunError(
+            f"{named} is {kind}, not a regular file; pass a .ckpt file, a model.pth, a run "
+            "directory or 'last'"
+        )
+    if path.stat().st_size == 0:
+        raise RunError(f"{named} is an empty file; expected a checkpoint")
+
+
+_SPECIAL = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def typed_as(path: str | Path, value: str) -> str:
+    """``ckpt_path='<the file as resolved>'``, and the value typed when that is another (``last``,
+    a run directory, a relative path): a line names the file it judged."""
+    shown = str(Path(path).absolute())
+    return f"ckpt_path={shown!r}" + ("" if value == shown else f" (typed {value!r})")
 
 
 def _checkpoint_in(folder: Path, value: str, tested_weights: bool) -> Path:
@@ -985,8 +1003,8 @@ def _checkpoint_in(folder: Path, value: str, tested_weights: bool) -> Path:
     ]
     if not found:
         raise RunError(
-            f"ckpt_path={value!r} is a directory without checkpoints/last.ckpt or any other .ckpt "
-            "file; pass a .ckpt file, a model.pth, a run directory or 'last'"
+            f"{typed_as(folder, value)} is a directory without checkpoints/last.ckpt or any other "
+            ".ckpt file; pass a .ckpt file, a model.pth, a run directory or 'last'"
         )
     newest = max(found, key=lambda p: (p.stat().st_mtime_ns, p.name))
     log.info("ckpt_path=%s has no last.ckpt: using its newest checkpoint, %s", value, newest.name)

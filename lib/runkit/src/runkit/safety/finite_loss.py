@@ -21,15 +21,18 @@ run the callback stops as ``stop`` would (a model that keeps producing NaN does 
 
 A finite loss does not make finite weights: one huge step (``lr=1e12``) overflows them, and the
 forward passes of skipped batches still feed NaN into BatchNorm's running statistics. So in either
-mode a diverged run is not a success: a checkpoint whose weights or buffers are not finite is
-refused (the last finite one stays), and when training ends with non-finite weights or a
-non-finite monitored metric the run stops in one line, exit code 3, before it tests or exports.
-The ranks agree on each verdict (Lightning's ``reduce_boolean_decision``, at points every rank
-reaches): each rank sees its own buffers, or its shard under FSDP.
+mode a diverged run is not a success: a checkpoint whose weights, buffers or monitored metric are
+not finite is refused (the last finite one stays), a validation whose monitored metric is not
+finite stops training there, as a NaN loss does (later epochs could only save more such
+checkpoints), and when training ends with non-finite weights the run stops in one line, exit code
+3, before it tests or exports. The line names the last finite checkpoint with the epoch and step
+it holds. The ranks agree on each verdict (Lightning's ``reduce_boolean_decision``, at points every
+rank reaches): each rank sees its own buffers, or its shard under FSDP.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any, Literal
@@ -80,6 +83,7 @@ class FiniteLoss(Callback):
         self.check_every_n_steps = check_every_n_steps
         self.max_skipped = max_skipped
         self.skipped = 0
+        self._lower = "Lower the learning rate"  # the hint; the config key where there is one
         self._losses: Tensor | None = None  # the losses since the last host read (stop mode)
         self._where: list[tuple[int, int, int]] = []  # (step, epoch, batch) of each of them
         self._loss_finite: Tensor | None = None  # this step's verdict (skip mode)
@@ -88,6 +92,9 @@ class FiniteLoss(Callback):
     # --- the device-side record ------------------------------------------------------------
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         size = min(self.check_every_n_steps, _MAX_KEPT)
+        with contextlib.suppress(KeyError, TypeError):  # the run's config (hparams) has the key
+            pl_module.hparams["config"]["model"]["optimizer"]["lr"]
+            self._lower = "Lower model.optimizer.lr"
         self._losses = torch.zeros(size, device=pl_module.device)
         self._where = []
 
@@ -141,39 +148,55 @@ class FiniteLoss(Callback):
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.check()
 
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:  # before ModelCheckpoint's
+            self._check_monitored(trainer, "training stopped, no checkpoint holds it")
+
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         self.check()  # raising here keeps Lightning from writing the file
         # The module's parameters and buffers, not the checkpoint's whole state_dict: a metric's
         # state may start at -inf (MaxMetric) and be saved so on purpose.
-        if _agreed(trainer, not _all_finite(_weights(pl_module))):
-            raise DivergedError(
-                self._diverged(trainer, "weights are", "this checkpoint is not written")
-            )
+        self._check_weights(trainer, pl_module, "this checkpoint is not written")
+        self._check_monitored(trainer, "this checkpoint is not written")
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """The end of training: non-finite weights or monitored metric end the run here."""
+        self._check_weights(trainer, pl_module, "nothing is tested or exported")
+        self._check_monitored(trainer, "nothing is tested or exported")
+
+    def _check_weights(self, trainer: Trainer, pl_module: LightningModule, outcome: str) -> None:
         if _agreed(trainer, not _all_finite(_weights(pl_module))):
-            raise DivergedError(
-                self._diverged(trainer, "weights are", "nothing is tested or exported")
-            )
+            raise DivergedError(self._diverged(trainer, "weights are", outcome))
+
+    def _check_monitored(self, trainer: Trainer, outcome: str) -> None:
         monitor = getattr(trainer.checkpoint_callback, "monitor", None)
         value = trainer.callback_metrics.get(monitor) if monitor else None
-        if _agreed(trainer, value is not None and not _all_finite([value])):
-            what = f"monitored metric {monitor}={float(value)} is"
-            raise DivergedError(self._diverged(trainer, what, "nothing is tested or exported"))
+        bad = value is not None and not _all_finite([value])
+        if _agreed(trainer, bad):
+            shown = f"={float(value)}" if bad else " (on another rank)"
+            what = f"monitored metric {monitor}{shown} is"
+            hint = f", or check how {type(trainer.lightning_module).__name__} computes {monitor}"
+            raise DivergedError(self._diverged(trainer, what, outcome) + hint)
 
     def _diverged(self, trainer: Trainer, what: str, outcome: str) -> str:
+        from runkit.safety.checkpoints import load_file
+
         callback = trainer.checkpoint_callback
         # Lightning names last_model_path before it writes it: only a file that is there counts.
         paths = (getattr(callback, n, "") for n in ("last_model_path", "best_model_path"))
         kept = next((p for p in paths if p and Path(p).exists()), "")
+        if kept:  # the epoch and step it holds (a sharded one: in its meta.pt, not its shards)
+            held = load_file(Path(kept) / "meta.pt" if Path(kept).is_dir() else kept, mmap=True)
+            kept = f"{kept} (epoch {held.get('epoch')}, step {held.get('global_step')})"
         skipped = f", {self.skipped} batch(es) skipped" if self.skipped else ""
+        # The epoch of the latest step: after the loop, current_epoch is already one more.
+        epoch = max(trainer.fit_loop.epoch_progress.current.started - 1, 0)
         return (
             f"training diverged: the {what} not finite (NaN or inf) at step {trainer.global_step} "
-            f"(epoch {trainer.current_epoch}{skipped}); {outcome}; the last finite checkpoint is "
-            f"{kept or 'none (none was saved)'}. Lower model.optimizer.lr"
+            f"(epoch {epoch}{skipped}); {outcome}; the last finite checkpoint is "
+            f"{kept or 'none (none was saved)'}. {self._lower}"
         )
 
     def check(self) -> None:
@@ -188,7 +211,7 @@ class FiniteLoss(Callback):
         step, epoch, batch = self._where[int((~finite).nonzero()[0, 0])]
         raise NonFiniteLossError(
             f"non-finite training loss (NaN or inf) at step {step} (epoch {epoch}, batch {batch}); "
-            "training stopped, checkpoints saved before it are kept. Lower model.optimizer.lr, "
+            f"training stopped, checkpoints saved before it are kept. {self._lower}, "
             "or set callbacks.finite_loss.action=skip to skip such batches"
         )
 

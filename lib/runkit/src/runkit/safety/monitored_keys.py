@@ -51,12 +51,16 @@ class MonitoredKeysCheck(Callback):
         if trainer.sanity_checking or self._checked_validation:
             return
         self._checked_validation = True
-        for _, key, setting, logged in self._missing(trainer, lambda kind: kind != "scheduler"):
-            shown = ", ".join(logged) if logged else "nothing yet"
-            raise RunError(
-                f"{setting}={key!r} is not a key {type(pl_module).__name__} logs; it logs: "
-                f"{shown}. Set {setting} to one of them (and its mode to min or max)"
+        for kind, key, setting, logged in self._missing(trainer, lambda k: k != "scheduler"):
+            fix = (
+                f"it logs: {', '.join(logged)}. Set {setting} to one of them (and its mode to min "
+                "or max)"
+                if logged
+                else f"it logs nothing (no self.log call). Log {key!r} with self.log"
             )
+            if kind == "ModelCheckpoint":
+                fix += f", or set {setting}=null to keep the latest checkpoint only"
+            raise RunError(f"{setting}={key!r} is not a key {type(pl_module).__name__} logs; {fix}")
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._checked_validation or self._warned_unvalidated:

@@ -1,19 +1,10 @@
 """Resuming a run exactly: the random state at every batch, the logs carried on, a record of origin.
 
-A resumed run (``ckpt_path=...``) gets a new run directory; the earlier run's directory is only
-read, never written. :class:`ResumeState` makes the continuation indistinguishable from a run
-that never stopped:
-
-* the global random generators (torch CPU and CUDA, NumPy, ``random``) and the training
-  loaders' own generators are seeded from ``(seed, epoch)`` before each epoch's DataLoader
-  iterator is created, so the sampler's order, the workers' seeds and any augmentation drawn
-  from them depend on the epoch alone; at a mid-epoch checkpoint the generators' exact state is
-  saved;
-* a resumed run creates its first epoch's iterator again after that seeding and, mid-epoch,
-  reads and drops the batches the checkpoint had trained on (a loader with its own
-  ``state_dict``, ``_Stateful`` to Lightning, skips them itself), then puts the saved state back;
-* the earlier run's ``csv/metrics.csv`` (and TensorBoard event files) are copied into this run's
-  logger directories before training, so the curves read as one, with epochs and steps going on.
+A resumed run gets a new run directory; the earlier one is only read. :class:`ResumeState` seeds
+the global generators and the loaders' own from ``(seed, epoch)`` before each epoch's iterator is
+created (a mid-epoch checkpoint saves their exact state), skips the batches a mid-epoch checkpoint
+had trained on, and copies the earlier run's CSV and TensorBoard logs into this run's, so the
+continuation is indistinguishable from a run that never stopped.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """``trainer.strategy=dp``: one process drives several GPUs through ``torch.nn.DataParallel``.
 
-Lightning 2 dropped DataParallel from the Trainer (Fabric kept it); this brings it back the way
-plain PyTorch uses it, ``net = nn.DataParallel(net)``: the strategy parallelises the
-LightningModule's *network*, the attribute named by ``network`` (``net`` by default).
-
-* The LightningModule and each batch move to the first chosen GPU. While the Trainer runs,
-  ``pl_module.net`` answers with ``nn.DataParallel(net)``: each call splits its input along the
-  first dimension, runs a copy of the network on every GPU in parallel threads and gathers the
-  outputs on the first GPU.
-* Everything else (the step, the loss, the metrics, ``self.log``) runs once, on the first GPU,
-  over the gathered outputs, exactly as on one device: a LightningModule needs no DP-specific
-  code, and its loss and metrics equal the single-GPU ones even when a batch splits unevenly.
-* The wrapper is never registered as a submodule: ``state_dict`` keys, checkpoints and
-  ``model.pth`` are those of a single-device run, and load into any other strategy unchanged.
-
-DP is for one machine with a few GPUs and code that must stay single-process; DDP
-(``trainer.devices=N``) is faster almost everywhere. Without a CUDA GPU there is nothing for DP to
-split over, so the strategy refuses to run instead of silently training on one CPU.
+Lightning 2 dropped DataParallel from the Trainer; this brings it back as plain PyTorch uses it:
+while the Trainer runs, the module's network attribute (``net`` by default) answers with
+``nn.DataParallel(net)``, and the step, loss, metrics and logging run once on the first GPU over
+the gathered outputs, so a module needs no DP-specific code. The wrapper is never registered as
+a submodule, so ``state_dict`` keys, checkpoints and ``model.pth`` are a single device's. Without
+a CUDA GPU there is nothing to split over: the strategy refuses to run.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
-"""``trainer=fsdp``: FSDP2 (``torch.distributed.fsdp.fully_shard``) through Lightning's
-``ModelParallelStrategy``, for models that no longer fit one GPU, with no code in the module.
+"""``trainer=fsdp``: FSDP2 (``fully_shard``) through Lightning's ``ModelParallelStrategy``,
+for models that no longer fit one GPU, with no code in the module.
 
-* Sharding: every submodule whose class ``shard_modules`` names becomes an FSDP unit (its
-  parameters are gathered just before it runs and freed after), then each top-level child of the
-  LightningModule that still holds parameters of its own (``net``, say) is sharded too. A
-  LightningModule with its own ``configure_model`` that applies ``fully_shard`` shards itself: the
-  hook is honoured instead; one that only builds layers there gets them sharded afterwards.
-* Mixed precision follows the run's ``precision``: ``bf16-*`` keeps bf16 parameters for the
-  forward/backward and reduces gradients in float32 (``MixedPrecisionPolicy``), batch norms
-  excepted (units of their own in float32); anything else trains float32 parameters (on the
-  CPU, ``precision=auto`` resolves to ``32-true``).
-* ``cpu_offload``: parameters, gradients and optimiser state live in CPU memory between uses.
-* Pure data parallelism: one shard per process, ``trainer.devices * trainer.num_nodes`` shards;
-  ``data.batch_size`` is per process, as with DDP.
-* Checkpoints are directories (one file of shards per rank, torch.distributed.checkpoint), written
-  crash-safe: into a temporary directory beside the target, a manifest of every file's size and
-  CRC-32 last, fsynced, then swapped in atomically (:mod:`runkit.safety.checkpoints`). Loading
-  checks the manifest first and names a damaged shard in one line.
+Submodules whose class ``shard_modules`` names become FSDP units, then each top-level child with
+parameters of its own; a module whose ``configure_model`` applies ``fully_shard`` itself is
+honoured. ``bf16-*`` precision keeps bf16 parameters and reduces in float32 (batch norms in
+float32); ``cpu_offload`` keeps state in CPU memory. Checkpoints are directories of shards
+(``torch.distributed.checkpoint``) written crash-safe with a manifest of sizes and CRC-32s that
+loading checks first (:mod:`runkit.safety.checkpoints`).
 """
 
 from __future__ import annotations

@@ -1,105 +1,16 @@
 """A scriptable stand-in for ``pynvml``, so GPU code can be tested on machines without a GPU.
 
-Why a fake and not mocks: the template's GPU code (device listing, GPU selection, the statistics
-callback) talks to NVML only through :func:`runkit.gpus.nvml.nvml_session`, which yields "something
-with pynvml's functions and error classes". :class:`FakeNvml` is such a thing. It has the same
-function names, the same constants and raises pynvml's *own* exception classes
-(``pynvml.NVMLError_NotSupported`` ...), so the code under test runs unchanged; only the driver
-underneath is replaced.
-
-In-process use (tests)::
-
-    from runkit.gpus import nvml
-    from runkit.testing.fake_nvml import FakeClock, FakeGpu, FakeNvml
-
-    clock = FakeClock()
-    fake = FakeNvml(
-        # GPU 0: utilisation 10 % until t=5 s, then 90 %; GPU 1: no fan
-        [FakeGpu(util_gpu=[(0, 10), (5, 90)]), FakeGpu(fan_pct=None)],
-        clock=clock,
-    )
-    fake.gpus[1].fail("power", "not_supported")
-    fake.gpus[0].fail("utilization", "gpu_is_lost", start=3.0)
-    nvml.use_library(fake)            # nvml.use_library(None) undoes it
-    ...
-    clock.advance(4.0)
-    assert fake.init_count == fake.shutdown_count
-
-Subprocess use (a project's ``python -m <package>.train`` and friends)::
-
-    RUNKIT_NVML_BACKEND=runkit.testing.fake_nvml:create
-    RUNKIT_FAKE_NVML='{"gpus": 2}'          # inline JSON, or a path to a .json file, or empty
-
-:func:`create` builds the fake from ``RUNKIT_FAKE_NVML``; empty or unset gives :func:`preset`
-(two H100-like GPUs). In a subprocess the clock is the real monotonic clock, with ``t = 0`` when
-the fake is created.
-
-JSON schema (every key optional)::
-
-    {
-      "gpus": 2  |  [GPU, ...],      # a number means that many default GPUs
-      "driver_version": "570.133.20",  # < 570: CUDA's older MIG rule (one MIG device in all)
-      "cuda_driver_version": 12080,
-      "call_cost_s": 0.0003,         # every NVML call sleeps this long (benchmarks)
-      "init_error": null | "library_not_found" | "driver_not_loaded" | ...   # nvmlInit fails
-    }
-    GPU = {
-      "name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-...", "pci_bus_id": "00000000:17:00.0",
-      "memory_total": 85899345920,   # bytes
-      "memory_used": SCRIPT,         # bytes
-      "util_gpu": SCRIPT, "util_memory": SCRIPT,                 # percent
-      "temperature": SCRIPT, "memory_temperature": SCRIPT|null,  # deg C (null: not supported)
-      "power_mw": SCRIPT, "power_limit_mw": 700000,              # milliwatts
-      "energy_mj": SCRIPT|null,      # total-energy counter in mJ; absent: integral of power_mw
-      "clock_sm_mhz": SCRIPT, "clock_mem_mhz": SCRIPT,
-      "clocks_event_reasons": SCRIPT,                            # bit mask, nvmlClocksEventReason*
-      "fan_pct": SCRIPT|null,        # null (the default): no fan, like datacenter cards
-      "pcie_tx_kbs": SCRIPT, "pcie_rx_kbs": SCRIPT, "ecc_uncorrected": SCRIPT,
-      "compute_capability": [9, 0],
-      "processes": [{"pid": 1234 | "self", "used_memory": SCRIPT}],   # "self": the fake's maker
-      "mig": [GPU, ...],             # MIG children; their uuid should start with "MIG-"
-      "gpu_instance_id": 1, "compute_instance_id": 0,   # a MIG child's (default: slot + 1, 0)
-      "failures": {METRIC: FAILURE},
-      "lost_at": 12.5,               # from t = 12.5 on every call on this GPU raises GpuIsLost
-      "gpm": {METRIC: SCRIPT} | null # GPM (Hopper+) metrics in percent, by pynvml name without
-                                     # NVML_GPM_METRIC_ (SM_UTIL, SM_OCCUPANCY, ANY_TENSOR_UTIL,
-                                     # DRAM_BW_UTIL, FP16_UTIL, ...); null (default): no GPM
-    }
-    SCRIPT  = number | [[t0, v0], [t1, v1], ...]   # steps: v0 from t0 (and before), v1 from t1 ...
-    FAILURE = "not_supported" | {"error": "gpu_is_lost", "from": 3.0}
-              # error: the pynvml NVML_ERROR_* name in lower case (not_supported, gpu_is_lost,
-              # function_not_found, no_permission, unknown, timeout, ...)
-
-In Python a SCRIPT may also be a callable ``f(t) -> value``.
-
-METRIC names for failures (a pynvml function name works too, for a failure of that one call):
-``name uuid index pci memory utilization temperature memory_temperature power power_limit
-energy clock throttle fan pcie ecc processes mig gpm``. MIG children answer ``utilization``,
-``temperature``, ``power``, ``power_limit``, ``energy``, ``clock``, ``throttle``, ``fan``,
-``pcie`` and ``ecc`` with NotSupported, as real MIG device handles do; read those from the
-parent (``nvmlDeviceGetDeviceHandleFromMigDeviceHandle``).
-
-Behaviour worth knowing, all modelled on the real library:
-
-* every function except ``nvmlInit*`` raises ``NVMLError_Uninitialized`` outside an
-  ``nvmlInit``/``nvmlShutdown`` pair; init calls nest (a counter, like NVML's own);
-* ``nvmlDeviceGetPciInfo(h).busId`` is ``bytes`` (as in nvidia-ml-py); names and UUIDs are ``str``;
-* ``nvmlDeviceGetHandleByUUID`` accepts GPU- and MIG- UUIDs (str or bytes), unknown ones raise
-  ``NVMLError_NotFound``; ``nvmlDeviceGetMaxMigDeviceCount`` is 7 on a MIG-enabled GPU and empty
-  slots of ``nvmlDeviceGetMigDeviceHandleByIndex`` raise ``NVMLError_NotFound``;
-* ``nvmlDeviceIsMigDeviceHandle`` returns an int (pynvml returns a ctypes ``c_uint``; ``bool()``
-  works on both);
-* GPM: ``nvmlGpmQueryDeviceSupport`` (physical GPUs only), ``nvmlGpmSampleAlloc``/``Free`` (opaque
-  ``c_nvmlGpmSample_t`` pointers), ``nvmlGpmSampleGet`` (not on a MIG handle: that is
-  ``nvmlGpmMigSampleGet(gpu, gpu_instance_id, sample)``) and ``nvmlGpmMetricsGet`` on a real
-  ``c_nvmlGpmMetricsGet_t``, each metric the script's mean between the two samples' times
-  (``NotSupported`` in a metric's ``nvmlReturn`` when not scripted);
-* a pynvml function the fake does not implement exists and raises ``NVMLError_FunctionNotFound``
-  (what an old driver does); constants and error classes are pynvml's own.
-
-Test hooks: ``init_count``, ``shutdown_count``, ``balanced``, ``calls`` (a Counter of function
-names), ``calls_in_thread(ident)``, ``reset_counters()``, ``clock``, ``gpus[i].fail(...)``,
-``gpus[i].lose(at)``, ``call_cost_s``, ``gpm_samples_live``.
+Why a fake and not mocks: the library reaches NVML only through
+:func:`runkit.gpus.nvml.nvml_session`, and :class:`FakeNvml` has pynvml's function names and
+constants and raises pynvml's *own* error classes, so the code under test runs unchanged.
+In a test, ``nvml.use_library(FakeNvml([FakeGpu(...)], clock=FakeClock()))``; in a subprocess,
+``RUNKIT_NVML_BACKEND=runkit.testing.fake_nvml:create`` with a JSON scenario (inline or a path)
+in ``RUNKIT_FAKE_NVML`` (empty: :func:`preset`, two H100-like GPUs). A scenario scripts each
+metric over time (``number | [[t0, v0], ...]``), failures (``{"power": "not_supported"}``), lost
+GPUs, MIG children, GPM and a per-call cost; the schema is :meth:`FakeNvml.from_dict`'s and, in
+full, the library repository's fake NVML page. Modelled on the real library: calls outside
+``nvmlInit``/``nvmlShutdown`` raise Uninitialized, MIG handles answer NotSupported where real ones
+do, and an unimplemented function raises ``NVMLError_FunctionNotFound`` like an old driver.
 """
 
 from __future__ import annotations
@@ -486,7 +397,7 @@ class FakeNvml:
     # ---------------------------------------------------------------- construction helpers
     @classmethod
     def from_dict(cls, spec: dict[str, Any], clock: Callable[[], float] | None = None) -> FakeNvml:
-        """Build a fake from the JSON schema in the module docstring."""
+        """Build a fake from a JSON scenario (the schema: the library repository's fake NVML page)."""
         if not isinstance(spec, dict):
             raise ValueError(f"fake NVML scenario must be a JSON object, got {type(spec).__name__}")
         allowed = {"gpus", "driver_version", "cuda_driver_version", "call_cost_s", "init_error"}
