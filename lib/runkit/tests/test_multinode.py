@@ -8,6 +8,8 @@ writes the outputs, rank 1 trains and logs to its own file in the same directory
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -20,6 +22,7 @@ import torch
 import prewarmed
 from conftest import clean_env, free_port, last_line, train_on_two_torchrun_nodes
 from runkit.errors import RunError
+from runkit.run import launch
 from runkit.run.launch import launched_externally, rank_suffix, requeued_checkpoint, run_id
 
 TINY = (
@@ -183,3 +186,77 @@ def test_torchrun_restarts_after_a_killed_worker_continue_the_run_exactly(tmp_pa
     assert len(errors) == 4, rerun.stderr[-3000:]
     assert all("give torchrun a new --rdzv-id (not el)" in line for line in errors)
     assert "frame #" not in rerun.stderr and "Exception raised from" not in rerun.stderr
+
+
+def fake_slurm(bin_dir: Path, squeue: str) -> Path:
+    """``squeue`` printing ``squeue`` (start|comment) and ``scontrol`` recording its arguments."""
+    bin_dir.mkdir()
+    calls = bin_dir / "calls"
+    for name, body in (("squeue", f"echo '{squeue}'"), ("scontrol", f'echo "$@" >> {calls}')):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("squeue", "first", "writes"),
+    [
+        ("2026-01-02T03:04:05|(null)", "2026-01-02T03:04:05", True),  # the first attempt
+        (
+            "2026-01-02T09:00:00|user words runkit-start=2026-01-02T03:04:05",
+            "2026-01-02T03:04:05",
+            False,
+        ),
+    ],
+)
+def test_a_slurm_job_is_known_by_its_first_start_not_by_its_id_alone(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    squeue: str,
+    first: str,
+    writes: bool,
+) -> None:
+    calls = fake_slurm(tmp_path / "bin", squeue)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(launch, "_first_starts", {}, raising=False)
+    env = {
+        "SLURM_JOB_ID": "812",
+        "SLURM_NTASKS": "2",
+        "SLURM_STEP_ID": "0",
+        "SLURM_CLUSTER_NAME": "c",
+    }
+    # Every task and every requeued attempt names the directory after the first attempt's start.
+    assert run_id("%Y-%m-%d_%H-%M-%S", env) == "2026-01-02_03-04-05_slurm-812.0"
+    requeued = {**env, "SLURM_RESTART_COUNT": "1"}
+    assert run_id("%Y-%m-%d_%H-%M-%S", requeued) == "2026-01-02_03-04-05_slurm-812.0-requeue1"
+    expected = "update job=812 comment=runkit-start=2026-01-02T03:04:05\n" if writes else None
+    assert (calls.read_text() if calls.exists() else None) == expected
+
+    # An older job 812 stopped with a checkpoint of the same command; this job's own first attempt
+    # saved nothing before it was requeued: it starts afresh, and says why in one line.
+    runs = tmp_path / "runs"
+    older = runs / "2025-12-01_00-00-00_slurm-812.0"
+    for run, token in (
+        (older, "c:812:2025-12-01T00:00:00"),
+        (runs / f"{first}_slurm-812.0", f"c:812:{first}"),
+    ):
+        (run / ".hydra").mkdir(parents=True)
+        (run / ".hydra" / "overrides.yaml").write_text("- a=1\n")
+        (run / "slurm_job").write_text(token)
+    (older / "checkpoints").mkdir()
+    torch.save({}, older / "checkpoints" / "interrupted.ckpt")
+    current = runs / "x-requeue1"
+    current.mkdir()
+    with caplog.at_level(logging.INFO, logger=launch.log.name):
+        assert requeued_checkpoint(current, ["a=1"], requeued) is None
+    lines = caplog.messages
+    assert (current / "slurm_job").read_text() == f"c:812:{first}\n"
+    assert any(
+        f"1 run(s) in {runs} ({older.name}...) are of an earlier job" in line for line in lines
+    )
+    # The job's own checkpoint, once it has one, is what it resumes from.
+    (runs / f"{first}_slurm-812.0" / "checkpoints").mkdir()
+    own = runs / f"{first}_slurm-812.0" / "checkpoints" / "last.ckpt"
+    torch.save({}, own)
+    assert requeued_checkpoint(current, ["a=1"], requeued) == own.resolve()

@@ -37,7 +37,13 @@ saying so instead of scattering the ranks over several directories.
 job runs the same command again, in a new directory (``...-requeue<N>``: an earlier run's
 directory is only read). With ``ckpt_path=null``, :func:`requeued_checkpoint` finds the newest
 checkpoint of the same command in this job's earlier directories (``interrupted.ckpt`` from the
-stop, or the last periodic one) and the run continues from it.
+stop, or the last periodic one) and the run continues from it. A job id is not an identity (a
+controller whose state was reset starts again at 1, ids wrap around), and SLURM keeps nothing
+that tells a requeued attempt from a new job with the same id, so the job keeps its own: the
+start of its first attempt (:func:`slurm_first_start`), in the name of a multi-task step's
+directory and in every run's ``slurm_job`` file; only runs with this job's token are resumed from.
+A sweep job of ``hydra/launcher=slurm`` (submitit) is requeued into its own job folder and
+resumes from that folder's checkpoint.
 
 Imports stay light (no torch, no Lightning at module level): ``cli`` registers the resolvers
 before Hydra starts, and ``--help`` must stay instant.
@@ -45,6 +51,7 @@ before Hydra starts, and ``--help`` must stay instant.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -95,6 +102,10 @@ def job_scope() -> Iterator[None]:
     if not HydraConfig.initialized():
         yield
         return
+    if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
+        with _submitit_job():
+            yield
+        return
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode != RunMode.MULTIRUN or launched_externally():
         if SWEEP_JOB_ENV in os.environ and "LOCAL_RANK" in os.environ:
@@ -129,6 +140,30 @@ def job_scope() -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@contextmanager
+def _submitit_job() -> Iterator[None]:
+    """A sweep job that submitit runs on SLURM (``hydra/launcher=slurm``) stops as a run does.
+
+    Submitit's own SIGUSR2 handler (the notice before the time limit) would requeue the job from
+    wherever Python is, unsaved. Here SIGUSR2 is a stop like SLURM's SIGUSR1: every rank stops at
+    the same batch and saves; then submitit's handler, called as it would have been, requeues the
+    job (``checkpoint()``: the same job again, in the same folder, up to ``max_num_timeout``
+    times) and exits. The requeued job resumes from that folder (:func:`requeued_checkpoint`).
+    """
+    import signal
+
+    from runkit.safety.signals import stop_on_signal
+
+    try:
+        with stop_on_signal():
+            yield
+    except SystemExit as stop:
+        handler = signal.getsignal(signal.SIGUSR2)  # submitit's again, after the block
+        if stop.code == 128 + signal.SIGUSR2 and callable(handler):
+            handler(signal.SIGUSR2, None)
+        raise
 
 
 def single_job_argv(program: str, task: Any, hydra: Any, argv: Sequence[str] = ()) -> list[str]:
@@ -267,7 +302,9 @@ def run_id(pattern: str, environ: Mapping[str, str] | None = None) -> str:
     requeue = f"-requeue{_int(env.get('SLURM_RESTART_COUNT'))}" if _restarted(env) else ""
     if job and _slurm_tasks(env) > 1:
         step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
-        return f"slurm-{job}" + (f".{step}" if step else "") + requeue
+        start = slurm_first_start(env)
+        first = f"{datetime.fromisoformat(start).strftime(pattern)}_" if start else ""
+        return f"{first}slurm-{job}" + (f".{step}" if step else "") + requeue
     elastic = env.get("TORCHELASTIC_RUN_ID", "")
     if elastic and elastic != "none":
         restart = _int(env.get("TORCHELASTIC_RESTART_COUNT"))
@@ -297,6 +334,10 @@ def requeued_checkpoint(
     ``--rdzv-id``, not a restart: one line says so (:class:`RunError`).
     """
     env = os.environ if environ is None else environ
+    current = Path(run_dir).resolve()
+    token = _slurm_token(env)
+    if token and rank_zero(env):
+        (current / JOB_TOKEN_FILE).write_text(token + "\n", encoding="utf-8")
     earlier_runs = _earlier_runs(env)
     if earlier_runs is None:
         return None
@@ -305,11 +346,18 @@ def requeued_checkpoint(
         from hydra.core.hydra_config import HydraConfig
 
         overrides = list(HydraConfig.get().overrides.task)
-    current = Path(run_dir).resolve()
     found: list[Path] = []
     finished: list[Path] = []
-    for earlier in current.parent.iterdir():
-        if earlier == current or not name.search(earlier.name):
+    others: list[str] = []
+    resuming = _restarted(env) or "TORCHELASTIC_RUN_ID" in env
+    submitit = env.get("SUBMITIT_EXECUTOR") == "slurm"  # a sweep job: requeued into its folder
+    for earlier in [current] if submitit else current.parent.iterdir():
+        if not submitit and (earlier == current or not name.search(earlier.name)):
+            continue
+        if token and _read(earlier / JOB_TOKEN_FILE) != token:
+            others.append(earlier.name)  # an earlier job that had the same id
+            continue
+        if not resuming:
             continue
         if _overrides(earlier) != [str(o) for o in overrides]:
             continue  # another command of the same job script
@@ -321,6 +369,14 @@ def requeued_checkpoint(
             f"torchrun --rdzv-id={env['TORCHELASTIC_RUN_ID']} has run to its end already, in "
             f"{finished[0]}; give torchrun a new --rdzv-id to train again"
         )
+    if others and rank_zero(env):
+        log.info(
+            "SLURM job %s: %d run(s) in %s (%s...) are of an earlier job with this id; "
+            "this job does not resume from them",
+            slurm_job_id(env), len(others), current.parent, max(others),
+        )  # fmt: skip
+    if not resuming:
+        return None
     if not found:
         if rank_zero(env):
             log.info("%s; no checkpoint of this command to resume", what)
@@ -332,10 +388,10 @@ def requeued_checkpoint(
 
 
 def _earlier_runs(env: Mapping[str, str]) -> tuple[str, re.Pattern[str]] | None:
-    """For a requeued SLURM job or a restarted torchrun group: what happened, in words, and the
-    pattern of the run directories its earlier attempts made (:func:`run_id`); else ``None``."""
+    """For a SLURM job or a restarted torchrun group: what happened, in words, and the pattern of
+    the run directories its earlier attempts made (:func:`run_id`); else ``None``."""
     job = slurm_job_id(env)
-    if job and _restarted(env):
+    if job:
         return (
             f"SLURM job {job} was requeued",
             re.compile(rf"(^|_)slurm-{re.escape(job)}(\.\d+)?(-requeue\d+)?$"),
@@ -371,6 +427,55 @@ def _overrides(run_dir: Path) -> list[str] | None:
     except (OSError, ValueError, yaml.YAMLError):
         return None
     return [str(o) for o in data] if isinstance(data, list) else None
+
+
+JOB_TOKEN_FILE = "slurm_job"
+"""In the run directory of a SLURM job: ``<cluster>:<job id>:<first start>`` (:func:`_slurm_token`)."""
+_first_starts: dict[str, str | None] = {}
+
+
+def slurm_first_start(environ: Mapping[str, str] | None = None) -> str | None:
+    """When this SLURM job's first attempt started (``2026-01-31T12:00:00``): the same in every
+    task and in every requeued attempt, and another for a new job that got the same id.
+
+    SLURM keeps no such time across a requeue (its start and submit times are the requeue's), so
+    the first attempt's rank 0 writes it into the job's comment (``runkit-start=...``), which the
+    job keeps. ``None`` where ``squeue`` cannot say (no SLURM client, not a job of this cluster).
+    """
+    env = os.environ if environ is None else environ
+    job = slurm_job_id(env)
+    if job is None:
+        return None
+    if job not in _first_starts:
+        try:
+            out = subprocess.run(
+                ["squeue", "-h", "-j", job, "-o", "%S|%k"], capture_output=True, text=True,
+                timeout=60,
+            ).stdout.strip()  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        start, _, comment = out.partition("|")
+        comment = "" if comment == "(null)" else comment
+        kept = re.search(r"runkit-start=(\S+)", comment)
+        valid = re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", start)
+        _first_starts[job] = kept.group(1) if kept else start if valid else None
+        if not kept and valid and rank_zero(env):  # the first attempt (or one requeued before)
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                comment = f"comment={comment} runkit-start={start}".replace("= ", "=")
+                subprocess.run(["scontrol", "update", f"job={job}", comment], timeout=60)
+    return _first_starts[job]
+
+
+def _slurm_token(env: Mapping[str, str]) -> str | None:
+    start = slurm_first_start(env)
+    return f"{env.get('SLURM_CLUSTER_NAME', '')}:{slurm_job_id(env)}:{start}" if start else None
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def _restarted(env: Mapping[str, str]) -> bool:

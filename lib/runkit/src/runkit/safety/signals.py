@@ -112,6 +112,8 @@ STOP_SIGNALS = {
     signal.SIGTERM: Stop(lambda: True),  # kill, SLURM's end, Kubernetes, systemd, docker stop
     signal.SIGHUP: Stop(lambda: signal.getsignal(signal.SIGHUP) != signal.SIG_IGN),  # not nohup
     signal.SIGUSR1: Stop(lambda: slurm_job_id() is not None, warns=True),  # --signal=SIGUSR1@90
+    # hydra/launcher=slurm: submitit's notice; its handler requeues after the save (run.launch)
+    signal.SIGUSR2: Stop(lambda: os.environ.get("SUBMITIT_EXECUTOR") == "slurm", warns=True),
 }
 """Every stop signal; one more is one more line."""
 
