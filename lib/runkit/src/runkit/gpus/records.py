@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runkit.errors import RunError
+from runkit.gpus.visible import first_entry_problem
 
 
 class DeviceError(RunError, ValueError):
@@ -96,14 +97,17 @@ class Inventory:
 
 
 def no_gpu_reason(inv: Inventory) -> str:
-    """Why ``inv`` offers training no GPU, in a few words."""
-    if inv.cuda_visible_devices is not None and inv.cuda_visible_devices.strip() == "":
+    """Why ``inv`` offers training no GPU, in a few words; a ``CUDA_VISIBLE_DEVICES`` that hides
+    every GPU is named first, so that a mistyped value is not taken for a machine without GPUs."""
+    value = inv.cuda_visible_devices
+    if value is not None and value.strip() == "":
         return "CUDA_VISIBLE_DEVICES is set to an empty string"
+    why = first_entry_problem(value)
+    if why or (value is not None and inv.physical and not inv.visible):
+        return f"CUDA_VISIBLE_DEVICES={value!r} hides every GPU" + (f": {why}" if why else "")
     if inv.physical and not inv.torch.available:
         n = len(inv.physical)
         return f"NVML sees {n} GPU{'s' if n != 1 else ''} but torch has no CUDA (CPU-only build?)"
-    if inv.physical and not inv.visible:
-        return f"CUDA_VISIBLE_DEVICES={inv.cuda_visible_devices!r} hides every GPU"
     if not inv.nvml_available and inv.nvml_reason:
         return inv.nvml_reason
     return "no NVIDIA GPU found"

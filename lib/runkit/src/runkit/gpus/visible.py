@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from runkit.gpus.records import Gpu
+if TYPE_CHECKING:
+    from runkit.gpus.records import Gpu
 
 DEVICE_ORDERS = ("FASTEST_FIRST", "PCI_BUS_ID")
 """Accepted values of ``CUDA_DEVICE_ORDER``; CUDA uses the first for anything else."""
