@@ -19,7 +19,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -64,20 +64,10 @@ FUNCTION_METRIC: dict[str, str] = {
     "nvmlGpmMetricsGet": "gpm",
 }
 METRICS = frozenset(FUNCTION_METRIC.values())
+# What a MIG handle answers NotSupported, as real ones do: its GPU's handle has it.
 MIG_UNSUPPORTED = frozenset(
-    {
-        "utilization",
-        "temperature",
-        "power",
-        "power_limit",
-        "energy",
-        "clock",
-        "throttle",
-        "fan",
-        "pcie",
-        "ecc",
-    }
-)
+    {"utilization", "temperature", "power", "power_limit", "energy", "clock", "throttle", "fan", "pcie", "ecc"}
+)  # fmt: skip
 MAX_MIG_DEVICES = 7
 
 
@@ -240,21 +230,7 @@ class FakeGpu:
         self.gpm = checked
 
     def __post_init__(self) -> None:
-        for attr in (
-            "memory_used",
-            "util_gpu",
-            "util_memory",
-            "temperature",
-            "memory_temperature",
-            "power_mw",
-            "energy_mj",
-            "clock_sm_mhz",
-            "clocks_event_reasons",
-            "fan_pct",
-            "pcie_tx_kbs",
-            "pcie_rx_kbs",
-            "ecc_uncorrected",
-        ):
+        for attr in (f.name for f in fields(self) if f.type == "Script"):
             setattr(self, attr, _check_script(getattr(self, attr), f"{self.name}: {attr}"))
         self.processes = [
             p if isinstance(p, FakeProcess) else FakeProcess(**p) for p in self.processes
@@ -306,10 +282,6 @@ class FakeHandle:
         self.gpu = gpu
         self.index = index
         self.parent = parent
-
-    def __repr__(self) -> str:
-        kind = "mig" if self.parent is not None else "gpu"
-        return f"<FakeHandle {kind} {self.gpu.uuid}>"
 
 
 def _api(fn: Callable[..., Any]) -> Callable[..., Any]:
