@@ -265,12 +265,3 @@ def test_mig_instance_ids_match_the_process_list() -> None:
     (proc,) = fake.nvmlDeviceGetComputeRunningProcesses(parent)
     assert (proc.pid, proc.gpuInstanceId, proc.computeInstanceId) == (7, 1, 0)
     fake.nvmlShutdown()
-
-
-def test_backend_env_var_loads_the_fake(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(nvml.BACKEND_ENV, "runkit.testing.fake_nvml:create")
-    monkeypatch.setenv(fake_nvml.SCENARIO_ENV, '{"gpus": 4}')
-    monkeypatch.setattr(nvml, "_env_cache", {})
-    with nvml.nvml_session() as lib:
-        assert isinstance(lib, FakeNvml)
-        assert lib.nvmlDeviceGetCount() == 4
