@@ -70,6 +70,21 @@ MIG_UNSUPPORTED = frozenset(
 )  # fmt: skip
 MAX_MIG_DEVICES = 7
 
+# pynvml getter -> the FakeGpu figure it answers, by its argument where that picks one (a sensor,
+# clock or counter: another is InvalidArgument); a figure of None is NotSupported.
+FIGURES: dict[str, Any] = {
+    "nvmlDeviceGetTemperature": {pynvml.NVML_TEMPERATURE_GPU: "temperature"},
+    "nvmlDeviceGetPowerUsage": "power_mw",
+    "nvmlDeviceGetEnforcedPowerLimit": "power_limit_mw",
+    "nvmlDeviceGetPowerManagementLimit": "power_limit_mw",
+    "nvmlDeviceGetClockInfo": dict.fromkeys((pynvml.NVML_CLOCK_SM, pynvml.NVML_CLOCK_GRAPHICS), "clock_sm_mhz"),
+    "nvmlDeviceGetCurrentClocksEventReasons": "clocks_event_reasons",
+    "nvmlDeviceGetCurrentClocksThrottleReasons": "clocks_event_reasons",
+    "nvmlDeviceGetFanSpeed": "fan_pct",
+    "nvmlDeviceGetPcieThroughput": {pynvml.NVML_PCIE_UTIL_TX_BYTES: "pcie_tx_kbs", pynvml.NVML_PCIE_UTIL_RX_BYTES: "pcie_rx_kbs"},
+    "nvmlDeviceGetTotalEccErrors": "ecc_uncorrected",
+}  # fmt: skip
+
 
 def nvml_error(name: str) -> pynvml.NVMLError:
     """The pynvml exception for an error name such as ``"not_supported"`` (its own subclass)."""
@@ -285,15 +300,11 @@ class FakeHandle:
 
 
 def _api(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Count the call, charge its cost and refuse it before nvmlInit, as the real library would."""
+    """An NVML function of the fake: counted, charged, refused before nvmlInit (:meth:`_enter`)."""
 
     @functools.wraps(fn)
     def wrapper(self: FakeNvml, *args: Any, **kwargs: Any) -> Any:
-        self._count(fn.__name__)
-        if self.call_cost_s:
-            time.sleep(self.call_cost_s)
-        if self._depth <= 0:
-            raise nvml_error("uninitialized")
+        self._enter(fn.__name__)
         return fn(self, *args, **kwargs)
 
     return wrapper
@@ -402,10 +413,30 @@ class FakeNvml:
             self.calls[name] += 1
             self._thread_calls[threading.get_ident()] += 1
 
+    def _enter(self, name: str) -> None:
+        """Count the call, charge its cost and refuse it before nvmlInit, as NVML would."""
+        self._count(name)
+        if self.call_cost_s:
+            time.sleep(self.call_cost_s)
+        if self._depth <= 0:
+            raise nvml_error("uninitialized")
+
+    def _figure(self, name: str, handle: FakeHandle, *args: Any) -> int:
+        self._enter(name)
+        gpu, spec = self._read(handle, name), FIGURES[name]
+        figure = spec.get(args[0]) if isinstance(spec, dict) else spec
+        if figure is None:
+            raise nvml_error("invalid_argument")
+        if getattr(gpu, figure) is None:
+            raise nvml_error("not_supported")
+        return int(self._value(getattr(gpu, figure)))
+
     # ---------------------------------------------------------------- pynvml surface: attributes
     NVMLError = pynvml.NVMLError
 
     def __getattr__(self, name: str) -> Any:
+        if name in FIGURES:
+            return functools.partial(self._figure, name)
         value = getattr(pynvml, name, None)
         if value is None:
             raise AttributeError(f"FakeNvml has no attribute {name!r} (nor has pynvml)")
@@ -521,13 +552,6 @@ class FakeNvml:
 
     # ---------------------------------------------------------------- thermals, power, clocks
     @_api
-    def nvmlDeviceGetTemperature(self, handle: FakeHandle, sensor: int) -> int:
-        gpu = self._read(handle, "nvmlDeviceGetTemperature")
-        if sensor != pynvml.NVML_TEMPERATURE_GPU:
-            raise nvml_error("invalid_argument")
-        return int(self._value(gpu.temperature))
-
-    @_api
     def nvmlDeviceGetFieldValues(self, handle: FakeHandle, field_ids: Sequence[Any]) -> list[Any]:
         gpu = self._read(handle, "nvmlDeviceGetFieldValues")
         values = []
@@ -544,61 +568,11 @@ class FakeNvml:
         return values
 
     @_api
-    def nvmlDeviceGetPowerUsage(self, handle: FakeHandle) -> int:
-        return int(self._value(self._read(handle, "nvmlDeviceGetPowerUsage").power_mw))
-
-    @_api
-    def nvmlDeviceGetEnforcedPowerLimit(self, handle: FakeHandle) -> int:
-        return int(self._read(handle, "nvmlDeviceGetEnforcedPowerLimit").power_limit_mw)
-
-    @_api
-    def nvmlDeviceGetPowerManagementLimit(self, handle: FakeHandle) -> int:
-        return int(self._read(handle, "nvmlDeviceGetPowerManagementLimit").power_limit_mw)
-
-    @_api
     def nvmlDeviceGetTotalEnergyConsumption(self, handle: FakeHandle) -> int:
         gpu = self._read(handle, "nvmlDeviceGetTotalEnergyConsumption")
         if gpu.energy_mj is not None:
             return int(self._value(gpu.energy_mj))
         return int(5_000_000 + integrate(gpu.power_mw, self.clock()))
-
-    @_api
-    def nvmlDeviceGetClockInfo(self, handle: FakeHandle, clock_type: int) -> int:
-        gpu = self._read(handle, "nvmlDeviceGetClockInfo")
-        if clock_type in (pynvml.NVML_CLOCK_SM, pynvml.NVML_CLOCK_GRAPHICS):
-            return int(self._value(gpu.clock_sm_mhz))
-        raise nvml_error("invalid_argument")
-
-    @_api
-    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: FakeHandle) -> int:
-        gpu = self._read(handle, "nvmlDeviceGetCurrentClocksEventReasons")
-        return int(self._value(gpu.clocks_event_reasons))
-
-    @_api
-    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: FakeHandle) -> int:
-        gpu = self._read(handle, "nvmlDeviceGetCurrentClocksThrottleReasons")
-        return int(self._value(gpu.clocks_event_reasons))
-
-    @_api
-    def nvmlDeviceGetFanSpeed(self, handle: FakeHandle) -> int:
-        gpu = self._read(handle, "nvmlDeviceGetFanSpeed")
-        if gpu.fan_pct is None:
-            raise nvml_error("not_supported")
-        return int(self._value(gpu.fan_pct))
-
-    @_api
-    def nvmlDeviceGetPcieThroughput(self, handle: FakeHandle, counter: int) -> int:
-        gpu = self._read(handle, "nvmlDeviceGetPcieThroughput")
-        if counter == pynvml.NVML_PCIE_UTIL_TX_BYTES:
-            return int(self._value(gpu.pcie_tx_kbs))
-        if counter == pynvml.NVML_PCIE_UTIL_RX_BYTES:
-            return int(self._value(gpu.pcie_rx_kbs))
-        raise nvml_error("invalid_argument")
-
-    @_api
-    def nvmlDeviceGetTotalEccErrors(self, handle: FakeHandle, error_type: int, counter: int) -> int:
-        gpu = self._read(handle, "nvmlDeviceGetTotalEccErrors")
-        return int(self._value(gpu.ecc_uncorrected))
 
     # ---------------------------------------------------------------- MIG
     @_api
