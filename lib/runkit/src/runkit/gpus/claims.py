@@ -104,46 +104,42 @@ def measure_loads(gpus: Sequence[Gpu], window_s: float) -> list[Load]:
     samples = max(2, round(window_s / SAMPLE_EVERY_S) + 1)
     with nvml.nvml_session() as lib:
         unsupported = nvml.error_classes(lib, nvml.UNSUPPORTED_ERRORS)
-        readers: list[DeviceReader | str] = []
-        for gpu in gpus:
-            found = nvml.find_handle(lib, gpu.uuid)
-            try:
-                readers.append(
-                    DeviceReader.open(lib, found[0]) if found else "NVML knows no such GPU"
-                )
-            except lib.NVMLError as err:
-                readers.append(str(err))
-        free: list[list[int]] = [[] for _ in gpus]
-        util: list[list[int]] = [[] for _ in gpus]
-        mem_err: list[str | None] = [r if isinstance(r, str) else None for r in readers]
-        util_err: list[str | None] = list(mem_err)
+        readers = [_reader(lib, gpu.uuid) for gpu in gpus]
+        seen: list[tuple[list[int], list[int]]] = [([], []) for _ in gpus]  # free, utilisation
+        errors = [[r, r] if isinstance(r, str) else [None, None] for r in readers]
         for k in range(samples):
             if k:
                 time.sleep(window_s / (samples - 1))
-            for i, reader in enumerate(readers):
+            for reader, got, error in zip(readers, seen, errors, strict=True):
                 if isinstance(reader, str):
                     continue
-                try:
-                    free[i].append(reader.memory()[2])
-                except unsupported:
-                    pass
-                except lib.NVMLError as err:
-                    mem_err[i] = str(err)
-                try:
-                    util[i].append(reader.utilization()[0])
-                except unsupported:
-                    pass
-                except lib.NVMLError as err:
-                    util_err[i] = str(err)
+                for j, (query, field) in enumerate(((reader.memory, 2), (reader.utilization, 0))):
+                    try:
+                        got[j].append(query()[field])
+                    except unsupported:
+                        pass
+                    except lib.NVMLError as err:
+                        error[j] = str(err)
     return [
         Load(
-            free_mib=min(free[i]) // _MIB if free[i] and mem_err[i] is None else None,
-            util_percent=sum(util[i]) / len(util[i]) if util[i] and util_err[i] is None else None,
-            memory_error=mem_err[i],
-            util_error=util_err[i],
+            free_mib=min(free) // _MIB if free and memory_error is None else None,
+            util_percent=sum(util) / len(util) if util and util_error is None else None,
+            memory_error=memory_error,
+            util_error=util_error,
         )
-        for i in range(len(gpus))
+        for (free, util), (memory_error, util_error) in zip(seen, errors, strict=True)
     ]
+
+
+def _reader(lib: Any, uuid: str) -> DeviceReader | str:
+    """A reader of the device with ``uuid``, or why there is none."""
+    found = nvml.find_handle(lib, uuid)
+    if found is None:
+        return "NVML knows no such GPU"
+    try:
+        return DeviceReader.open(lib, found[0])
+    except lib.NVMLError as err:
+        return str(err)
 
 
 def rank_by_load(gpus: Sequence[Gpu]) -> list[int]:
