@@ -21,7 +21,14 @@ from runkit.gpus import inventory as inventory_module
 from runkit.gpus.claims import SelectionPolicy, rank_by_load
 from runkit.gpus.inventory import build_inventory, cached_inventory, collect_inventory, read_nvml
 from runkit.gpus.reader import DeviceReader
-from runkit.gpus.records import Gpu, GpuProcess, Inventory, TorchCuda, no_gpu_reason
+from runkit.gpus.records import (
+    Gpu,
+    GpuProcess,
+    Inventory,
+    TorchCuda,
+    first_entry_problem,
+    no_gpu_reason,
+)
 from runkit.gpus.resolve import (
     SELECTION_ENV,
     DeviceError,
@@ -29,7 +36,7 @@ from runkit.gpus.resolve import (
     resolve_devices,
     resolve_for_run,
 )
-from runkit.gpus.visible import apply_visible_devices, first_entry_problem
+from runkit.gpus.visible import apply_visible_devices
 from runkit.testing.fake_nvml import GIB, FakeGpu, FakeNvml, FakeProcess
 
 # Four physical GPUs in NVML (PCI) order: three H100s and an A100 in MIG mode with two slices.

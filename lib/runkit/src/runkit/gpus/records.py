@@ -1,11 +1,12 @@
-"""What NVML and torch say about the GPUs, as plain frozen data (no NVML, no torch here)."""
+"""What NVML and torch say about the GPUs as plain frozen data, and why none is usable (no NVML
+or torch here; the first-entry rule of ``CUDA_VISIBLE_DEVICES`` lives here for that)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from runkit.errors import RunError
-from runkit.gpus.visible import first_entry_problem
 
 
 class DeviceError(RunError, ValueError):
@@ -111,3 +112,27 @@ def no_gpu_reason(inv: Inventory) -> str:
     if not inv.nvml_available and inv.nvml_reason:
         return inv.nvml_reason
     return "no NVIDIA GPU found"
+
+
+ORDINAL = re.compile(r"\s*([+-]?\d+)")  # strtoul: blanks, an optional sign, the leading digits
+
+
+def list_kind(value: str) -> str:
+    """What the whole list holds, decided by how the value starts, as torch decides it."""
+    return {"GPU-": "GPU- UUIDs", "MIG-": "MIG- UUIDs"}.get(value[:4], "indices")
+
+
+def first_entry_problem(cuda_visible_devices: str | None) -> str | None:
+    """Why a list of indices hides every GPU on any machine (its first entry is not an index
+    >= 0, so CUDA reads nothing), or None: said without NVML, where the GPU count is unknown."""
+    value = cuda_visible_devices or ""
+    if not value.strip() or list_kind(value) != "indices":
+        return None
+    first = value.split(",")[0]
+    match = ORDINAL.match(first)
+    if first.strip().startswith(("GPU-", "MIG-")) or (match and int(match.group(1)) >= 0):
+        return None
+    return (
+        f"its first entry {first!r} is not a GPU index or UUID, and CUDA ignores the list from "
+        "its first invalid entry on"
+    )

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from runkit.gpus.records import Gpu
+from runkit.gpus.records import ORDINAL, Gpu, list_kind
 
 DEVICE_ORDERS = ("FASTEST_FIRST", "PCI_BUS_ID")
 """Accepted values of ``CUDA_DEVICE_ORDER``; CUDA uses the first for anything else."""
@@ -22,7 +20,6 @@ DEVICE_ORDERS = ("FASTEST_FIRST", "PCI_BUS_ID")
 MAX_MIG_DEVICES = 64
 """At most this many MIG devices in one CUDA process, across all GPUs (R570+)."""
 
-_ORDINAL = re.compile(r"\s*([+-]?\d+)")  # strtoul: blanks, an optional sign, the leading digits
 _AMBIGUOUS = "ambiguous"
 
 
@@ -92,11 +89,6 @@ def _match_uuid(prefix: str, candidates: Sequence[Gpu]) -> Gpu | str | None:
     return _AMBIGUOUS if len(hits) > 1 else (hits[0] if hits else None)
 
 
-def _kind(value: str) -> str:
-    """What the whole list holds, decided by how the value starts, as torch decides it."""
-    return {"GPU-": "GPU- UUIDs", "MIG-": "MIG- UUIDs"}.get(value[:4], "indices")
-
-
 def _find(
     raw: str, kind: str, physical: Sequence[Gpu], enumeration: Sequence[Gpu]
 ) -> Gpu | str | None:
@@ -118,25 +110,9 @@ def _find(
         return "kind"
     if raw.strip().startswith(("GPU-", "MIG-")):
         return "kind"
-    match = _ORDINAL.match(raw)
+    match = ORDINAL.match(raw)
     ordinal = int(match.group(1)) if match else -1
     return enumeration[ordinal] if 0 <= ordinal < len(enumeration) else None
-
-
-def first_entry_problem(cuda_visible_devices: str | None) -> str | None:
-    """Why a list of indices hides every GPU on any machine (its first entry is not an index
-    >= 0, so CUDA reads nothing), or None: said without NVML, where the GPU count is unknown."""
-    value = cuda_visible_devices or ""
-    if not value.strip() or _kind(value) != "indices":
-        return None
-    first = value.split(",")[0]
-    match = _ORDINAL.match(first)
-    if first.strip().startswith(("GPU-", "MIG-")) or (match and int(match.group(1)) >= 0):
-        return None
-    return (
-        f"its first entry {first!r} is not a GPU index or UUID, and CUDA ignores the list from "
-        "its first invalid entry on"
-    )
 
 
 def apply_visible_devices(
@@ -155,7 +131,7 @@ def apply_visible_devices(
     elif cuda_visible_devices.strip() == "":
         return [], [*notes, "CUDA_VISIBLE_DEVICES is empty, which hides every GPU."]
     else:
-        kind = _kind(cuda_visible_devices)
+        kind = list_kind(cuda_visible_devices)
         entries = cuda_visible_devices.split(",")
         for position, raw in enumerate(entries):
             found = _find(raw, kind, physical, enumeration)
