@@ -32,36 +32,23 @@ GIB = 1024**3
 
 Script = Any  # number | sequence of (t, value) steps | callable(t) -> number
 
-# pynvml function name -> the metric name used by ``failures``.
-FUNCTION_METRIC: dict[str, str] = {
-    "nvmlDeviceGetName": "name",
-    "nvmlDeviceGetUUID": "uuid",
-    "nvmlDeviceGetIndex": "index",
-    "nvmlDeviceGetPciInfo": "pci",
-    "nvmlDeviceGetMemoryInfo": "memory",
-    "nvmlDeviceGetUtilizationRates": "utilization",
-    "nvmlDeviceGetTemperature": "temperature",
-    "nvmlDeviceGetFieldValues": "memory_temperature",
-    "nvmlDeviceGetPowerUsage": "power",
-    "nvmlDeviceGetEnforcedPowerLimit": "power_limit",
-    "nvmlDeviceGetPowerManagementLimit": "power_limit",
-    "nvmlDeviceGetTotalEnergyConsumption": "energy",
-    "nvmlDeviceGetClockInfo": "clock",
-    "nvmlDeviceGetCurrentClocksEventReasons": "throttle",
-    "nvmlDeviceGetCurrentClocksThrottleReasons": "throttle",
-    "nvmlDeviceGetFanSpeed": "fan",
-    "nvmlDeviceGetPcieThroughput": "pcie",
-    "nvmlDeviceGetTotalEccErrors": "ecc",
-    "nvmlDeviceGetComputeRunningProcesses": "processes",
-    "nvmlDeviceGetMigMode": "mig",
-    "nvmlDeviceGetMaxMigDeviceCount": "mig",
-    "nvmlDeviceGetMigDeviceHandleByIndex": "mig",
-    "nvmlDeviceGetGpuInstanceId": "mig",
-    "nvmlDeviceGetComputeInstanceId": "mig",
-    "nvmlGpmQueryDeviceSupport": "gpm",
-    "nvmlGpmSampleGet": "gpm",
-    "nvmlGpmMigSampleGet": "gpm",
-    "nvmlGpmMetricsGet": "gpm",
+# The metric names of ``failures``, each with the pynvml functions (``nvmlDeviceGet*`` unless
+# named in full) whose calls it fails.
+_METRIC_FUNCTIONS = {
+    "name": "Name", "uuid": "UUID", "index": "Index", "pci": "PciInfo", "memory": "MemoryInfo",
+    "utilization": "UtilizationRates", "temperature": "Temperature",
+    "memory_temperature": "FieldValues", "power": "PowerUsage",
+    "power_limit": "EnforcedPowerLimit PowerManagementLimit", "energy": "TotalEnergyConsumption",
+    "clock": "ClockInfo", "throttle": "CurrentClocksEventReasons CurrentClocksThrottleReasons",
+    "fan": "FanSpeed", "pcie": "PcieThroughput", "ecc": "TotalEccErrors",
+    "processes": "ComputeRunningProcesses",
+    "mig": "MigMode MaxMigDeviceCount MigDeviceHandleByIndex GpuInstanceId ComputeInstanceId",
+    "gpm": "nvmlGpmQueryDeviceSupport nvmlGpmSampleGet nvmlGpmMigSampleGet nvmlGpmMetricsGet",
+}  # fmt: skip
+FUNCTION_METRIC = {
+    name if name.startswith("nvml") else f"nvmlDeviceGet{name}": metric
+    for metric, names in _METRIC_FUNCTIONS.items()
+    for name in names.split()
 }
 METRICS = frozenset(FUNCTION_METRIC.values())
 # What a MIG handle answers NotSupported, as real ones do: its GPU's handle has it.
