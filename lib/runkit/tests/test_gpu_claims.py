@@ -84,6 +84,14 @@ def locks(tmp_path) -> Path:
     return path
 
 
+def refused(call, *args) -> str:
+    """The one line of the :class:`DeviceError` that ``call(*args)`` raises."""
+    with pytest.raises(DeviceError) as info:
+        call(*args)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
 def other_run_holds(locks: Path, uuid: str) -> int:
     fd = claims.try_lock(claims.lock_path(locks, uuid))
     assert isinstance(fd, int)
@@ -237,9 +245,7 @@ def test_a_given_lock_dir_is_created_with_its_parents_or_refused_and_kept(tmp_pa
     assert got == tmp_path / "a b" / "é" / "locks" and got.is_dir()
     taken = tmp_path / "locks é"
     taken.write_text("mine")
-    with pytest.raises(DeviceError) as info:
-        claims.lock_dir_for(SelectionPolicy(lock_dir=str(taken)))
-    assert str(info.value) == (
+    assert refused(claims.lock_dir_for, SelectionPolicy(lock_dir=str(taken))) == (
         f"gpu_lock_dir={str(taken)!r} cannot be created ({os.strerror(errno.EEXIST)}); "
         "give a writable directory or null"
     )
@@ -269,20 +275,16 @@ def test_a_default_lock_dir_that_cannot_be_used_says_to_set_one(temp_dir, monkey
     (temp_dir / "elsewhere").mkdir()
     path.symlink_to(temp_dir / "elsewhere")
     message = "the GPU lock directory {!r} is not a directory of this user; set gpu_lock_dir"
-    with pytest.raises(DeviceError) as info:
-        claims.lock_dir_for(SelectionPolicy())
-    assert str(info.value) == message.format(str(path))
+    assert refused(claims.lock_dir_for, SelectionPolicy()) == message.format(str(path))
     other_uid = os.getuid() + 1  # another user's directory (the test may run as root)
     monkeypatch.setattr(os, "getuid", lambda: other_uid)
-    with pytest.raises(DeviceError) as info:
-        claims.lock_dir_for(SelectionPolicy())
-    assert str(info.value) == message.format(str(temp_dir / f"runkit-gpu-locks-{other_uid}"))
+    assert refused(claims.lock_dir_for, SelectionPolicy()) == message.format(
+        str(temp_dir / f"runkit-gpu-locks-{other_uid}")
+    )
     blocker = temp_dir / "a file"
     blocker.write_text("")
     monkeypatch.setattr(tempfile, "tempdir", str(blocker))
-    with pytest.raises(DeviceError) as info:
-        claims.lock_dir_for(SelectionPolicy())
-    assert str(info.value) == (
+    assert refused(claims.lock_dir_for, SelectionPolicy()) == (
         f"the GPU lock directory {str(blocker / f'runkit-gpu-locks-{other_uid}')!r} cannot be "
         f"created ({os.strerror(errno.ENOTDIR)}); set gpu_lock_dir"
     )
@@ -443,9 +445,7 @@ def test_claimed_gpus_are_skipped_and_time_out_names_every_gpu(clock, locks):
     )
     other_run = other_run_holds(locks, UUIDS[0])
     policy = SelectionPolicy(min_free_gib=20, max_util_percent=50, lock_dir=str(locks))
-    with pytest.raises(DeviceError) as info:
-        claims.wait_and_claim(inventory(3), 1, policy)
-    assert str(info.value) == (
+    assert refused(claims.wait_and_claim, inventory(3), 1, policy) == (
         "select_gpus=least_used found 0 of the 1 GPU(s) wanted with gpu_wait_s=0: "
         f"cuda:0 claimed by another run (pid {os.getpid()}); "
         "cuda:1 10.0 GiB free < gpu_min_free_gib=20; "
@@ -541,9 +541,7 @@ def test_without_readings_thresholds_and_waits_are_refused_and_plain_least_used_
     inv = inventory(2)
     assert claims.wait_and_claim(inv, 1, SelectionPolicy())[0] == [0]
     for policy in (SelectionPolicy(wait_s=0.5), SelectionPolicy(min_free_gib=1)):
-        with pytest.raises(DeviceError) as info:
-            claims.wait_and_claim(inv, 1, policy)
-        assert str(info.value) == (
+        assert refused(claims.wait_and_claim, inv, 1, policy) == (
             "select_gpus=least_used with gpu_min_free_gib/gpu_max_util/gpu_wait_s needs NVML "
             "readings, but there are none (NVML is not available (Driver Not Loaded)); "
             "use select_gpus=first"
