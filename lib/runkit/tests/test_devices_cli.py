@@ -329,6 +329,15 @@ def test_json_watch_prints_one_document_per_refresh_and_ctrl_c_exits_zero(refres
     assert refreshes.fake.balanced
 
 
+@pytest.mark.parametrize("as_json", [True, False])
+def test_ctrl_c_while_torch_is_asked_ends_the_watch_quietly(monkeypatch, capsys, as_json):
+    def pressed(uuids: bool = True) -> TorchCuda:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(listing, "probe_torch", pressed)
+    assert listing.watch(1.0, as_json=as_json) == 0 and capsys.readouterr().out == ""
+
+
 def test_the_table_is_redrawn_in_place_on_a_terminal(refreshes):
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, width=220, color_system=None)

@@ -170,11 +170,11 @@ def watch_seconds(text: str) -> float:
 def watch(seconds: float, as_json: bool, console: Any = None) -> int:
     """Refresh every ``seconds`` until Ctrl-C (exit 0): a Rich table redrawn in place on
     ``console``, or one ``--json`` document (plus ``time``) per line; torch is asked once."""
-    from rich.console import Console
-    from rich.live import Live
+    try:  # Ctrl-C in any phase, asking torch included, ends the watch quietly
+        from rich.console import Console
+        from rich.live import Live
 
-    torch_info = probe_torch()
-    try:
+        torch_info = probe_torch()
         if as_json:
             while True:
                 doc = inventory_to_json(collect_inventory(torch_info=torch_info))
