@@ -36,7 +36,7 @@ format: ## apply ruff's fixes and formatting; strip notebook outputs
 
 notebooks: ## run every notebook top to bottom; executed copies go to logs/notebooks/
 	@mkdir -p logs/notebooks
-	PROJECT_LOG_DIR=$(CURDIR)/logs $(PY) -m jupyter execute --kernel_name=python3 \
+	PROJECT_LOG_DIR="$(CURDIR)/logs" $(PY) -m jupyter execute --kernel_name=python3 \
 		--output='../logs/notebooks/{notebook_name}' notebooks/*.ipynb
 
 devices: ## list the GPUs this process may use, as cuda:N
@@ -44,9 +44,13 @@ devices: ## list the GPUs this process may use, as cuda:N
 
 plot: ## redraw curves.png of RUN=<run or sweep dir> (default: the newest run)
 	@test -n "$(RUN)" || { echo "error: no run under logs/train/runs; pass RUN=<run dir>" >&2; exit 2; }
-	$(PY) -m runkit.plot $(RUN) $(ARGS)
+	$(PY) -m runkit.plot "$(RUN)" $(ARGS)
 
+clean: ## delete caches and build outputs (never logs/: your runs stay)
+	rm -rf outputs multirun lightning_logs .pytest_cache .ruff_cache build dist
+	find . -name __pycache__ -type d -not -path './.venv/*' -prune -exec rm -rf {} +
 # repo-only: begin
+
 # This repository's own tools (the GPU check, mutation testing, benchmarks).
 .PHONY: bench gpu-wheels gpu-check-dry mutate
 gpu-wheels: ## fetch the wheels a GPU machine without internet lacks (wheels/gpu-py312)
@@ -62,8 +66,3 @@ mutate: ## mutation score of MODULE=checkpoints|gpus|gpu_stats|gpu_stats_process
 bench: ## every benchmark briefly; ratios to benchmarks/results/<date>.json, compared with the last
 	$(PY) benchmarks/run_all.py $(ARGS)
 # repo-only: end
-
-
-clean: ## delete caches and build outputs (never logs/: your runs stay)
-	rm -rf outputs multirun lightning_logs .pytest_cache .ruff_cache build dist
-	find . -name __pycache__ -type d -not -path './.venv/*' -prune -exec rm -rf {} +

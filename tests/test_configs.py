@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +18,8 @@ from runkit.errors import RunError
 from runkit.run.preflight import check_config, check_targets
 
 CONFIGS = config_dir()
-# Groups that need an optional extra or real hardware to instantiate; they are composed only.
-EXTRA_ONLY = {("logger", "wandb"), ("logger", "mlflow")}
+# Composed only: loggers that need an optional extra, and the node the trainer presets build on.
+EXTRA_ONLY = {("logger", "wandb"), ("logger", "mlflow"), ("trainer", "lightning")}
 
 
 def compose_train(*overrides: str, name: str = "train") -> DictConfig:
@@ -60,6 +62,30 @@ def test_every_option_composes_and_passes_preflight(group: str, option: str) -> 
             check_config(cfg)
         return
     check_config(cfg)
+
+
+def test_the_configs_compose_with_hydras_own_api_in_a_fresh_interpreter() -> None:
+    """As Hydra's docs compose them, nothing of the project imported first; every Trainer
+    argument a key of the config even so."""
+    code = (
+        "import sys\n"
+        "from hydra import compose, initialize_config_dir\n"
+        "with initialize_config_dir(config_dir=sys.argv[1], version_base='1.3'):\n"
+        "    for name in ('train', 'eval', 'predict'):\n"
+        "        assert compose(name).trainer.gradient_clip_val is None, name\n"
+        "assert 'project' not in sys.modules\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(CONFIGS)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_lightning_trainer_config_is_every_trainer_argument_at_its_default() -> None:
+    from runkit.run.trainer_args import TRAINER_DEFAULTS
+
+    node = OmegaConf.to_container(OmegaConf.load(CONFIGS / "trainer" / "lightning.yaml"))
+    assert node == TRAINER_DEFAULTS
 
 
 def test_eval_config_composes_and_requires_a_checkpoint() -> None:

@@ -1,13 +1,15 @@
 """This repository as a Copier template, tested as a user meets it.
 
 Real Copier on real git repositories, offline: the working tree becomes a git repository tagged
-v1, ``copier copy`` makes a project from it under a two-word name and a name with a non-ASCII
-letter, into a folder whose path holds a space; each is checked file by file and built as a
-wheel. Then, in a fresh process environment (no ``PYTHONPATH``, no virtual environment, nothing
-of pytest or of this repository), the non-ASCII project's README's two commands run as that README
-writes them: the setup and the default training, the setup and the generated project's own
-suite. Then a template change and ``copier update`` after the user's own commits, with a
-conflict. Not part of generated projects (tools/make_template.py leaves this file out).
+v1, ``copier copy`` makes a project from it under a name whose package sorts after ``runkit`` and
+one with a non-ASCII letter that sorts before, into a folder whose path holds a space; each starts
+its git repository as its README says, is checked file by file and built as a wheel. Then, in a
+fresh process environment (no ``PYTHONPATH``, no virtual environment, nothing of pytest or of
+this repository), each project's first push: the ``run:`` steps of its CI workflow as that
+workflow writes them (set up, lint, the suite, conflict markers), then every Makefile target that
+runs offline; the non-ASCII project's README train command as written. Then a template change and
+``copier update`` after the user's own commits, with a conflict. Not part of generated projects
+(tools/make_template.py leaves this file out).
 """
 
 from __future__ import annotations
@@ -23,14 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 COPIER = [sys.executable, "-m", "copier"]
 NAMES = [
-    pytest.param(("Acme Vision", "acme_vision"), id="acme_vision"),
-    pytest.param(("Élan Vital", "elan_vital"), id="elan_vital"),
+    pytest.param(("Sky Survey", "sky_survey"), id="sky_survey"),  # its imports sort after runkit's
+    pytest.param(("Élan Vital", "elan_vital"), id="elan_vital"),  # and before
 ]
-# The project whose README commands run as written (the other is made and checked file by file).
+# The project whose README train command runs as written (both run their CI job's steps).
 SET_UP = "Élan Vital"
 # Each test of the set-up project may be the one whose fixture sets it up and runs both README
 # commands (a fresh install and a 20-epoch run): minutes on a quiet machine, many on a busy one.
@@ -41,21 +44,21 @@ LEFTOVERS = re.compile(
     r"(?<![\w\-])(?<!^\[)project(?=\.[\w\"'`\\]|\[\w|/)|(?<=[\"'`/])project\b(?!-)|-m project\b"
     r"|\bPROJECT_|benchmarks/|scripts/gpu_check|gpu-check|mutmut|mutants|make mutate|(?<![/\w])docs/"
     r"|tools/|copier\.yml|test_template|lib/runkit/tests|tests/README|\$OUT|rename\.py"
-    r"|tests/test_\w+\.py"
+    r"|tests/test_\w+\.py|`test_[a-z0-9]+_\w+`"
 )
+IDENTITY = {
+    "GIT_AUTHOR_NAME": "t",
+    "GIT_AUTHOR_EMAIL": "t@example.com",
+    "GIT_COMMITTER_NAME": "t",
+    "GIT_COMMITTER_EMAIL": "t@example.com",
+}
 
 
 def git(cwd: Path, *args: str) -> str:
-    env = {
-        **os.environ,
-        "GIT_AUTHOR_NAME": "t",
-        "GIT_AUTHOR_EMAIL": "t@example.com",
-        "GIT_COMMITTER_NAME": "t",
-        "GIT_COMMITTER_EMAIL": "t@example.com",
-    }
     done = subprocess.run(
-        ["git", *args], cwd=cwd, env=env, capture_output=True, text=True, check=True
+        ["git", *args], cwd=cwd, env={**os.environ, **IDENTITY}, capture_output=True, text=True
     )
+    assert done.returncode == 0, done.stderr
     return done.stdout
 
 
@@ -91,7 +94,8 @@ def copier(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def make_project(repository: Path, where: Path, project_name: str) -> Path:
-    """``copier copy`` as the README gives it, the package name derived from the project's."""
+    """``copier copy`` as the README gives it, the package name derived from the project's, then
+    the git repository the project's README starts."""
     done = copier(
         "copy",
         "--defaults",
@@ -104,10 +108,31 @@ def make_project(repository: Path, where: Path, project_name: str) -> Path:
         cwd=where.parent,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    git(where, "init", "-q", "-b", "main")
-    git(where, "add", "-A")
-    git(where, "commit", "-q", "-m", "made with copier")
+    (start,) = [b for b in bash_blocks((where / "README.md").read_text("utf-8")) if "git init" in b]
+    started = run_bash(start, where, {**os.environ, **IDENTITY})
+    assert started.returncode == 0 and not git(where, "status", "--porcelain"), started.stderr
     return where
+
+
+def run_bash(command: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``command`` as a CI runner's ``run:`` step runs it (bash -e)."""
+    return subprocess.run(
+        ["bash", "--noprofile", "--norc", "-e", "-o", "pipefail", "-c", command],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def ci_steps(root: Path) -> list[tuple[str, str]]:
+    """The ``run:`` steps of the project's CI job, in order, as (name, command)."""
+    workflow = yaml.safe_load((root / ".github" / "workflows" / "ci.yml").read_text("utf-8"))
+    return [
+        (s.get("name", s["run"]), s["run"]) for s in workflow["jobs"]["test"]["steps"] if "run" in s
+    ]
 
 
 def fresh_environment() -> dict[str, str]:
@@ -141,7 +166,10 @@ class Made:
 @dataclass
 class Generated(Made):
     trained: subprocess.CompletedProcess
-    tested: subprocess.CompletedProcess
+    tested: subprocess.CompletedProcess | None
+
+
+Pushed = dict[str, list[tuple[str, subprocess.CompletedProcess]]]
 
 
 @pytest.fixture(scope="module")
@@ -167,27 +195,30 @@ def made(request: pytest.FixtureRequest, projects: dict[str, Made]) -> Made:
 
 
 @pytest.fixture(scope="module")
-def generated(projects: dict[str, Made]) -> Generated:
+def pushed(projects: dict[str, Made]) -> Pushed:
+    """Each project's first push: its CI job's ``run:`` steps in order, as its workflow writes
+    them, in a fresh environment, up to the first that fails (a fresh install and the project's
+    suite each)."""
+    done: Pushed = {}
+    for name, made in projects.items():
+        done[name] = []
+        for step, command in ci_steps(made.root):
+            done[name].append((step, run_bash(command, made.root, fresh_environment())))
+            if done[name][-1][1].returncode != 0:
+                break
+    return done
+
+
+@pytest.fixture(scope="module")
+def generated(projects: dict[str, Made], pushed: Pushed) -> Generated:
     """The project whose name has a space and a letter beyond ASCII (in a path with a space), and
-    the two commands of its README's "Two commands on a fresh machine", read from that README and
-    run as written, in a fresh environment. Both names' projects differ only in their package's
-    name, which the other tests check in every file; the commands, a fresh install and a full
-    training each, run once."""
+    the two commands of its README's "Two commands on a fresh machine", read from that README: the
+    training run as written, in a fresh environment; the test command is a step of its CI."""
     made = projects[SET_UP]
     train, test = bash_blocks(section(made.readme, "Two commands on a fresh machine"))
-    runs = [
-        subprocess.run(
-            ["bash", "-c", command],
-            cwd=made.root,
-            env=fresh_environment(),
-            capture_output=True,
-            text=True,
-            timeout=1800,
-            stdin=subprocess.DEVNULL,
-        )
-        for command in (train, test)
-    ]
-    return Generated(made.root, made.package, made.readme, *runs)
+    tested = next((run for _, run in pushed[SET_UP] if run.args[-1] == test), None)
+    trained = run_bash(train, made.root, fresh_environment())
+    return Generated(made.root, made.package, made.readme, trained, tested)
 
 
 def test_the_template_is_what_the_generator_writes_from_the_project() -> None:
@@ -220,8 +251,53 @@ def test_the_readme_test_command_as_written_passes_the_generated_suite(
     generated: Generated,
 ) -> None:
     tested = generated.tested
+    assert tested is not None, "the CI job did not reach the README's test command"
     assert tested.returncode == 0, tested.stdout[-4000:] + tested.stderr[-2000:]
     assert re.search(r"\d+ passed", tested.stdout) and " failed" not in tested.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SETUP_AND_RUN_S)
+def test_a_made_project_is_green_on_its_first_push(made: Made, pushed: Pushed) -> None:
+    """Lint, format check, the suite and the conflict-marker check, as the project's CI runs
+    them, whatever the package's name sorts against the vendored library's."""
+    runs = pushed[made.root.name]
+    failed = [
+        f"{step}: exit {run.returncode}\n{run.stdout[-3000:]}{run.stderr[-3000:]}"
+        for step, run in runs
+        if run.returncode
+    ]
+    assert not failed, failed[0]
+    commands = "\n".join(run.args[-1] for _, run in runs)
+    for expected in ("ruff check .", "ruff format --check .", "-m pytest", "git grep"):
+        assert expected in commands, f"the CI job runs no {expected!r}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SETUP_AND_RUN_S)
+def test_every_makefile_target_works_in_a_path_with_a_space(
+    projects: dict[str, Made], pushed: Pushed
+) -> None:
+    """Each target that runs offline, in a set-up project under ``my projects/Sky Survey``: a
+    tiny training for ``plot``; ``format`` changes nothing in a fresh project; ``clean`` keeps
+    the runs."""
+    made = projects["Sky Survey"]
+    assert " " in str(made.root)
+
+    def make(target: str) -> None:
+        done = run_bash(f"make {target}", made.root, fresh_environment())
+        assert done.returncode == 0, f"make {target}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+
+    for target in ("help", "lint", "format", "devices"):
+        make(target)
+    make('train ARGS="trainer.max_epochs=1 data.batch_size=256 test=false"')
+    (curves,) = (made.root / "logs" / "train" / "runs").glob("*/curves.png")
+    curves.unlink()
+    for target in ("plot", "notebooks", "clean"):
+        make(target)
+    assert curves.is_file() and (made.root / "logs" / "notebooks" / "01_gpu_story.ipynb").is_file()
+    assert not (made.root / ".pytest_cache").exists()
+    assert not git(made.root, "status", "--porcelain")  # format changed nothing; runs ignored
 
 
 @pytest.mark.slow

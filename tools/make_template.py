@@ -86,6 +86,7 @@ _SETTINGS = (
         "{{ python_version | replace('.', '') }}",
     ),
     (re.compile(r'(?<=python-version: ")[0-9.]+(?=")'), "{{ python_version }}"),
+    (re.compile(r"(?<=Python )[0-9.]+(?= or newer)"), "{{ python_version }}"),  # README
     (re.compile(r"\A# project(?= — )"), "# {{ project_name }}"),  # README's title
 )
 _JINJA = re.compile(r"\{[{%#]|[}%#]\}")
@@ -150,17 +151,18 @@ def without_repo_only(text: str) -> str:
 
 
 def without_test_column(text: str) -> str:
-    """``text`` less the last column of each Markdown table headed ``| ... | Test |``: the
-    library's README names the test behind each row, a file its vendored copy does not have."""
+    """``text`` less the first and last columns of each Markdown table headed
+    ``| Case | ... | Test |``: the library's README names the test behind each row (its case and
+    file), which its vendored copy does not have."""
     kept, in_table = [], False
     for line in text.splitlines(keepends=True):
         row = line.rstrip("\n")
-        if row.startswith("|") and row.rstrip().endswith("| Test |"):
+        if row.startswith("| Case |") and row.rstrip().endswith("| Test |"):
             in_table = True
         elif not row.startswith("|"):
             in_table = False
         if in_table:
-            line = row.rstrip()[:-1].rsplit("|", 1)[0] + "|\n"
+            line = "|" + row.rstrip()[1:-1].split("|", 1)[1].rsplit("|", 1)[0] + "|\n"
         kept.append(line)
     return "".join(kept)
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-import runkit
 from project import config_dir
+import runkit
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -53,8 +53,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             policy=runkit.policy_from_config(cfg),
         )
     )
-    if plan.message and rank_zero_only.rank == 0:  # once, not once per DDP process
-        log.info(plan.message)
+    if plan.message:
+        rank_zero_only(log.info)(plan.message)  # once, not once per DDP process
     # The same hardware settings as training (precision=auto -> bf16-mixed on a bf16 GPU...).
     trainer = runkit.build_trainer(cfg, **runkit.trainer_settings(cfg, plan))
     if trainer.is_global_zero:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-import runkit
 from project import config_dir
+import runkit
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -54,10 +54,10 @@ def predict(cfg: DictConfig) -> None:
     )
     # predict_step, or the forward; predict_dataloader, or the test split: which, in one line.
     what = runkit.prepare_predict(model, datamodule)
-    if rank_zero_only.rank == 0:  # once, not once per DDP process
-        if plan.message:
-            log.info(plan.message)
-        log.info(what)
+    info = rank_zero_only(log.info)  # once, not once per DDP process
+    if plan.message:
+        info(plan.message)
+    info(what)
     trainer = runkit.build_trainer(cfg, **runkit.trainer_settings(cfg, plan))
     if trainer.is_global_zero:
         runkit.save_config(cfg, out)

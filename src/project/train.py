@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-import runkit
 from project import config_dir
+import runkit
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -42,8 +42,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     plan = runkit.resolve_for_run(
         cfg.trainer.accelerator, cfg.trainer.devices, select=cfg.select_gpus, policy=policy
     )
-    if plan.message and rank_zero_only.rank == 0:  # once, not once per DDP process
-        log.info(plan.message)
+    if plan.message:
+        rank_zero_only(log.info)(plan.message)  # once, not once per DDP process
     # Fast defaults for that hardware: TF32 on Ampere+, precision=auto -> bf16-mixed on a bf16 GPU.
     trainer_kwargs = runkit.trainer_settings(cfg, plan)
 

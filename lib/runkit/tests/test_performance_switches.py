@@ -25,12 +25,12 @@ from host_reads import HostReadProbe, ReadRecorder, host_side_storages
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-import runkit
 from conftest import CliRunner, clean_env, run_dirs
 from project import config_dir
 from project.data.digits import DigitsDataModule
 from project.models.classifier import ClassifierModule
 from project.models.nets import MLP, ConvNet
+import runkit
 from runkit import speed
 from runkit.errors import RunError
 from runkit.run import builders

@@ -16,8 +16,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-import runkit
 from project import config_dir
+import runkit
 from runkit import speed
 from runkit.errors import RunError
 from runkit.run import builders, collector, preflight, run_files

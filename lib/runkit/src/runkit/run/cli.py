@@ -37,10 +37,8 @@ def find_configs(package_file: str | Path, env_var: str | None = None) -> Path:
     outside the CLI (a test, a notebook) resolves as the CLI's does.
     """
     from runkit.run.launch import register_resolvers
-    from runkit.run.trainer_args import register_trainer_schema
 
     register_resolvers()
-    register_trainer_schema()  # trainer/lightning: every Trainer argument, a key of the config
     package = Path(package_file).resolve().parent
     candidates = [package / "configs", package.parent.parent / "configs"]
     if env_var and os.environ.get(env_var):
@@ -88,10 +86,8 @@ def hydra_entry(
         )
         from runkit.run.launch import register_resolvers
         from runkit.run.sweep import follow_sweep_parent
-        from runkit.run.trainer_args import register_trainer_schema
 
         register_resolvers()  # ${run_id:...}: one run directory for all processes of a launch
-        register_trainer_schema()  # trainer.X=... for every Trainer argument, without a +
         follow_sweep_parent()  # a job of a parallel sweep ends with the sweep (kill -9 included)
         app = hydra.main(version_base="1.3", config_path=str(config_dir), config_name=config_name)
         from runkit.safety.signals import stop_on_signal

@@ -1,13 +1,14 @@
 """Every ``lightning.pytorch.Trainer`` argument as a key of the config: ``trainer.X=...`` needs no ``+``.
 
 LightningCLI accepts every Trainer argument; a Hydra config accepts only the keys it has. The
-node below (Lightning's own defaults, registered as ``trainer/lightning`` and merged under
-``configs/trainer/default.yaml``) gives the config all of them, so ``trainer.gradient_clip_val=1``
-works and a misspelt key still gets Hydra's "not a key" with a "did you mean" among the real
-ones. Kept here as data rather than read from ``inspect.signature(Trainer)`` so that composing a
-config (``--help``, ``--cfg job``) does not import Lightning; ``test_compat.py`` checks it against
-the installed Trainer. Keys still at these defaults are not passed (:func:`set_arguments`), so a
-Lightning release that drops one of them does not break every run.
+project's ``configs/trainer/lightning.yaml`` (the node below, merged under ``trainer/default.yaml``)
+gives the config all of them, so ``trainer.gradient_clip_val=1`` works and a misspelt key still
+gets Hydra's "not a key" with a "did you mean" among the real ones. A file, not a node registered
+at import, so that Hydra's own compose API composes the configs with nothing imported. Kept here
+as data rather than read from ``inspect.signature(Trainer)`` so that checking a config does not
+import Lightning; the tests check it against the installed Trainer and the file. Keys still at
+these defaults are not passed (:func:`set_arguments`), so a Lightning release that drops one of
+them does not break every run.
 
 Left out: ``precision`` (the run's top-level key), ``callbacks`` and ``logger`` (the
 ``callbacks`` and ``logger`` groups).
@@ -60,15 +61,6 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "model_registry": None,
 }
 """``Trainer.__init__``'s arguments and defaults (Lightning 2.6), less :data:`OWNED_ELSEWHERE`."""
-
-
-def register_trainer_schema() -> None:
-    """Store :data:`TRAINER_DEFAULTS` as the config ``trainer/lightning`` (idempotent)."""
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(
-        group="trainer", name="lightning", node=dict(TRAINER_DEFAULTS), provider="runkit"
-    )
 
 
 def set_arguments(trainer: Any) -> dict[str, Any]:
