@@ -462,6 +462,7 @@ def test_cuda_numbers_gpus_in_pci_bus_order_and_says_when_that_may_be_wrong(
         ("1gpu", False),  # strtoul: leading digits count
         ("+1", False),
         ("GPU-abc", False),  # a UUID list: the GPUs decide
+        (" GPU-abc", True),  # a blank first: a list of indices (torch), which this is not
         ("MIG-abc", False),
         ("", False),  # empty: its own message
         (None, False),

@@ -130,7 +130,7 @@ def first_entry_problem(cuda_visible_devices: str | None) -> str | None:
         return None
     first = value.split(",")[0]
     match = ORDINAL.match(first)
-    if first.strip().startswith(("GPU-", "MIG-")) or (match and int(match.group(1)) >= 0):
+    if match and int(match.group(1)) >= 0:
         return None
     return (
         f"its first entry {first!r} is not a GPU index or UUID, and CUDA ignores the list from "
