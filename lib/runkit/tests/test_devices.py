@@ -404,19 +404,23 @@ def test_mig_devices_follow_the_drivers_enumeration_rule(driver, value, expected
     assert len(said) == len(notes) and all(n in s for n, s in zip(notes, said, strict=True))
 
 
-def test_at_most_64_mig_devices_are_enumerated():
-    gpus = [
+def test_at_most_64_mig_devices_are_enumerated_beside_plain_gpus():
+    gpus = [Gpu(uuid="GPU-p", name="A100", nvml_index=10, pci_bus_id="00000000:01:00.0")] + [
         board(i, name="A100", mig_enabled=True,
               mig_devices=tuple(mig_slice(f"MIG-{i}-{g}", f"GPU-{i:04d}", g) for g in range(7)))
         for i in range(10)
     ]  # fmt: skip
     visible, notes = apply_visible_devices(gpus, None, "PCI_BUS_ID", "570.133.20")
-    assert len(visible) == 64 and visible[-1].uuid == "MIG-9-0"
+    assert len(visible) == 65 and uuids(visible)[::64] == ["GPU-p", "MIG-9-0"]
     assert notes == [
         "CUDA enumerates one compute instance per GPU instance and at most 64 MIG devices; not "
         "shown: MIG-9-1, MIG-9-2, MIG-9-3, MIG-9-4, MIG-9-5, MIG-9-6 (which compute instance "
         "CUDA takes is not documented; the first in CUDA order is assumed)."
     ]
+    # slices whose GPU instance NVML does not give are told apart by their UUIDs
+    unknown = (mig_slice("MIG-x", "GPU-0000", None), mig_slice("MIG-y", "GPU-0000", None))
+    gpus = [board(0, name="A100", mig_enabled=True, mig_devices=unknown)]
+    assert uuids(apply_visible_devices(gpus, None, "PCI_BUS_ID")[0]) == ["MIG-x", "MIG-y"]
 
 
 ORDER_NOTE = (

@@ -152,6 +152,6 @@ def apply_visible_devices(
                 )
                 return [], notes
             picked.append(found)
-            chosen.extend([found] if found.is_mig else _units(found))
+            chosen.extend(_units(found))  # a MIG device is its own unit
     shown, mig_notes = apply_mig_limits(chosen, driver_version)
     return shown, notes + mig_notes
