@@ -129,7 +129,8 @@ def test_read_nvml_reads_every_gpu_and_mig_slice(fake):
     assert slice1.utilization_percent is None  # MIG handles do not report utilisation
     # a slice has no temperature or power of its own: its GPU has
     assert (slice0.temperature_c, slice0.power_w, slice0.power_limit_w) == (None, None, None)
-    assert slice0.memory_total_mib == 10 * 1024 and slice0.pci_bus_id == parent.pci_bus_id
+    assert slice0.memory_total_mib == 10 * 1024
+    assert slice0.pci_bus_id == parent.pci_bus_id == "00000000:47:00.0"
     assert fake.balanced
     with pytest.raises(ValueError, match="detail='some'; use one of identity, load, full"):
         read_nvml("some")
@@ -137,12 +138,13 @@ def test_read_nvml_reads_every_gpu_and_mig_slice(fake):
 
 def test_what_nvml_will_not_say_stays_unknown(fake):
     fake.gpus[1].fail("power", "not_supported").fail("temperature", "no_permission")
+    fake.gpus[1].fail("power_limit", "not_supported")
     fake.gpus[2].fail("name", "unknown")
     fake.gpus[3].mig[0].fail("nvmlDeviceGetGpuInstanceId", "not_supported")
     fake.gpus[3].mig[1].fail("nvmlDeviceGetComputeInstanceId", "not_supported")
     fake.gpus[0].lose(0.0)
     gpus, _, notes = read_nvml()
-    assert gpus[1].power_w is None and gpus[1].temperature_c is None
+    assert (gpus[1].power_w, gpus[1].power_limit_w, gpus[1].temperature_c) == (None, None, None)
     assert gpus[1].memory_total_mib == 81920 and gpus[2].name == "unknown GPU"
     ids = [(s.gpu_instance_id, s.compute_instance_id) for s in gpus[3].mig_devices]
     assert ids == [(None, 0), (2, None)]
@@ -567,22 +569,29 @@ def test_summary_counts_gpus_in_words(use_fake):
 def test_probe_torch_counts_without_initialising_cuda_unless_asked_for_uuids(monkeypatch, use_fake):
     import torch
 
-    calls: list[str] = []
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: calls.append("count") or 2)
+    probe, calls = inventory_module.probe_torch, []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: calls.append("count") or 1)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: calls.append("available") or True)
     monkeypatch.setattr(torch.version, "cuda", "12.4")
-    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
     props = lambda i: calls.append(f"props {i}") or SimpleNamespace(uuid=f"u{i}", name=f"G{i}")  # noqa: E731
     monkeypatch.setattr(torch.cuda, "get_device_properties", props)
     use_fake(FakeNvml(1, clock=lambda: 0.0))
-    collect_inventory(env={}, probe_uuids=False)  # what the Hydra sweep launcher does
-    assert calls == ["count"]
-    assert inventory_module.probe_torch() == TorchCuda(True, 2, ("u0", "u1"), ("G0", "G1"), "12.4")
-    assert calls == ["count", "available", "count", "props 0", "props 1"]
+    inventory_module.forget_readings()
+    cached_inventory()  # device resolution
+    inv = collect_inventory(env={"CUDA_VISIBLE_DEVICES": "0"}, probe_uuids=False)  # the sweep's
+    assert calls == ["count", "count"] and inv.cuda_visible_devices == "0"
+    assert inv.torch == probe(uuids=False) == TorchCuda(True, 1, version="12.4", mps_available=True)
+    assert collect_inventory(env={}).torch == TorchCuda(True, 1, ("u0",), ("G0",), "12.4", True)
+    assert calls[3:] == ["available", "count", "props 0"]
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(name="L4"))
-    assert inventory_module.probe_torch().uuids == ("", "")  # no uuid in old torch's properties
+    assert probe().uuids == ("",)  # no uuid in old torch's properties
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert inventory_module.probe_torch() == TorchCuda(version="12.4")
+    assert probe() == TorchCuda(version="12.4", mps_available=True)  # a Mac
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert probe() == probe(uuids=False) == TorchCuda(version="12.4")
+    inventory_module.forget_readings()
 
 
 # ------------------------------------------------------------------------- parse_devices
