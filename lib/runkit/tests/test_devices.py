@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -188,8 +189,11 @@ def test_one_uuid_spelling_finds_gpus_and_mig_slices(fake):
     ]
     with nvml.nvml_session() as lib:
         for given, expected in spellings:
+            lib.reset_counters()
             handle, nvml_uuid = nvml.find_handle(lib, given)
             assert nvml_uuid == expected == lib.nvmlDeviceGetUUID(handle), given
+            first = expected.startswith("MIG-") == given.strip().upper().startswith("MIG-")
+            assert lib.calls["nvmlDeviceGetHandleByUUID"] == (1 if first else 2), given
         assert nvml.find_handle(lib, "GPU-0000") is None
     assert nvml.bare_uuid(" MIG-ABC ") == nvml.bare_uuid("abc") == "abc"
 
@@ -203,6 +207,8 @@ def test_a_backend_spec_loads_its_factory_or_says_it_cannot(monkeypatch):
     assert nvml.error_classes(
         lib, ["NVMLError_NotSupported", "NVMLError_NoSuch", "NVML_SUCCESS"]
     ) == (lib.NVMLError_NotSupported,)
+    monkeypatch.setenv(nvml.BACKEND_ENV, "runkit.testing.fake_nvml:create")
+    assert isinstance(nvml.load_library(), FakeNvml)
     monkeypatch.setenv(nvml.BACKEND_ENV, "runkit.testing.fake_nvml:no_such_factory")
     with pytest.raises(nvml.NvmlUnavailable) as info:
         nvml.load_library()
@@ -210,6 +216,11 @@ def test_a_backend_spec_loads_its_factory_or_says_it_cannot(monkeypatch):
         "RUNKIT_NVML_BACKEND='runkit.testing.fake_nvml:no_such_factory' does not "
         "name an importable 'module:factory'"
     )
+    monkeypatch.delenv(nvml.BACKEND_ENV)
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # a trimmed environment
+    with pytest.raises(nvml.NvmlUnavailable) as info:
+        nvml.load_library()
+    assert str(info.value) == "the NVML bindings are not installed (pip install nvidia-ml-py)"
 
 
 # ------------------------------------------------------------------------- one device's figures
