@@ -122,7 +122,8 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi(
         "lightning.pytorch.trainer.call:_call_callback_hooks",
         "callable",
-        "runkit.compat.skip_unused_batch_hooks (every runkit callback)",
+        "runkit.compat.skip_unused_batch_hooks (every runkit callback), runkit.compat.skip_hooks "
+        "(GpuStatsMonitor between its loop-timing windows)",
         "Lightning's hook dispatch skips a hook attribute that is not callable; no public way to "
         "say a callback does not use a hook",
         lambda: _skips_hooks_that_are_not_callable(),
@@ -143,7 +144,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi(
         "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop",
         "batch_idx",
-        "runkit.compat.fit_batch_index (finite-loss guard)",
+        "runkit.compat.fit_batch_index (finite-loss guard; GpuStatsMonitor's loop figures)",
         "the batch index inside the epoch, which the error names; not on the Trainer",
         lambda: hasattr(_trainer_attribute_value("fit_loop").epoch_loop, "batch_idx"),
     ),
@@ -443,9 +444,23 @@ def skip_unused_batch_hooks(callback: Any) -> None:
     """
     from lightning.pytorch import Callback
 
-    for name in BATCH_HOOKS:
-        if getattr(type(callback), name, None) is getattr(Callback, name):
-            setattr(callback, name, None)
+    skip_hooks(
+        callback,
+        *(n for n in BATCH_HOOKS if getattr(type(callback), n, None) is getattr(Callback, n)),
+    )
+
+
+def skip_hooks(callback: Any, *names: str) -> None:
+    """Leave ``callback`` out of Lightning's dispatch of the hooks ``names`` until
+    :func:`restore_hooks` (private: see PRIVATE_APIS; how, see :func:`skip_unused_batch_hooks`)."""
+    for name in names:
+        setattr(callback, name, None)
+
+
+def restore_hooks(callback: Any, *names: str) -> None:
+    """Lightning calls the hooks ``names`` of ``callback``'s class again."""
+    for name in names:
+        vars(callback).pop(name, None)
 
 
 def fit_batch_index(trainer: Any) -> int:

@@ -34,7 +34,7 @@ METRICS_CSV = Path("csv") / "metrics.csv"
 INSTALL_HINT = "pip install matplotlib"
 FORMATS = (".png", ".svg", ".pdf")
 
-# Training-epoch GPU statistics written by runkit.gpu_stats.callback.
+# Training-epoch GPU statistics written by runkit.gpu_stats.callback (key_prefix "gpu").
 _GPU_KEY = re.compile(r"^gpu/(?P<gpu>node\d+/cuda\d+)/(?P<stat>[a-z0-9_]+)$")
 LOOP_WAIT = "loop/data_wait_frac"  # also from runkit.gpu_stats (any CPU or GPU run)
 _PANEL_SIZE = (4.6, 3.0)  # inches per panel

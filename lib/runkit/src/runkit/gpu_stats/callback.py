@@ -1,15 +1,16 @@
 """GPU statistics per epoch from NVML: what the GPUs of *this run* did, not a snapshot.
 
 Why not Lightning's ``DeviceStatsMonitor``: it reads ``torch.cuda.memory_stats`` on the training
-thread at every step and knows nothing of utilisation, power or throttling. Here a daemon thread
-samples NVML every ``interval_s`` (:mod:`.sampler`); the training thread makes no NVML call and
-never waits for a reading. Each training epoch and validation is a phase; once its figures are
-in, rank 0 logs the mean/max/min of each GPU (``gpu/node{N}/cuda{i}/...``, ``gpu_val/`` for
-validation) in one ``logger.log_metrics`` call, at the step of Lightning's own rows. Each torch
-device is matched to its NVML device by UUID (``CUDA_VISIBLE_DEVICES``, MIG). Under DDP each
-rank hands its figures to rank 0 through the job's key-value store, not a collective. Keys a GPU
-cannot report are left out, never logged as 0; a missing driver or a lost GPU costs one log
-line. The run's energy is kept in the checkpoint. Reference: docs/gpu-statistics.md.
+thread at every step and knows nothing of utilisation, power or throttling. Here NVML is sampled
+off the training thread (a process of its own, :mod:`.process`, or a thread), every
+``interval_s``; once per epoch rank 0 logs the mean/max/min of each GPU (``gpu/node{N}/cuda{i}/...``,
+``gpu_val/`` for validation) in one ``logger.log_metrics`` call, at the step of Lightning's own rows.
+Each torch device is matched to its NVML device by UUID, so ``CUDA_VISIBLE_DEVICES`` and MIG land
+on the right GPU. Under DDP each rank hands its figures to rank 0 through the job's key-value
+store, not a collective, so nothing can deadlock against Lightning's own syncs. Keys a GPU cannot
+report are left out, never logged as 0; a missing driver or a lost GPU costs one log line, never
+the run. The run's energy is kept in the checkpoint and continues after a resume.
+The keys, the phases and the failure modes in full: the library repository's GPU statistics page.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from typing import Any
@@ -25,15 +27,18 @@ import lightning.pytorch as pl
 import torch
 
 from runkit import compat
-from runkit.gpu_stats import report
+from runkit.gpu_stats import loop, report
 from runkit.gpu_stats.exchange import RankExchange
-from runkit.gpu_stats.loop import LoopTimer
+from runkit.gpu_stats.loop import LoopTimer, Ticker, fixed_batches
+from runkit.gpu_stats.process import ProcessSampler, SamplerUnavailable
 from runkit.gpu_stats.sampler import (
     DEFAULT_GROUPS,
     OPTIONAL_GROUPS,
+    TRAIN,
+    VAL,
     GpuReader,
     GpuSampler,
-    Phase,
+    Later,
     TorchPeakMemory,
 )
 from runkit.gpu_stats.statistics import flatten_epoch, flatten_loop
@@ -45,8 +50,7 @@ MIN_WAIT_WARNING_S = 1.0
 """An epoch waiting for data less than this in all gets no warning, whatever the share: a short
 epoch's first batch (loader start-up) would otherwise raise it for nothing."""
 STATE_VERSION = 1
-EXTRAS = (*OPTIONAL_GROUPS, "sample_ms")
-"""What ``extras`` may name: metrics often unsupported, and the sampler's own NVML time."""
+SAMPLERS = ("process", "thread")
 
 
 # --------------------------------------------------------------------------- device mapping
@@ -97,25 +101,30 @@ def count_samples(loops: Sequence[dict[str, float] | None]) -> float | None:
     return sum(loop["samples"] for loop in loops if loop)
 
 
+def _loads() -> bool:
+    """Load NVML's bindings (not initialise them), so that a sampler process forked now inherits
+    the same library; False where there are none (the session below says so in one line)."""
+    try:
+        nvml.load_library()
+    except nvml.NvmlUnavailable:
+        return False
+    return True
+
+
 @dataclasses.dataclass
-class _Record:
-    """A training epoch or validation of this rank whose figures rank 0 has not had yet."""
+class _Validation:
+    """One validation of this rank whose figures rank 0 has not had yet."""
 
-    payload: dict[str, Any]  # root, step, epoch, node, boards and (training) loop
-    phase: Phase | None
-    peaks: dict[str, dict[str, float]]
-
-
-def _within(value: Any, low: float, high: float) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high
+    number: int
+    payload: dict[str, Any]  # node, boards, step and epoch: the rest of what rank 0 needs
+    figures: Later = dataclasses.field(default_factory=lambda: Later(dict))
+    peaks: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
-def _strings(value: Any) -> bool:
-    return (
-        isinstance(value, Sequence)
-        and not isinstance(value, str)
-        and all(isinstance(item, str) for item in value)
-    )
+_STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end")  # the loop timer's
+_HOOKS_LOCK = threading.Lock()
+"""Turns a monitor's two batch hooks on and off as one, against the ticker's thread (one for
+every monitor: an instance's own would not pickle, as ``ddp_spawn`` does)."""
 
 
 def _finite(value: Any) -> bool:
@@ -140,87 +149,129 @@ def energy_report(trainer: Any) -> dict[str, Any] | None:
     }
 
 
+# --------------------------------------------------------------------------- the callback
 class GpuStatsMonitor(pl.Callback):
     """Log per-epoch GPU statistics from NVML for every GPU of the run (see the module docstring).
 
     Args:
-        interval_s: seconds between samples.
+        interval_s: seconds between background samples.
         report_validation: also log the validation runs, under ``gpu_val/``.
-        extras: also log these (often unsupported): ``fan``, ``pcie``, ``ecc``,
-            ``memory_temperature``, ``sample_ms`` (the NVML time of a sample of each GPU).
+        fan, pcie, ecc, memory_temperature: log these too (off by default; often unsupported).
+        log_sampler_cost: log ``sample_ms``, the NVML time per sample of each GPU.
+        summary_table: print a Rich table of every GPU at the end of ``fit`` (rank 0).
+        device_uuids: the NVML UUID of each entry of ``trainer.strategy.parallel_devices``, for
+            runs whose devices are not CUDA devices (tests and demos on CPU with the fake NVML;
+            not in the shipped YAML: ``+callbacks.gpu_stats.device_uuids=[...]`` adds it).
+            Leave ``None`` on real GPUs: the UUIDs then come from CUDA.
+        key_prefix: first part of every key (``gpu``); validation uses ``{key_prefix}_val``.
         gpm: read GPM metrics (SM activity, occupancy, tensor cores, DRAM) where supported.
         per_gpu_keys_up_to: per-GPU keys for nodes with at most this many GPUs; only the
             ``gpu/all/`` aggregates beyond.
         data_wait_warning: warn when an epoch's loop waited more than this share of its time for
-            data while the GPUs were mostly idle (1.0: never) ...
-        gpu_idle_below_pct: ... that is, their mean utilisation was below this.
-        summary_table: print a Rich table of every GPU at the end of ``fit`` (rank 0).
-        device_uuids: the NVML UUID of each entry of ``trainer.strategy.parallel_devices``, for
-            runs whose devices are not CUDA devices (the fake NVML on a CPU). Leave ``None`` on
-            real GPUs: the UUIDs then come from CUDA.
+            data while the GPUs were mostly idle (1.0: never).
+        gpu_idle_below_pct: "mostly idle": mean utilisation of the run's GPUs below this.
+        gather_timeout_s: how long rank 0 waits at an epoch end for the other ranks' figures
+            before it logs the epoch without the late ones (one warning naming them).
+        sampler: ``"process"`` (default): sample in a child process of each rank, so the
+            training process does no NVML work between the epoch boundaries (:mod:`.process`;
+            where no process can be started, a thread, with one log line); ``"thread"``: in a
+            background thread of the training process.
     """
-
-    gather_timeout_s = 30.0
-    """How long rank 0 waits for the other ranks' figures before it goes on without them."""
 
     def __init__(
         self,
         interval_s: float = 1.0,
         report_validation: bool = True,
-        extras: Sequence[str] = (),
+        fan: bool = False,
+        pcie: bool = False,
+        ecc: bool = False,
+        memory_temperature: bool = False,
+        log_sampler_cost: bool = False,
+        summary_table: bool = True,
+        device_uuids: Sequence[str] | None = None,
+        key_prefix: str = "gpu",
         gpm: bool = True,
         per_gpu_keys_up_to: int = 8,
         data_wait_warning: float = 0.3,
         gpu_idle_below_pct: float = 50.0,
-        summary_table: bool = True,
-        device_uuids: Sequence[str] | None = None,
+        gather_timeout_s: float = 30.0,
+        sampler: str = "process",
     ) -> None:
-        for name, value, ok, accepted in (
-            ("interval_s", interval_s, _within(interval_s, 0, math.inf) and interval_s > 0,
-             "seconds > 0"),
-            ("extras", extras, _strings(extras) and set(extras) <= set(EXTRAS),
-             f"a list of some of {', '.join(EXTRAS)}"),
-            ("per_gpu_keys_up_to", per_gpu_keys_up_to, isinstance(per_gpu_keys_up_to, int)
-             and _within(per_gpu_keys_up_to, 0, math.inf), "a GPU count >= 0"),
-            ("data_wait_warning", data_wait_warning, _within(data_wait_warning, 0, 1),
-             "a number in [0, 1]"),
-            ("gpu_idle_below_pct", gpu_idle_below_pct, _within(gpu_idle_below_pct, 0, 100),
-             "a number in [0, 100]"),
-            ("device_uuids", device_uuids, device_uuids is None or _strings(device_uuids),
-             "a list of NVML UUID strings"),
-        ):  # fmt: skip
-            if not ok:
-                raise ValueError(f"GpuStatsMonitor: {name}={value!r}; give {accepted}")
+        if sampler not in SAMPLERS:
+            raise ValueError(
+                f"GpuStatsMonitor: sampler={sampler!r}; give one of {', '.join(SAMPLERS)}"
+            )
+        self.sampler = sampler
+        for name, seconds in (("interval_s", interval_s), ("gather_timeout_s", gather_timeout_s)):
+            if (
+                isinstance(seconds, bool)
+                or not isinstance(seconds, (int, float))
+                or not seconds > 0
+            ):
+                raise ValueError(f"GpuStatsMonitor: {name}={seconds!r}; give seconds > 0")
+        if device_uuids is not None and (
+            isinstance(device_uuids, str) or not all(isinstance(u, str) for u in device_uuids)
+        ):
+            raise ValueError(
+                f"GpuStatsMonitor: device_uuids={device_uuids!r}; give a list of NVML UUID strings"
+            )
+        if not key_prefix or "/" in key_prefix:
+            raise ValueError(f"GpuStatsMonitor: key_prefix={key_prefix!r}; give a word without '/'")
+        if (
+            isinstance(per_gpu_keys_up_to, bool)
+            or not isinstance(per_gpu_keys_up_to, int)
+            or (per_gpu_keys_up_to < 0)
+        ):
+            raise ValueError(
+                f"GpuStatsMonitor: per_gpu_keys_up_to={per_gpu_keys_up_to!r}; give a GPU count >= 0"
+            )
+        for name, value, high in (
+            ("data_wait_warning", data_wait_warning, 1.0),
+            ("gpu_idle_below_pct", gpu_idle_below_pct, 100.0),
+        ):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (0 <= value <= high)
+            ):
+                raise ValueError(
+                    f"GpuStatsMonitor: {name}={value!r}; give a number in [0, {high:g}]"
+                )
         self.interval_s = float(interval_s)
+        self.gather_timeout_s = float(gather_timeout_s)
         self.report_validation = report_validation
-        self.groups = [*DEFAULT_GROUPS, *(g for g in OPTIONAL_GROUPS if g in extras)]
+        optional = {"fan": fan, "pcie": pcie, "ecc": ecc, "memory_temperature": memory_temperature}
+        self.groups = [*DEFAULT_GROUPS, *(g for g in OPTIONAL_GROUPS if optional[g])]
         if not gpm:
             self.groups.remove("gpm")
-        self.log_sampler_cost = "sample_ms" in extras
         self.per_gpu_keys_up_to = per_gpu_keys_up_to
         self.data_wait_warning = float(data_wait_warning)
         self.gpu_idle_below_pct = float(gpu_idle_below_pct)
+        self.log_sampler_cost = log_sampler_cost
         self.summary_table = summary_table
         self.device_uuids = None if device_uuids is None else list(device_uuids)
+        self.key_prefix = key_prefix
         self._reset_state()
         compat.skip_unused_batch_hooks(self)
 
     def _reset_state(self) -> None:
         self._stack = ExitStack()
-        self._sampler: GpuSampler | None = None
+        self._sampler: GpuSampler | ProcessSampler | None = None
         self._peaks: TorchPeakMemory | None = None
+        self._active = False  # some rank samples a GPU (rank 0 knows of all, others of their own)
         self._exchanges = {
             hook: RankExchange(hook, self.gather_timeout_s)
             for hook in ("setup", "validation end", "training epoch end", "training end")
         }
         self._identities: list[dict[str, Any]] = []
         self._summary = report.RunSummary()
-        self._train: Phase | None = None  # the training epoch under way
-        self._val: Phase | None = None
-        self._records: list[_Record] = []  # this rank's, not sent yet
-        self._sent = 0  # records sent by this rank (numbered alike on every rank)
+        self._phase_before_val: str | None = None
+        self._validation_count = 0  # this fit's validations, numbered alike on every rank
+        self._validations: list[_Validation] = []  # this rank's, their figures not sent yet
         self._arrived: dict[int, dict[int, dict[str, Any]]] = {}  # rank 0: number -> rank -> it
         self._loop = LoopTimer()
+        self._ticker: Ticker | None = None  # begins the loop's measuring windows (loop.py)
+        self._measure_steps()
         self._fit_energy_j: dict[str, float] = {}  # this fit, per physical GPU
         self._fit_samples: float | None = 0.0  # training samples of this fit, every rank
         self._epoch_samples: float | None = 0.0  # of the epoch under way, at its validation
@@ -254,10 +305,24 @@ class GpuStatsMonitor(pl.Callback):
             self._close()
             raise ValueError(errors[0])
         self._identities = everyone
+        self._active = any(p["gpus"] for p in everyone)
         if trainer.is_global_zero:
             self._report_setup(everyone)
         if self._sampler is not None:
+            self._start_sampler()
+
+    def _start_sampler(self) -> None:
+        sampler = self._sampler
+        try:
+            sampler.start()
+        except SamplerUnavailable as err:
+            self._fall_back(err)
+            sampler.stop()
+            self._sampler = GpuSampler(sampler.readers, self.interval_s)
             self._sampler.start()
+
+    def _fall_back(self, err: Exception) -> None:
+        log.warning("gpu_stats: %s; sampling in a thread of the training process instead", err)
 
     def _open(self, trainer: pl.Trainer) -> dict[str, Any]:
         """Map this process's devices to NVML and probe them. Returns what rank 0 should hear."""
@@ -276,9 +341,22 @@ class GpuStatsMonitor(pl.Callback):
                 wanted.append((f"cuda{index}", device, cuda_device_uuid(index)))
         if not wanted:
             return {"status": "off: this run uses no CUDA device", "gpus": [], "quiet": True}
+        child = None
+        if self.sampler == "process" and _loads():  # forked before this process opens NVML
+            try:
+                child = ProcessSampler.fork(
+                    [(label, uuid) for label, _device, uuid in wanted if uuid],
+                    self.groups,
+                    self.interval_s,
+                )
+            except SamplerUnavailable as err:
+                self._fall_back(err)
+            else:
+                self._stack.callback(child.stop)
         try:
             lib = self._stack.enter_context(nvml.nvml_session())
         except nvml.NvmlUnavailable as err:
+            self._close()  # the child, if any, found the same
             return {"status": f"off: {err}", "gpus": []}
         readers, problems = [], []
         for label, _device, uuid in wanted:
@@ -297,8 +375,12 @@ class GpuStatsMonitor(pl.Callback):
                 continue
             readers.append(reader)
             self._stack.callback(reader.close)  # its GPM samples go before NVML shuts down
-        if readers:
+        if readers and child is not None:
+            child.attach(readers)
+            self._sampler = child
+        elif readers:
             self._sampler = GpuSampler(readers, self.interval_s)
+        if readers:
             self._peaks = TorchPeakMemory({label: dev for label, dev, _ in wanted})
         else:
             self._close()
@@ -361,17 +443,25 @@ class GpuStatsMonitor(pl.Callback):
             return None
 
     # ------------------------------------------------------------------ phases
-    def _begin(self, phase: Phase | None) -> Phase | None:
-        """Later readings count for ``phase``; the sampler's thread begins one now for a new one."""
-        if self._sampler is not None:
-            self._sampler.begin(phase)
-        return phase
-
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._loop.start_epoch()
-        self._train = self._begin(Phase())
+        self._loop.start_epoch(fixed_batches(getattr(trainer, "train_dataloader", None)))
+        self._measure_steps()
+        if self._sampler is not None:
+            self._begin_phase(TRAIN, "epoch start")
         if self._peaks is not None:
             self._guarded("peak reset", lambda: self._peaks.clear())
+
+    def _begin_phase(self, phase: str, what: str) -> None:
+        """Later readings count for ``phase``, the first of them begun now by the sampler process
+        (not by this thread): a phase shorter than the interval (a validation, a short epoch)
+        then ends without waiting for a reading of every GPU."""
+        sampler = self._sampler
+
+        def begin() -> None:
+            sampler.set_phase(phase, reset=True, sample=False)
+            sampler.sample_soon()
+
+        self._guarded(what, begin)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -386,147 +476,240 @@ class GpuStatsMonitor(pl.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        self._loop.batch_end(batch)
+        if not self._loop.batch_end(batch, batch_idx):  # a window's fast steps: enough
+            self._skip_steps()
+
+    def _measure_steps(self) -> None:
+        """Lightning calls the two batch hooks again (from the ticker's thread too)."""
+        with _HOOKS_LOCK:
+            compat.restore_hooks(self, *_STEP_HOOKS)
+
+    def _skip_steps(self) -> None:
+        """Lightning skips the two batch hooks until the ticker, an epoch's start or a
+        validation's start begins the next window."""
+        with _HOOKS_LOCK:
+            compat.skip_hooks(self, *_STEP_HOOKS)
+        if self._ticker is None:
+            self._ticker = Ticker(loop.WINDOW_EVERY_S, self._measure_steps)
+            self._stack.callback(self._stop_ticker)
+
+    def _stop_ticker(self) -> None:
+        ticker, self._ticker = self._ticker, None
+        if ticker is not None:
+            ticker.stop()
+        self._measure_steps()
+
+    def _loop_summary(self, trainer: pl.Trainer) -> dict[str, float] | None:
+        """The epoch's loop figures; once a window closed, counted from Lightning's batch index."""
+        timer = self._loop
+        return timer.summary(compat.fit_batch_index(trainer) if timer.windowed else None)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._loop.pause()  # until the next training batch: validation is not a data wait
+            self._measure_steps()  # which the next training batch's start tells
 
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking:
+        if trainer.sanity_checking or self._sampler is None:
             return
-        self._loop.pause()  # until the next training batch: validation is not a data wait
-        self._val = self._begin(Phase())
+        self._phase_before_val = self._sampler.phase
+        self._begin_phase(VAL, "validation start")
         if self._peaks is not None:
             self._guarded("peak reset", lambda: self._peaks.stash())
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The validation's figures are asked for here and published once the sampler has
+        them (see the module docstring): nothing here waits for a reading."""
         if trainer.sanity_checking:
             return
-        phase, self._val = self._val, self._begin(self._train)
-        peaks = self._peaks_now(False)
-        if self._peaks is not None:
-            self._guarded("peak reset", lambda: self._peaks.restart())
-        if self.report_validation:
-            self._record(trainer, "gpu_val", compat.logging_step(trainer), phase, peaks)
-        everyone = self._exchange(trainer, "validation end")
+        sampler, peaks, resume = self._sampler, self._peaks, self._phase_before_val
+        local = self._energy_payload(trainer)
+        self._validation_count += 1
+        validation = _Validation(
+            self._validation_count,
+            {
+                "node": local["node"],
+                "boards": local.get("boards", {}),
+                "step": compat.logging_step(trainer),
+                "epoch": trainer.current_epoch,
+            },
+        )
+        if sampler is not None and self.report_validation:  # asked before the phase switches
+            later = self._guarded("validation summary", lambda: sampler.summaries_later(VAL))
+            validation.figures = later or validation.figures
+            if peaks is not None:
+                validation.peaks = self._guarded("peaks", lambda: peaks.peaks(False)) or {}
+        if sampler is not None:
+            self._guarded(
+                "validation end", lambda: sampler.set_phase(resume, reset=False, sample=False)
+            )
+        if peaks is not None:
+            self._guarded("peak reset", lambda: peaks.restart())
+        root = f"{self.key_prefix}_val"
+        watched = self.report_validation and self._watches(trainer, f"{root}/")
+        local["loop"] = self._loop_summary(trainer)  # the epoch so far, for a checkpoint now
+        if watched:  # a monitor reads the figures right after this hook: wait for them
+            local["gpus"] = self._figures("validation", validation.figures.result, validation.peaks)
+        elif self.report_validation:
+            self._validations.append(validation)
+            local["validations"] = self._ready_validations(wait=False)
+        # Every rank, every validation: the run's energy is current when a checkpoint is saved.
+        everyone = self._exchanges["validation end"].gather(trainer, local, self._watched(trainer))
+        self._add_energy(everyone)
         self._epoch_samples = count_samples([p.get("loop") for p in everyone])
+        if watched and self._active:
+            flat = flatten_epoch(everyone, root, self.log_sampler_cost, self.per_gpu_keys_up_to)
+            self._publish(trainer, flat)
+        self._publish_validations(trainer, everyone)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        peaks = self._peaks_now(True)
-        phase, self._train = self._train, self._begin(None)
-        step = compat.logging_step(trainer) - 1  # Lightning's rows of the epoch: its last batch
-        self._record(trainer, "gpu", step, phase, peaks, loop=self._loop.summary())
-        everyone = self._exchange(trainer, "training epoch end")
-        epoch_samples = count_samples([p.get("loop") for p in everyone])
-        fit = self._fit_samples
-        self._fit_samples = None if None in (fit, epoch_samples) else fit + epoch_samples
+        sampler, peaks = self._sampler, self._peaks
+        gpus = None
+        if sampler is not None:
+            epoch_peaks = {}
+            if peaks is not None:
+                epoch_peaks = self._guarded("peaks", lambda: peaks.peaks(True)) or {}
+            gpus = self._figures("training", lambda: sampler.summaries(TRAIN), epoch_peaks)
+        local = self._energy_payload(trainer)  # after the epoch's closing sample, if it took one
+        if gpus is not None:
+            local["gpus"] = gpus
+        if sampler is not None:
+            self._guarded("epoch end", lambda: sampler.set_phase(None, sample=False))
+        local["loop"] = self._loop_summary(trainer)
+        local["validations"] = self._ready_validations(wait=False)
+        everyone = self._exchanges["training epoch end"].gather(
+            trainer, local, self._watched(trainer)
+        )
+        self._publish_validations(trainer, everyone)
+        flat = flatten_epoch(
+            everyone, self.key_prefix, self.log_sampler_cost, self.per_gpu_keys_up_to
+        )
+        loops = [p.get("loop") for p in everyone]
+        flat.update(flatten_loop(loops))
+        self._publish(trainer, flat, epoch_end=True)
+        self._add_energy(everyone)
+        epoch_samples = count_samples(loops)
+        self._fit_samples = (
+            None
+            if None in (self._fit_samples, epoch_samples)
+            else (self._fit_samples + epoch_samples)
+        )
         self._epoch_samples = 0.0
+        self._summary.add_epoch(everyone)
+        if trainer.is_global_zero:
+            self._warn_if_starved(trainer, everyone, flat)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The phases whose figures were not in yet: waited for, and published."""
-        self._exchange(trainer, "training end", final=True)
+        """The validations whose figures were not in yet: waited for, and published."""
+        if not self.report_validation:  # alike on every rank: none to wait for
+            return
+        local = {"rank": trainer.global_rank, "validations": self._ready_validations(wait=True)}
+        everyone = self._exchanges["training end"].gather(trainer, local)
+        self._publish_validations(trainer, everyone, final=True)
 
-    def _peaks_now(self, include_carry: bool) -> dict[str, dict[str, float]]:
-        peaks = self._peaks
-        if peaks is None:
-            return {}
-        return self._guarded("peaks", lambda: peaks.peaks(include_carry)) or {}
-
-    # ------------------------------------------------------------------ figures to rank 0
-    def _record(
-        self,
-        trainer: pl.Trainer,
-        root: str,
-        step: int,
-        phase: Phase | None,
-        peaks: Any,
-        **more: Any,
-    ) -> None:
-        """Keep a phase's figures for rank 0, to be sent once the sampler has them."""
-        sampler = self._sampler
-        payload = {
-            "root": root,
-            "step": step,
-            "epoch": trainer.current_epoch,
-            "node": trainer.node_rank,
-            "boards": {r.label: r.board_uuid for r in sampler.readers} if sampler else {},
-            **more,
-        }
-        self._records.append(_Record(payload, phase, peaks))
-
-    def _ready(self, wait: bool) -> list[tuple[int, dict[str, Any]]]:
-        """This rank's records whose figures are in (``wait``: all), in order, numbered."""
+    # ------------------------------------------------------------------ validations, late
+    def _ready_validations(self, wait: bool) -> list[tuple[int, dict[str, Any]]]:
+        """This rank's validations whose figures are in (``wait``: all of them), as
+        ``(number, payload)`` for rank 0, in the order they ran."""
         ready = []
-        for record in self._records:
-            sampler, phase = self._sampler, record.phase
-            if not (phase is None or sampler is None or sampler.settled(phase, wait)):
+        for validation in self._validations:
+            if not (wait or validation.figures.ready()):
                 break
-            gpus = {} if phase is None else phase.figures()
-            for label, values in record.peaks.items():
-                gpus.get(label, {}).update(values)
-            self._sent += 1
-            ready.append((self._sent, {**record.payload, "gpus": gpus}))
-        del self._records[: len(ready)]
-        return ready
+            ready.append(validation)
+        del self._validations[: len(ready)]
+        return [
+            (
+                v.number,
+                {**v.payload, "gpus": self._figures("validation", v.figures.result, v.peaks)},
+            )
+            for v in ready
+        ]
 
-    def _exchange(
-        self, trainer: pl.Trainer, hook: str, final: bool = False
-    ) -> list[dict[str, Any]]:
-        """Every rank: its energy, its loop so far and its ready records to rank 0 (to every rank
-        when a monitor watches a key of ours, after waiting for them); rank 0 publishes."""
-        watched = self._watched(trainer)
-        local: dict[str, Any] = {"node": trainer.node_rank, "rank": trainer.global_rank}
-        local.update(loop=self._loop.summary(), records=self._ready(wait=watched or final))
-        if self._sampler is not None:
-            local["boards"] = {r.label: r.board_uuid for r in self._sampler.readers}
-            local["energy_total_j"] = self._sampler.energy_totals_j()
-        everyone = self._exchanges[hook].gather(trainer, local, watched)
-        self._add_energy(everyone)
-        if not (trainer.is_global_zero or watched):
-            return everyone
+    def _publish_validations(
+        self, trainer: pl.Trainer, everyone: Sequence[dict[str, Any]], final: bool = False
+    ) -> None:
+        """Rank 0: take in the validations every rank sent, and publish each, in order, once
+        every rank of this exchange has sent it (``final``: whatever came)."""
+        if not trainer.is_global_zero:
+            return
         for payload in everyone:
-            for number, figures in payload["records"]:
+            for number, figures in payload.get("validations", []):
                 self._arrived.setdefault(number, {})[payload["rank"]] = figures
         present = {payload["rank"] for payload in everyone}
+        root = f"{self.key_prefix}_val"
         for number in sorted(self._arrived):
-            if not (final or present <= self._arrived[number].keys()):
+            ranks = self._arrived[number]
+            if not (final or present <= ranks.keys()):
                 break
-            ranks = self._arrived.pop(number)
-            self._publish(trainer, [ranks[rank] for rank in sorted(ranks)])
-        return everyone
+            del self._arrived[number]
+            payloads = [ranks[rank] for rank in sorted(ranks)]
+            if self._active:
+                flat = flatten_epoch(payloads, root, self.log_sampler_cost, self.per_gpu_keys_up_to)
+                self._publish(trainer, flat, payloads[0]["step"], payloads[0]["epoch"])
+
+    def _energy_payload(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """Who this rank is, and its GPUs' energy so far (read without a wait)."""
+        payload: dict[str, Any] = {"node": trainer.node_rank, "rank": trainer.global_rank}
+        sampler = self._sampler
+        if sampler is not None:
+            payload["boards"] = {r.label: r.board_uuid for r in sampler.readers}
+            payload["energy_total_j"] = self._guarded("energy", sampler.energy_totals_j) or {}
+        return payload
+
+    def _figures(
+        self,
+        phase: str,
+        figures: Callable[[], dict[str, dict[str, float]]],
+        peaks: dict[str, dict[str, float]],
+    ) -> dict[str, dict[str, float]]:
+        """A phase's figures per GPU from the sampler (``figures``), with PyTorch's peaks added."""
+        gpus = self._guarded(f"{phase} summary", figures) or {}
+        for label, values in peaks.items():
+            if label in gpus:
+                gpus[label].update(values)
+        return gpus
+
+    def _watches(self, trainer: pl.Trainer, *prefixes: str) -> bool:
+        return any(key.startswith(prefixes) for key in monitored_keys(trainer))
 
     def _watched(self, trainer: pl.Trainer) -> bool:
         """Whether a monitor watches one of this callback's keys: then every rank needs the
-        run's figures at each hook, not only rank 0, and waits for them."""
-        return any(k.startswith(("gpu/", "gpu_val/", "loop/")) for k in monitored_keys(trainer))
+        run's figures, not only rank 0 (each rank waits for the others at the epoch ends)."""
+        return self._watches(trainer, f"{self.key_prefix}/", f"{self.key_prefix}_val/", "loop/")
 
-    def _publish(self, trainer: pl.Trainer, payloads: list[dict[str, Any]]) -> None:
-        """One phase of every rank: to every logger in one call (rank 0) at the phase's step, and
-        the monitored keys to ``trainer.callback_metrics`` (every rank that has them)."""
-        first = payloads[0]
-        flat = flatten_epoch(
-            payloads, first["root"], self.log_sampler_cost, self.per_gpu_keys_up_to
-        )
-        if first["root"] == "gpu":  # a training epoch
-            flat.update(flatten_loop([p.get("loop") for p in payloads]))
-            self._summary.add_epoch(payloads)
-            if trainer.is_global_zero:
-                self._warn_if_starved(trainer, payloads, flat, first["epoch"])
-        if not flat:
+    def _publish(
+        self,
+        trainer: pl.Trainer,
+        metrics: dict[str, float],
+        step: int | None = None,
+        epoch: int | None = None,
+        epoch_end: bool = False,
+    ) -> None:
+        """Hand the figures to every logger in one call (rank 0), and the monitored ones to
+        ``trainer.callback_metrics`` (every rank); see the module docstring. ``step`` and
+        ``epoch``: of the phase the figures are of (default: now, the step of Lightning's rows
+        now; ``epoch_end``: of its rows of the epoch, one lower)."""
+        if not metrics:
             return
-        wanted = monitored_keys(trainer) & flat.keys()
-        # private: writes into the dict Lightning returns as trainer.callback_metrics (its
-        # logger connector's own), which is what monitors read; self.log would cost a result
-        # entry and an all-reduce per key for values every rank already holds.
-        trainer.callback_metrics.update({k: torch.tensor(float(flat[k])) for k in wanted})
-        if trainer.is_global_zero:
+        wanted = monitored_keys(trainer) & metrics.keys()
+        if wanted:
+            # private: writes into the dict Lightning returns as trainer.callback_metrics (its
+            # logger connector's own), which is what monitors read; self.log would cost a result
+            # entry and an all-reduce per key for values every rank already holds.
+            trainer.callback_metrics.update({k: torch.tensor(float(metrics[k])) for k in wanted})
+        if trainer.is_global_zero and trainer.loggers:
+            row = {**metrics, "epoch": trainer.current_epoch if epoch is None else epoch}
+            if step is None:
+                step = compat.logging_step(trainer) - int(epoch_end)
+            # Files are written when Lightning next saves its loggers (for its own rows of this
+            # moment, or at the end of training); a CSV logger writes here only at a step of
+            # its flush interval, where it would write for Lightning's row of the step anyway.
             for logger in trainer.loggers:
-                logger.log_metrics({**flat, "epoch": first["epoch"]}, step=first["step"])
+                logger.log_metrics(row, step=step)
 
     # ------------------------------------------------------------------ data starvation
     def _warn_if_starved(
-        self,
-        trainer: pl.Trainer,
-        everyone: Sequence[dict[str, Any]],
-        flat: dict[str, float],
-        epoch: int,
+        self, trainer: pl.Trainer, everyone: Sequence[dict[str, Any]], flat: dict[str, float]
     ) -> None:
         share = flat.get("loop/data_wait_frac")
         waited = max((p["loop"]["data_wait_s"] for p in everyone if p.get("loop")), default=0.0)
@@ -550,7 +733,7 @@ class GpuStatsMonitor(pl.Callback):
             "%s: the input pipeline holds training back. What helps: more loader processes "
             "(data.num_workers), pinned memory (data.pin_memory), a larger batch "
             "(data.batch_size); now %s",
-            epoch,
+            trainer.current_epoch,
             100 * share,
             waited,
             gpus,

@@ -1,18 +1,20 @@
 """Sampling GPUs for the statistics: which metrics each GPU supports, and a background thread.
 
 :class:`GpuReader` probes each metric group once and leaves out for good what the GPU does not
-support (never logged as 0). :class:`GpuSampler` reads them in a daemon thread into per-phase
-figures; the training thread switches phases without any NVML call and never waits for a
-reading (NVML's calls release the GIL). :class:`TorchPeakMemory` keeps PyTorch's peaks per phase.
+support (never logged as 0). :class:`GpuSampler` reads a set of them every ``interval_s`` into
+per-phase accumulators; the training thread switches phases without any NVML call. The same
+class serves in the sampler process (:mod:`.process`) and as the in-process fallback.
+:class:`TorchPeakMemory` keeps PyTorch's own peak memory per phase.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -200,102 +202,137 @@ class GpuReader:
         }
 
 
-class Phase:
-    """One training epoch's or validation's figures, filled in by the sampler's thread; ``done``
-    once a reading begun while it was current has ended (the first begins as the phase does)."""
+class Later:
+    """A phase's figures, handed over when they are ready.
 
-    def __init__(self) -> None:
-        self.gpus: dict[str, GpuAccumulator] = {}
-        self.done = threading.Event()
-        self.lock = threading.Lock()
+    Args:
+        result: gives them, waiting for them if need be.
+        ready: whether ``result`` would give them without a wait.
+    """
 
-    def figures(self) -> dict[str, dict[str, float]]:
-        """``{label: summary}`` so far."""
-        with self.lock:
-            return {label: acc.summary() for label, acc in self.gpus.items()}
+    def __init__(
+        self,
+        result: Callable[[], dict[str, dict[str, float]]],
+        ready: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.result = result
+        self.ready = ready
 
 
 class GpuSampler:
-    """Reads a set of :class:`GpuReader` in a daemon thread, every ``interval_s`` and at once
-    when a phase begins, into the :class:`Phase` current as each reading begins (and those
-    begun since the reading before: :meth:`sample_now`).
+    """Samples a set of :class:`GpuReader` into per-phase accumulators, in a background thread.
 
-    The training thread only swaps :attr:`phase` (:meth:`begin`) and reads finished figures; it
-    makes no NVML call and never waits for a reading. NVML is read outside the lock that guards
-    the figures.
+    The thread takes a first sample as soon as it starts (it primes the energy counter and the
+    GPM pairs), then one every ``interval_s``. NVML is read outside the lock that guards the
+    accumulators, so the training thread switching phases never waits for a sample.
+    ``set_phase(..., sample=True)`` and ``collect(..., sample=True)`` take a boundary sample on
+    the calling thread, which splits phases exactly (tests drive the sampler that way against a
+    fake clock); the callback passes ``sample=False`` and never makes an NVML call between steps.
+
+    Args:
+        readers: the GPUs to sample, each read by its own :class:`GpuReader`.
+        interval_s: seconds between background samples.
+        parallel: read the GPUs of one sample side by side, a thread each. The sampler process
+            does: a reading of 8 GPUs then takes about one GPU's time, and that reading is what
+            a phase end without a sample of its own (each validation, an epoch shorter than the
+            interval) waits for; NVML is thread-safe and each reader's state is its own. In the
+            training process those threads would take the GIL from training, so the thread
+            sampler reads one GPU after the other.
+        on_energy: called with a GPU's label and its energy total (J) each time a reading
+            moves it on (the sampler process publishes them to the training process).
     """
 
-    def __init__(self, readers: Sequence[GpuReader], interval_s: float) -> None:
+    def __init__(
+        self,
+        readers: Sequence[GpuReader],
+        interval_s: float,
+        parallel: bool = False,
+        on_energy: Callable[[str, float], None] | None = None,
+    ) -> None:
         self.readers = list(readers)
         self.interval_s = interval_s
-        self.phase: Phase | None = None
-        self._asked: list[Phase] = []  # begun since the reading before: the next is theirs too
-        self._energy_total_mj: dict[str, float] = {}
+        self._on_energy = on_energy
+        self._pool = (
+            concurrent.futures.ThreadPoolExecutor(len(self.readers), "gpu-stats-read")
+            if parallel and len(self.readers) > 1
+            else None
+        )
+        self.phase: str | None = None
+        self._acc: dict[str, dict[str, GpuAccumulator]] = {}
         self._last_energy: dict[str, float] = {}
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self._energy_total_mj: dict[str, float] = {}
+        self._lock = threading.Lock()  # the accumulators and the phase
+        self._reading = threading.Lock()  # one sample at a time (the GPM pairs are stateful)
         self._stop = threading.Event()
-        self._ended = False  # no reading will come any more
-        self._thread = threading.Thread(target=self._run, name="gpu-stats-sampler", daemon=True)
+        self._wake = threading.Event()  # the thread's next sample now (stop, or wake())
+        self._thread: threading.Thread | None = None
 
     @property
     def alive(self) -> list[GpuReader]:
         return [r for r in self.readers if r.dead is None]
 
-    def start(self) -> None:
-        self._thread.start()
+    def start(self, first_sample: bool = True) -> None:
+        """Start the thread; without ``first_sample`` its first sample is one interval away (the
+        caller took one already)."""
+        if self._thread is None and self.alive:
+            self._thread = threading.Thread(
+                target=self._run, args=(first_sample,), name="gpu-stats-sampler", daemon=True
+            )
+            self._thread.start()
 
     def stop(self) -> None:
-        """End the thread (after the reading under way) and free what the readers hold."""
+        """Stop the thread and free what the readers hold in NVML (before NVML shuts down)."""
         self._stop.set()
         self._wake.set()
-        self._ended = True
-        if self._thread.is_alive():
+        if self._thread is not None:
             self._thread.join(timeout=self.interval_s + 10.0)
-        for reader in self.readers:
-            reader.close()
+            self._thread = None
+        with self._reading:
+            if self._pool is not None:
+                self._pool.shutdown()
+            for reader in self.readers:
+                reader.close()
 
-    def begin(self, phase: Phase | None) -> None:
-        """Later readings count for ``phase``; a new one gets a reading that begins now."""
-        with self._lock:
-            self.phase = phase
-            if phase is None or phase.done.is_set():
+    def _run(self, first_sample: bool = True) -> None:
+        if first_sample:
+            self.sample_now()
+        due = time.monotonic() + self.interval_s
+        while True:
+            woken = self._wake.wait(max(0.0, due - time.monotonic()))
+            self._wake.clear()
+            if self._stop.is_set() or not self.alive:
                 return
-            self._asked.append(phase)
+            self.sample_now()
+            if not woken:
+                due = time.monotonic() + self.interval_s
+
+    def wake(self) -> None:
+        """Have the background thread take one sample now, besides those of its interval (the
+        sampler process does this as a validation or a training epoch starts, without holding
+        up its answers to the training process)."""
         self._wake.set()
 
-    def settled(self, phase: Phase, wait: bool = False) -> bool:
-        """Whether ``phase``'s figures are final: a reading begun in it has ended, or none will
-        come (the thread has ended); ``wait``: until they are."""
-        while not (phase.done.is_set() or self._ended):
-            if not wait:
-                return False
-            phase.done.wait(0.05)
-        return True
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set() and self.alive:
-                self.sample_now()
-                self._wake.wait(self.interval_s)
-                self._wake.clear()
-        finally:
-            self._ended = True
-
     def sample_now(self) -> None:
-        """One reading of every live GPU, for the phase current as it begins and every phase
-        begun since the reading before (one shorter than the thread took to wake)."""
-        with self._lock:
-            phases = list(dict.fromkeys([*self._asked, self.phase]))
-            self._asked = []
-        readings = [(reader, self._read(reader)) for reader in self.alive]
+        """Read every live GPU once; the values count for the phase current as the reading
+        starts (a phase that ends while its reading runs still gets it)."""
+        with self._reading:
+            with self._lock:
+                phase = self.phase
+            self._sample(phase)
+
+    def _sample(self, phase: str | None) -> None:
+        """One reading of every live GPU for ``phase``; the caller holds ``_reading``."""
+        if self._stop.is_set() and self._thread is None:
+            return  # stopped: the readers are closed
+        alive = self.alive
+        if self._pool is not None:
+            readings = list(zip(alive, self._pool.map(self._read, alive), strict=True))
+        else:
+            readings = [(reader, self._read(reader)) for reader in alive]
         with self._lock:
             for reader, reading in readings:
                 if reading is not None:
-                    self._add(reader, phases, *reading)
-        for phase in phases:
-            if phase is not None:
-                phase.done.set()
+                    self._add(reader, phase, *reading)
 
     def _read(self, reader: GpuReader) -> tuple[dict[str, float], float] | None:
         start = time.perf_counter()
@@ -317,29 +354,69 @@ class GpuSampler:
         return values, time.perf_counter() - start
 
     def _add(
-        self,
-        reader: GpuReader,
-        phases: list[Phase | None],
-        values: dict[str, float],
-        seconds: float,
+        self, reader: GpuReader, phase: str | None, values: dict[str, float], seconds: float
     ) -> None:
         energy = values.pop("_energy_mj", None)
-        delta = None
+        acc = self._acc.get(phase) if phase is not None else None
         if energy is not None:
-            previous, self._last_energy[reader.label] = self._last_energy.get(reader.label), energy
-            if previous is not None:  # an interval's energy counts for the phase of its end
+            previous = self._last_energy.get(reader.label)
+            self._last_energy[reader.label] = energy
+            if previous is not None:
                 delta = energy - previous
-                total = self._energy_total_mj.get(reader.label, 0.0)
-                self._energy_total_mj[reader.label] = total + delta
-        for phase in filter(None, phases):
-            with phase.lock:
-                acc = phase.gpus.setdefault(reader.label, GpuAccumulator())
-                acc.add(values, seconds)
-                if delta is not None:
-                    acc.add_energy(delta)
+                total = self._energy_total_mj.get(reader.label, 0.0) + delta
+                self._energy_total_mj[reader.label] = total
+                if self._on_energy is not None:
+                    self._on_energy(reader.label, total / 1000.0)
+                if acc is not None:
+                    acc.setdefault(reader.label, GpuAccumulator()).add_energy(delta)
+        if acc is not None:
+            acc.setdefault(reader.label, GpuAccumulator()).add(values, seconds)
+
+    def set_phase(self, phase: str | None, *, reset: bool = True, sample: bool = True) -> None:
+        """Send later samples to ``phase``; with ``sample``, first close the current one with a
+        sample taken here."""
+        if sample:
+            self.sample_now()
+        with self._lock:
+            self.phase = phase
+            if phase is not None and (reset or phase not in self._acc):
+                self._acc[phase] = {}
+
+    def sample_soon(self) -> None:
+        """Nothing here: a sample on another thread of the training process would take the GIL
+        from training; a phase end without a sample takes one (:meth:`summaries`). The sampler
+        process samples at once (:meth:`ProcessSampler.sample_soon`)."""
+
+    def has_samples(self, phase: str) -> bool:
+        """Whether ``phase`` holds at least one sample of every live GPU."""
+        with self._lock:
+            held = self._acc.get(phase, {})
+            return all(r.label in held and held[r.label].samples for r in self.alive)
+
+    def collect(self, phase: str, *, sample: bool = True) -> dict[str, dict[str, float]]:
+        """``{label: summary}`` of ``phase`` so far (after one closing sample if it is current)."""
+        if sample and self.phase == phase:
+            self.sample_now()
+        with self._lock:
+            return {label: acc.summary() for label, acc in self._acc.get(phase, {}).items()}
+
+    def summaries(self, phase: str) -> dict[str, dict[str, float]]:
+        """``phase``'s figures so far, after one sample if it has none yet (a phase shorter than
+        the interval): a reading under way, which may be the phase's own, ends first."""
+        if not self.has_samples(phase):
+            with self._reading:
+                if not self.has_samples(phase):
+                    self._sample(phase)
+        return self.collect(phase, sample=False)
+
+    def summaries_later(self, phase: str) -> Later:
+        """:meth:`summaries` of ``phase`` now, ready at once (the interface of
+        :meth:`ProcessSampler.summaries_later`, which defers the work)."""
+        figures = self.summaries(phase)
+        return Later(lambda: figures)
 
     def energy_totals_j(self) -> dict[str, float]:
-        """Each GPU's energy since the first reading, whatever the phase, in joules."""
+        """Each GPU's energy since the first sample, whatever the phase, in joules."""
         with self._lock:
             return {label: mj / 1000.0 for label, mj in self._energy_total_mj.items()}
 
@@ -360,17 +437,20 @@ class TorchPeakMemory:
     def clear(self) -> None:
         """A new training epoch: forget everything and restart the peaks."""
         self._carry.clear()
-        self.restart()
+        self._restart()
 
     def stash(self) -> None:
         """Validation starts: remember the training peaks so far, then restart the peaks."""
         for label, device in self.devices.items():
             old, now = self._carry.get(label, (0.0, 0.0)), self._read(device)
             self._carry[label] = (max(old[0], now[0]), max(old[1], now[1]))
-        self.restart()
+        self._restart()
 
     def restart(self) -> None:
-        """Peaks from now (a validation's end: training continues from fresh peaks)."""
+        """Validation ends: its peaks were read; training continues from fresh peaks."""
+        self._restart()
+
+    def _restart(self) -> None:
         for device in self.devices.values():
             torch.cuda.reset_peak_memory_stats(device)
 

@@ -1,0 +1,161 @@
+"""GpuStatsMonitor under real DDP: two CPU processes over gloo, each pretending to own one GPU.
+
+Each rank has its own fake NVML (its own process), and rank 0 never samples GPU 1; so GPU 1's
+figures in rank 0's metrics.csv can only have come through the real all-gather. The failing
+variants check the other promise: a rank whose NVML is broken still joins every collective, so
+nothing hangs (the subprocess timeout would catch a hang).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import torch
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+    from runkit.gpus import nvml
+    from runkit.gpu_stats import callback as gpu_callback, loop as gpu_loop
+    from runkit.gpu_stats.callback import GpuStatsMonitor
+    from runkit.testing.fake_nvml import FakeGpu, FakeNvml
+
+    variant, out_dir = sys.argv[1], sys.argv[2]
+    rank = int(os.environ.get("LOCAL_RANK", "0"))  # set by Lightning for the launched rank 1
+    broken = variant == "rank1_no_nvml" and rank == 1
+    fake = FakeNvml([FakeGpu(util_gpu=30, name="gpu0"), FakeGpu(util_gpu=80, name="gpu1")],
+                    init_error="driver_not_loaded" if broken else None)
+    nvml.use_library(fake)
+
+    class LoseGpu1(pl.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            if variant == "rank1_lost" and trainer.global_rank == 1:
+                fake.gpus[1].lose(at=0.0)  # the real clock is past 0: lost from now on
+
+    class M(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 2)
+        def training_step(self, batch, i):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.layer(x), y)
+        def validation_step(self, batch, i):
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.cross_entropy(self.layer(x), y))
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class CountingLoopTimer(gpu_loop.LoopTimer):  # windows of 2 steps: each epoch's last 2 untimed
+        calls = 0
+        def __init__(self):
+            super().__init__(window_steps=2, slow_step_s=1.0)
+        def batch_end(self, batch, batch_idx=-1):
+            self.calls += 1
+            return super().batch_end(batch, batch_idx)
+
+    if variant == "ok":
+        gpu_callback.LoopTimer = CountingLoopTimer
+        gpu_loop.WINDOW_EVERY_S = 600.0  # no window but each epoch's first
+
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    # rank1_lost loses the GPU in this process's fake: its sampler must read it here
+    monitor = GpuStatsMonitor(interval_s=0.05, device_uuids=[g.uuid for g in fake.gpus],
+                              summary_table=False,
+                              sampler="thread" if variant == "rank1_lost" else "process")
+    # Monitors on GPU keys: each rank must find them in its own trainer.callback_metrics.
+    watchers = []
+    if variant == "ok":
+        watchers = [
+            EarlyStopping(monitor="gpu/all/util_mean_max", mode="max", patience=5,
+                          check_on_train_epoch_end=True),
+            ModelCheckpoint(dirpath=os.path.join(out_dir, "ckpt"), mode="max",
+                            monitor="gpu/node0/cuda1/util_mean", save_on_train_epoch_end=True),
+        ]
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, log_every_n_steps=1,
+        logger=CSVLogger(out_dir, name="csv", version=0), enable_checkpointing=bool(watchers),
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[monitor, LoseGpu1(), *watchers],
+    )
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    trainer.fit(M(), loader, loader)
+    if watchers:
+        print(f"RANK {trainer.global_rank} BEST {float(watchers[1].best_model_score)} "
+              f"SAMPLES {monitor.run_samples()} GPUS {sorted(monitor.run_energy_j())} "
+              f"TIMED {monitor._loop.calls}", flush=True)
+    print(f"RANK {trainer.global_rank} DONE balanced={fake.balanced} inits={fake.init_count}",
+          flush=True)
+    """
+)
+
+
+def run_ddp(tmp_path: Path, variant: str) -> tuple[str, list[dict[str, str]]]:
+    script = tmp_path / "ddp_run.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PROJECT_", "LOCAL_RANK"))}
+    env["OMP_NUM_THREADS"] = "1"
+    result = subprocess.run(
+        [sys.executable, str(script), variant, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,  # a hang in a collective fails here instead of blocking the suite
+        env=env,
+        cwd=tmp_path,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    with (tmp_path / "csv" / "version_0" / "metrics.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    return output, rows
+
+
+def column(rows: list[dict[str, str]], key: str) -> list[float]:
+    return [float(r[key]) for r in rows if r.get(key)]
+
+
+@pytest.mark.slow
+def test_ddp_gathers_every_rank_gpu(tmp_path: Path) -> None:
+    output, rows = run_ddp(tmp_path, "ok")
+    assert column(rows, "gpu/node0/cuda0/util_mean") == [30, 30]
+    assert column(rows, "gpu/node0/cuda1/util_mean") == [80, 80]  # only rank 1 sampled it
+    assert column(rows, "gpu/all/util_mean_min") == [30, 30]
+    assert column(rows, "gpu/all/util_mean_max") == [80, 80]
+    assert column(rows, "gpu/all/util_mean_mean") == [55, 55]
+    assert len(column(rows, "loop/data_wait_frac")) == 2
+    # each validation's figures, every rank's, reach rank 0 with the epoch's exchange
+    assert column(rows, "gpu_val/node0/cuda1/util_mean") == [80, 80]
+    assert column(rows, "gpu_val/all/util_mean_mean") == [55, 55]
+    for rank in (0, 1):
+        assert f"RANK {rank} DONE balanced=True inits=1" in output, output
+        # rank 1's monitors saw rank 1's own key and the aggregates, without any all-reduce
+        # 2 epochs x 4 batches per rank x 4 samples x 2 ranks, though each rank timed only the
+        # first window (2 steps) of each epoch; each rank knows both GPUs' energy
+        gpus = "['node0/cuda0', 'node0/cuda1']"
+        expected = f"RANK {rank} BEST 80.0 SAMPLES 64.0 GPUS {gpus} TIMED 4"
+        assert expected in output, output
+
+
+@pytest.mark.slow
+def test_ddp_rank_without_nvml_still_joins_the_gather(tmp_path: Path) -> None:
+    output, rows = run_ddp(tmp_path, "rank1_no_nvml")
+    assert column(rows, "gpu/node0/cuda0/util_mean") == [30, 30]
+    assert not column(rows, "gpu/node0/cuda1/util_mean")
+    assert "RANK 1 DONE balanced=True inits=0" in output, output
+    assert "rank 1: off: NVML is not available" in output
+
+
+@pytest.mark.slow
+def test_ddp_gpu_lost_on_one_rank_mid_run(tmp_path: Path) -> None:
+    output, rows = run_ddp(tmp_path, "rank1_lost")
+    assert column(rows, "gpu/node0/cuda0/util_mean") == [30, 30]
+    assert column(rows, "gpu/node0/cuda1/util_mean") == [80]  # epoch 0 only
+    assert "RANK 1 DONE balanced=True inits=1" in output, output

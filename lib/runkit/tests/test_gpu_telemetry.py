@@ -1,0 +1,597 @@
+"""GPU telemetry beyond utilisation: GPM, the run's energy across a resume, data starvation, and
+the epoch's figures reaching the loggers in one call (issues #12 and #13).
+
+Everything runs on the CPU: the fake NVML stands in for the driver (with GPM and MIG), a
+FakeClock drives the sampler where exact numbers are checked, and real ``Trainer.fit`` runs use
+``device_uuids`` to say which fake GPU the CPU "device" is.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from runkit.gpu_stats import callback as gpu_callback
+from runkit.gpu_stats import loop as gpu_loop
+from runkit.gpu_stats.callback import GpuStatsMonitor, energy_report
+from runkit.gpu_stats.gpm import GPM_METRICS, GpmCounters
+from runkit.gpu_stats.loop import LoopTimer, batch_length
+from runkit.gpu_stats.process import ProcessSampler
+from runkit.gpu_stats.report import RunSummary
+from runkit.gpu_stats.sampler import DEFAULT_GROUPS, TRAIN, GpuReader, GpuSampler
+from runkit.gpu_stats.statistics import flatten_epoch, flatten_loop
+from runkit.gpus import nvml
+from runkit.run import run_files
+from runkit.testing.fake_nvml import FakeClock, FakeGpu, FakeNvml
+
+LOGGER = "runkit.gpu_stats"
+HOPPER_GPM = {"SM_UTIL": 60, "SM_OCCUPANCY": 30, "ANY_TENSOR_UTIL": 20, "DRAM_BW_UTIL": 45}
+
+
+def reader_for(fake: FakeNvml, handle, label: str = "cuda0") -> GpuReader:
+    reader = GpuReader(fake, handle, label, DEFAULT_GROUPS)
+    reader.probe()
+    return reader
+
+
+# --------------------------------------------------------------------------- GPM
+def test_gpm_readings_cover_each_sampling_interval_exactly() -> None:
+    clock = FakeClock()
+    gpm = {**HOPPER_GPM, "SM_UTIL": [(0, 20), (2, 80)]}  # 20 % until t=2, then 80 %
+    fake = FakeNvml([FakeGpu(gpm=gpm)], clock=clock)
+    fake.nvmlInit()
+    reader = reader_for(fake, fake.nvmlDeviceGetHandleByIndex(0))  # first sample at t=0
+    assert "gpm" in reader.groups and fake.gpm_samples_live == 2
+    sampler = GpuSampler([reader], interval_s=1.0)
+    sampler.set_phase(TRAIN, sample=False)
+    for t in (1.0, 3.0, 4.0):  # intervals 0-1 (20 %), 1-3 (half 20, half 80 %), 3-4 (80 %)
+        clock.set(t)
+        sampler.sample_now()
+    summary = sampler.collect(TRAIN, sample=False)["cuda0"]
+    assert summary["sm_active_mean"] == pytest.approx((20 + 50 + 80) / 3)
+    assert summary["sm_active_max"] == pytest.approx(80)
+    assert summary["sm_occupancy_mean"] == 30 and summary["tensor_active_max"] == 20
+    assert summary["dram_active_mean"] == 45
+    assert not any(k.startswith(("fp16", "fp32", "fp64")) for k in summary)  # absent, never 0
+    sampler.stop()
+    assert fake.gpm_samples_live == 0  # the pair is freed when sampling stops
+    fake.nvmlShutdown()
+
+
+def test_gpm_of_a_mig_slice_comes_from_the_mig_sample_call() -> None:
+    clock = FakeClock()
+    slices = [FakeGpu(gpm={"SM_UTIL": 10}), FakeGpu(gpm={"SM_UTIL": 70})]
+    fake = FakeNvml([FakeGpu(mig=slices)], clock=clock)
+    fake.nvmlInit()
+    board = fake.nvmlDeviceGetHandleByIndex(0)
+    second = fake.nvmlDeviceGetMigDeviceHandleByIndex(board, 1)
+    reader = reader_for(fake, second)
+    clock.advance(1)
+    values, _ = reader.read()
+    assert values["sm_active"] == 70  # the second slice's, not the first's nor the GPU's
+    assert fake.calls["nvmlGpmMigSampleGet"] == 2 and fake.calls["nvmlGpmSampleGet"] == 0
+    assert reader.board_uuid == fake.gpus[0].uuid  # energy is counted per physical GPU
+    reader.close()
+    assert fake.gpm_samples_live == 0
+    fake.nvmlShutdown()
+
+
+def test_gpm_taken_by_a_profiler_pauses_with_one_line_and_comes_back(caplog) -> None:
+    clock = FakeClock()
+    gpu = FakeGpu(gpm={"SM_UTIL": 50})
+    fake = FakeNvml([gpu], clock=clock)
+    fake.nvmlInit()
+    reader = reader_for(fake, fake.nvmlDeviceGetHandleByIndex(0))
+    gpu.fail("nvmlGpmSampleGet", "in_use", start=1.5)  # DCGM or Nsight takes the counters
+    readings = []
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        for t in (1, 2, 3, 4):
+            clock.set(t)
+            if t == 4:
+                gpu.heal("nvmlGpmSampleGet")
+            readings.append(reader.read()[0].get("sm_active"))
+        clock.set(5)
+        readings.append(reader.read()[0].get("sm_active"))
+    # t=2, 3 refused; t=4 starts a fresh pair (no figure yet); t=5 has one again
+    assert readings == [50, None, None, None, 50]
+    assert "gpm" in reader.groups and reader.dead is None  # the other metrics never stopped
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("GPM refused (InUse)" in m and "profiler" in m for m in messages) == 1
+    assert sum("GPM figures are back" in m for m in messages) == 1
+    reader.close()
+    fake.nvmlShutdown()
+
+
+def test_gpm_unsupported_or_missing_is_left_out_and_allocates_nothing() -> None:
+    fake = FakeNvml([FakeGpu(), FakeGpu(gpm=HOPPER_GPM).fail("gpm", "function_not_found")])
+    fake.nvmlInit()
+    for index in range(2):
+        reader = reader_for(fake, fake.nvmlDeviceGetHandleByIndex(index))
+        assert "gpm" not in reader.groups and "gpm" in reader.unsupported
+        assert not set(GPM_METRICS) & set(reader.read()[0])
+    assert fake.calls["nvmlGpmSampleAlloc"] == 0 and fake.gpm_samples_live == 0
+    fake.nvmlShutdown()
+
+
+def test_gpm_open_failing_after_alloc_frees_the_samples() -> None:
+    fake = FakeNvml([FakeGpu(gpm=HOPPER_GPM).fail("nvmlGpmSampleGet", "gpu_is_lost")])
+    fake.nvmlInit()
+    counters = GpmCounters(fake, fake.nvmlDeviceGetHandleByIndex(0), "cuda0", None)
+    with pytest.raises(fake.NVMLError_GpuIsLost):
+        counters.open()
+    assert fake.calls["nvmlGpmSampleAlloc"] == 2 and fake.gpm_samples_live == 0
+    fake.nvmlShutdown()
+
+
+def test_gpm_in_a_real_fit_reaches_csv_table_and_frees_its_samples(
+    tmp_path, use_fake, capsys, monkeypatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "220")
+    fake = use_fake(FakeNvml([FakeGpu(name="Fake H200", util_gpu=90, gpm=HOPPER_GPM)]))
+    monitor = GpuStatsMonitor(interval_s=0.02, device_uuids=[fake.gpus[0].uuid])
+    fit(tmp_path, monitor, epochs=1, slow_s=0.01)
+    (row,) = gpu_rows(tmp_path)
+    assert float(row["gpu/node0/cuda0/sm_active_mean"]) == pytest.approx(60)
+    assert float(row["gpu/node0/cuda0/tensor_active_max"]) == pytest.approx(20)
+    assert float(row["gpu/node0/cuda0/dram_active_mean"]) == pytest.approx(45)
+    assert "gpu/node0/cuda0/fp16_active_mean" not in row  # not scripted: absent
+    table = capsys.readouterr().out
+    assert "SM active %" in table and "60.0" in table
+    assert fake.gpm_samples_live == 0 and fake.balanced
+
+
+# --------------------------------------------------------------------------- keys
+def payload(node, gpus, boards=None, rank=0):
+    return {"node": node, "rank": rank, "gpus": gpus, "boards": boards or {}}
+
+
+def test_one_gpu_has_no_aggregate_copies_of_its_own_keys() -> None:
+    logged = flatten_epoch(
+        [payload(0, {"cuda0": {"util_mean": 50.0, "energy_j": 3.0}})], "gpu", False
+    )
+    assert logged == {"gpu/node0/cuda0/util_mean": 50.0, "gpu/node0/cuda0/energy_j": 3.0}
+
+
+def test_per_gpu_keys_up_to_n_per_node_then_aggregates_only() -> None:
+    big = {f"cuda{i}": {"util_mean": float(i), "energy_j": 1.0} for i in range(16)}
+    small = {"cuda0": {"util_mean": 99.0, "energy_j": 1.0}}
+    logged = flatten_epoch([payload(0, big), payload(1, small)], "gpu", False, 8)
+    assert not any(k.startswith("gpu/node0/") for k in logged)  # 16 > 8: aggregates only
+    assert logged["gpu/node1/cuda0/util_mean"] == 99
+    assert (logged["gpu/all/util_mean_min"], logged["gpu/all/util_mean_max"]) == (0, 99)
+    assert logged["gpu/all/energy_j_sum"] == 17
+    assert len(flatten_epoch([payload(0, big)], "gpu", False, 16)) > len(logged)
+
+
+def test_energy_of_mig_slices_of_one_gpu_is_counted_once() -> None:
+    boards = {"cuda0": "GPU-a", "cuda1": "GPU-a"}  # two slices of one physical GPU
+    gpus = {"cuda0": {"energy_j": 10.0}, "cuda1": {"energy_j": 10.0}}
+    other = payload(0, {"cuda0": {"energy_j": 5.0}}, {"cuda0": "GPU-b"}, rank=1)
+    logged = flatten_epoch([payload(0, gpus, boards), other], "gpu", False)
+    assert logged["gpu/all/energy_j_sum"] == 15
+    monitor = GpuStatsMonitor()
+    monitor._add_energy(  # the run's energy: every rank's cumulative counters, each board once
+        [
+            {**payload(0, {}, boards), "energy_total_j": {"cuda0": 100.0, "cuda1": 101.0}},
+            {**payload(1, {}, {"cuda0": "GPU-a"}), "energy_total_j": {"cuda0": 99.0}},
+        ]
+    )
+    assert monitor.run_energy_j() == {"node0/cuda0": 100.0}
+
+
+def test_loop_figures_take_the_slowest_rank_and_the_runs_throughput() -> None:
+    loops = [
+        {"loop_s": 10.0, "data_wait_s": 2.0, "steps": 10, "samples": 100.0},
+        {"loop_s": 10.0, "data_wait_s": 5.0, "steps": 10, "samples": 100.0},
+        None,  # a rank that ran no step
+    ]
+    assert flatten_loop(loops) == {"loop/data_wait_frac": 0.5, "loop/samples_per_s": 20.0}
+    assert flatten_loop([None]) == {}
+    assert "loop/samples_per_s" not in flatten_loop([{"loop_s": 1.0, "data_wait_s": 0.0}])
+
+
+def test_run_summary_weights_gpm_means_by_samples() -> None:
+    summary = RunSummary()
+    summary.add_epoch([payload(0, {"cuda0": {"sm_active_mean": 10.0, "samples": 1.0}})])
+    summary.add_epoch([payload(0, {"cuda0": {"sm_active_mean": 40.0, "samples": 3.0}})])
+    (row,) = summary.rows([])
+    assert row["sm_active_mean"] == pytest.approx((10 + 120) / 4) and row["util_mean"] is None
+
+
+def test_new_arguments_are_checked_with_one_clear_line() -> None:
+    with pytest.raises(ValueError, match=r"per_gpu_keys_up_to=-1; give a GPU count >= 0"):
+        GpuStatsMonitor(per_gpu_keys_up_to=-1)
+    with pytest.raises(ValueError, match=r"data_wait_warning=1.5; give a number in \[0, 1\]"):
+        GpuStatsMonitor(data_wait_warning=1.5)
+    with pytest.raises(ValueError, match=r"gpu_idle_below_pct='x'"):
+        GpuStatsMonitor(gpu_idle_below_pct="x")
+
+
+# --------------------------------------------------------------------------- the loop
+def test_loop_timer_counts_the_gaps_between_steps_and_leaves_validation_out() -> None:
+    clock = FakeClock()
+    timer = LoopTimer(clock)
+    batch = (torch.zeros(8, 3), torch.zeros(8))
+    for fetch, step in ((2.0, 1.0), (0.5, 1.0)):  # first gap includes the loader start-up
+        clock.advance(fetch)
+        timer.batch_start()
+        clock.advance(step)
+        timer.batch_end(batch)
+    timer.pause()  # mid-epoch validation: 10 s that are neither waiting nor training
+    clock.advance(10)
+    timer.batch_start()  # back to training (the gap since validation started is left out)
+    clock.advance(1.0)
+    timer.batch_end(batch)
+    timer.pause()  # validation after the last step: not in the loop's time either
+    clock.advance(7)
+    assert timer.summary() == {"loop_s": 5.5, "data_wait_s": 2.5, "steps": 3.0, "samples": 24.0}
+    timer.start_epoch()
+    assert timer.summary() is None
+
+
+def test_batch_length_finds_the_first_tensor_or_gives_up() -> None:
+    assert batch_length({"x": [torch.zeros(5, 2)], "y": torch.zeros(5)}) == 5
+    assert batch_length(torch.tensor(3.0)) is None and batch_length(["text"]) is None
+
+
+# --------------------------------------------------------------------------- real fits
+class SlowData(torch.utils.data.Dataset):
+    """A data set that takes ``delay_s`` per sample, like one decoding files on one core."""
+
+    def __init__(self, delay_s: float, n: int = 64) -> None:
+        self.delay_s, self.x, self.y = delay_s, torch.randn(n, 4), torch.randint(0, 2, (n,))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return self.x[i], self.y[i]
+
+
+class TinyModel(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.layer(x), y)
+        self.log("train_loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self.layer(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit(
+    tmp_path,
+    monitor,
+    *callbacks,
+    epochs=2,
+    slow_s=0.0,
+    ckpt_path=None,
+    logger=None,
+    train=None,
+    **options,
+):
+    options = {"limit_train_batches": 12, "limit_val_batches": 2, **options}
+    trainer = pl.Trainer(
+        **options,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        num_sanity_val_steps=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        logger=logger or CSVLogger(tmp_path, name="csv", version=0),
+        callbacks=[monitor, *callbacks],
+    )
+    trainer.fit(
+        TinyModel(),
+        train or torch.utils.data.DataLoader(SlowData(slow_s), batch_size=4),
+        torch.utils.data.DataLoader(SlowData(0.0), batch_size=4),
+        ckpt_path=ckpt_path,
+    )
+    return trainer
+
+
+def gpu_rows(tmp_path: Path, key: str = "gpu/node0/cuda0/samples") -> list[dict[str, str]]:
+    with (tmp_path / "csv" / "version_0" / "metrics.csv").open() as handle:
+        return [r for r in csv.DictReader(handle) if r.get(key)]
+
+
+class CountingCsvLogger(CSVLogger):
+    """The real CSV logger, counting the calls that carry GPU figures."""
+
+    gpu_calls = 0
+
+    def log_metrics(self, metrics, step=None):
+        if any(k.startswith(("gpu/", "gpu_val/")) for k in metrics):
+            self.gpu_calls += 1
+        super().log_metrics(metrics, step)
+
+
+@pytest.mark.slow
+def test_figures_reach_the_logger_in_one_call_and_monitors_still_see_them(
+    tmp_path, use_fake
+) -> None:
+    fake = use_fake(FakeNvml([FakeGpu(util_gpu=[(0, 70)], gpm=HOPPER_GPM)]))
+    monitor = GpuStatsMonitor(interval_s=0.05, device_uuids=[fake.gpus[0].uuid])
+    key = "gpu/node0/cuda0/util_mean"
+    stop = EarlyStopping(monitor=key, mode="max", patience=0, check_on_train_epoch_end=True)
+    best = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt",
+        monitor="gpu/node0/cuda0/sm_active_mean",
+        mode="max",
+        save_on_train_epoch_end=True,
+    )
+    logger = CountingCsvLogger(tmp_path, name="csv", version=0)
+    trainer = fit(tmp_path, monitor, stop, best, epochs=5, logger=logger)
+    assert trainer.current_epoch == 2  # the constant key did not improve after epoch 0: stopped
+    assert float(best.best_model_score) == pytest.approx(60)
+    assert logger.gpu_calls == 2 * 2  # per epoch: one training call, one validation call
+    assert set(trainer.callback_metrics) >= {key, "gpu/node0/cuda0/sm_active_mean"}
+    assert "gpu/node0/cuda0/temp_c_max" not in trainer.callback_metrics  # no monitor asks
+    assert [float(r[key]) for r in gpu_rows(tmp_path)] == [70, 70]
+
+
+@pytest.mark.slow
+def test_validation_figures_come_at_the_validations_step_and_at_once_to_a_monitor(
+    tmp_path, use_fake, monkeypatch, caplog
+) -> None:
+    fake = use_fake(FakeNvml([FakeGpu(util_gpu=[(0, 70)])]))
+    uuids = [fake.gpus[0].uuid]
+    key = "gpu_val/node0/cuda0/util_mean"
+
+    class AtValidationEnd(pl.Callback):
+        def __init__(self) -> None:
+            self.seen = []
+
+        def on_validation_end(self, trainer, pl_module) -> None:
+            self.seen.append(trainer.callback_metrics.get(key))
+
+    class StopsTheSampler(pl.Callback):
+        """Holds the sampler process still (SIGSTOP) over the monitor's validation end: a wait
+        for it there would run out (one warning, a fallback to a thread)."""
+
+        def on_validation_epoch_end(self, trainer, pl_module) -> None:
+            os.kill(monitor._sampler.pid, signal.SIGSTOP)
+
+        def on_validation_end(self, trainer, pl_module) -> None:
+            os.kill(monitor._sampler.pid, signal.SIGCONT)
+
+    # Unwatched, they are logged at the training epoch's end, each at the step of its
+    # validation (two validations an epoch), and nothing waits for them at the validation.
+    # The steps are those of Lightning's own rows: its val_loss, its train_loss of the epoch.
+    monkeypatch.setattr(ProcessSampler, "reply_timeout_s", 0.5)
+    unwatched = AtValidationEnd()
+    monitor = GpuStatsMonitor(interval_s=0.05, device_uuids=uuids)
+    with caplog.at_level(logging.WARNING, logger="runkit.gpu_stats"):
+        fit(tmp_path, StopsTheSampler(), monitor, unwatched, val_check_interval=0.5)
+    assert caplog.records == []
+    rows = gpu_rows(tmp_path, key)
+    lightnings = [r["step"] for r in gpu_rows(tmp_path, "val_loss")]
+    assert [r["step"] for r in rows] == lightnings and len(rows) == 4
+    epochs = [r["step"] for r in gpu_rows(tmp_path, "train_loss")]
+    assert [r["step"] for r in gpu_rows(tmp_path)] == epochs == ["11", "23"]
+    assert [float(r[key]) for r in rows] == [70.0] * 4 and unwatched.seen == [None] * 4
+    # Watched, a monitor has them at the validation's end, every time.
+    watched = AtValidationEnd()
+    best = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor=key, mode="max")
+    monitor = GpuStatsMonitor(interval_s=0.05, device_uuids=uuids)
+    fit(tmp_path / "watched", monitor, best, watched, val_check_interval=0.5)
+    assert [float(v) for v in watched.seen] == [70.0] * 4 and float(best.best_model_score) == 70
+
+
+@pytest.mark.slow
+def test_an_epoch_shorter_than_the_interval_is_read_from_its_start(tmp_path, use_fake) -> None:
+    # Its end used to find no reading of the epoch and take one of every GPU on the training
+    # thread (about 10 ms for 8 GPUs at 0.3 ms a call). Now the epoch's start has the sampler
+    # process begin the epoch's first reading, and the end finds it done. The utilization is
+    # 40 until the epoch's last step has seen a reading begun in the epoch, 90 after it: the
+    # epoch's figure says which reading it got.
+    reads, late = tmp_path / "reads", tmp_path / "late"
+
+    def utilization(t: float) -> int:  # runs in the sampler process
+        with reads.open("a") as handle:
+            handle.write(f"{time.monotonic()}\n")
+        return 90 if late.exists() else 40
+
+    class LastStepAfterAReading(pl.Callback):
+        """Before the monitor: stamps the epoch's start; its last step waits for a reading."""
+
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            self.started = time.monotonic()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if batch_idx + 1 < trainer.num_training_batches:
+                return
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not any(
+                float(t) > self.started for t in reads.read_text().split()
+            ):
+                time.sleep(0.01)
+            late.touch()
+
+    fake = use_fake(FakeNvml([FakeGpu(util_gpu=utilization)]))
+    monitor = GpuStatsMonitor(interval_s=1000.0, device_uuids=[fake.gpus[0].uuid])
+    fit(tmp_path, LastStepAfterAReading(), monitor, epochs=1, limit_val_batches=0)
+    (row,) = gpu_rows(tmp_path)
+    assert (row["gpu/node0/cuda0/samples"], row["gpu/node0/cuda0/util_mean"]) == ("1.0", "40.0")
+    assert late.exists()
+
+
+@pytest.mark.slow
+def test_energy_continues_across_a_resume_and_reaches_metrics_json(tmp_path, use_fake) -> None:
+    fake = use_fake(FakeNvml([FakeGpu(power_mw=300_000)]))
+    uuids = [fake.gpus[0].uuid]
+    last = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0)
+    first = GpuStatsMonitor(interval_s=0.02, device_uuids=uuids, summary_table=False)
+    fit(tmp_path / "a", first, last, epochs=2, slow_s=0.002)
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["callbacks"]
+    state = saved["GpuStatsMonitor"]
+    assert state["train_samples"] == 2 * 12 * 4
+    assert state["energy_j"]["node0/cuda0"] > 0
+    second = GpuStatsMonitor(interval_s=0.02, device_uuids=uuids, summary_table=False)
+    trainer = fit(
+        tmp_path / "b",
+        second,
+        ModelCheckpoint(dirpath=tmp_path / "ckpt2"),
+        epochs=4,
+        slow_s=0.002,
+        ckpt_path=tmp_path / "ckpt" / "last.ckpt",
+    )
+    report = energy_report(trainer)
+    assert report["training_samples"] == 4 * 12 * 4  # both runs' samples
+    assert report["energy_j"] > state["energy_j"]["node0/cuda0"]  # continued, not restarted
+    assert report["energy_kwh"] == pytest.approx(report["energy_j"] / 3.6e6)
+    assert report["energy_j_per_training_sample"] == pytest.approx(report["energy_j"] / 192)
+    run_files.save_metrics({}, tmp_path, None, trainer, started=time.time(), energy=report)
+    written = json.loads((tmp_path / "metrics.json").read_text())["energy"]
+    assert written["energy_j_per_gpu"] == {"node0/cuda0": pytest.approx(report["energy_j"])}
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        {"energy_j": {"node0/cuda0": float("nan")}},
+        {"energy_j": "lots"},
+        "garbage",
+        {"energy_j": {}, "train_samples": -3},
+    ],
+)
+def test_a_damaged_checkpoint_state_is_one_line_and_ignored(state, caplog) -> None:
+    monitor = GpuStatsMonitor()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        monitor.load_state_dict(state)
+    assert monitor.run_energy_j() == {} and monitor.run_samples() == 0
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "energy counts from this resume on" in line
+
+
+@pytest.mark.slow
+def test_a_starved_cpu_loop_is_measured_and_named_once_per_epoch(
+    tmp_path, use_fake, caplog, monkeypatch
+) -> None:
+    monkeypatch.setattr(gpu_callback, "MIN_WAIT_WARNING_S", 0.2)
+    use_fake(FakeNvml(1))
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        fit(tmp_path, GpuStatsMonitor(), epochs=2, slow_s=0.025)  # CPU: no GPU figures
+    rows = gpu_rows(tmp_path, "loop/data_wait_frac")
+    assert len(rows) == 2 and not any(k.startswith("gpu/") and v for k, v in rows[0].items())
+    for row in rows:
+        assert float(row["loop/data_wait_frac"]) > 0.5  # 100 ms of loading per batch
+        assert 0 < float(row["loop/samples_per_s"]) < 4 / 0.1
+    starved = [r.getMessage() for r in caplog.records if "waited for the next batch" in r.message]
+    assert len(starved) == 2 and all(
+        r.levelno == logging.WARNING for r in caplog.records if "waited" in r.getMessage()
+    )
+    assert "no GPU reading" in starved[0]
+    for setting in ("data.num_workers=0", "data.pin_memory=False", "data.batch_size=4"):
+        assert setting in starved[0]
+
+
+@pytest.mark.slow
+def test_a_wait_under_the_threshold_or_a_busy_gpu_gets_no_starvation_line(
+    tmp_path, use_fake, caplog, monkeypatch
+):
+    monkeypatch.setattr(gpu_callback, "MIN_WAIT_WARNING_S", 0.0)
+    fake = use_fake(FakeNvml([FakeGpu(util_gpu=95)]))
+    busy = GpuStatsMonitor(interval_s=0.05, device_uuids=[fake.gpus[0].uuid], summary_table=False)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        fit(tmp_path / "busy", busy, epochs=1, slow_s=0.01)  # waits, but the GPU is 95 % busy
+        fit(tmp_path / "cpu", GpuStatsMonitor(data_wait_warning=0.99), epochs=1, slow_s=0.01)
+    assert not [r for r in caplog.records if "waited for the next batch" in r.getMessage()]
+
+
+class CountingLoopTimer(LoopTimer):
+    """The monitor's loop timer, counting the steps whose hooks Lightning called."""
+
+    def __init__(self) -> None:
+        super().__init__(window_steps=8, slow_step_s=1.0)  # every step "fast": windows close
+        self.calls = 0
+
+    def batch_end(self, batch, batch_idx=-1):
+        self.calls += 1
+        return super().batch_end(batch, batch_idx)
+
+
+def fit_fast_steps(tmp_path, monitor):
+    """Two epochs of 200 steps, each waiting at least 2 ms for its one sample."""
+    train = torch.utils.data.DataLoader(SlowData(0.002, n=200), batch_size=1)
+    fit(tmp_path, monitor, train=train, limit_train_batches=None, limit_val_batches=1)
+    return monitor._loop.calls
+
+
+@pytest.mark.slow
+def test_fast_steps_are_timed_in_windows_and_the_epochs_figures_still_add_up(
+    tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setattr(gpu_callback, "LoopTimer", CountingLoopTimer)
+    monkeypatch.setattr(gpu_loop, "WINDOW_EVERY_S", 600.0)  # no window but each epoch's first
+    monitor = GpuStatsMonitor()
+    assert fit_fast_steps(tmp_path, monitor) == 2 * 8  # of 400 steps
+    assert monitor.run_samples() == 400.0  # counted from Lightning's batch index
+    rows = gpu_rows(tmp_path, "loop/data_wait_frac")
+    assert len(rows) == 2
+    for row in rows:  # the 2 ms waits of the 192 steps not timed are in it (0.08 if left out)
+        assert float(row["loop/data_wait_frac"]) > 0.3, row["loop/data_wait_frac"]
+    assert "on_train_batch_start" not in vars(monitor)  # the hooks are back for the next fit
+    assert not [t for t in threading.enumerate() if t.name == "runkit-loop-windows"]
+    # the ticker begins a window every WINDOW_EVERY_S
+    monkeypatch.setattr(gpu_loop, "WINDOW_EVERY_S", 0.02)
+    assert fit_fast_steps(tmp_path / "ticking", GpuStatsMonitor()) > 2 * 8
+
+
+def test_monitored_keys_come_from_callbacks_and_schedulers() -> None:
+    trainer = SimpleNamespace(
+        callbacks=[EarlyStopping(monitor="gpu/a"), object()],
+        lr_scheduler_configs=[SimpleNamespace(monitor="gpu/b"), SimpleNamespace(monitor=None)],
+    )
+    assert gpu_callback.monitored_keys(trainer) == {"gpu/a", "gpu/b"}
+
+
+# --------------------------------------------------------------------------- a real Hopper GPU
+@pytest.mark.gpu
+def test_real_gpm_on_a_hopper_gpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU with an NVIDIA driver (torch.cuda.is_available() is False)")
+    nvml.use_library(None)
+    with nvml.nvml_session() as lib:
+        found = nvml.find_handle(lib, gpu_callback.cuda_device_uuid(0))
+        assert found is not None
+        reader = GpuReader(lib, found[0], "cuda0", DEFAULT_GROUPS)
+        reader.probe()
+        try:
+            if "gpm" not in reader.groups:
+                pytest.skip(f"GPM is not supported here ({reader.unsupported.get('gpm')})")
+            a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end:  # tensor-core work for a second
+                a = (a @ a).clamp_(-1, 1)
+            torch.cuda.synchronize()
+            values, _ = reader.read()
+        finally:
+            reader.close()
+    assert 0 < values["sm_active"] <= 100 and 0 < values["tensor_active"] <= 100
+    assert 0 <= values["sm_occupancy"] <= 100 and 0 <= values["dram_active"] <= 100
