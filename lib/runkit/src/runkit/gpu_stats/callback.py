@@ -9,7 +9,7 @@ validation) in one ``logger.log_metrics`` call, at the step of Lightning's own r
 device is matched to its NVML device by UUID (``CUDA_VISIBLE_DEVICES``, MIG). Under DDP each
 rank hands its figures to rank 0 through the job's key-value store, not a collective. Keys a GPU
 cannot report are left out, never logged as 0; a missing driver or a lost GPU costs one log
-line. The run's energy is kept in the checkpoint. Reference: docs/gpu-statistics.md.
+line. The run's energy is kept in the checkpoint. Reference: lib/runkit/docs/gpu-statistics.md.
 """
 
 from __future__ import annotations
