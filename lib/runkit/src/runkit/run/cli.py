@@ -28,6 +28,18 @@ class QuietFilter(logging.Filter):
         return not str(record.msg).startswith("💡 Tip")
 
 
+class _FirstSacctWarning(logging.Filter):
+    """Lets through the first of submitit's "Bypassing sacct error" warnings (no slurmdbd)."""
+
+    said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "Bypassing sacct error" not in str(record.msg):
+            return True
+        said, self.said = self.said, True
+        return not said
+
+
 def find_configs(package_file: str | Path, env_var: str | None = None) -> Path:
     """The directory holding a project's ``train.yaml``, found from its package's ``__file__``.
 
@@ -89,6 +101,10 @@ def hydra_entry(
         from runkit.run.sweep import follow_sweep_parent
 
         register_resolvers()  # ${run_id:...}: one run directory for all processes of a launch
+        # submitit's two handlers and Hydra's printed each of its lines three times; through
+        # Hydra's alone, and its warning at every poll of a cluster without accounting once.
+        os.environ.setdefault("SUBMITIT_LOG_LEVEL", "NOCONFIG")
+        logging.getLogger("submitit").addFilter(_FirstSacctWarning())
         follow_sweep_parent()  # a job of a parallel sweep ends with the sweep (kill -9 included)
         app = hydra.main(version_base="1.3", config_path=str(config_dir), config_name=config_name)
         from runkit.safety.signals import stop_on_signal
