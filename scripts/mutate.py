@@ -57,11 +57,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         [
             "lib/runkit/tests/test_devices.py",
             "lib/runkit/tests/test_devices_cli.py",
-            "lib/runkit/tests/test_devices_watch.py",
-            "lib/runkit/tests/test_devices_mutants.py",
             "lib/runkit/tests/test_gpu_claims.py",
-            "lib/runkit/tests/test_claims_mutants.py",
-            "lib/runkit/tests/test_inventory_mutants.py",
             "lib/runkit/tests/test_fake_nvml.py",
         ],
     ),

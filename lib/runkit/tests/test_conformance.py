@@ -176,6 +176,12 @@ def test_test_after_fit_and_eval_of_model_pth_and_best_checkpoint_agree(trained,
     sources = [pair.run]  # eval of a run directory takes its model.pth
     if metrics(pair.run)["best_checkpoint"]:
         sources.append(Path(metrics(pair.run)["best_checkpoint"]))
+    if not conformance.overrides_hook(_classes(name)[0], "test_step"):
+        # Plain Lightning's trainer.test refuses such a module; eval says so in one line.
+        done = evaluate(pair.cwd, pair.run)
+        assert (done.returncode, done.stderr.count("\n")) == (2, 1), done.stderr[-3000:]
+        assert "has no test_step" in done.stderr and not run_dirs(pair.cwd / "logs", "eval")
+        return
     figures = []
     for source in sources:
         done = evaluate(pair.cwd, source)

@@ -1,31 +1,41 @@
-"""GPU inventory, CUDA_VISIBLE_DEVICES rules, device resolution and selection by load.
+"""GPU inventory, CUDA_VISIBLE_DEVICES rules, device resolution and the least_used choice.
 
-Everything runs on the CPU: NVML is :mod:`runkit.testing.fake_nvml`, and what torch
-would say about CUDA is the explicit :class:`runkit.gpus.records.TorchCuda` argument.
+Everything runs on the CPU: NVML is :mod:`runkit.testing.fake_nvml`, and what torch would say
+about CUDA is the explicit :class:`runkit.gpus.records.TorchCuda` argument.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from omegaconf import OmegaConf
 
+from conftest import FAST, compose_train, last_line, run_dirs
 from runkit.errors import RunError
 from runkit.gpus import claims, nvml
 from runkit.gpus import inventory as inventory_module
-from runkit.gpus.claims import SelectionPolicy
-from runkit.gpus.inventory import build_inventory, collect_inventory, read_nvml
-from runkit.gpus.records import Gpu, GpuProcess, Inventory, TorchCuda
+from runkit.gpus.claims import SelectionPolicy, rank_by_load
+from runkit.gpus.inventory import build_inventory, cached_inventory, collect_inventory, read_nvml
+from runkit.gpus.reader import DeviceReader
+from runkit.gpus.records import (
+    Gpu,
+    GpuProcess,
+    Inventory,
+    TorchCuda,
+    first_entry_problem,
+    no_gpu_reason,
+)
 from runkit.gpus.resolve import (
     SELECTION_ENV,
     DeviceError,
     parse_devices,
-    rank_by_load,
     resolve_devices,
     resolve_for_run,
-    select_least_used,
 )
 from runkit.gpus.visible import apply_visible_devices
 from runkit.testing.fake_nvml import GIB, FakeGpu, FakeNvml, FakeProcess
@@ -37,6 +47,7 @@ UUID2 = "GPU-cccc3333-3333-3333-3333-333333333333"
 UUID3 = "GPU-dddd4444-4444-4444-4444-444444444444"
 MIG30 = "MIG-eeee0000-5555-5555-5555-555555555555"
 MIG31 = "MIG-ffff1111-6666-6666-6666-666666666666"
+H100 = "NVIDIA H100 80GB HBM3"
 
 
 def make_fake(loads: dict[int, tuple[int, int]] | None = None) -> FakeNvml:
@@ -47,105 +58,124 @@ def make_fake(loads: dict[int, tuple[int, int]] | None = None) -> FakeNvml:
         used, util = loads.get(i, (0, 0))
         return FakeGpu(uuid=uuid, memory_used=used * GIB, util_gpu=util, **kw)
 
+    mig = [FakeGpu(uuid=MIG30, memory_total=10 * GIB), FakeGpu(uuid=MIG31, memory_total=20 * GIB)]
     return FakeNvml(
         [
             gpu(0, UUID0, processes=[FakeProcess(4242, 3 * GIB)]),
             gpu(1, UUID1),
             gpu(2, UUID2),
-            FakeGpu(
-                name="NVIDIA A100-SXM4-80GB",
-                uuid=UUID3,
-                mig=[
-                    FakeGpu(uuid=MIG30, memory_total=10 * GIB),
-                    FakeGpu(uuid=MIG31, memory_total=20 * GIB),
-                ],
-            ),
+            FakeGpu(name="NVIDIA A100-SXM4-80GB", uuid=UUID3, mig=mig),
         ],
         clock=lambda: 0.0,
     )
 
 
 @pytest.fixture
-def fake():
-    lib = make_fake()
-    nvml.use_library(lib)
-    yield lib
-    nvml.use_library(None)
+def fake(use_fake):
+    return use_fake(make_fake())
 
 
 @pytest.fixture
 def physical(fake):
-    gpus, _driver, _notes = read_nvml()
-    return gpus
+    return read_nvml()[0]
 
 
 def uuids(gpus):
     return [g.uuid for g in gpus]
 
 
+def board(i: int, name: str = "H100", **kw: Any) -> Gpu:
+    return Gpu(
+        uuid=f"GPU-{i:04d}", name=name, nvml_index=i, pci_bus_id=f"00000000:{i + 16:02X}:00.0", **kw
+    )
+
+
+def machine(gpus: int, torch_count: int | None = None, **env: str) -> Inventory:
+    """``gpus`` physical H100s; torch counts ``torch_count`` of them (default: all)."""
+    count = gpus if torch_count is None else torch_count
+    return build_inventory([board(i) for i in range(gpus)], TorchCuda(count > 0, count), env=env)
+
+
+def loaded(loads: list[tuple[int | None, int | None]], **env: str) -> Inventory:
+    """GPUs with (free MiB, utilisation %) readings, all visible to torch."""
+    physical = [
+        board(i, memory_free_mib=f, utilization_percent=u) for i, (f, u) in enumerate(loads)
+    ]
+    return build_inventory(physical, TorchCuda(True, len(loads)), env=env)
+
+
+def error(call, *args, **kwargs) -> str:
+    with pytest.raises(DeviceError) as info:
+        call(*args, **kwargs)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
 # ------------------------------------------------------------------------- reading NVML
 
 
 def test_read_nvml_reads_every_gpu_and_mig_slice(fake):
+    fake.gpus[0].memory_total, fake.gpus[0].memory_used = 80 * GIB + 3, GIB + 1024 * 1024 + 1
     gpus, driver, notes = read_nvml()
     assert driver == "570.133.20" and notes == []
     assert uuids(gpus) == [UUID0, UUID1, UUID2, UUID3]
-    g0 = gpus[0]
-    assert (g0.memory_total_mib, g0.memory_used_mib, g0.memory_free_mib) == (81920, 0, 81920)
+    g0 = gpus[0]  # whole MiB, rounded down
+    assert (g0.memory_total_mib, g0.memory_used_mib, g0.memory_free_mib) == (81920, 1025, 80895)
     assert g0.temperature_c == 35 and g0.power_w == 70.0 and g0.power_limit_w == 700.0
     assert g0.processes == (GpuProcess(4242, 3072, None),)
-    assert gpus[3].mig_enabled and uuids(gpus[3].mig_devices) == [MIG30, MIG31]
-    mig = gpus[3].mig_devices[1]
-    assert mig.is_mig and mig.parent_uuid == UUID3 and mig.mig_index == 1
-    assert mig.utilization_percent is None  # MIG handles do not report utilisation
+    parent, (slice0, slice1) = gpus[3], gpus[3].mig_devices
+    assert parent.mig_enabled and uuids(parent.mig_devices) == [MIG30, MIG31]
+    assert slice1.is_mig and slice1.parent_uuid == UUID3 and slice1.mig_index == 1
+    assert (slice1.nvml_index, slice1.gpu_instance_id, slice1.compute_instance_id) == (3, 2, 0)
+    assert slice1.utilization_percent is None  # MIG handles do not report utilisation
+    # a slice has no temperature or power of its own: its GPU has
+    assert (slice0.temperature_c, slice0.power_w, slice0.power_limit_w) == (None, None, None)
+    assert slice0.memory_total_mib == 10 * 1024
+    assert slice0.pci_bus_id == parent.pci_bus_id == "00000000:47:00.0"
     assert fake.balanced
-
-
-def test_unsupported_metric_becomes_none_not_an_error(fake):
-    fake.gpus[1].fail("power", "not_supported")
-    fake.gpus[1].fail("temperature", "no_permission")
-    gpus, _, _ = read_nvml()
-    assert gpus[1].power_w is None and gpus[1].temperature_c is None
-    assert gpus[1].memory_total_mib == 81920
-
-
-def test_a_gpu_nvml_cannot_open_keeps_its_place(fake):
-    fake.gpus[1].lose(0.0)
-    gpus, _, notes = read_nvml()
-    assert [g.nvml_index for g in gpus] == [0, 1, 2, 3]
-    assert gpus[1].error is not None and gpus[1].uuid == ""
-    assert notes and "GPU 1" in notes[0]
-
-
-@pytest.mark.parametrize(
-    ("detail", "read", "not_read"),
-    [
-        (
-            "identity",
-            {"nvmlDeviceGetUUID", "nvmlDeviceGetPciInfo", "nvmlDeviceGetMigMode"},
-            {"nvmlDeviceGetMemoryInfo", "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetPowerUsage"},
-        ),
-        (
-            "load",
-            {"nvmlDeviceGetMemoryInfo", "nvmlDeviceGetUtilizationRates"},
-            {"nvmlDeviceGetTemperature", "nvmlDeviceGetComputeRunningProcesses"},
-        ),
-        (
-            "full",
-            {"nvmlDeviceGetTemperature", "nvmlDeviceGetComputeRunningProcesses"},
-            set(),
-        ),
-    ],
-)
-def test_nvml_is_read_at_the_detail_asked_and_no_more(fake, detail, read, not_read):
-    gpus, _, _ = read_nvml(detail)
-    assert uuids(gpus) == [UUID0, UUID1, UUID2, UUID3]
-    assert uuids(gpus[3].mig_devices) == [MIG30, MIG31]  # enough to number cuda:N
-    assert read <= set(fake.calls) and not not_read & set(fake.calls)
-    assert (gpus[0].memory_free_mib is None) == (detail == "identity")
-    assert (gpus[0].processes == ()) == (detail != "full")
     with pytest.raises(ValueError, match="detail='some'; use one of identity, load, full"):
         read_nvml("some")
+
+
+def test_what_nvml_will_not_say_stays_unknown(fake):
+    fake.gpus[1].fail("power", "not_supported").fail("temperature", "no_permission")
+    fake.gpus[1].fail("power_limit", "not_supported")
+    fake.gpus[2].fail("name", "unknown")
+    fake.gpus[3].mig[0].fail("nvmlDeviceGetGpuInstanceId", "not_supported")
+    fake.gpus[3].mig[1].fail("nvmlDeviceGetComputeInstanceId", "not_supported")
+    fake.gpus[0].lose(0.0)
+    gpus, _, notes = read_nvml()
+    assert (gpus[1].power_w, gpus[1].power_limit_w, gpus[1].temperature_c) == (None, None, None)
+    assert gpus[1].memory_total_mib == 81920 and gpus[2].name == "unknown GPU"
+    ids = [(s.gpu_instance_id, s.compute_instance_id) for s in gpus[3].mig_devices]
+    assert ids == [(None, 0), (2, None)]
+    # a GPU NVML cannot open keeps its place
+    assert gpus[0] == Gpu(uuid="", name="unreadable GPU", nvml_index=0, error="GPU is lost")
+    assert [g.nvml_index for g in gpus] == [0, 1, 2, 3]
+    assert notes == ["NVML cannot open GPU 0 (GPU is lost); it is listed without details."]
+
+
+class ProcessNames(FakeNvml):
+    """The fake plus process names and graphics processes, which it does not model."""
+
+    def nvmlSystemGetProcessName(self, pid: int) -> bytes:
+        if pid == 4242:
+            return b"train.py"  # old bindings give bytes
+        if pid == 5:
+            return b""  # a name NVML could not read
+        raise self.NVMLError(3)  # NOT_FOUND: a process gone meanwhile
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: Any) -> list[Any]:
+        return [SimpleNamespace(pid=4242, usedGpuMemory=GIB), SimpleNamespace(pid=77)]
+
+
+def test_processes_are_listed_once_with_their_names(use_fake):
+    use_fake(ProcessNames([FakeGpu(processes=[FakeProcess(4242, 2 * GIB), FakeProcess(5, GIB)])]))
+    assert read_nvml("full")[0][0].processes == (
+        GpuProcess(4242, 2048, "train.py"),  # the compute entry wins over the graphics one
+        GpuProcess(5, 1024, None),
+        GpuProcess(77, None, None),
+    )
 
 
 def test_one_uuid_spelling_finds_gpus_and_mig_slices(fake):
@@ -153,23 +183,114 @@ def test_one_uuid_spelling_finds_gpus_and_mig_slices(fake):
         (UUID1, UUID1),
         (UUID1[4:], UUID1),  # torch reports the bare UUID
         (UUID1.upper(), UUID1),
+        ("MIG-" + UUID1[4:], UUID1),  # a GPU's UUID given with MIG-
         (MIG31[4:], MIG31),
         (f"  {MIG31.upper()} ", MIG31),
     ]
     with nvml.nvml_session() as lib:
         for given, expected in spellings:
+            lib.reset_counters()
             handle, nvml_uuid = nvml.find_handle(lib, given)
             assert nvml_uuid == expected == lib.nvmlDeviceGetUUID(handle), given
+            first = expected.startswith("MIG-") == given.strip().upper().startswith("MIG-")
+            assert lib.calls["nvmlDeviceGetHandleByUUID"] == (1 if first else 2), given
         assert nvml.find_handle(lib, "GPU-0000") is None
     assert nvml.bare_uuid(" MIG-ABC ") == nvml.bare_uuid("abc") == "abc"
 
 
-def test_a_mig_slice_lists_no_power_or_temperature_of_its_own(fake):
-    gpus, _, _ = read_nvml()
-    parent, (slice0, _) = gpus[3], gpus[3].mig_devices
-    assert parent.temperature_c == 35 and parent.power_w == 70.0
-    assert (slice0.temperature_c, slice0.power_w, slice0.power_limit_w) == (None, None, None)
-    assert slice0.memory_total_mib == 10 * 1024 and slice0.pci_bus_id == parent.pci_bus_id
+def test_a_backend_spec_loads_its_factory_or_says_it_cannot(monkeypatch):
+    monkeypatch.setattr(nvml, "_env_cache", {})  # a fresh process: nothing loaded yet
+    monkeypatch.setenv(nvml.BACKEND_ENV, "runkit.testing.fake_nvml")  # no factory: create
+    monkeypatch.setenv("RUNKIT_FAKE_NVML", json.dumps({"gpus": [{}, {}]}))
+    lib = nvml.load_library()
+    assert isinstance(lib, FakeNvml) and len(lib.gpus) == 2
+    assert nvml.error_classes(
+        lib, ["NVMLError_NotSupported", "NVMLError_NoSuch", "NVML_SUCCESS"]
+    ) == (lib.NVMLError_NotSupported,)
+    monkeypatch.setenv(nvml.BACKEND_ENV, "runkit.testing.fake_nvml:create")
+    assert isinstance(nvml.load_library(), FakeNvml)
+    monkeypatch.setenv(nvml.BACKEND_ENV, "runkit.testing.fake_nvml:no_such_factory")
+    with pytest.raises(nvml.NvmlUnavailable) as info:
+        nvml.load_library()
+    assert str(info.value) == (
+        "RUNKIT_NVML_BACKEND='runkit.testing.fake_nvml:no_such_factory' does not "
+        "name an importable 'module:factory'"
+    )
+    monkeypatch.delenv(nvml.BACKEND_ENV)
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # a trimmed environment
+    with pytest.raises(nvml.NvmlUnavailable) as info:
+        nvml.load_library()
+    assert str(info.value) == "the NVML bindings are not installed (pip install nvidia-ml-py)"
+
+
+# ------------------------------------------------------------------------- one device's figures
+
+
+class OddDriver(FakeNvml):
+    """The fake with an old driver's clock name, a checked ECC query and a typed field value."""
+
+    value_type, result = 0, 0
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int:
+        raise AttributeError("not in these bindings")
+
+    def nvmlDeviceGetTotalEccErrors(self, handle: Any, error_type: int, counter: int) -> int:
+        wanted = (self.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, self.NVML_VOLATILE_ECC)
+        if (error_type, counter) != wanted:
+            raise self.NVMLError(self.NVML_ERROR_INVALID_ARGUMENT)
+        return 2
+
+    def nvmlDeviceGetFieldValues(self, handle: Any, field_ids: Any) -> list[Any]:
+        value = SimpleNamespace(dVal=1.5, uiVal=2, ulVal=3, ullVal=4, sllVal=5, siVal=6)
+        return [SimpleNamespace(nvmlReturn=self.result, valueType=self.value_type, value=value)]
+
+
+def test_the_reader_reads_every_board_figure_in_nvml_units_from_the_board_of_a_slice():
+    figures = dict(clock_sm_mhz=1410, clocks_event_reasons=4, energy_mj=123_456, fan_pct=55)
+    slices = [FakeGpu(memory_total=10 * GIB)]
+    lib = FakeNvml(
+        [FakeGpu(**figures, pcie_tx_kbs=10, pcie_rx_kbs=20, ecc_uncorrected=3, memory_temperature=71, mig=slices), FakeGpu()],
+        clock=lambda: 0.0,
+    )  # fmt: skip
+    lib.nvmlInit()
+    gpu = lib.nvmlDeviceGetHandleByIndex(0)
+    for reader in (
+        DeviceReader.open(lib, gpu),
+        DeviceReader.open(lib, lib.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 0)),
+    ):
+        assert reader.index() == 0 and reader.sm_clock_mhz() == 1410.0
+        assert isinstance(reader.sm_clock_mhz(), float)
+        assert (reader.clock_event_reasons(), reader.energy_mj(), reader.fan_pct()) == (
+            4,
+            123_456,
+            55,
+        )
+        assert reader.pcie_kbs() == (10.0, 20.0) and reader.ecc_uncorrected() == 3.0
+        assert reader.memory_temperature_c() == 71.0
+    assert reader.is_mig and reader.memory()[0] == 10 * GIB
+    other = DeviceReader.open(lib, lib.nvmlDeviceGetHandleByIndex(1))
+    assert not other.is_mig and other.index() == 1
+    with pytest.raises(lib.NVMLError):
+        other.memory_temperature_c()  # not reported by that board
+    lib.nvmlShutdown()
+
+
+@pytest.mark.parametrize(
+    ("value_type", "expected"), [(0, 1.5), (1, 2), (2, 3), (3, 4), (4, 5), (5, 6), (9, 6)]
+)
+def test_old_drivers_and_typed_fields_read_as_the_same_figures(value_type, expected):
+    lib = OddDriver([FakeGpu(clocks_event_reasons=8)], clock=lambda: 0.0)
+    lib.value_type = value_type
+    lib.nvmlInit()
+    reader = DeviceReader.open(lib, lib.nvmlDeviceGetHandleByIndex(0))
+    assert reader.clock_event_reasons() == reader.clock_event_reasons() == 8
+    assert lib.calls["nvmlDeviceGetCurrentClocksThrottleReasons"] == 2  # the name found is kept
+    assert reader.ecc_uncorrected() == 2.0  # volatile uncorrected errors
+    assert reader.memory_temperature_c() == expected
+    lib.result = lib.NVML_ERROR_NOT_SUPPORTED
+    with pytest.raises(lib.NVMLError_NotSupported):
+        reader.memory_temperature_c()
+    lib.nvmlShutdown()
 
 
 # ------------------------------------------------------------------------- CUDA_VISIBLE_DEVICES
@@ -187,15 +308,20 @@ def test_a_mig_slice_lists_no_power_or_temperature_of_its_own(fake):
         ("GPU-cccc", [UUID2]),  # a unique UUID prefix
         (MIG31, [MIG31]),
         ("MIG-eeee", [MIG30]),
+        (f"MIG-{UUID3}/2/0", [MIG31]),  # the pre-R470 form, by instance ids
+        (f"MIG-{UUID3}/2/1", []),
         (f"1,{MIG30}", [UUID1]),  # the first entry sets the list's kind (torch): MIG- ends it
         (f"{MIG30},{MIG31}", [MIG30, MIG31]),  # two GPU instances: one MIG device each (R570+)
+        (f"{MIG30},0", [MIG30]),
         ("0,2,-1,1", [UUID0, UUID2]),  # CUDA's documented example
         ("1,9,0", [UUID1]),  # out of range ends the list
+        ("2,4,0", [UUID2]),  # an ordinal equal to the count names no GPU
         ("1,GPU-aaaa,2", [UUID1]),  # ambiguous prefix ends the list
         ("GPU-nope,0", []),
         ("2,x,0", [UUID2]),
         ("1gpu,0", [UUID1, UUID0]),  # parsed like strtoul: leading digits count
         (" 1, 2", [UUID1, UUID2]),
+        ("+0, 1", [UUID0, UUID1]),  # strtoul takes a sign
         ("0,", [UUID0]),
         ("", []),
         ("0,1,0", []),  # a device named twice hides every device
@@ -203,7 +329,6 @@ def test_a_mig_slice_lists_no_power_or_temperature_of_its_own(fake):
         (f"{UUID2},0", [UUID2]),  # and an index in a list of UUIDs
         (f"{UUID1}, {UUID0}", [UUID1]),  # torch compares UUID entries unstripped
         (f" {UUID1}", []),  # ... and a blank first makes it a list of indices
-        ("+1", [UUID1]),  # strtoul takes a sign
     ],
 )
 def test_cuda_visible_devices(physical, value, expected):
@@ -211,41 +336,37 @@ def test_cuda_visible_devices(physical, value, expected):
     assert uuids(visible) == expected
 
 
-def test_truncation_and_empty_value_are_explained(physical):
-    _, notes = apply_visible_devices(physical, "0,2,-1,1", "PCI_BUS_ID")
-    assert notes == [
-        "CUDA_VISIBLE_DEVICES entry '-1' names no GPU here; CUDA stops at the first invalid "
-        "entry, so '-1,1' is ignored."
-    ]
-    _, notes = apply_visible_devices(physical, f"{UUID2},GPU-aaaa", "PCI_BUS_ID")
-    assert "matches more than one GPU" in notes[0]
-    _, notes = apply_visible_devices(physical, "1,GPU-aaaa", "PCI_BUS_ID")
-    assert notes == [
-        "CUDA_VISIBLE_DEVICES entry 'GPU-aaaa' is not of the list's kind (indices, set by its "
-        "first entry); CUDA stops at the first invalid entry, so 'GPU-aaaa' is ignored."
-    ]
-    _, notes = apply_visible_devices(physical, "", "PCI_BUS_ID")
-    assert notes == ["CUDA_VISIBLE_DEVICES is empty, which hides every GPU."]
-
-
-def test_old_style_mig_identifier_is_matched_by_instance_ids():
-    child = Gpu(
-        uuid=MIG30, name="slice", parent_uuid=UUID3, gpu_instance_id=7, compute_instance_id=0
+def invalid(entry: str, why: str, ignored: str) -> str:
+    return (
+        f"CUDA_VISIBLE_DEVICES entry {entry!r} {why}; CUDA stops at the first invalid entry, "
+        f"so {ignored!r} is ignored."
     )
-    parent = Gpu(uuid=UUID3, name="A100", nvml_index=0, mig_enabled=True, mig_devices=(child,))
-    visible, _ = apply_visible_devices([parent], f"MIG-{UUID3}/7/0", "PCI_BUS_ID")
-    assert visible == [child]
-    visible, _ = apply_visible_devices([parent], f"MIG-{UUID3}/7/1", "PCI_BUS_ID")
-    assert visible == []
 
 
-def test_the_pre_r470_mig_form_is_matched_through_nvml(physical):
-    assert (
-        physical[3].mig_devices[1].gpu_instance_id,
-        physical[3].mig_devices[1].compute_instance_id,
-    ) == (2, 0)
-    visible, _ = apply_visible_devices(physical, f"MIG-{UUID3}/2/0", "PCI_BUS_ID")
-    assert uuids(visible) == [MIG31]
+NOT_INDICES = "is not of the list's kind (indices, set by its first entry)"
+NOT_GPU = "is not of the list's kind (GPU- UUIDs, set by its first entry)"
+
+
+@pytest.mark.parametrize(
+    ("value", "notes"),
+    [
+        ("0,2,-1,1", [invalid("-1", "names no GPU here", "-1,1")]),
+        (f"{UUID2},GPU-aaaa", [invalid("GPU-aaaa", "matches more than one GPU", "GPU-aaaa")]),
+        ("1,GPU-aaaa", [invalid("GPU-aaaa", NOT_INDICES, "GPU-aaaa")]),
+        (f"0,{MIG30}", [invalid(MIG30, NOT_INDICES, MIG30)]),
+        (f"{UUID0},1", [invalid("1", NOT_GPU, "1")]),
+        (f"{UUID0}, {UUID1}", [invalid(f" {UUID1}", NOT_GPU, f" {UUID1}")]),
+        (
+            f"{MIG30},0",
+            [invalid("0", "is not of the list's kind (MIG- UUIDs, set by its first entry)", "0")],
+        ),
+        ("", ["CUDA_VISIBLE_DEVICES is empty, which hides every GPU."]),
+        ("1,1", ["CUDA_VISIBLE_DEVICES names '1' twice; CUDA then shows no GPU at all."]),
+        ("0,1", []),
+    ],
+)
+def test_what_cuda_ignores_is_explained(physical, value, notes):
+    assert apply_visible_devices(physical, value, "PCI_BUS_ID")[1] == notes
 
 
 def mig_slice(uuid: str, parent: str, gi: int, ci: int = 0) -> Gpu:
@@ -259,179 +380,244 @@ def mig_slice(uuid: str, parent: str, gi: int, ci: int = 0) -> Gpu:
 MIG_MACHINE = [
     Gpu(uuid="GPU-p", name="A100", nvml_index=0, pci_bus_id="00000000:17:00.0"),
     Gpu(
-        uuid="GPU-a",
-        name="A100",
-        nvml_index=1,
-        pci_bus_id="00000000:27:00.0",
-        mig_enabled=True,
-        mig_devices=(
-            mig_slice("MIG-a1x", "GPU-a", 1),
-            mig_slice("MIG-a1y", "GPU-a", 1, 1),
-            mig_slice("MIG-a2", "GPU-a", 2),
-        ),
+        uuid="GPU-a", name="A100", nvml_index=1, pci_bus_id="00000000:27:00.0", mig_enabled=True,
+        mig_devices=(mig_slice("MIG-a1x", "GPU-a", 1), mig_slice("MIG-a1y", "GPU-a", 1, 1), mig_slice("MIG-a2", "GPU-a", 2)),
     ),
     Gpu(
-        uuid="GPU-b",
-        name="A100",
-        nvml_index=2,
-        pci_bus_id="00000000:37:00.0",
-        mig_enabled=True,
+        uuid="GPU-b", name="A100", nvml_index=2, pci_bus_id="00000000:37:00.0", mig_enabled=True,
         mig_devices=(mig_slice("MIG-b1", "GPU-b", 1),),
     ),
-]
+]  # fmt: skip
+PRE_R570 = (
+    "driver 535.104.05 (before R570): CUDA enumerates one MIG device and no other GPU; shown: "
+    "MIG-a1x (the first in CUDA order; which one CUDA takes is not documented)."
+)
 
 
 @pytest.mark.parametrize(
-    ("driver", "value", "expected"),
+    ("driver", "value", "expected", "notes"),
     [
         # R570+: one compute instance per GPU instance, across GPUs; plain GPUs stay visible
-        ("570.133.20", None, ["GPU-p", "MIG-a1x", "MIG-a2", "MIG-b1"]),
-        (None, None, ["GPU-p", "MIG-a1x", "MIG-a2", "MIG-b1"]),  # unknown: today's rule
-        ("580.65.06", "MIG-a1y,MIG-a1x,MIG-b1", ["MIG-a1y", "MIG-b1"]),  # one CI of GI 1 of GPU a
-        ("570.133.20", "1,0", ["MIG-a1x", "MIG-a2", "GPU-p"]),
+        ("570.133.20", None, ["GPU-p", "MIG-a1x", "MIG-a2", "MIG-b1"], ["not shown: MIG-a1y"]),
+        (None, None, ["GPU-p", "MIG-a1x", "MIG-a2", "MIG-b1"], ["not shown: MIG-a1y"]),  # unknown
+        ("580.65.06", "MIG-a1y,MIG-a1x,MIG-b1", ["MIG-a1y", "MIG-b1"], ["not shown: MIG-a1x"]),
+        ("570.133.20", "1,0", ["MIG-a1x", "MIG-a2", "GPU-p"], ["not shown: MIG-a1y"]),
+        ("570.133.20", "2,0", ["MIG-b1", "GPU-p"], []),
         # before R570: one MIG device in all, and no plain GPU once a MIG device is shown
-        ("535.104.05", None, ["MIG-a1x"]),
-        ("535.104.05", "0,2", ["MIG-b1"]),
-        ("535.104.05", "MIG-b1,MIG-a2", ["MIG-b1"]),
-        ("535.104.05", "0", ["GPU-p"]),
+        ("535.104.05", None, ["MIG-a1x"], [PRE_R570]),
+        ("535.104.05", "0,2", ["MIG-b1"], ["shown: MIG-b1 (the first"]),
+        ("535.104.05", "MIG-b1,MIG-a2", ["MIG-b1"], ["shown: MIG-b1 (the first"]),
+        ("535.104.05", "MIG-a2", ["MIG-a2"], []),
+        ("535.104.05", "0", ["GPU-p"], []),
     ],
 )
-def test_mig_devices_follow_the_drivers_enumeration_rule(driver, value, expected):
-    visible, _ = apply_visible_devices(MIG_MACHINE, value, "PCI_BUS_ID", driver)
+def test_mig_devices_follow_the_drivers_enumeration_rule(driver, value, expected, notes):
+    visible, said = apply_visible_devices(MIG_MACHINE, value, "PCI_BUS_ID", driver)
     assert uuids(visible) == expected
+    assert len(said) == len(notes) and all(n in s for n, s in zip(notes, said, strict=True))
 
 
-def test_a_mig_device_cuda_does_not_enumerate_is_explained():
-    _, notes = apply_visible_devices(MIG_MACHINE, None, "PCI_BUS_ID", "535.104.05")
-    assert notes == [
-        "driver 535.104.05 (before R570): CUDA enumerates one MIG device and no other GPU; "
-        "shown: MIG-a1x (the first in CUDA order; which one CUDA takes is not documented)."
-    ]
-    _, notes = apply_visible_devices(MIG_MACHINE, None, "PCI_BUS_ID", "570.133.20")
-    assert len(notes) == 1 and "not shown: MIG-a1y" in notes[0]
-
-
-def test_at_most_64_mig_devices_are_enumerated():
-    gpus = [
-        Gpu(
-            uuid=f"GPU-{i}",
-            name="A100",
-            nvml_index=i,
-            pci_bus_id=f"00000000:{i + 16:02X}:00.0",
-            mig_enabled=True,
-            mig_devices=tuple(mig_slice(f"MIG-{i}-{g}", f"GPU-{i}", g) for g in range(7)),
-        )
+def test_at_most_64_mig_devices_are_enumerated_beside_plain_gpus():
+    gpus = [Gpu(uuid="GPU-p", name="A100", nvml_index=10, pci_bus_id="00000000:01:00.0")] + [
+        board(i, name="A100", mig_enabled=True,
+              mig_devices=tuple(mig_slice(f"MIG-{i}-{g}", f"GPU-{i:04d}", g) for g in range(7)))
         for i in range(10)
-    ]
+    ]  # fmt: skip
     visible, notes = apply_visible_devices(gpus, None, "PCI_BUS_ID", "570.133.20")
-    assert len(visible) == 64 and visible[-1].uuid == "MIG-9-0"
-    assert "at most 64 MIG devices" in notes[0]
+    assert len(visible) == 65 and uuids(visible)[::64] == ["GPU-p", "MIG-9-0"]
+    assert notes == [
+        "CUDA enumerates one compute instance per GPU instance and at most 64 MIG devices; not "
+        "shown: MIG-9-1, MIG-9-2, MIG-9-3, MIG-9-4, MIG-9-5, MIG-9-6 (which compute instance "
+        "CUDA takes is not documented; the first in CUDA order is assumed)."
+    ]
+    # slices whose GPU instance NVML does not give are told apart by their UUIDs
+    unknown = (mig_slice("MIG-x", "GPU-0000", None), mig_slice("MIG-y", "GPU-0000", None))
+    gpus = [board(0, name="A100", mig_enabled=True, mig_devices=unknown)]
+    assert uuids(apply_visible_devices(gpus, None, "PCI_BUS_ID")[0]) == ["MIG-x", "MIG-y"]
 
 
-def test_inventory_applies_the_mig_rule_of_nvmls_driver(physical):
-    inv = build_inventory(physical, TorchCuda(), env={}, driver_version="535.104.05")
-    assert uuids(inv.visible) == [MIG30]
-    assert uuids(inv.hidden) == [UUID0, UUID1, UUID2]
+ORDER_NOTE = (
+    "CUDA_DEVICE_ORDER is FASTEST_FIRST (CUDA's default) and the GPUs are different models, so "
+    "CUDA may number them differently from PCI bus order; the indices shown assume PCI order. "
+    "Set CUDA_DEVICE_ORDER=PCI_BUS_ID to make them exact."
+)
 
 
-def test_pci_bus_order_follows_bus_ids_and_mixed_models_get_a_note():
-    a = Gpu(uuid="GPU-a", name="RTX 4090", nvml_index=0, pci_bus_id="00000000:41:00.0")
-    b = Gpu(uuid="GPU-b", name="RTX 3060", nvml_index=1, pci_bus_id="00000000:0A:00.0")
-    visible, notes = apply_visible_devices([a, b], None, "PCI_BUS_ID")
-    assert uuids(visible) == ["GPU-b", "GPU-a"] and notes == []
-    _, notes = apply_visible_devices([a, b], "0", "FASTEST_FIRST")
-    assert len(notes) == 1 and "CUDA_DEVICE_ORDER=PCI_BUS_ID" in notes[0]
+@pytest.mark.parametrize(
+    ("gpus", "order", "expected", "notes"),
+    [
+        # (name, nvml index, PCI bus): PCI bus order, then NVML's to break ties
+        ([("4090", 0, "41"), ("3060", 1, "0A")], "PCI_BUS_ID", ["GPU-b", "GPU-a"], []),
+        ([("4090", 0, "41"), ("3060", 1, "0A")], " pci_bus_id ", ["GPU-b", "GPU-a"], []),
+        ([("4090", 0, "01"), ("3060", 1, "02")], None, ["GPU-a", "GPU-b"], [ORDER_NOTE]),
+        ([("A", 0, "01"), ("A", 1, "02")], None, ["GPU-a", "GPU-b"], []),
+        ([("A", 2, "01"), ("A", 0, "01"), ("A", None, "01"), ("A", 1, "01")], "PCI_BUS_ID",
+         ["GPU-b", "GPU-c", "GPU-d", "GPU-a"], []),
+        ([("A", 1, None), ("A", 0, "99")], "PCI_BUS_ID", ["GPU-b", "GPU-a"], []),  # no bus id: NVML's
+    ],
+)  # fmt: skip
+def test_cuda_numbers_gpus_in_pci_bus_order_and_says_when_that_may_be_wrong(
+    gpus, order, expected, notes
+):
+    physical = [
+        Gpu(uuid=f"GPU-{'abcd'[i]}", name=name, nvml_index=index,
+            pci_bus_id=None if bus is None else f"00000000:{bus}:00.0")
+        for i, (name, index, bus) in enumerate(gpus)
+    ]  # fmt: skip
+    visible, said = apply_visible_devices(physical, None, order)
+    assert uuids(visible) == expected and said == notes
 
 
-def test_same_model_gpus_need_no_order_note(physical):
-    _, notes = apply_visible_devices(physical[:3], None, None)
-    assert notes == []
+@pytest.mark.parametrize(
+    ("value", "hides"),
+    [
+        ("banana,,7", True),
+        ("-1", True),
+        (",0", True),
+        (" x1", True),
+        ("0", False),
+        ("1gpu", False),  # strtoul: leading digits count
+        ("+1", False),
+        ("GPU-abc", False),  # a UUID list: the GPUs decide
+        (" GPU-abc", True),  # a blank first: a list of indices (torch), which this is not
+        ("MIG-abc", False),
+        ("", False),  # empty: its own message
+        (None, False),
+    ],
+)
+def test_a_first_entry_that_names_no_device_hides_every_gpu(value, hides):
+    assert (first_entry_problem(value) is not None) == hides
 
 
-# ------------------------------------------------------------------------- inventory
+# ------------------------------------------------------------------------- the inventory
 
 
 def test_inventory_maps_cuda_indices_by_torch_uuid(physical):
     # torch reports UUIDs without the GPU-/MIG- prefix; cuda:0 is GPU 2, cuda:1 a MIG slice
-    torch_info = TorchCuda(True, 2, uuids=(UUID2[4:], MIG31[4:]), names=("H100", "A100 MIG"))
+    torch_info = TorchCuda(
+        True, 3, uuids=(UUID2[4:], MIG31[4:], "beef"), names=("H100", "A100 MIG")
+    )
     inv = build_inventory(physical, torch_info, env={"CUDA_VISIBLE_DEVICES": "whatever"})
-    assert inv.mapping == "torch-uuid"
-    assert uuids(inv.visible) == [UUID2, MIG31]
+    assert inv.mapping == "torch-uuid" and inv.usable_gpu_count == 3
+    names = [(g.uuid, g.name) for g in inv.visible]
+    assert names == [
+        (UUID2, H100),
+        (MIG31, "NVIDIA A100-SXM4-80GB MIG 1g.10gb"),
+        ("beef", "unknown GPU"),
+    ]
+    assert inv.notes == ("cuda:2 (beef) is not in NVML's list; shown without metrics.",)
     assert uuids(inv.hidden) == [UUID0, UUID1]
-    assert inv.usable_gpu_count == 2
 
 
 def test_inventory_without_torch_uuids_follows_the_env_rules(physical):
     env = {"CUDA_VISIBLE_DEVICES": "2,0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-    inv = build_inventory(physical, TorchCuda(True, 2), env=env)
+    inv = build_inventory(physical, TorchCuda(True, 2, uuids=("", "")), env=env)
     assert inv.mapping == "env-rules" and uuids(inv.visible) == [UUID2, UUID0]
     assert inv.cuda_visible_devices == "2,0" and inv.cuda_device_order == "PCI_BUS_ID"
     assert inv.notes == ()
-
-
-def test_inventory_flags_a_count_mismatch_with_torch(physical):
     inv = build_inventory(physical, TorchCuda(True, 1), env={"CUDA_VISIBLE_DEVICES": "0,1"})
-    assert any("torch sees 1 CUDA device(s)" in n for n in inv.notes)
-    assert inv.usable_gpu_count == 1
-
-
-def test_torch_without_cuda_means_no_usable_gpu(physical):
-    inv = build_inventory(physical, TorchCuda(False, 0), env={})
-    assert inv.usable_gpu_count == 0 and len(inv.visible) == 5
-    assert inv.summary() == (
-        "No usable GPU: NVML sees 4 GPUs but torch has no CUDA (CPU-only build?); "
-        "training will use the CPU."
+    assert inv.usable_gpu_count == 1 and inv.notes[1:] == (
+        "torch sees 1 CUDA device(s) but the CUDA_VISIBLE_DEVICES rules give 2; trust torch's "
+        "count, the GPU details may be misplaced.",
     )
+    inv = build_inventory(physical, TorchCuda(), env={}, driver_version="535.104.05")
+    assert uuids(inv.visible) == [MIG30] and uuids(inv.hidden) == [UUID0, UUID1, UUID2]
+    hidden = build_inventory(physical, TorchCuda(), env={"CUDA_VISIBLE_DEVICES": ""})
+    assert hidden.visible == () and hidden.mapping == "none"
 
 
-def test_inventory_without_nvml_uses_torch_names():
+def test_inventory_without_nvml_names_what_torch_names():
     inv = build_inventory(
-        None, TorchCuda(True, 1, ("abc",), ("NVIDIA L4",)), env={}, nvml_reason="no driver"
+        None, TorchCuda(True, 2, uuids=("u0",), names=("L4",)), env={"CUDA_DEVICE_ORDER": "slowest"}, nvml_reason="no driver"
+    )  # fmt: skip
+    assert [(g.uuid, g.name) for g in inv.visible] == [("u0", "L4"), ("", "cuda:1")]
+    assert inv.mapping == "torch-only" and not inv.nvml_available
+    assert inv.visible[0].memory_total_mib is None and inv.cuda_device_order == "FASTEST_FIRST"
+    assert inv.notes == (
+        "CUDA_DEVICE_ORDER='SLOWEST' is not one of FASTEST_FIRST, PCI_BUS_ID; CUDA uses "
+        "FASTEST_FIRST.",
     )
-    assert inv.mapping == "torch-only" and inv.visible[0].name == "NVIDIA L4"
-    assert inv.visible[0].memory_total_mib is None
+    none = build_inventory(None, TorchCuda(False, 0), env={})
+    assert none.mapping == "none" and none.visible == ()
 
 
-def test_collect_inventory_reports_nvml_failure_in_one_line():
-    nvml.use_library(FakeNvml(2, init_error="library_not_found"))
-    try:
-        inv = collect_inventory(torch_info=TorchCuda(), env={})
-    finally:
-        nvml.use_library(None)
-    assert not inv.nvml_available and inv.visible == ()
+@pytest.mark.parametrize(
+    ("inv", "reason"),
+    [
+        (machine(2, 0, CUDA_VISIBLE_DEVICES=" "), "CUDA_VISIBLE_DEVICES is set to an empty string"),
+        (machine(1, 0), "NVML sees 1 GPU but torch has no CUDA (CPU-only build?)"),
+        (machine(2, 0), "NVML sees 2 GPUs but torch has no CUDA (CPU-only build?)"),
+        (machine(1, 0, CUDA_VISIBLE_DEVICES="5"), "CUDA_VISIBLE_DEVICES='5' hides every GPU"),
+        # named before torch's lack of CUDA, which a hiding variable causes
+        (machine(2, 0, CUDA_VISIBLE_DEVICES="GPU-nope"), "CUDA_VISIBLE_DEVICES='GPU-nope' hides every GPU"),
+        (
+            build_inventory(None, TorchCuda(), env={"CUDA_VISIBLE_DEVICES": "banana,,7"}),
+            "CUDA_VISIBLE_DEVICES='banana,,7' hides every GPU: its first entry 'banana' is not a "
+            "GPU index or UUID, and CUDA ignores the list from its first invalid entry on",
+        ),
+        (build_inventory(None, TorchCuda(), env={}, nvml_reason="no driver"), "no driver"),
+        (build_inventory(None, TorchCuda(), env={}), "no NVIDIA GPU found"),
+        (build_inventory([], TorchCuda(), env={}, nvml_reason="ignored"), "no NVIDIA GPU found"),
+    ],
+)  # fmt: skip
+def test_no_gpu_reason_names_the_cause(inv, reason):
+    assert no_gpu_reason(inv) == reason
+    assert inv.summary() == f"No usable GPU: {reason}; training will use the CPU."
+
+
+def test_summary_counts_gpus_in_words(use_fake):
+    assert machine(1).summary() == "1 CUDA GPU visible; training can use cuda:0..cuda:0."
+    assert machine(3).summary() == "3 CUDA GPUs visible; training can use cuda:0..cuda:2."
+    use_fake(FakeNvml(2, init_error="library_not_found"))
+    inv = collect_inventory(torch_info=TorchCuda(), env={"CUDA_VISIBLE_DEVICES": "3"})
+    assert not inv.nvml_available and inv.visible == () and inv.cuda_visible_devices == "3"
     assert inv.summary() == (
         "No usable GPU: NVML is not available (NVML Shared Library Not Found); "
         "training will use the CPU."
     )
 
 
-def test_unknown_device_order_is_noted(physical):
-    inv = build_inventory(physical, TorchCuda(), env={"CUDA_DEVICE_ORDER": "SLOWEST"})
-    assert inv.cuda_device_order == "FASTEST_FIRST"
-    assert inv.notes[0].startswith("CUDA_DEVICE_ORDER='SLOWEST' is not one of")
+def test_probe_torch_counts_without_initialising_cuda_unless_asked_for_uuids(monkeypatch, use_fake):
+    import torch
+
+    probe, calls = inventory_module.probe_torch, []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: calls.append("count") or 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: calls.append("available") or True)
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    props = lambda i: calls.append(f"props {i}") or SimpleNamespace(uuid=f"u{i}", name=f"G{i}")  # noqa: E731
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    use_fake(FakeNvml(1, clock=lambda: 0.0))
+    inventory_module.forget_readings()
+    cached_inventory()  # device resolution
+    inv = collect_inventory(env={"CUDA_VISIBLE_DEVICES": "0"}, probe_uuids=False)  # the sweep's
+    assert calls == ["count", "count"] and inv.cuda_visible_devices == "0"
+    assert inv.torch == probe(uuids=False) == TorchCuda(True, 1, version="12.4", mps_available=True)
+    assert collect_inventory(env={}).torch == TorchCuda(True, 1, ("u0",), ("G0",), "12.4", True)
+    assert calls[3:] == ["available", "count", "props 0"]
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(name="L4"))
+    assert probe().uuids == ("",)  # no uuid in old torch's properties
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert probe() == TorchCuda(version="12.4", mps_available=True)  # a Mac
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert probe() == probe(uuids=False) == TorchCuda(version="12.4")
+    inventory_module.forget_readings()
 
 
 # ------------------------------------------------------------------------- parse_devices
+
+ACCEPTED = "use a count ≥ 1, -1 (all), 'auto', or GPU indices such as [0,1] or '0,1'"
 
 
 @pytest.mark.parametrize(
     ("value", "expected"),
     [
-        ("auto", "auto"),
-        ("AUTO", "auto"),
-        (2, 2),
-        ("2", 2),
-        (-1, -1),
-        ("-1", -1),
-        ([0, 2], [0, 2]),
-        ((1,), [1]),
-        ("0,1", [0, 1]),
-        ("[0,1]", [0, 1]),
-        ("[ 3 ]", [3]),
-        ("1,", [1]),
-        (OmegaConf.create([2, 0]), [2, 0]),
+        ("auto", "auto"), ("AUTO", "auto"), (1, 1), (2, 2), ("2", 2), (-1, -1), (" -1 ", -1),
+        ([0, 2], [0, 2]), ((1,), [1]), ((0, 2), [0, 2]), ("0,1", [0, 1]), ("[0,1]", [0, 1]),
+        ("[ 3 ]", [3]), ("[2]", [2]), ("1,", [1]), ("0,1,", [0, 1]), (OmegaConf.create([2, 0]), [2, 0]),
     ],
-)
+)  # fmt: skip
 def test_parse_devices_accepts_what_users_type(value, expected):
     assert parse_devices(value) == expected
 
@@ -439,27 +625,18 @@ def test_parse_devices_accepts_what_users_type(value, expected):
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        (
-            0,
-            "devices=0 is not valid; use a count ≥ 1, -1 (all), 'auto', or GPU indices such as "
-            "[0,1] or '0,1'",
-        ),
-        (-2, "devices=-2 is not valid"),
-        (True, "devices=True is not valid"),
-        ("two", "devices='two' is not valid"),
-        ("0,a", "devices='0,a' is not valid"),
-        ([0, -1], "devices=[0, -1] is not valid"),
+        *[(v, f"devices={v!r} is not valid; {ACCEPTED}")
+          for v in (0, -2, True, False, 1.0, 1.5, None, "two", "0,a", "[1,-1]", "1,,2",
+                    "[]", "0,1]", "[0,1")],
+        *[(v, f"devices={list(v)!r} is not valid; {ACCEPTED}") for v in ([0, -1], [1, True], [-1])],
+        *[(v, f"devices={int(v)} is not valid; {ACCEPTED}") for v in ("0", "-2")],
         ([], "devices=[] lists no GPU; use a count or at least one index"),
-        ("[]", "devices='[]' is not valid"),
         ([1, 1], "devices=[1, 1] names a GPU twice; each index may appear once"),
-        (1.5, "devices=1.5 is not valid"),
+        ("[1,1]", "devices='[1,1]' names a GPU twice; each index may appear once"),
     ],
-)
+)  # fmt: skip
 def test_parse_devices_rejects_bad_values_in_one_line(value, message):
-    with pytest.raises(DeviceError) as info:
-        parse_devices(value)
-    assert str(info.value).startswith(message)
-    assert "\n" not in str(info.value)
+    assert error(parse_devices, value) == message
 
 
 def test_device_error_is_a_project_error_and_a_value_error():
@@ -468,297 +645,236 @@ def test_device_error_is_a_project_error_and_a_value_error():
 
 # ------------------------------------------------------------------------- resolve_devices
 
-
-def inventory(physical, gpus: int, env: dict[str, str] | None = None) -> Inventory:
-    return build_inventory(physical, TorchCuda(gpus > 0, gpus), env=env or {})
-
-
 CPU_ONLY = build_inventory(None, TorchCuda(), env={}, nvml_reason="NVML is not available (x)")
+MAC = build_inventory(None, TorchCuda(mps_available=True), env={})
+BANANA = build_inventory(
+    None, TorchCuda(), env={"CUDA_VISIBLE_DEVICES": "banana,,7"}, nvml_reason="x"
+)
+BANANA_WHY = (
+    "CUDA_VISIBLE_DEVICES='banana,,7' hides every GPU: its first entry 'banana' is not a GPU "
+    "index or UUID, and CUDA ignores the list from its first invalid entry on"
+)
+ACCELERATOR = object()  # an Accelerator instance passes through
 
 
-def test_auto_without_gpu_falls_back_to_cpu_with_one_message():
-    plan = resolve_devices("auto", "auto", inventory=CPU_ONLY)
-    assert plan.trainer_kwargs() == {"accelerator": "cpu", "devices": "auto"}
-    assert plan.message == "No usable GPU: NVML is not available (x); this run uses the CPU."
+@pytest.mark.parametrize(
+    ("accelerator", "devices", "inv", "kwargs", "gpus", "message"),
+    [
+        ("auto", "auto", CPU_ONLY, ("cpu", "auto"), [], "No usable GPU: NVML is not available (x); this run uses the CPU."),
+        ("auto", 3, CPU_ONLY, ("cpu", 3), [], "No usable GPU: NVML is not available (x); this run uses the CPU."),
+        ("auto", -1, CPU_ONLY, ("cpu", "auto"), [], "No usable GPU: NVML is not available (x); this run uses the CPU."),
+        ("auto", 2, machine(0), ("cpu", 2), [], "No usable GPU: no NVIDIA GPU found; this run uses the CPU."),
+        ("auto", "auto", BANANA, ("cpu", "auto"), [], f"No usable GPU: {BANANA_WHY}; this run uses the CPU."),
+        ("auto", 1, MAC, ("auto", 1), [], None),
+        ("mps", 1, CPU_ONLY, ("mps", 1), [], None),
+        (ACCELERATOR, 2, machine(2), (ACCELERATOR, 2), [], None),
+        ("cpu", 4, None, ("cpu", 4), [], None),
+        (" CPU ", 2, None, (" CPU ", 2), [], None),
+        ("auto", "auto", machine(2), ("auto", "auto"), ["GPU-0000", "GPU-0001"], None),
+        ("Auto", 1, machine(1), ("Auto", 1), ["GPU-0000"], None),
+        ("gpu", -1, machine(2), ("gpu", -1), ["GPU-0000", "GPU-0001"], None),
+        ("cuda", 2, machine(2), ("cuda", 2), ["GPU-0000", "GPU-0001"], None),
+        ("gpu", "[1,0]", machine(2), ("gpu", [1, 0]), ["GPU-0001", "GPU-0000"], None),
+        ("gpu", [1], machine(2), ("gpu", [1]), ["GPU-0001"], None),
+        # torch sees one more device than the rules place: the plan names those it knows
+        ("gpu", [0, 2], machine(2, 3), ("gpu", [0, 2]), ["GPU-0000"], None),
+    ],
+)  # fmt: skip
+def test_what_the_trainer_gets(accelerator, devices, inv, kwargs, gpus, message):
+    plan = resolve_devices(accelerator, devices, inventory=inv)
+    assert plan.trainer_kwargs() == dict(zip(("accelerator", "devices"), kwargs, strict=True))
+    assert uuids(plan.gpus) == gpus and plan.message == message and plan.selected is None
 
 
-def test_auto_without_gpu_keeps_a_process_count_and_maps_all_to_auto():
-    assert resolve_devices("auto", 3, inventory=CPU_ONLY).devices == 3
-    assert resolve_devices("auto", -1, inventory=CPU_ONLY).devices == "auto"
+def test_resolve_devices_defaults_to_auto_and_hands_out_fresh_lists():
+    assert resolve_devices(inventory=machine(0)).trainer_kwargs() == {
+        "accelerator": "cpu",
+        "devices": "auto",
+    }
+    assert resolve_devices(inventory=machine(2)).trainer_kwargs() == {
+        "accelerator": "auto",
+        "devices": "auto",
+    }
+    plan = resolve_devices("gpu", [0, 1], inventory=machine(2))
+    plan.trainer_kwargs()["devices"].append(5)
+    assert plan.devices == [0, 1] and plan.trainer_kwargs()["devices"] == [0, 1]
 
 
-def test_auto_without_gpu_rejects_gpu_indices():
-    with pytest.raises(
-        DeviceError, match=r"^devices=\[0, 1\] lists GPU indices, but this run uses"
-    ):
-        resolve_devices("auto", "0,1", inventory=CPU_ONLY)
+def visible(n: int) -> str:
+    return f"only {n} GPU{'s are' if n != 1 else ' is'} visible"
 
 
-@pytest.mark.parametrize("accelerator", ["gpu", "cuda", "GPU"])
-def test_gpu_on_a_cpu_machine_is_one_line(accelerator):
-    with pytest.raises(DeviceError) as info:
-        resolve_devices(accelerator, 1, inventory=CPU_ONLY)
-    assert str(info.value) == (
-        f"accelerator={accelerator} asks for a GPU, but this machine has no usable GPU "
-        "(NVML is not available (x)); use accelerator=cpu or accelerator=auto"
-    )
-
-
-def test_more_gpus_than_exist_is_one_line(physical):
-    with pytest.raises(DeviceError) as info:
-        resolve_devices("gpu", 4, inventory=inventory(physical, 2, {"CUDA_VISIBLE_DEVICES": "0,1"}))
-    assert str(info.value) == (
-        "devices=4 asks for 4 GPUs, but only 2 GPUs are visible "
-        "(cuda:0 NVIDIA H100 80GB HBM3, cuda:1 NVIDIA H100 80GB HBM3)"
-    )
-
-
-def test_missing_index_is_one_line(physical):
-    inv = inventory(physical, 1, {"CUDA_VISIBLE_DEVICES": "2"})
-    with pytest.raises(DeviceError) as info:
-        resolve_devices("auto", [0, 3], inventory=inv)
-    assert str(info.value) == (
-        "devices=[0, 3] names GPU 3, but only 1 GPU is visible (cuda:0 NVIDIA H100 80GB HBM3)"
-    )
-
-
-def test_plain_requests_pass_through_unchanged(physical):
-    inv = inventory(physical, 5)
-    for accelerator, devices, expected in [
-        ("auto", "auto", "auto"),
-        ("gpu", -1, -1),
-        ("cuda", 2, 2),
-        ("auto", "[3,1]", [3, 1]),
-    ]:
-        plan = resolve_devices(accelerator, devices, inventory=inv)
-        assert plan.trainer_kwargs() == {"accelerator": accelerator, "devices": expected}
-        assert plan.message is None and plan.selected is None
-    assert uuids(resolve_devices("gpu", [3, 1], inventory=inv).gpus) == [MIG30, UUID1]
-
-
-def test_cpu_takes_a_process_count():
-    assert resolve_devices("cpu", 4).trainer_kwargs() == {"accelerator": "cpu", "devices": 4}
-    with pytest.raises(DeviceError, match=r"^devices=-1 means 'every GPU'"):
-        resolve_devices("cpu", -1)
-
-
-def test_other_accelerators_pass_through():
-    plan = resolve_devices("mps", 1, inventory=CPU_ONLY)
-    assert (plan.accelerator, plan.devices, plan.message) == ("mps", 1, None)
-    on_mac = build_inventory(None, TorchCuda(mps_available=True), env={})
-    assert resolve_devices("auto", 1, inventory=on_mac).accelerator == "auto"
+@pytest.mark.parametrize(
+    ("accelerator", "devices", "inv", "message"),
+    [
+        ("gpu", 4, machine(2), f"devices=4 asks for 4 GPUs, but {visible(2)} (cuda:0 H100, cuda:1 H100)"),
+        ("gpu", 3, machine(2), f"devices=3 asks for 3 GPUs, but {visible(2)} (cuda:0 H100, cuda:1 H100)"),
+        ("gpu", 2, machine(1), f"devices=2 asks for 2 GPUs, but {visible(1)} (cuda:0 H100)"),
+        ("Cuda", 5, machine(4), f"devices=5 asks for 5 GPUs, but {visible(4)} (cuda:0 H100, cuda:1 H100, cuda:2 H100, cuda:3 H100)"),
+        ("gpu", 6, machine(5), f"devices=6 asks for 6 GPUs, but {visible(5)} (cuda:0..cuda:4)"),
+        ("gpu", 6, machine(1, 5), f"devices=6 asks for 6 GPUs, but {visible(5)} (cuda:0..cuda:4)"),  # names known for one
+        ("gpu", 2, machine(0, 1), f"devices=2 asks for 2 GPUs, but {visible(1)} (cuda:0..cuda:0)"),
+        ("auto", [0, 2], machine(2), f"devices=[0, 2] names GPU 2, but {visible(2)} (cuda:0 H100, cuda:1 H100)"),
+        ("gpu", [0, 2, 3], machine(2), f"devices=[0, 2, 3] names GPU 2, 3, but {visible(2)} (cuda:0 H100, cuda:1 H100)"),
+        *[(acc, 1, CPU_ONLY,
+           f"accelerator={acc} asks for a GPU, but this machine has no usable GPU (NVML is not "
+           "available (x)); use accelerator=cpu or accelerator=auto") for acc in ("gpu", "cuda", "GPU")],
+        ("gpu", 1, MAC, "accelerator=gpu asks for a GPU, but this machine has no usable GPU (no NVIDIA GPU found); use accelerator=cpu or accelerator=auto"),
+        ("gpu", 1, BANANA,
+         f"accelerator=gpu asks for a GPU, but this machine has no usable GPU ({BANANA_WHY}); "
+         "set CUDA_VISIBLE_DEVICES to GPU indices or UUIDs (e.g. 0,1) or unset it"),
+        ("auto", "0,1", CPU_ONLY, "devices=[0, 1] lists GPU indices, but this run uses the CPU, where devices is a process count (an integer ≥ 1 or 'auto')"),
+        ("cpu", [0], None, "devices=[0] lists GPU indices, but this run uses the CPU, where devices is a process count (an integer ≥ 1 or 'auto')"),
+        ("cpu", -1, None, "devices=-1 means 'every GPU' and has no meaning with accelerator=cpu; use a process count ≥ 1 or 'auto'"),
+    ],
+)  # fmt: skip
+def test_a_request_the_machine_cannot_meet_is_one_line(accelerator, devices, inv, message):
+    assert error(resolve_devices, accelerator, devices, inventory=inv) == message
 
 
 def test_bad_select_is_one_line():
-    with pytest.raises(DeviceError) as info:
-        resolve_devices("cpu", 1, select="emptiest")
-    assert str(info.value) == "select_gpus='emptiest' is not valid; use one of first, least_used"
+    assert error(resolve_devices, "cpu", 1, select="emptiest") == (
+        "select_gpus='emptiest' is not valid; use one of first, least_used"
+    )
 
 
-# ------------------------------------------------------------------------- selection by load
-
-
-def gpu(free: int | None, util: int | None) -> Gpu:
-    return Gpu(uuid="", name="x", memory_free_mib=free, utilization_percent=util)
+# ------------------------------------------------------------------------- select_gpus=least_used
 
 
 def test_rank_by_load_free_memory_then_utilisation_then_index():
-    gpus = [gpu(100, 50), gpu(200, 90), gpu(100, 10), gpu(200, 90), gpu(None, 0), gpu(100, None)]
-    assert rank_by_load(gpus) == [1, 3, 2, 0, 5, 4]
-    assert select_least_used(gpus, 3) == [1, 2, 3]
+    gpus = loaded(
+        [(100, 50), (200, 90), (100, 10), (200, 90), (None, 0), (100, None), (0, 0)]
+    ).visible
+    assert rank_by_load(gpus) == [1, 3, 2, 0, 5, 6, 4]
+    assert rank_by_load(loaded([(5, 1), (5, 0)]).visible) == [1, 0]
 
 
-def loaded_inventory(loads: dict[int, tuple[int, int]], gpus: int = 3) -> Inventory:
-    lib = make_fake(loads)
-    nvml.use_library(lib)
-    try:
-        return collect_inventory(
-            torch_info=TorchCuda(True, gpus), env={"CUDA_VISIBLE_DEVICES": "0,1,2"}
-        )
-    finally:
-        nvml.use_library(None)
-
-
-def test_least_used_picks_most_free_memory_then_lowest_utilisation():
-    inv = loaded_inventory({0: (40, 10), 1: (5, 90), 2: (5, 30)})
+@pytest.mark.parametrize(
+    ("loads", "devices", "chosen", "message"),
+    [
+        ([(10, 0), (30, 50), (20, 0), (30, 10)], 2, [1, 3], "select_gpus=least_used picked cuda:1, cuda:3 of 4 (most free memory, then lowest utilisation)"),
+        ([(10, 0), (30, 90), (30, 30)], "cuda", [2], "select_gpus=least_used picked cuda:2 of 3 (most free memory, then lowest utilisation)"),
+        ([(0, 0), (0, 0), (0, 0)], 2, [0, 1], None),  # ties go to the lowest index
+        ([(10, 0), (30, 0)], -1, [0, 1], None),  # every GPU: chosen, so that the run can claim them
+        ([(10, 0), (30, 0)], "auto", [0, 1], None),
+        ([(None, None), (None, 5), (None, None)], 2, [0, 1], "select_gpus=least_used: no GPU load readings (NVML gave none); using the first 2: [0, 1]"),
+        ([(None, None), (None, None), (5, 0)], 1, [2], None),
+    ],
+)  # fmt: skip
+def test_least_used_picks_most_free_memory_then_lowest_utilisation(loads, devices, chosen, message):
+    inv = loaded(loads)
     environ: dict[str, str] = {}
-    plan = resolve_devices("gpu", 2, select="least_used", inventory=inv, environ=environ)
-    assert plan.devices == [1, 2] and plan.selected == (1, 2)
-    assert plan.message == (
-        "select_gpus=least_used picked cuda:1, cuda:2 of 3 (most free memory, then lowest "
-        "utilisation)"
-    )
-    assert environ == {}  # deciding changes nothing; the run hands the choice on (resolve_for_run)
-    record = json.loads(plan.handoff)
-    assert record == {
-        "pid": os.getpid(),
-        "request": "devices=2 CUDA_VISIBLE_DEVICES=0,1,2",
-        "gpus": [1, 2],
-    }
-    one = resolve_devices("gpu", 1, select="least_used", inventory=inv, environ={})
-    assert one.devices == [2]  # same free memory as GPU 1, lower utilisation
+    accelerator = "cuda" if devices == "cuda" else "gpu"
+    count = 1 if devices == "cuda" else devices
+    plan = resolve_devices(accelerator, count, select="least_used", inventory=inv, environ=environ)
+    assert plan.trainer_kwargs() == {"accelerator": accelerator, "devices": chosen}
+    assert plan.selected == tuple(chosen) and uuids(plan.gpus) == [f"GPU-{i:04d}" for i in chosen]
+    assert message is None or plan.message == message
+    assert environ == {}  # deciding changes nothing; the run hands the choice on
+    n = len(loads) if count in (-1, "auto") else count
+    assert json.loads(plan.handoff) == {
+        "pid": os.getpid(), "request": f"devices={n} CUDA_VISIBLE_DEVICES=None", "gpus": chosen,
+    }  # fmt: skip
 
 
-def test_least_used_ties_go_to_the_lowest_index():
-    inv = loaded_inventory({})
-    assert resolve_devices("gpu", 2, select="least_used", inventory=inv, environ={}).devices == [
+def test_least_used_without_nvml_takes_the_first_gpus():
+    fewer = build_inventory([board(0, memory_free_mib=1)], TorchCuda(True, 3), env={})
+    assert resolve_devices("gpu", 2, select="least_used", inventory=fewer, environ={}).devices == [
         0,
         1,
     ]
-
-
-def test_least_used_with_every_gpu_wanted_chooses_them_all_so_the_run_can_claim_them():
-    inv = loaded_inventory({0: (40, 10)})
-    environ: dict[str, str] = {}
-    for devices in (3, -1, "auto"):
-        plan = resolve_devices("gpu", devices, select="least_used", inventory=inv, environ=environ)
-        assert plan.devices == [0, 1, 2] and plan.selected == (0, 1, 2)
-        assert json.loads(plan.handoff)["request"] == "devices=3 CUDA_VISIBLE_DEVICES=0,1,2"
-    assert environ == {}
-
-
-def test_ddp_child_reuses_rank_zero_choice_despite_different_load():
-    rank0 = resolve_devices(
-        "gpu", 2, select="least_used", inventory=loaded_inventory({0: (40, 10)}), environ={}
+    inv = build_inventory(None, TorchCuda(True, 3), env={}, nvml_reason="NVML is not available (x)")
+    plan = resolve_devices("gpu", 2, select="least_used", inventory=inv, environ={})
+    assert plan.devices == [0, 1] and plan.message == (
+        "select_gpus=least_used: no GPU load readings (NVML is not available (x)); "
+        "using the first 2: [0, 1]"
     )
-    assert rank0.devices == [1, 2]
+    assert error(resolve_devices, "gpu", 3, select="least_used", inventory=loaded([(10, 0)] * 2), environ={}) == (
+        f"devices=3 asks for 3 GPUs, but {visible(2)} (cuda:0 H100, cuda:1 H100)"
+    )  # fmt: skip
+
+
+def rank0(gpus: list[int], request: str = "devices=2 CUDA_VISIBLE_DEVICES=None", **kw) -> dict:
+    record = {"pid": os.getpid() + 1, "request": request, "gpus": gpus, **kw}
+    return {SELECTION_ENV: json.dumps(record), "LOCAL_RANK": "1"}
+
+
+def test_a_ddp_child_reuses_rank_zero_choice_despite_different_load():
     # The child re-runs the command: LOCAL_RANK is set, the record comes from another pid (rank 0),
     # and meanwhile the load moved so that a fresh choice would be [0, 1].
-    record = json.loads(rank0.handoff)
-    record["pid"] = os.getpid() + 1
-    child_env = {SELECTION_ENV: json.dumps(record), "LOCAL_RANK": "1"}
-    moved = loaded_inventory({2: (70, 100)})
+    moved = loaded([(30, 0), (20, 0), (10, 0)])
     assert resolve_devices("gpu", 2, select="least_used", inventory=moved, environ={}).devices == [
         0,
         1,
     ]
-    child = resolve_devices("gpu", 2, select="least_used", inventory=moved, environ=child_env)
-    assert child.devices == [1, 2]
-    assert child.message == "GPUs chosen by rank 0 (least used): [1, 2]"
-
-
-def test_a_record_written_by_this_process_is_a_stale_one_and_is_redone():
-    # Sequential runs in one process (Hydra multirun): Lightning left LOCAL_RANK=0 behind.
-    environ = {"LOCAL_RANK": "0"}
-    environ[SELECTION_ENV] = json.dumps(
-        {"pid": os.getpid(), "request": "devices=2 CUDA_VISIBLE_DEVICES=0,1,2", "gpus": [0, 1]}
-    )
-    inv = loaded_inventory({0: (40, 10)})
+    for accelerator in ("gpu", "cuda"):
+        child = resolve_devices(
+            accelerator, 2, select="least_used", inventory=moved, environ=rank0([1, 2])
+        )
+        assert child.trainer_kwargs() == {"accelerator": accelerator, "devices": [1, 2]}
+        assert child.selected == (1, 2) and uuids(child.gpus) == ["GPU-0001", "GPU-0002"]
+        assert child.message == "GPUs chosen by rank 0 (least used): [1, 2]"
+        assert child.handoff is None  # a child hands nothing further
+    # Sequential runs in one process (Hydra multirun) leave LOCAL_RANK=0 and their own record.
+    environ = {**rank0([1, 2]), "LOCAL_RANK": "0"}
+    environ[SELECTION_ENV] = environ[SELECTION_ENV].replace(str(os.getpid() + 1), str(os.getpid()))
     assert resolve_devices(
-        "gpu", 2, select="least_used", inventory=inv, environ=environ
-    ).devices == [1, 2]
+        "gpu", 2, select="least_used", inventory=moved, environ=environ
+    ).devices == [0, 1]
 
 
-def test_child_with_a_different_request_fails_in_one_line():
-    record = {
-        "pid": os.getpid() + 1,
-        "request": "devices=1 CUDA_VISIBLE_DEVICES=0,1,2",
-        "gpus": [2],
-    }
-    environ = {SELECTION_ENV: json.dumps(record), "LOCAL_RANK": "1"}
-    with pytest.raises(DeviceError) as info:
-        resolve_devices(
-            "gpu", 2, select="least_used", inventory=loaded_inventory({}), environ=environ
-        )
-    assert str(info.value) == (
-        "RUNKIT_GPU_SELECTION holds rank 0's GPU choice for "
-        "'devices=1 CUDA_VISIBLE_DEVICES=0,1,2', but this process asks "
-        "'devices=2 CUDA_VISIBLE_DEVICES=0,1,2'; unset RUNKIT_GPU_SELECTION and start again"
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        (rank0([2], "devices=1 CUDA_VISIBLE_DEVICES=None"),
+         f"{SELECTION_ENV} holds rank 0's GPU choice for 'devices=1 CUDA_VISIBLE_DEVICES=None', but "
+         f"this process asks 'devices=2 CUDA_VISIBLE_DEVICES=None'; unset {SELECTION_ENV} and start again"),
+        (rank0([0, 3]), f"rank 0 chose GPUs [0, 3] ({SELECTION_ENV}), but {visible(3)} (cuda:0 H100, cuda:1 H100, cuda:2 H100) in this process"),
+        ({"LOCAL_RANK": "2"},
+         f"select_gpus=least_used cannot coordinate processes started by an external launcher "
+         f"(LOCAL_RANK=2 is set but {SELECTION_ENV} is not); pin GPUs with CUDA_VISIBLE_DEVICES or use select_gpus=first"),
+        *[({SELECTION_ENV: text, "LOCAL_RANK": "1"},
+           f"{SELECTION_ENV}={text!r} is not a GPU choice written by this template; unset it")
+          for text in ['{"pid": "1", "request": "r", "gpus": [0]}', '{"pid": 1, "request": 5, "gpus": [0]}',
+                       '{"pid": 1, "request": "r", "gpus": "0"}', '{"pid": 1, "request": "r", "gpus": []}',
+                       '{"pid": 1, "request": "r", "gpus": [0, 0]}', '{"pid": 1, "request": "r", "gpus": [-1]}',
+                       '{"pid": 1, "request": "r", "gpus": [true]}', "[1, 2]", "not json"]],
+    ],
+)  # fmt: skip
+def test_a_child_that_cannot_use_rank_zero_choice_stops_in_one_line(environ, message):
+    inv = loaded([(10, 0), (20, 0), (30, 0)])
+    assert (
+        error(resolve_devices, "gpu", 2, select="least_used", inventory=inv, environ=environ)
+        == message
     )
 
 
-def test_external_launcher_without_a_record_cannot_coordinate():
-    with pytest.raises(DeviceError, match=r"^select_gpus=least_used cannot coordinate"):
-        resolve_devices(
-            "gpu",
-            2,
-            select="least_used",
-            inventory=loaded_inventory({}),
-            environ={"LOCAL_RANK": "3"},
-        )
+# ------------------------------------------------------------------------- once per job
 
-
-def test_garbage_record_is_one_line():
-    environ = {SELECTION_ENV: "[1, 2]", "LOCAL_RANK": "1"}
-    with pytest.raises(DeviceError, match=r"^RUNKIT_GPU_SELECTION='\[1, 2\]' is not a GPU choice"):
-        resolve_devices(
-            "gpu", 2, select="least_used", inventory=loaded_inventory({}), environ=environ
-        )
-
-
-def test_least_used_without_nvml_takes_the_first_gpus():
-    inv = build_inventory(None, TorchCuda(True, 3), env={}, nvml_reason="NVML is not available (x)")
-    plan = resolve_devices("gpu", 2, select="least_used", inventory=inv, environ={})
-    assert plan.devices == [0, 1]
-    assert plan.message == (
-        "select_gpus=least_used: no GPU load readings (NVML is not available (x)); "
-        "using the first 2: [0, 1]"
-    )
-
-
-def test_first_is_the_default_and_ignores_load():
-    inv = loaded_inventory({0: (40, 10)})
-    plan = resolve_devices("gpu", 2, inventory=inv, environ={})
-    assert plan.devices == 2 and plan.selected is None
-    assert uuids(plan.gpus) == [UUID0, UUID1]
-
-
-def test_child_whose_rank_zero_choice_is_out_of_range_fails_in_one_line():
-    record = {
-        "pid": os.getpid() + 1,
-        "request": "devices=2 CUDA_VISIBLE_DEVICES=0,1,2",
-        "gpus": [1, 7],
-    }
-    environ = {SELECTION_ENV: json.dumps(record), "LOCAL_RANK": "1"}
-    with pytest.raises(DeviceError) as info:
-        resolve_devices(
-            "gpu", 2, select="least_used", inventory=loaded_inventory({}), environ=environ
-        )
-    assert str(info.value).startswith(
-        "rank 0 chose GPUs [1, 7] (RUNKIT_GPU_SELECTION), but only 3 GPUs are visible"
-    )
-
-
-def test_torch_without_uuids_falls_back_to_the_env_rules(physical):
-    inv = build_inventory(
-        physical, TorchCuda(True, 2, uuids=("", "")), env={"CUDA_VISIBLE_DEVICES": "1,0"}
-    )
-    assert inv.mapping == "env-rules" and uuids(inv.visible) == [UUID1, UUID0]
-
-
-# ------------------------------------------------------------------------- once per process
-
-
-FAST = SelectionPolicy(util_window_s=0.01)
+QUICK = SelectionPolicy(util_window_s=0.01)
 
 
 @pytest.fixture
-def machine(monkeypatch, tmp_path):
-    """A fresh fake NVML with three idle GPUs and torch pretending to see them all; GPU claims
-    in a lock directory of the test's own."""
-    lib = make_fake({0: (40, 10)})
-    nvml.use_library(lib)
+def gpu_box(monkeypatch, tmp_path, use_fake):
+    """Three GPUs (GPU 0 busy) that torch pretends to see; claims in a lock dir of the test's own."""
+    lib = use_fake(make_fake({0: (40, 10)}))
     claims.finish_job()
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.setattr(inventory_module, "probe_torch", lambda uuids=True: TorchCuda(True, 3))
-    for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LOCAL_RANK", SELECTION_ENV):
+    for name in (
+        "CUDA_VISIBLE_DEVICES",
+        "CUDA_DEVICE_ORDER",
+        "LOCAL_RANK",
+        SELECTION_ENV,
+        nvml.BACKEND_ENV,
+    ):
         monkeypatch.delenv(name, raising=False)
     yield lib
     claims.finish_job()
-    nvml.use_library(None)
-
-
-def compose_train(*overrides: str):
-    from hydra import compose, initialize_config_dir
-
-    from project import config_dir
-
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return compose("train", overrides=list(overrides))
 
 
 @pytest.mark.parametrize("select", ["first", "least_used"])
-def test_preflight_reads_nvml_once_and_only_the_run_measures_claims_and_hands_over(machine, select):
+def test_preflight_reads_nvml_once_and_only_the_run_measures_claims_and_hands_over(gpu_box, select):
     from runkit.run.preflight import check_config
 
     cfg = compose_train("trainer.accelerator=gpu", "trainer.devices=2", f"select_gpus={select}")
@@ -767,68 +883,82 @@ def test_preflight_reads_nvml_once_and_only_the_run_measures_claims_and_hands_ov
     check_config(cfg)  # the preflight Hydra callback
     check_config(cfg)  # again in the job
     assert ours() == before  # a check changes nothing (importing Lightning sets its own vars)
-    assert machine.calls["nvmlInit"] == machine.calls["nvmlDeviceGetCount"] == 1
+    assert gpu_box.calls["nvmlInit"] == gpu_box.calls["nvmlDeviceGetCount"] == 1
     assert claims.claimed_uuids() == ()
     environ: dict[str, str] = {}
-    plan = resolve_for_run("gpu", 2, select=select, policy=FAST, environ=environ)
+    plan = resolve_for_run("gpu", 2, select=select, policy=QUICK, environ=environ)
     # a plain request reads no load; neither reads temperatures or process names
-    assert ("nvmlDeviceGetMemoryInfo" in machine.calls) == (select == "least_used")
+    assert ("nvmlDeviceGetMemoryInfo" in gpu_box.calls) == (select == "least_used")
     assert not {"nvmlDeviceGetTemperature", "nvmlDeviceGetComputeRunningProcesses"} & set(
-        machine.calls
+        gpu_box.calls
     )
     if select == "least_used":
-        assert machine.calls["nvmlInit"] == 2  # the run measures afresh, over a window
+        assert gpu_box.calls["nvmlInit"] == 2  # the run measures afresh, over a window
         assert plan.devices == [1, 2] and json.loads(environ[SELECTION_ENV])["gpus"] == [1, 2]
         assert set(claims.claimed_uuids()) == {UUID1, UUID2}
+        quiet: dict[str, str] = {}
+        resolve_for_run("gpu", 1, environ=quiet)  # gives the claims back, claims nothing
+        assert quiet == {} and claims.claimed_uuids() == ()
     else:
-        assert machine.calls["nvmlInit"] == 1
+        assert gpu_box.calls["nvmlInit"] == 1
         assert plan.devices == 2 and environ == {} and claims.claimed_uuids() == ()
-    assert machine.balanced
+    assert gpu_box.balanced
 
 
-def test_the_end_of_a_job_gives_back_its_gpus_and_the_next_job_measures_anew(machine):
-    assert resolve_for_run("gpu", 1, select="least_used", policy=FAST, environ={}).devices == [1]
+def test_the_end_of_a_job_gives_back_its_gpus_and_the_next_job_measures_anew(gpu_box):
+    assert resolve_for_run("gpu", 1, select="least_used", policy=QUICK, environ={}).devices == [1]
     assert claims.claimed_uuids() == (UUID1,)
-    # Between two jobs of a sweep the load moves: GPU 1 fills up.
-    machine.gpus[1].memory_used = 70 * GIB
+    gpu_box.gpus[1].memory_used = 70 * GIB  # between two jobs of a sweep the load moves
     assert resolve_devices("gpu", 1, select="least_used", environ={}).devices == [1]  # cached
     claims.finish_job()  # what the Hydra entry point does after every job
     assert claims.claimed_uuids() == ()
     assert resolve_devices("gpu", 1, select="least_used", environ={}).devices == [2]
-    assert resolve_for_run("gpu", 1, select="least_used", policy=FAST, environ={}).devices == [2]
+    assert resolve_for_run("gpu", 1, select="least_used", policy=QUICK, environ={}).devices == [2]
     assert claims.claimed_uuids() == (UUID2,)
 
 
 def test_the_cached_reading_follows_cuda_visible_devices_and_upgrades_its_detail(
-    machine, monkeypatch
+    gpu_box, monkeypatch
 ):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
     assert uuids(resolve_devices("gpu", 2).gpus) == [UUID2, UUID0]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     assert uuids(resolve_devices("gpu", 1).gpus) == [UUID1]
-    assert machine.calls["nvmlInit"] == 1  # NVML's GPU list does not depend on the variable
+    assert gpu_box.calls["nvmlInit"] == 1  # NVML's GPU list does not depend on the variable
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
     assert resolve_devices("gpu", 2, select="least_used", environ={}).devices == [1, 2]
     assert resolve_devices("gpu", 1, select="least_used", environ={}).devices == [1]
     assert resolve_devices("gpu", 1).devices == 1
-    assert machine.calls["nvmlInit"] == 2  # the load readings needed one more read, kept
+    assert gpu_box.calls["nvmlInit"] == 2  # the load readings needed one more read, kept
+    gpu_box.gpus[0].lose(0.0)  # the kept reading keeps its driver version and notes too
+    claims.finish_job()
+    for _ in range(2):
+        inv = cached_inventory()
+        assert inv.driver_version == "570.133.20" and len(inv.physical) == 4
+        assert "NVML cannot open GPU 0 (GPU is lost); it is listed without details." in inv.notes
+    assert gpu_box.calls["nvmlInit"] == 3
+    nvml.use_library(FakeNvml(3, driver_version="580.1"))  # another library is read afresh
+    assert len(cached_inventory().physical) == 3 and cached_inventory().driver_version == "580.1"
 
 
-def test_cpu_and_other_accelerators_never_touch_nvml(machine):
+def test_cpu_and_other_accelerators_never_touch_nvml(gpu_box):
     assert resolve_for_run("cpu", 2).devices == 2
     assert resolve_devices("mps", 1).accelerator == "mps"
-    assert machine.total_calls() == 0
+    assert gpu_box.total_calls() == 0
 
 
 @pytest.mark.slow
-def test_an_in_process_run_reads_nvml_once(machine, monkeypatch, tmp_path):
+def test_an_in_process_run_reads_nvml_once(gpu_box, monkeypatch, tmp_path):
     """The whole ``train`` flow in-process, preflight included: one NVML reading, no more."""
+    from hydra import compose, initialize_config_dir
+
+    from project import config_dir
     from project import train as train_module
     from runkit.run.preflight import check_config
 
     monkeypatch.setattr(inventory_module, "probe_torch", lambda uuids=True: TorchCuda())
     monkeypatch.setattr("runkit.plots.after_run", lambda out: None)
-    cfg = compose_train(
+    overrides = [
         f"paths.output_dir='{tmp_path / 'run with spaces é'}'",
         "model=mlp",
         "trainer.max_epochs=1",
@@ -838,9 +968,36 @@ def test_an_in_process_run_reads_nvml_once(machine, monkeypatch, tmp_path):
         "export_weights=false",
         "logger=none",
         "callbacks.progress_bar.refresh_rate=0",
-    )
+    ]
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)  # as the job sees it, without Hydra's own
     check_config(cfg)
     metrics = train_module.train(cfg)
     assert "val/loss" in metrics  # it trained (on the CPU: torch has no CUDA here)
-    assert machine.calls["nvmlInit"] == machine.calls["nvmlDeviceGetCount"] == 1
-    assert machine.balanced and SELECTION_ENV not in os.environ
+    assert gpu_box.calls["nvmlInit"] == gpu_box.calls["nvmlDeviceGetCount"] == 1
+    assert gpu_box.balanced and SELECTION_ENV not in os.environ
+
+
+@pytest.mark.slow
+def test_a_variable_that_hides_every_gpu_is_named_by_the_cli(cli, log_dir):
+    env = {"CUDA_VISIBLE_DEVICES": "banana,,7"}
+    result = cli("train", *FAST, "trainer.max_epochs=1", env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"No usable GPU: {BANANA_WHY}; this run uses the CPU." in result.stdout.splitlines()
+    (run,) = run_dirs(log_dir)
+    assert BANANA_WHY in (run / "train.log").read_text()
+    assert json.loads((run / "metrics.json").read_text())["accelerator"] == "CPUAccelerator"
+    for scenario in (None, '{"gpus": 2}'):  # without NVML and with it
+        fake = {
+            "RUNKIT_NVML_BACKEND": "runkit.testing.fake_nvml:create",
+            "RUNKIT_FAKE_NVML": scenario,
+        }
+        result = cli("train", "trainer.accelerator=gpu", env=env | (fake if scenario else {}))
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, (
+            result.stderr
+        )
+        assert last_line(result.stderr) == (
+            f"error: accelerator=gpu asks for a GPU, but this machine has no usable GPU ({BANANA_WHY}); "
+            "set CUDA_VISIBLE_DEVICES to GPU indices or UUIDs (e.g. 0,1) or unset it"
+        )
+    assert run_dirs(log_dir) == [run]  # the refused runs created nothing

@@ -1,23 +1,30 @@
-"""``python -m runkit.devices``: the listing, ``--json``, the no-GPU line, and (on a machine with
-a GPU) agreement with what CUDA itself reports."""
+"""``python -m runkit.devices [--json] [--watch [SECONDS]]``: the listing, the JSON, the live
+table and Ctrl-C, the no-GPU line, and (on a machine with a GPU) agreement with CUDA itself."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pty
+import select
+import signal
 import subprocess
 import sys
+import time
+from types import SimpleNamespace
 
 import pytest
+from rich.console import Console
 
 import prewarmed
-from runkit.gpus import inventory, nvml
+from runkit.gpus import inventory, listing, nvml
 from runkit.gpus.inventory import build_inventory, collect_inventory, read_nvml
 from runkit.gpus.listing import main
-from runkit.gpus.records import TorchCuda
-from runkit.gpus.resolve import SELECTION_ENV, resolve_devices
+from runkit.gpus.records import Gpu, GpuProcess, Inventory, TorchCuda
+from runkit.gpus.resolve import SELECTION_ENV
 from runkit.gpus.visible import apply_visible_devices
-from runkit.testing.fake_nvml import GIB, FakeGpu, FakeNvml, FakeProcess
+from runkit.testing.fake_nvml import GIB, FakeClock, FakeGpu, FakeNvml, FakeProcess
 
 UUID0 = "GPU-aaaa1111-1111-1111-1111-111111111111"
 UUID1 = "GPU-bbbb2222-2222-2222-2222-222222222222"
@@ -25,35 +32,14 @@ UUID2 = "GPU-cccc3333-3333-3333-3333-333333333333"
 MIG = "MIG-dddd4444-4444-4444-4444-444444444444"
 
 JSON_KEYS = {
-    "schema_version",
-    "cuda_available",
-    "device_count",
-    "training_device",
-    "message",
-    "nvml",
-    "cuda_visible_devices",
-    "cuda_device_order",
-    "index_mapping",
-    "gpus",
-    "hidden_gpus",
-    "notes",
-}
+    "schema_version", "cuda_available", "device_count", "training_device", "message", "nvml",
+    "cuda_visible_devices", "cuda_device_order", "index_mapping", "gpus", "hidden_gpus", "notes",
+}  # fmt: skip
 GPU_KEYS = {
-    "index",
-    "nvml_index",
-    "name",
-    "uuid",
-    "mig",
-    "parent_uuid",
-    "memory_used_mib",
-    "memory_total_mib",
-    "memory_free_mib",
-    "utilization_percent",
-    "temperature_c",
-    "power_w",
-    "power_limit_w",
-    "processes",
-}
+    "index", "nvml_index", "name", "uuid", "mig", "parent_uuid", "memory_used_mib",
+    "memory_total_mib", "memory_free_mib", "utilization_percent", "temperature_c", "power_w",
+    "power_limit_w", "processes",
+}  # fmt: skip
 
 # The same machine as JSON for subprocesses: three GPUs and an A100 split into one MIG slice.
 SCENARIO = {
@@ -76,8 +62,7 @@ def fake_env(scenario: dict | None = SCENARIO, **extra: str) -> dict[str, str]:
     env.pop(SELECTION_ENV, None)
     env["RUNKIT_NVML_BACKEND"] = "runkit.testing.fake_nvml:create"
     env["RUNKIT_FAKE_NVML"] = json.dumps(scenario)
-    env.update(extra)
-    return env
+    return env | extra
 
 
 def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -92,28 +77,30 @@ def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]
 
 
 @pytest.fixture
-def machine(monkeypatch):
+def machine(monkeypatch, use_fake):
     """The fake NVML in-process, torch pretending to see the GPUs CUDA_VISIBLE_DEVICES leaves."""
-    lib = FakeNvml(
-        [
-            FakeGpu(uuid=UUID0, memory_used=10 * GIB, processes=[FakeProcess(4242, 3 * GIB)]),
-            FakeGpu(uuid=UUID1),
-            FakeGpu(uuid=UUID2, util_gpu=37),
-        ],
-        clock=lambda: 0.0,
+    lib = use_fake(
+        FakeNvml(
+            [
+                FakeGpu(uuid=UUID0, memory_used=10 * GIB, processes=[FakeProcess(4242, 3 * GIB)]),
+                FakeGpu(uuid=UUID1),
+                FakeGpu(uuid=UUID2, util_gpu=37),
+            ],
+            clock=lambda: 0.0,
+        )
     )
-    nvml.use_library(lib)
     monkeypatch.setenv("COLUMNS", "250")  # keep Rich from folding UUIDs in the captured table
     monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
     monkeypatch.setattr(inventory, "probe_torch", lambda uuids=True: TorchCuda(True, 2))
-    yield lib
-    nvml.use_library(None)
+    return lib
 
 
 def test_json_output_has_the_documented_keys_and_indices(machine, monkeypatch, capsys):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
     assert main(["--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert out.splitlines()[:2] == ["{", '  "schema_version": 1,']  # indented for people too
+    doc = json.loads(out)
     assert set(doc) == JSON_KEYS and doc["schema_version"] == 1
     assert (doc["cuda_available"], doc["device_count"], doc["training_device"]) == (True, 2, "cuda")
     assert doc["index_mapping"] == "env-rules" and doc["cuda_visible_devices"] == "2,0"
@@ -127,10 +114,14 @@ def test_json_output_has_the_documented_keys_and_indices(machine, monkeypatch, c
     assert doc["gpus"][1]["processes"] == [{"pid": 4242, "used_memory_mib": 3072, "name": None}]
     assert [(g["index"], g["uuid"]) for g in doc["hidden_gpus"]] == [(None, UUID1)]
     assert doc["nvml"] == {"available": True, "reason": None, "driver_version": "570.133.20"}
+    assert doc["message"] == "2 CUDA GPUs visible; training can use cuda:0..cuda:1."
     assert machine.balanced
+    monkeypatch.setattr(inventory, "probe_torch", lambda uuids=True: TorchCuda())
+    assert main(["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["training_device"] == "cpu"
 
 
-def test_human_listing_shows_cuda_indices_and_processes(machine, monkeypatch, capsys):
+def test_the_listing_shows_cuda_indices_and_processes(machine, monkeypatch, capsys):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-cccc,GPU-aaaa")
     assert main([]) == 0
     out = capsys.readouterr().out
@@ -142,35 +133,148 @@ def test_human_listing_shows_cuda_indices_and_processes(machine, monkeypatch, ca
     assert f"not visible to CUDA here: NVML GPU 1 NVIDIA H100 80GB HBM3 {UUID1}" in out
 
 
+def listing_text(inv: Inventory, width: int = 160) -> list[str]:
+    console = Console(file=io.StringIO(), width=width, record=True, color_system=None)
+    listing.render(inv, console)
+    return [line.rstrip() for line in console.export_text().splitlines()]
+
+
+def listed_machine() -> Inventory:
+    mig = Gpu(
+        uuid="MIG-beef",
+        name="A100 slice",
+        nvml_index=1,
+        parent_uuid="GPU-0001",
+        mig_index=3,
+        memory_total_mib=10240,
+        processes=(GpuProcess(7, None, "python"),),
+    )
+    a100 = Gpu(uuid="GPU-0001", name="A100", nvml_index=1, mig_enabled=True, mig_devices=(mig,))
+    h100 = Gpu(
+        uuid="GPU-0000",
+        name="H100",
+        nvml_index=0,
+        memory_total_mib=81920,
+        memory_used_mib=1024,
+        utilization_percent=37,
+        temperature_c=41,
+        power_w=71.5,
+        power_limit_w=700.0,
+        processes=(GpuProcess(4242, 3072, "train.py"), GpuProcess(99, 5, None)),
+    )
+    hidden = Gpu(uuid="GPU-0002", name="L4", nvml_index=2, power_w=20.0)
+    return build_inventory(
+        [h100, a100, hidden],
+        TorchCuda(True, 2, version="12.4"),
+        env={"CUDA_VISIBLE_DEVICES": "0,1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"},
+        driver_version="570.1",
+    )
+
+
+def test_the_human_listing_shows_every_figure_as_the_user_reads_it():
+    assert listing_text(listed_machine()) == [
+        "CUDA available: yes (torch CUDA 12.4, 2 device(s))",
+        "NVML driver 570.1; CUDA_VISIBLE_DEVICES='0,1'; CUDA_DEVICE_ORDER=PCI_BUS_ID; cuda:N "
+        "worked out by CUDA's CUDA_VISIBLE_DEVICES/CUDA_DEVICE_ORDER rules",
+        "2 CUDA GPUs visible; training can use cuda:0..cuda:1.",
+        "┏━━━━━━━━┳━━━━━━━━━┳━━━━━━━━━━━━┳━━━━━━━━━━┳━━━━━━━━━━━━━━━━━━┳━━━━━━┳━━━━━━━┳━━━━━━━━━━━━━━┳━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━┓",
+        "┃ cuda   ┃ nvml    ┃ name       ┃ uuid     ┃ memory           ┃ util ┃ temp  ┃ power        ┃ processes                            ┃",
+        "┡━━━━━━━━╇━━━━━━━━━╇━━━━━━━━━━━━╇━━━━━━━━━━╇━━━━━━━━━━━━━━━━━━╇━━━━━━╇━━━━━━━╇━━━━━━━━━━━━━━╇━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━┩",
+        "│ cuda:0 │ 0       │ H100       │ GPU-0000 │ 1024 / 81920 MiB │ 37%  │ 41 °C │ 72 W / 700 W │ 4242 train.py (3072 MiB), 99 (5 MiB) │",
+        "│ cuda:1 │ 1 MIG 3 │ A100 slice │ MIG-beef │ - / 10240 MiB    │ -    │ -     │ -            │ 7 python (-)                         │",
+        "└────────┴─────────┴────────────┴──────────┴──────────────────┴──────┴───────┴──────────────┴──────────────────────────────────────┘",
+        "not visible to CUDA here: NVML GPU 2 L4 GPU-0002",
+    ]
+    noted = build_inventory(
+        [Gpu(uuid="GPU-0", name="H100")], TorchCuda(True, 1), env={"CUDA_DEVICE_ORDER": "x"}
+    )
+    assert listing_text(noted)[-1] == (  # notes come last
+        "note: CUDA_DEVICE_ORDER='X' is not one of FASTEST_FIRST, PCI_BUS_ID; CUDA uses FASTEST_FIRST."
+    )
+    console = Console(file=io.StringIO(), width=200, force_terminal=True, color_system="standard")
+    listing.render(listed_machine(), console)  # plain text, not colour-highlighted
+    assert console.file.getvalue().splitlines()[0] == listing_text(listed_machine())[0]
+
+
 @pytest.mark.parametrize(
-    ("fake", "reason"),
+    ("physical", "torch_info", "cuda", "mapping"),
     [
-        (
-            lambda: FakeNvml(2, init_error="library_not_found"),
-            "NVML is not available (NVML Shared Library Not Found)",
-        ),
-        (lambda: FakeNvml(0), "no NVIDIA GPU found"),
+        ([Gpu(uuid="GPU-0", name="H100")], TorchCuda(False, 0),
+         "no (training will use the CPU)", "cuda:N worked out by CUDA's CUDA_VISIBLE_DEVICES/CUDA_DEVICE_ORDER rules"),
+        (None, TorchCuda(True, 1, uuids=("u",), names=("L4",)),
+         "yes (1 device(s))", "names from torch; NVML unavailable, so no metrics"),
+        ([Gpu(uuid="GPU-0", name="H100")], TorchCuda(True, 1, uuids=("0",)),
+         "yes (1 device(s))", "cuda:N matched to NVML by UUID (torch)"),
     ],
-    ids=["no-nvml", "no-gpu"],
-)
-def test_no_usable_gpu_is_one_line_and_exit_zero(monkeypatch, capsys, fake, reason):
-    nvml.use_library(fake())
+)  # fmt: skip
+def test_the_listing_header_says_where_training_runs_and_how_cuda_n_was_found(
+    physical, torch_info, cuda, mapping
+):
+    lines = listing_text(build_inventory(physical, torch_info, env={}))
+    assert lines[0] == f"CUDA available: {cuda}"
+    assert lines[1] == (
+        "NVML driver ?; CUDA_VISIBLE_DEVICES=(unset); CUDA_DEVICE_ORDER=FASTEST_FIRST; " + mapping
+    )
+
+
+def test_a_narrow_terminal_folds_long_values_and_shows_unknowns_as_dashes():
+    long_uuid = "GPU-" + "0123456789abcdef" * 4
+    inv = build_inventory(None, TorchCuda(True, 1, uuids=(long_uuid,), names=("L4",)), env={})
+    lines = listing_text(inv, width=70)
+    assert not any("…" in line for line in lines)  # folded onto more lines, never cut
+    rows = [line.split("│") for line in lines if line.count("│") > 8]
+    assert "".join(cells[4].strip() for cells in rows) == long_uuid
+    cells = [cell.strip() for cell in rows[0][1:-1]]
+    assert cells[1] == "-" and cells[4] == "-" and cells[8] == "-"  # nvml index, memory, processes
+
+
+@pytest.mark.parametrize(
+    ("fake", "cvd", "reason"),
+    [
+        (FakeNvml(2, init_error="library_not_found"), None, "NVML is not available (NVML Shared Library Not Found)"),
+        (FakeNvml(0), None, "no NVIDIA GPU found"),
+        (FakeNvml(2), "", "CUDA_VISIBLE_DEVICES is set to an empty string"),
+    ],
+)  # fmt: skip
+def test_no_usable_gpu_is_one_line_and_exit_zero(monkeypatch, capsys, use_fake, fake, cvd, reason):
+    use_fake(fake)
     monkeypatch.setenv("COLUMNS", "40")  # the line must not be wrapped even on a narrow terminal
     monkeypatch.setattr(inventory, "probe_torch", lambda uuids=True: TorchCuda())
-    try:
-        assert main([]) == 0
-    finally:
-        nvml.use_library(None)
-    assert capsys.readouterr().out == (f"No usable GPU: {reason}; training will use the CPU.\n")
-
-
-def test_empty_cuda_visible_devices_is_one_line(machine, monkeypatch, capsys):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.setattr(inventory, "probe_torch", lambda uuids=True: TorchCuda())
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    if cvd is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", cvd)
     assert main([]) == 0
-    assert capsys.readouterr().out == (
-        "No usable GPU: CUDA_VISIBLE_DEVICES is set to an empty string; "
-        "training will use the CPU.\n"
+    assert capsys.readouterr().out == f"No usable GPU: {reason}; training will use the CPU.\n"
+
+
+def test_the_help_names_the_command_and_its_options(capsys, monkeypatch):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith("usage: python -m runkit.devices [-h] [--json] [--watch [SECONDS]]")
+    assert "List the GPUs this process may use (as cuda:N), their load and processes." in out
+    assert "--json print JSON for scripts" in out
+    assert (
+        "--watch [SECONDS] refresh every SECONDS (default 2) until Ctrl-C; with --json, one JSON "
+        "document per line" in out
+    )
+    asked: list[tuple[float, bool]] = []
+    monkeypatch.setattr(
+        listing, "watch", lambda seconds, as_json: asked.append((seconds, as_json)) or 0
+    )
+    assert main(["--watch"]) == main(["--json", "--watch", "0.5"]) == 0
+    assert asked == [(2.0, False), (0.5, True)]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "abc", "nan", "inf", "0.05"])
+def test_bad_seconds_is_one_argparse_line(value, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--watch", value])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"python -m runkit.devices: error: argument --watch: SECONDS={value!r} is invalid; "
+        "expected a number of seconds >= 0.1"
     )
 
 
@@ -183,6 +287,145 @@ def test_module_import_stays_light():
     assert out.stdout.strip() == "[]"
 
 
+# ------------------------------------------------------------------------- --watch
+
+
+@pytest.fixture
+def refreshes(monkeypatch, use_fake):
+    """GPU 0 goes from 10 % to 90 % busy at t=1 s, torch sees both GPUs (counted), and ``sleep``
+    moves the fake clock and presses Ctrl-C at the third."""
+    clock = FakeClock()
+    busy = FakeGpu(uuid=UUID0, util_gpu=[(0, 10), (1, 90)], processes=[FakeProcess(4242, 3 * GIB)])
+    fake = use_fake(FakeNvml([busy, FakeGpu(uuid=UUID1)], clock=clock))
+    probes: list[bool] = []
+    probe = lambda uuids=True: probes.append(uuids) or TorchCuda(True, 2)  # noqa: E731
+    monkeypatch.setattr(listing, "probe_torch", probe)
+    monkeypatch.setattr(inventory, "probe_torch", probe)
+    sleeps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        if len(sleeps) == 3:
+            raise KeyboardInterrupt
+        clock.advance(seconds)
+
+    monkeypatch.setattr(
+        listing, "time", SimpleNamespace(sleep=sleep, time=time.time, strftime=time.strftime)
+    )
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    return SimpleNamespace(fake=fake, probes=probes, sleeps=sleeps)
+
+
+def test_json_watch_prints_one_document_per_refresh_and_ctrl_c_exits_zero(refreshes, capsys):
+    assert main(["--json", "--watch", "1.5"]) == 0
+    docs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(docs) == 3 and refreshes.sleeps == [1.5, 1.5, 1.5]
+    assert all(set(d) == JSON_KEYS | {"time"} for d in docs)
+    assert all(set(g) == GPU_KEYS for d in docs for g in d["gpus"])
+    assert [d["gpus"][0]["utilization_percent"] for d in docs] == [10, 90, 90]
+    assert docs[0]["gpus"][0]["processes"] == [{"pid": 4242, "used_memory_mib": 3072, "name": None}]
+    # NVML once per refresh, torch once in all
+    assert refreshes.fake.calls["nvmlInit"] == 3 and refreshes.probes == [True]
+    assert refreshes.fake.balanced
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+def test_ctrl_c_while_torch_is_asked_ends_the_watch_quietly(monkeypatch, capsys, as_json):
+    def pressed(uuids: bool = True) -> TorchCuda:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(listing, "probe_torch", pressed)
+    assert listing.watch(1.0, as_json=as_json) == 0 and capsys.readouterr().out == ""
+
+
+def test_the_table_is_redrawn_in_place_on_a_terminal(refreshes):
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=220, color_system=None)
+    assert listing.watch(2.0, as_json=False, console=console) == 0
+    text = out.getvalue()
+    assert "\x1b[2K" in text and "\x1b[1A" in text  # Rich Live erases and rewrites its lines
+    assert text.count("every 2 s; Ctrl-C to quit") == 4  # 3 refreshes; the last stays at exit
+    assert "│ cuda:0 │ 0" in text and "4242 (3072 MiB)" in text
+    assert "10%" in text and "90%" in text
+    assert refreshes.fake.calls["nvmlInit"] == 3 and refreshes.probes == [True]
+
+
+def _read_until(fd: int, done, timeout: float) -> bytes:
+    """Read from ``fd`` until ``done(data)`` or ``timeout`` seconds pass."""
+    data = b""
+    deadline = time.monotonic() + timeout
+    while not done(data) and time.monotonic() < deadline:
+        if select.select([fd], [], [], 0.5)[0]:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # a pty reports EIO once the child has gone
+                break
+            if not chunk:
+                break
+            data += chunk
+    return data
+
+
+def _ctrl_c_as_in_a_terminal() -> None:
+    """In the child: Ctrl-C's default action, whatever this suite inherited (a suite started in
+    the background ignores SIGINT, and so would every child it starts)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.slow
+def test_json_watch_in_a_subprocess_until_sigint():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runkit.devices", "--json", "--watch", "0.2"],
+        env=fake_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=_ctrl_c_as_in_a_terminal,
+    )
+    data = _read_until(proc.stdout.fileno(), lambda d: d.count(b"\n") >= 3, timeout=180)
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()
+    lines = (data + rest).decode().splitlines()
+    assert len(lines) >= 2
+    for line in lines:
+        doc = json.loads(line)
+        assert set(doc) == JSON_KEYS | {"time"} and doc["schema_version"] == 1
+        assert [g["uuid"] for g in doc["gpus"]][:1] == [UUID0]
+    assert b"Traceback" not in err
+
+
+@pytest.mark.slow
+def test_live_table_under_a_pseudo_terminal_until_sigint():
+    controller, terminal = pty.openpty()
+    env = fake_env(COLUMNS="200", LINES="50", TERM="xterm-256color")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runkit.devices", "--watch", "0.2"],
+        env=env,
+        stdin=terminal,
+        stdout=terminal,
+        stderr=terminal,
+        close_fds=True,
+        preexec_fn=_ctrl_c_as_in_a_terminal,
+    )
+    os.close(terminal)
+    try:
+        data = _read_until(controller, lambda d: d.count(b"Ctrl-C to quit") >= 3, timeout=180)
+        proc.send_signal(signal.SIGINT)
+        data += _read_until(controller, lambda d: False, timeout=5)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        os.close(controller)
+        if proc.poll() is None:
+            proc.kill()
+    text = data.decode(errors="replace")
+    assert text.count("Ctrl-C to quit") >= 3 and "\x1b[" in text
+    assert "cuda:0" in text and "777 (30720 MiB)" in text
+    assert "Traceback" not in text
+
+
+# ------------------------------------------------------------------------- in a subprocess
+
+
 def _skip_if_torch_sees_a_real_gpu() -> None:
     import torch
 
@@ -191,7 +434,7 @@ def _skip_if_torch_sees_a_real_gpu() -> None:
 
 
 @pytest.mark.slow
-def test_cli_subprocess_json_with_the_fake_follows_cuda_visible_devices():
+def test_cli_subprocess_with_the_fake_follows_cuda_visible_devices():
     _skip_if_torch_sees_a_real_gpu()
     result = run_cli("--json", env=fake_env(CUDA_VISIBLE_DEVICES="3,2,0,-1,1"))
     assert result.returncode == 0, result.stderr
@@ -206,68 +449,11 @@ def test_cli_subprocess_json_with_the_fake_follows_cuda_visible_devices():
     assert any("'-1,1' is ignored" in note for note in doc["notes"])
     assert doc["cuda_available"] is False and doc["training_device"] == "cpu"
     assert doc["index_mapping"] == "env-rules"
-
-
-@pytest.mark.slow
-def test_cli_subprocess_human_table_with_the_fake():
-    _skip_if_torch_sees_a_real_gpu()
     result = run_cli(env=fake_env(CUDA_VISIBLE_DEVICES="1,2", COLUMNS="250"))
     assert result.returncode == 0, result.stderr
     rows = [line for line in result.stdout.splitlines() if line.startswith("│ cuda:")]
     assert [row.split()[1] for row in rows] == ["cuda:0", "cuda:1"]
     assert UUID1 in rows[0] and UUID2 in rows[1]
-
-
-@pytest.mark.slow
-def test_cli_subprocess_without_nvml_prints_one_line():
-    env = fake_env({"init_error": "driver_not_loaded"})
-    result = run_cli(env=env)
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    if lines[0].startswith("No usable GPU"):  # torch without CUDA too
-        assert lines == [
-            "No usable GPU: NVML is not available (Driver Not Loaded); training will use the CPU."
-        ]
-    doc = json.loads(run_cli("--json", env=env).stdout)
-    assert doc["nvml"]["available"] is False and doc["nvml"]["reason"].endswith(
-        "(Driver Not Loaded)"
-    )
-
-
-@pytest.mark.slow
-def test_ddp_child_process_reuses_rank_zero_choice():
-    # Rank 0 measures the fake machine and chooses the two least used GPUs (1 and 2) ...
-    nvml.use_library(FakeNvml.from_dict(SCENARIO, clock=lambda: 0.0))
-    try:
-        inv = collect_inventory(
-            torch_info=TorchCuda(True, 3), env={"CUDA_VISIBLE_DEVICES": "0,1,2"}
-        )
-        plan = resolve_devices("gpu", 2, select="least_used", inventory=inv, environ={})
-    finally:
-        nvml.use_library(None)
-    assert plan.devices == [1, 2] and plan.handoff is not None
-    # ... then a child (another pid, LOCAL_RANK=1, as Lightning's launcher starts it) sees a machine
-    # where GPU 0 has become the emptiest, and still gets rank 0's choice.
-    moved = {"gpus": [{"uuid": UUID0}, {"uuid": UUID1, "memory_used": 50 * GIB}, {"uuid": UUID2}]}
-    code = (
-        "import json\n"
-        "from runkit.gpus.inventory import collect_inventory\n"
-        "from runkit.gpus.records import TorchCuda\n"
-        "from runkit.gpus.resolve import resolve_devices, select_least_used\n"
-        "inv = collect_inventory(torch_info=TorchCuda(True, 3))\n"
-        "fresh = select_least_used(inv.visible, 2)\n"
-        "plan = resolve_devices('gpu', 2, select='least_used', inventory=inv)\n"
-        "print(json.dumps([fresh, plan.devices]))\n"
-    )
-    env = fake_env(moved, CUDA_VISIBLE_DEVICES="0,1,2", LOCAL_RANK="1")
-    env[SELECTION_ENV] = plan.handoff  # what resolve_for_run hands to the ranks it launches
-    result = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
-    fresh, chosen = json.loads(result.stdout)
-    assert fresh == [0, 2]  # what the child would have picked on its own
-    assert chosen == [1, 2]
 
 
 # ------------------------------------------------------------------------- real GPU

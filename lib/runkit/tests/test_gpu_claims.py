@@ -1,18 +1,22 @@
 """``select_gpus=least_used`` on a shared machine: thresholds, a windowed utilisation, waiting, and
 claims (a lock per GPU) that keep two launches off the same GPU.
 
-In-process tests move a :class:`FakeClock` instead of sleeping; the concurrent-launch tests start
-real processes against the same fake NVML (``RUNKIT_NVML_BACKEND``) and lock directory.
+In-process tests move a :class:`FakeClock` starting at 1000 s instead of sleeping (a sleep without
+end fails); the concurrent-launch tests start real processes against the same fake NVML
+(``RUNKIT_NVML_BACKEND``) and lock directory.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -27,50 +31,71 @@ from runkit.gpus.claims import Load, SelectionPolicy, judge, policy_from_config
 from runkit.gpus.inventory import collect_inventory
 from runkit.gpus.records import TorchCuda
 from runkit.gpus.resolve import DeviceError
-from runkit.testing.fake_nvml import GIB, FakeClock, FakeGpu, FakeNvml
+from runkit.testing.fake_nvml import GIB, FakeClock, FakeGpu, FakeNvml, nvml_error
 
-UUIDS = [f"GPU-{i}{i}{i}{i}0000-1111-2222-3333-444455556666" for i in range(3)]
+UUIDS = [f"GPU-{i}{i}{i}{i}0000-1111-2222-3333-44445555666{i}" for i in range(3)]
+MIG = "MIG-99990000-1111-2222-3333-444455556666"
+START = 1000.0  # so that a start time added instead of subtracted shows
 
 
 @pytest.fixture(autouse=True)
-def no_claims_left():
+def nothing_left_behind():
     claims.finish_job()
     yield
     claims.finish_job()
+    nvml.use_library(None)
 
 
 @pytest.fixture
 def clock(monkeypatch):
-    """Time for :mod:`claims` and the fake: ``sleep`` moves the clock instead of waiting."""
-    clock = FakeClock()
-    wakeups: list = []
+    """The time :mod:`claims` sees; ``clock.wakeups`` run after each sleep (another run ending)."""
+    clock = FakeClock(START)
+    clock.wakeups, clock.sleeps = [], 0
 
     def sleep(seconds: float) -> None:
+        clock.sleeps += 1
+        if clock.sleeps > 10_000:
+            raise AssertionError(f"still sleeping at t={clock.now}: the wait never ends")
         clock.advance(seconds)
-        for hook in list(wakeups):
+        for hook in list(clock.wakeups):
             hook(clock.now)
 
     monkeypatch.setattr(claims, "time", SimpleNamespace(monotonic=clock, sleep=sleep))
-    clock.wakeups = wakeups
     return clock
 
 
-def machine(clock, *gpus: FakeGpu) -> FakeNvml:
+def machine(clock, *gpus: FakeGpu, cls=FakeNvml) -> FakeNvml:
     for gpu, uuid in zip(gpus, UUIDS, strict=False):
         gpu.uuid = gpu.uuid or uuid
-    fake = FakeNvml(list(gpus), clock=clock)
+    fake = cls(list(gpus), clock=clock)
     nvml.use_library(fake)
     return fake
 
 
-@pytest.fixture(autouse=True)
-def no_fake_left():
-    yield
-    nvml.use_library(None)
-
-
 def inventory(n: int):
     return collect_inventory(torch_info=TorchCuda(True, n), env={})
+
+
+@pytest.fixture
+def locks(tmp_path) -> Path:
+    """A lock directory whose path has a space and a non-ASCII letter."""
+    path = tmp_path / "locks é"
+    path.mkdir()
+    return path
+
+
+def refused(call, *args) -> str:
+    """The one line of the :class:`DeviceError` that ``call(*args)`` raises."""
+    with pytest.raises(DeviceError) as info:
+        call(*args)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def other_run_holds(locks: Path, uuid: str) -> int:
+    fd = claims.try_lock(claims.lock_path(locks, uuid))
+    assert isinstance(fd, int)
+    return fd
 
 
 # ------------------------------------------------------------------------- the gpu_* keys
@@ -95,17 +120,14 @@ def test_the_defaults_ask_nothing_and_do_not_wait():
     [
         ("gpu_wait_s", -1, "gpu_wait_s=-1 is invalid; expected a number of seconds >= 0"),
         ("gpu_max_util", 150, "gpu_max_util=150 is invalid; expected a percentage from 0 to 100"),
-        ("gpu_min_free_gib", "lots", "gpu_min_free_gib='lots' is invalid; expected a number of"),
+        ("gpu_min_free_gib", "lots", "gpu_min_free_gib='lots' is invalid; expected a number of GiB >= 0"),
         ("gpu_min_free_gib", True, "gpu_min_free_gib=True is invalid"),
         ("gpu_wait_s", float("nan"), "gpu_wait_s=nan is invalid"),
-        (
-            "gpu_util_window_s",
-            0,
-            "gpu_util_window_s=0 is invalid; expected a number of seconds > 0",
-        ),
+        ("gpu_util_window_s", 0, "gpu_util_window_s=0 is invalid; expected a number of seconds > 0 and <= 60"),
         ("gpu_lock_dir", "", "gpu_lock_dir='' is invalid; expected a directory path or null"),
+        ("gpu_lock_dir", "runs\0x", "gpu_lock_dir='runs\\x00x' is invalid; expected a directory path or null (a directory per user)"),
     ],
-)
+)  # fmt: skip
 def test_a_bad_key_is_one_line_naming_it(key, value, message):
     with pytest.raises(RunError) as info:
         policy_from_config({key: value})
@@ -142,99 +164,288 @@ def test_the_cli_refuses_a_bad_key_in_one_line_and_creates_nothing(tmp_path):
 # ------------------------------------------------------------------------- measuring
 
 
-def test_utilisation_is_the_mean_over_the_window_and_memory_the_lowest(clock):
-    # Busy for the first half of the window, idle after: one instant would say 90 %.
-    machine(clock, FakeGpu(util_gpu=[(0, 90), (0.5, 10)], memory_used=[(0, 0), (0.6, 50 * GIB)]))
-    (load,) = claims.measure_loads(inventory(1).visible, window_s=1.0)
-    assert load.util_percent == pytest.approx(50)
-    assert load.free_mib == 30 * 1024
-    assert judge(load, SelectionPolicy(max_util_percent=60, util_window_s=1.0)) is None
-    assert judge(load, SelectionPolicy(max_util_percent=40, util_window_s=1.0)) == (
-        "utilization 50% (mean over 1 s) > gpu_max_util=40"
+class BoardlessNvml(FakeNvml):
+    """A driver that cannot give a MIG slice's GPU."""
+
+    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, handle):
+        raise nvml_error("unknown")
+
+
+GONE = "NVML knows no such GPU"
+
+
+@pytest.mark.parametrize(
+    ("gpu", "window", "load"),
+    [
+        # busy for the first half of the window, idle after: one instant would say 90 %
+        (dict(util_gpu=[(START, 90), (START + 0.5, 10)], memory_used=[(START, 0), (START + 0.6, 50 * GIB)]),
+         1.0, Load(free_mib=30 * 1024, util_percent=50)),
+        # busy at the first reading only: the mean shows how many readings the window took
+        (dict(util_gpu=lambda t: 100 if t < START + 0.1 else 0), 1.0, Load(free_mib=80 * 1024, util_percent=100 / 6)),
+        (dict(util_gpu=lambda t: 100 if t < START + 0.1 else 0), 0.2, Load(free_mib=80 * 1024, util_percent=50)),
+        (dict(memory_used=10 * GIB + 1), 0.2, Load(free_mib=70 * 1024 - 1, util_percent=0)),  # whole MiB
+        (dict(util_gpu=40, failures={"memory": {"error": "gpu_is_lost", "from": START + 0.5}}),
+         1.0, Load(util_percent=40, memory_error="GPU is lost")),
+        (dict(memory_used=30 * GIB, failures={"utilization": "unknown"}),
+         0.2, Load(free_mib=50 * 1024, util_error="Unknown Error")),
+        (dict(name="A100", mig=[FakeGpu(uuid=MIG, memory_total=10 * GIB)]), 0.2,
+         Load(free_mib=10 * 1024)),  # a MIG slice has no utilisation of its own: no error
+    ],
+)  # fmt: skip
+def test_a_measurement_is_the_lowest_free_memory_and_the_mean_utilisation(clock, gpu, window, load):
+    machine(clock, FakeGpu(**gpu))
+    assert claims.measure_loads(inventory(1).visible, window_s=window) == [load]
+    assert clock.now == pytest.approx(START + window)
+
+
+def test_a_gpu_gone_or_unreadable_since_the_inventory_is_an_error_and_the_others_are_measured(
+    clock,
+):
+    gone, stays = FakeGpu(), FakeGpu(memory_used=20 * GIB)
+    machine(clock, gone, stays)
+    gpus = inventory(2).visible
+    nvml.use_library(FakeNvml([stays], clock=clock))  # the first GPU fell off the bus
+    first, second = claims.measure_loads(gpus, window_s=0.2)
+    assert first == Load(memory_error=GONE, util_error=GONE)
+    assert second == Load(free_mib=60 * 1024, util_percent=0)
+    machine(clock, FakeGpu(mig=[FakeGpu(uuid=MIG)]))
+    gpus = inventory(1).visible
+    nvml.use_library(BoardlessNvml([FakeGpu(uuid=UUIDS[0], mig=[FakeGpu(uuid=MIG)])], clock=clock))
+    assert claims.measure_loads(gpus, 0.2) == [
+        Load(memory_error="Unknown Error", util_error="Unknown Error")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("load", "policy", "why"),
+    [
+        (Load(free_mib=20 * 1024, util_percent=30.0), SelectionPolicy(min_free_gib=20, max_util_percent=30), None),
+        (Load(free_mib=20 * 1024 - 1, util_percent=30.0), SelectionPolicy(min_free_gib=20), "20.0 GiB free < gpu_min_free_gib=20"),
+        (Load(free_mib=80 * 1024), SelectionPolicy(min_free_gib=81), "80.0 GiB free < gpu_min_free_gib=81"),
+        (Load(free_mib=1, util_percent=50), SelectionPolicy(max_util_percent=40, util_window_s=1.0),
+         "utilization 50% (mean over 1 s) > gpu_max_util=40"),
+        (Load(free_mib=1, util_percent=50), SelectionPolicy(max_util_percent=60), None),
+        (Load(free_mib=10 * 1024), SelectionPolicy(max_util_percent=10, min_free_gib=5), None),  # no util: no requirement
+        (Load(), SelectionPolicy(min_free_gib=1), "free memory not reported, so gpu_min_free_gib cannot be checked"),
+        (Load(), SelectionPolicy(), None),
+        (Load(memory_error="GPU is lost", util_percent=1), SelectionPolicy(), "memory unreadable (GPU is lost)"),
+        (Load(free_mib=1, util_error="Unknown Error"), SelectionPolicy(), "utilization unreadable (Unknown Error)"),
+    ],
+)  # fmt: skip
+def test_judge_says_why_a_gpu_does_not_qualify(load, policy, why):
+    assert judge(load, policy) == why
+
+
+# ------------------------------------------------------------------------- the lock directory
+
+
+def test_a_given_lock_dir_is_created_with_its_parents_or_refused_and_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    got = claims.lock_dir_for(SelectionPolicy(lock_dir="~/a b/é/locks"))
+    assert got == tmp_path / "a b" / "é" / "locks" and got.is_dir()
+    taken = tmp_path / "locks é"
+    taken.write_text("mine")
+    assert refused(claims.lock_dir_for, SelectionPolicy(lock_dir=str(taken))) == (
+        f"gpu_lock_dir={str(taken)!r} cannot be created ({os.strerror(errno.EEXIST)}); "
+        "give a writable directory or null"
     )
-    assert judge(load, SelectionPolicy(min_free_gib=31)) == "30.0 GiB free < gpu_min_free_gib=31"
+    assert taken.read_text() == "mine"
 
 
-def test_unsupported_utilisation_is_no_requirement_but_a_failing_gpu_never_qualifies(clock):
-    mig = FakeGpu(uuid="MIG-99990000-1111-2222-3333-444455556666", memory_total=10 * GIB)
-    lost = FakeGpu()
-    lost.fail("memory", "gpu_is_lost")
-    machine(clock, FakeGpu(name="NVIDIA A100-SXM4-80GB", mig=[mig]), lost)
-    inv = inventory(2)
-    assert [g.uuid for g in inv.visible] == [mig.uuid, UUIDS[1]]
-    mig_load, lost_load = claims.measure_loads(inv.visible, window_s=0.2)
-    assert mig_load.util_percent is None and mig_load.util_error is None
-    assert judge(mig_load, SelectionPolicy(max_util_percent=10, min_free_gib=5)) is None
-    assert judge(lost_load, SelectionPolicy()) == "memory unreadable (GPU is lost)"
+@pytest.fixture
+def temp_dir(tmp_path, monkeypatch) -> Path:
+    """The system temporary directory, here, and no usable ``$XDG_RUNTIME_DIR``."""
+    path = tmp_path / "tmp é"
+    path.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "no such dir"))
+    return path
 
 
-def test_judge_needs_a_reading_for_a_memory_threshold():
-    assert judge(Load(), SelectionPolicy(min_free_gib=1)) == (
-        "free memory not reported, so gpu_min_free_gib cannot be checked"
+def test_the_default_lock_directory_is_the_users_own(temp_dir, tmp_path, monkeypatch):
+    got = claims.lock_dir_for(SelectionPolicy())
+    assert got == temp_dir / f"runkit-gpu-locks-{os.getuid()}"
+    assert got.stat().st_mode & 0o777 == 0o700
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert claims.lock_dir_for(SelectionPolicy()) == tmp_path / "runkit-gpu-locks"
+
+
+def test_a_default_lock_dir_that_cannot_be_used_says_to_set_one(temp_dir, monkeypatch):
+    path = temp_dir / f"runkit-gpu-locks-{os.getuid()}"
+    (temp_dir / "elsewhere").mkdir()
+    path.symlink_to(temp_dir / "elsewhere")
+    message = "the GPU lock directory {!r} is not a directory of this user; set gpu_lock_dir"
+    assert refused(claims.lock_dir_for, SelectionPolicy()) == message.format(str(path))
+    other_uid = os.getuid() + 1  # another user's directory (the test may run as root)
+    monkeypatch.setattr(os, "getuid", lambda: other_uid)
+    assert refused(claims.lock_dir_for, SelectionPolicy()) == message.format(
+        str(temp_dir / f"runkit-gpu-locks-{other_uid}")
     )
-    assert judge(Load(), SelectionPolicy()) is None
+    blocker = temp_dir / "a file"
+    blocker.write_text("")
+    monkeypatch.setattr(tempfile, "tempdir", str(blocker))
+    assert refused(claims.lock_dir_for, SelectionPolicy()) == (
+        f"the GPU lock directory {str(blocker / f'runkit-gpu-locks-{other_uid}')!r} cannot be "
+        f"created ({os.strerror(errno.ENOTDIR)}); set gpu_lock_dir"
+    )
 
 
-# ------------------------------------------------------------------------- locks
+# ------------------------------------------------------------------------- lock files
 
 
-def test_a_lock_excludes_every_other_holder_until_closed(tmp_path):
-    path = claims.lock_path(tmp_path, UUIDS[0])
-    fd = claims.try_lock(path)
-    assert isinstance(fd, int)
+def test_a_lock_excludes_every_other_holder_until_closed_and_holds_only_its_pid(locks):
+    assert claims.lock_path(locks, "GPU-AbC-12_x") == locks / "GPU-AbC-12_x.lock"
+    assert claims.lock_path(locks, "../../etc/passwd é") == locks / "______etc_passwd__.lock"
+    path = claims.lock_path(locks, UUIDS[0])
+    old_umask = os.umask(0)
+    try:
+        fd = claims.try_lock(path)
+    finally:
+        os.umask(old_umask)
+    assert path.stat().st_mode & 0o777 == 0o644  # readable by all, for the others' messages
     assert claims.try_lock(path) == f"claimed by another run (pid {os.getpid()})"
     os.close(fd)
-    again = claims.try_lock(path)
-    assert isinstance(again, int)
-    os.close(again)
-
-
-def test_hostile_lock_files_are_refused_not_followed(tmp_path):
-    target = tmp_path / "victim"
-    target.write_text("keep me")
-    (tmp_path / "GPU-a.lock").symlink_to(target)
-    assert "cannot be opened" in claims.try_lock(tmp_path / "GPU-a.lock")
-    assert target.read_text() == "keep me"
-    os.mkfifo(tmp_path / "GPU-b.lock")  # opening a FIFO must not block
-    assert claims.try_lock(tmp_path / "GPU-b.lock").endswith("is not a regular file")
-    (tmp_path / "GPU-c.lock").mkdir()
-    assert "cannot be opened" in claims.try_lock(tmp_path / "GPU-c.lock")
-    assert claims.lock_path(tmp_path, "../../etc/passwd") == tmp_path / "______etc_passwd.lock"
-
-
-def test_garbage_in_a_held_lock_file_still_reads_as_another_run(tmp_path):
-    path = claims.lock_path(tmp_path, UUIDS[0])
+    path.write_bytes(b"999999999 left by an earlier holder, longer than a pid\n")
     fd = claims.try_lock(path)
-    os.pwrite(fd, b"\xff\x00 not a pid \n" * 10, 0)
-    assert claims.try_lock(path) == "claimed by another run"
+    assert path.read_bytes() == f"{os.getpid()}\n".encode()
     os.close(fd)
 
 
-def test_the_default_lock_directory_is_the_users_own(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run é"))
-    (tmp_path / "run é").mkdir()
-    assert claims.lock_dir_for(SelectionPolicy()) == tmp_path / "run é" / "runkit-gpu-locks"
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    with pytest.raises(DeviceError, match=r"^gpu_lock_dir='.*file/locks' cannot be created"):
-        claims.lock_dir_for(SelectionPolicy(lock_dir=str(blocker / "locks")))
+@pytest.mark.parametrize(
+    ("note", "reason"),
+    [
+        (b"\xff\x00 not a pid \n" * 10, "claimed by another run"),
+        (b"123" + b" " * 29 + b"and more after the note", "claimed by another run (pid 123)"),
+        (None, "claimed by another run"),  # unreadable
+    ],
+)
+def test_whatever_a_held_lock_file_holds_it_reads_as_another_run(locks, monkeypatch, note, reason):
+    fd = other_run_holds(locks, UUIDS[0])
+    if note is None:
+
+        def pread(*args):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        monkeypatch.setattr(os, "pread", pread)
+    else:
+        os.pwrite(fd, note, 0)
+    assert claims.try_lock(claims.lock_path(locks, UUIDS[0])) == reason
+    os.close(fd)
+
+
+@pytest.fixture
+def not_writable(locks, monkeypatch):
+    """Opening a file in ``locks`` for writing is refused, as for another user's lock file in a
+    shared directory (simulated: the tests may run as root, whom nothing is refused)."""
+    real_open = os.open
+
+    def open_(path, flags, *args, **kwargs):
+        if str(path).startswith(str(locks)) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)
+
+
+def test_another_users_lock_file_is_locked_through_a_read_only_descriptor(locks, not_writable):
+    path = claims.lock_path(locks, UUIDS[0])
+    assert claims.try_lock(path) == (
+        f"its lock file {str(path)!r} cannot be opened ({os.strerror(errno.ENOENT)})"
+    )
+    path.write_bytes(b"4242\n")  # the last holder's pid, written by its own user
+    fd = claims.try_lock(path)
+    assert isinstance(fd, int) and path.read_bytes() == b"4242\n"  # read-only: the note stays
+    assert claims.try_lock(path) == "claimed by another run (pid 4242)"
+    os.close(fd)
+
+
+@pytest.mark.parametrize("writable", [True, False])
+def test_hostile_lock_files_are_refused_not_followed(locks, tmp_path, request, writable):
+    if not writable:
+        request.getfixturevalue("not_writable")
+    target = tmp_path / "victim"
+    target.write_text("keep me")
+    link, fifo, folder = locks / "GPU-a.lock", locks / "GPU-b.lock", locks / "GPU-c.lock"
+    link.symlink_to(target)
+    os.mkfifo(fifo)
+    folder.mkdir()
+
+    def hung(signum, frame):
+        raise TimeoutError("opening the FIFO blocked")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.setitimer(signal.ITIMER_REAL, 5.0)
+    try:
+        assert claims.try_lock(fifo) == f"its lock file {str(fifo)!r} is not a regular file"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert claims.try_lock(link) == (
+        f"its lock file {str(link)!r} cannot be opened ({os.strerror(errno.ELOOP)})"
+    )
+    opened = claims.try_lock(folder)  # read-only, a directory opens, but is no regular file
+    assert ("cannot be opened" if writable else "is not a regular file") in opened
+    assert target.read_text() == "keep me"
+
+
+def test_a_filesystem_without_locks_is_named_in_the_reason(locks, monkeypatch):
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    path = claims.lock_path(locks, UUIDS[0])
+    assert claims.try_lock(path) == (
+        f"its lock file {str(path)!r} cannot be locked ({os.strerror(errno.ENOLCK)})"
+    )
 
 
 # ------------------------------------------------------------------------- waiting and claiming
 
 
-def test_claimed_gpus_are_skipped_and_time_out_names_every_gpu(clock, tmp_path):
-    machine(
-        clock,
-        FakeGpu(memory_used=10 * GIB),
-        FakeGpu(memory_used=70 * GIB),
-        FakeGpu(util_gpu=95),
+def test_the_best_qualified_gpus_are_claimed_and_the_line_names_them_and_the_lock_dir(clock, locks):
+    machine(clock, FakeGpu(memory_used=5 * GIB), FakeGpu(), FakeGpu(memory_used=GIB))
+    chosen, message = claims.wait_and_claim(inventory(3), 2, SelectionPolicy(lock_dir=str(locks)))
+    assert chosen == [1, 2] and claims.claimed_uuids() == (UUIDS[1], UUIDS[2])
+    assert message == (
+        "select_gpus=least_used picked cuda:1, cuda:2 of 3 (most free memory, then lowest "
+        f"utilisation); claimed until the run ends (locks in {locks})"
     )
-    other_run = claims.try_lock(claims.lock_path(tmp_path, UUIDS[0]))
-    policy = SelectionPolicy(min_free_gib=20, max_util_percent=50, lock_dir=str(tmp_path))
-    with pytest.raises(DeviceError) as info:
-        claims.wait_and_claim(inventory(3), 1, policy)
-    assert str(info.value) == (
+    for fd in claims._held.values():  # closed behind the claim's back (a daemonising library)
+        os.close(fd)
+    claims.finish_job()  # given back quietly
+    assert claims.claimed_uuids() == ()
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        # at START the first GPU looks best; a second later, when the run measures, the second
+        (dict(memory_used=[(START, 0), (START + 1, 60 * GIB)]), dict(memory_used=10 * GIB)),
+        # equal memory: the lower utilisation over the window wins
+        (dict(util_gpu=[(START, 0), (START + 1, 50)]), dict(util_gpu=[(START, 50), (START + 1, 10)])),
+    ],
+)  # fmt: skip
+def test_the_choice_follows_the_fresh_measurement_not_the_inventory(clock, locks, first, second):
+    machine(clock, FakeGpu(**first), FakeGpu(**second))
+    inv = inventory(2)
+    clock.advance(1)
+    assert claims.wait_and_claim(inv, 1, SelectionPolicy(lock_dir=str(locks)))[0] == [1]
+
+
+def test_a_mig_slice_without_a_utilisation_reading_can_be_claimed(clock, locks):
+    mig = FakeGpu(uuid=MIG, memory_total=10 * GIB)
+    machine(clock, FakeGpu(name="NVIDIA A100-SXM4-80GB", mig=[mig]), FakeGpu(memory_used=75 * GIB))
+    chosen, _ = claims.wait_and_claim(inventory(2), 1, SelectionPolicy(lock_dir=str(locks)))
+    assert chosen == [0] and claims.claimed_uuids() == (MIG,)
+
+
+def test_claimed_gpus_are_skipped_and_time_out_names_every_gpu(clock, locks):
+    machine(
+        clock, FakeGpu(memory_used=10 * GIB), FakeGpu(memory_used=70 * GIB), FakeGpu(util_gpu=95)
+    )
+    other_run = other_run_holds(locks, UUIDS[0])
+    policy = SelectionPolicy(min_free_gib=20, max_util_percent=50, lock_dir=str(locks))
+    assert refused(claims.wait_and_claim, inventory(3), 1, policy) == (
         "select_gpus=least_used found 0 of the 1 GPU(s) wanted with gpu_wait_s=0: "
         f"cuda:0 claimed by another run (pid {os.getpid()}); "
         "cuda:1 10.0 GiB free < gpu_min_free_gib=20; "
@@ -242,41 +453,112 @@ def test_claimed_gpus_are_skipped_and_time_out_names_every_gpu(clock, tmp_path):
     )
     assert claims.claimed_uuids() == ()
     os.close(other_run)
-    chosen, message = claims.wait_and_claim(inventory(3), 1, policy)
-    assert chosen == [0] and claims.claimed_uuids() == (UUIDS[0],)
-    assert message.startswith("select_gpus=least_used picked cuda:0 of 3")
+    assert claims.wait_and_claim(inventory(3), 1, policy)[0] == [0]
+    assert claims.claimed_uuids() == (UUIDS[0],)
+
+
+def test_too_few_gpus_claimed_are_given_back_and_the_error_names_each(clock, locks):
+    machine(clock, FakeGpu(), FakeGpu(), FakeGpu())
+    held = [other_run_holds(locks, u) for u in UUIDS[:2]]
+    with pytest.raises(DeviceError) as info:
+        claims.wait_and_claim(inventory(3), 2, SelectionPolicy(lock_dir=str(locks)))
+    pid = os.getpid()
+    assert str(info.value) == (
+        "select_gpus=least_used found 1 of the 2 GPU(s) wanted with gpu_wait_s=0: "
+        f"cuda:0 claimed by another run (pid {pid}); cuda:1 claimed by another run (pid {pid}); "
+        "cuda:2 qualifies"
+    )
+    assert claims.claimed_uuids() == ()
+    held.append(other_run_holds(locks, UUIDS[2]))  # the third was given back
+    for fd in held:
+        os.close(fd)
 
 
 def test_a_run_waits_logging_once_a_minute_until_another_run_lets_go(
-    clock, tmp_path, caplog, monkeypatch
+    clock, locks, caplog, monkeypatch
 ):
     machine(clock, FakeGpu(), FakeGpu())
-    held = [claims.try_lock(claims.lock_path(tmp_path, u)) for u in UUIDS[:2]]
+    held = [other_run_holds(locks, u) for u in UUIDS[:2]]
 
     def other_run_ends(now: float) -> None:
-        if now >= 150 and len(held) == 2:
+        if now >= START + 150 and len(held) == 2:
             os.close(held.pop())  # the second GPU is given back after 150 s
 
     clock.wakeups.append(other_run_ends)
-    policy = SelectionPolicy(wait_s=600, util_window_s=0.2, lock_dir=str(tmp_path))
+    policy = SelectionPolicy(wait_s=600, util_window_s=0, lock_dir=str(locks))
     monkeypatch.setattr(claims.log, "disabled", False)  # whatever logging setup ran before
     monkeypatch.setattr(claims.log, "propagate", True)
     with caplog.at_level(logging.INFO, logger=claims.__name__):
         chosen, message = claims.wait_and_claim(inventory(2), 1, policy)
-    assert chosen == [1] and 150 <= clock.now < 160
-    waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Waiting")]
-    assert len(waits) == 3  # at 0, 60 and 120 s
-    assert waits[0].startswith("Waiting for 1 GPU(s) (select_gpus=least_used, 600 s left): ")
-    assert "after waiting 15" in message
+    assert chosen == [1] and START + 150 <= clock.now < START + 160
+    why = "; ".join(f"cuda:{i} claimed by another run (pid {os.getpid()})" for i in range(2))
+    assert [r.getMessage() for r in caplog.records if r.name == claims.__name__] == [
+        f"Waiting for 1 GPU(s) (select_gpus=least_used, {left} s left): {why}"
+        for left in (600, 540, 480)
+    ]  # at 0, 60 and 120 s
+    assert "(most free memory, then lowest utilisation, after waiting 15" in message
     os.close(held.pop())
 
 
-def test_without_nvml_thresholds_are_refused_and_plain_least_used_takes_the_first():
+@pytest.mark.parametrize(
+    ("wait_s", "window", "let_go", "now", "sessions", "outcome"),
+    [
+        (60, 0, 2, 2, 2, "(most free memory, then lowest utilisation, after waiting 2 s); claimed"),
+        # measurements end at 0.2, 2.4, 4.6 s, then the last pause is cut short to the deadline
+        (5, 0.2, None, 5.2, 4, "found 0 of the 1 GPU(s) wanted after waiting 5 s: cuda:0 claimed by another run"),
+        (4, 0, None, 4, 3, "after waiting 4 s"),  # a measurement at the deadline is the last
+    ],
+)  # fmt: skip
+def test_a_wait_is_timed_from_its_start_to_its_deadline(
+    clock, locks, wait_s, window, let_go, now, sessions, outcome
+):
+    fake = machine(clock, FakeGpu())
+    held = [other_run_holds(locks, UUIDS[0])]
+    clock.wakeups.append(lambda t: let_go and t >= START + let_go and held and os.close(held.pop()))
+    inv = inventory(1)
+    before = fake.init_count
+    policy = SelectionPolicy(wait_s=wait_s, util_window_s=window, lock_dir=str(locks))
+    try:
+        got = claims.wait_and_claim(inv, 1, policy)[1]
+    except DeviceError as err:
+        got = str(err)
+    assert outcome in got
+    assert clock.now == pytest.approx(START + now) and fake.init_count - before == sessions
+    for fd in held:
+        os.close(fd)
+
+
+def test_without_readings_thresholds_and_waits_are_refused_and_plain_least_used_takes_the_first(
+    clock, locks
+):
+    nvml.use_library(FakeNvml([FakeGpu(uuid=""), FakeGpu()], clock=clock))
+    assert claims.wait_and_claim(inventory(2), 1, SelectionPolicy(lock_dir=str(locks))) == (
+        [0],
+        "select_gpus=least_used: no GPU load readings (NVML gave no UUIDs); using the first 1: [0]",
+    )
+    assert claims.claimed_uuids() == ()
     nvml.use_library(FakeNvml(2, init_error="driver_not_loaded"))
-    inv = collect_inventory(torch_info=TorchCuda(True, 2), env={})
+    inv = inventory(2)
     assert claims.wait_and_claim(inv, 1, SelectionPolicy())[0] == [0]
-    with pytest.raises(DeviceError, match=r"needs NVML readings, but there are none \(NVML is"):
-        claims.wait_and_claim(inv, 1, SelectionPolicy(wait_s=5))
+    for policy in (SelectionPolicy(wait_s=0.5), SelectionPolicy(min_free_gib=1)):
+        assert refused(claims.wait_and_claim, inv, 1, policy) == (
+            "select_gpus=least_used with gpu_min_free_gib/gpu_max_util/gpu_wait_s needs NVML "
+            "readings, but there are none (NVML is not available (Driver Not Loaded)); "
+            "use select_gpus=first"
+        )
+
+
+def test_nvml_failing_when_measuring_leaves_no_gpu_qualified(clock, locks):
+    machine(clock, FakeGpu(), FakeGpu())
+    inv = inventory(2)
+    nvml.use_library(FakeNvml(2, init_error="driver_not_loaded"))
+    with pytest.raises(DeviceError) as info:
+        claims.wait_and_claim(inv, 1, SelectionPolicy(lock_dir=str(locks)))
+    why = "memory unreadable (NVML is not available (Driver Not Loaded))"
+    assert str(info.value) == (
+        "select_gpus=least_used found 0 of the 1 GPU(s) wanted with gpu_wait_s=0: "
+        f"cuda:0 {why}; cuda:1 {why}"
+    )
 
 
 # ------------------------------------------------------------------------- two real launches
@@ -305,20 +587,12 @@ LAUNCH = textwrap.dedent(
 
 
 def launch(tmp_path: Path, devices: int, hold_s: float) -> subprocess.Popen[str]:
-    env = dict(os.environ)
-    env["RUNKIT_NVML_BACKEND"] = "runkit.testing.fake_nvml:create"
+    env = dict(os.environ, RUNKIT_NVML_BACKEND="runkit.testing.fake_nvml:create")
     env["RUNKIT_FAKE_NVML"] = json.dumps({"gpus": 2})
     env.pop("CUDA_VISIBLE_DEVICES", None)
+    args = [str(devices), str(hold_s), str(tmp_path / "locks"), str(tmp_path / "go")]
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            LAUNCH,
-            str(devices),
-            str(hold_s),
-            str(tmp_path / "locks"),
-            str(tmp_path / "go"),
-        ],
+        [sys.executable, "-c", LAUNCH, *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

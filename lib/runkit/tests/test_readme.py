@@ -98,13 +98,13 @@ CHECKS: dict[str, Check] = {
         COMPOSE_ONLY, GPU
     ),
     "python -m runkit.devices --watch": Check(
-        SKIP, "runs until Ctrl-C; tests/test_devices_watch.py drives it"
+        SKIP, "runs until Ctrl-C; tests/test_devices_cli.py drives it"
     ),
     "python -m runkit.devices --watch 0.5": Check(
-        SKIP, "runs until Ctrl-C; tests/test_devices_watch.py drives it"
+        SKIP, "runs until Ctrl-C; tests/test_devices_cli.py drives it"
     ),
     "python -m runkit.devices --json --watch 5": Check(
-        SKIP, "runs until Ctrl-C; tests/test_devices_watch.py drives it"
+        SKIP, "runs until Ctrl-C; tests/test_devices_cli.py drives it"
     ),
     "CUDA_VISIBLE_DEVICES=1,3 python -m project.train trainer.devices=2": Check(COMPOSE_ONLY, GPU),
     "python -m project.train trainer=ddp trainer.devices=4": Check(COMPOSE_ONLY, GPU),

@@ -1,7 +1,4 @@
-"""``python -m runkit.devices``: list the GPUs this process may use, as ``cuda:N`` (entry point).
-
-The listing lives in :mod:`runkit.gpus.listing`; this module only names the command.
-"""
+"""``python -m runkit.devices``: the GPUs this process may use, as ``cuda:N`` (the command's name)."""
 
 import sys
 

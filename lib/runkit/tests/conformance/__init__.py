@@ -112,7 +112,7 @@ class Feature:
     present: Callable[[Any, Any], bool]
 
 
-def _overrides(cls: Any, hook: str) -> bool:
+def overrides_hook(cls: Any, hook: str) -> bool:
     """Whether ``cls`` defines ``hook`` itself rather than inheriting Lightning's default."""
     base = next(c for c in cls.__mro__ if c.__module__.startswith("lightning.pytorch.core"))
     return getattr(cls, hook, None) is not getattr(base, hook, None)
@@ -149,26 +149,26 @@ FEATURES = [
             "`/dataloader_idx_N` monitors accepted; test figures per loader",
             lambda m, d: d.val_dataloader.__annotations__.get("return") == "list[DataLoader]"),
     Feature("a key logged in `on_validation_epoch_end`", "patterns",
-            "monitored by the checkpoint", lambda m, d: _overrides(m, "on_validation_epoch_end")),
+            "monitored by the checkpoint", lambda m, d: overrides_hook(m, "on_validation_epoch_end")),
     Feature("layers built in `setup()`", "patterns", "evaluated and resumed",
-            lambda m, d: _overrides(m, "setup")),
+            lambda m, d: overrides_hook(m, "setup")),
     Feature("layers built in `configure_model`", "iterable", "evaluated and resumed",
-            lambda m, d: _overrides(m, "configure_model")),
+            lambda m, d: overrides_hook(m, "configure_model")),
     Feature("no `validation_step`", "transformer", "no validation, no best checkpoint",
-            lambda m, d: not _overrides(m, "validation_step")),
+            lambda m, d: not overrides_hook(m, "validation_step")),
     Feature("no `test_step`", "demo", "the test phase is skipped with one line",
-            lambda m, d: not _overrides(m, "test_step")),
+            lambda m, d: not overrides_hook(m, "test_step")),
     Feature("`predict_step`", "patterns", "not run by train or eval",
-            lambda m, d: _overrides(m, "predict_step")),
+            lambda m, d: overrides_hook(m, "predict_step")),
     Feature("`training_step` returning a dict", "patterns", "as under Lightning",
             _source_has('return {"loss": loss')),
     Feature("`save_hyperparameters` with a nested module and containers", "patterns",
             "plain lists and dicts reach the module", _source_has("save_hyperparameters(ignore")),
     Feature("`prepare_data` writing files", "patterns", "as under Lightning",
-            lambda m, d: _overrides(d, "prepare_data")),
-    Feature("`setup(stage)`", "patterns", "as under Lightning", lambda m, d: _overrides(d, "setup")),
+            lambda m, d: overrides_hook(d, "prepare_data")),
+    Feature("`setup(stage)`", "patterns", "as under Lightning", lambda m, d: overrides_hook(d, "setup")),
     Feature("`transfer_batch_to_device`", "patterns", "as under Lightning",
-            lambda m, d: _overrides(d, "transfer_batch_to_device")),
+            lambda m, d: overrides_hook(d, "transfer_batch_to_device")),
     Feature("workers (`num_workers=2`) with augmentation from torch's generator", "patterns",
             "first epoch as a bare Trainer, later ones not (the reseed); resume not exact; "
             "SIGTERM to the process group under DDP is one stop: interrupted.ckpt, exit 143", _source_has("num_workers: int = 2")),

@@ -1,12 +1,10 @@
-"""Waiting for GPUs and claiming them: ``select_gpus=least_used`` on a shared machine.
+"""``select_gpus=least_used`` on a shared machine: measure, wait for and claim GPUs.
 
-Why: a "least used" choice made from one reading lets two launches take the same GPU. So a run
-measures every visible GPU over a window (lowest free memory, mean utilisation), qualifies those
-with enough free memory, low utilisation and no other claim, and claims the best with a
-non-blocking ``flock`` on ``<gpu_lock_dir>/<UUID>.lock``, held by rank 0 for the run (the kernel
-drops it however the process ends: no pid files). It waits up to ``gpu_wait_s``, one status line a
-minute, and on time-out names every GPU and why it did not qualify. Lock files are never deleted
-(that would race with the next holder). nvitop's ``select_devices`` neither waits nor claims.
+Why: a choice made from one reading lets two launches take the same GPU. So a run measures every
+visible GPU over a window, qualifies those under the thresholds that no other run claimed, and
+claims the best with a non-blocking ``flock`` on ``<lock dir>/<UUID>.lock``, held for the run (the
+kernel drops it however the process ends; lock files are never deleted, which would race with
+the next holder). nvitop's ``select_devices`` neither waits nor claims.
 """
 
 from __future__ import annotations
@@ -45,8 +43,7 @@ _held: dict[str, int] = {}
 
 @dataclass(frozen=True)
 class SelectionPolicy:
-    """The ``gpu_*`` keys of ``select_gpus=least_used`` (configs/train.yaml): the defaults ask
-    nothing of a GPU but that no other run claimed it, and do not wait."""
+    """The ``gpu_*`` keys: the defaults ask nothing but that no other run claimed a GPU."""
 
     min_free_gib: float = 0.0
     max_util_percent: float = 100.0
@@ -68,8 +65,7 @@ _KEYS = {
 
 
 def policy_from_config(cfg: Mapping[str, Any]) -> SelectionPolicy:
-    """The :class:`SelectionPolicy` from a run config's ``gpu_*`` keys (absent ones keep their
-    defaults); a bad value is one :class:`DeviceError` line naming the key and what is accepted."""
+    """The policy of a config's ``gpu_*`` keys; a bad value is one :class:`DeviceError` line."""
     values: dict[str, Any] = {}
     for key, (field, low, high, accepted) in _KEYS.items():
         value = cfg.get(key)
@@ -93,14 +89,9 @@ def policy_from_config(cfg: Mapping[str, Any]) -> SelectionPolicy:
     return SelectionPolicy(**values)
 
 
-# --------------------------------------------------------------------------------------------
-# Measuring
-
-
 @dataclass(frozen=True)
 class Load:
-    """What one measurement says about a device: the lowest free memory and the mean utilisation
-    over the window; ``*_error`` when NVML failed (not when the device does not support it)."""
+    """The lowest free memory and mean utilisation over a window; ``*_error``: NVML failed."""
 
     free_mib: int | None = None
     util_percent: float | None = None
@@ -109,60 +100,51 @@ class Load:
 
 
 def measure_loads(gpus: Sequence[Gpu], window_s: float) -> list[Load]:
-    """One :class:`Load` per GPU in ``gpus`` (matched by UUID), from readings spread over
-    ``window_s`` seconds in one NVML session. Raises
-    :class:`~runkit.gpus.nvml.NvmlUnavailable` when NVML cannot start."""
+    """One :class:`Load` per GPU (found by UUID), read over ``window_s`` in one NVML session."""
     samples = max(2, round(window_s / SAMPLE_EVERY_S) + 1)
     with nvml.nvml_session() as lib:
         unsupported = nvml.error_classes(lib, nvml.UNSUPPORTED_ERRORS)
-        readers: list[DeviceReader | str] = []
-        for gpu in gpus:
-            found = nvml.find_handle(lib, gpu.uuid)
-            try:
-                readers.append(
-                    DeviceReader.open(lib, found[0]) if found else "NVML knows no such GPU"
-                )
-            except lib.NVMLError as err:
-                readers.append(str(err))
-        free: list[list[int]] = [[] for _ in gpus]
-        util: list[list[int]] = [[] for _ in gpus]
-        mem_err: list[str | None] = [r if isinstance(r, str) else None for r in readers]
-        util_err: list[str | None] = list(mem_err)
+        readers = [_reader(lib, gpu.uuid) for gpu in gpus]
+        seen: list[tuple[list[int], list[int]]] = [([], []) for _ in gpus]  # free, utilisation
+        errors = [[r, r] if isinstance(r, str) else [None, None] for r in readers]
         for k in range(samples):
             if k:
                 time.sleep(window_s / (samples - 1))
-            for i, reader in enumerate(readers):
+            for reader, got, error in zip(readers, seen, errors, strict=True):
                 if isinstance(reader, str):
                     continue
-                try:
-                    free[i].append(reader.memory()[2])
-                except unsupported:
-                    pass
-                except lib.NVMLError as err:
-                    mem_err[i] = str(err)
-                try:
-                    util[i].append(reader.utilization()[0])
-                except unsupported:
-                    pass
-                except lib.NVMLError as err:
-                    util_err[i] = str(err)
+                for j, (query, field) in enumerate(((reader.memory, 2), (reader.utilization, 0))):
+                    try:
+                        got[j].append(query()[field])
+                    except unsupported:
+                        pass
+                    except lib.NVMLError as err:
+                        error[j] = str(err)
     return [
         Load(
-            free_mib=min(free[i]) // _MIB if free[i] and mem_err[i] is None else None,
-            util_percent=sum(util[i]) / len(util[i]) if util[i] and util_err[i] is None else None,
-            memory_error=mem_err[i],
-            util_error=util_err[i],
+            free_mib=min(free) // _MIB if free and memory_error is None else None,
+            util_percent=sum(util) / len(util) if util and util_error is None else None,
+            memory_error=memory_error,
+            util_error=util_error,
         )
-        for i in range(len(gpus))
+        for (free, util), (memory_error, util_error) in zip(seen, errors, strict=True)
     ]
 
 
-def rank_by_load(gpus: Sequence[Gpu]) -> list[int]:
-    """Indices of ``gpus`` (``cuda:N`` positions), best first: most free memory, then lowest
-    utilisation, then lowest index. Unknown values rank after known ones.
+def _reader(lib: Any, uuid: str) -> DeviceReader | str:
+    """A reader of the device with ``uuid``, or why there is none."""
+    found = nvml.find_handle(lib, uuid)
+    if found is None:
+        return "NVML knows no such GPU"
+    try:
+        return DeviceReader.open(lib, found[0])
+    except lib.NVMLError as err:
+        return str(err)
 
-    Why not nvitop's ``select_devices``: it breaks ties by the highest index and ranks a GPU whose
-    memory reading failed first (the library's design notes)."""
+
+def rank_by_load(gpus: Sequence[Gpu]) -> list[int]:
+    """Positions in ``gpus``, best first: most free memory, lowest utilisation, lowest index;
+    unknown after known. Why not nvitop's: it ranks a failed reading first, ties by highest index."""
 
     def key(i: int) -> tuple[bool, int, bool, int, int]:
         g = gpus[i]
@@ -189,10 +171,6 @@ def judge(load: Load, policy: SelectionPolicy) -> str | None:
             f"> gpu_max_util={policy.max_util_percent:g}"
         )
     return None
-
-
-# --------------------------------------------------------------------------------------------
-# Locks
 
 
 def lock_dir_for(policy: SelectionPolicy) -> Path:
@@ -228,16 +206,13 @@ def lock_dir_for(policy: SelectionPolicy) -> Path:
 
 
 def lock_path(lock_dir: Path, uuid: str) -> Path:
-    """The lock file of a GPU: its UUID, with anything but letters, digits, ``-`` and ``_``
-    replaced (a UUID comes from NVML; it must not name a path)."""
+    """A GPU's lock file: its UUID, anything but letters, digits, ``-`` and ``_`` replaced."""
     return lock_dir / f"{re.sub(r'[^A-Za-z0-9_-]', '_', uuid)}.lock"
 
 
 def try_lock(path: Path) -> int | str:
-    """Lock ``path`` exclusively without waiting: the open descriptor, or why not (one phrase).
-
-    The file is opened without following a symlink and without blocking on a FIFO; only a
-    regular file is locked. The holder writes its pid into it, for the others' messages."""
+    """The descriptor holding ``path`` locked, or why not (one phrase): no symlink followed, no
+    FIFO waited on, only a regular file locked; the holder writes its pid for the others."""
     import fcntl  # POSIX only: imported where used, so importing this module works anywhere
 
     flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -300,14 +275,10 @@ def finish_job() -> None:
     forget_readings()
 
 
-# --------------------------------------------------------------------------------------------
-# Waiting and claiming
-
-
 def _attempt(
     candidates: Sequence[Gpu], count: int, policy: SelectionPolicy, lock_dir: Path
 ) -> tuple[list[int] | None, list[str | None]]:
-    """One measurement and claim: ``(chosen cuda:N indices or None, why each GPU is out)``."""
+    """One measurement and claim: ``(chosen cuda:N or None, why each GPU is out)``."""
     try:
         loads = measure_loads(candidates, policy.util_window_s)
     except nvml.NvmlUnavailable as err:
@@ -341,6 +312,15 @@ def _attempt(
     return sorted(got), reasons
 
 
+def first_gpus(count: int, why: str) -> tuple[list[int], str]:
+    """The first ``count`` GPUs, where no load can be read (``why``)."""
+    chosen = list(range(count))
+    return (
+        chosen,
+        f"select_gpus=least_used: no GPU load readings ({why}); using the first {count}: {chosen}",
+    )
+
+
 def _standing(reasons: Sequence[str | None]) -> str:
     return "; ".join(
         f"cuda:{i} {'qualifies' if why is None else why}" for i, why in enumerate(reasons)
@@ -348,13 +328,9 @@ def _standing(reasons: Sequence[str | None]) -> str:
 
 
 def wait_and_claim(inv: Inventory, count: int, policy: SelectionPolicy) -> tuple[list[int], str]:
-    """Claim ``count`` of ``inv``'s GPUs that qualify under ``policy``, waiting up to
-    ``policy.wait_s`` for them: the chosen ``cuda:N`` indices (sorted) and a one-line message.
-
-    Raises :class:`DeviceError` on time-out (one line: each GPU and why it did not qualify), or
-    when thresholds are asked but NVML gives no readings. Without NVML (no UUIDs, nothing to
-    measure or lock) and without thresholds, the first ``count`` GPUs are taken unclaimed, as
-    before claims existed."""
+    """The sorted ``cuda:N`` of ``count`` GPUs claimed under ``policy`` and a one-line message;
+    :class:`DeviceError` on time-out (each GPU and why it did not qualify). Without NVML the
+    first ``count`` are taken unclaimed, unless thresholds or a wait need readings."""
     candidates = list(inv.visible[: inv.usable_gpu_count])
     if not inv.nvml_available or not all(g.uuid for g in candidates):
         why = inv.nvml_reason or "NVML gave no UUIDs"
@@ -363,11 +339,7 @@ def wait_and_claim(inv: Inventory, count: int, policy: SelectionPolicy) -> tuple
                 f"select_gpus=least_used with gpu_min_free_gib/gpu_max_util/gpu_wait_s needs "
                 f"NVML readings, but there are none ({why}); use select_gpus=first"
             )
-        chosen = list(range(count))
-        return chosen, (
-            f"select_gpus=least_used: no GPU load readings ({why}); using the first {count}: "
-            f"{chosen}"
-        )
+        return first_gpus(count, why)
     lock_dir = lock_dir_for(policy)
     started = time.monotonic()
     deadline = started + policy.wait_s

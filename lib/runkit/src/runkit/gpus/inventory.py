@@ -1,10 +1,8 @@
-"""What GPUs this machine has and which ``cuda:N`` each one is, from this process's point of view.
+"""The GPUs of this machine and which ``cuda:N`` each one is, from this process's point of view.
 
-:func:`collect_inventory` reads NVML at the detail the caller needs (``"identity"`` to number
-``cuda:N``, ``"load"`` for ``select_gpus=least_used``, ``"full"`` for the listing), asks torch
-about CUDA, and numbers the visible GPUs (:mod:`runkit.gpus.visible`). :func:`cached_inventory`
-reads NVML once per job however often devices are resolved. torch is imported inside functions,
-so ``python -m runkit.devices`` answers quickly.
+NVML is read at the detail the caller needs (``identity`` to number ``cuda:N``, ``load`` for
+``least_used``, ``full`` for the listing), once per job for device resolution
+(:func:`cached_inventory`). torch is imported inside functions so the listing starts quickly.
 """
 
 from __future__ import annotations
@@ -21,24 +19,13 @@ from runkit.gpus.visible import DEVICE_ORDERS, apply_visible_devices
 
 IDENTITY, LOAD, FULL = "identity", "load", "full"
 DETAILS = (IDENTITY, LOAD, FULL)
-"""How much :func:`read_nvml` reads, least first (see the module docstring)."""
 
 _MIB = 1024 * 1024
 
 
-# --------------------------------------------------------------------------------------------
-# Reading torch and NVML
-
-
 def probe_torch(*, uuids: bool = True) -> TorchCuda:
-    """Ask torch about CUDA.
-
-    ``uuids=False`` only counts devices with ``torch.cuda.device_count()``, which torch answers
-    from NVML without initialising CUDA, the same check Lightning makes (it sets
-    ``PYTORCH_NVML_BASED_CUDA_CHECK=1``): a process that later forks DDP workers stays clean.
-    ``uuids=True`` (the listing) runs the full ``is_available()`` check and reads each device's
-    properties, which initialises CUDA in this process.
-    """
+    """Ask torch about CUDA; ``uuids=False`` only counts, from NVML as Lightning does, so that a
+    process that later forks DDP workers keeps CUDA uninitialised."""
     try:
         import torch
     except ImportError:
@@ -69,8 +56,8 @@ def _mib(value: Any) -> int | None:
 def _processes(reader: DeviceReader) -> tuple[GpuProcess, ...]:
     lib = reader.lib
     seen: dict[int, GpuProcess] = {}
-    for query in (reader.compute_processes, reader.graphics_processes):
-        for pid, used in nvml.optional(lib, query) or ():
+    for kind in ("Compute", "Graphics"):
+        for pid, used in nvml.optional(lib, reader.compute_processes, kind) or ():
             if pid not in seen:
                 name = nvml.optional(lib, "nvmlSystemGetProcessName", pid)
                 seen[pid] = GpuProcess(pid, _mib(used), nvml.as_text(name) if name else None)
@@ -144,12 +131,8 @@ def _read_physical(lib: Any, detail: str) -> tuple[list[Gpu], list[str]]:
 
 
 def read_nvml(detail: str = FULL) -> tuple[list[Gpu], str | None, list[str]]:
-    """Every physical GPU (with its MIG devices) in NVML index order, the driver version, and notes
-    about GPUs NVML could not open; ``detail`` is one of :data:`DETAILS`. Raises
-    :class:`runkit.gpus.nvml.NvmlUnavailable` when NVML cannot start.
-
-    Why not nvitop: the same queries, but through the one door the fake NVML replaces, also in a
-    subprocess (the library's design notes)."""
+    """Every physical GPU (with its MIG devices) in NVML order, the driver version, and notes on
+    GPUs NVML cannot open; :class:`~runkit.gpus.nvml.NvmlUnavailable` when NVML cannot start."""
     if detail not in DETAILS:
         raise ValueError(f"detail={detail!r}; use one of {', '.join(DETAILS)}")
     with nvml.nvml_session() as lib:
@@ -158,41 +141,23 @@ def read_nvml(detail: str = FULL) -> tuple[list[Gpu], str | None, list[str]]:
     return gpus, (nvml.as_text(driver) if driver else None), notes
 
 
-# --------------------------------------------------------------------------------------------
-# Putting NVML and torch together
-
-
-def _map_by_torch_uuid(
-    physical: Sequence[Gpu], torch_info: TorchCuda
+def _torch_devices(
+    torch_info: TorchCuda, physical: Sequence[Gpu] | None
 ) -> tuple[list[Gpu], list[str]]:
-    by_uuid: dict[str, Gpu] = {}
-    for gpu in physical:
-        by_uuid[nvml.bare_uuid(gpu.uuid)] = gpu
-        for child in gpu.mig_devices:
-            by_uuid[nvml.bare_uuid(child.uuid)] = child
-    visible: list[Gpu] = []
-    notes: list[str] = []
-    names = torch_info.names or ()
-    for i, uuid in enumerate(torch_info.uuids or ()):
+    """``cuda:i`` as torch names it, matched by UUID to NVML's ``physical`` devices if given."""
+    by_uuid = {nvml.bare_uuid(g.uuid): g for p in physical or () for g in (p, *p.mig_devices)}
+    names, uuids = torch_info.names or (), torch_info.uuids or ()
+    visible, notes = [], []
+    for i in range(torch_info.device_count):
+        uuid = uuids[i] if i < len(uuids) else ""
         gpu = by_uuid.get(nvml.bare_uuid(uuid))
         if gpu is None:
-            name = names[i] if i < len(names) else "unknown GPU"
-            notes.append(f"cuda:{i} ({uuid}) is not in NVML's list; shown without metrics.")
-            gpu = Gpu(uuid=uuid, name=name)
+            if physical is not None:
+                notes.append(f"cuda:{i} ({uuid}) is not in NVML's list; shown without metrics.")
+            name = "unknown GPU" if physical is not None else f"cuda:{i}"
+            gpu = Gpu(uuid=uuid, name=names[i] if i < len(names) else name)
         visible.append(gpu)
     return visible, notes
-
-
-def _torch_only(torch_info: TorchCuda) -> list[Gpu]:
-    names = torch_info.names or ()
-    uuids = torch_info.uuids or ()
-    return [
-        Gpu(
-            uuid=uuids[i] if i < len(uuids) else "",
-            name=names[i] if i < len(names) else f"cuda:{i}",
-        )
-        for i in range(torch_info.device_count)
-    ]
 
 
 def build_inventory(
@@ -204,10 +169,7 @@ def build_inventory(
     driver_version: str | None = None,
     notes: Sequence[str] = (),
 ) -> Inventory:
-    """Combine NVML's GPUs (``None``: NVML unavailable, ``nvml_reason`` says why) with torch's view.
-
-    Pure: everything it needs is an argument, which is what the tests feed with fakes.
-    """
+    """NVML's GPUs (``None``: unavailable, ``nvml_reason`` says why) numbered as torch sees them."""
     env = os.environ if env is None else env
     cvd = env.get("CUDA_VISIBLE_DEVICES")
     order = (env.get("CUDA_DEVICE_ORDER") or "FASTEST_FIRST").strip().upper()
@@ -227,11 +189,11 @@ def build_inventory(
         "cuda_device_order": order,
     }
     if physical is None:
-        visible = _torch_only(torch_info) if torch_info.available else []
+        visible = _torch_devices(torch_info, None)[0] if torch_info.available else []
         mapping = "torch-only" if visible else "none"
         return Inventory(**base, mapping=mapping, visible=tuple(visible), notes=tuple(all_notes))
     if torch_info.available and torch_info.uuids and all(torch_info.uuids):
-        visible, extra = _map_by_torch_uuid(physical, torch_info)
+        visible, extra = _torch_devices(torch_info, physical)
         mapping = "torch-uuid"
     else:
         visible, extra = apply_visible_devices(physical, cvd, order, driver_version)
@@ -251,6 +213,21 @@ def build_inventory(
     )
 
 
+def _reading(detail: str) -> Any:
+    """:func:`read_nvml`'s answer, or why NVML is unavailable."""
+    try:
+        return read_nvml(detail)
+    except nvml.NvmlUnavailable as err:
+        return str(err)
+
+
+def _inventory(reading: Any, torch_info: TorchCuda, env: Mapping[str, str] | None) -> Inventory:
+    if isinstance(reading, str):
+        return build_inventory(None, torch_info, env=env, nvml_reason=reading)
+    physical, driver, notes = reading
+    return build_inventory(physical, torch_info, env=env, driver_version=driver, notes=notes)
+
+
 def collect_inventory(
     *,
     torch_info: TorchCuda | None = None,
@@ -258,64 +235,34 @@ def collect_inventory(
     probe_uuids: bool = True,
     detail: str = FULL,
 ) -> Inventory:
-    """Read NVML (at ``detail``) and torch, and build the :class:`Inventory`.
-
-    ``torch_info`` replaces the torch probe (tests, or a caller that already asked torch);
-    ``probe_uuids=False`` keeps CUDA uninitialised (see :func:`probe_torch`).
-    """
-    if torch_info is None:
-        torch_info = probe_torch(uuids=probe_uuids)
-    try:
-        physical, driver, notes = read_nvml(detail)
-    except nvml.NvmlUnavailable as err:
-        return build_inventory(None, torch_info, env=env, nvml_reason=str(err))
-    return build_inventory(physical, torch_info, env=env, driver_version=driver, notes=notes)
+    """NVML (at ``detail``) and torch (``torch_info``, else probed) read afresh."""
+    return _inventory(_reading(detail), torch_info or probe_torch(uuids=probe_uuids), env)
 
 
-# The last NVML reading: (library, detail, (gpus, driver, notes) or why NVML is unavailable).
+# The last NVML reading: (library, detail, what _reading gave).
 _last: tuple[Any, str, Any] | None = None
 
 
 def cached_inventory(detail: str = IDENTITY) -> Inventory:
-    """The inventory device resolution uses, NVML read once per job.
-
-    The NVML reading is kept until :func:`forget_readings` (called at the end of every job, so
-    each job of a sweep measures anew) and reused by every later call that needs no more
-    ``detail`` than it holds; a call that needs more reads again (and keeps that). NVML's list of
-    physical GPUs does not depend on ``CUDA_VISIBLE_DEVICES``, so only torch's count (cheap, and
-    cached by torch) and the environment are looked at afresh each call: the result always
-    reflects the current ``CUDA_VISIBLE_DEVICES``. A different NVML library (a fake installed by a
-    test or demo) is read afresh. CUDA stays uninitialised (see :func:`probe_torch`). The load a
-    run waits on and claims by is measured afresh (:mod:`runkit.gpus.claims`).
-    """
+    """The inventory device resolution uses: NVML read once per job (until :func:`forget_readings`)
+    or again when more ``detail`` or another library is asked for; torch's count and
+    ``CUDA_VISIBLE_DEVICES`` are looked at afresh, as NVML's GPU list does not depend on them."""
     global _last
-    torch_info = probe_torch(uuids=False)
     try:
         lib = nvml.load_library()
-    except nvml.NvmlUnavailable as err:
-        return build_inventory(None, torch_info, nvml_reason=str(err))
-    if not _answers(_last, lib, detail):
-        try:
-            reading: Any = read_nvml(detail)
-        except nvml.NvmlUnavailable as err:
-            reading = str(err)
-        _last = (lib, detail, reading)
-    reading = _last[2]
-    if isinstance(reading, str):
-        return build_inventory(None, torch_info, nvml_reason=reading)
-    physical, driver, notes = reading
-    return build_inventory(physical, torch_info, driver_version=driver, notes=notes)
+    except nvml.NvmlUnavailable:
+        lib = None
+    held = _last
+    if (
+        held is None
+        or held[0] is not lib
+        or not (isinstance(held[2], str) or DETAILS.index(held[1]) >= DETAILS.index(detail))
+    ):
+        _last = held = (lib, detail, _reading(detail))
+    return _inventory(held[2], probe_torch(uuids=False), None)
 
 
 def forget_readings() -> None:
     """Drop the reading :func:`cached_inventory` keeps: the next call reads NVML again."""
     global _last
     _last = None
-
-
-def _answers(held: tuple[Any, str, Any] | None, lib: Any, detail: str) -> bool:
-    """Whether ``held`` is a reading of ``lib`` with at least ``detail`` (a failure to start
-    answers every detail)."""
-    if held is None or held[0] is not lib:
-        return False
-    return isinstance(held[2], str) or DETAILS.index(held[1]) >= DETAILS.index(detail)

@@ -1,12 +1,8 @@
 """``python -m runkit.devices [--json] [--watch [SECONDS]]``: the GPUs this process may use, as
-``cuda:N``, once or refreshed in place.
-
-The one place that reads NVML in full (load, temperature, power, processes with their names):
-device resolution reads only what it needs (:mod:`runkit.gpus.inventory`). ``--watch``
-asks torch once and reads NVML once per refresh (one session), so a refresh stays cheap.
+``cuda:N``, once or refreshed in place; the one place that reads NVML in full.
 
 Why not nvitop's TUI: it numbers GPUs by NVML index, not as ``cuda:N`` for this process, and
-cannot be pointed at the fake NVML (the library's design notes).
+cannot be pointed at the fake NVML.
 """
 
 from __future__ import annotations
@@ -16,23 +12,16 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from runkit.gpus import nvml
-from runkit.gpus.inventory import (
-    build_inventory,
-    collect_inventory,
-    probe_torch,
-    read_nvml,
-)
-from runkit.gpus.records import Gpu, Inventory, TorchCuda
+from runkit.gpus.inventory import collect_inventory, probe_torch
+from runkit.gpus.records import Gpu, Inventory
 
 DEFAULT_WATCH_S = 2.0
 MIN_WATCH_S = 0.1
 
-JSON_SCHEMA_VERSION = 1
-"""Bumped whenever a key of ``python -m runkit.devices --json`` changes meaning or goes away."""
+JSON_SCHEMA_VERSION = 1  # bumped when a key of the JSON changes meaning or goes away
 
 
 def _gpu_json(gpu: Gpu, index: int | None) -> dict[str, Any]:
@@ -58,19 +47,7 @@ def _gpu_json(gpu: Gpu, index: int | None) -> dict[str, Any]:
 
 
 def inventory_to_json(inv: Inventory) -> dict[str, Any]:
-    """The ``--json`` document. Keys (schema_version 1; values may be ``null`` when unknown):
-
-    ``schema_version``; ``cuda_available`` (torch can use CUDA); ``device_count`` (``cuda:N``
-    devices training can use); ``training_device`` (``"cuda"`` or ``"cpu"``); ``message`` (the
-    one-line summary); ``nvml`` {``available``, ``reason``, ``driver_version``};
-    ``cuda_visible_devices`` (raw value or ``null`` if unset); ``cuda_device_order``;
-    ``index_mapping`` (``torch-uuid`` | ``env-rules`` | ``torch-only`` | ``none``); ``gpus``: one
-    object per ``cuda:N`` with ``index`` (N), ``nvml_index``, ``name``, ``uuid``, ``mig``,
-    ``parent_uuid``, ``memory_used_mib``, ``memory_total_mib``, ``memory_free_mib``,
-    ``utilization_percent``, ``temperature_c``, ``power_w``, ``power_limit_w``, ``processes``
-    [{``pid``, ``used_memory_mib``, ``name``}]; ``hidden_gpus``: physical GPUs CUDA does not show
-    this process, same keys with ``index`` null; ``notes``: list of one-line remarks.
-    """
+    """The ``--json`` document (its keys: docs/cuda-visible-devices.md)."""
     return {
         "schema_version": JSON_SCHEMA_VERSION,
         "cuda_available": inv.torch.available,
@@ -121,7 +98,6 @@ _MAPPING_TEXT = {
 
 
 def listing(inv: Inventory, header: str | None = None) -> Any:
-    """The human listing as one Rich renderable (printed once, or refreshed by ``--watch``)."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -172,7 +148,6 @@ def listing(inv: Inventory, header: str | None = None) -> Any:
 
 
 def render(inv: Inventory, console: Any) -> None:
-    """Print the human listing on a Rich ``console``."""
     from rich.text import Text
 
     for part in listing(inv).renderables:
@@ -192,28 +167,24 @@ def watch_seconds(text: str) -> float:
     return value
 
 
-def snapshots(torch_info: TorchCuda) -> Iterator[Inventory]:
-    """Inventories read afresh, one per ``next()``: NVML once each, torch's answer reused."""
-    while True:
-        try:
-            physical, driver, notes = read_nvml()
-        except nvml.NvmlUnavailable as err:
-            yield build_inventory(None, torch_info, nvml_reason=str(err))
-            continue
-        yield build_inventory(physical, torch_info, driver_version=driver, notes=notes)
-
-
 def watch(seconds: float, as_json: bool, console: Any = None) -> int:
-    """Refresh the listing every ``seconds`` until Ctrl-C (exit 0): a Rich table redrawn in place
-    on ``console`` (default: stdout), or with ``as_json`` one JSON document per line (the
-    ``--json`` schema plus ``time``, Unix seconds)."""
-    try:
-        inventories = snapshots(probe_torch())
+    """Refresh every ``seconds`` until Ctrl-C (exit 0): a Rich table redrawn in place on
+    ``console``, or one ``--json`` document (plus ``time``) per line; torch is asked once."""
+    try:  # Ctrl-C in any phase, asking torch included, ends the watch quietly
+        from rich.console import Console
+        from rich.live import Live
+
+        torch_info = probe_torch()
         if as_json:
-            for inv in inventories:
-                print(json.dumps({**inventory_to_json(inv), "time": time.time()}), flush=True)
+            while True:
+                doc = inventory_to_json(collect_inventory(torch_info=torch_info))
+                print(json.dumps({**doc, "time": time.time()}), flush=True)
                 time.sleep(seconds)
-        _watch_table(inventories, seconds, console)
+        with Live(console=console or Console(), auto_refresh=False) as live:
+            while True:
+                header = f"{time.strftime('%H:%M:%S')}  every {seconds:g} s; Ctrl-C to quit"
+                live.update(listing(collect_inventory(torch_info=torch_info), header), refresh=True)
+                time.sleep(seconds)
     except KeyboardInterrupt:
         return 0
     except BrokenPipeError:  # ``... --json --watch | head``: the reader left; so do we, quietly
@@ -221,20 +192,7 @@ def watch(seconds: float, as_json: bool, console: Any = None) -> int:
     return 0
 
 
-def _watch_table(inventories: Iterator[Inventory], seconds: float, console: Any) -> None:
-    from rich.console import Console
-    from rich.live import Live
-
-    with Live(console=console or Console(), auto_refresh=False) as live:
-        for inv in inventories:
-            header = f"{time.strftime('%H:%M:%S')}  every {seconds:g} s; Ctrl-C to quit"
-            live.update(listing(inv, header), refresh=True)
-            time.sleep(seconds)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m runkit.devices [--json] [--watch [SECONDS]]``: list the GPUs this process may
-    use, once or until Ctrl-C."""
     parser = argparse.ArgumentParser(
         prog="python -m runkit.devices",
         description="List the GPUs this process may use (as cuda:N), their load and processes.",

@@ -1,11 +1,7 @@
-"""The one door to NVML, the library behind ``nvidia-smi``.
+"""The one door to NVML: :func:`nvml_session` yields ``pynvml`` or a look-alike.
 
-Everything that reads GPU state goes through :func:`nvml_session`, which yields the ``pynvml``
-module (package ``nvidia-ml-py``) or anything with its functions and error classes: tests swap in
-:mod:`runkit.testing.fake_nvml` with :func:`use_library`, or for a subprocess with
-``RUNKIT_NVML_BACKEND=package.module:factory``. The real code path is the tested one; only the
-shared library underneath is replaced. Also here, as every NVML user needs them: :func:`optional`,
-:func:`as_text`, :func:`bare_uuid` and :func:`find_handle`.
+Why: tests swap in :mod:`runkit.testing.fake_nvml` (:func:`use_library`, or
+``RUNKIT_NVML_BACKEND=module:factory`` in a subprocess) so the real code path is the tested one.
 """
 
 from __future__ import annotations
@@ -69,14 +65,9 @@ def _load_from_spec(spec: str) -> Any:
 
 @contextmanager
 def nvml_session() -> Iterator[Any]:
-    """Initialise NVML for the duration of a ``with`` block and always shut it down again.
+    """NVML initialised for a ``with`` block (sessions nest); :class:`NvmlUnavailable` if it cannot.
 
-    NVML counts initialisations itself, so sessions may nest (the callback's sampler thread and a
-    device listing can overlap). Raises :class:`NvmlUnavailable` with a one-line reason when NVML
-    cannot start, for example on a machine without an NVIDIA driver.
-
-    Why not nvitop's ``libnvml``: its lazy module-level init and atexit shutdown import ``pynvml``
-    directly, out of reach of ``RUNKIT_NVML_BACKEND`` (the library's design notes).
+    Why not nvitop's ``libnvml``: it imports ``pynvml`` directly, out of ``RUNKIT_NVML_BACKEND``'s reach.
     """
     lib = load_library()
     try:
@@ -90,8 +81,7 @@ def nvml_session() -> Iterator[Any]:
 
 
 def optional(lib: Any, query: str | Callable[..., Any], *args: Any) -> Any:
-    """``query(*args)``, or ``None`` where NVML cannot answer it: not supported by this GPU or
-    driver, or missing from the bindings. ``query`` is a callable or a pynvml function's name."""
+    """``query(*args)`` (a callable or a pynvml function's name), or ``None`` where NVML cannot."""
     func = getattr(lib, query, None) if isinstance(query, str) else query
     if func is None:
         return None
@@ -112,8 +102,7 @@ def as_text(value: bytes | str) -> str:
 
 
 def bare_uuid(uuid: str) -> str:
-    """A device UUID without its ``GPU-``/``MIG-`` prefix, in lower case: torch reports the bare
-    hex and NVML the prefixed form, so this is the one form in which they compare."""
+    """A UUID without ``GPU-``/``MIG-``, lower case: how torch's and NVML's compare."""
     text = str(uuid).strip().lower()
     for prefix in ("gpu-", "mig-"):
         if text.startswith(prefix):
@@ -122,8 +111,7 @@ def bare_uuid(uuid: str) -> str:
 
 
 def find_handle(lib: Any, uuid: str) -> tuple[Any, str] | None:
-    """NVML's handle and UUID for a device UUID in any spelling (bare as torch gives it, ``GPU-``
-    or ``MIG-``), or ``None`` when NVML knows no such device."""
+    """NVML's handle and UUID for a UUID in any spelling (bare, ``GPU-``, ``MIG-``), or ``None``."""
     is_mig = str(uuid).strip().upper().startswith("MIG-")
     for prefix in ("MIG-", "GPU-") if is_mig else ("GPU-", "MIG-"):
         candidate = prefix + bare_uuid(uuid)

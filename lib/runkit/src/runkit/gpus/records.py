@@ -1,25 +1,20 @@
-"""The GPU records: what NVML and torch say about the GPUs, as plain frozen data.
-
-Shared by every module of :mod:`runkit.gpus`; no NVML, no torch here. Also the one
-error of device resolution and claiming, :class:`DeviceError`.
-"""
+"""What NVML and torch say about the GPUs as plain frozen data, and why none is usable (no NVML
+or torch here; the first-entry rule of ``CUDA_VISIBLE_DEVICES`` lives here for that)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from runkit.errors import RunError
 
 
 class DeviceError(RunError, ValueError):
-    """The requested accelerator/devices cannot be satisfied; the message is one line naming what
-    was asked and what exists."""
+    """The accelerator/devices asked for cannot be had; one line naming what was asked and exists."""
 
 
 @dataclass(frozen=True)
 class GpuProcess:
-    """A process holding memory on a GPU, as NVML reports it."""
-
     pid: int
     used_memory_mib: int | None = None
     name: str | None = None
@@ -27,15 +22,9 @@ class GpuProcess:
 
 @dataclass(frozen=True)
 class Gpu:
-    """One GPU or one MIG device, as read from NVML (or only from torch when NVML is missing).
+    """One GPU or MIG device; ``nvml_index`` is its physical GPU's; ``None``: not known.
 
-    ``nvml_index`` is the physical GPU's NVML index (PCI bus order), also for its MIG devices;
-    ``None`` when the entry comes only from torch. Metrics NVML cannot give, or that were not
-    read at the detail asked, are ``None``.
-
-    Why not nvitop's ``Device``: a plain record, read once; nvitop's devices query a module-level
-    NVML state the fake NVML cannot reach (the library's design notes).
-    """
+    Why not nvitop's ``Device``: it queries a module-level NVML state the fake cannot reach."""
 
     uuid: str
     name: str
@@ -59,18 +48,12 @@ class Gpu:
 
     @property
     def is_mig(self) -> bool:
-        """True for a MIG device (a slice of a physical GPU)."""
         return self.parent_uuid is not None
 
 
 @dataclass(frozen=True)
 class TorchCuda:
-    """What torch says about CUDA: the injectable seam that lets CPU-only tests fake a GPU box.
-
-    ``uuids`` holds ``torch.cuda.get_device_properties(i).uuid`` per ``cuda:i`` when probed;
-    ``None`` when not probed (probing initialises CUDA, which a process that will later fork DDP
-    workers must not do).
-    """
+    """What torch says about CUDA (``uuids``: ``None`` unless probed, which initialises CUDA)."""
 
     available: bool = False
     device_count: int = 0
@@ -82,13 +65,8 @@ class TorchCuda:
 
 @dataclass(frozen=True)
 class Inventory:
-    """Everything known about the GPUs of this machine, from this process's point of view.
-
-    ``visible[i]`` is the GPU that ``cuda:i`` means. ``mapping`` says how that was established:
-    ``"torch-uuid"`` (torch's UUIDs matched to NVML: exact), ``"env-rules"`` (CUDA's rules for
-    ``CUDA_VISIBLE_DEVICES``/``CUDA_DEVICE_ORDER`` applied to NVML's list), ``"torch-only"`` (no
-    NVML: names from torch, no metrics) or ``"none"`` (no GPU at all).
-    """
+    """The GPUs from this process's point of view: ``visible[i]`` is ``cuda:i``; ``mapping`` says
+    how that was found (``torch-uuid``, ``env-rules``, ``torch-only`` or ``none``)."""
 
     torch: TorchCuda
     nvml_available: bool
@@ -103,12 +81,10 @@ class Inventory:
 
     @property
     def usable_gpu_count(self) -> int:
-        """How many ``cuda:N`` devices training can use: torch's count, or 0 without torch CUDA."""
         return self.torch.device_count if self.torch.available else 0
 
     @property
     def hidden(self) -> tuple[Gpu, ...]:
-        """Physical GPUs NVML sees that CUDA will not show this process."""
         shown = {g.uuid for g in self.visible} | {g.parent_uuid for g in self.visible}
         return tuple(g for g in self.physical if g.uuid not in shown)
 
@@ -122,14 +98,41 @@ class Inventory:
 
 
 def no_gpu_reason(inv: Inventory) -> str:
-    """Why ``inv`` offers training no GPU, in a few words."""
-    if inv.cuda_visible_devices is not None and inv.cuda_visible_devices.strip() == "":
+    """Why ``inv`` offers training no GPU, in a few words; a ``CUDA_VISIBLE_DEVICES`` that hides
+    every GPU is named first, so that a mistyped value is not taken for a machine without GPUs."""
+    value = inv.cuda_visible_devices
+    if value is not None and value.strip() == "":
         return "CUDA_VISIBLE_DEVICES is set to an empty string"
+    why = first_entry_problem(value)
+    if why or (value is not None and inv.physical and not inv.visible):
+        return f"CUDA_VISIBLE_DEVICES={value!r} hides every GPU" + (f": {why}" if why else "")
     if inv.physical and not inv.torch.available:
         n = len(inv.physical)
         return f"NVML sees {n} GPU{'s' if n != 1 else ''} but torch has no CUDA (CPU-only build?)"
-    if inv.physical and not inv.visible:
-        return f"CUDA_VISIBLE_DEVICES={inv.cuda_visible_devices!r} hides every GPU"
     if not inv.nvml_available and inv.nvml_reason:
         return inv.nvml_reason
     return "no NVIDIA GPU found"
+
+
+ORDINAL = re.compile(r"\s*([+-]?\d+)")  # strtoul: blanks, an optional sign, the leading digits
+
+
+def list_kind(value: str) -> str:
+    """What the whole list holds, decided by how the value starts, as torch decides it."""
+    return {"GPU-": "GPU- UUIDs", "MIG-": "MIG- UUIDs"}.get(value[:4], "indices")
+
+
+def first_entry_problem(cuda_visible_devices: str | None) -> str | None:
+    """Why a list of indices hides every GPU on any machine (its first entry is not an index
+    >= 0, so CUDA reads nothing), or None: said without NVML, where the GPU count is unknown."""
+    value = cuda_visible_devices or ""
+    if not value.strip() or list_kind(value) != "indices":
+        return None
+    first = value.split(",")[0]
+    match = ORDINAL.match(first)
+    if match and int(match.group(1)) >= 0:
+        return None
+    return (
+        f"its first entry {first!r} is not a GPU index or UUID, and CUDA ignores the list from "
+        "its first invalid entry on"
+    )

@@ -1,11 +1,9 @@
-"""Which devices to train on: ``accelerator``/``devices`` as typed, checked against the machine
-before anything is built and turned into what the Lightning ``Trainer`` gets.
+"""``accelerator``/``devices`` as typed, checked against the machine before anything is built.
 
-So that "4 GPUs on a 2-GPU machine" is one clear line instead of a traceback from Lightning, and
-"no GPU" falls back to the CPU with one message. :func:`resolve_devices` decides and changes
-nothing (preflight calls it freely); :func:`resolve_for_run` is called where the run starts and,
-for ``select="least_used"``, measures, waits for and claims GPUs (:mod:`runkit.gpus.claims`) and
-hands rank 0's choice to the DDP ranks. ``accelerator=cpu`` never touches NVML.
+Why: "4 GPUs on a 2-GPU machine" is one clear line instead of Lightning's traceback, and "no GPU"
+falls back to the CPU with one message. :func:`resolve_devices` decides and changes nothing;
+:func:`resolve_for_run` also measures, waits for and claims ``least_used`` GPUs and hands rank 0's
+choice to the DDP ranks.
 """
 
 from __future__ import annotations
@@ -21,26 +19,16 @@ from runkit.gpus import claims
 from runkit.gpus.claims import rank_by_load
 from runkit.gpus.inventory import IDENTITY, LOAD, cached_inventory
 from runkit.gpus.records import DeviceError, Gpu, Inventory, no_gpu_reason
-from runkit.gpus.visible import first_entry_problem
 
-SELECTION_ENV = "RUNKIT_GPU_SELECTION"
-"""Environment variable through which DDP rank 0 hands its ``least_used`` choice to the other
-ranks (Lightning's subprocess launcher re-runs the command line; children inherit the env)."""
+SELECTION_ENV = "RUNKIT_GPU_SELECTION"  # rank 0's least_used choice, inherited by its DDP ranks
 
-SELECT_CHOICES = ("first", "least_used")
-"""Accepted values of ``select`` (config key ``select_gpus``)."""
+SELECT_CHOICES = ("first", "least_used")  # the values of select_gpus
 
 
 @dataclass(frozen=True)
 class DevicePlan:
-    """What to give the Lightning ``Trainer``: ``Trainer(accelerator=plan.accelerator,
-    devices=plan.devices)`` (or ``**plan.trainer_kwargs()``).
-
-    ``message`` is one line for the caller to log once (CPU fallback, the GPUs chosen by load);
-    ``None`` when there is nothing worth saying. ``gpus`` describes the chosen GPUs when known.
-    ``handoff`` is rank 0's ``least_used`` choice as the DDP ranks it launches must see it in
-    ``SELECTION_ENV`` (:func:`resolve_for_run` puts it there); ``None`` when there is none to hand.
-    """
+    """``Trainer(**plan.trainer_kwargs())``, a ``message`` to log once (or ``None``), the chosen
+    ``gpus`` when known, and ``handoff``: rank 0's ``least_used`` choice for its DDP ranks."""
 
     accelerator: Any
     devices: int | str | list[int]
@@ -50,19 +38,14 @@ class DevicePlan:
     handoff: str | None = None
 
     def trainer_kwargs(self) -> dict[str, Any]:
-        """``accelerator`` and ``devices`` as keyword arguments for ``lightning.pytorch.Trainer``.
-
-        A fresh list each call, so the Trainer cannot alter the plan."""
+        """A fresh list each call, so the Trainer cannot alter the plan."""
         devices = list(self.devices) if isinstance(self.devices, list) else self.devices
         return {"accelerator": self.accelerator, "devices": devices}
 
 
 def parse_devices(devices: Any) -> str | int | list[int]:
-    """Normalise ``devices`` to ``"auto"``, a count (``-1`` = all) or a list of indices.
-
-    Accepts what users type on a Hydra command line or in YAML: ``2``, ``-1``, ``"auto"``,
-    ``"2"``, ``"0,1"``, ``"[0,1]"``, ``[0, 1]`` (also an OmegaConf ``ListConfig``).
-    """
+    """``devices`` as users type it (``2``, ``-1``, ``"auto"``, ``"0,1"``, ``"[0,1]"``, a list) as
+    ``"auto"``, a count (``-1``: all) or a list of indices."""
     accepted = "a count ≥ 1, -1 (all), 'auto', or GPU indices such as [0,1] or '0,1'"
     if isinstance(devices, bool):
         raise DeviceError(f"devices={devices!r} is not valid; use {accepted}")
@@ -86,16 +69,12 @@ def parse_devices(devices: Any) -> str | int | list[int]:
         if not all(re.fullmatch(r"\d+", p) for p in parts):
             raise DeviceError(f"devices={devices!r} is not valid; use {accepted}")
         return _check_index_list([int(p) for p in parts], devices)
-    if isinstance(devices, Sequence) or _is_listconfig(devices):
+    if isinstance(devices, Sequence):  # an OmegaConf ListConfig too
         items = list(devices)
         if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
             raise DeviceError(f"devices={items!r} is not valid; use {accepted}")
         return _check_index_list(items, devices)
     raise DeviceError(f"devices={devices!r} is not valid; use {accepted}")
-
-
-def _is_listconfig(value: Any) -> bool:
-    return type(value).__name__ == "ListConfig"
 
 
 def _check_index_list(indices: list[int], original: Any) -> list[int]:
@@ -106,29 +85,10 @@ def _check_index_list(indices: list[int], original: Any) -> list[int]:
     return indices
 
 
-def hidden_by_variable(inv: Inventory) -> str | None:
-    """``CUDA_VISIBLE_DEVICES='…' hides every GPU (why)`` when the variable leaves no GPU, else None.
-
-    Named before any other reason (a CUDA torch reports no CUDA when the variable hides every GPU,
-    and without NVML nothing else would point at it), so a mistyped value is not taken for a
-    machine without GPUs. An empty value keeps :func:`no_gpu_reason`'s own wording."""
-    value = inv.cuda_visible_devices
-    if value is None or value.strip() == "":
-        return None
-    why = first_entry_problem(value)
-    if why is None and not (inv.physical and not inv.visible):
-        return None
-    return f"CUDA_VISIBLE_DEVICES={value!r} hides every GPU" + (f": {why}" if why else "")
-
-
-def _no_gpu_reason(inv: Inventory) -> str:
-    return hidden_by_variable(inv) or no_gpu_reason(inv)
-
-
 def _describe_visible(inv: Inventory) -> str:
     n = inv.usable_gpu_count
     if n == 0:
-        return f"this machine has no usable GPU ({_no_gpu_reason(inv)})"
+        return f"this machine has no usable GPU ({no_gpu_reason(inv)})"
     names = [g.name for g in inv.visible[:n]]
     if len(names) == n and n <= 4:
         listing = ", ".join(f"cuda:{i} {name}" for i, name in enumerate(names))
@@ -144,22 +104,10 @@ def resolve_devices(
     inventory: Inventory | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> DevicePlan:
-    """Check ``accelerator``/``devices`` against the machine and decide what the Trainer gets.
-
-    * ``accelerator="auto"`` without a usable CUDA GPU → CPU, with a one-line ``message``.
-    * ``accelerator="gpu"``/``"cuda"`` without one, more GPUs than exist, or an index that does not
-      exist → :class:`DeviceError` (one line: what was asked, what exists).
-    * ``accelerator="cpu"``: ``devices=N`` means N processes (Lightning's meaning) and is allowed.
-    * ``select="least_used"`` with ``devices=N`` (or all: ``-1``, ``"auto"``): the N GPUs with the
-      most free memory, then the lowest utilisation, then the lowest index, handed over as a sorted
-      list of indices (all GPUs too: :func:`resolve_for_run` claims them). The plan's ``handoff`` records the choice for the DDP ranks; a DDP child started
-      by Lightning (``LOCAL_RANK`` set) finds rank 0's record in ``environ[SELECTION_ENV]`` and
-      reuses it instead of measuring again, so all ranks agree.
-
-    Other accelerators (``mps``, ``tpu``, an ``Accelerator`` object) pass through untouched.
-    Changes nothing: ``environ`` (default ``os.environ``) is only read. ``inventory`` defaults to
-    :func:`~runkit.gpus.inventory.cached_inventory` at the detail ``select`` needs.
-    """
+    """What the Trainer gets: ``auto`` without a GPU is the CPU with a ``message``; a GPU, count or
+    index that does not exist is a :class:`DeviceError`; ``cpu`` takes a process count; other
+    accelerators pass through; ``least_used`` picks by load, or in a DDP child (``LOCAL_RANK``)
+    reuses rank 0's choice from ``environ[SELECTION_ENV]``. ``environ`` is only read."""
     if select not in SELECT_CHOICES:
         raise DeviceError(
             f"select_gpus={select!r} is not valid; use one of {', '.join(SELECT_CHOICES)}"
@@ -180,24 +128,22 @@ def resolve_devices(
 
 
 def _no_gpu_plan(accelerator: Any, acc: Any, wanted: Any, inv: Inventory) -> DevicePlan:
-    """``auto`` falls back to the CPU (or MPS) with one message; a GPU asked for is an error."""
     if acc == "auto" and inv.torch.mps_available:
         return DevicePlan(accelerator, wanted)
     if acc != "auto":
         remedy = "use accelerator=cpu or accelerator=auto"
-        if hidden_by_variable(inv):
+        if no_gpu_reason(inv).startswith("CUDA_VISIBLE_DEVICES="):
             remedy = "set CUDA_VISIBLE_DEVICES to GPU indices or UUIDs (e.g. 0,1) or unset it"
         raise DeviceError(
             f"accelerator={accelerator} asks for a GPU, but {_describe_visible(inv)}; {remedy}"
         )
-    message = f"No usable GPU: {_no_gpu_reason(inv)}; this run uses the CPU."
+    message = f"No usable GPU: {no_gpu_reason(inv)}; this run uses the CPU."
     return _cpu_plan("cpu", "auto" if wanted == -1 else wanted, message=message)
 
 
 def _gpu_plan(
     accelerator: Any, wanted: Any, inv: Inventory, select: str, environ: Mapping[str, str]
 ) -> DevicePlan:
-    """The GPUs a count, a list of indices or "all" names, checked against those visible."""
     count = inv.usable_gpu_count
     if isinstance(wanted, list):
         missing = [i for i in wanted if i >= count]
@@ -225,15 +171,9 @@ def resolve_for_run(
     policy: claims.SelectionPolicy | None = None,
     environ: MutableMapping[str, str] | None = None,
 ) -> DevicePlan:
-    """:func:`resolve_devices` for the run that starts now; the one place the resolution changes
-    anything, so that checks before the run have no side effects.
-
-    With ``select="least_used"``, rank 0 measures the GPUs afresh, waits for enough of them to
-    qualify under ``policy`` (thresholds, wait; default: none) and claims them for the life of the
-    run (:func:`~runkit.gpus.claims.wait_and_claim`; time-out: :class:`DeviceError`);
-    its choice goes into ``environ[SELECTION_ENV]`` (default ``os.environ``), which the DDP ranks
-    Lightning launches inherit. GPUs an earlier run of this process claimed are given back first:
-    a process runs one run at a time."""
+    """:func:`resolve_devices` for the run that starts now: rank 0 gives back its earlier claims,
+    then measures, waits for and claims ``least_used`` GPUs under ``policy``
+    (:func:`~runkit.gpus.claims.wait_and_claim`) and puts its choice in ``environ[SELECTION_ENV]``."""
     environ = os.environ if environ is None else environ
     claims.release_claims()
     plan = resolve_devices(accelerator, devices, select=select, environ=environ)
@@ -263,18 +203,6 @@ def _cpu_plan(accelerator: Any, wanted: str | int | list[int], message: str | No
 
 def _gpus_at(inv: Inventory, indices: Sequence[int]) -> tuple[Gpu, ...]:
     return tuple(inv.visible[i] for i in indices if i < len(inv.visible))
-
-
-# --------------------------------------------------------------------------------------------
-# select_gpus=least_used
-
-
-def select_least_used(gpus: Sequence[Gpu], count: int) -> list[int]:
-    """The ``count`` best GPUs by :func:`rank_by_load`, as a sorted list of ``cuda:N`` indices.
-
-    Why not nvitop's ``select_devices``: it answers in NVML indices, ignoring
-    ``CUDA_VISIBLE_DEVICES``, and may return fewer GPUs without an error (the library's design notes)."""
-    return sorted(rank_by_load(gpus)[:count])
 
 
 def _request_key(count: int, inv: Inventory) -> str:
@@ -310,14 +238,9 @@ def _least_used_plan(
         )
     candidates = inv.visible[: inv.usable_gpu_count]
     if len(candidates) < inv.usable_gpu_count or all(g.memory_free_mib is None for g in candidates):
-        chosen = list(range(count))
-        message = (
-            "select_gpus=least_used: no GPU load readings "
-            f"({inv.nvml_reason or 'NVML gave none'}); "
-            f"using the first {count}: {chosen}"
-        )
+        chosen, message = claims.first_gpus(count, inv.nvml_reason or "NVML gave none")
     else:
-        chosen = select_least_used(candidates, count)
+        chosen = sorted(rank_by_load(candidates)[:count])
         message = (
             f"select_gpus=least_used picked {', '.join(f'cuda:{i}' for i in chosen)} of "
             f"{len(candidates)} (most free memory, then lowest utilisation)"

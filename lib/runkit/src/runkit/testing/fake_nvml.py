@@ -1,22 +1,17 @@
-"""A scriptable stand-in for ``pynvml``, so GPU code can be tested on machines without a GPU.
+"""A scriptable stand-in for ``pynvml``, so every GPU path is tested on a CPU.
 
-Why a fake and not mocks: the library reaches NVML only through
-:func:`runkit.gpus.nvml.nvml_session`, and :class:`FakeNvml` has pynvml's function names and
-constants and raises pynvml's *own* error classes, so the code under test runs unchanged.
-In a test, ``nvml.use_library(FakeNvml([FakeGpu(...)], clock=FakeClock()))``; in a subprocess,
-``RUNKIT_NVML_BACKEND=runkit.testing.fake_nvml:create`` with a JSON scenario (inline or a path)
-in ``RUNKIT_FAKE_NVML`` (empty: :func:`preset`, two H100-like GPUs). A scenario scripts each
-metric over time (``number | [[t0, v0], ...]``), failures (``{"power": "not_supported"}``), lost
-GPUs, MIG children, GPM and a per-call cost; the schema is :meth:`FakeNvml.from_dict`'s and, in
-full, the library repository's fake NVML page. Modelled on the real library: calls outside
-``nvmlInit``/``nvmlShutdown`` raise Uninitialized, MIG handles answer NotSupported where real ones
-do, and an unimplemented function raises ``NVMLError_FunctionNotFound`` like an old driver.
+Why a fake and not mocks: :class:`FakeNvml` has pynvml's function names and constants and raises
+pynvml's own error classes, so the code under test runs unchanged behind
+:func:`runkit.gpus.nvml.use_library` or, in a subprocess,
+``RUNKIT_NVML_BACKEND=runkit.testing.fake_nvml:create`` with a JSON scenario in
+``RUNKIT_FAKE_NVML``. The scenario schema is docs/fake-nvml.md.
 """
 
 from __future__ import annotations
 
 import bisect
 import ctypes
+import functools
 import itertools
 import json
 import os
@@ -24,7 +19,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -37,56 +32,45 @@ GIB = 1024**3
 
 Script = Any  # number | sequence of (t, value) steps | callable(t) -> number
 
-# pynvml function name -> the metric name used by ``failures``.
-FUNCTION_METRIC: dict[str, str] = {
-    "nvmlDeviceGetName": "name",
-    "nvmlDeviceGetUUID": "uuid",
-    "nvmlDeviceGetIndex": "index",
-    "nvmlDeviceGetPciInfo": "pci",
-    "nvmlDeviceGetPciInfo_v3": "pci",
-    "nvmlDeviceGetMemoryInfo": "memory",
-    "nvmlDeviceGetUtilizationRates": "utilization",
-    "nvmlDeviceGetTemperature": "temperature",
-    "nvmlDeviceGetFieldValues": "memory_temperature",
-    "nvmlDeviceGetPowerUsage": "power",
-    "nvmlDeviceGetEnforcedPowerLimit": "power_limit",
-    "nvmlDeviceGetPowerManagementLimit": "power_limit",
-    "nvmlDeviceGetTotalEnergyConsumption": "energy",
-    "nvmlDeviceGetClockInfo": "clock",
-    "nvmlDeviceGetMaxClockInfo": "clock",
-    "nvmlDeviceGetCurrentClocksEventReasons": "throttle",
-    "nvmlDeviceGetCurrentClocksThrottleReasons": "throttle",
-    "nvmlDeviceGetFanSpeed": "fan",
-    "nvmlDeviceGetPcieThroughput": "pcie",
-    "nvmlDeviceGetTotalEccErrors": "ecc",
-    "nvmlDeviceGetComputeRunningProcesses": "processes",
-    "nvmlDeviceGetMigMode": "mig",
-    "nvmlDeviceGetMaxMigDeviceCount": "mig",
-    "nvmlDeviceGetMigDeviceHandleByIndex": "mig",
-    "nvmlDeviceGetGpuInstanceId": "mig",
-    "nvmlDeviceGetComputeInstanceId": "mig",
-    "nvmlDeviceGetCudaComputeCapability": "name",
-    "nvmlGpmQueryDeviceSupport": "gpm",
-    "nvmlGpmSampleGet": "gpm",
-    "nvmlGpmMigSampleGet": "gpm",
-    "nvmlGpmMetricsGet": "gpm",
+# The metric names of ``failures``, each with the pynvml functions (``nvmlDeviceGet*`` unless
+# named in full) whose calls it fails.
+_METRIC_FUNCTIONS = {
+    "name": "Name", "uuid": "UUID", "index": "Index", "pci": "PciInfo", "memory": "MemoryInfo",
+    "utilization": "UtilizationRates", "temperature": "Temperature",
+    "memory_temperature": "FieldValues", "power": "PowerUsage",
+    "power_limit": "EnforcedPowerLimit PowerManagementLimit", "energy": "TotalEnergyConsumption",
+    "clock": "ClockInfo", "throttle": "CurrentClocksEventReasons CurrentClocksThrottleReasons",
+    "fan": "FanSpeed", "pcie": "PcieThroughput", "ecc": "TotalEccErrors",
+    "processes": "ComputeRunningProcesses",
+    "mig": "MigMode MaxMigDeviceCount MigDeviceHandleByIndex GpuInstanceId ComputeInstanceId",
+    "gpm": "nvmlGpmQueryDeviceSupport nvmlGpmSampleGet nvmlGpmMigSampleGet nvmlGpmMetricsGet",
+}  # fmt: skip
+FUNCTION_METRIC = {
+    name if name.startswith("nvml") else f"nvmlDeviceGet{name}": metric
+    for metric, names in _METRIC_FUNCTIONS.items()
+    for name in names.split()
 }
 METRICS = frozenset(FUNCTION_METRIC.values())
+# What a MIG handle answers NotSupported, as real ones do: its GPU's handle has it.
 MIG_UNSUPPORTED = frozenset(
-    {
-        "utilization",
-        "temperature",
-        "power",
-        "power_limit",
-        "energy",
-        "clock",
-        "throttle",
-        "fan",
-        "pcie",
-        "ecc",
-    }
-)
+    {"utilization", "temperature", "power", "power_limit", "energy", "clock", "throttle", "fan", "pcie", "ecc"}
+)  # fmt: skip
 MAX_MIG_DEVICES = 7
+
+# pynvml getter -> the FakeGpu figure it answers, by its argument where that picks one (a sensor,
+# clock or counter: another is InvalidArgument); a figure of None is NotSupported.
+FIGURES: dict[str, Any] = {
+    "nvmlDeviceGetTemperature": {pynvml.NVML_TEMPERATURE_GPU: "temperature"},
+    "nvmlDeviceGetPowerUsage": "power_mw",
+    "nvmlDeviceGetEnforcedPowerLimit": "power_limit_mw",
+    "nvmlDeviceGetPowerManagementLimit": "power_limit_mw",
+    "nvmlDeviceGetClockInfo": dict.fromkeys((pynvml.NVML_CLOCK_SM, pynvml.NVML_CLOCK_GRAPHICS), "clock_sm_mhz"),
+    "nvmlDeviceGetCurrentClocksEventReasons": "clocks_event_reasons",
+    "nvmlDeviceGetCurrentClocksThrottleReasons": "clocks_event_reasons",
+    "nvmlDeviceGetFanSpeed": "fan_pct",
+    "nvmlDeviceGetPcieThroughput": {pynvml.NVML_PCIE_UTIL_TX_BYTES: "pcie_tx_kbs", pynvml.NVML_PCIE_UTIL_RX_BYTES: "pcie_rx_kbs"},
+    "nvmlDeviceGetTotalEccErrors": "ecc_uncorrected",
+}  # fmt: skip
 
 
 def nvml_error(name: str) -> pynvml.NVMLError:
@@ -123,16 +107,6 @@ class FakeClock:
         if t < self.now:
             raise ValueError(f"FakeClock.set({t}): the clock is already at {self.now}")
         self.now = float(t)
-
-
-class MonotonicClock:
-    """The real clock, reading 0 when created: scripted times count from the fake's creation."""
-
-    def __init__(self) -> None:
-        self._start = time.monotonic()
-
-    def __call__(self) -> float:
-        return time.monotonic() - self._start
 
 
 def _check_script(value: Script, what: str) -> Script:
@@ -227,15 +201,12 @@ class FakeGpu:
     power_mw: Script = 70_000
     power_limit_mw: int = 700_000
     energy_mj: Script = None
-    energy_offset_mj: int = 5_000_000
     clock_sm_mhz: Script = 1980
-    clock_mem_mhz: Script = 2619
     clocks_event_reasons: Script = 0
     fan_pct: Script = None
     pcie_tx_kbs: Script = 0
     pcie_rx_kbs: Script = 0
     ecc_uncorrected: Script = 0
-    compute_capability: tuple[int, int] = (9, 0)
     processes: list[FakeProcess] = field(default_factory=list)
     mig: list[FakeGpu] = field(default_factory=list)
     mig_capable: bool | None = None
@@ -261,22 +232,7 @@ class FakeGpu:
         self.gpm = checked
 
     def __post_init__(self) -> None:
-        for attr in (
-            "memory_used",
-            "util_gpu",
-            "util_memory",
-            "temperature",
-            "memory_temperature",
-            "power_mw",
-            "energy_mj",
-            "clock_sm_mhz",
-            "clock_mem_mhz",
-            "clocks_event_reasons",
-            "fan_pct",
-            "pcie_tx_kbs",
-            "pcie_rx_kbs",
-            "ecc_uncorrected",
-        ):
+        for attr in (f.name for f in fields(self) if f.type == "Script"):
             setattr(self, attr, _check_script(getattr(self, attr), f"{self.name}: {attr}"))
         self.processes = [
             p if isinstance(p, FakeProcess) else FakeProcess(**p) for p in self.processes
@@ -329,26 +285,15 @@ class FakeHandle:
         self.index = index
         self.parent = parent
 
-    def __repr__(self) -> str:
-        kind = "mig" if self.parent is not None else "gpu"
-        return f"<FakeHandle {kind} {self.gpu.uuid}>"
-
 
 def _api(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Count the call, charge its cost and refuse it before nvmlInit, as the real library would."""
-    name = fn.__name__
+    """An NVML function of the fake: counted, charged, refused before nvmlInit (:meth:`_enter`)."""
 
+    @functools.wraps(fn)
     def wrapper(self: FakeNvml, *args: Any, **kwargs: Any) -> Any:
-        self._count(name)
-        if self.call_cost_s:
-            time.sleep(self.call_cost_s)
-        if self._depth <= 0:
-            raise nvml_error("uninitialized")
+        self._enter(fn.__name__)
         return fn(self, *args, **kwargs)
 
-    wrapper.__name__ = name
-    wrapper.__qualname__ = fn.__qualname__
-    wrapper.__doc__ = fn.__doc__
     return wrapper
 
 
@@ -363,11 +308,11 @@ class FakeNvml:
         call_cost_s: float = 0.0,
         init_error: str | None = None,
         driver_version: str = "570.133.20",
-        cuda_driver_version: int = 12080,
     ) -> None:
         gpu_list = [FakeGpu() for _ in range(gpus)] if isinstance(gpus, int) else list(gpus)
         self.gpus: list[FakeGpu] = [g if isinstance(g, FakeGpu) else FakeGpu(**g) for g in gpu_list]
-        self.clock: Callable[[], float] = clock if clock is not None else MonotonicClock()
+        start = time.monotonic()  # scripted times count from the fake's creation
+        self.clock: Callable[[], float] = clock or (lambda: time.monotonic() - start)
         # "self" in a process list: the process that made the fake (a GPU statistics sampler
         # forked from it is asked about the training process, not about itself)
         self.owner_pid = os.getpid()
@@ -376,7 +321,6 @@ class FakeNvml:
             nvml_error(init_error)
         self.init_error = init_error
         self.driver_version = driver_version
-        self.cuda_driver_version = cuda_driver_version
         self._name_defaults()
         self._depth = 0
         self._lock = threading.Lock()
@@ -400,7 +344,7 @@ class FakeNvml:
         """Build a fake from a JSON scenario (the schema: the library repository's fake NVML page)."""
         if not isinstance(spec, dict):
             raise ValueError(f"fake NVML scenario must be a JSON object, got {type(spec).__name__}")
-        allowed = {"gpus", "driver_version", "cuda_driver_version", "call_cost_s", "init_error"}
+        allowed = {"gpus", "driver_version", "call_cost_s", "init_error"}
         unknown = set(spec) - allowed
         if unknown:
             raise ValueError(
@@ -456,10 +400,30 @@ class FakeNvml:
             self.calls[name] += 1
             self._thread_calls[threading.get_ident()] += 1
 
+    def _enter(self, name: str) -> None:
+        """Count the call, charge its cost and refuse it before nvmlInit, as NVML would."""
+        self._count(name)
+        if self.call_cost_s:
+            time.sleep(self.call_cost_s)
+        if self._depth <= 0:
+            raise nvml_error("uninitialized")
+
+    def _figure(self, name: str, handle: FakeHandle, *args: Any) -> int:
+        self._enter(name)
+        gpu, spec = self._read(handle, name), FIGURES[name]
+        figure = spec.get(args[0]) if isinstance(spec, dict) else spec
+        if figure is None:
+            raise nvml_error("invalid_argument")
+        if getattr(gpu, figure) is None:
+            raise nvml_error("not_supported")
+        return int(self._value(getattr(gpu, figure)))
+
     # ---------------------------------------------------------------- pynvml surface: attributes
     NVMLError = pynvml.NVMLError
 
     def __getattr__(self, name: str) -> Any:
+        if name in FIGURES:
+            return functools.partial(self._figure, name)
         value = getattr(pynvml, name, None)
         if value is None:
             raise AttributeError(f"FakeNvml has no attribute {name!r} (nor has pynvml)")
@@ -494,25 +458,10 @@ class FakeNvml:
             self._depth -= 1
             self.shutdown_count += 1
 
-    def nvmlErrorString(self, code: int) -> str:
-        return pynvml.NVMLError._errcode_to_string.get(code, f"fake NVML error {code}")
-
     # ---------------------------------------------------------------- system
     @_api
     def nvmlSystemGetDriverVersion(self) -> str:
         return self.driver_version
-
-    @_api
-    def nvmlSystemGetNVMLVersion(self) -> str:
-        return f"12.{self.driver_version}"
-
-    @_api
-    def nvmlSystemGetCudaDriverVersion(self) -> int:
-        return self.cuda_driver_version
-
-    @_api
-    def nvmlSystemGetCudaDriverVersion_v2(self) -> int:
-        return self.cuda_driver_version
 
     # ---------------------------------------------------------------- handles
     @_api
@@ -533,14 +482,6 @@ class FakeNvml:
             raise nvml_error("not_found")
         return self._alive(handle, "nvmlDeviceGetHandleByUUID")
 
-    @_api
-    def nvmlDeviceGetHandleByPciBusId(self, bus_id: str | bytes) -> FakeHandle:
-        key = (bus_id.decode() if isinstance(bus_id, bytes) else bus_id).upper()
-        for handle in self._handles:
-            if handle.gpu.pci_bus_id.upper() == key:  # type: ignore[union-attr]
-                return self._alive(handle, "nvmlDeviceGetHandleByPciBusId")
-        raise nvml_error("not_found")
-
     # ---------------------------------------------------------------- identity
     @_api
     def nvmlDeviceGetName(self, handle: FakeHandle) -> str:
@@ -560,36 +501,14 @@ class FakeNvml:
     @_api
     def nvmlDeviceGetPciInfo(self, handle: FakeHandle) -> SimpleNamespace:
         gpu = self._read(handle, "nvmlDeviceGetPciInfo")
-        bus_id = gpu.pci_bus_id or ""
-        domain, bus, rest = bus_id.split(":")
-        device = rest.split(".")[0]
-        return SimpleNamespace(
-            busId=bus_id.encode(),
-            busIdLegacy=bus_id[4:].encode(),
-            domain=int(domain, 16),
-            bus=int(bus, 16),
-            device=int(device, 16),
-            pciDeviceId=0x233010DE,
-            pciSubSystemId=0x16C110DE,
-        )
-
-    nvmlDeviceGetPciInfo_v3 = nvmlDeviceGetPciInfo
-
-    @_api
-    def nvmlDeviceGetCudaComputeCapability(self, handle: FakeHandle) -> tuple[int, int]:
-        gpu = self._read(handle, "nvmlDeviceGetCudaComputeCapability")
-        return tuple(gpu.compute_capability)  # type: ignore[return-value]
+        return SimpleNamespace(busId=(gpu.pci_bus_id or "").encode())  # bytes, as in pynvml
 
     # ---------------------------------------------------------------- memory and load
     @_api
-    def nvmlDeviceGetMemoryInfo(self, handle: FakeHandle, version: int | None = None) -> Any:
+    def nvmlDeviceGetMemoryInfo(self, handle: FakeHandle) -> Any:
         gpu = self._read(handle, "nvmlDeviceGetMemoryInfo")
         used = int(self._value(gpu.memory_used))
-        info = SimpleNamespace(total=gpu.memory_total, used=used, free=gpu.memory_total - used)
-        if version:
-            info.version = version
-            info.reserved = 0
-        return info
+        return SimpleNamespace(total=gpu.memory_total, used=used, free=gpu.memory_total - used)
 
     @_api
     def nvmlDeviceGetUtilizationRates(self, handle: FakeHandle) -> SimpleNamespace:
@@ -618,107 +537,29 @@ class FakeNvml:
                 )
         return result
 
-    nvmlDeviceGetComputeRunningProcesses_v3 = nvmlDeviceGetComputeRunningProcesses
-
     # ---------------------------------------------------------------- thermals, power, clocks
-    @_api
-    def nvmlDeviceGetTemperature(self, handle: FakeHandle, sensor: int) -> int:
-        gpu = self._read(handle, "nvmlDeviceGetTemperature")
-        if sensor != pynvml.NVML_TEMPERATURE_GPU:
-            raise nvml_error("invalid_argument")
-        return int(self._value(gpu.temperature))
-
     @_api
     def nvmlDeviceGetFieldValues(self, handle: FakeHandle, field_ids: Sequence[Any]) -> list[Any]:
         gpu = self._read(handle, "nvmlDeviceGetFieldValues")
         values = []
-        for field_id in field_ids:
-            fid, scope = field_id if isinstance(field_id, tuple) else (field_id, 0)
-            ret, vtype, raw = (
-                pynvml.NVML_ERROR_NOT_SUPPORTED,
-                pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
-                0,
-            )
+        for fid in field_ids:
+            ret, raw = pynvml.NVML_ERROR_NOT_SUPPORTED, 0
             if fid == pynvml.NVML_FI_DEV_MEMORY_TEMP and gpu.memory_temperature is not None:
                 ret, raw = pynvml.NVML_SUCCESS, int(self._value(gpu.memory_temperature))
+            value = SimpleNamespace(uiVal=raw)
             values.append(
                 SimpleNamespace(
-                    fieldId=fid,
-                    scopeId=scope,
-                    timestamp=int(self.clock() * 1e6),
-                    latencyUsec=0,
-                    valueType=vtype,
-                    nvmlReturn=ret,
-                    value=SimpleNamespace(
-                        dVal=float(raw), uiVal=raw, ulVal=raw, ullVal=raw, sllVal=raw, siVal=raw
-                    ),
+                    valueType=pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, nvmlReturn=ret, value=value
                 )
             )
         return values
-
-    @_api
-    def nvmlDeviceGetPowerUsage(self, handle: FakeHandle) -> int:
-        return int(self._value(self._read(handle, "nvmlDeviceGetPowerUsage").power_mw))
-
-    @_api
-    def nvmlDeviceGetEnforcedPowerLimit(self, handle: FakeHandle) -> int:
-        return int(self._read(handle, "nvmlDeviceGetEnforcedPowerLimit").power_limit_mw)
-
-    @_api
-    def nvmlDeviceGetPowerManagementLimit(self, handle: FakeHandle) -> int:
-        return int(self._read(handle, "nvmlDeviceGetPowerManagementLimit").power_limit_mw)
 
     @_api
     def nvmlDeviceGetTotalEnergyConsumption(self, handle: FakeHandle) -> int:
         gpu = self._read(handle, "nvmlDeviceGetTotalEnergyConsumption")
         if gpu.energy_mj is not None:
             return int(self._value(gpu.energy_mj))
-        return int(gpu.energy_offset_mj + integrate(gpu.power_mw, self.clock()))
-
-    @_api
-    def nvmlDeviceGetClockInfo(self, handle: FakeHandle, clock_type: int) -> int:
-        gpu = self._read(handle, "nvmlDeviceGetClockInfo")
-        if clock_type in (pynvml.NVML_CLOCK_SM, pynvml.NVML_CLOCK_GRAPHICS):
-            return int(self._value(gpu.clock_sm_mhz))
-        if clock_type == pynvml.NVML_CLOCK_MEM:
-            return int(self._value(gpu.clock_mem_mhz))
-        raise nvml_error("invalid_argument")
-
-    @_api
-    def nvmlDeviceGetMaxClockInfo(self, handle: FakeHandle, clock_type: int) -> int:
-        self._read(handle, "nvmlDeviceGetMaxClockInfo")
-        return 1980 if clock_type != pynvml.NVML_CLOCK_MEM else 2619
-
-    @_api
-    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: FakeHandle) -> int:
-        gpu = self._read(handle, "nvmlDeviceGetCurrentClocksEventReasons")
-        return int(self._value(gpu.clocks_event_reasons))
-
-    @_api
-    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: FakeHandle) -> int:
-        gpu = self._read(handle, "nvmlDeviceGetCurrentClocksThrottleReasons")
-        return int(self._value(gpu.clocks_event_reasons))
-
-    @_api
-    def nvmlDeviceGetFanSpeed(self, handle: FakeHandle) -> int:
-        gpu = self._read(handle, "nvmlDeviceGetFanSpeed")
-        if gpu.fan_pct is None:
-            raise nvml_error("not_supported")
-        return int(self._value(gpu.fan_pct))
-
-    @_api
-    def nvmlDeviceGetPcieThroughput(self, handle: FakeHandle, counter: int) -> int:
-        gpu = self._read(handle, "nvmlDeviceGetPcieThroughput")
-        if counter == pynvml.NVML_PCIE_UTIL_TX_BYTES:
-            return int(self._value(gpu.pcie_tx_kbs))
-        if counter == pynvml.NVML_PCIE_UTIL_RX_BYTES:
-            return int(self._value(gpu.pcie_rx_kbs))
-        raise nvml_error("invalid_argument")
-
-    @_api
-    def nvmlDeviceGetTotalEccErrors(self, handle: FakeHandle, error_type: int, counter: int) -> int:
-        gpu = self._read(handle, "nvmlDeviceGetTotalEccErrors")
-        return int(self._value(gpu.ecc_uncorrected))
+        return int(5_000_000 + integrate(gpu.power_mw, self.clock()))
 
     # ---------------------------------------------------------------- MIG
     @_api
@@ -905,8 +746,6 @@ def _gpu_from_dict(spec: Any, where: str) -> FakeGpu:
     spec = dict(spec)
     if "mig" in spec:
         spec["mig"] = [_gpu_from_dict(m, f"{where}.mig[{i}]") for i, m in enumerate(spec["mig"])]
-    if "compute_capability" in spec:
-        spec["compute_capability"] = tuple(spec["compute_capability"])
     return FakeGpu(**spec)
 
 
