@@ -15,7 +15,9 @@ from project import config_dir
 from runkit.run.preflight import check_config
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+README = "\n".join(  # and the pages it links, which ship with the library
+    path.read_text() for path in [ROOT / "README.md", *sorted(ROOT.glob("lib/runkit/docs/*.md"))]
+)
 PACKAGE = "project"
 TEST_COMMAND = "bash scripts/setup.sh && .venv/bin/python -m pytest"
 

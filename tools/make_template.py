@@ -10,7 +10,8 @@ derives one from the other, so there is one source of truth:
 * a user-owned file that does not name it becomes a symbolic link to the file itself (a
   ``.gitignore`` a copy: git does not follow links there);
 * ``lib/runkit`` (the library, vendored into every project) links to the library's files, less
-  its tests; its README is rendered like a user-owned file (the user's package in its commands);
+  its tests; its README, CHANGELOG and pages (``docs/*.md``) are rendered like a user-owned file
+  (the user's package in their commands);
 * a line ending in ``# repo-only``, and a block between ``# repo-only: begin`` and
   ``# repo-only: end``, are dropped (the library's tests in pytest's settings, mutation testing);
   a ``# template-only: <line>`` comment becomes ``<line>`` (the project's settings that differ
@@ -219,10 +220,12 @@ def write(target: Path, home: Path | None = None) -> None:
         relative = library / source.name
         if source.name in LIBRARY_LEFT_OUT or source.name.startswith("."):
             continue
-        if source.name == "README.md":
-            text = without_test_column(source.read_text(encoding="utf-8"))
-            jinja = render(text) or _raw(without_repo_only(text))
-            Path(f"{target / relative}.jinja").write_text(jinja, encoding="utf-8")
+        if source.name in ("README.md", "CHANGELOG.md", "docs"):  # read like the README
+            for page in sorted(source.glob("*.md")) if source.is_dir() else [source]:
+                (target / page.relative_to(ROOT)).parent.mkdir(exist_ok=True)
+                text = without_test_column(page.read_text(encoding="utf-8"))
+                jinja = render(text) or _raw(without_repo_only(text))
+                Path(f"{target / page.relative_to(ROOT)}.jinja").write_text(jinja, encoding="utf-8")
         else:
             (target / relative).symlink_to(os.path.relpath(source, (home / relative).parent))
     answers = target / "{{ _copier_conf.answers_file }}.jinja"

@@ -11,7 +11,8 @@ An output directory that cannot be created is simulated, because the tests run a
 inside a file: ``ENOTDIR``). A disk that fills up during training is a real small tmpfs in
 tests/test_crash_safety.py.
 
-README.md's reliability table lists every case here with the line a user sees;
+The reliability page's table (lib/runkit/docs/reliability.md) lists every case here with the
+line a user sees;
 :func:`test_readme_reliability_table_lists_every_case` keeps the two in step.
 """
 
@@ -413,7 +414,7 @@ def test_bad_input_is_one_line_and_loses_nothing(world: dict[str, Path], case: C
 
 
 # ------------------------------------------------------------------------------------------------
-# README.md's reliability table: one row per case, each with the line a user sees.
+# The reliability page's table: one row per case, each with the line a user sees.
 #
 # A row reads | `<id>` | <what is wrong> | <the error line> (exit <code>) | `tests/<file>.py` |.
 # Rows for this file must name a case of CASES, show its expected text and exit code, and every
@@ -423,8 +424,8 @@ def test_bad_input_is_one_line_and_loses_nothing(world: dict[str, Path], case: C
 
 
 def readme_rows() -> list[list[str]]:
-    text = (ROOT / "lib" / "runkit" / "README.md").read_text()
-    match = re.search(r"^## Reliability\n(.*?)(?=^## |\Z)", text, flags=re.M | re.S)
+    text = (ROOT / "lib" / "runkit" / "docs" / "reliability.md").read_text()
+    match = re.search(r"^# Reliability\n(.*?)(?=^## |\Z)", text, flags=re.M | re.S)
     assert match, "README.md has no '## Reliability' section with the table of bad inputs"
     rows = [
         [cell.strip() for cell in line.strip().strip("|").split("|")]

@@ -37,7 +37,7 @@ import prewarmed
 from conftest import clean_env, last_line, run_dirs
 
 HERE = Path(__file__).resolve().parent
-README = HERE.parents[2] / "README.md"
+README = HERE.parents[2] / "lib" / "runkit" / "docs" / "own-model-and-data.md"
 QUIET = "callbacks.progress_bar.refresh_rate=0"
 TRUSTED = "trusted_targets=[conformance.,lightning.pytorch.demos.,torch.nn.,torch.optim.]"
 TIMEOUT = 400  # seconds a CLI run may take on a loaded 2-core machine (they take 5-30 s quiet)

@@ -40,9 +40,15 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 class _Readmes:
-    """The project's README and the library's, read as one text (the commands and claims of both)."""
+    """The project's README, the library's and the pages they link, read as one text (the commands
+    and claims of all)."""
 
-    files = (ROOT / "README.md", ROOT / "lib" / "runkit" / "README.md")
+    files = (
+        ROOT / "README.md",
+        ROOT / "lib" / "runkit" / "README.md",
+        *sorted((ROOT / "lib" / "runkit" / "docs").glob("*.md")),
+        ROOT / "docs" / "library-development.md",
+    )
 
     def read_text(self) -> str:
         return "\n".join(path.read_text() for path in self.files)
@@ -538,7 +544,7 @@ def test_the_makefile_claim_matches_the_makefile() -> None:
 
 
 def test_the_fast_test_figure_is_a_measurement_with_its_date() -> None:
-    text = (ROOT / "lib" / "runkit" / "README.md").read_text()
+    text = (ROOT / "docs" / "library-development.md").read_text()
     assert "(seconds)" not in text
     (line,) = [x for x in text.splitlines() if x.startswith('python -m pytest -m "not slow"')]
     assert re.search(r"# the fast tests only \(\d+ s on 2 cores, \d{4}-\d{2}-\d{2}\)$", line), line

@@ -2,7 +2,7 @@
 
 To train on your own data, subclass :class:`ArrayDataModule` and implement :meth:`load_arrays`
 (read a CSV, a ``.pt`` file, a folder of images...); splitting, batching and the loaders are done
-here. README.md shows a worked example with a CSV file.
+here. lib/runkit/docs/own-model-and-data.md shows a worked example with a CSV file.
 """
 
 from __future__ import annotations

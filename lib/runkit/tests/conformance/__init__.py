@@ -8,8 +8,8 @@ directory, as a user drops their package into their project, and runs each membe
 --config-dir conformance/configs model=<member> data=<member>``.
 
 ``MEMBERS`` says how each member runs; ``FEATURES`` which Lightning feature it exercises and what
-the template does with it: the README's table is generated from it (``feature_table``) and a test
-keeps the two equal.
+the template does with it: the table of lib/runkit/docs/own-model-and-data.md is generated from
+it (``feature_table``) and a test keeps the two equal.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ on the right GPU. Under DDP each rank hands its figures to rank 0 through the jo
 store, not a collective, so nothing can deadlock against Lightning's own syncs. Keys a GPU cannot
 report are left out, never logged as 0; a missing driver or a lost GPU costs one log line, never
 the run. The run's energy is kept in the checkpoint and continues after a resume.
-The keys, the phases and the failure modes in full: the library repository's GPU statistics page.
+The keys, the phases and the failure modes in full: lib/runkit/docs/gpu-statistics.md.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def _gpu_json(gpu: Gpu, index: int | None) -> dict[str, Any]:
 
 
 def inventory_to_json(inv: Inventory) -> dict[str, Any]:
-    """The ``--json`` document (its keys: docs/cuda-visible-devices.md)."""
+    """The ``--json`` document (its keys: lib/runkit/docs/cuda-visible-devices.md)."""
     return {
         "schema_version": JSON_SCHEMA_VERSION,
         "cuda_available": inv.torch.available,

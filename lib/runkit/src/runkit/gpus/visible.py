@@ -1,7 +1,7 @@
 """Which physical GPU is ``cuda:N``: CUDA's ``CUDA_VISIBLE_DEVICES``/``CUDA_DEVICE_ORDER`` rules.
 
 Pure functions over :class:`~runkit.gpus.records.Gpu` records, for when torch gives no UUIDs to
-match; the rules and their sources are in docs/cuda-visible-devices.md.
+match; the rules and their sources are in lib/runkit/docs/cuda-visible-devices.md.
 
 Why not nvitop: without a driver it misses unique UUID prefixes, ``+1``, PCI bus order and the
 R570 MIG rule; with one it spawns a child process per value (the library's design notes).

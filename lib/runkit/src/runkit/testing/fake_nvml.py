@@ -4,7 +4,7 @@ Why a fake and not mocks: :class:`FakeNvml` has pynvml's function names and cons
 pynvml's own error classes, so the code under test runs unchanged behind
 :func:`runkit.gpus.nvml.use_library` or, in a subprocess,
 ``RUNKIT_NVML_BACKEND=runkit.testing.fake_nvml:create`` with a JSON scenario in
-``RUNKIT_FAKE_NVML``. The scenario schema is docs/fake-nvml.md.
+``RUNKIT_FAKE_NVML``. The scenario schema is lib/runkit/docs/fake-nvml.md.
 """
 
 from __future__ import annotations
