@@ -6,6 +6,7 @@ Without a cluster this skips with a reason; under CI (``CI=true``) it fails inst
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -37,6 +38,14 @@ def test_train_sbatch_trains_one_run_on_two_nodes(tmp_path: Path) -> None:
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
+    with open(CONF.parent / "tests.lock", "w") as lock:  # tests sharing the cluster take turns
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        run = train_on_two_nodes(tmp_path, env)
+    assert json.loads((run / "metrics.json").read_text())["num_nodes"] == 2
+
+
+def train_on_two_nodes(tmp_path: Path, env: dict[str, str]) -> Path:
+    """train.sbatch on 2 nodes, to its end; its run directory."""
     (tmp_path / ".venv").symlink_to(sys.prefix)  # what train.sbatch activates
     (tmp_path / "logs" / "slurm").mkdir(parents=True)
     job = subprocess.run(
@@ -54,4 +63,4 @@ def test_train_sbatch_trains_one_run_on_two_nodes(tmp_path: Path) -> None:
         state = state.split("JobState=")[1].split()[0] if "JobState=" in state else ""
     assert state == "COMPLETED", (tmp_path / "logs" / "slurm" / f"train-{job}.out").read_text()
     (run,) = (tmp_path / "logs" / "train" / "runs").iterdir()
-    assert json.loads((run / "metrics.json").read_text())["num_nodes"] == 2
+    return run

@@ -9,13 +9,15 @@ Without a cluster these tests skip, naming the script; under CI (``CI=true``) th
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +79,21 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (site / ".venv").symlink_to(sys.prefix)
     (site / "logs" / "slurm").mkdir(parents=True)
     return site
+
+
+@contextmanager
+def turn() -> Iterator[None]:
+    """The cluster to one test at a time: the project's own slurm test (``tests/test_slurm.py``)
+    shares it, and a reset here would lose its job (it takes the same lock)."""
+    with open(CONF.parent / "tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _one_at_a_time(site: Path) -> Iterator[None]:
+    with turn():
+        yield
 
 
 def submit(site: Path, name: str, *overrides: str, options: tuple[str, ...] = ()) -> str:
@@ -175,6 +192,11 @@ def hold_save(site: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def cancelled(site: Path) -> tuple[str, Path]:
     """Job 1, cancelled (scancel) in its first epoch: its id and its run."""
+    with turn():
+        return _cancel_job_1(site)
+
+
+def _cancel_job_1(site: Path) -> tuple[str, Path]:
     reset_cluster()
     hold, marker = pause(site, OLDER, epoch=0)
     job_id = submit(site, OLDER, *hold, *hold_save(site))
@@ -198,8 +220,9 @@ def test_scancel_saves_and_the_job_ends_cancelled_not_requeued(
 @pytest.fixture(scope="module")
 def reference(site: Path) -> Path:
     """An uninterrupted 2-node run: the weights every interrupted run must end with."""
-    job_id = submit(site, "reference")
-    ended(job_id)
+    with turn():
+        job_id = submit(site, "reference")
+        ended(job_id)
     (run,) = runs(site, job_id)
     return run
 
