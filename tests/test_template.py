@@ -127,11 +127,11 @@ def run_bash(command: str, cwd: Path, env: dict[str, str]) -> subprocess.Complet
     )
 
 
-def ci_steps(root: Path) -> list[tuple[str, str]]:
-    """The ``run:`` steps of the project's CI job, in order, as (name, command)."""
+def ci_steps(root: Path, job: str = "test") -> list[tuple[str, str]]:
+    """The ``run:`` steps of one job of the project's CI workflow, in order, as (name, command)."""
     workflow = yaml.safe_load((root / ".github" / "workflows" / "ci.yml").read_text("utf-8"))
     return [
-        (s.get("name", s["run"]), s["run"]) for s in workflow["jobs"]["test"]["steps"] if "run" in s
+        (s.get("name", s["run"]), s["run"]) for s in workflow["jobs"][job]["steps"] if "run" in s
     ]
 
 
@@ -271,6 +271,38 @@ def test_a_made_project_is_green_on_its_first_push(made: Made, pushed: Pushed) -
     commands = "\n".join(run.args[-1] for _, run in runs)
     for expected in ("ruff check .", "ruff format --check .", "-m pytest", "git grep"):
         assert expected in commands, f"the CI job runs no {expected!r}"
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(SETUP_AND_RUN_S)
+def test_a_made_projects_slurm_job_passes_on_a_one_host_cluster(
+    projects: dict[str, Made], pushed: Pushed, tmp_path: Path
+) -> None:
+    """The workflow's ``slurm`` job, every ``run:`` step as written, in the project whose path
+    holds a space and a letter beyond ASCII: it starts the one-host cluster (or holds the one
+    already up), its SLURM test trains on two nodes, and its stop leaves a cluster another start
+    holds running."""
+    env = fresh_environment()
+    if shutil.which("sudo") is None and os.geteuid() == 0:  # a runner's sudo, as root: a no-op
+        (tmp_path / "sudo").write_text('#!/bin/sh\nexec "$@"\n')
+        (tmp_path / "sudo").chmod(0o755)
+        env["PATH"] = f"{tmp_path}{os.pathsep}{env['PATH']}"
+    elif shutil.which("sudo") is None:
+        message = "the project's slurm job runs scripts/slurm/cluster.sh with sudo: none here"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    steps = ci_steps(projects[SET_UP].root, "slurm")
+    runs = [(step, run_bash(command, projects[SET_UP].root, env)) for step, command in steps]
+    failed = [
+        f"{s}: exit {r.returncode}\n{r.stdout[-3000:]}{r.stderr[-3000:]}"
+        for s, r in runs
+        if r.returncode
+    ]
+    assert not failed, failed[0]
+    tested = next(r.stdout for _, r in runs if "-m slurm" in r.args[-1])
+    assert re.search(r"\b1 passed", tested) and "skipped" not in tested, tested[-3000:]
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@
 #       scripts/slurm/train.sbatch trainer.accelerator=cpu
 #   sudo scripts/slurm/cluster.sh reset    # forget every job: job ids start again at 1
 #   sudo scripts/slurm/cluster.sh stop     # stops the daemons, takes its /etc/hosts line back
+# Starts and stops pair up: a stop leaves the cluster running while an earlier start still holds it.
 # Its files (config, logs, state, finished jobs in jobcomp.txt) are in $RUNKIT_SLURM_DIR
 # (/tmp/runkit-slurm). A requeued job waits cred_expire + 1 s (11 s here) before it runs again.
 set -euo pipefail
@@ -75,8 +76,7 @@ PartitionName=debug Nodes=${NODES[0]},${NODES[1]} Default=YES MaxTime=INFINITE S
 EOF
 }
 
-start() {
-    [[ "$(id -u)" == 0 ]] || fail "cluster.sh runs the SLURM daemons as root; run it with sudo"
+up() {
     install
     write_config
     grep -qF "$HOSTS_LINE" /etc/hosts || echo "$HOSTS_LINE" >>/etc/hosts
@@ -85,21 +85,21 @@ start() {
         chown munge:munge /run/munge /var/lib/munge /var/log/munge
         [[ -f /etc/munge/munge.key ]] || { runuser -u munge -- mungekey --create 2>/dev/null \
             || runuser -u munge -- /usr/sbin/create-munge-key -f; }
-        runuser -u munge -- /usr/sbin/munged
+        runuser -u munge -- /usr/sbin/munged 9>&-  # daemons must not hold the lock
         touch "$DIR/started-munged"
     fi
     wait_for munged sh -c 'munge -n | unmunge'
-    alive "$DIR/slurmctld.pid" || slurmctld -i
+    alive "$DIR/slurmctld.pid" || slurmctld -i 9>&-
     wait_for slurmctld scontrol ping
     for node in "${NODES[@]}"; do
         mkdir -p "$DIR/$node"
-        alive "$DIR/$node/slurmd.pid" || slurmd -N "$node"
+        alive "$DIR/$node/slurmd.pid" || slurmd -N "$node" 9>&-
     done
     wait_for "the nodes" sh -c "[ \"\$(sinfo -h -N -t idle,alloc,mix -o %N | sort -u | wc -l)\" = ${#NODES[@]} ]"
     echo "cluster: up (${NODES[*]}); export SLURM_CONF=$SLURM_CONF"
 }
 
-stop() {
+down() {
     for node in "${NODES[@]}"; do stop_pid "$DIR/$node/slurmd.pid"; done
     stop_pid "$DIR/slurmctld.pid"
     if [[ -f "$DIR/started-munged" ]]; then
@@ -112,9 +112,21 @@ stop() {
     echo "cluster: stopped"
 }
 
-case "${1:-}" in
-start) start ;;
-stop) stop ;;
-reset) stop_pid "$DIR/slurmctld.pid"; rm -rf "$DIR/ctld"; start ;;
-*) fail "usage: $0 start|stop|reset (got '${1:-}')" ;;
+holds() { cat "$DIR/holds" 2>/dev/null || echo 0; }
+case "${1:-}" in start | stop | reset) ;; *) fail "usage: $0 start|stop|reset (got '${1:-}')" ;; esac
+[[ "$(id -u)" == 0 ]] || fail "cluster.sh runs the SLURM daemons as root; run it with sudo"
+mkdir -p "$DIR"
+exec 9>"$DIR/cluster.lock" && flock 9  # one start, stop or reset at a time
+case "$1" in
+start) up && echo $(($(holds) + 1)) >"$DIR/holds" ;;
+stop)
+    held=$(($(holds) - 1))
+    if ((held > 0)); then
+        echo "$held" >"$DIR/holds"
+        echo "cluster: left running for the $held earlier start(s) still holding it"
+    else
+        down && rm -f "$DIR/holds"
+    fi
+    ;;
+reset) stop_pid "$DIR/slurmctld.pid"; rm -rf "$DIR/ctld"; up ;;
 esac
