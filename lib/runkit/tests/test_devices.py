@@ -27,6 +27,7 @@ from runkit.gpus.records import (
     GpuProcess,
     Inventory,
     TorchCuda,
+    apply_visible_devices,
     first_entry_problem,
     no_gpu_reason,
 )
@@ -37,7 +38,6 @@ from runkit.gpus.resolve import (
     resolve_devices,
     resolve_for_run,
 )
-from runkit.gpus.visible import apply_visible_devices
 from runkit.testing.fake_nvml import GIB, FakeGpu, FakeNvml, FakeProcess
 
 # Four physical GPUs in NVML (PCI) order: three H100s and an A100 in MIG mode with two slices.
@@ -199,7 +199,7 @@ def test_one_uuid_spelling_finds_gpus_and_mig_slices(fake):
 
 
 def test_a_backend_spec_loads_its_factory_or_says_it_cannot(monkeypatch):
-    monkeypatch.setattr(nvml, "_env_cache", {})  # a fresh process: nothing loaded yet
+    nvml._from_spec.cache_clear()  # a fresh process: nothing loaded yet
     monkeypatch.setenv(nvml.BACKEND_ENV, "runkit.testing.fake_nvml")  # no factory: create
     monkeypatch.setenv("RUNKIT_FAKE_NVML", json.dumps({"gpus": [{}, {}]}))
     lib = nvml.load_library()
