@@ -161,33 +161,22 @@ def judge(load: Load, policy: SelectionPolicy) -> str | None:
 
 def lock_dir_for(policy: SelectionPolicy) -> Path:
     """The lock directory, created if missing; :class:`DeviceError` when it cannot be used."""
+    given, runtime = policy.lock_dir is not None, os.environ.get("XDG_RUNTIME_DIR")
     if policy.lock_dir is not None:
         path = Path(os.path.expanduser(policy.lock_dir))
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise DeviceError(
-                f"gpu_lock_dir={policy.lock_dir!r} cannot be created ({err.strerror}); "
-                "give a writable directory or null"
-            ) from err
-        return path
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isdir(runtime):
+    elif runtime and os.path.isdir(runtime):
         path = Path(runtime) / "runkit-gpu-locks"
     else:
         path = Path(tempfile.gettempdir()) / f"runkit-gpu-locks-{os.getuid()}"
+    what = f"gpu_lock_dir={policy.lock_dir!r}" if given else f"the GPU lock directory {str(path)!r}"
     try:
-        path.mkdir(mode=0o700, exist_ok=True)
+        path.mkdir(mode=0o777 if given else 0o700, parents=given, exist_ok=True)
         info = path.lstat()
     except OSError as err:
-        raise DeviceError(
-            f"the GPU lock directory {str(path)!r} cannot be created ({err.strerror}); "
-            "set gpu_lock_dir"
-        ) from err
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        raise DeviceError(
-            f"the GPU lock directory {str(path)!r} is not a directory of this user; set gpu_lock_dir"
-        )
+        fix = "give a writable directory or null" if given else "set gpu_lock_dir"
+        raise DeviceError(f"{what} cannot be created ({err.strerror}); {fix}") from err
+    if not given and (not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid()):
+        raise DeviceError(f"{what} is not a directory of this user; set gpu_lock_dir")
     return path
 
 
