@@ -59,15 +59,9 @@ def make_fake(loads: dict[int, tuple[int, int]] | None = None) -> FakeNvml:
         return FakeGpu(uuid=uuid, memory_used=used * GIB, util_gpu=util, **kw)
 
     mig = [FakeGpu(uuid=MIG30, memory_total=10 * GIB), FakeGpu(uuid=MIG31, memory_total=20 * GIB)]
-    return FakeNvml(
-        [
-            gpu(0, UUID0, processes=[FakeProcess(4242, 3 * GIB)]),
-            gpu(1, UUID1),
-            gpu(2, UUID2),
-            FakeGpu(name="NVIDIA A100-SXM4-80GB", uuid=UUID3, mig=mig),
-        ],
-        clock=lambda: 0.0,
-    )
+    gpus = [gpu(0, UUID0, processes=[FakeProcess(4242, 3 * GIB)]), gpu(1, UUID1), gpu(2, UUID2),
+            FakeGpu(name="NVIDIA A100-SXM4-80GB", uuid=UUID3, mig=mig)]  # fmt: skip
+    return FakeNvml(gpus, clock=lambda: 0.0)
 
 
 @pytest.fixture
@@ -85,9 +79,7 @@ def uuids(gpus):
 
 
 def board(i: int, name: str = "H100", **kw: Any) -> Gpu:
-    return Gpu(
-        uuid=f"GPU-{i:04d}", name=name, nvml_index=i, pci_bus_id=f"00000000:{i + 16:02X}:00.0", **kw
-    )
+    return Gpu(f"GPU-{i:04d}", name, nvml_index=i, pci_bus_id=f"00000000:{i + 16:02X}:00.0", **kw)
 
 
 def machine(gpus: int, torch_count: int | None = None, **env: str) -> Inventory:
@@ -98,9 +90,7 @@ def machine(gpus: int, torch_count: int | None = None, **env: str) -> Inventory:
 
 def loaded(loads: list[tuple[int | None, int | None]], **env: str) -> Inventory:
     """GPUs with (free MiB, utilisation %) readings, all visible to torch."""
-    physical = [
-        board(i, memory_free_mib=f, utilization_percent=u) for i, (f, u) in enumerate(loads)
-    ]
+    physical = [board(i, memory_free_mib=f, utilization_percent=u) for i, (f, u) in enumerate(loads)]  # fmt: skip
     return build_inventory(physical, TorchCuda(True, len(loads)), env=env)
 
 
@@ -282,47 +272,29 @@ def test_old_drivers_and_typed_fields_read_as_the_same_figures(value_type, expec
     ("value", "expected"),
     [
         (None, [UUID0, UUID1, UUID2, MIG30, MIG31]),  # a MIG-mode GPU shows its slices
-        ("0,1", [UUID0, UUID1]),
-        ("2,0", [UUID2, UUID0]),  # reordering: cuda:0 is physical GPU 2
-        ("3", [MIG30, MIG31]),
-        (UUID2, [UUID2]),
-        (f"{UUID1},{UUID0}", [UUID1, UUID0]),
-        ("GPU-cccc", [UUID2]),  # a unique UUID prefix
-        (MIG31, [MIG31]),
-        ("MIG-eeee", [MIG30]),
-        (f"MIG-{UUID3}/2/0", [MIG31]),  # the pre-R470 form, by instance ids
-        (f"MIG-{UUID3}/2/1", []),
+        ("0,1", [UUID0, UUID1]), ("2,0", [UUID2, UUID0]),  # reordering: cuda:0 is physical GPU 2
+        ("3", [MIG30, MIG31]), (UUID2, [UUID2]), (f"{UUID1},{UUID0}", [UUID1, UUID0]),
+        ("GPU-cccc", [UUID2]), (MIG31, [MIG31]), ("MIG-eeee", [MIG30]),  # unique UUID prefixes
+        (f"MIG-{UUID3}/2/0", [MIG31]), (f"MIG-{UUID3}/2/1", []),  # the pre-R470 form, by ids
         (f"1,{MIG30}", [UUID1]),  # the first entry sets the list's kind (torch): MIG- ends it
         (f"{MIG30},{MIG31}", [MIG30, MIG31]),  # two GPU instances: one MIG device each (R570+)
-        (f"{MIG30},0", [MIG30]),
-        ("0,2,-1,1", [UUID0, UUID2]),  # CUDA's documented example
-        ("1,9,0", [UUID1]),  # out of range ends the list
-        ("2,4,0", [UUID2]),  # an ordinal equal to the count names no GPU
-        ("1,GPU-aaaa,2", [UUID1]),  # ambiguous prefix ends the list
-        ("GPU-nope,0", []),
-        ("2,x,0", [UUID2]),
-        ("1gpu,0", [UUID1, UUID0]),  # parsed like strtoul: leading digits count
-        (" 1, 2", [UUID1, UUID2]),
-        ("+0, 1", [UUID0, UUID1]),  # strtoul takes a sign
-        ("0,", [UUID0]),
-        ("", []),
-        ("0,1,0", []),  # a device named twice hides every device
-        (f"2,{UUID2}", [UUID2]),  # a UUID in a list of indices ends it, as in torch
-        (f"{UUID2},0", [UUID2]),  # and an index in a list of UUIDs
+        (f"{MIG30},0", [MIG30]), ("0,2,-1,1", [UUID0, UUID2]),  # CUDA's documented example
+        ("1,9,0", [UUID1]), ("2,4,0", [UUID2]),  # out of range (the count too) ends the list
+        ("1,GPU-aaaa,2", [UUID1]), ("GPU-nope,0", []), ("2,x,0", [UUID2]),  # so does ambiguity
+        ("1gpu,0", [UUID1, UUID0]), (" 1, 2", [UUID1, UUID2]), ("+0, 1", [UUID0, UUID1]),  # strtoul
+        ("0,", [UUID0]), ("", []), ("0,1,0", []),  # a device named twice hides every device
+        (f"2,{UUID2}", [UUID2]), (f"{UUID2},0", [UUID2]),  # another kind ends the list, as in torch
         (f"{UUID1}, {UUID0}", [UUID1]),  # torch compares UUID entries unstripped
         (f" {UUID1}", []),  # ... and a blank first makes it a list of indices
     ],
-)
+)  # fmt: skip
 def test_cuda_visible_devices(physical, value, expected):
     visible, _notes = apply_visible_devices(physical, value, "PCI_BUS_ID")
     assert uuids(visible) == expected
 
 
 def invalid(entry: str, why: str, ignored: str) -> str:
-    return (
-        f"CUDA_VISIBLE_DEVICES entry {entry!r} {why}; CUDA stops at the first invalid entry, "
-        f"so {ignored!r} is ignored."
-    )
+    return f"CUDA_VISIBLE_DEVICES entry {entry!r} {why}; CUDA stops at the first invalid entry, so {ignored!r} is ignored."  # fmt: skip
 
 
 NOT_INDICES = "is not of the list's kind (indices, set by its first entry)"
@@ -338,23 +310,18 @@ NOT_GPU = "is not of the list's kind (GPU- UUIDs, set by its first entry)"
         (f"0,{MIG30}", [invalid(MIG30, NOT_INDICES, MIG30)]),
         (f"{UUID0},1", [invalid("1", NOT_GPU, "1")]),
         (f"{UUID0}, {UUID1}", [invalid(f" {UUID1}", NOT_GPU, f" {UUID1}")]),
-        (
-            f"{MIG30},0",
-            [invalid("0", "is not of the list's kind (MIG- UUIDs, set by its first entry)", "0")],
-        ),
+        (f"{MIG30},0", [invalid("0", "is not of the list's kind (MIG- UUIDs, set by its first entry)", "0")]),
         ("", ["CUDA_VISIBLE_DEVICES is empty, which hides every GPU."]),
         ("1,1", ["CUDA_VISIBLE_DEVICES names '1' twice; CUDA then shows no GPU at all."]),
         ("0,1", []),
     ],
-)
+)  # fmt: skip
 def test_what_cuda_ignores_is_explained(physical, value, notes):
     assert apply_visible_devices(physical, value, "PCI_BUS_ID")[1] == notes
 
 
-def mig_slice(uuid: str, parent: str, gi: int, ci: int = 0) -> Gpu:
-    return Gpu(
-        uuid=uuid, name="slice", parent_uuid=parent, gpu_instance_id=gi, compute_instance_id=ci
-    )
+def mig_slice(uuid: str, parent: str, gi: int | None, ci: int = 0) -> Gpu:
+    return Gpu(uuid, "slice", parent_uuid=parent, gpu_instance_id=gi, compute_instance_id=ci)
 
 
 # NVML 0: a plain GPU; NVML 1: MIG mode, GPU instance 1 with two compute instances and GPU
@@ -452,21 +419,12 @@ def test_cuda_numbers_gpus_in_pci_bus_order_and_says_when_that_may_be_wrong(
 
 @pytest.mark.parametrize(
     ("value", "hides"),
-    [
-        ("banana,,7", True),
-        ("-1", True),
-        (",0", True),
-        (" x1", True),
-        ("0", False),
-        ("1gpu", False),  # strtoul: leading digits count
-        ("+1", False),
-        ("GPU-abc", False),  # a UUID list: the GPUs decide
-        (" GPU-abc", True),  # a blank first: a list of indices (torch), which this is not
-        ("MIG-abc", False),
-        ("", False),  # empty: its own message
-        (None, False),
-    ],
-)
+    [("banana,,7", True), ("-1", True), (",0", True), (" x1", True), ("0", False),
+     ("1gpu", False), ("+1", False),  # strtoul: a sign and the leading digits count
+     ("GPU-abc", False), ("MIG-abc", False),  # a UUID list: the GPUs decide
+     (" GPU-abc", True),  # a blank first: a list of indices (torch), which this is not
+     ("", False), (None, False)],  # empty: its own message
+)  # fmt: skip
 def test_a_first_entry_that_names_no_device_hides_every_gpu(value, hides):
     assert (first_entry_problem(value) is not None) == hides
 
@@ -476,17 +434,11 @@ def test_a_first_entry_that_names_no_device_hides_every_gpu(value, hides):
 
 def test_inventory_maps_cuda_indices_by_torch_uuid(physical):
     # torch reports UUIDs without the GPU-/MIG- prefix; cuda:0 is GPU 2, cuda:1 a MIG slice
-    torch_info = TorchCuda(
-        True, 3, uuids=(UUID2[4:], MIG31[4:], "beef"), names=("H100", "A100 MIG")
-    )
+    torch_info = TorchCuda(True, 3, uuids=(UUID2[4:], MIG31[4:], "beef"), names=("H100", "A100 MIG"))  # fmt: skip
     inv = build_inventory(physical, torch_info, env={"CUDA_VISIBLE_DEVICES": "whatever"})
     assert inv.mapping == "torch-uuid" and inv.usable_gpu_count == 3
     names = [(g.uuid, g.name) for g in inv.visible]
-    assert names == [
-        (UUID2, H100),
-        (MIG31, "NVIDIA A100-SXM4-80GB MIG 1g.10gb"),
-        ("beef", "unknown GPU"),
-    ]
+    assert names == [(UUID2, H100), (MIG31, "NVIDIA A100-SXM4-80GB MIG 1g.10gb"), ("beef", "unknown GPU")]  # fmt: skip
     assert inv.notes == ("cuda:2 (beef) is not in NVML's list; shown without metrics.",)
     assert uuids(inv.hidden) == [UUID0, UUID1]
 
@@ -629,9 +581,7 @@ def test_device_error_is_a_project_error_and_a_value_error():
 
 CPU_ONLY = build_inventory(None, TorchCuda(), env={}, nvml_reason="NVML is not available (x)")
 MAC = build_inventory(None, TorchCuda(mps_available=True), env={})
-BANANA = build_inventory(
-    None, TorchCuda(), env={"CUDA_VISIBLE_DEVICES": "banana,,7"}, nvml_reason="x"
-)
+BANANA = build_inventory(None, TorchCuda(), env={"CUDA_VISIBLE_DEVICES": "banana,,7"}, nvml_reason="x")  # fmt: skip
 BANANA_WHY = (
     "CUDA_VISIBLE_DEVICES='banana,,7' hides every GPU: its first entry 'banana' is not a GPU "
     "index or UUID, and CUDA ignores the list from its first invalid entry on"
@@ -669,14 +619,8 @@ def test_what_the_trainer_gets(accelerator, devices, inv, kwargs, gpus, message)
 
 
 def test_resolve_devices_defaults_to_auto_and_hands_out_fresh_lists():
-    assert resolve_devices(inventory=machine(0)).trainer_kwargs() == {
-        "accelerator": "cpu",
-        "devices": "auto",
-    }
-    assert resolve_devices(inventory=machine(2)).trainer_kwargs() == {
-        "accelerator": "auto",
-        "devices": "auto",
-    }
+    defaults = [resolve_devices(inventory=machine(n)).trainer_kwargs() for n in (0, 2)]
+    assert defaults == [{"accelerator": a, "devices": "auto"} for a in ("cpu", "auto")]
     plan = resolve_devices("gpu", [0, 1], inventory=machine(2))
     plan.trainer_kwargs()["devices"].append(5)
     assert plan.devices == [0, 1] and plan.trainer_kwargs()["devices"] == [0, 1]
@@ -724,9 +668,7 @@ def test_bad_select_is_one_line():
 
 
 def test_rank_by_load_free_memory_then_utilisation_then_index():
-    gpus = loaded(
-        [(100, 50), (200, 90), (100, 10), (200, 90), (None, 0), (100, None), (0, 0)]
-    ).visible
+    gpus = loaded([(100, 50), (200, 90), (100, 10), (200, 90), (None, 0), (100, None), (0, 0)]).visible  # fmt: skip
     assert rank_by_load(gpus) == [1, 3, 2, 0, 5, 6, 4]
     assert rank_by_load(loaded([(5, 1), (5, 0)]).visible) == [1, 0]
 
