@@ -317,10 +317,7 @@ def wait_and_claim(inv: Inventory, count: int, policy: SelectionPolicy) -> tuple
         if now >= next_status:
             left = started + policy.wait_s - now
             log.info(
-                "Waiting for %d GPU(s) (select_gpus=least_used, %.0f s left): %s",
-                count,
-                left,
-                standing,
+                f"Waiting for {count} GPU(s) (select_gpus=least_used, {left:.0f} s left): {standing}"
             )
             next_status = now + STATUS_EVERY_S
         time.sleep(max(0.0, min(POLL_S, started + policy.wait_s - now)))
