@@ -810,6 +810,11 @@ def test_checks_change_nothing_and_only_the_run_claims_and_hands_over(gpu_box, s
     assert gpu_box.calls["nvmlInit"] == 1  # NVML read once per job
     environ: dict[str, str] = {}
     plan = resolve_for_run("gpu", 2, select=select, policy=QUICK, environ=environ)
+    # a plain request reads no load; neither reads temperatures or process names
+    assert ("nvmlDeviceGetMemoryInfo" in gpu_box.calls) == (select == "least_used")
+    assert not {"nvmlDeviceGetTemperature", "nvmlDeviceGetComputeRunningProcesses"} & set(
+        gpu_box.calls
+    )
     if select == "least_used":
         assert plan.devices == [1, 2] and json.loads(environ[SELECTION_ENV])["gpus"] == [1, 2]
         assert set(claims.claimed_uuids()) == {UUID1, UUID2}
@@ -831,6 +836,12 @@ def test_the_end_of_a_job_gives_back_its_gpus_and_the_next_job_measures_anew(gpu
     assert resolve_for_run("gpu", 1, select="least_used", policy=QUICK, environ={}).devices == [2]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")  # the kept reading follows the variable
     assert uuids(resolve_devices("gpu", 2).gpus) == [UUID2, UUID0]
+    gpu_box.gpus[0].lose(0.0)
+    claims.finish_job()
+    for _ in range(2):  # the kept reading keeps its driver version and notes too
+        inv = cached_inventory()
+        assert inv.driver_version == "570.133.20" and len(inv.physical) == 4
+        assert "NVML cannot open GPU 0 (GPU is lost); it is listed without details." in inv.notes
     nvml.use_library(FakeNvml(3, driver_version="580.1"))  # another library is read afresh
     assert len(cached_inventory().physical) == 3 and cached_inventory().driver_version == "580.1"
 
