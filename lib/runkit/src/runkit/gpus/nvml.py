@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 BACKEND_ENV = "RUNKIT_NVML_BACKEND"
 UNSUPPORTED_ERRORS = ("NVMLError_NotSupported", "NVMLError_FunctionNotFound")
 _override: Any = None
+_lock = threading.Lock()  # one factory call per spec, whichever thread asks first
 
 
 class NvmlUnavailable(RuntimeError):
@@ -46,7 +48,8 @@ def load_library() -> Any:
     if _override is not None:
         return _override
     if spec := os.environ.get(BACKEND_ENV):
-        return _from_spec(spec)
+        with _lock:
+            return _from_spec(spec)
     try:
         import pynvml
     except ImportError as err:
