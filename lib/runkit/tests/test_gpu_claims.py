@@ -104,15 +104,8 @@ def other_run_holds(locks: Path, uuid: str) -> int:
 def test_the_defaults_ask_nothing_and_do_not_wait():
     policy = policy_from_config({})
     assert policy == SelectionPolicy() and not policy.has_thresholds and policy.wait_s == 0
-    got = policy_from_config(
-        {"gpu_min_free_gib": 20, "gpu_max_util": 30, "gpu_wait_s": 600, "gpu_lock_dir": "/x y"}
-    )
-    assert (got.min_free_gib, got.max_util_percent, got.wait_s, got.lock_dir) == (
-        20,
-        30,
-        600,
-        "/x y",
-    )
+    keys = {"gpu_min_free_gib": 20, "gpu_max_util": 30, "gpu_wait_s": 600, "gpu_lock_dir": "/x y"}
+    assert policy_from_config(keys) == SelectionPolicy(20, 30, 600, lock_dir="/x y")
 
 
 @pytest.mark.parametrize(
@@ -123,6 +116,7 @@ def test_the_defaults_ask_nothing_and_do_not_wait():
         ("gpu_min_free_gib", "lots", "gpu_min_free_gib='lots' is invalid; expected a number of GiB >= 0"),
         ("gpu_min_free_gib", True, "gpu_min_free_gib=True is invalid"),
         ("gpu_wait_s", float("nan"), "gpu_wait_s=nan is invalid"),
+        ("gpu_wait_s", float("inf"), "gpu_wait_s=inf is invalid"),
         ("gpu_util_window_s", 0, "gpu_util_window_s=0 is invalid; expected a number of seconds > 0 and <= 60"),
         ("gpu_lock_dir", "", "gpu_lock_dir='' is invalid; expected a directory path or null"),
         ("gpu_lock_dir", "runs\0x", "gpu_lock_dir='runs\\x00x' is invalid; expected a directory path or null (a directory per user)"),
@@ -147,13 +141,8 @@ def test_preflight_checks_the_keys():
 @pytest.mark.slow
 def test_the_cli_refuses_a_bad_key_in_one_line_and_creates_nothing(tmp_path):
     runs = tmp_path / "runs é"
-    result = prewarmed.run(
-        [sys.executable, "-m", "project.train", "gpu_wait_s=-5", f"paths.log_dir='{runs}'"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    command = [sys.executable, "-m", "project.train", "gpu_wait_s=-5", f"paths.log_dir='{runs}'"]
+    result = prewarmed.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         "error: gpu_wait_s=-5 is invalid; expected a number of seconds >= 0"
@@ -211,9 +200,7 @@ def test_a_gpu_gone_or_unreadable_since_the_inventory_is_an_error_and_the_others
     machine(clock, FakeGpu(mig=[FakeGpu(uuid=MIG)]))
     gpus = inventory(1).visible
     nvml.use_library(BoardlessNvml([FakeGpu(uuid=UUIDS[0], mig=[FakeGpu(uuid=MIG)])], clock=clock))
-    assert claims.measure_loads(gpus, 0.2) == [
-        Load(memory_error="Unknown Error", util_error="Unknown Error")
-    ]
+    assert claims.measure_loads(gpus, 0.2) == [Load(memory_error="Unknown Error", util_error="Unknown Error")]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -239,19 +226,6 @@ def test_judge_says_why_a_gpu_does_not_qualify(load, policy, why):
 # ------------------------------------------------------------------------- the lock directory
 
 
-def test_a_given_lock_dir_is_created_with_its_parents_or_refused_and_kept(tmp_path, monkeypatch):
-    monkeypatch.setenv("HOME", str(tmp_path))
-    got = claims.lock_dir_for(SelectionPolicy(lock_dir="~/a b/é/locks"))
-    assert got == tmp_path / "a b" / "é" / "locks" and got.is_dir()
-    taken = tmp_path / "locks é"
-    taken.write_text("mine")
-    assert refused(claims.lock_dir_for, SelectionPolicy(lock_dir=str(taken))) == (
-        f"gpu_lock_dir={str(taken)!r} cannot be created ({os.strerror(errno.EEXIST)}); "
-        "give a writable directory or null"
-    )
-    assert taken.read_text() == "mine"
-
-
 @pytest.fixture
 def temp_dir(tmp_path, monkeypatch) -> Path:
     """The system temporary directory, here, and no usable ``$XDG_RUNTIME_DIR``."""
@@ -262,7 +236,10 @@ def temp_dir(tmp_path, monkeypatch) -> Path:
     return path
 
 
-def test_the_default_lock_directory_is_the_users_own(temp_dir, tmp_path, monkeypatch):
+def test_the_lock_directory_is_the_given_one_or_the_users_own(temp_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    got = claims.lock_dir_for(SelectionPolicy(lock_dir="~/a b/é/locks"))  # parents created
+    assert got == tmp_path / "a b" / "é" / "locks" and got.is_dir()
     got = claims.lock_dir_for(SelectionPolicy())
     assert got == temp_dir / f"runkit-gpu-locks-{os.getuid()}"
     assert got.stat().st_mode & 0o777 == 0o700
@@ -270,7 +247,14 @@ def test_the_default_lock_directory_is_the_users_own(temp_dir, tmp_path, monkeyp
     assert claims.lock_dir_for(SelectionPolicy()) == tmp_path / "runkit-gpu-locks"
 
 
-def test_a_default_lock_dir_that_cannot_be_used_says_to_set_one(temp_dir, monkeypatch):
+def test_a_lock_dir_that_cannot_be_used_is_refused_and_kept(temp_dir, monkeypatch):
+    taken = temp_dir / "locks é"
+    taken.write_text("mine")
+    assert refused(claims.lock_dir_for, SelectionPolicy(lock_dir=str(taken))) == (
+        f"gpu_lock_dir={str(taken)!r} cannot be created ({os.strerror(errno.EEXIST)}); "
+        "give a writable directory or null"
+    )
+    assert taken.read_text() == "mine"
     path = temp_dir / f"runkit-gpu-locks-{os.getuid()}"
     (temp_dir / "elsewhere").mkdir()
     path.symlink_to(temp_dir / "elsewhere")
@@ -278,14 +262,11 @@ def test_a_default_lock_dir_that_cannot_be_used_says_to_set_one(temp_dir, monkey
     assert refused(claims.lock_dir_for, SelectionPolicy()) == message.format(str(path))
     other_uid = os.getuid() + 1  # another user's directory (the test may run as root)
     monkeypatch.setattr(os, "getuid", lambda: other_uid)
-    assert refused(claims.lock_dir_for, SelectionPolicy()) == message.format(
-        str(temp_dir / f"runkit-gpu-locks-{other_uid}")
-    )
-    blocker = temp_dir / "a file"
-    blocker.write_text("")
-    monkeypatch.setattr(tempfile, "tempdir", str(blocker))
+    path = temp_dir / f"runkit-gpu-locks-{other_uid}"
+    assert refused(claims.lock_dir_for, SelectionPolicy()) == message.format(str(path))
+    monkeypatch.setattr(tempfile, "tempdir", str(taken))  # a file where the folder would go
     assert refused(claims.lock_dir_for, SelectionPolicy()) == (
-        f"the GPU lock directory {str(blocker / f'runkit-gpu-locks-{other_uid}')!r} cannot be "
+        f"the GPU lock directory {str(taken / f'runkit-gpu-locks-{other_uid}')!r} cannot be "
         f"created ({os.strerror(errno.ENOTDIR)}); set gpu_lock_dir"
     )
 
@@ -440,9 +421,7 @@ def test_a_mig_slice_without_a_utilisation_reading_can_be_claimed(clock, locks):
 
 
 def test_claimed_gpus_are_skipped_and_time_out_names_every_gpu(clock, locks):
-    machine(
-        clock, FakeGpu(memory_used=10 * GIB), FakeGpu(memory_used=70 * GIB), FakeGpu(util_gpu=95)
-    )
+    machine(clock, FakeGpu(memory_used=10 * GIB), FakeGpu(memory_used=70 * GIB), FakeGpu(util_gpu=95))  # fmt: skip
     other_run = other_run_holds(locks, UUIDS[0])
     policy = SelectionPolicy(min_free_gib=20, max_util_percent=50, lock_dir=str(locks))
     assert refused(claims.wait_and_claim, inventory(3), 1, policy) == (
@@ -591,13 +570,8 @@ def launch(tmp_path: Path, devices: int, hold_s: float) -> subprocess.Popen[str]
     env["RUNKIT_FAKE_NVML"] = json.dumps({"gpus": 2})
     env.pop("CUDA_VISIBLE_DEVICES", None)
     args = [str(devices), str(hold_s), str(tmp_path / "locks"), str(tmp_path / "go")]
-    return subprocess.Popen(
-        [sys.executable, "-c", LAUNCH, *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    pipe = subprocess.PIPE
+    return subprocess.Popen([sys.executable, "-c", LAUNCH, *args], env=env, stdout=pipe, stderr=pipe, text=True)  # fmt: skip
 
 
 def result(proc: subprocess.Popen[str]) -> dict:

@@ -1,6 +1,6 @@
 """``select_gpus=least_used`` on a shared machine: measure, wait for and claim GPUs.
 
-Why: a choice made from one reading lets two launches take the same GPU. So a run measures every
+A choice made from one reading lets two launches take the same GPU. So a run measures every
 visible GPU over a window, qualifies those under the thresholds that no other run claimed, and
 claims the best with a non-blocking ``flock`` on ``<lock dir>/<UUID>.lock``, held for the run (the
 kernel drops it however the process ends; lock files are never deleted, which would race with
@@ -28,17 +28,8 @@ from runkit.gpus.reader import DeviceReader
 from runkit.gpus.records import DeviceError, Gpu, Inventory
 
 log = logging.getLogger(__name__)
-
-STATUS_EVERY_S = 60.0
-"""How often a waiting run logs where it stands."""
-POLL_S = 2.0
-"""Pause between two measurements while waiting (each measurement also takes the window)."""
-SAMPLE_EVERY_S = 0.2
-"""Spacing of the utilisation readings averaged over the window."""
-_MIB = 1024 * 1024
-
-_held: dict[str, int] = {}
-"""Claimed GPU UUID -> the descriptor holding its lock, for this process's current run."""
+STATUS_EVERY_S, POLL_S, SAMPLE_EVERY_S = 60.0, 2.0, 0.2  # waiting: log, pause; window: spacing
+_held: dict[str, int] = {}  # claimed GPU UUID -> the descriptor holding its lock
 
 
 @dataclass(frozen=True)
@@ -68,25 +59,23 @@ def policy_from_config(cfg: Mapping[str, Any]) -> SelectionPolicy:
     """The policy of a config's ``gpu_*`` keys; a bad value is one :class:`DeviceError` line."""
     values: dict[str, Any] = {}
     for key, (field, low, high, accepted) in _KEYS.items():
-        value = cfg.get(key)
-        if value is None:
+        if (value := cfg.get(key)) is None:
             continue
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        ok = ok and math.isfinite(value) and low <= value <= high
-        if ok and key == "gpu_util_window_s":
-            ok = value > 0
-        if not ok:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (number and math.isfinite(value) and low <= value <= high) or (
+            key == "gpu_util_window_s" and value == 0
+        ):
             raise DeviceError(f"{key}={value!r} is invalid; expected {accepted}")
         values[field] = float(value)
     lock_dir = cfg.get("gpu_lock_dir")
-    if lock_dir is not None:
-        if not isinstance(lock_dir, str) or not lock_dir.strip() or "\0" in lock_dir:
-            raise DeviceError(
-                f"gpu_lock_dir={lock_dir!r} is invalid; expected a directory path or null "
-                "(a directory per user)"
-            )
-        values["lock_dir"] = lock_dir
-    return SelectionPolicy(**values)
+    if lock_dir is not None and (
+        not isinstance(lock_dir, str) or not lock_dir.strip() or "\0" in lock_dir
+    ):
+        raise DeviceError(
+            f"gpu_lock_dir={lock_dir!r} is invalid; expected a directory path or null "
+            "(a directory per user)"
+        )
+    return SelectionPolicy(**values, lock_dir=lock_dir)
 
 
 @dataclass(frozen=True)
@@ -99,21 +88,31 @@ class Load:
     util_error: str | None = None
 
 
+def _reader(lib: Any, uuid: str) -> DeviceReader | str:
+    """A reader of the device with ``uuid``, or why there is none."""
+    if (found := nvml.find_handle(lib, uuid)) is None:
+        return "NVML knows no such GPU"
+    try:
+        return DeviceReader.open(lib, found[0])
+    except lib.NVMLError as err:
+        return str(err)
+
+
 def measure_loads(gpus: Sequence[Gpu], window_s: float) -> list[Load]:
     """One :class:`Load` per GPU (found by UUID), read over ``window_s`` in one NVML session."""
     samples = max(2, round(window_s / SAMPLE_EVERY_S) + 1)
     with nvml.nvml_session() as lib:
         unsupported = nvml.error_classes(lib, nvml.UNSUPPORTED_ERRORS)
         readers = [_reader(lib, gpu.uuid) for gpu in gpus]
-        seen: list[tuple[list[int], list[int]]] = [([], []) for _ in gpus]  # free, utilisation
+        seen: list[list[list[int]]] = [[[], []] for _ in gpus]  # free, utilisation
         errors = [[r, r] if isinstance(r, str) else [None, None] for r in readers]
         for k in range(samples):
             if k:
                 time.sleep(window_s / (samples - 1))
             for reader, got, error in zip(readers, seen, errors, strict=True):
-                if isinstance(reader, str):
-                    continue
-                for j, (query, field) in enumerate(((reader.memory, 2), (reader.utilization, 0))):
+                for j, (query, field) in enumerate(
+                    () if isinstance(reader, str) else ((reader.memory, 2), (reader.utilization, 0))
+                ):
                     try:
                         got[j].append(query()[field])
                     except unsupported:
@@ -122,33 +121,21 @@ def measure_loads(gpus: Sequence[Gpu], window_s: float) -> list[Load]:
                         error[j] = str(err)
     return [
         Load(
-            free_mib=min(free) // _MIB if free and memory_error is None else None,
-            util_percent=sum(util) / len(util) if util and util_error is None else None,
-            memory_error=memory_error,
-            util_error=util_error,
+            min(free) // 2**20 if free and mem_err is None else None,
+            sum(util) / len(util) if util and util_err is None else None,
+            mem_err,
+            util_err,
         )
-        for (free, util), (memory_error, util_error) in zip(seen, errors, strict=True)
+        for (free, util), (mem_err, util_err) in zip(seen, errors, strict=True)
     ]
-
-
-def _reader(lib: Any, uuid: str) -> DeviceReader | str:
-    """A reader of the device with ``uuid``, or why there is none."""
-    found = nvml.find_handle(lib, uuid)
-    if found is None:
-        return "NVML knows no such GPU"
-    try:
-        return DeviceReader.open(lib, found[0])
-    except lib.NVMLError as err:
-        return str(err)
 
 
 def rank_by_load(gpus: Sequence[Gpu]) -> list[int]:
     """Positions in ``gpus``, best first: most free memory, lowest utilisation, lowest index;
-    unknown after known. Why not nvitop's: it ranks a failed reading first, ties by highest index."""
+    unknown after known. nvitop's ranks a failed reading first and ties by highest index."""
 
     def key(i: int) -> tuple[bool, int, bool, int, int]:
-        g = gpus[i]
-        free, util = g.memory_free_mib, g.utilization_percent
+        free, util = gpus[i].memory_free_mib, gpus[i].utilization_percent
         return (free is None, -(free or 0), util is None, util or 0, i)
 
     return sorted(range(len(gpus)), key=key)
@@ -156,18 +143,17 @@ def rank_by_load(gpus: Sequence[Gpu]) -> list[int]:
 
 def judge(load: Load, policy: SelectionPolicy) -> str | None:
     """Why a GPU with ``load`` does not qualify under ``policy``; ``None`` when it does."""
-    if load.memory_error:
-        return f"memory unreadable ({load.memory_error})"
-    if load.util_error:
-        return f"utilization unreadable ({load.util_error})"
-    if policy.min_free_gib > 0:
-        if load.free_mib is None:
-            return "free memory not reported, so gpu_min_free_gib cannot be checked"
-        if load.free_mib < policy.min_free_gib * 1024:
-            return f"{load.free_mib / 1024:.1f} GiB free < gpu_min_free_gib={policy.min_free_gib:g}"
-    if load.util_percent is not None and load.util_percent > policy.max_util_percent:
+    if load.memory_error or load.util_error:
+        kind = "memory" if load.memory_error else "utilization"
+        return f"{kind} unreadable ({load.memory_error or load.util_error})"
+    free, util = load.free_mib, load.util_percent
+    if policy.min_free_gib > 0 and free is None:
+        return "free memory not reported, so gpu_min_free_gib cannot be checked"
+    if policy.min_free_gib > 0 and free is not None and free < policy.min_free_gib * 1024:
+        return f"{free / 1024:.1f} GiB free < gpu_min_free_gib={policy.min_free_gib:g}"
+    if util is not None and util > policy.max_util_percent:
         return (
-            f"utilization {load.util_percent:.0f}% (mean over {policy.util_window_s:g} s) "
+            f"utilization {util:.0f}% (mean over {policy.util_window_s:g} s) "
             f"> gpu_max_util={policy.max_util_percent:g}"
         )
     return None
@@ -175,33 +161,22 @@ def judge(load: Load, policy: SelectionPolicy) -> str | None:
 
 def lock_dir_for(policy: SelectionPolicy) -> Path:
     """The lock directory, created if missing; :class:`DeviceError` when it cannot be used."""
+    given, runtime = policy.lock_dir is not None, os.environ.get("XDG_RUNTIME_DIR")
     if policy.lock_dir is not None:
         path = Path(os.path.expanduser(policy.lock_dir))
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise DeviceError(
-                f"gpu_lock_dir={policy.lock_dir!r} cannot be created ({err.strerror}); "
-                "give a writable directory or null"
-            ) from err
-        return path
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isdir(runtime):
+    elif runtime and os.path.isdir(runtime):
         path = Path(runtime) / "runkit-gpu-locks"
     else:
         path = Path(tempfile.gettempdir()) / f"runkit-gpu-locks-{os.getuid()}"
+    what = f"gpu_lock_dir={policy.lock_dir!r}" if given else f"the GPU lock directory {str(path)!r}"
     try:
-        path.mkdir(mode=0o700, exist_ok=True)
+        path.mkdir(mode=0o777 if given else 0o700, parents=given, exist_ok=True)
         info = path.lstat()
     except OSError as err:
-        raise DeviceError(
-            f"the GPU lock directory {str(path)!r} cannot be created ({err.strerror}); "
-            "set gpu_lock_dir"
-        ) from err
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        raise DeviceError(
-            f"the GPU lock directory {str(path)!r} is not a directory of this user; set gpu_lock_dir"
-        )
+        fix = "give a writable directory or null" if given else "set gpu_lock_dir"
+        raise DeviceError(f"{what} cannot be created ({err.strerror}); {fix}") from err
+    if not given and (not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid()):
+        raise DeviceError(f"{what} is not a directory of this user; set gpu_lock_dir")
     return path
 
 
@@ -217,50 +192,39 @@ def try_lock(path: Path) -> int | str:
 
     flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(path, flags | os.O_RDWR | os.O_CREAT, 0o644)
-    except PermissionError:
-        try:  # another user's lock file in a shared directory: a read-only descriptor locks too
+        try:
+            fd = os.open(path, flags | os.O_RDWR | os.O_CREAT, 0o644)
+        except PermissionError:  # another user's lock file: a read-only descriptor locks too
             fd = os.open(path, flags | os.O_RDONLY)
-        except OSError as err:
-            return f"its lock file {str(path)!r} cannot be opened ({err.strerror})"
     except OSError as err:
         return f"its lock file {str(path)!r} cannot be opened ({err.strerror})"
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            return f"its lock file {str(path)!r} is not a regular file"
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            why = f"its lock file {str(path)!r} is not a regular file"
+        else:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with contextlib.suppress(OSError):  # read-only: the lock holds, the note is missing
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            return fd
     except BlockingIOError:
-        holder = _holder(fd)
-        os.close(fd)
-        return f"claimed by {holder}"
+        try:
+            text = os.pread(fd, 32, 0).decode("ascii", "replace")
+        except OSError:
+            text = ""
+        match = re.fullmatch(r"\s*(\d{1,10})\s*", text)
+        why = f"claimed by another run{f' (pid {match.group(1)})' if match else ''}"
     except OSError as err:
-        os.close(fd)
-        return f"its lock file {str(path)!r} cannot be locked ({err.strerror})"
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    except OSError:
-        pass  # a read-only descriptor: the lock holds, only the pid note is missing
-    return fd
-
-
-def _holder(fd: int) -> str:
-    """Who holds a lock, from the pid its holder wrote (any content is tolerated)."""
-    try:
-        text = os.pread(fd, 32, 0).decode("ascii", "replace")
-    except OSError:
-        text = ""
-    match = re.fullmatch(r"\s*(\d{1,10})\s*", text)
-    return f"another run (pid {match.group(1)})" if match else "another run"
+        why = f"its lock file {str(path)!r} cannot be locked ({err.strerror})"
+    os.close(fd)
+    return why
 
 
 def release_claims() -> None:
     """Give back every GPU this process claimed (closing the descriptor drops the lock)."""
     while _held:
-        _uuid, fd = _held.popitem()
         with contextlib.suppress(OSError):
-            os.close(fd)
+            os.close(_held.popitem()[1])
 
 
 def claimed_uuids() -> tuple[str, ...]:
@@ -269,8 +233,8 @@ def claimed_uuids() -> tuple[str, ...]:
 
 
 def finish_job() -> None:
-    """End of a job: give back its GPUs and forget its NVML reading, so that the next job of a
-    sweep measures and claims anew (called by the Hydra entry point after every job)."""
+    """End of a job (the Hydra entry point calls it after each): give back its GPUs and forget its
+    NVML reading, so that the next job of a sweep measures and claims anew."""
     release_claims()
     forget_readings()
 
@@ -294,36 +258,25 @@ def _attempt(
     ]
     got: dict[int, int] = {}
     for i in rank_by_load(measured):
-        if reasons[i] is not None:
-            continue
-        if len(got) == count:
-            break
-        outcome = try_lock(lock_path(lock_dir, candidates[i].uuid))
-        if isinstance(outcome, str):
-            reasons[i] = outcome
-        else:
-            got[i] = outcome
+        if reasons[i] is None and len(got) < count:
+            outcome = try_lock(lock_path(lock_dir, candidates[i].uuid))
+            if isinstance(outcome, str):
+                reasons[i] = outcome
+            else:
+                got[i] = outcome
     if len(got) < count:
         for fd in got.values():
             os.close(fd)
         return None, reasons
-    for i, fd in got.items():
-        _held[candidates[i].uuid] = fd
+    _held.update({candidates[i].uuid: fd for i, fd in got.items()})
     return sorted(got), reasons
 
 
 def first_gpus(count: int, why: str) -> tuple[list[int], str]:
     """The first ``count`` GPUs, where no load can be read (``why``)."""
     chosen = list(range(count))
-    return (
-        chosen,
-        f"select_gpus=least_used: no GPU load readings ({why}); using the first {count}: {chosen}",
-    )
-
-
-def _standing(reasons: Sequence[str | None]) -> str:
-    return "; ".join(
-        f"cuda:{i} {'qualifies' if why is None else why}" for i, why in enumerate(reasons)
+    return chosen, (
+        f"select_gpus=least_used: no GPU load readings ({why}); using the first {count}: {chosen}"
     )
 
 
@@ -341,12 +294,13 @@ def wait_and_claim(inv: Inventory, count: int, policy: SelectionPolicy) -> tuple
             )
         return first_gpus(count, why)
     lock_dir = lock_dir_for(policy)
-    started = time.monotonic()
-    deadline = started + policy.wait_s
-    next_status = started
+    started = next_status = time.monotonic()
     while True:
         chosen, reasons = _attempt(candidates, count, policy, lock_dir)
         now = time.monotonic()
+        standing = "; ".join(
+            f"cuda:{i} {'qualifies' if why is None else why}" for i, why in enumerate(reasons)
+        )
         if chosen is not None:
             waited = f", after waiting {now - started:.0f} s" if now - started >= POLL_S else ""
             return chosen, (
@@ -354,19 +308,16 @@ def wait_and_claim(inv: Inventory, count: int, policy: SelectionPolicy) -> tuple
                 f"{len(candidates)} (most free memory, then lowest utilisation{waited}); "
                 f"claimed until the run ends (locks in {lock_dir})"
             )
-        if now >= deadline:
-            ok = sum(why is None for why in reasons)
+        if now >= started + policy.wait_s:
             waited = f"after waiting {policy.wait_s:g} s" if policy.wait_s else "with gpu_wait_s=0"
             raise DeviceError(
-                f"select_gpus=least_used found {ok} of the {count} GPU(s) wanted {waited}: "
-                f"{_standing(reasons)}"
+                f"select_gpus=least_used found {reasons.count(None)} of the {count} GPU(s) "
+                f"wanted {waited}: {standing}"
             )
         if now >= next_status:
+            left = started + policy.wait_s - now
             log.info(
-                "Waiting for %d GPU(s) (select_gpus=least_used, %.0f s left): %s",
-                count,
-                deadline - now,
-                _standing(reasons),
+                f"Waiting for {count} GPU(s) (select_gpus=least_used, {left:.0f} s left): {standing}"
             )
             next_status = now + STATUS_EVERY_S
-        time.sleep(max(0.0, min(POLL_S, deadline - now)))
+        time.sleep(max(0.0, min(POLL_S, started + policy.wait_s - now)))

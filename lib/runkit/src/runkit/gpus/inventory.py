@@ -14,120 +14,66 @@ from typing import Any
 
 from runkit.gpus import nvml
 from runkit.gpus.reader import DeviceReader
-from runkit.gpus.records import Gpu, GpuProcess, Inventory, TorchCuda
-from runkit.gpus.visible import DEVICE_ORDERS, apply_visible_devices
+from runkit.gpus.records import (
+    DEVICE_ORDERS,
+    Gpu,
+    GpuProcess,
+    Inventory,
+    TorchCuda,
+    apply_visible_devices,
+)
 
 IDENTITY, LOAD, FULL = "identity", "load", "full"
 DETAILS = (IDENTITY, LOAD, FULL)
 
-_MIB = 1024 * 1024
-
 
 def probe_torch(*, uuids: bool = True) -> TorchCuda:
-    """Ask torch about CUDA; ``uuids=False`` only counts, from NVML as Lightning does, so that a
+    """Ask torch about CUDA; ``uuids=False`` only counts (from NVML, as Lightning does), so that a
     process that later forks DDP workers keeps CUDA uninitialised."""
     try:
         import torch
     except ImportError:
         return TorchCuda()
-    mps_backend = getattr(torch.backends, "mps", None)
-    mps = bool(mps_backend is not None and mps_backend.is_available())
+    mps, version = torch.backends.mps.is_available(), torch.version.cuda
     if not uuids:
         count = torch.cuda.device_count()
-        return TorchCuda(count > 0, count, version=torch.version.cuda, mps_available=mps)
+        return TorchCuda(count > 0, count, version=version, mps_available=mps)
     if not torch.cuda.is_available():
-        return TorchCuda(version=torch.version.cuda, mps_available=mps)
-    count = torch.cuda.device_count()
-    props = [torch.cuda.get_device_properties(i) for i in range(count)]
-    return TorchCuda(
-        True,
-        count,
-        tuple(str(getattr(p, "uuid", "")) for p in props),
-        tuple(p.name for p in props),
-        torch.version.cuda,
-        mps,
-    )
+        return TorchCuda(version=version, mps_available=mps)
+    props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+    uuid_list = tuple(str(getattr(p, "uuid", "")) for p in props)
+    return TorchCuda(True, len(props), uuid_list, tuple(p.name for p in props), version, mps)
 
 
 def _mib(value: Any) -> int | None:
-    return None if value is None else int(value) // _MIB
-
-
-def _processes(reader: DeviceReader) -> tuple[GpuProcess, ...]:
-    lib = reader.lib
-    seen: dict[int, GpuProcess] = {}
-    for kind in ("Compute", "Graphics"):
-        for pid, used in nvml.optional(lib, reader.compute_processes, kind) or ():
-            if pid not in seen:
-                name = nvml.optional(lib, "nvmlSystemGetProcessName", pid)
-                seen[pid] = GpuProcess(pid, _mib(used), nvml.as_text(name) if name else None)
-    return tuple(seen.values())
+    return None if value is None else int(value) // (1024 * 1024)
 
 
 def _read_gpu(reader: DeviceReader, detail: str, **where: Any) -> Gpu:
     """One device at ``detail``; what NVML will not say stays ``None``."""
-
-    def get(query: Any) -> Any:
-        return nvml.optional(reader.lib, query)
-
-    uuid, name = get(reader.uuid), get(reader.name)
+    lib = reader.lib
+    get = lambda query, *args: nvml.optional(lib, query, *args)  # noqa: E731
     figures: dict[str, Any] = {}
-    if detail in (LOAD, FULL):
+    if detail != IDENTITY:
         total, used, free = get(reader.memory) or (None, None, None)
         util = get(reader.utilization)
-        figures.update(
-            memory_total_mib=_mib(total),
-            memory_used_mib=_mib(used),
-            memory_free_mib=_mib(free),
-            utilization_percent=None if util is None else util[0],
-        )
+        figures.update(memory_total_mib=_mib(total), memory_used_mib=_mib(used))
+        figures.update(memory_free_mib=_mib(free), utilization_percent=util and util[0])
     if detail == FULL:
         if not reader.is_mig:  # a slice has no temperature or power of its own: its GPU has
             power, limit = get(reader.power_mw), get(reader.power_limit_mw)
-            figures.update(
-                temperature_c=get(reader.temperature_c),
-                power_w=None if power is None else power / 1000.0,
-                power_limit_w=None if limit is None else limit / 1000.0,
-            )
-        figures["processes"] = _processes(reader)
-    return Gpu(
-        uuid=uuid or "",
-        name=name or "unknown GPU",
-        pci_bus_id=get(reader.pci_bus_id),
-        **figures,
-        **where,
-    )
-
-
-def _read_physical(lib: Any, detail: str) -> tuple[list[Gpu], list[str]]:
-    gpus: list[Gpu] = []
-    notes: list[str] = []
-    for index in range(lib.nvmlDeviceGetCount()):
-        try:
-            handle = lib.nvmlDeviceGetHandleByIndex(index)
-        except lib.NVMLError as err:
-            notes.append(f"NVML cannot open GPU {index} ({err}); it is listed without details.")
-            gpus.append(Gpu(uuid="", name="unreadable GPU", nvml_index=index, error=str(err)))
-            continue
-        reader = DeviceReader(lib, handle)
-        mig_on = bool(nvml.optional(lib, reader.mig_enabled))
-        gpu = _read_gpu(reader, detail, nvml_index=index, mig_enabled=mig_on)
-        if mig_on:
-            slices = tuple(
-                _read_gpu(
-                    child,
-                    detail,
-                    nvml_index=index,
-                    parent_uuid=gpu.uuid,
-                    mig_index=slot,
-                    gpu_instance_id=nvml.optional(lib, child.gpu_instance_id),
-                    compute_instance_id=nvml.optional(lib, child.compute_instance_id),
+            figures.update(power_w=power and power / 1000, power_limit_w=limit and limit / 1000)
+            figures["temperature_c"] = get(reader.temperature_c)
+        seen: dict[int, GpuProcess] = {}
+        for kind in ("Compute", "Graphics"):
+            for pid, used_bytes in get(reader.compute_processes, kind) or ():
+                name = get("nvmlSystemGetProcessName", pid)
+                seen.setdefault(
+                    pid, GpuProcess(pid, _mib(used_bytes), (name and nvml.as_text(name)) or None)
                 )
-                for slot, child in reader.mig_slices()
-            )
-            gpu = replace(gpu, mig_devices=slices)
-        gpus.append(gpu)
-    return gpus, notes
+        figures["processes"] = tuple(seen.values())
+    name = get(reader.name) or "unknown GPU"
+    return Gpu(get(reader.uuid) or "", name, pci_bus_id=get(reader.pci_bus_id), **figures, **where)
 
 
 def read_nvml(detail: str = FULL) -> tuple[list[Gpu], str | None, list[str]]:
@@ -135,10 +81,27 @@ def read_nvml(detail: str = FULL) -> tuple[list[Gpu], str | None, list[str]]:
     GPUs NVML cannot open; :class:`~runkit.gpus.nvml.NvmlUnavailable` when NVML cannot start."""
     if detail not in DETAILS:
         raise ValueError(f"detail={detail!r}; use one of {', '.join(DETAILS)}")
+    gpus: list[Gpu] = []
+    notes: list[str] = []
     with nvml.nvml_session() as lib:
         driver = nvml.optional(lib, "nvmlSystemGetDriverVersion")
-        gpus, notes = _read_physical(lib, detail)
-    return gpus, (nvml.as_text(driver) if driver else None), notes
+        for index in range(lib.nvmlDeviceGetCount()):
+            try:
+                reader = DeviceReader(lib, lib.nvmlDeviceGetHandleByIndex(index))
+            except lib.NVMLError as err:
+                notes.append(f"NVML cannot open GPU {index} ({err}); it is listed without details.")
+                gpus.append(Gpu("", "unreadable GPU", nvml_index=index, error=str(err)))
+                continue
+            mig_on = bool(nvml.optional(lib, reader.mig_enabled))
+            gpu = _read_gpu(reader, detail, nvml_index=index, mig_enabled=mig_on)
+            slices = tuple(
+                _read_gpu(child, detail, nvml_index=index, parent_uuid=gpu.uuid, mig_index=slot,
+                          gpu_instance_id=nvml.optional(lib, child.gpu_instance_id),
+                          compute_instance_id=nvml.optional(lib, child.compute_instance_id))
+                for slot, child in (reader.mig_slices() if mig_on else ())
+            )  # fmt: skip
+            gpus.append(replace(gpu, mig_devices=slices))
+    return gpus, driver and nvml.as_text(driver), notes
 
 
 def _torch_devices(
@@ -155,7 +118,7 @@ def _torch_devices(
             if physical is not None:
                 notes.append(f"cuda:{i} ({uuid}) is not in NVML's list; shown without metrics.")
             name = "unknown GPU" if physical is not None else f"cuda:{i}"
-            gpu = Gpu(uuid=uuid, name=names[i] if i < len(names) else name)
+            gpu = Gpu(uuid, names[i] if i < len(names) else name)
         visible.append(gpu)
     return visible, notes
 
@@ -173,59 +136,46 @@ def build_inventory(
     env = os.environ if env is None else env
     cvd = env.get("CUDA_VISIBLE_DEVICES")
     order = (env.get("CUDA_DEVICE_ORDER") or "FASTEST_FIRST").strip().upper()
-    all_notes = list(notes)
+    notes = list(notes)
     if order not in DEVICE_ORDERS:
-        all_notes.append(
+        notes.append(
             f"CUDA_DEVICE_ORDER={order!r} is not one of {', '.join(DEVICE_ORDERS)}; "
             "CUDA uses FASTEST_FIRST."
         )
         order = "FASTEST_FIRST"
-    base = {
-        "torch": torch_info,
-        "nvml_available": physical is not None,
-        "nvml_reason": nvml_reason,
-        "driver_version": driver_version,
-        "cuda_visible_devices": cvd,
-        "cuda_device_order": order,
-    }
     if physical is None:
         visible = _torch_devices(torch_info, None)[0] if torch_info.available else []
         mapping = "torch-only" if visible else "none"
-        return Inventory(**base, mapping=mapping, visible=tuple(visible), notes=tuple(all_notes))
-    if torch_info.available and torch_info.uuids and all(torch_info.uuids):
+    elif torch_info.available and torch_info.uuids and all(torch_info.uuids):
         visible, extra = _torch_devices(torch_info, physical)
-        mapping = "torch-uuid"
+        mapping, notes = "torch-uuid", notes + extra
     else:
         visible, extra = apply_visible_devices(physical, cvd, order, driver_version)
-        mapping = "env-rules" if visible else "none"
+        mapping, notes = ("env-rules" if visible else "none"), notes + extra
         if torch_info.available and torch_info.device_count != len(visible):
-            extra.append(
+            notes.append(
                 f"torch sees {torch_info.device_count} CUDA device(s) but the CUDA_VISIBLE_DEVICES "
                 f"rules give {len(visible)}; trust torch's count, the GPU details may be misplaced."
             )
-    all_notes.extend(extra)
     return Inventory(
-        **base,
-        mapping=mapping,
-        physical=tuple(physical),
-        visible=tuple(visible),
-        notes=tuple(all_notes),
-    )
-
-
-def _reading(detail: str) -> Any:
-    """:func:`read_nvml`'s answer, or why NVML is unavailable."""
-    try:
-        return read_nvml(detail)
-    except nvml.NvmlUnavailable as err:
-        return str(err)
+        torch_info, physical is not None, nvml_reason, driver_version, cvd, order, mapping,
+        tuple(physical or ()), tuple(visible), tuple(notes),
+    )  # fmt: skip
 
 
 def _inventory(reading: Any, torch_info: TorchCuda, env: Mapping[str, str] | None) -> Inventory:
+    """An inventory from :func:`read_nvml`'s answer or why NVML is unavailable (a string)."""
     if isinstance(reading, str):
         return build_inventory(None, torch_info, env=env, nvml_reason=reading)
     physical, driver, notes = reading
     return build_inventory(physical, torch_info, env=env, driver_version=driver, notes=notes)
+
+
+def _reading(detail: str) -> Any:
+    try:
+        return read_nvml(detail)
+    except nvml.NvmlUnavailable as err:
+        return str(err)
 
 
 def collect_inventory(
@@ -239,27 +189,25 @@ def collect_inventory(
     return _inventory(_reading(detail), torch_info or probe_torch(uuids=probe_uuids), env)
 
 
-# The last NVML reading: (library, detail, what _reading gave).
-_last: tuple[Any, str, Any] | None = None
+_last: tuple[Any, str, Any] | None = None  # the last reading: (library, detail, reading)
 
 
 def cached_inventory(detail: str = IDENTITY) -> Inventory:
-    """The inventory device resolution uses: NVML read once per job (until :func:`forget_readings`)
-    or again when more ``detail`` or another library is asked for; torch's count and
-    ``CUDA_VISIBLE_DEVICES`` are looked at afresh, as NVML's GPU list does not depend on them."""
+    """The inventory device resolution uses: NVML read once per job (until
+    :func:`forget_readings`), again for more ``detail`` or another library; torch's count and
+    ``CUDA_VISIBLE_DEVICES`` are looked at afresh (NVML's GPU list does not depend on them)."""
     global _last
     try:
         lib = nvml.load_library()
     except nvml.NvmlUnavailable:
         lib = None
-    held = _last
     if (
-        held is None
-        or held[0] is not lib
-        or not (isinstance(held[2], str) or DETAILS.index(held[1]) >= DETAILS.index(detail))
+        _last is None
+        or _last[0] is not lib
+        or not (isinstance(_last[2], str) or DETAILS.index(_last[1]) >= DETAILS.index(detail))
     ):
-        _last = held = (lib, detail, _reading(detail))
-    return _inventory(held[2], probe_torch(uuids=False), None)
+        _last = (lib, detail, _reading(detail))
+    return _inventory(_last[2], probe_torch(uuids=False), None)
 
 
 def forget_readings() -> None:

@@ -1,9 +1,6 @@
 """``python -m runkit.devices [--json] [--watch [SECONDS]]``: the GPUs this process may use, as
-``cuda:N``, once or refreshed in place; the one place that reads NVML in full.
-
-Why not nvitop's TUI: it numbers GPUs by NVML index, not as ``cuda:N`` for this process, and
-cannot be pointed at the fake NVML.
-"""
+``cuda:N``, once or refreshed in place; the one place that reads NVML in full. nvitop's TUI numbers
+GPUs by NVML index, not as ``cuda:N`` for this process, and cannot be pointed at the fake NVML."""
 
 from __future__ import annotations
 
@@ -18,41 +15,33 @@ from typing import Any
 from runkit.gpus.inventory import collect_inventory, probe_torch
 from runkit.gpus.records import Gpu, Inventory
 
-DEFAULT_WATCH_S = 2.0
-MIN_WATCH_S = 0.1
-
+DEFAULT_WATCH_S, MIN_WATCH_S = 2.0, 0.1
 JSON_SCHEMA_VERSION = 1  # bumped when a key of the JSON changes meaning or goes away
+_GPU_KEYS = ("nvml_index", "name", "uuid", "mig", "parent_uuid", "memory_used_mib")
+_GPU_KEYS += ("memory_total_mib", "memory_free_mib", "utilization_percent", "temperature_c")
+_GPU_KEYS += ("power_w", "power_limit_w")
+_MAPPING_TEXT = {
+    "torch-uuid": "cuda:N matched to NVML by UUID (torch)",
+    "env-rules": "cuda:N worked out by CUDA's CUDA_VISIBLE_DEVICES/CUDA_DEVICE_ORDER rules",
+    "torch-only": "names from torch; NVML unavailable, so no metrics",
+    "none": "no GPU",
+}
 
 
 def _gpu_json(gpu: Gpu, index: int | None) -> dict[str, Any]:
-    return {
-        "index": index,
-        "nvml_index": gpu.nvml_index,
-        "name": gpu.name,
-        "uuid": gpu.uuid,
-        "mig": gpu.is_mig,
-        "parent_uuid": gpu.parent_uuid,
-        "memory_used_mib": gpu.memory_used_mib,
-        "memory_total_mib": gpu.memory_total_mib,
-        "memory_free_mib": gpu.memory_free_mib,
-        "utilization_percent": gpu.utilization_percent,
-        "temperature_c": gpu.temperature_c,
-        "power_w": gpu.power_w,
-        "power_limit_w": gpu.power_limit_w,
-        "processes": [
-            {"pid": p.pid, "used_memory_mib": p.used_memory_mib, "name": p.name}
-            for p in gpu.processes
-        ],
-    }
+    doc = {"index": index, **{k: getattr(gpu, "is_mig" if k == "mig" else k) for k in _GPU_KEYS}}
+    doc["processes"] = [vars(p) for p in gpu.processes]
+    return doc
 
 
 def inventory_to_json(inv: Inventory) -> dict[str, Any]:
     """The ``--json`` document (its keys: lib/runkit/docs/cuda-visible-devices.md)."""
+    n = inv.usable_gpu_count
     return {
         "schema_version": JSON_SCHEMA_VERSION,
         "cuda_available": inv.torch.available,
-        "device_count": inv.usable_gpu_count,
-        "training_device": "cuda" if inv.usable_gpu_count else "cpu",
+        "device_count": n,
+        "training_device": "cuda" if n else "cpu",
         "message": inv.summary(),
         "nvml": {
             "available": inv.nvml_available,
@@ -68,36 +57,32 @@ def inventory_to_json(inv: Inventory) -> dict[str, Any]:
     }
 
 
-def _fmt(value: Any, unit: str = "", digits: int = 0) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.{digits}f}{unit}" if isinstance(value, float) else f"{value}{unit}"
+def _fmt(value: Any, unit: str = "") -> str:
+    return "-" if value is None else f"{value:.0f}{unit}"
 
 
-def _memory(g: Gpu) -> str:
-    if g.memory_total_mib is None:
-        return "-"
-    return f"{_fmt(g.memory_used_mib)} / {g.memory_total_mib} MiB"
-
-
-def _procs(g: Gpu) -> str:
-    if not g.processes:
-        return "-"
-    return ", ".join(
+def _row(i: int, g: Gpu) -> list[str]:
+    nvml_idx = ("-" if g.nvml_index is None else str(g.nvml_index)) + (
+        f" MIG {g.mig_index}" if g.is_mig else ""
+    )
+    power = _fmt(g.power_w, " W")
+    if g.power_limit_w is not None:
+        power += f" / {_fmt(g.power_limit_w, ' W')}"
+    memory = (
+        "-"
+        if g.memory_total_mib is None
+        else f"{_fmt(g.memory_used_mib)} / {g.memory_total_mib} MiB"
+    )
+    procs = ", ".join(
         f"{p.pid}{' ' + p.name if p.name else ''} ({_fmt(p.used_memory_mib, ' MiB')})"
         for p in g.processes
     )
-
-
-_MAPPING_TEXT = {
-    "torch-uuid": "cuda:N matched to NVML by UUID (torch)",
-    "env-rules": "cuda:N worked out by CUDA's CUDA_VISIBLE_DEVICES/CUDA_DEVICE_ORDER rules",
-    "torch-only": "names from torch; NVML unavailable, so no metrics",
-    "none": "no GPU",
-}
+    util, temp = _fmt(g.utilization_percent, "%"), _fmt(g.temperature_c, " °C")
+    return [f"cuda:{i}", nvml_idx, g.name, g.uuid, memory, util, temp, power, procs or "-"]
 
 
 def listing(inv: Inventory, header: str | None = None) -> Any:
+    """The listing as a Rich ``Group``: what CUDA and NVML say, the table, hidden GPUs, notes."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -105,46 +90,30 @@ def listing(inv: Inventory, header: str | None = None) -> Any:
     parts: list[Any] = [Text(header)] if header else []
     if not inv.visible:
         return Group(*parts, Text(inv.summary()))
-    if inv.torch.available:
-        built = f"torch CUDA {inv.torch.version}, " if inv.torch.version else ""
-        cuda = f"yes ({built}{inv.torch.device_count} device(s))"
-    else:
-        cuda = "no (training will use the CPU)"
-    parts.append(Text(f"CUDA available: {cuda}"))
-    parts.append(
+    built = f"torch CUDA {inv.torch.version}, " if inv.torch.version else ""
+    cuda = f"yes ({built}{inv.torch.device_count} device(s))"
+    cvd = inv.cuda_visible_devices
+    parts += [
+        Text(
+            f"CUDA available: {cuda if inv.torch.available else 'no (training will use the CPU)'}"
+        ),
         Text(
             f"NVML driver {inv.driver_version or '?'}; CUDA_VISIBLE_DEVICES="
-            f"{'(unset)' if inv.cuda_visible_devices is None else repr(inv.cuda_visible_devices)}; "
+            f"{'(unset)' if cvd is None else repr(cvd)}; "
             f"CUDA_DEVICE_ORDER={inv.cuda_device_order}; {_MAPPING_TEXT[inv.mapping]}"
-        )
-    )
+        ),
+    ]
     table = Table(title=inv.summary(), title_justify="left")
     for column in ("cuda", "nvml", "name", "uuid", "memory", "util", "temp", "power", "processes"):
         table.add_column(column, overflow="fold")
     for i, g in enumerate(inv.visible):
-        nvml_idx = "-" if g.nvml_index is None else str(g.nvml_index)
-        if g.is_mig:
-            nvml_idx += f" MIG {g.mig_index}"
-        power = _fmt(g.power_w, " W")
-        if g.power_limit_w is not None:
-            power += f" / {_fmt(g.power_limit_w, ' W')}"
-        table.add_row(
-            f"cuda:{i}",
-            nvml_idx,
-            g.name,
-            g.uuid,
-            _memory(g),
-            _fmt(g.utilization_percent, "%"),
-            _fmt(g.temperature_c, " °C"),
-            power,
-            _procs(g),
-        )
+        table.add_row(*_row(i, g))
     parts.append(table)
-    for g in inv.hidden:
-        parts.append(Text(f"not visible to CUDA here: NVML GPU {g.nvml_index} {g.name} {g.uuid}"))
-    for note in inv.notes:
-        parts.append(Text(f"note: {note}"))
-    return Group(*parts)
+    parts += [
+        Text(f"not visible to CUDA here: NVML GPU {g.nvml_index} {g.name} {g.uuid}")
+        for g in inv.hidden
+    ]
+    return Group(*parts, *(Text(f"note: {note}") for note in inv.notes))
 
 
 def render(inv: Inventory, console: Any) -> None:
@@ -210,11 +179,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.watch is not None:
         return watch(args.watch, args.json)
-    inv = collect_inventory()
     if args.json:
-        print(json.dumps(inventory_to_json(inv), indent=2))
-        return 0
-    from rich.console import Console
+        print(json.dumps(inventory_to_json(collect_inventory()), indent=2))
+    else:
+        from rich.console import Console
 
-    render(inv, Console())
+        render(collect_inventory(), Console())
     return 0

@@ -2,10 +2,12 @@
 
 Why: tests swap in :mod:`runkit.testing.fake_nvml` (:func:`use_library`, or
 ``RUNKIT_NVML_BACKEND=module:factory`` in a subprocess) so the real code path is the tested one.
+nvitop's ``libnvml`` imports ``pynvml`` directly, out of the backend variable's reach.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import threading
@@ -14,13 +16,9 @@ from contextlib import contextmanager
 from typing import Any
 
 BACKEND_ENV = "RUNKIT_NVML_BACKEND"
-
 UNSUPPORTED_ERRORS = ("NVMLError_NotSupported", "NVMLError_FunctionNotFound")
-"""pynvml errors meaning "this GPU or driver cannot answer that", as opposed to a failing GPU."""
-
 _override: Any = None
-_env_cache: dict[str, Any] = {}
-_lock = threading.Lock()
+_lock = threading.Lock()  # one factory call per spec, whichever thread asks first
 
 
 class NvmlUnavailable(RuntimeError):
@@ -33,26 +31,8 @@ def use_library(lib: Any | None) -> None:
     _override = lib
 
 
-def load_library() -> Any:
-    """Return the pynvml-compatible object this process uses, without initialising it."""
-    if _override is not None:
-        return _override
-    spec = os.environ.get(BACKEND_ENV)
-    if spec:
-        with _lock:
-            if spec not in _env_cache:
-                _env_cache[spec] = _load_from_spec(spec)
-            return _env_cache[spec]
-    try:
-        import pynvml
-    except ImportError as err:  # nvidia-ml-py is a core dependency, but be kind to trimmed envs
-        raise NvmlUnavailable(
-            "the NVML bindings are not installed (pip install nvidia-ml-py)"
-        ) from err
-    return pynvml
-
-
-def _load_from_spec(spec: str) -> Any:
+@functools.cache
+def _from_spec(spec: str) -> Any:
     module_name, _, attr = spec.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr or "create")
@@ -63,12 +43,25 @@ def _load_from_spec(spec: str) -> Any:
     return factory()
 
 
+def load_library() -> Any:
+    """The pynvml-compatible object this process uses, not initialised."""
+    if _override is not None:
+        return _override
+    if spec := os.environ.get(BACKEND_ENV):
+        with _lock:
+            return _from_spec(spec)
+    try:
+        import pynvml
+    except ImportError as err:
+        raise NvmlUnavailable(
+            "the NVML bindings are not installed (pip install nvidia-ml-py)"
+        ) from err
+    return pynvml
+
+
 @contextmanager
 def nvml_session() -> Iterator[Any]:
-    """NVML initialised for a ``with`` block (sessions nest); :class:`NvmlUnavailable` if it cannot.
-
-    Why not nvitop's ``libnvml``: it imports ``pynvml`` directly, out of ``RUNKIT_NVML_BACKEND``'s reach.
-    """
+    """NVML initialised for a ``with`` block (sessions nest); :class:`NvmlUnavailable` if it cannot."""
     lib = load_library()
     try:
         lib.nvmlInit()
@@ -83,10 +76,8 @@ def nvml_session() -> Iterator[Any]:
 def optional(lib: Any, query: str | Callable[..., Any], *args: Any) -> Any:
     """``query(*args)`` (a callable or a pynvml function's name), or ``None`` where NVML cannot."""
     func = getattr(lib, query, None) if isinstance(query, str) else query
-    if func is None:
-        return None
     try:
-        return func(*args)
+        return None if func is None else func(*args)
     except (lib.NVMLError, AttributeError):
         return None
 
@@ -97,26 +88,22 @@ def error_classes(lib: Any, names: Iterable[str]) -> tuple[type[BaseException], 
 
 
 def as_text(value: bytes | str) -> str:
-    """NVML returns ``bytes`` in old bindings and ``str`` in new ones; give ``str`` always."""
+    """``str`` whether the bindings give ``bytes`` (old) or ``str`` (new)."""
     return value.decode() if isinstance(value, bytes) else value
 
 
 def bare_uuid(uuid: str) -> str:
     """A UUID without ``GPU-``/``MIG-``, lower case: how torch's and NVML's compare."""
     text = str(uuid).strip().lower()
-    for prefix in ("gpu-", "mig-"):
-        if text.startswith(prefix):
-            text = text[len(prefix) :]
-    return text
+    return text[4:] if text.startswith(("gpu-", "mig-")) else text
 
 
 def find_handle(lib: Any, uuid: str) -> tuple[Any, str] | None:
     """NVML's handle and UUID for a UUID in any spelling (bare, ``GPU-``, ``MIG-``), or ``None``."""
     is_mig = str(uuid).strip().upper().startswith("MIG-")
     for prefix in ("MIG-", "GPU-") if is_mig else ("GPU-", "MIG-"):
-        candidate = prefix + bare_uuid(uuid)
         try:
-            return lib.nvmlDeviceGetHandleByUUID(candidate), candidate
+            return lib.nvmlDeviceGetHandleByUUID(prefix + bare_uuid(uuid)), prefix + bare_uuid(uuid)
         except lib.NVMLError:
             continue
     return None

@@ -1,23 +1,31 @@
-"""The one reader of an NVML device, for the listing and the statistics alike.
-
-Why: each quantity is read one way everywhere (units, MIG, old drivers). Methods return NVML's
-units and raise ``NVMLError`` on refusal. On a MIG slice memory, utilisation and processes are the
-slice's; the rest is the whole GPU's, read through :attr:`DeviceReader.board`.
-"""
+"""The one reader of an NVML device, for the listing and the statistics alike: each quantity
+read one way (units, MIG, old drivers), in NVML's units, raising ``NVMLError`` on refusal. On a
+MIG slice memory, utilisation and processes are the slice's; the rest is its GPU's (``board``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from runkit.gpus import nvml
+
+
+def _query(func: str, cast: Callable[[Any], Any] = float, *consts: str, board: bool = True) -> Any:
+    """A method reading ``func(handle, *consts)`` (the GPU's handle where ``board``) as ``cast``."""
+
+    def read(self: DeviceReader) -> Any:
+        lib = self.lib
+        args = (getattr(lib, c) for c in consts)
+        return cast(getattr(lib, func)(self.board if board else self.handle, *args))
+
+    return read
 
 
 class DeviceReader:
     """Reads one NVML device; ``board`` is its physical GPU's handle (itself unless a MIG slice)."""
 
     def __init__(self, lib: Any, handle: Any, board: Any | None = None) -> None:
-        self.lib = lib
-        self.handle = handle
+        self.lib, self.handle = lib, handle
         self.board = handle if board is None else board
         self._clock_events: Any = None
 
@@ -31,14 +39,23 @@ class DeviceReader:
     def is_mig(self) -> bool:
         return self.board is not self.handle
 
-    def name(self) -> str:
-        return nvml.as_text(self.lib.nvmlDeviceGetName(self.handle))
-
-    def uuid(self) -> str:
-        return nvml.as_text(self.lib.nvmlDeviceGetUUID(self.handle))
-
-    def index(self) -> int:
-        return int(self.lib.nvmlDeviceGetIndex(self.board))
+    name = _query("nvmlDeviceGetName", nvml.as_text, board=False)
+    uuid = _query("nvmlDeviceGetUUID", nvml.as_text, board=False)
+    index = _query("nvmlDeviceGetIndex", int)
+    gpu_instance_id = _query("nvmlDeviceGetGpuInstanceId", int, board=False)
+    compute_instance_id = _query("nvmlDeviceGetComputeInstanceId", int, board=False)
+    temperature_c = _query("nvmlDeviceGetTemperature", int, "NVML_TEMPERATURE_GPU")
+    power_mw = _query("nvmlDeviceGetPowerUsage")
+    power_limit_mw = _query("nvmlDeviceGetEnforcedPowerLimit")
+    sm_clock_mhz = _query("nvmlDeviceGetClockInfo", float, "NVML_CLOCK_SM")
+    energy_mj = _query("nvmlDeviceGetTotalEnergyConsumption")
+    fan_pct = _query("nvmlDeviceGetFanSpeed")
+    ecc_uncorrected = _query(
+        "nvmlDeviceGetTotalEccErrors",
+        float,
+        "NVML_MEMORY_ERROR_TYPE_UNCORRECTED",
+        "NVML_VOLATILE_ECC",
+    )
 
     def pci_bus_id(self) -> str:
         return nvml.as_text(self.lib.nvmlDeviceGetPciInfo(self.board).busId)
@@ -48,20 +65,13 @@ class DeviceReader:
         return bool(mode) and mode[0] == getattr(self.lib, "NVML_DEVICE_MIG_ENABLE", 1)
 
     def mig_slices(self) -> list[tuple[int, DeviceReader]]:
-        slices = []
-        for slot in range(
-            nvml.optional(self.lib, "nvmlDeviceGetMaxMigDeviceCount", self.board) or 0
-        ):
-            child = nvml.optional(self.lib, "nvmlDeviceGetMigDeviceHandleByIndex", self.board, slot)
-            if child is not None:  # an empty slot: NVML says NOT_FOUND
-                slices.append((slot, DeviceReader(self.lib, child, self.board)))
-        return slices
-
-    def gpu_instance_id(self) -> int:
-        return int(self.lib.nvmlDeviceGetGpuInstanceId(self.handle))
-
-    def compute_instance_id(self) -> int:
-        return int(self.lib.nvmlDeviceGetComputeInstanceId(self.handle))
+        """``(slot, reader)`` of each MIG device (an empty slot is NOT_FOUND: skipped)."""
+        lib, count = self.lib, nvml.optional(self.lib, "nvmlDeviceGetMaxMigDeviceCount", self.board)
+        children = [
+            (slot, nvml.optional(lib, "nvmlDeviceGetMigDeviceHandleByIndex", self.board, slot))
+            for slot in range(count or 0)
+        ]
+        return [(slot, DeviceReader(lib, c, self.board)) for slot, c in children if c is not None]
 
     def memory(self) -> tuple[int, int, int]:
         info = self.lib.nvmlDeviceGetMemoryInfo(self.handle)
@@ -76,22 +86,10 @@ class DeviceReader:
         procs = getattr(self.lib, f"nvmlDeviceGet{kind}RunningProcesses")(self.handle)
         return [(int(p.pid), getattr(p, "usedGpuMemory", None)) for p in procs]
 
-    def temperature_c(self) -> int:
-        return int(self.lib.nvmlDeviceGetTemperature(self.board, self.lib.NVML_TEMPERATURE_GPU))
-
-    def power_mw(self) -> float:
-        return float(self.lib.nvmlDeviceGetPowerUsage(self.board))
-
-    def power_limit_mw(self) -> float:
-        return float(self.lib.nvmlDeviceGetEnforcedPowerLimit(self.board))
-
-    def sm_clock_mhz(self) -> float:
-        return float(self.lib.nvmlDeviceGetClockInfo(self.board, self.lib.NVML_CLOCK_SM))
-
     def clock_event_reasons(self) -> int:
-        """Why the clocks are held back, a bit mask (nvmlClocksEventReason*)."""
+        """Why the clocks are held back, a bit mask; drivers before 535 only say "throttle"."""
         if self._clock_events is None:
-            try:  # the newer name; drivers before 535 only have the "throttle" one
+            try:
                 reasons = self.lib.nvmlDeviceGetCurrentClocksEventReasons(self.board)
                 self._clock_events = self.lib.nvmlDeviceGetCurrentClocksEventReasons
                 return int(reasons)
@@ -99,25 +97,11 @@ class DeviceReader:
                 self._clock_events = self.lib.nvmlDeviceGetCurrentClocksThrottleReasons
         return int(self._clock_events(self.board))
 
-    def energy_mj(self) -> float:
-        return float(self.lib.nvmlDeviceGetTotalEnergyConsumption(self.board))
-
-    def fan_pct(self) -> float:
-        return float(self.lib.nvmlDeviceGetFanSpeed(self.board))
-
     def pcie_kbs(self) -> tuple[float, float]:
         lib = self.lib
         return (
             float(lib.nvmlDeviceGetPcieThroughput(self.board, lib.NVML_PCIE_UTIL_TX_BYTES)),
             float(lib.nvmlDeviceGetPcieThroughput(self.board, lib.NVML_PCIE_UTIL_RX_BYTES)),
-        )
-
-    def ecc_uncorrected(self) -> float:
-        lib = self.lib
-        return float(
-            lib.nvmlDeviceGetTotalEccErrors(
-                self.board, lib.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, lib.NVML_VOLATILE_ECC
-            )
         )
 
     def memory_temperature_c(self) -> float:

@@ -1,10 +1,8 @@
-"""``accelerator``/``devices`` as typed, checked against the machine before anything is built.
-
-Why: "4 GPUs on a 2-GPU machine" is one clear line instead of Lightning's traceback, and "no GPU"
-falls back to the CPU with one message. :func:`resolve_devices` decides and changes nothing;
+"""``accelerator``/``devices`` as typed, checked against the machine before anything is built:
+"4 GPUs on a 2-GPU machine" is one clear line instead of Lightning's traceback, and "no GPU" falls
+back to the CPU with one message. :func:`resolve_devices` decides and changes nothing;
 :func:`resolve_for_run` also measures, waits for and claims ``least_used`` GPUs and hands rank 0's
-choice to the DDP ranks.
-"""
+choice to the DDP ranks."""
 
 from __future__ import annotations
 
@@ -16,13 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from runkit.gpus import claims
-from runkit.gpus.claims import rank_by_load
 from runkit.gpus.inventory import IDENTITY, LOAD, cached_inventory
 from runkit.gpus.records import DeviceError, Gpu, Inventory, no_gpu_reason
 
 SELECTION_ENV = "RUNKIT_GPU_SELECTION"  # rank 0's least_used choice, inherited by its DDP ranks
-
 SELECT_CHOICES = ("first", "least_used")  # the values of select_gpus
+_ACCEPTED = "a count ≥ 1, -1 (all), 'auto', or GPU indices such as [0,1] or '0,1'"
 
 
 @dataclass(frozen=True)
@@ -46,35 +43,26 @@ class DevicePlan:
 def parse_devices(devices: Any) -> str | int | list[int]:
     """``devices`` as users type it (``2``, ``-1``, ``"auto"``, ``"0,1"``, ``"[0,1]"``, a list) as
     ``"auto"``, a count (``-1``: all) or a list of indices."""
-    accepted = "a count ≥ 1, -1 (all), 'auto', or GPU indices such as [0,1] or '0,1'"
-    if isinstance(devices, bool):
-        raise DeviceError(f"devices={devices!r} is not valid; use {accepted}")
-    if isinstance(devices, int):
-        if devices == -1 or devices >= 1:
-            return devices
-        raise DeviceError(f"devices={devices} is not valid; use {accepted}")
     if isinstance(devices, str):
         text = devices.strip()
         if text.lower() == "auto":
             return "auto"
-        listed = text.startswith("[") and text.endswith("]")
-        body = text[1:-1] if listed else text
+        if re.fullmatch(r"-?\d+", text):
+            return parse_devices(int(text))
+        listed = text[:1] == "[" and text[-1:] == "]"
+        body = text[1:-1] if listed else text.removesuffix(",") if "," in text else "x"
         parts = [p.strip() for p in body.split(",")]
-        if not listed and len(parts) == 1:
-            if re.fullmatch(r"-?\d+", text):
-                return parse_devices(int(text))
-            raise DeviceError(f"devices={devices!r} is not valid; use {accepted}")
-        if parts and parts[-1] == "" and not listed:
-            parts = parts[:-1]  # "0," is a one-element list, as Lightning reads it
-        if not all(re.fullmatch(r"\d+", p) for p in parts):
-            raise DeviceError(f"devices={devices!r} is not valid; use {accepted}")
-        return _check_index_list([int(p) for p in parts], devices)
-    if isinstance(devices, Sequence):  # an OmegaConf ListConfig too
+        if all(re.fullmatch(r"\d+", p) for p in parts):
+            return _check_index_list([int(p) for p in parts], devices)
+    elif isinstance(devices, int) and not isinstance(devices, bool):
+        if devices == -1 or devices >= 1:
+            return devices
+    elif isinstance(devices, Sequence):  # an OmegaConf ListConfig too
         items = list(devices)
-        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
-            raise DeviceError(f"devices={items!r} is not valid; use {accepted}")
-        return _check_index_list(items, devices)
-    raise DeviceError(f"devices={devices!r} is not valid; use {accepted}")
+        if all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
+            return _check_index_list(items, devices)
+        devices = items
+    raise DeviceError(f"devices={devices!r} is not valid; use {_ACCEPTED}")
 
 
 def _check_index_list(indices: list[int], original: Any) -> list[int]:
@@ -86,14 +74,11 @@ def _check_index_list(indices: list[int], original: Any) -> list[int]:
 
 
 def _describe_visible(inv: Inventory) -> str:
-    n = inv.usable_gpu_count
-    if n == 0:
+    if (n := inv.usable_gpu_count) == 0:
         return f"this machine has no usable GPU ({no_gpu_reason(inv)})"
-    names = [g.name for g in inv.visible[:n]]
-    if len(names) == n and n <= 4:
-        listing = ", ".join(f"cuda:{i} {name}" for i, name in enumerate(names))
-        return f"only {n} GPU{'s are' if n != 1 else ' is'} visible ({listing})"
-    return f"only {n} GPU{'s are' if n != 1 else ' is'} visible (cuda:0..cuda:{n - 1})"
+    names = [f"cuda:{i} {g.name}" for i, g in enumerate(inv.visible[:n])]
+    listing = ", ".join(names) if len(names) == n <= 4 else f"cuda:0..cuda:{n - 1}"
+    return f"only {n} GPU{'s are' if n != 1 else ' is'} visible ({listing})"
 
 
 def resolve_devices(
@@ -118,49 +103,33 @@ def resolve_devices(
         return _cpu_plan(accelerator, wanted, message=None)
     if acc not in ("auto", "gpu", "cuda"):
         return DevicePlan(accelerator, wanted)
-    if inventory is None:
-        inventory = cached_inventory(LOAD if select == "least_used" else IDENTITY)
-    if inventory.usable_gpu_count == 0:
-        return _no_gpu_plan(accelerator, acc, wanted, inventory)
-    return _gpu_plan(
-        accelerator, wanted, inventory, select, os.environ if environ is None else environ
-    )
-
-
-def _no_gpu_plan(accelerator: Any, acc: Any, wanted: Any, inv: Inventory) -> DevicePlan:
-    if acc == "auto" and inv.torch.mps_available:
-        return DevicePlan(accelerator, wanted)
-    if acc != "auto":
+    inv = inventory or cached_inventory(LOAD if select == "least_used" else IDENTITY)
+    if (count := inv.usable_gpu_count) == 0:
+        if acc == "auto" and inv.torch.mps_available:
+            return DevicePlan(accelerator, wanted)
+        if acc == "auto":
+            message = f"No usable GPU: {no_gpu_reason(inv)}; this run uses the CPU."
+            return _cpu_plan("cpu", "auto" if wanted == -1 else wanted, message=message)
         remedy = "use accelerator=cpu or accelerator=auto"
         if no_gpu_reason(inv).startswith("CUDA_VISIBLE_DEVICES="):
             remedy = "set CUDA_VISIBLE_DEVICES to GPU indices or UUIDs (e.g. 0,1) or unset it"
         raise DeviceError(
             f"accelerator={accelerator} asks for a GPU, but {_describe_visible(inv)}; {remedy}"
         )
-    message = f"No usable GPU: {no_gpu_reason(inv)}; this run uses the CPU."
-    return _cpu_plan("cpu", "auto" if wanted == -1 else wanted, message=message)
-
-
-def _gpu_plan(
-    accelerator: Any, wanted: Any, inv: Inventory, select: str, environ: Mapping[str, str]
-) -> DevicePlan:
-    count = inv.usable_gpu_count
     if isinstance(wanted, list):
-        missing = [i for i in wanted if i >= count]
-        if missing:
+        if missing := [str(i) for i in wanted if i >= count]:
             raise DeviceError(
-                f"devices={wanted} names GPU {', '.join(map(str, missing))}, "
-                f"but {_describe_visible(inv)}"
+                f"devices={wanted} names GPU {', '.join(missing)}, but {_describe_visible(inv)}"
             )
         return DevicePlan(accelerator, wanted, gpus=_gpus_at(inv, wanted))
-    if wanted not in ("auto", -1) and wanted > count:
+    if wanted not in ("auto", -1) and int(wanted) > count:
         raise DeviceError(f"devices={wanted} asks for {wanted} GPUs, but {_describe_visible(inv)}")
+    number = count if wanted in ("auto", -1) else int(wanted)
     if select == "least_used":
-        number = count if wanted in ("auto", -1) else wanted
-        return _least_used_plan(accelerator, number, inv, environ)
-    if wanted in ("auto", -1):
-        return DevicePlan(accelerator, wanted, gpus=inv.visible[:count])
-    return DevicePlan(accelerator, wanted, gpus=inv.visible[:wanted])
+        return _least_used_plan(
+            accelerator, number, inv, os.environ if environ is None else environ
+        )
+    return DevicePlan(accelerator, wanted, gpus=inv.visible[:number])
 
 
 def resolve_for_run(
@@ -183,7 +152,7 @@ def resolve_for_run(
     count = len(plan.selected or ())
     chosen, message = claims.wait_and_claim(inv, count, policy or claims.SelectionPolicy())
     plan = _rank0_plan(plan.accelerator, chosen, message, inv, count)
-    environ[SELECTION_ENV] = plan.handoff  # type: ignore[assignment]
+    environ[SELECTION_ENV] = str(plan.handoff)
     return plan
 
 
@@ -212,9 +181,12 @@ def _request_key(count: int, inv: Inventory) -> str:
 def _least_used_plan(
     accelerator: Any, count: int, inv: Inventory, environ: Mapping[str, str]
 ) -> DevicePlan:
-    key = _request_key(count, inv)
-    saved = environ.get(SELECTION_ENV)
-    local_rank = environ.get("LOCAL_RANK")
+    """Rank 0 picks by load; a DDP child (``LOCAL_RANK``, another pid's record) takes rank 0's."""
+    key, saved, local_rank = (
+        _request_key(count, inv),
+        environ.get(SELECTION_ENV),
+        environ.get("LOCAL_RANK"),
+    )
     record = _parse_record(saved) if saved else None
     if record is not None and record["pid"] != os.getpid() and local_rank is not None:
         if record["request"] != key:
@@ -240,7 +212,7 @@ def _least_used_plan(
     if len(candidates) < inv.usable_gpu_count or all(g.memory_free_mib is None for g in candidates):
         chosen, message = claims.first_gpus(count, inv.nvml_reason or "NVML gave none")
     else:
-        chosen = sorted(rank_by_load(candidates)[:count])
+        chosen = sorted(claims.rank_by_load(candidates)[:count])
         message = (
             f"select_gpus=least_used picked {', '.join(f'cuda:{i}' for i in chosen)} of "
             f"{len(candidates)} (most free memory, then lowest utilisation)"
@@ -256,21 +228,22 @@ def _rank0_plan(
     return DevicePlan(accelerator, chosen, message, tuple(chosen), _gpus_at(inv, chosen), handoff)
 
 
-def _parse_record(text: str) -> dict[str, Any] | None:
+def _parse_record(text: str) -> dict[str, Any]:
+    """Rank 0's record from :data:`SELECTION_ENV`; a :class:`DeviceError` if it is not one."""
     try:
         record = json.loads(text)
-        if (
-            isinstance(record, dict)
-            and isinstance(record.get("pid"), int)
-            and isinstance(record.get("request"), str)
-            and isinstance(record.get("gpus"), list)
-            and record["gpus"]
-            and len(set(record["gpus"])) == len(record["gpus"])
-            and all(type(i) is int and i >= 0 for i in record["gpus"])
-        ):
-            return record
     except ValueError:
-        pass
+        record = None
+    gpus = record.get("gpus") if isinstance(record, dict) else None
+    if (
+        isinstance(gpus, list)
+        and isinstance(record.get("pid"), int)
+        and isinstance(record.get("request"), str)
+        and gpus
+        and len(set(gpus)) == len(gpus)
+        and all(type(i) is int and i >= 0 for i in gpus)
+    ):
+        return record
     raise DeviceError(
         f"{SELECTION_ENV}={text!r} is not a GPU choice written by this template; unset it"
     )
