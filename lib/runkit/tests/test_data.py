@@ -135,3 +135,31 @@ def test_ddp_metrics_count_every_sample_once(cli: CliRunner, log_dir: Path) -> N
     assert tested["test/acc"] == logged["test/acc"] < 1.0
     assert validated["val/loss"] == pytest.approx(logged["val/loss"], rel=1e-6, abs=0)
     assert tested["test/loss"] == pytest.approx(logged["test/loss"], rel=1e-6, abs=0)
+
+
+def test_pin_memory_auto_pins_only_for_cuda_runs() -> None:
+    data = DigitsDataModule(pin_memory="auto")
+    assert data._pin() is False  # no Trainer attached
+    for device, pinned in (("cpu", False), ("cuda", True)):
+        data.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)))
+        assert data._pin() is pinned
+    assert DigitsDataModule(pin_memory=True)._pin() is True
+    assert DigitsDataModule(pin_memory=False, num_workers="auto").num_workers == 0
+
+
+def test_in_memory_batches_come_from_one_index_and_match_the_per_sample_path() -> None:
+    from torch.utils.data import DataLoader
+
+    from runkit.data import BatchedTensorDataset, Rows, collate_rows
+
+    data = DigitsDataModule(batch_size=32)
+    data.setup()
+    fast = data.val_dataloader()
+    assert fast.collate_fn is collate_rows and data.train_dataloader().collate_fn is collate_rows
+    assert isinstance(data.val_set.dataset, BatchedTensorDataset)
+    rows = data.val_set.__getitems__([3, 1, 2])  # Subset passes the call to the tensors
+    assert isinstance(rows, Rows) and len(rows) == 3 and rows.tensors[0].shape[0] == 3
+    # A loader built by hand over the split (default collate) still gets (input, label) samples.
+    by_hand = DataLoader(data.val_set, batch_size=32)
+    for (x_fast, y_fast), (x_slow, y_slow) in zip(fast, by_hand, strict=True):
+        assert torch.equal(x_fast, x_slow) and torch.equal(y_fast, y_slow)

@@ -70,56 +70,56 @@ def test_config_defaults_are_the_fast_safe_choices() -> None:
     assert cfg.data.num_workers == "auto" and cfg.data.pin_memory == "auto"
 
 
-# --------------------------------------------------------------------------- devices
-def test_cuda_indices_is_empty_for_cpu_runs_and_on_machines_without_cuda(
+def test_cuda_indices_follow_the_trainer_meaning_of_devices(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert speed.cuda_indices("auto", 1) == []
-    assert speed.cuda_indices("gpu", 2) == []
+    assert speed.cuda_indices("auto", 1) == speed.cuda_indices("gpu", 2) == []
     _fake_cuda(monkeypatch, 4, (9, 0))
     assert speed.cuda_indices("cpu", 2) == []
-
-
-@pytest.mark.parametrize(
-    ("accelerator", "devices", "expected"),
-    [
+    for accelerator, devices, expected in [
         ("gpu", 2, [0, 1]),
         ("auto", [1, 3], [1, 3]),
         ("cuda", "auto", [0, 1, 2, 3]),
         ("gpu", -1, [0, 1, 2, 3]),
+        ("gpu", "-1", [0, 1, 2, 3]),
         ("gpu", "0,2", [0, 2]),
         ("gpu", "2", [0, 1]),
-    ],
-)
-def test_cuda_indices_follow_the_trainer_meaning_of_devices(
-    monkeypatch: pytest.MonkeyPatch, accelerator: str, devices: Any, expected: list[int]
-) -> None:
-    _fake_cuda(monkeypatch, 4, (9, 0))
-    assert speed.cuda_indices(accelerator, devices) == expected
+        ("gpu", 9, [0, 1, 2, 3]),
+    ]:
+        assert speed.cuda_indices(accelerator, devices) == expected, (accelerator, devices)
 
 
-# --------------------------------------------------------------------------- TF32
-def test_matmul_precision_is_left_alone_on_the_cpu(restore_matmul_precision: Any) -> None:
-    torch.set_float32_matmul_precision("highest")
-    assert speed.apply_matmul_precision("high", []) == "highest"
-    assert torch.get_float32_matmul_precision() == "highest"
-
-
-def test_matmul_precision_high_on_ampere_and_not_on_turing(
+def test_tf32_and_bf16_only_where_every_gpu_has_them(
     monkeypatch: pytest.MonkeyPatch, restore_matmul_precision: Any
 ) -> None:
     torch.set_float32_matmul_precision("highest")
-    _fake_cuda(monkeypatch, 1, (7, 5))
-    assert speed.apply_matmul_precision("high", [0]) == "highest"
-    _fake_cuda(monkeypatch, 1, (8, 0))
-    assert speed.apply_matmul_precision("high", [0]) == "high"
+    assert speed.apply_matmul_precision("high", []) == "highest"  # the CPU: left alone
+    assert speed.resolve_precision("auto", []) == "32-true"
+    _fake_cuda(monkeypatch, 2, (7, 5))
+    assert speed.apply_matmul_precision("high", [0, 1]) == "highest"
+    assert speed.resolve_precision("auto", [0, 1]) == "32-true"
+    assert torch.get_float32_matmul_precision() == "highest"
+    _fake_cuda(monkeypatch, 2, (8, 0))
+    assert speed.apply_matmul_precision("high", [0, 1]) == "high"
+    assert speed.resolve_precision("auto", [0, 1]) == "bf16-mixed"
     assert torch.get_float32_matmul_precision() == "high"
+    assert speed.resolve_precision("16-mixed", []) == "16-mixed"
+    assert speed.resolve_precision(32, []) == "32"
 
 
-def test_bad_matmul_precision_is_one_line(restore_matmul_precision: Any) -> None:
-    with pytest.raises(RunError, match=r"^matmul_precision='tf32' is invalid; expected one of"):
-        speed.apply_matmul_precision("tf32", [])
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: speed.apply_matmul_precision("tf32", []), r"^matmul_precision='tf32' is invalid; expected one of"),
+        (lambda: speed.resolve_precision("fp8", []), r"^precision='fp8' is invalid; expected auto or one of"),
+        (lambda: speed.keep_freed_memory("yes"), r"^keep_freed_memory='yes' is invalid; expected true or false$"),
+        (lambda: DigitsDataModule(pin_memory="yes"), r"^data\.pin_memory='yes' is invalid; expected"),
+    ],
+)  # fmt: skip
+def test_a_bad_value_is_one_line(call: Any, message: str) -> None:
+    with pytest.raises(RunError, match=message):
+        call()
 
 
 # --------------------------------------------------------------------------- freed memory
@@ -141,7 +141,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-@pytest.mark.slow  # two fresh interpreters importing torch and Lightning
+@pytest.mark.slow  # two fresh interpreters importing torch
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 def test_kept_freed_memory_is_not_faulted_in_again_at_the_next_step() -> None:
     runs = {
@@ -153,53 +153,20 @@ def test_kept_freed_memory_is_not_faulted_in_again_at_the_next_step() -> None:
     printed = {mode: run.communicate(timeout=120)[0].split() for mode, run in runs.items()}
     assert printed["on"][0] == "True" and printed["off"][0] == "False"
     pages = 16 * (4 << 20) // resource.getpagesize()  # one round's blocks
-    # glibc's defaults unmap the first round's blocks and grow the heap for the next round's
-    # (faulted in), then may trim it again; kept, a round's blocks are the last round's.
     assert int(printed["off"][1]) >= pages, printed
     assert int(printed["on"][1]) < pages // 4, printed
 
 
-def test_keep_freed_memory_is_a_no_op_without_glibc_and_bad_values_are_one_line(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_keep_freed_memory_is_a_no_op_without_glibc(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(platform, "libc_ver", lambda: ("", ""))
     monkeypatch.setattr(ctypes, "CDLL", lambda *a: pytest.fail("the allocator was touched"))
     assert speed.keep_freed_memory(True) is False
     assert speed.keep_freed_memory(False) is False
-    with pytest.raises(
-        RunError, match=r"^keep_freed_memory='yes' is invalid; expected true or false$"
-    ):
-        speed.keep_freed_memory("yes")
-
-
-# --------------------------------------------------------------------------- precision
-def test_auto_precision_is_bf16_mixed_only_on_bf16_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert speed.resolve_precision("auto", []) == "32-true"
-    _fake_cuda(monkeypatch, 2, (8, 6))
-    assert speed.resolve_precision("auto", [0, 1]) == "bf16-mixed"
-    _fake_cuda(monkeypatch, 2, (7, 0))
-    assert speed.resolve_precision("auto", [0, 1]) == "32-true"
-
-
-def test_explicit_precision_passes_through_and_bad_ones_fail_in_one_line() -> None:
-    assert speed.resolve_precision("16-mixed", []) == "16-mixed"
-    assert speed.resolve_precision(32, []) == "32"
-    with pytest.raises(RunError, match=r"^precision='fp8' is invalid; expected auto or one of"):
-        speed.resolve_precision("fp8", [])
 
 
 # --------------------------------------------------------------------------- compile, layout
-def test_compile_is_in_place_so_state_dict_keys_stay_plain() -> None:
-    net = speed.maybe_compile(MLP(hidden=(8,)), True)
-    assert getattr(net, "_compiled_call_impl", None) is not None
-    assert all(not key.startswith("_orig_mod") for key in net.state_dict())
-    plain = speed.maybe_compile(MLP(hidden=(8,)), False)
-    assert getattr(plain, "_compiled_call_impl", None) is None
-
-
 def _trainer_on(device: str, global_zero: bool = True) -> Any:
-    """What the speed callback and the data module read of a Trainer: its strategy's root
-    device, and whether this is rank 0."""
+    """What the speed callback and the data module read of a Trainer."""
     return types.SimpleNamespace(
         strategy=types.SimpleNamespace(root_device=torch.device(device)),
         is_global_zero=global_zero,
@@ -236,17 +203,13 @@ def test_channels_last_applies_to_conv_nets_on_cuda_only() -> None:
     off = ClassifierModule(ConvNet(in_channels=3, channels=(4, 8)), torch.optim.SGD)
     speed.NetworkSpeedups(channels_last=False).setup(_trainer_on("cuda"), off, "fit")
     assert not _sees_channels_last(off.net)
-
-
-def test_channels_last_batches_convert_images_and_leave_labels() -> None:
     images, labels = torch.rand(4, 3, 8, 8), torch.arange(4)
     out_images, out_labels = speed.to_channels_last((images, labels))
-    assert out_images.is_contiguous(memory_format=torch.channels_last)
-    assert not images.is_contiguous(memory_format=torch.channels_last)
-    assert out_labels is labels
+    assert out_images.is_contiguous(memory_format=torch.channels_last) and out_labels is labels
 
 
-def test_the_speed_callback_compiles_the_configured_network_once() -> None:
+def test_the_speed_callback_compiles_the_configured_network_in_place_once() -> None:
+    assert getattr(speed.maybe_compile(MLP(), False), "_compiled_call_impl", None) is None
     cfg = _compose("callbacks.speed.compile=true", "model.net.channels=[4,8]")
     switches = instantiate(cfg.callbacks.speed)
     assert isinstance(switches, speed.NetworkSpeedups)
@@ -301,23 +264,6 @@ def test_compiled_network_trains_on_the_cpu(tmp_path: Path) -> None:
     assert getattr(model.net, "_compiled_call_impl", None) is not None
     assert any(not torch.equal(a, b) for a, b in zip(before, model.net.parameters(), strict=True))
     assert torch.isfinite(torch.as_tensor(trainer.callback_metrics["train/loss"]))
-
-
-# --------------------------------------------------------------------------- data loading
-def test_pin_memory_auto_pins_only_for_cuda_runs() -> None:
-    data = DigitsDataModule(pin_memory="auto")
-    assert data._pin() is False  # no Trainer attached
-    data.trainer = _trainer_on("cpu")
-    assert data._pin() is False
-    data.trainer = _trainer_on("cuda")
-    assert data._pin() is True
-    assert DigitsDataModule(pin_memory=True)._pin() is True
-    assert DigitsDataModule(pin_memory=False, num_workers="auto").num_workers == 0
-
-
-def test_bad_pin_memory_is_one_line() -> None:
-    with pytest.raises(RunError, match=r"^data\.pin_memory='yes' is invalid; expected"):
-        DigitsDataModule(pin_memory="yes")
 
 
 # --------------------------------------------------------------------------- no per-step sync
@@ -490,80 +436,57 @@ def _built_trainer_kwargs(
     return seen
 
 
-def test_train_passes_the_resolved_precision_to_the_trainer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restore_matmul_precision: Any
-) -> None:
-    assert _built_trainer_kwargs(tmp_path / "a", monkeypatch)["precision"] == "32-true"
-    # The one precision key, set: it reaches the Trainer as given.
-    kwargs = _built_trainer_kwargs(tmp_path / "b", monkeypatch, "precision=bf16-mixed")
-    assert kwargs["precision"] == "bf16-mixed"
-    # trainer.precision is not a second key: one line naming the key to use instead.
-    with pytest.raises(
-        RunError,
-        match=r"^trainer\.precision=16-mixed is not read; .*"
-        r"top-level key: precision=16-mixed",
-    ):
-        _built_trainer_kwargs(tmp_path / "d", monkeypatch, "+trainer.precision=16-mixed")
-    # fp16 AMP does not exist on the CPU: what Lightning would run instead is what is passed.
-    kwargs = _built_trainer_kwargs(tmp_path / "e", monkeypatch, "precision=16-mixed")
-    assert kwargs["precision"] == "bf16-mixed"
-    # A run on an Ampere GPU (faked: the Trainer itself still runs on the CPU).
-    monkeypatch.setattr(speed, "cuda_indices", lambda accelerator, devices: [0])
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
-    torch.set_float32_matmul_precision("highest")
-    assert _built_trainer_kwargs(tmp_path / "c", monkeypatch)["precision"] == "bf16-mixed"
-    assert torch.get_float32_matmul_precision() == "high"
+def _settings(*overrides: str) -> dict[str, Any]:
+    plan = types.SimpleNamespace(accelerator="cpu", devices=1, trainer_kwargs=lambda: {})
+    return speed.trainer_settings(_compose(*overrides), plan)
 
 
-def test_train_applies_keep_freed_memory_from_its_key(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    asked: list[Any] = []
-    monkeypatch.setattr(speed, "keep_freed_memory", lambda value: asked.append(value) or value)
-    with caplog.at_level(logging.INFO, logger="runkit.speed"):
-        _built_trainer_kwargs(tmp_path / "a", monkeypatch)
-    assert "float32 matmul precision=highest, freed memory kept (cpu)" in caplog.text
-    _built_trainer_kwargs(tmp_path / "b", monkeypatch, "keep_freed_memory=false")
-    assert asked == [True, False]
-
-
-def test_no_profiler_asked_for_is_the_cheap_one_and_a_profiler_asked_for_is_kept(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_trainer_settings_follow_the_precision_memory_and_profiler_keys(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    restore_matmul_precision: Any,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     from lightning.pytorch.profilers import SimpleProfiler
 
-    kwargs = _built_trainer_kwargs(tmp_path / "a", monkeypatch)
-    assert isinstance(kwargs["profiler"], speed.NoProfiler)
-    kwargs = _built_trainer_kwargs(tmp_path / "b", monkeypatch, "debug=profiler")
-    assert "profiler" not in kwargs  # the config's profiler reaches the Trainer as configured
-    cfg = _compose(f"paths.output_dir={tmp_path / 'c'}", "debug=profiler")
-    assert isinstance(instantiate(cfg.trainer.profiler), SimpleProfiler)
+    asked: list[Any] = []
+    monkeypatch.setattr(speed, "keep_freed_memory", lambda value: asked.append(value) or value)
+    torch.set_float32_matmul_precision("highest")
+    with caplog.at_level(logging.INFO, logger="runkit.speed"):
+        kwargs = _settings()
+    assert kwargs["precision"] == "32-true" and isinstance(kwargs["profiler"], speed.NoProfiler)
+    assert "float32 matmul precision=highest, freed memory kept (cpu)" in caplog.text
+    assert _settings("precision=bf16-mixed", "keep_freed_memory=false")["precision"] == "bf16-mixed"
+    assert asked == [True, False]
+    # fp16 AMP does not exist on the CPU: what Lightning would run instead is what is passed.
+    assert _settings("precision=16-mixed")["precision"] == "bf16-mixed"
+    # trainer.precision is not a second key: one line naming the key to use instead.
+    with pytest.raises(
+        RunError,
+        match=r"^trainer\.precision=16-mixed is not read; .*top-level key: precision=16-mixed",
+    ):
+        _settings("+trainer.precision=16-mixed")
+    profiled = ("debug=profiler", f"paths.output_dir={tmp_path}")
+    assert "profiler" not in _settings(*profiled)  # a profiler asked for is kept
+    assert isinstance(instantiate(_compose(*profiled).trainer.profiler), SimpleProfiler)
+    # A run on an Ampere GPU (faked: nothing runs on it).
+    monkeypatch.setattr(speed, "cuda_indices", lambda accelerator, devices: [0])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    assert _settings()["precision"] == "bf16-mixed"
+    assert torch.get_float32_matmul_precision() == "high"
+
+
+def test_train_builds_its_trainer_with_these_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kwargs = _built_trainer_kwargs(tmp_path, monkeypatch, "precision=16-mixed")
+    assert kwargs["precision"] == "bf16-mixed" and isinstance(kwargs["profiler"], speed.NoProfiler)
 
 
 def test_no_profiler_runs_the_profiled_code_and_records_nothing() -> None:
     profiler = speed.NoProfiler()
-    ran = []
     with profiler.profile("[Callback]FiniteLoss.on_before_backward") as value:
-        ran.append(value)
-    # an error inside passes through
+        ran = [value]
     with pytest.raises(ValueError, match="raised inside"), profiler.profile("[Module]M.step"):
-        raise ValueError("raised inside")
+        raise ValueError("raised inside")  # an error inside passes through
     assert ran == [None] and profiler.summary() == ""
-
-
-def test_in_memory_batches_come_from_one_index_and_match_the_per_sample_path() -> None:
-    from torch.utils.data import DataLoader
-
-    from runkit.data import BatchedTensorDataset, Rows, collate_rows
-
-    data = DigitsDataModule(batch_size=32)
-    data.setup()
-    fast = data.val_dataloader()
-    assert fast.collate_fn is collate_rows and data.train_dataloader().collate_fn is collate_rows
-    rows = data.val_set.__getitems__([3, 1, 2])  # Subset passes the call to the tensors
-    assert isinstance(rows, Rows) and len(rows) == 3 and rows.tensors[0].shape[0] == 3
-    # A loader built by hand over the split (default collate) still gets (input, label) samples.
-    by_hand = DataLoader(data.val_set, batch_size=32)
-    for (x_fast, y_fast), (x_slow, y_slow) in zip(fast, by_hand, strict=True):
-        assert torch.equal(x_fast, x_slow) and torch.equal(y_fast, y_slow)
-    assert isinstance(data.val_set.dataset, BatchedTensorDataset)
