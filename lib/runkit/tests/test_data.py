@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -137,11 +138,11 @@ def test_ddp_metrics_count_every_sample_once(cli: CliRunner, log_dir: Path) -> N
     assert tested["test/loss"] == pytest.approx(logged["test/loss"], rel=1e-6, abs=0)
 
 
-def test_pin_memory_auto_pins_only_for_cuda_runs() -> None:
+def test_pin_memory_auto_pins_only_for_cuda_runs(stand_in_trainer: Any) -> None:
     data = DigitsDataModule(pin_memory="auto")
     assert data._pin() is False  # no Trainer attached
     for device, pinned in (("cpu", False), ("cuda", True)):
-        data.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)))
+        data.trainer = stand_in_trainer(device)
         assert data._pin() is pinned
     assert DigitsDataModule(pin_memory=True)._pin() is True
     assert DigitsDataModule(pin_memory=False, num_workers="auto").num_workers == 0

@@ -165,14 +165,6 @@ def test_keep_freed_memory_is_a_no_op_without_glibc(monkeypatch: pytest.MonkeyPa
 
 
 # --------------------------------------------------------------------------- compile, layout
-def _trainer_on(device: str, global_zero: bool = True) -> Any:
-    """What the speed callback and the data module read of a Trainer."""
-    return types.SimpleNamespace(
-        strategy=types.SimpleNamespace(root_device=torch.device(device)),
-        is_global_zero=global_zero,
-    )
-
-
 def _sees_channels_last(net: ConvNet) -> bool:
     """Whether the first convolution receives its input in channels-last layout."""
     seen: list[bool] = []
@@ -184,46 +176,48 @@ def _sees_channels_last(net: ConvNet) -> bool:
     return seen[0]
 
 
-def test_channels_last_applies_to_conv_nets_on_cuda_only() -> None:
+def test_channels_last_applies_to_conv_nets_on_cuda_only(stand_in_trainer: Any) -> None:
     switches = speed.NetworkSpeedups(channels_last=True)
     module = ClassifierModule(ConvNet(in_channels=3, channels=(4, 8)), torch.optim.SGD)
-    switches.setup(_trainer_on("cpu"), module, "fit")
+    switches.setup(stand_in_trainer("cpu"), module, "fit")
     assert not module.net.features[3].weight.is_contiguous(memory_format=torch.channels_last)
     assert not _sees_channels_last(module.net)
     # The layout change is device-independent, so a CPU test can check it for a CUDA run.
-    switches.setup(_trainer_on("cuda"), module, "fit")
+    switches.setup(stand_in_trainer("cuda"), module, "fit")
     assert module.net.features[3].weight.is_contiguous(memory_format=torch.channels_last)
     assert _sees_channels_last(module.net)  # the batches are converted on their way in
-    switches.teardown(_trainer_on("cuda"), module, "fit")
+    switches.teardown(stand_in_trainer("cuda"), module, "fit")
     assert not _sees_channels_last(module.net)  # the input hook goes with the run
 
     mlp = ClassifierModule(MLP(), torch.optim.SGD)
-    speed.NetworkSpeedups(channels_last=True).setup(_trainer_on("cuda"), mlp, "fit")
+    speed.NetworkSpeedups(channels_last=True).setup(stand_in_trainer("cuda"), mlp, "fit")
     assert not mlp.net.layers[1].weight.is_contiguous(memory_format=torch.channels_last)
     off = ClassifierModule(ConvNet(in_channels=3, channels=(4, 8)), torch.optim.SGD)
-    speed.NetworkSpeedups(channels_last=False).setup(_trainer_on("cuda"), off, "fit")
+    speed.NetworkSpeedups(channels_last=False).setup(stand_in_trainer("cuda"), off, "fit")
     assert not _sees_channels_last(off.net)
     images, labels = torch.rand(4, 3, 8, 8), torch.arange(4)
     out_images, out_labels = speed.to_channels_last((images, labels))
     assert out_images.is_contiguous(memory_format=torch.channels_last) and out_labels is labels
 
 
-def test_the_speed_callback_compiles_the_configured_network_in_place_once() -> None:
+def test_the_speed_callback_compiles_the_configured_network_in_place_once(
+    stand_in_trainer: Any,
+) -> None:
     assert getattr(speed.maybe_compile(MLP(), False), "_compiled_call_impl", None) is None
     cfg = _compose("callbacks.speed.compile=true", "model.net.channels=[4,8]")
     switches = instantiate(cfg.callbacks.speed)
     assert isinstance(switches, speed.NetworkSpeedups)
     model = instantiate(cfg.model)
-    switches.setup(_trainer_on("cpu"), model, "fit")
+    switches.setup(stand_in_trainer("cpu"), model, "fit")
     compiled = getattr(model.net, "_compiled_call_impl", None)
     assert compiled is not None
     assert all(not key.startswith("_orig_mod") for key in model.state_dict())
-    switches.setup(_trainer_on("cpu"), model, "test")  # fit, then test: compiled once
+    switches.setup(stand_in_trainer("cpu"), model, "test")  # fit, then test: compiled once
     assert model.net._compiled_call_impl is compiled
 
 
 def test_the_speed_callback_leaves_a_module_without_the_network_alone(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, stand_in_trainer: Any
 ) -> None:
     class NoNet(pl.LightningModule):
         def __init__(self) -> None:
@@ -232,14 +226,18 @@ def test_the_speed_callback_leaves_a_module_without_the_network_alone(
 
     said = "callbacks.speed: NoNet has no nn.Module attribute 'net', so channels_last is not"
     with caplog.at_level(logging.INFO, logger="runkit.speed"):
-        for trainer in (_trainer_on("cuda"), _trainer_on("cuda", False), _trainer_on("cpu")):
+        for trainer in (
+            stand_in_trainer("cuda"),
+            stand_in_trainer("cuda", "cuda", local_rank=1),
+            stand_in_trainer("cpu"),
+        ):
             speed.NetworkSpeedups(channels_last=True).setup(trainer, NoNet(), "fit")
     # once (rank 0 of a CUDA run); on the CPU channels-last means nothing, so nothing is said
     assert [r.getMessage().startswith(said) for r in caplog.records] == [True]
     with pytest.raises(RunError, match=r"^callbacks\.speed\.compile=true compiles NoNet\.net"):
-        speed.NetworkSpeedups(compile=True).setup(_trainer_on("cpu"), NoNet(), "fit")
+        speed.NetworkSpeedups(compile=True).setup(stand_in_trainer("cpu"), NoNet(), "fit")
     named = NoNet()
-    speed.NetworkSpeedups(network="encoder").setup(_trainer_on("cuda"), named, "fit")
+    speed.NetworkSpeedups(network="encoder").setup(stand_in_trainer("cuda"), named, "fit")
     assert named.encoder.features[0].weight.is_contiguous(memory_format=torch.channels_last)
 
 
