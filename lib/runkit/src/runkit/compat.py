@@ -417,20 +417,12 @@ BATCH_HOOKS = (
     "on_predict_batch_start",
     "on_predict_batch_end",
 )
-"""The callback hooks Lightning calls at every batch (six of them at every training step)."""
 
 
 def skip_unused_batch_hooks(callback: Any) -> None:
-    """Leave ``callback`` out of Lightning's dispatch of each per-batch hook its class does not
-    implement (private: see PRIVATE_APIS).
-
-    Lightning calls every hook of every callback, a no-op one included, each inside a profiler
-    context with its name formatted: about 2 us a call on a 2-core machine, six calls a training
-    step for each callback, whatever it does. Its dispatch skips an attribute that is not
-    callable, so each per-batch hook that ``callback``'s class inherits from ``Callback``
-    unchanged is set to ``None`` on the instance. A hook the class or a subclass implements is
-    kept; ``super()`` calls reach ``Callback``'s no-op as before.
-    """
+    """Leave ``callback`` out of Lightning's dispatch of each per-batch hook its class inherits
+    unchanged from ``Callback`` (set to ``None`` on the instance, which the dispatch skips; six
+    calls a step otherwise, whatever they do). Private: see PRIVATE_APIS."""
     from lightning.pytorch import Callback
 
     skip_hooks(
