@@ -27,11 +27,7 @@ from project.models.nets import MLP
 from runkit.errors import RunError
 from runkit.run.preflight import check_config, check_strategy
 from runkit.speed import maybe_compile
-from runkit.strategies.dp import (
-    AutocastDataParallel,
-    DataParallelStrategy,
-    check_dp_request,
-)
+from runkit.strategies.dp import AutocastDataParallel, DataParallelStrategy, check_dp_request
 
 
 def _replicate(module: nn.Module) -> nn.Module:
