@@ -69,7 +69,11 @@ def _runkit_callback_classes() -> list[type]:
         return [c for s in cls.__subclasses__() for c in (s, *subclasses(s))]
 
     return sorted(
-        {c for c in subclasses(pl.Callback) if c.__module__.startswith("runkit.")},
+        {
+            c
+            for c in subclasses(pl.Callback)
+            if c.__module__.startswith("runkit.") and "<locals>" not in c.__qualname__
+        },  # a probe's class made inside a function is no runkit callback
         key=lambda c: c.__qualname__,
     )
 
