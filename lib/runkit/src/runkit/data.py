@@ -50,16 +50,16 @@ class ArrayDataModule(LightningDataModule):
                 f"data.val_fraction + data.test_fraction = {val_fraction + test_fraction} "
                 "leaves nothing to train on; expected a sum below 1"
             )
-        self.batch_size = batch_size
-        self.val_fraction = val_fraction
-        self.test_fraction = test_fraction
-        self.split_seed = split_seed
+        self.batch_size, self.split_seed = batch_size, split_seed
+        self.val_fraction, self.test_fraction = val_fraction, test_fraction
         if num_workers != "auto" and not (isinstance(num_workers, int) and num_workers >= 0):
             raise RunError(
                 f"data.num_workers={num_workers!r} is invalid; expected an integer >= 0 or auto"
             )
         # auto: in-memory tensors need no worker processes (they only add start-up and IPC cost)
-        self.num_workers = 0 if num_workers == "auto" else min(num_workers, os.cpu_count() or 1)
+        self.num_workers = (
+            0 if num_workers == "auto" else min(int(num_workers), os.cpu_count() or 1)
+        )
         if pin_memory != "auto" and not isinstance(pin_memory, bool):
             raise RunError(
                 f"data.pin_memory={pin_memory!r} is invalid; expected true, false or auto"

@@ -410,11 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "A sweep directory stands for its jobs; several runs are drawn side by side.",
     )
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run or sweep directory")
-    parser.add_argument(
-        "--out",
-        help=f"image to write ({', '.join(FORMATS)}) or a directory; default: RUN_DIR/{PLOT_FILE} "
-        f"for one directory, ./{PLOT_FILE} for several",
-    )
+    parser.add_argument("--out", help=f"image ({', '.join(FORMATS)}) or directory to write")
     args = parser.parse_args(argv)
     try:
         print(plot_runs(args.run_dirs, args.out))
