@@ -131,35 +131,3 @@ def test_a_hook_a_class_implements_is_kept_skipped_only_until_restored() -> None
     compat.restore_hooks(callback, "on_train_batch_end")  # twice: nothing more to restore
     call._call_callback_hooks(trainer, *hook)
     assert calls == ["mine", "base", "base"] and "on_train_batch_end" not in vars(callback)
-
-
-def test_a_fit_dispatches_only_the_batch_hooks_a_runkit_callback_implements(tmp_path: Path) -> None:
-    # Through a real Trainer: the profiler names every hook call Lightning makes to a callback.
-    import lightning.pytorch as pl
-    import torch
-    from lightning.pytorch.demos.boring_classes import BoringModel
-    from lightning.pytorch.profilers import SimpleProfiler
-
-    from runkit.safety.finite_loss import FiniteLoss
-
-    profiler = SimpleProfiler()
-    trainer = pl.Trainer(
-        default_root_dir=tmp_path,
-        accelerator="cpu",
-        max_steps=3,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[FiniteLoss(), pl.Callback()],
-        profiler=profiler,
-    )
-    torch.manual_seed(0)
-    trainer.fit(BoringModel())
-    actions = set(profiler.recorded_durations)
-    assert "[Callback]Callback.on_after_backward" in actions  # a plain callback: every hook
-    finite = {a.split(".", 1)[1] for a in actions if a.startswith("[Callback]FiniteLoss.")}
-    per_step = finite & set(compat.BATCH_HOOKS)
-    implemented = {n for n in compat.BATCH_HOOKS if n in vars(FiniteLoss)}
-    assert per_step == implemented and implemented, (per_step, implemented)
