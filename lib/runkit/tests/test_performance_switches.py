@@ -111,12 +111,24 @@ def test_tf32_and_bf16_only_where_every_gpu_has_them(
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda: speed.apply_matmul_precision("tf32", []), r"^matmul_precision='tf32' is invalid; expected one of"),
-        (lambda: speed.resolve_precision("fp8", []), r"^precision='fp8' is invalid; expected auto or one of"),
-        (lambda: speed.keep_freed_memory("yes"), r"^keep_freed_memory='yes' is invalid; expected true or false$"),
-        (lambda: DigitsDataModule(pin_memory="yes"), r"^data\.pin_memory='yes' is invalid; expected"),
+        (
+            lambda: speed.apply_matmul_precision("tf32", []),
+            r"^matmul_precision='tf32' is invalid; expected one of",
+        ),
+        (
+            lambda: speed.resolve_precision("fp8", []),
+            r"^precision='fp8' is invalid; expected auto or one of",
+        ),
+        (
+            lambda: speed.keep_freed_memory("yes"),
+            r"^keep_freed_memory='yes' is invalid; expected true or false$",
+        ),
+        (
+            lambda: DigitsDataModule(pin_memory="yes"),
+            r"^data\.pin_memory='yes' is invalid; expected",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_bad_value_is_one_line(call: Any, message: str) -> None:
     with pytest.raises(RunError, match=message):
         call()
