@@ -1,10 +1,9 @@
 """``trainer.strategy=dp``: registration, the CPU refusal, and the network's parallel wrapper.
 
-On a machine without GPUs ``nn.DataParallel`` only calls the network, which would hide every
-mistake in splitting and gathering. So most tests here swap in :class:`SplitDataParallel`, a CPU
-stand-in that does what DataParallel does with GPUs (split the input, run shallow per-"device"
-copies of the network, concatenate the outputs) and compare against plain single-device
-training. The ``gpu`` tests at the end run the real thing.
+Without GPUs ``nn.DataParallel`` only calls the network, which would hide every mistake in
+splitting and gathering, so most tests swap in :class:`SplitDataParallel`, a CPU stand-in that
+splits the input over shallow copies of the network, and compare with one device. The ``gpu``
+test runs the real thing.
 """
 
 from __future__ import annotations
@@ -28,19 +27,11 @@ from project.models.nets import MLP
 from runkit.errors import RunError
 from runkit.run.preflight import check_config, check_strategy
 from runkit.speed import maybe_compile
-from runkit.strategies.dp import (
-    AutocastDataParallel,
-    DataParallelStrategy,
-    check_dp_request,
-)
-
-# ------------------------------------------------------------------------------------------------
-# A CPU stand-in for nn.DataParallel
+from runkit.strategies.dp import AutocastDataParallel, DataParallelStrategy, check_dp_request
 
 
 def _replicate(module: nn.Module) -> nn.Module:
-    """Like torch.nn.parallel.replicate: shallow copies of every submodule, sharing the parameters
-    (a real replicate broadcasts copies to each GPU, differentiably)."""
+    """Like torch.nn.parallel.replicate: shallow copies of every submodule, sharing parameters."""
     copies = {}
     for sub in module.modules():
         replica = sub._replicate_for_data_parallel()
@@ -77,17 +68,14 @@ class SplitDataParallel(nn.Module):
 class CpuSplitDP(DataParallelStrategy):
     """The real strategy with the stand-in wrapper, allowed on the CPU for this test."""
 
+    calls: list[list[int]]
+
     def _require_cuda(self) -> None:
         return None
-
-    calls: list[list[int]]
 
     def _data_parallel(self, net: nn.Module) -> nn.Module:
         self.calls = getattr(self, "calls", [])
         return SplitDataParallel(net, parts=2, calls=self.calls)
-
-
-# ------------------------------------------------------------------------------------------------
 
 
 def make_module() -> ClassifierModule:
@@ -95,23 +83,28 @@ def make_module() -> ClassifierModule:
     return ClassifierModule(MLP(hidden=(32,), dropout=0.0), partial(torch.optim.SGD, lr=0.1))
 
 
-def fit(strategy: Any, tmp_path: Path) -> tuple[ClassifierModule, dict[str, Tensor]]:
-    pl.seed_everything(3)
-    module = make_module()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2 if isinstance(strategy, DataParallelStrategy) else 1,
+def make_trainer(strategy: Any, root: Path, accelerator: str = "cpu", **kwargs: Any) -> pl.Trainer:
+    devices = 2 if isinstance(strategy, DataParallelStrategy) else 1
+    return pl.Trainer(
+        accelerator=accelerator,
+        devices=kwargs.pop("devices", devices),
         strategy=strategy,
         max_epochs=1,
         limit_train_batches=4,
         limit_val_batches=2,
         limit_test_batches=2,
         logger=False,
-        default_root_dir=tmp_path,
+        default_root_dir=root,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        **kwargs,
     )
+
+
+def fit(strategy: Any, tmp_path: Path) -> tuple[ClassifierModule, dict[str, Tensor]]:
+    pl.seed_everything(3)
+    module, trainer = make_module(), make_trainer(strategy, tmp_path)
     datamodule = DigitsDataModule(batch_size=61)  # odd: the halves differ in size
     trainer.fit(module, datamodule=datamodule)
     metrics = dict(trainer.callback_metrics)
@@ -119,16 +112,24 @@ def fit(strategy: Any, tmp_path: Path) -> tuple[ClassifierModule, dict[str, Tens
     return module, {**metrics, **trainer.callback_metrics}
 
 
-def test_dp_is_registered_and_accepted_by_preflight() -> None:
+def test_dp_is_registered_accepted_by_preflight_and_its_preset_names_the_network() -> None:
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from project import config_dir
+
     assert "dp" in StrategyRegistry
     check_strategy("dp")  # no error
     trainer = pl.Trainer(strategy="dp", accelerator="cpu", devices=2, logger=False)
     assert isinstance(trainer.strategy, DataParallelStrategy)
     assert trainer.strategy.network == "net"  # the registered name parallelises pl_module.net
     assert trainer.num_devices == 2 and trainer.world_size == 1 and trainer.is_global_zero
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=["trainer=dp", "trainer.strategy.network=encoder"])
+    assert instantiate(cfg.trainer.strategy).network == "encoder"
 
 
-def test_dp_without_cuda_fails_in_one_line() -> None:
+def test_dp_without_cuda_fails_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(
         RunError, match=r"dp asks for a GPU .*, but trainer.accelerator=cpu; .*ddp_sim"
     ):
@@ -143,12 +144,9 @@ def test_dp_without_cuda_fails_in_one_line() -> None:
         )
         with pytest.raises(RunError, match="strategy=dp asks for a GPU"):
             check_config(cfg)
-
-
-def test_dp_strategy_refuses_cpu_devices_at_setup(tmp_path: Path) -> None:
-    trainer = pl.Trainer(strategy="dp", accelerator="cpu", devices=2, max_epochs=1, logger=False)
+    # A Trainer built directly: the strategy refuses at setup.
     with pytest.raises(RunError, match=r"asks for a GPU .*, but the Trainer's devices are cpu"):
-        trainer.fit(make_module(), datamodule=DigitsDataModule(batch_size=64))
+        make_trainer("dp", tmp_path, devices=2).fit(make_module(), datamodule=DigitsDataModule())
 
 
 def test_the_step_runs_once_over_the_gathered_outputs() -> None:
@@ -210,18 +208,7 @@ class Encoder(pl.LightningModule):
 
 def _fit_encoder(strategy: DataParallelStrategy, tmp_path: Path) -> None:
     data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
-    trainer.fit(Encoder(), torch.utils.data.DataLoader(data, batch_size=8))
+    make_trainer(strategy, tmp_path).fit(Encoder(), torch.utils.data.DataLoader(data, batch_size=8))
 
 
 def test_the_network_attribute_is_configurable(tmp_path: Path) -> None:
@@ -234,18 +221,6 @@ def test_the_network_attribute_is_configurable(tmp_path: Path) -> None:
         r"no nn\.Module attribute 'net'; set trainer\.strategy\.network",
     ):
         _fit_encoder(CpuSplitDP(), tmp_path)
-
-
-def test_the_dp_preset_names_the_network_attribute() -> None:
-    from hydra import compose, initialize_config_dir
-    from hydra.utils import instantiate
-
-    from project import config_dir
-
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        cfg = compose("train", overrides=["trainer=dp", "trainer.strategy.network=encoder"])
-    strategy = instantiate(cfg.trainer.strategy)
-    assert isinstance(strategy, DataParallelStrategy) and strategy.network == "encoder"
 
 
 def test_a_compiled_network_is_refused_in_one_line() -> None:
@@ -261,9 +236,8 @@ def test_a_compiled_network_is_refused_in_one_line() -> None:
 def test_copies_on_other_gpus_compute_in_the_callers_autocast_dtype(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """torch's parallel_apply runs each copy in a thread of its own, with autocast on but at the
-    thread's default dtype; the wrapper hands the caller's dtype over. Shown on the CPU, whose
-    default autocast dtype is bf16, with the caller in float16."""
+    """torch's parallel_apply runs each copy in a thread at the thread's default autocast dtype;
+    the wrapper hands the caller's over. On the CPU (default bf16), the caller in float16."""
     data_parallel = importlib.import_module("torch.nn.parallel.data_parallel")  # not the function
 
     def threaded_apply(replicas: Any, inputs: Any, kwargs: Any, devices: Any) -> list[Any]:
@@ -294,49 +268,25 @@ def test_copies_on_other_gpus_compute_in_the_callers_autocast_dtype(
     assert outputs[0].dtype == torch.bfloat16  # what the plain wrapper does: not the caller's
 
 
-# ------------------------------------------------------------------------------------------------
-# Real GPUs
-
-
-def _gpus() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("count", [1, 2])
 def test_dp_on_real_gpus_matches_one_gpu(tmp_path: Path, count: int) -> None:
-    if _gpus() < count:
-        pytest.skip(f"needs {count} CUDA GPU(s); this machine has {_gpus()}")
-
-    def run(strategy: Any, devices: int, root: Path) -> tuple[ClassifierModule, pl.Trainer]:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < count:
+        pytest.skip(f"needs {count} CUDA GPU(s); this machine has {gpus}")
+    runs = {}
+    for name, strategy, devices in (("single", "auto", 1), ("dp", "dp", count)):
         pl.seed_everything(3)
         module = make_module()
-        trainer = pl.Trainer(
-            accelerator="gpu",
-            devices=devices,
-            strategy=strategy,
-            max_epochs=1,
-            limit_train_batches=4,
-            limit_val_batches=2,
-            logger=False,
-            default_root_dir=root,
-            enable_progress_bar=False,
-            num_sanity_val_steps=0,
-            deterministic=True,
-        )
-        trainer.fit(module, datamodule=DigitsDataModule(batch_size=61))
-        return module, trainer
-
-    single, single_trainer = run("auto", 1, tmp_path / "single")
-    dp, dp_trainer = run("dp", count, tmp_path / "dp")
+        run = make_trainer(strategy, tmp_path / name, "gpu", devices=devices, deterministic=True)
+        run.fit(module, datamodule=DigitsDataModule(batch_size=61))
+        runs[name] = (module, run)
+    (single, single_trainer), (dp, dp_trainer) = runs["single"], runs["dp"]
     assert isinstance(dp_trainer.strategy, DataParallelStrategy)
     for (name, a), (_, b) in zip(single.state_dict().items(), dp.state_dict().items(), strict=True):
         assert torch.allclose(a.float(), b.float(), atol=1e-4), name
     for key in ("train/loss", "val/acc", "val/loss"):
-        assert torch.isclose(
-            single_trainer.callback_metrics[key].cpu(),
-            dp_trainer.callback_metrics[key].cpu(),
-            atol=1e-4,
-        ), key
+        a, b = (t.callback_metrics[key].cpu() for t in (single_trainer, dp_trainer))
+        assert torch.isclose(a, b, atol=1e-4), key
     state = torch.load(next((tmp_path / "dp" / "checkpoints").glob("*.ckpt")), weights_only=True)
     assert not [key for key in state["state_dict"] if key.startswith("module.")]

@@ -1,11 +1,8 @@
-"""``trainer=fsdp`` (FSDP2 through ModelParallelStrategy) on 2 CPU processes over gloo, through the
-real CLI: fit, test, export, eval, SIGTERM, exact resume, kill -9 during a sharded save, a damaged
-shard and a checkpoint of another model.
+"""``trainer=fsdp`` on 2 CPU processes over gloo, through the real CLI: fit, test, export, eval,
+SIGTERM, exact resume, kill -9 during a sharded save, a damaged shard, another model's checkpoint.
 
-Each 2-process run costs ~20 s here, so the runs are few and each checks many things. Nothing
-waits on time: signals are sent once files show the run is where the test needs it, and the run
-compared with a resumed one is sized after the interruption (its epoch is read from the
-checkpoint).
+The runs are few and each checks many things; signals are sent once files show the run is where
+the test needs it, never after a fixed time.
 """
 
 from __future__ import annotations
@@ -69,7 +66,7 @@ def wait_for(process: subprocess.Popen, found: object, what: str, timeout: float
 
 
 def first(pattern: str, root: Path) -> object:
-    return lambda: next(iter(root.glob(pattern)), None)
+    return lambda: next(iter(root.glob(f"train/runs/*/checkpoints/{pattern}")), None)
 
 
 def meta(checkpoint: Path) -> dict:
@@ -81,15 +78,23 @@ def figures_of(run: Path) -> dict[str, float]:
     return {k: v for k, v in record["metrics"].items() if k.startswith("test/")}
 
 
+def evaluates_as_trained(cli: CliRunner, run: Path, log_dir: Path, *overrides: str) -> None:
+    """eval on one process, of the sharded best checkpoint and of model.pth: the test figures."""
+    best = json.loads((run / "metrics.json").read_text())["best_checkpoint"]
+    for source in (best, run / "model.pth"):
+        evaluated = cli("eval", f"ckpt_path={source}", *overrides)
+        assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+        (eval_run,) = run_dirs(log_dir, "eval")[-1:]
+        assert figures_of(eval_run) == pytest.approx(figures_of(run), rel=1e-6), source
+
+
 @pytest.mark.slow
 def test_fsdp_sigterm_resume_exactly_export_and_eval(cli: CliRunner, tmp_path: Path) -> None:
     log_dir = tmp_path / "logs"
     # SIGTERM once the first epoch's checkpoint exists: both ranks save one sharded
     # interrupted.ckpt and the run exits 128+15.
     process = start(tmp_path, log_dir, "trainer.max_epochs=100", "test=false")
-    last = wait_for(
-        process, first("train/runs/*/checkpoints/last.ckpt/manifest.json", log_dir), "a checkpoint"
-    )
+    last = wait_for(process, first("last.ckpt/manifest.json", log_dir), "a checkpoint")
     os.killpg(process.pid, signal.SIGTERM)
     out, err = process.communicate(timeout=300)
     assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
@@ -119,11 +124,9 @@ def test_fsdp_sigterm_resume_exactly_export_and_eval(cli: CliRunner, tmp_path: P
     assert a["global_step"] == b["global_step"] > meta(interrupted)["global_step"]
     for key, value in a["state_dict"].items():
         assert torch.equal(value, b["state_dict"][key]), key
-    figures = figures_of(full_run)
-    assert figures_of(resumed_run) == figures
+    assert figures_of(resumed_run) == figures_of(full_run)
 
-    # last.ckpt names the latest save point: a directory of links to the epoch file's shards
-    # when the best fell on the last step, else its own save; either way the latest step.
+    # last.ckpt is the latest save point (links to the epoch file's shards or its own save).
     record = json.loads((full_run / "metrics.json").read_text())
     assert a["global_step"] == record["global_step"]
     # batch_size is per process and each process sees half the data: 629 samples, 5 steps of 128.
@@ -137,14 +140,8 @@ def test_fsdp_sigterm_resume_exactly_export_and_eval(cli: CliRunner, tmp_path: P
     net.load_state_dict(exported)  # strict: every key, full shapes
     assert all(type(v) is torch.Tensor for v in exported.values())
 
-    # eval on one process, of the sharded best checkpoint and of model.pth: the test figures.
-    best = Path(record["best_checkpoint"])
-    assert best.is_dir()
-    for source in (best, full_run / "model.pth"):
-        evaluated = cli("eval", f"ckpt_path={source}")
-        assert evaluated.returncode == 0, evaluated.stderr[-3000:]
-        (eval_run,) = run_dirs(log_dir, "eval")[-1:]
-        assert figures_of(eval_run) == pytest.approx(figures, rel=1e-6), source
+    assert Path(record["best_checkpoint"]).is_dir()
+    evaluates_as_trained(cli, full_run, log_dir)
 
 
 @pytest.mark.slow
@@ -162,13 +159,9 @@ def test_fsdp_kill_9_during_a_sharded_save_leaves_last_complete(
         "+callbacks.model_checkpoint.every_n_train_steps=1",
     )
     process = start(tmp_path, log_dir, "trainer.max_epochs=100", *every_step)
-    wait_for(
-        process, first("train/runs/*/checkpoints/last.ckpt/manifest.json", log_dir), "a checkpoint"
-    )
+    wait_for(process, first("last.ckpt/manifest.json", log_dir), "a checkpoint")
     # The next save's staging directory: kill -9 every rank in the middle of writing it.
-    staging = wait_for(
-        process, first("train/runs/*/checkpoints/.last.ckpt.*.tmp", log_dir), "a save"
-    )
+    staging = wait_for(process, first(".last.ckpt.*.tmp", log_dir), "a save")
     os.killpg(process.pid, signal.SIGKILL)
     process.communicate(timeout=60)
     folder = staging.parent
@@ -226,18 +219,9 @@ def test_fsdp_shards_a_foreign_module_whose_configure_model_builds_its_layers(
     index = torch.distributed.checkpoint.FileSystemReader(str(run / "checkpoints" / "last.ckpt"))
     keys = index.read_metadata().state_dict_metadata
     assert "state_dict.layers.0.weight" in keys  # the module's own layers, saved sharded
-    assert set(torch.load(run / "model.pth", weights_only=True)) == {
-        "layers.0.weight",
-        "layers.0.bias",
-        "layers.2.weight",
-        "layers.2.bias",
-    }
-    best = json.loads((run / "metrics.json").read_text())["best_checkpoint"]
-    for source in (best, run / "model.pth"):
-        evaluated = cli("eval", f"ckpt_path={source}", "trusted_targets=[zoo.,torch.]")
-        assert evaluated.returncode == 0, evaluated.stderr[-3000:]
-        (eval_run,) = run_dirs(log_dir, "eval")[-1:]
-        assert figures_of(eval_run) == pytest.approx(figures_of(run), rel=1e-6), source
+    exported = set(torch.load(run / "model.pth", weights_only=True))
+    assert exported == {f"layers.{i}.{p}" for i in (0, 2) for p in ("weight", "bias")}
+    evaluates_as_trained(cli, run, log_dir, "trusted_targets=[zoo.,torch.]")
 
 
 @pytest.mark.slow

@@ -70,56 +70,68 @@ def test_config_defaults_are_the_fast_safe_choices() -> None:
     assert cfg.data.num_workers == "auto" and cfg.data.pin_memory == "auto"
 
 
-# --------------------------------------------------------------------------- devices
-def test_cuda_indices_is_empty_for_cpu_runs_and_on_machines_without_cuda(
+def test_cuda_indices_follow_the_trainer_meaning_of_devices(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert speed.cuda_indices("auto", 1) == []
-    assert speed.cuda_indices("gpu", 2) == []
+    assert speed.cuda_indices("auto", 1) == speed.cuda_indices("gpu", 2) == []
     _fake_cuda(monkeypatch, 4, (9, 0))
     assert speed.cuda_indices("cpu", 2) == []
-
-
-@pytest.mark.parametrize(
-    ("accelerator", "devices", "expected"),
-    [
+    for accelerator, devices, expected in [
         ("gpu", 2, [0, 1]),
         ("auto", [1, 3], [1, 3]),
         ("cuda", "auto", [0, 1, 2, 3]),
         ("gpu", -1, [0, 1, 2, 3]),
+        ("gpu", "-1", [0, 1, 2, 3]),
         ("gpu", "0,2", [0, 2]),
         ("gpu", "2", [0, 1]),
-    ],
-)
-def test_cuda_indices_follow_the_trainer_meaning_of_devices(
-    monkeypatch: pytest.MonkeyPatch, accelerator: str, devices: Any, expected: list[int]
-) -> None:
-    _fake_cuda(monkeypatch, 4, (9, 0))
-    assert speed.cuda_indices(accelerator, devices) == expected
+        ("gpu", 9, [0, 1, 2, 3]),
+    ]:
+        assert speed.cuda_indices(accelerator, devices) == expected, (accelerator, devices)
 
 
-# --------------------------------------------------------------------------- TF32
-def test_matmul_precision_is_left_alone_on_the_cpu(restore_matmul_precision: Any) -> None:
-    torch.set_float32_matmul_precision("highest")
-    assert speed.apply_matmul_precision("high", []) == "highest"
-    assert torch.get_float32_matmul_precision() == "highest"
-
-
-def test_matmul_precision_high_on_ampere_and_not_on_turing(
+def test_tf32_and_bf16_only_where_every_gpu_has_them(
     monkeypatch: pytest.MonkeyPatch, restore_matmul_precision: Any
 ) -> None:
     torch.set_float32_matmul_precision("highest")
-    _fake_cuda(monkeypatch, 1, (7, 5))
-    assert speed.apply_matmul_precision("high", [0]) == "highest"
-    _fake_cuda(monkeypatch, 1, (8, 0))
-    assert speed.apply_matmul_precision("high", [0]) == "high"
+    assert speed.apply_matmul_precision("high", []) == "highest"  # the CPU: left alone
+    assert speed.resolve_precision("auto", []) == "32-true"
+    _fake_cuda(monkeypatch, 2, (7, 5))
+    assert speed.apply_matmul_precision("high", [0, 1]) == "highest"
+    assert speed.resolve_precision("auto", [0, 1]) == "32-true"
+    assert torch.get_float32_matmul_precision() == "highest"
+    _fake_cuda(monkeypatch, 2, (8, 0))
+    assert speed.apply_matmul_precision("high", [0, 1]) == "high"
+    assert speed.resolve_precision("auto", [0, 1]) == "bf16-mixed"
     assert torch.get_float32_matmul_precision() == "high"
+    assert speed.resolve_precision("16-mixed", []) == "16-mixed"
+    assert speed.resolve_precision(32, []) == "32"
 
 
-def test_bad_matmul_precision_is_one_line(restore_matmul_precision: Any) -> None:
-    with pytest.raises(RunError, match=r"^matmul_precision='tf32' is invalid; expected one of"):
-        speed.apply_matmul_precision("tf32", [])
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            lambda: speed.apply_matmul_precision("tf32", []),
+            r"^matmul_precision='tf32' is invalid; expected one of",
+        ),
+        (
+            lambda: speed.resolve_precision("fp8", []),
+            r"^precision='fp8' is invalid; expected auto or one of",
+        ),
+        (
+            lambda: speed.keep_freed_memory("yes"),
+            r"^keep_freed_memory='yes' is invalid; expected true or false$",
+        ),
+        (
+            lambda: DigitsDataModule(pin_memory="yes"),
+            r"^data\.pin_memory='yes' is invalid; expected",
+        ),
+    ],
+)
+def test_a_bad_value_is_one_line(call: Any, message: str) -> None:
+    with pytest.raises(RunError, match=message):
+        call()
 
 
 # --------------------------------------------------------------------------- freed memory
@@ -141,7 +153,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-@pytest.mark.slow  # two fresh interpreters importing torch and Lightning
+@pytest.mark.slow  # two fresh interpreters importing torch
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 def test_kept_freed_memory_is_not_faulted_in_again_at_the_next_step() -> None:
     runs = {
@@ -153,59 +165,18 @@ def test_kept_freed_memory_is_not_faulted_in_again_at_the_next_step() -> None:
     printed = {mode: run.communicate(timeout=120)[0].split() for mode, run in runs.items()}
     assert printed["on"][0] == "True" and printed["off"][0] == "False"
     pages = 16 * (4 << 20) // resource.getpagesize()  # one round's blocks
-    # glibc's defaults unmap the first round's blocks and grow the heap for the next round's
-    # (faulted in), then may trim it again; kept, a round's blocks are the last round's.
     assert int(printed["off"][1]) >= pages, printed
     assert int(printed["on"][1]) < pages // 4, printed
 
 
-def test_keep_freed_memory_is_a_no_op_without_glibc_and_bad_values_are_one_line(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_keep_freed_memory_is_a_no_op_without_glibc(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(platform, "libc_ver", lambda: ("", ""))
     monkeypatch.setattr(ctypes, "CDLL", lambda *a: pytest.fail("the allocator was touched"))
     assert speed.keep_freed_memory(True) is False
     assert speed.keep_freed_memory(False) is False
-    with pytest.raises(
-        RunError, match=r"^keep_freed_memory='yes' is invalid; expected true or false$"
-    ):
-        speed.keep_freed_memory("yes")
-
-
-# --------------------------------------------------------------------------- precision
-def test_auto_precision_is_bf16_mixed_only_on_bf16_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert speed.resolve_precision("auto", []) == "32-true"
-    _fake_cuda(monkeypatch, 2, (8, 6))
-    assert speed.resolve_precision("auto", [0, 1]) == "bf16-mixed"
-    _fake_cuda(monkeypatch, 2, (7, 0))
-    assert speed.resolve_precision("auto", [0, 1]) == "32-true"
-
-
-def test_explicit_precision_passes_through_and_bad_ones_fail_in_one_line() -> None:
-    assert speed.resolve_precision("16-mixed", []) == "16-mixed"
-    assert speed.resolve_precision(32, []) == "32"
-    with pytest.raises(RunError, match=r"^precision='fp8' is invalid; expected auto or one of"):
-        speed.resolve_precision("fp8", [])
 
 
 # --------------------------------------------------------------------------- compile, layout
-def test_compile_is_in_place_so_state_dict_keys_stay_plain() -> None:
-    net = speed.maybe_compile(MLP(hidden=(8,)), True)
-    assert getattr(net, "_compiled_call_impl", None) is not None
-    assert all(not key.startswith("_orig_mod") for key in net.state_dict())
-    plain = speed.maybe_compile(MLP(hidden=(8,)), False)
-    assert getattr(plain, "_compiled_call_impl", None) is None
-
-
-def _trainer_on(device: str, global_zero: bool = True) -> Any:
-    """What the speed callback and the data module read of a Trainer: its strategy's root
-    device, and whether this is rank 0."""
-    return types.SimpleNamespace(
-        strategy=types.SimpleNamespace(root_device=torch.device(device)),
-        is_global_zero=global_zero,
-    )
-
-
 def _sees_channels_last(net: ConvNet) -> bool:
     """Whether the first convolution receives its input in channels-last layout."""
     seen: list[bool] = []
@@ -217,50 +188,48 @@ def _sees_channels_last(net: ConvNet) -> bool:
     return seen[0]
 
 
-def test_channels_last_applies_to_conv_nets_on_cuda_only() -> None:
+def test_channels_last_applies_to_conv_nets_on_cuda_only(stand_in_trainer: Any) -> None:
     switches = speed.NetworkSpeedups(channels_last=True)
     module = ClassifierModule(ConvNet(in_channels=3, channels=(4, 8)), torch.optim.SGD)
-    switches.setup(_trainer_on("cpu"), module, "fit")
+    switches.setup(stand_in_trainer("cpu"), module, "fit")
     assert not module.net.features[3].weight.is_contiguous(memory_format=torch.channels_last)
     assert not _sees_channels_last(module.net)
     # The layout change is device-independent, so a CPU test can check it for a CUDA run.
-    switches.setup(_trainer_on("cuda"), module, "fit")
+    switches.setup(stand_in_trainer("cuda"), module, "fit")
     assert module.net.features[3].weight.is_contiguous(memory_format=torch.channels_last)
     assert _sees_channels_last(module.net)  # the batches are converted on their way in
-    switches.teardown(_trainer_on("cuda"), module, "fit")
+    switches.teardown(stand_in_trainer("cuda"), module, "fit")
     assert not _sees_channels_last(module.net)  # the input hook goes with the run
 
     mlp = ClassifierModule(MLP(), torch.optim.SGD)
-    speed.NetworkSpeedups(channels_last=True).setup(_trainer_on("cuda"), mlp, "fit")
+    speed.NetworkSpeedups(channels_last=True).setup(stand_in_trainer("cuda"), mlp, "fit")
     assert not mlp.net.layers[1].weight.is_contiguous(memory_format=torch.channels_last)
     off = ClassifierModule(ConvNet(in_channels=3, channels=(4, 8)), torch.optim.SGD)
-    speed.NetworkSpeedups(channels_last=False).setup(_trainer_on("cuda"), off, "fit")
+    speed.NetworkSpeedups(channels_last=False).setup(stand_in_trainer("cuda"), off, "fit")
     assert not _sees_channels_last(off.net)
-
-
-def test_channels_last_batches_convert_images_and_leave_labels() -> None:
     images, labels = torch.rand(4, 3, 8, 8), torch.arange(4)
     out_images, out_labels = speed.to_channels_last((images, labels))
-    assert out_images.is_contiguous(memory_format=torch.channels_last)
-    assert not images.is_contiguous(memory_format=torch.channels_last)
-    assert out_labels is labels
+    assert out_images.is_contiguous(memory_format=torch.channels_last) and out_labels is labels
 
 
-def test_the_speed_callback_compiles_the_configured_network_once() -> None:
+def test_the_speed_callback_compiles_the_configured_network_in_place_once(
+    stand_in_trainer: Any,
+) -> None:
+    assert getattr(speed.maybe_compile(MLP(), False), "_compiled_call_impl", None) is None
     cfg = _compose("callbacks.speed.compile=true", "model.net.channels=[4,8]")
     switches = instantiate(cfg.callbacks.speed)
     assert isinstance(switches, speed.NetworkSpeedups)
     model = instantiate(cfg.model)
-    switches.setup(_trainer_on("cpu"), model, "fit")
+    switches.setup(stand_in_trainer("cpu"), model, "fit")
     compiled = getattr(model.net, "_compiled_call_impl", None)
     assert compiled is not None
     assert all(not key.startswith("_orig_mod") for key in model.state_dict())
-    switches.setup(_trainer_on("cpu"), model, "test")  # fit, then test: compiled once
+    switches.setup(stand_in_trainer("cpu"), model, "test")  # fit, then test: compiled once
     assert model.net._compiled_call_impl is compiled
 
 
 def test_the_speed_callback_leaves_a_module_without_the_network_alone(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, stand_in_trainer: Any
 ) -> None:
     class NoNet(pl.LightningModule):
         def __init__(self) -> None:
@@ -269,14 +238,18 @@ def test_the_speed_callback_leaves_a_module_without_the_network_alone(
 
     said = "callbacks.speed: NoNet has no nn.Module attribute 'net', so channels_last is not"
     with caplog.at_level(logging.INFO, logger="runkit.speed"):
-        for trainer in (_trainer_on("cuda"), _trainer_on("cuda", False), _trainer_on("cpu")):
+        for trainer in (
+            stand_in_trainer("cuda"),
+            stand_in_trainer("cuda", "cuda", local_rank=1),
+            stand_in_trainer("cpu"),
+        ):
             speed.NetworkSpeedups(channels_last=True).setup(trainer, NoNet(), "fit")
     # once (rank 0 of a CUDA run); on the CPU channels-last means nothing, so nothing is said
     assert [r.getMessage().startswith(said) for r in caplog.records] == [True]
     with pytest.raises(RunError, match=r"^callbacks\.speed\.compile=true compiles NoNet\.net"):
-        speed.NetworkSpeedups(compile=True).setup(_trainer_on("cpu"), NoNet(), "fit")
+        speed.NetworkSpeedups(compile=True).setup(stand_in_trainer("cpu"), NoNet(), "fit")
     named = NoNet()
-    speed.NetworkSpeedups(network="encoder").setup(_trainer_on("cuda"), named, "fit")
+    speed.NetworkSpeedups(network="encoder").setup(stand_in_trainer("cuda"), named, "fit")
     assert named.encoder.features[0].weight.is_contiguous(memory_format=torch.channels_last)
 
 
@@ -303,50 +276,18 @@ def test_compiled_network_trains_on_the_cpu(tmp_path: Path) -> None:
     assert torch.isfinite(torch.as_tensor(trainer.callback_metrics["train/loss"]))
 
 
-# --------------------------------------------------------------------------- data loading
-def test_pin_memory_auto_pins_only_for_cuda_runs() -> None:
-    data = DigitsDataModule(pin_memory="auto")
-    assert data._pin() is False  # no Trainer attached
-    data.trainer = _trainer_on("cpu")
-    assert data._pin() is False
-    data.trainer = _trainer_on("cuda")
-    assert data._pin() is True
-    assert DigitsDataModule(pin_memory=True)._pin() is True
-    assert DigitsDataModule(pin_memory=False, num_workers="auto").num_workers == 0
-
-
-def test_bad_pin_memory_is_one_line() -> None:
-    with pytest.raises(RunError, match=r"^data\.pin_memory='yes' is invalid; expected"):
-        DigitsDataModule(pin_memory="yes")
-
-
 # --------------------------------------------------------------------------- no per-step sync
 # tests/host_reads.py counts, at the operator, every read of a tensor value by the host made in
 # a training or validation step window; on a GPU each read of a GPU tensor waits for the device.
-
-
-def _count_log_calls(probe: HostReadProbe, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Record every ``LightningModule.log`` call made inside one of ``probe``'s windows."""
-    calls: list[str] = []
-    original = pl.LightningModule.log
-
-    def log(self: pl.LightningModule, name: str, *args: Any, **kwargs: Any) -> Any:
-        if probe.stage:
-            calls.append(f"{probe.stage}:{name}")
-        return original(self, name, *args, **kwargs)
-
-    monkeypatch.setattr(pl.LightningModule, "log", log)
-    return calls
 
 
 @pytest.mark.parametrize("strategy", ["auto", "dp"])
 def test_a_step_reads_no_device_tensor_and_logs_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: str
 ) -> None:
-    """The template's default loop (its module and ConvNet, metrics, CSV logger, Rich progress
-    bar, checkpointing, GPU statistics) makes no host read of a tensor a GPU run keeps on the
-    GPU, and no ``log`` call, in any training or validation step; with ``strategy=dp`` as well
-    (the CPU stand-in of tests/test_dp.py splitting the network's batches in two)."""
+    """The template's default loop (module, ConvNet, metrics, CSV logger, progress bar,
+    checkpointing, GPU statistics) makes no host read of a tensor and no ``log`` call in any
+    training or validation step; with ``strategy=dp`` (test_dp.py's CPU stand-in) as well."""
     from test_dp import CpuSplitDP
 
     cfg = _compose(
@@ -358,26 +299,28 @@ def test_a_step_reads_no_device_tensor_and_logs_nothing(
         "+trainer.limit_train_batches=4",  # windows: batches 1-3 of each epoch
         "+trainer.limit_val_batches=2",  # and batch 1 of each validation
     )
-    probe = HostReadProbe()
-    logs = _count_log_calls(probe, monkeypatch)
-    data, model = instantiate(cfg.data), instantiate(cfg.model)
+    probe, logs, original = HostReadProbe(), [], pl.LightningModule.log
+
+    def log(self: pl.LightningModule, name: str, *args: Any, **kwargs: Any) -> Any:
+        logs.extend([name] if probe.stage else [])  # a log call inside a step window
+        return original(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(pl.LightningModule, "log", log)
     dp = {"strategy": CpuSplitDP(), "devices": 2} if strategy == "dp" else {}
     trainer = builders.build_trainer(cfg, **dp)
     trainer.callbacks.insert(0, probe)
-    trainer.fit(model, datamodule=data)
-
+    trainer.fit(instantiate(cfg.model), datamodule=instantiate(cfg.data))
     assert probe.windows >= 8  # train and validation windows were really observed
     assert probe.reads == [], probe.summary()
     assert logs == []
     assert trainer.callback_metrics["train/acc"] > 0  # and the epoch-level figures still came
-    if strategy == "dp":
-        assert trainer.strategy.calls  # the network really ran split
+    assert strategy == "auto" or trainer.strategy.calls  # the network really ran split
 
 
 def test_the_probe_names_the_operator_and_the_line_of_each_read() -> None:
-    """The probe catches what a GPU run would wait for, with the operator and the line: the NaN
-    check torchmetrics runs by default (off in the template) and batch norm's epoch average
-    (``momentum=None``, the template's old ConvNet); it lets pass what costs nothing there."""
+    """The probe catches what a GPU run would wait for, with the operator and the line (the NaN
+    check torchmetrics runs by default, batch norm's epoch average), and lets pass what costs
+    nothing there."""
     from torchmetrics import MeanMetric
 
     # Made before the window, as the batch, the module and its metrics are: accelerator data.
@@ -388,13 +331,10 @@ def test_the_probe_names_the_operator_and_the_line_of_each_read() -> None:
     probe.stage = "train"
     with ReadRecorder(probe):
         checked.update(values)
-    assert probe.reads, "the probe missed the NaN check"
     read = probe.reads[0]
-    assert read.op == "aten._local_scalar_dense.default"
-    assert read.line.startswith("torchmetrics/") and read.code.startswith("if ")
+    assert read.op == "aten._local_scalar_dense.default" and read.code.startswith("if ")
     assert str(read).startswith("train: aten._local_scalar_dense.default at torchmetrics/")
     assert "test_performance_switches.py:" in read.caller  # and the test's line that led there
-
     probe.reads.clear()
     with ReadRecorder(probe):
         unchecked.update(values)
@@ -412,24 +352,20 @@ def test_the_probe_names_the_operator_and_the_line_of_each_read() -> None:
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_optimiser_step_counters_on_the_host_are_free(fused: bool) -> None:
-    """AdamW reads its step counters at every step unless fused; they live on the host (unless
-    capturable or fused), so the read waits for nothing. Fused, there is no read at all."""
+    """AdamW reads its step counters at every step unless fused; they live on the host, so the
+    probe lets them pass; counted as if on the GPU, they are the step's only reads."""
     net = MLP(hidden=(8,))
     optimizer = torch.optim.AdamW(net.parameters(), lr=0.01, fused=fused)
     net(torch.rand(4, 64)).sum().backward()
     optimizer.step()  # creates the counters
-    probe = HostReadProbe()
-    probe.stage = "train"
-    probe.host_side = host_side_storages([optimizer])
-    assert len(probe.host_side) == (0 if fused else len(list(net.parameters())))
-    with ReadRecorder(probe):
-        optimizer.step()
-    assert probe.reads == []
-    probe.host_side = set()  # as if the counters lived on the GPU: the same step, counted
-    with ReadRecorder(probe):
-        optimizer.step()
-    expected = 0 if fused else len(list(net.parameters()))
-    assert len(probe.reads) == expected, probe.summary()
+    probe, expected = HostReadProbe(), 0 if fused else len(list(net.parameters()))
+    probe.stage, probe.host_side = "train", host_side_storages([optimizer])
+    assert len(probe.host_side) == expected
+    for host_side, reads in ((probe.host_side, 0), (set(), expected)):
+        probe.host_side = host_side
+        with ReadRecorder(probe):
+            optimizer.step()
+        assert len(probe.reads) == reads, probe.summary()
     assert all(r.line.startswith("torch/optim/") for r in probe.reads)
 
 
@@ -461,109 +397,65 @@ def test_ddp_steps_read_no_device_tensor_and_validate_far_above_chance(
 
 
 # --------------------------------------------------------------------------- train.py wiring
-def _built_trainer_kwargs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str
-) -> dict[str, Any]:
-    """The keyword arguments project.train hands to build_trainer for a run that trains nothing."""
-    from project import train as train_module
-
-    seen: dict[str, Any] = {}
-    original = builders.build_trainer
-
-    def spy(cfg: Any, **kwargs: Any) -> Any:
-        seen.update(kwargs)
-        return original(cfg, **kwargs)
-
-    monkeypatch.setattr(builders, "build_trainer", spy)
-    monkeypatch.setattr(runkit, "build_trainer", spy)  # what the project's train.py calls
-    monkeypatch.setattr("runkit.plots.after_run", lambda out: None)
-    cfg = _compose(
-        f"paths.output_dir={tmp_path}",
-        "trainer.accelerator=cpu",
-        "train=false",
-        "test=false",
-        "export_weights=false",
-        "model=mlp",
-        *overrides,
-    )
-    train_module.train(cfg)
-    return seen
+def _settings(*overrides: str) -> dict[str, Any]:
+    plan = types.SimpleNamespace(accelerator="cpu", devices=1, trainer_kwargs=lambda: {})
+    return speed.trainer_settings(_compose(*overrides), plan)
 
 
-def test_train_passes_the_resolved_precision_to_the_trainer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restore_matmul_precision: Any
-) -> None:
-    assert _built_trainer_kwargs(tmp_path / "a", monkeypatch)["precision"] == "32-true"
-    # The one precision key, set: it reaches the Trainer as given.
-    kwargs = _built_trainer_kwargs(tmp_path / "b", monkeypatch, "precision=bf16-mixed")
-    assert kwargs["precision"] == "bf16-mixed"
-    # trainer.precision is not a second key: one line naming the key to use instead.
-    with pytest.raises(
-        RunError,
-        match=r"^trainer\.precision=16-mixed is not read; .*"
-        r"top-level key: precision=16-mixed",
-    ):
-        _built_trainer_kwargs(tmp_path / "d", monkeypatch, "+trainer.precision=16-mixed")
-    # fp16 AMP does not exist on the CPU: what Lightning would run instead is what is passed.
-    kwargs = _built_trainer_kwargs(tmp_path / "e", monkeypatch, "precision=16-mixed")
-    assert kwargs["precision"] == "bf16-mixed"
-    # A run on an Ampere GPU (faked: the Trainer itself still runs on the CPU).
-    monkeypatch.setattr(speed, "cuda_indices", lambda accelerator, devices: [0])
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
-    torch.set_float32_matmul_precision("highest")
-    assert _built_trainer_kwargs(tmp_path / "c", monkeypatch)["precision"] == "bf16-mixed"
-    assert torch.get_float32_matmul_precision() == "high"
-
-
-def test_train_applies_keep_freed_memory_from_its_key(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    asked: list[Any] = []
-    monkeypatch.setattr(speed, "keep_freed_memory", lambda value: asked.append(value) or value)
-    with caplog.at_level(logging.INFO, logger="runkit.speed"):
-        _built_trainer_kwargs(tmp_path / "a", monkeypatch)
-    assert "float32 matmul precision=highest, freed memory kept (cpu)" in caplog.text
-    _built_trainer_kwargs(tmp_path / "b", monkeypatch, "keep_freed_memory=false")
-    assert asked == [True, False]
-
-
-def test_no_profiler_asked_for_is_the_cheap_one_and_a_profiler_asked_for_is_kept(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_trainer_settings_follow_the_precision_memory_and_profiler_keys(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    restore_matmul_precision: Any,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     from lightning.pytorch.profilers import SimpleProfiler
 
-    kwargs = _built_trainer_kwargs(tmp_path / "a", monkeypatch)
-    assert isinstance(kwargs["profiler"], speed.NoProfiler)
-    kwargs = _built_trainer_kwargs(tmp_path / "b", monkeypatch, "debug=profiler")
-    assert "profiler" not in kwargs  # the config's profiler reaches the Trainer as configured
-    cfg = _compose(f"paths.output_dir={tmp_path / 'c'}", "debug=profiler")
-    assert isinstance(instantiate(cfg.trainer.profiler), SimpleProfiler)
+    asked: list[Any] = []
+    monkeypatch.setattr(speed, "keep_freed_memory", lambda value: asked.append(value) or value)
+    torch.set_float32_matmul_precision("highest")
+    with caplog.at_level(logging.INFO, logger="runkit.speed"):
+        kwargs = _settings()
+    assert kwargs["precision"] == "32-true" and isinstance(kwargs["profiler"], speed.NoProfiler)
+    assert "float32 matmul precision=highest, freed memory kept (cpu)" in caplog.text
+    assert _settings("precision=bf16-mixed", "keep_freed_memory=false")["precision"] == "bf16-mixed"
+    assert asked == [True, False]
+    # fp16 AMP does not exist on the CPU: what Lightning would run instead is what is passed.
+    assert _settings("precision=16-mixed")["precision"] == "bf16-mixed"
+    # trainer.precision is not a second key: one line naming the key to use instead.
+    with pytest.raises(
+        RunError,
+        match=r"^trainer\.precision=16-mixed is not read; .*top-level key: precision=16-mixed",
+    ):
+        _settings("+trainer.precision=16-mixed")
+    profiled = ("debug=profiler", f"paths.output_dir={tmp_path}")
+    assert "profiler" not in _settings(*profiled)  # a profiler asked for is kept
+    assert isinstance(instantiate(_compose(*profiled).trainer.profiler), SimpleProfiler)
+    # A run on an Ampere GPU (faked: nothing runs on it).
+    monkeypatch.setattr(speed, "cuda_indices", lambda accelerator, devices: [0])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    assert _settings()["precision"] == "bf16-mixed"
+    assert torch.get_float32_matmul_precision() == "high"
+
+
+def test_train_builds_its_trainer_with_these_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from project import train as train_module
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(runkit, "build_trainer", lambda cfg, **kwargs: seen.update(kwargs))
+    overrides = ("trainer.accelerator=cpu", "train=false", "test=false", "export_weights=false")
+    with pytest.raises(AttributeError):  # the spy builds no Trainer: train stops after asking
+        train_module.train(
+            _compose(f"paths.output_dir={tmp_path}", *overrides, "precision=16-mixed")
+        )
+    assert seen["precision"] == "bf16-mixed" and isinstance(seen["profiler"], speed.NoProfiler)
 
 
 def test_no_profiler_runs_the_profiled_code_and_records_nothing() -> None:
     profiler = speed.NoProfiler()
-    ran = []
     with profiler.profile("[Callback]FiniteLoss.on_before_backward") as value:
-        ran.append(value)
-    # an error inside passes through
+        ran = [value]
     with pytest.raises(ValueError, match="raised inside"), profiler.profile("[Module]M.step"):
-        raise ValueError("raised inside")
+        raise ValueError("raised inside")  # an error inside passes through
     assert ran == [None] and profiler.summary() == ""
-
-
-def test_in_memory_batches_come_from_one_index_and_match_the_per_sample_path() -> None:
-    from torch.utils.data import DataLoader
-
-    from runkit.data import BatchedTensorDataset, Rows, collate_rows
-
-    data = DigitsDataModule(batch_size=32)
-    data.setup()
-    fast = data.val_dataloader()
-    assert fast.collate_fn is collate_rows and data.train_dataloader().collate_fn is collate_rows
-    rows = data.val_set.__getitems__([3, 1, 2])  # Subset passes the call to the tensors
-    assert isinstance(rows, Rows) and len(rows) == 3 and rows.tensors[0].shape[0] == 3
-    # A loader built by hand over the split (default collate) still gets (input, label) samples.
-    by_hand = DataLoader(data.val_set, batch_size=32)
-    for (x_fast, y_fast), (x_slow, y_slow) in zip(fast, by_hand, strict=True):
-        assert torch.equal(x_fast, x_slow) and torch.equal(y_fast, y_slow)
-    assert isinstance(data.val_set.dataset, BatchedTensorDataset)

@@ -1,8 +1,7 @@
 """runkit.plots: learning curves and GPU panels from csv/metrics.csv, the CLI and its errors.
 
-The CSV files here are written the way Lightning's CSVLogger writes them (one row per log call,
-empty cells for the other columns), so no training is needed; tests/test_readme.py checks that a
-real run leaves its curves.png.
+The CSV files are written the way Lightning's CSVLogger writes them, so no training is needed;
+tests/test_readme.py checks that a real run leaves its curves.png.
 """
 
 from __future__ import annotations
@@ -10,168 +9,109 @@ from __future__ import annotations
 import csv
 import logging
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 import prewarmed
-from conftest import clean_env, last_line
+from conftest import clean_env
 from runkit import plots as plot
 
 pytest.importorskip("matplotlib", reason="runkit.plots draws with matplotlib (the plot extra)")
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-GPU = "gpu/node0/cuda{i}/{stat}"
 
-
-def write_run(
-    run: Path,
-    epochs: int = 4,
-    gpus: int = 0,
-    lr: bool = False,
-    overrides: str = "",
-    gpm: bool = False,
-    loop: bool = False,
-) -> Path:
-    """A run directory with csv/metrics.csv shaped like the template's CSV logger output."""
-    rows: list[dict[str, float | int]] = []
-    step = 0
-    for epoch in range(epochs):
-        step += 10
-        rows.append(
-            {
-                "epoch": epoch,
-                "step": step,
-                "val/loss": 2.0 / (epoch + 1),
-                "val/acc": 0.5 + epoch / 10,
-            }
-        )
-        train: dict[str, float | int] = {
-            "epoch": epoch,
-            "step": step,
-            "train/loss": 1.5 / (epoch + 1),
-            "train/acc": 0.6 + epoch / 10,
-        }
-        if lr:
-            train["lr-AdamW"] = 0.01 / (epoch + 1)
+def write_run(run: Path, gpus: int = 0, lr: bool = False, extra: bool = False) -> Path:
+    """A run directory of four epochs; ``extra``: SM activity and the data wait too."""
+    rows: list[dict[str, float]] = []
+    for epoch in range(4):
+        val = {"epoch": epoch, "step": 10 * epoch, "val/loss": 2 / (epoch + 1), "val/acc": 0.5}
+        train = {"epoch": epoch, "step": 10 * epoch, "train/loss": 1.5 / (epoch + 1)}
+        train |= {"train/acc": 0.6 + epoch / 10, **({"lr-AdamW": 0.01 / (epoch + 1)} if lr else {})}
         for i in range(gpus):
-            train[GPU.format(i=i, stat="util_mean")] = 40 + 10 * i + epoch
-            train[GPU.format(i=i, stat="util_max")] = 60 + 10 * i + epoch
-            train[GPU.format(i=i, stat="mem_used_gib_max")] = 10.0 + 2 * i
-            train[GPU.format(i=i, stat="mem_total_gib")] = 80.0
-            if gpm:
-                train[GPU.format(i=i, stat="sm_active_mean")] = 30.0 + 10 * epoch
-                train[GPU.format(i=i, stat="tensor_active_mean")] = 5.0 + epoch
-        if loop:
-            train["loop/data_wait_frac"] = 0.6 - 0.1 * epoch
-        rows.append(train)
-    rows.append({"epoch": epochs, "step": step + 1, "test/acc": 0.93, "test/loss": 0.2})
-    columns = sorted({key for row in rows for key in row} - {"epoch", "step"})
+            stats = {"util_mean": 40 + 10 * i + epoch, "util_max": 60, "mem_used_gib_max": 10}
+            stats |= {"mem_total_gib": 80, **({"sm_active_mean": 30 + 10 * epoch} if extra else {})}
+            stats |= {"tensor_active_mean": 5} if extra else {}
+            train |= {f"gpu/node0/cuda{i}/{k}": v for k, v in stats.items()}
+        rows += [val, train | ({"loop/data_wait_frac": 0.6 - 0.1 * epoch} if extra else {})]
+    rows.append({"epoch": 4, "step": 41, "test/acc": 0.93, "test/loss": 0.2})
     (run / "csv").mkdir(parents=True)
     with (run / "csv" / "metrics.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, ["epoch", "step", *columns])
+        writer = csv.DictWriter(
+            handle, ["epoch", "step", *sorted({k for r in rows for k in r} - {"epoch", "step"})]
+        )
         writer.writeheader()
         writer.writerows(rows)
-    if overrides:
-        (run / ".hydra").mkdir()
-        (run / ".hydra" / "overrides.yaml").write_text(f"- {overrides}\n- paths.log_dir=/x\n")
     return run
 
 
 def png_size(path: Path) -> tuple[int, int]:
-    """Width and height from the PNG header, after checking the signature and the IHDR chunk."""
     data = path.read_bytes()
-    assert data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
-    assert data[12:16] == b"IHDR"
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", f"{path} is not a PNG"
     return struct.unpack(">II", data[16:24])
 
 
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return prewarmed.run(
-        [sys.executable, "-m", "runkit.plot", *args],
-        cwd=cwd,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def panel(figure: object, title: str) -> object:
+    return next(ax for ax in figure.axes if ax.get_visible() and ax.get_title().startswith(title))
 
 
 def test_read_metrics_keeps_one_value_per_epoch_and_test_figures_apart(tmp_path: Path) -> None:
-    run = plot.read_metrics(write_run(tmp_path / "run", epochs=3))
-    assert run.curve("train/loss") == ([0, 1, 2], [1.5, 0.75, 0.5])
-    assert run.curve("val/acc")[0] == [0, 1, 2]
+    run = plot.read_metrics(write_run(tmp_path / "run"))
+    assert run.curve("train/loss") == ([0, 1, 2, 3], [1.5, 0.75, 0.5, 0.375])
     assert run.final == {"test/acc": 0.93, "test/loss": 0.2}
-    assert run.metric_names() == ["loss", "acc"]
-    assert run.gpus() == []
+    assert run.metric_names() == ["loss", "acc"] and run.gpus() == []
 
 
-def test_panels_add_lr_and_gpu_rows_only_when_logged(tmp_path: Path) -> None:
-    plain = plot.read_metrics(write_run(tmp_path / "a"))
-    full = plot.read_metrics(write_run(tmp_path / "b", gpus=2, lr=True))
-    assert [p.kind for p in plot.panels_for([plain])] == ["metric", "metric"]
-    kinds = [p.kind for p in plot.panels_for([full])]
-    assert kinds == ["metric", "metric", "lr", "gpu_util", "gpu_mem"]
-    assert full.gpus() == ["node0/cuda0", "node0/cuda1"]
+@pytest.mark.parametrize(
+    ("options", "kinds"),
+    [
+        ({}, ["metric", "metric"]),
+        ({"gpus": 2, "lr": True}, ["metric", "metric", "lr", "gpu_util", "gpu_mem"]),
+        (
+            {"gpus": 2, "extra": True},
+            ["metric", "metric", "gpu_util", "gpu_mem", "gpu_gpm", "loop"],
+        ),
+    ],
+)
+def test_panels_only_for_what_was_logged(tmp_path: Path, options: dict, kinds: list) -> None:
+    run = plot.read_metrics(write_run(tmp_path / "run", **options))
+    assert [p.kind for p in plot.panels_for([run])] == kinds
 
 
-def test_gpm_and_data_wait_panels_only_when_logged(tmp_path: Path) -> None:
-    plain = plot.read_metrics(write_run(tmp_path / "a", gpus=1))
-    assert {p.kind for p in plot.panels_for([plain])}.isdisjoint({"gpu_gpm", "loop"})
-    run = plot.read_metrics(write_run(tmp_path / "b", gpus=2, gpm=True, loop=True))
-    assert [p.kind for p in plot.panels_for([run])][-2:] == ["gpu_gpm", "loop"]
+def test_gpu_panels_draw_one_line_per_gpu_and_its_companion(tmp_path: Path) -> None:
+    run = plot.read_metrics(write_run(tmp_path / "run", gpus=2, extra=True))
+    assert run.gpus() == ["node0/cuda0", "node0/cuda1"]
     figure = plot.draw([run])
-    titles = {ax.get_title(): ax for ax in figure.axes if ax.get_visible()}
-    gpm = next(ax for title, ax in titles.items() if title.startswith("SM activity"))
-    wait = next(ax for title, ax in titles.items() if title.startswith("waiting for data"))
-    assert len(gpm.get_lines()) == 4  # per GPU: SM activity and, dashed, tensor-core activity
+    util, memory, gpm, wait = (
+        panel(figure, t) for t in ("GPU utilization", "GPU memory", "SM activity", "waiting")
+    )
+    assert [t.get_text() for t in util.get_legend().get_texts()] == ["node0/cuda0", "node0/cuda1"]
+    assert {len(ax.get_lines()) for ax in (util, memory, gpm)} == {4}  # and a companion per GPU
+    assert list(util.get_lines()[0].get_ydata()) == [40, 41, 42, 43]
     assert list(gpm.get_lines()[0].get_ydata()) == [30, 40, 50, 60]
     assert list(wait.get_lines()[0].get_ydata()) == pytest.approx([60, 50, 40, 30])  # percent
 
 
-def test_one_run_makes_a_valid_png_of_sensible_size(tmp_path: Path) -> None:
-    run = write_run(tmp_path / "run")
-    path = plot.plot_runs([run])
-    assert path == run / plot.PLOT_FILE
-    width, height = png_size(path)
+def test_images_grow_with_gpu_rows_and_side_by_side_runs(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "a")
+    assert plot.plot_runs([run]) == run / plot.PLOT_FILE
+    width, height = png_size(run / plot.PLOT_FILE)
     assert 600 <= width <= 2000 and 250 <= height <= 2000, (width, height)
-
-
-def test_gpu_panels_draw_one_line_per_gpu(tmp_path: Path) -> None:
-    run = plot.read_metrics(write_run(tmp_path / "run", gpus=2))
-    figure = plot.draw([run])
-    titles = {ax.get_title(): ax for ax in figure.axes if ax.get_visible()}
-    util = next(ax for title, ax in titles.items() if title.startswith("GPU utilization"))
-    memory = next(ax for title, ax in titles.items() if title.startswith("GPU memory"))
-    assert [t.get_text() for t in util.get_legend().get_texts()] == ["node0/cuda0", "node0/cuda1"]
-    # Per GPU: the main line and its companion (max utilization / memory size).
-    assert len(util.get_lines()) == 4 and len(memory.get_lines()) == 4
-    assert list(util.get_lines()[0].get_ydata()) == [40, 41, 42, 43]
-    # The image with GPU rows is taller than the one without.
-    with_gpu = plot.plot_runs([tmp_path / "run"], tmp_path / "gpu.png")
-    without = plot.plot_runs([write_run(tmp_path / "plain")], tmp_path / "plain.png")
-    assert png_size(with_gpu)[1] > png_size(without)[1]
-
-
-def test_several_runs_side_by_side_share_rows(tmp_path: Path) -> None:
-    runs = [plot.read_metrics(write_run(tmp_path / name)) for name in ("a", "b", "c")]
-    figure = plot.draw(runs)
-    assert len(figure.axes) == 2 * 3  # two panels (loss, acc) x three runs
-    out = plot.plot_runs([tmp_path / "a", tmp_path / "b", tmp_path / "c"], tmp_path / "abc.png")
-    one = plot.plot_runs([tmp_path / "a"], tmp_path / "a.png")
-    assert png_size(out)[0] > png_size(one)[0]
+    with_gpu = plot.plot_runs([write_run(tmp_path / "g", gpus=2)], tmp_path / "gpu.png")
+    assert png_size(with_gpu)[1] > height
+    runs = [run, write_run(tmp_path / "b"), write_run(tmp_path / "c")]
+    assert len(plot.draw([plot.read_metrics(r) for r in runs]).axes) == 2 * 3  # panels x runs
+    assert png_size(plot.plot_runs(runs, tmp_path / "abc.png"))[0] > width
 
 
 def test_sweep_directory_stands_for_its_jobs_in_numeric_order(tmp_path: Path) -> None:
     sweep = tmp_path / "multiruns" / "2024-01-01_00-00-00"
     for job in ("0", "1", "10", "2"):
-        write_run(sweep / job, overrides=f"model.optimizer.lr=0.{job}1")
+        (write_run(sweep / job) / ".hydra").mkdir()
+        (sweep / job / ".hydra" / "overrides.yaml").write_text(f"- lr=0.{job}1\n- paths.x=/x\n")
     (sweep / "multirun.yaml").write_text("{}\n")
     assert [p.name for p in plot.expand_run_dirs([sweep])] == ["0", "1", "2", "10"]
-    runs = [plot.read_metrics(p) for p in plot.expand_run_dirs([sweep])]
-    assert runs[0].label == "0\nmodel.optimizer.lr=0.01"  # paths.* overrides are left out
+    assert plot.read_metrics(sweep / "0").label == "0\nlr=0.01"  # paths.* overrides left out
     assert plot.plot_runs([sweep]) == sweep / plot.PLOT_FILE
 
 
@@ -179,74 +119,30 @@ def test_out_names_a_file_or_a_directory_and_rejects_unknown_formats(tmp_path: P
     run = write_run(tmp_path / "run")
     (tmp_path / "figs").mkdir()
     assert plot.plot_runs([run], tmp_path / "figs") == tmp_path / "figs" / plot.PLOT_FILE
-    svg = plot.plot_runs([run], tmp_path / "c.svg")
-    assert svg.read_text().lstrip().startswith("<?xml")
+    assert plot.plot_runs([run], tmp_path / "c.svg").read_text().lstrip().startswith("<?xml")
     with pytest.raises(plot.PlotError, match=r"--out '.*c\.txt' has an unknown format; use"):
         plot.plot_runs([run], tmp_path / "c.txt")
 
 
-def test_after_run_draws_curves_png(tmp_path: Path) -> None:
+def test_after_run_draws_or_says_why_in_one_line_and_never_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     run = write_run(tmp_path / "run", gpus=1)
     assert plot.after_run(run) == run / plot.PLOT_FILE
     png_size(run / plot.PLOT_FILE)
-
-
-def test_after_run_without_matplotlib_logs_one_line_and_carries_on(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    run = write_run(tmp_path / "run")
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    assert plot.after_run(tmp_path / "no-csv") is None  # logger=none: nothing to draw
+    (tmp_path / "broken" / "csv").mkdir(parents=True)
+    (tmp_path / "broken" / "csv" / "metrics.csv").write_text("epoch,step\n")
     with caplog.at_level(logging.INFO, logger="runkit.plots"):
+        assert plot.after_run(tmp_path / "broken") is None
+        assert "has no rows yet" in caplog.text
+        caplog.clear()
+        monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+        (run / plot.PLOT_FILE).unlink()
         assert plot.after_run(run) is None
     assert not (run / plot.PLOT_FILE).exists()
     (record,) = caplog.records
-    assert "pip install matplotlib" in record.getMessage()
-    assert str(run) in record.getMessage()
-
-
-def test_after_run_never_raises_on_a_broken_csv(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    run = tmp_path / "run"
-    (run / "csv").mkdir(parents=True)
-    (run / "csv" / "metrics.csv").write_text("epoch,step\n")
-    with caplog.at_level(logging.INFO, logger="runkit.plots"):
-        assert plot.after_run(run) is None
-    assert "has no rows yet" in caplog.text
-    assert plot.after_run(tmp_path / "no-csv") is None  # logger=none: nothing to draw
-
-
-@pytest.mark.slow
-def test_cli_draws_and_prints_the_path(tmp_path: Path) -> None:
-    write_run(tmp_path / "a", gpus=1)
-    write_run(tmp_path / "b")
-    result = run_cli("a", "b", "--out", "ab.png", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "ab.png"
-    png_size(tmp_path / "ab.png")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("setup", "expected"),
-    [
-        ("missing", "'missing' does not exist; expected a run or sweep directory"),
-        ("empty", "'empty' holds no csv/metrics.csv, neither itself nor in its subfolders"),
-        ("header", "has no rows yet"),
-    ],
-)
-def test_cli_bad_run_dir_is_one_line_and_exit_2(tmp_path: Path, setup: str, expected: str) -> None:
-    if setup == "empty":
-        (tmp_path / "empty").mkdir()
-    elif setup == "header":
-        (tmp_path / "header" / "csv").mkdir(parents=True)
-        (tmp_path / "header" / "csv" / "metrics.csv").write_text("")
-    result = run_cli(setup, cwd=tmp_path)
-    assert result.returncode == 2
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert last_line(result.stderr).startswith("error: ")
-    assert expected in result.stderr
-    assert not list(tmp_path.glob("**/*.png"))
+    assert "pip install matplotlib" in record.getMessage() and str(run) in record.getMessage()
 
 
 def test_a_run_with_test_figures_only_is_a_clear_error(tmp_path: Path) -> None:
@@ -256,3 +152,45 @@ def test_a_run_with_test_figures_only_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(plot.PlotError, match="an eval run has test/ figures only"):
         plot.plot_runs([run])
     assert not (run / plot.PLOT_FILE).exists()
+
+
+@pytest.mark.parametrize(
+    ("setup", "expected"),
+    [
+        ("missing", "'missing' does not exist; expected a run or sweep directory"),
+        ("empty", "'empty' holds no csv/metrics.csv, neither itself nor in its subfolders"),
+        ("header", "has no rows yet"),
+    ],
+)
+def test_a_bad_run_dir_is_one_line_and_exit_2(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    setup: str,
+    expected: str,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "header" / "csv").mkdir(parents=True)
+    (tmp_path / "header" / "csv" / "metrics.csv").write_text("")
+    assert plot.main([setup]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: ") and expected in line
+    assert not list(tmp_path.glob("**/*.png"))
+
+
+@pytest.mark.slow
+def test_cli_draws_and_prints_the_path(tmp_path: Path) -> None:
+    write_run(tmp_path / "a", gpus=1)
+    write_run(tmp_path / "b")
+    result = prewarmed.run(
+        [sys.executable, "-m", "runkit.plot", "a", "b", "--out", "ab.png"],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ab.png"
+    png_size(tmp_path / "ab.png")

@@ -1,12 +1,8 @@
-"""Every private Lightning, torch, OmegaConf and Hydra API the template relies on, in one list.
+"""Every private Lightning, torch, OmegaConf and Hydra API the library relies on, in one list.
 
-Each entry names the private attribute, who uses it and why no public API does the job, and has a
-probe: the library's test suite runs every probe, so a release that moves one fails with a line
-naming the access (``check_all`` gives the same lines at run time). The simplest accesses live
-here as functions; the others are overrides of private methods in subclasses or reads of a
-private attribute inside one class, which the table points at.
-
-Import-light on purpose (no torch or Lightning at import): the probes import what they check.
+Each entry names the access, who uses it and why no public API does the job, and has a probe
+that the test suite runs, so a release that moves one fails in a line naming it. The simplest
+accesses live here as functions. Import-light: the probes import what they check.
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class PrivateApi:
-    """One private access: ``owner`` (a dotted path) has ``name``; ``probe`` proves it exists."""
+    """One private access: ``owner`` has ``name``; ``probe`` (default: hasattr) proves it."""
 
     owner: str
     name: str
@@ -30,16 +26,12 @@ class PrivateApi:
 
     def missing(self) -> str | None:
         """``None`` while the access still works; else one line naming it and who breaks."""
+        detail = ""
         try:
-            found = (
-                self.probe() if self.probe is not None else hasattr(_resolve(self.owner), self.name)
-            )
+            if self.probe() if self.probe else hasattr(_resolve(self.owner), self.name):
+                return None
         except Exception as err:  # an import that moved, a signature that changed
-            found, detail = False, f" ({type(err).__name__}: {err})"
-        else:
-            detail = ""
-        if found:
-            return None
+            detail = f" ({type(err).__name__}: {err})"
         return (
             f"{self.owner}.{self.name} is gone or changed{detail}; {self.used_by} relies on it "
             f"({self.why}); adapt it to this release"
@@ -55,15 +47,7 @@ def _resolve(path: str) -> Any:
 
 
 def _trainer_attribute(name: str) -> Callable[[], bool]:
-    def probe() -> bool:
-        from lightning.pytorch import Trainer
-
-        trainer = Trainer(
-            accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False
-        )
-        return hasattr(trainer, name)
-
-    return probe
+    return lambda: hasattr(_trainer(), name)
 
 
 def _csv_writer_keys() -> bool:
@@ -79,9 +63,9 @@ def _csv_writer_keys() -> bool:
 def _compiled_marker() -> bool:
     import torch
 
-    net = torch.nn.Linear(1, 1)
+    net, plain = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
     net.compile()  # marks the module; nothing is compiled before the first call
-    return getattr(net, "_compiled_call_impl", None) is not None
+    return net._compiled_call_impl is not None and plain._compiled_call_impl is None
 
 
 def _default_store_probe() -> bool:
@@ -392,20 +376,25 @@ def _worker_signal_handlers() -> bool:
     )
 
 
-def _trainer_attribute_value(name: str) -> Any:
+def _trainer() -> Any:
     from lightning.pytorch import Trainer
 
-    trainer = Trainer(
+    return Trainer(
         accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False
     )
-    return getattr(trainer, name)
+
+
+def _trainer_attribute_value(name: str) -> Any:
+    return getattr(_trainer(), name)
 
 
 def _linear_holder() -> Any:
     import torch
 
-    holder = torch.nn.Module()
+    holder, wrapper = torch.nn.Module(), torch.nn.Identity()
     holder.net = torch.nn.Linear(1, 1)
+    vars(holder)["net"] = wrapper  # what DataParallelStrategy does
+    assert holder.net is wrapper and list(holder.state_dict()) == ["net.weight", "net.bias"]
     return holder
 
 
@@ -428,20 +417,12 @@ BATCH_HOOKS = (
     "on_predict_batch_start",
     "on_predict_batch_end",
 )
-"""The callback hooks Lightning calls at every batch (six of them at every training step)."""
 
 
 def skip_unused_batch_hooks(callback: Any) -> None:
-    """Leave ``callback`` out of Lightning's dispatch of each per-batch hook its class does not
-    implement (private: see PRIVATE_APIS).
-
-    Lightning calls every hook of every callback, a no-op one included, each inside a profiler
-    context with its name formatted: about 2 us a call on a 2-core machine, six calls a training
-    step for each callback, whatever it does. Its dispatch skips an attribute that is not
-    callable, so each per-batch hook that ``callback``'s class inherits from ``Callback``
-    unchanged is set to ``None`` on the instance. A hook the class or a subclass implements is
-    kept; ``super()`` calls reach ``Callback``'s no-op as before.
-    """
+    """Leave ``callback`` out of Lightning's dispatch of each per-batch hook its class inherits
+    unchanged from ``Callback`` (set to ``None`` on the instance, which the dispatch skips; six
+    calls a step otherwise, whatever they do). Private: see PRIVATE_APIS."""
     from lightning.pytorch import Callback
 
     skip_hooks(
@@ -513,8 +494,7 @@ def job_failure(job: Any) -> Any:
 
 
 def set_data_parallel_size(strategy: Any, size: int) -> None:
-    """Set a ``ModelParallelStrategy``'s data-parallel mesh size before it builds the mesh
-    (private: see PRIVATE_APIS)."""
+    """Set a ``ModelParallelStrategy``'s data-parallel mesh size (private: see PRIVATE_APIS)."""
     strategy._data_parallel_size = int(size)
 
 

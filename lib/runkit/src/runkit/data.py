@@ -1,8 +1,7 @@
 """A LightningDataModule for any data set that fits in memory as two tensors: inputs and labels.
 
-To train on your own data, subclass :class:`ArrayDataModule` and implement :meth:`load_arrays`
-(read a CSV, a ``.pt`` file, a folder of images...); splitting, batching and the loaders are done
-here. lib/runkit/docs/own-model-and-data.md shows a worked example with a CSV file.
+Subclass :class:`ArrayDataModule` and implement :meth:`load_arrays`; splitting, batching and the
+loaders are done here (lib/runkit/docs/own-model-and-data.md has a worked example).
 """
 
 from __future__ import annotations
@@ -27,12 +26,9 @@ from runkit.errors import RunError
 
 
 class ArrayDataModule(LightningDataModule):
-    """Split ``(inputs, labels)`` once into train/val/test and serve them as DataLoaders.
-
-    The split is drawn from its own seeded generator, so changing the training ``seed`` never
-    leaks test samples into training. ``batch_size`` is per process: under DDP each of N processes
-    takes ``batch_size`` samples per step, so a step sees ``N * batch_size`` samples in all.
-    """
+    """Split ``(inputs, labels)`` once into train/val/test (from its own seeded generator, so the
+    training ``seed`` never moves samples between splits) and serve them as DataLoaders.
+    ``batch_size`` is per process."""
 
     def __init__(
         self,
@@ -54,11 +50,16 @@ class ArrayDataModule(LightningDataModule):
                 f"data.val_fraction + data.test_fraction = {val_fraction + test_fraction} "
                 "leaves nothing to train on; expected a sum below 1"
             )
-        self.batch_size = batch_size
-        self.val_fraction = val_fraction
-        self.test_fraction = test_fraction
-        self.split_seed = split_seed
-        self.num_workers = _resolve_workers(num_workers)
+        self.batch_size, self.split_seed = batch_size, split_seed
+        self.val_fraction, self.test_fraction = val_fraction, test_fraction
+        if num_workers != "auto" and not (isinstance(num_workers, int) and num_workers >= 0):
+            raise RunError(
+                f"data.num_workers={num_workers!r} is invalid; expected an integer >= 0 or auto"
+            )
+        # auto: in-memory tensors need no worker processes (they only add start-up and IPC cost)
+        self.num_workers = (
+            0 if num_workers == "auto" else min(int(num_workers), os.cpu_count() or 1)
+        )
         if pin_memory != "auto" and not isinstance(pin_memory, bool):
             raise RunError(
                 f"data.pin_memory={pin_memory!r} is invalid; expected true, false or auto"
@@ -100,32 +101,27 @@ class ArrayDataModule(LightningDataModule):
     def _loader(self, dataset: Dataset | None, shuffle: bool = False) -> DataLoader:
         if dataset is None:
             raise RuntimeError("setup() must run before the loaders are requested")
-        options: dict[str, Any] = dict(
+        sampler: Any = None
+        if shuffle:  # seeded as pl.seed_everything set it (as Lightning's DistributedSampler)
+            sampler = EpochShuffle(dataset, int(os.environ.get("PL_GLOBAL_SEED", 0)))
+        elif (kwargs := getattr(self.trainer, "distributed_sampler_kwargs", None)) and kwargs.get(
+            "num_replicas", 1
+        ) > 1:
+            # Under DDP every evaluation sample once (Lightning's sampler would pad by repeating).
+            sampler = UnrepeatedDistributedSampler(dataset, shuffle=False, **kwargs)
+        return DataLoader(
+            dataset,
+            sampler=sampler,
             batch_size=self.batch_size,
             num_workers=self.num_workers,
             pin_memory=self._pin(),
             persistent_workers=self.num_workers > 0,
             collate_fn=collate_rows,
         )
-        if not shuffle:
-            return DataLoader(dataset, sampler=self._evaluation_sampler(dataset), **options)
-        # The seed pl.seed_everything set (Lightning's DistributedSampler reads the same variable).
-        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        return DataLoader(dataset, sampler=EpochShuffle(dataset, seed), **options)
-
-    def _evaluation_sampler(self, dataset: Dataset) -> UnrepeatedDistributedSampler | None:
-        """Under DDP, each process takes every N-th sample and none twice, so every validation
-        and test sample counts exactly once. Lightning's default sampler would pad the split to a
-        multiple of N by repeating samples; the metrics gather the uneven shards themselves."""
-        kwargs = getattr(self.trainer, "distributed_sampler_kwargs", None)
-        if not kwargs or kwargs.get("num_replicas", 1) < 2:
-            return None  # one process (or strategy=dp): the plain sequential order
-        return UnrepeatedDistributedSampler(dataset, shuffle=False, **kwargs)
 
     def _pin(self) -> bool:
-        """``auto``: pin only when the batches go to a CUDA device, where pinned pages let the
-        copy run asynchronously (Lightning copies with ``non_blocking``); a CPU run gains nothing,
-        and pinning would start a CUDA context on a GPU machine training on the CPU."""
+        """``auto``: pin only for a CUDA device (pinning on the CPU gains nothing and would start
+        a CUDA context on a GPU machine training on the CPU)."""
         if self.pin_memory != "auto":
             return bool(self.pin_memory)
         device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
@@ -133,13 +129,8 @@ class ArrayDataModule(LightningDataModule):
 
 
 class Rows(Sequence):
-    """The samples of a batch, held as one stacked tensor per field (what
-    :class:`BatchedTensorDataset` hands the DataLoader).
-
-    :func:`collate_rows` passes the stacked tensors on as they are. It is also a sequence of
-    ``(input, label)`` samples, so ``default_collate`` (a DataLoader built by hand over
-    ``train_set``) still gets what it expects, one sample at a time.
-    """
+    """A batch as one stacked tensor per field, which :func:`collate_rows` passes on; also a
+    sequence of ``(input, label)`` samples for ``default_collate`` (a DataLoader built by hand)."""
 
     def __init__(self, tensors: tuple[torch.Tensor, ...]) -> None:
         self.tensors = tensors
@@ -152,13 +143,8 @@ class Rows(Sequence):
 
 
 class BatchedTensorDataset(TensorDataset):
-    """A ``TensorDataset`` that serves a whole batch with one indexing operation per tensor.
-
-    A DataLoader asks a map-style dataset for ``__getitems__(indices)`` before falling back to
-    one ``__getitem__`` per sample and stacking them (``random_split``'s ``Subset`` passes the
-    call through). Per sample, a batch of 4,096 rows of 1,024 floats took ~30 ms on a laptop-class
-    CPU core, longer than a GPU step; one index takes ~2 ms. Same samples, same order.
-    """
+    """A ``TensorDataset`` that serves a whole batch (``__getitems__``, which a DataLoader and
+    ``Subset`` use when present) with one indexing operation per tensor, not one per sample."""
 
     def __getitems__(self, indices: list[int]) -> Rows:
         index = torch.as_tensor(indices, dtype=torch.long)
@@ -166,21 +152,13 @@ class BatchedTensorDataset(TensorDataset):
 
 
 def collate_rows(batch: Any) -> Any:
-    """The DataLoader's collate step: a batch already stacked passes through (as the list
-    ``default_collate`` makes of ``(input, label)`` samples); anything else is collated as usual."""
-    if isinstance(batch, Rows):
-        return list(batch.tensors)
-    return default_collate(batch)
+    """A batch already stacked passes through (as the list ``default_collate`` would make)."""
+    return list(batch.tensors) if isinstance(batch, Rows) else default_collate(batch)
 
 
 class EpochShuffle(RandomSampler):
-    """A new order every epoch that depends only on ``(seed, epoch)``, not on any global RNG.
-
-    So the order of epoch 7 is the same whether a run got there in one go or was resumed from a
-    checkpoint (:class:`runkit.safety.resume.ResumeState` makes any sampler do the same, by seeding
-    the generators per epoch; this one needs no seeding). Lightning calls :meth:`set_epoch` before each epoch; under DDP it replaces this
-    sampler with a ``DistributedSampler``, which orders by ``(seed, epoch)`` in the same spirit.
-    """
+    """A new order every epoch that depends only on ``(seed, epoch)``, not on any global RNG, so a
+    resumed run sees the same order (Lightning calls :meth:`set_epoch`; DDP replaces it)."""
 
     def __init__(self, data_source: Sized, seed: int = 0) -> None:
         super().__init__(data_source)
@@ -193,12 +171,3 @@ class EpochShuffle(RandomSampler):
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         yield from torch.randperm(len(self.data_source), generator=generator).tolist()
-
-
-def _resolve_workers(num_workers: int | str) -> int:
-    """``auto``: in-memory tensors need no worker processes (they only add start-up and IPC cost)."""
-    if num_workers == "auto":
-        return 0
-    if isinstance(num_workers, int) and num_workers >= 0:
-        return min(num_workers, os.cpu_count() or 1)
-    raise RunError(f"data.num_workers={num_workers!r} is invalid; expected an integer >= 0 or auto")

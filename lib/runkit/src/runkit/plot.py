@@ -1,7 +1,4 @@
-"""``python -m runkit.plot RUN [RUN ...]``: redraw ``curves.png`` of runs or sweeps (entry point).
-
-The drawing lives in :mod:`runkit.plots`; this module only names the command.
-"""
+"""``python -m runkit.plot RUN [RUN ...]``: redraw ``curves.png`` (see :mod:`runkit.plots`)."""
 
 import sys
 

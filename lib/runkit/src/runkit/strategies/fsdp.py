@@ -2,11 +2,8 @@
 for models that no longer fit one GPU, with no code in the module.
 
 Submodules whose class ``shard_modules`` names become FSDP units, then each top-level child with
-parameters of its own; a module whose ``configure_model`` applies ``fully_shard`` itself is
-honoured. ``bf16-*`` precision keeps bf16 parameters and reduces in float32 (batch norms in
-float32); ``cpu_offload`` keeps state in CPU memory. Checkpoints are directories of shards
-(``torch.distributed.checkpoint``) written crash-safe with a manifest of sizes and CRC-32s that
-loading checks first (:mod:`runkit.safety.checkpoints`).
+parameters of its own; a module's own ``configure_model`` that shards is honoured. Checkpoints
+are directories of shards written crash-safe with a manifest that loading checks first.
 """
 
 from __future__ import annotations
@@ -38,18 +35,9 @@ _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm
 
 
 class FSDPStrategy(ModelParallelStrategy):
-    """``ModelParallelStrategy`` (FSDP2) that shards the user's module from config.
-
-    Args:
-        shard_modules: classes (import paths, ``torch.nn.Conv2d``, or bare class names) whose
-            instances become FSDP units. Needed unless the module's own ``configure_model``
-            applies ``fully_shard``.
-        cpu_offload: keep parameters, gradients and optimiser state in CPU memory (GPUs only;
-            ignored with a log line on the CPU).
-        reduce_dtype: the dtype gradients are reduced in under bf16 mixed precision.
-        process_group_backend: ``nccl``/``gloo``; ``None`` picks the device's default.
-        timeout: how long a collective waits for the other ranks.
-    """
+    """``ModelParallelStrategy`` (FSDP2) that shards the user's module from config:
+    ``shard_modules`` (import paths or ``torch.nn`` names) become FSDP units; ``cpu_offload``
+    keeps the state in CPU memory (GPUs only); ``reduce_dtype`` is the gradients' under bf16."""
 
     def __init__(
         self,
@@ -68,20 +56,17 @@ class FSDPStrategy(ModelParallelStrategy):
         )
         self.shard_modules = [str(name) for name in shard_modules]
         self.cpu_offload = bool(cpu_offload)
-        dtype = getattr(torch, str(reduce_dtype), None)
-        if not isinstance(dtype, torch.dtype):
+        self.reduce_dtype = getattr(torch, str(reduce_dtype), None)
+        if not isinstance(self.reduce_dtype, torch.dtype):
             raise RunError(
                 f"trainer.strategy.reduce_dtype={reduce_dtype!r} is not a torch dtype; "
                 "accepted: float32, bfloat16, float16"
             )
-        self.reduce_dtype = dtype
         self._classes = resolve_classes(self.shard_modules)
 
-    # ------------------------------------------------------------------ sharding
     def connect(self, model: Any) -> None:
-        """Give a module without its own ``configure_model`` this strategy's sharding as that
-        hook: Lightning then calls it where it calls the user's (in its init contexts, in fit
-        and again in test: idempotent), and ModelParallelStrategy's check finds the hook."""
+        """A module without its own ``configure_model`` gets this strategy's sharding as that
+        hook, which Lightning calls where it calls the user's (idempotent)."""
         if isinstance(model, LightningModule) and not is_overridden("configure_model", model):
             if not self._classes:
                 raise RunError(
@@ -89,18 +74,12 @@ class FSDPStrategy(ModelParallelStrategy):
                     f"that become FSDP units, e.g. [torch.nn.Linear]) or a configure_model in "
                     f"{type(model).__name__}; neither is set"
                 )
-            strategy = self
-
-            def configure_model(module: LightningModule) -> None:
-                strategy.shard(module)
-
-            model.configure_model = types.MethodType(configure_model, model)
+            model.configure_model = types.MethodType(lambda module: self.shard(module), model)
         super().connect(model)
 
     def setup(self, trainer: Any) -> None:
-        """A module's own ``configure_model`` that built layers without sharding them (layers
-        made lazily, say): shard them now, as for a module without one; else FSDP would train
-        an unsynchronised copy on every rank."""
+        """Shard what a module's own ``configure_model`` built without sharding; else every rank
+        would train an unsynchronised copy."""
         from torch.distributed.fsdp import FSDPModule
 
         module = self.lightning_module
@@ -114,35 +93,26 @@ class FSDPStrategy(ModelParallelStrategy):
         super().setup(trainer)
 
     def model_to_device(self) -> None:
-        """Lightning's ``model.to(device)``, except under ``cpu_offload``: there FSDP has put
-        the buffers on the GPU and keeps the parameter shards in CPU memory on purpose."""
+        """Not under ``cpu_offload``, where FSDP keeps the shards in CPU memory on purpose."""
         if self.cpu_offload and self.root_device.type != "cpu":
             return
         super().model_to_device()
 
     def setup_environment(self) -> None:
-        # One mesh dimension over every process: FSDP over all of them, no tensor parallelism.
+        # One mesh dimension over every process ('auto' would mean num_nodes).
         compat.set_data_parallel_size(self, self.num_nodes * self.num_processes)
         super().setup_environment()
 
-    def mixed_precision(self) -> Any:
-        """The ``MixedPrecisionPolicy`` for the run's precision (``None``: float32 throughout)."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
-        if precision in _BF16:
-            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=self.reduce_dtype)
-        return None
-
     def shard(self, module: LightningModule) -> None:
-        """Apply ``fully_shard`` to the configured units, then to each top-level child that still
-        holds parameters outside them. A second call (``test`` after ``fit``) finds it done."""
+        """``fully_shard`` the configured units, then each top-level child that still holds
+        parameters outside them (bf16: batch norms are float32 units). Done once."""
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
             FSDPModule,
             MixedPrecisionPolicy,
             fully_shard,
         )
+        from torch.distributed.tensor import DTensor
 
         if any(isinstance(m, FSDPModule) for m in module.modules()):
             return
@@ -154,39 +124,29 @@ class FSDPStrategy(ModelParallelStrategy):
                 f"{type(module).__name__}; its submodule classes: {', '.join(present[:12])}"
             )
         kwargs: dict[str, Any] = {"mesh": self.device_mesh["data_parallel"]}
-        policy = self.mixed_precision()
-        if policy is not None:
-            kwargs["mp_policy"] = policy
-        if self.cpu_offload:
-            if self.root_device.type == "cpu":
-                if self.global_rank == 0:  # one line per run, not one per process
-                    log.info("trainer.strategy.cpu_offload: the run is on the CPU already; ignored")
-            else:
-                kwargs["offload_policy"] = CPUOffloadPolicy()
-        # Under bf16 a batch norm is a unit of its own in float32 (its input cast up): its
-        # running statistics are float32 buffers, which batch_norm refuses beside bf16 weights.
-        norms = [m for m in module.modules() if isinstance(m, _BATCH_NORMS)] if policy else []
-        chosen = {*units, *norms}
-        ordered = [m for m in module.modules() if m in chosen]
-        for unit in reversed(ordered):  # reversed pre-order: every unit before its parents
-            if unit in norms:
-                float32 = MixedPrecisionPolicy(
-                    param_dtype=torch.float32, reduce_dtype=torch.float32
-                )
-                fully_shard(unit, **{**kwargs, "mp_policy": float32})
-            else:
-                fully_shard(unit, **kwargs)
+        bf16 = str(getattr(self.precision_plugin, "precision", "32-true")) in _BF16
+        if bf16:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(torch.bfloat16, self.reduce_dtype)
+        if self.cpu_offload and self.root_device.type != "cpu":
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        elif self.cpu_offload and self.global_rank == 0:
+            log.info("trainer.strategy.cpu_offload: the run is on the CPU already; ignored")
+        # A batch norm's running statistics are float32 buffers, refused beside bf16 weights.
+        norms = {m for m in module.modules() if isinstance(m, _BATCH_NORMS)} if bf16 else set()
+        float32 = {"mp_policy": MixedPrecisionPolicy(torch.float32, torch.float32)}
+        chosen = [m for m in module.modules() if m in {*units, *norms}]
+        for unit in reversed(chosen):  # reversed pre-order: every unit before its parents
+            fully_shard(unit, **{**kwargs, **(float32 if unit in norms else {})})
         for child in module.children():
-            if _owns_parameters(child):
+            if any(not isinstance(p, DTensor) for p in child.parameters()):
                 fully_shard(child, **kwargs)
-        loose = next((n for n, p in module.named_parameters() if not _is_dtensor(p)), None)
+        loose = next((n for n, p in module.named_parameters() if not isinstance(p, DTensor)), None)
         if loose is not None:
             raise RunError(
                 f"{type(module).__name__}.{loose} is a parameter of the LightningModule itself; "
                 "trainer=fsdp shards submodules: move it into one (or write configure_model)"
             )
 
-    # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
@@ -195,18 +155,13 @@ class FSDPStrategy(ModelParallelStrategy):
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
         target = Path(self.broadcast(str(filepath).removeprefix("file://")))
-        staging: str | None = None
-        if self.is_global_zero:
-            staging = str(checkpoints.new_staging_dir(target))
-        staging_dir = Path(self.broadcast(staging))
+        staging = checkpoints.new_staging_dir(target) if self.is_global_zero else None
+        staging_dir = Path(self.broadcast(str(staging) if staging else None))
         try:
             super().save_checkpoint(checkpoint, staging_dir)
             self.barrier()
-            names = checkpoints.checkpoint_files(staging_dir)
-            share = checkpoints.describe_files(
-                staging_dir, names[self.global_rank :: self.world_size]
-            )
-            entries = _gather(share)
+            names = checkpoints.checkpoint_files(staging_dir)[self.global_rank :: self.world_size]
+            entries = _gather(checkpoints.describe_files(staging_dir, names))
             if self.is_global_zero:
                 checkpoints.write_manifest(staging_dir, entries)
                 checkpoints.swap_in(staging_dir, target)
@@ -240,17 +195,6 @@ def _gather(items: list[Any]) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, items)
     return [item for part in gathered for item in part]
-
-
-def _owns_parameters(module: nn.Module) -> bool:
-    """Whether ``module`` has parameters that no FSDP unit inside it holds."""
-    return any(not _is_dtensor(p) for p in module.parameters())
-
-
-def _is_dtensor(value: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
 
 
 def resolve_classes(names: Sequence[str]) -> tuple[type, ...]:
