@@ -47,7 +47,6 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         ["lib/runkit/src/runkit/safety/checkpoints.py", "lib/runkit/src/runkit/safety/trusted.py"],
         [
             "lib/runkit/tests/test_checkpointing.py",
-            "lib/runkit/tests/test_checkpoints_mutants.py",
             "lib/runkit/tests/test_untrusted_files.py",
         ],
     ),

@@ -1,10 +1,8 @@
 """Resuming a run exactly: the random state at every batch, the logs carried on, a record of origin.
 
-A resumed run gets a new run directory; the earlier one is only read. :class:`ResumeState` seeds
-the global generators and the loaders' own from ``(seed, epoch)`` before each epoch's iterator is
-created (a mid-epoch checkpoint saves their exact state), skips the batches a mid-epoch checkpoint
-had trained on, and copies the earlier run's CSV and TensorBoard logs into this run's, so the
-continuation is indistinguishable from a run that never stopped.
+A resumed run writes a new run directory. :class:`ResumeState` seeds the generators from
+``(seed, epoch)`` before each epoch's iterator exists, skips the batches a mid-epoch checkpoint
+had trained on, and copies the earlier run's CSV and TensorBoard logs into this run's.
 """
 
 from __future__ import annotations
@@ -30,12 +28,8 @@ log = logging.getLogger(__name__)
 
 
 def run_dir_of(checkpoint: str | Path) -> Path:
-    """The run directory a checkpoint belongs to, wherever the run folder now lies.
-
-    The nearest folder above it (three levels at most) that looks like a run folder (Hydra's
-    ``.hydra``, or ``config.yaml`` beside ``checkpoints/``), so ``<run>/steps/x.ckpt`` also gives
-    ``<run>``; else ``<dir>/checkpoints/x.ckpt`` -> ``<dir>`` and ``<dir>/x.ckpt`` -> ``<dir>``.
-    """
+    """The run directory of a checkpoint: the nearest folder (three levels up at most) with a
+    ``.hydra`` or a ``config.yaml`` beside ``checkpoints/``; else the folder of ``checkpoints/``."""
     path = Path(checkpoint)
     for folder in list(path.parents)[:3]:
         if (folder / ".hydra").is_dir() or (
@@ -82,12 +76,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class ResumeState(Callback):
-    """Random state per epoch and per batch, carried-on logs, and the line that says where a run
-    came from.
-
-    Args:
-        seed: the run's seed; each epoch's generators are seeded from ``(seed, epoch)``.
-    """
+    """Random state per epoch and batch (from ``(seed, epoch)``), carried-on logs, the origin."""
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
@@ -121,7 +110,6 @@ class ResumeState(Callback):
         self._start_data(trainer)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Lightning creates a later epoch's iterator after this hook: seeding here comes first.
         if self._seeded_epoch != trainer.current_epoch:
             self._seed_epoch(trainer)
 
@@ -135,15 +123,9 @@ class ResumeState(Callback):
         self._seeded_epoch = epoch
 
     def _start_data(self, trainer: Trainer) -> None:
-        """Start the run's first epoch of data as an uninterrupted run starts that epoch.
-
-        Lightning creates the first epoch's DataLoader iterator before any hook: its workers fork,
-        the sampler draws its order and the first batches are prefetched from whatever state the
-        generators had. So the generators are seeded for the epoch, the iterator is created
-        again, and after a mid-epoch checkpoint the batches it had trained on are read (their
-        augmentation draws and the workers' generators advance as they did) and dropped; then the
-        generators get the checkpoint's exact state back for the next batch.
-        """
+        """Start the first epoch's data as an uninterrupted run would: Lightning made its iterator
+        before any hook, so it is made again after seeding; after a mid-epoch checkpoint the
+        batches trained on are read and dropped, then the checkpoint's generator state is put back."""
         self._seed_epoch(trainer)
         loop = trainer.fit_loop
         done = loop.epoch_loop.batch_progress.current.processed
@@ -165,14 +147,12 @@ _NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch 
 
 
 def _stateful(loader: Any) -> bool:
-    """Lightning's test for a loader that restores its own position (``_Stateful``)."""
     return callable(getattr(loader, "state_dict", None)) and callable(
         getattr(loader, "load_state_dict", None)
     )
 
 
 def _generators(loader: Any) -> list[torch.Generator]:
-    """The generators a DataLoader and its samplers draw from instead of the global one."""
     holders = [loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)]
     holders.append(getattr(holders[2], "sampler", None))
     found = [getattr(h, "generator", None) for h in holders if h is not None]
@@ -222,8 +202,7 @@ def continue_logs(trainer: Trainer, earlier: Path) -> None:
 
 
 def _copy_csv_rows(source: Path, target: Path, epoch: int, step: int) -> list[str]:
-    """Copy the rows logged before the checkpoint: those of earlier epochs (an epoch's end logs
-    some at the step its last batch led to, the checkpoint's own), and this epoch's before ``step``."""
+    """Copy the rows of earlier epochs and this epoch's before ``step`` (the checkpoint's)."""
     with source.open(newline="") as handle:
         reader = csv.DictReader(handle)
         keys = list(reader.fieldnames or [])
@@ -248,14 +227,8 @@ def _number(row: dict[str, str], key: str, missing: float = 0.0) -> float:
 
 
 def check_fits(model: LightningModule, checkpoint: Path) -> None:
-    """Fail in one line when the checkpoint's weights do not fit the model this run built.
-
-    Resuming with other ``model.*`` overrides than the checkpoint's run would otherwise end in
-    Lightning's many-line ``load_state_dict`` error, after the run directory was made. Only the
-    shapes are looked at: the tensors are memory-mapped, not read (Lightning reads them next).
-    """
-    import torch
-
+    """Fail in one line when the checkpoint's weights do not fit the model this run built (not
+    Lightning's many-line error later); the tensors are memory-mapped, only shapes are read."""
     from runkit.safety.checkpoints import (
         is_sharded_checkpoint,
         load_file,
@@ -274,8 +247,7 @@ def check_fits(model: LightningModule, checkpoint: Path) -> None:
             f"ckpt_path={str(checkpoint)!r} is not a Lightning checkpoint (no state_dict); "
             "to start from a model.pth, load it into the network instead of resuming"
         )
-    # Layers built in setup() or configure_model do not exist yet: unexpected keys are left to
-    # Lightning's strict load after those hooks (one line too: runkit.phase).
+    # Layers built in setup()/configure_model do not exist yet: Lightning judges those later.
     mismatch = state_mismatch(expected, state, built_later=True)
     if mismatch:
         raise RunError(
