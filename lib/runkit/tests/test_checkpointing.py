@@ -19,6 +19,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -350,12 +351,16 @@ def test_resolve_ckpt_path_a_file_is_returned_absolute(
     monkeypatch.chdir(folder)
     assert resolve_ckpt_path("weights.ckpt", "logs") == path.resolve()
     assert resolve_ckpt_path(str(path), "logs") == path.resolve()
+    message = str(raised(RunError, lambda: resolve_ckpt_path("nowhere.ckpt", "logs")).value)
+    assert message.startswith(f"ckpt_path={str(folder / 'nowhere.ckpt')!r} (typed 'nowhere.ckpt') ")
 
 
 def test_resolve_ckpt_path_a_run_directory_means_its_last_ckpt(folder: Path) -> None:
     nested = lightning_checkpoint(folder / "run a" / "checkpoints" / "last.ckpt", small_net())
     assert resolve_ckpt_path(str(folder / "run a"), folder) == nested.resolve()
     flat = lightning_checkpoint(folder / "run b" / "last.ckpt", small_net())
+    newer = lightning_checkpoint(folder / "run b" / "epoch_009.ckpt", small_net())
+    os.utime(newer, (time.time() + 60, time.time() + 60))
     assert resolve_ckpt_path(str(folder / "run b"), folder) == flat.resolve()
     lightning_checkpoint(folder / "run a" / "last.ckpt", small_net())
     assert resolve_ckpt_path(str(folder / "run a"), folder) == nested.resolve()
@@ -366,21 +371,26 @@ def test_resolve_ckpt_path_a_run_without_last_ckpt_means_its_newest_checkpoint(
 ) -> None:
     run = folder / "stopped run"
     interrupted = lightning_checkpoint(run / "checkpoints" / "interrupted.ckpt", small_net())
-    older = lightning_checkpoint(run / "checkpoints" / "epoch_000.ckpt", small_net())
+    older = lightning_checkpoint(run / "checkpoints" / "z_epoch_000.ckpt", small_net())
     os.utime(older, (time.time() - 60, time.time() - 60))
     with caplog.at_level(logging.INFO):
         assert resolve_ckpt_path(str(run), folder) == interrupted.resolve()
-    assert f"ckpt_path={run} has no last.ckpt: using its newest checkpoint, interrupted.ckpt" in (
-        caplog.text
-    )
+    assert caplog.messages == [
+        f"ckpt_path={run} has no last.ckpt: using its newest checkpoint, interrupted.ckpt"
+    ]
 
 
-def test_resolve_ckpt_path_for_eval_a_run_directory_means_its_tested_weights(folder: Path) -> None:
+def test_resolve_ckpt_path_for_eval_a_run_directory_means_its_tested_weights(
+    folder: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     run = folder / "run"
     last = lightning_checkpoint(run / "checkpoints" / "last.ckpt", small_net())
-    assert resolve_ckpt_path(str(run), folder, tested_weights=True) == last.resolve()
-    weights = save_weights(small_net(), run / "model.pth")
-    assert resolve_ckpt_path(str(run), folder, tested_weights=True) == weights.resolve()
+    with caplog.at_level(logging.INFO):
+        assert resolve_ckpt_path(str(run), folder, tested_weights=True) == last.resolve()
+        assert caplog.messages == []
+        weights = save_weights(small_net(), run / "model.pth")
+        assert resolve_ckpt_path(str(run), folder, tested_weights=True) == weights.resolve()
+    assert caplog.messages == [f"ckpt_path={run}: using its model.pth (the weights it tested)"]
     assert resolve_ckpt_path(str(run), folder) == last.resolve()  # resuming: the training state
 
 
@@ -1279,30 +1289,53 @@ def test_load_network_names_the_file_whose_weights_are_not_tensors(folder: Path)
 def test_a_sharded_checkpoint_loads_as_one_and_its_shapes_are_read(folder: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
-    net = small_net()
     target = folder / "last.ckpt"
-    state = {"state_dict": {f"net.{k}": v for k, v in net.state_dict().items()}}
+    weights = {f"net.{k}": v for k, v in small_net().state_dict().items()}
+    weights["net.count"] = torch.arange(3)  # not float32: the dtype comes from the index
     with pytest.warns(UserWarning):
-        dcp.save(state, checkpoint_id=str(target), no_dist=True)
-    torch.save({"epoch": 4, "global_step": 9}, target / "meta.pt")
+        dcp.save(
+            {"state_dict": weights, "optim": {"m": torch.ones(5)}},
+            checkpoint_id=str(target),
+            no_dist=True,
+        )
+    assert "epoch" not in load_file(target)  # no meta.pt, no manifest: the shards alone
+    torch.save({"epoch": 4, "global_step": 9, "t": torch.ones(1)}, target / "meta.pt")
     files = checkpointing.checkpoint_files(target)
     checkpointing.write_manifest(target, checkpointing.describe_files(target, files[:1]))
     assert checkpointing.manifest_names(target) == files
-    for data in (load_file(target), AtomicCheckpointIO().load_checkpoint(target)):
-        assert data["epoch"] == 4 and network_state(data | {"pytorch-lightning_version": "2"})
-        assert all(
-            torch.equal(data["state_dict"][f"net.{k}"], v) for k, v in net.state_dict().items()
-        )
-    shapes = checkpointing.sharded_shapes(target)
-    assert shapes == {f"net.{k}": v.shape for k, v in net.state_dict().items()}
+    seen: list[str] = []
+    located = checkpointing.load_sharded(target, lambda s, where: seen.append(where) or s)
+    for data in (located, load_file(target), AtomicCheckpointIO().load_checkpoint(target)):
+        assert data["epoch"] == 4 and set(data["state_dict"]) == set(weights)
+        for key, value in weights.items():
+            assert (
+                torch.equal(data["state_dict"][key], value)
+                and data["state_dict"][key].dtype == value.dtype
+            )
+    AtomicCheckpointIO().load_checkpoint(
+        target, map_location=lambda s, where: seen.append(where) or s
+    )
+    assert seen == ["cpu", "cpu"]
+    assert checkpointing.sharded_shapes(target) == {k: v.shape for k, v in weights.items()}
+    (target / checkpointing.MANIFEST_FILE).unlink()
     (target / ".metadata").write_bytes(b"x")
     for read in (checkpointing.load_sharded, checkpointing.sharded_shapes):
-        info = raised(RunError, lambda r=read: r(target))
-        assert str(info.value).startswith(f"{str(target)!r} ")
+        message = str(raised(RunError, lambda r=read: r(target)).value)
+        assert message.startswith(f"{str(target)!r} is not a readable sharded checkpoint: ")
+        assert not message.endswith("None")
     (target / checkpointing.MANIFEST_FILE).write_text("{")
     assert "its manifest.json cannot be read" in str(
         raised(RunError, lambda: load_file(target)).value
     )
+
+
+def test_model_pth_holds_net_only_when_net_holds_every_weight() -> None:
+    whole = torch.nn.Module()
+    whole.net = small_net()
+    assert exported_part(whole) is whole.net
+    whole.head = torch.nn.Linear(2, 1)
+    assert exported_part(whole) is whole
+    assert exported_part(small_net()).__class__ is MLP
 
 
 def test_a_load_state_dict_error_is_one_line_naming_the_file_it_stands_for(folder: Path) -> None:
@@ -1311,7 +1344,8 @@ def test_a_load_state_dict_error_is_one_line_naming_the_file_it_stands_for(folde
     net = small_net()
     wrong = {"layers.0.weight": torch.zeros(1)}
     path = checkpointing.as_lightning_checkpoint(wrong, folder / "model.pth")
-    assert load_file(path)["state_dict"].keys() == wrong.keys()
+    assert path.name.startswith("weights-") and path.suffix == ".ckpt"
+    assert network_state(load_file(path), path, "").keys() == wrong.keys()
     trainer = SimpleNamespace(ckpt_path=str(path), lightning_module=net)
     error = RuntimeError("Error(s) in loading state_dict for MLP: ...")
     explained = checkpointing.explain_load_failure(trainer, error)
@@ -1325,5 +1359,81 @@ def test_a_load_state_dict_error_is_one_line_naming_the_file_it_stands_for(folde
     fits = SimpleNamespace(ckpt_path=str(same), lightning_module=net)
     assert checkpointing.explain_load_failure(fits, error) is None
     assert checkpointing.explain_load_failure(SimpleNamespace(ckpt_path=None), error) is None
+    assert checkpointing.explain_load_failure(object(), error) is None
+    plain = folder / "plain.ckpt"
+    torch.save({"state_dict": wrong}, plain)
+    explained = checkpointing.explain_load_failure(
+        SimpleNamespace(ckpt_path=str(plain), lightning_module=net), error
+    )
+    assert str(explained).startswith(f"{str(plain)!r} does not fit MLP as set up")
     gone = SimpleNamespace(ckpt_path=str(folder / "nowhere.ckpt"), lightning_module=net)
     assert checkpointing.explain_load_failure(gone, error) is None
+
+
+def test_exchange_swaps_two_directories_in_one_step(folder: Path) -> None:
+    a, b = folder / "a", folder / "b"
+    for path in (a, b):
+        path.mkdir()
+        (path / "x").write_text(path.name)
+    assert checkpointing._exchange(a, b)
+    assert (a / "x").read_text() == "b" and (b / "x").read_text() == "a"
+    assert not checkpointing._exchange(a, folder / "missing")
+
+
+class Built(pl.LightningModule):
+    """Its layer made in configure_model, from a list argument."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        super().__init__()
+        self.sizes, self.layer = sizes, None
+
+    def configure_model(self) -> None:
+        if self.layer is None:
+            self.layer = torch.nn.Linear(*self.sizes)
+
+
+def test_rebuild_model_builds_its_layers_from_plain_containers_without_retired_keys() -> None:
+    config = {"_target_": f"{__name__}.Built", "sizes": [2, 3], "compile": 1, "channels_last": 1}
+    model = checkpointing.rebuild_model(config)
+    assert type(model.sizes) is list and model.layer.out_features == 3
+
+
+def test_weights_load_into_the_part_model_pth_holds(folder: Path) -> None:
+    trained, whole = small_net(), torch.nn.Module()
+    whole.net = small_net()
+    path = lightning_checkpoint(folder / "given.ckpt", trained)
+    part = checkpointing.load_exported_weights(whole, load_file(path), path)
+    assert part is whole.net
+    assert all(torch.equal(part.state_dict()[k], v) for k, v in trained.state_dict().items())
+    for data, start in (({"w": 1}, "is not a network's"), ({"w": torch.ones(1)}, "does not fit")):
+        info = raised(
+            RunError, lambda d=data: checkpointing.load_exported_weights(small_net(), d, "x.pth")
+        )
+        assert str(info.value).startswith(f"'x.pth' {start}")
+
+
+def test_a_sharded_save_stages_beside_its_target_and_swaps_in(folder: Path) -> None:
+    target = folder / "a b" / "last.ckpt"
+    staging = checkpointing.new_staging_dir(target)
+    assert staging.parent == target.parent and checkpointing._TEMP.fullmatch(staging.name)
+    dead = target.parent / f".last.ckpt.{2**22 + 1}-{checkpointing._HOST}-0badc0de.tmp"
+    dead.mkdir()
+    again = checkpointing.new_staging_dir(target)
+    assert not dead.exists() and again.is_dir() and again != staging
+    (staging / "x").write_text("1")
+    checkpointing.swap_in(staging, target)  # a new name
+    assert (target / "x").read_text() == "1" and not staging.exists()
+    single = folder / "single.ckpt"
+    single.write_text("a file before")
+    checkpointing.swap_in(again, single)
+    assert single.is_dir() and not again.exists()
+
+
+def test_a_manifest_holds_each_files_size_and_crc(folder: Path) -> None:
+    import zlib
+
+    (folder / "sub").mkdir()
+    (folder / "shard").write_bytes(b"some bytes")
+    assert checkpointing.checkpoint_files(folder) == ["shard"]
+    (entry,) = checkpointing.describe_files(folder, ["shard"])
+    assert entry == {"name": "shard", "size": 10, "crc32": zlib.crc32(b"some bytes")}

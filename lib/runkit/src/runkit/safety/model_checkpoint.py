@@ -76,8 +76,16 @@ class ModelCheckpoint(LightningModelCheckpoint):
             atomic_link(written[1], filepath)
         trainer.strategy.barrier("ModelCheckpoint.last")
         self._last_checkpoint_saved = filepath
-        if previous and self._should_remove_checkpoint(trainer, previous, filepath):
-            self._remove_checkpoint(trainer, previous)
+        # A previous last.ckpt of another name (versioned), in this directory, not resumed from.
+        old = Path(previous).absolute() if previous else None
+        resumed = Path(trainer.ckpt_path).absolute() if trainer.ckpt_path else None
+        if (
+            old
+            and previous != filepath
+            and old != resumed
+            and Path(self.dirpath or "").absolute() in old.parents
+        ):
+            trainer.strategy.remove_checkpoint(previous)
 
     def _last_filepath(self, trainer: pl.Trainer, monitor_candidates: dict[str, Any]) -> str:
         """The name Lightning gives ``last.ckpt`` (versioned if taken)."""

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import IterableDataset
 
 from runkit import compat
@@ -117,7 +118,7 @@ class ResumeState(Callback):
         """Seed the global generators, and the loaders' own, from ``(seed, epoch)``."""
         epoch = trainer.current_epoch
         reseed(epoch_seed(self.seed, epoch))
-        for loader in compat.train_loaders(trainer):
+        for loader in _train_loaders(trainer):
             for generator in _generators(loader):
                 generator.manual_seed(epoch_seed(self.seed + 1, epoch))
         self._seeded_epoch = epoch
@@ -130,14 +131,19 @@ class ResumeState(Callback):
         loop = trainer.fit_loop
         done = loop.epoch_loop.batch_progress.current.processed
         mid_epoch = loop.restarted_mid_epoch and 0 < done < trainer.num_training_batches
-        loaders = compat.train_loaders(trainer)
+        loaders = _train_loaders(trainer)
         stateful = [dl for dl in loaders if _stateful(dl)]
         skip = done if mid_epoch and not stateful else 0
         if trainer.ckpt_path is not None and trainer.is_global_zero:
             _say_what_differs(loaders, trainer.current_epoch, done if mid_epoch else 0)
         if skip:
             warnings.filterwarnings("ignore", message=_NOT_RESUMABLE)  # the batches are skipped
-        compat.restart_train_data(trainer, trainer.current_epoch, skip)
+        for loader in loaders:  # what Lightning does before it creates an epoch's iterator
+            samplers = {id(s): s for s in _parts(loader)[1::2] if s is not None}
+            for sampler in samplers.values():
+                if callable(getattr(sampler, "set_epoch", None)):
+                    sampler.set_epoch(trainer.current_epoch)
+        compat.restart_train_data(trainer, skip)
         if mid_epoch and self._pending is not None:
             set_rng_state(self._pending)
         self._pending = None
@@ -152,12 +158,25 @@ def _stateful(loader: Any) -> bool:
     )
 
 
+def _train_loaders(trainer: Trainer) -> list[Any]:
+    loaders = trainer.train_dataloader
+    return [] if loaders is None else list(CombinedLoader(loaders).flattened)
+
+
+def _parts(loader: Any) -> list[Any]:
+    """A loader, its sampler, batch sampler and the batch sampler's sampler."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    return [
+        loader,
+        getattr(loader, "sampler", None),
+        batch_sampler,
+        getattr(batch_sampler, "sampler", None),
+    ]
+
+
 def _generators(loader: Any) -> list[torch.Generator]:
-    holders = [loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)]
-    holders.append(getattr(holders[2], "sampler", None))
-    found = [getattr(h, "generator", None) for h in holders if h is not None]
-    unique = {id(g): g for g in found if isinstance(g, torch.Generator)}
-    return list(unique.values())
+    found = [getattr(part, "generator", None) for part in _parts(loader) if part is not None]
+    return list({id(g): g for g in found if isinstance(g, torch.Generator)}.values())
 
 
 def _say_what_differs(loaders: list[Any], epoch: int, done: int) -> None:
@@ -179,44 +198,26 @@ def _say_what_differs(loaders: list[Any], epoch: int, done: int) -> None:
 
 
 def continue_logs(trainer: Trainer, earlier: Path) -> None:
-    """Copy the earlier run's CSV rows (up to the checkpoint's step) and TensorBoard events here."""
+    """Carry the earlier run's CSV rows (before the checkpoint's step) and TensorBoard events on."""
     root = Path(trainer.default_root_dir)
     for logger in trainer.loggers:
         if isinstance(logger, CSVLogger):
-            writer = logger.experiment  # created now, so it cannot delete what we copy
-            relative = Path(writer.metrics_file_path).relative_to(root)
-            source = earlier / relative
+            writer = logger.experiment  # created now, so it cannot delete what it is given
+            source = earlier / Path(writer.metrics_file_path).relative_to(root)
             if source.is_file():
-                keys = _copy_csv_rows(
-                    source,
-                    Path(writer.metrics_file_path),
-                    trainer.current_epoch,
-                    trainer.global_step,
-                )
-                compat.add_csv_columns(writer, keys)
+                with source.open(newline="") as handle:
+                    rows = list(csv.DictReader(handle))
+                epoch, step = trainer.current_epoch, trainer.global_step
+                for row in rows:
+                    if _number(row, "epoch", epoch) < epoch or _number(row, "step") < step:
+                        values = {k: v for k, v in row.items() if v and k != "step"}
+                        writer.log_metrics(values, int(_number(row, "step")))
+                writer.save()
         elif isinstance(logger, TensorBoardLogger):
             relative = Path(logger.log_dir).relative_to(root)
             for event_file in sorted((earlier / relative).glob("events.out.tfevents.*")):
                 Path(logger.log_dir).mkdir(parents=True, exist_ok=True)
                 shutil.copy2(event_file, Path(logger.log_dir) / f"earlier.{event_file.name}")
-
-
-def _copy_csv_rows(source: Path, target: Path, epoch: int, step: int) -> list[str]:
-    """Copy the rows of earlier epochs and this epoch's before ``step`` (the checkpoint's)."""
-    with source.open(newline="") as handle:
-        reader = csv.DictReader(handle)
-        keys = list(reader.fieldnames or [])
-        rows = [
-            row
-            for row in reader
-            if _number(row, "epoch", epoch) < epoch or _number(row, "step") < step
-        ]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with target.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=sorted(keys))
-        writer.writeheader()
-        writer.writerows(rows)
-    return keys
 
 
 def _number(row: dict[str, str], key: str, missing: float = 0.0) -> float:
