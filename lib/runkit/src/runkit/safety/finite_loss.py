@@ -67,7 +67,13 @@ class FiniteLoss(Callback):
         self._losses: Tensor | None = None  # the losses since the last host read (stop mode)
         self._where: list[tuple[int, int, int]] = []  # (step, epoch, batch) of each of them
         self._loss_finite: Tensor | None = None  # this step's verdict (skip mode)
+        self._batch = 0
         compat.skip_unused_batch_hooks(self)
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._batch = batch_idx
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         size = min(self.check_every_n_steps, _MAX_KEPT)
@@ -90,7 +96,7 @@ class FiniteLoss(Callback):
         if len(self._where) == len(self._losses):
             self.check()  # full: more backward passes than check_every_n_steps since the last read
         self._losses[len(self._where)] = value if value.ndim == 0 else value.sum()
-        self._where.append((trainer.global_step, trainer.current_epoch, _batch_index(trainer)))
+        self._where.append((trainer.global_step, trainer.current_epoch, self._batch))
 
     def on_before_optimizer_step(
         self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer
@@ -105,7 +111,7 @@ class FiniteLoss(Callback):
             "Non-finite training loss at step %d (epoch %d, batch %d): batch skipped (%d so far)",
             trainer.global_step,
             trainer.current_epoch,
-            _batch_index(trainer),
+            self._batch,
             self.skipped,
         )
         # Torch optimisers leave parameters without a gradient alone: an exact skip.
@@ -214,7 +220,3 @@ def _all_finite(tensors: Any) -> bool:
 def _agreed(trainer: Trainer, bad: bool) -> bool:
     """``bad`` on any rank (every rank calls this at the same point)."""
     return bool(trainer.strategy.reduce_boolean_decision(bad, all=False))
-
-
-def _batch_index(trainer: Trainer) -> int:
-    return compat.fit_batch_index(trainer)
