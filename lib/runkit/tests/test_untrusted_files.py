@@ -118,13 +118,20 @@ def test_a_target_reached_through_a_module_attribute_is_named_by_what_it_is(
     assert "torch.serialization.save" in refusal(path)
 
 
-def test_a_prefix_matches_whole_package_names_only() -> None:
+def test_an_allowed_prefix_covers_whole_names_only() -> None:
     assert is_allowed("project.models.nets.MLP", ["project"])
     assert is_allowed("project.models.nets.MLP", ["project."])
     assert not is_allowed("projectevil.x", ["project"])
     assert not is_allowed("projectevil.x", ["project."])
     assert not is_allowed("torch.save", TRUSTED_TARGETS)
     assert not is_allowed("torch.hub.load", TRUSTED_TARGETS)
+    assert not is_allowed("os.system", ["", " ", "."])
+    assert is_allowed("torch.nn.Linear", [" torch.nn. "])
+    assert is_allowed("torch.nn", ["torch.nn."])
+    assert not is_allowed("torch.nnx.Linear", ["torch.nn"])
+    assert is_allowed("b.c", ["a.", "b"])  # any of them
+    assert is_allowed("pkg.modelX.Net", ["pkg.modelX"])
+    assert not is_allowed("pkg.model.Net", ["pkg.modelX"])
 
 
 @pytest.mark.parametrize(
@@ -224,21 +231,13 @@ def test_eval_of_a_crafted_checkpoint_deletes_nothing(tmp_path: Path, cli: CliRu
     assert victim.read_text() == "precious"
 
 
-def test_is_allowed_ignores_blank_prefixes_and_trailing_dots() -> None:
-    assert not is_allowed("os.system", ["", " ", "."])
-    assert is_allowed("torch.nn.Linear", [" torch.nn. "])
-    assert is_allowed("torch.nn", ["torch.nn."])
-    assert not is_allowed("torch.nnx.Linear", ["torch.nn"])
-    assert is_allowed("b.c", ["a.", "b"])  # any of them
-
-
 def refused(tree: Any, allowed: Any = ("torch.nn.",)) -> str:
     info = raised(RunError, lambda: check_trusted(tree, allowed, "given.ckpt"))
     assert "\n" not in str(info.value)
     return str(info.value)
 
 
-def test_check_trusted_accepts_allowed_targets_anywhere() -> None:
+def test_check_trusted_names_every_refused_node_and_how_to_allow_it() -> None:
     tree = {
         "net": {"_target_": "torch.nn.Linear", "in_features": 1, "out_features": 1},
         "layers": [{"_target_": "torch.nn.ReLU"}, 3, None, 1.5, "text"],
@@ -246,9 +245,6 @@ def test_check_trusted_accepts_allowed_targets_anywhere() -> None:
     check_trusted(tree, ["torch.nn."], "given.ckpt")
     check_trusted("plain", ["torch.nn."], "given.ckpt")
     check_trusted([], [], "given.ckpt")
-
-
-def test_check_trusted_names_the_node_and_how_to_allow_it() -> None:
     message = refused({"model": {"layers": [{"_target_": "collections.OrderedDict"}]}})
     assert message == (
         "'given.ckpt' asks to instantiate model.layers.0._target_='collections.OrderedDict', "
@@ -256,9 +252,6 @@ def test_check_trusted_names_the_node_and_how_to_allow_it() -> None:
         "it with 'trusted_targets=[torch.nn.,collections.]' (eval, predict) or "
         "load_network(..., allowed=[..., 'collections.'])"
     )
-
-
-def test_check_trusted_names_every_untrusted_target_at_once() -> None:
     tree = {
         "model": {
             "net": {"_target_": "collections.OrderedDict"},
@@ -281,18 +274,25 @@ def test_check_trusted_names_every_untrusted_target_at_once() -> None:
         "or load_network(..., allowed=[..., 'json.', 'torch.serialization.', 'collections.'])"
     )
     check_trusted(tree, ["torch.nn.", "json.", "torch.serialization.", "collections."], "x")
-
-
-def test_check_trusted_names_what_a_target_really_is() -> None:
     message = refused({"_target_": "torch.nn.modules.module.torch.save"})
     assert message.startswith(
         "'given.ckpt' asks to instantiate _target_='torch.nn.modules.module.torch.save' "
         "(which is torch.serialization.save), which is not under the trusted targets [torch.nn.]"
     )
     assert "'trusted_targets=[torch.nn.,torch.serialization.]'" in message
+    message = refused({"_target_": "os.system"}, allowed=("torch.nn.", "torch.optim."))
+    assert "not under the trusted targets [torch.nn., torch.optim.]; " in message
+    assert "'trusted_targets=[torch.nn.,torch.optim.,os.]'" in message
+    for tree in (
+        {"a": {"_target_": "os.system"}, "b": "text"},
+        {"b": "text", "a": {"_target_": "os.system"}},
+        ["text", {"_target_": "os.system"}],
+        [{"_target_": "os.system"}, "text"],
+    ):
+        assert "'os.system'" in refused(tree)
 
 
-def test_check_trusted_refuses_private_names_and_odd_strings() -> None:
+def test_check_trusted_refuses_malformed_targets_and_configs() -> None:
     assert "_target_='torch.nn._reduction.get_enum'" in refused(
         {"_target_": "torch.nn._reduction.get_enum"}
     )
@@ -303,9 +303,6 @@ def test_check_trusted_refuses_private_names_and_odd_strings() -> None:
             "(letters, digits, '_' and '.', no leading '_'); refusing to instantiate it"
         )
     assert "'" + "a" * 80 + "'" in refused({"_target_": "a" * 90 + "!"})
-
-
-def test_check_trusted_says_when_an_allowed_name_does_not_import() -> None:
     message = refused({"_target_": "torch.nn.NoSuchLayer"})
     assert message.startswith(
         "'given.ckpt' names _target_='torch.nn.NoSuchLayer', which cannot be imported here: "
@@ -313,9 +310,6 @@ def test_check_trusted_says_when_an_allowed_name_does_not_import() -> None:
     assert "NoSuchLayer" in message.split("imported here: ")[1]
     message = refused({"_target_": "torch.nn.nosuchmodule.X"})
     assert "cannot be imported here: " in message
-
-
-def test_check_trusted_refuses_interpolations_in_values_and_keys() -> None:
     assert refused({"a": {"b": "${oc.env:HOME}"}}) == (
         "'given.ckpt' holds an interpolation at a.b ('${oc.env:HOME}'); configs saved by a run "
         "are resolved, so this file was edited or crafted"
@@ -323,9 +317,6 @@ def test_check_trusted_refuses_interpolations_in_values_and_keys() -> None:
     assert "at the top" in refused("${x}")
     assert refused({"${x}": 1}) == "'given.ckpt' holds an interpolation in a key ('${x}')"
     assert refused({"list": ["${" + "q" * 80 + "}"]}).count("q") == 58
-
-
-def test_check_trusted_refuses_shared_nodes_and_deep_nesting() -> None:
     shared: dict[str, Any] = {"leaf": 1}
     assert refused({"a": shared, "b": shared}).startswith(
         "'given.ckpt' repeats one config node by reference (at "
@@ -344,6 +335,19 @@ def test_check_trusted_refuses_shared_nodes_and_deep_nesting() -> None:
     assert refused(nested(MAX_DEPTH + 1)) == (
         f"'given.ckpt' nests its config deeper than {MAX_DEPTH} levels"
     )
+    shared: dict[str, Any] = {"leaf": 1}
+    assert refused({"a": shared, "b": shared}) in (
+        "'given.ckpt' repeats one config node by reference (at a); configs saved by a run never do",
+        "'given.ckpt' repeats one config node by reference (at b); configs saved by a run never do",
+    )
+    key = "${" + "k" * 80 + "}"
+    assert refused({key: 1}) == (f"'given.ckpt' holds an interpolation in a key ({key[:60]!r})")
+    message = refused({"_target_": "torch.nn.Linear.no_such_method"})
+    assert message.startswith(
+        "'given.ckpt' names _target_='torch.nn.Linear.no_such_method', which cannot be imported "
+        "here: "
+    )
+    assert "no_such_method" in message.split("imported here: ")[1]
 
 
 @pytest.fixture
@@ -367,29 +371,13 @@ def probe_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
         del sys.modules[name]
 
 
-def test_a_target_in_a_submodule_not_yet_imported_is_found(probe_package: str) -> None:
+def test_a_target_is_judged_by_what_it_resolves_to(probe_package: str) -> None:
     check_trusted({"_target_": f"{probe_package}.layers.Thing"}, [f"{probe_package}."], "given")
-
-
-def test_a_target_outside_the_allow_list_is_never_imported(
-    probe_package: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    marker = tmp_path / "imported"
-    monkeypatch.setenv("PROBE_MARKER", str(marker))
-    with pytest.raises(RunError, match="not under the trusted targets"):
-        check_trusted({"_target_": f"{probe_package}.noisy.X"}, ["torch.nn."], "given")
-    assert not marker.exists()
-
-
-def test_a_target_is_named_by_its_qualified_name_or_else_its_name(probe_package: str) -> None:
     target = "torch.nn.modules.module.Module.train"
     check_trusted({"_target_": target}, ["torch.nn.modules.module.Module"], "given")
     check_trusted(
         {"_target_": f"{probe_package}.layers.make"}, [f"{probe_package}.layers"], "given"
     )
-
-
-def test_a_target_naming_a_module_is_refused_as_a_module(probe_package: str) -> None:
     info = raised(
         RunError,
         lambda: check_trusted(
@@ -400,9 +388,6 @@ def test_a_target_naming_a_module_is_refused_as_a_module(probe_package: str) -> 
         f"'given' asks to instantiate _target_='{probe_package}.layers' (which is module), "
         "which is not under the trusted targets"
     )
-
-
-def test_a_target_naming_a_plain_value_is_refused_by_its_type(probe_package: str) -> None:
     info = raised(
         RunError,
         lambda: check_trusted(
@@ -412,11 +397,6 @@ def test_a_target_naming_a_plain_value_is_refused_by_its_type(probe_package: str
     assert str(info.value).startswith(
         f"'given' asks to instantiate _target_='{probe_package}.layers.LIMIT' (which is int), "
     )
-
-
-def test_a_target_whose_module_fails_without_a_message_names_the_error(
-    probe_package: str,
-) -> None:
     info = raised(
         RunError,
         lambda: check_trusted(
@@ -429,41 +409,11 @@ def test_a_target_whose_module_fails_without_a_message_names_the_error(
     )
 
 
-def test_an_attribute_missing_from_a_class_is_not_looked_for_as_a_module() -> None:
-    message = refused({"_target_": "torch.nn.Linear.no_such_method"})
-    assert message.startswith(
-        "'given.ckpt' names _target_='torch.nn.Linear.no_such_method', which cannot be imported "
-        "here: "
-    )
-    assert "no_such_method" in message.split("imported here: ")[1]
-
-
-def test_an_allowed_prefix_is_stripped_of_dots_only() -> None:
-    assert is_allowed("pkg.modelX.Net", ["pkg.modelX"])
-    assert not is_allowed("pkg.model.Net", ["pkg.modelX"])
-
-
-def test_every_node_is_checked_whatever_comes_before_it() -> None:
-    for tree in (
-        {"a": {"_target_": "os.system"}, "b": "text"},
-        {"b": "text", "a": {"_target_": "os.system"}},
-        ["text", {"_target_": "os.system"}],
-        [{"_target_": "os.system"}, "text"],
-    ):
-        assert "'os.system'" in refused(tree)
-
-
-def test_shared_nodes_and_interpolated_keys_are_named_exactly() -> None:
-    shared: dict[str, Any] = {"leaf": 1}
-    assert refused({"a": shared, "b": shared}) in (
-        "'given.ckpt' repeats one config node by reference (at a); configs saved by a run never do",
-        "'given.ckpt' repeats one config node by reference (at b); configs saved by a run never do",
-    )
-    key = "${" + "k" * 80 + "}"
-    assert refused({key: 1}) == (f"'given.ckpt' holds an interpolation in a key ({key[:60]!r})")
-
-
-def test_the_refusal_lists_every_trusted_prefix() -> None:
-    message = refused({"_target_": "os.system"}, allowed=("torch.nn.", "torch.optim."))
-    assert "not under the trusted targets [torch.nn., torch.optim.]; " in message
-    assert "'trusted_targets=[torch.nn.,torch.optim.,os.]'" in message
+def test_a_target_outside_the_allow_list_is_never_imported(
+    probe_package: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = tmp_path / "imported"
+    monkeypatch.setenv("PROBE_MARKER", str(marker))
+    with pytest.raises(RunError, match="not under the trusted targets"):
+        check_trusted({"_target_": f"{probe_package}.noisy.X"}, ["torch.nn."], "given")
+    assert not marker.exists()
