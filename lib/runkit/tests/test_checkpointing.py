@@ -551,6 +551,11 @@ def test_load_network_rebuilds_from_the_saved_or_given_config(base: Path) -> Non
     )
     loaded = load_network(path, net_config=SMALL_NET)
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in net.state_dict().items())
+
+
+def test_load_network_rebuilds_a_model_without_net_and_loads_the_part_it_exported(
+    base: Path,
+) -> None:
     folder = base / "3"
     folder.mkdir()
     trained = Regressor(width=5)
@@ -765,6 +770,9 @@ def test_atomic_write_leaves_the_old_file_or_the_new_one_and_says_why(base: Path
         assert str(info.value) == message
         assert isinstance(info.value.__cause__, OSError)
     assert list(folder.iterdir()) == []
+
+
+def test_atomic_write_names_the_os_error_behind_a_failed_write(base: Path) -> None:
     folder = base / "3"
     folder.mkdir()
 
@@ -958,6 +966,9 @@ def test_a_full_disk_is_one_line_naming_the_last_good_checkpoint(base: Path) -> 
         f"the disk is full: could not write the run's files in {str(csv)!r} "
         f"(Disk quota exceeded); the last good checkpoint is {str(older)!r}"
     )
+
+
+def test_a_full_disk_keeps_the_first_error(base: Path) -> None:
     folder = base / "2"
     folder.mkdir()
     with pytest.raises(ValueError, match="not about the disk"), full_disk_in_one_line(folder):
@@ -1347,6 +1358,9 @@ def test_sharded_checkpoint_directories(base: Path) -> None:
     assert "its manifest.json cannot be read" in str(
         raised(RunError, lambda: load_file(target)).value
     )
+
+
+def test_sharded_checkpoint_directories_are_staged_and_swapped_in(base: Path) -> None:
     folder = base / "1"
     folder.mkdir()
     a, b = folder / "a", folder / "b"
