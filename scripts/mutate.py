@@ -47,8 +47,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         ["lib/runkit/src/runkit/safety/checkpoints.py", "lib/runkit/src/runkit/safety/trusted.py"],
         [
             "lib/runkit/tests/test_checkpointing.py",
-            "lib/runkit/tests/test_checkpoints_mutants.py",
             "lib/runkit/tests/test_untrusted_files.py",
+            "lib/runkit/tests/test_fsdp.py",  # its fast tests: the sharded directories
         ],
     ),
     # device resolution and selection, CUDA_VISIBLE_DEVICES, the NVML reader, the listing

@@ -1,12 +1,25 @@
-"""model.pth export and loading, the Trainer's checkpoint plugin, and no unsafe unpickling."""
+"""Checkpoint and model.pth files: saved crash-safe, loaded safely and verified, refused in one line.
+
+Files live under folder names with spaces and non-ASCII letters that share no word with the
+messages asserted, so a message check cannot pass on the fixture's own path.
+"""
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
 import re
+import stat
 import struct
+import subprocess
+import sys
+import time
 import zipfile
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -18,15 +31,33 @@ from runkit.run import builders
 from runkit.safety import checkpoints as checkpointing
 from runkit.safety.checkpoints import (
     AtomicCheckpointIO,
+    FileWriteError,
+    atomic_link,
+    atomic_write,
+    exported_part,
+    full_disk_in_one_line,
+    last_good_checkpoint,
     load_file,
     load_network,
+    network_state,
+    remove_stale_temporaries,
     resolve_ckpt_path,
+    run_config,
     save_weights,
+    state_mismatch,
+    verify_archive,
 )
 
 SRC = Path(checkpointing.__file__).resolve().parent
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 NET = {"_target_": "project.models.nets.MLP", "in_features": 64, "hidden": [8], "num_classes": 10}
+
+
+def raised(kind: type[BaseException], call: Any) -> Any:
+    """The ``pytest.raises`` info of ``call()``, which must raise ``kind``."""
+    with pytest.raises(kind) as info:
+        call()
+    return info
 
 
 def write_run(directory: Path, net_config: dict) -> Path:
@@ -49,8 +80,7 @@ def test_model_pth_is_a_plain_state_dict_that_loads_back_equal(tmp_path: Path) -
 def test_model_pth_of_another_architecture_is_one_line_with_the_keys(tmp_path: Path) -> None:
     other = MLP(in_features=64, hidden=[8, 4], num_classes=10)
     path = save_weights(other, write_run(tmp_path, NET) / "model.pth")
-    with pytest.raises(RunError) as info:
-        load_network(path, allowed=TEMPLATE_TARGETS)
+    info = raised(RunError, lambda: load_network(path, allowed=TEMPLATE_TARGETS))
     message = str(info.value)
     assert "\n" not in message
     assert "model.pth" in message and "unexpected keys" in message
@@ -64,8 +94,7 @@ def test_corrupt_model_pth_is_one_line_naming_the_file(tmp_path: Path, damage: s
     path.write_bytes(
         {"truncated": data[: len(data) // 2], "garbage": b"\x00" * 99, "empty": b""}[damage]
     )
-    with pytest.raises(RunError) as info:
-        load_network(path, allowed=TEMPLATE_TARGETS)
+    info = raised(RunError, lambda: load_network(path, allowed=TEMPLATE_TARGETS))
     assert "\n" not in str(info.value) and str(path) in str(info.value)
 
 
@@ -119,7 +148,7 @@ def test_nothing_in_src_unpickles_with_weights_only_false() -> None:
 # --------------------------------------------------------------------------- integrity on load
 
 
-def change_one_tensor_byte(path: Path) -> None:
+def change_one_tensor_byte(path: Path) -> str:
     """Flip one bit inside the first tensor record, as a bad disk sector or copy would."""
     with zipfile.ZipFile(path) as archive:
         info = next(i for i in archive.infolist() if "/data/" in i.filename and i.file_size > 16)
@@ -132,6 +161,7 @@ def change_one_tensor_byte(path: Path) -> None:
         byte = handle.read(1)
         handle.seek(position)
         handle.write(bytes([byte[0] ^ 0x10]))
+    return info.filename
 
 
 def test_model_pth_with_one_changed_bit_is_refused_in_one_line(tmp_path: Path) -> None:
@@ -139,8 +169,7 @@ def test_model_pth_with_one_changed_bit_is_refused_in_one_line(tmp_path: Path) -
     path = save_weights(net, write_run(tmp_path, NET) / "model.pth")
     change_one_tensor_byte(path)
     torch.load(path, weights_only=True)  # torch itself loads it without complaint
-    with pytest.raises(RunError) as info:
-        load_network(path, allowed=TEMPLATE_TARGETS)
+    info = raised(RunError, lambda: load_network(path, allowed=TEMPLATE_TARGETS))
     message = str(info.value)
     assert "\n" not in message and str(path) in message
     assert "damaged" in message and "CRC-32" in message
@@ -157,18 +186,6 @@ def test_checkpoint_with_one_changed_bit_is_refused_on_every_load_path(tmp_path:
     ):
         with pytest.raises(RunError, match=r"damaged.*CRC-32"):
             load()
-
-
-def test_damaged_zip_structure_is_one_line(tmp_path: Path) -> None:
-    path = tmp_path / "epoch_004.ckpt"
-    AtomicCheckpointIO().save_checkpoint({"w": torch.randn(64)}, path)
-    data = bytearray(path.read_bytes())
-    directory = data.rfind(b"PK\x01\x02")  # a central directory record
-    data[directory + 20 : directory + 24] = b"\xff\xff\xff\x7f"  # its compressed size
-    path.write_bytes(bytes(data))
-    with pytest.raises(RunError) as info:
-        load_file(path)
-    assert "\n" not in str(info.value) and str(path) in str(info.value)
 
 
 @pytest.mark.parametrize("kind", ["plain", "without-crc", "legacy-format"])
@@ -202,3 +219,1249 @@ def test_cli_refuses_a_checkpoint_with_one_changed_bit(
     line = last_line(done.stderr)
     assert line.startswith(f"error: {str(path)!r} is damaged: record ") and "CRC-32" in line
     assert path.read_bytes() == before and not (tmp_path / "logs").exists()
+
+
+# --------------------------------------------------------------------------- case by case
+
+
+SMALL_NET = {
+    "_target_": "project.models.nets.MLP",
+    "in_features": 4,
+    "hidden": [3],
+    "num_classes": 2,
+}
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    path = tmp_path / "Ordner mit Ümläut"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def base(folder: Path) -> Path:
+    """The folder of a test of several cases, each in its own subfolder."""
+    return folder
+
+
+def small_net() -> MLP:
+    return MLP(in_features=4, hidden=[3], num_classes=2)
+
+
+def lightning_checkpoint(path: Path, net: torch.nn.Module, config: Any = None) -> Path:
+    data: dict[str, Any] = {
+        "pytorch-lightning_version": "2.6.0",
+        "epoch": 3,
+        "state_dict": {f"net.{k}": v for k, v in net.state_dict().items()},
+    }
+    data["state_dict"]["criterion.weight"] = torch.ones(2)  # another submodule: not the net's
+    if config is not None:
+        data["hyper_parameters"] = {"config": config}
+    AtomicCheckpointIO().save_checkpoint(data, path)
+    return path
+
+
+def touch_marker(path: str) -> str:
+    Path(path).touch()
+    return path
+
+
+class Hostile:
+    """Unpickles as a call to :func:`touch_marker`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (touch_marker, (self.marker,))
+
+
+def test_checkpoint_io_never_unpickles_code_by_default_even_if_torch_is_told_to(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = folder / "marker"
+    path = folder / "given.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"state_dict": {}, "payload": Hostile(marker)}, path)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        AtomicCheckpointIO().load_checkpoint(path)
+    with pytest.raises(RunError):
+        load_file(path)
+    assert not marker.exists()
+    loaded = AtomicCheckpointIO().load_checkpoint(path, weights_only=False)
+    assert loaded["payload"] == str(marker) and marker.exists()
+
+
+PASS = "pass a .ckpt file, a model.pth, a run directory or 'last'"
+
+
+@pytest.mark.parametrize(
+    ("make", "typed", "expected"),
+    [
+        (None, "nowhere.ckpt", "ckpt_path={path!r} does not exist; " + PASS),
+        (b"", "given.ckpt", "ckpt_path={path!r} is an empty file; expected a checkpoint"),
+        (
+            b"P",
+            "given.ckpt",
+            "ckpt_path={path!r} is not a complete torch checkpoint (truncated, or another kind "
+            "of file)",
+        ),
+        (
+            "dir",
+            "",
+            "ckpt_path={path!r} is a directory without checkpoints/last.ckpt or any other .ckpt "
+            "file; " + PASS,
+        ),
+    ],
+    ids=["missing", "empty", "one-byte", "no-checkpoint-in-dir"],
+)
+def test_resolve_ckpt_path_refuses_in_one_line(
+    folder: Path, make: Any, typed: str, expected: str
+) -> None:
+    path = folder / typed if typed else folder
+    if isinstance(make, bytes):
+        path.write_bytes(make)
+    elif make == "dir":
+        (folder / "checkpoints").mkdir()
+        (folder / "checkpoints" / "notes.txt").write_text("not a checkpoint")
+    message = str(raised(RunError, lambda: resolve_ckpt_path(str(path), folder)).value)
+    assert message == expected.format(path=str(path))
+    assert resolve_ckpt_path(None, folder) is None and resolve_ckpt_path("", folder) is None
+    lightning_checkpoint(folder / "train" / "runs" / "1" / "checkpoints" / "last.ckpt", small_net())
+    assert str(raised(RunError, lambda: resolve_ckpt_path("last", folder, "eval")).value) == (
+        f"ckpt_path=last found no checkpoints/last.ckpt under {folder / 'eval'}; "
+        "pass a .ckpt file or a run directory"
+    )
+    assert str(FileWriteError("p", "q")) == "p; q" and str(FileWriteError("p")) == "p"
+
+
+def test_resolve_ckpt_path_a_file_is_returned_absolute(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = lightning_checkpoint(folder / "weights.ckpt", small_net())
+    monkeypatch.chdir(folder)
+    assert resolve_ckpt_path("weights.ckpt", "logs") == path.resolve()
+    assert resolve_ckpt_path(str(path), "logs") == path.resolve()
+    message = str(raised(RunError, lambda: resolve_ckpt_path("nowhere.ckpt", "logs")).value)
+    assert message.startswith(f"ckpt_path={str(folder / 'nowhere.ckpt')!r} (typed 'nowhere.ckpt') ")
+
+
+def test_resolve_ckpt_path_of_a_run_or_last(base: Path) -> None:
+    folder = base / "0"
+    folder.mkdir()
+    nested = lightning_checkpoint(folder / "run a" / "checkpoints" / "last.ckpt", small_net())
+    assert resolve_ckpt_path(str(folder / "run a"), folder) == nested.resolve()
+    flat = lightning_checkpoint(folder / "run b" / "last.ckpt", small_net())
+    newer = lightning_checkpoint(folder / "run b" / "epoch_009.ckpt", small_net())
+    os.utime(newer, (time.time() + 60, time.time() + 60))
+    assert resolve_ckpt_path(str(folder / "run b"), folder) == flat.resolve()
+    lightning_checkpoint(folder / "run a" / "last.ckpt", small_net())
+    assert resolve_ckpt_path(str(folder / "run a"), folder) == nested.resolve()
+    folder = base / "1"
+    folder.mkdir()
+    runs = folder / "train" / "runs"
+    older = lightning_checkpoint(runs / "1" / "checkpoints" / "last.ckpt", small_net())
+    newer = lightning_checkpoint(runs / "2" / "checkpoints" / "last.ckpt", small_net())
+    os.utime(older, (time.time() + 60, time.time() + 60))  # the newest by time, not by name
+    assert resolve_ckpt_path("last", folder) == older.resolve()
+    os.utime(newer, (time.time() + 120, time.time() + 120))
+    assert resolve_ckpt_path("last", folder) == newer.resolve()
+    sweep = folder / "train" / "multiruns" / "s" / "0" / "checkpoints"
+    in_sweep = lightning_checkpoint(sweep / "last.ckpt", small_net())
+    os.utime(in_sweep, (time.time() + 180, time.time() + 180))
+    assert resolve_ckpt_path("last", folder) == in_sweep.resolve()
+
+
+def test_resolve_ckpt_path_a_run_without_last_ckpt_means_its_newest_checkpoint(
+    folder: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = folder / "stopped run"
+    interrupted = lightning_checkpoint(run / "checkpoints" / "interrupted.ckpt", small_net())
+    older = lightning_checkpoint(run / "checkpoints" / "z_epoch_000.ckpt", small_net())
+    os.utime(older, (time.time() - 60, time.time() - 60))
+    with caplog.at_level(logging.INFO):
+        assert resolve_ckpt_path(str(run), folder) == interrupted.resolve()
+    assert caplog.messages == [
+        f"ckpt_path={run} has no last.ckpt: using its newest checkpoint, interrupted.ckpt"
+    ]
+
+
+def test_resolve_ckpt_path_for_eval_a_run_directory_means_its_tested_weights(
+    folder: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = folder / "run"
+    last = lightning_checkpoint(run / "checkpoints" / "last.ckpt", small_net())
+    with caplog.at_level(logging.INFO):
+        assert resolve_ckpt_path(str(run), folder, tested_weights=True) == last.resolve()
+        assert caplog.messages == []
+        weights = save_weights(small_net(), run / "model.pth")
+        assert resolve_ckpt_path(str(run), folder, tested_weights=True) == weights.resolve()
+    assert caplog.messages == [f"ckpt_path={run}: using its model.pth (the weights it tested)"]
+    assert resolve_ckpt_path(str(run), folder) == last.resolve()  # resuming: the training state
+
+
+def test_load_file_reads_state_dicts_and_refuses_anything_else_in_one_line(base: Path) -> None:
+    folder = base / "0"
+    folder.mkdir()
+    for given, what in ((folder / "nowhere.pth", "does not exist"), (folder, "is a directory")):
+        info = raised(RunError, lambda g=given: load_file(g))
+        assert str(info.value).startswith(f"ckpt_path={str(given)!r} {what}")
+    folder = base / "1"
+    folder.mkdir()
+    path = folder / "given.pth"
+    torch.save([torch.ones(2)], path)
+    info = raised(RunError, lambda: load_file(path))
+    assert str(info.value) == f"{str(path)!r} holds a list, not a state_dict"
+    folder = base / "2"
+    folder.mkdir()
+    path = save_weights(small_net(), folder / "model.pth")
+    mapped = load_file(path, mmap=True)
+    read = load_file(path)
+    assert mapped.keys() == read.keys()
+    assert all(torch.equal(mapped[k], read[k]) for k in read)
+    folder = base / "3"
+    folder.mkdir()
+    path = folder / "model.pth"
+    torch.save(small_net().state_dict(), path, _use_new_zipfile_serialization=False)
+    with pytest.raises(RuntimeError):
+        torch.load(path, weights_only=True, mmap=True)
+    assert load_file(path, mmap=True).keys() == small_net().state_dict().keys()
+    folder = base / "4"
+    folder.mkdir()
+    path = save_weights(small_net(), folder / "model.pth")
+    data = bytearray(path.read_bytes())
+    directory = data.find(b"PK\x01\x02")  # the central directory's first record
+    data[directory : directory + 4] = b"XXXX"
+    path.write_bytes(bytes(data))
+    info = raised(RunError, lambda: verify_archive(path))
+    assert str(info.value) == (
+        f"{str(path)!r} is damaged: its archive structure cannot be read "
+        "(Bad magic number for central directory)"
+    )
+
+
+@pytest.mark.parametrize("size", [0, 1])
+def test_load_file_calls_only_a_zero_byte_file_empty(folder: Path, size: int) -> None:
+    path = folder / "given.pth"
+    path.write_bytes(b"P" * size)
+    info = raised(RunError, lambda: load_file(path))
+    message = str(info.value)
+    if size == 0:
+        assert message == f"ckpt_path={str(path)!r} is an empty file; expected a checkpoint"
+    else:
+        assert message.startswith(
+            f"{str(path)!r} is not a readable checkpoint or state_dict (truncated or corrupt?): "
+        )
+        assert "\n" not in message
+
+
+def test_load_file_reports_an_error_without_text_by_its_type(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = save_weights(small_net(), folder / "model.pth")
+
+    def fails(*args: Any, **kwargs: Any) -> Any:
+        raise EOFError
+
+    monkeypatch.setattr(torch, "load", fails)
+    info = raised(RunError, lambda: load_file(path))
+    assert str(info.value) == (
+        f"{str(path)!r} is not a readable checkpoint or state_dict (truncated or corrupt?): EOFError"
+    )
+
+    def fails_in_lines(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("  first line\nsecond line")
+
+    monkeypatch.setattr(torch, "load", fails_in_lines)
+    info = raised(RunError, lambda: load_file(path, mmap=True))  # not a RuntimeError: no retry
+    assert str(info.value).endswith("(truncated or corrupt?): first line")
+
+
+def test_network_state_is_the_nets_tensors_or_one_line(base: Path) -> None:
+    folder = base / "0"
+    folder.mkdir()
+    net = small_net()
+    data = load_file(lightning_checkpoint(folder / "given.ckpt", net))
+    state = network_state(data, folder / "given.ckpt")
+    assert state.keys() == net.state_dict().keys()  # criterion.weight and net. are gone
+    assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())
+    folder = base / "1"
+    folder.mkdir()
+    plain = {"net.layer": torch.ones(1), "state_dict": torch.zeros(1)}  # names, not a checkpoint
+    assert network_state(plain) is plain
+    half = {"state_dict": {"net.w": torch.ones(1)}}  # no Lightning version: not a checkpoint
+    with pytest.raises(RunError, match="'state_dict' is not a tensor"):
+        network_state(half)
+    folder = base / "2"
+    folder.mkdir()
+    bad = {"pytorch-lightning_version": "2.6.0", "state_dict": [1, 2]}
+    info = raised(RunError, lambda: network_state(bad, folder / "given.ckpt"))
+    assert str(info.value) == f"{str(folder / 'given.ckpt')!r} has a state_dict that is not a dict"
+    long_key = "k" * 100
+    info = raised(RunError, lambda: network_state({long_key: 3}, "given.pth"))
+    assert (
+        str(info.value)
+        == f"'given.pth' is not a network's state_dict: {'k' * 60!r} is not a tensor"
+    )
+    info = raised(RunError, lambda: network_state({"w": 1}))
+    assert str(info.value) == "'' is not a network's state_dict: 'w' is not a tensor"
+    folder = base / "4"
+    folder.mkdir()
+    path = folder / "given.ckpt"
+    data = {
+        "pytorch-lightning_version": "2.6.0",
+        "state_dict": {"net.layer": 3},
+        "hyper_parameters": {"config": {"model": {"net": SMALL_NET}}},
+    }
+    AtomicCheckpointIO().save_checkpoint(data, path)
+    info = raised(RunError, lambda: load_network(path, allowed=TEMPLATE_TARGETS))
+    assert (
+        str(info.value) == f"{str(path)!r} is not a network's state_dict: 'layer' is not a tensor"
+    )
+
+
+def test_load_network_rebuilds_from_the_saved_or_given_config(base: Path) -> None:
+    folder = base / "0"
+    folder.mkdir()
+    net = small_net()
+    path = lightning_checkpoint(folder / "given.ckpt", net, config={"model": {"net": SMALL_NET}})
+    OmegaConf.save(
+        {"model": {"net": {**SMALL_NET, "hidden": [5]}}}, folder / "config.yaml"
+    )  # ignored
+    loaded = load_network(path, allowed=TEMPLATE_TARGETS)
+    assert isinstance(loaded, MLP) and not loaded.training
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in net.state_dict().items())
+    folder = base / "1"
+    folder.mkdir()
+    net = small_net()
+    OmegaConf.save({"model": {"net": SMALL_NET}}, folder / "config.yaml")
+    up = lightning_checkpoint(folder / "checkpoints" / "last.ckpt", net)
+    assert isinstance(load_network(up, allowed=TEMPLATE_TARGETS), MLP)
+    beside = save_weights(net, folder / "model.pth")
+    assert isinstance(load_network(beside, allowed=TEMPLATE_TARGETS), MLP)
+    folder = base / "2"
+    folder.mkdir()
+    net = small_net()
+    path = save_weights(net, folder / "model.pth")
+    info = raised(RunError, lambda: load_network(path, allowed=TEMPLATE_TARGETS))
+    assert str(info.value) == (
+        f"cannot rebuild the network for {str(path)!r}: no config inside it and no "
+        "config.yaml beside it; pass the network config with model=..."
+    )
+    loaded = load_network(path, net_config=SMALL_NET)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in net.state_dict().items())
+
+
+def test_load_network_rebuilds_a_model_without_net_and_loads_the_part_it_exported(
+    base: Path,
+) -> None:
+    folder = base / "3"
+    folder.mkdir()
+    trained = Regressor(width=5)
+    config = {"model": {"_target_": f"{__name__}.Regressor", "width": 5}}
+    data = {
+        "pytorch-lightning_version": "2.6.0",
+        "state_dict": dict(trained.state_dict()),
+        "hyper_parameters": {"config": config},
+    }
+    path = folder / "given.ckpt"
+    AtomicCheckpointIO().save_checkpoint(data, path)
+    loaded = load_network(path, allowed=[__name__ + "."])
+    assert isinstance(loaded, Regressor) and not loaded.training
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in trained.state_dict().items())
+    OmegaConf.save(config, folder / "config.yaml")
+    weights = save_weights(exported_part(trained), folder / "model.pth")
+    assert set(torch.load(weights, weights_only=True)) == {
+        "body.weight",
+        "body.bias",
+        "head.weight",
+        "head.bias",
+    }
+    again = load_network(weights, allowed=[__name__ + "."])
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in trained.state_dict().items())
+    folder = base / "4"
+    folder.mkdir()
+    trained, whole = small_net(), torch.nn.Module()
+    whole.net = small_net()
+    path = lightning_checkpoint(folder / "given.ckpt", trained)
+    part = checkpointing.load_exported_weights(whole, load_file(path), path)
+    assert part is whole.net
+    assert all(torch.equal(part.state_dict()[k], v) for k, v in trained.state_dict().items())
+    for data, start in (({"w": 1}, "is not a network's"), ({"w": torch.ones(1)}, "does not fit")):
+        info = raised(
+            RunError, lambda d=data: checkpointing.load_exported_weights(small_net(), d, "x.pth")
+        )
+        assert str(info.value).startswith(f"'x.pth' {start}")
+    whole = torch.nn.Module()
+    whole.net = small_net()
+    assert exported_part(whole) is whole.net
+    whole.head = torch.nn.Linear(2, 1)
+    assert exported_part(whole) is whole
+    assert exported_part(small_net()).__class__ is MLP
+    config = {"_target_": f"{__name__}.Built", "sizes": [2, 3], "compile": 1, "channels_last": 1}
+    model = checkpointing.rebuild_model(config)
+    assert type(model.sizes) is list and model.layer.out_features == 3
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({"data": {}}, "has no model config to rebuild it from"),
+        ({"model": "mlp"}, "has no model config to rebuild it from"),
+        (
+            {"model": {"net": "MLP"}},
+            ": its run config has neither a model.net nor a model._target_ to rebuild the model from",
+        ),
+    ],
+    ids=["no-model", "model-not-a-node", "net-not-a-node"],
+)
+def test_run_config_without_a_model_to_rebuild_is_one_line(
+    folder: Path, config: dict, expected: str
+) -> None:
+    path = lightning_checkpoint(folder / "given.ckpt", small_net(), config=config)
+    info = raised(RunError, lambda: load_network(path, allowed=TEMPLATE_TARGETS))
+    assert str(info.value) in (f"{str(path)!r} {expected}", f"{str(path)!r}{expected}")
+
+
+class Regressor(torch.nn.Module):
+    def __init__(self, width: int = 3) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(4, width)
+        self.head = torch.nn.Linear(width, 1)
+
+
+def test_run_config_is_model_and_data_checked_against_the_allow_list(base: Path) -> None:
+    folder = base / "0"
+    folder.mkdir()
+    config = {"model": {"net": SMALL_NET}, "data": {"batch_size": 4}, "paths": {"log_dir": "x"}}
+    path = lightning_checkpoint(folder / "given.ckpt", small_net(), config=config)
+    assert run_config(path, load_file(path), TEMPLATE_TARGETS) == {
+        "model": {"net": SMALL_NET},
+        "data": {"batch_size": 4},
+    }
+    assert run_config(path, {"hyper_parameters": None, **load_file(path)}, TEMPLATE_TARGETS) == {
+        "model": {"net": SMALL_NET},
+        "data": {"batch_size": 4},
+    }
+    OmegaConf.save({"model": {"net": SMALL_NET}}, folder / "config.yaml")
+    plain = {"hyper_parameters": {"config": "text"}}
+    assert run_config(path, plain, TEMPLATE_TARGETS) == {"model": {"net": SMALL_NET}}
+    folder = base / "1"
+    folder.mkdir()
+    path = lightning_checkpoint(
+        folder / "given.ckpt", small_net(), config={"model": {"net": SMALL_NET}}
+    )
+    with pytest.raises(RunError, match=r"not under the trusted targets \[torch\.nn\.\]"):
+        run_config(path, load_file(path), allowed=["torch.nn."])
+    assert run_config(path, load_file(path), allowed=["project.models.nets.MLP"])
+    folder = base / "2"
+    folder.mkdir()
+    path = lightning_checkpoint(
+        folder / "given.ckpt", small_net(), config={"model": {"net": SMALL_NET}}
+    )
+    info = raised(RunError, lambda: run_config(path, load_file(path), needs=("model", "data")))
+    assert str(info.value) == f"{str(path)!r} has no data config to rebuild it from"
+    info = raised(RunError, lambda: run_config(path, load_file(path), needs=("data", "model")))
+    assert str(info.value) == f"{str(path)!r} has no data config to rebuild it from"
+    folder = base / "3"
+    folder.mkdir()
+    path = save_weights(small_net(), folder / "model.pth")
+    (folder / "config.yaml").write_text(
+        "model:\n  net:\n    _target_: project.models.nets.MLP\n    in_features: ${oc.env:HOME}\n",
+        encoding="utf-8",
+    )
+    with pytest.raises(RunError, match=r"holds an interpolation at model\.net\.in_features"):
+        load_network(path, allowed=TEMPLATE_TARGETS)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "model: {net: {_target_: x}}\ny: &a 1\nz: *a\n",
+            "uses a YAML alias; configs saved by a run do not",
+        ),
+        ("- a\n", "is not a run config (a YAML mapping)"),
+        ("model: [\n", "cannot read"),
+    ],
+    ids=["alias", "list", "broken"],
+)
+def test_config_yaml_problems_are_one_line(folder: Path, text: str, expected: str) -> None:
+    path = save_weights(small_net(), folder / "model.pth")
+    (folder / "config.yaml").write_text(text, encoding="utf-8")
+    info = raised(RunError, lambda: load_network(path, allowed=TEMPLATE_TARGETS))
+    message = str(info.value)
+    assert "\n" not in message
+    source = repr(str(folder / "config.yaml"))
+    if expected == "cannot read":
+        assert message.startswith(f"cannot read {source} as a run config: ")
+        assert len(message) <= len(f"cannot read {source} as a run config: ") + 200
+    else:
+        assert message == f"{source} {expected}"
+
+
+def test_a_state_of_another_architecture_is_named_by_its_keys(base: Path) -> None:
+    expected = {f"k{i}": torch.zeros(1) for i in range(7)}
+    assert state_mismatch(expected, dict(expected)) is None
+    assert state_mismatch(expected, {}) == "missing keys: k0, k1, k2, k3, k4, k5 ..."
+    six = {f"k{i}": torch.zeros(1) for i in range(6)}
+    assert state_mismatch(six, {}) == "missing keys: k0, k1, k2, k3, k4, k5"
+    other = {
+        "k0": torch.zeros(2),
+        "x": torch.zeros(1),
+        **{f"k{i}": torch.zeros(1) for i in range(1, 7)},
+    }
+    assert state_mismatch(expected, other) == "unexpected keys: x; shape mismatch: k0"
+    folder = base / "1"
+    folder.mkdir()
+    net = small_net()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    wrong = {k: torch.zeros(v.shape[::-1]) for k, v in before.items()}
+    info = raised(RunError, lambda: checkpointing.load_state_into(net, wrong, "given.pth"))
+    assert str(info.value).startswith("'given.pth' does not fit MLP: shape mismatch: ")
+    assert all(torch.equal(net.state_dict()[k], v) for k, v in before.items())
+
+
+def test_atomic_write_leaves_the_old_file_or_the_new_one_and_says_why(base: Path) -> None:
+    folder = base / "0"
+    folder.mkdir()
+    target = folder / "new dir" / "model.pth"
+    atomic_write(target, lambda handle: handle.write(b"bytes"))
+    assert target.read_bytes() == b"bytes"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~umask
+    assert sorted(p.name for p in target.parent.iterdir()) == ["model.pth"]
+    folder = base / "1"
+    folder.mkdir()
+    target = folder / "model.pth"
+    info = raised(FileWriteError, lambda: atomic_write(target, full_disk))
+    assert str(info.value) == (
+        f"the disk is full: could not write {str(target)!r} (No space left on device); "
+        "nothing was written"
+    )
+    assert list(folder.iterdir()) == []
+    target.write_bytes(b"old")
+    info = raised(FileWriteError, lambda: atomic_write(target, full_disk))
+    assert str(info.value).endswith("; its previous version is unchanged")
+    assert info.value.problem.startswith("the disk is full: ")
+    assert target.read_bytes() == b"old" and list(folder.iterdir()) == [target]
+    folder = base / "2"
+    folder.mkdir()
+
+    def no_permission(handle: Any) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    def bare(handle: Any) -> None:
+        raise OSError("quota of the group reached")
+
+    def silent(handle: Any) -> None:
+        raise OSError
+
+    target = folder / "model.pth"
+    expected = {
+        no_permission: f"could not write {str(target)!r}: Permission denied; nothing was written",
+        bare: f"could not write {str(target)!r}: quota of the group reached; nothing was written",
+        silent: f"could not write {str(target)!r}: OSError; nothing was written",
+    }
+    for write, message in expected.items():
+        info = raised(FileWriteError, lambda w=write: atomic_write(target, w))
+        assert str(info.value) == message
+        assert isinstance(info.value.__cause__, OSError)
+    assert list(folder.iterdir()) == []
+
+
+def test_atomic_write_names_the_os_error_behind_a_failed_write(base: Path) -> None:
+    folder = base / "3"
+    folder.mkdir()
+
+    def bug(handle: Any) -> None:
+        handle.write(b"some")
+        raise KeyError("a bug in the writer")
+
+    with pytest.raises(KeyError, match="a bug in the writer"):
+        atomic_write(folder / "model.pth", bug)
+    assert list(folder.iterdir()) == []
+    folder = base / "4"
+    folder.mkdir()
+
+    def like_torch_save(handle: Any) -> None:
+        try:
+            handle.write(b"x")
+        except OSError:
+            raise RuntimeError("unexpected pos") from None
+
+    class FullFile:
+        def __init__(self, raw: Any) -> None:
+            self.raw = raw
+
+    original = checkpointing._ErrorKeepingFile.write
+
+    def failing(self: Any, data: Any) -> int:
+        self.error = OSError(errno.EDQUOT, "Disk quota exceeded")
+        raise self.error
+
+    try:
+        checkpointing._ErrorKeepingFile.write = failing  # type: ignore[method-assign]
+        info = raised(FileWriteError, lambda: atomic_write(folder / "model.pth", like_torch_save))
+    finally:
+        checkpointing._ErrorKeepingFile.write = original  # type: ignore[method-assign]
+    assert str(info.value).startswith("the disk is full: could not write ")
+    assert "(Disk quota exceeded)" in str(info.value)
+    folder = base / "5"
+    folder.mkdir()
+    (folder / "plain file").write_text("x")
+    target = folder / "plain file" / "model.pth"
+    info = raised(FileWriteError, lambda: atomic_write(target, lambda handle: handle.write(b"x")))
+    assert str(info.value).startswith(f"could not write {str(target)!r}: ")
+    assert str(info.value).endswith("; nothing was written")
+
+
+def full_disk(handle: Any) -> None:
+    handle.write(b"PK\x03\x04 partial")
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_only_dead_writers_leftovers_are_removed(base: Path) -> None:
+    folder = base / "0"
+    folder.mkdir()
+    name = ".model.pth.{pid}-{host}-0badc0de.tmp"
+    host = checkpointing._HOST
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    own = folder / name.format(pid=os.getpid(), host=host)
+    parent = folder / name.format(pid=writer.pid, host=host)
+    dead = folder / name.format(pid=2**22 + 1, host=host)  # above pid_max: never a live process
+    foreign_fresh = folder / name.format(pid=7, host="0000000f")
+    foreign_old = folder / name.format(pid=8, host="0000000f")
+    a_dir = folder / name.format(pid=2**22 + 2, host=host)  # a sharded save's staging directory
+    for path in (own, parent, dead, foreign_fresh, foreign_old):
+        path.write_bytes(b"half")
+    a_dir.mkdir()
+    (a_dir / "__0_0.distcp").write_bytes(b"half")
+    live_dir = folder / name.format(pid=writer.pid, host=host).replace(".model", ".last")
+    live_dir.mkdir()
+    day = 24 * 3600
+    os.utime(foreign_old, (time.time() - day - 60, time.time() - day - 60))
+    os.utime(foreign_fresh, (time.time() - day + 60, time.time() - day + 60))
+    try:
+        removed = remove_stale_temporaries(folder)
+        assert writer.poll() is None  # looked at, not signalled
+    finally:
+        writer.kill()
+        writer.wait()
+    assert sorted(removed) == sorted([dead, foreign_old, a_dir])
+    assert own.exists() and parent.exists() and foreign_fresh.exists() and live_dir.is_dir()
+    assert remove_stale_temporaries(folder / "missing") == []
+    folder = base / "1"
+    folder.mkdir()
+    target = folder / "keep.bin"
+    target.write_bytes(b"x")
+    link = folder / f".model.pth.{2**22 + 1}-{checkpointing._HOST}-0badc0de.tmp"
+    link.symlink_to(target)
+    assert remove_stale_temporaries(folder) == []
+    assert link.is_symlink() and target.exists()
+
+
+def test_atomic_link_makes_a_second_name_of_the_same_bytes(base: Path) -> None:
+    folder = base / "0"
+    folder.mkdir()
+    source = folder / "epoch_003.ckpt"
+    source.write_bytes(b"weights")
+    target = folder / "sub dir" / "last.ckpt"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    atomic_link(source, target)
+    assert target.read_bytes() == b"weights"
+    assert os.path.samefile(source, target)
+    assert sorted(p.name for p in target.parent.iterdir()) == ["last.ckpt"]
+    folder = base / "1"
+    folder.mkdir()
+    source = folder / "epoch_003.ckpt"
+    source.write_bytes(b"weights")
+    target = folder / "a" / "b" / "last.ckpt"
+    target.parent.mkdir(parents=True)
+    leftover = target.parent / f".last.ckpt.{2**22 + 1}-{checkpointing._HOST}-0badc0de.tmp"
+    leftover.write_bytes(b"half")
+    atomic_link(source, target)
+    assert sorted(p.name for p in target.parent.iterdir()) == ["last.ckpt"]
+    deeper = folder / "c" / "d" / "last.ckpt"
+    atomic_link(source, deeper)
+    assert deeper.read_bytes() == b"weights"
+
+
+def test_atomic_link_copies_where_there_are_no_hard_links(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = folder / "epoch_003.ckpt"
+    source.write_bytes(b"weights" * 1000)
+
+    def no_links(*args: Any) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    atomic_link(source, folder / "last.ckpt")
+    assert (folder / "last.ckpt").read_bytes() == source.read_bytes()
+    assert not os.path.samefile(source, folder / "last.ckpt")
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch_003.ckpt", "last.ckpt"]
+
+
+def test_atomic_link_that_cannot_rename_is_one_line(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = folder / "epoch_003.ckpt"
+    source.write_bytes(b"weights")
+    target = folder / "last.ckpt"
+
+    def full(*args: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    info = raised(FileWriteError, lambda: atomic_link(source, target))
+    assert str(info.value) == (
+        f"the disk is full: could not write {str(target)!r} (No space left on device); "
+        "nothing was written"
+    )
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch_003.ckpt"]
+
+
+def test_a_full_disk_is_one_line_naming_the_last_good_checkpoint(base: Path) -> None:
+    folder = base / "0"
+    folder.mkdir()
+    assert last_good_checkpoint(folder) == "no checkpoint was kept before it"
+    (folder / "notes.txt").write_text("x")
+    (folder / "dir.ckpt").mkdir()
+    assert last_good_checkpoint(folder) == "no checkpoint was kept before it"
+    old, new = folder / "epoch_001.ckpt", folder / "epoch_000.ckpt"
+    for age, path in ((100, old), (10, new)):
+        path.write_bytes(b"x")
+        os.utime(path, (time.time() - age, time.time() - age))
+    assert last_good_checkpoint(folder) == f"the last good checkpoint is {str(new)!r}"
+    assert last_good_checkpoint(folder, prefer=old) == f"the last good checkpoint is {str(old)!r}"
+    missing = folder / "last.ckpt"
+    assert (
+        last_good_checkpoint(folder, prefer=missing) == f"the last good checkpoint is {str(new)!r}"
+    )
+    folder = base / "1"
+    folder.mkdir()
+    run = folder / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    with pytest.raises(FileWriteError) as info, full_disk_in_one_line(run):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert str(info.value) == (
+        f"the disk is full: could not write the run's files in {str(run)!r} "
+        "(No space left on device); no checkpoint of this run was kept"
+    )
+    older, newer = run / "checkpoints" / "a.ckpt", run / "checkpoints" / "b.ckpt"
+    for age, path in ((10, older), (100, newer)):
+        path.write_bytes(b"x")
+        os.utime(path, (time.time() - age, time.time() - age))
+    csv = run / "metrics.csv"
+    with pytest.raises(FileWriteError) as info, full_disk_in_one_line(run):
+        try:
+            raise OSError(errno.EDQUOT, "Disk quota exceeded", str(csv))
+        except OSError as err:
+            raise RuntimeError("a logger failed") from err
+    assert str(info.value) == (
+        f"the disk is full: could not write the run's files in {str(csv)!r} "
+        f"(Disk quota exceeded); the last good checkpoint is {str(older)!r}"
+    )
+
+
+def test_a_full_disk_keeps_the_first_error(base: Path) -> None:
+    folder = base / "2"
+    folder.mkdir()
+    with pytest.raises(ValueError, match="not about the disk"), full_disk_in_one_line(folder):
+        raise ValueError("not about the disk")
+    with pytest.raises(PermissionError), full_disk_in_one_line(folder):
+        raise PermissionError(errno.EACCES, "Permission denied")
+    ours = FileWriteError(f"could not write {str(folder / 'model.pth')!r}: Permission denied")
+    with pytest.raises(FileWriteError) as info, full_disk_in_one_line(folder):
+        raise RuntimeError("wrapped") from ours
+    assert str(info.value) == (
+        f"could not write {str(folder / 'model.pth')!r}: Permission denied; "
+        "no checkpoint of this run was kept"
+    )
+    first = checkpointing.CheckpointSaveError("could not write checkpoint 'x'", "no checkpoint")
+    with pytest.raises(checkpointing.CheckpointSaveError) as info, full_disk_in_one_line(folder):
+        try:
+            raise first
+        except checkpointing.CheckpointSaveError:
+            raise OSError(errno.ENOSPC, "No space left on device") from None
+    assert info.value is first
+
+
+def test_a_failed_checkpoint_save_names_the_checkpoint_and_what_remains(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kept = folder / "epoch_000.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"w": torch.ones(1)}, kept)
+
+    def fails(obj: Any, handle: Any, *args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", fails)
+    target = folder / "epoch_001.ckpt"
+    info = raised(
+        checkpointing.CheckpointSaveError,
+        lambda: AtomicCheckpointIO().save_checkpoint({"w": torch.ones(1)}, f"file://{target}"),
+    )
+    assert str(info.value) == (
+        f"the disk is full: could not write checkpoint {str(target)!r} (No space left on device); "
+        f"the last good checkpoint is {str(kept)!r}"
+    )
+    assert isinstance(info.value.__cause__, OSError)
+
+
+def test_remote_checkpoints_and_storage_options_keep_lightnings_way(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    calls: list[tuple[Any, str, Any]] = []
+    monkeypatch.setattr(
+        TorchCheckpointIO,
+        "save_checkpoint",
+        lambda self, checkpoint, path, storage_options=None: calls.append(
+            (checkpoint, str(path), storage_options)
+        ),
+    )
+    AtomicCheckpointIO().save_checkpoint({"a": 1}, "memory://bucket/a.ckpt")
+    AtomicCheckpointIO().save_checkpoint({"b": 2}, folder / "b.ckpt", storage_options={"x": 1})
+    assert calls == [
+        ({"a": 1}, "memory://bucket/a.ckpt", None),
+        ({"b": 2}, str(folder / "b.ckpt"), {"x": 1}),
+    ]
+    assert not (folder / "b.ckpt").exists()
+
+
+def test_verify_archive_checks_a_file_once_per_version(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = save_weights(small_net(), folder / "model.pth")
+    opened: list[Any] = []
+    real = zipfile.ZipFile
+
+    def counting(*args: Any, **kwargs: Any) -> zipfile.ZipFile:
+        opened.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(zipfile, "ZipFile", counting)
+    verify_archive(path)
+    verify_archive(path)
+    assert len(opened) == 1
+    save_weights(MLP(in_features=4, hidden=[5], num_classes=2), path)  # a new version
+    verify_archive(path)
+    assert len(opened) == 2
+
+
+def test_loads_are_verified_and_mapped(base: Path) -> None:
+    folder = base / "0"
+    folder.mkdir()
+    info = raised(RunError, lambda: verify_archive(folder / "nowhere.pth"))
+    assert (
+        str(info.value) == f"cannot read {str(folder / 'nowhere.pth')!r}: No such file or directory"
+    )
+    folder = base / "1"
+    folder.mkdir()
+    path = save_weights(torch.nn.Linear(64, 64), folder / "model.pth")
+    name = change_one_tensor_byte(path)
+    assert str(raised(RunError, lambda: verify_archive(path)).value) == (
+        f"{str(path)!r} is damaged: record {name!r} does not match its stored CRC-32 "
+        "checksum (bytes changed on disk or in a copy); use an intact copy of the file"
+    )
+    folder = base / "2"
+    folder.mkdir()
+    with pytest.raises(FileNotFoundError, match="Checkpoint file not found"):
+        AtomicCheckpointIO().load_checkpoint(folder / "nowhere.ckpt")
+    folder = base / "3"
+    folder.mkdir()
+    path = folder / "given.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"w": torch.arange(3)}, path)
+    seen: list[str] = []
+
+    def locate(storage: Any, location: str) -> Any:
+        seen.append(location)
+        return storage
+
+    loaded = AtomicCheckpointIO().load_checkpoint(path, map_location=locate)
+    assert torch.equal(loaded["w"], torch.arange(3)) and seen == ["cpu"]
+    assert torch.equal(AtomicCheckpointIO().load_checkpoint(path)["w"], torch.arange(3))
+
+
+def test_a_failed_save_says_checkpoint_once_even_if_the_path_says_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "notes to write up"
+    target = folder / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"w": torch.ones(1)}, target)
+    newer = folder / "epoch_009.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"w": torch.ones(1)}, newer)
+    os.utime(newer, (time.time() + 60, time.time() + 60))
+
+    def fails(obj: Any, handle: Any, *args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(torch, "save", fails)
+    info = raised(
+        checkpointing.CheckpointSaveError,
+        lambda: AtomicCheckpointIO().save_checkpoint({"w": torch.ones(2)}, target),
+    )
+    assert str(info.value) == (
+        f"could not write checkpoint {str(target)!r}: Permission denied; "
+        f"the last good checkpoint is {str(target)!r}"
+    )
+
+
+def damaged_zip(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
+        archive.writestr("a", b"hello" * 100)
+    data = bytearray(path.read_bytes())
+    data[30 + 1 + 50] ^= 0x01  # header (30 bytes), the name "a", then inside the data
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_a_remote_checkpoint_is_never_read_as_a_local_file(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fsspec
+
+    remote = "memory://bucket/given.ckpt"
+    with fsspec.open(remote, "wb") as handle:
+        torch.save({"w": torch.arange(3)}, handle)
+    monkeypatch.chdir(folder)
+    damaged_zip(Path("memory:") / "bucket" / "given.ckpt")  # what the URL reads as a local path
+    with pytest.raises(RunError):
+        verify_archive(Path("memory:") / "bucket" / "given.ckpt")
+    loaded = AtomicCheckpointIO().load_checkpoint(remote)
+    assert torch.equal(loaded["w"], torch.arange(3))
+
+
+def test_a_checkpoint_written_on_a_gpu_loads_on_a_cpu_only_machine(folder: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA, where a cuda:0 storage cannot be restored")
+    path = folder / "from a gpu.ckpt"
+    gpu_tagged_checkpoint(path, {"w": torch.arange(3)})
+    with pytest.raises(RuntimeError, match="CUDA"):
+        torch.load(path, weights_only=True)  # torch alone restores onto cuda:0
+    assert torch.equal(AtomicCheckpointIO().load_checkpoint(path)["w"], torch.arange(3))
+
+
+def test_a_live_writers_process_is_only_looked_at(monkeypatch: pytest.MonkeyPatch) -> None:
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+            "print('ready', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert writer.stdout is not None and writer.stdout.readline() == "ready\n"
+    try:
+        assert checkpointing._alive(writer.pid)
+        with pytest.raises(subprocess.TimeoutExpired):
+            writer.wait(timeout=0.5)  # no signal reached it
+    finally:
+        writer.kill()
+        writer.wait()
+
+    def not_ours(pid: int, signal: int) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "kill", not_ours)
+    assert checkpointing._alive(12345)  # another user's process: alive, its file is kept
+
+
+def test_atomic_link_failing_over_an_existing_file_says_it_is_unchanged(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = folder / "epoch_003.ckpt"
+    source.write_bytes(b"weights")
+    target = folder / "last.ckpt"
+    target.write_bytes(b"old")
+
+    def full(*args: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    info = raised(FileWriteError, lambda: atomic_link(source, target))
+    assert str(info.value).endswith("; its previous version is unchanged")
+    assert target.read_bytes() == b"old"
+
+
+def test_an_unreadable_config_yaml_gives_the_parsers_reason(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = save_weights(small_net(), folder / "model.pth")
+    config = folder / "config.yaml"
+    config.write_text("model: [\n", encoding="utf-8")
+    try:
+        OmegaConf.create("model: [\n")
+    except Exception as err:
+        expected = " ".join(str(err).split())
+    info = raised(RunError, lambda: load_network(path, allowed=TEMPLATE_TARGETS))
+    assert str(info.value) == f"cannot read {str(config)!r} as a run config: {expected}"
+
+    def fails(message: str) -> Any:
+        def create(*args: Any, **kwargs: Any) -> Any:
+            raise ValueError(message)
+
+        return create
+
+    config.write_text("model: {}\n", encoding="utf-8")  # YAML fine; OmegaConf then fails
+    monkeypatch.setattr(OmegaConf, "create", fails(""))
+    info = raised(RunError, lambda: load_network(path, allowed=TEMPLATE_TARGETS))
+    assert str(info.value) == f"cannot read {str(config)!r} as a run config: ValueError"
+    monkeypatch.setattr(OmegaConf, "create", fails("word " * 100))
+    info = raised(RunError, lambda: load_network(path, allowed=TEMPLATE_TARGETS))
+    assert (
+        str(info.value) == f"cannot read {str(config)!r} as a run config: " + ("word " * 40)[:200]
+    )
+
+
+def test_atomic_write_cleans_dead_writers_leftovers_beside_its_target(
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    name = f".model.pth.{2**22 + 1}-{checkpointing._HOST}-0badc0de.tmp"
+    (folder / name).write_bytes(b"half")
+    (elsewhere / name).write_bytes(b"half")
+    atomic_write(folder / "model.pth", lambda handle: handle.write(b"x"))
+    assert sorted(p.name for p in folder.iterdir()) == ["model.pth"]
+    assert (elsewhere / name).exists()  # not the target's folder: not looked at
+
+
+def test_an_interrupt_while_opening_the_temporary_file_propagates_as_itself(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fdopen", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(folder / "model.pth", lambda handle: handle.write(b"x"))
+    assert list(folder.iterdir()) == []
+
+
+def test_a_leftover_that_vanishes_while_being_looked_at_is_no_error(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dead = folder / f".model.pth.{2**22 + 1}-{checkpointing._HOST}-0badc0de.tmp"
+    foreign = folder / ".model.pth.7-0000000f-0badc0de.tmp"
+    real_scandir = os.scandir
+
+    def racing(path: Any) -> Any:
+        entries = list(real_scandir(path))
+        for leftover in (dead, foreign):
+            leftover.unlink(missing_ok=True)  # another writer removes them meanwhile
+        return iter(entries)
+
+    for leftover in (dead, foreign):
+        leftover.write_bytes(b"half")
+    monkeypatch.setattr(os, "scandir", racing)
+    assert remove_stale_temporaries(folder) == []
+
+
+_GPU_TAG = {"on": False, "registered": False}
+
+
+def gpu_tagged_checkpoint(path: Path, data: Any, **save: Any) -> Path:
+    if not _GPU_TAG["registered"]:
+        torch.serialization.register_package(
+            -100, lambda obj: "cuda:0" if _GPU_TAG["on"] else None, lambda obj, location: None
+        )
+        _GPU_TAG["registered"] = True
+    _GPU_TAG["on"] = True
+    try:
+        torch.save(data, path, **save)
+    finally:
+        _GPU_TAG["on"] = False
+    return path
+
+
+def test_files_from_a_gpu_machine_load_onto_the_cpu(folder: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA, where a cuda:0 storage cannot be restored")
+    net = small_net()
+    OmegaConf.save({"model": {"net": SMALL_NET}}, folder / "config.yaml")
+    path = gpu_tagged_checkpoint(folder / "model.pth", net.state_dict())
+    assert load_file(path).keys() == net.state_dict().keys()
+    assert load_file(path, mmap=True).keys() == net.state_dict().keys()
+    legacy = gpu_tagged_checkpoint(
+        folder / "legacy.pth", net.state_dict(), _use_new_zipfile_serialization=False
+    )
+    assert load_file(legacy, mmap=True).keys() == net.state_dict().keys()  # read, not mapped
+    loaded = load_network(path, device="cpu", allowed=TEMPLATE_TARGETS)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in net.state_dict().items())
+
+
+def test_a_legacy_file_read_for_its_shapes_is_still_loaded_safely(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = folder / "marker"
+    path = folder / "legacy.pth"
+    torch.save(
+        {"w": torch.ones(1), "x": Hostile(marker)}, path, _use_new_zipfile_serialization=False
+    )
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(RunError, match="is not a readable checkpoint or state_dict"):
+        load_file(path, mmap=True)
+    assert not marker.exists()
+
+
+def test_sharded_checkpoint_directories(base: Path) -> None:
+    folder = base / "0"
+    folder.mkdir()
+    import torch.distributed.checkpoint as dcp
+
+    target = folder / "last.ckpt"
+    weights = {f"net.{k}": v for k, v in small_net().state_dict().items()}
+    weights["net.count"] = torch.arange(3)  # not float32: the dtype comes from the index
+    with pytest.warns(UserWarning):
+        dcp.save(
+            {"state_dict": weights, "optim": {"m": torch.ones(5)}},
+            checkpoint_id=str(target),
+            no_dist=True,
+        )
+    assert "epoch" not in load_file(target)  # no meta.pt, no manifest: the shards alone
+    torch.save({"epoch": 4, "global_step": 9, "t": torch.ones(1)}, target / "meta.pt")
+    files = checkpointing.checkpoint_files(target)
+    checkpointing.write_manifest(target, checkpointing.describe_files(target, files[:1]))
+    assert checkpointing.manifest_names(target) == files
+    seen: list[str] = []
+    located = checkpointing.load_sharded(target, lambda s, where: seen.append(where) or s)
+    for data in (located, load_file(target), AtomicCheckpointIO().load_checkpoint(target)):
+        assert data["epoch"] == 4 and set(data["state_dict"]) == set(weights)
+        for key, value in weights.items():
+            assert (
+                torch.equal(data["state_dict"][key], value)
+                and data["state_dict"][key].dtype == value.dtype
+            )
+    AtomicCheckpointIO().load_checkpoint(
+        target, map_location=lambda s, where: seen.append(where) or s
+    )
+    assert seen == ["cpu", "cpu"]
+    assert checkpointing.sharded_shapes(target) == {k: v.shape for k, v in weights.items()}
+    (target / checkpointing.MANIFEST_FILE).unlink()
+    (target / ".metadata").write_bytes(b"x")
+    for read in (checkpointing.load_sharded, checkpointing.sharded_shapes):
+        message = str(raised(RunError, lambda r=read: r(target)).value)
+        assert message.startswith(f"{str(target)!r} is not a readable sharded checkpoint: ")
+        assert not message.endswith("None")
+    (target / checkpointing.MANIFEST_FILE).write_text("{")
+    assert "its manifest.json cannot be read" in str(
+        raised(RunError, lambda: load_file(target)).value
+    )
+
+
+def test_sharded_checkpoint_directories_are_staged_and_swapped_in(base: Path) -> None:
+    folder = base / "1"
+    folder.mkdir()
+    a, b = folder / "a", folder / "b"
+    for path in (a, b):
+        path.mkdir()
+        (path / "x").write_text(path.name)
+    assert checkpointing._exchange(a, b)
+    assert (a / "x").read_text() == "b" and (b / "x").read_text() == "a"
+    assert not checkpointing._exchange(a, folder / "missing")
+    folder = base / "2"
+    folder.mkdir()
+    target = folder / "a b" / "last.ckpt"
+    staging = checkpointing.new_staging_dir(target)
+    assert staging.parent == target.parent and checkpointing._TEMP.fullmatch(staging.name)
+    dead = target.parent / f".last.ckpt.{2**22 + 1}-{checkpointing._HOST}-0badc0de.tmp"
+    dead.mkdir()
+    again = checkpointing.new_staging_dir(target)
+    assert not dead.exists() and again.is_dir() and again != staging
+    (staging / "x").write_text("1")
+    checkpointing.swap_in(staging, target)  # a new name
+    assert (target / "x").read_text() == "1" and not staging.exists()
+    single = folder / "single.ckpt"
+    single.write_text("a file before")
+    checkpointing.swap_in(again, single)
+    assert single.is_dir() and not again.exists()
+    folder = base / "3"
+    folder.mkdir()
+    import zlib
+
+    (folder / "sub").mkdir()
+    (folder / "shard").write_bytes(b"some bytes")
+    assert checkpointing.checkpoint_files(folder) == ["shard"]
+    (entry,) = checkpointing.describe_files(folder, ["shard"])
+    assert entry == {"name": "shard", "size": 10, "crc32": zlib.crc32(b"some bytes")}
+
+
+def test_a_load_state_dict_error_is_one_line_naming_the_file_it_stands_for(folder: Path) -> None:
+    from types import SimpleNamespace
+
+    net = small_net()
+    wrong = {"layers.0.weight": torch.zeros(1)}
+    path = checkpointing.as_lightning_checkpoint(wrong, folder / "model.pth")
+    assert path.name.startswith("weights-") and path.suffix == ".ckpt"
+    assert network_state(load_file(path), path, "").keys() == wrong.keys()
+    trainer = SimpleNamespace(ckpt_path=str(path), lightning_module=net)
+    error = RuntimeError("Error(s) in loading state_dict for MLP: ...")
+    explained = checkpointing.explain_load_failure(trainer, error)
+    assert str(explained).startswith(
+        f"{str(folder / 'model.pth')!r} does not fit MLP as set up (after setup() and "
+        "configure_model): missing keys: "
+    )
+    assert checkpointing.explain_load_failure(trainer, ValueError("state_dict")) is None
+    assert checkpointing.explain_load_failure(trainer, RuntimeError("other")) is None
+    same = checkpointing.as_lightning_checkpoint(net.state_dict(), folder / "model.pth")
+    fits = SimpleNamespace(ckpt_path=str(same), lightning_module=net)
+    assert checkpointing.explain_load_failure(fits, error) is None
+    assert checkpointing.explain_load_failure(SimpleNamespace(ckpt_path=None), error) is None
+    assert checkpointing.explain_load_failure(object(), error) is None
+    plain = folder / "plain.ckpt"
+    torch.save({"state_dict": wrong}, plain)
+    explained = checkpointing.explain_load_failure(
+        SimpleNamespace(ckpt_path=str(plain), lightning_module=net), error
+    )
+    assert str(explained).startswith(f"{str(plain)!r} does not fit MLP as set up")
+    gone = SimpleNamespace(ckpt_path=str(folder / "nowhere.ckpt"), lightning_module=net)
+    assert checkpointing.explain_load_failure(gone, error) is None
+
+
+class Built(pl.LightningModule):
+    """Its layer made in configure_model, from a list argument."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        super().__init__()
+        self.sizes, self.layer = sizes, None
+
+    def configure_model(self) -> None:
+        if self.layer is None:
+            self.layer = torch.nn.Linear(*self.sizes)
+
+
+def test_a_damaged_shard_is_named_exactly_and_only_in_the_share_asked_for(folder: Path) -> None:
+    for name in ("a", "b"):
+        (folder / name).write_bytes(b"12345")
+    checkpointing.write_manifest(folder, [])
+    (folder / "b").write_bytes(b"1234")
+    damaged = f"{str(folder)!r} is damaged: shard file 'b' "
+    assert checkpointing.damaged_files(folder, ["a"]) is None
+    assert checkpointing.damaged_files(folder, ["b"]) == (
+        damaged + "has 4 bytes, 5 were written; use an intact copy of the checkpoint"
+    )
+    (folder / "b").write_bytes(b"12346")
+    assert checkpointing.damaged_files(folder) == (
+        damaged + "does not match its recorded CRC-32 checksum (bytes changed on disk or in a "
+        "copy); use an intact copy of the checkpoint"
+    )
+    (folder / checkpointing.MANIFEST_FILE).unlink()
+    assert checkpointing.damaged_files(folder) == (
+        f"{str(folder)!r} is not a complete sharded checkpoint: it has neither a manifest.json "
+        "nor a .metadata (a save that did not finish?)"
+    )
+    (folder / ".metadata").write_bytes(b"index")
+    assert checkpointing.damaged_files(folder) is None
+    extra = {"k": torch.zeros(1), "x": torch.zeros(1)}
+    assert state_mismatch({"k": torch.zeros(1)}, extra, built_later=True) is None

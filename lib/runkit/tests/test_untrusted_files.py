@@ -7,6 +7,7 @@ line before anything is instantiated, and the file it aimed at must be untouched
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,16 @@ from conftest import TEMPLATE_TARGETS, CliRunner, last_line
 from project.models.nets import MLP
 from runkit.errors import RunError
 from runkit.safety.checkpoints import load_network, save_weights
-from runkit.safety.trusted import TRUSTED_TARGETS, check_trusted, is_allowed
+from runkit.safety.trusted import MAX_DEPTH, TRUSTED_TARGETS, check_trusted, is_allowed
 
 NET = {"_target_": "project.models.nets.MLP", "in_features": 64, "hidden": [8], "num_classes": 10}
+
+
+def raised(kind: type[BaseException], call: Any) -> Any:
+    """The ``pytest.raises`` info of ``call()``, which must raise ``kind``."""
+    with pytest.raises(kind) as info:
+        call()
+    return info
 
 
 def crafted_checkpoint(path: Path, config: dict[str, Any]) -> Path:
@@ -38,8 +46,7 @@ def crafted_checkpoint(path: Path, config: dict[str, Any]) -> Path:
 
 
 def refusal(path: Path, **kwargs: Any) -> str:
-    with pytest.raises(RunError) as info:
-        load_network(path, **kwargs, allowed=TEMPLATE_TARGETS)
+    info = raised(RunError, lambda: load_network(path, **kwargs, allowed=TEMPLATE_TARGETS))
     message = str(info.value)
     assert "\n" not in message
     return message
@@ -111,13 +118,20 @@ def test_a_target_reached_through_a_module_attribute_is_named_by_what_it_is(
     assert "torch.serialization.save" in refusal(path)
 
 
-def test_a_prefix_matches_whole_package_names_only() -> None:
+def test_an_allowed_prefix_covers_whole_names_only() -> None:
     assert is_allowed("project.models.nets.MLP", ["project"])
     assert is_allowed("project.models.nets.MLP", ["project."])
     assert not is_allowed("projectevil.x", ["project"])
     assert not is_allowed("projectevil.x", ["project."])
     assert not is_allowed("torch.save", TRUSTED_TARGETS)
     assert not is_allowed("torch.hub.load", TRUSTED_TARGETS)
+    assert not is_allowed("os.system", ["", " ", "."])
+    assert is_allowed("torch.nn.Linear", [" torch.nn. "])
+    assert is_allowed("torch.nn", ["torch.nn."])
+    assert not is_allowed("torch.nnx.Linear", ["torch.nn"])
+    assert is_allowed("b.c", ["a.", "b"])  # any of them
+    assert is_allowed("pkg.modelX.Net", ["pkg.modelX"])
+    assert not is_allowed("pkg.model.Net", ["pkg.modelX"])
 
 
 @pytest.mark.parametrize(
@@ -215,3 +229,191 @@ def test_eval_of_a_crafted_checkpoint_deletes_nothing(tmp_path: Path, cli: CliRu
     assert line.startswith("error: ") and "'pathlib.Path.unlink'" in line, line
     assert "trusted_targets=[" in line
     assert victim.read_text() == "precious"
+
+
+def refused(tree: Any, allowed: Any = ("torch.nn.",)) -> str:
+    info = raised(RunError, lambda: check_trusted(tree, allowed, "given.ckpt"))
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_check_trusted_names_every_refused_node_and_how_to_allow_it() -> None:
+    tree = {
+        "net": {"_target_": "torch.nn.Linear", "in_features": 1, "out_features": 1},
+        "layers": [{"_target_": "torch.nn.ReLU"}, 3, None, 1.5, "text"],
+    }
+    check_trusted(tree, ["torch.nn."], "given.ckpt")
+    check_trusted("plain", ["torch.nn."], "given.ckpt")
+    check_trusted([], [], "given.ckpt")
+    message = refused({"model": {"layers": [{"_target_": "collections.OrderedDict"}]}})
+    assert message == (
+        "'given.ckpt' asks to instantiate model.layers.0._target_='collections.OrderedDict', "
+        "which is not under the trusted targets [torch.nn.]; only if you trust this file, allow "
+        "it with 'trusted_targets=[torch.nn.,collections.]' (eval, predict) or "
+        "load_network(..., allowed=[..., 'collections.'])"
+    )
+    tree = {
+        "model": {
+            "net": {"_target_": "collections.OrderedDict"},
+            "loss": {"_target_": "json.JSONDecoder"},
+        },
+        "data": {
+            "_target_": "json.JSONEncoder",
+            "layer": {"_target_": "torch.nn.modules.module.torch.save"},
+        },
+        "fine": {"_target_": "torch.nn.Linear", "in_features": 1, "out_features": 1},
+    }
+    message = refused(tree)
+    assert message == (
+        "'given.ckpt' asks to instantiate data._target_='json.JSONEncoder', "
+        "data.layer._target_='torch.nn.modules.module.torch.save' (which is "
+        "torch.serialization.save), model.loss._target_='json.JSONDecoder', "
+        "model.net._target_='collections.OrderedDict', which are not under the trusted targets "
+        "[torch.nn.]; only if you trust this file, allow them with "
+        "'trusted_targets=[torch.nn.,json.,torch.serialization.,collections.]' (eval, predict) "
+        "or load_network(..., allowed=[..., 'json.', 'torch.serialization.', 'collections.'])"
+    )
+    check_trusted(tree, ["torch.nn.", "json.", "torch.serialization.", "collections."], "x")
+    message = refused({"_target_": "torch.nn.modules.module.torch.save"})
+    assert message.startswith(
+        "'given.ckpt' asks to instantiate _target_='torch.nn.modules.module.torch.save' "
+        "(which is torch.serialization.save), which is not under the trusted targets [torch.nn.]"
+    )
+    assert "'trusted_targets=[torch.nn.,torch.serialization.]'" in message
+    message = refused({"_target_": "os.system"}, allowed=("torch.nn.", "torch.optim."))
+    assert "not under the trusted targets [torch.nn., torch.optim.]; " in message
+    assert "'trusted_targets=[torch.nn.,torch.optim.,os.]'" in message
+    for tree in (
+        {"a": {"_target_": "os.system"}, "b": "text"},
+        {"b": "text", "a": {"_target_": "os.system"}},
+        ["text", {"_target_": "os.system"}],
+        [{"_target_": "os.system"}, "text"],
+    ):
+        assert "'os.system'" in refused(tree)
+
+
+def test_check_trusted_refuses_malformed_targets_and_configs() -> None:
+    assert "_target_='torch.nn._reduction.get_enum'" in refused(
+        {"_target_": "torch.nn._reduction.get_enum"}
+    )
+    for odd in (" torch.nn.Linear", "torch.nn.Linear()", "torch..nn", 5, "_torch.nn"):
+        message = refused({"x": {"_target_": odd}})
+        assert message == (
+            f"'given.ckpt' has x._target_={str(odd)[:80]!r}, not a plain dotted name "
+            "(letters, digits, '_' and '.', no leading '_'); refusing to instantiate it"
+        )
+    assert "'" + "a" * 80 + "'" in refused({"_target_": "a" * 90 + "!"})
+    message = refused({"_target_": "torch.nn.NoSuchLayer"})
+    assert message.startswith(
+        "'given.ckpt' names _target_='torch.nn.NoSuchLayer', which cannot be imported here: "
+    )
+    assert "NoSuchLayer" in message.split("imported here: ")[1]
+    message = refused({"_target_": "torch.nn.nosuchmodule.X"})
+    assert "cannot be imported here: " in message
+    assert refused({"a": {"b": "${oc.env:HOME}"}}) == (
+        "'given.ckpt' holds an interpolation at a.b ('${oc.env:HOME}'); configs saved by a run "
+        "are resolved, so this file was edited or crafted"
+    )
+    assert "at the top" in refused("${x}")
+    assert refused({"${x}": 1}) == "'given.ckpt' holds an interpolation in a key ('${x}')"
+    assert refused({"list": ["${" + "q" * 80 + "}"]}).count("q") == 58
+    shared: dict[str, Any] = {"leaf": 1}
+    assert refused({"a": shared, "b": shared}).startswith(
+        "'given.ckpt' repeats one config node by reference (at "
+    )
+    shared_list: list[Any] = [1]
+    assert "by reference" in refused([shared_list, shared_list])
+    check_trusted({"a": 1, "b": 1, "c": "x", "d": "x"}, [], "given.ckpt")  # equal values are fine
+
+    def nested(depth: int) -> Any:
+        tree: Any = {}
+        for _ in range(depth):
+            tree = {"n": tree}
+        return tree
+
+    check_trusted(nested(MAX_DEPTH), [], "given.ckpt")
+    assert refused(nested(MAX_DEPTH + 1)) == (
+        f"'given.ckpt' nests its config deeper than {MAX_DEPTH} levels"
+    )
+    shared: dict[str, Any] = {"leaf": 1}
+    assert refused({"a": shared, "b": shared}) in (
+        "'given.ckpt' repeats one config node by reference (at a); configs saved by a run never do",
+        "'given.ckpt' repeats one config node by reference (at b); configs saved by a run never do",
+    )
+    key = "${" + "k" * 80 + "}"
+    assert refused({key: 1}) == (f"'given.ckpt' holds an interpolation in a key ({key[:60]!r})")
+    message = refused({"_target_": "torch.nn.Linear.no_such_method"})
+    assert message.startswith(
+        "'given.ckpt' names _target_='torch.nn.Linear.no_such_method', which cannot be imported "
+        "here: "
+    )
+    assert "no_such_method" in message.split("imported here: ")[1]
+
+
+@pytest.fixture
+def probe_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    package = tmp_path / "mutant_probe_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "layers.py").write_text(
+        "class Thing:\n    pass\n\n\n"
+        "class Named:\n    def __init__(self, name):\n        self.__name__ = name\n\n\n"
+        "make = Named('make')  # an instance: a __module__ and a __name__, no __qualname__\n"
+        "LIMIT = 3  # an int: no __module__, no __name__\n"
+    )
+    (package / "broken.py").write_text("raise RuntimeError()\n")
+    (package / "noisy.py").write_text(  # leaves a trace when imported
+        "import os, pathlib\npathlib.Path(os.environ['PROBE_MARKER']).touch()\nX = 1\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "mutant_probe_pkg"
+    for name in [m for m in sys.modules if m.startswith("mutant_probe_pkg")]:
+        del sys.modules[name]
+
+
+def test_a_target_is_judged_by_what_it_resolves_to(probe_package: str) -> None:
+    check_trusted({"_target_": f"{probe_package}.layers.Thing"}, [f"{probe_package}."], "given")
+    target = "torch.nn.modules.module.Module.train"
+    check_trusted({"_target_": target}, ["torch.nn.modules.module.Module"], "given")
+    check_trusted(
+        {"_target_": f"{probe_package}.layers.make"}, [f"{probe_package}.layers"], "given"
+    )
+    info = raised(
+        RunError,
+        lambda: check_trusted(
+            {"_target_": f"{probe_package}.layers"}, [f"{probe_package}."], "given"
+        ),
+    )
+    assert str(info.value).startswith(
+        f"'given' asks to instantiate _target_='{probe_package}.layers' (which is module), "
+        "which is not under the trusted targets"
+    )
+    info = raised(
+        RunError,
+        lambda: check_trusted(
+            {"_target_": f"{probe_package}.layers.LIMIT"}, [f"{probe_package}."], "given"
+        ),
+    )
+    assert str(info.value).startswith(
+        f"'given' asks to instantiate _target_='{probe_package}.layers.LIMIT' (which is int), "
+    )
+    info = raised(
+        RunError,
+        lambda: check_trusted(
+            {"_target_": f"{probe_package}.broken.X"}, [f"{probe_package}."], "given"
+        ),
+    )
+    assert str(info.value) == (
+        f"'given' names _target_='{probe_package}.broken.X', which cannot be imported here: "
+        "RuntimeError"
+    )
+
+
+def test_a_target_outside_the_allow_list_is_never_imported(
+    probe_package: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = tmp_path / "imported"
+    monkeypatch.setenv("PROBE_MARKER", str(marker))
+    with pytest.raises(RunError, match="not under the trusted targets"):
+        check_trusted({"_target_": f"{probe_package}.noisy.X"}, ["torch.nn."], "given")
+    assert not marker.exists()

@@ -50,16 +50,6 @@ def _trainer_attribute(name: str) -> Callable[[], bool]:
     return lambda: hasattr(_trainer(), name)
 
 
-def _csv_writer_keys() -> bool:
-    import tempfile
-
-    from lightning.pytorch.loggers import CSVLogger
-
-    with tempfile.TemporaryDirectory() as root:
-        writer = CSVLogger(root).experiment
-        return isinstance(writer.metrics_keys, list)
-
-
 def _compiled_marker() -> bool:
     import torch
 
@@ -159,18 +149,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "knowing which file a save point wrote",
     ),
     PrivateApi(
-        "lightning.pytorch.callbacks:ModelCheckpoint",
-        "_should_remove_checkpoint",
-        "runkit.safety.model_checkpoint",
-        "the same rule as Lightning's for replacing last.ckpt",
-    ),
-    PrivateApi(
-        "lightning.pytorch.callbacks:ModelCheckpoint",
-        "_remove_checkpoint",
-        "runkit.safety.model_checkpoint",
-        "removing the previous last.ckpt the way Lightning does",
-    ),
-    PrivateApi(
         "lightning.pytorch.callbacks.progress:RichProgressBar",
         "_update_metrics",
         "runkit.run.progress_bar",
@@ -195,13 +173,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
                 "lightning.pytorch.callbacks.progress.rich_progress:CustomProgress.stop"
             ).__code__.co_names
         ),
-    ),
-    PrivateApi(
-        "lightning.fabric.loggers.csv_logs:_ExperimentWriter",
-        "metrics_keys",
-        "runkit.compat.add_csv_columns (resume)",
-        "the CSV header must hold the earlier run's columns copied into a resumed run",
-        _csv_writer_keys,
     ),
     PrivateApi(
         "torch.nn:Module",
@@ -309,19 +280,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "the training epoch's iterator: Lightning creates it before any hook of a run's first "
         "epoch, so a resume re-creates it after reseeding (and reads the batches trained on)",
         lambda: "_data_fetcher" in vars(_trainer_attribute_value("fit_loop")),
-    ),
-    PrivateApi(
-        "lightning.pytorch.loops.fit_loop:_FitLoop",
-        "_combined_loader",
-        "runkit.compat.train_loaders (runkit.safety.resume)",
-        "the training DataLoaders as Lightning processed them (DistributedSampler injected)",
-        lambda: "_combined_loader" in vars(_trainer_attribute_value("fit_loop")),
-    ),
-    PrivateApi(
-        "lightning.fabric.utilities.data",
-        "_set_sampler_epoch",
-        "runkit.compat.restart_train_data (runkit.safety.resume)",
-        "the epoch every sampler must know before the epoch's iterator is created",
     ),
     PrivateApi(
         "lightning.pytorch.loops.fetchers:_DataFetcher",
@@ -455,11 +413,6 @@ def logging_step(trainer: Any) -> int:
     return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
 
 
-def add_csv_columns(writer: Any, keys: list[str]) -> None:
-    """Make a CSV logger's writer keep ``keys`` as columns (private: see PRIVATE_APIS)."""
-    writer.metrics_keys = sorted(set(writer.metrics_keys) | set(keys))
-
-
 def detach_refresh_thread(progress: Any) -> None:
     """Tell a Rich display's refresh thread to end and let the display stop without joining it
     (private: see PRIVATE_APIS). Lightning's thread sleeps a whole redraw interval between
@@ -498,25 +451,12 @@ def set_data_parallel_size(strategy: Any, size: int) -> None:
     strategy._data_parallel_size = int(size)
 
 
-def train_loaders(trainer: Any) -> list[Any]:
-    """The training loaders of ``trainer``'s fit, as Lightning processed them (private: see
-    PRIVATE_APIS); empty before they are set up."""
-    combined = getattr(trainer.fit_loop, "_combined_loader", None)
-    return list(combined.flattened) if combined is not None else []
-
-
-def restart_train_data(trainer: Any, epoch: int, skip: int) -> int:
-    """Create the training epoch's iterator again, for ``epoch``, and read ``skip`` batches.
-
-    Returns how many were read (fewer when the data ends first). Private: see PRIVATE_APIS.
-    """
-    from lightning.fabric.utilities.data import _set_sampler_epoch
-
+def restart_train_data(trainer: Any, skip: int) -> int:
+    """Create the training epoch's iterator again and read ``skip`` batches; how many were read
+    (fewer when the data ends first). Private: see PRIVATE_APIS."""
     fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
     if fetcher is None:
         return 0
-    for loader in train_loaders(trainer):
-        _set_sampler_epoch(loader, epoch)
     iter(fetcher)
     read = 0
     for _ in range(skip):

@@ -1,18 +1,15 @@
-"""Saving and loading model state: crash-safe writes, integrity, ``model.pth``, networks from files.
+"""Saving and loading model state: crash-safe writes, integrity checks, ``model.pth``, networks.
 
-``model.pth`` is what ``torch.save(net.state_dict(), "model.pth")`` writes: a plain ``state_dict``
-of the LightningModule's network ``net`` where that holds all its weights (loadable by any PyTorch
-code, without Lightning), else of the whole LightningModule (:func:`exported_part`, the one place that rule
-lives). Lightning checkpoints (``*.ckpt``) carry the whole training state. Both load with
-``weights_only=True``, after their zip CRCs are checked (torch does not check them: a flipped byte
-would load as a wrong weight). The run's config travels as plain
-data (``config.yaml`` beside ``model.pth``, ``hyper_parameters["config"]`` inside a checkpoint);
-the network is rebuilt from it only through trusted ``_target_``s (:mod:`.trusted`).
+``model.pth`` is a plain ``state_dict`` of the module's ``net`` when that holds every weight, else
+of the whole module (:func:`exported_part`). ``*.ckpt`` files carry the whole training state. Both
+load with ``weights_only=True`` after their zip CRCs are checked (torch does not check them). A
+network is rebuilt from a file's config only through trusted ``_target_``s (:mod:`.trusted`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -40,18 +37,15 @@ log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.pth"
 CONFIG_FILE = "config.yaml"
-# Temporary files: ".<target name>.<pid>-<host tag>-<random>.tmp", so that the next write in the
-# directory can tell a dead writer's leftover (kill -9 mid-write) from a live writer's file.
+MANIFEST_FILE = "manifest.json"
+# Temporaries ".<target>.<pid>-<host>-<random>.tmp": a dead writer's leftover is told from a live one.
 _HOST = f"{zlib.crc32(socket.gethostname().encode()):08x}"
 _TEMP = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)-(?P<host>[0-9a-f]{8})-[0-9a-f]{8}\.tmp")
-_FOREIGN_TEMP_AGE_S = 24 * 3600  # another machine's temporary file: removed once this old
+_FOREIGN_TEMP_AGE_S = 24 * 3600
 
 
 class FileWriteError(EnvironmentFailure):
-    """A file of the run could not be written (full disk, no permission); nothing half-written.
-
-    ``problem`` is the message's first part: what failed, where and why.
-    """
+    """A file of the run could not be written; nothing half-written. ``problem``: what failed."""
 
     def __init__(self, problem: str, outcome: str = "") -> None:
         super().__init__(f"{problem}; {outcome}" if outcome else problem)
@@ -65,16 +59,12 @@ class CheckpointSaveError(FileWriteError):
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's checkpoint I/O with crash-safe local writes and verified, safe loads.
 
-    Lightning 2.6 writes local checkpoints through an fsspec transaction that stages the bytes in
-    ``$TMPDIR`` and then moves them: a small or full ``/tmp`` fails saves that would fit next to
-    the checkpoints, a move across filesystems is a copy (not atomic), and some write errors are
-    swallowed (Lightning issue #21800). Here a local checkpoint goes through :func:`atomic_write`,
-    so a kill at any moment leaves the old file or the new one, and a full disk is one line naming
-    the checkpoint that remains. Remote paths (``s3://`` ...) keep Lightning's way.
+    Lightning stages local saves in ``$TMPDIR`` (a full ``/tmp`` fails them, a cross-device move
+    is not atomic, some errors are swallowed: Lightning #21800); remote paths keep its way.
     """
 
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
     ) -> None:
         if storage_options is not None or get_protocol(str(path)) != "file":
             super().save_checkpoint(checkpoint, path, storage_options=storage_options)
@@ -89,38 +79,29 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             ) from err.__cause__
 
     def load_checkpoint(
-        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+        self, path: Any, map_location: Any = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Lightning's load, after the CRC check, never unpickling objects unless asked to.
-
-        A sharded checkpoint directory (``trainer=fsdp``) is checked against its manifest and
-        gathered into one full checkpoint: eval and test on one process load it like a file.
-        """
-        if get_protocol(str(path)) == "file" and is_sharded_checkpoint(path):
-            return load_sharded(path, map_location=map_location or "cpu")
-        if get_protocol(str(path)) == "file" and Path(str(path)).is_file():
-            verify_archive(path)
+        """Lightning's load after the CRC check, never unpickling objects unless asked to; a
+        sharded directory is gathered into one checkpoint (:func:`load_sharded`)."""
+        if get_protocol(str(path)) == "file":
+            if is_sharded_checkpoint(path):
+                return load_sharded(path, map_location=map_location or "cpu")
+            if Path(str(path)).is_file():
+                verify_archive(path)
         kwargs = {} if map_location is None else {"map_location": map_location}
         safe = True if weights_only is None else weights_only
         return super().load_checkpoint(path, weights_only=safe, **kwargs)
 
 
-# --------------------------------------------------------------------------- crash-safe writing
-
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)  # reading the umask means setting it; put it straight back
-
-
 class _ErrorKeepingFile:
-    """A binary file whose ``write`` remembers its ``OSError``.
-
-    ``torch.save`` turns a failed write (a full disk) into ``RuntimeError: [enforce fail at
-    inline_container.cc] unexpected pos``, which says nothing of the cause; this keeps it.
-    """
+    """Keeps a write's ``OSError``: ``torch.save`` turns it into an opaque ``RuntimeError``."""
 
     def __init__(self, handle: IO[bytes]) -> None:
-        self.handle = handle
+        self.handle: IO[bytes] = handle
         self.error: OSError | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.handle, name)
 
     def write(self, data: Any) -> int:
         try:
@@ -129,35 +110,20 @@ class _ErrorKeepingFile:
             self.error = err
             raise
 
-    def flush(self) -> None:
-        self.handle.flush()
-
-    def tell(self) -> int:
-        return self.handle.tell()
-
-    def fileno(self) -> int:
-        return self.handle.fileno()
-
 
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
     """Write a file so that a crash at any moment leaves the old file or the new one, never half.
 
-    The bytes go to a temporary file in the target's own directory (a rename is atomic only
-    within one filesystem), are flushed and fsynced, then renamed over the target; the directory
-    is fsynced so the rename itself survives a power cut. On failure the temporary file is
-    removed and :class:`FileWriteError` says why in one line (``the disk is full`` first).
-    Temporary files that writers killed mid-write left in the directory are removed first.
+    A temporary file beside the target (a rename is atomic within one filesystem), fsynced, then
+    renamed over it; on failure it is removed and :class:`FileWriteError` says why in one line.
     """
     target = Path(path)
-    kept = target.is_file()
-    handle: _ErrorKeepingFile | None = None
-    tmp: Path | None = None
+    kept, handle, tmp = target.is_file(), None, None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(target.parent)
-        fd, tmp = _temporary(target)
-        with os.fdopen(fd, "wb") as raw:
-            os.fchmod(raw.fileno(), 0o666 & ~_UMASK)  # mkstemp makes 0600; keep the usual mode
+        tmp = _temporary_name(target)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as raw:
             handle = _ErrorKeepingFile(raw)
             write(handle)  # type: ignore[arg-type]
             raw.flush()
@@ -174,19 +140,7 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
 
 
 def _temporary_name(target: Path) -> Path:
-    """A name beside ``target`` made of it, this process and this machine (``_TEMP``'s pattern,
-    which :func:`remove_stale_temporaries` recognises)."""
     return target.parent / f".{target.name}.{os.getpid()}-{_HOST}-{secrets.token_hex(4)}.tmp"
-
-
-def _temporary(target: Path) -> tuple[int, Path]:
-    """A new temporary file beside ``target`` named after it, this process and this machine."""
-    while True:
-        tmp = _temporary_name(target)
-        try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), tmp
-        except FileExistsError:
-            continue
 
 
 def write_failure(target: Path, err: OSError, kept: bool) -> tuple[str, str]:
@@ -199,13 +153,9 @@ def write_failure(target: Path, err: OSError, kept: bool) -> tuple[str, str]:
 
 
 def remove_stale_temporaries(directory: Path) -> list[Path]:
-    """Remove the temporary files of writers that died mid-write (``kill -9``), and only those.
-
-    Only names of :func:`atomic_write`'s pattern (files, and the staging directories of sharded
-    saves, :func:`new_staging_dir`); only when the writer (the pid in the name, on
-    this machine) no longer runs, or the file is a day old and came from another machine.
-    """
-    removed = []
+    """Remove the temporaries (files, sharded staging directories) of writers that died mid-write:
+    the pid in the name no longer runs on this machine, or another machine's is a day old."""
+    removed: list[Path] = []
     try:
         entries = list(os.scandir(directory))
     except OSError:
@@ -214,15 +164,13 @@ def remove_stale_temporaries(directory: Path) -> list[Path]:
         match = _TEMP.fullmatch(entry.name)
         if match is None or entry.is_symlink():
             continue
-        pid, stale = int(match["pid"]), False
-        if match["host"] == _HOST:
-            stale = pid != os.getpid() and not _alive(pid)
-        else:
-            with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):
+            if match["host"] == _HOST:
+                stale = int(match["pid"]) != os.getpid() and not _alive(int(match["pid"]))
+            else:
                 stale = time.time() - entry.stat().st_mtime > _FOREIGN_TEMP_AGE_S
-        if stale:
-            with contextlib.suppress(OSError):
-                if entry.is_dir(follow_symlinks=False):  # a sharded save's staging directory
+            if stale:
+                if entry.is_dir(follow_symlinks=False):
                     shutil.rmtree(entry.path)
                 else:
                     os.unlink(entry.path)
@@ -236,32 +184,24 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process
-        return True
+        pass
     return True
 
 
 def _fsync_dir(directory: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # some filesystems do not open directories
         fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # some filesystems do not open directories; the rename is done anyway
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def atomic_link(source: str | Path, target: str | Path) -> None:
-    """Make ``target`` a second name of ``source``'s bytes, replacing ``target`` atomically.
-
-    A hard link when the filesystem allows one (no second copy on disk), else a crash-safe copy.
-    Either way a kill at any moment leaves ``target`` whole: the old file or the new one. A
-    sharded checkpoint directory is linked file by file into a new directory (:func:`swap_in`).
-    """
+    """Make ``target`` a second name of ``source``'s bytes, replaced atomically: a hard link, else
+    a crash-safe copy; a sharded directory is linked file by file and swapped in."""
     source, target = Path(source), Path(target)
-    if source.is_dir():  # a sharded checkpoint: a staging directory of links, swapped in
+    if source.is_dir():
         staging = new_staging_dir(target)
         for name in [*checkpoint_files(source), MANIFEST_FILE]:
             if (source / name).is_file():
@@ -273,7 +213,7 @@ def atomic_link(source: str | Path, target: str | Path) -> None:
     tmp = _temporary_name(target)
     try:
         os.link(source, tmp)
-    except OSError:  # no hard links here (some network and FUSE filesystems): copy the bytes
+    except OSError:  # no hard links on this filesystem: copy the bytes
         with source.open("rb") as reader:
             atomic_write(target, lambda handle: shutil.copyfileobj(reader, handle, 1 << 20))
         return
@@ -285,26 +225,26 @@ def atomic_link(source: str | Path, target: str | Path) -> None:
     _fsync_dir(target.parent)
 
 
+def _newest(paths: Iterable[Path]) -> Path | None:
+    return max(paths, key=lambda p: p.stat().st_mtime, default=None)
+
+
 def last_good_checkpoint(directory: Path, prefer: Path | None = None) -> str:
-    """Say which checkpoint survives in ``directory``: ``prefer`` if it exists, else the newest."""
-    if prefer is not None and is_checkpoint(prefer):
-        return f"the last good checkpoint is {str(prefer)!r}"
-    found = [p for p in Path(directory).glob("*.ckpt") if is_checkpoint(p)]
-    if not found:
-        return "no checkpoint was kept before it"
-    newest = max(found, key=lambda p: p.stat().st_mtime)
-    return f"the last good checkpoint is {str(newest)!r}"
+    """Which checkpoint survives in ``directory``: ``prefer`` if it exists, else the newest."""
+    if prefer is None or not is_checkpoint(prefer):
+        prefer = _newest(p for p in Path(directory).glob("*.ckpt") if is_checkpoint(p))
+    return (
+        f"the last good checkpoint is {str(prefer)!r}"
+        if prefer
+        else ("no checkpoint was kept before it")
+    )
 
 
 @contextlib.contextmanager
 def full_disk_in_one_line(run_dir: str | Path) -> Iterator[None]:
-    """Turn a failed write of the run's files anywhere in the block into one
-    :class:`FileWriteError` line: a full disk, or the run directory deleted or made unwritable.
-
-    Lightning's loggers write too (the CSV log, at every flush and when a failed fit ends), and
-    their ``OSError`` replaces the checkpoint's own error; whichever write failed first, the line
-    says what failed, where, and which good checkpoint of the run remains.
-    """
+    """A failed write of the run's files in the block (a full disk, the run directory deleted or
+    made unwritable; a logger's error may replace the checkpoint's) as one :class:`FileWriteError`
+    line naming what failed and the run's last good checkpoint."""
     try:
         yield
     except Exception as err:
@@ -316,14 +256,11 @@ def full_disk_in_one_line(run_dir: str | Path) -> Iterator[None]:
         failed = next((f for f in failures if isinstance(f, EnvironmentFailure)), None)
         if ours is None and failed is None:
             raise
-        checkpoints = sorted(
-            (p for p in Path(run_dir).rglob("*.ckpt") if p.is_file()),
-            key=lambda p: p.stat().st_mtime,
-        )
+        newest = _newest(p for p in Path(run_dir).rglob("*.ckpt") if p.is_file())
         kept = (
-            f"the last good checkpoint is {str(checkpoints[-1])!r}"
-            if checkpoints
-            else "no checkpoint of this run was kept"
+            f"the last good checkpoint is {str(newest)!r}"
+            if newest
+            else ("no checkpoint of this run was kept")
         )
         raise FileWriteError(ours.problem if ours else str(failed), kept) from err
 
@@ -337,20 +274,16 @@ def _chain(err: BaseException) -> list[BaseException]:
     return chain
 
 
-def exported_part(model: nn.Module) -> nn.Module:
-    """The module whose weights ``model.pth`` holds: ``model.net`` when it is an ``nn.Module``
-    holding every weight of ``model`` (a plain network, loadable without Lightning
-    or the LightningModule's code), else ``model`` (a head beside ``net``, as in the
-    lightning-hydra-template layout, is part of what the forward uses and must not be dropped).
+# --------------------------------------------------------------------------- model.pth
 
-    Export, eval and :func:`load_network` all go through this rule, so whatever a user's
-    LightningModule looks like, the file loads back into the same part of it.
-    """
+
+def exported_part(model: nn.Module) -> nn.Module:
+    """The module ``model.pth`` holds: ``model.net`` when it holds every weight of ``model``
+    (parameters and saved buffers, however tied), else ``model`` (a head beside ``net``).
+    Export, eval and :func:`load_network` all follow this one rule."""
     net = getattr(model, "net", None)
     if not isinstance(net, nn.Module):
         return model
-    # Weights: parameters and saved buffers, not extra state (a metric's best-so-far), each once
-    # however tied; those that ``net.state_dict()`` does not hold would be lost.
     weights = {id(t) for t in (*model.parameters(), *model.buffers())}
     inside = {id(t) for t in net.state_dict(keep_vars=True).values()}
     saved = (id(t) for t in model.state_dict(keep_vars=True).values())
@@ -358,43 +291,28 @@ def exported_part(model: nn.Module) -> nn.Module:
 
 
 def load_exported_weights(model: nn.Module, data: dict[str, Any], source: str | Path) -> nn.Module:
-    """Load the weights of a ``model.pth`` or a ``.ckpt`` into the part of ``model`` that
-    :func:`exported_part` names, checked key by key (one line on a mismatch); return that part."""
+    """Load a ``model.pth``/``.ckpt`` into :func:`exported_part` of ``model``; return that part."""
     part = exported_part(model)
-    prefix = "net." if part is not model else ""
-    load_state_into(part, network_state(data, source, prefix), source)
+    load_state_into(part, network_state(data, source, "net." if part is not model else ""), source)
     return part
 
 
-def build_layers(model: nn.Module) -> nn.Module:
-    """Run a LightningModule's ``configure_model`` (layers built there, not in ``__init__``)
-    before its weights are loaded by hand; Lightning requires the hook to be idempotent and
-    calls it again in ``fit``/``test``, which then finds the layers made."""
+def rebuild_model(model_config: dict[str, Any]) -> nn.Module:
+    """The LightningModule a (trusted) ``model`` config describes, its ``configure_model`` run.
+    ``compile``/``channels_last`` (kept under ``model`` by old runs) are dropped."""
+    from hydra.utils import instantiate
     from lightning.pytorch import LightningModule
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
+    node = {k: v for k, v in model_config.items() if k not in ("compile", "channels_last")}
+    model = instantiate(node, _convert_="all")
     if isinstance(model, LightningModule) and is_overridden("configure_model", model):
-        model.configure_model()
+        model.configure_model()  # idempotent by Lightning's rule
     return model
 
 
-def rebuild_model(model_config: dict[str, Any]) -> nn.Module:
-    """The LightningModule a run's (trusted) ``model`` config describes, its layers built.
-
-    Runs made before ``callbacks.speed`` existed kept its two switches under ``model``; they are
-    dropped here, so such runs still rebuild. Lists and dicts reach the module as plain Python
-    containers, as in training (``_convert_="all"``).
-    """
-    from hydra.utils import instantiate
-
-    retired = ("compile", "channels_last")
-    node = {k: v for k, v in model_config.items() if k not in retired}
-    return build_layers(instantiate(node, _convert_="all"))
-
-
 def is_sharded(model: nn.Module) -> bool:
-    """Whether ``model`` is sharded (``trainer=fsdp``): exporting it is collective. Asked of its
-    FSDP units, not of its parameters: after a forward, FSDP may hold them gathered."""
+    """Whether ``model`` is sharded (``trainer=fsdp``): exporting it is collective."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
@@ -404,38 +322,31 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def save_weights(net: nn.Module, path: str | Path) -> Path:
-    """Export ``net.state_dict()`` (tensors moved to the CPU) to ``path``, crash-safe.
-
-    A sharded network (``trainer=fsdp``) is gathered tensor by tensor into its full, plain state
-    and written by rank 0 only: every rank must call this then (the gathering is collective);
-    elsewhere any one process may.
-    """
+    """Export ``net.state_dict()`` on the CPU to ``path``, crash-safe. A sharded network is
+    gathered (every rank must call this) and written by rank 0."""
     from torch.distributed.tensor import DTensor
 
-    state = {}
-    for key, value in net.state_dict().items():
-        if isinstance(value, DTensor):
-            value = value.full_tensor()  # collective: every rank, in the same order
-        state[key] = value.detach().cpu()
-    if is_sharded(net) and torch.distributed.is_initialized() and torch.distributed.get_rank():
-        return Path(path)
-    atomic_write(path, lambda handle: torch.save(state, handle))
+    state = {
+        key: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
+        for key, value in net.state_dict().items()
+    }
+    if not (
+        is_sharded(net) and torch.distributed.is_initialized() and torch.distributed.get_rank()
+    ):
+        atomic_write(path, lambda handle: torch.save(state, handle))
     return Path(path)
 
 
 # --------------------------------------------------------------------------- sharded checkpoints
-# trainer=fsdp writes a checkpoint as a directory: one file of shards per rank (``__<rank>_0.distcp``,
-# torch.distributed.checkpoint), the shards' index (``.metadata``), Lightning's other state
-# (``meta.pt``) and, written last, MANIFEST_FILE: every file's size and CRC-32.
-
-MANIFEST_FILE = "manifest.json"
-_SHARDED_MARKERS = (MANIFEST_FILE, ".metadata", "meta.pt")
+# trainer=fsdp saves a directory: shards (``__<rank>_0.distcp``), their index (``.metadata``),
+# Lightning's other state (``meta.pt``) and, written last, MANIFEST_FILE (sizes and CRC-32s).
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
-    """Whether ``path`` is a sharded checkpoint directory (torch.distributed.checkpoint's)."""
     folder = Path(str(path))
-    return folder.is_dir() and any((folder / name).is_file() for name in _SHARDED_MARKERS)
+    return folder.is_dir() and any(
+        (folder / name).is_file() for name in (MANIFEST_FILE, ".metadata", "meta.pt")
+    )
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -444,21 +355,16 @@ def is_checkpoint(path: str | Path) -> bool:
 
 
 def new_staging_dir(target: Path) -> Path:
-    """An empty directory beside ``target`` for a sharded save, named like :func:`atomic_write`'s
-    temporaries (a dead writer's is removed by the next save in the directory)."""
+    """An empty directory beside ``target``, named as :func:`atomic_write`'s temporaries."""
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(target.parent)
-    while True:
-        tmp = _temporary_name(target)
-        try:
-            tmp.mkdir()
-            return tmp
-        except FileExistsError:
-            continue
+    tmp = _temporary_name(target)
+    tmp.mkdir()
+    return tmp
 
 
 def checkpoint_files(folder: Path) -> list[str]:
-    """The names of the files of a checkpoint directory, sorted (the manifest's own excluded)."""
+    """The files of a checkpoint directory, sorted, the manifest excluded."""
     return sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST_FILE)
 
 
@@ -471,52 +377,39 @@ def _crc(path: Path) -> int:
 
 
 def describe_files(folder: Path, names: Iterable[str]) -> list[dict[str, Any]]:
-    """Size and CRC-32 of each named file, each file fsynced (a rank describes its share)."""
+    """Size and CRC-32 of each named file, each fsynced (a rank describes its share)."""
     entries = []
     for name in names:
-        path = folder / name
-        with path.open("rb") as handle:
+        with (folder / name).open("rb") as handle:
             os.fsync(handle.fileno())
-        entries.append({"name": name, "size": path.stat().st_size, "crc32": _crc(path)})
+        size = (folder / name).stat().st_size
+        entries.append({"name": name, "size": size, "crc32": _crc(folder / name)})
     return entries
 
 
 def write_manifest(folder: Path, entries: list[dict[str, Any]]) -> None:
-    """Write the directory's manifest (crash-safe), the last file of a sharded save."""
-    import json
-
-    listed = {e["name"] for e in entries}
-    missing = sorted(set(checkpoint_files(folder)) - listed)
-    entries = [*entries, *describe_files(folder, missing)]  # files no rank described (none)
-    text = json.dumps({"files": sorted(entries, key=lambda e: e["name"])}, indent=1)
+    """Write the manifest (crash-safe), describing any file no rank described, last."""
+    missing = sorted(set(checkpoint_files(folder)) - {e["name"] for e in entries})
+    entries = sorted([*entries, *describe_files(folder, missing)], key=lambda e: e["name"])
+    text = json.dumps({"files": entries}, indent=1)
     atomic_write(folder / MANIFEST_FILE, lambda handle: handle.write(text.encode()))
 
 
 def _exchange(first: Path, second: Path) -> bool:
-    """Swap two paths in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``); False where
-    the system or filesystem cannot."""
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where impossible."""
     import ctypes
 
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
     except (OSError, AttributeError):
         return False
-    at_fdcwd, rename_exchange = -100, 2
-    done = renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange)
-    return done == 0
+    return renameat2(-100, os.fsencode(first), -100, os.fsencode(second), 2) == 0
 
 
 def swap_in(staging: Path, target: Path) -> None:
-    """Make the complete directory ``staging`` the checkpoint ``target``, crash-safe.
-
-    A new name: one rename. Replacing a checkpoint (``last.ckpt``, ``interrupted.ckpt``): the
-    two are exchanged atomically, so ``target`` names a complete checkpoint at every moment,
-    then the old one is removed; where the system has no atomic exchange, the old one is first
-    renamed aside (a kill between the two renames leaves it there, complete, under a temporary
-    name that :func:`remove_stale_temporaries` removes later, and ``ckpt_path=<run>`` takes the
-    newest checkpoint instead).
-    """
+    """Make the complete directory ``staging`` the checkpoint ``target``, crash-safe: a rename,
+    or an atomic exchange with the old one; else the old one is renamed aside first (left under a
+    temporary name, complete, if killed between the two renames)."""
     _fsync_dir(staging)
     if target.is_file():
         target.unlink()
@@ -538,8 +431,6 @@ def manifest_names(folder: Path) -> list[str]:
 
 
 def _manifest(folder: Path) -> list[dict[str, Any]] | None:
-    import json
-
     path = folder / MANIFEST_FILE
     if not path.is_file():
         return None
@@ -556,36 +447,35 @@ def _manifest(folder: Path) -> list[dict[str, Any]] | None:
 
 
 def damaged_files(folder: Path, names: Iterable[str] | None = None) -> str | None:
-    """One line naming the first damaged file of a checkpoint directory (checked against its
-    manifest: present, same size, same CRC-32), or ``None``. ``names``: only these files (a
-    rank checks its share); default every file the manifest lists."""
+    """One line naming the first damaged file of a checkpoint directory (missing, another size or
+    CRC-32 than its manifest says), or ``None``. ``names``: only these (a rank's share)."""
     manifest = _manifest(folder)
     if manifest is None:
-        if not (folder / ".metadata").is_file():
-            return (
-                f"{str(folder)!r} is not a complete sharded checkpoint: it has neither a "
-                f"{MANIFEST_FILE} nor a .metadata (a save that did not finish?)"
-            )
-        log.debug("%s has no %s; its integrity cannot be checked", folder, MANIFEST_FILE)
-        return None
+        if (folder / ".metadata").is_file():
+            return None  # no manifest: its integrity cannot be checked
+        return (
+            f"{str(folder)!r} is not a complete sharded checkpoint: it has neither a "
+            f"{MANIFEST_FILE} nor a .metadata (a save that did not finish?)"
+        )
     wanted = None if names is None else set(names)
     for entry in manifest:
         if wanted is not None and entry["name"] not in wanted:
             continue
-        path = folder / entry["name"]
+        path, shard = (
+            folder / entry["name"],
+            f"{str(folder)!r} is damaged: shard file {entry['name']!r}",
+        )
         if not path.is_file():
-            return f"{str(folder)!r} is damaged: shard file {entry['name']!r} is missing"
-        size = path.stat().st_size
-        if size != entry["size"]:
+            return f"{shard} is missing"
+        if path.stat().st_size != entry["size"]:
             return (
-                f"{str(folder)!r} is damaged: shard file {entry['name']!r} has {size} bytes, "
-                f"{entry['size']} were written; use an intact copy of the checkpoint"
+                f"{shard} has {path.stat().st_size} bytes, {entry['size']} were written; "
+                "use an intact copy of the checkpoint"
             )
         if _crc(path) != entry["crc32"]:
             return (
-                f"{str(folder)!r} is damaged: shard file {entry['name']!r} does not match its "
-                "recorded CRC-32 checksum (bytes changed on disk or in a copy); use an intact "
-                "copy of the checkpoint"
+                f"{shard} does not match its recorded CRC-32 checksum (bytes changed on disk or "
+                "in a copy); use an intact copy of the checkpoint"
             )
     return None
 
@@ -598,13 +488,8 @@ def verify_checkpoint_dir(folder: str | Path) -> None:
 
 
 def load_sharded(folder: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
-    """A sharded checkpoint directory as one full Lightning checkpoint, on one process.
-
-    The manifest is checked first; ``meta.pt`` (Lightning's loops, callbacks, hyperparameters)
-    is loaded with ``weights_only=True``; every tensor of ``state_dict`` is gathered from the
-    shards at its full size (torch.distributed.checkpoint without a process group). Optimiser
-    states are left out: this is for test and eval, not for resuming.
-    """
+    """A sharded checkpoint directory as one full Lightning checkpoint on one process (manifest
+    checked; ``meta.pt`` with ``weights_only``; no optimiser state: for test and eval)."""
     import torch.distributed.checkpoint as dcp
 
     folder = Path(folder)
@@ -621,8 +506,9 @@ def load_sharded(folder: str | Path, map_location: Any = "cpu") -> dict[str, Any
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, storage_reader=reader, no_dist=True)
     except Exception as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise RunError(f"{str(folder)!r} is not a readable sharded checkpoint: {reason}") from err
+        raise RunError(
+            f"{str(folder)!r} is not a readable sharded checkpoint: {_first(err)}"
+        ) from err
     data["state_dict"] = {key[len("state_dict.") :]: value for key, value in state.items()}
     return data
 
@@ -639,8 +525,6 @@ def sharded_shapes(folder: str | Path) -> dict[str, torch.Size]:
 
 
 def _tensor_index(reader: Any) -> dict[str, Any]:
-    """The index entry of every tensor of a sharded checkpoint's ``state_dict``, by its key in
-    the network (``state_dict.`` dropped)."""
     index = reader.read_metadata().state_dict_metadata
     return {
         key[len("state_dict.") :]: item
@@ -654,31 +538,26 @@ def _tensor_index(reader: Any) -> dict[str, Any]:
 _VERIFIED: set[tuple[int, int, int, int]] = set()  # (device, inode, size, mtime) checked already
 
 
-def verify_archive(path: str | Path) -> None:
-    """Refuse a torch zip archive whose records do not match their stored CRC-32, in one line.
+def _first(err: BaseException) -> str:
+    """An error's first line, or its type when it has no text."""
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
-    ``torch.load`` does not check the CRCs ``torch.save`` writes, so a flipped byte in a tensor
-    loads as a wrong weight (``test/loss=nan``). Reading the archive once more costs about half a
-    ``torch.load`` (0.06 s for 100 MB from the page cache). Files that are not zip archives (the
-    legacy format) and archives written without CRCs (all zero, ``torch.serialization.
-    set_crc32_options(False)``) cannot be checked and pass. A file is checked once per process.
-    """
+
+def verify_archive(path: str | Path) -> None:
+    """Refuse a torch zip archive whose records do not match their CRC-32, in one line (once per
+    file version). Non-zip (legacy) files and archives written without CRCs pass."""
     file = Path(path)
     try:
-        stat = file.stat()
+        st = file.stat()
     except OSError as err:
         raise RunError(f"cannot read {str(path)!r}: {err.strerror}") from err
-    key = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     if key in _VERIFIED or not zipfile.is_zipfile(file):
         return
     try:
         with zipfile.ZipFile(file) as archive:
             records = archive.infolist()
-            if records and all(info.CRC == 0 for info in records):
-                log.debug("%s was written without CRCs; its integrity cannot be checked", file)
-                _VERIFIED.add(key)
-                return
-            damaged = archive.testzip()
+            damaged = None if all(i.CRC == 0 for i in records) else archive.testzip()
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError) as err:
         raise RunError(
             f"{str(path)!r} is damaged: its archive structure cannot be read ({err})"
@@ -692,11 +571,8 @@ def verify_archive(path: str | Path) -> None:
 
 
 def load_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
-    """``torch.load`` with ``weights_only=True`` after :func:`verify_archive`; one line on failure.
-
-    ``mmap=True`` maps the tensors instead of reading them: for looking at shapes only.
-    A sharded checkpoint directory is gathered into one (:func:`load_sharded`).
-    """
+    """``torch.load(weights_only=True)`` after :func:`verify_archive`; one line on failure.
+    ``mmap``: map the tensors (to look at shapes only). A sharded directory is gathered."""
     file = Path(path)
     if is_sharded_checkpoint(file):
         return load_sharded(file, map_location=map_location)
@@ -708,12 +584,12 @@ def load_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -
         except RuntimeError:
             if not mmap:
                 raise
-            # an archive from an old torch without aligned records cannot be mapped: read it
+            # an archive of an old torch, without aligned records, cannot be mapped
             data = torch.load(file, map_location=map_location, weights_only=True)
     except Exception as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise RunError(
-            f"{str(path)!r} is not a readable checkpoint or state_dict (truncated or corrupt?): {reason}"
+            f"{str(path)!r} is not a readable checkpoint or state_dict (truncated or corrupt?): "
+            f"{_first(err)}"
         ) from err
     if not isinstance(data, dict):
         raise RunError(f"{str(path)!r} holds a {type(data).__name__}, not a state_dict")
@@ -723,11 +599,8 @@ def load_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -
 def network_state(
     data: dict[str, Any], source: str | Path = "", prefix: str = "net."
 ) -> dict[str, torch.Tensor]:
-    """The network's ``state_dict`` from a Lightning checkpoint or from a ``model.pth``.
-
-    ``prefix``: where the part lies inside the LightningModule's state (``net.``; ``""`` for the
-    whole module, see :func:`exported_part`).
-    """
+    """The network's ``state_dict`` from a Lightning checkpoint (keys under ``prefix``, stripped)
+    or a ``model.pth``."""
     if "state_dict" in data and "pytorch-lightning_version" in data:
         state = data["state_dict"]
         if not isinstance(state, dict):
@@ -751,13 +624,9 @@ def run_config(
     allowed: Iterable[str] = TRUSTED_TARGETS,
     needs: tuple[str, ...] = ("model",),
 ) -> dict[str, Any]:
-    """The ``model`` and ``data`` config of the run that wrote ``path``, checked against ``allowed``.
-
-    Read from inside the checkpoint, or from ``config.yaml`` beside ``path`` (or one level up).
-    Only those two nodes are returned: they are what a network and its data are rebuilt from, and
-    every ``_target_`` in them must lie under ``allowed`` (:func:`.trusted.check_trusted`).
-    ``needs``: the nodes the caller rebuilds; a config without one of them is one line.
-    """
+    """The ``model`` and ``data`` config of the run that wrote ``path`` (inside the checkpoint, or
+    ``config.yaml`` beside it or one level up), every ``_target_`` checked against ``allowed``.
+    ``needs``: the nodes the caller rebuilds; one missing is one line."""
     hparams = data.get("hyper_parameters") or {}
     if isinstance(hparams, dict) and isinstance(hparams.get("config"), dict):
         config, source = hparams["config"], Path(path)
@@ -779,15 +648,14 @@ def run_config(
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    """A ``config.yaml`` as plain data: YAML tags and aliases refused, interpolations kept as text."""
+    """A ``config.yaml`` as plain data: aliases refused, interpolations kept as text."""
     import yaml
     from omegaconf import OmegaConf
 
     try:
         text = path.read_text(encoding="utf-8")
-        for event in yaml.parse(text, Loader=yaml.SafeLoader):
-            if isinstance(event, yaml.AliasEvent):
-                raise RunError(f"{str(path)!r} uses a YAML alias; configs saved by a run do not")
+        if any(isinstance(e, yaml.AliasEvent) for e in yaml.parse(text, Loader=yaml.SafeLoader)):
+            raise RunError(f"{str(path)!r} uses a YAML alias; configs saved by a run do not")
         config = OmegaConf.to_container(OmegaConf.create(text), resolve=False)
     except RunError:
         raise
@@ -802,14 +670,9 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 def state_mismatch(
     expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor], built_later: bool = False
 ) -> str | None:
-    """How ``state`` fails to fit a module whose ``state_dict()`` is ``expected``, in one line.
-
-    ``None`` when every key is present with the right shape; else the missing keys, the unexpected
-    ones and the ones of another shape (a few of each), e.g. for a file of another architecture.
-    ``built_later``: the module has not been set up yet, so layers its ``setup()`` or
-    ``configure_model`` builds are not in ``expected``; unexpected keys are then left to the load
-    that runs after those hooks (Lightning's, strict), and only the rest is judged here.
-    """
+    """How ``state`` fails to fit a module whose ``state_dict()`` is ``expected``, in one line
+    (a few missing, unexpected and misshapen keys), or ``None``. ``built_later``: layers built in
+    ``setup()``/``configure_model`` are not in ``expected`` yet; unexpected keys are not judged."""
     missing = sorted(set(expected) - set(state))
     unexpected = [] if built_later else sorted(set(state) - set(expected))
     mismatched = sorted(
@@ -828,14 +691,12 @@ def state_mismatch(
 
 
 STANDS_FOR: dict[str, Path] = {}
-"""A checkpoint written for Lightning to load (:func:`as_lightning_checkpoint`) -> its source."""
+"""A checkpoint written by :func:`as_lightning_checkpoint` -> the file it stands for."""
 
 
 def as_lightning_checkpoint(state: dict[str, torch.Tensor], source: str | Path) -> Path:
-    """``state`` (a whole module's, keys as in its ``state_dict()``) as a minimal Lightning
-    checkpoint in a temporary file, for ``trainer.test(ckpt_path=...)``: Lightning then loads it
-    where it loads any checkpoint, after ``setup()`` and ``configure_model`` built every layer,
-    strictly (every weight of the module filled). Removed when the process exits."""
+    """``state`` as a minimal Lightning checkpoint in a temporary file (removed at exit), for
+    ``trainer.test(ckpt_path=...)``: Lightning loads it strictly after ``setup()``."""
     import atexit
     import tempfile
 
@@ -850,8 +711,8 @@ def as_lightning_checkpoint(state: dict[str, torch.Tensor], source: str | Path) 
 
 
 def explain_load_failure(trainer: Any, err: BaseException) -> RunError | None:
-    """Lightning's multi-line ``load_state_dict`` error for ``trainer.ckpt_path`` as one line
-    naming the keys, judged against the module as set up; ``None`` when that is not the error."""
+    """Lightning's many-line ``load_state_dict`` error for ``trainer.ckpt_path`` as one line
+    naming the keys; ``None`` when that is not the error."""
     path = getattr(trainer, "ckpt_path", None)
     if not path or not isinstance(err, RuntimeError) or "state_dict" not in str(err):
         return None
@@ -862,10 +723,10 @@ def explain_load_failure(trainer: Any, err: BaseException) -> RunError | None:
         return None
     if not mismatch:
         return None
-    source = STANDS_FOR.get(str(path), path)
     return RunError(
-        f"{str(source)!r} does not fit {type(trainer.lightning_module).__name__} as set up "
-        f"(after setup() and configure_model): {mismatch}"
+        f"{str(STANDS_FOR.get(str(path), path))!r} does not fit "
+        f"{type(trainer.lightning_module).__name__} as set up (after setup() and "
+        f"configure_model): {mismatch}"
     )
 
 
@@ -883,13 +744,11 @@ def load_network(
     net_config: dict[str, Any] | None = None,
     allowed: Iterable[str] = TRUSTED_TARGETS,
 ) -> nn.Module:
-    """Load a trained network from a ``.ckpt`` or ``model.pth`` onto ``device``, ready to predict.
+    """Load a trained network from a ``.ckpt`` or ``model.pth`` onto ``device``, in eval mode.
 
-    The network is rebuilt from the run's saved config unless ``net_config`` (a ``model.net``
-    node with a ``_target_``) is given. A saved config may only name classes under ``allowed``
-    (add your own package: ``allowed=[*TRUSTED_TARGETS, "my_project."]``). Returns the network
-    in eval mode; for a LightningModule without a ``net`` (:func:`exported_part`), the whole
-    LightningModule::
+    Rebuilt from the run's saved config (only classes under ``allowed``; add your own package:
+    ``allowed=[*TRUSTED_TARGETS, "my_project."]``) unless ``net_config`` (a ``model.net`` node)
+    is given; without a ``net``, the whole LightningModule::
 
         net = load_network("logs/train/runs/<run>/model.pth", device="cuda:0")
         predictions = net(images.to("cuda:0")).argmax(-1)
@@ -900,7 +759,7 @@ def load_network(
     if net_config is None:
         model_config = run_config(path, data, allowed)["model"]
         net_config = model_config.get("net")
-        if not isinstance(net_config, dict):  # no network node: the module is what is rebuilt
+        if not isinstance(net_config, dict):  # no network node: the module is rebuilt
             if not isinstance(model_config.get("_target_"), str):
                 raise RunError(
                     f"{str(path)!r}: its run config has neither a model.net nor a model._target_ "
@@ -913,32 +772,28 @@ def load_network(
     return net.to(device).eval()
 
 
+# --------------------------------------------------------------------------- ckpt_path=...
+
+_PASS = "pass a .ckpt file, a model.pth, a run directory or 'last'"
+
+
 def resolve_ckpt_path(
     value: str | None, log_dir: str | Path, task_name: str = "train", tested_weights: bool = False
 ) -> Path | None:
-    """Turn the ``ckpt_path`` a user typed into a checkpoint file, or fail in one line.
-
-    Accepted: a ``.ckpt`` / ``model.pth`` file, or a sharded ``.ckpt`` directory (its manifest
-    checked); a run directory; ``last``: the newest run under
-    ``<log_dir>/<task_name>`` that has a ``last.ckpt``. A run directory gives its
-    ``checkpoints/last.ckpt``, else its newest checkpoint (``interrupted.ckpt`` of a run stopped
-    before its first save point, say; the choice is logged). ``tested_weights`` (eval): its
-    ``model.pth`` first, the weights whose test figures the run reported.
-    The file is checked to be a complete torch archive with intact CRCs, without unpickling.
-    """
+    """The checkpoint the ``ckpt_path`` a user typed names, checked (CRCs, no unpickling), or one
+    line: a file, a sharded directory, a run directory (its ``checkpoints/last.ckpt``, else its
+    newest checkpoint; ``tested_weights``: its ``model.pth`` first), or ``last`` (the newest run
+    under ``<log_dir>/<task_name>`` with a ``last.ckpt``)."""
     if value in (None, ""):
         return None
     if value == "last":
-        runs = sorted(
-            Path(log_dir).glob(f"{task_name}/*runs/**/checkpoints/last.ckpt"),
-            key=lambda p: p.stat().st_mtime,
-        )
-        if not runs:
+        runs = Path(log_dir).glob(f"{task_name}/*runs/**/checkpoints/last.ckpt")
+        path = _newest(runs)
+        if path is None:
             raise RunError(
                 "ckpt_path=last found no checkpoints/last.ckpt under "
                 f"{Path(log_dir).absolute() / task_name}; pass a .ckpt file or a run directory"
             )
-        path = runs[-1]
     else:
         path = Path(value).expanduser().absolute()  # lines name the file judged
         if path.is_dir() and not is_sharded_checkpoint(path):
@@ -956,24 +811,6 @@ def resolve_ckpt_path(
     return path.resolve()
 
 
-def _check_file(path: Path, value: str) -> None:
-    """Refuse a path that is not a non-empty regular file, in one line naming it (never opened:
-    reading a FIFO would wait forever)."""
-    named = typed_as(path, value)
-    if not path.exists():
-        raise RunError(
-            f"{named} does not exist; pass a .ckpt file, a model.pth, a run directory or 'last'"
-        )
-    if not path.is_file():
-        kind = _SPECIAL.get(stat.S_IFMT(path.stat().st_mode), "a special file")
-        raise RunError(
-            f"{named} is {kind}, not a regular file; pass a .ckpt file, a model.pth, a run "
-            "directory or 'last'"
-        )
-    if path.stat().st_size == 0:
-        raise RunError(f"{named} is an empty file; expected a checkpoint")
-
-
 _SPECIAL = {
     stat.S_IFDIR: "a directory",
     stat.S_IFCHR: "a character device",
@@ -983,9 +820,19 @@ _SPECIAL = {
 }
 
 
+def _check_file(path: Path, value: str) -> None:
+    """Refuse, in one line, a path that is not a non-empty regular file (never opened: a FIFO)."""
+    if not path.exists():
+        raise RunError(f"{typed_as(path, value)} does not exist; {_PASS}")
+    if not path.is_file():
+        kind = _SPECIAL.get(stat.S_IFMT(path.stat().st_mode), "a special file")
+        raise RunError(f"{typed_as(path, value)} is {kind}, not a regular file; {_PASS}")
+    if path.stat().st_size == 0:
+        raise RunError(f"{typed_as(path, value)} is an empty file; expected a checkpoint")
+
+
 def typed_as(path: str | Path, value: str) -> str:
-    """``ckpt_path='<the file as resolved>'``, and the value typed when that is another (``last``,
-    a run directory, a relative path): a line names the file it judged."""
+    """``ckpt_path='<the file as resolved>'``, and the value typed when that is another."""
     shown = str(Path(path).absolute())
     return f"ckpt_path={shown!r}" + ("" if value == shown else f" (typed {value!r})")
 
@@ -1004,7 +851,7 @@ def _checkpoint_in(folder: Path, value: str, tested_weights: bool) -> Path:
     if not found:
         raise RunError(
             f"{typed_as(folder, value)} is a directory without checkpoints/last.ckpt or any other "
-            ".ckpt file; pass a .ckpt file, a model.pth, a run directory or 'last'"
+            f".ckpt file; {_PASS}"
         )
     newest = max(found, key=lambda p: (p.stat().st_mtime_ns, p.name))
     log.info("ckpt_path=%s has no last.ckpt: using its newest checkpoint, %s", value, newest.name)

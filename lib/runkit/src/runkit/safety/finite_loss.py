@@ -1,33 +1,15 @@
 """Stop (or skip the batch) when the training loss is NaN or infinite, and never save such weights.
 
-A NaN loss makes NaN gradients, and one optimiser step later every weight is NaN; training on
-is wasted time, and a checkpoint saved after that point would overwrite ``last.ckpt`` with a
-useless file. Checking ``loss.isfinite()`` on the host every step would make the CPU wait for the
-GPU at every step (a sync that empties the launch queue). So, with ``action: stop``:
+``stop``: each step's loss is copied into a device-side buffer (no host sync), read on the host
+every ``check_every_n_steps`` steps, at each epoch's end and before any checkpoint is written (a
+refused save: Lightning never opens the file); the error names step, epoch and batch (exit 3).
+``skip``: such a batch's gradients are dropped before the optimiser step (one sync per step);
+after ``max_skipped`` of them the run stops.
 
-* every step, the loss is copied into a small device-side buffer (one copy kernel, no host
-  sync; its step, epoch and batch are noted on the host);
-* the buffer is read on the host only every ``check_every_n_steps`` steps (sooner if it fills
-  up), at the end of each epoch, and before any checkpoint is written. A non-finite loss
-  therefore stops training within that many steps, and the checkpoint that would hold its
-  weights is never written: the save is refused from ``on_save_checkpoint``, before Lightning
-  opens the file;
-* the error names the step, epoch and batch, and the process exits with code 3.
-
-``action: skip`` drops such batches instead: their gradients are discarded before the optimiser
-step, so weights and optimiser state are as if the batch never came. Deciding that needs the
-loss on the host, so ``skip`` costs one sync per step. After ``max_skipped`` skipped batches in a
-run the callback stops as ``stop`` would (a model that keeps producing NaN does not recover).
-
-A finite loss does not make finite weights: one huge step (``lr=1e12``) overflows them, and the
-forward passes of skipped batches still feed NaN into BatchNorm's running statistics. So in either
-mode a diverged run is not a success: a checkpoint whose weights, buffers or monitored metric are
-not finite is refused (the last finite one stays), a validation whose monitored metric is not
-finite stops training there, as a NaN loss does (later epochs could only save more such
-checkpoints), and when training ends with non-finite weights the run stops in one line, exit code
-3, before it tests or exports. The line names the last finite checkpoint with the epoch and step
-it holds. The ranks agree on each verdict (Lightning's ``reduce_boolean_decision``, at points every
-rank reaches): each rank sees its own buffers, or its shard under FSDP.
+Either way a diverged run is no success: a checkpoint whose weights, buffers or monitored metric
+are not finite is refused, a validation with a non-finite monitored metric stops training, and
+non-finite weights at the end stop the run before test and export, naming the last finite
+checkpoint. The ranks agree on each verdict (``reduce_boolean_decision``).
 """
 
 from __future__ import annotations
@@ -46,8 +28,6 @@ from runkit.errors import RunError
 
 log = logging.getLogger(__name__)
 
-# Losses kept on the device between two host reads, at most: with gradient accumulation there
-# are several per step, and a large check_every_n_steps should not mean a large buffer.
 _MAX_KEPT = 1024
 
 
@@ -87,9 +67,14 @@ class FiniteLoss(Callback):
         self._losses: Tensor | None = None  # the losses since the last host read (stop mode)
         self._where: list[tuple[int, int, int]] = []  # (step, epoch, batch) of each of them
         self._loss_finite: Tensor | None = None  # this step's verdict (skip mode)
+        self._batch = 0
         compat.skip_unused_batch_hooks(self)
 
-    # --- the device-side record ------------------------------------------------------------
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._batch = batch_idx
+
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         size = min(self.check_every_n_steps, _MAX_KEPT)
         with contextlib.suppress(KeyError, TypeError):  # the run's config (hparams) has the key
@@ -110,9 +95,8 @@ class FiniteLoss(Callback):
             return
         if len(self._where) == len(self._losses):
             self.check()  # full: more backward passes than check_every_n_steps since the last read
-        # One device-side copy per step (a NaN or inf in a non-scalar loss stays in its sum).
         self._losses[len(self._where)] = value if value.ndim == 0 else value.sum()
-        self._where.append((trainer.global_step, trainer.current_epoch, _batch_index(trainer)))
+        self._where.append((trainer.global_step, trainer.current_epoch, self._batch))
 
     def on_before_optimizer_step(
         self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer
@@ -127,10 +111,10 @@ class FiniteLoss(Callback):
             "Non-finite training loss at step %d (epoch %d, batch %d): batch skipped (%d so far)",
             trainer.global_step,
             trainer.current_epoch,
-            _batch_index(trainer),
+            self._batch,
             self.skipped,
         )
-        # Parameters without a gradient are left alone by every torch optimiser: an exact skip.
+        # Torch optimisers leave parameters without a gradient alone: an exact skip.
         optimizer.zero_grad(set_to_none=True)
         if self.skipped > self.max_skipped:
             raise NonFiniteLossError(
@@ -138,7 +122,6 @@ class FiniteLoss(Callback):
                 f"(callbacks.finite_loss.max_skipped={self.max_skipped}); stopping"
             )
 
-    # --- when the host looks ---------------------------------------------------------------
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -156,8 +139,7 @@ class FiniteLoss(Callback):
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         self.check()  # raising here keeps Lightning from writing the file
-        # The module's parameters and buffers, not the checkpoint's whole state_dict: a metric's
-        # state may start at -inf (MaxMetric) and be saved so on purpose.
+        # The module's weights, not the whole state_dict (a MaxMetric may hold -inf on purpose).
         self._check_weights(trainer, pl_module, "this checkpoint is not written")
         self._check_monitored(trainer, "this checkpoint is not written")
 
@@ -238,7 +220,3 @@ def _all_finite(tensors: Any) -> bool:
 def _agreed(trainer: Trainer, bad: bool) -> bool:
     """``bad`` on any rank (every rank calls this at the same point)."""
     return bool(trainer.strategy.reduce_boolean_decision(bad, all=False))
-
-
-def _batch_index(trainer: Trainer) -> int:
-    return compat.fit_batch_index(trainer)

@@ -1,20 +1,14 @@
-"""Lightning's ModelCheckpoint: ``last.ckpt`` always current, one serialisation, relocatable runs.
+"""Lightning's ModelCheckpoint with ``last.ckpt`` always current, one serialisation per step, and
+runs that resume from a moved folder.
 
-* Lightning 2.6 writes ``last.ckpt`` only at a step where a top-k checkpoint was also written:
-  once the monitored metric stops improving (the digits' ``val/acc`` reaches 1.0 within a few
-  epochs), ``last.ckpt`` stays behind, and ``ckpt_path=last``, a crash or a requeue resumes from
-  an old epoch. Here every save point refreshes ``last.ckpt``, improved or not.
-* When the best and ``last.ckpt`` fall on the same step, the state is serialised once:
-  ``last.ckpt`` becomes a hard link to the file just written (a copy of its bytes where the
-  filesystem has no hard links), swapped in atomically. Lightning's own ``save_last="link"`` makes
-  a symlink, which dangles once the run folder is copied without it or the best is rotated out.
-* A resumed run writes to a new directory. Lightning then keeps the earlier run's absolute
-  ``best_model_path`` (``FileNotFoundError`` once that run was moved; else the resumed run names
-  a best checkpoint in another run) and forgets the best score. Here the earlier run's best
-  checkpoints are found relative to the checkpoint resumed from, linked (or copied) into this
-  run's directory, and tracked from there: the resumed run's best checkpoint is its own.
-* Under ``fast_dev_run`` nothing is written, as Lightning's own message says (its
-  ``on_train_end`` would still write ``last.ckpt``).
+* Lightning 2.6 refreshes ``last.ckpt`` only at steps that also wrote a top-k file, so once the
+  metric stops improving it falls behind; here every save point refreshes it.
+* Best and last at one step: ``last.ckpt`` is a hard link to the file just written (a copy where
+  there are no hard links), swapped in atomically; Lightning's ``save_last="link"`` symlink
+  dangles once the folder is copied or the best is rotated out.
+* A resumed run writes to a new directory: the earlier run's best checkpoints are found relative
+  to the checkpoint resumed from and linked in, so the resumed run's best is its own.
+* Under ``fast_dev_run`` nothing is written (Lightning's ``on_train_end`` would write ``last``).
 """
 
 from __future__ import annotations
@@ -44,56 +38,59 @@ class ModelCheckpoint(LightningModelCheckpoint):
         self._resuming: pl.Trainer | None = None
         compat.skip_unused_batch_hooks(self)
 
-    # ---------------------------------------------------------------- one serialisation
-    # private: overrides a ModelCheckpoint internal (Lightning 2.6), no public hook for it
+    # private overrides (compat.PRIVATE_APIS): Lightning 2.6 has no public hook for these
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
-        super()._save_checkpoint(trainer, filepath)  # private: Lightning's save of one file
+        super()._save_checkpoint(trainer, filepath)
         self._written = (trainer.global_step, filepath)
 
-    # private: overrides a ModelCheckpoint internal (Lightning 2.6), no public hook for it
     def _save_topk_checkpoint(
         self, trainer: pl.Trainer, monitor_candidates: dict[str, Any]
     ) -> None:
-        # last_model_path is part of the saved state; the file written now will also be last.ckpt,
-        # so it carries the path last.ckpt is about to get (then restored for the real update).
+        # The file written now may become last.ckpt too: it carries last.ckpt's path.
         previous_last = self.last_model_path
         if self.save_last is True:
             self.last_model_path = self._last_filepath(trainer, monitor_candidates)
         try:
-            super()._save_topk_checkpoint(trainer, monitor_candidates)  # private
+            super()._save_topk_checkpoint(trainer, monitor_candidates)
         finally:
             self.last_model_path = previous_last
-        # Lightning saves last.ckpt after this call only if a file was written at this step; a
-        # save point was reached either way, so mark the step as saved.
-        self._last_global_step_saved = trainer.global_step  # private: Lightning's step marker
+        # A save point either way: Lightning then refreshes last.ckpt even if no file was written.
+        self._last_global_step_saved = trainer.global_step
 
-    # private: overrides a ModelCheckpoint internal (Lightning 2.6), no public hook for it
     def _save_last_checkpoint(
         self, trainer: pl.Trainer, monitor_candidates: dict[str, Any]
     ) -> None:
         written = self._written
         same_step = written is not None and written[0] == trainer.global_step
         if self.save_last is not True or not same_step or get_protocol(written[1]) != "file":
-            super()._save_last_checkpoint(trainer, monitor_candidates)  # private
+            super()._save_last_checkpoint(trainer, monitor_candidates)
             return
         filepath = self._last_filepath(trainer, monitor_candidates)
-        # Rank 0 decides (a sharded checkpoint directory is linked file by file), all ranks agree.
+        # Rank 0 decides, all ranks agree.
         linkable = trainer.is_global_zero and is_checkpoint(written[1])
         if not trainer.strategy.broadcast(linkable, src=0):
-            super()._save_last_checkpoint(trainer, monitor_candidates)  # private
+            super()._save_last_checkpoint(trainer, monitor_candidates)
             return
         previous, self.last_model_path = self.last_model_path, filepath
         if trainer.is_global_zero and Path(written[1]) != Path(filepath):
             atomic_link(written[1], filepath)
         trainer.strategy.barrier("ModelCheckpoint.last")
-        self._last_checkpoint_saved = filepath  # private: what Lightning records after a save
-        if previous and self._should_remove_checkpoint(trainer, previous, filepath):  # private
-            self._remove_checkpoint(trainer, previous)  # private
+        self._last_checkpoint_saved = filepath
+        # A previous last.ckpt of another name (versioned), in this directory, not resumed from.
+        old = Path(previous).absolute() if previous else None
+        resumed = Path(trainer.ckpt_path).absolute() if trainer.ckpt_path else None
+        if (
+            old
+            and previous != filepath
+            and old != resumed
+            and Path(self.dirpath or "").absolute() in old.parents
+        ):
+            trainer.strategy.remove_checkpoint(previous)
 
     def _last_filepath(self, trainer: pl.Trainer, monitor_candidates: dict[str, Any]) -> str:
-        """The name Lightning's ``_save_last_checkpoint`` gives ``last.ckpt`` (versioned if taken)."""
+        """The name Lightning gives ``last.ckpt`` (versioned if taken)."""
         filepath = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST)
-        if self._enable_version_counter:  # private: Lightning's option, same rule as its own
+        if self._enable_version_counter:
             version = self.STARTING_VERSION
             while self.file_exists(filepath, trainer) and filepath != self.last_model_path:
                 filepath = self.format_checkpoint_name(
@@ -103,12 +100,9 @@ class ModelCheckpoint(LightningModelCheckpoint):
         return filepath
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Lightning's on_train_end writes last.ckpt even under fast_dev_run, where it says
-        # "checkpointing is suppressed": as it says, a fast_dev_run writes no checkpoint.
         if not trainer.fast_dev_run:
             super().on_train_end(trainer, pl_module)
 
-    # ---------------------------------------------------------------- relocatable resume
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
@@ -150,12 +144,9 @@ class ModelCheckpoint(LightningModelCheckpoint):
             self.kth_value = state_dict.get("kth_value", self.kth_value)
 
     def _carry(self, files: list[str], earlier_dir: str, resumed: Path) -> dict[str, str] | None:
-        """Link (or copy) the earlier run's ``files`` into this run's directory: old -> new path.
-
-        The earlier run may have moved since it saved them: each is looked for by its path
-        relative to the earlier checkpoint directory, beside the checkpoint resumed from first.
-        ``None`` unless every one of them is found.
-        """
+        """Link the earlier run's ``files`` (looked for relative to the checkpoint resumed from
+        first: the run may have moved) into this run's directory: old -> new path; ``None``
+        unless every one is found."""
         assert self.dirpath is not None
         homes = [resumed.parent, Path(earlier_dir), run_dir_of(resumed) / Path(earlier_dir).name]
         located: dict[str, Path] = {}

@@ -1,20 +1,10 @@
-"""A monitored key the LightningModule never logs ends the run in one line, where Lightning would fail.
+"""A monitored key the LightningModule never logs ends the run in one line, not Lightning's 85.
 
-``ModelCheckpoint(monitor=...)``, ``EarlyStopping(monitor=...)`` and a scheduler's ``monitor``
-name a key the module is expected to ``self.log``. When it does not (a module of one's own that
-logs ``val_loss`` where the config says ``val/acc``), Lightning raises an 85-line
-MisconfigurationException. This callback judges each key where Lightning's own callbacks judge it,
-so that what plain Lightning trains trains here too, and names what the module does log.
-
-* At the end of the first real validation (not the sanity check: Lightning keeps no
-  ``callback_metrics`` there with several validation loaders, and a module may log a key in
-  ``on_validation_epoch_end`` only outside it), before the checkpoint callback, which Lightning
-  runs last: every callback's key, with every logging place and loader suffix
-  (``val_loss/dataloader_idx_0``) Lightning has produced by then. Scheduler keys may name
-  training figures that exist only once the epoch ends; Lightning reports those itself.
-* At the end of a training epoch with no validation before it (no ``validation_step``,
-  ``limit_val_batches=0``): Lightning's ``ModelCheckpoint`` judges there and only warns; this
-  says once, in one line, that no best checkpoint will be kept and why.
+Each key is judged where Lightning's own callbacks judge it, so what plain Lightning trains
+trains here too: at the end of the first real validation (not the sanity check), before the
+checkpoint callback, every callback's key; at the end of a training epoch with no validation
+before it, where Lightning's ModelCheckpoint only warns, one warning that no best is kept.
+Scheduler keys that name training figures are left to Lightning.
 """
 
 from __future__ import annotations
@@ -34,12 +24,8 @@ log = logging.getLogger(__name__)
 
 class MonitoredKeysCheck(Callback):
     """Fail in one line when a monitor names a key the LightningModule does not log.
-
-    Args:
-        settings: for the one-line error, the config setting behind each kind of monitor, by
-            class name (``"ModelCheckpoint"``, ``"EarlyStopping"``) or ``"scheduler"``; a kind
-            not listed is named by its class.
-    """
+    ``settings``: the config setting behind each kind of monitor (``"ModelCheckpoint"``,
+    ``"EarlyStopping"``, ``"scheduler"``), for the line."""
 
     def __init__(self, settings: Mapping[str, str] | None = None) -> None:
         self.settings = dict(settings or {})

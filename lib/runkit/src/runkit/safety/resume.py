@@ -1,10 +1,8 @@
 """Resuming a run exactly: the random state at every batch, the logs carried on, a record of origin.
 
-A resumed run gets a new run directory; the earlier one is only read. :class:`ResumeState` seeds
-the global generators and the loaders' own from ``(seed, epoch)`` before each epoch's iterator is
-created (a mid-epoch checkpoint saves their exact state), skips the batches a mid-epoch checkpoint
-had trained on, and copies the earlier run's CSV and TensorBoard logs into this run's, so the
-continuation is indistinguishable from a run that never stopped.
+A resumed run writes a new run directory. :class:`ResumeState` seeds the generators from
+``(seed, epoch)`` before each epoch's iterator exists, skips the batches a mid-epoch checkpoint
+had trained on, and copies the earlier run's CSV and TensorBoard logs into this run's.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import IterableDataset
 
 from runkit import compat
@@ -30,12 +29,8 @@ log = logging.getLogger(__name__)
 
 
 def run_dir_of(checkpoint: str | Path) -> Path:
-    """The run directory a checkpoint belongs to, wherever the run folder now lies.
-
-    The nearest folder above it (three levels at most) that looks like a run folder (Hydra's
-    ``.hydra``, or ``config.yaml`` beside ``checkpoints/``), so ``<run>/steps/x.ckpt`` also gives
-    ``<run>``; else ``<dir>/checkpoints/x.ckpt`` -> ``<dir>`` and ``<dir>/x.ckpt`` -> ``<dir>``.
-    """
+    """The run directory of a checkpoint: the nearest folder (three levels up at most) with a
+    ``.hydra`` or a ``config.yaml`` beside ``checkpoints/``; else the folder of ``checkpoints/``."""
     path = Path(checkpoint)
     for folder in list(path.parents)[:3]:
         if (folder / ".hydra").is_dir() or (
@@ -82,12 +77,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class ResumeState(Callback):
-    """Random state per epoch and per batch, carried-on logs, and the line that says where a run
-    came from.
-
-    Args:
-        seed: the run's seed; each epoch's generators are seeded from ``(seed, epoch)``.
-    """
+    """Random state per epoch and batch (from ``(seed, epoch)``), carried-on logs, the origin."""
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
@@ -121,7 +111,6 @@ class ResumeState(Callback):
         self._start_data(trainer)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Lightning creates a later epoch's iterator after this hook: seeding here comes first.
         if self._seeded_epoch != trainer.current_epoch:
             self._seed_epoch(trainer)
 
@@ -129,33 +118,32 @@ class ResumeState(Callback):
         """Seed the global generators, and the loaders' own, from ``(seed, epoch)``."""
         epoch = trainer.current_epoch
         reseed(epoch_seed(self.seed, epoch))
-        for loader in compat.train_loaders(trainer):
+        for loader in _train_loaders(trainer):
             for generator in _generators(loader):
                 generator.manual_seed(epoch_seed(self.seed + 1, epoch))
         self._seeded_epoch = epoch
 
     def _start_data(self, trainer: Trainer) -> None:
-        """Start the run's first epoch of data as an uninterrupted run starts that epoch.
-
-        Lightning creates the first epoch's DataLoader iterator before any hook: its workers fork,
-        the sampler draws its order and the first batches are prefetched from whatever state the
-        generators had. So the generators are seeded for the epoch, the iterator is created
-        again, and after a mid-epoch checkpoint the batches it had trained on are read (their
-        augmentation draws and the workers' generators advance as they did) and dropped; then the
-        generators get the checkpoint's exact state back for the next batch.
-        """
+        """Start the first epoch's data as an uninterrupted run would: Lightning made its iterator
+        before any hook, so it is made again after seeding; after a mid-epoch checkpoint the
+        batches trained on are read and dropped, then the checkpoint's generator state is put back."""
         self._seed_epoch(trainer)
         loop = trainer.fit_loop
         done = loop.epoch_loop.batch_progress.current.processed
         mid_epoch = loop.restarted_mid_epoch and 0 < done < trainer.num_training_batches
-        loaders = compat.train_loaders(trainer)
+        loaders = _train_loaders(trainer)
         stateful = [dl for dl in loaders if _stateful(dl)]
         skip = done if mid_epoch and not stateful else 0
         if trainer.ckpt_path is not None and trainer.is_global_zero:
             _say_what_differs(loaders, trainer.current_epoch, done if mid_epoch else 0)
         if skip:
             warnings.filterwarnings("ignore", message=_NOT_RESUMABLE)  # the batches are skipped
-        compat.restart_train_data(trainer, trainer.current_epoch, skip)
+        for loader in loaders:  # what Lightning does before it creates an epoch's iterator
+            samplers = {id(s): s for s in _parts(loader)[1::2] if s is not None}
+            for sampler in samplers.values():
+                if callable(getattr(sampler, "set_epoch", None)):
+                    sampler.set_epoch(trainer.current_epoch)
+        compat.restart_train_data(trainer, skip)
         if mid_epoch and self._pending is not None:
             set_rng_state(self._pending)
         self._pending = None
@@ -165,19 +153,30 @@ _NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch 
 
 
 def _stateful(loader: Any) -> bool:
-    """Lightning's test for a loader that restores its own position (``_Stateful``)."""
     return callable(getattr(loader, "state_dict", None)) and callable(
         getattr(loader, "load_state_dict", None)
     )
 
 
+def _train_loaders(trainer: Trainer) -> list[Any]:
+    loaders = trainer.train_dataloader
+    return [] if loaders is None else list(CombinedLoader(loaders).flattened)
+
+
+def _parts(loader: Any) -> list[Any]:
+    """A loader, its sampler, batch sampler and the batch sampler's sampler."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    return [
+        loader,
+        getattr(loader, "sampler", None),
+        batch_sampler,
+        getattr(batch_sampler, "sampler", None),
+    ]
+
+
 def _generators(loader: Any) -> list[torch.Generator]:
-    """The generators a DataLoader and its samplers draw from instead of the global one."""
-    holders = [loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)]
-    holders.append(getattr(holders[2], "sampler", None))
-    found = [getattr(h, "generator", None) for h in holders if h is not None]
-    unique = {id(g): g for g in found if isinstance(g, torch.Generator)}
-    return list(unique.values())
+    found = [getattr(part, "generator", None) for part in _parts(loader) if part is not None]
+    return list({id(g): g for g in found if isinstance(g, torch.Generator)}.values())
 
 
 def _say_what_differs(loaders: list[Any], epoch: int, done: int) -> None:
@@ -199,45 +198,26 @@ def _say_what_differs(loaders: list[Any], epoch: int, done: int) -> None:
 
 
 def continue_logs(trainer: Trainer, earlier: Path) -> None:
-    """Copy the earlier run's CSV rows (up to the checkpoint's step) and TensorBoard events here."""
+    """Carry the earlier run's CSV rows (before the checkpoint's step) and TensorBoard events on."""
     root = Path(trainer.default_root_dir)
     for logger in trainer.loggers:
         if isinstance(logger, CSVLogger):
-            writer = logger.experiment  # created now, so it cannot delete what we copy
-            relative = Path(writer.metrics_file_path).relative_to(root)
-            source = earlier / relative
+            writer = logger.experiment  # created now, so it cannot delete what it is given
+            source = earlier / Path(writer.metrics_file_path).relative_to(root)
             if source.is_file():
-                keys = _copy_csv_rows(
-                    source,
-                    Path(writer.metrics_file_path),
-                    trainer.current_epoch,
-                    trainer.global_step,
-                )
-                compat.add_csv_columns(writer, keys)
+                with source.open(newline="") as handle:
+                    rows = list(csv.DictReader(handle))
+                epoch, step = trainer.current_epoch, trainer.global_step
+                for row in rows:
+                    if _number(row, "epoch", epoch) < epoch or _number(row, "step") < step:
+                        values = {k: v for k, v in row.items() if v and k != "step"}
+                        writer.log_metrics(values, int(_number(row, "step")))
+                writer.save()
         elif isinstance(logger, TensorBoardLogger):
             relative = Path(logger.log_dir).relative_to(root)
             for event_file in sorted((earlier / relative).glob("events.out.tfevents.*")):
                 Path(logger.log_dir).mkdir(parents=True, exist_ok=True)
                 shutil.copy2(event_file, Path(logger.log_dir) / f"earlier.{event_file.name}")
-
-
-def _copy_csv_rows(source: Path, target: Path, epoch: int, step: int) -> list[str]:
-    """Copy the rows logged before the checkpoint: those of earlier epochs (an epoch's end logs
-    some at the step its last batch led to, the checkpoint's own), and this epoch's before ``step``."""
-    with source.open(newline="") as handle:
-        reader = csv.DictReader(handle)
-        keys = list(reader.fieldnames or [])
-        rows = [
-            row
-            for row in reader
-            if _number(row, "epoch", epoch) < epoch or _number(row, "step") < step
-        ]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with target.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=sorted(keys))
-        writer.writeheader()
-        writer.writerows(rows)
-    return keys
 
 
 def _number(row: dict[str, str], key: str, missing: float = 0.0) -> float:
@@ -248,14 +228,8 @@ def _number(row: dict[str, str], key: str, missing: float = 0.0) -> float:
 
 
 def check_fits(model: LightningModule, checkpoint: Path) -> None:
-    """Fail in one line when the checkpoint's weights do not fit the model this run built.
-
-    Resuming with other ``model.*`` overrides than the checkpoint's run would otherwise end in
-    Lightning's many-line ``load_state_dict`` error, after the run directory was made. Only the
-    shapes are looked at: the tensors are memory-mapped, not read (Lightning reads them next).
-    """
-    import torch
-
+    """Fail in one line when the checkpoint's weights do not fit the model this run built (not
+    Lightning's many-line error later); the tensors are memory-mapped, only shapes are read."""
     from runkit.safety.checkpoints import (
         is_sharded_checkpoint,
         load_file,
@@ -274,8 +248,7 @@ def check_fits(model: LightningModule, checkpoint: Path) -> None:
             f"ckpt_path={str(checkpoint)!r} is not a Lightning checkpoint (no state_dict); "
             "to start from a model.pth, load it into the network instead of resuming"
         )
-    # Layers built in setup() or configure_model do not exist yet: unexpected keys are left to
-    # Lightning's strict load after those hooks (one line too: runkit.phase).
+    # Layers built in setup()/configure_model do not exist yet: Lightning judges those later.
     mismatch = state_mismatch(expected, state, built_later=True)
     if mismatch:
         raise RunError(

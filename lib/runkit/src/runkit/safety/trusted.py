@@ -1,12 +1,9 @@
 """Which ``_target_``s may be instantiated from a config that came out of a file.
 
-A checkpoint or a run folder may come from anyone, and ``hydra.utils.instantiate`` calls whatever
-its ``_target_`` names: ``pathlib.Path.unlink`` deletes a file, ``torch.hub.load`` runs code from
-the network. So before anything is rebuilt from a file, every ``_target_`` in it must name a class
-or function under one of the allowed prefixes (the network and data classes, ``torch.nn``,
-``torch.optim``, and what the user adds). The name is checked as written *and* as the object it
-resolves to, because a dotted path can walk through a module's imports
-(``mypkg.models.nets.torch.save`` is ``torch.save``).
+``hydra.utils.instantiate`` calls whatever a ``_target_`` names (``pathlib.Path.unlink``,
+``torch.hub.load``), and a checkpoint may come from anyone: every ``_target_`` must lie under an
+allowed prefix, both as written and as the object it resolves to (a dotted path can walk through
+a module's imports: ``mypkg.models.nets.torch.save`` is ``torch.save``).
 """
 
 from __future__ import annotations
@@ -21,9 +18,7 @@ from typing import Any
 from runkit import quoting
 from runkit.errors import RunError
 
-# The default of ``load_network(allowed=...)``: torch's layers and optimisers, nothing that
-# writes files or loads code. A project adds its own packages (the template's eval.yaml lists
-# them in ``trusted_targets``); the library cannot know them.
+# Torch's layers and optimisers; a project adds its own packages (eval.yaml: trusted_targets).
 TRUSTED_TARGETS = ("torch.nn.", "torch.optim.")
 MAX_DEPTH = 64  # saved configs nest a few levels; a deeper one is damaged or hostile
 
@@ -31,24 +26,16 @@ _DOTTED = re.compile(r"[A-Za-z][A-Za-z0-9_]*(\.[A-Za-z][A-Za-z0-9_]*)*")
 
 
 def is_allowed(name: str, allowed: Iterable[str]) -> bool:
-    """Whether the dotted ``name`` lies under one of the ``allowed`` package or module prefixes.
-
-    ``mypkg.`` and ``mypkg`` both allow ``mypkg.x`` but never ``mypkgevil.x``.
-    """
-    for prefix in allowed:
-        stem = str(prefix).strip().rstrip(".")
-        if stem and (name == stem or name.startswith(stem + ".")):
-            return True
-    return False
+    """Whether ``name`` lies under an ``allowed`` prefix (``mypkg``: ``mypkg.x``, not ``mypkgx``)."""
+    stems = (str(prefix).strip().rstrip(".") for prefix in allowed)
+    return any(stem and (name == stem or name.startswith(stem + ".")) for stem in stems)
 
 
 def check_trusted(tree: Any, allowed: Iterable[str], source: str | Path) -> None:
     """Refuse, in one line, a config from ``source`` that would run code not in ``allowed``.
 
-    Walks every dict and list (``_args_``, ``_partial_`` nodes, lists of nodes). Also refused:
-    ``${...}`` interpolations (a resolver could build a ``_target_`` after this check; configs
-    saved by a run are resolved), nodes shared by reference (YAML aliases, pickle memo: an
-    exponential blow-up when copied) and nesting deeper than :data:`MAX_DEPTH`.
+    Also refused: ``${...}`` interpolations (a resolver could build a target after this check),
+    nodes shared by reference (an exponential blow-up when copied), nesting past MAX_DEPTH.
     """
     allowed = tuple(str(prefix) for prefix in allowed)
     refused: list[tuple[str, str, str]] = []  # (where, target, what it really is)
@@ -90,17 +77,16 @@ def check_trusted(tree: Any, allowed: Iterable[str], source: str | Path) -> None
 def _check_target(
     target: Any, where: str, allowed: tuple[str, ...], source: str | Path
 ) -> tuple[str, str, str] | None:
-    """``(where, target, real)`` when ``target`` is not trusted; a malformed or unimportable
-    one is refused at once."""
+    """``(where, target, real)`` when ``target`` is not trusted; a malformed one raises."""
     if not isinstance(target, str) or not _DOTTED.fullmatch(target):
         raise RunError(
             f"{str(source)!r} has {where}={str(target)[:80]!r}, not a plain dotted name "
             "(letters, digits, '_' and '.', no leading '_'); refusing to instantiate it"
         )
     if not is_allowed(target, allowed) or any(part.startswith("_") for part in target.split(".")):
-        return where, target, ""  # not imported: nothing outside the prefixes runs
+        return where, target, ""  # never imported
     try:
-        obj = _locate(target)  # imports modules under an allowed prefix only (checked above)
+        obj = _locate(target)  # imports modules under an allowed prefix only
     except Exception as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise RunError(
@@ -115,10 +101,7 @@ def _check_target(
 
 
 def _locate(path: str) -> Any:
-    """The object ``path`` names, found the way ``hydra.utils.instantiate`` finds it.
-
-    Hydra's own ``get_object`` would do, but it logs an ERROR line before raising.
-    """
+    """The object ``path`` names, as ``instantiate`` finds it (Hydra's logs an ERROR first)."""
     parts = path.split(".")
     obj = importlib.import_module(parts[0])
     for index, part in enumerate(parts[1:], start=1):
