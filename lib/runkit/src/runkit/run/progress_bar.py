@@ -1,10 +1,8 @@
 """Lightning's Rich progress bar, reading the logged values once per redraw, not every batch.
 
-Lightning's ``RichProgressBar`` collects ``trainer.progress_bar_metrics`` after every batch (an
-``.item()`` per value: a device sync on a GPU) though it redraws at most ``refresh_rate`` times a
-second. Here a batch reads them only when a redraw is due; the first and last batch of an epoch
-update the count (Rich's ``it/s`` needs a sample near the start) and each epoch's and validation's
-end reads the final values. Stopping the display does not wait out Lightning's refresh thread.
+Lightning's reads them after every batch (an ``.item()`` each: a device sync on a GPU). Here the
+epoch's first and last batches set the count (the rate's two ends), each epoch's and validation's
+end reads the final values, and stopping the display does not wait out the refresh thread.
 """
 
 from __future__ import annotations
