@@ -22,11 +22,11 @@ if TYPE_CHECKING:  # the names as a type checker sees them; at run time, loaded 
     from runkit.gpus.claims import policy_from_config
     from runkit.gpus.resolve import resolve_for_run
     from runkit.plots import after_run
-    from runkit.run.builders import build_trainer, can_test, plain
+    from runkit.run.builders import build_trainer, can_test, plain, run_trainer
     from runkit.run.cli import find_configs, hydra_entry
     from runkit.run.launch import requeued_checkpoint
     from runkit.run.predictions import prepare_predict
-    from runkit.run.rebuild import trained_config, trained_model
+    from runkit.run.rebuild import load_trained, trained_config, trained_model
     from runkit.run.run_files import best_checkpoint, save_config, save_metrics, scalars
     from runkit.safety.checkpoints import (
         WEIGHTS_FILE,
@@ -58,6 +58,7 @@ PUBLIC: dict[str, str] = {
     "build_trainer": "runkit.run.builders",
     "plain": "runkit.run.builders",
     "can_test": "runkit.run.builders",
+    "run_trainer": "runkit.run.builders",
     "ArrayDataModule": "runkit.data",
     # train, resume, stop
     "resolve_ckpt_path": "runkit.safety.checkpoints",
@@ -73,6 +74,7 @@ PUBLIC: dict[str, str] = {
     "is_sharded": "runkit.safety.checkpoints",
     "load_network": "runkit.safety.checkpoints",
     "TRUSTED_TARGETS": "runkit.safety.trusted",
+    "load_trained": "runkit.run.rebuild",
     "trained_config": "runkit.run.rebuild",
     "trained_model": "runkit.run.rebuild",
     "prepare_predict": "runkit.run.predictions",
@@ -104,6 +106,7 @@ __all__ = [
     "is_sharded",
     "load_file",
     "load_network",
+    "load_trained",
     "phase",
     "plain",
     "policy_from_config",
@@ -111,6 +114,7 @@ __all__ = [
     "requeued_checkpoint",
     "resolve_ckpt_path",
     "resolve_for_run",
+    "run_trainer",
     "save_config",
     "save_metrics",
     "save_weights",

@@ -110,6 +110,28 @@ def build_trainer(cfg: DictConfig, **overrides: Any) -> Trainer:
     return trainer
 
 
+def run_trainer(cfg: DictConfig, out: Path) -> Trainer:
+    """:func:`build_trainer` on the GPUs ``cfg`` asks for (``least_used`` waits for and claims
+    them as training does) with training's hardware settings; rank 0 saves ``config.yaml``."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    from runkit.gpus.claims import policy_from_config
+    from runkit.gpus.resolve import resolve_for_run
+    from runkit.run.run_files import save_config
+    from runkit.speed import trainer_settings
+
+    policy = policy_from_config(cfg)
+    plan = resolve_for_run(
+        cfg.trainer.accelerator, cfg.trainer.devices, select=cfg.select_gpus, policy=policy
+    )
+    if plan.message:
+        rank_zero_only(log.info)(plan.message)  # once, not once per DDP process
+    trainer = build_trainer(cfg, **trainer_settings(cfg, plan))
+    if trainer.is_global_zero:
+        save_config(cfg, out)
+    return trainer
+
+
 def _target_nodes(group: DictConfig | None) -> list[DictConfig]:
     if not group:
         return []

@@ -22,6 +22,25 @@ log = logging.getLogger(__name__)
 _TRAINING_CALLBACKS_WARNING = r"Be aware that when using `ckpt_path`, callbacks used to create"
 
 
+def load_trained(cfg: DictConfig) -> tuple[Path, Any, Path | None, Any]:
+    """For eval and predict: ``(source, model, ckpt_path, datamodule)``, the weights at
+    ``cfg.ckpt_path`` (a run directory stands for the model.pth it tested) and the run's model
+    and data rebuilt from its own config, seeded with ``cfg.seed`` (``ckpt_path``: what Lightning
+    loads, :func:`trained_model`)."""
+    import lightning.pytorch as pl
+    from hydra.utils import instantiate
+
+    source = checkpoints.resolve_ckpt_path(
+        cfg.ckpt_path, cfg.paths.log_dir, "train", tested_weights=True
+    )
+    assert source is not None  # ckpt_path is required (???) in eval.yaml and predict.yaml
+    data = checkpoints.load_file(source, mmap=True)
+    trained = trained_config(cfg, source, data)
+    pl.seed_everything(cfg.seed, workers=True)
+    model, ckpt = trained_model(trained["model"], source, data)
+    return source, model, ckpt, instantiate(trained["data"], _convert_="all")
+
+
 def trained_config(cfg: DictConfig, source: Path, data: dict[str, Any]) -> dict[str, Any]:
     """The ``model`` and ``data`` config of the run behind ``source``, with this command's
     ``data.*`` overrides; this command's own when no config is inside or beside the file."""
