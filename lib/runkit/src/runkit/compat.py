@@ -180,18 +180,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "removing the previous last.ckpt the way Lightning does",
     ),
     PrivateApi(
-        "lightning.pytorch.callbacks.progress:RichProgressBar",
-        "_update_metrics",
-        "runkit.run.progress_bar",
-        "the one place the bar reads logged values (a device read per step otherwise)",
-    ),
-    PrivateApi(
-        "lightning.pytorch.callbacks.progress:RichProgressBar",
-        "_stop_progress",
-        "runkit.run.progress_bar",
-        "the one place the bar stops its display (each stage's end, an exception)",
-    ),
-    PrivateApi(
         "rich.live:Live",
         "_refresh_thread",
         "runkit.compat.detach_refresh_thread (runkit.run.progress_bar)",

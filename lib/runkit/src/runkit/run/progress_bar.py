@@ -19,10 +19,12 @@ from runkit import compat
 class RichProgressBar(LightningRichProgressBar):
     """Drop-in for ``lightning.pytorch.callbacks.RichProgressBar`` (same arguments)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, refresh_rate: int = 100, leave: bool = False, **kwargs: Any) -> None:
+        super().__init__(refresh_rate, leave, **kwargs)
+        self.leave = leave  # each epoch's bar kept: Lightning stops the display at each epoch
         self._next_batch_read = 0.0  # time.monotonic() from which a batch reads the values again
         self._batch_read_due = True  # False only inside a training batch's end that skips it
+        self._shown: dict[str, Any] | None = None
         compat.skip_unused_batch_hooks(self)
 
     def on_train_batch_end(
@@ -44,13 +46,25 @@ class RichProgressBar(LightningRichProgressBar):
         finally:
             self._batch_read_due = True
 
-    def _update_metrics(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # private: Lightning's one place that reads the values (batch ends, epoch ends)
-        if self._batch_read_due:
-            super()._update_metrics(trainer, pl_module)  # private: see above
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+        if self._batch_read_due or self._shown is None:  # else the values shown last
+            self._shown = super().get_metrics(trainer, pl_module)
+        return self._shown
 
-    def _stop_progress(self) -> None:
-        # private: Lightning's one place that stops the display (stage ends, exceptions)
+    # Where Lightning stops the display (and joins its refresh thread): the thread let go first.
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.train_progress_bar_id is not None and self.leave and self.progress is not None:
+            compat.detach_refresh_thread(self.progress)
+        super().on_train_epoch_start(trainer, pl_module)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.progress is not None:
             compat.detach_refresh_thread(self.progress)
-        super()._stop_progress()  # private: see above
+        super().teardown(trainer, pl_module, stage)
+
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, err: BaseException
+    ) -> None:
+        if self.progress is not None:
+            compat.detach_refresh_thread(self.progress)
+        super().on_exception(trainer, pl_module, err)
