@@ -27,28 +27,10 @@ from runkit.safety.trusted import check_trusted
 
 TESTS = Path(__file__).resolve().parent
 HOSTILE = [
-    "/data/my runs/é.ckpt",
-    "it's",
-    'say "hi"',
-    "$HOME/x",
-    "a=b",
-    "a,b",
-    "[1,2]",
-    "{a: 1}",
-    "x\\",
-    'x\\"y',
-    "${oc.env:HOME}",
-    "\\${x}",
-    "tab\there",
-    "null",
-    "True",
-    "16",
-    "-1",
-    "",
-    " ",
-    "/plain/path-1.ckpt",
-    "/data/it's $HOME=a,b [x] é/run (1).ckpt",
-]
+    "/data/my runs/é.ckpt", "it's", 'say "hi"', "$HOME/x", "a=b", "a,b", "[1,2]", "{a: 1}", "x\\",
+    'x\\"y', "${oc.env:HOME}", "\\${x}", "tab\there", "null", "True", "16", "-1", "", " ",
+    "/plain/path-1.ckpt", "/data/it's $HOME=a,b [x] é/run (1).ckpt",
+]  # fmt: skip
 TINY = (*FAST, "trainer.max_epochs=1", "+trainer.limit_train_batches=2", "test=false")
 
 
