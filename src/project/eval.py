@@ -28,38 +28,13 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     import time
     from pathlib import Path
 
-    import lightning.pytorch as pl
-    from hydra.utils import instantiate
-    from lightning.pytorch.utilities import rank_zero_only
-
     started, out = time.time(), Path(cfg.paths.output_dir)
-    # A run directory stands for its model.pth: the weights whose test figures it reported.
-    source = runkit.resolve_ckpt_path(
-        cfg.ckpt_path, cfg.paths.log_dir, "train", tested_weights=True
-    )
-    assert source is not None  # ckpt_path is required (???) in eval.yaml
-
-    # Rebuild the run's model and data from its own config (trusted _target_s only).
-    data = runkit.load_file(source, mmap=True)
-    trained = runkit.trained_config(cfg, source, data)
-    pl.seed_everything(cfg.seed, workers=True)
-    model, ckpt = runkit.trained_model(trained["model"], source, data)
-    datamodule = instantiate(trained["data"], _convert_="all")  # plain containers, as in training
+    # The run's model and data, rebuilt from its own config (trusted _target_s only); a run
+    # directory stands for its model.pth, the weights whose test figures it reported.
+    source, model, ckpt, datamodule = runkit.load_trained(cfg)
     runkit.can_test(model, datamodule, required=True)  # else one line: nothing to evaluate
-    plan = (
-        runkit.resolve_for_run(  # least_used waits for and claims GPUs as in training (gpu_* keys)
-            cfg.trainer.accelerator,
-            cfg.trainer.devices,
-            select=cfg.select_gpus,
-            policy=runkit.policy_from_config(cfg),
-        )
-    )
-    if plan.message:
-        rank_zero_only(log.info)(plan.message)  # once, not once per DDP process
-    # The same hardware settings as training (precision=auto -> bf16-mixed on a bf16 GPU...).
-    trainer = runkit.build_trainer(cfg, **runkit.trainer_settings(cfg, plan))
-    if trainer.is_global_zero:
-        runkit.save_config(cfg, out)
+    # The GPUs as training takes them (least_used waits and claims), its hardware settings.
+    trainer = runkit.run_trainer(cfg, out)
     # Ctrl-C / SIGTERM: every rank stops, exit 128+N. A full disk (the CSV log): one line.
     with runkit.phase("eval", trainer), runkit.full_disk_in_one_line(out):
         trainer.test(model, datamodule=datamodule, ckpt_path=ckpt, weights_only=True)

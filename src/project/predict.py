@@ -29,38 +29,14 @@ def predict(cfg: DictConfig) -> None:
     """Predict with the weights at ``cfg.ckpt_path``; the files go to the run directory."""
     from pathlib import Path
 
-    import lightning.pytorch as pl
-    from hydra.utils import instantiate
     from lightning.pytorch.utilities import rank_zero_only
 
     out = Path(cfg.paths.output_dir)
-    # A run directory stands for its model.pth: the weights whose test figures it reported.
-    source = runkit.resolve_ckpt_path(
-        cfg.ckpt_path, cfg.paths.log_dir, "train", tested_weights=True
-    )
-    assert source is not None  # ckpt_path is required (???) in predict.yaml
-
-    # Rebuild the run's model and data from its own config (trusted _target_s only).
-    data = runkit.load_file(source, mmap=True)
-    trained = runkit.trained_config(cfg, source, data)
-    pl.seed_everything(cfg.seed, workers=True)
-    model, ckpt = runkit.trained_model(trained["model"], source, data)
-    datamodule = instantiate(trained["data"], _convert_="all")
-    plan = runkit.resolve_for_run(
-        cfg.trainer.accelerator,
-        cfg.trainer.devices,
-        select=cfg.select_gpus,
-        policy=runkit.policy_from_config(cfg),
-    )
+    # The run's model and data as eval rebuilds them, on the GPUs as training takes them.
+    _, model, ckpt, datamodule = runkit.load_trained(cfg)
     # predict_step, or the forward; predict_dataloader, or the test split: which, in one line.
-    what = runkit.prepare_predict(model, datamodule)
-    info = rank_zero_only(log.info)  # once, not once per DDP process
-    if plan.message:
-        info(plan.message)
-    info(what)
-    trainer = runkit.build_trainer(cfg, **runkit.trainer_settings(cfg, plan))
-    if trainer.is_global_zero:
-        runkit.save_config(cfg, out)
+    rank_zero_only(log.info)(runkit.prepare_predict(model, datamodule))
+    trainer = runkit.run_trainer(cfg, out)
     # callbacks.predictions writes the files. Ctrl-C / SIGTERM: every rank stops, exit 128+N.
     with runkit.phase("predict", trainer), runkit.full_disk_in_one_line(out):
         trainer.predict(

@@ -1,19 +1,9 @@
 """Bad input through the real CLI: one clear line on stderr, a non-zero exit, nothing lost.
 
-Every case runs next to an earlier, finished run; its whole directory (checkpoints, logs,
-model.pth) is hashed before and after each case and must not change by a byte, and the case must
-leave nothing behind: no run directory, no file anywhere in the test's folder. The bad files live
-in a folder whose name has a space and a non-ASCII letter, so every path the CLI reports is one a
-user could have.
-
-An output directory that cannot be created is simulated, because the tests run as root:
-``paths.log_dir`` below a regular *file* (root ignores ``chmod``, but nobody can make a directory
-inside a file: ``ENOTDIR``). A disk that fills up during training is a real small tmpfs in
-tests/test_crash_safety.py.
-
-The reliability page's table (lib/runkit/docs/reliability.md) lists every case here with the
-line a user sees;
-:func:`test_readme_reliability_table_lists_every_case` keeps the two in step.
+Every case runs next to an earlier, finished run whose files must not change by a byte, and
+leaves nothing behind. The bad files live in a folder named with a space and a non-ASCII letter.
+An unwritable output directory is one below a regular file (root ignores ``chmod``). The
+reliability page (lib/runkit/docs/reliability.md) lists every case with the line a user sees.
 """
 
 from __future__ import annotations
@@ -23,8 +13,6 @@ import json
 import os
 import re
 import shutil
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,8 +20,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import prewarmed
-from conftest import FAST, clean_env, run_dirs
+from conftest import FAST, run_dirs, run_entry
 
 FAKE_NVML = "runkit.testing.fake_nvml:create"
 ROOT = Path(__file__).resolve().parents[3]
@@ -44,7 +31,7 @@ PAYLOAD_FILE = "payload_ran"  # what the malicious checkpoint's pickle would cre
 class Case:
     id: str
     task: str
-    args: Callable[[dict[str, Path]], list[str]]
+    args: tuple[str, ...]  # formatted with the world's paths: {in}, {run}, {demo}, {in_name}
     expect: str  # a piece of the one error line
     code: int = 2
     env: dict[str, str] = field(default_factory=dict)
@@ -58,11 +45,6 @@ BORING = (
 )
 
 
-def q(path: Path | str) -> str:
-    """A path as a quoted Hydra value: spaces and non-ASCII letters need the quotes."""
-    return f'"{path}"'
-
-
 class Evil:
     """Unpickling this runs ``touch <PAYLOAD_FILE>``: what loading with weights_only must refuse."""
 
@@ -73,205 +55,85 @@ class Evil:
         return (os.system, (f"touch '{self.target}'",))
 
 
+def fake_gpus(**spec: object) -> dict[str, str]:
+    return {"RUNKIT_NVML_BACKEND": FAKE_NVML, "RUNKIT_FAKE_NVML": json.dumps({"gpus": 2, **spec})}
+
+
 CASES = [
-    Case("unknown-key", "train", lambda p: ["trainer.devicez=2"], "is not a key of the config"),
-    Case("unknown-group", "train", lambda p: ["model=nosuch"], "nosuch"),
-    Case("wrong-type", "train", lambda p: ["trainer.max_epochs=abc"], "wrong type"),
-    Case("zero-epochs", "train", lambda p: ["trainer.max_epochs=0"], "max_epochs=0 is invalid"),
-    Case("negative-epochs", "train", lambda p: ["trainer.max_epochs=-3"], "max_epochs=-3"),
-    Case("zero-batch", "train", lambda p: ["data.batch_size=0"], "data.batch_size"),
-    Case("negative-lr", "train", lambda p: ["model.optimizer.lr=-1"], "model.optimizer.lr=-1"),
-    Case("nan-lr", "train", lambda p: ["model.optimizer.lr=nan"], "lr=nan is not a finite"),
-    Case(
-        "betas-out-of-range",
-        "train",
-        lambda p: ["+model.optimizer.betas=[0.9,1.5]"],
-        "model.optimizer.betas=[0.9, 1.5] is invalid",
-    ),
-    Case("negative-seed", "train", lambda p: ["seed=-1"], "seed=-1 is invalid"),
-    Case("seed-not-a-number", "train", lambda p: ["seed=abc"], "seed='abc' is invalid"),
-    Case(
-        "experiment-yaml-broken",
-        "train",
-        lambda p: [f"--config-dir={p['in']}/configs", "experiment=broken"],
-        "broken.yaml is not valid YAML (line ",
-    ),
-    Case(
-        "experiment-not-utf8",
-        "train",
-        lambda p: [f"--config-dir={p['in']}/configs", "experiment=latin1"],
-        "latin1.yaml is not UTF-8 text (byte 0xe9 at position",
-    ),
-    Case(
-        "config-with-conflict-markers",
-        "train",
-        lambda p: [f"--config-dir={p['in']}/conflicted", "experiment=updated"],
-        "updated.yaml:3 has merge-conflict markers",
-    ),
-    Case("no-such-strategy", "train", lambda p: ["trainer.strategy=warp"], "does not exist"),
-    Case(
-        "accelerator-not-here",
-        "train",
-        lambda p: ["trainer.accelerator=tpu"],
-        "trainer.accelerator=tpu is not available",
-    ),
-    Case(
-        "gpus-beyond-what-exists",
-        "train",
-        lambda p: ["trainer.accelerator=gpu", "trainer.devices=4"],
-        "GPU",
-        env={"RUNKIT_NVML_BACKEND": FAKE_NVML, "RUNKIT_FAKE_NVML": '{"gpus": 2}'},
-    ),
-    Case(
-        "ckpt-missing",
-        "train",
-        lambda p: [f"ckpt_path={q(p['in'] / 'nope.ckpt')}"],
-        "does not exist",
-    ),
-    Case("ckpt-empty", "train", lambda p: [f"ckpt_path={q(p['in'] / 'empty.ckpt')}"], "empty"),
-    Case(
-        "ckpt-truncated", "train", lambda p: [f"ckpt_path={q(p['in'] / 'half.ckpt')}"], "truncated"
-    ),
-    Case(
-        "ckpt-not-a-ckpt",
-        "train",
-        lambda p: [f"ckpt_path={q(p['in'] / 'notes.txt')}"],
-        "not a complete",
-    ),
-    Case(
-        "ckpt-malicious",
-        "train",
-        lambda p: [f"ckpt_path={q(p['in'] / 'evil.ckpt')}"],
-        "was refused",
-    ),
-    Case(
-        "resume-from-model-pth",
-        "train",
-        lambda p: [f"ckpt_path={q(p['run'] / 'model.pth')}"],
-        "training cannot resume from it",
-    ),
-    Case(
-        "resume-other-model",
-        "train",
-        lambda p: ["model=mlp", f"ckpt_path={q(p['run'])}"],
-        "was trained with another model",
-    ),
-    Case(
-        "ckpt-last-none",
-        "train",
-        lambda p: [f"paths.log_dir={q(p['in'] / 'empty_logs')}", "ckpt_path=last"],
-        "found no",
-    ),
+    Case("unknown-key", "train", ("trainer.devicez=2",),
+         "trainer.devicez is not a key of the config (did you mean trainer.devices?)"),
+    Case("unknown-group", "train", ("model=nosuch",), "Could not find 'model/nosuch'"),
+    Case("wrong-type", "train", ("trainer.max_epochs=abc",),
+         "trainer.max_epochs='abc' has the wrong type"),
+    Case("zero-epochs", "train", ("trainer.max_epochs=0",), "trainer.max_epochs=0 is invalid"),
+    Case("negative-epochs", "train", ("trainer.max_epochs=-3",), "max_epochs=-3"),
+    Case("zero-batch", "train", ("data.batch_size=0",), "data.batch_size"),
+    Case("negative-lr", "train", ("model.optimizer.lr=-1",), "model.optimizer.lr=-1"),
+    Case("nan-lr", "train", ("model.optimizer.lr=nan",), "lr=nan is not a finite"),
+    Case("betas-out-of-range", "train", ("+model.optimizer.betas=[0.9,1.5]",),
+         "model.optimizer.betas=[0.9, 1.5] is invalid"),
+    Case("negative-seed", "train", ("seed=-1",), "seed=-1 is invalid"),
+    Case("seed-not-a-number", "train", ("seed=abc",), "seed='abc' is invalid"),
+    Case("experiment-yaml-broken", "train", ("--config-dir={in}/configs", "experiment=broken"),
+         "broken.yaml is not valid YAML (line "),
+    Case("experiment-not-utf8", "train", ("--config-dir={in}/configs", "experiment=latin1"),
+         "latin1.yaml is not UTF-8 text (byte 0xe9 at position"),
+    Case("config-with-conflict-markers", "train",
+         ("--config-dir={in}/conflicted", "experiment=updated"),
+         "updated.yaml:3 has merge-conflict markers"),
+    Case("no-such-strategy", "train", ("trainer.strategy=warp",), "does not exist"),
+    Case("accelerator-not-here", "train", ("trainer.accelerator=tpu",),
+         "trainer.accelerator=tpu is not available"),
+    Case("gpus-beyond-what-exists", "train", ("trainer.accelerator=gpu", "trainer.devices=4"),
+         "GPU", env=fake_gpus()),
+    Case("ckpt-missing", "train", ('ckpt_path="{in}/nope.ckpt"',), "nope.ckpt' does not exist"),
+    Case("ckpt-empty", "train", ('ckpt_path="{in}/empty.ckpt"',), "empty"),
+    Case("ckpt-truncated", "train", ('ckpt_path="{in}/half.ckpt"',), "truncated"),
+    Case("ckpt-not-a-ckpt", "train", ('ckpt_path="{in}/notes.txt"',), "not a complete"),
+    Case("ckpt-malicious", "train", ('ckpt_path="{in}/evil.ckpt"',), "was refused"),
+    Case("resume-from-model-pth", "train", ('ckpt_path="{run}/model.pth"',),
+         "training cannot resume from it"),
+    Case("resume-other-model", "train", ("model=mlp", 'ckpt_path="{run}"'),
+         "was trained with another model"),
+    Case("ckpt-last-none", "train", ('paths.log_dir="{in}/empty_logs"', "ckpt_path=last"),
+         "found no"),
     # The file judged is named as resolved, and the value typed beside it when that is another.
-    Case(
-        "ckpt-last-empty",
-        "train",
-        lambda p: [f"paths.log_dir={q(p['in'] / 'empty_last')}", "ckpt_path=last"],
-        "checkpoints/last.ckpt' (typed 'last') is an empty file",
-    ),
-    Case(
-        "ckpt-run-dir-empty-last",
-        "train",
-        lambda p: [f"ckpt_path={q(p['in'] / 'empty_last' / 'train' / 'runs' / 'r')}"],
-        "runs/r/checkpoints/last.ckpt' (typed '",
-    ),
-    Case(
-        "ckpt-dir-typed-relative",
-        "train",
-        lambda p: [f"ckpt_path={q(p['in'].name + '/empty_logs')}"],
-        "empty_logs' (typed 'bad inputs é/empty_logs') is a directory without",
-    ),
-    Case(
-        "ckpt-device",
-        "train",
-        lambda p: ["ckpt_path=/dev/zero"],
-        "'/dev/zero' is a character device, not a regular file",
-    ),
-    Case(
-        "ckpt-fifo",
-        "train",
-        lambda p: [f"ckpt_path={q(p['in'] / 'pipe.ckpt')}"],
-        "pipe.ckpt' is a FIFO (named pipe), not a regular file",
-    ),
-    Case("eval-without-ckpt", "eval", lambda p: [], "ckpt_path is required"),
-    Case(
-        "eval-without-test-step",
-        "eval",
-        lambda p: [
-            f"ckpt_path={q(p['demo'])}",
-            "trusted_targets=[lightning.pytorch.demos.,torch.]",
-        ],
-        "DemoModel has no test_step, so there is nothing to evaluate",
-    ),
-    Case(
-        "monitor-of-a-module-that-logs-nothing",
-        "train",
-        lambda p: [*BORING, "+model._target_=lightning.pytorch.demos.boring_classes.BoringModel"],
-        "it logs nothing (no self.log call). Log 'val/acc' with self.log, or set "
-        "callbacks.model_checkpoint.monitor=null to keep the latest checkpoint only",
-    ),
-    Case(
-        "eval-other-architecture",
-        "eval",
-        lambda p: [f"ckpt_path={q(p['in'] / 'other_arch' / 'model.pth')}"],
-        "does not fit MLP: missing keys",
-    ),
-    Case(
-        "eval-truncated-pth", "eval", lambda p: [f"ckpt_path={q(p['in'] / 'half.pth')}"], "half.pth"
-    ),
-    Case(
-        "eval-config-yaml-broken",
-        "eval",
-        lambda p: [f"ckpt_path={q(p['in'] / 'broken_config' / 'model.pth')}"],
-        "config.yaml",
-    ),
-    Case(
-        "output-dir-not-writable",
-        "train",
-        lambda p: [f"paths.log_dir={q(p['in'] / 'a_file' / 'logs')}"],
-        "cannot create or write",
-    ),
-    Case("log-dir-empty", "train", lambda p: ["paths.log_dir="], "paths.log_dir is empty"),
-    Case(
-        "path-not-quoted",
-        "train",
-        lambda p: [f"paths.log_dir={p['in']}/logs"],
-        "quote a value with spaces, non-ASCII or special characters",
-    ),
-    Case(
-        "run-dir-holds-a-run",
-        "train",
-        lambda p: [f"hydra.run.dir={q(p['run'])}"],
-        "already holds a run",
-    ),
-    Case(
-        "run-dir-taken",
-        "train",
-        lambda p: [f"hydra.run.dir={q(p['in'] / 'starting')}"],
-        "is taken",
-    ),
-    Case(
-        "cuda-visible-devices-garbage",
-        "train",
-        lambda p: ["trainer.accelerator=gpu"],
-        "no usable GPU",  # a CPU-only torch is reported first; on CUDA torch devices.py reports it
-        env={
-            "CUDA_VISIBLE_DEVICES": "banana,,7",
-            "RUNKIT_NVML_BACKEND": FAKE_NVML,
-            "RUNKIT_FAKE_NVML": '{"gpus": 2}',
-        },
-    ),
-    Case(
-        "nvml-init-fails",
-        "train",
-        lambda p: ["trainer.accelerator=gpu"],
-        "NVML",
-        env={
-            "RUNKIT_NVML_BACKEND": FAKE_NVML,
-            "RUNKIT_FAKE_NVML": '{"gpus": 2, "init_error": "driver_not_loaded"}',
-        },
-    ),
-]
+    Case("ckpt-last-empty", "train", ('paths.log_dir="{in}/empty_last"', "ckpt_path=last"),
+         "checkpoints/last.ckpt' (typed 'last') is an empty file"),
+    Case("ckpt-run-dir-empty-last", "train", ('ckpt_path="{in}/empty_last/train/runs/r"',),
+         "runs/r/checkpoints/last.ckpt' (typed '"),
+    Case("ckpt-dir-typed-relative", "train", ('ckpt_path="{in_name}/empty_logs"',),
+         "empty_logs' (typed 'bad inputs é/empty_logs') is a directory without"),
+    Case("ckpt-device", "train", ("ckpt_path=/dev/zero",),
+         "'/dev/zero' is a character device, not a regular file"),
+    Case("ckpt-fifo", "train", ('ckpt_path="{in}/pipe.ckpt"',),
+         "pipe.ckpt' is a FIFO (named pipe), not a regular file"),
+    Case("eval-without-ckpt", "eval", (), "ckpt_path is required"),
+    Case("eval-without-test-step", "eval",
+         ('ckpt_path="{demo}"', "trusted_targets=[lightning.pytorch.demos.,torch.]"),
+         "DemoModel has no test_step, so there is nothing to evaluate"),
+    Case("monitor-of-a-module-that-logs-nothing", "train",
+         (*BORING, "+model._target_=lightning.pytorch.demos.boring_classes.BoringModel"),
+         "it logs nothing (no self.log call). Log 'val/acc' with self.log, or set "
+         "callbacks.model_checkpoint.monitor=null to keep the latest checkpoint only"),
+    Case("eval-other-architecture", "eval", ('ckpt_path="{in}/other_arch/model.pth"',),
+         "does not fit MLP: missing keys"),
+    Case("eval-truncated-pth", "eval", ('ckpt_path="{in}/half.pth"',), "half.pth"),
+    Case("eval-config-yaml-broken", "eval", ('ckpt_path="{in}/broken_config/model.pth"',),
+         "config.yaml"),
+    Case("output-dir-not-writable", "train", ('paths.log_dir="{in}/a_file/logs"',),
+         "cannot create or write"),
+    Case("log-dir-empty", "train", ("paths.log_dir=",), "paths.log_dir is empty"),
+    Case("path-not-quoted", "train", ("paths.log_dir={in}/logs",),
+         "quote a value with spaces, non-ASCII or special characters"),
+    Case("run-dir-holds-a-run", "train", ('hydra.run.dir="{run}"',), "already holds a run"),
+    Case("run-dir-taken", "train", ('hydra.run.dir="{in}/starting"',), "is taken"),
+    # a CPU-only torch is reported first; on CUDA torch devices.py reports it
+    Case("cuda-visible-devices-garbage", "train", ("trainer.accelerator=gpu",), "no usable GPU",
+         env={"CUDA_VISIBLE_DEVICES": "banana,,7", **fake_gpus()}),
+    Case("nvml-init-fails", "train", ("trainer.accelerator=gpu",), "NVML",
+         env=fake_gpus(init_error="driver_not_loaded")),
+]  # fmt: skip
 
 
 def tree_hash(directory: Path) -> dict[str, str]:
@@ -287,22 +149,12 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """An earlier finished run, and a folder of bad files made from it."""
     root = tmp_path_factory.mktemp("bad_inputs")
     logs = root / "logs"
-    done = prewarmed.run(
-        [
-            sys.executable,
-            "-m",
-            "project.train",
-            *FAST,
-            "trainer.max_epochs=1",
-            f"paths.log_dir={logs}",
-        ],
-        cwd=root,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+
+    def train(*args: str) -> None:
+        done = run_entry(root, "train", *args, "trainer.max_epochs=1")
+        assert done.returncode == 0, done.stderr[-2000:]
+
+    train(*FAST, f"paths.log_dir={logs}")
     (run,) = run_dirs(logs)
     bad = root / "bad inputs é"
     bad.mkdir()
@@ -317,25 +169,13 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (bad / "empty_last" / "train" / "runs" / "r" / "checkpoints").mkdir(parents=True)
     (bad / "empty_last" / "train" / "runs" / "r" / "checkpoints" / "last.ckpt").write_bytes(b"")
     os.mkfifo(bad / "pipe.ckpt")
-    demo = prewarmed.run(  # a module without test_step (Lightning's DemoModel), trained
-        [
-            sys.executable,
-            "-m",
-            "project.train",
-            *budget_for(BORING),
-            *BORING,
-            "+model._target_=lightning.pytorch.demos.boring_classes.DemoModel",
-            "trainer.max_epochs=1",
-            "callbacks.model_checkpoint.monitor=null",
-            f"paths.log_dir={root / 'demo_logs'}",
-        ],
-        cwd=root,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    train(  # a module without test_step (Lightning's DemoModel)
+        *budget_for(BORING),
+        *BORING,
+        "+model._target_=lightning.pytorch.demos.boring_classes.DemoModel",
+        "callbacks.model_checkpoint.monitor=null",
+        f"paths.log_dir={root / 'demo_logs'}",
     )
-    assert demo.returncode == 0, demo.stderr[-2000:]
     torch.save({"state_dict": {}, "trap": Evil(bad / PAYLOAD_FILE)}, bad / "evil.ckpt")
     (bad / "starting" / ".hydra").mkdir(parents=True)  # another run has just claimed it
     other = bad / "other_arch"
@@ -377,13 +217,13 @@ def budget_for(args: list[str] | tuple[str, ...]) -> list[str]:
 
 
 def command_for(case: Case, world: dict[str, Path]) -> list[str]:
-    args = case.args(world)
+    args = [arg.format(**world, in_name=world["in"].name) for arg in case.args]
     options = [a for a in args if a.startswith("--")]  # Hydra's own flags go first
     overrides = [a for a in args if not a.startswith("--")]
     budget = budget_for(args) if case.task == "train" else ()  # eval has no callbacks or epochs
-    command = [sys.executable, "-m", f"project.{case.task}", *options, *budget, *overrides]
+    command = [*options, *budget, *overrides]
     if not any(a.startswith("paths.log_dir=") for a in args):
-        command.append(f"paths.log_dir={q(world['logs'])}")
+        command.append(f'paths.log_dir="{world["logs"]}"')
     return command
 
 
@@ -392,14 +232,7 @@ def command_for(case: Case, world: dict[str, Path]) -> list[str]:
 def test_bad_input_is_one_line_and_loses_nothing(world: dict[str, Path], case: Case) -> None:
     before = tree_hash(world["run"])
     everything = set(world["root"].rglob("*"))
-    done = prewarmed.run(
-        command_for(case, world),
-        cwd=world["root"],
-        env=clean_env(**case.env),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_entry(world["root"], case.task, *command_for(case, world), env=case.env)
     lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
     assert done.returncode == case.code, done.stderr[-2000:]
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
@@ -413,14 +246,8 @@ def test_bad_input_is_one_line_and_loses_nothing(world: dict[str, Path], case: C
     assert not created, f"a run that never started left {created}"
 
 
-# ------------------------------------------------------------------------------------------------
-# The reliability page's table: one row per case, each with the line a user sees.
-#
-# A row reads | `<id>` | <what is wrong> | <the error line> (exit <code>) | `tests/<file>.py` |.
-# Rows for this file must name a case of CASES, show its expected text and exit code, and every
-# case must have a row. Rows may also name a test of another file (a test function or a pytest
-# id defined there), so the table can cover interrupts, races and the like; such a row must name
-# something that exists in that file.
+# The reliability page's table: | `<id>` | <what is wrong> | <the line> (exit <code>) | `<file>` |;
+# every case here has a row, and a row naming another file names a test defined there.
 
 
 def readme_rows() -> list[list[str]]:

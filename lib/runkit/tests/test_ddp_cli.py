@@ -1,9 +1,5 @@
-"""``python -m project.train trainer.devices=2`` on a CPU-only machine: two real processes over gloo.
-
-One run through the real CLI checks everything DDP promises: one run directory, one resolved
-config, files written by rank 0 only, rank 1 trained (its own log file), the data sharded between
-the processes (``batch_size`` is per process, so an epoch has half the steps), exit 0.
-"""
+"""``python -m project.train trainer.devices=2`` on a CPU-only machine: two processes over gloo,
+one run directory, files by rank 0 only, rank 1's own log, the data sharded between them."""
 
 from __future__ import annotations
 
@@ -22,16 +18,9 @@ BATCH = 256
 
 @pytest.mark.slow
 def test_two_cpu_processes_train_one_run(cli: CliRunner, log_dir: Path) -> None:
-    result = cli(
-        "train",
-        "trainer.devices=2",
-        "trainer.accelerator=cpu",
-        "trainer.max_epochs=2",
-        f"data.batch_size={BATCH}",
-        "+trainer.limit_val_batches=1",
-        "callbacks.progress_bar.refresh_rate=0",
-        "trainer.log_every_n_steps=1",
-    )
+    result = cli("train", "trainer.devices=2", "trainer.accelerator=cpu", "trainer.max_epochs=2",
+                 f"data.batch_size={BATCH}", "+trainer.limit_val_batches=1",
+                 "callbacks.progress_bar.refresh_rate=0", "trainer.log_every_n_steps=1")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
 
     runs = run_dirs(log_dir)
@@ -72,15 +61,9 @@ def test_ddp_on_real_gpus(cli: CliRunner, log_dir: Path, count: int) -> None:
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if available < count:
         pytest.skip(f"needs {count} CUDA GPU(s); this machine has {available}")
-    result = cli(
-        "train",
-        "trainer=ddp",
-        "trainer.accelerator=gpu",
-        f"trainer.devices={count}",
-        "trainer.max_epochs=1",
-        f"data.batch_size={BATCH}",
-        "callbacks.progress_bar.refresh_rate=0",
-    )
+    result = cli("train", "trainer=ddp", "trainer.accelerator=gpu", f"trainer.devices={count}",
+                 "trainer.max_epochs=1", f"data.batch_size={BATCH}",
+                 "callbacks.progress_bar.refresh_rate=0")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     (run,) = run_dirs(log_dir)
     summary = json.loads((run / "metrics.json").read_text())

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,10 +21,6 @@ ZOO = Path(__file__).resolve().parent / "zoo"
 DDP = ("trainer=ddp_sim",)
 
 
-def _run(cwd: Path, module: str, *args: str) -> subprocess.CompletedProcess:
-    return run_entry(cwd, module, *args, timeout=600)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One short run of the template's classifier, one of the zoo's regression module (no
@@ -39,14 +34,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ("zoo", ("--config-dir", "zoo/configs", "experiment=zoo_regression", "data.samples=650")),
     ):
         logs = root / name
-        done = _run(root, "train", *extra, *FAST, "trainer.max_epochs=1", f"paths.log_dir={logs}")
+        budget = (*FAST, "trainer.max_epochs=1", f"paths.log_dir={logs}")
+        done = run_entry(root, "train", *extra, *budget, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         (made[name],) = run_dirs(logs)
     return made
 
 
 def predict(runs: dict[str, Path], out: Path, *overrides: str) -> tuple[Path, str]:
-    done = _run(runs["root"], "predict", f"paths.log_dir={out}", *overrides)
+    done = run_entry(runs["root"], "predict", f"paths.log_dir={out}", *overrides, timeout=600)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
     (run,) = run_dirs(out, "predict")
@@ -101,13 +97,8 @@ def test_a_module_without_predict_step_predicts_its_forward_on_the_test_split(
     runs: dict[str, Path], tmp_path: Path, devices: str
 ) -> None:
     trained = runs["zoo"]
-    run, output = predict(
-        runs,
-        tmp_path,
-        f"ckpt_path={trained}",
-        "trusted_targets=[zoo.,torch.]",
-        *(DDP if devices == "ddp" else ()),
-    )
+    extra = ("trusted_targets=[zoo.,torch.]", *(DDP if devices == "ddp" else ()))
+    run, output = predict(runs, tmp_path, f"ckpt_path={trained}", *extra)
     line = (
         "Predicting with RegressionModule's forward (it has no predict_step) on the inputs of "
         "each batch, on PointsData.test_dataloader (it has no predict_dataloader)"
@@ -137,12 +128,8 @@ def test_ddp_ranks_with_uneven_batch_counts_predict_every_item(
 
 
 def test_a_bad_ckpt_path_is_one_line_and_exit_2(runs: dict[str, Path], tmp_path: Path) -> None:
-    done = _run(
-        runs["root"],
-        "predict",
-        f"ckpt_path={tmp_path / 'nowhere.ckpt'}",
-        f"paths.log_dir={tmp_path}",
-    )
+    ckpt = f"ckpt_path={tmp_path / 'nowhere.ckpt'}"
+    done = run_entry(runs["root"], "predict", ckpt, f"paths.log_dir={tmp_path}", timeout=600)
     assert done.returncode == 2, done.stderr[-2000:]
     assert last_line(done.stderr).startswith("error: ckpt_path=")
     assert "does not exist" in last_line(done.stderr)

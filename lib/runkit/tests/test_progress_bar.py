@@ -40,18 +40,19 @@ class LogsEveryStep(LightningModule):
 
 
 def reads_during_fit(bar: LightningRichProgressBar, tmp_path: Path) -> list[dict[str, Any]]:
-    """Every set of values the bar read during a short fit, in order."""
+    """Every set of logged values the bar read (``trainer.progress_bar_metrics``: an ``.item()``
+    each, a device sync on a GPU) during a short fit, in order."""
     reads: list[dict[str, Any]] = []
-    read = bar.get_metrics
 
-    def counting(trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
-        values = read(trainer, pl_module)
-        reads.append(dict(values))
-        return values
+    class Counting(Trainer):
+        @property
+        def progress_bar_metrics(self) -> dict[str, Any]:
+            values = super().progress_bar_metrics
+            reads.append({key: float(value) for key, value in values.items()})
+            return values
 
-    bar.get_metrics = counting  # type: ignore[method-assign]
     data = DataLoader(TensorDataset(torch.randn(BATCHES * 4, 2)), batch_size=4)
-    trainer = Trainer(
+    trainer = Counting(
         accelerator="cpu",
         max_epochs=EPOCHS,
         callbacks=[bar],
@@ -190,8 +191,12 @@ def test_a_stage_ends_without_waiting_for_the_refresh_thread(
         join(self, timeout)
 
     monkeypatch.setattr(threading.Thread, "join", noting)
-    for stage, bar in (("lightning", LightningRichProgressBar()), ("runkit", RichProgressBar())):
+    bars = {"lightning": LightningRichProgressBar(), "runkit": RichProgressBar(),
+            "lightning, leave": LightningRichProgressBar(leave=True),  # stops at each epoch too
+            "runkit, leave": RichProgressBar(leave=True)}  # fmt: skip
+    for stage, bar in bars.items():
         joined[stage] = []
         reads_during_fit(bar, tmp_path / stage)
+    assert joined["lightning, leave"].count("_RefreshThread") > 1
     assert "_RefreshThread" in joined["lightning"]
-    assert "_RefreshThread" not in joined["runkit"]
+    assert "_RefreshThread" not in joined["runkit"] + joined["runkit, leave"]

@@ -1,9 +1,6 @@
 """What a run prints, through the real CLI: no line a user cannot act on, each line once per run
-(not once per DDP process), and lines that say what actually happens (issue 31.9, 30's last).
-
-The runs are shared: one foreign module (no ``net``) trained under DDP x2 at
-``precision=16-mixed`` on the CPU, resumed under DDP, and evaluated; one refused config under
-DDP x2 with FSDP's ``cpu_offload``; one ``debug=overfit`` epoch; one ``debug=fdr`` run.
+(not once per DDP process), and lines that say what actually happens. The zoo's module (no
+``net``) is trained under DDP x2 at ``precision=16-mixed`` on the CPU, resumed and evaluated once.
 """
 
 from __future__ import annotations
@@ -32,10 +29,6 @@ ZOO_DDP = (
 )
 
 
-def _run(cwd: Path, module: str, *args: str) -> subprocess.CompletedProcess:
-    return run_entry(cwd, module, *args, timeout=600)
-
-
 def _ok(done: subprocess.CompletedProcess) -> str:
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
@@ -50,28 +43,16 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     shutil.copytree(ZOO, root / "zoo", ignore=shutil.ignore_patterns("__pycache__"))
     logs = root / "logs"
     seen = {
-        "fit": _ok(_run(root, "train", *ZOO_DDP, "trainer.max_epochs=1", f"paths.log_dir={logs}"))
+        "fit": _ok(
+            run_entry(root, "train", *ZOO_DDP, "trainer.max_epochs=1", f"paths.log_dir={logs}")
+        )
     }
     (run,) = run_dirs(logs)
-    seen["resume"] = _ok(
-        _run(
-            root,
-            "train",
-            *ZOO_DDP,
-            "trainer.max_epochs=2",
-            f"ckpt_path={run}",
-            f"paths.log_dir={logs}",
-        )
-    )
-    seen["eval"] = _ok(
-        _run(
-            root,
-            "eval",
-            f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}",
-            "trusted_targets=[zoo.,torch.]",
-            f"paths.log_dir={logs}",
-        )
-    )
+    resume = ("trainer.max_epochs=2", f"ckpt_path={run}", f"paths.log_dir={logs}")
+    seen["resume"] = _ok(run_entry(root, "train", *ZOO_DDP, *resume))
+    last = run / "checkpoints" / "last.ckpt"
+    trusted = ("trusted_targets=[zoo.,torch.]", f"paths.log_dir={logs}")
+    seen["eval"] = _ok(run_entry(root, "eval", f"ckpt_path={last}", *trusted))
     return seen
 
 
@@ -99,7 +80,7 @@ def test_resuming_is_said_once_not_once_per_rank(zoo: dict[str, str]) -> None:
 
 
 def test_a_config_refused_under_ddp_is_one_line_once(tmp_path: Path) -> None:
-    done = _run(
+    done = run_entry(
         tmp_path,
         "train",
         "trainer=fsdp",
@@ -124,25 +105,9 @@ def test_a_config_refused_under_ddp_is_one_line_once(tmp_path: Path) -> None:
 
 
 def test_debug_overfit_does_not_log_every_csv_open(tmp_path: Path) -> None:
-    output = _ok(
-        _run(
-            tmp_path,
-            "train",
-            "debug=overfit",
-            "trainer.max_epochs=2",
-            QUIET,
-            f"paths.log_dir={tmp_path / 'logs'}",
-        )
-    )
+    args = ("debug=overfit", "trainer.max_epochs=2", QUIET, f"paths.log_dir={tmp_path / 'logs'}")
+    output = _ok(run_entry(tmp_path, "train", *args))
     assert "open file" not in output  # fsspec's DEBUG line: one per metrics.csv write before
-
-
-def test_fast_dev_run_writes_no_checkpoint_as_lightning_says(tmp_path: Path) -> None:
-    output = _ok(_run(tmp_path, "train", "debug=fdr", QUIET, f"paths.log_dir={tmp_path / 'logs'}"))
-    assert "checkpointing is suppressed" in output
-    (run,) = run_dirs(tmp_path / "logs", "debug")
-    assert not list(run.glob("checkpoints/*.ckpt"))
-    assert (run / "model.pth").is_file()  # the run still tests and exports its weights
 
 
 WORKER = """

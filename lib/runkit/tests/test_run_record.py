@@ -20,7 +20,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def loggers_of(*overrides: str, out: Path) -> list:
     cfg = compose_train(*overrides)
     cfg.paths.output_dir = str(out)
-    return builders.build_loggers(cfg.get("logger"), builders.run_record(cfg))
+    return builders.build_loggers(cfg.get("logger"), builders.run_record(cfg.paths.output_dir))
 
 
 @pytest.mark.parametrize(
@@ -48,7 +48,7 @@ def test_the_record_follows_the_csv_node_when_one_is_configured(tmp_path: Path) 
 
 
 def test_without_an_output_dir_nothing_is_added() -> None:
-    assert builders.run_record(OmegaConf.create({"paths": {}})) is None
+    assert builders.run_record(None) is None
     assert builders.build_loggers(OmegaConf.create({}), None) == []
 
 

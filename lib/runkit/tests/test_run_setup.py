@@ -150,58 +150,37 @@ def test_a_directory_below_a_file_is_one_line(tmp_path: Path, single_process: No
     assert (tmp_path / "a_file").read_text() == "x"
 
 
-def _start_files(run: Path) -> None:
-    """What Hydra and a run's first steps write before the run produces anything."""
-    for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+@pytest.mark.parametrize(
+    ("existing", "extra", "removed", "left"),
+    [
+        ("", "", True, []),  # logs/ did not exist before: gone too
+        ("logs/train", "", True, ["logs", "logs/train"]),  # parents that existed stay
+        ("mine", "mine/notes.log", False, None),  # a given directory that had files: kept
+        ("", "logs/train/runs/1/checkpoints/last.ckpt", False, None),  # anything else: kept
+        ("", "logs/train/runs/1/notes.txt", False, None),
+        ("", "logs/train/runs/1/.hydra/mine.yaml", False, None),
+    ],
+)
+def test_an_unused_run_directory_goes_with_the_parents_its_claim_made(
+    tmp_path: Path, single_process: None, existing: str, extra: str, removed: bool, left: Any
+) -> None:
+    run = tmp_path / ("mine" if existing == "mine" else "logs/train/runs/1")
+    if existing:
+        (tmp_path / existing).mkdir(parents=True)
+    if existing == "mine":
+        (tmp_path / extra).write_text("the user's own")
+    preflight.claim_run_dir(_run_cfg(run), "hydra.run.dir")
+    for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):  # what Hydra writes first
         (run / ".hydra" / name).write_text("x: 1\n")
     (run / "train.log").write_text("[INFO] Seed set to 42\n")
     (run / "config.yaml").write_text("seed: 42\n")
-
-
-def test_an_unused_run_directory_goes_with_the_parents_its_claim_made(
-    tmp_path: Path, single_process: None
-) -> None:
-    run = tmp_path / "logs" / "train" / "runs" / "1"
-    preflight.claim_run_dir(_run_cfg(run), "hydra.run.dir")
-    _start_files(run)
-    assert preflight.discard_unused(run)
-    assert list(tmp_path.iterdir()) == []  # logs/ did not exist before: gone too
-
-
-def test_parents_that_existed_before_the_claim_stay(tmp_path: Path, single_process: None) -> None:
-    (tmp_path / "logs" / "train").mkdir(parents=True)
-    run = tmp_path / "logs" / "train" / "runs" / "1"
-    preflight.claim_run_dir(_run_cfg(run), "hydra.run.dir")
-    _start_files(run)
-    assert preflight.discard_unused(run)
-    assert [p.name for p in (tmp_path / "logs").iterdir()] == ["train"]
-    assert list((tmp_path / "logs" / "train").iterdir()) == []
-
-
-def test_a_given_directory_that_had_files_is_never_removed(
-    tmp_path: Path, single_process: None
-) -> None:
-    run = tmp_path / "mine"
-    run.mkdir()
-    (run / "notes.log").write_text("the user's own")
-    preflight.claim_run_dir(_run_cfg(run), "hydra.run.dir")
-    _start_files(run)
-    assert not preflight.discard_unused(run)
-    assert (run / "notes.log").read_text() == "the user's own"
-
-
-@pytest.mark.parametrize("extra", ["checkpoints/last.ckpt", "notes.txt", ".hydra/mine.yaml"])
-def test_a_run_directory_holding_anything_else_is_kept(
-    tmp_path: Path, single_process: None, extra: str
-) -> None:
-    run = tmp_path / "logs" / "1"
-    preflight.claim_run_dir(_run_cfg(run), "hydra.run.dir")
-    _start_files(run)
-    (run / extra).parent.mkdir(parents=True, exist_ok=True)
-    (run / extra).write_text("keep me")
-    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    assert not preflight.discard_unused(run)
-    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    if extra and existing != "mine":
+        (tmp_path / extra).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / extra).write_text("keep me")
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert preflight.discard_unused(run) is removed
+    after = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert after == (before if left is None else left)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -304,48 +283,42 @@ def _gc_app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *argv: str) -> tupl
     return runkit.hydra_entry(task, "app", configs), seen
 
 
-def test_the_collector_is_back_on_with_the_imports_frozen_when_the_job_runs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, single_process: None
+@pytest.mark.parametrize(
+    ("argv", "caller_on", "job_sees_on"),
+    [
+        ((), True, True),  # the job runs with the collector on, the imports frozen
+        (("no_such_key=2",), True, None),  # no job runs (a mistake): on again, nothing frozen
+        ((), False, False),  # a caller that holds the collector off keeps it off
+    ],
+)
+def test_the_collector_is_off_for_the_imports_and_back_as_the_caller_had_it(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    single_process: None,
+    argv: tuple[str, ...],
+    caller_on: bool,
+    job_sees_on: bool | None,
 ) -> None:
     import gc
 
-    main, seen = _gc_app(tmp_path, monkeypatch)
-    assert gc.isenabled()
+    main, seen = _gc_app(tmp_path, monkeypatch, *argv)
     before = gc.get_freeze_count()
+    if not caller_on:
+        gc.disable()
     try:
-        main()
-        assert seen == [(True, seen[0][1])] and seen[0][1] > before
-        assert gc.isenabled()
-    finally:
-        gc.unfreeze()
-
-
-def test_the_collector_is_back_on_when_no_job_runs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, single_process: None
-) -> None:
-    import gc
-
-    main, seen = _gc_app(tmp_path, monkeypatch, "no_such_key=2")
-    before = gc.get_freeze_count()
-    with pytest.raises(SystemExit) as stop:
-        main()
-    assert stop.value.code == 2 and seen == []
-    assert gc.isenabled() and gc.get_freeze_count() == before
-
-
-def test_a_caller_that_holds_the_collector_off_keeps_it_off(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, single_process: None
-) -> None:
-    import gc
-
-    main, seen = _gc_app(tmp_path, monkeypatch)
-    before = gc.get_freeze_count()
-    gc.disable()
-    try:
-        main()
-        assert seen == [(False, before)] and not gc.isenabled()
+        if job_sees_on is None:
+            with pytest.raises(SystemExit) as stop:
+                main()
+            assert stop.value.code == 2 and seen == [] and gc.get_freeze_count() == before
+        else:
+            main()
+            (state,) = seen
+            assert state[0] is job_sees_on
+            assert state[1] > before if job_sees_on else state[1] == before
+        assert gc.isenabled() is caller_on
     finally:
         gc.enable()
+        gc.unfreeze()
 
 
 def test_the_preflight_turns_the_collector_back_on_for_a_sweeps_parent(

@@ -1,9 +1,5 @@
-"""Every preset in configs/trainer/ composes, passes preflight where it can run, and runs on the CPU.
-
-``multi_node`` runs in tests/test_multinode.py (two simulated nodes) and plain DDP through the
-CLI in tests/test_ddp_cli.py; ``dp`` needs CUDA GPUs (tests/test_dp.py has its GPU test);
-``fsdp`` runs on 2 CPU processes in tests/test_fsdp.py.
-"""
+"""Every preset in configs/trainer/ composes, passes preflight where it can run, and runs on the CPU
+(``multi_node``, ``dp`` and ``fsdp`` run in test_multinode.py, test_dp.py, test_fsdp.py)."""
 
 from __future__ import annotations
 
@@ -22,14 +18,9 @@ from runkit.run.launch import register_resolvers
 from runkit.run.preflight import check_config
 
 PRESETS = ("default", "cpu", "gpu", "ddp", "ddp_sim", "ddp_spawn", "dp", "fsdp", "multi_node")
-TINY = (
-    "trainer.max_epochs=1",
-    "data.batch_size=256",
-    "+trainer.limit_train_batches=2",
-    "+trainer.limit_val_batches=1",
-    "+trainer.limit_test_batches=1",
-    "callbacks.progress_bar.refresh_rate=0",
-)
+TINY = ("trainer.max_epochs=1", "data.batch_size=256", "+trainer.limit_train_batches=2",
+        "+trainer.limit_val_batches=1", "+trainer.limit_test_batches=1",
+        "callbacks.progress_bar.refresh_rate=0")  # fmt: skip
 
 
 def composed(*overrides: str) -> DictConfig:
@@ -46,14 +37,9 @@ def test_every_preset_file_is_listed_here() -> None:
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_composes_with_the_expected_strategy(preset: str) -> None:
     trainer = composed(f"trainer={preset}").trainer
-    expected = {
-        "ddp": ("ddp", 2, 1),
-        "ddp_sim": ("ddp", 2, 1),
-        "ddp_spawn": ("ddp_spawn", 2, 1),
-        "dp": ("dp", 2, 1),
-        "fsdp": ("fsdp", 2, 1),
-        "multi_node": ("ddp", "auto", 2),
-    }.get(preset, ("auto", 1, 1))
+    expected = {"ddp": ("ddp", 2, 1), "ddp_sim": ("ddp", 2, 1), "ddp_spawn": ("ddp_spawn", 2, 1),
+                "dp": ("dp", 2, 1), "fsdp": ("fsdp", 2, 1),
+                "multi_node": ("ddp", "auto", 2)}.get(preset, ("auto", 1, 1))  # fmt: skip
     # trainer=dp names the strategy by its class, with the network attribute it parallelises.
     strategy = trainer.strategy if isinstance(trainer.strategy, str) else preset
     if preset == "dp":

@@ -17,11 +17,11 @@ if TYPE_CHECKING:  # the names as a type checker sees them; at run time, loaded 
     from runkit.gpus.claims import policy_from_config
     from runkit.gpus.resolve import resolve_for_run
     from runkit.plots import after_run
-    from runkit.run.builders import build_trainer, can_test, plain
+    from runkit.run.builders import build_trainer, can_test, plain, run_trainer
     from runkit.run.cli import find_configs, hydra_entry
     from runkit.run.launch import requeued_checkpoint
     from runkit.run.predictions import prepare_predict
-    from runkit.run.rebuild import trained_config, trained_model
+    from runkit.run.rebuild import load_trained, trained_config, trained_model
     from runkit.run.run_files import best_checkpoint, save_config, save_metrics, scalars
     from runkit.safety.checkpoints import (
         WEIGHTS_FILE,
@@ -46,7 +46,7 @@ _BY_MODULE = {
     "runkit.gpus.claims": "policy_from_config",
     "runkit.gpus.resolve": "resolve_for_run",
     "runkit.speed": "trainer_settings",
-    "runkit.run.builders": "build_trainer plain can_test",
+    "runkit.run.builders": "build_trainer plain can_test run_trainer",
     "runkit.data": "ArrayDataModule",
     "runkit.safety.checkpoints": "resolve_ckpt_path load_file full_disk_in_one_line WEIGHTS_FILE "
     "exported_part save_weights is_sharded load_network",
@@ -54,7 +54,7 @@ _BY_MODULE = {
     "runkit.safety.resume": "check_fits",
     "runkit.safety.interrupts": "phase",
     "runkit.safety.trusted": "TRUSTED_TARGETS",
-    "runkit.run.rebuild": "trained_config trained_model",
+    "runkit.run.rebuild": "load_trained trained_config trained_model",
     "runkit.run.predictions": "prepare_predict",
     "runkit.run.run_files": "save_config save_metrics scalars best_checkpoint",
     "runkit.gpu_stats.callback": "energy_report",
@@ -81,6 +81,7 @@ __all__ = [
     "is_sharded",
     "load_file",
     "load_network",
+    "load_trained",
     "phase",
     "plain",
     "policy_from_config",
@@ -88,6 +89,7 @@ __all__ = [
     "requeued_checkpoint",
     "resolve_ckpt_path",
     "resolve_for_run",
+    "run_trainer",
     "save_config",
     "save_metrics",
     "save_weights",

@@ -64,13 +64,6 @@ def _default_store_probe() -> bool:
     return callable(getattr(c10d, "_get_default_store", None))
 
 
-def _omegaconf_get_node() -> bool:
-    from omegaconf import OmegaConf
-
-    node = OmegaConf.create({"a": "${b}", "b": 1})
-    return node._get_node("a")._value() == "${b}"
-
-
 def _hydra_args_parser() -> bool:
     args = hydra_args_parser().parse_args(["-m", "--cfg", "job", "-cd", "d", "a=1"])
     return (
@@ -149,18 +142,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "knowing which file a save point wrote",
     ),
     PrivateApi(
-        "lightning.pytorch.callbacks.progress:RichProgressBar",
-        "_update_metrics",
-        "runkit.run.progress_bar",
-        "the one place the bar reads logged values (a device read per step otherwise)",
-    ),
-    PrivateApi(
-        "lightning.pytorch.callbacks.progress:RichProgressBar",
-        "_stop_progress",
-        "runkit.run.progress_bar",
-        "the one place the bar stops its display (each stage's end, an exception)",
-    ),
-    PrivateApi(
         "rich.live:Live",
         "_refresh_thread",
         "runkit.compat.detach_refresh_thread (runkit.run.progress_bar)",
@@ -204,13 +185,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "the job's key-value store: ranks hand rank 0 their figures without a collective, "
         "which would deadlock against Lightning's rank-0-only metric sync",
         _default_store_probe,
-    ),
-    PrivateApi(
-        "omegaconf:DictConfig",
-        "_get_node",
-        "runkit.run.preflight",
-        "reading a node without resolving its interpolations (they may not resolve yet)",
-        _omegaconf_get_node,
     ),
     PrivateApi(
         "lightning.pytorch.strategies.launchers.subprocess_script:_SubprocessScriptLauncher",

@@ -1,12 +1,11 @@
-"""The error types for failures a user can act on: the CLI prints one line and exits non-zero.
-
-Anything else that escapes is a bug and keeps its traceback.
-"""
+"""Failures a user can act on: one line and a non-zero exit; anything else keeps its traceback."""
 
 from __future__ import annotations
 
 import errno
 import os
+import sys
+from typing import NoReturn
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 # What the run's own directory answers once it is deleted, moved or made unwritable under the run.
@@ -27,9 +26,8 @@ class EnvironmentFailure(RunError):
 
 
 def file_failure(err: OSError, run_dir: str | os.PathLike[str] | None = None) -> RunError | None:
-    """``err`` as one line: the environment's failure when the disk is full or the file lies in
-    ``run_dir`` (which the run made itself), else the user's (a path typed); ``None`` when it
-    names no file and the disk is not full."""
+    """``err`` as one line: the environment's when the disk is full or the file is in the run's
+    own ``run_dir``, else the user's (a path typed); ``None`` for no file and a disk not full."""
     name, reason = err.filename or run_dir, err.strerror or str(err)
     if err.errno in DISK_FULL:
         return EnvironmentFailure(
@@ -46,3 +44,9 @@ def file_failure(err: OSError, run_dir: str | os.PathLike[str] | None = None) ->
             "deleted, moved or made unwritable while the run used it"
         )
     return RunError(f"cannot create or write {str(name)!r}: {reason}")
+
+
+def exit_with(err: RunError, prefix: str = "") -> NoReturn:
+    """The one way a mistake ends the process: ``error: <line>`` on stderr, its exit code."""
+    print(f"error: {prefix}{err}", file=sys.stderr)
+    raise SystemExit(err.exit_code) from err

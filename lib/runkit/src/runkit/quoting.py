@@ -1,11 +1,8 @@
-"""Overrides and commands the program prints for the user to paste, written so that pasting works.
+"""Overrides and commands printed for the user to paste, quoted so that pasting works.
 
-A printed ``key=value`` passes two parsers: the POSIX shell, then Hydra's override grammar.
-``shlex.quote`` alone satisfies the shell only: Hydra takes spaces, non-ASCII letters, ``$``,
-commas, brackets and ``=`` in a value only inside quotes (else ``LexerNoViableAltException``, or a
-sweep, or a list), and OmegaConf reads ``${...}`` as an interpolation. :func:`override` quotes for
-Hydra first, then for the shell. Stdlib only at import, so every layer of the machinery may
-import it (:func:`config_options` asks Hydra's parser when it runs).
+A printed ``key=value`` passes the POSIX shell, then Hydra's override grammar, which takes
+spaces, non-ASCII, ``$``, commas, brackets and ``=`` only inside quotes, and OmegaConf reads
+``${...}`` as an interpolation: :func:`override` quotes for Hydra, then for the shell.
 """
 
 from __future__ import annotations
@@ -14,9 +11,7 @@ import re
 import shlex
 from collections.abc import Iterable, Mapping, Sequence
 
-# Strings Hydra reads unquoted as exactly themselves: a letter, ``_`` or ``/`` first, then only
-# ASCII word characters, dots, slashes and dashes (no word Hydra would read as another type); or
-# digits, a dash and such a word (``16-mixed``: no number has a dash after its first digits).
+# Strings Hydra reads unquoted as themselves: ``abc/x.y-z``, ``16-mixed`` (not a number).
 _PLAIN = re.compile(r"(?:[0-9]+-)?[A-Za-z_/][\w./-]*", re.ASCII)
 _NOT_STRINGS = {"null", "true", "false", "nan", "inf"}
 
@@ -26,25 +21,18 @@ Value = str | int | float | bool | None | Sequence["Value"]
 
 
 def override(key: str, value: Value) -> str:
-    """``key=value`` as one shell word from which Hydra gives the config exactly ``value`` (a
-    sequence becomes a list)."""
+    """``key=value`` as one shell word from which Hydra reads exactly ``value``."""
     return shlex.quote(f"{key}={hydra_value(value)}")
 
 
 def command(words: Iterable[str]) -> str:
-    """Join the words of a command, quoting each for the shell (overrides already in Hydra's
-    syntax, such as the ones a user typed, stay as they are for Hydra)."""
+    """Join the words of a command, quoting each for the shell only."""
     return " ".join(shlex.quote(word) for word in words)
 
 
 def hydra_value(value: Value) -> str:
-    """``value`` as Hydra's override grammar writes it (before any shell quoting).
-
-    A string that is not plain goes in double quotes: inside them Hydra wants ``\\"`` for a quote
-    and doubled backslashes before a quote or the closing quote; ``${`` becomes ``\\${`` (with
-    the backslashes before it doubled) so that OmegaConf keeps it as text. A sequence (list,
-    tuple, OmegaConf's ListConfig) is ``[a,b]`` with each element written so.
-    """
+    """``value`` in Hydra's override grammar: a string not plain in double quotes, its quotes,
+    ``${`` and the backslashes before them escaped; a sequence as ``[a,b]``."""
     if isinstance(value, Sequence) and not isinstance(value, str):  # a list, a tuple, a ListConfig
         return "[" + ",".join(hydra_value(item) for item in value) + "]"
     if value is None:
@@ -65,13 +53,9 @@ _CONFIG_OPTIONS = (("config_dir", "--config-dir"), ("config_name", "--config-nam
 
 
 def config_options(argv: Sequence[str]) -> list[str]:
-    """The options of the Hydra command line ``argv`` that choose its configs, as typed values
-    behind their long names (``["--config-dir", "my_configs", ...]``).
-
-    A command that starts this program again (a sweep's job, a printed resume command) needs them
-    to find the same configs; Hydra's own parser reads them, whatever spelling was used
-    (``-cd x``, ``--config-dir=x``).
-    """
+    """The options of ``argv`` that choose its configs, by their long names
+    (``["--config-dir", "my_configs"]``), as Hydra's own parser reads them: a command that
+    starts this program again needs them to find the same configs."""
     from runkit import compat  # Hydra's parser, imported only when a command is rebuilt
 
     args, _ = compat.hydra_args_parser().parse_known_args(list(argv))
@@ -84,7 +68,6 @@ def config_options(argv: Sequence[str]) -> list[str]:
 
 
 def environment_prefix(environ: Mapping[str, str]) -> list[str]:
-    """``["PYTHONPATH=<value>"]`` when the run found code through ``PYTHONPATH`` (a user's package
-    outside the project), for a printed command to find it again; else nothing."""
+    """``["PYTHONPATH=<value>"]`` when set, for a printed command to find the same code."""
     value = environ.get("PYTHONPATH")
     return [f"PYTHONPATH={shlex.quote(value)}"] if value else []

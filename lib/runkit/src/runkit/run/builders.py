@@ -1,11 +1,7 @@
-"""Turn the composed config into the objects a run needs: callbacks, loggers, the Trainer.
+"""Turn the composed config into a run's callbacks, loggers and Trainer, one node per object.
 
-Each config node with a ``_target_`` is instantiated as it stands, so a node maps one-to-one onto
-the class it names and a user's own class drops in by changing ``_target_``.
-
-One logger is not a choice: the run's own record, ``<run>/csv/metrics.csv`` (:func:`run_record`),
-which ``curves.png``, ``python -m runkit.plot`` and resume read. The ``logger`` group adds loggers
-to it (``logger=none``: none added); ``logger.csv`` configures the record itself.
+One logger is not a choice: the run's own record, ``<run>/csv/metrics.csv``, which
+``curves.png``, ``python -m runkit.plot`` and resume read; the ``logger`` group adds others.
 """
 
 from __future__ import annotations
@@ -33,22 +29,17 @@ def build_callbacks(cfg: DictConfig | None) -> list[Callback]:
 
 
 def build_loggers(cfg: DictConfig | None, record: CSVLogger | None = None) -> list[Logger]:
-    """One logger per entry of ``cfg.logger``, after the run's ``record`` (:func:`run_record`)
-    unless an entry already writes that CSV file; an empty list means no logger."""
+    """One logger per entry of ``cfg.logger``, after ``record`` unless one writes that file."""
     loggers = [instantiate(node) for node in _target_nodes(cfg)]
     if record is None or any(_same_csv(logger, record) for logger in loggers):
         return loggers
     return [record, *loggers]
 
 
-def run_record(cfg: DictConfig) -> CSVLogger | None:
-    """The CSV log every run keeps in ``<paths.output_dir>/csv/``, whatever ``logger`` says.
-
-    The run's record must not depend on which extra logger the user picked: ``curves.png``,
-    ``python -m runkit.plot`` and resume all read ``csv/metrics.csv``. None when the config has
-    no ``paths.output_dir`` (a Trainer built outside a run)."""
-    out = OmegaConf.select(cfg, "paths.output_dir", default=None)
-    return CSVLogger(save_dir=str(out), name="csv", version="") if out else None
+def run_record(output_dir: str | None) -> CSVLogger | None:
+    """The CSV log every run keeps in ``<output_dir>/csv/``, whatever ``logger`` says (None
+    without an output directory: a Trainer built outside a run)."""
+    return CSVLogger(save_dir=str(output_dir), name="csv", version="") if output_dir else None
 
 
 def _same_csv(logger: Logger, record: CSVLogger) -> bool:
@@ -57,8 +48,7 @@ def _same_csv(logger: Logger, record: CSVLogger) -> bool:
     return Path(logger.log_dir).absolute() == Path(record.log_dir).absolute()
 
 
-# The safety parts of a training run, each a config node like every other (configs/callbacks/,
-# configs/trainer/default.yaml), and what a run loses when one is removed on purpose.
+# The safety parts of a training run (config nodes) and what a run loses without one.
 SAFETY_PARTS = (
     (
         "callbacks.resume_state removed",
@@ -82,12 +72,9 @@ SAFETY_PARTS = (
 
 
 def build_trainer(cfg: DictConfig, **overrides: Any) -> Trainer:
-    """The Trainer of ``cfg.trainer`` with the run's callbacks and loggers.
-
-    ``overrides`` replace trainer arguments the run decided on (the resolved devices, say);
-    everything else reaches the Trainer exactly as configured, the safety parts included
-    (:data:`SAFETY_PARTS`). A run that trains logs one line for each safety part it lacks.
-    """
+    """The Trainer of ``cfg.trainer`` with the run's callbacks and loggers; ``overrides``
+    replace arguments the run decided on (the resolved devices). A training run logs one line
+    for each of :data:`SAFETY_PARTS` it lacks."""
     from hydra.utils import get_object
     from lightning.pytorch.utilities import rank_zero_only
 
@@ -100,7 +87,7 @@ def build_trainer(cfg: DictConfig, **overrides: Any) -> Trainer:
     ):
         # callbacks.model_summary is the summary; Lightning's own would only say it skips itself
         overrides.setdefault("enable_model_summary", False)
-    record = run_record(cfg)
+    record = run_record(OmegaConf.select(cfg, "paths.output_dir", default=None))
     loggers = build_loggers(cfg.get("logger"), record)
     arguments = set_arguments(cfg.trainer)
     trainer = instantiate(arguments, callbacks=callbacks, logger=loggers or False, **overrides)
@@ -123,6 +110,28 @@ def build_trainer(cfg: DictConfig, **overrides: Any) -> Trainer:
     return trainer
 
 
+def run_trainer(cfg: DictConfig, out: Path) -> Trainer:
+    """:func:`build_trainer` on the GPUs ``cfg`` asks for (``least_used`` waits for and claims
+    them as training does) with training's hardware settings; rank 0 saves ``config.yaml``."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    from runkit.gpus.claims import policy_from_config
+    from runkit.gpus.resolve import resolve_for_run
+    from runkit.run.run_files import save_config
+    from runkit.speed import trainer_settings
+
+    policy = policy_from_config(cfg)
+    plan = resolve_for_run(
+        cfg.trainer.accelerator, cfg.trainer.devices, select=cfg.select_gpus, policy=policy
+    )
+    if plan.message:
+        rank_zero_only(log.info)(plan.message)  # once, not once per DDP process
+    trainer = build_trainer(cfg, **trainer_settings(cfg, plan))
+    if trainer.is_global_zero:
+        save_config(cfg, out)
+    return trainer
+
+
 def _target_nodes(group: DictConfig | None) -> list[DictConfig]:
     if not group:
         return []
@@ -130,7 +139,7 @@ def _target_nodes(group: DictConfig | None) -> list[DictConfig]:
 
 
 def plain(cfg: DictConfig) -> dict[str, Any]:
-    """The config as plain, resolved Python data (safe to store in a ``weights_only`` checkpoint)."""
+    """The config as plain, resolved data (safe in a ``weights_only`` checkpoint)."""
     data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
     assert isinstance(data, dict)
     return data
@@ -138,16 +147,8 @@ def plain(cfg: DictConfig) -> dict[str, Any]:
 
 def can_test(model: Any, datamodule: Any = None, required: bool = False) -> bool:
     """Whether ``trainer.test`` can run on ``model`` (a ``test_step``, and a ``test_dataloader``
-    in the model or the datamodule); else one line, rank 0, and ``False``.
-
-    Lightning documents both as optional, but ``trainer.test`` without them raises a long
-    traceback; a run that trained should still export its weights and write ``metrics.json``.
-
-    Args:
-        model: the LightningModule.
-        datamodule: the LightningDataModule, if the run has one.
-        required: testing is the run's one purpose (eval): without them, a :class:`RunError`.
-    """
+    in the model or ``datamodule``); else one line and ``False`` (a :class:`RunError` when
+    testing is ``required``: eval's one purpose)."""
     from lightning.pytorch.utilities import rank_zero_only
     from lightning.pytorch.utilities.model_helpers import is_overridden
 

@@ -1,20 +1,11 @@
-"""What ``predict`` runs on which loader, and the files it leaves: predictions in dataset order.
+"""What ``predict`` runs on which loader, and its files: predictions in dataset order.
 
-``predictions.pt`` (``torch.load(path, weights_only=True)``) is a dict:
-
-* ``"predictions"``: what the module returned for every item, concatenated along the first
-  dimension in dataset order (a tensor, or the same dict/list/tuple of tensors ``predict_step``
-  returns per batch);
-* ``"index"``: the dataset index of each row (``0 .. N-1`` when the whole loader ran).
-
-``predictions.csv`` is written beside it when the predictions are one tensor a spreadsheet can
-hold: ``index,prediction`` for one value per item (shape ``N`` or ``N x 1``), ``index,class`` (the
-argmax) for ``N x C`` floating scores. A predict loader per ``predict_dataloader`` entry: with
-several, ``predictions_<i>.pt`` / ``.csv`` each.
-
-Under DDP each process predicts its share (Lightning's sampler interleaves the items, and a
-padding sampler repeats some); the rows are put back in dataset order by the indices Lightning
-records for each batch, each item once, and rank 0 writes the files.
+``predictions.pt`` (``torch.load(path, weights_only=True)``) holds ``"predictions"`` (every item's,
+concatenated along the first dimension: a tensor, or the dict/list/tuple ``predict_step`` returns)
+and ``"index"`` (each row's dataset index). ``predictions.csv`` beside it holds ``index,prediction``
+(one value per item) or ``index,class`` (the argmax of ``N x C`` scores). Several predict loaders
+write ``predictions_<i>.*``. Under DDP the rows are put back in dataset order, each item once, by
+the indices Lightning records, and rank 0 writes the files.
 """
 
 from __future__ import annotations
@@ -29,6 +20,7 @@ import torch
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning_utilities import apply_to_collection
 
 from runkit import compat
 from runkit.errors import RunError
@@ -40,19 +32,10 @@ PREDICTIONS_FILE = "predictions.pt"
 
 
 def prepare_predict(model: LightningModule, datamodule: LightningDataModule) -> str:
-    """Make ``trainer.predict(model, datamodule=datamodule)`` run, and say in one line what runs.
-
-    Args:
-        model: the module; its own ``predict_step`` when it defines one, else its forward on
-            the inputs of each batch (a tensor batch, or the first element of a tuple/list batch:
-            ``(inputs, targets)``).
-        datamodule: its ``predict_dataloader`` when it defines one, else its test split
-            (``setup("test")`` then ``test_dataloader``), the data eval would test on.
-
-    Returns:
-        The line to log (once, rank 0).
-    """
-    name = type(model).__name__
+    """Make ``trainer.predict(model, datamodule=datamodule)`` run, and return the line saying
+    what runs: the module's ``predict_step`` (else its forward on each batch's inputs, a tensor
+    or the first element of a tuple) on ``predict_dataloader`` (else the test split)."""
+    name, data = type(model).__name__, type(datamodule).__name__
     if is_overridden("predict_step", model, LightningModule):
         step = f"{name}.predict_step"
     else:
@@ -65,10 +48,10 @@ def prepare_predict(model: LightningModule, datamodule: LightningDataModule) -> 
         loader = "test_dataloader (it has no predict_dataloader)"
     else:
         raise RunError(
-            f"{type(datamodule).__name__} has neither predict_dataloader nor test_dataloader: "
+            f"{data} has neither predict_dataloader nor test_dataloader: "
             "define one, or pass data=<a data config that has one>"
         )
-    return f"Predicting with {step}, on {type(datamodule).__name__}.{loader}"
+    return f"Predicting with {step}, on {data}.{loader}"
 
 
 def _forward_on_inputs(self: LightningModule, batch: Any, *args: Any, **kwargs: Any) -> Any:
@@ -88,14 +71,8 @@ def _test_loader(self: LightningDataModule) -> Any:
 
 
 class PredictionWriter(BasePredictionWriter):
-    """Write every prediction of ``trainer.predict`` to ``output_dir``, once, in dataset order.
-
-    Args:
-        output_dir: the run directory (``predictions.pt`` and maybe ``predictions.csv`` go there).
-
-    Rank 0 gathers the other processes' predictions and their dataset indices (one collective
-    at the end of the predict epoch, which every rank reaches) and writes the files.
-    """
+    """Write every prediction of ``trainer.predict`` to ``output_dir`` once, in dataset order:
+    rank 0 gathers the other ranks' predictions and indices at the predict epoch's end."""
 
     def __init__(self, output_dir: str | Path) -> None:
         super().__init__(write_interval="epoch")
@@ -178,10 +155,16 @@ def _concat(batches: list[Any]) -> Any:
     )
 
 
-def _rows(rows: Any) -> int:
+def _tensors(rows: Any) -> list[torch.Tensor]:
     if isinstance(rows, torch.Tensor):
-        return len(rows)
-    counts = {_rows(v) for v in (rows.values() if isinstance(rows, Mapping) else rows)}
+        return [rows]
+    return [
+        t for part in (rows.values() if isinstance(rows, Mapping) else rows) for t in _tensors(part)
+    ]
+
+
+def _rows(rows: Any) -> int:
+    counts = {len(t) for t in _tensors(rows)}
     if len(counts) != 1:
         raise RunError(
             f"predict_step returned parts with different numbers of rows ({sorted(counts)}): "
@@ -191,11 +174,7 @@ def _rows(rows: Any) -> int:
 
 
 def _take(rows: Any, positions: torch.Tensor) -> Any:
-    if isinstance(rows, torch.Tensor):
-        return rows[positions]
-    if isinstance(rows, Mapping):
-        return {key: _take(value, positions) for key, value in rows.items()}
-    return type(rows)(_take(value, positions) for value in rows)
+    return apply_to_collection(rows, torch.Tensor, lambda t: t[positions])
 
 
 def _write(rows: Any, index: torch.Tensor, out: Path, stem: str) -> list[Path]:
@@ -203,25 +182,16 @@ def _write(rows: Any, index: torch.Tensor, out: Path, stem: str) -> list[Path]:
     path = out / f"{stem}.pt"
     atomic_write(path, lambda handle: torch.save({"predictions": rows, "index": index}, handle))
     written = [path]
-    table = _csv_columns(rows)
-    if table is not None:
-        header, values = table
-        lines = [f"index,{header}"] + [
-            f"{i},{v}" for i, v in zip(index.tolist(), values.tolist(), strict=True)
-        ]
+    column = None  # one column per item says it all: a CSV too
+    if isinstance(rows, torch.Tensor) and (rows.ndim == 1 or rows.shape[1:] == (1,)):
+        column, values = "prediction", rows.reshape(-1)
+    elif isinstance(rows, torch.Tensor) and rows.ndim == 2 and rows.is_floating_point():
+        column, values = "class", rows.argmax(dim=1)
+    if column is not None:
+        lines = [f"index,{column}"]
+        lines += [f"{i},{v}" for i, v in zip(index.tolist(), values.tolist(), strict=True)]
         csv = out / f"{stem}.csv"
         atomic_write(csv, lambda handle: handle.write(("\n".join(lines) + "\n").encode()))
         written.append(csv)
     log.info("Predictions of %d items: %s", len(index), ", ".join(str(p) for p in written))
     return written
-
-
-def _csv_columns(rows: Any) -> tuple[str, torch.Tensor] | None:
-    """``(column, values)`` when one column per item says it all, else None (no CSV)."""
-    if not isinstance(rows, torch.Tensor):
-        return None
-    if rows.ndim == 1 or (rows.ndim == 2 and rows.shape[1] == 1):
-        return "prediction", rows.reshape(-1)
-    if rows.ndim == 2 and rows.is_floating_point():
-        return "class", rows.argmax(dim=1)
-    return None

@@ -1,10 +1,8 @@
 """Lightning's Rich progress bar, reading the logged values once per redraw, not every batch.
 
-Lightning's ``RichProgressBar`` collects ``trainer.progress_bar_metrics`` after every batch (an
-``.item()`` per value: a device sync on a GPU) though it redraws at most ``refresh_rate`` times a
-second. Here a batch reads them only when a redraw is due; the first and last batch of an epoch
-update the count (Rich's ``it/s`` needs a sample near the start) and each epoch's and validation's
-end reads the final values. Stopping the display does not wait out Lightning's refresh thread.
+Lightning's reads them after every batch (an ``.item()`` each: a device sync on a GPU). Here the
+epoch's first and last batches set the count (the rate's two ends), each epoch's and validation's
+end reads the final values, and stopping the display does not wait out the refresh thread.
 """
 
 from __future__ import annotations
@@ -21,10 +19,12 @@ from runkit import compat
 class RichProgressBar(LightningRichProgressBar):
     """Drop-in for ``lightning.pytorch.callbacks.RichProgressBar`` (same arguments)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, refresh_rate: int = 100, leave: bool = False, **kwargs: Any) -> None:
+        super().__init__(refresh_rate, leave, **kwargs)
+        self.leave = leave  # each epoch's bar kept: Lightning stops the display at each epoch
         self._next_batch_read = 0.0  # time.monotonic() from which a batch reads the values again
         self._batch_read_due = True  # False only inside a training batch's end that skips it
+        self._shown: dict[str, Any] | None = None
         compat.skip_unused_batch_hooks(self)
 
     def on_train_batch_end(
@@ -46,13 +46,25 @@ class RichProgressBar(LightningRichProgressBar):
         finally:
             self._batch_read_due = True
 
-    def _update_metrics(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # private: Lightning's one place that reads the values (batch ends, epoch ends)
-        if self._batch_read_due:
-            super()._update_metrics(trainer, pl_module)  # private: see above
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+        if self._batch_read_due or self._shown is None:  # else the values shown last
+            self._shown = super().get_metrics(trainer, pl_module)
+        return self._shown
 
-    def _stop_progress(self) -> None:
-        # private: Lightning's one place that stops the display (stage ends, exceptions)
+    # Where Lightning stops the display (and joins its refresh thread): the thread let go first.
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.train_progress_bar_id is not None and self.leave and self.progress is not None:
+            compat.detach_refresh_thread(self.progress)
+        super().on_train_epoch_start(trainer, pl_module)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.progress is not None:
             compat.detach_refresh_thread(self.progress)
-        super()._stop_progress()  # private: see above
+        super().teardown(trainer, pl_module, stage)
+
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, err: BaseException
+    ) -> None:
+        if self.progress is not None:
+            compat.detach_refresh_thread(self.progress)
+        super().on_exception(trainer, pl_module, err)

@@ -1,16 +1,8 @@
-"""What ``eval`` rebuilds from a trained run: its config, its model and the model's weights.
+"""What eval and predict rebuild from a trained run: its config, its model, its weights.
 
-Any LightningModule, with or without a ``net``: the model is rebuilt from the ``model`` node of
-the run's own config (inside the checkpoint, or ``config.yaml`` beside the file), only from
-trusted ``_target_``s. A Lightning checkpoint is then loaded by Lightning itself
-(``trainer.test(ckpt_path=...)``, so the module's ``on_load_checkpoint`` and ``configure_model``
-run as they did in training, and the figures are those training reported); a ``model.pth`` is
-loaded into the part of the model it was exported from (:func:`.checkpoints.exported_part`), by
-Lightning too when the module builds layers in ``setup()``.
-
-The eval command's own ``data.*`` overrides (``data.batch_size=1``, ``data.num_workers=4``)
-apply to the run's data config; ``model.*`` overrides would describe another model than the
-weights' and are refused in one line.
+The model comes from the run's own config (in the checkpoint or beside it), trusted
+``_target_``s only; Lightning loads a checkpoint itself, so the module's hooks run as in
+training. The command's ``data.*`` overrides apply; ``model.*`` ones are refused in one line.
 """
 
 from __future__ import annotations
@@ -30,13 +22,28 @@ log = logging.getLogger(__name__)
 _TRAINING_CALLBACKS_WARNING = r"Be aware that when using `ckpt_path`, callbacks used to create"
 
 
+def load_trained(cfg: DictConfig) -> tuple[Path, Any, Path | None, Any]:
+    """For eval and predict: ``(source, model, ckpt_path, datamodule)``, the weights at
+    ``cfg.ckpt_path`` (a run directory stands for the model.pth it tested) and the run's model
+    and data rebuilt from its own config, seeded with ``cfg.seed`` (``ckpt_path``: what Lightning
+    loads, :func:`trained_model`)."""
+    import lightning.pytorch as pl
+    from hydra.utils import instantiate
+
+    source = checkpoints.resolve_ckpt_path(
+        cfg.ckpt_path, cfg.paths.log_dir, "train", tested_weights=True
+    )
+    assert source is not None  # ckpt_path is required (???) in eval.yaml and predict.yaml
+    data = checkpoints.load_file(source, mmap=True)
+    trained = trained_config(cfg, source, data)
+    pl.seed_everything(cfg.seed, workers=True)
+    model, ckpt = trained_model(trained["model"], source, data)
+    return source, model, ckpt, instantiate(trained["data"], _convert_="all")
+
+
 def trained_config(cfg: DictConfig, source: Path, data: dict[str, Any]) -> dict[str, Any]:
     """The ``model`` and ``data`` config of the run behind ``source``, with this command's
-    ``data.*`` overrides applied.
-
-    A file with no config inside or beside it (a ``model.pth`` copied alone) is rebuilt from
-    this command's ``model`` and ``data`` config instead (``model=...`` on the command line).
-    """
+    ``data.*`` overrides; this command's own when no config is inside or beside the file."""
     overrides = _task_overrides()
     try:
         parts = checkpoints.run_config(source, data, cfg.trusted_targets, ("model", "data"))
@@ -58,15 +65,11 @@ def trained_config(cfg: DictConfig, source: Path, data: dict[str, Any]) -> dict[
 
 
 def trained_model(model_config: dict[str, Any], source: Path, data: dict[str, Any]) -> Any:
-    """``(model, ckpt_path)``: the rebuilt LightningModule, and the checkpoint Lightning should
-    load into it (``None`` for a ``model.pth`` whose weights are already in).
-
-    Layers a module builds in ``setup()`` do not exist yet: what can be judged now (missing keys,
-    shapes) fails here in one line; the rest is judged by Lightning's own strict load after
-    ``setup()``, which a ``model.pth`` then goes through too (:func:`.as_lightning_checkpoint`).
-    """
+    """``(model, ckpt_path)``: the rebuilt module and the checkpoint Lightning loads into it
+    after ``setup()`` (``None`` when the weights are in already); a mismatch seen now (keys,
+    shapes) is one line, the rest Lightning's strict load judges."""
     model = checkpoints.rebuild_model(model_config)
-    if _is_lightning_checkpoint(data):
+    if is_lightning_checkpoint(data):
         mismatch = checkpoints.state_mismatch(model.state_dict(), data["state_dict"], True)
         if mismatch:
             raise RunError(
@@ -89,7 +92,8 @@ def trained_model(model_config: dict[str, Any], source: Path, data: dict[str, An
     return model, None
 
 
-def _is_lightning_checkpoint(data: dict[str, Any]) -> bool:
+def is_lightning_checkpoint(data: dict[str, Any]) -> bool:
+    """Whether a loaded file is a Lightning checkpoint (else weights: a model.pth, a state_dict)."""
     return "pytorch-lightning_version" in data and isinstance(data.get("state_dict"), dict)
 
 

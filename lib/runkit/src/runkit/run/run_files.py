@@ -56,22 +56,14 @@ def save_metrics(
     energy: Mapping[str, Any] | None = None,
     evaluated: str | Path | None = None,
 ) -> Path:
-    """Write ``metrics.json``: the figures, where they came from, and how long the run took.
-
-    ``evaluated``: the weights file an eval run tested; its ``metrics.json`` then names it and
-    leaves out what only training has (epochs, steps, best checkpoint, resume).
-
-    ``resumed_from`` is the checkpoint a resumed run continued (in an earlier run's directory);
-    ``started`` the ``time.time()`` at which this run (this job of a sweep) began; ``energy``
-    the GPUs' energy over the whole run, resumes included
-    (:func:`runkit.gpu_stats.callback.energy_report`), written when known.
-    """
+    """Write ``metrics.json``: the figures, where they came from (``resumed_from`` a
+    checkpoint; ``evaluated`` the weights an eval tested, leaving out what only training has),
+    the time since ``started`` and the GPUs' ``energy`` when known."""
     callback = trainer.checkpoint_callback
     score = getattr(callback, "best_model_score", None) if best_checkpoint else None
     training = {
         "best_checkpoint": best_checkpoint,
-        # what the checkpoint callback kept the best by, and that best (sweep summaries read it)
-        # (none when no best was kept: without validation, say, the monitor judged nothing)
+        # what the best was kept by, and that best (sweep summaries read it); none without one
         "monitor": getattr(callback, "monitor", None) if best_checkpoint else None,
         "best_score": float(score) if score is not None else None,
         "resumed_from": str(resumed_from) if resumed_from is not None else None,
@@ -94,13 +86,7 @@ def save_metrics(
 
 
 def strict_json(payload: Any, **kwargs: Any) -> str:
-    """JSON that strict parsers read: a NaN or infinite figure is ``null`` (``json.dumps`` alone
-    writes ``NaN``, which is not JSON).
-
-    Args:
-        payload: dicts, lists and scalars.
-        **kwargs: passed to :func:`json.dumps` (``indent``...).
-    """
+    """JSON that strict parsers read: a NaN or infinite figure is ``null``, not ``NaN``."""
     return json.dumps(_finite_or_none(payload), allow_nan=False, **kwargs)
 
 

@@ -1,17 +1,8 @@
-"""Every ``lightning.pytorch.Trainer`` argument as a key of the config: ``trainer.X=...`` needs no ``+``.
+"""Every ``Trainer`` argument is a key of ``configs/trainer/lightning.yaml``: no ``+`` needed.
 
-LightningCLI accepts every Trainer argument; a Hydra config accepts only the keys it has. The
-project's ``configs/trainer/lightning.yaml`` (the node below, merged under ``trainer/default.yaml``)
-gives the config all of them, so ``trainer.gradient_clip_val=1`` works and a misspelt key still
-gets Hydra's "not a key" with a "did you mean" among the real ones. A file, not a node registered
-at import, so that Hydra's own compose API composes the configs with nothing imported. Kept here
-as data rather than read from ``inspect.signature(Trainer)`` so that checking a config does not
-import Lightning; the tests check it against the installed Trainer and the file. Keys still at
-these defaults are not passed (:func:`set_arguments`), so a Lightning release that drops one of
-them does not break every run.
-
-Left out: ``precision`` (the run's top-level key), ``callbacks`` and ``logger`` (the
-``callbacks`` and ``logger`` groups).
+A misspelt key still gets Hydra's "not a key" with a "did you mean". Keys still at these
+defaults are not passed (:func:`set_arguments`), so a Lightning release that drops one does
+not break every run; the tests check the data against the installed Trainer and the file.
 """
 
 from __future__ import annotations
@@ -21,51 +12,24 @@ from typing import Any
 OWNED_ELSEWHERE = ("precision", "callbacks", "logger")
 
 TRAINER_DEFAULTS: dict[str, Any] = {
-    "accelerator": "auto",
-    "strategy": "auto",
-    "devices": "auto",
-    "num_nodes": 1,
-    "fast_dev_run": False,
-    "max_epochs": None,
-    "min_epochs": None,
-    "max_steps": -1,
-    "min_steps": None,
-    "max_time": None,
-    "limit_train_batches": None,
-    "limit_val_batches": None,
-    "limit_test_batches": None,
-    "limit_predict_batches": None,
-    "overfit_batches": 0.0,
-    "val_check_interval": None,
-    "check_val_every_n_epoch": 1,
-    "num_sanity_val_steps": None,
-    "log_every_n_steps": None,
-    "enable_checkpointing": None,
-    "enable_progress_bar": None,
-    "enable_model_summary": None,
-    "accumulate_grad_batches": 1,
-    "gradient_clip_val": None,
-    "gradient_clip_algorithm": None,
-    "deterministic": None,
-    "benchmark": None,
-    "inference_mode": True,
-    "use_distributed_sampler": True,
-    "profiler": None,
-    "detect_anomaly": False,
-    "barebones": False,
-    "plugins": None,
-    "sync_batchnorm": False,
-    "reload_dataloaders_every_n_epochs": 0,
-    "default_root_dir": None,
-    "enable_autolog_hparams": True,
-    "model_registry": None,
-}
+    "accelerator": "auto", "strategy": "auto", "devices": "auto", "num_nodes": 1,
+    "fast_dev_run": False, "max_epochs": None, "min_epochs": None, "max_steps": -1,
+    "min_steps": None, "max_time": None, "limit_train_batches": None, "limit_val_batches": None,
+    "limit_test_batches": None, "limit_predict_batches": None, "overfit_batches": 0.0,
+    "val_check_interval": None, "check_val_every_n_epoch": 1, "num_sanity_val_steps": None,
+    "log_every_n_steps": None, "enable_checkpointing": None, "enable_progress_bar": None,
+    "enable_model_summary": None, "accumulate_grad_batches": 1, "gradient_clip_val": None,
+    "gradient_clip_algorithm": None, "deterministic": None, "benchmark": None,
+    "inference_mode": True, "use_distributed_sampler": True, "profiler": None,
+    "detect_anomaly": False, "barebones": False, "plugins": None, "sync_batchnorm": False,
+    "reload_dataloaders_every_n_epochs": 0, "default_root_dir": None,
+    "enable_autolog_hparams": True, "model_registry": None,
+}  # fmt: skip
 """``Trainer.__init__``'s arguments and defaults (Lightning 2.6), less :data:`OWNED_ELSEWHERE`."""
 
 
 def set_arguments(trainer: Any) -> dict[str, Any]:
-    """The composed ``trainer`` node (resolved) less the keys still at Lightning's defaults: what
-    reaches ``Trainer(...)``, exactly as before the node had every key."""
+    """The composed ``trainer`` node (resolved) less the keys still at Lightning's defaults."""
     from omegaconf import OmegaConf
 
     resolved = OmegaConf.to_container(trainer, resolve=True)
