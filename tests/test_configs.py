@@ -55,14 +55,13 @@ def test_every_option_composes_and_passes_preflight(group: str, option: str) -> 
 def test_the_configs_compose_with_hydras_own_api_in_a_fresh_interpreter() -> None:
     """As Hydra's docs compose them, nothing of the project imported first; every Trainer
     argument a key of the config even so."""
-    code = (
-        "import sys\n"
-        "from hydra import compose, initialize_config_dir\n"
-        "with initialize_config_dir(config_dir=sys.argv[1], version_base='1.3'):\n"
-        "    for name in ('train', 'eval', 'predict'):\n"
-        "        assert compose(name).trainer.gradient_clip_val is None, name\n"
-        "assert 'project' not in sys.modules\n"
-    )
+    code = """import sys
+from hydra import compose, initialize_config_dir
+with initialize_config_dir(config_dir=sys.argv[1], version_base='1.3'):
+    for name in ('train', 'eval', 'predict'):
+        assert compose(name).trainer.gradient_clip_val is None, name
+assert 'project' not in sys.modules
+"""
     done = subprocess.run(
         [sys.executable, "-c", code, str(CONFIGS)], capture_output=True, text=True
     )
@@ -102,9 +101,7 @@ def test_predict_config_is_eval_s_with_the_prediction_writer() -> None:
 
 def test_overrides_reach_the_trainer_untouched() -> None:
     cfg = compose_train("trainer.max_epochs=3", "model.optimizer.lr=0.01", "trainer.devices=2")
-    assert cfg.trainer.max_epochs == 3
-    assert cfg.trainer.devices == 2
-    assert cfg.model.optimizer.lr == 0.01
+    assert (cfg.trainer.max_epochs, cfg.trainer.devices, cfg.model.optimizer.lr) == (3, 2, 0.01)
     assert cfg.model.scheduler.T_max == 3  # interpolated from trainer.max_epochs
 
 
@@ -196,20 +193,15 @@ def test_the_smallest_and_largest_seeds_pass(seed: int) -> None:
     check_config(compose_train(f"seed={seed}"))  # model=mlp &c.: every option's test above
 
 
-def test_safety_parts_and_speed_switches_show_in_the_composed_configs() -> None:
-    """``--cfg job`` shows what every run has: nothing is added behind the config's back."""
-    train = compose_train()
+def test_safety_parts_speed_switches_and_gpu_keys_show_in_train_and_eval() -> None:
+    """``--cfg job`` shows what every run has; ``python -m project.eval select_gpus=least_used
+    gpu_wait_s=600`` waits as training does."""
+    train, evaluation = compose_train(), compose_train("ckpt_path=x", name="eval")
     assert {"resume_state", "graceful_interrupt"} <= set(train.callbacks)
     assert train.trainer.plugins[0]._target_.endswith("checkpoints.AtomicCheckpointIO")
-    evaluation = compose_train("ckpt_path=x", name="eval")
     assert "graceful_interrupt" in evaluation.callbacks
     assert (evaluation.precision, evaluation.matmul_precision) == (train.precision, "high")
     assert evaluation.keep_freed_memory is train.keep_freed_memory is True
-
-
-def test_eval_takes_the_same_gpu_wait_and_claim_keys_as_train() -> None:
-    """``python -m project.eval select_gpus=least_used gpu_wait_s=600`` waits as training does."""
-    train, evaluation = compose_train(), compose_train("ckpt_path=x", name="eval")
     keys = {k for k in train if str(k).startswith("gpu_")}
     assert keys and {k: evaluation[k] for k in keys} == {k: train[k] for k in keys}
     check_config(compose_train("ckpt_path=x", "gpu_wait_s=600", name="eval"))
