@@ -102,26 +102,16 @@ CHECKS: dict[str, Check] = {
         "python -m runkit.devices --json --watch 5",
     ),
     "torchrun --nnodes=2 --nproc-per-node=4 --node-rank=0 --master-addr=node0 --master-port=29500 "
-    "--rdzv-id=exp1 -m project.train trainer=multi_node trainer.devices=4": Check(
-        SKIP, "two machines with 4 GPUs each; tests/test_multinode.py runs two nodes on localhost"
-    ),
+    "--rdzv-id=exp1 -m project.train trainer=multi_node trainer.devices=4": Check(SKIP, "two machines with 4 GPUs each; tests/test_multinode.py runs two nodes on localhost"),
     "mkdir -p logs/slurm && sbatch scripts/slurm/train.sbatch": Check(SKIP, "needs SLURM"),
     "torchrun --nproc-per-node=4 --max-restarts=3 --rdzv-backend=c10d "
     "--rdzv-endpoint=localhost:29400 --rdzv-id=exp1 -m project.train trainer=multi_node "
-    "trainer.num_nodes=1 trainer.devices=4": Check(
-        SKIP, "4 GPUs; tests/test_multinode.py restarts a killed worker on two CPU processes"
-    ),
-    "python scripts/gpu_check.py --fetch-wheels": Check(
-        SKIP, "downloads wheels; tests/test_gpu_check.py checks the folder logic"
-    ),
+    "trainer.num_nodes=1 trainer.devices=4": Check(SKIP, "4 GPUs; tests/test_multinode.py restarts a killed worker on two CPU processes"),
+    "python scripts/gpu_check.py --fetch-wheels": Check(SKIP, "downloads wheels; tests/test_gpu_check.py checks the folder logic"),
     "python scripts/gpu_check.py --dry-run": Check(SKIP, "tests/test_gpu_check.py runs the dry run"),
     "python scripts/gpu_check.py": Check(SKIP, "needs a GPU machine"),
-    f"{T} -m hydra/launcher=slurm model.optimizer.lr=0.01,0.001": Check(
-        SKIP, "needs SLURM and the slurm extra (submitit)"
-    ),
-    f"{T} -m hparams_search=optuna": Check(
-        SKIP, "needs the optuna extra (a network install) and 20 trainings"
-    ),
+    f"{T} -m hydra/launcher=slurm model.optimizer.lr=0.01,0.001": Check(SKIP, "needs SLURM and the slurm extra (submitit)"),
+    f"{T} -m hparams_search=optuna": Check(SKIP, "needs the optuna extra (a network install) and 20 trainings"),
     **_same(
         SECTION, "test_readme_sections.py runs the section 'Your own model and data' as written",
         "python make_table.py",
@@ -137,15 +127,9 @@ CHECKS: dict[str, Check] = {
     ),
     "python -m pytest tests": Check(DRY, "the project's own tests, run by the suite itself"),
     "pip install copier": Check(SKIP, "installs from PyPI; the dev extra has it"),
-    "copier copy <this repository> my-project": Check(
-        SKIP, "tests/test_template.py makes a project from a local git repository of the template"
-    ),
-    "copier update --skip-answered": Check(
-        SKIP, "tests/test_template.py updates such a project to a later tagged version"
-    ),
-    "git status && git diff --check": Check(
-        SKIP, "tests/test_template.py runs it after an update that conflicts"
-    ),
+    "copier copy <this repository> my-project": Check(SKIP, "tests/test_template.py makes a project from a local git repository of the template"),
+    "copier update --skip-answered": Check(SKIP, "tests/test_template.py updates such a project to a later tagged version"),
+    "git status && git diff --check": Check(SKIP, "tests/test_template.py runs it after an update that conflicts"),
     "make lint": Check(DRY, "lints the whole tree, which other work in progress may not pass"),
     "make format": Check(DRY, "rewrites files"),
     "make plot": Check(DRY, "the newest run of the repository's own logs/"),
