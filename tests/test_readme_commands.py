@@ -23,24 +23,21 @@ TEST_COMMAND = "bash scripts/setup.sh && .venv/bin/python -m pytest"
 
 
 def commands() -> list[str]:
-    found = []
-    for block in re.findall(r"^```bash\n(.*?)^```", README, flags=re.S | re.M):
-        for line in block.replace("\\\n", " ").splitlines():
-            command = re.sub(r"\s+#\s.*$", "", line).strip()
-            if command and not command.startswith("#"):
-                found.append(command)
-    return found
+    blocks = re.findall(r"^```bash\n(.*?)^```", README, flags=re.S | re.M)
+    lines = [
+        re.sub(r"\s+#\s.*$", "", line).strip()
+        for b in blocks
+        for line in b.replace("\\\n", " ").splitlines()
+    ]
+    return [line for line in lines if line and not line.startswith("#")]
 
 
 def training_commands() -> list[str]:
     """``python -m <package>.train|eval key=value ...`` with nothing to fill in or to set up
     first (no ``<run>`` placeholder, no config folder of one's own, no sweep)."""
     entry = re.compile(rf"^python -m {PACKAGE}\.(train|eval)\b")
-    return [
-        c
-        for c in commands()
-        if entry.match(c) and not re.search(r"<|--|\s-m\s|PYTHONPATH", c[len("python -m ") :])
-    ]
+    rest = re.compile(r"<|--|\s-m\s|PYTHONPATH")
+    return [c for c in commands() if entry.match(c) and not rest.search(c[len("python -m ") :])]
 
 
 def test_readme_gives_the_two_commands_a_newcomer_pastes() -> None:

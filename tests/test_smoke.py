@@ -22,14 +22,9 @@ LEAKY = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER
 
 def run(task: str, *overrides: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in LEAKY}
-    return subprocess.run(
-        [sys.executable, "-m", f"{PACKAGE}.{task}", *overrides, f"paths.log_dir={cwd / 'logs'}"],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args = [*overrides, f"paths.log_dir={cwd / 'logs'}"]
+    command = [sys.executable, "-m", f"{PACKAGE}.{task}", *args]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def only_run(log_dir: Path) -> Path:

@@ -1,36 +1,17 @@
 """Count the host reads of tensor values made per training and validation step, at the operator.
 
-A *host read* is an operator whose result the host needs before it can go on: a tensor value
-turned into a Python number (``aten._local_scalar_dense``: ``.item()``, ``bool()``, ``float()``,
-``if tensor:``), a comparison returning a Python bool (``aten.equal``), an output whose size
-depends on the values (``nonzero``, boolean-mask indexing, ``unique``, ``bincount``...), a copy to
-host memory. On a CUDA tensor each one waits for every kernel queued before it (a *sync*); on a
-CPU tensor it costs nothing.
+A *host read* is an operator whose result the host needs before it can go on (``.item()``,
+``bool()``, ``aten.equal``, value-dependent sizes such as ``nonzero``, a copy to host memory): on
+a CUDA tensor it waits for every queued kernel. :class:`HostReadProbe` keeps a
+``TorchDispatchMode`` active in a window around each batch but the first of an epoch or a
+validation run, and records each read with its operator and Python line. On a GPU run, reads of
+GPU tensors count; on a CPU run tensors are told apart as a GPU run would place them: optimiser
+step counters (neither ``fused`` nor ``capturable``), tensors made from Python data and what is
+computed from those alone stay on the host, everything else is on the accelerator.
 
-:class:`HostReadProbe` is a callback: it opens a *window* at each training or validation batch
-(the first batch of each epoch and of each validation run left out: epoch-start work) and keeps
-a :class:`~torch.utils._python_dispatch.TorchDispatchMode` active inside it, so the window holds
-the step, the backward pass, the optimiser step and every callback's batch hooks. Each read is
-recorded with the operator and the Python line that made it.
-
-Which reads count, *on the tensors' real devices*:
-
-* on a GPU run, reads of tensors on the GPU: CPU tensors are free;
-* on a CPU run (the tests here), every tensor is on the CPU, so the tensors are told apart by what
-  they are, as a GPU run would place them. On the host: the step counters of optimisers that are
-  neither ``fused`` nor ``capturable`` (torch keeps them there even when the parameters are on a
-  GPU), tensors made in the step from Python data (``torch.tensor(signum)``), and whatever is
-  computed from those alone. Everything else is on the accelerator: parameters, buffers, the
-  batch, metric states, every tensor that existed before the step, and whatever is computed
-  from any of them. Blind spot: a tensor made from Python data *with* ``device=`` given and read
-  before it meets accelerator data is taken as a host tensor here (the GPU mode sees it).
-
-Used in-process (``trainer.callbacks.insert(0, HostReadProbe())``), or from the command line in
-a DDP run, with ``tests/`` on ``PYTHONPATH``::
-
-    +callbacks.host_reads._target_=host_reads.HostReadProbe +callbacks.host_reads.report=FILE
-
-where each rank writes its findings to ``FILE.<rank>.json`` at the end of fit.
+In-process: ``trainer.callbacks.insert(0, HostReadProbe())``; from the command line (``tests/`` on
+``PYTHONPATH``): ``+callbacks.host_reads._target_=host_reads.HostReadProbe
++callbacks.host_reads.report=FILE``, each rank writing ``FILE.<rank>.json`` at the end of fit.
 """
 
 from __future__ import annotations
@@ -48,37 +29,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 aten = torch.ops.aten
 
 # Operators that read a value back to the host (their result's size or value is a host number).
-VALUE_READS = {
-    aten._local_scalar_dense,  # .item(), bool(), float(), int(), formatting
-    aten.is_nonzero,
-    aten.equal,
-    aten.allclose,
-    aten.nonzero,
-    aten.masked_select,
-    aten._unique,
-    aten._unique2,
-    aten.unique_dim,
-    aten.unique_consecutive,
-    aten.bincount,
-    aten.histc,
-}
-# Read only in some forms: a boolean mask as an index (a hidden nonzero), repeat_interleave
-# without output_size, a copy into host memory (not non_blocking).
+VALUE_READS = {aten._local_scalar_dense, aten.is_nonzero, aten.equal, aten.allclose, aten.nonzero,
+               aten.masked_select, aten._unique, aten._unique2, aten.unique_dim,
+               aten.unique_consecutive, aten.bincount, aten.histc}  # fmt: skip
+# A boolean mask as an index is a hidden nonzero.
 _BOOL_INDEX_OPS = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
-# torch.tensor(python_data) and friends: made on the host unless a device is given (on the CPU the
-# device cannot be told apart; a read of such a tensor is then taken as free).
+# torch.tensor(python_data) and friends: made on the host.
 _FROM_PYTHON = {aten.lift_fresh, aten.lift_fresh_copy}
-# Python methods that read a CPU tensor without any operator (on a GPU tensor they dispatch a copy).
+# Python methods that read a CPU tensor without any operator.
 PYTHON_READS = ("tolist", "numpy", "cpu")
-# Plumbing between the line that asked and the operator: dispatch, decorators, this file.
-_PLUMBING = (
-    "torch/utils/_python_dispatch.py",
-    "torch/_tensor.py",
-    "torch/_dynamo/",
-    "torch/_compile.py",
-    "torch/overrides.py",
-    "/host_reads.py",
-)
+_PLUMBING = ("torch/utils/_python_dispatch.py", "torch/_tensor.py", "torch/_dynamo/",
+             "torch/_compile.py", "torch/overrides.py", "/host_reads.py")  # fmt: skip
 
 
 def _storage(tensor: torch.Tensor) -> int:
@@ -135,8 +96,7 @@ def _read_tensors(
 
 
 def _where() -> tuple[str, str, str]:
-    """(innermost line outside torch's dispatch plumbing and this file, its code, the innermost
-    line of the project or the tests that led there)."""
+    """(innermost line outside torch's plumbing, its code, the innermost project or test line)."""
     frames = [
         f
         for f in traceback.extract_stack()
@@ -162,8 +122,7 @@ def _where() -> tuple[str, str, str]:
 
 
 def host_side_storages(optimizers: list[torch.optim.Optimizer]) -> set[int]:
-    """Storages of the optimiser step counters torch keeps on the host by design (neither
-    ``fused`` nor ``capturable``), which a read therefore finds without waiting for the GPU."""
+    """Storages of the optimiser step counters torch keeps on the host (neither fused nor capturable)."""
     found = set()
     for optimizer in optimizers:
         on_device = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
@@ -204,7 +163,6 @@ class HostReadProbe(pl.Callback):
         self._mode: ReadRecorder | None = None
         self._python_reads: dict[str, Any] = {}
 
-    # -------------------------------------------------------------------------------- reads
     def check(self, op: str, tensors: list[torch.Tensor]) -> None:
         if self.stage is None or not any(self.on_accelerator(t) for t in tensors):
             return
@@ -218,8 +176,7 @@ class HostReadProbe(pl.Callback):
         return _storage(tensor) not in self.host_side
 
     def place(self, func: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
-        """On the CPU: outputs made from host data only (a Python number, a step counter) stay
-        on the host, as they would in a GPU run; anything touching accelerator data goes there."""
+        """On the CPU: outputs of host data alone stay on the host; anything else goes to the accelerator."""
         from_host = func.overloadpacket in _FROM_PYTHON or not any(
             self.on_accelerator(t) for t in inputs
         )
@@ -229,7 +186,6 @@ class HostReadProbe(pl.Callback):
             else:
                 self.host_side.discard(_storage(tensor))
 
-    # -------------------------------------------------------------------------------- windows
     def _open(self, trainer: pl.Trainer, stage: str, batch_idx: int) -> None:
         self._close()
         if batch_idx < 1 or trainer.sanity_checking:
@@ -271,7 +227,6 @@ class HostReadProbe(pl.Callback):
     on_train_epoch_start = on_train_epoch_end = _close
     on_validation_start = on_validation_epoch_end = on_validation_end = _close
 
-    # -------------------------------------------------------------------------------- set-up
     def setup(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
         self.simulate = trainer.strategy.root_device.type == "cpu"
         for name in PYTHON_READS if not self._python_reads else ():
@@ -306,7 +261,7 @@ class HostReadProbe(pl.Callback):
             path.write_text(json.dumps(content, indent=1))
 
     def summary(self) -> str:
-        """The reads, one per line (each with its operator and Python line), for a failure."""
+        """The reads, one per line, for a failure message."""
         counts: dict[str, int] = {}
         for read in self.reads:
             counts[str(read)] = counts.get(str(read), 0) + 1

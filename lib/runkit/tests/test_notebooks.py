@@ -17,11 +17,6 @@ NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 nbformat = pytest.importorskip("nbformat", reason="the notebook tests need the dev extra")
 
 
-def test_there_are_notebooks_to_check() -> None:
-    names = [path.name for path in NOTEBOOKS]
-    assert "01_gpu_story.ipynb" in names and "02_plot_a_run.ipynb" in names, names
-
-
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_is_committed_without_outputs(path: Path) -> None:
     notebook = nbformat.read(path, as_version=4)
@@ -36,25 +31,22 @@ def test_notebook_is_committed_without_outputs(path: Path) -> None:
     assert notebook.metadata["kernelspec"]["name"] == "python3"
 
 
-def test_nbstripout_would_change_nothing(tmp_path: Path) -> None:
+def test_pre_commit_strips_notebooks_and_nbstripout_would_change_nothing(tmp_path: Path) -> None:
     """The pre-commit hook's own tool, run on copies: a committed notebook is already stripped."""
-    copies = []
-    for path in NOTEBOOKS:
-        copy = tmp_path / path.name
-        copy.write_bytes(path.read_bytes())
-        copies.append(copy)
-    result = subprocess.run(
-        [sys.executable, "-m", "nbstripout", *map(str, copies)], capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr
-    for path, copy in zip(NOTEBOOKS, copies, strict=True):
-        assert copy.read_text() == path.read_text(), f"nbstripout changes {path.name}"
-
-
-def test_pre_commit_strips_notebooks_and_runs_ruff() -> None:
+    assert {"01_gpu_story.ipynb", "02_plot_a_run.ipynb"} <= {path.name for path in NOTEBOOKS}
     config = yaml.safe_load((NOTEBOOK_DIR.parent / ".pre-commit-config.yaml").read_text())
     hooks = {hook["id"] for repo in config["repos"] for hook in repo["hooks"]}
     assert {"nbstripout", "ruff", "ruff-format"} <= hooks
+    copies = [tmp_path / path.name for path in NOTEBOOKS]
+    for path, copy in zip(NOTEBOOKS, copies, strict=True):
+        copy.write_bytes(path.read_bytes())
+    done = subprocess.run(
+        [sys.executable, "-m", "nbstripout", *map(str, copies)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert [c.read_text() for c in copies] == [p.read_text() for p in NOTEBOOKS], (
+        "nbstripout changes them"
+    )
 
 
 @pytest.mark.slow
@@ -70,24 +62,14 @@ def test_notebook_runs_top_to_bottom_on_cpu(
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PROJECT_LOG_DIR", str(tmp_path / "logs"))
     notebook = nbformat.read(path, as_version=4)
-    client = NotebookClient(
-        notebook,
-        kernel_name="python3",
-        timeout=300,
-        resources={"metadata": {"path": str(tmp_path)}},
-    )
+    resources = {"metadata": {"path": str(tmp_path)}}
+    client = NotebookClient(notebook, kernel_name="python3", timeout=300, resources=resources)
     try:
         client.execute()
     except CellExecutionError as err:  # the failing cell and its traceback, in one message
         pytest.fail(f"{path.name} failed:\n{str(err)[-4000:]}")
-    errors = [
-        output
-        for cell in notebook.cells
-        if cell.cell_type == "code"
-        for output in cell.outputs
-        if output.output_type == "error"
-    ]
-    assert not errors
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
     trained = [p.parent for p in (tmp_path / "logs").glob("**/model.pth")]
     assert trained, "the notebook left no finished training run in its working directory"
     assert all((run / "curves.png").is_file() for run in trained)

@@ -1,11 +1,10 @@
-"""README sections that a user follows top to bottom run from their own text, nothing stripped.
+"""README sections a user follows top to bottom run from their own text, nothing stripped.
 
-A *file block* is a ``python`` or ``yaml`` block whose first comment line that is not a Hydra
-header (``# @package ...`` must stay the file's first line) names a relative path: it is written
-to that path verbatim. The ``bash`` blocks' commands then run in order, in a real ``bash``, in the
-same scratch folder, with ``python`` the suite's interpreter and no ``PYTHONPATH`` but what the
-command sets. ``logs/train/runs/<run>`` is filled from the ``Run directory: ...`` line the previous
-run printed. Nothing is added to a command: its epochs are the README's.
+A *file block* (``python`` or ``yaml``) whose first comment line, after a Hydra ``# @package``
+header, names a relative path is written to that path verbatim. The ``bash`` blocks' commands then
+run in order in a real ``bash`` in one scratch folder, ``python`` the suite's interpreter and no
+``PYTHONPATH`` but what the command sets; ``logs/train/runs/<run>`` is the ``Run directory:`` the
+previous run printed. Nothing is added to a command: its epochs are the README's.
 """
 
 from __future__ import annotations
@@ -27,13 +26,8 @@ from conftest import clean_env
 
 ROOT = Path(__file__).resolve().parents[3]
 READMES = README.files
-SECTIONS = {
-    "own model and data": (
-        ROOT / "lib" / "runkit" / "docs" / "own-model-and-data.md",
-        "# Your own model and data",
-    )
-}
-"""Sections run as written, each by a test below: (file, heading)."""
+OWN = (ROOT / "lib" / "runkit" / "docs" / "own-model-and-data.md", "# Your own model and data")
+SECTIONS = [OWN]  # (file, heading) run as written, each by a test below
 
 
 @dataclass(frozen=True)
@@ -43,9 +37,7 @@ class Block:
 
 
 def blocks(text: str) -> list[Block]:
-    return [
-        Block(lang, body) for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", text, re.S | re.M)
-    ]
+    return [Block(*found) for found in re.findall(r"^```(\w*)\n(.*?)^```", text, re.S | re.M)]
 
 
 def file_path(block: Block) -> str | None:
@@ -107,14 +99,8 @@ def run_section(text: str, cwd: Path) -> list[tuple[str, subprocess.CompletedPro
             if "logs/train/runs/<run>" in command:
                 assert printed, f"{command!r} needs a run directory; no command before printed one"
                 line = command.replace("logs/train/runs/<run>", shlex.quote(printed))
-            result = subprocess.run(
-                ["bash", "-c", line],
-                cwd=cwd,
-                env=shell_env(),
-                capture_output=True,
-                text=True,
-                timeout=900,
-            )
+            result = subprocess.run(["bash", "-c", line], cwd=cwd, env=shell_env(),
+                                    capture_output=True, text=True, timeout=900)  # fmt: skip
             output = result.stdout + result.stderr
             assert result.returncode == 0, f"{line}\n{output[-4000:]}"
             found = re.findall(r"Run directory: (\S.*)", output)
@@ -127,27 +113,18 @@ def run_section(text: str, cwd: Path) -> list[tuple[str, subprocess.CompletedPro
 # Fast checks
 
 
-def test_file_blocks_name_their_path_and_keep_hydra_headers_first() -> None:
-    for readme in READMES:
-        for block in blocks(readme.read_text()):
-            if "@package" in block.text:
-                first = block.text.splitlines()[0]
-                assert first.startswith("# @package"), (
-                    f"{readme.name}: Hydra reads '# @package' only before any other line:\n"
-                    + block.text
-                )
-            if block.lang == "yaml" and file_path(block) is None:
-                pytest.fail(f"{readme.name}: a YAML block names no path:\n{block.text}")
-
-
-def test_every_file_block_is_in_a_section_that_runs() -> None:
+def test_file_blocks_name_their_path_keep_hydra_headers_first_and_run_in_a_section() -> None:
     covered = {
-        file_path(b)
-        for readme, heading in SECTIONS.values()
-        for b in blocks(section(readme, heading))
+        file_path(b) for readme, heading in SECTIONS for b in blocks(section(readme, heading))
     }
-    for readme in READMES:  # but the example test file for the library's suite
-        named = {file_path(b) for b in blocks(readme.read_text())} - {None, "tests/test_mine.py"}
+    for readme in READMES:
+        found = blocks(readme.read_text())
+        for block in found:  # Hydra reads '# @package' only before any other line
+            assert "@package" not in block.text or block.text.startswith("# @package"), block.text
+            assert block.lang != "yaml" or file_path(block), (
+                f"{readme.name}: a YAML block names no path"
+            )
+        named = {file_path(b) for b in found} - {None, "tests/test_mine.py"}  # the suite's example
         assert named <= covered, f"file blocks no test writes: {sorted(named - covered)}"
 
 
@@ -168,8 +145,7 @@ def test_block_parsing_keeps_the_header_and_finds_the_path() -> None:
 
 @pytest.mark.slow
 def test_your_own_model_and_data_runs_as_written(tmp_path: Path) -> None:
-    readme, heading = SECTIONS["own model and data"]
-    done = run_section(section(readme, heading), tmp_path)
+    done = run_section(section(*OWN), tmp_path)
     ran = [command for command, _ in done]
     assert ran[0] == "python make_table.py" and len(ran) == 5, ran
     assert set(ran) == {c for c, k in CHECKS.items() if k.how == SECTION}  # test_readme's list
@@ -204,9 +180,7 @@ def test_your_own_model_and_data_runs_as_written(tmp_path: Path) -> None:
 
 def python_snippets() -> list[tuple[Path, Block]]:
     """Every python block of both READMEs that no section test runs."""
-    in_sections = {
-        b.text for readme, heading in SECTIONS.values() for b in blocks(section(readme, heading))
-    }
+    in_sections = {b.text for readme, heading in SECTIONS for b in blocks(section(readme, heading))}
     return [
         (readme, b)
         for readme in READMES
@@ -231,34 +205,15 @@ def test_library_readme_snippets_run(tmp_path: Path) -> None:
     snippets = [b for _, b in python_snippets() if "load_network" not in b.text]
     (trainer,) = [b for b in snippets if file_path(b) is None]
     (test_file,) = [b for b in snippets if file_path(b) == "tests/test_mine.py"]
-    done = subprocess.run(
-        [sys.executable, "-c", trainer.text],
-        cwd=tmp_path,
-        env=shell_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = subprocess.run([sys.executable, "-c", trainer.text], cwd=tmp_path, env=shell_env(),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_mine.py").write_text(test_file.text)
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "tests/test_mine.py",
-            "-p",
-            "conftest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-        ],
-        cwd=tmp_path,
-        env={**shell_env(), "PYTHONPATH": str(tests)},  # where the suite's conftest lives
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:]
-    assert "1 passed" in done.stdout, done.stdout[-2000:]
+        [sys.executable, "-m", "pytest", "tests/test_mine.py", "-p", "conftest", "-q", "-p",
+         "no:cacheprovider"],
+        cwd=tmp_path, env={**shell_env(), "PYTHONPATH": str(tests)},  # the suite's conftest
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-3000:]

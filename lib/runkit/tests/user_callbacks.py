@@ -14,12 +14,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 
 class Pause(Callback):
-    """Hold the run at a known point, so a test can send a signal there.
-
-    At the first batch end of the phase named by ``at`` (``train``, ``sanity`` (fit's sanity
-    check), ``test``, ``predict``; in training, of epoch ``epoch`` or later) write ``marker`` and
-    wait until the test creates ``<marker>.release``. A resumed fit does not pause.
-    """
+    """At the first batch end of phase ``at`` (``train`` from epoch ``epoch``, ``sanity``,
+    ``test``, ``predict``) write ``marker`` and wait for ``<marker>.release``; a resumed fit does
+    not pause."""
 
     def __init__(self, at: str, marker: str, epoch: int = 0) -> None:
         self.at, self.marker, self.epoch, self.done = at, Path(marker), epoch, False
@@ -48,9 +45,8 @@ class Pause(Callback):
 
 
 def hold(marker: Path, text: str) -> None:
-    """Write ``marker`` (the phase the project's signal handling says the run is in, then
-    ``text``) and wait, in Python where signal handlers run, for ``<marker>.release`` (at most
-    300 s)."""
+    """Write ``marker`` (the signal handling's phase, then ``text``) and wait, in Python where
+    signal handlers run, for ``<marker>.release`` (300 s at most)."""
     from runkit.safety import signals
 
     marker.write_text(f"{signals.request.phase}\n{text}")
@@ -60,12 +56,8 @@ def hold(marker: Path, text: str) -> None:
 
 
 class PauseInExport(Callback):
-    """Hold the run in its export phase, as it starts writing ``model.pth`` (after the test).
-
-    ``on_test_end`` arms a ``state_dict`` hook on every module of the LightningModule: the first
-    ``state_dict()`` after the test is the export's (nothing saves a checkpoint after the test),
-    and there the hook writes ``marker`` and waits for ``<marker>.release``.
-    """
+    """Hold the run as its export starts writing ``model.pth``: the first ``state_dict()`` after
+    the test is the export's, and a hook armed at test end holds it there (see :func:`hold`)."""
 
     def __init__(self, marker: str) -> None:
         self.marker, self.done = Path(marker), False
@@ -84,9 +76,8 @@ class PauseInExport(Callback):
 
 
 class HoldSave(Callback):
-    """Hold the save a stop signal asked for: ``on_save_checkpoint`` (before the file is written)
-    writes ``marker`` and waits for ``<marker>.release``, once, and only after the run got a stop
-    signal (the periodic ``last.ckpt`` saves before it go through)."""
+    """Hold, once, the save a stop signal asked for, before the file is written (see :func:`hold`);
+    periodic saves before the signal go through."""
 
     def __init__(self, marker: str) -> None:
         self.marker, self.done = Path(marker), False
@@ -101,8 +92,7 @@ class HoldSave(Callback):
 
 
 class FailAtStart(Callback):
-    """Raise on every rank when training starts with learning rate ``lr``: a job of a sweep that
-    fails after its DDP workers started."""
+    """Raise on every rank at train start with learning rate ``lr`` (a sweep job failing under DDP)."""
 
     def __init__(self, lr: float) -> None:
         self.lr = lr
@@ -120,10 +110,8 @@ def _lr(trainer: Trainer) -> float:
 
 
 class Rendezvous(Callback):
-    """Jobs of a sweep meet: at train start each of ``parties`` jobs writes a file into
-    ``folder`` and waits for the others' (300 s at most, then raises). A sweep that ran its jobs
-    one after another fails here: the first job would wait alone. ``skip_lr``: a job with this
-    learning rate takes no part."""
+    """At train start each of ``parties`` sweep jobs writes a file into ``folder`` and waits 300 s
+    at most for the others': jobs run one after another fail. A job with ``skip_lr`` takes no part."""
 
     def __init__(self, folder: str, parties: int, skip_lr: float | None = None) -> None:
         self.folder, self.parties, self.skip_lr = Path(folder), parties, skip_lr
