@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import pty
 import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -69,6 +71,309 @@ def test_a_second_stop_signal_quits_at_once_unless_it_follows_a_warning(
     first: signal.Signals, again: signal.Signals, quits: bool
 ) -> None:
     assert signals._quits_at_once(first, again) is quits
+
+
+@pytest.mark.parametrize(
+    ("env", "job", "zero"),
+    [
+        ({}, None, True),
+        ({"SLURM_JOB_ID": "12", "SLURM_PROCID": "0", "RANK": ""}, "12", True),
+        ({"SLURM_JOB_ID": "12", "SLURM_JOB_NAME": "bash"}, None, True),  # srun --pty bash
+        ({"SLURM_JOB_ID": "12", "SLURM_JOB_NAME": "interactive", "NODE_RANK": "1"}, None, False),
+        ({"SLURM_JOB_ID": "1x", "RANK": "2"}, None, False),
+        ({"LOCAL_RANK": "1"}, None, False),
+        ({"SLURM_PROCID": "3"}, None, False),
+    ],
+)
+def test_the_launch_variables_name_the_slurm_job_and_rank_zero(
+    env: dict, job: str | None, zero: bool
+) -> None:
+    assert signals.slurm_job_id(env) == job and signals.rank_zero(env) is zero
+
+
+@pytest.fixture
+def quits(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
+    """What :func:`signals.quit_now` was asked, instead of quitting."""
+    asked: list[tuple[int, str]] = []
+    monkeypatch.setattr(signals, "quit_now", lambda signum, why: asked.append((signum, why)))
+    return asked
+
+
+def test_a_second_request_quits_and_the_same_stop_delivered_again_does_not(
+    monkeypatch: pytest.MonkeyPatch, quits: list
+) -> None:
+    monkeypatch.setattr(signals, "STOP_REPEAT_S", 0.3)
+    for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(SystemExit) as stop, signals.stop_on_signal() as request:
+        assert request.watched  # the watcher judges the repeats, not the handler
+        for _ in range(2):  # one stop delivered twice
+            os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.5)
+        assert quits == [] and request.received == signal.SIGINT
+        os.kill(os.getpid(), signal.SIGINT)  # a person asking again
+        deadline = time.monotonic() + 10
+        while not quits and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert quits == [(signal.SIGINT, "again: quitting at once, without saving")]
+    assert stop.value.code == 130
+
+
+@pytest.mark.parametrize(
+    ("first", "since", "parent_died", "again", "second"),
+    [
+        (signal.SIGINT, 2.0, False, signal.SIGINT, True),
+        (signal.SIGINT, 0.1, False, signal.SIGINT, False),  # the same stop delivered again
+        (signal.SIGTERM, 2.0, True, signal.SIGTERM, False),  # PR_SET_PDEATHSIG, per thread
+        (signal.SIGUSR1, 2.0, False, signal.SIGTERM, False),  # SLURM's end after its warning
+        (None, 2.0, False, signal.SIGTERM, False),
+    ],
+)
+def test_what_a_handler_counts_as_a_second_request(
+    monkeypatch: pytest.MonkeyPatch, quits: list, first, since, parent_died, again, second
+) -> None:
+    parent = os.getppid() + parent_died
+    stop = signals.StopRequest(first, received_at=time.monotonic() - since, parent=parent)
+    assert signals._second_request(stop, again, time.monotonic()) is second
+    monkeypatch.setattr(signals, "request", stop)
+    signals._record(again, None)  # no watcher: the handler judges
+    assert quits == ([(again, "again: quitting at once, without saving")] if second else [])
+    assert stop.received == (first or again)
+
+
+@pytest.mark.parametrize(
+    ("state", "expected"),
+    [
+        ({}, [(15, "received after the run had finished (its files are complete)")]),
+        ({"failed": True}, []),  # the error's own line and exit code follow
+        ({"received": 2, "received_at": -9.0}, [(15, "again: quitting at once")]),
+        ({"received": 15}, []),  # the stop itself, delivered again
+        ({"quiet": True}, ["exit 143"]),  # a DDP worker: rank 0 speaks
+    ],
+)
+def test_a_signal_after_the_run_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, quits: list, state: dict, expected: list
+) -> None:
+    state = {"received_at": time.monotonic(), **state}
+    monkeypatch.setattr(signals, "request", signals.StopRequest(**state))
+    monkeypatch.setattr(os, "_exit", lambda code: quits.append(f"exit {code}"))
+    signals._after_the_run(signal.SIGTERM, None)
+    assert quits == expected
+
+
+def test_quitting_says_which_rank_kills_the_workers_and_exits_128_plus_n(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    child = SimpleNamespace(killed=False)
+    child.kill = lambda: setattr(child, "killed", True)
+    monkeypatch.setattr(signals, "request", signals.StopRequest(children=[child]))
+    monkeypatch.setattr(signals, "_quitting", threading.Lock())
+    monkeypatch.setattr(os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(SystemExit) as stop:
+        signals.quit_now(signal.SIGTERM, "why")
+    assert stop.value.code == 143 and child.killed
+    assert capsys.readouterr().err == "\nerror: rank 2: SIGTERM why; exit code 143\n"
+    signals.quit_now(signal.SIGTERM, "again")  # the other thread is saying it already
+    assert capsys.readouterr().err == ""
+
+
+def test_a_rank_stuck_after_a_stop_signal_quits_after_the_grace(
+    monkeypatch: pytest.MonkeyPatch, quits: list
+) -> None:
+    watcher = object.__new__(signals._Watcher)
+    watcher.stop, watcher.first_at, watcher._waiting = signals.StopRequest(), 100.0, None
+    grace = signals.STUCK_GRACE_S
+    watcher._check_stuck(signal.SIGTERM, 100.0 + grace)  # the handler may still run
+    assert quits == []
+    watcher._check_stuck(signal.SIGTERM, 100.5 + grace)
+    assert quits[-1][1].startswith("received, but this rank stayed stuck in native code for 10 s")
+    # The handler ran, but the main thread waits in one torch.distributed call.
+    watcher.stop.received, quits[:] = signal.SIGTERM, []
+    code = SimpleNamespace(
+        co_filename=f"torch{os.sep}distributed{os.sep}c10d.py", co_name="barrier"
+    )
+    frame = SimpleNamespace(f_code=code, f_lasti=8)
+    monkeypatch.setattr(sys, "_current_frames", lambda: {threading.main_thread().ident: frame})
+    for now in (200.0, 200.0 + grace, 200.5 + grace):
+        watcher._check_stuck(signal.SIGTERM, now)
+    assert quits == [
+        (signal.SIGTERM, "received, but this rank waited 10 s in torch.distributed.barrier for "
+         "another rank; stopping without saving")
+    ]  # fmt: skip
+    monkeypatch.setattr(sys, "_current_frames", lambda: {})
+    watcher._check_stuck(signal.SIGTERM, 300.0)
+    assert watcher._waiting is None
+
+
+@pytest.mark.parametrize(("world", "distributed"), [("", False), ("1", False), ("2", True)])
+def test_a_rank_of_several_is_told_by_world_size(
+    monkeypatch: pytest.MonkeyPatch, world: str, distributed: bool
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", world)
+    assert signals._distributed() is distributed
+
+
+def test_a_child_forked_during_a_run_gets_the_handlers_from_before_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def blocked() -> set[int]:
+        return set(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+    mine = lambda *_: None  # noqa: E731 - a handler of the program's own
+    monkeypatch.setattr(signals, "request", signals.StopRequest())
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        with signals.stop_on_signal() as request:
+            signals._before_fork()  # as os.fork() does
+            assert {signal.SIGINT, signal.SIGTERM} <= blocked()
+            signals._after_fork_in_parent()
+            assert not {signal.SIGINT, signal.SIGTERM} & blocked()
+            signals._before_fork()
+            signals._in_forked_child()  # in the child
+            assert not {signal.SIGINT, signal.SIGTERM} & blocked()
+            assert signal.getsignal(signal.SIGTERM) is mine
+            assert signals.request is not request and signals.request.quiet
+            assert signal.set_wakeup_fd(-1) == -1
+            # A child of a DataLoader worker gets the stop signals back.
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
+            monkeypatch.setattr(signals, "_worker_stops", (signal.SIGTERM,))
+            signals._in_forked_child()
+            assert signal.SIGTERM not in blocked() and signals._worker_stops == ()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_dataloader_worker_takes_its_stop_signals_and_ends_on_its_parents_sigterm_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What happens in a worker (a fresh interpreter shows it end to end: test_a_stop_pending_...).
+    stops = (signal.SIGTERM, signal.SIGINT)
+    threads: list[Callable] = []
+    monkeypatch.setattr(
+        threading,
+        "Thread",
+        lambda target, **_: SimpleNamespace(start=lambda: threads.append(target)),
+    )
+    monkeypatch.setattr(signals, "_before_the_run", dict.fromkeys(stops))
+    monkeypatch.setattr(signals, "_worker_stops", ())
+    monkeypatch.setattr(os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    main = threading.main_thread().ident or 0
+    try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+        signal.pthread_kill(main, signal.SIGTERM)  # pending as the worker starts, not the parent's
+        signal.pthread_kill(main, signal.SIGINT)
+        signals._dataloader_worker_stops()
+        assert signal.sigpending() == set() and len(threads) == 1  # taken, then the thread's
+        assert signals._worker_stops == stops
+        assert set(stops) <= signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        monkeypatch.setattr(os, "getppid", os.getpid)  # now the parent sends it
+        signal.pthread_kill(main, signal.SIGTERM)
+        with pytest.raises(SystemExit) as ended:
+            signals._dataloader_worker_stops()
+        assert ended.value.code == 0
+    finally:
+        while signal.sigtimedwait(stops, 0) is not None:
+            pass
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
+
+
+def test_a_watcher_outside_the_main_thread_does_nothing() -> None:
+    stop = signals.StopRequest(watched=True)
+    thread = threading.Thread(target=lambda: setattr(stop, "watcher", signals._Watcher(stop)))
+    thread.start()
+    thread.join()
+    assert not stop.watched and stop.watcher._previous_fd is None  # type: ignore[attr-defined]
+    assert stop.watcher._reader.fileno() == -1  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("initialized", "world", "distributed"), [(True, 2, True), (True, 1, False), (False, 2, False)]
+)
+def test_a_rank_of_several_is_told_by_torch_too(
+    monkeypatch: pytest.MonkeyPatch, initialized: bool, world: int, distributed: bool
+) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    fake = SimpleNamespace(is_initialized=lambda: initialized, get_world_size=lambda: world)
+    monkeypatch.setitem(sys.modules, "torch.distributed", fake)
+    assert signals._distributed() is distributed
+    fake.get_world_size = lambda: 1 / 0  # torch's own failure: not a rank of several
+    assert signals._distributed() is False
+
+
+def test_the_last_line_gets_out_when_stderr_is_busy_or_gone(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    class Busy:
+        def write(self, text: str) -> None:
+            raise RuntimeError("reentrant call")  # a handler interrupted a write to stderr
+
+    monkeypatch.setattr(sys, "stderr", Busy())
+    signals._write_line("one line")
+    assert capfd.readouterr().err == "one line\n"
+    sys.stderr.write = lambda text: (_ for _ in ()).throw(ValueError("closed"))  # type: ignore[method-assign]
+    signals._write_line("lost")  # a closed stream: nothing, no traceback
+    monkeypatch.undo()
+    log_file = logging.FileHandler(tmp_path / "train.log")
+    logging.getLogger().addHandler(log_file)
+    try:
+        monkeypatch.setattr(signals, "request", signals.StopRequest())
+        signals._say("in the run's log", run_log=True)
+        signals._say("only on stderr")
+        signals.request.quiet = True
+        signals._say("from a worker: nothing", run_log=True)
+    finally:
+        logging.getLogger().removeHandler(log_file)
+        log_file.close()
+    assert capfd.readouterr().err == "in the run's log\nonly on stderr\n"
+    assert (tmp_path / "train.log").read_text() == "in the run's log\n"
+    # A terminal or pipe that went away: stdout and stderr go to /dev/null.
+    reader, writer = os.pipe()
+    saved = os.dup(1)
+    try:
+        os.dup2(writer, 1)
+        os.close(reader)
+        signals._drop_closed_outputs()
+        assert os.readlink("/proc/self/fd/1") == os.devnull
+        assert os.readlink("/proc/self/fd/2") != os.devnull
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(writer)
+
+
+def test_a_stop_waits_for_its_workers_and_kills_those_that_do_not_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Worker:
+        def __init__(self, ends: bool) -> None:
+            self.ends, self.calls = ends, []
+
+        def wait(self, timeout: float | None = None) -> int:
+            self.calls.append(timeout)
+            if not self.ends and timeout is not None:
+                raise subprocess.TimeoutExpired("worker", timeout)
+            return 0
+
+        def kill(self) -> None:
+            self.calls.append("kill")
+
+    workers = [Worker(True), Worker(False)]
+    monkeypatch.setattr(signals, "request", signals.StopRequest(children=list(workers), quiet=True))
+    with pytest.raises(SystemExit) as stop:
+        signals.exit_stopped(signal.SIGTERM)
+    assert stop.value.code == 143 and signals.request.children == []
+    assert [w.calls for w in workers] == [[30.0], [30.0, "kill", None]]
+
+
+def test_after_the_run_the_stop_signals_are_ignored_until_the_process_ends() -> None:
+    before = {signum: signal.getsignal(signum) for signum in signals.stop_signals()}
+    try:
+        signals._at_exit()
+        assert {signal.getsignal(signum) for signum in before} == {signal.SIG_IGN}
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 HANG_UP = """
