@@ -96,8 +96,7 @@ def stop_on_signal(until_exit: bool = False) -> Iterator[StopRequest]:
     if until_exit:
         atexit.unregister(_at_exit)
         atexit.register(_at_exit)  # runs after the hooks torch and Lightning register
-    for signum in previous:
-        signal.signal(signum, _record)
+    _set(dict.fromkeys(previous, _record))
     watcher = _Watcher(request)
     try:
         yield request
@@ -107,9 +106,7 @@ def stop_on_signal(until_exit: bool = False) -> Iterator[StopRequest]:
     finally:
         request.active = False
         watcher.close()
-        for signum, handler in previous.items():
-            handler = _after_the_run if until_exit else handler
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        _set(dict.fromkeys(previous, _after_the_run) if until_exit else previous)
     if request.received is not None and not _started_by_rank0():
         exit_stopped(request.received)  # the work finished but a signal came
 
@@ -131,9 +128,7 @@ def _after_the_run(signum: int, frame: FrameType | None) -> None:
 def _at_exit() -> None:
     """The last point where Python runs a handler; past it the interpreter resets them and a
     signal would end the process silently, so the stop signals are ignored from here on."""
-    for signum in stop_signals():
-        with contextlib.suppress(OSError, ValueError):
-            signal.signal(signum, signal.SIG_IGN)
+    _set(dict.fromkeys(stop_signals(), signal.SIG_IGN))
 
 
 def _record(signum: int, frame: FrameType | None) -> None:
@@ -190,27 +185,25 @@ class _Watcher:
     """Hears every signal through a wakeup socket; quits on a second request or a stuck rank."""
 
     def __init__(self, stop: StopRequest) -> None:
-        self.stop, self.first_at = stop, 0.0
+        self.stop, self.first_at = stop, 0.0  # first_at: when the first stop signal came
         self._waiting: tuple[Any, float] | None = None  # (the main thread's frame, since when)
         self._reader, self._writer = socket.socketpair()
         self._writer.setblocking(False)
         try:
             fd = self._writer.fileno()
-            self._previous_fd = signal.set_wakeup_fd(fd, warn_on_full_buffer=False)
-        except (ValueError, OSError):
+            self._previous_fd = signal.set_wakeup_fd(fd)
+        except ValueError:  # not the main thread
             self._previous_fd = None
             self.close()
             return
-        self._reader.settimeout(0.5)  # here: a block that ends at once closes it first
+        self._reader.settimeout(0.5)  # wakes to check a stuck rank, and to see the block ended
         threading.Thread(target=self._run, name="signal-watch", daemon=True).start()
         stop.watched = True
 
     def close(self) -> None:
         self.stop.watched = False
         if self._previous_fd is not None:
-            with contextlib.suppress(ValueError, OSError):
-                signal.set_wakeup_fd(self._previous_fd)
-            self._previous_fd = None
+            signal.set_wakeup_fd(self._previous_fd)
         self._writer.close()
         self._reader.close()
 
@@ -327,18 +320,21 @@ _fork = threading.local()  # the forking thread's signal mask from before the fo
 _worker_stops: tuple[int, ...] = ()  # in a DataLoader worker: the stop signals kept blocked
 
 
+def _set(handlers: Mapping[int, Any]) -> None:
+    for signum, handler in handlers.items():
+        signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+
 def _before_fork() -> None:
     """During a run, a child starts with the stop signals blocked until its own handling is set."""
     _fork.mask = None
     if request.active:
-        with contextlib.suppress(ValueError, OSError):
-            _fork.mask = signal.pthread_sigmask(signal.SIG_BLOCK, tuple(_before_the_run))
+        _fork.mask = signal.pthread_sigmask(signal.SIG_BLOCK, tuple(_before_the_run))
 
 
 def _after_fork_in_parent() -> None:
-    if getattr(_fork, "mask", None) is not None:
+    if _fork.mask is not None:
         signal.pthread_sigmask(signal.SIG_SETMASK, _fork.mask)
-        _fork.mask = None
 
 
 def _in_forked_child() -> None:
@@ -346,27 +342,22 @@ def _in_forked_child() -> None:
     descriptor, and its signals unblocked; a DataLoader worker keeps them blocked
     (:func:`_dataloader_worker_stops`), and a child it forks gets them back."""
     global request, _worker_stops
-    mask, _fork.mask = getattr(_fork, "mask", None), None
     if _worker_stops:
-        with contextlib.suppress(ValueError, OSError):
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _worker_stops)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _worker_stops)
         _worker_stops = ()
         return
     if not request.active:
         return
     request = StopRequest(quiet=True)
-    with contextlib.suppress(ValueError, OSError):
-        signal.set_wakeup_fd(-1)
-        for signum, handler in _before_the_run.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-    if "torch.utils.data._utils.signal_handling" in sys.modules and hasattr(signal, "sigwaitinfo"):
+    signal.set_wakeup_fd(-1)
+    _set(_before_the_run)
+    if hasattr(signal, "sigwaitinfo"):  # not on macOS
         from runkit import compat
 
         if compat.forked_for_a_dataloader_worker():
             compat.leave_dataloader_workers_out_of_stops(_dataloader_worker_stops)
             return
-    if mask is not None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    signal.pthread_sigmask(signal.SIG_SETMASK, _fork.mask)
 
 
 def _dataloader_worker_stops() -> None:
@@ -394,7 +385,7 @@ def _dataloader_worker_stops() -> None:
         while True:
             end_if_the_parents(signal.sigwaitinfo(stops))
 
-    threading.Thread(target=take, name="dataloader-worker-stops", daemon=True).start()
+    threading.Thread(target=take, daemon=True).start()
 
 
 os.register_at_fork(
@@ -419,7 +410,7 @@ def rank_zero(environ: Mapping[str, str] | None = None) -> bool:
     )
 
 
-def _started_by_rank0() -> bool:
+def _started_by_rank0(environ: Mapping[str, str] | None = None) -> bool:
     """A DDP worker of Lightning's launcher (not torchrun's): rank 0 reports the signal."""
-    env = os.environ
+    env = os.environ if environ is None else environ
     return env.get("LOCAL_RANK", "0") not in ("", "0") and "TORCHELASTIC_RUN_ID" not in env
