@@ -113,14 +113,13 @@ def watchers() -> set[threading.Thread]:
 def test_a_second_request_quits_and_the_same_stop_delivered_again_does_not(
     monkeypatch: pytest.MonkeyPatch, quits: list, first: int, again: int, quit: bool
 ) -> None:
-    monkeypatch.setattr(signals, "STOP_REPEAT_S", 0.3)
     before = watchers()
     with pytest.raises(SystemExit) as stop, signals.stop_on_signal() as request:
         (watcher,) = watchers() - before
         assert request.watched and watcher.daemon  # the watcher judges the repeats
         for _ in range(2):  # one stop delivered twice
             os.kill(os.getpid(), first)
-        time.sleep(0.5)
+        time.sleep(signals.STOP_REPEAT_S + 0.2)
         assert quits == [] and request.received == first
         os.kill(os.getpid(), again)  # a person asking again
         deadline = time.monotonic() + (10 if quit else 1)
