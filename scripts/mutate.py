@@ -81,6 +81,12 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
             "lib/runkit/tests/test_gpu_stats_process.py",
         ],
     ),
+    # stop signals: recorded at once, repeats judged, forked children left out (in-process tests
+    # only count: the CLI and fresh-interpreter tests run the unmutated tree)
+    "signals": (
+        ["lib/runkit/src/runkit/safety/signals.py"],
+        ["lib/runkit/tests/test_signals.py", "lib/runkit/tests/test_interrupts.py"],
+    ),
     # a small module to try the tool on
     "finite_loss": (
         ["lib/runkit/src/runkit/safety/finite_loss.py"],

@@ -1,11 +1,8 @@
-"""A Hydra app whose jobs only claim GPUs, for the parallel launcher's claim tests.
+"""A Hydra app whose jobs only claim GPUs, for the parallel launcher's claim tests (test_sweep.py).
 
-``python -m sweep_app -m hydra/launcher=runkit_parallel hold_s=1,8,15 ...`` with the fake NVML
-(``RUNKIT_NVML_BACKEND``): each job claims one of the fake GPUs as a training run does
-(``select_gpus``, ``gpu_wait_s`` from the launcher's ``job_overrides``), holds it ``hold_s``
-seconds (less after a stop signal), and writes ``claimed`` at once, then ``claims.json`` (the GPU, when it got it, when it let go) and ``metrics.json``.
-torch has no CUDA here, so it is told that CUDA sees the fake GPUs. A job whose ``hold_s`` is
-``late_hold_s`` claims only after ``after_claims`` other jobs have claimed theirs.
+Each job claims one fake GPU as a training run does, holds it ``hold_s`` seconds (less after a
+stop signal), writes ``claimed`` at once, then ``claims.json`` and ``metrics.json``. A job whose
+``hold_s`` is ``late_hold_s`` claims only after ``after_claims`` other jobs have claimed theirs.
 """
 
 from __future__ import annotations

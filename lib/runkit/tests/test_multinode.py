@@ -36,16 +36,24 @@ TINY = (
 def test_run_id_names_the_launch_so_every_rank_agrees() -> None:
     slurm = {"SLURM_JOB_ID": "812", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0"}
     assert run_id("%Y", slurm) == "slurm-812.0"
+    assert run_id("%Y", {**slurm, "SLURM_RESTART_COUNT": "1"}) == "slurm-812.0-requeue1"
     assert run_id("%Y", {"TORCHELASTIC_RUN_ID": "abc", "WORLD_SIZE": "4"}) == "torchrun-abc"
     # A group torchrun restarted (--max-restarts) writes beside the attempt it resumes.
     restarted = {"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "2"}
     assert run_id("%Y", restarted) == "torchrun-abc-restart2"
-    assert run_id("%Y", {}).isdigit()  # a plain run: the timestamp
     # One task: the timestamp (several runs in one job stay apart), naming the job for a requeue.
-    year = time.strftime("%Y")
-    assert run_id("%Y", {"SLURM_JOB_ID": "9", "SLURM_NTASKS": "1"}) == f"{year}_slurm-9"
+    year, single = time.strftime("%Y"), {"SLURM_JOB_ID": "9", "SLURM_NTASKS": "1"}
+    assert run_id("%Y", single) == f"{year}_slurm-9"
+    assert run_id("%Y", {**single, "SLURM_RESTART_COUNT": "2"}) == f"{year}_slurm-9-requeue2"
+    # A plain run, a job id that is not one, an interactive job: the timestamp.
+    for env in (
+        {},
+        {**single, "SLURM_JOB_ID": "../x"},
+        {**single, "SLURM_JOB_NAME": "interactive"},
+    ):
+        assert run_id("%Y", env) == year
     # Lightning's own DDP children are handed hydra.run.dir, but must not fail if asked.
-    assert run_id("%Y", {"LOCAL_RANK": "1", "WORLD_SIZE": "2"}).isdigit()
+    assert run_id("%Y", {"LOCAL_RANK": "1", "WORLD_SIZE": "2"}) == year
     for env in ({"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2"}, {"WORLD_SIZE": "2"}):
         with pytest.raises(RunError, match=r"pass hydra.run.dir=<dir>"):
             run_id("%Y", env)
@@ -61,21 +69,40 @@ def test_rank_suffix_and_external_launch_detection() -> None:
     assert not launched_externally({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "1"})
 
 
-def test_a_restarted_torchrun_group_resumes_from_its_own_launch_only(tmp_path: Path) -> None:
-    def run(name: str, overrides: str = "a=1") -> Path:
-        (tmp_path / name / ".hydra").mkdir(parents=True)
-        (tmp_path / name / ".hydra" / "overrides.yaml").write_text(f"- {overrides}\n")
-        (tmp_path / name / "checkpoints").mkdir()
-        torch.save({}, tmp_path / name / "checkpoints" / "last.ckpt")  # a complete file
-        return tmp_path / name / "checkpoints" / "last.ckpt"
+def make_run(runs: Path, name: str, overrides: str = "a=1", checkpoint: str = "last.ckpt") -> Path:
+    """A run directory with its recorded overrides and one complete checkpoint."""
+    (runs / name / ".hydra").mkdir(parents=True)
+    (runs / name / ".hydra" / "overrides.yaml").write_text(f"- {overrides}\n")
+    (runs / name / "checkpoints").mkdir()
+    torch.save({"global_step": 1}, runs / name / "checkpoints" / checkpoint)
+    time.sleep(0.02)  # the next one is newer
+    return (runs / name / "checkpoints" / checkpoint).resolve()
 
-    mine = run("torchrun-x")
-    run("torchrun-xy")  # another launch, newer
-    run("torchrun-x-restart1", "a=2")  # another command
+
+def test_a_requeued_job_resumes_from_the_newest_checkpoint_of_the_same_command(
+    tmp_path: Path,
+) -> None:
+    make_run(tmp_path, "2026-01-01_00-00_slurm-812")
+    stopped = make_run(tmp_path, "2026-01-01_01-00_slurm-812", checkpoint="interrupted.ckpt")
+    make_run(tmp_path, "2026-01-01_02-00_slurm-812", "a=2")  # another command
+    make_run(tmp_path, "2026-01-01_03-00_slurm-8123")  # another job
+    make_run(tmp_path, "2026-01-01_04-00_slurm-812").write_bytes(b"PK\x03\x04 cut")  # newest, cut
+    current = tmp_path / "2026-01-02_00-00_slurm-812-requeue1"
+    current.mkdir()
+    env = {"SLURM_JOB_ID": "812", "SLURM_RESTART_COUNT": "1"}
+    assert requeued_checkpoint(current, ["a=1"], env) == stopped
+    assert requeued_checkpoint(current, ["a=1"], {"SLURM_JOB_ID": "812"}) is None  # not requeued
+    assert requeued_checkpoint(current, ["other=1"], env) is None
+
+
+def test_a_restarted_torchrun_group_resumes_from_its_own_launch_only(tmp_path: Path) -> None:
+    mine = make_run(tmp_path, "torchrun-x")
+    make_run(tmp_path, "torchrun-xy")  # another launch, newer
+    make_run(tmp_path, "torchrun-x-restart1", "a=2")  # another command
     (tmp_path / "torchrun-x" / "checkpoints" / "broken.ckpt").write_bytes(b"PK")  # cut short
     env = {"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "2", "RANK": "0"}
     current = tmp_path / "torchrun-x-restart2"
-    assert requeued_checkpoint(current, ["a=1"], env) == mine.resolve()
+    assert requeued_checkpoint(current, ["a=1"], env) == mine
     assert requeued_checkpoint(current, ["a=1"], {**env, "TORCHELASTIC_RESTART_COUNT": "0"}) is None
     (tmp_path / "torchrun-x" / "metrics.json").write_text("{}")  # that run finished: a rerun
     with pytest.raises(RunError, match=r"--rdzv-id=x has run to its end already.*new --rdzv-id"):
@@ -188,25 +215,11 @@ def test_torchrun_restarts_after_a_killed_worker_continue_the_run_exactly(tmp_pa
     assert "frame #" not in rerun.stderr and "Exception raised from" not in rerun.stderr
 
 
-def fake_slurm(bin_dir: Path, squeue: str) -> Path:
-    """``squeue`` printing ``squeue`` (start|comment) and ``scontrol`` recording its arguments."""
-    bin_dir.mkdir()
-    calls = bin_dir / "calls"
-    for name, body in (("squeue", f"echo '{squeue}'"), ("scontrol", f'echo "$@" >> {calls}')):
-        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
-        (bin_dir / name).chmod(0o755)
-    return calls
-
-
 @pytest.mark.parametrize(
-    ("squeue", "first", "writes"),
+    ("squeue", "writes"),
     [
-        ("2026-01-02T03:04:05|(null)", "2026-01-02T03:04:05", True),  # the first attempt
-        (
-            "2026-01-02T09:00:00|user words runkit-start=2026-01-02T03:04:05",
-            "2026-01-02T03:04:05",
-            False,
-        ),
+        ("2026-01-02T03:04:05|(null)", True),  # the first attempt writes its start down
+        ("2026-01-02T09:00:00|user words runkit-start=2026-01-02T03:04:05", False),  # requeued
     ],
 )
 def test_a_slurm_job_is_known_by_its_first_start_not_by_its_id_alone(
@@ -214,12 +227,15 @@ def test_a_slurm_job_is_known_by_its_first_start_not_by_its_id_alone(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
     squeue: str,
-    first: str,
     writes: bool,
 ) -> None:
-    calls = fake_slurm(tmp_path / "bin", squeue)
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setattr(launch, "_first_starts", {}, raising=False)
+    bin_dir, calls = tmp_path / "bin", tmp_path / "bin" / "calls"
+    bin_dir.mkdir()
+    for name, body in (("squeue", f"echo '{squeue}'"), ("scontrol", f'echo "$@" >> {calls}')):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(launch, "_first_starts", {})
     env = {
         "SLURM_JOB_ID": "812",
         "SLURM_NTASKS": "2",
@@ -233,30 +249,26 @@ def test_a_slurm_job_is_known_by_its_first_start_not_by_its_id_alone(
     expected = "update job=812 comment=runkit-start=2026-01-02T03:04:05\n" if writes else None
     assert (calls.read_text() if calls.exists() else None) == expected
 
-    # An older job 812 stopped with a checkpoint of the same command; this job's own first attempt
-    # saved nothing before it was requeued: it starts afresh, and says why in one line.
-    runs = tmp_path / "runs"
-    older = runs / "2025-12-01_00-00-00_slurm-812.0"
-    for run, token in (
-        (older, "c:812:2025-12-01T00:00:00"),
-        (runs / f"{first}_slurm-812.0", f"c:812:{first}"),
-    ):
-        (run / ".hydra").mkdir(parents=True)
-        (run / ".hydra" / "overrides.yaml").write_text("- a=1\n")
-        (run / "slurm_job").write_text(token)
-    (older / "checkpoints").mkdir()
-    torch.save({}, older / "checkpoints" / "interrupted.ckpt")
+    # An older job 812 stopped with a checkpoint of the same command; this job's own first
+    # attempt saved nothing before it was requeued: it starts afresh, and says why in one line.
+    runs, first = tmp_path / "runs", "2026-01-02T03:04:05"
+    older = make_run(runs, "2025-12-01_00-00-00_slurm-812.0", checkpoint="interrupted.ckpt")
+    own = make_run(runs, f"{first}_slurm-812.0").parent.parent
+    (older.parent.parent / "slurm_job").write_text("c:812:2025-12-01T00:00:00")
+    (own / "slurm_job").write_text(f"c:812:{first}")
+    (own / "checkpoints" / "last.ckpt").unlink()
     current = runs / "x-requeue1"
     current.mkdir()
     with caplog.at_level(logging.INFO, logger=launch.log.name):
         assert requeued_checkpoint(current, ["a=1"], requeued) is None
-    lines = caplog.messages
     assert (current / "slurm_job").read_text() == f"c:812:{first}\n"
-    assert any(
-        f"1 run(s) in {runs} ({older.name}...) are of an earlier job" in line for line in lines
+    line = (
+        f"1 run(s) in {runs.resolve()} (2025-12-01_00-00-00_slurm-812.0...) are of an earlier job"
     )
+    assert any(line in message for message in caplog.messages)
     # The job's own checkpoint, once it has one, is what it resumes from.
-    (runs / f"{first}_slurm-812.0" / "checkpoints").mkdir()
-    own = runs / f"{first}_slurm-812.0" / "checkpoints" / "last.ckpt"
-    torch.save({}, own)
-    assert requeued_checkpoint(current, ["a=1"], requeued) == own.resolve()
+    torch.save({}, own / "checkpoints" / "last.ckpt")
+    assert (
+        requeued_checkpoint(current, ["a=1"], requeued)
+        == (own / "checkpoints" / "last.ckpt").resolve()
+    )

@@ -37,16 +37,9 @@ def test_single_job_argv_drops_the_sweep_and_keeps_hydra_overrides_and_config_op
         ["-m", "-cd", "my configs", "--config-name=exp", "model.optimizer.lr=0.01,0.1"],
     )
     assert argv == [
-        "train.py",
-        "--config-dir",
-        "my configs",
-        "--config-name",
-        "exp",
-        "model.optimizer.lr=0.01",
-        "data.batch_size=64",
-        "hydra.sweep.dir=/x",
-        "hydra.mode=RUN",
-    ]
+        "train.py", "--config-dir", "my configs", "--config-name", "exp",
+        "model.optimizer.lr=0.01", "data.batch_size=64", "hydra.sweep.dir=/x", "hydra.mode=RUN",
+    ]  # fmt: skip
 
 
 def test_sweep_objective_returns_the_named_metric_as_a_float() -> None:
@@ -70,13 +63,9 @@ def job_dirs(log_dir: Path) -> dict[int, Path]:
 
 
 def child_job_line(job: Path) -> str:
-    lines = [
-        line
-        for line in (job / "train_ddp_process_1.log").read_text().splitlines()
-        if "runs sweep job" in line
-    ]
-    assert len(lines) == 1, lines  # exactly one job ran in this child
-    return lines[0].split("runs sweep job ", 1)[1]
+    log = (job / "train_ddp_process_1.log").read_text().splitlines()
+    (line,) = [line for line in log if "runs sweep job" in line]  # one job ran in this child
+    return line.split("runs sweep job ", 1)[1]
 
 
 def overrides(job: Path) -> list[str]:
@@ -88,18 +77,11 @@ def test_grid_sweep_with_ddp_survives_failed_jobs(cli: CliRunner, log_dir: Path)
     # Jobs: lr x max_epochs. max_epochs=0 fails in the task before any child starts (RunError);
     # lr=0.02 fails on both ranks after the children started (a user callback's ValueError).
     result = cli(
-        "train",
-        "-m",
-        "model.optimizer.lr=0.01,0.02,0.001",
-        "trainer.max_epochs=1,0",
-        "data.batch_size=256",
-        "+callbacks.boom._target_=user_callbacks.FailAtStart",
-        "+callbacks.boom.lr=0.02",
-        *TINY[:1],
-        *TINY[2:],
-        env={"PYTHONPATH": str(Path(__file__).resolve().parent)},
-        timeout=500,
-    )
+        "train", "-m", "model.optimizer.lr=0.01,0.02,0.001", "trainer.max_epochs=1,0",
+        "data.batch_size=256", "+callbacks.boom._target_=user_callbacks.FailAtStart",
+        "+callbacks.boom.lr=0.02", *TINY[:1], *TINY[2:],
+        env={"PYTHONPATH": str(Path(__file__).resolve().parent)}, timeout=500,
+    )  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode != 0  # Hydra reports the failed jobs at the end
     assert output.count("Launching 6 jobs locally") == 1, output[-3000:]  # no child re-swept
@@ -126,15 +108,9 @@ def test_optuna_sweep_gives_both_ranks_the_same_draw(cli: CliRunner, log_dir: Pa
         "hydra_plugins.hydra_optuna_sweeper", reason="pip install 'project[optuna]'"
     )
     result = cli(
-        "train",
-        "-m",
-        "hparams_search=optuna",
-        "hydra.sweeper.n_trials=2",
-        "hydra.sweeper.sampler.seed=7",
-        "data.batch_size=choice(128,256)",
-        *TINY,
-        timeout=500,
-    )
+        "train", "-m", "hparams_search=optuna", "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.sampler.seed=7", "data.batch_size=choice(128,256)", *TINY, timeout=500,
+    )  # fmt: skip
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     jobs = job_dirs(log_dir)
     assert sorted(jobs) == [0, 1]

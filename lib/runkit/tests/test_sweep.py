@@ -34,9 +34,6 @@ TINY = (
 )
 
 
-# ------------------------------------------------------------------------------- unit tests
-
-
 def test_a_job_command_runs_one_job_in_its_folder_and_the_jobs_own_values_win() -> None:
     command = sweep.job_command(
         ["python", "-m", "project.train"],
@@ -47,19 +44,11 @@ def test_a_job_command_runs_one_job_in_its_folder_and_the_jobs_own_values_win() 
         3,
     )
     assert command == [
-        "python",
-        "-m",
-        "project.train",
-        "model.optimizer.lr=0.1",
+        "python", "-m", "project.train", "model.optimizer.lr=0.1",
         "select_gpus=first",  # the job's own value, not the launcher's
-        "gpu_wait_s=60",
-        "hydra/launcher=parallel",
-        "hydra.sweep.dir=/s",
-        'hydra.run.dir="/s/a b é/3"',
-        "hydra.job.num=3",
-        "hydra.job.id=3",
-        "hydra.mode=RUN",
-    ]
+        "gpu_wait_s=60", "hydra/launcher=parallel", "hydra.sweep.dir=/s",
+        'hydra.run.dir="/s/a b é/3"', "hydra.job.num=3", "hydra.job.id=3", "hydra.mode=RUN",
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("value", [0, -2, 1.5, "four", True])
@@ -94,30 +83,22 @@ def test_a_job_follows_the_sweep_that_started_it() -> None:
 
 
 def test_the_summary_has_a_row_per_job_with_all_its_attempts(tmp_path: Path) -> None:
-    def run(name: str, metrics: dict | None) -> str:
-        folder = tmp_path / name
-        folder.mkdir()
-        if metrics is not None:
-            record = {
-                "metrics": metrics,
-                "monitor": "val/acc",
-                "best_score": metrics["val/acc"] + 0.1,
-                "energy": {"energy_j": 12.5},
-            }
-            (folder / "metrics.json").write_text(json.dumps(record))
-        return str(folder)
+    def run(name: str, acc: float | None = None) -> str:
+        (tmp_path / name).mkdir()
+        if acc is not None:
+            record = {"metrics": {"val/acc": acc}, "monitor": "val/acc", "best_score": acc + 0.1}
+            record["energy"] = {"energy_j": 12.5}
+            (tmp_path / name / "metrics.json").write_text(json.dumps(record))
+        return str(tmp_path / name)
 
     attempts = [
-        Attempt(0, ["lr=0.1", "e=2"], run("0", {"val/acc": 0.5}), "l0", "finished", 0, 10, 30),
-        Attempt(1, ["lr=0.2", "e=2"], run("1", None), "l1", "interrupted", 143, 10, 15),
-        Attempt(2, ["lr=0.3", "e=2"], run("2", None), "l2", "failed", 1, 11, 12),
-        Attempt(
-            1, ["lr=0.2", "e=2"], run("1-attempt2", {"val/acc": 0.7}), "l", "finished", 0, 40, 50
-        ),
+        Attempt(0, ["lr=0.1", "e=2"], run("0", 0.5), "l0", "finished", 0, 10, 30),
+        Attempt(1, ["lr=0.2", "e=2"], run("1"), "l1", "interrupted", 143, 10, 15),
+        Attempt(2, ["lr=0.3", "e=2"], run("2"), "l2", "failed", 1, 11, 12),
+        Attempt(1, ["lr=0.2", "e=2"], run("1-attempt2", 0.7), "l", "finished", 0, 40, 50),
     ]
     rows = sweep_summary.job_rows(attempts, not_started=[["lr=0.4", "e=2"]])
-    path = sweep_summary.write_summary(tmp_path, rows)
-    table = list(csv.DictReader(path.open()))
+    table = list(csv.DictReader(sweep_summary.write_summary(tmp_path, rows).open()))
     assert [(r["job"], r["status"], r["attempts"]) for r in table] == [
         ("0", "finished", "1"),
         ("1", "finished", "2"),
@@ -134,67 +115,24 @@ def test_the_summary_has_a_row_per_job_with_all_its_attempts(tmp_path: Path) -> 
 # ------------------------------------------------------------------ claims between jobs
 
 
-def app(tmp_path: Path, *overrides: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "sweep_app",
-        "-m",
-        "hydra/launcher=runkit_parallel",
+def run_app(tmp_path: Path, *overrides: str, **how) -> subprocess.Popen:
+    """``sweep_app`` (jobs that only claim one of 2 fake GPUs) under the parallel launcher."""
+    command = [
+        sys.executable, "-m", "sweep_app", "-m", "hydra/launcher=runkit_parallel",
         "+hydra.launcher.job_overrides.select_gpus=least_used",
-        "+hydra.launcher.job_overrides.gpu_wait_s=600",
-        f"gpu_lock_dir={tmp_path / 'locks'}",
-        f"hydra.sweep.dir={tmp_path / 'sweep'}",
-        *overrides,
-    ]
-
-
-def app_env() -> dict[str, str]:
-    return clean_env(
+        "+hydra.launcher.job_overrides.gpu_wait_s=600", f"gpu_lock_dir={tmp_path / 'locks'}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}", *overrides,
+    ]  # fmt: skip
+    env = clean_env(
         RUNKIT_NVML_BACKEND="runkit.testing.fake_nvml:create",
         RUNKIT_FAKE_NVML=json.dumps({"gpus": 2}),
         PYTHONPATH=str(TESTS),
     )
+    return subprocess.Popen(command, env=env, cwd=tmp_path, **how)
 
 
 def state(sweep_dir: Path) -> list[dict]:
     return json.loads((sweep_dir / sweep.STATE_FILE).read_text())["attempts"]
-
-
-def run_app(tmp_path: Path, *overrides: str, **how) -> subprocess.Popen:
-    return subprocess.Popen(app(tmp_path, *overrides), env=app_env(), cwd=tmp_path, **how)
-
-
-@pytest.mark.slow
-def test_jobs_never_share_a_gpu_and_a_waiting_job_takes_the_first_freed(tmp_path: Path) -> None:
-    # 3 jobs at once on 2 fake GPUs. The 15 s job asks once the other two hold both GPUs, so it
-    # waits in its claim loop; the 1 s job lets go first, 7 s before the 8 s job.
-    proc = run_app(
-        tmp_path,
-        "hydra.launcher.n_jobs=3",
-        "hold_s=1,8,15",
-        "late_hold_s=15",
-        "after_claims=2",
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    assert "0 job(s) skipped (finished earlier), 0 resumed, 3 started" in out
-    folder = tmp_path / "sweep"
-    short, long, late = (json.loads((folder / n / "claims.json").read_text()) for n in "012")
-    for gpu in (0, 1):
-        spans = sorted(
-            (j["claimed"], j["released"]) for j in (short, long, late) if j["gpus"] == [gpu]
-        )
-        for (_, released), (claimed, _) in itertools.pairwise(spans):
-            assert claimed >= released  # one holder at a time
-    assert short["gpus"] != long["gpus"]
-    assert late["gpus"] == short["gpus"]  # the first GPU freed
-    assert short["released"] <= late["claimed"] < long["released"]  # as soon as it was freed
-    attempts = state(folder)
-    assert max(a["started"] for a in attempts) < min(a["ended"] for a in attempts)  # all at once
 
 
 def gone(pid: int) -> bool:
@@ -204,37 +142,40 @@ def gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.slow
-def test_kill_9_of_the_sweep_leaves_no_job_behind(tmp_path: Path) -> None:
-    proc = run_app(
-        tmp_path,
-        "hydra.launcher.n_jobs=2",
-        "hold_s=300,300",
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.time() + 120
-        while len(list((tmp_path / "sweep").glob("*/claimed"))) < 2:
-            assert time.time() < deadline and proc.poll() is None, "the jobs never claimed a GPU"
-            time.sleep(0.1)
-        pids = [a["pid"] for a in state(tmp_path / "sweep")]
-        assert len(pids) == 2 and not any(gone(pid) for pid in pids)
-    finally:
-        proc.kill()
-        proc.wait()
-    deadline = time.time() + 5
+def all_gone(pids: list[int], timeout: float) -> bool:
+    deadline = time.time() + timeout
     while not all(gone(pid) for pid in pids) and time.time() < deadline:
         time.sleep(0.1)
-    assert all(gone(pid) for pid in pids), "a job outlived the sweep by 5 s"
+    return all(gone(pid) for pid in pids)
+
+
+@pytest.mark.slow
+def test_jobs_never_share_a_gpu_and_a_waiting_job_takes_the_first_freed(tmp_path: Path) -> None:
+    # 3 jobs at once on 2 fake GPUs. The 15 s job asks once the other two hold both GPUs, so it
+    # waits in its claim loop; the 1 s job lets go first, 7 s before the 8 s job.
+    overrides = ("hydra.launcher.n_jobs=3", "hold_s=1,8,15", "late_hold_s=15", "after_claims=2")
+    proc = run_app(tmp_path, *overrides, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "0 job(s) skipped (finished earlier), 0 resumed, 3 started" in out
+    folder = tmp_path / "sweep"
+    jobs = short, long, late = [json.loads((folder / n / "claims.json").read_text()) for n in "012"]
+    for gpu in (0, 1):
+        spans = sorted((j["claimed"], j["released"]) for j in jobs if j["gpus"] == [gpu])
+        for (_, released), (claimed, _) in itertools.pairwise(spans):
+            assert claimed >= released  # one holder at a time
+    assert short["gpus"] != long["gpus"]
+    assert late["gpus"] == short["gpus"]  # the first GPU freed
+    assert short["released"] <= late["claimed"] < long["released"]  # as soon as it was freed
+    attempts = state(folder)
+    assert max(a["started"] for a in attempts) < min(a["ended"] for a in attempts)  # all at once
 
 
 # ------------------------------------------------------------- real training through the CLI
 
 
-def sweep_dir_of(log_dir: Path) -> Path:
-    (found,) = (log_dir / "train" / "multiruns").iterdir()
-    return found
+def summary(folder: Path) -> list[dict]:
+    return list(csv.DictReader((folder / "summary.csv").open()))
 
 
 @pytest.mark.slow
@@ -244,28 +185,21 @@ def test_jobs_run_at_the_same_time_and_a_failing_job_does_not_stop_the_others(
     # lr=0.02 fails at train start; the other two meet at train start (Rendezvous): run one
     # after another, the first would wait alone and fail.
     result = cli(
-        "train",
-        "-m",
-        "hydra/launcher=parallel",
-        "hydra.launcher.n_jobs=2",
-        "model.optimizer.lr=0.01,0.02,0.03",
-        *TINY,
-        "+callbacks.boom._target_=user_callbacks.FailAtStart",
-        "+callbacks.boom.lr=0.02",
+        "train", "-m", "hydra/launcher=parallel", "hydra.launcher.n_jobs=2",
+        "model.optimizer.lr=0.01,0.02,0.03", *TINY,
+        "+callbacks.boom._target_=user_callbacks.FailAtStart", "+callbacks.boom.lr=0.02",
         "+callbacks.meet._target_=user_callbacks.Rendezvous",
-        f"+callbacks.meet.folder={tmp_path / 'meet'}",
-        "+callbacks.meet.parties=2",
+        f"+callbacks.meet.folder={tmp_path / 'meet'}", "+callbacks.meet.parties=2",
         "+callbacks.meet.skip_lr=0.02",
-        env={"PYTHONPATH": str(TESTS)},
-        timeout=500,
-    )
+        env={"PYTHONPATH": str(TESTS)}, timeout=500,
+    )  # fmt: skip
     assert result.returncode == 1, (result.stdout + result.stderr)[-3000:]
     assert (
         "error: 1 of 3 sweep job(s) failed: #1 (exit 1: ValueError: user callback: refusing "
         "lr=0.02); their logs are in "
     ) in result.stderr
-    folder = sweep_dir_of(log_dir)
-    rows = list(csv.DictReader((folder / "summary.csv").open()))
+    (folder,) = (log_dir / "train" / "multiruns").iterdir()
+    rows = summary(folder)
     assert [(r["job"], r["status"]) for r in rows] == [
         ("0", "finished"),
         ("1", "failed"),
@@ -284,33 +218,17 @@ def test_a_stopped_sweep_reruns_into_the_rest_without_repeating_a_finished_job(
     # One job at a time: #0 finishes, #1 is stopped in its second epoch, #2 never starts. The
     # user's code (user_callbacks, on PYTHONPATH) and a config folder of their own: every job,
     # first and resumed, must get both.
-    folder = tmp_path / "sweep dir é"
-    marker = tmp_path / "paused"
+    folder, marker = tmp_path / "sweep dir é", tmp_path / "paused"
     user_config_dir(tmp_path / "my configs")
     command = [
-        sys.executable,
-        "-m",
-        "project.train",
-        "-m",
-        "--config-dir",
-        "my configs",
-        "model=mine",
-        "hydra/launcher=parallel",
-        "hydra.launcher.n_jobs=1",
-        "model.optimizer.lr=0.01,0.02,0.03",
-        *TINY,
-        "+callbacks.pause._target_=user_callbacks.PauseAtLr",
-        "+callbacks.pause.at=train",
-        f"+callbacks.pause.marker={marker}",
-        "+callbacks.pause.lr=0.02",
-        "+callbacks.pause.epoch=1",
-        f"paths.log_dir={log_dir}",
-        f'hydra.sweep.dir="{folder}"',
-    ]
-    env = clean_env(PYTHONPATH=str(TESTS))
-    proc = subprocess.Popen(
-        command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+        sys.executable, "-m", "project.train", "-m", "--config-dir", "my configs", "model=mine",
+        "hydra/launcher=parallel", "hydra.launcher.n_jobs=1", "model.optimizer.lr=0.01,0.02,0.03",
+        *TINY, "+callbacks.pause._target_=user_callbacks.PauseAtLr", "+callbacks.pause.at=train",
+        f"+callbacks.pause.marker={marker}", "+callbacks.pause.lr=0.02",
+        "+callbacks.pause.epoch=1", f"paths.log_dir={log_dir}", f'hydra.sweep.dir="{folder}"',
+    ]  # fmt: skip
+    how = {"env": clean_env(PYTHONPATH=str(TESTS)), "cwd": tmp_path, "text": True}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **how)
     deadline = time.time() + 300
     while not marker.exists():
         assert time.time() < deadline and proc.poll() is None, proc.communicate()
@@ -321,40 +239,32 @@ def test_a_stopped_sweep_reruns_into_the_rest_without_repeating_a_finished_job(
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 143, (out + err)[-3000:]
     assert "stopped by SIGTERM during sweep; rerun the same command with hydra.sweep.dir=" in err
-    rows = list(csv.DictReader((folder / "summary.csv").open()))
+    rows = summary(folder)
     assert [r["status"] for r in rows] == ["finished", "interrupted", "not started"]
     assert (folder / "1" / "checkpoints" / "interrupted.ckpt").is_file()
     assert not (folder / "1" / "metrics.json").exists()
     # The stopped job's best so far comes from its checkpoint (it validated once), the finished
     # one's from its metrics.json; both are drawn.
-    stopped = rows[1]
-    assert stopped["monitor"] == rows[0]["monitor"] == "val/acc"
-    assert 0 <= float(stopped["best"]) <= 1 and 0 <= float(rows[0]["best"]) <= 1
+    assert rows[1]["monitor"] == rows[0]["monitor"] == "val/acc"
+    assert 0 <= float(rows[1]["best"]) <= 1 and 0 <= float(rows[0]["best"]) <= 1
     assert (folder / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (folder / "summary.png").unlink()
     assert all(gone(a["pid"]) for a in state(folder))
     finished_at = (folder / "0" / "metrics.json").stat().st_mtime_ns
 
-    again = subprocess.run(
-        command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=500
-    )
+    again = subprocess.run(command, capture_output=True, timeout=500, **how)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert "1 job(s) skipped (finished earlier), 1 resumed, 1 started" in again.stdout
     assert (folder / "0" / "metrics.json").stat().st_mtime_ns == finished_at
-    assert sorted(p.name for p in folder.iterdir() if (p / ".hydra").is_dir()) == [
-        "0",
-        "1",
-        "1-attempt2",
-        "2",
-    ]
+    runs = sorted(p.name for p in folder.iterdir() if (p / ".hydra").is_dir())
+    assert runs == ["0", "1", "1-attempt2", "2"]
     resumed = json.loads((folder / "1-attempt2" / "metrics.json").read_text())
     assert resumed["resumed_from"] == str(folder / "1" / "checkpoints" / "interrupted.ckpt")
     assert resumed["epochs"] == 2
     for job in ("0", "1-attempt2", "2"):
         config = (folder / job / "config.yaml").read_text()
         assert "_target_: project.models.nets.MLP" in config, job  # model=mine, my configs'
-    rows = list(csv.DictReader((folder / "summary.csv").open()))
-    assert [(r["status"], r["attempts"]) for r in rows] == [
+    assert [(r["status"], r["attempts"]) for r in summary(folder)] == [
         ("finished", "1"),
         ("finished", "2"),
         ("finished", "1"),
@@ -364,28 +274,22 @@ def test_a_stopped_sweep_reruns_into_the_rest_without_repeating_a_finished_job(
 
 @pytest.mark.slow
 def test_an_optuna_search_continues_its_study_from_the_sweep_folder(
-    cli: CliRunner, log_dir: Path, tmp_path: Path
+    cli: CliRunner, tmp_path: Path
 ) -> None:
     pytest.importorskip(
         "hydra_plugins.hydra_optuna_sweeper", reason="pip install 'project[optuna]'"
     )
     folder = tmp_path / "search"
     args = (
-        "-m",
-        "hparams_search=optuna",
-        "hydra/launcher=parallel",
-        "hydra.launcher.n_jobs=2",
-        "hydra.sweeper.n_jobs=2",
-        f"hydra.sweep.dir={folder}",
-        *TINY,
-    )
+        "-m", "hparams_search=optuna", "hydra/launcher=parallel", "hydra.launcher.n_jobs=2",
+        "hydra.sweeper.n_jobs=2", f"hydra.sweep.dir={folder}", *TINY,
+    )  # fmt: skip
     first = cli("train", *args, "hydra.sweeper.n_trials=2", timeout=500)
     assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
     # Another sampler seed: the same seed would draw the first trial's values again (the sweep
     # would then skip it as finished, and the study count it as one more trial).
-    again = cli(
-        "train", *args, "hydra.sweeper.n_trials=1", "hydra.sweeper.sampler.seed=8", timeout=500
-    )
+    seeded = ("hydra.sweeper.n_trials=1", "hydra.sweeper.sampler.seed=8")
+    again = cli("train", *args, *seeded, timeout=500)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert "Using an existing study" in again.stdout + again.stderr
     assert "0 job(s) skipped (finished earlier), 0 resumed, 1 started" in again.stdout
@@ -394,7 +298,7 @@ def test_an_optuna_search_continues_its_study_from_the_sweep_folder(
 
     study = optuna.load_study(study_name="train", storage=f"sqlite:///{folder}/optuna.db")
     assert [t.state.name for t in study.trials] == ["COMPLETE"] * 3
-    rows = list(csv.DictReader((folder / "summary.csv").open()))
+    rows = summary(folder)
     assert sorted(r["job"] for r in rows) == ["0", "1", "2"]
     assert all(r["status"] == "finished" for r in rows)
     assert len({r["overrides"] for r in rows}) == 3  # three different draws, three folders
@@ -433,15 +337,13 @@ def test_kill_9_of_a_training_sweep_lets_every_running_job_save(
             assert proc.poll() is None, proc.stderr.read()[-3000:] if proc.stderr else ""
             assert time.time() < deadline, "the jobs never finished an epoch"
             time.sleep(0.2)
-        attempts = state(sweep_dir_of(log_dir))
+        (folder,) = (log_dir / "train" / "multiruns").iterdir()
+        attempts = state(folder)
         pids = [a["pid"] for a in attempts]
     finally:
         proc.kill()
         proc.wait()
-    deadline = time.time() + 180
-    while not all(gone(pid) for pid in pids) and time.time() < deadline:
-        time.sleep(0.2)
-    assert all(gone(pid) for pid in pids), "a job did not stop within 180 s of the sweep's death"
+    assert all_gone(pids, 180), "a job did not stop within 180 s of the sweep's death"
     for attempt in attempts:
         log = Path(attempt["log"]).read_text()
         assert log.count("SIGTERM received") == 1, log[-3000:]

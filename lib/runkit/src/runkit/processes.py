@@ -6,19 +6,10 @@ import contextlib
 import ctypes
 import sys
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
 
 def die_with_parent(signum: int) -> None:
-    """Have the kernel send ``signum`` to this process when its parent dies (Linux).
-
-    ``PR_SET_PDEATHSIG``: the one way a child learns at once, without polling, that a ``kill -9``
-    took its parent. Elsewhere (macOS has no such request) nothing happens; a caller that must not
-    outlive its parent also checks ``os.getppid()`` after this call, since a parent that died
-    before it sends nothing.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+    """Have the kernel send ``signum`` when the parent dies (``PR_SET_PDEATHSIG``, Linux only):
+    a caller that must not outlive it also checks ``os.getppid()`` after this call."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signum), 0, 0, 0)  # PR_SET_PDEATHSIG

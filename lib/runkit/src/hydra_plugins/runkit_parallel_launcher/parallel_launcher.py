@@ -1,8 +1,6 @@
 """Hydra's entry for :mod:`runkit.run.sweep`: ``hydra/launcher=runkit_parallel``.
 
-Hydra finds launchers only in its ``hydra_plugins`` namespace, so the class it instantiates lives
-here; what it does lives in :mod:`runkit.run.sweep` (and the template's
-``configs/hydra/launcher/parallel.yaml`` sets its defaults). No ``from __future__ import
+Hydra finds launchers only in its ``hydra_plugins`` namespace. No ``from __future__ import
 annotations``: Hydra loads this file outside ``sys.modules``, where dataclasses cannot resolve
 string annotations.
 """
@@ -36,9 +34,7 @@ class RunkitParallelLauncherConf:
     _target_: str = (
         "hydra_plugins.runkit_parallel_launcher.parallel_launcher.RunkitParallelLauncher"
     )
-    # jobs at once; null: one per visible GPU (1 without a GPU)
-    n_jobs: Any = None
-    # added to each job whose own overrides do not set the key
+    n_jobs: Any = None  # jobs at once; null: one per visible GPU (1 without a GPU)
     job_overrides: dict[str, Any] = field(default_factory=dict)
 
 
@@ -51,15 +47,8 @@ ConfigStore.instance().store(
 
 
 class RunkitParallelLauncher(Launcher):
-    """Up to ``n_jobs`` jobs of a sweep at once, each a process of its own: the Hydra launcher
-    around :class:`runkit.run.sweep.ParallelSweep` (the template's preset:
-    ``hydra/launcher=parallel``).
-
-    Args:
-        n_jobs: jobs at once; ``None``: one per visible GPU, 1 without a GPU.
-        job_overrides: ``key: value`` added to each job whose own overrides do not set the key
-            (the preset: ``select_gpus: least_used`` and a long ``gpu_wait_s``).
-    """
+    """Up to ``n_jobs`` jobs of a sweep at once (``None``: one per visible GPU), each a process of
+    its own; ``job_overrides`` are added to each job that does not set the key itself."""
 
     def __init__(self, n_jobs: int | None = None, job_overrides: Mapping[str, Any] | None = None):
         self.n_jobs = check_n_jobs(n_jobs)
@@ -91,18 +80,15 @@ class RunkitParallelLauncher(Launcher):
             )
             log.info("Sweep: up to %d job(s) at once in %s", n_jobs, sweep_dir)
         configs, jobs = [], []
-        for offset, overrides in enumerate(job_overrides):
-            num = initial_job_idx + offset
-            config = self.hydra_context.config_loader.load_sweep_config(
-                self.config, list(overrides)
-            )
+        for num, overrides in enumerate(job_overrides, start=initial_job_idx):
+            loader = self.hydra_context.config_loader
+            config = loader.load_sweep_config(self.config, list(overrides))
             with open_dict(config):
                 config.hydra.job.id = config.hydra.job.num = num
             configs.append(config)
             jobs.append((list(overrides), sweep_dir / str(config.hydra.sweep.subdir), num))
         signals.request.phase = "sweep"
         attempts = self._sweep.run(jobs)
-
         failed: list[str] = []
         returns = [
             _job_return(config, overrides, attempt, failed)
@@ -125,7 +111,6 @@ class RunkitParallelLauncher(Launcher):
         return returns
 
     def _summarise(self, sweep_dir: Path, jobs: list[Any], attempts: list[Any]) -> None:
-        """The sweep's table, ``summary.csv`` and plot, over every attempt so far."""
         from omegaconf import OmegaConf
 
         from runkit.run import sweep_summary
@@ -141,8 +126,7 @@ class RunkitParallelLauncher(Launcher):
 
 
 def _job_return(config: Any, overrides: list[str], attempt: Any, failed: list[str]) -> Any:
-    """Hydra's record of one job: its objective when it finished, else why not (``failed``
-    collects the jobs that ran and failed)."""
+    """Hydra's record of one job: its objective, else why not (``failed`` collects failures)."""
     from hydra.core.utils import JobReturn, JobStatus
 
     from runkit.run.cli import ReportedJobError

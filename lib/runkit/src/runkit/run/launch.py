@@ -1,52 +1,15 @@
-"""How DDP processes find their run: one directory per run, one job per launched child.
+"""How DDP processes find their run: one job per launched child, one directory per launch.
 
-Two problems, both from the fact that every DDP process runs the Hydra entry point itself.
-
-**A sweep with DDP** (``python -m <package>.train -m ... trainer.devices=2``). Lightning starts
-ranks > 0 by re-running ``sys.argv`` with ``hydra.run.dir=<HydraConfig.run.dir>`` appended. In a
-sweep that command still holds ``-m`` and every sweep value, so each child re-runs the *whole*
-sweep, in lockstep with rank 0 by luck only (Lightning #11300): an adaptive sweeper (Optuna)
-hands the child other parameters, a failed job desynchronises the rest, and ``run.dir`` names no
-job folder. :func:`job_scope` wraps each job of a sweep in the process that launches the
-children, and for the length of the job:
-
-* sets ``sys.argv`` to exactly this job: the entry module, the job's own overrides
-  (``HydraConfig.overrides.task``: the grid values or the sweeper's draw), the Hydra overrides of
-  the command line, and ``hydra.mode=RUN``: no ``-m``, no other values;
-* points ``HydraConfig.run.dir`` at the job's folder (``runtime.output_dir``), which is what
-  Lightning appends as ``hydra.run.dir``, so the child writes beside rank 0;
-* afterwards, whatever happened: collects the job's children (those still running after a grace
-  period are killed), destroys the process group, and removes the launch variables Lightning set
-  (``LOCAL_RANK``, ``MASTER_PORT``...), so the next job launches fresh children on a fresh port.
-
-Rewriting what Lightning re-executes, rather than replacing its launcher, keeps Lightning's own
-child command and environment handling (a private class that changes between releases) and
-confines the change to two values restored after the job. Children started by the launcher must
-be registered with :func:`track` (``builders.build_trainer`` does it).
-
-**One directory under torchrun and SLURM**. The default run directory is a timestamp, different
-in every process. :func:`run_id` (the ``${run_id:<strftime pattern>}`` resolver used by
-``configs/hydra/default.yaml``) gives processes of one launch the same name instead:
-``slurm-<job>.<step>`` for a multi-task SLURM step, ``torchrun-<rdzv id>`` under torchrun, and
-otherwise the timestamp (``<timestamp>_slurm-<job>`` inside a single-task SLURM job). A
-multi-process launch without such an id (torchrun's default ``--rdzv-id=none``, or
-``NODE_RANK``/``WORLD_SIZE`` set by hand) must be given ``hydra.run.dir``; it fails with one line
-saying so instead of scattering the ranks over several directories.
-
-**A requeued SLURM job resumes by itself**. After a requeue (``SLURM_RESTART_COUNT`` > 0) the
-job runs the same command again, in a new directory (``...-requeue<N>``: an earlier run's
-directory is only read). With ``ckpt_path=null``, :func:`requeued_checkpoint` finds the newest
-checkpoint of the same command in this job's earlier directories (``interrupted.ckpt`` from the
-stop, or the last periodic one) and the run continues from it. A job id is not an identity (a
-controller whose state was reset starts again at 1, ids wrap around), and SLURM keeps nothing
-that tells a requeued attempt from a new job with the same id, so the job keeps its own: the
-start of its first attempt (:func:`slurm_first_start`), in the name of a multi-task step's
-directory and in every run's ``slurm_job`` file; only runs with this job's token are resumed from.
-A sweep job of ``hydra/launcher=slurm`` (submitit) is requeued into its own job folder and
-resumes from that folder's checkpoint.
-
-Imports stay light (no torch, no Lightning at module level): ``cli`` registers the resolvers
-before Hydra starts, and ``--help`` must stay instant.
+Lightning starts ranks > 0 by re-running ``sys.argv`` with ``hydra.run.dir`` appended; in a sweep
+that command holds ``-m`` and every value, so each child would re-run the whole sweep (Lightning
+#11300). :func:`job_scope` sets ``sys.argv`` and ``hydra.run.dir`` to exactly the current job for
+its length and collects its children afterwards (Lightning's own child command is kept).
+:func:`run_id` (``${run_id:<pattern>}``) names one directory for every process of a launch:
+``slurm-<job>.<step>``, ``torchrun-<rdzv id>``, else the timestamp; a multi-process launch without
+such an id must be given ``hydra.run.dir``. After a SLURM requeue or a torchrun restart,
+:func:`requeued_checkpoint` finds the newest checkpoint an earlier attempt of the same command
+left; a SLURM job is known by the start of its first attempt (:func:`slurm_first_start`, kept in
+the job's comment), since job ids are reused. Imports stay light: ``--help`` must stay instant.
 """
 
 from __future__ import annotations
@@ -70,31 +33,19 @@ from runkit.safety.signals import rank_zero, slurm_job_id
 
 log = logging.getLogger(__name__)
 
-# What Lightning's subprocess launcher puts into os.environ for its children (and itself).
 LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
-SWEEP_JOB_ENV = "RUNKIT_SWEEP_JOB"
-"""Set by rank 0 for the length of a sweep job: the job's number, inherited by its DDP children."""
-CHILD_GRACE_S = 60.0
-"""How long rank 0 waits, at the end of a job, for the job's children to exit by themselves."""
+SWEEP_JOB_ENV = "RUNKIT_SWEEP_JOB"  # the sweep job's number, inherited by its DDP children
+CHILD_GRACE_S = 60.0  # how long rank 0 waits at a job's end for its children to exit
+JOB_TOKEN_FILE = "slurm_job"  # in a SLURM job's run directory: <cluster>:<job id>:<first start>
 
-_active: list[_Job] = []
-
-
-class _Job:
-    def __init__(self) -> None:
-        self.launchers: list[Any] = []
-
-
-# ------------------------------------------------------------------------------------------------
-# One job per child
+_launchers: list[list[Any]] = []  # per running sweep job: the launchers whose children it collects
 
 
 @contextmanager
 def job_scope() -> Iterator[None]:
     """Run one Hydra job so that the DDP children started inside it run this job and no other.
 
-    Does nothing outside a sweep, and in processes whose ranks were started by someone else
-    (torchrun, SLURM, a DDP child): there is nothing to launch, hence nothing to rewrite.
+    Does nothing outside a sweep and where the ranks were started by someone else.
     """
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -109,30 +60,25 @@ def job_scope() -> Iterator[None]:
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode != RunMode.MULTIRUN or launched_externally():
         if SWEEP_JOB_ENV in os.environ and "LOCAL_RANK" in os.environ:
-            # A child launched for one job of a sweep: say which, in its own log file.
+            rank, num = os.environ["LOCAL_RANK"], os.environ[SWEEP_JOB_ENV]
             log.info(
-                "Rank %s runs sweep job #%s: %s",
-                os.environ["LOCAL_RANK"],
-                os.environ[SWEEP_JOB_ENV],
-                " ".join(hydra_cfg.overrides.task),
+                "Rank %s runs sweep job #%s: %s", rank, num, " ".join(hydra_cfg.overrides.task)
             )
         yield
         return
-    saved_argv = list(sys.argv)
+    saved_argv, saved_run_dir = list(sys.argv), hydra_cfg.run.dir
     saved_env = {key: os.environ.get(key) for key in (*LAUNCH_ENV, SWEEP_JOB_ENV)}
-    saved_run_dir = hydra_cfg.run.dir
-    job = _Job()
-    sys.argv = single_job_argv(
-        sys.argv[0], hydra_cfg.overrides.task, hydra_cfg.overrides.hydra, sys.argv[1:]
-    )
+    task, hydra = hydra_cfg.overrides.task, hydra_cfg.overrides.hydra
+    sys.argv = single_job_argv(sys.argv[0], task, hydra, sys.argv[1:])
     _set_run_dir(hydra_cfg, str(hydra_cfg.runtime.output_dir))
     os.environ[SWEEP_JOB_ENV] = str(hydra_cfg.job.num)
-    _active.append(job)
+    launchers: list[Any] = []
+    _launchers.append(launchers)
     try:
         yield
     finally:
-        _active.remove(job)
-        _finish_children(job)
+        _launchers.remove(launchers)
+        _finish_children(launchers)
         sys.argv = saved_argv
         _set_run_dir(hydra_cfg, saved_run_dir)
         for key, value in saved_env.items():
@@ -144,14 +90,8 @@ def job_scope() -> Iterator[None]:
 
 @contextmanager
 def _submitit_job() -> Iterator[None]:
-    """A sweep job that submitit runs on SLURM (``hydra/launcher=slurm``) stops as a run does.
-
-    Submitit's own SIGUSR2 handler (the notice before the time limit) would requeue the job from
-    wherever Python is, unsaved. Here SIGUSR2 is a stop like SLURM's SIGUSR1: every rank stops at
-    the same batch and saves; then submitit's handler, called as it would have been, requeues the
-    job (``checkpoint()``: the same job again, in the same folder, up to ``max_num_timeout``
-    times) and exits. The requeued job resumes from that folder (:func:`requeued_checkpoint`).
-    """
+    """A sweep job of ``hydra/launcher=slurm``: submitit's SIGUSR2 is a stop (every rank saves),
+    then submitit's own handler requeues the job into the same folder."""
     import signal
 
     from runkit.safety.signals import stop_on_signal
@@ -167,12 +107,8 @@ def _submitit_job() -> Iterator[None]:
 
 
 def single_job_argv(program: str, task: Any, hydra: Any, argv: Sequence[str] = ()) -> list[str]:
-    """The command line (after the interpreter) that runs one job of a sweep as a single run.
-
-    ``task`` are the job's overrides (already one value each); ``hydra`` the command line's
-    ``hydra.*`` overrides, minus the run mode, which becomes ``hydra.mode=RUN``; ``argv`` the
-    sweep's own arguments, whose config options (``--config-dir``...) the job keeps.
-    """
+    """The command line that runs one job of a sweep as a single run: the config options of
+    ``argv``, the job's overrides ``task``, the ``hydra`` overrides and ``hydra.mode=RUN``."""
     kept = [str(o) for o in hydra if not str(o).lstrip("~+").startswith("hydra.mode=")]
     return [program, *config_options(argv), *map(str, task), *kept, "hydra.mode=RUN"]
 
@@ -180,28 +116,28 @@ def single_job_argv(program: str, task: Any, hydra: Any, argv: Sequence[str] = (
 def track(trainer: Any) -> None:
     """Remember ``trainer``'s launcher, so the current job can collect the children it starts."""
     launcher = getattr(trainer.strategy, "launcher", None)
-    if _active and launcher is not None and hasattr(launcher, "procs"):
-        _active[-1].launchers.append(launcher)
+    if _launchers and launcher is not None and hasattr(launcher, "procs"):
+        _launchers[-1].append(launcher)
 
 
 def launched_externally(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether the ranks of this run are started by something else than Lightning in this process:
-    a DDP child (``LOCAL_RANK``), torchrun, SLURM (several tasks), LSF."""
+    """Whether the ranks were started by something else than Lightning in this process."""
     env = os.environ if environ is None else environ
     if "LOCAL_RANK" in env or "TORCHELASTIC_RUN_ID" in env or "LSB_JOBID" in env:
         return True
     return _slurm_tasks(env) > 1
 
 
-def join_restarted_group(trainer: Any, environ: Mapping[str, str] | None = None) -> None:
-    """In a group torchrun restarted, set up the process group before Lightning does.
+def ranks_start_together(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether every rank was started at once by a launcher (torchrun, SLURM tasks)."""
+    env = os.environ if environ is None else environ
+    return "TORCHELASTIC_RUN_ID" in env or _slurm_tasks(env) > 1
 
-    torchrun's c10d rendezvous keeps one store for the whole launch, and torch connects a
-    restarted group's ranks through it without a per-attempt prefix ("a new TCPStore for every
-    retry"): gloo then reads the dead attempt's addresses and fails (``connectFullMesh ...
-    Connection refused``) or hangs. Here the ranks meet under ``runkit/attempt_<N>/`` in that store,
-    and Lightning, finding the group set up, uses it. Does nothing in a first attempt.
-    """
+
+def join_restarted_group(trainer: Any, environ: Mapping[str, str] | None = None) -> None:
+    """In a group torchrun restarted, set up the process group before Lightning does, under
+    ``runkit/attempt_<N>/`` in torchrun's store: torch's own connection reads the dead attempt's
+    addresses there and fails or hangs. Does nothing in a first attempt."""
     env = os.environ if environ is None else environ
     restart = _int(env.get("TORCHELASTIC_RESTART_COUNT"))
     if restart == 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
@@ -212,29 +148,14 @@ def join_restarted_group(trainer: Any, environ: Mapping[str, str] | None = None)
 
     from runkit import compat
 
-    if dist.is_initialized():
-        return
     backend = compat.process_group_backend(trainer.strategy)
-    if backend is None:
-        return  # not a distributed strategy
+    if dist.is_initialized() or backend is None:
+        return
     world = _int(env.get("WORLD_SIZE"))
-    store = dist.TCPStore(
-        env["MASTER_ADDR"], _int(env.get("MASTER_PORT")), world, is_master=False,
-        timeout=timedelta(minutes=30),
-    )  # fmt: skip
-    dist.init_process_group(
-        backend,
-        store=dist.PrefixStore(f"runkit/attempt_{restart}/", store),
-        rank=_int(env.get("RANK")),
-        world_size=world,
-    )
-
-
-def ranks_start_together(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether every rank was started at once by a launcher (torchrun, SLURM tasks), rather
-    than by rank 0's Lightning once rank 0 had made the run directory."""
-    env = os.environ if environ is None else environ
-    return "TORCHELASTIC_RUN_ID" in env or _slurm_tasks(env) > 1
+    port, timeout = _int(env.get("MASTER_PORT")), timedelta(minutes=30)
+    store = dist.TCPStore(env["MASTER_ADDR"], port, world, is_master=False, timeout=timeout)
+    prefixed = dist.PrefixStore(f"runkit/attempt_{restart}/", store)
+    dist.init_process_group(backend, store=prefixed, rank=_int(env.get("RANK")), world_size=world)
 
 
 def _set_run_dir(hydra_cfg: Any, value: str | None) -> None:
@@ -244,16 +165,18 @@ def _set_run_dir(hydra_cfg: Any, value: str | None) -> None:
         hydra_cfg.run.dir = value
 
 
-def _finish_children(job: _Job) -> None:
-    """Collect the children of a job: first the process group goes (a child blocked in a collective
-    then fails instead of hanging), then each child gets a grace period before it is killed."""
+def _finish_children(launchers: list[Any]) -> None:
+    """The process group goes first (a child blocked in a collective then fails), then each
+    child gets a grace period before it is killed."""
     procs: list[subprocess.Popen] = []
-    for launcher in job.launchers:
+    for launcher in launchers:
         procs += launcher.procs
-        # Lightning's watchdog thread holds this very list and kills this process (the whole
-        # sweep) when a child exits non-zero; the job is over, so the job's children are ours.
-        launcher.procs.clear()
-    _destroy_process_group()
+        launcher.procs.clear()  # Lightning's watchdog would kill the sweep on a child's exit
+    if "torch" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
     for proc in procs:
         try:
             code = proc.wait(timeout=CHILD_GRACE_S)
@@ -269,19 +192,9 @@ def _finish_children(job: _Job) -> None:
             log.warning("DDP child %d of this job exited with code %s", proc.pid, code)
 
 
-def _destroy_process_group() -> None:
-    if "torch" not in sys.modules:
-        return
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def sweep_objective(cfg: Any, result: Any) -> Any:
-    """What the entry point returns to Hydra: with ``optimized_metric`` set (``hparams_search``
-    presets), that one metric as a float, which sweepers such as Optuna minimise or maximise;
-    otherwise the task's own result."""
+    """What the entry point returns to Hydra: the ``optimized_metric`` as a float when set
+    (the sweepers' objective), else the task's own result."""
     key = cfg.get("optimized_metric") if hasattr(cfg, "get") else None
     if not key:
         return result
@@ -291,12 +204,8 @@ def sweep_objective(cfg: Any, result: Any) -> Any:
     return float(result[key])
 
 
-# ------------------------------------------------------------------------------------------------
-# One directory per launch
-
-
 def run_id(pattern: str, environ: Mapping[str, str] | None = None) -> str:
-    """The name of this run's directory, the same in every process of one launch (module doc)."""
+    """The name of this run's directory, the same in every process of one launch."""
     env = os.environ if environ is None else environ
     job = slurm_job_id(env)
     requeue = f"-requeue{_int(env.get('SLURM_RESTART_COUNT'))}" if _restarted(env) else ""
@@ -326,12 +235,10 @@ def requeued_checkpoint(
     overrides: list[str] | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> Path | None:
-    """After a SLURM requeue or a torchrun restart: the newest complete checkpoint that an earlier
-    run of this job (or of this torchrun launch), with the same ``overrides`` (by default this
-    run's), left beside ``run_dir``; else ``None``.
+    """After a SLURM requeue or a torchrun restart: the newest complete checkpoint an earlier
+    run of this job with the same ``overrides`` (by default this run's) left beside ``run_dir``.
 
-    A torchrun launch whose earlier run finished (``metrics.json``) is a rerun of a used
-    ``--rdzv-id``, not a restart: one line says so (:class:`RunError`).
+    A torchrun launch whose earlier run finished is a rerun of a used ``--rdzv-id``: one line.
     """
     env = os.environ if environ is None else environ
     current = Path(run_dir).resolve()
@@ -346,71 +253,73 @@ def requeued_checkpoint(
         from hydra.core.hydra_config import HydraConfig
 
         overrides = list(HydraConfig.get().overrides.task)
-    found: list[Path] = []
-    finished: list[Path] = []
-    others: list[str] = []
     resuming = _restarted(env) or "TORCHELASTIC_RUN_ID" in env
-    submitit = env.get("SUBMITIT_EXECUTOR") == "slurm"  # a sweep job: requeued into its folder
-    for earlier in [current] if submitit else current.parent.iterdir():
-        if not submitit and (earlier == current or not name.search(earlier.name)):
-            continue
-        if token and _read(earlier / JOB_TOKEN_FILE) != token:
-            others.append(earlier.name)  # an earlier job that had the same id
-            continue
-        if not resuming:
-            continue
-        if _overrides(earlier) != [str(o) for o in overrides]:
-            continue  # another command of the same job script
-        if (earlier / "metrics.json").is_file():
-            finished.append(earlier)
-        found += [p for p in (earlier / "checkpoints").glob("*.ckpt") if complete_checkpoint(p)]
+    found, finished = _earlier_checkpoints(env, current, name, token, resuming, overrides)
     if finished and "TORCHELASTIC_RUN_ID" in env:
         raise RunError(
             f"torchrun --rdzv-id={env['TORCHELASTIC_RUN_ID']} has run to its end already, in "
             f"{finished[0]}; give torchrun a new --rdzv-id to train again"
         )
+    if not resuming:
+        return None
+    newest = max(found, key=lambda p: p.stat().st_mtime).resolve() if found else None
+    if rank_zero(env) and newest:
+        log.info("%s: resuming from %s", what, newest)
+    elif rank_zero(env):
+        log.info("%s; no checkpoint of this command to resume", what)
+    return newest
+
+
+def _earlier_checkpoints(
+    env: Mapping[str, str],
+    current: Path,
+    name: re.Pattern[str],
+    token: str | None,
+    resuming: bool,
+    overrides: list[str],
+) -> tuple[list[Path], list[Path]]:
+    """The complete checkpoints of this job's earlier runs of the same command, and those runs
+    that finished; runs of an earlier job with the same id are left out, in one line."""
+    found: list[Path] = []
+    finished: list[Path] = []
+    others: list[str] = []
+    submitit = env.get("SUBMITIT_EXECUTOR") == "slurm"  # a sweep job: requeued into its folder
+    for earlier in [current] if submitit else current.parent.iterdir():
+        if not submitit and (earlier == current or not name.search(earlier.name)):
+            continue
+        if token and _read(earlier / JOB_TOKEN_FILE) != token:
+            others.append(earlier.name)
+        elif resuming and _overrides(earlier) == [str(o) for o in overrides]:
+            if (earlier / "metrics.json").is_file():
+                finished.append(earlier)
+            found += [p for p in (earlier / "checkpoints").glob("*.ckpt") if complete_checkpoint(p)]
     if others and rank_zero(env):
         log.info(
             "SLURM job %s: %d run(s) in %s (%s...) are of an earlier job with this id; "
             "this job does not resume from them",
             slurm_job_id(env), len(others), current.parent, max(others),
         )  # fmt: skip
-    if not resuming:
-        return None
-    if not found:
-        if rank_zero(env):
-            log.info("%s; no checkpoint of this command to resume", what)
-        return None
-    newest = max(found, key=lambda p: p.stat().st_mtime).resolve()
-    if rank_zero(env):
-        log.info("%s: resuming from %s", what, newest)
-    return newest
+    return found, finished
 
 
 def _earlier_runs(env: Mapping[str, str]) -> tuple[str, re.Pattern[str]] | None:
-    """For a SLURM job or a restarted torchrun group: what happened, in words, and the pattern of
-    the run directories its earlier attempts made (:func:`run_id`); else ``None``."""
+    """For a SLURM job or a restarted torchrun group: what happened, in words, and the pattern
+    of its earlier attempts' run directories (:func:`run_id`)."""
     job = slurm_job_id(env)
     if job:
-        return (
-            f"SLURM job {job} was requeued",
-            re.compile(rf"(^|_)slurm-{re.escape(job)}(\.\d+)?(-requeue\d+)?$"),
-        )
+        pattern = rf"(^|_)slurm-{re.escape(job)}(\.\d+)?(-requeue\d+)?$"
+        return f"SLURM job {job} was requeued", re.compile(pattern)
     elastic = env.get("TORCHELASTIC_RUN_ID", "")
     restart = _int(env.get("TORCHELASTIC_RESTART_COUNT"))
     if elastic and elastic != "none" and restart > 0:
         limit = env.get("TORCHELASTIC_MAX_RESTARTS")
-        of = f" of {limit}" if limit else ""
-        return (
-            f"torchrun restarted the group (restart {restart}{of})",
-            re.compile(rf"^torchrun-{re.escape(elastic)}(-restart\d+)?$"),
-        )
+        what = f"torchrun restarted the group (restart {restart}{f' of {limit}' if limit else ''})"
+        return what, re.compile(rf"^torchrun-{re.escape(elastic)}(-restart\d+)?$")
     return None
 
 
 def complete_checkpoint(checkpoint: Path) -> bool:
-    """A whole checkpoint file, or a sharded checkpoint directory (``trainer=fsdp``); what a
-    requeued job or a resumed sweep job may continue from."""
+    """A whole checkpoint file, or a sharded checkpoint directory (``trainer=fsdp``)."""
     if checkpoint.is_dir():
         from runkit.safety.checkpoints import is_sharded_checkpoint  # torch: only when needed
 
@@ -419,7 +328,7 @@ def complete_checkpoint(checkpoint: Path) -> bool:
 
 
 def _overrides(run_dir: Path) -> list[str] | None:
-    """The command-line overrides a run recorded (``.hydra/overrides.yaml``); None if unreadable."""
+    """The command-line overrides a run recorded (``.hydra/overrides.yaml``)."""
     import yaml
 
     try:
@@ -429,18 +338,14 @@ def _overrides(run_dir: Path) -> list[str] | None:
     return [str(o) for o in data] if isinstance(data, list) else None
 
 
-JOB_TOKEN_FILE = "slurm_job"
-"""In the run directory of a SLURM job: ``<cluster>:<job id>:<first start>`` (:func:`_slurm_token`)."""
 _first_starts: dict[str, str | None] = {}
 
 
 def slurm_first_start(environ: Mapping[str, str] | None = None) -> str | None:
-    """When this SLURM job's first attempt started (``2026-01-31T12:00:00``): the same in every
-    task and in every requeued attempt, and another for a new job that got the same id.
+    """When this SLURM job's first attempt started: the same in every task and requeued attempt.
 
-    SLURM keeps no such time across a requeue (its start and submit times are the requeue's), so
-    the first attempt's rank 0 writes it into the job's comment (``runkit-start=...``), which the
-    job keeps. ``None`` where ``squeue`` cannot say (no SLURM client, not a job of this cluster).
+    SLURM keeps no such time across a requeue, so the first attempt's rank 0 writes it into the
+    job's comment (``runkit-start=...``). ``None`` where ``squeue`` cannot say.
     """
     env = os.environ if environ is None else environ
     job = slurm_job_id(env)
@@ -483,31 +388,28 @@ def _restarted(env: Mapping[str, str]) -> bool:
 
 
 def rank_suffix(environ: Mapping[str, str] | None = None) -> str:
-    """``""`` for rank 0; ``_rank<N>`` for other ranks started by torchrun or SLURM, which share
-    the run directory and would otherwise write into one log file."""
+    """``_rank<N>`` for ranks > 0 started by torchrun or SLURM (they share the run directory)."""
     env = os.environ if environ is None else environ
     rank = env.get("RANK") or (env.get("SLURM_PROCID") if _slurm_tasks(env) > 1 else None)
     return f"_rank{rank}" if rank not in (None, "", "0") else ""
 
 
 def env_or(name: str, default: str) -> str:
-    """``${env_or:VAR,default}``: the variable's value, or ``default`` when it is unset *or
-    empty* (as a shell's ``${VAR:-default}``; OmegaConf's ``oc.env`` keeps an empty value, and
-    ``LOG_DIR= python ...`` would then write runs under ``/``)."""
+    """``${env_or:VAR,default}``: ``default`` when the variable is unset *or empty*."""
     return os.environ.get(name) or default
 
 
 def register_resolvers() -> None:
-    """Make ``${run_id:...}``, ``${rank_suffix:}`` and ``${env_or:...}`` available to the
-    configs (idempotent)."""
+    """Make ``${run_id:...}``, ``${rank_suffix:}`` and ``${env_or:...}`` available (idempotent)."""
     from omegaconf import OmegaConf
 
-    if not OmegaConf.has_resolver("env_or"):
-        OmegaConf.register_new_resolver("env_or", env_or)
-    if not OmegaConf.has_resolver("run_id"):
-        OmegaConf.register_new_resolver("run_id", run_id, use_cache=True)
-    if not OmegaConf.has_resolver("rank_suffix"):
-        OmegaConf.register_new_resolver("rank_suffix", rank_suffix, use_cache=True)
+    for name, resolver, cache in (
+        ("env_or", env_or, False),
+        ("run_id", run_id, True),
+        ("rank_suffix", rank_suffix, True),
+    ):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver, use_cache=cache)
 
 
 def _slurm_tasks(env: Mapping[str, str]) -> int:

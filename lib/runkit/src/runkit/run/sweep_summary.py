@@ -1,9 +1,5 @@
-"""What a parallel sweep leaves beside its jobs: ``summary.csv``, a table, ``summary.png``.
-
-One row per job (all its attempts together): its number, status, the sweep's values, the
-checkpoint monitor's best score and every final metric from its ``metrics.json``, the wall time
-of all its attempts, the GPU energy of its run (resumes included) and its folder.
-"""
+"""What a parallel sweep leaves beside its jobs: ``summary.csv``, a table, ``summary.png``: a row
+per job (all its attempts): status, values, best score, final metrics, wall time, GPU energy."""
 
 from __future__ import annotations
 
@@ -60,12 +56,8 @@ def job_rows(attempts: Sequence[Attempt], not_started: Sequence[Sequence[str]] =
 
 
 def checkpoint_best(attempts: Sequence[Attempt]) -> tuple[str, float | None]:
-    """The monitored key and best score so far of a job that did not finish, from the state its
-    ModelCheckpoint saved in the job's newest checkpoint; ``("", None)`` without one.
-
-    Args:
-        attempts: every attempt of one job.
-    """
+    """The monitored key and best score so far of an unfinished job (all its ``attempts``), from
+    its newest checkpoint's ModelCheckpoint state; ``("", None)`` without one."""
     path = newest_checkpoint(attempts)
     if path is None:
         return "", None
@@ -86,7 +78,7 @@ def checkpoint_best(attempts: Sequence[Attempt]) -> tuple[str, float | None]:
 
 
 def write_summary(sweep_dir: Path, rows: Sequence[dict]) -> Path:
-    """Write ``summary.csv`` (atomically: a reader never sees half a file)."""
+    """Write ``summary.csv`` atomically."""
     metric_keys = sorted({k for row in rows for k in row} - set(FIXED))
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=FIXED + metric_keys, restval="")
@@ -125,15 +117,14 @@ def print_table(rows: Sequence[dict], key: str | None) -> None:
 
 
 def plot_summary(sweep_dir: Path, rows: Sequence[dict], key: str | None) -> Path | None:
-    """``summary.png``: each job's best score (or ``key``, when a job has it) as a bar, labelled
-    by its values; ``None`` without matplotlib (``pip install 'lightning-runkit[plot]'``) or a figure."""
+    """``summary.png``: each job's best score (or ``key``) as a bar labelled by its values;
+    ``None`` without matplotlib or a figure."""
     name = key if key and any(_number(row.get(key)) is not None for row in rows) else "best"
-    labels = varying(rows)
     points = [
         (label or f"#{row['job']}", _number(row.get(name)))
-        for row, label in zip(rows, labels, strict=True)
+        for row, label in zip(rows, varying(rows), strict=True)
+        if _number(row.get(name)) is not None
     ]
-    points = [(label, value) for label, value in points if value is not None]
     if not points:
         return None
     try:

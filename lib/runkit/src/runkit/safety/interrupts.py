@@ -1,22 +1,12 @@
 """The stop signals in every phase: all ranks stop together, save once, exit 128+N.
 
-:mod:`~runkit.safety.signals` records a signal and nothing else. This module acts on it:
-
-* :class:`GracefulInterrupt` (always on) replaces Lightning's own signal handling for the run:
-  Lightning 2.6's SIGTERM handler broadcasts inside the handler and each rank raises
-  ``SIGTERMException`` on its own, so DDP ranks diverge and hang. Instead, at the end of every
-  training batch and the start of every batch of the other loops the ranks all-reduce the signal
-  they received (one integer, on the CPU: a gloo group when the job runs NCCL, so the GPU is
-  never synchronised). When any rank got one,
-  every rank ends the loop at that same batch. In fit they then save
-  ``checkpoints/interrupted.ckpt`` together (rank 0 writes) and rank 0 prints the command that
-  resumes. Under SLURM, SIGUSR1 (``#SBATCH --signal=SIGUSR1@90``) does the same and then
-  requeues the job, which resumes from that checkpoint by itself
-  (:func:`runkit.run.launch.requeued_checkpoint`).
-* :func:`phase` wraps each phase of the tasks (fit, test, export, eval, predict): a stop
-  ends it with one line and exit code ``128 + signal`` (130 for Ctrl-C, 143 for SIGTERM); a DDP
-  peer that died ends it with :class:`PeerDied` instead of a traceback.
-* :func:`watch_parent` ends a DDP worker whose rank 0 died.
+:mod:`~runkit.safety.signals` records a signal; this module acts on it. Lightning's own SIGTERM
+handler broadcasts inside the handler and each rank raises on its own, so DDP ranks diverge and
+hang. :class:`GracefulInterrupt` replaces it: at every batch boundary the ranks all-reduce the
+signal they received (one integer on the CPU), end the loop at the same batch, and in fit save
+``checkpoints/interrupted.ckpt``; SLURM's SIGUSR1 then requeues the job. :func:`phase` wraps each
+phase of the tasks: a stop ends it in one line and ``128 + signal``, a dead DDP peer in
+:class:`PeerDied`. :func:`watch_parent` ends a DDP worker whose rank 0 died.
 """
 
 from __future__ import annotations
@@ -37,9 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.trainer.connectors.signal_connector import (  # private: no public switch
-    _SignalConnector,
-)
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -53,9 +41,7 @@ log = logging.getLogger(__name__)
 INTERRUPTED_FILE = "interrupted.ckpt"
 
 
-class _RecordOnlyConnector(_SignalConnector):  # private: Lightning's signal connector
-    """Lightning's signal connector without its handlers: :mod:`signals` records the signals."""
-
+class _RecordOnlyConnector(_SignalConnector):  # private: Lightning has no switch for its handlers
     def register_signal_handlers(self) -> None:
         self.received_sigterm = False
 
@@ -67,7 +53,7 @@ class GracefulInterrupt(Callback):
         self.saved: Path | None = None
         self._group: Any = None
         self._stopping = False
-        self._limits: list[float] = []  # predict under DDP: the batches every rank runs, per loader
+        self._limits: list[float] = []  # predict under DDP: the batches every rank runs
         compat.skip_unused_batch_hooks(self)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -75,15 +61,13 @@ class GracefulInterrupt(Callback):
         request.quiet = request.quiet or not trainer.is_global_zero
         if not request.active:
             return  # no handlers of ours (a notebook, a test): Lightning keeps its own
-        connector = trainer._signal_connector  # private: Lightning has no switch for its handlers
-        if not isinstance(connector, _RecordOnlyConnector):
-            trainer._signal_connector = _RecordOnlyConnector(trainer)  # private: see above
+        if not isinstance(trainer._signal_connector, _RecordOnlyConnector):  # private
+            trainer._signal_connector = _RecordOnlyConnector(trainer)
         if self._group is None and _distributed(trainer) and dist.get_backend() != "gloo":
-            self._group = dist.new_group(backend="gloo")  # every rank calls setup: collective-safe
+            self._group = dist.new_group(backend="gloo")  # CPU flags: no GPU sync
 
     def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Lightning's predict sampler does not pad: the ranks may run different numbers of
-        batches, and agree at the starts of those they all run."""
+        # Lightning's predict sampler does not pad: agree only at the batches every rank runs.
         self._limits = []
         if _distributed(trainer) and signals.request.active:
             counts = torch.tensor(trainer.num_predict_batches, dtype=torch.float64)
@@ -100,11 +84,8 @@ class GracefulInterrupt(Callback):
     def _agree(
         self, trainer: Trainer, module: Any, batch: Any, batch_idx: int, loader: int = 0
     ) -> None:
-        """At the start of every batch of every loop (the sanity check's, predict's...) and the
-        end of every training batch: one all-reduce (MAX) of the signal each rank received, so
-        every rank learns the same, and an agreed stop ends the loop there. After a training
-        step Lightning ends fit after that batch, where a save resumes exactly (the next batch
-        is fetched, and its random draws taken, only after it); fit's validation ends first."""
+        """One all-reduce (MAX) of the signal each rank received; an agreed stop ends the loop.
+        After a training step fit ends after that batch, where a save resumes exactly."""
         request = signals.request
         if self._stopping or not request.active:
             return
@@ -112,7 +93,7 @@ class GracefulInterrupt(Callback):
             return
         signum = request.received or 0
         if _distributed(trainer):
-            flag = torch.tensor([signum], dtype=torch.int32)  # CPU: no device sync
+            flag = torch.tensor([signum], dtype=torch.int32)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
             signum = int(flag.item())
         if not signum:
@@ -120,26 +101,23 @@ class GracefulInterrupt(Callback):
         self._stopping = True
         request.agreed = signum
         procs = getattr(trainer.strategy.launcher, "procs", None)  # private: its worker list
-        if procs:
-            # Lightning's watchdog thread holds this list and SIGKILLs rank 0 as soon as a worker
-            # exits non-zero; the workers now stop with 128+N on purpose, and rank 0 waits for them.
+        if procs:  # Lightning's watchdog would SIGKILL rank 0 as the workers exit 128+N
             request.children = list(procs)
             procs.clear()
         if trainer.training and trainer.global_step:
-            trainer._signal_connector.received_sigterm = True  # private: Lightning's loop-stop flag
+            trainer._signal_connector.received_sigterm = True  # private: the loop-stop flag
         elif not _in_fit_validation(trainer):
             raise SIGTERMException
 
     on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _agree
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.on_validation_end(trainer, pl_module, stop=False)  # after a stop at a training batch
+        self.on_validation_end(trainer, pl_module, stop=False)
 
     def on_validation_end(
         self, trainer: Trainer, pl_module: LightningModule, stop: bool = True
     ) -> None:
-        # A stop agreed before or during fit's validation takes effect once that validation is
-        # over (Lightning would end it at its first batch).
+        # A stop agreed before or during fit's validation takes effect once it is over.
         if self._stopping and _in_fit_validation(trainer):
             trainer._signal_connector.received_sigterm = stop  # private: see _agree
 
@@ -165,34 +143,30 @@ class GracefulInterrupt(Callback):
 
 
 def _in_fit_validation(trainer: Trainer) -> bool:
-    """Whether fit is validating (not its sanity check).
-
-    Lightning can stop there, but it can not resume there exactly: the checkpoint holds neither
-    the epoch's training metrics (logged at the epoch's end) nor the half-done validation, so the
-    resumed run logs NaN and zero for that epoch and validates on part of the data. A stop there
-    lets the validation finish: the epoch then ends as uninterrupted (metrics logged, the best
-    and last checkpoints saved) and the run stops before the next training batch.
-    """
-    return (
-        trainer.state.fn == TrainerFn.FITTING and trainer.validating and not trainer.sanity_checking
-    )
+    """Fit's validation (not its sanity check) cannot resume exactly where it stopped: a stop
+    there lets it finish, so the epoch ends as uninterrupted, and stops before the next batch."""
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    return fitting and trainer.validating and not trainer.sanity_checking
 
 
 def _distributed(trainer: Trainer) -> bool:
     return trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
 
 
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
 @contextmanager
 def phase(name: str, trainer: Trainer | None = None) -> Iterator[None]:
     """Run one phase of the run (``fit``, ``test``, ``export``...); a stop ends it with 128 + N.
 
-    ``trainer``: the phase runs Lightning with it (its ranks agree on stops at batch boundaries).
+    ``trainer``: the Trainer the phase runs (a dead DDP peer then ends it in :class:`PeerDied`).
     """
     request = signals.request
     request.phase, request.phase_done = name, False
     try:
         yield
-    except SIGTERMException:  # Lightning ended the loop: an agreed stop, or Lightning's own handler
+    except SIGTERMException:  # an agreed stop, or Lightning's own handler
         _stop(request.agreed or request.received or signal.SIGTERM)
     except RuntimeError as err:
         misfit = trainer is not None and explain_load_failure(trainer, err)
@@ -209,9 +183,9 @@ def phase(name: str, trainer: Trainer | None = None) -> Iterator[None]:
             f"job died ({first}); stopping the job. The last complete checkpoint is in "
             f"{checkpoint_dir(trainer)}"
         ) from err
-    if request.agreed is not None:  # agreed at the phase's last batch: every rank stops here
+    if request.agreed is not None:  # agreed at the phase's last batch
         _stop(request.agreed)
-    request.phase_done = True  # a signal from here on comes after the phase's files are written
+    request.phase_done = True
 
 
 def _stop(signum: int) -> None:
@@ -222,61 +196,44 @@ def _stop(signum: int) -> None:
 
 
 def requeue_slurm_job() -> str:
-    """Put this SLURM job back in the queue (``scontrol requeue``); what happened, for the last line."""
+    """``scontrol requeue`` this SLURM job; what happened, for the last line."""
     job = signals.slurm_job_id()
     if job is None:
         return ""
+    cmd = ["scontrol", "requeue", job]
     try:
-        result = subprocess.run(
-            ["scontrol", "requeue", job], capture_output=True, text=True, timeout=120
-        )
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.SubprocessError) as err:
-        return f"; could not requeue SLURM job {job} ({err}): submit it again to resume"
-    if result.returncode != 0:
-        reason = (result.stderr.strip().splitlines() or [f"exit code {result.returncode}"])[-1]
-        return (
-            f"; could not requeue SLURM job {job} (scontrol: {reason}): submit it again to resume"
-        )
-    return f"; requeued SLURM job {job}"
+        reason = str(err)
+    else:
+        if result.returncode == 0:
+            return f"; requeued SLURM job {job}"
+        lines = result.stderr.strip().splitlines() or [f"exit code {result.returncode}"]
+        reason = f"scontrol: {lines[-1]}"
+    return f"; could not requeue SLURM job {job} ({reason}): submit it again to resume"
 
 
 def checkpoint_dir(trainer: Trainer) -> Path:
-    callback = trainer.checkpoint_callback
-    dirpath = getattr(callback, "dirpath", None)
+    dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
     return Path(dirpath) if dirpath else Path(trainer.default_root_dir) / "checkpoints"
 
 
 def resume_command(checkpoint: Path) -> str:
-    """``[PYTHONPATH=...] python -m <package>.train <config options> <the same overrides>
-    ckpt_path=<checkpoint>``, ready to paste.
-
-    Whatever found the run's configs and code comes along (``--config-dir`` and the other config
-    options, ``PYTHONPATH``): without them the pasted command fails to compose or to import. The
-    overrides are the user's own, already in Hydra's syntax, so only the shell quotes them; the
-    checkpoint's path is a raw value (spaces, é, quotes...) and is quoted for Hydra as well.
-    """
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
+    """The command that resumes from ``checkpoint``, ready to paste: the program, its config
+    options and ``PYTHONPATH``, the user's overrides (shell-quoted) and ``ckpt_path``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     program = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
     options = quoting.config_options(sys.argv[1:])
-    overrides = _task_overrides()
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = list(HydraConfig.get().overrides.task)
+    except Exception:  # not under Hydra (a notebook, a test): the command line's
+        overrides = list(compat.hydra_args_parser().parse_known_args(sys.argv[1:])[0].overrides)
     kept = [o for o in overrides if not o.lstrip("+~").startswith("ckpt_path=")]
     command = quoting.command([*program, *options, *kept])
     prefix = "".join(f"{word} " for word in quoting.environment_prefix(os.environ))
     return f"{prefix}{command} {quoting.override('ckpt_path', str(checkpoint))}"
-
-
-def _task_overrides() -> list[str]:
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return list(HydraConfig.get().overrides.task)
-    except Exception:  # not running under Hydra (a notebook, a test): the command line's
-        args, _ = compat.hydra_args_parser().parse_known_args(sys.argv[1:])
-        return list(args.overrides)
-
-
-_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
 class PeerDied(RunError):
@@ -286,28 +243,22 @@ class PeerDied(RunError):
 
 
 def watch_parent(period: float = 1.0) -> None:
-    """In a DDP worker, exit when the process that launched it (rank 0) dies.
-
-    Rank 0 watches its workers (Lightning's ``_ChildProcessObserver`` kills the job when one
-    dies), but nothing watches rank 0: an orphaned worker would wait in a collective until the
-    process group's timeout (30 minutes by default). Polling the parent id bounds that to about
-    ``period`` seconds. Does nothing outside a worker started by Lightning's launcher.
-    """
+    """In a DDP worker of Lightning's launcher: exit within ``period`` s when rank 0 dies
+    (nothing in Lightning watches it; the worker would wait in a collective for 30 minutes)."""
     if os.environ.get("LOCAL_RANK", "0") in ("", "0") or os.environ.get("RUNKIT_NO_PARENT_WATCH"):
         return
     parent = os.getppid()
 
     def watch() -> None:
-        while True:
+        while os.getppid() == parent:
             time.sleep(period)
-            if os.getppid() != parent:
-                rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK"))
-                print(
-                    f"error: rank {rank}: the launching process (pid {parent}) died; "
-                    "ending this worker instead of waiting in a collective",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                os._exit(1)
+        rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK"))
+        print(
+            f"error: rank {rank}: the launching process (pid {parent}) died; "
+            "ending this worker instead of waiting in a collective",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()

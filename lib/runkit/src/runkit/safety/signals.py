@@ -1,36 +1,15 @@
 """Stop signals (:data:`STOP_SIGNALS`): recorded at once, acted on at a safe point.
 
-A handler that does real work wherever Python happens to be (inside a gloo collective, say)
-hangs DDP jobs: Lightning 2.6's SIGTERM handler broadcasts a tensor from inside the handler and
-forwards the signal to the workers, so ranks enter mismatched collectives and wait forever. Here
-the handler only records the signal. The run acts on it where every rank is at the same point:
-at a batch boundary inside Lightning's loops, where the ranks agree with one tiny all-reduce
-(:mod:`runkit.safety.interrupts`), or when the run ends. Either way the process exits
-with ``128 + signal`` (130 for Ctrl-C, 143 for SIGTERM) after one line saying so.
-
-Two things Python's own signal handling cannot do are done by a watcher thread, which hears
-every signal through :func:`signal.set_wakeup_fd` even while the main thread is blocked in C++:
-
-* A second Ctrl-C (or another stop signal) quits at once, without saving, exit ``128 + signal``,
-  in any phase, the first signal's save included. After SLURM's warning only that signal again
-  does: SLURM's SIGTERM comes while the save the warning asked for is under way.
-* In a distributed run, a rank whose main thread is stuck in a collective (waiting for a rank
-  that never comes, where Python runs no handler) cannot reach the next safe point. When the
-  handler has not run ``STUCK_GRACE_S`` after the signal, or the main thread has been waiting in
-  one ``torch.distributed`` call that long since, the rank says so in one line and exits
-  ``128 + signal`` without saving; the last complete checkpoint stays.
-
-**One stop per event.** One stop often arrives as several deliveries: a terminal's Ctrl-C and
-``kill -TERM -<pgid>`` reach every process of the group, GNU ``timeout`` signals its child and
-then the child's group, the kernel sends ``PR_SET_PDEATHSIG`` once per thread of a dying parent.
-The rule: a process counts only the signals it was sent itself, and every stop signal within
-``STOP_REPEAT_S`` of the first, or after the process's parent died, is that same stop. So forked
-children (DataLoader workers) get no share of this process's wakeup descriptor and are left out
-of the stop (see :func:`_in_forked_child`), and a second request means a person asking again
-after the first line was printed, which takes longer than ``STOP_REPEAT_S``.
-
-Standard library only: the CLI installs the handlers before torch and Lightning load, so a DDP
-worker signalled while it starts up is covered too.
+A handler that does real work wherever Python happens to be (inside a gloo collective) hangs DDP
+jobs, so the handler only records the signal; :mod:`runkit.safety.interrupts` acts on it at a
+batch boundary where the ranks agree, or the run ends; the process exits ``128 + signal``.
+A watcher thread hears every delivery (:func:`signal.set_wakeup_fd`) even while the main thread
+is in C++: a second stop signal quits at once without saving (after SLURM's warning only that
+signal again), and a distributed rank stuck ``STUCK_GRACE_S`` after the signal quits too.
+One stop often arrives as several deliveries (a group's Ctrl-C, GNU ``timeout``, the kernel's
+``PR_SET_PDEATHSIG`` per thread of a dying parent): every stop signal within ``STOP_REPEAT_S``
+of the first, or after the parent died, is the same stop. Forked children (DataLoader workers)
+are left out of the stop. Standard library only: the CLI installs the handlers before torch loads.
 """
 
 from __future__ import annotations
@@ -53,69 +32,45 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, NamedTuple
 
-CHILD_GRACE_S = 30.0
-"""How long a stopping rank 0 waits for the DDP workers it launched before killing them."""
-STUCK_GRACE_S = 10.0
-"""How long a rank of a distributed run may stay stuck after a stop signal before it quits."""
-STOP_REPEAT_S = 1.0
-"""Stop signals this soon after the first are the same stop delivered again (module docstring):
-deliveries of one event come within milliseconds, a person's second Ctrl-C after the first line."""
+CHILD_GRACE_S = 30.0  # how long a stopping rank 0 waits for the DDP workers it launched
+STUCK_GRACE_S = 10.0  # how long a rank may stay stuck after a stop signal before it quits
+STOP_REPEAT_S = 1.0  # stop signals this soon after the first are the same stop delivered again
 
 
 @dataclass
 class StopRequest:
-    """What this process knows about a stop: the signal it got and what the ranks agreed on."""
+    """What this process knows about a stop, and what the last line says about it."""
 
-    received: int | None = None
-    """The first stop signal this process received, acted on at the next safe point."""
-    agreed: int | None = None
-    """The stop every rank agreed on (set by :mod:`~runkit.safety.interrupts`)."""
-    phase: str = "startup"
-    """What the run is doing (fit, test, export...), for the last line."""
-    phase_done: bool = False
-    """Whether that phase has finished (its files are written), for the last line."""
-    detail: str = ""
-    """What the stop did (saved a checkpoint, requeued the job), for the last line."""
-    quiet: bool = False
-    """A DDP worker: rank 0 says what happens, once for the job."""
-    children: list[subprocess.Popen] = field(default_factory=list)
-    """DDP workers this process launched, waited for before it exits."""
-    active: bool = False
-    """Whether :func:`stop_on_signal` handles the signals now."""
-    received_at: float = 0.0
-    """``time.monotonic()`` when the first stop signal came."""
-    watched: bool = False
-    """Whether the watcher thread hears every delivery (it then judges the repeats)."""
-    parent: int = 0
-    """This process's parent when the run began; another one means it died (PR_SET_PDEATHSIG)."""
-    failed: bool = False
-    """Whether the block ended in an exception: its one line and exit code are on their way."""
+    received: int | None = None  # the first stop signal, acted on at the next safe point
+    agreed: int | None = None  # the stop every rank agreed on (runkit.safety.interrupts)
+    phase: str = "startup"  # what the run is doing (fit, test, export...)
+    phase_done: bool = False  # whether that phase's files are written
+    detail: str = ""  # what the stop did (saved a checkpoint, requeued the job)
+    quiet: bool = False  # a DDP worker: rank 0 speaks for the job
+    children: list[subprocess.Popen] = field(default_factory=list)  # waited for before exit
+    active: bool = False  # whether stop_on_signal handles the signals now
+    received_at: float = 0.0  # time.monotonic() of the first stop signal
+    watched: bool = False  # the watcher thread hears every delivery (it judges the repeats)
+    parent: int = 0  # the parent when the run began; another one means it died
+    failed: bool = False  # the block ended in an exception: its own line and code follow
 
 
 request = StopRequest()
-"""This process's request; :func:`stop_on_signal` replaces it at the start of every run."""
 
 
 class Stop(NamedTuple):
-    """A stop signal: when it is one, and whether it warns of an end to come."""
-
-    when: Callable[[], bool]
-    """Whether the signal is a stop in this process (else it keeps its own handling)."""
-    warns: bool = False
-    """SLURM's notice before the time limit: the SIGTERM after it is the same stop (the save it
-    asked for is under way), not a second request to quit at once."""
+    when: Callable[[], bool]  # whether the signal is a stop in this process
+    warns: bool = False  # SLURM's notice: the SIGTERM after it is the same stop
 
 
 STOP_SIGNALS = {
     # The library README's table of stop signals says what each does.
-    signal.SIGINT: Stop(lambda: True),  # Ctrl-C
-    signal.SIGTERM: Stop(lambda: True),  # kill, SLURM's end, Kubernetes, systemd, docker stop
+    signal.SIGINT: Stop(lambda: True),
+    signal.SIGTERM: Stop(lambda: True),
     signal.SIGHUP: Stop(lambda: signal.getsignal(signal.SIGHUP) != signal.SIG_IGN),  # not nohup
     signal.SIGUSR1: Stop(lambda: slurm_job_id() is not None, warns=True),  # --signal=SIGUSR1@90
-    # hydra/launcher=slurm: submitit's notice; its handler requeues after the save (run.launch)
     signal.SIGUSR2: Stop(lambda: os.environ.get("SUBMITIT_EXECUTOR") == "slurm", warns=True),
 }
-"""Every stop signal; one more is one more line."""
 
 
 def stop_signals() -> tuple[signal.Signals, ...]:
@@ -125,12 +80,10 @@ def stop_signals() -> tuple[signal.Signals, ...]:
 
 @contextmanager
 def stop_on_signal(until_exit: bool = False) -> Iterator[StopRequest]:
-    """Record stop signals for the length of the block; a stop not acted on ends it in 128 + N.
+    """Record stop signals for the block; a stop not acted on ends it in ``128 + N``.
 
-    ``until_exit`` (the CLI, whose process ends after the block): a signal after the block,
-    while the interpreter shuts down, still ends in one line and ``128 + N`` rather than in a
-    bare death by the signal. Outside the main thread (where handlers cannot be set) the block
-    runs unchanged.
+    ``until_exit`` (the CLI): a signal while the interpreter shuts down after the block still
+    ends in one line and ``128 + N``. Outside the main thread the block runs unchanged.
     """
     global request
     if threading.current_thread() is not threading.main_thread() or request.active:
@@ -141,10 +94,9 @@ def stop_on_signal(until_exit: bool = False) -> Iterator[StopRequest]:
     _before_the_run.clear()
     _before_the_run.update(previous)
     if until_exit:
-        atexit.unregister(_at_exit)  # once per process
-        atexit.register(_at_exit)  # early: runs after the hooks torch and Lightning register
-    for signum in previous:
-        signal.signal(signum, _record)
+        atexit.unregister(_at_exit)
+        atexit.register(_at_exit)  # runs after the hooks torch and Lightning register
+    _set(dict.fromkeys(previous, _record))
     watcher = _Watcher(request)
     try:
         yield request
@@ -154,53 +106,35 @@ def stop_on_signal(until_exit: bool = False) -> Iterator[StopRequest]:
     finally:
         request.active = False
         watcher.close()
-        for signum, handler in previous.items():
-            if until_exit:
-                handler = _after_the_run
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        _set(dict.fromkeys(previous, _after_the_run) if until_exit else previous)
     if request.received is not None and not _started_by_rank0():
-        # The work finished but a signal came: say so in the exit code.
-        exit_stopped(request.received)
-
-
-_AFTER_THE_RUN = "received after the run had finished (its files are complete)"
+        exit_stopped(request.received)  # the work finished but a signal came
 
 
 def _after_the_run(signum: int, frame: FrameType | None) -> None:
-    """A stop signal while the finished process shuts down: its files are all written.
-
-    After a run that failed, the signal is ignored, as from :func:`_at_exit` on: the error's one
-    line is printed after the block and the process exits with its code. A launcher tearing the
-    group down over that error (torchrun SIGTERMs the other ranks when one exits 2) would
-    otherwise add a second line saying the run had finished, or end the process before its own.
-    """
-    if request.received is not None:  # the run was stopped: its line and 128 + N are given
+    """A stop signal while the finished process shuts down: its files are all written. After a
+    failed run it is ignored: the error's own line and exit code follow."""
+    if request.received is not None:
         if _second_request(request, signum, time.monotonic()):
             quit_now(signum, "again: quitting at once")
+    elif request.failed:
         return
-    if request.failed:
-        return
-    if request.quiet:
+    elif request.quiet:
         os._exit(128 + signum)
-    quit_now(signum, _AFTER_THE_RUN)
+    else:
+        quit_now(signum, "received after the run had finished (its files are complete)")
 
 
 def _at_exit() -> None:
-    """The last point where Python still runs a handler (a signal that came on another thread is
-    handled here, as this is Python code). Past it the interpreter tears down and resets the
-    handlers, so that a stop signal ended the process silently, by the signal. From here on the
-    stop signals are ignored instead (process-wide): the run's files are complete, and the
-    process exits with the run's own exit code."""
-    for signum in stop_signals():
-        with contextlib.suppress(OSError, ValueError):
-            signal.signal(signum, signal.SIG_IGN)
+    """The last point where Python runs a handler; past it the interpreter resets them and a
+    signal would end the process silently, so the stop signals are ignored from here on."""
+    _set(dict.fromkeys(stop_signals(), signal.SIG_IGN))
 
 
 def _record(signum: int, frame: FrameType | None) -> None:
     now = time.monotonic()
     if request.received is not None:
-        # The watcher, when there is one, saw every delivery as it came and judges repeats; here
-        # two deliveries may show as one call, and late (the main thread was in C++).
+        # The watcher, when there is one, saw every delivery as it came and judges repeats.
         if not request.watched and _second_request(request, signum, now):
             quit_now(signum, "again: quitting at once, without saving")
         return
@@ -211,25 +145,19 @@ def _record(signum: int, frame: FrameType | None) -> None:
 
 
 def _second_request(stop: StopRequest, signum: int, now: float) -> bool:
-    """Whether ``signum`` at ``now`` is a new request to quit, not the first stop delivered again
-    (the rule in the module docstring)."""
+    """Whether ``signum`` at ``now`` is a new request to quit, not the first stop again."""
     first = stop.received
-    if first is None or _same_stop(stop, now):
-        return False
-    return _quits_at_once(first, signum)
+    return first is not None and not _same_stop(stop, now) and _quits_at_once(first, signum)
 
 
 def _same_stop(stop: StopRequest, now: float) -> bool:
-    """Within ``STOP_REPEAT_S`` of the first signal, or once the parent died: the kernel sends
-    ``PR_SET_PDEATHSIG`` again as each thread of the dead parent exits, seconds apart under load."""
     return now - stop.received_at < STOP_REPEAT_S or bool(
         stop.parent and os.getppid() != stop.parent
     )
 
 
 def _quits_at_once(first: int, again: int) -> bool:
-    """A second stop signal quits at once; after SLURM's warning only the warning again does
-    (SLURM's SIGTERM comes while the save it asked for is under way; its SIGKILL comes anyway)."""
+    """After SLURM's warning only the warning again quits (its SIGTERM comes during the save)."""
     return not STOP_SIGNALS[first].warns or again == first
 
 
@@ -237,12 +165,8 @@ _quitting = threading.Lock()
 
 
 def quit_now(signum: int, why: str) -> None:
-    """Say in one line why this process stops without saving, and exit ``128 + signum`` now.
-
-    ``os._exit``: from the watcher thread, and past any code the main thread is stuck in. The
-    GPU claims (flock) go with the process; files being written stay temporaries, never a
-    half-written checkpoint under a real name.
-    """
+    """Say in one line why this process stops without saving, and ``os._exit(128 + signum)``:
+    from the watcher thread too, past any code the main thread is stuck in."""
     if not _quitting.acquire(blocking=False):
         return  # the other thread is saying it already
     code = 128 + int(signum)
@@ -258,41 +182,30 @@ def quit_now(signum: int, why: str) -> None:
 
 
 class _Watcher:
-    """Hears every signal (:func:`signal.set_wakeup_fd`), even while the main thread is in C++.
-
-    Quits at once on a second stop signal, and in a distributed run when the main thread stays
-    stuck after the first one (see the module docstring). Does nothing where a wakeup file
-    descriptor cannot be set.
-    """
+    """Hears every signal through a wakeup socket; quits on a second request or a stuck rank."""
 
     def __init__(self, stop: StopRequest) -> None:
-        self.stop, self.first_at = stop, 0.0
+        self.stop, self.first_at = stop, 0.0  # first_at: when the first stop signal came
         self._waiting: tuple[Any, float] | None = None  # (the main thread's frame, since when)
-        self._reader, writer = socket.socketpair()
-        writer.setblocking(False)
-        self._writer = writer
+        self._reader, self._writer = socket.socketpair()
+        self._writer.setblocking(False)
         try:
-            self._previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-        except (ValueError, OSError):  # not the main thread, or a platform without it
+            fd = self._writer.fileno()
+            self._previous_fd = signal.set_wakeup_fd(fd)
+        except ValueError:  # not the main thread
             self._previous_fd = None
             self.close()
             return
-        # Here, not in the thread: a block that ends at once closes the socket before the thread
-        # runs, and settimeout on a closed socket would end the thread with a traceback.
-        self._reader.settimeout(0.5)
-        self._thread = threading.Thread(target=self._run, name="signal-watch", daemon=True)
-        self._thread.start()
+        self._reader.settimeout(0.5)  # wakes to check a stuck rank, and to see the block ended
+        threading.Thread(target=self._run, name="signal-watch", daemon=True).start()
         stop.watched = True
 
     def close(self) -> None:
         self.stop.watched = False
         if self._previous_fd is not None:
-            with contextlib.suppress(ValueError, OSError):
-                signal.set_wakeup_fd(self._previous_fd)
-            self._previous_fd = None
-        for end in (self._writer, self._reader):
-            with contextlib.suppress(OSError):
-                end.close()
+            signal.set_wakeup_fd(self._previous_fd)
+        self._writer.close()
+        self._reader.close()
 
     def _run(self) -> None:
         stops = {int(s) for s in stop_signals()}
@@ -312,20 +225,20 @@ class _Watcher:
                 elif not _same_stop(self.stop, now) and _quits_at_once(first, signum):
                     quit_now(signum, "again: quitting at once, without saving")
             if first is not None and _distributed():
-                self._check_stuck(first)
+                self._check_stuck(first, now)
 
-    def _check_stuck(self, signum: int) -> None:
-        now = time.monotonic()
+    def _check_stuck(self, signum: int, now: float) -> None:
         if self.stop.received is None and now - self.first_at > STUCK_GRACE_S:
             quit_now(
                 signum,
                 f"received, but this rank stayed stuck in native code for {STUCK_GRACE_S:.0f} s "
                 "(a collective waiting for another rank?); stopping without saving",
             )
-        call = _main_thread_in_torch_distributed()
-        if call is None:
+        frame = sys._current_frames().get(threading.main_thread().ident or -1)
+        if frame is None or f"torch{os.sep}distributed{os.sep}" not in frame.f_code.co_filename:
             self._waiting = None
             return
+        call = (frame.f_code.co_name, id(frame), frame.f_lasti)
         if self._waiting is None or self._waiting[0] != call:
             self._waiting = (call, now)
         elif now - self._waiting[1] > STUCK_GRACE_S:
@@ -336,20 +249,10 @@ class _Watcher:
             )
 
 
-def _main_thread_in_torch_distributed() -> tuple[str, int, int] | None:
-    """``(function, frame id, instruction)`` when the main thread's innermost Python frame is a
-    ``torch.distributed`` function (a collective, blocked in C++ until every rank is there)."""
-    frame = sys._current_frames().get(threading.main_thread().ident or -1)
-    if frame is None or f"torch{os.sep}distributed{os.sep}" not in frame.f_code.co_filename:
-        return None
-    return (frame.f_code.co_name, id(frame), frame.f_lasti)
-
-
 def _distributed() -> bool:
-    """Whether this process is one rank of several (a launcher's variables or torch say so)."""
     if os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
         return True
-    dist = sys.modules.get("torch.distributed")  # never imported here: this module is stdlib-only
+    dist = sys.modules.get("torch.distributed")  # never imported here: stdlib only
     try:
         return bool(dist and dist.is_initialized() and dist.get_world_size() > 1)
     except Exception:
@@ -366,18 +269,18 @@ def exit_stopped(signum: int) -> None:
             child.wait()
     request.children = []
     code = 128 + int(signum)
-    name = signal.Signals(signum).name
     when = f"during {request.phase}"
     if request.phase_done:
         when = f"after {request.phase} had finished (its files are written)"
     _drop_closed_outputs()
+    name = signal.Signals(signum).name
     _say(f"stopped by {name} {when}{request.detail}; exit code {code}", run_log=True)
     raise SystemExit(code)
 
 
 def _say(text: str, run_log: bool = False) -> None:
-    """Say ``text`` on stderr; ``run_log``: in the run's log files too (Hydra's ``train.log``),
-    the one place that tells how a run whose terminal closed ended."""
+    """``text`` on stderr; ``run_log``: in the run's log files too (how a closed terminal's run
+    ended)."""
     if request.quiet:
         return
     _write_line(text)
@@ -389,9 +292,8 @@ def _say(text: str, run_log: bool = False) -> None:
 
 
 def _drop_closed_outputs() -> None:
-    """Point stdout and stderr at /dev/null when what they wrote to is gone (a closed terminal
-    answers EIO, a pipe without its reader EPIPE): a stop then goes on to its save and its exit
-    code instead of ending in the traceback (or Rich's exit 1) of the next line printed."""
+    """Point stdout/stderr at /dev/null when their reader is gone (a closed terminal, a dead
+    pipe): the stop goes on to its save instead of ending in the next print's traceback."""
     for fd in (1, 2):
         with contextlib.suppress(OSError):
             poll = select.poll()
@@ -403,105 +305,79 @@ def _drop_closed_outputs() -> None:
 
 
 def _write_line(text: str) -> None:
-    """Print ``text`` to stderr, also from a handler that interrupted a write to stderr (Python's
-    buffered stream refuses that reentrant write: the line went missing)."""
+    """Print to stderr, also from a handler that interrupted a write to stderr."""
     try:
         print(text, file=sys.stderr, flush=True)
-    except RuntimeError:
+    except RuntimeError:  # reentrant write refused by the buffered stream
         with contextlib.suppress(OSError):
             os.write(2, f"{text}\n".encode(errors="replace"))
-    except (OSError, ValueError):  # a closed stream
+    except (OSError, ValueError):
         pass
 
 
-_before_the_run: dict[int, Any] = {}
-"""The handlers :func:`stop_on_signal` replaced, which forked children get back."""
+_before_the_run: dict[int, Any] = {}  # the handlers stop_on_signal replaced
+_fork = threading.local()  # the forking thread's signal mask from before the fork
+_worker_stops: tuple[int, ...] = ()  # in a DataLoader worker: the stop signals kept blocked
 
 
-_fork = threading.local()
-"""The forking thread's signal mask from before :func:`_before_fork`, put back after it."""
+def _set(handlers: Mapping[int, Any]) -> None:
+    for signum, handler in handlers.items():
+        signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 def _before_fork() -> None:
-    """During a run, a child starts with the stop signals blocked (inherited from the forking
-    thread): none lands before the child has its own stop handling (:func:`_in_forked_child`).
-    A group's signal in that moment reached the parent's handler, in the child."""
+    """During a run, a child starts with the stop signals blocked until its own handling is set."""
     _fork.mask = None
     if request.active:
-        with contextlib.suppress(ValueError, OSError):
-            _fork.mask = signal.pthread_sigmask(signal.SIG_BLOCK, tuple(_before_the_run))
+        _fork.mask = signal.pthread_sigmask(signal.SIG_BLOCK, tuple(_before_the_run))
 
 
 def _after_fork_in_parent() -> None:
-    if getattr(_fork, "mask", None) is not None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, _fork.mask)  # what came meanwhile is handled
-        _fork.mask = None
+    if _fork.mask is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, _fork.mask)
 
 
 def _in_forked_child() -> None:
-    """In a child forked during a run: none of this process's stop handling.
-
-    The child shares nothing it could count (its wakeup descriptor is cleared: its signals were
-    bytes in the parent's watcher, each a "second" Ctrl-C) and gets the handlers from before the
-    run back, then the stop signals (blocked by :func:`_before_fork`), so a forked helper stops
-    as it would without this library. A DataLoader worker, which its parent ends when it stops,
-    keeps them blocked and is left out of the stop (:func:`_dataloader_worker_stops`).
-    """
+    """A child forked during a run gets the handlers from before the run back, no wakeup
+    descriptor, and its signals unblocked; a DataLoader worker keeps them blocked
+    (:func:`_dataloader_worker_stops`), and a child it forks gets them back."""
     global request, _worker_stops
-    mask, _fork.mask = getattr(_fork, "mask", None), None
-    if _worker_stops:  # forked by a DataLoader worker: this child gets the stop signals back
-        with contextlib.suppress(ValueError, OSError):
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _worker_stops)
+    if _worker_stops:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _worker_stops)
         _worker_stops = ()
         return
     if not request.active:
         return
     request = StopRequest(quiet=True)
-    with contextlib.suppress(ValueError, OSError):
-        signal.set_wakeup_fd(-1)
-        for signum, handler in _before_the_run.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-    # Only where torch is loaded (this module is stdlib-only) and the sender can be read.
-    if "torch.utils.data._utils.signal_handling" in sys.modules and hasattr(signal, "sigwaitinfo"):
+    signal.set_wakeup_fd(-1)
+    _set(_before_the_run)
+    if hasattr(signal, "sigwaitinfo"):  # not on macOS
         from runkit import compat
 
         if compat.forked_for_a_dataloader_worker():
             compat.leave_dataloader_workers_out_of_stops(_dataloader_worker_stops)
             return
-    if mask is not None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-
-
-_worker_stops: tuple[int, ...] = ()
-"""In a DataLoader worker: the stop signals it keeps blocked (:func:`_dataloader_worker_stops`)."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, _fork.mask)
 
 
 def _dataloader_worker_stops() -> None:
     """In a DataLoader worker, after torch's handlers: its parent alone ends it.
 
-    torch's own SIGTERM handler tells its parent's signal from the others (``si_pid``) and exits
-    quietly on the parent's only: the worker ends when the parent shuts it down or exits
-    (multiprocessing terminates its workers at exit). A group's stop signal killed the worker,
-    which crashed the parent's stop; ignoring the stop signals kept the worker alive when its
-    parent exited, and the parent waited for it forever. Python's handlers do not see the sender,
-    so the stop signals stay blocked and a thread takes them with :func:`signal.sigwaitinfo`:
-    the parent's SIGTERM ends the worker (exit 0, as torch's), any other stop signal is left to
-    the parent, which stops and ends its workers. A program the worker starts inherits the
-    blocked signals; a child it forks gets them back (:func:`_in_forked_child`).
+    A group's stop signal killed the worker and crashed the parent's stop; ignoring it kept the
+    worker alive past its parent. So the stop signals stay blocked and a thread takes them with
+    :func:`signal.sigwaitinfo`: the parent's SIGTERM ends the worker (exit 0, as torch's), any
+    other is left to the parent, which ends its workers.
     """
     global _worker_stops
-    stops = tuple(_before_the_run)
+    stops = _worker_stops = tuple(_before_the_run)
     signal.pthread_sigmask(signal.SIG_BLOCK, stops)
-    _worker_stops = stops
     parent = os.getppid()
 
     def end_if_the_parents(got: Any) -> None:
         if got is not None and got.si_signo == signal.SIGTERM and got.si_pid == parent:
             os._exit(0)
 
-    # Taken here first: a signal that came while the worker started (a group's, at the fork) is
-    # pending, and a second SIGTERM, the parent's, would merge into it unseen (one of a kind is
-    # kept pending, with the first sender's si_pid) until the thread below runs.
+    # Pending ones first: the parent's SIGTERM would merge unseen into a group's pending one.
     while (got := signal.sigtimedwait(stops, 0)) is not None:
         end_if_the_parents(got)
 
@@ -509,13 +385,12 @@ def _dataloader_worker_stops() -> None:
         while True:
             end_if_the_parents(signal.sigwaitinfo(stops))
 
-    threading.Thread(target=take, name="dataloader-worker-stops", daemon=True).start()
+    threading.Thread(target=take, daemon=True).start()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(
-        before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_in_forked_child
-    )
+os.register_at_fork(
+    before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_in_forked_child
+)
 
 
 def slurm_job_id(environ: Mapping[str, str] | None = None) -> str | None:
@@ -530,13 +405,12 @@ def slurm_job_id(environ: Mapping[str, str] | None = None) -> str | None:
 def rank_zero(environ: Mapping[str, str] | None = None) -> bool:
     """Whether this process is global rank 0 (or the only process), from the launch variables."""
     env = os.environ if environ is None else environ
-    ranks = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID")
-    return all(env.get(var, "0") in ("", "0") for var in ranks)
+    return all(
+        env.get(v, "0") in ("", "0") for v in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID")
+    )
 
 
 def _started_by_rank0(environ: Mapping[str, str] | None = None) -> bool:
-    """A DDP worker that Lightning's launcher in rank 0 started (torchrun's set their own
-    ``TORCHELASTIC_RUN_ID``): its exit code is read only by rank 0, which kills the whole job
-    when a worker exits non-zero; rank 0 reports the signal instead."""
+    """A DDP worker of Lightning's launcher (not torchrun's): rank 0 reports the signal."""
     env = os.environ if environ is None else environ
     return env.get("LOCAL_RANK", "0") not in ("", "0") and "TORCHELASTIC_RUN_ID" not in env
