@@ -251,8 +251,9 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "lightning.pytorch.loops.fit_loop:_FitLoop",
         "_data_fetcher",
         "runkit.compat.restart_train_data (runkit.safety.resume)",
-        "the training epoch's iterator: Lightning creates it before any hook of a run's first "
-        "epoch, so a resume re-creates it after reseeding (and reads the batches trained on)",
+        "the training epoch's iterator: Lightning restores the loops after on_fit_start and "
+        "creates it before on_train_start (no hook between), so a resume re-creates it after "
+        "reseeding and reads the batches trained on; a DataLoader's sampler cannot be swapped",
         lambda: "_data_fetcher" in vars(_trainer_attribute_value("fit_loop")),
     ),
     PrivateApi(
