@@ -52,6 +52,29 @@ def test_last_ckpt_holds_the_final_epoch(tmp_path: Path) -> None:
     assert last_epoch_after_fit(tmp_path, ModelCheckpoint) == 3
 
 
+@pytest.mark.parametrize("save_top_k", [0, 1])
+def test_last_ckpt_follows_each_save_point_during_the_run(tmp_path: Path, save_top_k: int) -> None:
+    """Not only at the end: a run killed mid-way finds its latest epoch in last.ckpt."""
+    seen: list[int | None] = []
+
+    class Spy(pl.Callback):
+        def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+            last = tmp_path / "last.ckpt"
+            seen.append(torch.load(last, weights_only=True)["epoch"] if last.exists() else None)
+
+    checkpoint = ModelCheckpoint(
+        dirpath=tmp_path, monitor="val/loss", mode="max", save_top_k=save_top_k, save_last=True
+    )
+    trainer = pl.Trainer(
+        max_epochs=3, accelerator="cpu", logger=False, callbacks=[checkpoint, Spy()],
+        limit_train_batches=2, limit_val_batches=1, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    module = ClassifierModule(MLP(hidden=(16,)), partial(torch.optim.SGD, lr=0.1))
+    trainer.fit(module, datamodule=DigitsDataModule(batch_size=32))
+    assert seen == [None, 0, 1]
+
+
 def test_lightning_alone_leaves_last_ckpt_behind(tmp_path: Path) -> None:
     """The reason for the subclass; if Lightning fixes it, this fails and the subclass can go."""
     epoch = last_epoch_after_fit(tmp_path, LightningModelCheckpoint)
