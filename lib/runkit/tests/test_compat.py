@@ -120,34 +120,6 @@ def test_a_hook_a_subclass_implements_is_kept_and_super_still_reaches_the_no_op(
     assert callback.on_after_backward is None and callback.on_validation_batch_end is None
 
 
-def test_an_implemented_hook_is_skipped_until_restored_and_then_runs_again() -> None:
-    import lightning.pytorch as pl
-    from lightning.pytorch.trainer import call
-
-    calls: list[int] = []
-
-    class Counting(pl.Callback):
-        def on_train_batch_end(self, *args: object) -> None:
-            calls.append(len(calls))
-
-    callback = Counting()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        callbacks=[callback],
-    )
-    hook = ("on_train_batch_end", None, None, 0)
-    compat.skip_hooks(callback, "on_train_batch_end")
-    call._call_callback_hooks(trainer, *hook)
-    assert calls == []
-    compat.restore_hooks(callback, "on_train_batch_end")
-    compat.restore_hooks(callback, "on_train_batch_end")  # twice: nothing more to restore
-    call._call_callback_hooks(trainer, *hook)
-    assert calls == [0] and "on_train_batch_end" not in vars(callback)
-
-
 def test_a_fit_dispatches_only_the_batch_hooks_a_runkit_callback_implements(tmp_path: Path) -> None:
     # Through a real Trainer: the profiler names every hook call Lightning makes to a callback.
     import lightning.pytorch as pl
