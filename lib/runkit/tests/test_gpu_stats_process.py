@@ -22,8 +22,8 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
-import torch
-from lightning.pytorch.loggers import CSVLogger
+from test_gpu_stats import TinyModel
+from test_gpu_stats import fit as shared_fit
 
 from conftest import free_port
 from runkit.gpu_stats import process as process_module
@@ -246,40 +246,11 @@ def process_alive(pid: int | None) -> bool:
 
 
 # --------------------------------------------------------------------------- a real fit
-class Slow(pl.LightningModule):
-    def __init__(self, step_s: float = 0.005) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 2)
-        self.step_s = step_s
-
-    def training_step(self, batch, batch_idx):
-        time.sleep(self.step_s)
-        return self.layer(batch[0]).sum()
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self.layer(batch[0]).sum())
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 def fit(tmp_path: Path, monitor: GpuStatsMonitor, *callbacks, epochs: int = 3) -> pl.Trainer:
-    data = torch.utils.data.TensorDataset(torch.randn(40, 4))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=epochs,
-        limit_val_batches=2,
-        num_sanity_val_steps=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=CSVLogger(tmp_path, name="csv", version=0),
-        callbacks=[monitor, *callbacks],
+    model = TinyModel(step_s=0.005)
+    return shared_fit(
+        tmp_path, monitor, *callbacks, epochs=epochs, model=model, num_sanity_val_steps=0
     )
-    loader = torch.utils.data.DataLoader(data, batch_size=4)
-    trainer.fit(Slow(), loader, loader)
-    return trainer
 
 
 def util_means(tmp_path: Path) -> list[str]:
@@ -343,7 +314,7 @@ def test_a_dead_or_hung_sampler_is_one_warning_and_the_run_goes_on(
     assert f"sampler process (pid {harmed.pid})" in lines[0] and "in a thread" in lines[0]
     means = util_means(tmp_path)
     assert len(means) == 3 and means[1:] == ["40.0", "40.0"]  # later epochs: the thread's
-    assert max(harmed.epoch_s) < 0.5 + 10 * 0.005 + 3.0  # the wait was bounded
+    assert max(harmed.epoch_s) < 0.5 + 12 * 0.005 + 3.0  # the wait was bounded
     assert not process_alive(harmed.pid) and fake.balanced
 
 
@@ -395,9 +366,26 @@ def test_teardown_and_an_exception_end_the_child(tmp_path, use_fake) -> None:
 
 
 # --------------------------------------------------------------------------- the trainer dies
-# A module of 50 ms steps (the trainer scripts below: the sampler is seen running).
-SLOW_MODULE = textwrap.dedent(
+# A trainer of 50 ms steps that prints its sampler's PID: one process ("deathsig", or
+# "no-deathsig": only the child's watch can end it) or two DDP ranks under a launcher.
+TRAINER = textwrap.dedent(
     """
+    import os, sys, time
+    import torch
+    import lightning.pytorch as pl
+    from runkit.gpu_stats import process
+    from runkit.gpu_stats.callback import GpuStatsMonitor
+
+    variant = sys.argv[1]
+    if variant == "no-deathsig":
+        process.die_with_parent = lambda signum: None
+
+    class Report(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 2:  # one write: the ranks share the pipe, a small write is whole
+                pid = trainer.callbacks[0]._sampler.pid
+                os.write(1, f"SAMPLER {trainer.global_rank} {os.getpid()} {pid}\\n".encode())
+
     class M(pl.LightningModule):
         def __init__(self):
             super().__init__()
@@ -407,41 +395,54 @@ SLOW_MODULE = textwrap.dedent(
             return self.layer(batch[0]).sum()
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    if __name__ == "__main__":  # ddp_spawn imports this file in each rank
+        ddp = variant in ("ddp", "ddp_spawn", "torchrun")
+        uuids = [f"GPU-0000000{i}-fa6e-4000-8000-00000000000{i}" for i in range(2)]
+        monitor = GpuStatsMonitor(interval_s=0.05, device_uuids=uuids, summary_table=False)
+        trainer = pl.Trainer(accelerator="cpu", devices=2 if ddp else 1, max_epochs=1,
+                             strategy="ddp_spawn" if variant == "ddp_spawn" else "auto" if not ddp else "ddp",
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, callbacks=[monitor, Report()])
+        data = torch.utils.data.TensorDataset(torch.randn(4000, 4))
+        trainer.fit(M(), torch.utils.data.DataLoader(data, batch_size=1, num_workers=0 if ddp else 1))
     """
 )
-TRAINER = (
-    textwrap.dedent(
-        """
-    import os, sys, time
-    import torch
-    import lightning.pytorch as pl
-    from runkit.gpu_stats import process
-    from runkit.gpu_stats.callback import GpuStatsMonitor
 
-    if sys.argv[1] == "no-deathsig":
-        process.die_with_parent = lambda signum: None  # the watch must end it
 
-    class Report(pl.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if batch_idx == 2:
-                print("SAMPLER", trainer.callbacks[0]._sampler.pid, flush=True)
+def start_trainer(tmp_path: Path, variant: str, gpus: int) -> subprocess.Popen:
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PROJECT_", "LOCAL_RANK"))}
+    env.update(OMP_NUM_THREADS="1", RUNKIT_NVML_BACKEND="runkit.testing.fake_nvml:create",
+               RUNKIT_FAKE_NVML=f'{{"gpus": {gpus}}}')  # fmt: skip
+    command = [sys.executable, str(script), variant]
+    if variant == "torchrun":
+        command[1:1] = ["-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-port", str(free_port())]  # fmt: skip
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=tmp_path, start_new_session=True)  # fmt: skip
 
-    """
-    )
-    + SLOW_MODULE
-    + textwrap.dedent(
-        """
 
-    data = torch.utils.data.TensorDataset(torch.randn(4000, 4))
-    uuid = "GPU-00000000-fa6e-4000-8000-000000000000"  # the fake's first GPU
-    monitor = GpuStatsMonitor(interval_s=0.05, device_uuids=[uuid])
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[monitor, Report()])
-    trainer.fit(M(), torch.utils.data.DataLoader(data, batch_size=1, num_workers=1))
-    """
-    )
-)
+def samplers_of(job: subprocess.Popen, ranks: int) -> dict[int, tuple[int, int]]:
+    """``{rank: (trainer PID, sampler PID)}`` as the trainer prints them."""
+    seen: dict[int, tuple[int, int]] = {}
+    output = []
+    for line in job.stdout:
+        output.append(line)
+        for rank, trainer, sampler in re.findall(r"SAMPLER (\d+) (\d+) (\d+)", line):
+            seen[int(rank)] = (int(trainer), int(sampler))
+        if len(seen) == ranks:
+            break
+    assert len(seen) == ranks and all(process_alive(s) for _, s in seen.values()), output
+    return seen
+
+
+def alive_after_5s(pids: list[int]) -> list[int]:
+    deadline = time.monotonic() + 5.0
+    while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if process_alive(p)]
 
 
 @pytest.mark.slow  # a trainer process of its own, killed
@@ -450,117 +451,26 @@ TRAINER = (
     [(signal.SIGKILL, "deathsig"), (signal.SIGKILL, "no-deathsig"), (signal.SIGTERM, "deathsig")],
 )
 def test_no_sampler_outlives_its_trainer(tmp_path, signum, variant) -> None:
-    script = tmp_path / "trainer.py"
-    script.write_text(TRAINER)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PROJECT_")}
-    env.update(
-        RUNKIT_NVML_BACKEND="runkit.testing.fake_nvml:create", RUNKIT_FAKE_NVML='{"gpus": 1}'
-    )
-    trainer = subprocess.Popen(
-        [sys.executable, str(script), variant],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-    )
+    trainer = start_trainer(tmp_path, variant, gpus=1)
     try:
-        pid = None
-        for line in trainer.stdout:
-            if line.startswith("SAMPLER"):
-                pid = int(line.split()[1])
-                break
-        assert pid is not None and process_alive(pid), trainer.stdout.read()
+        ((_, sampler),) = samplers_of(trainer, 1).values()
         trainer.send_signal(signum)
         trainer.wait(timeout=30)
-        deadline = time.monotonic() + 5.0
-        while process_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not process_alive(pid), f"sampler {pid} outlived its trainer by 5 s"
+        assert not alive_after_5s([sampler]), f"sampler {sampler} outlived its trainer by 5 s"
     finally:
         trainer.kill()
         trainer.wait()
 
 
-# --------------------------------------------------------------------------- under DDP launchers
-DDP_TRAINER = (
-    textwrap.dedent(
-        """
-    import os, sys, time
-    import torch
-    import lightning.pytorch as pl
-    from runkit.gpu_stats.callback import GpuStatsMonitor
-
-    launcher = sys.argv[1]
-
-    class Report(pl.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if batch_idx == 2:
-                pid = trainer.callbacks[0]._sampler.pid
-                # one write: the ranks share the pipe, and a small write is not split
-                os.write(1, f"SAMPLER {trainer.global_rank} {os.getpid()} {pid}\\n".encode())
-
-    """
-    )
-    + SLOW_MODULE
-    + textwrap.dedent(
-        """
-
-    if __name__ == "__main__":  # ddp_spawn imports this file in each rank
-        uuids = [f"GPU-0000000{i}-fa6e-4000-8000-00000000000{i}" for i in range(2)]
-        monitor = GpuStatsMonitor(interval_s=0.05, device_uuids=uuids, summary_table=False)
-        strategy = "ddp_spawn" if launcher == "ddp_spawn" else "ddp"
-        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1,
-                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, callbacks=[monitor, Report()])
-        data = torch.utils.data.TensorDataset(torch.randn(4000, 4))
-        trainer.fit(M(), torch.utils.data.DataLoader(data, batch_size=1))
-    """
-    )
-)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["ddp", "ddp_spawn", "torchrun"])
 def test_no_sampler_outlives_a_ddp_rank_killed_with_sigkill(tmp_path, launcher) -> None:
-    script = tmp_path / "ddp_trainer.py"
-    script.write_text(DDP_TRAINER)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PROJECT_", "LOCAL_RANK"))}
-    env.update(
-        OMP_NUM_THREADS="1",
-        RUNKIT_NVML_BACKEND="runkit.testing.fake_nvml:create",
-        RUNKIT_FAKE_NVML='{"gpus": 2}',
-    )
-    command = [sys.executable, str(script), launcher]
-    if launcher == "torchrun":
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                   "--master-port", str(free_port()), str(script), launcher]  # fmt: skip
-    job = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        start_new_session=True,
-    )
-    seen: dict[int, tuple[int, int]] = {}
-    output = []
+    job = start_trainer(tmp_path, launcher, gpus=2)
     try:
-        for line in job.stdout:
-            output.append(line)
-            for rank, trainer, sampler in re.findall(r"SAMPLER (\d+) (\d+) (\d+)", line):
-                seen[int(rank)] = (int(trainer), int(sampler))
-            if len(seen) == 2:
-                break
-        assert len(seen) == 2, "".join(output)
-        assert all(process_alive(s) for _, s in seen.values())
+        seen = samplers_of(job, 2)
         for trainer, _ in seen.values():  # every rank dies at once, as an OOM killer would
             os.kill(trainer, signal.SIGKILL)
-        deadline = time.monotonic() + 5.0
-        while any(process_alive(s) for _, s in seen.values()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        left = [s for _, s in seen.values() if process_alive(s)]
+        left = alive_after_5s([s for _, s in seen.values()])
         assert not left, f"samplers {left} outlived their ranks by 5 s"
     finally:
         with contextlib.suppress(ProcessLookupError):

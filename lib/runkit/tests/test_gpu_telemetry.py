@@ -8,11 +8,9 @@ FakeClock drives the sampler where exact numbers are checked, and real ``Trainer
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
@@ -20,6 +18,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from test_gpu_stats import fit, gpu_rows, loader
 
 from runkit.gpu_stats import callback as gpu_callback
 from runkit.gpu_stats.callback import GpuStatsMonitor, energy_report
@@ -144,7 +143,7 @@ def test_gpm_in_a_real_fit_reaches_csv_table_and_frees_its_samples(
     monkeypatch.setenv("COLUMNS", "220")
     fake = use_fake(FakeNvml([FakeGpu(name="Fake H200", util_gpu=90, gpm=HOPPER_GPM)]))
     monitor = GpuStatsMonitor(interval_s=0.02, device_uuids=[fake.gpus[0].uuid])
-    fit(tmp_path, monitor, epochs=1, slow_s=0.01)
+    fit(tmp_path, monitor, epochs=1, train_loader=loader(0.01), num_sanity_val_steps=0)
     (row,) = gpu_rows(tmp_path)
     assert float(row["gpu/node0/cuda0/sm_active_mean"]) == pytest.approx(60)
     assert float(row["gpu/node0/cuda0/tensor_active_max"]) == pytest.approx(20)
@@ -213,16 +212,6 @@ def test_run_summary_weights_gpm_means_by_samples() -> None:
     assert row["sm_active_mean"] == pytest.approx((10 + 120) / 4) and row["util_mean"] is None
 
 
-def test_new_arguments_are_checked_with_one_clear_line() -> None:
-    with pytest.raises(ValueError, match=r"per_gpu_keys_up_to=-1; give a GPU count >= 0"):
-        GpuStatsMonitor(per_gpu_keys_up_to=-1)
-    with pytest.raises(ValueError, match=r"data_wait_warning=1.5; give a number in \[0, 1\]"):
-        GpuStatsMonitor(data_wait_warning=1.5)
-    with pytest.raises(ValueError, match=r"gpu_idle_below_pct='x'"):
-        GpuStatsMonitor(gpu_idle_below_pct="x")
-
-
-# --------------------------------------------------------------------------- the loop
 def test_loop_timer_counts_the_gaps_between_steps_and_leaves_validation_out() -> None:
     clock = FakeClock()
     timer = LoopTimer(clock)
@@ -250,78 +239,6 @@ def test_batch_length_finds_the_first_tensor_or_gives_up() -> None:
 
 
 # --------------------------------------------------------------------------- real fits
-class SlowData(torch.utils.data.Dataset):
-    """A data set that takes ``delay_s`` per sample, like one decoding files on one core."""
-
-    def __init__(self, delay_s: float, n: int = 64) -> None:
-        self.delay_s, self.x, self.y = delay_s, torch.randn(n, 4), torch.randint(0, 2, (n,))
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int):
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        return self.x[i], self.y[i]
-
-
-class TinyModel(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 2)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = torch.nn.functional.cross_entropy(self.layer(x), y)
-        self.log("train_loss", loss, on_step=False, on_epoch=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", torch.nn.functional.cross_entropy(self.layer(x), y))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-def fit(
-    tmp_path,
-    monitor,
-    *callbacks,
-    epochs=2,
-    slow_s=0.0,
-    ckpt_path=None,
-    logger=None,
-    train=None,
-    **options,
-):
-    options = {"limit_train_batches": 12, "limit_val_batches": 2, **options}
-    trainer = pl.Trainer(
-        **options,
-        accelerator="cpu",
-        devices=1,
-        max_epochs=epochs,
-        num_sanity_val_steps=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        logger=logger or CSVLogger(tmp_path, name="csv", version=0),
-        callbacks=[monitor, *callbacks],
-    )
-    trainer.fit(
-        TinyModel(),
-        train or torch.utils.data.DataLoader(SlowData(slow_s), batch_size=4),
-        torch.utils.data.DataLoader(SlowData(0.0), batch_size=4),
-        ckpt_path=ckpt_path,
-    )
-    return trainer
-
-
-def gpu_rows(tmp_path: Path, key: str = "gpu/node0/cuda0/samples") -> list[dict[str, str]]:
-    with (tmp_path / "csv" / "version_0" / "metrics.csv").open() as handle:
-        return [r for r in csv.DictReader(handle) if r.get(key)]
-
-
 class CountingCsvLogger(CSVLogger):
     """The real CSV logger, counting the calls that carry GPU figures."""
 
@@ -348,7 +265,7 @@ def test_figures_reach_the_logger_in_one_call_and_monitors_still_see_them(
         save_on_train_epoch_end=True,
     )
     logger = CountingCsvLogger(tmp_path, name="csv", version=0)
-    trainer = fit(tmp_path, monitor, stop, best, epochs=5, logger=logger)
+    trainer = fit(tmp_path, monitor, stop, best, epochs=5, loggers=logger, num_sanity_val_steps=0)
     assert trainer.current_epoch == 2  # the constant key did not improve after epoch 0: stopped
     assert float(best.best_model_score) == pytest.approx(60)
     assert logger.gpu_calls == 2 * 2  # per epoch: one training call, one validation call
@@ -376,7 +293,7 @@ def test_validation_figures_come_at_the_validations_step_and_at_once_to_a_monito
     # (its val_loss); the epoch's at the step of its train_loss.
     unwatched = AtValidationEnd()
     monitor = GpuStatsMonitor(interval_s=0.05, device_uuids=uuids)
-    fit(tmp_path, monitor, unwatched, val_check_interval=0.5)
+    fit(tmp_path, monitor, unwatched, val_check_interval=0.5, num_sanity_val_steps=0)
     rows = gpu_rows(tmp_path, key)
     lightnings = [r["step"] for r in gpu_rows(tmp_path, "val_loss")]
     assert [r["step"] for r in rows] == lightnings and len(rows) == 4
@@ -387,7 +304,9 @@ def test_validation_figures_come_at_the_validations_step_and_at_once_to_a_monito
     watched = AtValidationEnd()
     best = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor=key, mode="max")
     monitor = GpuStatsMonitor(interval_s=0.05, device_uuids=uuids)
-    fit(tmp_path / "watched", monitor, best, watched, val_check_interval=0.5)
+    fit(
+        tmp_path / "watched", monitor, best, watched, val_check_interval=0.5, num_sanity_val_steps=0
+    )
     assert [float(v) for v in watched.seen] == [70.0] * 4 and float(best.best_model_score) == 70
 
 
@@ -397,7 +316,7 @@ def test_energy_continues_across_a_resume_and_reaches_metrics_json(tmp_path, use
     uuids = [fake.gpus[0].uuid]
     last = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0)
     first = GpuStatsMonitor(interval_s=0.02, device_uuids=uuids, summary_table=False)
-    fit(tmp_path / "a", first, last, epochs=2, slow_s=0.002)
+    fit(tmp_path / "a", first, last, epochs=2, train_loader=loader(0.002), num_sanity_val_steps=0)
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["callbacks"]
     state = saved["GpuStatsMonitor"]
     assert state["train_samples"] == 2 * 12 * 4
@@ -408,8 +327,9 @@ def test_energy_continues_across_a_resume_and_reaches_metrics_json(tmp_path, use
         second,
         ModelCheckpoint(dirpath=tmp_path / "ckpt2"),
         epochs=4,
-        slow_s=0.002,
+        train_loader=loader(0.002),
         ckpt_path=tmp_path / "ckpt" / "last.ckpt",
+        num_sanity_val_steps=0,
     )
     report = energy_report(trainer)
     assert report["training_samples"] == 4 * 12 * 4  # both runs' samples
@@ -446,7 +366,13 @@ def test_a_starved_cpu_loop_is_measured_and_named_once_per_epoch(
     monkeypatch.setattr(gpu_callback, "MIN_WAIT_WARNING_S", 0.2)
     use_fake(FakeNvml(1))
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        fit(tmp_path, GpuStatsMonitor(), epochs=2, slow_s=0.025)  # CPU: no GPU figures
+        fit(
+            tmp_path,
+            GpuStatsMonitor(),
+            epochs=2,
+            train_loader=loader(0.025),
+            num_sanity_val_steps=0,
+        )  # CPU: no GPU figures
     rows = gpu_rows(tmp_path, "loop/data_wait_frac")
     assert len(rows) == 2 and not any(k.startswith("gpu/") and v for k, v in rows[0].items())
     for row in rows:
@@ -459,19 +385,6 @@ def test_a_starved_cpu_loop_is_measured_and_named_once_per_epoch(
     assert "no GPU reading" in starved[0]
     for setting in ("data.num_workers=0", "data.pin_memory=False", "data.batch_size=4"):
         assert setting in starved[0]
-
-
-@pytest.mark.slow
-def test_a_wait_under_the_threshold_or_a_busy_gpu_gets_no_starvation_line(
-    tmp_path, use_fake, caplog, monkeypatch
-):
-    monkeypatch.setattr(gpu_callback, "MIN_WAIT_WARNING_S", 0.0)
-    fake = use_fake(FakeNvml([FakeGpu(util_gpu=95)]))
-    busy = GpuStatsMonitor(interval_s=0.05, device_uuids=[fake.gpus[0].uuid], summary_table=False)
-    with caplog.at_level(logging.INFO, logger=LOGGER):
-        fit(tmp_path / "busy", busy, epochs=1, slow_s=0.01)  # waits, but the GPU is 95 % busy
-        fit(tmp_path / "cpu", GpuStatsMonitor(data_wait_warning=0.99), epochs=1, slow_s=0.01)
-    assert not [r for r in caplog.records if "waited for the next batch" in r.getMessage()]
 
 
 def test_monitored_keys_come_from_callbacks_and_schedulers() -> None:

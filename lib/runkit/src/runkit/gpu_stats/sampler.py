@@ -70,38 +70,30 @@ class GpuReader:
         self.nvml_index = nvml.optional(lib, self.device.index)
         self.pci_bus_id = nvml.optional(lib, self.device.pci_bus_id)
 
+    def _skip(self, group: str, why: str) -> None:
+        self.groups.remove(group)
+        self.unsupported[group] = why.replace("NVMLError_", "")
+
     def probe(self) -> None:
         """Read every group once; those the GPU refuses are dropped and listed in ``unsupported``.
-
-        NVMLError_GpuIsLost (and any other failure) propagates: the caller gives up on this GPU.
-        """
+        NVMLError_GpuIsLost (and any other failure) propagates: the caller gives up on this GPU."""
         if "power" in self.groups:
             self.power_limit_mw = nvml.optional(self.lib, self.device.power_limit_mw)
         if "gpm" in self.groups:
-            self._open_gpm()
-        for group in list(self.groups):
-            if group == "gpm":
-                continue
+            instance = self.device.gpu_instance_id() if self.is_mig else None
+            counters = GpmCounters(self.lib, self.device.board, self.label, instance)
             try:
-                getattr(self, f"_read_{group}")({})
+                counters.open()
+                self.gpm = counters
+            except GpmUnsupported as err:
+                self._skip("gpm", str(err))
+            except self._probe_skip_errors as err:  # refused at the first sample: never had it
+                self._skip("gpm", type(err).__name__)
+        for group in [g for g in self.groups if g != "gpm"]:
+            try:
+                self._values(group)
             except (*self._probe_skip_errors, AttributeError) as err:
-                self.groups.remove(group)
-                self.unsupported[group] = type(err).__name__.replace("NVMLError_", "")
-
-    def _open_gpm(self) -> None:
-        instance = self.device.gpu_instance_id() if self.is_mig else None
-        counters = GpmCounters(self.lib, self.device.board, self.label, instance)
-        try:
-            counters.open()
-        except GpmUnsupported as err:
-            self.groups.remove("gpm")
-            self.unsupported["gpm"] = str(err)
-            return
-        except self._probe_skip_errors as err:  # refused at the first sample: never had it
-            self.groups.remove("gpm")
-            self.unsupported["gpm"] = type(err).__name__.replace("NVMLError_", "")
-            return
-        self.gpm = counters
+                self._skip(group, type(err).__name__)
 
     def close(self) -> None:
         """Free what the reader holds in NVML (the GPM samples); safe to call again."""
@@ -114,67 +106,45 @@ class GpuReader:
         dropped = []
         for group in list(self.groups):
             try:
-                getattr(self, f"_read_{group}")(out)
+                out.update(self._values(group))
             except self._unsupported_errors as err:
-                self.groups.remove(group)
-                self.unsupported[group] = type(err).__name__.replace("NVMLError_", "")
+                self._skip(group, type(err).__name__)
                 dropped.append(group)
         return out, dropped
 
-    # One method per group; each writes its metrics into ``out``.
-    def _read_utilization(self, out: dict[str, float]) -> None:
-        gpu, memory = self.device.utilization()
-        out["util"] = float(gpu)
-        out["mem_util"] = float(memory)
-
-    def _read_memory(self, out: dict[str, float]) -> None:
-        total, used, _free = self.device.memory()
-        out["mem_used_gib"] = used / GIB
-        out["mem_total_gib"] = total / GIB
-
-    def _read_process_memory(self, out: dict[str, float]) -> None:
-        procs = self.device.compute_processes()
-        mine = [used for pid, used in procs if pid == self.pid and used is not None]
-        if mine:  # absent (not yet on the GPU, or another PID namespace): no sample, not a zero
-            out["proc_mem_gib"] = sum(mine) / GIB
-
-    def _read_temperature(self, out: dict[str, float]) -> None:
-        out["temp_c"] = float(self.device.temperature_c())
-
-    def _read_power(self, out: dict[str, float]) -> None:
-        milliwatts = self.device.power_mw()
-        out["power_w"] = milliwatts / 1000.0
-        if self.power_limit_mw:
-            out["power_ratio"] = milliwatts / self.power_limit_mw
-
-    def _read_clock(self, out: dict[str, float]) -> None:
-        out["sm_clock_mhz"] = self.device.sm_clock_mhz()
-
-    def _read_throttle(self, out: dict[str, float]) -> None:
-        reasons = self.device.clock_event_reasons()
-        for metric, mask in THROTTLE_MASKS.items():
-            out[metric] = 1.0 if reasons & mask else 0.0
-
-    def _read_energy(self, out: dict[str, float]) -> None:
-        out["_energy_mj"] = self.device.energy_mj()
-
-    def _read_fan(self, out: dict[str, float]) -> None:
-        out["fan_pct"] = self.device.fan_pct()
-
-    def _read_pcie(self, out: dict[str, float]) -> None:
-        sent, received = self.device.pcie_kbs()
-        out["pcie_tx_mbs"] = sent / 1024
-        out["pcie_rx_mbs"] = received / 1024
-
-    def _read_ecc(self, out: dict[str, float]) -> None:
-        out["ecc_uncorrected"] = self.device.ecc_uncorrected()
-
-    def _read_memory_temperature(self, out: dict[str, float]) -> None:
-        out["mem_temp_c"] = self.device.memory_temperature_c()
-
-    def _read_gpm(self, out: dict[str, float]) -> None:
-        if self.gpm is not None:
-            out.update(self.gpm.read())
+    def _values(self, group: str) -> dict[str, float]:
+        """One group's metrics, read now."""
+        d = self.device
+        if group == "utilization":
+            gpu, memory = d.utilization()
+            return {"util": float(gpu), "mem_util": float(memory)}
+        if group == "memory":
+            total, used, _free = d.memory()
+            return {"mem_used_gib": used / GIB, "mem_total_gib": total / GIB}
+        if group == "process_memory":  # absent (not on the GPU yet, another PID namespace): no 0
+            mine = [u for pid, u in d.compute_processes() if pid == self.pid and u is not None]
+            return {"proc_mem_gib": sum(mine) / GIB} if mine else {}
+        if group == "power":
+            mw = d.power_mw()
+            ratio = {"power_ratio": mw / self.power_limit_mw} if self.power_limit_mw else {}
+            return {"power_w": mw / 1000.0, **ratio}
+        if group == "throttle":
+            reasons = d.clock_event_reasons()
+            return {metric: float(bool(reasons & mask)) for metric, mask in THROTTLE_MASKS.items()}
+        if group == "pcie":
+            sent, received = d.pcie_kbs()
+            return {"pcie_tx_mbs": sent / 1024, "pcie_rx_mbs": received / 1024}
+        if group == "gpm":
+            return self.gpm.read() if self.gpm is not None else {}
+        key, read = {
+            "temperature": ("temp_c", d.temperature_c),
+            "clock": ("sm_clock_mhz", d.sm_clock_mhz),
+            "energy": ("_energy_mj", d.energy_mj),
+            "fan": ("fan_pct", d.fan_pct),
+            "ecc": ("ecc_uncorrected", d.ecc_uncorrected),
+            "memory_temperature": ("mem_temp_c", d.memory_temperature_c),
+        }[group]
+        return {key: float(read())}
 
     def identity(self) -> dict[str, Any]:
         return {
