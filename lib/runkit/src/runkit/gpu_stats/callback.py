@@ -98,6 +98,30 @@ def _check(name: str, value: Any, ok: bool, accepted: str) -> None:
         raise ValueError(f"GpuStatsMonitor: {name}={value!r}; give {accepted}")
 
 
+def _check_arguments(
+    seconds: dict[str, Any], shares: dict[str, tuple[Any, float]], sampler: str,
+    device_uuids: Any, key_prefix: str, per_gpu_keys_up_to: Any,
+) -> None:  # fmt: skip
+    """:class:`GpuStatsMonitor`'s arguments, each refused in one line naming what it accepts."""
+
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    _check("sampler", sampler, sampler in SAMPLERS, f"one of {', '.join(SAMPLERS)}")
+    for name, value in seconds.items():
+        _check(name, value, number(value) and value > 0, "seconds > 0")
+    for name, (value, high) in shares.items():
+        _check(name, value, number(value) and 0 <= value <= high, f"a number in [0, {high:g}]")
+    uuids_ok = device_uuids is None or (
+        not isinstance(device_uuids, str) and all(isinstance(u, str) for u in device_uuids)
+    )
+    _check("device_uuids", device_uuids, uuids_ok, "a list of NVML UUID strings")
+    prefix_ok = bool(key_prefix) and "/" not in key_prefix
+    _check("key_prefix", key_prefix, prefix_ok, "a word without '/'")
+    count_ok = type(per_gpu_keys_up_to) is int and per_gpu_keys_up_to >= 0
+    _check("per_gpu_keys_up_to", per_gpu_keys_up_to, count_ok, "a GPU count >= 0")
+
+
 def energy_report(trainer: Any) -> dict[str, Any] | None:
     """The run's energy for ``metrics.json`` from the trainer's :class:`GpuStatsMonitor`: J,
     kWh, J per training sample and J per physical GPU; None without a monitor or a reading."""
@@ -159,30 +183,12 @@ class GpuStatsMonitor(pl.Callback):
         gather_timeout_s: float = 30.0,
         sampler: str = "process",
     ) -> None:
-        _check("sampler", sampler, sampler in SAMPLERS, f"one of {', '.join(SAMPLERS)}")
-        for name, value, high in (
-            ("interval_s", interval_s, None),
-            ("gather_timeout_s", gather_timeout_s, None),
-            ("data_wait_warning", data_wait_warning, 1.0),
-            ("gpu_idle_below_pct", gpu_idle_below_pct, 100.0),
-        ):
-            number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if high is None:
-                _check(name, value, number and value > 0, "seconds > 0")
-            else:
-                _check(name, value, number and 0 <= value <= high, f"a number in [0, {high:g}]")
-        uuids_ok = device_uuids is None or (
-            not isinstance(device_uuids, str) and all(isinstance(u, str) for u in device_uuids)
-        )
-        _check("device_uuids", device_uuids, uuids_ok, "a list of NVML UUID strings")
-        _check(
-            "key_prefix",
-            key_prefix,
-            bool(key_prefix) and "/" not in key_prefix,
-            "a word without '/'",
-        )
-        count_ok = type(per_gpu_keys_up_to) is int and per_gpu_keys_up_to >= 0
-        _check("per_gpu_keys_up_to", per_gpu_keys_up_to, count_ok, "a GPU count >= 0")
+        _check_arguments(
+            {"interval_s": interval_s, "gather_timeout_s": gather_timeout_s},
+            {"data_wait_warning": (data_wait_warning, 1.0), "gpu_idle_below_pct": (gpu_idle_below_pct, 100.0)},
+            sampler=sampler, device_uuids=device_uuids, key_prefix=key_prefix,
+            per_gpu_keys_up_to=per_gpu_keys_up_to,
+        )  # fmt: skip
         self.sampler = sampler
         self.interval_s, self.gather_timeout_s = float(interval_s), float(gather_timeout_s)
         self.report_validation, self.summary_table = report_validation, summary_table
