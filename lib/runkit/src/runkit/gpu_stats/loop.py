@@ -64,6 +64,10 @@ class LoopTimer:
         self.steps += 1
         if self.samples is None:
             return
+        first = batch[0] if type(batch) in (tuple, list) and batch else None
+        if type(first) is torch.Tensor and first.ndim:  # the common batch, without the walk
+            self.samples += first.shape[0]
+            return
         size = batch_length(batch)
         if size is None and not self._said_uncountable:
             self._said_uncountable = True

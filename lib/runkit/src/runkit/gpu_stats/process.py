@@ -261,7 +261,7 @@ def serve(
                 reader.pid = parent_pid  # process memory: the trainer's, not ours
                 reader.probe()
                 readers.append(reader)
-            sampler = GpuSampler(readers, interval_s)
+            sampler = GpuSampler(readers, interval_s, parallel=True)
             stack.callback(sampler.stop)  # before the readers close (last in, first out)
             sampler.start()
         except Exception as err:

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -167,9 +168,14 @@ class GpuSampler:
     phases never waits for a sample; a sample counts for the phase current as it starts.
     """
 
-    def __init__(self, readers: Sequence[GpuReader], interval_s: float) -> None:
+    def __init__(self, readers: Sequence[GpuReader], interval_s: float, parallel: bool = False):
         self.readers = list(readers)
         self.interval_s = interval_s
+        # parallel (the sampler process): a reading of 8 GPUs takes one GPU's time, which a
+        # phase's end without a reading of its own waits for; in the training process threads
+        # would take the GIL from training. NVML is thread-safe; each reader's state is its own.
+        many = parallel and len(self.readers) > 1
+        self._pool = ThreadPoolExecutor(len(self.readers), "gpu-stats-read") if many else None
         self.phase: str | None = None
         self._acc: dict[str, dict[str, GpuAccumulator]] = {}
         self._last_energy: dict[str, float] = {}
@@ -197,6 +203,8 @@ class GpuSampler:
             self._thread.join(timeout=self.interval_s + 10.0)
             self._thread = None
         with self._reading:
+            if self._pool is not None:
+                self._pool.shutdown()
             for reader in self.readers:
                 reader.close()
 
@@ -215,7 +223,9 @@ class GpuSampler:
         """One reading of every live GPU for ``phase``; the caller holds ``_reading``."""
         if self._stop.is_set() and self._thread is None:
             return  # stopped: the readers are closed
-        readings = [(reader, self._read(reader)) for reader in self.alive]
+        alive = self.alive
+        read = self._pool.map(self._read, alive) if self._pool else map(self._read, alive)
+        readings = list(zip(alive, read, strict=True))
         with self._lock:
             for reader, reading in readings:
                 if reading is not None:
