@@ -61,25 +61,19 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
             "lib/runkit/tests/test_fake_nvml.py",
         ],
     ),
-    # the GPU statistics callback, its sampler, statistics and report. Unit tests only: the
-    # files that also train a model through the callback (test_gpu_stats.py,
-    # test_gpu_telemetry.py) would cost seconds per mutant; their real fits prove the same parts.
+    # the GPU statistics callback, its sampler, statistics and report, by their fast tests.
     "gpu_stats": (
         [
             f"lib/runkit/src/runkit/gpu_stats/{name}.py"
             for name in ("callback", "exchange", "gpm", "loop", "report", "sampler", "statistics")
         ],
-        ["lib/runkit/tests/test_gpu_stats_units.py", "lib/runkit/tests/test_gpu_stats_mutants.py"],
+        ["lib/runkit/tests/test_gpu_stats.py", "lib/runkit/tests/test_gpu_telemetry.py"],
     ),
     # the sampler process, with its own tests, which fork it (a second or so per mutant). Code
     # that runs only in the forked child is reached by no test that mutmut can see.
     "gpu_stats_process": (
         ["lib/runkit/src/runkit/gpu_stats/process.py"],
-        [
-            "lib/runkit/tests/test_gpu_stats_units.py",
-            "lib/runkit/tests/test_gpu_stats_mutants.py",
-            "lib/runkit/tests/test_gpu_stats_process.py",
-        ],
+        ["lib/runkit/tests/test_gpu_stats_process.py"],
     ),
     # stop signals: recorded at once, repeats judged, forked children left out (in-process tests
     # only count: the CLI and fresh-interpreter tests run the unmutated tree)

@@ -125,9 +125,3 @@ def test_a_hook_a_class_implements_is_kept_skipped_only_until_restored() -> None
     hook = ("on_train_batch_end", None, None, 0)
     call._call_callback_hooks(trainer, *hook)
     assert calls == ["mine", "base"]
-    compat.skip_hooks(callback, "on_train_batch_end")
-    call._call_callback_hooks(trainer, *hook)
-    compat.restore_hooks(callback, "on_train_batch_end")
-    compat.restore_hooks(callback, "on_train_batch_end")  # twice: nothing more to restore
-    call._call_callback_hooks(trainer, *hook)
-    assert calls == ["mine", "base", "base"] and "on_train_batch_end" not in vars(callback)

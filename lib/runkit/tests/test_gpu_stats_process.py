@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import multiprocessing
 import os
 import re
@@ -23,8 +22,8 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
-import torch
-from lightning.pytorch.loggers import CSVLogger
+from test_gpu_stats import TinyModel
+from test_gpu_stats import fit as shared_fit
 
 from conftest import free_port
 from runkit.gpu_stats import process as process_module
@@ -87,42 +86,29 @@ def gpus_of(fake: FakeNvml) -> list[tuple[str, str]]:
 
 
 def drive(sampler, clock: SharedClock) -> list:
-    """One script of phases and samples, the same for either sampler; what it collected."""
+    """One script of phases, the same for either sampler: what each phase end reported. The
+    interval is long: every reading after the first is a phase end's own."""
     seen = []
-    sampler.set_phase(TRAIN, reset=True, sample=False)
-    for _ in range(3):
-        clock.advance(1.0)
-        sampler.sample_now()
-    sampler.set_phase(VAL, reset=True, sample=True)
-    clock.advance(0.5)
-    seen.append(sampler.summaries(VAL))
-    sampler.set_phase(TRAIN, reset=False, sample=False)
-    for _ in range(3):
-        clock.advance(1.0)
-        sampler.sample_now()
-    seen.append(sampler.collect(TRAIN, sample=True))
-    seen.append(sampler.energy_totals_j())
-    sampler.set_phase(None, sample=False)
-    sampler.set_phase(TRAIN, reset=True, sample=False)
-    seen.append(sampler.summaries(TRAIN))  # a phase shorter than the interval: one sample
-    seen.append(sampler.energy_totals_j())
-    return seen
+    for phase, reset, seconds in [(TRAIN, True, 3), (VAL, True, 0.5), (TRAIN, False, 3)]:
+        sampler.set_phase(phase, reset)
+        clock.advance(seconds)
+        seen.append(sampler.report(phase))
+    sampler.set_phase(None)
+    sampler.set_phase(TRAIN)
+    seen.append(sampler.report(TRAIN))
+    return [item for figures, energy in seen for item in (figures, energy)]
 
 
 class ServingThread:
-    """The child's set-up and serving loop in a thread of this process, standing in for the
-    forked child: mutation testing sees only code that runs in the test's own process."""
+    """The child's serving in a thread of this process, for what only this process can see
+    (the fake's GPM samples freed)."""
 
     exitcode = None
 
-    def __init__(self, conn, gpus, interval_s: float, energy_j) -> None:
+    def __init__(self, conn, gpus) -> None:
         self.pid = os.getpid()
-        # The trainer is this process; the serving ends if this process's parent goes.
-        args = (conn, gpus, DEFAULT_GROUPS, interval_s, energy_j, process_module._Collect())
-        args += (os.getpid(), os.getppid())
-        self._thread = threading.Thread(
-            target=process_module._open_and_serve, args=args, daemon=True
-        )
+        args = (conn, gpus, DEFAULT_GROUPS, 1000.0, process_module._Collect(), os.getppid())
+        self._thread = threading.Thread(target=process_module.serve, args=args, daemon=True)
         self._thread.start()
 
     def is_alive(self) -> bool:
@@ -131,74 +117,59 @@ class ServingThread:
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
 
-    def kill(self) -> None:
-        self._thread.join(5.0)  # no killing a thread: it ends by itself, or a test fails
+    kill = join  # no killing a thread: it ends by itself, or a test fails
 
 
-def served_in_a_thread(
-    fake: FakeNvml, interval_s: float, gpus: list[tuple[str, str]] | None = None
-) -> ProcessSampler:
-    """A ProcessSampler whose child is a :class:`ServingThread`, as ``ProcessSampler.fork`` wires
-    a forked one (for ``gpus``, default: the fake's)."""
-    gpus = gpus_of(fake) if gpus is None else gpus
-    energy_j = [math.nan] * len(gpus)
+def served_in_a_thread(gpus: list[tuple[str, str]]) -> ProcessSampler:
     mine, theirs = multiprocessing.Pipe(duplex=True)
-    sampler = ProcessSampler(ServingThread(theirs, gpus, interval_s, energy_j), mine, interval_s)
-    sampler._labels, sampler._energy_j = [label for label, _uuid in gpus], energy_j
-    return sampler
+    return ProcessSampler(ServingThread(theirs, gpus), mine, 1000.0)
 
 
-@pytest.mark.parametrize("served", ["forked", "thread"])
-def test_the_process_gives_the_threads_figures_on_the_same_sequence(use_fake, served) -> None:
+def test_the_process_gives_the_threads_figures_on_the_same_sequence(use_fake) -> None:
     clock = SharedClock()
     thread_fake = scenario(clock)
     thread_fake.nvmlInit()
     thread = GpuSampler(readers_of(thread_fake), interval_s=1000.0)
-    thread.sample_now()  # what the thread does first; the child does the same before "ready"
+    thread.start()
     expected = drive(thread, clock)
     thread.stop()
     thread_fake.nvmlShutdown()
 
     clock.value.value = 0.0
     fake = use_fake(scenario(clock))
-    if served == "forked":
-        child = ProcessSampler.fork(gpus_of(fake), DEFAULT_GROUPS, 1000.0)
-    else:
-        child = served_in_a_thread(fake, 1000.0)
+    child = ProcessSampler.fork(gpus_of(fake), DEFAULT_GROUPS, 1000.0)
     fake.nvmlInit()
     child.attach(readers_of(fake))
     child.start()
-    serving = child._process
     got = drive(child, clock)
     pid = child.pid
     child.stop()
     fake.nvmlShutdown()
 
     assert without_timings(got) == without_timings(expected)
-    val, train, energy, short, _ = got
-    # t = 1, 2, 3, the closing sample at 3; after validation 4.5, 5.5, 6.5 and the closing one
-    assert train["cuda0"]["util_mean"] == (10 + 50 + 50 + 50 + 50 + 90 + 90 + 90) / 8
+    train, _, val, _, train2, energy, short, _ = got
+    assert train["cuda0"]["util_mean"] == train2["cuda0"]["util_mean"] == 50  # t=3, no new one
+    assert short["cuda0"]["util_mean"] == 90 and short["cuda1"]["mem_used_gib_max"] == 6  # t=6.5
     assert train["cuda0"]["proc_mem_gib_max"] == 3  # the trainer's memory, not the child's
-    assert {"sm_active_mean", "dram_active_max"} <= set(train["cuda0"])  # GPM pairs
-    assert "util_mean" not in train["cuda1"] and train["cuda1"]["mem_used_gib_max"] == 6  # MIG
-    assert train["cuda0"]["energy_j"] > 0 and energy["cuda0"] > train["cuda0"]["energy_j"]
+    assert {"sm_active_mean", "dram_active_max"} <= set(short["cuda0"])  # GPM pairs
+    assert "util_mean" not in train["cuda1"]  # a MIG slice
+    assert energy["cuda0"] > train2["cuda0"]["energy_j"] > 0
     assert val["cuda0"]["samples"] == 1 and short["cuda0"]["samples"] == 1
-    assert not serving.is_alive() and (served == "thread" or not process_alive(pid))
+    assert not process_alive(pid)
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 def test_the_child_skips_a_gpu_it_cannot_find_and_frees_what_it_opened(use_fake) -> None:
     fake = use_fake(FakeNvml([FakeGpu(util_gpu=40, gpm=GPM), FakeGpu(util_gpu=60, gpm=GPM)]))
-    # The first is a UUID that NVML here does not know: the others are still sampled.
     gpus = [("cuda0", fake.gpus[0].uuid), ("cuda1", fake.gpus[1].uuid)]
-    child = served_in_a_thread(fake, 1000.0, [("cuda7", "GPU-not-here"), *gpus])
+    child = served_in_a_thread([("cuda7", "GPU-not-here"), *gpus])  # unknown here: skipped
     child.start()
     serving, opened = child._process, fake.gpm_samples_live
     fake.nvmlInit()
     mine = readers_of(fake, gpus)
     child.attach(mine)
-    child.set_phase(TRAIN, reset=True, sample=False)
-    figures = child.summaries(TRAIN)
+    child.set_phase(TRAIN)
+    figures, _energy = child.report(TRAIN)
     child.stop()
     for reader in mine:
         reader.close()
@@ -210,7 +181,7 @@ def test_the_child_skips_a_gpu_it_cannot_find_and_frees_what_it_opened(use_fake)
 
 def test_a_child_that_cannot_open_nvml_says_why(use_fake) -> None:
     fake = use_fake(FakeNvml([FakeGpu()], init_error="driver_not_loaded"))
-    child = served_in_a_thread(fake, 1000.0, [("cuda0", fake.gpus[0].uuid)])
+    child = served_in_a_thread([("cuda0", fake.gpus[0].uuid)])
     with pytest.raises(process_module.SamplerUnavailable) as failed:
         child.start()
     assert str(failed.value) == (
@@ -220,75 +191,13 @@ def test_a_child_that_cannot_open_nvml_says_why(use_fake) -> None:
     assert not child._process.is_alive()
 
 
-def test_a_validation_start_has_the_child_sample_while_the_trainer_goes_on(use_fake) -> None:
-    # A phase shorter than the interval used to make its end wait for a closing sample; the
-    # child now takes one as the phase starts (the request asks for no reply).
-    fake = use_fake(FakeNvml([FakeGpu(util_gpu=40)]))
-    gpus = [("cuda0", fake.gpus[0].uuid)]
-    child = ProcessSampler.fork(gpus, DEFAULT_GROUPS, 1000.0)
-    fake.nvmlInit()
-    handle = nvml.find_handle(fake, gpus[0][1])[0]
-    child.attach([GpuReader(fake, handle, "cuda0", DEFAULT_GROUPS)])
-    child.start()
-    try:
-        child.set_phase(VAL, reset=True, sample=False)
-        child.sample_soon()
-        deadline = time.monotonic() + 10  # the interval is 1000 s: only sample_soon samples
-        while not child.has_samples(VAL) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert child.has_samples(VAL)
-        assert child.summaries(VAL)["cuda0"]["samples"] == 1  # its own, no closing one
-    finally:
-        child.stop()
-        fake.nvmlShutdown()
-
-
-def test_a_validation_end_waits_for_nothing_and_its_figures_come_later(use_fake, caplog) -> None:
-    # The child is stopped: anything that waited for its answer would time out, warn and fall
-    # back to a thread. A validation's end asks for its figures, switches the phase back and
-    # reads the run's energy without a wait; the figures come once the child answers, with
-    # the closing sample it took for the validation before it switched.
-    fake = use_fake(FakeNvml([FakeGpu(util_gpu=40, power_mw=100_000)]))
-    gpus = [("cuda0", fake.gpus[0].uuid)]
-    child = ProcessSampler.fork(gpus, DEFAULT_GROUPS, 1000.0)
-    fake.nvmlInit()
-    handle = nvml.find_handle(fake, gpus[0][1])[0]
-    child.attach([GpuReader(fake, handle, "cuda0", DEFAULT_GROUPS)])
-    child.start()  # its first sample primes the energy counter
-    try:
-        child.set_phase(VAL, reset=True, sample=False)
-        os.kill(child.pid, signal.SIGSTOP)
-        try:
-            with caplog.at_level(logging.WARNING, logger=LOGGER):
-                later = child.summaries_later(VAL)
-                child.set_phase(TRAIN, reset=False, sample=False)
-                assert child.energy_totals_j() == {}  # one reading: no energy yet
-                assert not later.ready()
-        finally:
-            os.kill(child.pid, signal.SIGCONT)
-        assert caplog.records == [] and child._fallback is None
-        deadline = time.monotonic() + 10
-        while not later.ready() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        val = later.result()
-        assert val["cuda0"]["samples"] == 1 and val["cuda0"]["util_mean"] == 40
-        train = child.summaries(TRAIN)  # its own closing sample: the validation's is not in it
-        assert train["cuda0"]["samples"] == 1
-        assert child.energy_totals_j()["cuda0"] >= train["cuda0"]["energy_j"] > 0
-    finally:
-        child.stop()
-        fake.nvmlShutdown()
-
-
 def test_a_reading_counts_for_the_phase_it_began_in_and_closes_it(use_fake) -> None:
     # A validation shorter than one reading: its reading, begun in it, ends after the phase
     # went back to training. It counts for the validation, and closing the validation waits
     # for it instead of taking a second one.
     fake = use_fake(FakeNvml([FakeGpu(util_gpu=40)]))
     fake.nvmlInit()
-    reader = GpuReader(fake, nvml.find_handle(fake, fake.gpus[0].uuid)[0], "cuda0", DEFAULT_GROUPS)
-    reader.probe()
-    sampler = GpuSampler([reader], interval_s=1000.0)
+    sampler = GpuSampler(readers_of(fake, [("cuda0", fake.gpus[0].uuid)]), interval_s=1000.0)
     started, release, reads = threading.Event(), threading.Event(), []
     read = sampler._read
 
@@ -301,18 +210,17 @@ def test_a_reading_counts_for_the_phase_it_began_in_and_closes_it(use_fake) -> N
     sampler._read = slow_read
     closed = {}
     try:
-        sampler.set_phase(VAL, sample=False)
+        sampler.set_phase(VAL)
         reading = threading.Thread(target=sampler.sample_now)
         reading.start()
         assert started.wait(10)
         closing = threading.Thread(target=lambda: closed.update(sampler.summaries(VAL)))
         closing.start()
-        sampler.set_phase(TRAIN, reset=True, sample=False)  # the validation ends meanwhile
+        sampler.set_phase(TRAIN)  # the validation ends meanwhile
         release.set()
         reading.join(10)
         closing.join(10)
-        assert reads == ["cuda0"]  # one reading
-        assert closed["cuda0"]["samples"] == 1 and not sampler.has_samples(TRAIN)
+        assert reads == ["cuda0"] and closed["cuda0"]["samples"] == 1  # one reading
     finally:
         release.set()
         sampler.stop()
@@ -321,13 +229,11 @@ def test_a_reading_counts_for_the_phase_it_began_in_and_closes_it(use_fake) -> N
 
 def without_timings(seen: list) -> list:
     """The figures less ``sample_ms``: the sampler's own time per reading, a measurement."""
-    out = []
     for figures in seen:
         for values in figures.values():
             if isinstance(values, dict):
                 assert values.pop("sample_ms") >= 0
-        out.append(figures)
-    return out
+    return seen
 
 
 def process_alive(pid: int | None) -> bool:
@@ -340,40 +246,11 @@ def process_alive(pid: int | None) -> bool:
 
 
 # --------------------------------------------------------------------------- a real fit
-class Slow(pl.LightningModule):
-    def __init__(self, step_s: float = 0.005) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 2)
-        self.step_s = step_s
-
-    def training_step(self, batch, batch_idx):
-        time.sleep(self.step_s)
-        return self.layer(batch[0]).sum()
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self.layer(batch[0]).sum())
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 def fit(tmp_path: Path, monitor: GpuStatsMonitor, *callbacks, epochs: int = 3) -> pl.Trainer:
-    data = torch.utils.data.TensorDataset(torch.randn(40, 4))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=epochs,
-        limit_val_batches=2,
-        num_sanity_val_steps=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=CSVLogger(tmp_path, name="csv", version=0),
-        callbacks=[monitor, *callbacks],
+    model = TinyModel(step_s=0.005)
+    return shared_fit(
+        tmp_path, monitor, *callbacks, epochs=epochs, model=model, num_sanity_val_steps=0
     )
-    loader = torch.utils.data.DataLoader(data, batch_size=4)
-    trainer.fit(Slow(), loader, loader)
-    return trainer
 
 
 def util_means(tmp_path: Path) -> list[str]:
@@ -437,7 +314,7 @@ def test_a_dead_or_hung_sampler_is_one_warning_and_the_run_goes_on(
     assert f"sampler process (pid {harmed.pid})" in lines[0] and "in a thread" in lines[0]
     means = util_means(tmp_path)
     assert len(means) == 3 and means[1:] == ["40.0", "40.0"]  # later epochs: the thread's
-    assert max(harmed.epoch_s) < 0.5 + 10 * 0.005 + 3.0  # the wait was bounded
+    assert max(harmed.epoch_s) < 0.5 + 12 * 0.005 + 3.0  # the wait was bounded
     assert not process_alive(harmed.pid) and fake.balanced
 
 
@@ -461,9 +338,9 @@ def test_a_sampler_that_does_not_start_means_a_thread_after_one_line(
     tmp_path, use_fake, caplog, monkeypatch
 ) -> None:
     def broken_child(conn, *args):
-        conn.send((0, ("error", "NVMLError_Unknown: the child's NVML failed"), []))
+        conn.send(("NVMLError_Unknown: the child's NVML failed", []))
 
-    monkeypatch.setattr(process_module, "_child_main", broken_child)
+    monkeypatch.setattr(process_module, "_child", broken_child)
     fake = use_fake(FakeNvml([FakeGpu(util_gpu=40)]))
     monitor = GpuStatsMonitor(interval_s=0.01, device_uuids=[fake.gpus[0].uuid])
     with caplog.at_level(logging.WARNING, logger=LOGGER):
@@ -489,9 +366,26 @@ def test_teardown_and_an_exception_end_the_child(tmp_path, use_fake) -> None:
 
 
 # --------------------------------------------------------------------------- the trainer dies
-# A module of 50 ms steps (the trainer scripts below: the sampler is seen running).
-SLOW_MODULE = textwrap.dedent(
+# A trainer of 50 ms steps that prints its sampler's PID: one process ("deathsig", or
+# "no-deathsig": only the child's watch can end it) or two DDP ranks under a launcher.
+TRAINER = textwrap.dedent(
     """
+    import os, sys, time
+    import torch
+    import lightning.pytorch as pl
+    from runkit.gpu_stats import process
+    from runkit.gpu_stats.callback import GpuStatsMonitor
+
+    variant = sys.argv[1]
+    if variant == "no-deathsig":
+        process.die_with_parent = lambda signum: None
+
+    class Report(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 2:  # one write: the ranks share the pipe, a small write is whole
+                pid = trainer.callbacks[0]._sampler.pid
+                os.write(1, f"SAMPLER {trainer.global_rank} {os.getpid()} {pid}\\n".encode())
+
     class M(pl.LightningModule):
         def __init__(self):
             super().__init__()
@@ -501,41 +395,54 @@ SLOW_MODULE = textwrap.dedent(
             return self.layer(batch[0]).sum()
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    if __name__ == "__main__":  # ddp_spawn imports this file in each rank
+        ddp = variant in ("ddp", "ddp_spawn", "torchrun")
+        uuids = [f"GPU-0000000{i}-fa6e-4000-8000-00000000000{i}" for i in range(2)]
+        monitor = GpuStatsMonitor(interval_s=0.05, device_uuids=uuids, summary_table=False)
+        trainer = pl.Trainer(accelerator="cpu", devices=2 if ddp else 1, max_epochs=1,
+                             strategy="ddp_spawn" if variant == "ddp_spawn" else "auto" if not ddp else "ddp",
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, callbacks=[monitor, Report()])
+        data = torch.utils.data.TensorDataset(torch.randn(4000, 4))
+        trainer.fit(M(), torch.utils.data.DataLoader(data, batch_size=1, num_workers=0 if ddp else 1))
     """
 )
-TRAINER = (
-    textwrap.dedent(
-        """
-    import os, sys, time
-    import torch
-    import lightning.pytorch as pl
-    from runkit.gpu_stats import process
-    from runkit.gpu_stats.callback import GpuStatsMonitor
 
-    if sys.argv[1] == "no-deathsig":
-        process._PR_SET_PDEATHSIG = 0  # prctl(0, ...) does nothing: the watch must end it
 
-    class Report(pl.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if batch_idx == 2:
-                print("SAMPLER", trainer.callbacks[0]._sampler.pid, flush=True)
+def start_trainer(tmp_path: Path, variant: str, gpus: int) -> subprocess.Popen:
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PROJECT_", "LOCAL_RANK"))}
+    env.update(OMP_NUM_THREADS="1", RUNKIT_NVML_BACKEND="runkit.testing.fake_nvml:create",
+               RUNKIT_FAKE_NVML=f'{{"gpus": {gpus}}}')  # fmt: skip
+    command = [sys.executable, str(script), variant]
+    if variant == "torchrun":
+        command[1:1] = ["-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-port", str(free_port())]  # fmt: skip
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=tmp_path, start_new_session=True)  # fmt: skip
 
-    """
-    )
-    + SLOW_MODULE
-    + textwrap.dedent(
-        """
 
-    data = torch.utils.data.TensorDataset(torch.randn(4000, 4))
-    uuid = "GPU-00000000-fa6e-4000-8000-000000000000"  # the fake's first GPU
-    monitor = GpuStatsMonitor(interval_s=0.05, device_uuids=[uuid])
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[monitor, Report()])
-    trainer.fit(M(), torch.utils.data.DataLoader(data, batch_size=1, num_workers=1))
-    """
-    )
-)
+def samplers_of(job: subprocess.Popen, ranks: int) -> dict[int, tuple[int, int]]:
+    """``{rank: (trainer PID, sampler PID)}`` as the trainer prints them."""
+    seen: dict[int, tuple[int, int]] = {}
+    output = []
+    for line in job.stdout:
+        output.append(line)
+        for rank, trainer, sampler in re.findall(r"SAMPLER (\d+) (\d+) (\d+)", line):
+            seen[int(rank)] = (int(trainer), int(sampler))
+        if len(seen) == ranks:
+            break
+    assert len(seen) == ranks and all(process_alive(s) for _, s in seen.values()), output
+    return seen
+
+
+def alive_after_5s(pids: list[int]) -> list[int]:
+    deadline = time.monotonic() + 5.0
+    while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if process_alive(p)]
 
 
 @pytest.mark.slow  # a trainer process of its own, killed
@@ -544,138 +451,28 @@ TRAINER = (
     [(signal.SIGKILL, "deathsig"), (signal.SIGKILL, "no-deathsig"), (signal.SIGTERM, "deathsig")],
 )
 def test_no_sampler_outlives_its_trainer(tmp_path, signum, variant) -> None:
-    script = tmp_path / "trainer.py"
-    script.write_text(TRAINER)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PROJECT_")}
-    env.update(
-        RUNKIT_NVML_BACKEND="runkit.testing.fake_nvml:create", RUNKIT_FAKE_NVML='{"gpus": 1}'
-    )
-    trainer = subprocess.Popen(
-        [sys.executable, str(script), variant],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-    )
+    trainer = start_trainer(tmp_path, variant, gpus=1)
     try:
-        pid = None
-        for line in trainer.stdout:
-            if line.startswith("SAMPLER"):
-                pid = int(line.split()[1])
-                break
-        assert pid is not None and process_alive(pid), trainer.stdout.read()
+        ((_, sampler),) = samplers_of(trainer, 1).values()
         trainer.send_signal(signum)
         trainer.wait(timeout=30)
-        deadline = time.monotonic() + 5.0
-        while process_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not process_alive(pid), f"sampler {pid} outlived its trainer by 5 s"
+        assert not alive_after_5s([sampler]), f"sampler {sampler} outlived its trainer by 5 s"
     finally:
         trainer.kill()
         trainer.wait()
 
 
-# --------------------------------------------------------------------------- under DDP launchers
-DDP_TRAINER = (
-    textwrap.dedent(
-        """
-    import os, sys, time
-    import torch
-    import lightning.pytorch as pl
-    from runkit.gpu_stats.callback import GpuStatsMonitor
-
-    launcher = sys.argv[1]
-
-    class Report(pl.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if batch_idx == 2:
-                pid = trainer.callbacks[0]._sampler.pid
-                # one write: the ranks share the pipe, and a small write is not split
-                os.write(1, f"SAMPLER {trainer.global_rank} {os.getpid()} {pid}\\n".encode())
-
-    """
-    )
-    + SLOW_MODULE
-    + textwrap.dedent(
-        """
-
-    if __name__ == "__main__":  # ddp_spawn imports this file in each rank
-        uuids = [f"GPU-0000000{i}-fa6e-4000-8000-00000000000{i}" for i in range(2)]
-        monitor = GpuStatsMonitor(interval_s=0.05, device_uuids=uuids, summary_table=False)
-        strategy = "ddp_spawn" if launcher == "ddp_spawn" else "ddp"
-        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1,
-                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, callbacks=[monitor, Report()])
-        data = torch.utils.data.TensorDataset(torch.randn(4000, 4))
-        trainer.fit(M(), torch.utils.data.DataLoader(data, batch_size=1))
-    """
-    )
-)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["ddp", "ddp_spawn", "torchrun"])
 def test_no_sampler_outlives_a_ddp_rank_killed_with_sigkill(tmp_path, launcher) -> None:
-    script = tmp_path / "ddp_trainer.py"
-    script.write_text(DDP_TRAINER)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PROJECT_", "LOCAL_RANK"))}
-    env.update(
-        OMP_NUM_THREADS="1",
-        RUNKIT_NVML_BACKEND="runkit.testing.fake_nvml:create",
-        RUNKIT_FAKE_NVML='{"gpus": 2}',
-    )
-    command = [sys.executable, str(script), launcher]
-    if launcher == "torchrun":
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                   "--master-port", str(free_port()), str(script), launcher]  # fmt: skip
-    job = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        start_new_session=True,
-    )
-    seen: dict[int, tuple[int, int]] = {}
-    output = []
+    job = start_trainer(tmp_path, launcher, gpus=2)
     try:
-        for line in job.stdout:
-            output.append(line)
-            for rank, trainer, sampler in re.findall(r"SAMPLER (\d+) (\d+) (\d+)", line):
-                seen[int(rank)] = (int(trainer), int(sampler))
-            if len(seen) == 2:
-                break
-        assert len(seen) == 2, "".join(output)
-        assert all(process_alive(s) for _, s in seen.values())
+        seen = samplers_of(job, 2)
         for trainer, _ in seen.values():  # every rank dies at once, as an OOM killer would
             os.kill(trainer, signal.SIGKILL)
-        deadline = time.monotonic() + 5.0
-        while any(process_alive(s) for _, s in seen.values()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        left = [s for _, s in seen.values() if process_alive(s)]
+        left = alive_after_5s([s for _, s in seen.values()])
         assert not left, f"samplers {left} outlived their ranks by 5 s"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(job.pid, signal.SIGKILL)
         job.wait()
-
-
-def test_parallel_reads_give_the_serial_figures_a_thread_a_gpu() -> None:
-    # What the sampler process does: each sample reads the GPUs side by side, one thread each,
-    # so a phase end that waits for a reading waits for one GPU's NVML calls, not all of them.
-    seen = {}
-    for parallel in (False, True):
-        clock = SharedClock()
-        fake = scenario(clock)
-        fake.nvmlInit()
-        sampler = GpuSampler(readers_of(fake), interval_s=1000.0, parallel=parallel)
-        fake.reset_counters()
-        seen[parallel] = drive(sampler, clock)
-        here, total = fake.calls_in_thread(), fake.total_calls()
-        sampler.stop()
-        fake.nvmlShutdown()
-        # serial: every call from this thread; parallel: none from here (the pool's threads)
-        assert total > 0 and here == (0 if parallel else total)
-    assert without_timings(seen[True]) == without_timings(seen[False])

@@ -8,14 +8,9 @@ FakeClock drives the sampler where exact numbers are checked, and real ``Trainer
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
-import os
-import signal
-import threading
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
@@ -23,15 +18,21 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from test_gpu_stats import fit, gpu_rows, loader
 
 from runkit.gpu_stats import callback as gpu_callback
-from runkit.gpu_stats import loop as gpu_loop
 from runkit.gpu_stats.callback import GpuStatsMonitor, energy_report
 from runkit.gpu_stats.gpm import GPM_METRICS, GpmCounters
 from runkit.gpu_stats.loop import LoopTimer, batch_length
-from runkit.gpu_stats.process import ProcessSampler
 from runkit.gpu_stats.report import RunSummary
-from runkit.gpu_stats.sampler import DEFAULT_GROUPS, TRAIN, GpuReader, GpuSampler
+from runkit.gpu_stats.sampler import (
+    DEFAULT_GROUPS,
+    GIB,
+    TRAIN,
+    GpuReader,
+    GpuSampler,
+    TorchPeakMemory,
+)
 from runkit.gpu_stats.statistics import flatten_epoch, flatten_loop
 from runkit.gpus import nvml
 from runkit.run import run_files
@@ -56,11 +57,11 @@ def test_gpm_readings_cover_each_sampling_interval_exactly() -> None:
     reader = reader_for(fake, fake.nvmlDeviceGetHandleByIndex(0))  # first sample at t=0
     assert "gpm" in reader.groups and fake.gpm_samples_live == 2
     sampler = GpuSampler([reader], interval_s=1.0)
-    sampler.set_phase(TRAIN, sample=False)
+    sampler.set_phase(TRAIN)
     for t in (1.0, 3.0, 4.0):  # intervals 0-1 (20 %), 1-3 (half 20, half 80 %), 3-4 (80 %)
         clock.set(t)
         sampler.sample_now()
-    summary = sampler.collect(TRAIN, sample=False)["cuda0"]
+    summary = sampler.summaries(TRAIN)["cuda0"]
     assert summary["sm_active_mean"] == pytest.approx((20 + 50 + 80) / 3)
     assert summary["sm_active_max"] == pytest.approx(80)
     assert summary["sm_occupancy_mean"] == 30 and summary["tensor_active_max"] == 20
@@ -142,7 +143,7 @@ def test_gpm_in_a_real_fit_reaches_csv_table_and_frees_its_samples(
     monkeypatch.setenv("COLUMNS", "220")
     fake = use_fake(FakeNvml([FakeGpu(name="Fake H200", util_gpu=90, gpm=HOPPER_GPM)]))
     monitor = GpuStatsMonitor(interval_s=0.02, device_uuids=[fake.gpus[0].uuid])
-    fit(tmp_path, monitor, epochs=1, slow_s=0.01)
+    fit(tmp_path, monitor, epochs=1, train_loader=loader(0.01), num_sanity_val_steps=0)
     (row,) = gpu_rows(tmp_path)
     assert float(row["gpu/node0/cuda0/sm_active_mean"]) == pytest.approx(60)
     assert float(row["gpu/node0/cuda0/tensor_active_max"]) == pytest.approx(20)
@@ -211,16 +212,6 @@ def test_run_summary_weights_gpm_means_by_samples() -> None:
     assert row["sm_active_mean"] == pytest.approx((10 + 120) / 4) and row["util_mean"] is None
 
 
-def test_new_arguments_are_checked_with_one_clear_line() -> None:
-    with pytest.raises(ValueError, match=r"per_gpu_keys_up_to=-1; give a GPU count >= 0"):
-        GpuStatsMonitor(per_gpu_keys_up_to=-1)
-    with pytest.raises(ValueError, match=r"data_wait_warning=1.5; give a number in \[0, 1\]"):
-        GpuStatsMonitor(data_wait_warning=1.5)
-    with pytest.raises(ValueError, match=r"gpu_idle_below_pct='x'"):
-        GpuStatsMonitor(gpu_idle_below_pct="x")
-
-
-# --------------------------------------------------------------------------- the loop
 def test_loop_timer_counts_the_gaps_between_steps_and_leaves_validation_out() -> None:
     clock = FakeClock()
     timer = LoopTimer(clock)
@@ -248,78 +239,6 @@ def test_batch_length_finds_the_first_tensor_or_gives_up() -> None:
 
 
 # --------------------------------------------------------------------------- real fits
-class SlowData(torch.utils.data.Dataset):
-    """A data set that takes ``delay_s`` per sample, like one decoding files on one core."""
-
-    def __init__(self, delay_s: float, n: int = 64) -> None:
-        self.delay_s, self.x, self.y = delay_s, torch.randn(n, 4), torch.randint(0, 2, (n,))
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int):
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        return self.x[i], self.y[i]
-
-
-class TinyModel(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 2)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = torch.nn.functional.cross_entropy(self.layer(x), y)
-        self.log("train_loss", loss, on_step=False, on_epoch=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", torch.nn.functional.cross_entropy(self.layer(x), y))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-def fit(
-    tmp_path,
-    monitor,
-    *callbacks,
-    epochs=2,
-    slow_s=0.0,
-    ckpt_path=None,
-    logger=None,
-    train=None,
-    **options,
-):
-    options = {"limit_train_batches": 12, "limit_val_batches": 2, **options}
-    trainer = pl.Trainer(
-        **options,
-        accelerator="cpu",
-        devices=1,
-        max_epochs=epochs,
-        num_sanity_val_steps=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        logger=logger or CSVLogger(tmp_path, name="csv", version=0),
-        callbacks=[monitor, *callbacks],
-    )
-    trainer.fit(
-        TinyModel(),
-        train or torch.utils.data.DataLoader(SlowData(slow_s), batch_size=4),
-        torch.utils.data.DataLoader(SlowData(0.0), batch_size=4),
-        ckpt_path=ckpt_path,
-    )
-    return trainer
-
-
-def gpu_rows(tmp_path: Path, key: str = "gpu/node0/cuda0/samples") -> list[dict[str, str]]:
-    with (tmp_path / "csv" / "version_0" / "metrics.csv").open() as handle:
-        return [r for r in csv.DictReader(handle) if r.get(key)]
-
-
 class CountingCsvLogger(CSVLogger):
     """The real CSV logger, counting the calls that carry GPU figures."""
 
@@ -346,7 +265,7 @@ def test_figures_reach_the_logger_in_one_call_and_monitors_still_see_them(
         save_on_train_epoch_end=True,
     )
     logger = CountingCsvLogger(tmp_path, name="csv", version=0)
-    trainer = fit(tmp_path, monitor, stop, best, epochs=5, logger=logger)
+    trainer = fit(tmp_path, monitor, stop, best, epochs=5, loggers=logger, num_sanity_val_steps=0)
     assert trainer.current_epoch == 2  # the constant key did not improve after epoch 0: stopped
     assert float(best.best_model_score) == pytest.approx(60)
     assert logger.gpu_calls == 2 * 2  # per epoch: one training call, one validation call
@@ -370,25 +289,11 @@ def test_validation_figures_come_at_the_validations_step_and_at_once_to_a_monito
         def on_validation_end(self, trainer, pl_module) -> None:
             self.seen.append(trainer.callback_metrics.get(key))
 
-    class StopsTheSampler(pl.Callback):
-        """Holds the sampler process still (SIGSTOP) over the monitor's validation end: a wait
-        for it there would run out (one warning, a fallback to a thread)."""
-
-        def on_validation_epoch_end(self, trainer, pl_module) -> None:
-            os.kill(monitor._sampler.pid, signal.SIGSTOP)
-
-        def on_validation_end(self, trainer, pl_module) -> None:
-            os.kill(monitor._sampler.pid, signal.SIGCONT)
-
-    # Unwatched, they are logged at the training epoch's end, each at the step of its
-    # validation (two validations an epoch), and nothing waits for them at the validation.
-    # The steps are those of Lightning's own rows: its val_loss, its train_loss of the epoch.
-    monkeypatch.setattr(ProcessSampler, "reply_timeout_s", 0.5)
+    # Unwatched, they are logged at each validation's end, at the step of Lightning's own rows
+    # (its val_loss); the epoch's at the step of its train_loss.
     unwatched = AtValidationEnd()
     monitor = GpuStatsMonitor(interval_s=0.05, device_uuids=uuids)
-    with caplog.at_level(logging.WARNING, logger="runkit.gpu_stats"):
-        fit(tmp_path, StopsTheSampler(), monitor, unwatched, val_check_interval=0.5)
-    assert caplog.records == []
+    fit(tmp_path, monitor, unwatched, val_check_interval=0.5, num_sanity_val_steps=0)
     rows = gpu_rows(tmp_path, key)
     lightnings = [r["step"] for r in gpu_rows(tmp_path, "val_loss")]
     assert [r["step"] for r in rows] == lightnings and len(rows) == 4
@@ -399,46 +304,10 @@ def test_validation_figures_come_at_the_validations_step_and_at_once_to_a_monito
     watched = AtValidationEnd()
     best = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor=key, mode="max")
     monitor = GpuStatsMonitor(interval_s=0.05, device_uuids=uuids)
-    fit(tmp_path / "watched", monitor, best, watched, val_check_interval=0.5)
+    fit(
+        tmp_path / "watched", monitor, best, watched, val_check_interval=0.5, num_sanity_val_steps=0
+    )
     assert [float(v) for v in watched.seen] == [70.0] * 4 and float(best.best_model_score) == 70
-
-
-@pytest.mark.slow
-def test_an_epoch_shorter_than_the_interval_is_read_from_its_start(tmp_path, use_fake) -> None:
-    # Its end used to find no reading of the epoch and take one of every GPU on the training
-    # thread (about 10 ms for 8 GPUs at 0.3 ms a call). Now the epoch's start has the sampler
-    # process begin the epoch's first reading, and the end finds it done. The utilization is
-    # 40 until the epoch's last step has seen a reading begun in the epoch, 90 after it: the
-    # epoch's figure says which reading it got.
-    reads, late = tmp_path / "reads", tmp_path / "late"
-
-    def utilization(t: float) -> int:  # runs in the sampler process
-        with reads.open("a") as handle:
-            handle.write(f"{time.monotonic()}\n")
-        return 90 if late.exists() else 40
-
-    class LastStepAfterAReading(pl.Callback):
-        """Before the monitor: stamps the epoch's start; its last step waits for a reading."""
-
-        def on_train_epoch_start(self, trainer, pl_module) -> None:
-            self.started = time.monotonic()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            if batch_idx + 1 < trainer.num_training_batches:
-                return
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and not any(
-                float(t) > self.started for t in reads.read_text().split()
-            ):
-                time.sleep(0.01)
-            late.touch()
-
-    fake = use_fake(FakeNvml([FakeGpu(util_gpu=utilization)]))
-    monitor = GpuStatsMonitor(interval_s=1000.0, device_uuids=[fake.gpus[0].uuid])
-    fit(tmp_path, LastStepAfterAReading(), monitor, epochs=1, limit_val_batches=0)
-    (row,) = gpu_rows(tmp_path)
-    assert (row["gpu/node0/cuda0/samples"], row["gpu/node0/cuda0/util_mean"]) == ("1.0", "40.0")
-    assert late.exists()
 
 
 @pytest.mark.slow
@@ -447,7 +316,7 @@ def test_energy_continues_across_a_resume_and_reaches_metrics_json(tmp_path, use
     uuids = [fake.gpus[0].uuid]
     last = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0)
     first = GpuStatsMonitor(interval_s=0.02, device_uuids=uuids, summary_table=False)
-    fit(tmp_path / "a", first, last, epochs=2, slow_s=0.002)
+    fit(tmp_path / "a", first, last, epochs=2, train_loader=loader(0.002), num_sanity_val_steps=0)
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["callbacks"]
     state = saved["GpuStatsMonitor"]
     assert state["train_samples"] == 2 * 12 * 4
@@ -458,8 +327,9 @@ def test_energy_continues_across_a_resume_and_reaches_metrics_json(tmp_path, use
         second,
         ModelCheckpoint(dirpath=tmp_path / "ckpt2"),
         epochs=4,
-        slow_s=0.002,
+        train_loader=loader(0.002),
         ckpt_path=tmp_path / "ckpt" / "last.ckpt",
+        num_sanity_val_steps=0,
     )
     report = energy_report(trainer)
     assert report["training_samples"] == 4 * 12 * 4  # both runs' samples
@@ -496,7 +366,13 @@ def test_a_starved_cpu_loop_is_measured_and_named_once_per_epoch(
     monkeypatch.setattr(gpu_callback, "MIN_WAIT_WARNING_S", 0.2)
     use_fake(FakeNvml(1))
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        fit(tmp_path, GpuStatsMonitor(), epochs=2, slow_s=0.025)  # CPU: no GPU figures
+        fit(
+            tmp_path,
+            GpuStatsMonitor(),
+            epochs=2,
+            train_loader=loader(0.025),
+            num_sanity_val_steps=0,
+        )  # CPU: no GPU figures
     rows = gpu_rows(tmp_path, "loop/data_wait_frac")
     assert len(rows) == 2 and not any(k.startswith("gpu/") and v for k, v in rows[0].items())
     for row in rows:
@@ -509,58 +385,6 @@ def test_a_starved_cpu_loop_is_measured_and_named_once_per_epoch(
     assert "no GPU reading" in starved[0]
     for setting in ("data.num_workers=0", "data.pin_memory=False", "data.batch_size=4"):
         assert setting in starved[0]
-
-
-@pytest.mark.slow
-def test_a_wait_under_the_threshold_or_a_busy_gpu_gets_no_starvation_line(
-    tmp_path, use_fake, caplog, monkeypatch
-):
-    monkeypatch.setattr(gpu_callback, "MIN_WAIT_WARNING_S", 0.0)
-    fake = use_fake(FakeNvml([FakeGpu(util_gpu=95)]))
-    busy = GpuStatsMonitor(interval_s=0.05, device_uuids=[fake.gpus[0].uuid], summary_table=False)
-    with caplog.at_level(logging.INFO, logger=LOGGER):
-        fit(tmp_path / "busy", busy, epochs=1, slow_s=0.01)  # waits, but the GPU is 95 % busy
-        fit(tmp_path / "cpu", GpuStatsMonitor(data_wait_warning=0.99), epochs=1, slow_s=0.01)
-    assert not [r for r in caplog.records if "waited for the next batch" in r.getMessage()]
-
-
-class CountingLoopTimer(LoopTimer):
-    """The monitor's loop timer, counting the steps whose hooks Lightning called."""
-
-    def __init__(self) -> None:
-        super().__init__(window_steps=8, slow_step_s=1.0)  # every step "fast": windows close
-        self.calls = 0
-
-    def batch_end(self, batch, batch_idx=-1):
-        self.calls += 1
-        return super().batch_end(batch, batch_idx)
-
-
-def fit_fast_steps(tmp_path, monitor):
-    """Two epochs of 200 steps, each waiting at least 2 ms for its one sample."""
-    train = torch.utils.data.DataLoader(SlowData(0.002, n=200), batch_size=1)
-    fit(tmp_path, monitor, train=train, limit_train_batches=None, limit_val_batches=1)
-    return monitor._loop.calls
-
-
-@pytest.mark.slow
-def test_fast_steps_are_timed_in_windows_and_the_epochs_figures_still_add_up(
-    tmp_path, monkeypatch
-) -> None:
-    monkeypatch.setattr(gpu_callback, "LoopTimer", CountingLoopTimer)
-    monkeypatch.setattr(gpu_loop, "WINDOW_EVERY_S", 600.0)  # no window but each epoch's first
-    monitor = GpuStatsMonitor()
-    assert fit_fast_steps(tmp_path, monitor) == 2 * 8  # of 400 steps
-    assert monitor.run_samples() == 400.0  # counted from Lightning's batch index
-    rows = gpu_rows(tmp_path, "loop/data_wait_frac")
-    assert len(rows) == 2
-    for row in rows:  # the 2 ms waits of the 192 steps not timed are in it (0.08 if left out)
-        assert float(row["loop/data_wait_frac"]) > 0.3, row["loop/data_wait_frac"]
-    assert "on_train_batch_start" not in vars(monitor)  # the hooks are back for the next fit
-    assert not [t for t in threading.enumerate() if t.name == "runkit-loop-windows"]
-    # the ticker begins a window every WINDOW_EVERY_S
-    monkeypatch.setattr(gpu_loop, "WINDOW_EVERY_S", 0.02)
-    assert fit_fast_steps(tmp_path / "ticking", GpuStatsMonitor()) > 2 * 8
 
 
 def test_monitored_keys_come_from_callbacks_and_schedulers() -> None:
@@ -595,3 +419,102 @@ def test_real_gpm_on_a_hopper_gpu() -> None:
             reader.close()
     assert 0 < values["sm_active"] <= 100 and 0 < values["tensor_active"] <= 100
     assert 0 <= values["sm_occupancy"] <= 100 and 0 <= values["dram_active"] <= 100
+
+
+# --------------------------------------------------------------------------- units, peaks, energy
+def probed(fake: FakeNvml, index: int, groups: list[str]) -> GpuReader:
+    reader = GpuReader(fake, fake.nvmlDeviceGetHandleByIndex(index), f"cuda{index}", groups)
+    reader.probe()
+    return reader
+
+
+def test_optional_groups_are_read_in_their_units() -> None:
+    gpu = FakeGpu(
+        fan_pct=60, pcie_tx_kbs=2048, pcie_rx_kbs=512, ecc_uncorrected=3, memory_temperature=80
+    )
+    fake = FakeNvml([gpu], clock=lambda: 0.0)
+    fake.nvmlInit()
+    try:
+        reader = probed(fake, 0, ["fan", "pcie", "ecc", "memory_temperature"])
+        values, dropped = reader.read()
+    finally:
+        fake.nvmlShutdown()
+    assert dropped == [] and reader.unsupported == {}
+    assert values == {
+        "fan_pct": 60.0,
+        "pcie_tx_mbs": 2.0,
+        "pcie_rx_mbs": 0.5,
+        "ecc_uncorrected": 3.0,
+        "mem_temp_c": 80.0,
+    }
+
+
+def test_torch_peaks_are_kept_per_phase(monkeypatch: pytest.MonkeyPatch) -> None:
+    peaks = {"alloc": 0.0, "reserved": 0.0}
+    resets: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: peaks["alloc"] * GIB)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: peaks["reserved"] * GIB)
+
+    def reset(device: torch.device) -> None:
+        resets.append(device)
+        peaks.update(alloc=0.0, reserved=0.0)
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    memory = TorchPeakMemory({"cuda0": torch.device("cuda", 0), "cpu": torch.device("cpu")})
+    assert list(memory.devices) == ["cuda0"]  # CPU devices have no CUDA peaks
+    memory.clear()
+    peaks.update(alloc=3.0, reserved=4.0)  # training
+    memory.stash()  # validation starts: training's peaks kept aside
+    peaks.update(alloc=1.0, reserved=5.0)  # validation
+    assert memory.peaks(include_carry=False) == {
+        "cuda0": {"torch_peak_alloc_gib": 1.0, "torch_peak_reserved_gib": 5.0}
+    }
+    memory.restart()
+    peaks.update(alloc=2.0, reserved=1.0)  # training again
+    assert memory.peaks(include_carry=True) == {
+        "cuda0": {"torch_peak_alloc_gib": 3.0, "torch_peak_reserved_gib": 4.0}
+    }
+    memory.clear()
+    assert memory.peaks(include_carry=True) == {
+        "cuda0": {"torch_peak_alloc_gib": 0.0, "torch_peak_reserved_gib": 0.0}
+    }
+    assert resets == [torch.device("cuda", 0)] * 4
+
+
+def monitor_with(state: dict) -> GpuStatsMonitor:
+    monitor = GpuStatsMonitor()
+    monitor.load_state_dict(state)
+    return monitor
+
+
+def test_energy_report_from_a_resumed_run() -> None:
+    monitor = monitor_with(
+        {"energy_j": {"node0/cuda0": 7200.0, "node0/cuda1": 1800.0}, "train_samples": 900}
+    )
+    report = energy_report(SimpleNamespace(callbacks=[object(), monitor]))
+    assert report == {
+        "energy_j": 9000.0,
+        "energy_kwh": 9000.0 / 3.6e6,
+        "energy_j_per_training_sample": 10.0,
+        "training_samples": 900,
+        "energy_j_per_gpu": {"node0/cuda0": 7200.0, "node0/cuda1": 1800.0},
+    }
+    assert monitor.state_dict() == {
+        "version": 1,
+        "energy_j": {"node0/cuda0": 7200.0, "node0/cuda1": 1800.0},
+        "train_samples": 900.0,
+    }
+
+
+def test_energy_report_without_samples_or_energy() -> None:
+    unknown = monitor_with({"energy_j": {"node0/cuda0": 0.1234567}, "train_samples": None})
+    report = energy_report(SimpleNamespace(callbacks=[unknown]))
+    assert report is not None
+    assert report["energy_j"] == 0.123 and report["energy_j_per_gpu"] == {"node0/cuda0": 0.123}
+    assert report["energy_j_per_training_sample"] is None and report["training_samples"] is None
+    none_yet = monitor_with({"energy_j": {"node0/cuda0": 5.0}, "train_samples": 0})
+    assert (
+        energy_report(SimpleNamespace(callbacks=[none_yet]))["energy_j_per_training_sample"] is None
+    )
+    assert energy_report(SimpleNamespace(callbacks=[GpuStatsMonitor()])) is None
+    assert energy_report(SimpleNamespace(callbacks=[])) is None

@@ -89,8 +89,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi(
         "lightning.pytorch.trainer.call:_call_callback_hooks",
         "callable",
-        "runkit.compat.skip_unused_batch_hooks (every runkit callback), runkit.compat.skip_hooks "
-        "(GpuStatsMonitor between its loop-timing windows)",
+        "runkit.compat.skip_unused_batch_hooks (every runkit callback)",
         "Lightning's hook dispatch skips a hook attribute that is not callable; no public way to "
         "say a callback does not use a hook",
         lambda: _skips_hooks_that_are_not_callable(),
@@ -111,7 +110,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi(
         "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop",
         "batch_idx",
-        "runkit.compat.fit_batch_index (finite-loss guard; GpuStatsMonitor's loop figures)",
+        "runkit.compat.fit_batch_index (finite-loss guard)",
         "the batch index inside the epoch, which the error names; not on the Trainer",
         lambda: hasattr(_trainer_attribute_value("fit_loop").epoch_loop, "batch_idx"),
     ),
@@ -169,14 +168,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "pl_module.net shadowed by the DataParallel wrapper without registering it, so "
         "parameters and state_dict keys stay those of the network",
         lambda: "net" in _linear_holder()._modules,
-    ),
-    PrivateApi(
-        "lightning.pytorch:Trainer",
-        "callback_metrics",
-        "runkit.gpu_stats.callback",
-        "written, not only read: the monitored GPU keys reach monitors without self.log's "
-        "per-key result entry and all-reduce",
-        lambda: isinstance(_trainer_attribute_value("callback_metrics"), dict),
     ),
     PrivateApi(
         "torch.distributed.distributed_c10d",
@@ -365,16 +356,10 @@ def skip_unused_batch_hooks(callback: Any) -> None:
 
 
 def skip_hooks(callback: Any, *names: str) -> None:
-    """Leave ``callback`` out of Lightning's dispatch of the hooks ``names`` until
-    :func:`restore_hooks` (private: see PRIVATE_APIS; how, see :func:`skip_unused_batch_hooks`)."""
+    """Leave ``callback`` out of Lightning's dispatch of the hooks ``names`` (private: see
+    PRIVATE_APIS; how, see :func:`skip_unused_batch_hooks`)."""
     for name in names:
         setattr(callback, name, None)
-
-
-def restore_hooks(callback: Any, *names: str) -> None:
-    """Lightning calls the hooks ``names`` of ``callback``'s class again."""
-    for name in names:
-        vars(callback).pop(name, None)
 
 
 def fit_batch_index(trainer: Any) -> int:

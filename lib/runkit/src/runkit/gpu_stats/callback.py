@@ -2,23 +2,18 @@
 
 Why not Lightning's ``DeviceStatsMonitor``: it reads ``torch.cuda.memory_stats`` on the training
 thread at every step and knows nothing of utilisation, power or throttling. Here NVML is sampled
-off the training thread (a process of its own, :mod:`.process`, or a thread), every
-``interval_s``; once per epoch rank 0 logs the mean/max/min of each GPU (``gpu/node{N}/cuda{i}/...``,
-``gpu_val/`` for validation) in one ``logger.log_metrics`` call, at the step of Lightning's own rows.
-Each torch device is matched to its NVML device by UUID, so ``CUDA_VISIBLE_DEVICES`` and MIG land
-on the right GPU. Under DDP each rank hands its figures to rank 0 through the job's key-value
-store, not a collective, so nothing can deadlock against Lightning's own syncs. Keys a GPU cannot
-report are left out, never logged as 0; a missing driver or a lost GPU costs one log line, never
-the run. The run's energy is kept in the checkpoint and continues after a resume.
-The keys, the phases and the failure modes in full: lib/runkit/docs/gpu-statistics.md.
+off the training thread (a process of its own, :mod:`.process`, or a thread) every
+``interval_s``; once per epoch rank 0 logs each GPU's mean/max/min (``gpu/node{N}/cuda{i}/...``,
+``gpu_val/`` for validation) in one ``logger.log_metrics`` call. Devices are matched to NVML by
+UUID; under DDP ranks hand rank 0 their figures through the job's store (:mod:`.exchange`),
+never a collective. What a GPU cannot report is left out, never 0; a missing driver or a lost
+GPU costs one log line, never the run. Keys and failure modes: lib/runkit/docs/gpu-statistics.md.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from typing import Any
@@ -27,9 +22,9 @@ import lightning.pytorch as pl
 import torch
 
 from runkit import compat
-from runkit.gpu_stats import loop, report
+from runkit.gpu_stats import report
 from runkit.gpu_stats.exchange import RankExchange
-from runkit.gpu_stats.loop import LoopTimer, Ticker, fixed_batches
+from runkit.gpu_stats.loop import LoopTimer
 from runkit.gpu_stats.process import ProcessSampler, SamplerUnavailable
 from runkit.gpu_stats.sampler import (
     DEFAULT_GROUPS,
@@ -38,7 +33,6 @@ from runkit.gpu_stats.sampler import (
     VAL,
     GpuReader,
     GpuSampler,
-    Later,
     TorchPeakMemory,
 )
 from runkit.gpu_stats.statistics import flatten_epoch, flatten_loop
@@ -47,13 +41,12 @@ from runkit.gpus import nvml
 log = logging.getLogger(__name__)
 
 MIN_WAIT_WARNING_S = 1.0
-"""An epoch waiting for data less than this in all gets no warning, whatever the share: a short
-epoch's first batch (loader start-up) would otherwise raise it for nothing."""
+"""An epoch waiting for data less than this in all gets no starvation warning (a short epoch's
+first batch, the loader starting, would otherwise raise it for nothing)."""
 STATE_VERSION = 1
 SAMPLERS = ("process", "thread")
 
 
-# --------------------------------------------------------------------------- device mapping
 def cuda_device_uuid(index: int) -> str | None:
     """The UUID CUDA reports for ``cuda:index`` (this already reflects CUDA_VISIBLE_DEVICES)."""
     uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
@@ -61,11 +54,8 @@ def cuda_device_uuid(index: int) -> str | None:
 
 
 def process_devices(trainer: Any) -> list[tuple[int, torch.device]]:
-    """The devices this process drives, each with its position in ``parallel_devices``.
-
-    One process per device (DDP and friends): the root device only. One process for several
-    devices on its node (``world_size == num_nodes`` with several ``parallel_devices``): all.
-    """
+    """The devices this process drives, each with its position in ``parallel_devices``: the
+    root device, or all of them for one process driving its node's devices."""
     strategy = trainer.strategy
     devices = list(getattr(strategy, "parallel_devices", None) or [strategy.root_device])
     if len(devices) > 1 and trainer.world_size == trainer.num_nodes:
@@ -74,17 +64,15 @@ def process_devices(trainer: Any) -> list[tuple[int, torch.device]]:
     return [(position, torch.device(strategy.root_device))]
 
 
-# --------------------------------------------------------------------------- helpers for ranks
 def monitored_keys(trainer: Any) -> set[str]:
-    """The metric names a callback (``EarlyStopping``, ``ModelCheckpoint``, ...) or a learning
-    rate scheduler watches, through their public ``monitor`` attributes."""
+    """The metric names callbacks and learning rate schedulers watch (their ``monitor``)."""
     watchers = [*getattr(trainer, "callbacks", []), *getattr(trainer, "lr_scheduler_configs", [])]
     return {m for w in watchers if isinstance(m := getattr(w, "monitor", None), str)}
 
 
 def gpu_busy_pct(everyone: Sequence[dict[str, Any]]) -> float | None:
-    """Mean utilisation of the run's GPUs this epoch (SM activity where a MIG slice has no
-    utilisation); None without any reading."""
+    """Mean utilisation of the run's GPUs (SM activity where a MIG slice has none); None
+    without any reading."""
     values = [
         summary.get("util_mean", summary.get("sm_active_mean"))
         for payload in everyone
@@ -101,38 +89,41 @@ def count_samples(loops: Sequence[dict[str, float] | None]) -> float | None:
     return sum(loop["samples"] for loop in loops if loop)
 
 
-def _loads() -> bool:
-    """Load NVML's bindings (not initialise them), so that a sampler process forked now inherits
-    the same library; False where there are none (the session below says so in one line)."""
-    try:
-        nvml.load_library()
-    except nvml.NvmlUnavailable:
-        return False
-    return True
-
-
-@dataclasses.dataclass
-class _Validation:
-    """One validation of this rank whose figures rank 0 has not had yet."""
-
-    number: int
-    payload: dict[str, Any]  # node, boards, step and epoch: the rest of what rank 0 needs
-    figures: Later = dataclasses.field(default_factory=lambda: Later(dict))
-    peaks: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
-
-
-_STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end")  # the loop timer's
-_HOOKS_LOCK = threading.Lock()
-"""Turns a monitor's two batch hooks on and off as one, against the ticker's thread (one for
-every monitor: an instance's own would not pickle, as ``ddp_spawn`` does)."""
-
-
 def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _check(name: str, value: Any, ok: bool, accepted: str) -> None:
+    if not ok:
+        raise ValueError(f"GpuStatsMonitor: {name}={value!r}; give {accepted}")
+
+
+def _check_arguments(
+    seconds: dict[str, Any], shares: dict[str, tuple[Any, float]], sampler: str,
+    device_uuids: Any, key_prefix: str, per_gpu_keys_up_to: Any,
+) -> None:  # fmt: skip
+    """:class:`GpuStatsMonitor`'s arguments, each refused in one line naming what it accepts."""
+
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    _check("sampler", sampler, sampler in SAMPLERS, f"one of {', '.join(SAMPLERS)}")
+    for name, value in seconds.items():
+        _check(name, value, number(value) and value > 0, "seconds > 0")
+    for name, (value, high) in shares.items():
+        _check(name, value, number(value) and 0 <= value <= high, f"a number in [0, {high:g}]")
+    uuids_ok = device_uuids is None or (
+        not isinstance(device_uuids, str) and all(isinstance(u, str) for u in device_uuids)
+    )
+    _check("device_uuids", device_uuids, uuids_ok, "a list of NVML UUID strings")
+    prefix_ok = bool(key_prefix) and "/" not in key_prefix
+    _check("key_prefix", key_prefix, prefix_ok, "a word without '/'")
+    count_ok = type(per_gpu_keys_up_to) is int and per_gpu_keys_up_to >= 0
+    _check("per_gpu_keys_up_to", per_gpu_keys_up_to, count_ok, "a GPU count >= 0")
+
+
 def energy_report(trainer: Any) -> dict[str, Any] | None:
-    """The run's energy for ``metrics.json``, from the trainer's :class:`GpuStatsMonitor`: J,
+    """The run's energy for ``metrics.json`` from the trainer's :class:`GpuStatsMonitor`: J,
     kWh, J per training sample and J per physical GPU; None without a monitor or a reading."""
     monitor = next((c for c in trainer.callbacks if isinstance(c, GpuStatsMonitor)), None)
     per_gpu = monitor.run_energy_j() if monitor is not None else {}
@@ -149,7 +140,6 @@ def energy_report(trainer: Any) -> dict[str, Any] | None:
     }
 
 
-# --------------------------------------------------------------------------- the callback
 class GpuStatsMonitor(pl.Callback):
     """Log per-epoch GPU statistics from NVML for every GPU of the run (see the module docstring).
 
@@ -160,22 +150,18 @@ class GpuStatsMonitor(pl.Callback):
         log_sampler_cost: log ``sample_ms``, the NVML time per sample of each GPU.
         summary_table: print a Rich table of every GPU at the end of ``fit`` (rank 0).
         device_uuids: the NVML UUID of each entry of ``trainer.strategy.parallel_devices``, for
-            runs whose devices are not CUDA devices (tests and demos on CPU with the fake NVML;
-            not in the shipped YAML: ``+callbacks.gpu_stats.device_uuids=[...]`` adds it).
-            Leave ``None`` on real GPUs: the UUIDs then come from CUDA.
+            runs on CPU with the fake NVML (``+callbacks.gpu_stats.device_uuids=[...]``); on
+            real GPUs leave it ``None``: the UUIDs come from CUDA.
         key_prefix: first part of every key (``gpu``); validation uses ``{key_prefix}_val``.
         gpm: read GPM metrics (SM activity, occupancy, tensor cores, DRAM) where supported.
-        per_gpu_keys_up_to: per-GPU keys for nodes with at most this many GPUs; only the
-            ``gpu/all/`` aggregates beyond.
-        data_wait_warning: warn when an epoch's loop waited more than this share of its time for
+        per_gpu_keys_up_to: per-GPU keys for nodes with at most this many GPUs, else only
+            the ``gpu/all/`` aggregates.
+        data_wait_warning: warn when an epoch waited more than this share of its loop time for
             data while the GPUs were mostly idle (1.0: never).
         gpu_idle_below_pct: "mostly idle": mean utilisation of the run's GPUs below this.
-        gather_timeout_s: how long rank 0 waits at an epoch end for the other ranks' figures
-            before it logs the epoch without the late ones (one warning naming them).
-        sampler: ``"process"`` (default): sample in a child process of each rank, so the
-            training process does no NVML work between the epoch boundaries (:mod:`.process`;
-            where no process can be started, a thread, with one log line); ``"thread"``: in a
-            background thread of the training process.
+        gather_timeout_s: how long rank 0 waits at an epoch end for the other ranks' figures.
+        sampler: ``"process"`` (a child process of each rank; a thread where none can start)
+            or ``"thread"`` (a background thread of the training process).
     """
 
     def __init__(
@@ -197,49 +183,15 @@ class GpuStatsMonitor(pl.Callback):
         gather_timeout_s: float = 30.0,
         sampler: str = "process",
     ) -> None:
-        if sampler not in SAMPLERS:
-            raise ValueError(
-                f"GpuStatsMonitor: sampler={sampler!r}; give one of {', '.join(SAMPLERS)}"
-            )
+        _check_arguments(
+            {"interval_s": interval_s, "gather_timeout_s": gather_timeout_s},
+            {"data_wait_warning": (data_wait_warning, 1.0), "gpu_idle_below_pct": (gpu_idle_below_pct, 100.0)},
+            sampler=sampler, device_uuids=device_uuids, key_prefix=key_prefix,
+            per_gpu_keys_up_to=per_gpu_keys_up_to,
+        )  # fmt: skip
         self.sampler = sampler
-        for name, seconds in (("interval_s", interval_s), ("gather_timeout_s", gather_timeout_s)):
-            if (
-                isinstance(seconds, bool)
-                or not isinstance(seconds, (int, float))
-                or not seconds > 0
-            ):
-                raise ValueError(f"GpuStatsMonitor: {name}={seconds!r}; give seconds > 0")
-        if device_uuids is not None and (
-            isinstance(device_uuids, str) or not all(isinstance(u, str) for u in device_uuids)
-        ):
-            raise ValueError(
-                f"GpuStatsMonitor: device_uuids={device_uuids!r}; give a list of NVML UUID strings"
-            )
-        if not key_prefix or "/" in key_prefix:
-            raise ValueError(f"GpuStatsMonitor: key_prefix={key_prefix!r}; give a word without '/'")
-        if (
-            isinstance(per_gpu_keys_up_to, bool)
-            or not isinstance(per_gpu_keys_up_to, int)
-            or (per_gpu_keys_up_to < 0)
-        ):
-            raise ValueError(
-                f"GpuStatsMonitor: per_gpu_keys_up_to={per_gpu_keys_up_to!r}; give a GPU count >= 0"
-            )
-        for name, value, high in (
-            ("data_wait_warning", data_wait_warning, 1.0),
-            ("gpu_idle_below_pct", gpu_idle_below_pct, 100.0),
-        ):
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not (0 <= value <= high)
-            ):
-                raise ValueError(
-                    f"GpuStatsMonitor: {name}={value!r}; give a number in [0, {high:g}]"
-                )
-        self.interval_s = float(interval_s)
-        self.gather_timeout_s = float(gather_timeout_s)
-        self.report_validation = report_validation
+        self.interval_s, self.gather_timeout_s = float(interval_s), float(gather_timeout_s)
+        self.report_validation, self.summary_table = report_validation, summary_table
         optional = {"fan": fan, "pcie": pcie, "ecc": ecc, "memory_temperature": memory_temperature}
         self.groups = [*DEFAULT_GROUPS, *(g for g in OPTIONAL_GROUPS if optional[g])]
         if not gpm:
@@ -248,7 +200,6 @@ class GpuStatsMonitor(pl.Callback):
         self.data_wait_warning = float(data_wait_warning)
         self.gpu_idle_below_pct = float(gpu_idle_below_pct)
         self.log_sampler_cost = log_sampler_cost
-        self.summary_table = summary_table
         self.device_uuids = None if device_uuids is None else list(device_uuids)
         self.key_prefix = key_prefix
         self._reset_state()
@@ -258,20 +209,15 @@ class GpuStatsMonitor(pl.Callback):
         self._stack = ExitStack()
         self._sampler: GpuSampler | ProcessSampler | None = None
         self._peaks: TorchPeakMemory | None = None
-        self._active = False  # some rank samples a GPU (rank 0 knows of all, others of their own)
+        self._active = False  # some rank samples a GPU
         self._exchanges = {
             hook: RankExchange(hook, self.gather_timeout_s)
-            for hook in ("setup", "validation end", "training epoch end", "training end")
+            for hook in ("setup", "validation end", "training epoch end")
         }
         self._identities: list[dict[str, Any]] = []
         self._summary = report.RunSummary()
         self._phase_before_val: str | None = None
-        self._validation_count = 0  # this fit's validations, numbered alike on every rank
-        self._validations: list[_Validation] = []  # this rank's, their figures not sent yet
-        self._arrived: dict[int, dict[int, dict[str, Any]]] = {}  # rank 0: number -> rank -> it
         self._loop = LoopTimer()
-        self._ticker: Ticker | None = None  # begins the loop's measuring windows (loop.py)
-        self._measure_steps()
         self._fit_energy_j: dict[str, float] = {}  # this fit, per physical GPU
         self._fit_samples: float | None = 0.0  # training samples of this fit, every rank
         self._epoch_samples: float | None = 0.0  # of the epoch under way, at its validation
@@ -298,7 +244,6 @@ class GpuStatsMonitor(pl.Callback):
             self._close()
             local = {"status": f"failed to start ({type(err).__name__}: {err})", "gpus": []}
         local.update(node=trainer.node_rank, rank=trainer.global_rank)
-        # before anyone may raise
         everyone = self._exchanges["setup"].gather(trainer, local, self._watched(trainer))
         errors = [p["config_error"] for p in everyone if p.get("config_error")]
         if errors:
@@ -308,27 +253,23 @@ class GpuStatsMonitor(pl.Callback):
         self._active = any(p["gpus"] for p in everyone)
         if trainer.is_global_zero:
             self._report_setup(everyone)
-        if self._sampler is not None:
-            self._start_sampler()
-
-    def _start_sampler(self) -> None:
         sampler = self._sampler
-        try:
-            sampler.start()
-        except SamplerUnavailable as err:
-            self._fall_back(err)
-            sampler.stop()
-            self._sampler = GpuSampler(sampler.readers, self.interval_s)
-            self._sampler.start()
+        if sampler is not None:
+            try:
+                sampler.start()
+            except SamplerUnavailable as err:
+                self._fall_back(err)
+                sampler.stop()
+                self._sampler = GpuSampler(sampler.readers, self.interval_s)
+                self._sampler.start()
 
     def _fall_back(self, err: Exception) -> None:
         log.warning("gpu_stats: %s; sampling in a thread of the training process instead", err)
 
-    def _open(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """Map this process's devices to NVML and probe them. Returns what rank 0 should hear."""
-        devices = process_devices(trainer)
-        wanted: list[tuple[str, torch.device, str | None]] = []
-        for position, device in devices:
+    def _wanted(self, trainer: pl.Trainer) -> list[tuple[str, torch.device, str | None]]:
+        """``(label, device, NVML UUID)`` of each GPU this process drives."""
+        wanted = []
+        for position, device in process_devices(trainer):
             if self.device_uuids is not None:
                 if position >= len(self.device_uuids):
                     raise ValueError(
@@ -339,16 +280,18 @@ class GpuStatsMonitor(pl.Callback):
             elif device.type == "cuda":
                 index = device.index if device.index is not None else torch.cuda.current_device()
                 wanted.append((f"cuda{index}", device, cuda_device_uuid(index)))
+        return wanted
+
+    def _open(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """Map this process's devices to NVML and probe them. Returns what rank 0 should hear."""
+        wanted = self._wanted(trainer)
         if not wanted:
             return {"status": "off: this run uses no CUDA device", "gpus": [], "quiet": True}
         child = None
-        if self.sampler == "process" and _loads():  # forked before this process opens NVML
+        if self.sampler == "process" and self._loads():  # forked before this process opens NVML
             try:
-                child = ProcessSampler.fork(
-                    [(label, uuid) for label, _device, uuid in wanted if uuid],
-                    self.groups,
-                    self.interval_s,
-                )
+                gpus = [(label, uuid) for label, _device, uuid in wanted if uuid]
+                child = ProcessSampler.fork(gpus, self.groups, self.interval_s)
             except SamplerUnavailable as err:
                 self._fall_back(err)
             else:
@@ -375,35 +318,38 @@ class GpuStatsMonitor(pl.Callback):
                 continue
             readers.append(reader)
             self._stack.callback(reader.close)  # its GPM samples go before NVML shuts down
-        if readers and child is not None:
-            child.attach(readers)
-            self._sampler = child
-        elif readers:
-            self._sampler = GpuSampler(readers, self.interval_s)
-        if readers:
-            self._peaks = TorchPeakMemory({label: dev for label, dev, _ in wanted})
-        else:
+        if not readers:
             self._close()
-        status = "on" if readers else "off: no usable GPU"
-        return {"status": status, "gpus": [r.identity() for r in readers], "problems": problems}
+            return {"status": "off: no usable GPU", "gpus": [], "problems": problems}
+        if child is not None:
+            child.attach(readers)
+        self._sampler = child or GpuSampler(readers, self.interval_s)
+        self._peaks = TorchPeakMemory({label: dev for label, dev, _ in wanted})
+        return {"status": "on", "gpus": [r.identity() for r in readers], "problems": problems}
+
+    @staticmethod
+    def _loads() -> bool:
+        """Load (not initialise) NVML, so that a child forked now inherits the same library."""
+        try:
+            nvml.load_library()
+        except nvml.NvmlUnavailable:
+            return False  # the session opened next says so in one line
+        return True
 
     def _report_setup(self, everyone: Sequence[dict[str, Any]]) -> None:
         idle: dict[tuple[str, bool], list[str]] = {}
         for payload in everyone:
-            where = f"rank {payload['rank']} (node {payload['node']})"
             for problem in payload.get("problems", []):
-                log.warning("gpu_stats: %s: %s", where, problem)
+                log.warning(
+                    "gpu_stats: rank %s (node %s): %s", payload["rank"], payload["node"], problem
+                )
             if not payload["gpus"]:  # one line for all ranks in the same state
                 key = (payload["status"], bool(payload.get("quiet")))
                 idle.setdefault(key, []).append(str(payload["rank"]))
             for gpu in payload["gpus"]:
                 log.info(
                     "gpu_stats: node%s/%s = %s, %s, NVML index %s, PCI %s%s; not supported: %s",
-                    payload["node"],
-                    gpu["label"],
-                    gpu["name"],
-                    gpu["uuid"],
-                    gpu["nvml_index"],
+                    *(payload["node"], gpu["label"], gpu["name"], gpu["uuid"], gpu["nvml_index"]),
                     gpu["pci_bus_id"],
                     " (MIG slice)" if gpu["mig"] else "",
                     ", ".join(gpu["unsupported"]) or "none",
@@ -412,12 +358,11 @@ class GpuStatsMonitor(pl.Callback):
             log.log(
                 logging.INFO if quiet else logging.WARNING,
                 "gpu_stats: rank %s: %s; training continues without GPU statistics",
-                ",".join(ranks),
-                status,
+                *(",".join(ranks), status),
             )
 
     def _close(self) -> None:
-        """Stop the thread and shut NVML down; safe to call any number of times."""
+        """Stop the sampler and shut NVML down; safe to call any number of times."""
         sampler, self._sampler = self._sampler, None
         if sampler is not None:
             sampler.stop()
@@ -444,24 +389,11 @@ class GpuStatsMonitor(pl.Callback):
 
     # ------------------------------------------------------------------ phases
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._loop.start_epoch(fixed_batches(getattr(trainer, "train_dataloader", None)))
-        self._measure_steps()
+        self._loop.start_epoch()
         if self._sampler is not None:
-            self._begin_phase(TRAIN, "epoch start")
+            self._guarded("epoch start", lambda: self._sampler.set_phase(TRAIN))
         if self._peaks is not None:
             self._guarded("peak reset", lambda: self._peaks.clear())
-
-    def _begin_phase(self, phase: str, what: str) -> None:
-        """Later readings count for ``phase``, the first of them begun now by the sampler process
-        (not by this thread): a phase shorter than the interval (a validation, a short epoch)
-        then ends without waiting for a reading of every GPU."""
-        sampler = self._sampler
-
-        def begin() -> None:
-            sampler.set_phase(phase, reset=True, sample=False)
-            sampler.sample_soon()
-
-        self._guarded(what, begin)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -476,238 +408,107 @@ class GpuStatsMonitor(pl.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        if not self._loop.batch_end(batch, batch_idx):  # a window's fast steps: enough
-            self._skip_steps()
-
-    def _measure_steps(self) -> None:
-        """Lightning calls the two batch hooks again (from the ticker's thread too)."""
-        with _HOOKS_LOCK:
-            compat.restore_hooks(self, *_STEP_HOOKS)
-
-    def _skip_steps(self) -> None:
-        """Lightning skips the two batch hooks until the ticker, an epoch's start or a
-        validation's start begins the next window."""
-        with _HOOKS_LOCK:
-            compat.skip_hooks(self, *_STEP_HOOKS)
-        if self._ticker is None:
-            self._ticker = Ticker(loop.WINDOW_EVERY_S, self._measure_steps)
-            self._stack.callback(self._stop_ticker)
-
-    def _stop_ticker(self) -> None:
-        ticker, self._ticker = self._ticker, None
-        if ticker is not None:
-            ticker.stop()
-        self._measure_steps()
-
-    def _loop_summary(self, trainer: pl.Trainer) -> dict[str, float] | None:
-        """The epoch's loop figures; once a window closed, counted from Lightning's batch index."""
-        timer = self._loop
-        return timer.summary(compat.fit_batch_index(trainer) if timer.windowed else None)
+        self._loop.batch_end(batch)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
             self._loop.pause()  # until the next training batch: validation is not a data wait
-            self._measure_steps()  # which the next training batch's start tells
 
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or self._sampler is None:
             return
         self._phase_before_val = self._sampler.phase
-        self._begin_phase(VAL, "validation start")
+        self._guarded("validation start", lambda: self._sampler.set_phase(VAL))
         if self._peaks is not None:
             self._guarded("peak reset", lambda: self._peaks.stash())
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The validation's figures are asked for here and published once the sampler has
-        them (see the module docstring): nothing here waits for a reading."""
         if trainer.sanity_checking:
             return
-        sampler, peaks, resume = self._sampler, self._peaks, self._phase_before_val
-        local = self._energy_payload(trainer)
-        self._validation_count += 1
-        validation = _Validation(
-            self._validation_count,
-            {
-                "node": local["node"],
-                "boards": local.get("boards", {}),
-                "step": compat.logging_step(trainer),
-                "epoch": trainer.current_epoch,
-            },
-        )
-        if sampler is not None and self.report_validation:  # asked before the phase switches
-            later = self._guarded("validation summary", lambda: sampler.summaries_later(VAL))
-            validation.figures = later or validation.figures
-            if peaks is not None:
-                validation.peaks = self._guarded("peaks", lambda: peaks.peaks(False)) or {}
-        if sampler is not None:
-            self._guarded(
-                "validation end", lambda: sampler.set_phase(resume, reset=False, sample=False)
-            )
-        if peaks is not None:
-            self._guarded("peak reset", lambda: peaks.restart())
-        root = f"{self.key_prefix}_val"
-        watched = self.report_validation and self._watches(trainer, f"{root}/")
-        local["loop"] = self._loop_summary(trainer)  # the epoch so far, for a checkpoint now
-        if watched:  # a monitor reads the figures right after this hook: wait for them
-            local["gpus"] = self._figures("validation", validation.figures.result, validation.peaks)
-        elif self.report_validation:
-            self._validations.append(validation)
-            local["validations"] = self._ready_validations(wait=False)
+        phase = VAL if self.report_validation else None
+        local = self._local(trainer, phase, False)
+        if self._sampler is not None:
+            resume = self._phase_before_val
+            self._guarded("validation end", lambda: self._sampler.set_phase(resume, reset=False))
+        if self._peaks is not None:
+            self._guarded("peak reset", lambda: self._peaks.restart())
         # Every rank, every validation: the run's energy is current when a checkpoint is saved.
         everyone = self._exchanges["validation end"].gather(trainer, local, self._watched(trainer))
         self._add_energy(everyone)
         self._epoch_samples = count_samples([p.get("loop") for p in everyone])
-        if watched and self._active:
+        if self.report_validation and self._active:
+            root = f"{self.key_prefix}_val"
             flat = flatten_epoch(everyone, root, self.log_sampler_cost, self.per_gpu_keys_up_to)
-            self._publish(trainer, flat)
-        self._publish_validations(trainer, everyone)
+            self._publish(trainer, pl_module, flat, epoch_end=False)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        sampler, peaks = self._sampler, self._peaks
-        gpus = None
-        if sampler is not None:
-            epoch_peaks = {}
-            if peaks is not None:
-                epoch_peaks = self._guarded("peaks", lambda: peaks.peaks(True)) or {}
-            gpus = self._figures("training", lambda: sampler.summaries(TRAIN), epoch_peaks)
-        local = self._energy_payload(trainer)  # after the epoch's closing sample, if it took one
-        if gpus is not None:
-            local["gpus"] = gpus
-        if sampler is not None:
-            self._guarded("epoch end", lambda: sampler.set_phase(None, sample=False))
-        local["loop"] = self._loop_summary(trainer)
-        local["validations"] = self._ready_validations(wait=False)
+        local = self._local(trainer, TRAIN, True)
+        if self._sampler is not None:
+            self._guarded("epoch end", lambda: self._sampler.set_phase(None))
         everyone = self._exchanges["training epoch end"].gather(
             trainer, local, self._watched(trainer)
         )
-        self._publish_validations(trainer, everyone)
         flat = flatten_epoch(
             everyone, self.key_prefix, self.log_sampler_cost, self.per_gpu_keys_up_to
         )
         loops = [p.get("loop") for p in everyone]
         flat.update(flatten_loop(loops))
-        self._publish(trainer, flat, epoch_end=True)
+        self._publish(trainer, pl_module, flat, epoch_end=True)
         self._add_energy(everyone)
         epoch_samples = count_samples(loops)
+        fit_samples = self._fit_samples
         self._fit_samples = (
-            None
-            if None in (self._fit_samples, epoch_samples)
-            else (self._fit_samples + epoch_samples)
+            None if None in (fit_samples, epoch_samples) else fit_samples + epoch_samples
         )
         self._epoch_samples = 0.0
         self._summary.add_epoch(everyone)
         if trainer.is_global_zero:
             self._warn_if_starved(trainer, everyone, flat)
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The validations whose figures were not in yet: waited for, and published."""
-        if not self.report_validation:  # alike on every rank: none to wait for
-            return
-        local = {"rank": trainer.global_rank, "validations": self._ready_validations(wait=True)}
-        everyone = self._exchanges["training end"].gather(trainer, local)
-        self._publish_validations(trainer, everyone, final=True)
-
-    # ------------------------------------------------------------------ validations, late
-    def _ready_validations(self, wait: bool) -> list[tuple[int, dict[str, Any]]]:
-        """This rank's validations whose figures are in (``wait``: all of them), as
-        ``(number, payload)`` for rank 0, in the order they ran."""
-        ready = []
-        for validation in self._validations:
-            if not (wait or validation.figures.ready()):
-                break
-            ready.append(validation)
-        del self._validations[: len(ready)]
-        return [
-            (
-                v.number,
-                {**v.payload, "gpus": self._figures("validation", v.figures.result, v.peaks)},
-            )
-            for v in ready
-        ]
-
-    def _publish_validations(
-        self, trainer: pl.Trainer, everyone: Sequence[dict[str, Any]], final: bool = False
-    ) -> None:
-        """Rank 0: take in the validations every rank sent, and publish each, in order, once
-        every rank of this exchange has sent it (``final``: whatever came)."""
-        if not trainer.is_global_zero:
-            return
-        for payload in everyone:
-            for number, figures in payload.get("validations", []):
-                self._arrived.setdefault(number, {})[payload["rank"]] = figures
-        present = {payload["rank"] for payload in everyone}
-        root = f"{self.key_prefix}_val"
-        for number in sorted(self._arrived):
-            ranks = self._arrived[number]
-            if not (final or present <= ranks.keys()):
-                break
-            del self._arrived[number]
-            payloads = [ranks[rank] for rank in sorted(ranks)]
-            if self._active:
-                flat = flatten_epoch(payloads, root, self.log_sampler_cost, self.per_gpu_keys_up_to)
-                self._publish(trainer, flat, payloads[0]["step"], payloads[0]["epoch"])
-
-    def _energy_payload(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """Who this rank is, and its GPUs' energy so far (read without a wait)."""
-        payload: dict[str, Any] = {"node": trainer.node_rank, "rank": trainer.global_rank}
-        sampler = self._sampler
-        if sampler is not None:
-            payload["boards"] = {r.label: r.board_uuid for r in sampler.readers}
-            payload["energy_total_j"] = self._guarded("energy", sampler.energy_totals_j) or {}
-        return payload
-
-    def _figures(
-        self,
-        phase: str,
-        figures: Callable[[], dict[str, dict[str, float]]],
-        peaks: dict[str, dict[str, float]],
-    ) -> dict[str, dict[str, float]]:
-        """A phase's figures per GPU from the sampler (``figures``), with PyTorch's peaks added."""
-        gpus = self._guarded(f"{phase} summary", figures) or {}
-        for label, values in peaks.items():
-            if label in gpus:
-                gpus[label].update(values)
-        return gpus
-
-    def _watches(self, trainer: pl.Trainer, *prefixes: str) -> bool:
-        return any(key.startswith(prefixes) for key in monitored_keys(trainer))
+    def _local(self, trainer: pl.Trainer, phase: str | None, epoch: bool) -> dict[str, Any]:
+        """This rank's payload: who it is, its loop so far, and from its sampler the figures of
+        ``phase`` (with PyTorch's peaks; the whole epoch's with ``epoch``) and the energy."""
+        local: dict[str, Any] = {"node": trainer.node_rank, "rank": trainer.global_rank}
+        local["loop"] = self._loop.summary()
+        sampler, peaks = self._sampler, self._peaks
+        if sampler is None:
+            return local
+        local["boards"] = {r.label: r.board_uuid for r in sampler.readers}
+        got = self._guarded("summary", lambda: sampler.report(phase)) or ({}, {})
+        gpus, local["energy_total_j"] = got
+        if phase is not None and peaks is not None:
+            for label, values in (self._guarded("peaks", lambda: peaks.peaks(epoch)) or {}).items():
+                if label in gpus:
+                    gpus[label].update(values)
+        if phase is not None:
+            local["gpus"] = gpus
+        return local
 
     def _watched(self, trainer: pl.Trainer) -> bool:
         """Whether a monitor watches one of this callback's keys: then every rank needs the
         run's figures, not only rank 0 (each rank waits for the others at the epoch ends)."""
-        return self._watches(trainer, f"{self.key_prefix}/", f"{self.key_prefix}_val/", "loop/")
+        prefixes = (f"{self.key_prefix}/", f"{self.key_prefix}_val/", "loop/")
+        return any(key.startswith(prefixes) for key in monitored_keys(trainer))
 
     def _publish(
         self,
         trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
         metrics: dict[str, float],
-        step: int | None = None,
-        epoch: int | None = None,
-        epoch_end: bool = False,
+        epoch_end: bool,
     ) -> None:
-        """Hand the figures to every logger in one call (rank 0), and the monitored ones to
-        ``trainer.callback_metrics`` (every rank); see the module docstring. ``step`` and
-        ``epoch``: of the phase the figures are of (default: now, the step of Lightning's rows
-        now; ``epoch_end``: of its rows of the epoch, one lower)."""
+        """Hand the figures to every logger in one call (rank 0), at the step of Lightning's own
+        rows of this moment, and the monitored ones to monitors through ``pl_module.log``."""
         if not metrics:
             return
-        wanted = monitored_keys(trainer) & metrics.keys()
-        if wanted:
-            # private: writes into the dict Lightning returns as trainer.callback_metrics (its
-            # logger connector's own), which is what monitors read; self.log would cost a result
-            # entry and an all-reduce per key for values every rank already holds.
-            trainer.callback_metrics.update({k: torch.tensor(float(metrics[k])) for k in wanted})
+        for key in sorted(monitored_keys(trainer) & metrics.keys()):
+            pl_module.log(key, float(metrics[key]), logger=False, batch_size=1)
         if trainer.is_global_zero and trainer.loggers:
-            row = {**metrics, "epoch": trainer.current_epoch if epoch is None else epoch}
-            if step is None:
-                step = compat.logging_step(trainer) - int(epoch_end)
-            # Files are written when Lightning next saves its loggers (for its own rows of this
-            # moment, or at the end of training); a CSV logger writes here only at a step of
-            # its flush interval, where it would write for Lightning's row of the step anyway.
+            step = compat.logging_step(trainer) - int(epoch_end)
+            row = {**metrics, "epoch": trainer.current_epoch}
             for logger in trainer.loggers:
                 logger.log_metrics(row, step=step)
 
-    # ------------------------------------------------------------------ data starvation
     def _warn_if_starved(
         self, trainer: pl.Trainer, everyone: Sequence[dict[str, Any]], flat: dict[str, float]
     ) -> None:
@@ -720,23 +521,16 @@ class GpuStatsMonitor(pl.Callback):
             return
         loader = trainer.train_dataloader
         settings = ", ".join(
-            f"{name}={getattr(loader, attr, '?')}"
-            for name, attr in (
-                ("data.num_workers", "num_workers"),
-                ("data.pin_memory", "pin_memory"),
-                ("data.batch_size", "batch_size"),
-            )
+            f"data.{name}={getattr(loader, name, '?')}"
+            for name in ("num_workers", "pin_memory", "batch_size")
         )
-        gpus = "no GPU reading" if busy is None else f"the GPUs were {busy:.0f}% busy"
         log.warning(
             "loop: epoch %d waited for the next batch %.0f%% of its training time (%.1f s) and "
             "%s: the input pipeline holds training back. What helps: more loader processes "
             "(data.num_workers), pinned memory (data.pin_memory), a larger batch "
             "(data.batch_size); now %s",
-            trainer.current_epoch,
-            100 * share,
-            waited,
-            gpus,
+            *(trainer.current_epoch, 100 * share, waited),
+            "no GPU reading" if busy is None else f"the GPUs were {busy:.0f}% busy",
             settings,
         )
 
@@ -774,13 +568,12 @@ class GpuStatsMonitor(pl.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue the run's energy from a checkpoint; a damaged entry is ignored (one line)."""
-        energy = state_dict.get("energy_j") if isinstance(state_dict, Mapping) else None
-        samples = state_dict.get("train_samples") if isinstance(state_dict, Mapping) else None
+        state = state_dict if isinstance(state_dict, Mapping) else {}
+        energy, samples = state.get("energy_j"), state.get("train_samples")
         good_energy = isinstance(energy, Mapping) and all(
             isinstance(k, str) and _finite(v) and v >= 0 for k, v in energy.items()
         )
-        good_samples = samples is None or (_finite(samples) and samples >= 0)
-        if not (good_energy and good_samples):
+        if not (good_energy and (samples is None or (_finite(samples) and samples >= 0))):
             log.warning(
                 "gpu_stats: the checkpoint's GPU statistics state is not what this callback "
                 "writes (%.80r); the run's energy counts from this resume on",
@@ -790,7 +583,6 @@ class GpuStatsMonitor(pl.Callback):
         self._restored_energy_j = {k: float(v) for k, v in energy.items()}
         self._restored_samples = None if samples is None else float(samples)
 
-    # ------------------------------------------------------------------ end of run
     def run_summary(self) -> list[dict[str, Any]]:
         """One row per GPU over the whole ``fit`` (training epochs): what the table shows."""
         return self._summary.rows(self._identities)

@@ -1,15 +1,11 @@
 """Rank 0 hears every rank's figures, and no rank ever waits in a collective for them.
 
 Why not ``all_gather_object``: a collective in an epoch-end hook deadlocks against Lightning's
-own metric sync. A value logged with ``self.log(..., on_epoch=True, sync_dist=True)`` is
-all-reduced when it is first read, and the progress bar, which exists on rank 0 only, reads it
-in its ``on_train_epoch_end``: rank 0 then waits in that all-reduce while the other ranks wait
-in ours, for good. Here every rank posts its payload (JSON) in the job's key-value store, the
-one ``torch.distributed`` was initialised with, and goes on at once; rank 0 alone waits for the
-other ranks' keys, at most ``timeout_s``, polling in short slices so that signals are handled,
-and goes on without the late ones (one warning naming them and the hook). No rank waits for
-a rank that may be waiting for it, so the exchange cannot deadlock, whatever the user's module
-or callbacks synchronise and wherever they do it.
+own metric sync (the progress bar, on rank 0 only, all-reduces a ``sync_dist`` value in its
+``on_train_epoch_end`` while the other ranks would wait in ours). Every rank posts its payload
+(JSON) in the job's key-value store and goes on; rank 0 alone waits for the others' keys, at
+most ``timeout_s``, in short slices so that signals are handled, and goes on without the late
+ones (one warning naming them).
 """
 
 from __future__ import annotations
@@ -34,13 +30,8 @@ POLL_S = 0.25
 class RankExchange:
     """Every rank's payload for rank 0, in rank order, through the job's key-value store.
 
-    Each hook that exchanges (``setup``, validation end, training epoch end) has its own
-    exchange; every rank calls it at the same hooks, so the rounds match by count. Rank 0 removes
-    what it read; with ``every_rank``, each rank removes its own payload two rounds later.
-
-    Args:
-        name: what the keys start with, and the hook named in the warning.
-        timeout_s: how long rank 0 waits for the other ranks before it goes on without them.
+    Every rank calls it at the same hooks, so rounds match by count. Rank 0 removes what it
+    read; with ``every_rank``, each rank removes its own payload two rounds later.
     """
 
     def __init__(self, name: str, timeout_s: float = 30.0) -> None:
@@ -52,12 +43,8 @@ class RankExchange:
     def gather(
         self, trainer: Any, payload: dict[str, Any], every_rank: bool = False
     ) -> list[dict[str, Any]]:
-        """Rank 0: its own payload and every other rank's that arrived in time, in rank order.
-
-        Any other rank, and a run of one process: ``[payload]``; with ``every_rank`` (a monitor
-        on another rank needs the run's figures) every rank waits for the others as rank 0 does.
-        Every rank posts before it waits, so a wait ends as soon as the others reach the hook.
-        """
+        """Rank 0 (every rank with ``every_rank``): every rank's payload that arrived in time,
+        in rank order; any other rank, and a run of one process: ``[payload]``."""
         world, rank = int(trainer.world_size), int(trainer.global_rank)
         if world < 2 or not dist.is_available() or not dist.is_initialized():
             return [payload]
@@ -72,14 +59,13 @@ class RankExchange:
                 store.delete_key(f"runkit/{self.name}/{self._round - 2}/{rank}")
         elif every_rank:
             store.set(prefix + "0", json.dumps(payload))
-        else:
-            self._forget_late(store)
+        else:  # keys late ranks posted after rank 0 had gone on
+            self._late = [key for key in self._late if not self._delete(store, key)]
         others = [r for r in range(world) if r != rank]
         keys = [prefix + str(r) for r in others]
         deadline = time.monotonic() + self.timeout_s
         while not store.check(keys) and time.monotonic() < deadline:
-            # a slice that runs out raises (DistStoreError / RuntimeError): look again
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # a slice that runs out raises: look again
                 store.wait(keys, timedelta(seconds=POLL_S))
         gathered, late = {rank: payload}, []
         for other, key in zip(others, keys, strict=True):
@@ -94,18 +80,13 @@ class RankExchange:
             log.warning(
                 "gpu_stats: rank %s did not reach %s within %.0f s; its figures are left out "
                 "this time (a rank held up elsewhere: look at that rank's log)",
-                ",".join(map(str, late)),
-                self.name,
-                self.timeout_s,
+                *(",".join(map(str, late)), self.name, self.timeout_s),
             )
         return [gathered[r] for r in sorted(gathered)]
 
-    def _forget_late(self, store: Any) -> None:
-        """Drop the keys late ranks posted after rank 0 had gone on, so the store stays small."""
-        waiting = []
-        for key in self._late:
-            if store.check([key]):
-                store.delete_key(key)
-            else:
-                waiting.append(key)
-        self._late = waiting
+    @staticmethod
+    def _delete(store: Any, key: str) -> bool:
+        if store.check([key]):
+            store.delete_key(key)
+            return True
+        return False

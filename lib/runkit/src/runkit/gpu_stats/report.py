@@ -9,13 +9,9 @@ from typing import Any
 WEIGHTED = ("util", "sm_active", "sm_occupancy", "tensor_active", "dram_active")
 
 
-def _run_mean(run: dict[str, float], metric: str) -> float | None:
-    samples = run.get(f"{metric}_samples")
-    return run[f"{metric}_weighted"] / samples if samples else None
-
-
 class RunSummary:
-    """What each GPU did over the training epochs of a run, from the gathered epoch figures."""
+    """What each GPU did over the training epochs of a run, from the gathered epoch figures:
+    epoch means weighted by their samples, the peaks' maximum, the energy's sum."""
 
     def __init__(self) -> None:
         self._runs: dict[tuple[int, str], dict[str, float]] = {}
@@ -28,43 +24,43 @@ class RunSummary:
         for payload in everyone:
             for label, summary in payload.get("gpus", {}).items():
                 run = self._runs.setdefault((payload["node"], label), {})
-                samples = summary.get("samples", 0.0)
-                for metric in WEIGHTED:  # epoch means, weighted by their samples
-                    if f"{metric}_mean" in summary:
-                        weighted = run.get(f"{metric}_weighted", 0.0)
-                        run[f"{metric}_weighted"] = weighted + summary[f"{metric}_mean"] * samples
-                        run[f"{metric}_samples"] = run.get(f"{metric}_samples", 0.0) + samples
+                n = summary.get("samples", 0.0)
+                sums = {f"{m}_mean": (f"{m}_weighted", f"{m}_samples") for m in WEIGHTED}
+                sums["sample_ms"] = ("sample_ms_weighted", "")
+                for key, (weighted, samples) in sums.items():
+                    if key in summary:
+                        run[weighted] = run.get(weighted, 0.0) + summary[key] * n
+                        if samples:
+                            run[samples] = run.get(samples, 0.0) + n
                 for key in ("mem_used_gib_max", "torch_peak_alloc_gib"):
                     if key in summary:
                         run[key] = max(run.get(key, 0.0), summary[key])
                 if "energy_j" in summary:
                     run["energy_j"] = run.get("energy_j", 0.0) + summary["energy_j"]
-                if "sample_ms" in summary:
-                    run["sample_ms_weighted"] = (
-                        run.get("sample_ms_weighted", 0.0) + summary["sample_ms"] * samples
-                    )
-                run["samples"] = run.get("samples", 0.0) + samples
+                run["samples"] = run.get("samples", 0.0) + n
 
     def rows(self, identities: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """One row per GPU; ``identities`` are every rank's setup reports (names, UUIDs)."""
         names = {(p["node"], g["label"]): g for p in identities for g in p.get("gpus", [])}
         rows = []
         for (node, label), run in sorted(self._runs.items()):
-            ident = names.get((node, label), {})
-            samples = run["samples"]
+            ident, n = names.get((node, label), {}), run["samples"]
+            means = {}
+            for m in WEIGHTED:
+                samples = run.get(f"{m}_samples")
+                means[f"{m}_mean"] = run[f"{m}_weighted"] / samples if samples else None
+            cost = run.get("sample_ms_weighted")
             rows.append(
                 {
                     "gpu": f"node{node}/{label}",
                     "name": ident.get("name", "?"),
                     "uuid": ident.get("uuid", "?"),
-                    **{f"{metric}_mean": _run_mean(run, metric) for metric in WEIGHTED},
+                    **means,
                     "mem_used_gib_max": run.get("mem_used_gib_max"),
                     "torch_peak_alloc_gib": run.get("torch_peak_alloc_gib"),
                     "energy_j": run.get("energy_j"),
-                    "samples": int(samples),
-                    "sample_ms": run["sample_ms_weighted"] / samples
-                    if samples and "sample_ms_weighted" in run
-                    else None,
+                    "samples": int(n),
+                    "sample_ms": cost / n if n and cost is not None else None,
                 }
             )
         return rows

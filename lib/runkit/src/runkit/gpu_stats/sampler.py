@@ -1,20 +1,19 @@
 """Sampling GPUs for the statistics: which metrics each GPU supports, and a background thread.
 
 :class:`GpuReader` probes each metric group once and leaves out for good what the GPU does not
-support (never logged as 0). :class:`GpuSampler` reads a set of them every ``interval_s`` into
-per-phase accumulators; the training thread switches phases without any NVML call. The same
-class serves in the sampler process (:mod:`.process`) and as the in-process fallback.
-:class:`TorchPeakMemory` keeps PyTorch's own peak memory per phase.
+support (never logged as 0). :class:`GpuSampler` reads them every ``interval_s`` into per-phase
+accumulators; switching phases makes no NVML call. It runs in the sampler process
+(:mod:`.process`) and, as the fallback, in a thread of the training process.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -30,11 +29,7 @@ GIB = 1024**3
 TRAIN, VAL = "train", "val"
 
 # Clock event ("throttle") reason bits, from nvml.h (nvmlClocksEventReason*).
-_SW_POWER_CAP = 0x4
-_HW_SLOWDOWN = 0x8
-_SW_THERMAL = 0x20
-_HW_THERMAL = 0x40
-_HW_POWER_BRAKE = 0x80
+_SW_POWER_CAP, _HW_SLOWDOWN, _SW_THERMAL, _HW_THERMAL, _HW_POWER_BRAKE = 0x4, 0x8, 0x20, 0x40, 0x80
 THROTTLE_MASKS = {
     "throttle_power": _SW_POWER_CAP | _HW_POWER_BRAKE,
     "throttle_thermal": _SW_THERMAL | _HW_THERMAL,
@@ -42,15 +37,8 @@ THROTTLE_MASKS = {
     "throttle_any": _SW_POWER_CAP | _HW_POWER_BRAKE | _SW_THERMAL | _HW_THERMAL | _HW_SLOWDOWN,
 }
 DEFAULT_GROUPS = (
-    "utilization",
-    "memory",
-    "process_memory",
-    "temperature",
-    "power",
-    "clock",
-    "throttle",
-    "energy",
-    "gpm",
+    *("utilization", "memory", "process_memory", "temperature", "power"),
+    *("clock", "throttle", "energy", "gpm"),
 )
 OPTIONAL_GROUPS = ("fan", "pcie", "ecc", "memory_temperature")
 # At the probe, these also mean "leave the group out" rather than "this GPU is failing".
@@ -83,38 +71,30 @@ class GpuReader:
         self.nvml_index = nvml.optional(lib, self.device.index)
         self.pci_bus_id = nvml.optional(lib, self.device.pci_bus_id)
 
+    def _skip(self, group: str, why: str) -> None:
+        self.groups.remove(group)
+        self.unsupported[group] = why.replace("NVMLError_", "")
+
     def probe(self) -> None:
         """Read every group once; those the GPU refuses are dropped and listed in ``unsupported``.
-
-        NVMLError_GpuIsLost (and any other failure) propagates: the caller gives up on this GPU.
-        """
+        NVMLError_GpuIsLost (and any other failure) propagates: the caller gives up on this GPU."""
         if "power" in self.groups:
             self.power_limit_mw = nvml.optional(self.lib, self.device.power_limit_mw)
         if "gpm" in self.groups:
-            self._open_gpm()
-        for group in list(self.groups):
-            if group == "gpm":
-                continue
+            instance = self.device.gpu_instance_id() if self.is_mig else None
+            counters = GpmCounters(self.lib, self.device.board, self.label, instance)
             try:
-                getattr(self, f"_read_{group}")({})
+                counters.open()
+                self.gpm = counters
+            except GpmUnsupported as err:
+                self._skip("gpm", str(err))
+            except self._probe_skip_errors as err:  # refused at the first sample: never had it
+                self._skip("gpm", type(err).__name__)
+        for group in [g for g in self.groups if g != "gpm"]:
+            try:
+                self._values(group)
             except (*self._probe_skip_errors, AttributeError) as err:
-                self.groups.remove(group)
-                self.unsupported[group] = type(err).__name__.replace("NVMLError_", "")
-
-    def _open_gpm(self) -> None:
-        instance = self.device.gpu_instance_id() if self.is_mig else None
-        counters = GpmCounters(self.lib, self.device.board, self.label, instance)
-        try:
-            counters.open()
-        except GpmUnsupported as err:
-            self.groups.remove("gpm")
-            self.unsupported["gpm"] = str(err)
-            return
-        except self._probe_skip_errors as err:  # refused at the first sample: never had it
-            self.groups.remove("gpm")
-            self.unsupported["gpm"] = type(err).__name__.replace("NVMLError_", "")
-            return
-        self.gpm = counters
+                self._skip(group, type(err).__name__)
 
     def close(self) -> None:
         """Free what the reader holds in NVML (the GPM samples); safe to call again."""
@@ -127,67 +107,45 @@ class GpuReader:
         dropped = []
         for group in list(self.groups):
             try:
-                getattr(self, f"_read_{group}")(out)
+                out.update(self._values(group))
             except self._unsupported_errors as err:
-                self.groups.remove(group)
-                self.unsupported[group] = type(err).__name__.replace("NVMLError_", "")
+                self._skip(group, type(err).__name__)
                 dropped.append(group)
         return out, dropped
 
-    # One method per group; each writes its metrics into ``out``.
-    def _read_utilization(self, out: dict[str, float]) -> None:
-        gpu, memory = self.device.utilization()
-        out["util"] = float(gpu)
-        out["mem_util"] = float(memory)
-
-    def _read_memory(self, out: dict[str, float]) -> None:
-        total, used, _free = self.device.memory()
-        out["mem_used_gib"] = used / GIB
-        out["mem_total_gib"] = total / GIB
-
-    def _read_process_memory(self, out: dict[str, float]) -> None:
-        procs = self.device.compute_processes()
-        mine = [used for pid, used in procs if pid == self.pid and used is not None]
-        if mine:  # absent (not yet on the GPU, or another PID namespace): no sample, not a zero
-            out["proc_mem_gib"] = sum(mine) / GIB
-
-    def _read_temperature(self, out: dict[str, float]) -> None:
-        out["temp_c"] = float(self.device.temperature_c())
-
-    def _read_power(self, out: dict[str, float]) -> None:
-        milliwatts = self.device.power_mw()
-        out["power_w"] = milliwatts / 1000.0
-        if self.power_limit_mw:
-            out["power_ratio"] = milliwatts / self.power_limit_mw
-
-    def _read_clock(self, out: dict[str, float]) -> None:
-        out["sm_clock_mhz"] = self.device.sm_clock_mhz()
-
-    def _read_throttle(self, out: dict[str, float]) -> None:
-        reasons = self.device.clock_event_reasons()
-        for metric, mask in THROTTLE_MASKS.items():
-            out[metric] = 1.0 if reasons & mask else 0.0
-
-    def _read_energy(self, out: dict[str, float]) -> None:
-        out["_energy_mj"] = self.device.energy_mj()
-
-    def _read_fan(self, out: dict[str, float]) -> None:
-        out["fan_pct"] = self.device.fan_pct()
-
-    def _read_pcie(self, out: dict[str, float]) -> None:
-        sent, received = self.device.pcie_kbs()
-        out["pcie_tx_mbs"] = sent / 1024
-        out["pcie_rx_mbs"] = received / 1024
-
-    def _read_ecc(self, out: dict[str, float]) -> None:
-        out["ecc_uncorrected"] = self.device.ecc_uncorrected()
-
-    def _read_memory_temperature(self, out: dict[str, float]) -> None:
-        out["mem_temp_c"] = self.device.memory_temperature_c()
-
-    def _read_gpm(self, out: dict[str, float]) -> None:
-        if self.gpm is not None:
-            out.update(self.gpm.read())
+    def _values(self, group: str) -> dict[str, float]:
+        """One group's metrics, read now."""
+        d = self.device
+        if group == "utilization":
+            gpu, memory = d.utilization()
+            return {"util": float(gpu), "mem_util": float(memory)}
+        if group == "memory":
+            total, used, _free = d.memory()
+            return {"mem_used_gib": used / GIB, "mem_total_gib": total / GIB}
+        if group == "process_memory":  # absent (not on the GPU yet, another PID namespace): no 0
+            mine = [u for pid, u in d.compute_processes() if pid == self.pid and u is not None]
+            return {"proc_mem_gib": sum(mine) / GIB} if mine else {}
+        if group == "power":
+            mw = d.power_mw()
+            ratio = {"power_ratio": mw / self.power_limit_mw} if self.power_limit_mw else {}
+            return {"power_w": mw / 1000.0, **ratio}
+        if group == "throttle":
+            reasons = d.clock_event_reasons()
+            return {metric: float(bool(reasons & mask)) for metric, mask in THROTTLE_MASKS.items()}
+        if group == "pcie":
+            sent, received = d.pcie_kbs()
+            return {"pcie_tx_mbs": sent / 1024, "pcie_rx_mbs": received / 1024}
+        if group == "gpm":
+            return self.gpm.read() if self.gpm is not None else {}
+        key, read = {
+            "temperature": ("temp_c", d.temperature_c),
+            "clock": ("sm_clock_mhz", d.sm_clock_mhz),
+            "energy": ("_energy_mj", d.energy_mj),
+            "fan": ("fan_pct", d.fan_pct),
+            "ecc": ("ecc_uncorrected", d.ecc_uncorrected),
+            "memory_temperature": ("mem_temp_c", d.memory_temperature_c),
+        }[group]
+        return {key: float(read())}
 
     def identity(self) -> dict[str, Any]:
         return {
@@ -202,61 +160,22 @@ class GpuReader:
         }
 
 
-class Later:
-    """A phase's figures, handed over when they are ready.
-
-    Args:
-        result: gives them, waiting for them if need be.
-        ready: whether ``result`` would give them without a wait.
-    """
-
-    def __init__(
-        self,
-        result: Callable[[], dict[str, dict[str, float]]],
-        ready: Callable[[], bool] = lambda: True,
-    ) -> None:
-        self.result = result
-        self.ready = ready
-
-
 class GpuSampler:
-    """Samples a set of :class:`GpuReader` into per-phase accumulators, in a background thread.
+    """Samples :class:`GpuReader` s into per-phase accumulators, in a background thread.
 
-    The thread takes a first sample as soon as it starts (it primes the energy counter and the
-    GPM pairs), then one every ``interval_s``. NVML is read outside the lock that guards the
-    accumulators, so the training thread switching phases never waits for a sample.
-    ``set_phase(..., sample=True)`` and ``collect(..., sample=True)`` take a boundary sample on
-    the calling thread, which splits phases exactly (tests drive the sampler that way against a
-    fake clock); the callback passes ``sample=False`` and never makes an NVML call between steps.
-
-    Args:
-        readers: the GPUs to sample, each read by its own :class:`GpuReader`.
-        interval_s: seconds between background samples.
-        parallel: read the GPUs of one sample side by side, a thread each. The sampler process
-            does: a reading of 8 GPUs then takes about one GPU's time, and that reading is what
-            a phase end without a sample of its own (each validation, an epoch shorter than the
-            interval) waits for; NVML is thread-safe and each reader's state is its own. In the
-            training process those threads would take the GIL from training, so the thread
-            sampler reads one GPU after the other.
-        on_energy: called with a GPU's label and its energy total (J) each time a reading
-            moves it on (the sampler process publishes them to the training process).
+    The thread samples at once (priming the energy counter and the GPM pairs), then every
+    ``interval_s``. NVML is read outside the lock that guards the accumulators, so switching
+    phases never waits for a sample; a sample counts for the phase current as it starts.
     """
 
-    def __init__(
-        self,
-        readers: Sequence[GpuReader],
-        interval_s: float,
-        parallel: bool = False,
-        on_energy: Callable[[str, float], None] | None = None,
-    ) -> None:
+    def __init__(self, readers: Sequence[GpuReader], interval_s: float, parallel: bool = False):
         self.readers = list(readers)
         self.interval_s = interval_s
-        self._on_energy = on_energy
-        self._pool = (
-            concurrent.futures.ThreadPoolExecutor(len(self.readers), "gpu-stats-read")
-            if parallel and len(self.readers) > 1
-            else None
-        )
+        # parallel (the sampler process): a reading of 8 GPUs takes one GPU's time, which a
+        # phase's end without a reading of its own waits for; in the training process threads
+        # would take the GIL from training. NVML is thread-safe; each reader's state is its own.
+        many = parallel and len(self.readers) > 1
+        self._pool = ThreadPoolExecutor(len(self.readers), "gpu-stats-read") if many else None
         self.phase: str | None = None
         self._acc: dict[str, dict[str, GpuAccumulator]] = {}
         self._last_energy: dict[str, float] = {}
@@ -264,26 +183,22 @@ class GpuSampler:
         self._lock = threading.Lock()  # the accumulators and the phase
         self._reading = threading.Lock()  # one sample at a time (the GPM pairs are stateful)
         self._stop = threading.Event()
-        self._wake = threading.Event()  # the thread's next sample now (stop, or wake())
         self._thread: threading.Thread | None = None
 
     @property
     def alive(self) -> list[GpuReader]:
         return [r for r in self.readers if r.dead is None]
 
-    def start(self, first_sample: bool = True) -> None:
-        """Start the thread; without ``first_sample`` its first sample is one interval away (the
-        caller took one already)."""
+    def start(self) -> None:
+        """Take the first sample here, then sample every ``interval_s`` in the thread."""
         if self._thread is None and self.alive:
-            self._thread = threading.Thread(
-                target=self._run, args=(first_sample,), name="gpu-stats-sampler", daemon=True
-            )
+            self.sample_now()
+            self._thread = threading.Thread(target=self._run, name="gpu-stats", daemon=True)
             self._thread.start()
 
     def stop(self) -> None:
         """Stop the thread and free what the readers hold in NVML (before NVML shuts down)."""
         self._stop.set()
-        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=self.interval_s + 10.0)
             self._thread = None
@@ -293,28 +208,12 @@ class GpuSampler:
             for reader in self.readers:
                 reader.close()
 
-    def _run(self, first_sample: bool = True) -> None:
-        if first_sample:
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s) and self.alive:
             self.sample_now()
-        due = time.monotonic() + self.interval_s
-        while True:
-            woken = self._wake.wait(max(0.0, due - time.monotonic()))
-            self._wake.clear()
-            if self._stop.is_set() or not self.alive:
-                return
-            self.sample_now()
-            if not woken:
-                due = time.monotonic() + self.interval_s
-
-    def wake(self) -> None:
-        """Have the background thread take one sample now, besides those of its interval (the
-        sampler process does this as a validation or a training epoch starts, without holding
-        up its answers to the training process)."""
-        self._wake.set()
 
     def sample_now(self) -> None:
-        """Read every live GPU once; the values count for the phase current as the reading
-        starts (a phase that ends while its reading runs still gets it)."""
+        """Read every live GPU once, for the phase current as the reading starts."""
         with self._reading:
             with self._lock:
                 phase = self.phase
@@ -325,10 +224,8 @@ class GpuSampler:
         if self._stop.is_set() and self._thread is None:
             return  # stopped: the readers are closed
         alive = self.alive
-        if self._pool is not None:
-            readings = list(zip(alive, self._pool.map(self._read, alive), strict=True))
-        else:
-            readings = [(reader, self._read(reader)) for reader in alive]
+        read = self._pool.map(self._read, alive) if self._pool else map(self._read, alive)
+        readings = list(zip(alive, read, strict=True))
         with self._lock:
             for reader, reading in readings:
                 if reading is not None:
@@ -342,9 +239,7 @@ class GpuSampler:
             reader.dead = f"{type(err).__name__}: {err}"
             log.warning(
                 "gpu_stats: stopped sampling %s (%s): %s; training continues",
-                reader.label,
-                reader.name,
-                reader.dead,
+                *(reader.label, reader.name, reader.dead),
             )
             return None
         if dropped:
@@ -354,71 +249,52 @@ class GpuSampler:
         return values, time.perf_counter() - start
 
     def _add(
-        self, reader: GpuReader, phase: str | None, values: dict[str, float], seconds: float
+        self, reader: GpuReader, phase: str | None, values: dict[str, float], s: float
     ) -> None:
         energy = values.pop("_energy_mj", None)
-        acc = self._acc.get(phase) if phase is not None else None
+        acc = self._acc[phase].setdefault(reader.label, GpuAccumulator()) if phase else None
         if energy is not None:
             previous = self._last_energy.get(reader.label)
             self._last_energy[reader.label] = energy
             if previous is not None:
-                delta = energy - previous
-                total = self._energy_total_mj.get(reader.label, 0.0) + delta
-                self._energy_total_mj[reader.label] = total
-                if self._on_energy is not None:
-                    self._on_energy(reader.label, total / 1000.0)
+                total = self._energy_total_mj.get(reader.label, 0.0)
+                self._energy_total_mj[reader.label] = total + energy - previous
                 if acc is not None:
-                    acc.setdefault(reader.label, GpuAccumulator()).add_energy(delta)
+                    acc.add_energy(energy - previous)
         if acc is not None:
-            acc.setdefault(reader.label, GpuAccumulator()).add(values, seconds)
+            acc.add(values, s)
 
-    def set_phase(self, phase: str | None, *, reset: bool = True, sample: bool = True) -> None:
-        """Send later samples to ``phase``; with ``sample``, first close the current one with a
-        sample taken here."""
-        if sample:
-            self.sample_now()
+    def set_phase(self, phase: str | None, reset: bool = True) -> None:
+        """Send later samples to ``phase`` (``reset``: from an empty one)."""
         with self._lock:
             self.phase = phase
             if phase is not None and (reset or phase not in self._acc):
                 self._acc[phase] = {}
 
-    def sample_soon(self) -> None:
-        """Nothing here: a sample on another thread of the training process would take the GIL
-        from training; a phase end without a sample takes one (:meth:`summaries`). The sampler
-        process samples at once (:meth:`ProcessSampler.sample_soon`)."""
-
-    def has_samples(self, phase: str) -> bool:
-        """Whether ``phase`` holds at least one sample of every live GPU."""
+    def _missing(self, phase: str) -> bool:
         with self._lock:
-            held = self._acc.get(phase, {})
-            return all(r.label in held and held[r.label].samples for r in self.alive)
-
-    def collect(self, phase: str, *, sample: bool = True) -> dict[str, dict[str, float]]:
-        """``{label: summary}`` of ``phase`` so far (after one closing sample if it is current)."""
-        if sample and self.phase == phase:
-            self.sample_now()
-        with self._lock:
-            return {label: acc.summary() for label, acc in self._acc.get(phase, {}).items()}
+            held = self._acc.setdefault(phase, {})
+            return any(not (r.label in held and held[r.label].samples) for r in self.alive)
 
     def summaries(self, phase: str) -> dict[str, dict[str, float]]:
-        """``phase``'s figures so far, after one sample if it has none yet (a phase shorter than
-        the interval): a reading under way, which may be the phase's own, ends first."""
-        if not self.has_samples(phase):
+        """``{label: figures}`` of ``phase`` so far, after one sample of it if a live GPU has
+        none yet (a phase shorter than the interval): a reading under way, maybe the phase's
+        own, ends first."""
+        if self._missing(phase):
             with self._reading:
-                if not self.has_samples(phase):
+                if self._missing(phase):
                     self._sample(phase)
-        return self.collect(phase, sample=False)
-
-    def summaries_later(self, phase: str) -> Later:
-        """:meth:`summaries` of ``phase`` now, ready at once (the interface of
-        :meth:`ProcessSampler.summaries_later`, which defers the work)."""
-        figures = self.summaries(phase)
-        return Later(lambda: figures)
+        with self._lock:
+            return {label: acc.summary() for label, acc in self._acc[phase].items()}
 
     def energy_totals_j(self) -> dict[str, float]:
         """Each GPU's energy since the first sample, whatever the phase, in joules."""
         with self._lock:
             return {label: mj / 1000.0 for label, mj in self._energy_total_mj.items()}
+
+    def report(self, phase: str | None) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+        """:meth:`summaries` of ``phase`` (none without one) and :meth:`energy_totals_j`."""
+        return (self.summaries(phase) if phase else {}), self.energy_totals_j()
 
 
 class TorchPeakMemory:
