@@ -120,6 +120,7 @@ def test_ddp_gathers_every_rank_gpu(tmp_path: Path) -> None:
     # each validation's figures, every rank's, reach rank 0 with the epoch's exchange
     assert column(rows, "gpu_val/node0/cuda1/util_mean") == [80, 80]
     assert column(rows, "gpu_val/all/util_mean_mean") == [55, 55]
+    assert "self.log('gpu" not in output  # every rank logs the same value: no advice to sync
     for rank in (0, 1):
         assert f"RANK {rank} DONE balanced=True inits=1" in output, output
         # every rank's monitors saw the GPU keys, without any all-reduce; 2 epochs x 4 batches

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import math
+import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from typing import Any
@@ -233,6 +235,9 @@ class GpuStatsMonitor(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        # Every rank logs the same monitored values: Lightning's advice to sync them is wrong here.
+        keys = rf"(?:{re.escape(self.key_prefix)}(?:_val)?|loop)/"
+        warnings.filterwarnings("ignore", rf"It is recommended to use `self.log\('{keys}")
         self._close()
         self._reset_state()
         try:
