@@ -76,7 +76,7 @@ def hydra_entry(
 def _main(task: Callable[[Any], Any], config_name: str, config_dir: Path) -> None:
     import hydra
 
-    from runkit.run.launch import register_resolvers
+    from runkit.run.launch import destroy_process_group, register_resolvers
     from runkit.run.sweep import follow_sweep_parent
     from runkit.safety.signals import stop_on_signal
 
@@ -104,6 +104,7 @@ def _main(task: Callable[[Any], Any], config_name: str, config_dir: Path) -> Non
                 print(("---\n" if number else "") + f"# job #{number}: {' '.join(values)}")
                 sys.argv = [sys.argv[0], *argv]
                 app(job)()
+            destroy_process_group()
     except ReportedJobError as err:  # a sweep job's one line is printed already
         raise SystemExit(err.exit_code) from None
     except Exception as err:

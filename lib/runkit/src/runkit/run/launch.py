@@ -165,6 +165,16 @@ def _set_run_dir(hydra_cfg: Any, value: str | None) -> None:
         hydra_cfg.run.dir = value
 
 
+def destroy_process_group() -> None:
+    """Once a process's work is done, as torch asks: a gloo group left to the interpreter's exit
+    may abort the process ("terminate called without an active exception")."""
+    if "torch" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def _finish_children(launchers: list[Any]) -> None:
     """The process group goes first (a child blocked in a collective then fails), then each
     child gets a grace period before it is killed."""
@@ -172,11 +182,7 @@ def _finish_children(launchers: list[Any]) -> None:
     for launcher in launchers:
         procs += launcher.procs
         launcher.procs.clear()  # Lightning's watchdog would kill the sweep on a child's exit
-    if "torch" in sys.modules:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+    destroy_process_group()
     for proc in procs:
         try:
             code = proc.wait(timeout=CHILD_GRACE_S)
