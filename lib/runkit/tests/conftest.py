@@ -190,31 +190,28 @@ def compose_train(*overrides: str, name: str = "train") -> Any:
     return cfg
 
 
-@pytest.fixture
-def stand_in_trainer() -> Callable[..., Any]:
-    """``stand_in_trainer("cuda", "cuda", local_rank=1)``: what callbacks, strategies and data
-    modules read of a Trainer (its strategy's devices, the ranks), without building one."""
+def stand_in(
+    *devices: Any, world_size: int = 1, num_nodes: int = 1, local_rank: int = 0, node_rank: int = 0
+) -> Any:
+    """``stand_in("cuda", "cuda", local_rank=1)``: what callbacks, strategies and data modules
+    read of a Trainer (its strategy's devices, the ranks), without building one."""
     from types import SimpleNamespace
 
     import torch
 
-    def make(
-        *devices: Any,
-        world_size: int = 1,
-        num_nodes: int = 1,
-        local_rank: int = 0,
-        node_rank: int = 0,
-    ) -> SimpleNamespace:
-        parallel = [torch.device(d) for d in devices or ("cpu",)]
-        return SimpleNamespace(
-            strategy=SimpleNamespace(parallel_devices=parallel, root_device=parallel[local_rank]),
-            world_size=world_size,
-            num_nodes=num_nodes,
-            local_rank=local_rank,
-            node_rank=node_rank,
-            global_rank=node_rank * len(parallel) + local_rank,
-            is_global_zero=node_rank == 0 and local_rank == 0,
-            sanity_checking=False,
-        )
+    parallel = [torch.device(d) for d in devices or ("cpu",)]
+    return SimpleNamespace(
+        strategy=SimpleNamespace(parallel_devices=parallel, root_device=parallel[local_rank]),
+        world_size=world_size,
+        num_nodes=num_nodes,
+        local_rank=local_rank,
+        node_rank=node_rank,
+        global_rank=node_rank * len(parallel) + local_rank,
+        is_global_zero=node_rank == 0 and local_rank == 0,
+        sanity_checking=False,
+    )
 
-    return make
+
+@pytest.fixture
+def stand_in_trainer() -> Callable[..., Any]:
+    return stand_in

@@ -25,6 +25,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
+from conftest import stand_in
 from runkit.gpu_stats import callback as gpu_callback
 from runkit.gpu_stats.callback import GpuStatsMonitor, cuda_device_uuid, process_devices
 from runkit.gpu_stats.exchange import RankExchange
@@ -112,7 +113,7 @@ def test_callback_setup_resolves_cuda_devices_by_uuid(monkeypatch, use_fake, cap
     monkeypatch.setattr(
         torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=uuids[i])
     )
-    trainer = fake_trainer(parallel_devices=[torch.device("cuda", 0), torch.device("cuda", 1)])
+    trainer = stand_in("cuda:0", "cuda:1")
     monitor = GpuStatsMonitor()
     with caplog.at_level(logging.INFO, logger=LOGGER):
         monitor.setup(trainer, None, "fit")
@@ -131,26 +132,12 @@ def test_callback_setup_resolves_cuda_devices_by_uuid(monkeypatch, use_fake, cap
     assert fake.balanced and not fake.initialised
 
 
-def fake_trainer(parallel_devices, world_size=1, num_nodes=1, local_rank=0, node_rank=0) -> Any:
-    root = parallel_devices[local_rank]
-    return SimpleNamespace(
-        strategy=SimpleNamespace(parallel_devices=parallel_devices, root_device=root),
-        world_size=world_size,
-        num_nodes=num_nodes,
-        local_rank=local_rank,
-        node_rank=node_rank,
-        global_rank=node_rank * len(parallel_devices) + local_rank,
-        is_global_zero=node_rank == 0 and local_rank == 0,
-        sanity_checking=False,
-    )
-
-
 def test_process_devices_one_process_many_gpus_vs_one_per_rank() -> None:
     cuda = [torch.device("cuda", i) for i in range(2)]
     # one process drives both (DataParallel-like): both are sampled here
-    assert [p for p, _ in process_devices(fake_trainer(cuda))] == [0, 1]
+    assert [p for p, _ in process_devices(stand_in(*cuda))] == [0, 1]
     # DDP: rank 1 drives parallel_devices[1] only
-    ddp = fake_trainer(cuda, world_size=2, local_rank=1)
+    ddp = stand_in(*cuda, world_size=2, local_rank=1)
     assert process_devices(ddp) == [(1, torch.device("cuda", 1))]
     single = SimpleNamespace(
         strategy=SimpleNamespace(root_device=torch.device("cpu")),
@@ -355,7 +342,7 @@ def test_device_uuids_is_not_in_the_users_yaml_but_an_override_still_reaches_it(
 
 def test_too_few_device_uuids_is_a_clear_error(use_fake) -> None:
     fake = use_fake(FakeNvml(1))
-    trainer = fake_trainer([torch.device("cpu"), torch.device("cpu")], world_size=2, local_rank=1)
+    trainer = stand_in("cpu", "cpu", world_size=2, local_rank=1)
     with pytest.raises(ValueError, match=r"device_uuids has 1 entries .*parallel_devices\[1\]"):
         GpuStatsMonitor(device_uuids=[fake.gpus[0].uuid]).setup(trainer, None, "fit")
     assert fake.balanced
@@ -363,7 +350,7 @@ def test_too_few_device_uuids_is_a_clear_error(use_fake) -> None:
 
 def test_nvml_init_failure_is_one_line_and_nothing_else(use_fake, caplog) -> None:
     fake = use_fake(FakeNvml(1, init_error="driver_not_loaded"))
-    trainer = fake_trainer([torch.device("cpu")])
+    trainer = stand_in("cpu")
     monitor = GpuStatsMonitor(device_uuids=[fake.gpus[0].uuid])
     with caplog.at_level(logging.INFO, logger=LOGGER):
         monitor.setup(trainer, None, "fit")
