@@ -378,25 +378,14 @@ def test_a_target_is_judged_by_what_it_resolves_to(probe_package: str) -> None:
     check_trusted(
         {"_target_": f"{probe_package}.layers.make"}, [f"{probe_package}.layers"], "given"
     )
-    info = raised(
-        RunError,
-        lambda: check_trusted(
-            {"_target_": f"{probe_package}.layers"}, [f"{probe_package}."], "given"
-        ),
-    )
-    assert str(info.value).startswith(
-        f"'given' asks to instantiate _target_='{probe_package}.layers' (which is module), "
-        "which is not under the trusted targets"
-    )
-    info = raised(
-        RunError,
-        lambda: check_trusted(
-            {"_target_": f"{probe_package}.layers.LIMIT"}, [f"{probe_package}."], "given"
-        ),
-    )
-    assert str(info.value).startswith(
-        f"'given' asks to instantiate _target_='{probe_package}.layers.LIMIT' (which is int), "
-    )
+    for name, kind, rest in (("layers", "module", "which is not under the trusted targets"),
+                             ("layers.LIMIT", "int", "")):  # fmt: skip
+        target = f"{probe_package}.{name}"
+        config = {"_target_": target}
+        info = raised(RunError, lambda c=config: check_trusted(c, [f"{probe_package}."], "given"))
+        assert str(info.value).startswith(
+            f"'given' asks to instantiate _target_='{target}' (which is {kind}), {rest}"
+        )
     info = raised(
         RunError,
         lambda: check_trusted(
