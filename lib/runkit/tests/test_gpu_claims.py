@@ -581,23 +581,21 @@ def result(proc: subprocess.Popen[str]) -> dict:
 
 
 @pytest.mark.slow
-def test_two_launches_at_once_take_different_gpus(tmp_path):
-    procs = [launch(tmp_path, 1, hold_s=1.0) for _ in range(2)]
-    time.sleep(3)  # both imported and polling for the start signal
-    (tmp_path / "go").touch()
-    first, second = (result(p) for p in procs)
-    assert sorted(first["gpus"] + second["gpus"]) == [0, 1]
-
-
-@pytest.mark.slow
-def test_the_second_launch_waits_until_the_first_lets_go_even_by_dying(tmp_path):
-    holder = launch(tmp_path, 2, hold_s=600)  # takes both GPUs, then hangs
-    (tmp_path / "go").touch()
-    assert json.loads(holder.stdout.readline())["gpus"] == [0, 1]
-    waiter = launch(tmp_path, 1, hold_s=0)
-    time.sleep(4)
-    assert waiter.poll() is None  # still waiting
-    holder.send_signal(signal.SIGKILL)  # no clean-up at all: the kernel drops its locks
-    holder.communicate(timeout=60)
-    got = result(waiter)
-    assert got["gpus"] == [0] and got["waited"] >= 1.0
+def test_two_launches_at_once_take_different_gpus_and_a_third_waits_until_one_dies(tmp_path):
+    holders = [launch(tmp_path, 1, hold_s=600) for _ in range(2)]  # each takes a GPU, then hangs
+    try:
+        time.sleep(3)  # both imported and polling for the start signal
+        (tmp_path / "go").touch()
+        got = [json.loads(p.stdout.readline())["gpus"] for p in holders]
+        assert sorted(got[0] + got[1]) == [0, 1]
+        waiter = launch(tmp_path, 1, hold_s=0)
+        time.sleep(4)
+        assert waiter.poll() is None  # still waiting
+        holders[0].send_signal(signal.SIGKILL)  # no clean-up at all: the kernel drops its locks
+        holders[0].communicate(timeout=60)
+        waited = result(waiter)
+        assert waited["gpus"] == got[0] and waited["waited"] >= 1.0
+    finally:
+        for proc in holders:
+            proc.kill()
+            proc.communicate(timeout=60)

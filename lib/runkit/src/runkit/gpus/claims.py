@@ -1,11 +1,10 @@
 """``select_gpus=least_used`` on a shared machine: measure, wait for and claim GPUs.
 
-A choice made from one reading lets two launches take the same GPU. So a run measures every
-visible GPU over a window, qualifies those under the thresholds that no other run claimed, and
-claims the best with a non-blocking ``flock`` on ``<lock dir>/<UUID>.lock``, held for the run (the
-kernel drops it however the process ends; lock files are never deleted, which would race with
-the next holder). nvitop's ``select_devices`` neither waits nor claims.
-"""
+A choice from one reading lets two launches take the same GPU. So a run measures every visible GPU
+over a window, qualifies those under the thresholds that no other run claimed, and claims the best
+with a non-blocking ``flock`` on ``<lock dir>/<UUID>.lock`` held for the run (the kernel drops it
+however the process ends; lock files are never deleted, which would race with the next holder).
+nvitop's ``select_devices`` neither waits nor claims."""
 
 from __future__ import annotations
 
@@ -107,27 +106,21 @@ def measure_loads(gpus: Sequence[Gpu], window_s: float) -> list[Load]:
         seen: list[list[list[int]]] = [[[], []] for _ in gpus]  # free, utilisation
         errors = [[r, r] if isinstance(r, str) else [None, None] for r in readers]
         for k in range(samples):
-            if k:
-                time.sleep(window_s / (samples - 1))
+            time.sleep(window_s / (samples - 1) if k else 0)
             for reader, got, error in zip(readers, seen, errors, strict=True):
-                for j, (query, field) in enumerate(
-                    () if isinstance(reader, str) else ((reader.memory, 2), (reader.utilization, 0))
-                ):
+                queries = [] if isinstance(reader, str) else [reader.memory, reader.utilization]
+                for j, query in enumerate(queries):
                     try:
-                        got[j].append(query()[field])
+                        got[j].append(query()[2 - 2 * j])  # free memory, GPU utilisation
                     except unsupported:
                         pass
                     except lib.NVMLError as err:
                         error[j] = str(err)
     return [
-        Load(
-            min(free) // 2**20 if free and mem_err is None else None,
-            sum(util) / len(util) if util and util_err is None else None,
-            mem_err,
-            util_err,
-        )
+        Load(min(free) // 2**20 if free and mem_err is None else None,
+             sum(util) / len(util) if util and util_err is None else None, mem_err, util_err)
         for (free, util), (mem_err, util_err) in zip(seen, errors, strict=True)
-    ]
+    ]  # fmt: skip
 
 
 def rank_by_load(gpus: Sequence[Gpu]) -> list[int]:
@@ -149,7 +142,7 @@ def judge(load: Load, policy: SelectionPolicy) -> str | None:
     free, util = load.free_mib, load.util_percent
     if policy.min_free_gib > 0 and free is None:
         return "free memory not reported, so gpu_min_free_gib cannot be checked"
-    if policy.min_free_gib > 0 and free is not None and free < policy.min_free_gib * 1024:
+    if free is not None and free < policy.min_free_gib * 1024:
         return f"{free / 1024:.1f} GiB free < gpu_min_free_gib={policy.min_free_gib:g}"
     if util is not None and util > policy.max_util_percent:
         return (
@@ -228,13 +221,12 @@ def release_claims() -> None:
 
 
 def claimed_uuids() -> tuple[str, ...]:
-    """The UUIDs of the GPUs this process holds claimed."""
     return tuple(_held)
 
 
 def finish_job() -> None:
-    """End of a job (the Hydra entry point calls it after each): give back its GPUs and forget its
-    NVML reading, so that the next job of a sweep measures and claims anew."""
+    """After each job (the Hydra entry point): give back its GPUs and forget its NVML reading, so
+    that the next job of a sweep measures and claims anew."""
     release_claims()
     forget_readings()
 
@@ -249,13 +241,10 @@ def _attempt(
         loads = [Load(memory_error=str(err))] * len(candidates)
     reasons: list[str | None] = [judge(load, policy) for load in loads]
     measured = [
-        replace(
-            g,
-            memory_free_mib=load.free_mib,
-            utilization_percent=None if load.util_percent is None else round(load.util_percent),
-        )
+        replace(g, memory_free_mib=load.free_mib,
+                utilization_percent=None if load.util_percent is None else round(load.util_percent))
         for g, load in zip(candidates, loads, strict=True)
-    ]
+    ]  # fmt: skip
     got: dict[int, int] = {}
     for i in rank_by_load(measured):
         if reasons[i] is None and len(got) < count:

@@ -1,12 +1,11 @@
 """The GPUs of this machine and which ``cuda:N`` each one is, from this process's point of view.
 
-NVML is read at the detail the caller needs (``identity`` to number ``cuda:N``, ``load`` for
-``least_used``, ``full`` for the listing), once per job for device resolution
-(:func:`cached_inventory`). torch is imported inside functions so the listing starts quickly.
-"""
+NVML is read at the detail the caller needs (``identity``, ``load`` for ``least_used``, ``full``
+for the listing), once per job for device resolution (:func:`cached_inventory`)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -46,13 +45,12 @@ def probe_torch(*, uuids: bool = True) -> TorchCuda:
 
 
 def _mib(value: Any) -> int | None:
-    return None if value is None else int(value) // (1024 * 1024)
+    return None if value is None else int(value) // 2**20
 
 
 def _read_gpu(reader: DeviceReader, detail: str, **where: Any) -> Gpu:
     """One device at ``detail``; what NVML will not say stays ``None``."""
-    lib = reader.lib
-    get = lambda query, *args: nvml.optional(lib, query, *args)  # noqa: E731
+    get = functools.partial(nvml.optional, reader.lib)
     figures: dict[str, Any] = {}
     if detail != IDENTITY:
         total, used, free = get(reader.memory) or (None, None, None)
@@ -66,11 +64,9 @@ def _read_gpu(reader: DeviceReader, detail: str, **where: Any) -> Gpu:
             figures["temperature_c"] = get(reader.temperature_c)
         seen: dict[int, GpuProcess] = {}
         for kind in ("Compute", "Graphics"):
-            for pid, used_bytes in get(reader.compute_processes, kind) or ():
-                name = get("nvmlSystemGetProcessName", pid)
-                seen.setdefault(
-                    pid, GpuProcess(pid, _mib(used_bytes), (name and nvml.as_text(name)) or None)
-                )
+            for pid, used in get(reader.compute_processes, kind) or ():
+                name = nvml.as_text(get("nvmlSystemGetProcessName", pid) or "") or None
+                seen.setdefault(pid, GpuProcess(pid, _mib(used), name))
         figures["processes"] = tuple(seen.values())
     name = get(reader.name) or "unknown GPU"
     return Gpu(get(reader.uuid) or "", name, pci_bus_id=get(reader.pci_bus_id), **figures, **where)
@@ -113,13 +109,10 @@ def _torch_devices(
     visible, notes = [], []
     for i in range(torch_info.device_count):
         uuid = uuids[i] if i < len(uuids) else ""
-        gpu = by_uuid.get(nvml.bare_uuid(uuid))
-        if gpu is None:
-            if physical is not None:
-                notes.append(f"cuda:{i} ({uuid}) is not in NVML's list; shown without metrics.")
-            name = "unknown GPU" if physical is not None else f"cuda:{i}"
-            gpu = Gpu(uuid, names[i] if i < len(names) else name)
-        visible.append(gpu)
+        if (gpu := by_uuid.get(nvml.bare_uuid(uuid))) is None and physical is not None:
+            notes.append(f"cuda:{i} ({uuid}) is not in NVML's list; shown without metrics.")
+        name = "unknown GPU" if physical is not None else f"cuda:{i}"
+        visible.append(gpu or Gpu(uuid, names[i] if i < len(names) else name))
     return visible, notes
 
 
@@ -201,11 +194,9 @@ def cached_inventory(detail: str = IDENTITY) -> Inventory:
         lib = nvml.load_library()
     except nvml.NvmlUnavailable:
         lib = None
-    if (
-        _last is None
-        or _last[0] is not lib
-        or not (isinstance(_last[2], str) or DETAILS.index(_last[1]) >= DETAILS.index(detail))
-    ):
+    old = _last
+    if (old is None or old[0] is not lib or (not isinstance(old[2], str)
+            and DETAILS.index(old[1]) < DETAILS.index(detail))):  # fmt: skip
         _last = (lib, detail, _reading(detail))
     return _inventory(_last[2], probe_torch(uuids=False), None)
 

@@ -6,6 +6,7 @@ choice to the DDP ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -230,20 +231,13 @@ def _rank0_plan(
 
 def _parse_record(text: str) -> dict[str, Any]:
     """Rank 0's record from :data:`SELECTION_ENV`; a :class:`DeviceError` if it is not one."""
-    try:
+    with contextlib.suppress(ValueError, TypeError, KeyError):
         record = json.loads(text)
-    except ValueError:
-        record = None
-    gpus = record.get("gpus") if isinstance(record, dict) else None
-    if (
-        isinstance(gpus, list)
-        and isinstance(record.get("pid"), int)
-        and isinstance(record.get("request"), str)
-        and gpus
-        and len(set(gpus)) == len(gpus)
-        and all(type(i) is int and i >= 0 for i in gpus)
-    ):
-        return record
+        gpus = record["gpus"]
+        if (type(record["pid"]), type(record["request"]), type(gpus)) == (int, str, list) and (
+            gpus and len(set(gpus)) == len(gpus) and all(type(i) is int and i >= 0 for i in gpus)
+        ):
+            return record
     raise DeviceError(
         f"{SELECTION_ENV}={text!r} is not a GPU choice written by this template; unset it"
     )
