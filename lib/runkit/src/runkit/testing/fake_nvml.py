@@ -1,11 +1,7 @@
-"""A scriptable stand-in for ``pynvml``, so every GPU path is tested on a CPU.
-
-Why a fake and not mocks: :class:`FakeNvml` has pynvml's function names and constants and raises
-pynvml's own error classes, so the code under test runs unchanged behind
-:func:`runkit.gpus.nvml.use_library` or, in a subprocess,
-``RUNKIT_NVML_BACKEND=runkit.testing.fake_nvml:create`` with a JSON scenario in
-``RUNKIT_FAKE_NVML``. The scenario schema is lib/runkit/docs/fake-nvml.md.
-"""
+"""A scriptable stand-in for ``pynvml`` (its names, constants and own error classes), so the code
+under test runs unchanged on a CPU: behind :func:`runkit.gpus.nvml.use_library`, or in a subprocess
+with ``RUNKIT_NVML_BACKEND=runkit.testing.fake_nvml:create`` and a JSON scenario in
+``RUNKIT_FAKE_NVML`` (schema: lib/runkit/docs/fake-nvml.md)."""
 
 from __future__ import annotations
 
@@ -332,14 +328,6 @@ class FakeNvml:
                     child.gpu_instance_id = j + 1
                 self._by_uuid[child.uuid] = FakeHandle(child, j, parent=h)
 
-    @classmethod
-    def from_dict(cls, spec: Any, clock: Callable[[], float] | None = None) -> FakeNvml:
-        """A fake from a JSON scenario (schema: the fake NVML page)."""
-        try:
-            return cls(**spec, clock=clock)
-        except (TypeError, AttributeError, KeyError) as err:  # an unknown key, a wrong type
-            raise ValueError(f"fake NVML scenario {spec!r} is invalid ({err})") from None
-
     @property
     def balanced(self) -> bool:
         """Every successful nvmlInit was matched by an nvmlShutdown."""
@@ -359,11 +347,6 @@ class FakeNvml:
 
     def total_calls(self) -> int:
         return sum(self.calls.values())
-
-    def reset_counters(self) -> None:
-        with self._lock:
-            self.calls.clear()
-            self._thread_calls.clear()
 
     def value(self, script: Script) -> Any:
         return evaluate(script, self.clock())
@@ -529,9 +512,10 @@ def preset() -> FakeNvml:
     )  # fmt: skip
 
 
-def load_scenario(text: str) -> FakeNvml:
-    """A fake from inline JSON, a path to a JSON file, or (empty) the preset."""
-    if not (text := text.strip()):
+def create(text: str | None = None) -> FakeNvml:
+    """A fake from inline JSON, a JSON file's path or (empty) the preset; by default
+    ``$RUNKIT_FAKE_NVML``: ``RUNKIT_NVML_BACKEND=runkit.testing.fake_nvml:create``."""
+    if not (text := (os.environ.get(SCENARIO_ENV, "") if text is None else text).strip()):
         return preset()
     if not text.startswith("{"):
         path = Path(text)
@@ -545,11 +529,9 @@ def load_scenario(text: str) -> FakeNvml:
         except (OSError, UnicodeDecodeError) as err:
             raise ValueError(f"{SCENARIO_ENV}={str(path)!r} cannot be read ({err})") from err
     try:
-        return FakeNvml.from_dict(json.loads(text))
+        spec = json.loads(text)
+        return FakeNvml(**spec)
     except json.JSONDecodeError as err:
         raise ValueError(f"{SCENARIO_ENV}: invalid JSON ({err})") from err
-
-
-def create() -> FakeNvml:
-    """Factory for ``RUNKIT_NVML_BACKEND=runkit.testing.fake_nvml:create``."""
-    return load_scenario(os.environ.get(SCENARIO_ENV, ""))
+    except (TypeError, AttributeError, KeyError) as err:  # an unknown key, a wrong type
+        raise ValueError(f"fake NVML scenario {spec!r} is invalid ({err})") from None
