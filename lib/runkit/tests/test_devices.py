@@ -499,16 +499,9 @@ def test_no_gpu_reason_names_the_cause(inv, reason):
     assert inv.summary() == f"No usable GPU: {reason}; training will use the CPU."
 
 
-def test_summary_counts_gpus_in_words(use_fake):
+def test_summary_counts_gpus_in_words():  # without NVML: test_devices_cli's no-usable-GPU line
     assert machine(1).summary() == "1 CUDA GPU visible; training can use cuda:0..cuda:0."
     assert machine(3).summary() == "3 CUDA GPUs visible; training can use cuda:0..cuda:2."
-    use_fake(FakeNvml(2, init_error="library_not_found"))
-    inv = collect_inventory(torch_info=TorchCuda(), env={"CUDA_VISIBLE_DEVICES": "3"})
-    assert not inv.nvml_available and inv.visible == () and inv.cuda_visible_devices == "3"
-    assert inv.summary() == (
-        "No usable GPU: NVML is not available (NVML Shared Library Not Found); "
-        "training will use the CPU."
-    )
 
 
 def test_probe_torch_counts_without_initialising_cuda_unless_asked_for_uuids(monkeypatch, use_fake):
@@ -634,7 +627,6 @@ def visible(n: int) -> str:
     ("accelerator", "devices", "inv", "message"),
     [
         ("gpu", 4, machine(2), f"devices=4 asks for 4 GPUs, but {visible(2)} (cuda:0 H100, cuda:1 H100)"),
-        ("gpu", 3, machine(2), f"devices=3 asks for 3 GPUs, but {visible(2)} (cuda:0 H100, cuda:1 H100)"),
         ("gpu", 2, machine(1), f"devices=2 asks for 2 GPUs, but {visible(1)} (cuda:0 H100)"),
         ("Cuda", 5, machine(4), f"devices=5 asks for 5 GPUs, but {visible(4)} (cuda:0 H100, cuda:1 H100, cuda:2 H100, cuda:3 H100)"),
         ("gpu", 6, machine(5), f"devices=6 asks for 6 GPUs, but {visible(5)} (cuda:0..cuda:4)"),
