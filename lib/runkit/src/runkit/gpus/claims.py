@@ -106,7 +106,8 @@ def measure_loads(gpus: Sequence[Gpu], window_s: float) -> list[Load]:
         seen: list[list[list[int]]] = [[[], []] for _ in gpus]  # free, utilisation
         errors = [[r, r] if isinstance(r, str) else [None, None] for r in readers]
         for k in range(samples):
-            time.sleep(window_s / (samples - 1) if k else 0)
+            if k:
+                time.sleep(window_s / (samples - 1))
             for reader, got, error in zip(readers, seen, errors, strict=True):
                 queries = [] if isinstance(reader, str) else [reader.memory, reader.utilization]
                 for j, query in enumerate(queries):
@@ -261,6 +262,12 @@ def _attempt(
     return sorted(got), reasons
 
 
+def picked(chosen: Sequence[int], among: int, waited: str = "") -> str:
+    """The line that names a ``least_used`` choice."""
+    gpus = ", ".join(f"cuda:{i}" for i in chosen)
+    return f"select_gpus=least_used picked {gpus} of {among} (most free memory, then lowest utilisation{waited})"
+
+
 def first_gpus(count: int, why: str) -> tuple[list[int], str]:
     """The first ``count`` GPUs, where no load can be read (``why``)."""
     chosen = list(range(count))
@@ -292,11 +299,8 @@ def wait_and_claim(inv: Inventory, count: int, policy: SelectionPolicy) -> tuple
         )
         if chosen is not None:
             waited = f", after waiting {now - started:.0f} s" if now - started >= POLL_S else ""
-            return chosen, (
-                f"select_gpus=least_used picked {', '.join(f'cuda:{i}' for i in chosen)} of "
-                f"{len(candidates)} (most free memory, then lowest utilisation{waited}); "
-                f"claimed until the run ends (locks in {lock_dir})"
-            )
+            locks = f"; claimed until the run ends (locks in {lock_dir})"
+            return chosen, picked(chosen, len(candidates), waited) + locks
         if now >= started + policy.wait_s:
             waited = f"after waiting {policy.wait_s:g} s" if policy.wait_s else "with gpu_wait_s=0"
             raise DeviceError(

@@ -214,10 +214,7 @@ def _least_used_plan(
         chosen, message = claims.first_gpus(count, inv.nvml_reason or "NVML gave none")
     else:
         chosen = sorted(claims.rank_by_load(candidates)[:count])
-        message = (
-            f"select_gpus=least_used picked {', '.join(f'cuda:{i}' for i in chosen)} of "
-            f"{len(candidates)} (most free memory, then lowest utilisation)"
-        )
+        message = claims.picked(chosen, len(candidates))
     return _rank0_plan(accelerator, chosen, message, inv, count)
 
 
