@@ -262,20 +262,6 @@ def _attempt(
     return sorted(got), reasons
 
 
-def picked(chosen: Sequence[int], among: int, waited: str = "") -> str:
-    """The line that names a ``least_used`` choice."""
-    gpus = ", ".join(f"cuda:{i}" for i in chosen)
-    return f"select_gpus=least_used picked {gpus} of {among} (most free memory, then lowest utilisation{waited})"
-
-
-def first_gpus(count: int, why: str) -> tuple[list[int], str]:
-    """The first ``count`` GPUs, where no load can be read (``why``)."""
-    chosen = list(range(count))
-    return chosen, (
-        f"select_gpus=least_used: no GPU load readings ({why}); using the first {count}: {chosen}"
-    )
-
-
 def wait_and_claim(inv: Inventory, count: int, policy: SelectionPolicy) -> tuple[list[int], str]:
     """The sorted ``cuda:N`` of ``count`` GPUs claimed under ``policy`` and a one-line message;
     :class:`DeviceError` on time-out (each GPU and why it did not qualify). Without NVML the
@@ -288,7 +274,11 @@ def wait_and_claim(inv: Inventory, count: int, policy: SelectionPolicy) -> tuple
                 f"select_gpus=least_used with gpu_min_free_gib/gpu_max_util/gpu_wait_s needs "
                 f"NVML readings, but there are none ({why}); use select_gpus=first"
             )
-        return first_gpus(count, why)
+        chosen = list(range(count))
+        return (
+            chosen,
+            f"select_gpus=least_used: no GPU load readings ({why}); using the first {count}: {chosen}",
+        )
     lock_dir = lock_dir_for(policy)
     started = next_status = time.monotonic()
     while True:
@@ -299,8 +289,11 @@ def wait_and_claim(inv: Inventory, count: int, policy: SelectionPolicy) -> tuple
         )
         if chosen is not None:
             waited = f", after waiting {now - started:.0f} s" if now - started >= POLL_S else ""
-            locks = f"; claimed until the run ends (locks in {lock_dir})"
-            return chosen, picked(chosen, len(candidates), waited) + locks
+            return chosen, (
+                f"select_gpus=least_used picked {', '.join(f'cuda:{i}' for i in chosen)} of "
+                f"{len(candidates)} (most free memory, then lowest utilisation{waited}); "
+                f"claimed until the run ends (locks in {lock_dir})"
+            )
         if now >= started + policy.wait_s:
             waited = f"after waiting {policy.wait_s:g} s" if policy.wait_s else "with gpu_wait_s=0"
             raise DeviceError(

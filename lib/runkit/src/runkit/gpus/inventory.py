@@ -1,7 +1,7 @@
 """The GPUs of this machine and which ``cuda:N`` each one is, from this process's point of view.
 
-NVML is read at the detail the caller needs (``identity``, ``load`` for ``least_used``, ``full``
-for the listing), once per job for device resolution (:func:`cached_inventory`)."""
+NVML is read at the detail the caller needs (``identity`` for device resolution, once per job:
+:func:`cached_inventory`; ``full`` for the listing)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from runkit.gpus.records import (
     apply_visible_devices,
 )
 
-IDENTITY, LOAD, FULL = "identity", "load", "full"
-DETAILS = (IDENTITY, LOAD, FULL)
+IDENTITY, FULL = "identity", "full"
+DETAILS = (IDENTITY, FULL)
 
 
 def probe_torch(*, uuids: bool = True) -> TorchCuda:
@@ -52,12 +52,11 @@ def _read_gpu(reader: DeviceReader, detail: str, **where: Any) -> Gpu:
     """One device at ``detail``; what NVML will not say stays ``None``."""
     get = functools.partial(nvml.optional, reader.lib)
     figures: dict[str, Any] = {}
-    if detail != IDENTITY:
+    if detail == FULL:
         total, used, free = get(reader.memory) or (None, None, None)
         util = get(reader.utilization)
         figures.update(memory_total_mib=_mib(total), memory_used_mib=_mib(used))
         figures.update(memory_free_mib=_mib(free), utilization_percent=util and util[0])
-    if detail == FULL:
         if not reader.is_mig:  # a slice has no temperature or power of its own: its GPU has
             power, limit = get(reader.power_mw), get(reader.power_limit_mw)
             figures.update(power_w=power and power / 1000, power_limit_w=limit and limit / 1000)
