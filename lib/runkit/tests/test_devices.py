@@ -19,7 +19,7 @@ from conftest import FAST, compose_train, last_line, run_dirs
 from runkit.errors import RunError
 from runkit.gpus import claims, nvml
 from runkit.gpus import inventory as inventory_module
-from runkit.gpus.claims import SelectionPolicy, rank_by_load
+from runkit.gpus.claims import SelectionPolicy
 from runkit.gpus.inventory import build_inventory, cached_inventory, collect_inventory, read_nvml
 from runkit.gpus.reader import DeviceReader
 from runkit.gpus.records import (
@@ -86,12 +86,6 @@ def machine(gpus: int, torch_count: int | None = None, **env: str) -> Inventory:
     """``gpus`` physical H100s; torch counts ``torch_count`` of them (default: all)."""
     count = gpus if torch_count is None else torch_count
     return build_inventory([board(i) for i in range(gpus)], TorchCuda(count > 0, count), env=env)
-
-
-def loaded(loads: list[tuple[int | None, int | None]], **env: str) -> Inventory:
-    """GPUs with (free MiB, utilisation %) readings, all visible to torch."""
-    physical = [board(i, memory_free_mib=f, utilization_percent=u) for i, (f, u) in enumerate(loads)]  # fmt: skip
-    return build_inventory(physical, TorchCuda(True, len(loads)), env=env)
 
 
 def error(call, *args, **kwargs) -> str:
@@ -659,12 +653,6 @@ def test_bad_select_is_one_line():
 # ------------------------------------------------------------------------- select_gpus=least_used
 
 
-def test_rank_by_load_free_memory_then_utilisation_then_index():
-    gpus = loaded([(100, 50), (200, 90), (100, 10), (200, 90), (None, 0), (100, None), (0, 0)]).visible  # fmt: skip
-    assert rank_by_load(gpus) == [1, 3, 2, 0, 5, 6, 4]
-    assert rank_by_load(loaded([(5, 1), (5, 0)]).visible) == [1, 0]
-
-
 @pytest.mark.parametrize(("devices", "chosen"), [(2, [0, 1]), (-1, [0, 1, 2]), ("auto", [0, 1, 2])])
 def test_least_used_is_left_to_the_run_which_measures_and_claims(devices, chosen):
     environ: dict[str, str] = {}  # the measured choice: test_gpu_claims (wait_and_claim)
@@ -690,7 +678,7 @@ def rank0(gpus: list[int], request: str = "devices=2 CUDA_VISIBLE_DEVICES=None",
 def test_a_ddp_child_reuses_rank_zero_choice_despite_different_load():
     # The child re-runs the command: LOCAL_RANK is set, the record comes from another pid (rank 0),
     # and meanwhile the load moved so that a fresh choice would be [0, 1].
-    moved = loaded([(30, 0), (20, 0), (10, 0)])
+    moved = machine(3)
     assert resolve_devices("gpu", 2, select="least_used", inventory=moved, environ={}).devices == [
         0,
         1,
@@ -730,7 +718,7 @@ def test_a_ddp_child_reuses_rank_zero_choice_despite_different_load():
     ],
 )  # fmt: skip
 def test_a_child_that_cannot_use_rank_zero_choice_stops_in_one_line(environ, message):
-    inv = loaded([(10, 0), (20, 0), (30, 0)])
+    inv = machine(3)
     assert (
         error(resolve_devices, "gpu", 2, select="least_used", inventory=inv, environ=environ)
         == message

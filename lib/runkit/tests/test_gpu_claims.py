@@ -26,7 +26,7 @@ import pytest
 
 from runkit.errors import RunError
 from runkit.gpus import claims, nvml
-from runkit.gpus.claims import Load, SelectionPolicy, judge, policy_from_config
+from runkit.gpus.claims import Load, SelectionPolicy, judge, policy_from_config, rank_by_load
 from runkit.gpus.inventory import collect_inventory
 from runkit.gpus.records import TorchCuda
 from runkit.gpus.resolve import DeviceError
@@ -208,6 +208,12 @@ def test_a_gpu_gone_or_unreadable_since_the_inventory_is_an_error_and_the_others
 )  # fmt: skip
 def test_judge_says_why_a_gpu_does_not_qualify(load, policy, why):
     assert judge(load, policy) == why
+
+
+def test_rank_by_load_free_memory_then_utilisation_then_index():
+    loads = [(100, 50), (200, 90), (100, 10), (200, 90.4), (None, 0), (100, None), (0, 0)]
+    assert rank_by_load([Load(f, u) for f, u in loads]) == [1, 3, 2, 0, 5, 6, 4]
+    assert rank_by_load([Load(5, 1), Load(5, 0)]) == [1, 0]
 
 
 # ------------------------------------------------------------------------- the lock directory

@@ -17,7 +17,7 @@ import stat
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -124,15 +124,15 @@ def measure_loads(gpus: Sequence[Gpu], window_s: float) -> list[Load]:
     ]  # fmt: skip
 
 
-def rank_by_load(gpus: Sequence[Gpu]) -> list[int]:
-    """Positions in ``gpus``, best first: most free memory, lowest utilisation, lowest index;
-    unknown after known. nvitop's ranks a failed reading first and ties by highest index."""
+def rank_by_load(loads: Sequence[Load]) -> list[int]:
+    """Positions in ``loads``, best first: most free memory, lowest utilisation (whole percent),
+    lowest index; unknown after known. nvitop's ranks a failed reading first, ties by highest."""
 
     def key(i: int) -> tuple[bool, int, bool, int, int]:
-        free, util = gpus[i].memory_free_mib, gpus[i].utilization_percent
-        return (free is None, -(free or 0), util is None, util or 0, i)
+        free, util = loads[i].free_mib, loads[i].util_percent
+        return (free is None, -(free or 0), util is None, round(util or 0), i)
 
-    return sorted(range(len(gpus)), key=key)
+    return sorted(range(len(loads)), key=key)
 
 
 def judge(load: Load, policy: SelectionPolicy) -> str | None:
@@ -241,13 +241,8 @@ def _attempt(
     except nvml.NvmlUnavailable as err:
         loads = [Load(memory_error=str(err))] * len(candidates)
     reasons: list[str | None] = [judge(load, policy) for load in loads]
-    measured = [
-        replace(g, memory_free_mib=load.free_mib,
-                utilization_percent=None if load.util_percent is None else round(load.util_percent))
-        for g, load in zip(candidates, loads, strict=True)
-    ]  # fmt: skip
     got: dict[int, int] = {}
-    for i in rank_by_load(measured):
+    for i in rank_by_load(loads):
         if reasons[i] is None and len(got) < count:
             outcome = try_lock(lock_path(lock_dir, candidates[i].uuid))
             if isinstance(outcome, str):
