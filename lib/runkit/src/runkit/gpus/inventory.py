@@ -181,23 +181,21 @@ def collect_inventory(
     return _inventory(_reading(detail), torch_info or probe_torch(uuids=probe_uuids), env)
 
 
-_last: tuple[Any, str, Any] | None = None  # the last reading: (library, detail, reading)
+_last: tuple[Any, Any] | None = None  # the last reading: (library, reading)
 
 
-def cached_inventory(detail: str = IDENTITY) -> Inventory:
+def cached_inventory() -> Inventory:
     """The inventory device resolution uses: NVML read once per job (until
-    :func:`forget_readings`), again for more ``detail`` or another library; torch's count and
-    ``CUDA_VISIBLE_DEVICES`` are looked at afresh (NVML's GPU list does not depend on them)."""
+    :func:`forget_readings`, or for another library); torch's count and ``CUDA_VISIBLE_DEVICES``
+    are looked at afresh (NVML's GPU list does not depend on them)."""
     global _last
     try:
         lib = nvml.load_library()
     except nvml.NvmlUnavailable:
         lib = None
-    old = _last
-    if (old is None or old[0] is not lib or (not isinstance(old[2], str)
-            and DETAILS.index(old[1]) < DETAILS.index(detail))):  # fmt: skip
-        _last = (lib, detail, _reading(detail))
-    return _inventory(_last[2], probe_torch(uuids=False), None)
+    if _last is None or _last[0] is not lib:
+        _last = (lib, _reading(IDENTITY))
+    return _inventory(_last[1], probe_torch(uuids=False), None)
 
 
 def forget_readings() -> None:
