@@ -175,21 +175,6 @@ class FakeHandle:
     parent: FakeHandle | None = None
 
 
-def _figure(attr: str | dict[int, str]) -> Callable[..., int]:
-    """An answer reading a FakeGpu figure (by the call's argument where ``attr`` is a dict: an
-    argument not in it is InvalidArgument); a figure of None is NotSupported."""
-
-    def answer(fake: FakeNvml, handle: FakeHandle, gpu: FakeGpu, *args: Any) -> int:
-        name = attr.get(args[0]) if isinstance(attr, dict) else attr
-        if name is None:
-            raise nvml_error("invalid_argument")
-        if getattr(gpu, name) is None:
-            raise nvml_error("not_supported")
-        return int(fake.value(getattr(gpu, name)))
-
-    return answer
-
-
 def _field(fake: FakeNvml, gpu: FakeGpu, field_id: int) -> NS:
     ok = field_id == pynvml.NVML_FI_DEV_MEMORY_TEMP and gpu.memory_temperature is not None
     value = int(fake.value(gpu.memory_temperature)) if ok else 0
@@ -244,26 +229,27 @@ _ON, _OFF = pynvml.NVML_DEVICE_MIG_ENABLE, pynvml.NVML_DEVICE_MIG_DISABLE
 # The handle-taking functions (``nvmlDeviceGet`` + key unless named in full): the metric whose
 # scripted failure fails it, what it refuses ("slice": NotSupported on a MIG slice, as real ones
 # answer; "mig": also on a GPU that is not MIG-capable; "gpu": InvalidArgument on a physical GPU)
-# and the answer, ``f(fake, handle, gpu, *args)``.
-_DEVICE: dict[str, tuple[str, str, Callable[..., Any]]] = {
+# and the answer: ``f(fake, handle, gpu, *args)``, or the FakeGpu figure it reads (by the call's
+# first argument where a dict: one not in it is InvalidArgument; a figure of None: NotSupported).
+_DEVICE: dict[str, tuple[str, str, Any]] = {
     "Name": ("name", "", lambda f, h, g: g.name),
     "UUID": ("uuid", "", lambda f, h, g: str(g.uuid)),
     "Index": ("index", "slice", lambda f, h, g: h.index),
     "PciInfo": ("pci", "", lambda f, h, g: NS(busId=str(g.pci_bus_id).encode())),  # bytes
     "MemoryInfo": ("memory", "", lambda f, h, g: NS(total=g.memory_total, used=(u := int(f.value(g.memory_used))), free=g.memory_total - u)),
     "UtilizationRates": ("utilization", "slice", lambda f, h, g: NS(gpu=int(f.value(g.util_gpu)), memory=int(f.value(g.util_memory)))),
-    "Temperature": ("temperature", "slice", _figure({_TEMP: "temperature"})),
+    "Temperature": ("temperature", "slice", {_TEMP: "temperature"}),
     "FieldValues": ("memory_temperature", "", lambda f, h, g, ids: [_field(f, g, i) for i in ids]),
-    "PowerUsage": ("power", "slice", _figure("power_mw")),
-    "EnforcedPowerLimit": ("power_limit", "slice", _figure("power_limit_mw")),
-    "PowerManagementLimit": ("power_limit", "slice", _figure("power_limit_mw")),
+    "PowerUsage": ("power", "slice", "power_mw"),
+    "EnforcedPowerLimit": ("power_limit", "slice", "power_limit_mw"),
+    "PowerManagementLimit": ("power_limit", "slice", "power_limit_mw"),
     "TotalEnergyConsumption": ("energy", "slice", lambda f, h, g: _energy(f, g)),
-    "ClockInfo": ("clock", "slice", _figure({_SM: "clock_sm_mhz", _GR: "clock_sm_mhz"})),
-    "CurrentClocksEventReasons": ("throttle", "slice", _figure("clocks_event_reasons")),
-    "CurrentClocksThrottleReasons": ("throttle", "slice", _figure("clocks_event_reasons")),
-    "FanSpeed": ("fan", "slice", _figure("fan_pct")),
-    "PcieThroughput": ("pcie", "slice", _figure({_TX: "pcie_tx_kbs", _RX: "pcie_rx_kbs"})),
-    "TotalEccErrors": ("ecc", "slice", _figure("ecc_uncorrected")),
+    "ClockInfo": ("clock", "slice", {_SM: "clock_sm_mhz", _GR: "clock_sm_mhz"}),
+    "CurrentClocksEventReasons": ("throttle", "slice", "clocks_event_reasons"),
+    "CurrentClocksThrottleReasons": ("throttle", "slice", "clocks_event_reasons"),
+    "FanSpeed": ("fan", "slice", "fan_pct"),
+    "PcieThroughput": ("pcie", "slice", {_TX: "pcie_tx_kbs", _RX: "pcie_rx_kbs"}),
+    "TotalEccErrors": ("ecc", "slice", "ecc_uncorrected"),
     "ComputeRunningProcesses": ("processes", "", lambda f, h, g: _processes(f, g)),
     "MigMode": ("mig", "mig", lambda f, h, g: [_ON if g.mig else _OFF] * 2),
     "MaxMigDeviceCount": ("mig", "mig", lambda f, h, g: MAX_MIG_DEVICES if g.mig else 0),
@@ -376,11 +362,19 @@ class FakeNvml:
         return missing
 
     def _device(
-        self, name: str, metric: str, refuses: str, answer: Callable[..., Any],
+        self, name: str, metric: str, refuses: str, answer: Any,
         handle: FakeHandle, *args: Any,
     ) -> Any:  # fmt: skip
         self._enter(name)
-        return answer(self, handle, self._checked(handle, name, metric, refuses), *args)
+        gpu = self._checked(handle, name, metric, refuses)
+        if callable(answer):
+            return answer(self, handle, gpu, *args)
+        figure = answer.get(args[0]) if isinstance(answer, dict) else answer
+        if figure is None:
+            raise nvml_error("invalid_argument")
+        if getattr(gpu, figure) is None:
+            raise nvml_error("not_supported")
+        return int(self.value(getattr(gpu, figure)))
 
     def _checked(self, handle: FakeHandle, name: str, metric: str, refuses: str) -> FakeGpu:
         """The handle's GPU after liveness, scripted failures and what the handle refuses."""
