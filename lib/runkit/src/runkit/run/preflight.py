@@ -2,9 +2,9 @@
 
 Hydra makes the run directory before it calls the task; :class:`PreflightCallback` runs earlier
 and turns each mistake into one :class:`~runkit.errors.RunError` line naming the bad value and
-what is accepted. It then checks the files the run reads and claims the run directory
-atomically; a run that fails later, before writing anything of its own, is removed again by
-:func:`discard_unused`.
+what is accepted. Each ``_target_`` node is checked against a typed OmegaConf schema made from
+its signature. It then checks the checkpoint the run reads and claims the run directory
+atomically; a run that fails before writing anything is removed again by :func:`discard_unused`.
 """
 
 from __future__ import annotations
@@ -13,15 +13,16 @@ import difflib
 import inspect
 import math
 import os
+import shutil
 import sys
-import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import ValidationError
 
 from runkit.errors import RunError, exit_with, file_failure
 from runkit.run.collector import resume_collector
@@ -30,7 +31,6 @@ HYDRA_KEYS = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
 # Files only a finished or started run writes (DDP workers > 0 write none of them).
 RUN_MARKERS = ("checkpoints", "metrics.json", "model.pth", "csv", "tensorboard")
 MAX_SEED = 2**32 - 1  # lightning.seed_everything (NumPy) accepts 0 ... 2**32 - 1
-REQUIRED_HINTS = {"ckpt_path": "a .ckpt file, a model.pth or a run directory"}
 _UNKNOWN = object()  # a value that cannot be resolved yet (${hydra:...} before Hydra sets it)
 
 
@@ -61,29 +61,27 @@ class PreflightCallback(Callback):
 
 def check_config(cfg: DictConfig) -> None:
     """Raise :class:`RunError` for the first mistake found in ``cfg`` (reads no file)."""
-    for path, node, key in _leaves(cfg):
+    leaves = _leaves(cfg)
+    for path, node, key in leaves:
         if OmegaConf.is_missing(node, key):
-            raise RunError(
-                f"{path} is required; add {path}=<{REQUIRED_HINTS.get(path, 'a value')}> "
-                "to the command line"
+            hint = (
+                "a .ckpt file, a model.pth or a run directory" if path == "ckpt_path" else "a value"
             )
+            raise RunError(f"{path} is required; add {path}=<{hint}> to the command line")
     seed = _value(cfg, "seed")  # before the nodes that interpolate it
     if "seed" in cfg and seed is not _UNKNOWN and not _is_int(seed, 0, MAX_SEED):
         raise RunError(f"seed={seed!r} is invalid; expected an integer from 0 to {MAX_SEED}")
-    for path, node, key in _leaves(cfg):
+    for path, node, key in leaves:
         value = _value(node, key)
         if isinstance(value, float) and not math.isfinite(value):
             raise RunError(f"{path}={value} is not a finite number; expected a finite value")
-    paths = cfg.get("paths")
-    for key in paths if isinstance(paths, DictConfig) else []:
-        if isinstance(value := _value(paths, key), str) and not value.strip():
-            raise RunError(f"paths.{key} is empty; expected a directory")
-    nodes = [(p, cfg[p]) for p in ("trainer", "data", "model") if cfg.get(p) is not None]
-    for group in ("callbacks", "logger"):
-        nodes += [(f"{group}.{n}", v) for n, v in (cfg.get(group) or {}).items()]
-    for path, node in nodes:
-        if isinstance(node, DictConfig):
-            check_targets(node, path)
+        if path.startswith("paths.") and isinstance(value, str) and not value.strip():
+            raise RunError(f"{path} is empty; expected a directory")
+    for group in ("trainer", "data", "model", "callbacks", "logger"):
+        nodes = cfg.get(group) if group in ("callbacks", "logger") else {group: cfg.get(group)}
+        for name, node in (nodes or {}).items():
+            if isinstance(node, DictConfig):
+                check_targets(node, name if name == group else f"{group}.{name}")
     trainer = cfg.get("trainer") or {}
     for key, minimum in (("max_epochs", 1), ("min_epochs", 0)):
         value = _value(trainer, key)
@@ -124,7 +122,7 @@ def check_devices(cfg: DictConfig) -> None:
 
 
 def check_targets(node: DictConfig, path: str) -> None:
-    """Check the keys and simple value types of ``node`` (and nested nodes) against ``_target_``."""
+    """Check the keys and value types of ``node`` (and nested nodes) against ``_target_``."""
     for key in node:
         if OmegaConf.is_interpolation(node, key) or OmegaConf.is_missing(node, key):
             continue
@@ -140,35 +138,59 @@ def check_targets(node: DictConfig, path: str) -> None:
         params = inspect.signature(target).parameters
     except (TypeError, ValueError):  # builtins without a signature: nothing to check
         return
-    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    unknown = [] if accepts_any else [k for k in node if k not in HYDRA_KEYS and k not in params]
-    if unknown:
-        names = [name for name in params if name not in ("self", "args", "kwargs")]
-        close = difflib.get_close_matches(str(unknown[0]), names, n=1)
-        one = len(unknown) == 1
-        raise RunError(
-            f"{', '.join(f'{path}.{k}' for k in unknown)} "
-            f"{'is not an argument' if one else 'are not arguments'} of {node['_target_']}"
-            + (f" (did you mean {path}.{close[0]}?)" if close and one else "")
-            + (f"; accepted: {', '.join(names)}" if names else "; it takes none")
-            + f"; remove {'it' if one else 'them'} with "
-            + " ".join(f"~{path}.{k}" for k in unknown)
-        )
+    keys = [k for k in node if k not in HYDRA_KEYS]
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        _refuse_unknown(node, path, [k for k in keys if k not in params], list(params))
+    _check_types(node, path, target, keys)
+    if node.get("_partial_") is True:
+        _try_partial(node, path, target)
+
+
+def _refuse_unknown(node: DictConfig, path: str, unknown: list[Any], params: list[str]) -> None:
+    if not unknown:
+        return
+    names = [name for name in params if name not in ("self", "args", "kwargs")]
+    close = difflib.get_close_matches(str(unknown[0]), names, n=1)
+    one = len(unknown) == 1
+    raise RunError(
+        f"{', '.join(f'{path}.{k}' for k in unknown)} "
+        f"{'is not an argument' if one else 'are not arguments'} of {node['_target_']}"
+        + (f" (did you mean {path}.{close[0]}?)" if close and one else "")
+        + (f"; accepted: {', '.join(names)}" if names else "; it takes none")
+        + f"; remove {'it' if one else 'them'} with "
+        + " ".join(f"~{path}.{k}" for k in unknown)
+    )
+
+
+def _check_types(node: DictConfig, path: str, target: Any, keys: list[Any]) -> None:
+    """Merge the node's values into an OmegaConf schema made from the target's annotations
+    (those OmegaConf can type: int, float, bool, str, Optional[...]; the rest are Any)."""
     try:
         hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
     except Exception:  # unresolvable forward references: no type checks for this target
-        hints = {}
-    for key in node:
-        value, expected = _value(node, key), hints.get(key)
-        if key in HYDRA_KEYS or expected is None or value is _UNKNOWN:
-            continue
-        if _accepts(expected, value) is False:
-            name = str(expected).replace("typing.", "")
-            if typing.get_origin(expected) is None:
-                name = getattr(expected, "__name__", name)
-            raise RunError(f"{path}.{key}={value!r} has the wrong type; expected {name}")
-    if node.get("_partial_") is True:
-        _try_partial(node, path, target)
+        return
+    fields = [(str(k), _typed(hints.get(str(k), Any)), field(default=MISSING)) for k in keys]
+    values = OmegaConf.to_container(node, resolve=False)  # interpolations stay, checked later
+    assert isinstance(values, dict)
+    try:
+        schema = OmegaConf.structured(make_dataclass("Schema", fields))
+        OmegaConf.merge(schema, {str(k): values[k] for k in keys})
+    except ValidationError as err:
+        key = str(err.full_key).split(".")[0]
+        value, expected = _value(node, key), hints[key]
+        name = str(expected).replace("typing.", "")
+        if typing.get_origin(expected) is None:
+            name = getattr(expected, "__name__", name)
+        raise RunError(f"{path}.{key}={value!r} has the wrong type; expected {name}") from None
+
+
+def _typed(hint: Any) -> Any:
+    """``hint`` where an OmegaConf schema can hold it, else ``Any``."""
+    try:
+        OmegaConf.structured(make_dataclass("Probe", [("v", hint, field(default=MISSING))]))
+    except Exception:
+        return Any
+    return hint
 
 
 def check_strategy(strategy: Any) -> None:
@@ -214,16 +236,15 @@ def _try_partial(node: DictConfig, path: str, target: Any) -> None:
     from hydra.utils import instantiate
     from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-    def params() -> list[torch.nn.Parameter]:
-        return [torch.nn.Parameter(torch.zeros(1))]
+    def call(factory: Any) -> Any:
+        params = [torch.nn.Parameter(torch.zeros(1))]
+        if issubclass(target, torch.optim.Optimizer):
+            return factory(params=params)
+        return factory(optimizer=torch.optim.SGD(params, lr=0.1))
 
-    if not inspect.isclass(target):
-        return
-    if issubclass(target, torch.optim.Optimizer):
-        call: Any = lambda f: f(params=params())  # noqa: E731
-    elif issubclass(target, LRScheduler | ReduceLROnPlateau):
-        call = lambda f: f(optimizer=torch.optim.SGD(params(), lr=0.1))  # noqa: E731
-    else:
+    if not inspect.isclass(target) or not issubclass(
+        target, torch.optim.Optimizer | LRScheduler | ReduceLROnPlateau
+    ):
         return
     try:
         values = OmegaConf.to_container(node, resolve=True)
@@ -238,17 +259,16 @@ def _try_partial(node: DictConfig, path: str, target: Any) -> None:
             return err
         return None
 
-    error = failure()
-    if error is None:
+    if (error := failure()) is None:
         return
     reason = " ".join(str(error).split()) or type(error).__name__
-    target = values["_target_"]
+    name = values["_target_"]
     for key in values:
         if key not in HYDRA_KEYS and failure(drop=key) is None:
             raise RunError(
-                f"{path}.{key}={values[key]!r} is invalid: {target} refuses it ({reason})"
+                f"{path}.{key}={values[key]!r} is invalid: {name} refuses it ({reason})"
             ) from error
-    raise RunError(f"{path} is invalid: {target} refuses its values ({reason})") from error
+    raise RunError(f"{path} is invalid: {name} refuses its values ({reason})") from error
 
 
 def _leaves(node: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
@@ -355,14 +375,14 @@ def claim_run_dir(cfg: DictConfig, key: str) -> None:
         return
     if found := [name for name in RUN_MARKERS if (directory / name).exists()]:
         elastic = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        fix = (
+            "pick a new directory"
+            if elastic == "none"
+            else f"give torchrun a new --rdzv-id (not {elastic})"
+        )
         raise RunError(
-            f"{key}={str(directory)!r} already holds a run ({', '.join(found)}); "
-            + (
-                "pick a new directory"
-                if elastic == "none"
-                else f"give torchrun a new --rdzv-id (not {elastic})"
-            )
-            + " (resuming with ckpt_path=... starts a new run directory by itself)"
+            f"{key}={str(directory)!r} already holds a run ({', '.join(found)}); {fix} "
+            "(resuming with ckpt_path=... starts a new run directory by itself)"
         )
     sweep = key == "hydra.sweep.dir"
     if launched_externally() or (
@@ -397,9 +417,6 @@ def _resumable_sweep(cfg: DictConfig) -> bool:
     return str(target).endswith(".RunkitParallelLauncher")
 
 
-_HYDRA_FILES = {"config.yaml", "hydra.yaml", "overrides.yaml"}
-
-
 def discard_unused(run_dir: Path) -> bool:
     """Remove ``run_dir`` (and the parents its claim created) if it holds only Hydra's files,
     ``config.yaml``, logs and empty folders; returns whether it was removed."""
@@ -411,23 +428,15 @@ def discard_unused(run_dir: Path) -> bool:
 
     def removable(entry: Path) -> bool:
         if entry.is_dir() and not entry.is_symlink():
-            allowed = _HYDRA_FILES if entry == subdir else set()
+            allowed = {"config.yaml", "hydra.yaml", "overrides.yaml"} if entry == subdir else ()
             return all(f.name in allowed and f.is_file() for f in entry.iterdir())
         return entry.is_file() and (entry.suffix == ".log" or entry.name == "config.yaml")
 
     if not all(removable(entry) for entry in run_dir.iterdir()):
         return False
-    for entry in run_dir.iterdir():
-        if entry.is_dir():
-            for file in entry.iterdir():
-                file.unlink()
-            entry.rmdir()
-        else:
-            entry.unlink()
-    run_dir.rmdir()
-    first_new = claim.first_new if claim is not None else None
-    for directory in run_dir.parents if first_new is not None else []:
-        if first_new not in (directory, *directory.parents):
+    shutil.rmtree(run_dir)
+    for directory in run_dir.parents if claim is not None and claim.first_new else []:
+        if not directory.is_relative_to(claim.first_new):  # type: ignore[union-attr, arg-type]
             break
         try:
             directory.rmdir()
@@ -472,23 +481,3 @@ def _locate(target: str, path: str) -> Any:
             f"{path}._target_={target!r} cannot be imported; expected a dotted path to a class "
             "or function, e.g. torch.nn.Linear"
         ) from err
-
-
-def _accepts(expected: Any, value: Any) -> bool | None:
-    """Whether ``value`` fits the annotation ``expected``; ``None`` when we cannot tell."""
-    origin = typing.get_origin(expected)
-    if origin in (typing.Union, types.UnionType):
-        verdicts = [_accepts(arg, value) for arg in typing.get_args(expected)]
-        if True in verdicts:
-            return True
-        return False if all(v is False for v in verdicts) else None
-    if origin is typing.Literal:
-        return value in typing.get_args(expected)
-    if expected is type(None):
-        return value is None
-    if expected in (bool, str):
-        return isinstance(value, expected)
-    if expected in (int, float):
-        number = (int, float) if expected is float else int
-        return isinstance(value, number) and not isinstance(value, bool)
-    return None
