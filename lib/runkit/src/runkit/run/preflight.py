@@ -2,9 +2,9 @@
 
 Hydra makes the run directory before it calls the task; :class:`PreflightCallback` runs earlier
 and turns each mistake into one :class:`~runkit.errors.RunError` line naming the bad value and
-what is accepted. Each ``_target_`` node is checked against a typed OmegaConf schema made from
-its signature. It then checks the checkpoint the run reads and claims the run directory
-atomically; a run that fails before writing anything is removed again by :func:`discard_unused`.
+what is accepted. A ``_target_`` node's values are merged into a typed OmegaConf schema made
+from the target's signature. The checkpoint read is checked, and the run directory claimed
+atomically; a run that fails before writing anything is removed by :func:`discard_unused`.
 """
 
 from __future__ import annotations
@@ -61,18 +61,23 @@ class PreflightCallback(Callback):
 
 def check_config(cfg: DictConfig) -> None:
     """Raise :class:`RunError` for the first mistake found in ``cfg`` (reads no file)."""
-    leaves = _leaves(cfg)
-    for path, node, key in leaves:
-        if OmegaConf.is_missing(node, key):
+    plain = OmegaConf.to_container(cfg, resolve=False)  # interpolations stay "${...}" strings
+    assert isinstance(plain, dict)
+    leaves = list(_walk({k: v for k, v in plain.items() if k != "hydra"}))
+    for path, value in leaves:
+        if value == "???":
             hint = (
                 "a .ckpt file, a model.pth or a run directory" if path == "ckpt_path" else "a value"
             )
             raise RunError(f"{path} is required; add {path}=<{hint}> to the command line")
     seed = _value(cfg, "seed")  # before the nodes that interpolate it
-    if "seed" in cfg and seed is not _UNKNOWN and not _is_int(seed, 0, MAX_SEED):
+    if (
+        "seed" in cfg
+        and seed is not _UNKNOWN
+        and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED)
+    ):
         raise RunError(f"seed={seed!r} is invalid; expected an integer from 0 to {MAX_SEED}")
-    for path, node, key in leaves:
-        value = _value(node, key)
+    for path, value in leaves:
         if isinstance(value, float) and not math.isfinite(value):
             raise RunError(f"{path}={value} is not a finite number; expected a finite value")
         if path.startswith("paths.") and isinstance(value, str) and not value.strip():
@@ -101,6 +106,17 @@ def check_config(cfg: DictConfig) -> None:
 
         check_dp_request(*dp_keys)  # DP needs CUDA GPUs on one machine: say so before starting
     check_devices(cfg)
+
+
+def _walk(data: Any, prefix: str = "") -> Any:
+    """Every leaf of plain config data as ``(dotted path, value)``."""
+    listed = isinstance(data, list)
+    for key, value in enumerate(data) if listed else data.items():
+        path = f"{prefix}[{key}]" if listed else f"{prefix}{'.' if prefix else ''}{key}"
+        if isinstance(value, dict | list):
+            yield from _walk(value, path)
+        else:
+            yield path, value
 
 
 def check_devices(cfg: DictConfig) -> None:
@@ -138,50 +154,46 @@ def check_targets(node: DictConfig, path: str) -> None:
         params = inspect.signature(target).parameters
     except (TypeError, ValueError):  # builtins without a signature: nothing to check
         return
-    keys = [k for k in node if k not in HYDRA_KEYS]
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        _refuse_unknown(node, path, [k for k in keys if k not in params], list(params))
+    keys = [str(k) for k in node if k not in HYDRA_KEYS]
+    unknown = [k for k in keys if k not in params]
+    if unknown and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        names = [name for name in params if name not in ("self", "args", "kwargs")]
+        close = difflib.get_close_matches(unknown[0], names, n=1)
+        one = len(unknown) == 1
+        raise RunError(
+            f"{', '.join(f'{path}.{k}' for k in unknown)} "
+            f"{'is not an argument' if one else 'are not arguments'} of {node['_target_']}"
+            + (f" (did you mean {path}.{close[0]}?)" if close and one else "")
+            + (f"; accepted: {', '.join(names)}" if names else "; it takes none")
+            + f"; remove {'it' if one else 'them'} with "
+            + " ".join(f"~{path}.{k}" for k in unknown)
+        )
     _check_types(node, path, target, keys)
     if node.get("_partial_") is True:
         _try_partial(node, path, target)
 
 
-def _refuse_unknown(node: DictConfig, path: str, unknown: list[Any], params: list[str]) -> None:
-    if not unknown:
-        return
-    names = [name for name in params if name not in ("self", "args", "kwargs")]
-    close = difflib.get_close_matches(str(unknown[0]), names, n=1)
-    one = len(unknown) == 1
-    raise RunError(
-        f"{', '.join(f'{path}.{k}' for k in unknown)} "
-        f"{'is not an argument' if one else 'are not arguments'} of {node['_target_']}"
-        + (f" (did you mean {path}.{close[0]}?)" if close and one else "")
-        + (f"; accepted: {', '.join(names)}" if names else "; it takes none")
-        + f"; remove {'it' if one else 'them'} with "
-        + " ".join(f"~{path}.{k}" for k in unknown)
-    )
-
-
-def _check_types(node: DictConfig, path: str, target: Any, keys: list[Any]) -> None:
-    """Merge the node's values into an OmegaConf schema made from the target's annotations
-    (those OmegaConf can type: int, float, bool, str, Optional[...]; the rest are Any)."""
+def _check_types(node: DictConfig, path: str, target: Any, keys: list[str]) -> None:
+    """Merge the values into a schema of the target's annotations that OmegaConf can type
+    (int, float, bool, str, Optional[...]; the rest are Any); interpolations wait for the run."""
     try:
         hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
     except Exception:  # unresolvable forward references: no type checks for this target
         return
-    fields = [(str(k), _typed(hints.get(str(k), Any)), field(default=MISSING)) for k in keys]
-    values = OmegaConf.to_container(node, resolve=False)  # interpolations stay, checked later
+    values = OmegaConf.to_container(node, resolve=False)
     assert isinstance(values, dict)
     try:
-        schema = OmegaConf.structured(make_dataclass("Schema", fields))
-        OmegaConf.merge(schema, {str(k): values[k] for k in keys})
+        fields = [(k, _typed(hints.get(k, Any)), field(default=MISSING)) for k in keys]
+        OmegaConf.merge(make_dataclass("Schema", fields), {k: values[k] for k in keys})
     except ValidationError as err:
         key = str(err.full_key).split(".")[0]
-        value, expected = _value(node, key), hints[key]
+        expected = hints[key]
         name = str(expected).replace("typing.", "")
         if typing.get_origin(expected) is None:
             name = getattr(expected, "__name__", name)
-        raise RunError(f"{path}.{key}={value!r} has the wrong type; expected {name}") from None
+        raise RunError(
+            f"{path}.{key}={_value(node, key)!r} has the wrong type; expected {name}"
+        ) from None
 
 
 def _typed(hint: Any) -> Any:
@@ -195,32 +207,28 @@ def _typed(hint: Any) -> Any:
 
 def check_strategy(strategy: Any) -> None:
     """A strategy given by name must be one Lightning (or this library) registers."""
-    if not isinstance(strategy, str) or strategy == "auto":
-        return
     from lightning.pytorch.strategies import StrategyRegistry
 
     import runkit.strategies  # noqa: F401  (registers "dp")
 
-    known = set(StrategyRegistry.available_strategies()) | {"auto"}
-    if strategy not in known:
-        shown = sorted(name for name in known if "find_unused" not in name)
-        raise RunError(
-            f"trainer.strategy={strategy!r} does not exist; choose one of: {', '.join(shown)}"
-        )
+    known = {*StrategyRegistry.available_strategies(), "auto"}
+    if isinstance(strategy, str) and strategy not in known:
+        shown = ", ".join(sorted(name for name in known if "find_unused" not in name))
+        raise RunError(f"trainer.strategy={strategy!r} does not exist; choose one of: {shown}")
 
 
 def check_accelerator(accelerator: Any) -> None:
     """An accelerator given by name must exist and be usable here (GPUs: :func:`check_devices`)."""
-    if not isinstance(accelerator, str) or accelerator.lower() in ("auto", "gpu", "cuda"):
-        return
     from lightning.pytorch.accelerators import AcceleratorRegistry
 
+    if not isinstance(accelerator, str) or accelerator.lower() in ("auto", "gpu", "cuda"):
+        return
     known = sorted(AcceleratorRegistry.available_accelerators())
     usable = [n for n in known if AcceleratorRegistry[n]["accelerator"].is_available()]
     if accelerator.lower() not in known:
         raise RunError(
             f"trainer.accelerator={accelerator!r} does not exist; choose one of: auto, gpu, "
-            f"{', '.join(known)}"
+            + ", ".join(known)
         )
     if accelerator.lower() not in usable:
         raise RunError(
@@ -236,14 +244,9 @@ def _try_partial(node: DictConfig, path: str, target: Any) -> None:
     from hydra.utils import instantiate
     from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-    def call(factory: Any) -> Any:
-        params = [torch.nn.Parameter(torch.zeros(1))]
-        if issubclass(target, torch.optim.Optimizer):
-            return factory(params=params)
-        return factory(optimizer=torch.optim.SGD(params, lr=0.1))
-
-    if not inspect.isclass(target) or not issubclass(
-        target, torch.optim.Optimizer | LRScheduler | ReduceLROnPlateau
+    optimizer = inspect.isclass(target) and issubclass(target, torch.optim.Optimizer)
+    if not optimizer and not (
+        inspect.isclass(target) and issubclass(target, LRScheduler | ReduceLROnPlateau)
     ):
         return
     try:
@@ -253,16 +256,17 @@ def _try_partial(node: DictConfig, path: str, target: Any) -> None:
     assert isinstance(values, dict)
 
     def failure(drop: str | None = None) -> Exception | None:
+        params = [torch.nn.Parameter(torch.zeros(1))]
         try:
-            call(instantiate({k: v for k, v in values.items() if k != drop}))
+            factory = instantiate({k: v for k, v in values.items() if k != drop})
+            factory(params) if optimizer else factory(torch.optim.SGD(params, lr=0.1))
         except Exception as err:
             return err
         return None
 
     if (error := failure()) is None:
         return
-    reason = " ".join(str(error).split()) or type(error).__name__
-    name = values["_target_"]
+    reason, name = " ".join(str(error).split()) or type(error).__name__, values["_target_"]
     for key in values:
         if key not in HYDRA_KEYS and failure(drop=key) is None:
             raise RunError(
@@ -271,79 +275,49 @@ def _try_partial(node: DictConfig, path: str, target: Any) -> None:
     raise RunError(f"{path} is invalid: {name} refuses its values ({reason})") from error
 
 
-def _leaves(node: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
-    """Every leaf as ``(dotted path, parent, key)``, Hydra's node left out, nothing resolved."""
-    found: list[tuple[str, Any, Any]] = []
-    listed = isinstance(node, ListConfig)
-    for key in range(len(node)) if listed else list(node):
-        if prefix or key != "hydra":
-            path = f"{prefix}[{key}]" if listed else f"{prefix}{'.' if prefix else ''}{key}"
-            opaque = OmegaConf.is_missing(node, key) or OmegaConf.is_interpolation(node, key)
-            child = None if opaque else node[key]
-            if isinstance(child, DictConfig | ListConfig):
-                found += _leaves(child, path)
-            else:
-                found.append((path, node, key))
-    return found
-
-
 def check_inputs(cfg: DictConfig) -> None:
-    """The checkpoint in ``ckpt_path`` must be there and readable, and one a resumed training
-    can start from (kept apart from :func:`check_config`, which reads no file)."""
-    value = _value(cfg, "ckpt_path")
-    if value in (None, "", _UNKNOWN) or OmegaConf.is_missing(cfg, "ckpt_path"):
-        return
-    from runkit.safety import checkpoints
+    """The checkpoint in ``ckpt_path`` must be there, readable without running code, and one a
+    resumed training can start from (kept apart from :func:`check_config`, which reads no file)."""
+    import pickle
 
+    from runkit import plots
+    from runkit.safety import checkpoints
+    from runkit.safety.resume import run_dir_of
+
+    value, log_dir = _value(cfg, "ckpt_path"), _value(cfg.get("paths"), "log_dir")
+    if value in (None, "", _UNKNOWN, "???") or (value == "last" and not isinstance(log_dir, str)):
+        return
     trains = "train" in cfg  # a training config; eval's has no `train` key and reads any weights
     task = str(cfg.get("task_name") or "train") if trains else "train"
-    log_dir = _value(cfg.get("paths"), "log_dir")
-    if value == "last" and not isinstance(log_dir, str):
-        return
     path = checkpoints.resolve_ckpt_path(str(value), str(log_dir), task)
     assert path is not None
-    data = _peek_checkpoint(path, value)
+    typed = checkpoints.typed_as(path, str(value))
+    try:
+        data = checkpoints.load_file(path, mmap=True)  # weights_only: code never runs
+    except RunError as err:
+        if not isinstance(err.__cause__, pickle.UnpicklingError):
+            raise
+        lines = [line.strip() for line in str(err.__cause__).splitlines() if "GLOBAL" in line]
+        raise RunError(
+            f"{typed} was refused: it holds objects that loading with weights_only does not "
+            f"allow{f' ({lines[0]})' if lines else ''}; it is not loaded"
+        ) from err
     if not (trains and cfg.get("train")):
         return
-    from runkit.run.rebuild import is_lightning_checkpoint
-
-    if not is_lightning_checkpoint(data):
+    if not ("pytorch-lightning_version" in data and isinstance(data.get("state_dict"), dict)):
         spec = getattr(sys.modules.get("__main__"), "__spec__", None)
         package = (getattr(spec, "name", None) or "").rpartition(".")[0]
         raise RunError(
-            f"{checkpoints.typed_as(path, str(value))} holds only weights (a model.pth or a bare "
-            "state_dict), so training cannot resume from it; pass a Lightning checkpoint (a .ckpt "
-            "file or a run directory), or evaluate it with "
-            + (f"python -m {package}.eval" if package else "eval")
+            f"{typed} holds only weights (a model.pth or a bare state_dict), so training cannot "
+            "resume from it; pass a Lightning checkpoint (a .ckpt file or a run directory), or "
+            "evaluate it with " + (f"python -m {package}.eval" if package else "eval")
         )
-    from runkit import plots
-    from runkit.safety.resume import run_dir_of
-
     log = run_dir_of(path) / plots.METRICS_CSV  # the earlier run's log, which the run carries on
     if log.exists() or log.is_symlink():
         try:
             plots.read_csv_log(log)
         except plots.PlotError as err:
             raise RunError(f"{err}; resume from a run whose log is intact") from err
-
-
-def _peek_checkpoint(path: Path, value: Any) -> dict[str, Any]:
-    """Load ``path`` as ``weights_only`` and memory-mapped: a file that would run code when
-    unpickled is refused without running it."""
-    import pickle
-
-    from runkit.safety.checkpoints import load_file, typed_as
-
-    try:
-        return load_file(path, mmap=True)
-    except RunError as err:
-        if not isinstance(err.__cause__, pickle.UnpicklingError):
-            raise
-        lines = [line.strip() for line in str(err.__cause__).splitlines() if "GLOBAL" in line]
-        raise RunError(
-            f"{typed_as(path, str(value))} was refused: it holds objects that loading with "
-            f"weights_only does not allow{f' ({lines[0]})' if lines else ''}; it is not loaded"
-        ) from err
 
 
 @dataclass
@@ -364,11 +338,12 @@ def claim_run_dir(cfg: DictConfig, key: str) -> None:
     global _claimed
     from runkit.run.launch import launched_externally, ranks_start_together
 
-    # torchrun and SLURM ranks start together and each checks: one line on every node
-    if is_worker_process() and not ranks_start_together():
+    # torchrun and SLURM ranks start together and each checks: one line on every node;
+    # a requeued SLURM job resumes in its own directory (runkit.run.launch.run_id)
+    if (is_worker_process() and not ranks_start_together()) or os.environ.get(
+        "SLURM_RESTART_COUNT", "0"
+    ) not in ("", "0"):
         return
-    if os.environ.get("SLURM_RESTART_COUNT", "0") not in ("", "0"):
-        return  # a requeued SLURM job resumes in its own directory (runkit.run.launch.run_id)
     try:
         directory = Path(os.path.abspath(str(OmegaConf.select(cfg, key))))  # as Hydra makes it
     except Exception:  # an unresolvable path fails later with Hydra's own message
@@ -376,12 +351,11 @@ def claim_run_dir(cfg: DictConfig, key: str) -> None:
     if found := [name for name in RUN_MARKERS if (directory / name).exists()]:
         elastic = os.environ.get("TORCHELASTIC_RUN_ID", "none")
         fix = (
-            "pick a new directory"
-            if elastic == "none"
-            else f"give torchrun a new --rdzv-id (not {elastic})"
+            "a new directory" if elastic == "none" else f"torchrun a new --rdzv-id (not {elastic})"
         )
         raise RunError(
-            f"{key}={str(directory)!r} already holds a run ({', '.join(found)}); {fix} "
+            f"{key}={str(directory)!r} already holds a run ({', '.join(found)}); "
+            f"{'pick' if elastic == 'none' else 'give'} {fix} "
             "(resuming with ckpt_path=... starts a new run directory by itself)"
         )
     sweep = key == "hydra.sweep.dir"
@@ -389,9 +363,8 @@ def claim_run_dir(cfg: DictConfig, key: str) -> None:
         sweep and _resumable_sweep(cfg) and (directory / "multirun.yaml").is_file()
     ):
         return  # torchrun / SLURM (run_id names the launch); a parallel sweep resumed there
-    marker = (
-        "multirun.yaml" if sweep else str(OmegaConf.select(cfg, "hydra.output_subdir") or ".hydra")
-    )
+    marker = "multirun.yaml" if sweep else str(OmegaConf.select(cfg, "hydra.output_subdir"))
+    marker = marker if marker != "None" else ".hydra"
     first_new = next((p for p in reversed([directory, *directory.parents]) if not p.exists()), None)
     had_files = directory.is_dir() and any(directory.iterdir())
     try:
@@ -435,8 +408,9 @@ def discard_unused(run_dir: Path) -> bool:
     if not all(removable(entry) for entry in run_dir.iterdir()):
         return False
     shutil.rmtree(run_dir)
-    for directory in run_dir.parents if claim is not None and claim.first_new else []:
-        if not directory.is_relative_to(claim.first_new):  # type: ignore[union-attr, arg-type]
+    first_new = claim.first_new if claim is not None else None
+    for directory in run_dir.parents if first_new is not None else []:
+        if not directory.is_relative_to(first_new):
             break
         try:
             directory.rmdir()
@@ -454,21 +428,13 @@ def is_worker_process() -> bool:
 def _value(node: Any, key: Any) -> Any:
     """The resolved value at ``key`` (containers as plain data), ``None`` when absent,
     ``_UNKNOWN`` when it cannot be resolved yet."""
-    if not isinstance(node, DictConfig | ListConfig) or (
-        isinstance(node, DictConfig) and key not in node
-    ):
+    if not isinstance(node, DictConfig) or key not in node:
         return None
     try:
         value = node[key]
     except Exception:  # e.g. ${hydra:runtime.output_dir} before Hydra has set it
         return _UNKNOWN
-    if isinstance(value, DictConfig | ListConfig):
-        return OmegaConf.to_container(value, resolve=False)
-    return value
-
-
-def _is_int(value: Any, low: int, high: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+    return OmegaConf.to_container(value) if isinstance(value, DictConfig | ListConfig) else value
 
 
 def _locate(target: str, path: str) -> Any:
