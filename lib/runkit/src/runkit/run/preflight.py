@@ -10,6 +10,7 @@ atomically; a run that fails before writing anything is removed by :func:`discar
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import math
 import os
@@ -176,24 +177,33 @@ def check_targets(node: DictConfig, path: str) -> None:
 def _check_types(node: DictConfig, path: str, target: Any, keys: list[str]) -> None:
     """Merge the values into a schema of the target's annotations that OmegaConf can type
     (int, float, bool, str, Optional[...]; the rest are Any); interpolations wait for the run."""
-    try:
-        hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
-    except Exception:  # unresolvable forward references: no type checks for this target
-        return
+    hints = _hints(target)
     values = OmegaConf.to_container(node, resolve=False)
     assert isinstance(values, dict)
     try:
-        fields = [(k, _typed(hints.get(k, Any)), field(default=MISSING)) for k in keys]
-        OmegaConf.merge(make_dataclass("Schema", fields), {k: values[k] for k in keys})
+        OmegaConf.merge(_schema(target, tuple(keys)), {k: values[k] for k in keys})
     except ValidationError as err:
         key = str(err.full_key).split(".")[0]
-        expected = hints[key]
-        name = str(expected).replace("typing.", "")
-        if typing.get_origin(expected) is None:
-            name = getattr(expected, "__name__", name)
+        name = str(hints[key]).replace("typing.", "")
+        if typing.get_origin(hints[key]) is None:
+            name = getattr(hints[key], "__name__", name)
         raise RunError(
             f"{path}.{key}={_value(node, key)!r} has the wrong type; expected {name}"
         ) from None
+
+
+@functools.cache
+def _hints(target: Any) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
+    except Exception:  # unresolvable forward references: no type checks for this target
+        return {}
+
+
+@functools.cache
+def _schema(target: Any, keys: tuple[str, ...]) -> Any:
+    fields = [(k, _typed(_hints(target).get(k, Any)), field(default=MISSING)) for k in keys]
+    return OmegaConf.structured(make_dataclass("Schema", fields))
 
 
 def _typed(hint: Any) -> Any:
