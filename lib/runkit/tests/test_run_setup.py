@@ -5,7 +5,6 @@ anything exists, and eval builds its Trainer with the same hardware settings as 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -26,16 +25,8 @@ from runkit.safety.checkpoints import AtomicCheckpointIO, save_weights
 from runkit.safety.interrupts import GracefulInterrupt
 from runkit.safety.resume import ResumeState
 
-LAUNCH_ENV = (
-    "LOCAL_RANK",
-    "RANK",
-    "NODE_RANK",
-    "SLURM_PROCID",
-    "SLURM_JOB_ID",
-    "SLURM_RESTART_COUNT",
-    "TORCHELASTIC_RUN_ID",
-    "LSB_JOBID",
-)
+LAUNCH_ENV = ("LOCAL_RANK", "RANK", "NODE_RANK", "SLURM_PROCID", "SLURM_JOB_ID",
+              "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "LSB_JOBID")  # fmt: skip
 
 
 def composed(*overrides: str, name: str = "train") -> DictConfig:
@@ -71,34 +62,24 @@ def test_safety_parts_are_config_nodes_and_reach_the_trainer(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize(
-    ("override", "line"),
+    ("overrides", "line"),
     [
-        ("~callbacks.graceful_interrupt", "callbacks.graceful_interrupt removed: Ctrl-C/SIGTERM"),
-        ("~callbacks.resume_state", "callbacks.resume_state removed: a resumed run"),
-        ("trainer.plugins=[]", "trainer.plugins has no AtomicCheckpointIO: checkpoint writes"),
+        (["~callbacks.graceful_interrupt"], "callbacks.graceful_interrupt removed: Ctrl-C/SIGTERM"),
+        (["~callbacks.resume_state"], "callbacks.resume_state removed: a resumed run"),
+        (["trainer.plugins=[]"], "trainer.plugins has no AtomicCheckpointIO: checkpoint writes"),
+        ([], None),  # a complete run, and a test-only run (which needs none of them): silent
+        (["train=false", "callbacks=none", "trainer.plugins=[]"], None),
     ],
 )
 def test_removing_a_safety_part_works_and_says_what_is_lost(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, override: str, line: str
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, overrides: list[str], line: str | None
 ) -> None:
-    cfg = composed(f"paths.output_dir={tmp_path}", "trainer.accelerator=cpu", override)
+    cfg = composed(f"paths.output_dir={tmp_path}", "trainer.accelerator=cpu", *overrides)
     with caplog.at_level(logging.WARNING, logger=builders.__name__):
         trainer = builders.build_trainer(cfg)
     said = [r.getMessage() for r in caplog.records if r.name == builders.__name__]
-    assert len(said) == 1 and said[0].startswith(line), said
+    assert said == [] if line is None else len(said) == 1 and said[0].startswith(line), said
     assert trainer.max_epochs == cfg.trainer.max_epochs  # the run is built all the same
-
-
-def test_a_complete_run_and_a_test_only_run_say_nothing(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    with caplog.at_level(logging.WARNING, logger=builders.__name__):
-        builders.build_trainer(composed(f"paths.output_dir={tmp_path}", "trainer.accelerator=cpu"))
-        builders.build_trainer(
-            composed(f"paths.output_dir={tmp_path}", "trainer.accelerator=cpu", "train=false",
-                     "callbacks=none", "trainer.plugins=[]")
-        )  # fmt: skip
-    assert [r for r in caplog.records if r.name == builders.__name__] == []
 
 
 # ------------------------------------------------------------------------------------------------
@@ -187,14 +168,6 @@ def test_an_unused_run_directory_goes_with_the_parents_its_claim_made(
 # The checkpoint a run reads, checked before the run directory exists
 
 
-class _Payload:
-    def __init__(self, target: Path) -> None:
-        self.target = target
-
-    def __reduce__(self) -> tuple:
-        return (os.system, (f"touch '{self.target}'",))
-
-
 def _inputs_cfg(ckpt: Path | str, log_dir: Path, **keys: Any) -> DictConfig:
     return OmegaConf.create({"ckpt_path": str(ckpt), "paths": {"log_dir": str(log_dir)}, **keys})
 
@@ -208,16 +181,6 @@ def test_check_inputs_tells_a_checkpoint_from_weights(tmp_path: Path) -> None:
     preflight.check_inputs(_inputs_cfg(weights, tmp_path, train=False))  # test only
     with pytest.raises(RunError, match=r"holds only weights .* cannot resume"):
         preflight.check_inputs(_inputs_cfg(weights, tmp_path, train=True))
-
-
-def test_check_inputs_refuses_a_malicious_checkpoint_without_running_it(tmp_path: Path) -> None:
-    evil, ran = tmp_path / "evil dir é" / "evil.ckpt", tmp_path / "payload_ran"
-    evil.parent.mkdir()
-    torch.save({"state_dict": {}, "trap": _Payload(ran)}, evil)
-    with pytest.raises(RunError, match=r"was refused: .*GLOBAL posix.system") as info:
-        preflight.check_inputs(_inputs_cfg(evil, tmp_path, train=True))
-    assert "\n" not in str(info.value)
-    assert not ran.exists()
 
 
 # ------------------------------------------------------------------------------------------------
