@@ -57,32 +57,24 @@ def error_lines(stderr: str) -> list[str]:
 
 
 def test_override_survives_bash_and_hydra_for_hostile_values_and_keeps_their_type() -> None:
-    values = [*HOSTILE, 16, -1, 0.5, True, False, None]
+    scalars = [*HOSTILE, 16, -1, 0.5, True, False, None]
+    values = [*scalars, [*scalars, ["a b", 2]], ()]  # and lists of them
     words = bash_words(" ".join(quoting.override("ckpt_path", v) for v in values))
     assert len(words) == len(values), words  # one word each: nothing split, nothing expanded
     for word, value in zip(words, values, strict=True):
         assert word.startswith("ckpt_path="), word
         got = config_value(word)
-        assert got == value and type(got) is type(value), (value, word, got)
+        got = OmegaConf.to_container(got, resolve=True) if OmegaConf.is_list(got) else got  # type: ignore[arg-type]
+        assert repr(got) == repr(list(value) if value == () else value), (value, word)
 
 
 def test_override_survives_random_strings() -> None:
     alphabet = list(" é日'\"\\$={}[](),:;|&<>`~!?*#%@+-./_\t\nab01")
     rng = random.Random(24)
-    for _ in range(3000):
+    for _ in range(1000):
         value = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 14)))
         (word,) = shlex.split(quoting.override("k", value))  # POSIX shell rules
         assert config_value(word) == value, (value, quoting.override("k", value))
-
-
-def test_override_of_a_list_survives_bash_and_hydra_for_hostile_values() -> None:
-    values = [*HOSTILE, 16, -1, 0.5, True, None, ["a b", 2]]
-    (word,) = bash_words(quoting.override("trusted_targets", values))
-    got = OmegaConf.to_container(config_value(word), resolve=True)  # type: ignore[arg-type]
-    assert got == values, word
-    assert [type(v) for v in got] == [type(v) for v in values]  # type: ignore[union-attr]
-    assert bash_words(quoting.override("k", ())) == ["k=[]"]
-    assert config_value("k=[]") == []
 
 
 def test_plain_values_stay_as_a_user_types_them() -> None:
