@@ -16,13 +16,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities import apply_to_collection
 
-from runkit import compat
 from runkit.errors import RunError
 from runkit.safety.checkpoints import atomic_write
 
@@ -78,7 +78,6 @@ class PredictionWriter(BasePredictionWriter):
         super().__init__(write_interval="epoch")
         self.output_dir = Path(output_dir)
         self.written: list[Path] = []
-        compat.skip_unused_batch_hooks(self)
 
     def write_on_epoch_end(
         self,
@@ -128,17 +127,8 @@ def _in_dataset_order(shares: list[tuple[list[Any], list[list[int]]]]) -> tuple[
     else:  # a loader Lightning cannot index (an IterableDataset): the order it gave
         log.info("The predict loader has no sampler to index: the rows are in the order it gave")
         flat = torch.arange(counted)
-    index, first = _first_of_each(flat)
-    return _take(rows, first), index
-
-
-def _first_of_each(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sorted distinct indices and the position of each one's first row (padding repeats)."""
-    order = torch.sort(flat, stable=True).indices
-    ordered = flat[order]
-    keep = torch.ones_like(ordered, dtype=torch.bool)
-    keep[1:] = ordered[1:] != ordered[:-1]
-    return ordered[keep], order[keep]
+    index, first = np.unique(flat.numpy(), return_index=True)  # each index once (padding)
+    return _take(rows, torch.from_numpy(first)), torch.from_numpy(index)
 
 
 def _concat(batches: list[Any]) -> Any:
@@ -155,16 +145,9 @@ def _concat(batches: list[Any]) -> Any:
     )
 
 
-def _tensors(rows: Any) -> list[torch.Tensor]:
-    if isinstance(rows, torch.Tensor):
-        return [rows]
-    return [
-        t for part in (rows.values() if isinstance(rows, Mapping) else rows) for t in _tensors(part)
-    ]
-
-
 def _rows(rows: Any) -> int:
-    counts = {len(t) for t in _tensors(rows)}
+    counts: set[int] = set()
+    apply_to_collection(rows, torch.Tensor, lambda t: counts.add(len(t)))
     if len(counts) != 1:
         raise RunError(
             f"predict_step returned parts with different numbers of rows ({sorted(counts)}): "
