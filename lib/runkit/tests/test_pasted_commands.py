@@ -52,7 +52,6 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error: ")]
 
 
-# ------------------------------------------------------------------------------------------------
 # The function every printing site uses
 
 
@@ -138,7 +137,6 @@ def test_resume_command_pastes_back_the_overrides_and_the_checkpoint(
     assert config_value(words[program]) == "/data/it's $HOME=a,b [x] é"
 
 
-# ------------------------------------------------------------------------------------------------
 # The real CLI: print, paste, run
 
 
@@ -246,7 +244,6 @@ def test_trainer_precision_hint_leads_to_a_run_that_works(cli: CliRunner, tmp_pa
     assert OmegaConf.load(run / "config.yaml").precision == "16-mixed"
 
 
-# ------------------------------------------------------------------------------------------------
 # Sweeps
 
 
