@@ -1,11 +1,8 @@
 """What ``predict`` runs on which loader, and its files: predictions in dataset order.
 
-``predictions.pt`` (``torch.load(path, weights_only=True)``) holds ``"predictions"`` (every item's,
-concatenated along the first dimension: a tensor, or the dict/list/tuple ``predict_step`` returns)
-and ``"index"`` (each row's dataset index). ``predictions.csv`` beside it holds ``index,prediction``
-(one value per item) or ``index,class`` (the argmax of ``N x C`` scores). Several predict loaders
-write ``predictions_<i>.*``. Under DDP the rows are put back in dataset order, each item once, by
-the indices Lightning records, and rank 0 writes the files.
+``predictions.pt`` holds ``"predictions"`` (every item's, along the first dimension) and
+``"index"`` (each row's dataset index); ``predictions.csv`` holds ``index,prediction`` or
+``index,class`` (the argmax of ``N x C`` scores). Under DDP rank 0 gathers and writes.
 """
 
 from __future__ import annotations
@@ -27,8 +24,6 @@ from runkit.errors import RunError
 from runkit.safety.checkpoints import atomic_write
 
 log = logging.getLogger(__name__)
-
-PREDICTIONS_FILE = "predictions.pt"
 
 
 def prepare_predict(model: LightningModule, datamodule: LightningDataModule) -> str:
@@ -103,7 +98,7 @@ class PredictionWriter(BasePredictionWriter):
 def _gather_to_rank_zero(share: Any, world_size: int) -> list[Any]:
     if world_size < 2 or not torch.distributed.is_initialized():
         return [share]
-    gathered: list[Any] | None = [None] * world_size if torch.distributed.get_rank() == 0 else None
+    gathered = [None] * world_size if torch.distributed.get_rank() == 0 else None
     torch.distributed.gather_object(share, gathered, dst=0)
     return gathered or []
 
