@@ -246,42 +246,27 @@ def test_bad_input_is_one_line_and_loses_nothing(world: dict[str, Path], case: C
     assert not created, f"a run that never started left {created}"
 
 
-# The reliability page's table: | `<id>` | <what is wrong> | <the line> (exit <code>) | `<file>` |;
-# every case here has a row, and a row naming another file names a test defined there.
-
-
-def readme_rows() -> list[list[str]]:
+def test_reliability_table_lists_every_case() -> None:
+    """lib/runkit/docs/reliability.md's table, ``| `<id>` | <what> | <line> (exit <code>) |
+    `<file>` |``: a row for every case here, and a row naming another file names its test."""
     text = (ROOT / "lib" / "runkit" / "docs" / "reliability.md").read_text()
-    match = re.search(r"^# Reliability\n(.*?)(?=^## |\Z)", text, flags=re.M | re.S)
-    assert match, "README.md has no '## Reliability' section with the table of bad inputs"
     rows = [
-        [cell.strip() for cell in line.strip().strip("|").split("|")]
-        for line in match.group(1).splitlines()
+        [cell.strip().strip("`") for cell in line.strip().strip("|").split("|")]
+        for line in text.split("\n## ")[0].splitlines()
         if line.startswith("| `")
     ]
-    assert rows, "README.md's reliability section has no table rows"
-    return rows
-
-
-def test_readme_reliability_table_lists_every_case() -> None:
-    cases = {case.id: case for case in CASES}
-    listed = set()
-    for row in readme_rows():
+    cases, listed = {case.id: case for case in CASES}, set()
+    for row in rows:
         assert len(row) == 4, f"a reliability row needs 4 cells: {row}"
-        case_id, _, shown, test_file = (cell.strip("`") for cell in row)
-        path = ROOT / "lib" / "runkit" / test_file  # the library README's own paths
-        assert path.is_file(), f"README reliability row {case_id!r} names {test_file}: no such file"
-        if path.name == Path(__file__).name:
-            assert case_id in cases, f"README reliability row {case_id!r} is not a case here"
-            case = cases[case_id]
-            assert case.expect in shown, f"row {case_id!r} should show {case.expect!r}"
-            assert f"(exit {case.code})" in shown, f"row {case_id!r} should say (exit {case.code})"
-            listed.add(case_id)
-        else:
-            source = path.read_text()
-            defined = re.search(
-                rf"def {re.escape(case_id)}\(|[\"']{re.escape(case_id)}[\"']", source
-            )
-            assert defined, f"README reliability row {case_id!r}: no such test in {test_file}"
-    missing = sorted(set(cases) - listed)
-    assert not missing, f"cases without a row in README.md's reliability table: {missing}"
+        case_id, _, shown, test_file = row
+        path = ROOT / "lib" / "runkit" / test_file  # the library's own paths
+        assert path.is_file(), f"reliability row {case_id!r} names {test_file}: no such file"
+        if path.name != Path(__file__).name:
+            defined = rf"def {re.escape(case_id)}\(|[\"']{re.escape(case_id)}[\"']"
+            assert re.search(defined, path.read_text()), f"{case_id!r}: no such test in {test_file}"
+            continue
+        assert case_id in cases, f"reliability row {case_id!r} is not a case here"
+        assert cases[case_id].expect in shown, f"row {case_id!r} should show the line"
+        assert f"(exit {cases[case_id].code})" in shown, f"row {case_id!r}: exit code"
+        listed.add(case_id)
+    assert listed == set(cases), f"cases without a row: {sorted(set(cases) - listed)}"

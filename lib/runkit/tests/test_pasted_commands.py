@@ -159,16 +159,9 @@ def test_resume_command_printed_after_ctrl_c_resumes_when_pasted_into_bash(tmp_p
     env = clean_env()
     env.pop("PYTHONPATH", None)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # `python`
+    argv = [sys.executable, "-m", "project.train", "--config-dir", "my configs", "model=mine"]
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "project.train",
-            "--config-dir",
-            "my configs",
-            "model=mine",
-            *overrides,
-        ],
+        [*argv, *overrides],
         cwd=tmp_path,
         env={**env, "PYTHONPATH": str(TESTS)},
         stdout=subprocess.PIPE,

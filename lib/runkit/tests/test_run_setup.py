@@ -161,19 +161,14 @@ def test_an_unused_run_directory_goes_with_the_parents_its_claim_made(
 # The checkpoint a run reads, checked before the run directory exists
 
 
-def _inputs_cfg(ckpt: Path | str, log_dir: Path, **keys: Any) -> DictConfig:
-    return OmegaConf.create({"ckpt_path": str(ckpt), "paths": {"log_dir": str(log_dir)}, **keys})
-
-
 def test_check_inputs_tells_a_checkpoint_from_weights(tmp_path: Path) -> None:
     ckpt, weights = tmp_path / "last.ckpt", tmp_path / "model.pth"
     torch.save({"state_dict": {"net.w": torch.ones(2)}, "pytorch-lightning_version": "2.6"}, ckpt)
     torch.save({"w": torch.ones(2)}, weights)
-    preflight.check_inputs(_inputs_cfg(ckpt, tmp_path, train=True))  # resumes
-    preflight.check_inputs(_inputs_cfg(weights, tmp_path))  # eval's config: any weights
-    preflight.check_inputs(_inputs_cfg(weights, tmp_path, train=False))  # test only
+    preflight.check_inputs(str(ckpt), str(tmp_path), resumes=True)
+    preflight.check_inputs(str(weights), str(tmp_path), resumes=False)  # eval, or test only
     with pytest.raises(RunError, match=r"holds only weights .* cannot resume"):
-        preflight.check_inputs(_inputs_cfg(weights, tmp_path, train=True))
+        preflight.check_inputs(str(weights), str(tmp_path), resumes=True)
 
 
 # eval: the same Trainer settings as train
@@ -277,7 +272,7 @@ def test_the_preflight_turns_the_collector_back_on_for_a_sweeps_parent(
     # A sweep's parent runs no job in-process (the parallel launcher starts each as a process
     # of its own): its collector comes back on after the preflight's imports.
     for name in ("check_config", "check_inputs", "claim_run_dir"):
-        monkeypatch.setattr(preflight, name, lambda *args: None)
+        monkeypatch.setattr(preflight, name, lambda *args, **kwargs: None)
     monkeypatch.setattr(preflight, "_resumable_sweep", lambda config: False)
     monkeypatch.setattr(collector, "_collector_paused", False)
     before = gc.get_freeze_count()

@@ -49,7 +49,13 @@ class PreflightCallback(Callback):
     def _check(config: DictConfig, dir_key: str) -> None:
         try:
             check_config(config)
-            check_inputs(config)
+            trains = "train" in config  # eval's config has no `train` key: it reads any weights
+            check_inputs(
+                _value(config, "ckpt_path"),
+                _value(config.get("paths"), "log_dir"),
+                resumes=trains and bool(config.get("train")),
+                task=str(config.get("task_name") or "train") if trains else "train",
+            )
             resume_collector(freeze=True)  # check_config imported every _target_: the heavy part
             if dir_key == "hydra.sweep.dir" and _resumable_sweep(config):
                 from runkit.run.sweep import check_n_jobs
@@ -285,20 +291,17 @@ def _try_partial(node: DictConfig, path: str, target: Any) -> None:
     raise RunError(f"{path} is invalid: {name} refuses its values ({reason})") from error
 
 
-def check_inputs(cfg: DictConfig) -> None:
-    """The checkpoint in ``ckpt_path`` must be there, readable without running code, and one a
-    resumed training can start from (kept apart from :func:`check_config`, which reads no file)."""
+def check_inputs(value: Any, log_dir: Any, resumes: bool, task: str = "train") -> None:
+    """The checkpoint ``ckpt_path=value`` must be there, readable without running code, and,
+    when training ``resumes`` from it, a Lightning checkpoint with an intact log."""
     import pickle
 
     from runkit import plots
     from runkit.safety import checkpoints
     from runkit.safety.resume import run_dir_of
 
-    value, log_dir = _value(cfg, "ckpt_path"), _value(cfg.get("paths"), "log_dir")
-    if value in (None, "", _UNKNOWN, "???") or (value == "last" and not isinstance(log_dir, str)):
+    if value in (None, "", _UNKNOWN) or (value == "last" and not isinstance(log_dir, str)):
         return
-    trains = "train" in cfg  # a training config; eval's has no `train` key and reads any weights
-    task = str(cfg.get("task_name") or "train") if trains else "train"
     path = checkpoints.resolve_ckpt_path(str(value), str(log_dir), task)
     assert path is not None
     typed = checkpoints.typed_as(path, str(value))
@@ -312,7 +315,7 @@ def check_inputs(cfg: DictConfig) -> None:
             f"{typed} was refused: it holds objects that loading with weights_only does not "
             f"allow{f' ({lines[0]})' if lines else ''}; it is not loaded"
         ) from err
-    if not (trains and cfg.get("train")):
+    if not resumes:
         return
     if not ("pytorch-lightning_version" in data and isinstance(data.get("state_dict"), dict)):
         spec = getattr(sys.modules.get("__main__"), "__spec__", None)
