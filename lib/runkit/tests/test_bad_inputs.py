@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -157,55 +156,42 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     train(*FAST, f"paths.log_dir={logs}")
     (run,) = run_dirs(logs)
     bad = root / "bad inputs é"
-    bad.mkdir()
-    (bad / "empty.ckpt").write_bytes(b"")
-    data = (run / "checkpoints" / "last.ckpt").read_bytes()
-    (bad / "half.ckpt").write_bytes(data[: len(data) // 2])
+    ckpt = (run / "checkpoints" / "last.ckpt").read_bytes()
     weights = (run / "model.pth").read_bytes()
-    (bad / "half.pth").write_bytes(weights[: len(weights) // 2])
-    (bad / "notes.txt").write_text("not a checkpoint\n")
-    (bad / "a_file").write_text("a regular file, not a directory\n")
+    config = (run / "config.yaml").read_text()
+    crafted = OmegaConf.create(config)  # the same run, with an MLP for the ConvNet
+    crafted.model.net = {"_target_": "project.models.nets.MLP", "in_features": 64,
+                         "hidden": [16], "num_classes": 10, "dropout": 0.0}  # fmt: skip
+    files = {
+        "empty.ckpt": b"", "half.ckpt": ckpt[: len(ckpt) // 2],
+        "half.pth": weights[: len(weights) // 2], "notes.txt": b"not a checkpoint\n",
+        "a_file": b"a regular file, not a directory\n",
+        "empty_last/train/runs/r/checkpoints/last.ckpt": b"",
+        "other_arch/model.pth": weights, "other_arch/config.yaml": OmegaConf.to_yaml(crafted),
+        "broken_config/model.pth": weights,
+        "broken_config/config.yaml": config[: len(config) // 3] + "\n  net: [unclosed\n",
+        "configs/experiment/broken.yaml": "# @package _global_\ntrainer:\n  max_epochs: [1\n",
+        # saved by a Latin-1 editor
+        "configs/experiment/latin1.yaml":
+            "# @package _global_\n# réglages\ntrainer:\n  max_epochs: 2\n".encode("latin-1"),
+        # as copier update leaves it
+        "conflicted/experiment/updated.yaml": "# @package _global_\ntrainer:\n<<<<<<< before "
+            "updating\n  max_epochs: 2\n=======\n  max_epochs: 3\n>>>>>>> after updating\n",
+    }  # fmt: skip
+    for name, content in files.items():
+        (bad / name).parent.mkdir(parents=True, exist_ok=True)
+        data = content.encode() if isinstance(content, str) else content
+        (bad / name).write_bytes(data)
     (bad / "empty_logs").mkdir()
-    (bad / "empty_last" / "train" / "runs" / "r" / "checkpoints").mkdir(parents=True)
-    (bad / "empty_last" / "train" / "runs" / "r" / "checkpoints" / "last.ckpt").write_bytes(b"")
+    (bad / "starting" / ".hydra").mkdir(parents=True)  # another run has just claimed it
     os.mkfifo(bad / "pipe.ckpt")
+    torch.save({"state_dict": {}, "trap": Evil(bad / PAYLOAD_FILE)}, bad / "evil.ckpt")
     train(  # a module without test_step (Lightning's DemoModel)
         *budget_for(BORING),
         *BORING,
         "+model._target_=lightning.pytorch.demos.boring_classes.DemoModel",
         "callbacks.model_checkpoint.monitor=null",
         f"paths.log_dir={root / 'demo_logs'}",
-    )
-    torch.save({"state_dict": {}, "trap": Evil(bad / PAYLOAD_FILE)}, bad / "evil.ckpt")
-    (bad / "starting" / ".hydra").mkdir(parents=True)  # another run has just claimed it
-    other = bad / "other_arch"
-    other.mkdir()
-    shutil.copy(run / "model.pth", other / "model.pth")
-    config = (run / "config.yaml").read_text()
-    crafted = OmegaConf.create(config)  # the same run, with an MLP for the ConvNet
-    crafted.model.net = {
-        "_target_": "project.models.nets.MLP",
-        "in_features": 64,
-        "hidden": [16],
-        "num_classes": 10,
-        "dropout": 0.0,
-    }
-    OmegaConf.save(crafted, other / "config.yaml")
-    broken = bad / "broken_config"
-    broken.mkdir()
-    shutil.copy(run / "model.pth", broken / "model.pth")
-    (broken / "config.yaml").write_text(config[: len(config) // 3] + "\n  net: [unclosed\n")
-    (bad / "configs" / "experiment").mkdir(parents=True)
-    (bad / "configs" / "experiment" / "broken.yaml").write_text(
-        "# @package _global_\ntrainer:\n  max_epochs: [1\n"
-    )
-    (bad / "configs" / "experiment" / "latin1.yaml").write_bytes(  # saved by a Latin-1 editor
-        "# @package _global_\n# réglages\ntrainer:\n  max_epochs: 2\n".encode("latin-1")
-    )
-    (bad / "conflicted" / "experiment").mkdir(parents=True)
-    (bad / "conflicted" / "experiment" / "updated.yaml").write_text(  # as copier update leaves it
-        "# @package _global_\ntrainer:\n<<<<<<< before updating\n  max_epochs: 2\n=======\n"
-        "  max_epochs: 3\n>>>>>>> after updating\n"
     )
     (demo_run,) = run_dirs(root / "demo_logs")
     return {"root": root, "logs": logs, "run": run, "in": bad, "demo": demo_run}
