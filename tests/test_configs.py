@@ -149,7 +149,7 @@ BAD = [
     (["seed=null"], r"^seed=None is invalid"),
     (["paths.log_dir="], r"^paths\.log_dir is empty; expected a directory$"),
     (["trainer.max_epochs=abc"], r"^trainer\.max_epochs='abc' has the wrong type; expected Optional\[int\]$"),
-    (["data.batch_size=[1]"], r"^data\.batch_size=\[1\] has the wrong type; expected int$"),
+    (["data.batch_size='3'"], r"^data\.batch_size='3' has the wrong type; expected int$"),  # not converted
     (["trainer.accelerator=abacus"], r"^trainer\.accelerator='abacus' does not exist; .*cpu"),
     ([f"trainer.plugins=[{{_target_: {PLUGIN}, nope: 1}}]"],
      r"^trainer\.plugins\[0\]\.nope is not an argument of"),

@@ -123,7 +123,8 @@ def _in_dataset_order(shares: list[tuple[list[Any], list[list[int]]]]) -> tuple[
         log.info("The predict loader has no sampler to index: the rows are in the order it gave")
         flat = torch.arange(counted)
     index, first = np.unique(flat.numpy(), return_index=True)  # each index once (padding)
-    return _take(rows, torch.from_numpy(first)), torch.from_numpy(index)
+    first_rows = torch.from_numpy(first)
+    return apply_to_collection(rows, torch.Tensor, lambda t: t[first_rows]), torch.from_numpy(index)
 
 
 def _concat(batches: list[Any]) -> Any:
@@ -149,10 +150,6 @@ def _rows(rows: Any) -> int:
             "each must have the batch as its first dimension"
         )
     return counts.pop()
-
-
-def _take(rows: Any, positions: torch.Tensor) -> Any:
-    return apply_to_collection(rows, torch.Tensor, lambda t: t[positions])
 
 
 def _write(rows: Any, index: torch.Tensor, out: Path, stem: str) -> list[Path]:

@@ -19,6 +19,7 @@ import sys
 import typing
 from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
+from types import UnionType
 from typing import Any
 
 from hydra.experimental.callback import Callback
@@ -182,20 +183,31 @@ def check_targets(node: DictConfig, path: str) -> None:
 
 def _check_types(node: DictConfig, path: str, target: Any, keys: list[str]) -> None:
     """Merge the values into a schema of the target's annotations that OmegaConf can type
-    (int, float, bool, str, Optional[...]; the rest are Any); interpolations wait for the run."""
-    hints = _hints(target)
+    (int, float, bool, str, Optional[...]; the rest are Any): a value OmegaConf refuses, or
+    would convert (``"3"`` for an int, ``3`` for a str; an int for a float is fine), is the wrong
+    type. Interpolations wait for the run."""
     values = OmegaConf.to_container(node, resolve=False)
     assert isinstance(values, dict)
     try:
-        OmegaConf.merge(_schema(target, tuple(keys)), {k: values[k] for k in keys})
+        merged = OmegaConf.merge(_schema(target, tuple(keys)), {k: values[k] for k in keys})
+        kept = OmegaConf.to_container(merged, resolve=False)
+        assert isinstance(kept, dict)
+        wrong = [k for k in keys if _converted(values[k], kept[k])]
     except ValidationError as err:
-        key = str(err.full_key).split(".")[0]
-        name = str(hints[key]).replace("typing.", "")
-        if typing.get_origin(hints[key]) is None:
-            name = getattr(hints[key], "__name__", name)
+        wrong = [str(err.full_key).split(".")[0]]
+    if wrong:
+        expected = _hints(target)[wrong[0]]
+        name = str(expected).replace("typing.", "")
+        if typing.get_origin(expected) is None:
+            name = getattr(expected, "__name__", name)
         raise RunError(
-            f"{path}.{key}={_value(node, key)!r} has the wrong type; expected {name}"
-        ) from None
+            f"{path}.{wrong[0]}={_value(node, wrong[0])!r} has the wrong type; expected {name}"
+        )
+
+
+def _converted(given: Any, kept: Any) -> bool:
+    widened = isinstance(given, int) and not isinstance(given, bool) and isinstance(kept, float)
+    return type(given) is not type(kept) and not widened
 
 
 @functools.cache
@@ -213,12 +225,13 @@ def _schema(target: Any, keys: tuple[str, ...]) -> Any:
 
 
 def _typed(hint: Any) -> Any:
-    """``hint`` where an OmegaConf schema can hold it, else ``Any``."""
-    try:
-        OmegaConf.structured(make_dataclass("Probe", [("v", hint, field(default=MISSING))]))
-    except Exception:
+    """``hint`` when it is a plain scalar type (or Optional of one), else ``Any``."""
+    union = typing.get_origin(hint) in (typing.Union, UnionType)
+    args = list(typing.get_args(hint)) if union else [hint]
+    scalar = [arg for arg in args if arg is not type(None)]
+    if len(scalar) != 1 or scalar[0] not in (int, float, bool, str):
         return Any
-    return hint
+    return typing.Optional[scalar[0]] if len(args) > 1 else scalar[0]  # noqa: UP045
 
 
 def check_strategy(strategy: Any) -> None:
