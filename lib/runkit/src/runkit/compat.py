@@ -50,14 +50,6 @@ def _trainer_attribute(name: str) -> Callable[[], bool]:
     return lambda: hasattr(_trainer(), name)
 
 
-def _compiled_marker() -> bool:
-    import torch
-
-    net, plain = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
-    net.compile()  # marks the module; nothing is compiled before the first call
-    return net._compiled_call_impl is not None and plain._compiled_call_impl is None
-
-
 def _default_store_probe() -> bool:
     import torch.distributed.distributed_c10d as c10d
 
@@ -153,21 +145,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
                 "lightning.pytorch.callbacks.progress.rich_progress:CustomProgress.stop"
             ).__code__.co_names
         ),
-    ),
-    PrivateApi(
-        "torch.nn:Module",
-        "_compiled_call_impl",
-        "runkit.speed, runkit.strategies.dp",
-        "whether nn.Module.compile was called (compile once; refuse DP of a compiled network)",
-        _compiled_marker,
-    ),
-    PrivateApi(
-        "torch.nn:Module",
-        "_modules",
-        "runkit.strategies.dp",
-        "pl_module.net shadowed by the DataParallel wrapper without registering it, so "
-        "parameters and state_dict keys stay those of the network",
-        lambda: "net" in _linear_holder()._modules,
     ),
     PrivateApi(
         "torch.distributed.distributed_c10d",
@@ -310,16 +287,6 @@ def _trainer() -> Any:
 
 def _trainer_attribute_value(name: str) -> Any:
     return getattr(_trainer(), name)
-
-
-def _linear_holder() -> Any:
-    import torch
-
-    holder, wrapper = torch.nn.Module(), torch.nn.Identity()
-    holder.net = torch.nn.Linear(1, 1)
-    vars(holder)["net"] = wrapper  # what DataParallelStrategy does
-    assert holder.net is wrapper and list(holder.state_dict()) == ["net.weight", "net.bias"]
-    return holder
 
 
 def check_all() -> list[str]:
