@@ -1,9 +1,6 @@
-"""Every private Lightning, torch, OmegaConf and Hydra API the library relies on, in one list.
-
-Each entry names the access, who uses it and why no public API does the job, and has a probe
-that the test suite runs, so a release that moves one fails in a line naming it. The simplest
-accesses live here as functions. Import-light: the probes import what they check.
-"""
+"""Every private Lightning, torch and Hydra API the library relies on, in one list: each entry
+names the access, who uses it and why no public API does the job, and has a probe that
+test_compat runs, so a release that moves one fails in a line naming it. Import-light."""
 
 from __future__ import annotations
 
@@ -28,7 +25,7 @@ class PrivateApi:
         """``None`` while the access still works; else one line naming it and who breaks."""
         detail = ""
         try:
-            if self.probe() if self.probe else hasattr(_resolve(self.owner), self.name):
+            if (self.probe or (lambda: hasattr(_resolve(self.owner), self.name)))():
                 return None
         except Exception as err:  # an import that moved, a signature that changed
             detail = f" ({type(err).__name__}: {err})"
@@ -287,11 +284,6 @@ def _trainer() -> Any:
 
 def _trainer_attribute_value(name: str) -> Any:
     return getattr(_trainer(), name)
-
-
-def check_all() -> list[str]:
-    """One line per private access that no longer works in the installed releases."""
-    return [line for api in PRIVATE_APIS if (line := api.missing()) is not None]
 
 
 BATCH_HOOKS = (
