@@ -308,17 +308,9 @@ def skip_unused_batch_hooks(callback: Any) -> None:
     calls a step otherwise, whatever they do). Private: see PRIVATE_APIS."""
     from lightning.pytorch import Callback
 
-    skip_hooks(
-        callback,
-        *(n for n in BATCH_HOOKS if getattr(type(callback), n, None) is getattr(Callback, n)),
-    )
-
-
-def skip_hooks(callback: Any, *names: str) -> None:
-    """Leave ``callback`` out of Lightning's dispatch of the hooks ``names`` (private: see
-    PRIVATE_APIS; how, see :func:`skip_unused_batch_hooks`)."""
-    for name in names:
-        setattr(callback, name, None)
+    for name in BATCH_HOOKS:
+        if getattr(type(callback), name, None) is getattr(Callback, name):
+            setattr(callback, name, None)
 
 
 def fit_batch_index(trainer: Any) -> int:
