@@ -137,7 +137,8 @@ def test_ddp_metrics_count_every_sample_once(cli: CliRunner, log_dir: Path, tmp_
     (validated,) = trainer.validate(model, datamodule=data, verbose=False)
     (tested,) = trainer.test(model, datamodule=data, verbose=False)
     assert len(data.val_set) == len(data.test_set) == 305
-    assert 0.7 < validated["val/acc"] == logged["val/acc"] < 1.0
+    assert validated["val/acc"] == logged["val/acc"] < 1.0
+    assert logged["val/acc"] > 0.7  # far above chance
     assert tested["test/acc"] == logged["test/acc"] < 1.0
     assert validated["val/loss"] == pytest.approx(logged["val/loss"], rel=1e-6, abs=0)
     assert tested["test/loss"] == pytest.approx(logged["test/loss"], rel=1e-6, abs=0)
