@@ -1,4 +1,5 @@
-"""Learning curves and GPU statistics of finished runs as one image (``python -m runkit.plot``).
+"""Draw the learning curves (and GPU statistics, when logged) of finished runs; a sweep
+directory stands for its jobs, several runs are drawn side by side.
 
 Every training run draws its ``curves.png`` at the end (:func:`after_run`); matplotlib is an
 optional extra, so a missing plot never fails a run. Drawing uses the Agg canvas, no pyplot state.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import io
 import logging
 import math
@@ -357,9 +359,7 @@ def after_run(run_dir: str | Path) -> Path | None:
     if not (run / METRICS_CSV).exists():
         log.info("No %s in this run, so no %s.", METRICS_CSV, PLOT_FILE)
         return None
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:
         log.info(
             "Learning-curve plots need matplotlib: %s, then python -m runkit.plot %s", HINT, run
         )
@@ -375,11 +375,8 @@ def after_run(run_dir: str | Path) -> Path | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m runkit.plot RUN_DIR [RUN_DIR ...] [--out FILE]``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m runkit.plot",
-        description="Draw the learning curves (and GPU statistics, when logged) of finished runs. "
-        "A sweep directory stands for its jobs; several runs are drawn side by side.",
-    )
+    what = (__doc__ or "").split("\n\n")[0]  # the first paragraph above
+    parser = argparse.ArgumentParser(prog="python -m runkit.plot", description=what)
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run or sweep directory")
     parser.add_argument("--out", help=f"image ({', '.join(FORMATS)}) or directory to write")
     args = parser.parse_args(argv)
