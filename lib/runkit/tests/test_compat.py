@@ -48,3 +48,46 @@ def test_job_failure_reads_a_failed_jobs_exception_without_hydras_report(
     job.return_value = failure
     assert compat.job_failure(job) is failure
     assert capsys.readouterr().err == ""  # Hydra's return_value would write "Error executing job"
+
+
+def _runkit_callback_classes() -> list[type]:
+    import importlib
+    import pkgutil
+
+    import lightning.pytorch as pl
+
+    import runkit
+
+    for module in pkgutil.walk_packages(runkit.__path__, "runkit."):
+        if not module.name.startswith("runkit.testing"):
+            importlib.import_module(module.name)
+
+    def subclasses(cls: type) -> list[type]:
+        return [c for s in cls.__subclasses__() for c in (s, *subclasses(s))]
+
+    return sorted(
+        {
+            c
+            for c in subclasses(pl.Callback)
+            if c.__module__.startswith("runkit.") and "<locals>" not in c.__qualname__
+        },  # a probe's class made inside a function is no runkit callback
+        key=lambda c: c.__qualname__,
+    )
+
+
+def test_every_runkit_callback_leaves_the_dispatch_of_batch_hooks_it_does_not_implement(
+    tmp_path: Path,
+) -> None:
+    # A runkit callback built with its defaults opts out of the batch hooks it inherits unchanged.
+    import lightning.pytorch as pl
+
+    classes = _runkit_callback_classes()
+    assert {"GpuStatsMonitor", "FiniteLoss", "GracefulInterrupt", "ModelCheckpoint"} <= {
+        c.__name__ for c in classes
+    }
+    required = {"PredictionWriter": {"output_dir": tmp_path}}
+    for cls in classes:
+        callback = cls(**required.get(cls.__name__, {}))
+        for name in compat.BATCH_HOOKS:
+            inherited = getattr(cls, name) is getattr(pl.Callback, name)
+            assert (getattr(callback, name) is None) == inherited, (cls.__qualname__, name)

@@ -76,6 +76,14 @@ def _job_return_value() -> bool:
 
 PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi(
+        "lightning.pytorch.trainer.call:_call_callback_hooks",
+        "callable",
+        "runkit.compat.skip_unused_batch_hooks (every runkit callback)",
+        "Lightning's hook dispatch skips a hook attribute that is not callable; no public way to "
+        "say a callback does not use a hook",
+        lambda: _skips_hooks_that_are_not_callable(),
+    ),
+    PrivateApi(
         "lightning.pytorch.trainer.connectors.signal_connector:_SignalConnector",
         "register_signal_handlers",
         "runkit.safety.interrupts",
@@ -230,6 +238,31 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
 )
 
 
+def _skips_hooks_that_are_not_callable() -> bool:
+    import lightning.pytorch as pl
+    from lightning.pytorch.trainer import call
+
+    called: list[str] = []
+
+    class Probe(pl.Callback):
+        def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+            called.append("on_after_backward")
+
+    probe = Probe()
+    skip_unused_batch_hooks(probe)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[probe],
+    )
+    call._call_callback_hooks(trainer, "on_before_backward", None)  # None: skipped, no error
+    call._call_callback_hooks(trainer, "on_after_backward")
+    return probe.on_before_backward is None and called == ["on_after_backward"]
+
+
 def _worker_signal_handlers() -> bool:
     from torch.utils.data import _utils
     from torch.utils.data._utils import signal_handling, worker
@@ -251,6 +284,33 @@ def _trainer() -> Any:
 
 def _trainer_attribute_value(name: str) -> Any:
     return getattr(_trainer(), name)
+
+
+BATCH_HOOKS = (
+    "on_train_batch_start",
+    "on_before_zero_grad",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_train_batch_end",
+    "on_validation_batch_start",
+    "on_validation_batch_end",
+    "on_test_batch_start",
+    "on_test_batch_end",
+    "on_predict_batch_start",
+    "on_predict_batch_end",
+)
+
+
+def skip_unused_batch_hooks(callback: Any) -> None:
+    """Leave ``callback`` out of Lightning's dispatch of each per-batch hook its class inherits
+    unchanged from ``Callback`` (set to ``None`` on the instance, which the dispatch skips; six
+    calls a step otherwise, whatever they do). Private: see PRIVATE_APIS."""
+    from lightning.pytorch import Callback
+
+    for name in BATCH_HOOKS:
+        if getattr(type(callback), name, None) is getattr(Callback, name):
+            setattr(callback, name, None)
 
 
 def fit_batch_index(trainer: Any) -> int:

@@ -18,7 +18,7 @@ from lightning.pytorch.profilers import Profiler
 from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
-from runkit import quoting
+from runkit import compat, quoting
 from runkit.errors import RunError
 
 log = logging.getLogger(__name__)
@@ -122,6 +122,7 @@ class NetworkSpeedups(Callback):
     ) -> None:
         self.compile, self.channels_last, self.network = compile, channels_last, network
         self._input_hook: Any = None
+        compat.skip_unused_batch_hooks(self)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         net = getattr(pl_module, self.network, None)

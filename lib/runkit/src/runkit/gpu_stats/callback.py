@@ -205,6 +205,7 @@ class GpuStatsMonitor(pl.Callback):
         self.device_uuids = None if device_uuids is None else list(device_uuids)
         self.key_prefix = key_prefix
         self._reset_state()
+        compat.skip_unused_batch_hooks(self)
 
     def _reset_state(self) -> None:
         self._stack = ExitStack()

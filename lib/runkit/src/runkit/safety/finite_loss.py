@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor
 
+from runkit import compat
 from runkit.errors import RunError
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class FiniteLoss(Callback):
         self._where: list[tuple[int, int, int]] = []  # (step, epoch, batch) of each of them
         self._loss_finite: Tensor | None = None  # this step's verdict (skip mode)
         self._batch = 0
+        compat.skip_unused_batch_hooks(self)
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int

@@ -22,6 +22,7 @@ from fsspec.utils import get_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
+from runkit import compat
 from runkit.safety.checkpoints import atomic_link, is_checkpoint
 from runkit.safety.resume import run_dir_of
 
@@ -35,6 +36,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
         super().__init__(*args, **kwargs)
         self._written: tuple[int, str] | None = None  # (global step, file) serialised last
         self._resuming: pl.Trainer | None = None
+        compat.skip_unused_batch_hooks(self)
 
     # private overrides (compat.PRIVATE_APIS): Lightning 2.6 has no public hook for these
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:

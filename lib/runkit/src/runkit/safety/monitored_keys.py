@@ -16,6 +16,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_only
 
+from runkit import compat
 from runkit.errors import RunError
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ class MonitoredKeysCheck(Callback):
         self.settings = dict(settings or {})
         self._checked_validation = False
         self._warned_unvalidated = False
+        compat.skip_unused_batch_hooks(self)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or self._checked_validation:
