@@ -1,9 +1,6 @@
-"""Every private Lightning, torch, OmegaConf and Hydra API the library relies on, in one list.
-
-Each entry names the access, who uses it and why no public API does the job, and has a probe
-that the test suite runs, so a release that moves one fails in a line naming it. The simplest
-accesses live here as functions. Import-light: the probes import what they check.
-"""
+"""Every private Lightning, torch and Hydra API the library relies on, in one list: each entry
+names the access, who uses it and why no public API does the job, and has a probe that
+test_compat runs, so a release that moves one fails in a line naming it. Import-light."""
 
 from __future__ import annotations
 
@@ -28,7 +25,7 @@ class PrivateApi:
         """``None`` while the access still works; else one line naming it and who breaks."""
         detail = ""
         try:
-            if self.probe() if self.probe else hasattr(_resolve(self.owner), self.name):
+            if (self.probe or (lambda: hasattr(_resolve(self.owner), self.name)))():
                 return None
         except Exception as err:  # an import that moved, a signature that changed
             detail = f" ({type(err).__name__}: {err})"
@@ -48,14 +45,6 @@ def _resolve(path: str) -> Any:
 
 def _trainer_attribute(name: str) -> Callable[[], bool]:
     return lambda: hasattr(_trainer(), name)
-
-
-def _compiled_marker() -> bool:
-    import torch
-
-    net, plain = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
-    net.compile()  # marks the module; nothing is compiled before the first call
-    return net._compiled_call_impl is not None and plain._compiled_call_impl is None
 
 
 def _default_store_probe() -> bool:
@@ -153,21 +142,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
                 "lightning.pytorch.callbacks.progress.rich_progress:CustomProgress.stop"
             ).__code__.co_names
         ),
-    ),
-    PrivateApi(
-        "torch.nn:Module",
-        "_compiled_call_impl",
-        "runkit.speed, runkit.strategies.dp",
-        "whether nn.Module.compile was called (compile once; refuse DP of a compiled network)",
-        _compiled_marker,
-    ),
-    PrivateApi(
-        "torch.nn:Module",
-        "_modules",
-        "runkit.strategies.dp",
-        "pl_module.net shadowed by the DataParallel wrapper without registering it, so "
-        "parameters and state_dict keys stay those of the network",
-        lambda: "net" in _linear_holder()._modules,
     ),
     PrivateApi(
         "torch.distributed.distributed_c10d",
@@ -312,21 +286,6 @@ def _trainer_attribute_value(name: str) -> Any:
     return getattr(_trainer(), name)
 
 
-def _linear_holder() -> Any:
-    import torch
-
-    holder, wrapper = torch.nn.Module(), torch.nn.Identity()
-    holder.net = torch.nn.Linear(1, 1)
-    vars(holder)["net"] = wrapper  # what DataParallelStrategy does
-    assert holder.net is wrapper and list(holder.state_dict()) == ["net.weight", "net.bias"]
-    return holder
-
-
-def check_all() -> list[str]:
-    """One line per private access that no longer works in the installed releases."""
-    return [line for api in PRIVATE_APIS if (line := api.missing()) is not None]
-
-
 BATCH_HOOKS = (
     "on_train_batch_start",
     "on_before_zero_grad",
@@ -349,17 +308,9 @@ def skip_unused_batch_hooks(callback: Any) -> None:
     calls a step otherwise, whatever they do). Private: see PRIVATE_APIS."""
     from lightning.pytorch import Callback
 
-    skip_hooks(
-        callback,
-        *(n for n in BATCH_HOOKS if getattr(type(callback), n, None) is getattr(Callback, n)),
-    )
-
-
-def skip_hooks(callback: Any, *names: str) -> None:
-    """Leave ``callback`` out of Lightning's dispatch of the hooks ``names`` (private: see
-    PRIVATE_APIS; how, see :func:`skip_unused_batch_hooks`)."""
-    for name in names:
-        setattr(callback, name, None)
+    for name in BATCH_HOOKS:
+        if getattr(type(callback), name, None) is getattr(Callback, name):
+            setattr(callback, name, None)
 
 
 def fit_batch_index(trainer: Any) -> int:
