@@ -98,9 +98,8 @@ class GracefulInterrupt(Callback):
             signum = int(flag.item())
         if not signum:
             return
-        self._stopping = True
-        request.agreed = signum
-        procs = getattr(trainer.strategy.launcher, "procs", None)  # private: its worker list
+        self._stopping, request.agreed = True, signum
+        procs = getattr(trainer.strategy.launcher, "procs", None)  # its worker list
         if procs:  # Lightning's watchdog would SIGKILL rank 0 as the workers exit 128+N
             request.children = list(procs)
             procs.clear()
@@ -122,10 +121,10 @@ class GracefulInterrupt(Callback):
             trainer._signal_connector.received_sigterm = stop  # private: see _agree
 
     def on_exception(
-        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+        self, trainer: Trainer, pl_module: LightningModule, err: BaseException
     ) -> None:
         request = signals.request
-        if not isinstance(exception, SIGTERMException) or request.agreed is None:
+        if not isinstance(err, SIGTERMException) or request.agreed is None:
             return
         if trainer.state.fn != TrainerFn.FITTING:
             return
@@ -189,9 +188,8 @@ def phase(name: str, trainer: Trainer | None = None) -> Iterator[None]:
 
 
 def _stop(signum: int) -> None:
-    request = signals.request
-    if signum == signal.SIGUSR1 and not request.quiet:
-        request.detail += requeue_slurm_job()
+    if signum == signal.SIGUSR1 and not signals.request.quiet:
+        signals.request.detail += requeue_slurm_job()
     signals.exit_stopped(signum)
 
 
@@ -200,16 +198,19 @@ def requeue_slurm_job() -> str:
     job = signals.slurm_job_id()
     if job is None:
         return ""
-    cmd = ["scontrol", "requeue", job]
     try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            ["scontrol", "requeue", job], capture_output=True, text=True, timeout=120
+        )
     except (OSError, subprocess.SubprocessError) as err:
         reason = str(err)
     else:
-        if result.returncode == 0:
+        if done.returncode == 0:
             return f"; requeued SLURM job {job}"
-        lines = result.stderr.strip().splitlines() or [f"exit code {result.returncode}"]
-        reason = f"scontrol: {lines[-1]}"
+        reason = (
+            "scontrol: "
+            + (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        )
     return f"; could not requeue SLURM job {job} ({reason}): submit it again to resume"
 
 
@@ -253,11 +254,9 @@ def watch_parent(period: float = 1.0) -> None:
         while os.getppid() == parent:
             time.sleep(period)
         rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK"))
-        print(
+        signals._write_line(
             f"error: rank {rank}: the launching process (pid {parent}) died; "
-            "ending this worker instead of waiting in a collective",
-            file=sys.stderr,
-            flush=True,
+            "ending this worker instead of waiting in a collective"
         )
         os._exit(1)
 
