@@ -1040,13 +1040,14 @@ def test_one_stop_delivered_to_every_process_saves_once(run: Callable[..., Run],
     if whom.endswith("group"):
         os.killpg(job.pid, signum)
     assert job.wait() == 128 + signum, job.text[-3000:]
-    saved = checkpoints / interrupts.INTERRUPTED_FILE
-    assert torch.load(saved, map_location="cpu", weights_only=True)["global_step"] > 0
-    assert job.text.count(f"{signum.name} received") == 1, job.text[-3000:]  # rank 0 speaks
+    saved = checkpoints / interrupts.INTERRUPTED_FILE  # FSDP's: a sharded directory
+    assert saved.exists() and job.text.count(f"{signum.name} received") == 1, job.text[-3000:]
     for absent in ("again: quitting", "Traceback", "killed by signal", "weights_only` was not set"):
         assert absent not in job.text  # weights_only: issue #11.12b
-    assert last_line(job.text).startswith(f"stopped by {signum.name} during fit at epoch ")
-    assert last_line(job.text).endswith(f"; saved {saved}; exit code {128 + signum}")
+    line = last_line(job.text)
+    assert line.startswith(f"stopped by {signum.name} during fit at epoch ")
+    assert line.endswith(f"; saved {saved}; exit code {128 + signum}")
+    assert int(line.split(", step ")[1].split(";")[0]) > 0
     assert not [pid for pid in started if alive(pid)] and group_gone(job.pid)
 
 

@@ -106,8 +106,7 @@ def stop_on_signal(until_exit: bool = False) -> Iterator[StopRequest]:
 
 
 def _after_the_run(signum: int, frame: FrameType | None) -> None:
-    """A stop signal while the finished process shuts down: its files are all written. After a
-    failed run it is ignored: the error's own line and exit code follow."""
+    """A stop signal as the finished process shuts down (after a failed run: ignored)."""
     if request.received is not None:
         if _second_request(request, signum, time.monotonic()):
             quit_now(signum, "again: quitting at once")
@@ -118,8 +117,7 @@ def _after_the_run(signum: int, frame: FrameType | None) -> None:
 
 
 def _at_exit() -> None:
-    """The last point where Python runs a handler; past it a signal would end the process
-    silently, so the stop signals are ignored from here on."""
+    """Past the last point where Python runs a handler the stop signals are ignored."""
     _set(dict.fromkeys(stop_signals(), signal.SIG_IGN))
 
 
@@ -134,8 +132,7 @@ def _record(signum: int, frame: FrameType | None) -> None:
 
 
 def _second_request(stop: StopRequest, signum: int, now: float) -> bool:
-    """Whether ``signum`` at ``now`` is a person asking again, not the first stop delivered again.
-    After SLURM's warning only the warning again quits (its SIGTERM comes during the save)."""
+    """Whether ``signum`` at ``now`` asks again (after SLURM's warning: only the warning)."""
     first = stop.received
     same = now - stop.received_at < STOP_REPEAT_S or stop.parent not in (0, os.getppid())
     return first is not None and not same and (first not in WARNINGS or signum == first)
@@ -145,8 +142,7 @@ _quitting = threading.Lock()
 
 
 def quit_now(signum: int, why: str) -> None:
-    """Say in one line why this process stops without saving, and ``os._exit(128 + signum)``:
-    from the watcher thread too, past any code the main thread is stuck in."""
+    """One line on why this process stops without saving; ``os._exit(128 + signum)``."""
     if not _quitting.acquire(blocking=False):
         return  # the other thread is saying it already
     code = 128 + int(signum)
@@ -198,8 +194,7 @@ class _Watcher:
                 self._check_stuck(self.first, now)
 
     def _check_stuck(self, signum: int, now: float) -> None:
-        """Quit when the handler has not run ``STUCK_GRACE_S`` after the signal, or when the main
-        thread has waited that long in one torch.distributed call since."""
+        """Quit when the handler has not run, or one torch.distributed call lasts, past the grace."""
         if self.stop.received is None and now - self.first_at > STUCK_GRACE_S:
             quit_now(
                 signum,
@@ -263,8 +258,7 @@ def _say(text: str, run_log: bool = False) -> None:
 
 
 def _drop_closed_outputs() -> None:
-    """Point stdout/stderr at /dev/null when their reader is gone (a closed terminal, a dead
-    pipe): the stop goes on to its save instead of ending in the next print's traceback."""
+    """stdout/stderr whose reader is gone go to /dev/null: the save goes on, no traceback."""
     for fd in (1, 2):
         with contextlib.suppress(OSError):
             poll = select.poll()
@@ -309,9 +303,8 @@ def _after_fork_in_parent() -> None:
 
 
 def _in_forked_child() -> None:
-    """A child forked during a run gets the handlers from before the run back, no wakeup
-    descriptor, and its signals unblocked; a DataLoader worker keeps them blocked
-    (:func:`_dataloader_worker_stops`), and a child it forks gets them back."""
+    """A child forked during a run gets the handlers from before it back, and its signals
+    unblocked, but a DataLoader worker (:func:`_dataloader_worker_stops`)."""
     global request, _worker_stops
     if _worker_stops:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _worker_stops)
@@ -329,10 +322,8 @@ def _in_forked_child() -> None:
 
 
 def _dataloader_worker_stops() -> None:
-    """In a DataLoader worker, its parent alone ends it. A group's stop signal killed the worker
-    and crashed the parent's stop; ignoring it kept the worker alive past its parent. So the stop
-    signals stay blocked (torch's handlers never run) and a thread takes them: the parent's
-    SIGTERM ends the worker (exit 0, as torch's), any other is left to the parent."""
+    """A DataLoader worker keeps the stop signals blocked (a group's killed it and crashed the
+    parent's stop) and a thread takes them: the parent's SIGTERM ends it (exit 0, as torch's)."""
     global _worker_stops
     stops = _worker_stops = tuple(_before_the_run)
     signal.pthread_sigmask(signal.SIG_BLOCK, stops)
