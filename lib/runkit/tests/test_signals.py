@@ -397,11 +397,12 @@ def test_the_last_line_gets_out_when_stderr_is_busy_or_gone(
     assert (tmp_path / "train.log").read_text() == log
 
 
-@pytest.mark.parametrize("gone", [1, 2])
-def test_outputs_whose_reader_is_gone_go_to_dev_null(gone: int) -> None:
-    # A terminal or pipe that went away: the stop goes on to its save instead of a traceback.
+@pytest.mark.parametrize(("gone", "terminal"), [(1, "pipe"), (2, "pipe"), (2, "pty")])
+def test_outputs_whose_reader_is_gone_go_to_dev_null(gone: int, terminal: str) -> None:
+    # A terminal or pipe that went away (a dead pipe answers EPIPE; a closed pty, EIO): the stop
+    # goes on to its save instead of a traceback.
     saved = {fd: os.dup(fd) for fd in (1, 2)}
-    reader, writer = os.pipe()
+    reader, writer = pty.openpty() if terminal == "pty" else os.pipe()
     live_reader, live_writer = os.pipe()
     try:
         os.dup2(writer, gone)
@@ -806,14 +807,33 @@ def release(marker: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def trained_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Path]:
+    """A whole run (fit, test, export) given a Ctrl-C to its group as it prints ``Run directory:``:
+    its exit code, what it printed after, its run directory (whose checkpoints other tests use)."""
     log_dir = tmp_path_factory.mktemp("trained") / "logs"
-    done = subprocess.run(
-        [sys.executable, "-m", "project.train", *SMALL, "test=false", f"paths.log_dir={log_dir}"],
-        capture_output=True, text=True, timeout=600, env=clean_env(),
+    process = subprocess.Popen(
+        [sys.executable, "-m", "project.train", *SMALL, f"paths.log_dir={log_dir}"],
+        cwd=log_dir.parent, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return run_dirs(log_dir)[0] / "checkpoints" / "last.ckpt"
+    assert process.stdout is not None
+    try:
+        for line in process.stdout:
+            if "Run directory: " in line:
+                os.killpg(process.pid, signal.SIGINT)
+                break
+        rest = process.stdout.read()
+        process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return process.returncode, rest, run_dirs(log_dir)[0]
+
+
+@pytest.fixture
+def trained_checkpoint(finished_run: tuple[int, str, Path]) -> Path:
+    return finished_run[2] / "checkpoints" / "last.ckpt"
 
 
 PHASE_STOPS = {
@@ -895,15 +915,12 @@ def test_a_slurm_job_saves_on_its_warning_signal_requeues_and_resumes_by_itself(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("terminal", ["pipe", "pty"])
-def test_a_hang_up_with_the_terminal_gone_saves_like_sigterm_and_exits_129(
-    tmp_path: Path, terminal: str
-) -> None:
+def test_a_hang_up_with_the_terminal_gone_saves_like_sigterm_and_exits_129(tmp_path: Path) -> None:
     # The terminal closed, or the ssh session dropped: the run's group gets SIGHUP, and its
-    # stdout and stderr are gone (a pipe whose reader died answers EPIPE; a closed pty, EIO).
+    # stdout and stderr are gone (a closed pty answers EIO; a dead pipe: the unit test above).
     log_dir = tmp_path / "logs"
     hold, marker = held(tmp_path, "Pause", "train")
-    reader, writer = pty.openpty() if terminal == "pty" else os.pipe()
+    reader, writer = pty.openpty()
     command = ["trainer.max_epochs=2", "data.batch_size=64", "test=false", *hold]
     before = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as a shell starts it, not as nohup
     try:
@@ -1085,32 +1102,16 @@ def test_a_dying_rank_ends_the_job(run: Callable[..., Run], victim: str) -> None
 
 
 @pytest.mark.slow
-def test_a_ctrl_c_just_after_the_run_directory_line_is_one_line(tmp_path: Path) -> None:
+def test_a_ctrl_c_just_after_the_run_directory_line_is_one_line(
+    finished_run: tuple[int, str, Path],
+) -> None:
     # Issue #32.6: a Ctrl-C to the group as "Run directory:" is printed exited 130 with nothing on
     # stderr in 4 of 7 tries. Wherever it lands now (the end of export, the interpreter's
     # teardown), the files are complete and the last line says so.
-    log_dir = tmp_path / "logs"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "project.train", *SMALL, f"paths.log_dir={log_dir}"],
-        cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    assert process.stdout is not None
-    try:
-        for line in process.stdout:
-            if "Run directory: " in line:
-                os.killpg(process.pid, signal.SIGINT)
-                break
-        rest = process.stdout.read()
-        process.wait(timeout=120)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    assert process.returncode == 130, rest[-3000:]
+    code, rest, run_dir = finished_run
+    assert code == 130, rest[-3000:]
     assert last_line(rest) in (
         "stopped by SIGINT after export had finished (its files are written); exit code 130",
         "error: SIGINT received after the run had finished (its files are complete); exit code 130",
     ), rest[-3000:]
-    (run_dir,) = run_dirs(log_dir)
     assert (run_dir / "metrics.json").is_file() and (run_dir / "model.pth").is_file()
