@@ -17,18 +17,28 @@ from runkit.safety.finite_loss import DivergedError, FiniteLoss, NonFiniteLossEr
 
 
 class Poisoned(LightningModule):
-    """A linear model whose loss is NaN at the listed global steps."""
+    """A linear model whose loss is NaN at the steps ``bad_steps``; from step ``nan_buffer_at`` on
+    a running statistic is NaN (what skipped batches do to BatchNorm's buffers); it logs
+    ``val/loss``, NaN from epoch ``nan_val_from`` on."""
 
-    def __init__(self, bad_steps: set[int]) -> None:
+    def __init__(self, bad_steps: set[int], nan_buffer_at: int = -1, nan_val_from: int = 9) -> None:
         super().__init__()
         self.layer = torch.nn.Linear(4, 1)
-        self.bad_steps = bad_steps
+        self.register_buffer("running", torch.zeros(1))
+        self.bad_steps, self.nan_buffer_at, self.nan_val_from = (
+            bad_steps,
+            nan_buffer_at,
+            nan_val_from,
+        )
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.global_step == self.nan_buffer_at:
+            self.running.fill_(float("nan"))
         loss = self.layer(batch[0]).pow(2).mean()
-        if self.global_step in self.bad_steps:
-            loss = loss * float("nan")
-        return loss
+        return loss * float("nan") if self.global_step in self.bad_steps else loss
+
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        self.log("val/loss", float("nan") if self.current_epoch >= self.nan_val_from else 1.0)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.01)
@@ -89,25 +99,10 @@ def test_bad_options_are_one_line() -> None:
         FiniteLoss(check_every_n_steps=0)
 
 
-class Diverging(Poisoned):
-    """Finite losses throughout, but from step ``at`` on a running statistic is NaN (what the
-    forward passes of skipped batches do to BatchNorm's buffers)."""
-
-    def __init__(self, at: int) -> None:
-        super().__init__(set())
-        self.register_buffer("running", torch.zeros(1))
-        self.at = at
-
-    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        if self.global_step == self.at:
-            self.running.fill_(float("nan"))
-        return super().training_step(batch, batch_idx)
-
-
 def test_diverged_weights_are_never_saved_and_end_the_run_in_one_line(tmp_path: Path) -> None:
     # Issue #32.7: action=skip with lr=1e12 exited 0 and exported NaN weights.
     with pytest.raises(DivergedError) as info:
-        fit(Diverging(at=13), FiniteLoss(action="skip"), tmp_path)
+        fit(Poisoned(set(), nan_buffer_at=13), FiniteLoss(action="skip"), tmp_path)
     message = str(info.value)
     assert "\n" not in message and info.value.exit_code == 3
     assert message.startswith("training diverged: the weights are not finite (NaN or inf) at step")
@@ -116,28 +111,17 @@ def test_diverged_weights_are_never_saved_and_end_the_run_in_one_line(tmp_path: 
     assert_all_finite(tmp_path)
 
 
-class NanValidation(Poisoned):
-    """Logs ``val/loss``, NaN from epoch ``bad_from`` on."""
-
-    def __init__(self, bad_from: int) -> None:
-        super().__init__(set())
-        self.bad_from = bad_from
-
-    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
-        self.log("val/loss", float("nan") if self.current_epoch >= self.bad_from else 1.0)
-
-
 def test_a_non_finite_monitored_metric_stops_training_at_that_validation(tmp_path: Path) -> None:
     # It trained on to its last epoch, saved last.ckpt with the NaN and called that file "the
     # last finite checkpoint", "at step 40 (epoch 4)" for epochs 0-3.
-    model = NanValidation(bad_from=1)
+    model = Poisoned(set(), nan_val_from=1)
     with pytest.raises(DivergedError) as info:
         fit(model, FiniteLoss(), tmp_path, every=None, epochs=4)
     assert str(info.value) == (
         "training diverged: the monitored metric val/loss=nan is not finite (NaN or inf) at step "
         "20 (epoch 1); training stopped, no checkpoint holds it; the last finite checkpoint is "
         f"{tmp_path / 'last.ckpt'} (epoch 0, step 10). Lower the learning rate, or check how "
-        "NanValidation computes val/loss"
+        "Poisoned computes val/loss"
     )
     assert model.trainer.current_epoch == 1 and model.trainer.global_step == 20  # no training on
     for file in tmp_path.glob("*.ckpt"):
@@ -147,7 +131,9 @@ def test_a_non_finite_monitored_metric_stops_training_at_that_validation(tmp_pat
 
 def test_a_divergence_found_as_training_ends_names_the_epoch_that_ran(tmp_path: Path) -> None:
     with pytest.raises(DivergedError) as info:
-        fit(Diverging(at=15), FiniteLoss(), tmp_path, every=1000)  # epochs 0 and 1, no save due
+        fit(
+            Poisoned(set(), nan_buffer_at=15), FiniteLoss(), tmp_path, every=1000
+        )  # epochs 0 and 1, no save due
     assert "the weights are not finite (NaN or inf) at step 20 (epoch 1); nothing is tested" in (
         str(info.value)
     )
