@@ -54,11 +54,8 @@ class FiniteLoss(Callback):
                 f"callbacks.finite_loss.check_every_n_steps={check_every_n_steps!r} is invalid; "
                 "expected an integer >= 1"
             )
-        self.action, self.check_every_n_steps, self.max_skipped = (
-            action,
-            check_every_n_steps,
-            max_skipped,
-        )
+        self.action, self.max_skipped = action, max_skipped
+        self.check_every_n_steps = check_every_n_steps
         self.skipped, self._batch = 0, 0
         self._lower = "Lower the learning rate"  # the hint; the config key where there is one
         self._losses: list[tuple[Tensor, int, int, int]] = []  # (loss, step, epoch, batch)
@@ -66,6 +63,7 @@ class FiniteLoss(Callback):
         compat.skip_unused_batch_hooks(self)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._losses = []
         with contextlib.suppress(KeyError, TypeError):  # the run's config (hparams) has the key
             pl_module.hparams["config"]["model"]["optimizer"]["lr"]
             self._lower = "Lower model.optimizer.lr"
