@@ -738,22 +738,13 @@ class Run:
     importable; killed with its group if a test leaves it running."""
 
     def __init__(self, tmp_path: Path, task: str, *overrides: str, env: dict | None = None):
-        self.out, self.err, self.log_dir = (
-            tmp_path / "stdout",
-            tmp_path / "stderr",
-            tmp_path / "logs",
-        )
-        command = [
-            sys.executable,
-            "-m",
-            f"project.{task}",
-            *overrides,
-            f"paths.log_dir={self.log_dir}",
-        ]
+        self.out, self.err, self.log_dir = (tmp_path / n for n in ("stdout", "stderr", "logs"))
+        command = [sys.executable, "-m", f"project.{task}", *overrides]
         with self.out.open("w") as stdout, self.err.open("w") as stderr:
             self.process = subprocess.Popen(
-                command, cwd=tmp_path, env=clean_env(**{"PYTHONPATH": str(TESTS), **(env or {})}),
-                stdout=stdout, stderr=stderr, start_new_session=True,
+                [*command, f"paths.log_dir={self.log_dir}"], cwd=tmp_path, stdout=stdout,
+                stderr=stderr, env=clean_env(**{"PYTHONPATH": str(TESTS), **(env or {})}),
+                start_new_session=True,
             )  # fmt: skip
         self.pid = self.process.pid
 
