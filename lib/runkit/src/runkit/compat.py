@@ -98,13 +98,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     ),
     PrivateApi(
         "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop",
-        "batch_idx",
-        "runkit.compat.fit_batch_index (finite-loss guard)",
-        "the batch index inside the epoch, which the error names; not on the Trainer",
-        lambda: hasattr(_trainer_attribute_value("fit_loop").epoch_loop, "batch_idx"),
-    ),
-    PrivateApi(
-        "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop",
         "_batches_that_stepped",
         "runkit.compat.logging_step (GpuStatsMonitor's rows)",
         "the step Lightning logs its own rows at (its LearningRateMonitor and DeviceStatsMonitor "
@@ -180,20 +173,12 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         _job_return_value,
     ),
     PrivateApi(
-        "torch.utils.data._utils.signal_handling",
-        "_set_worker_signal_handlers",
-        "runkit.compat.leave_dataloader_workers_out_of_stops (runkit.safety.signals)",
-        "a forked DataLoader worker sets torch's SIGTERM handler, which dies by a signal its parent "
-        "did not send (a process group's SIGTERM) and so crashes the parent's stop; the only "
-        "point after it and before the worker's loop",
-        lambda: _worker_signal_handlers(),
-    ),
-    PrivateApi(
         "torch.utils.data.dataloader:_MultiProcessingDataLoaderIter",
         "__init__",
         "runkit.compat.forked_for_a_dataloader_worker (runkit.safety.signals)",
         "a child forked from there will be a DataLoader worker, which keeps the stop signals "
-        "blocked from the fork on; nothing else marks a worker before its loop starts",
+        "blocked from the fork on (torch's SIGTERM handler would die by a group's signal and crash "
+        "the parent's stop); nothing else marks a worker before its loop starts",
         lambda: (
             "start"
             in _resolve(
@@ -263,17 +248,6 @@ def _skips_hooks_that_are_not_callable() -> bool:
     return probe.on_before_backward is None and called == ["on_after_backward"]
 
 
-def _worker_signal_handlers() -> bool:
-    from torch.utils.data import _utils
-    from torch.utils.data._utils import signal_handling, worker
-
-    return callable(signal_handling._set_worker_signal_handlers) and (
-        "signal_handling" in vars(worker)
-        and "_set_worker_signal_handlers" in worker._worker_loop.__code__.co_names
-        and _utils.signal_handling is signal_handling
-    )
-
-
 def _trainer() -> Any:
     from lightning.pytorch import Trainer
 
@@ -311,11 +285,6 @@ def skip_unused_batch_hooks(callback: Any) -> None:
     for name in BATCH_HOOKS:
         if getattr(type(callback), name, None) is getattr(Callback, name):
             setattr(callback, name, None)
-
-
-def fit_batch_index(trainer: Any) -> int:
-    """The index of the current training batch within its epoch (private: see PRIVATE_APIS)."""
-    return int(trainer.fit_loop.epoch_loop.batch_idx)
 
 
 def logging_step(trainer: Any) -> int:
@@ -385,20 +354,6 @@ def process_group_backend(strategy: Any) -> str | None:
     ``None`` for a strategy without one (private: see PRIVATE_APIS)."""
     get = getattr(strategy, "_get_process_group_backend", None)
     return get() if callable(get) else None
-
-
-def leave_dataloader_workers_out_of_stops(install: Callable[[], Any]) -> None:
-    """In a forked child: run ``install`` right after a DataLoader worker sets torch's signal
-    handlers, before its loop (private: see PRIVATE_APIS). Only this child's module changes."""
-    from torch.utils.data._utils import signal_handling
-
-    torchs = signal_handling._set_worker_signal_handlers
-
-    def worker_handlers(*args: Any) -> None:
-        torchs(*args)
-        install()
-
-    signal_handling._set_worker_signal_handlers = worker_handlers
 
 
 def forked_for_a_dataloader_worker() -> bool:
