@@ -96,6 +96,7 @@ def _main(task: Callable[[Any], Any], config_name: str, config_dir: Path) -> Non
     follow_sweep_parent()  # a job of a parallel sweep ends with the sweep (kill -9 included)
     app = hydra.main(version_base="1.3", config_path=str(config_dir), config_name=config_name)
     job = _reporting(task, config_dir)
+    FAILED_JOBS.clear()  # an earlier app in this process (a test's) is not this sweep
     try:
         if (conflicted := conflicted_config(sys.argv[1:], config_dir)) is not None:
             raise RunError(conflicted)

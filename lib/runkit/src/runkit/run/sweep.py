@@ -1,11 +1,12 @@
 """Sweeps that fill one machine (``hydra/launcher=runkit_parallel``): jobs at once, resumable.
 
 Each job runs as ``python -m <entry> <its overrides> hydra.run.dir=<its folder> hydra.mode=RUN``,
-so a single run's guarantees (GPU claims, DDP, stops, one-line errors) hold for every job; Hydra's
-joblib launcher reuses worker processes across jobs (CUDA context, handlers and ``sys.argv``
-carry over, a SIGTERM reaches no job). ``sweep_state.json`` records every attempt, so the same
-command with ``hydra.sweep.dir`` skips finished jobs and resumes interrupted ones;
-``summary.csv``, a table and ``summary.png`` sum up every job. Imports stay light.
+so a single run's guarantees (GPU claims, DDP, stops, one-line errors) hold for every job. Hydra's
+basic launcher runs one job at a time, joblib's reuses worker processes (CUDA context, handlers
+and ``sys.argv`` carry over, a SIGTERM reaches no job), submitit's local one keeps no record to
+resume from. ``sweep_state.json`` records every attempt, so the same command with
+``hydra.sweep.dir`` skips finished jobs and resumes interrupted ones; ``summary.csv``, a table
+and ``summary.png`` sum up every job. Imports stay light.
 """
 
 from __future__ import annotations
@@ -77,8 +78,7 @@ def load_attempts(sweep_dir: Path) -> list[Attempt]:
 
 
 def finished(attempt: Attempt) -> bool:
-    """Whether the attempt's run wrote ``metrics.json`` (a kill -9 of the sweep leaves "running"
-    in the record of a job that went on to finish)."""
+    """Whether its run wrote ``metrics.json`` (its record may say "running" after a kill -9)."""
     return (Path(attempt.dir) / "metrics.json").is_file()
 
 
@@ -131,8 +131,8 @@ def job_command(
     run_dir: Path,
     num: int,
 ) -> list[str]:
-    """The command of one job: ``entry``, the job's overrides, the ``extra`` ones it does not
-    set itself, the sweep's ``hydra.*`` overrides, its folder and number."""
+    """``entry``, the job's overrides, the ``extra`` ones it does not set, the sweep's ``hydra.*``
+    overrides, its folder and number."""
     own = {_key(o) for o in overrides}
     added = [f"{key}={hydra_value(value)}" for key, value in extra.items() if key not in own]
     mine = ("hydra.mode", "hydra.run.dir", "hydra.job.num", "hydra.job.id")
@@ -144,8 +144,7 @@ def job_command(
 
 
 def entry_command() -> list[str]:
-    """How to start this program again (``python -m <module>`` or its script), with the
-    command line's config options: a job finds the same configs."""
+    """This program again (``python -m <module>`` or its script) with the config options."""
     options = config_options(sys.argv[1:])
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     if spec is not None and spec.name:
@@ -324,8 +323,7 @@ _CAUSE = re.compile(r"^(error: |[\w.]*(Error|Exception|Interrupt)\b: )")
 
 
 def _last_line(path: Path) -> str:
-    """The job's last line that names a cause (``error: ...``, ``ValueError: ...``), else its
-    last line."""
+    """The job's last line naming a cause (``error: ...``, ``ValueError: ...``), else its last."""
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").strip().splitlines()
     except OSError:
