@@ -23,10 +23,6 @@ from runkit import compat, quoting
 from runkit.errors import RunError, exit_with, file_failure
 from runkit.run.collector import pause_collector, resume_collector
 
-FAILED_JOBS: list[int] = []
-"""Exit codes of the sweep jobs that failed, their line printed: the sweep ends with the first.
-Hydra sees them complete with a NaN objective (a sweeper's failed trial): no second report."""
-
 
 class QuietFilter(logging.Filter):
     """Drops Lightning's advertising tips from the console and the run log."""
@@ -83,7 +79,7 @@ def hydra_entry(
 def _main(task: Callable[[Any], Any], config_name: str, config_dir: Path) -> None:
     import hydra
 
-    from runkit.run.launch import destroy_process_group, register_resolvers
+    from runkit.run.launch import FAILED_JOBS, destroy_process_group, register_resolvers
     from runkit.run.sweep import follow_sweep_parent
     from runkit.safety.signals import stop_on_signal
 
@@ -122,14 +118,14 @@ def _main(task: Callable[[Any], Any], config_name: str, config_dir: Path) -> Non
 def _reporting(task: Callable[[Any], Any], config_dir: Path) -> Callable[[Any], Any]:
     """Run ``task``; a user's mistake inside it becomes one line and a run that never started
     leaves no directory. In a multirun the job returns NaN after its line (Hydra finishes the
-    other jobs) and the sweep then exits with its code (:data:`FAILED_JOBS`)."""
+    other jobs) and the sweep then exits with its code (``launch.FAILED_JOBS``)."""
 
     def job(cfg: Any) -> Any:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
         from runkit.gpus.claims import finish_job
-        from runkit.run.launch import job_scope, sweep_objective
+        from runkit.run.launch import FAILED_JOBS, job_scope, sweep_objective
         from runkit.run.preflight import check_config, discard_unused, is_worker_process
 
         try:

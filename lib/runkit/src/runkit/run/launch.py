@@ -33,6 +33,9 @@ SAVED_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZ
 CHILD_GRACE_S = 60.0  # how long rank 0 waits at a job's end for its children to exit
 JOB_TOKEN_FILE = "slurm_job"  # in a SLURM job's run directory: <cluster>:<job id>:<first start>
 
+FAILED_JOBS: list[int] = []
+"""Exit codes of the sweep jobs that failed, their line printed: the sweep ends with the first.
+Hydra sees them complete with a NaN objective (a sweeper's failed trial): no second report."""
 _launchers: list[list[Any]] = []  # per running sweep job: the launchers whose children it collects
 
 

@@ -366,7 +366,7 @@ ConfigStore.instance().store(
 class ParallelLauncher(Launcher):
     """Hydra's launcher of :class:`ParallelSweep` (the plugin in ``hydra_plugins`` subclasses it).
     A failed job's line is said here and its code kept for the sweep's exit
-    (``runkit.run.cli.FAILED_JOBS``): Hydra sees it completed and reports nothing more."""
+    (``runkit.run.launch.FAILED_JOBS``): Hydra sees it completed and reports nothing more."""
 
     def __init__(self, n_jobs: int | None = None, job_overrides: Mapping[str, Any] | None = None):
         self.n_jobs = check_n_jobs(n_jobs)
@@ -434,8 +434,7 @@ def _job_return(
     """Hydra's record of one job: its objective, else NaN (``failed`` collects failures)."""
     from hydra.core.utils import JobReturn, JobStatus
 
-    from runkit.run.cli import FAILED_JOBS
-    from runkit.run.launch import sweep_objective
+    from runkit.run.launch import FAILED_JOBS, sweep_objective
 
     ret = JobReturn(overrides=overrides, cfg=config, hydra_cfg=config.hydra)
     ret.task_name, ret.status = str(config.hydra.job.name), JobStatus.COMPLETED
