@@ -110,6 +110,8 @@ def _main(task: Callable[[Any], Any], config_name: str, config_dir: Path) -> Non
         mistake = user_mistake(err, config_dir=config_dir)
         if mistake is None:
             raise
+        if getattr(mistake, "reported", False):  # a submitit job's, said in its own log
+            raise SystemExit(mistake.exit_code) from None
         exit_with(mistake)
     if FAILED_JOBS:
         raise SystemExit(FAILED_JOBS[0])
@@ -118,7 +120,8 @@ def _main(task: Callable[[Any], Any], config_name: str, config_dir: Path) -> Non
 def _reporting(task: Callable[[Any], Any], config_dir: Path) -> Callable[[Any], Any]:
     """Run ``task``; a user's mistake inside it becomes one line and a run that never started
     leaves no directory. In a multirun the job returns NaN after its line (Hydra finishes the
-    other jobs) and the sweep then exits with its code (``launch.FAILED_JOBS``)."""
+    other jobs) and the sweep then exits with its code (``launch.FAILED_JOBS``); a submitit job,
+    in a process of its own, raises it for the sweep to exit with."""
 
     def job(cfg: Any) -> Any:
         from hydra.core.hydra_config import HydraConfig
@@ -145,6 +148,9 @@ def _reporting(task: Callable[[Any], Any], config_dir: Path) -> Callable[[Any], 
             if hydra_cfg.mode != RunMode.MULTIRUN:
                 exit_with(mistake)
             print(f"error: {mistake}", file=sys.stderr)
+            if os.environ.get("SUBMITIT_EXECUTOR"):  # a job of its own: its result says it
+                mistake.reported = True  # type: ignore[attr-defined]
+                raise mistake from None
             FAILED_JOBS.append(mistake.exit_code)
             return math.nan
         finally:
