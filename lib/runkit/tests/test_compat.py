@@ -35,19 +35,6 @@ def test_private_hydra_accesses_go_through_compat() -> None:
         assert "hydra._internal" not in text and "_return_value" not in text, path
     names = {(api.owner, api.name) for api in compat.PRIVATE_APIS}
     assert ("hydra._internal.utils", "get_args_parser") in names
-    assert ("hydra.core.utils:JobReturn", "_return_value") in names
-
-
-def test_job_failure_reads_a_failed_jobs_exception_without_hydras_report(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    from hydra.core.utils import JobReturn, JobStatus
-
-    failure = RuntimeError("job 3 failed")
-    job = JobReturn(status=JobStatus.FAILED, overrides=["lr=1"])
-    job.return_value = failure
-    assert compat.job_failure(job) is failure
-    assert capsys.readouterr().err == ""  # Hydra's return_value would write "Error executing job"
 
 
 def _runkit_callback_classes() -> list[type]:

@@ -64,16 +64,6 @@ def _hydra_args_parser() -> bool:
     )
 
 
-def _job_return_value() -> bool:
-    from hydra.core.utils import JobReturn, JobStatus
-
-    hydras = JobReturn.__dict__.get("return_value")
-    failure = ValueError("a job's failure")
-    job = JobReturn(status=JobStatus.FAILED)
-    job.return_value = failure
-    return isinstance(hydras, property) and hydras.fset is not None and job_failure(job) is failure
-
-
 PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi(
         "lightning.pytorch.trainer.call:_call_callback_hooks",
@@ -165,14 +155,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         _hydra_args_parser,
     ),
     PrivateApi(
-        "hydra.core.utils:JobReturn",
-        "_return_value",
-        "runkit.compat.job_failure (runkit.run.cli, a sweep's reported job)",
-        "a failed job's exception, read without Hydra's 'Error executing job' report, which "
-        "the public return_value writes first",
-        _job_return_value,
-    ),
-    PrivateApi(
         "torch.utils.data.dataloader:_MultiProcessingDataLoaderIter",
         "__init__",
         "runkit.compat.forked_for_a_dataloader_worker (runkit.safety.signals)",
@@ -212,13 +194,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "runkit.compat.restart_train_data (runkit.safety.resume)",
         "batches read again on resume are not new batches; Lightning adds the checkpoint's own",
         lambda: "fetched" in vars(_resolve("lightning.pytorch.loops.fetchers:_DataFetcher")()),
-    ),
-    PrivateApi(
-        "lightning.pytorch.strategies:DDPStrategy",
-        "_get_process_group_backend",
-        "runkit.compat.process_group_backend (runkit.run.launch.join_restarted_group)",
-        "the backend Lightning would pass to init_process_group, for a torchrun restart that "
-        "sets the group up first (torch's store for it lacks a per-attempt prefix)",
     ),
 )
 
@@ -320,12 +295,6 @@ def hydra_args_parser() -> Any:
     return get_args_parser()
 
 
-def job_failure(job: Any) -> Any:
-    """What a Hydra ``JobReturn`` holds (a failed job's exception) without the report Hydra's
-    ``return_value`` writes (private: see PRIVATE_APIS)."""
-    return getattr(job, "_return_value", None)
-
-
 def set_data_parallel_size(strategy: Any, size: int) -> None:
     """Set a ``ModelParallelStrategy``'s data-parallel mesh size (private: see PRIVATE_APIS)."""
     strategy._data_parallel_size = int(size)
@@ -347,13 +316,6 @@ def restart_train_data(trainer: Any, skip: int) -> int:
         read += 1
     fetcher.fetched -= read  # Lightning adds the batches the checkpoint had done
     return read
-
-
-def process_group_backend(strategy: Any) -> str | None:
-    """The process-group backend a Lightning strategy will use (``gloo``, ``nccl``...), or
-    ``None`` for a strategy without one (private: see PRIVATE_APIS)."""
-    get = getattr(strategy, "_get_process_group_backend", None)
-    return get() if callable(get) else None
 
 
 def forked_for_a_dataloader_worker() -> bool:
