@@ -115,14 +115,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         lambda: hasattr(_trainer_attribute_value("fit_loop").epoch_loop, "batch_idx"),
     ),
     PrivateApi(
-        "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop",
-        "_batches_that_stepped",
-        "runkit.compat.logging_step (GpuStatsMonitor's rows)",
-        "the step Lightning logs its own rows at (its LearningRateMonitor and DeviceStatsMonitor "
-        "read it too); trainer.global_step is one ahead of it at a validation's and an epoch's end",
-        lambda: "_batches_that_stepped" in vars(_trainer_attribute_value("fit_loop").epoch_loop),
-    ),
-    PrivateApi(
         "lightning.pytorch.callbacks:ModelCheckpoint",
         "_save_topk_checkpoint",
         "runkit.safety.model_checkpoint",
@@ -365,12 +357,6 @@ def skip_hooks(callback: Any, *names: str) -> None:
 def fit_batch_index(trainer: Any) -> int:
     """The index of the current training batch within its epoch (private: see PRIVATE_APIS)."""
     return int(trainer.fit_loop.epoch_loop.batch_idx)
-
-
-def logging_step(trainer: Any) -> int:
-    """The step Lightning logs its own rows at now (private: see PRIVATE_APIS). A training
-    epoch's end is the exception: Lightning logs the epoch's rows one lower, at its last batch."""
-    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
 
 
 def detach_refresh_thread(progress: Any) -> None:

@@ -1,10 +1,6 @@
-"""How long the training loop waited for data: two clock reads a step, no device sync.
-
-The wait is the wall time between one ``on_train_batch_end`` and the next
-``on_train_batch_start`` (fetching, moving and hooking the next batch); validation inside the
-epoch is left out. An asynchronous GPU step overlaps the wait instead of adding to it, so a high
-share means the input pipeline, not the GPU, sets the pace.
-"""
+"""How long the training loop waited for data: the wall time between one batch's end and the
+next batch's start, validation left out; two clock reads a step, no device sync. An asynchronous
+GPU step overlaps the wait, so a high share means the input pipeline sets the pace."""
 
 from __future__ import annotations
 
@@ -63,10 +59,6 @@ class LoopTimer:
         self._last_end = self.clock()
         self.steps += 1
         if self.samples is None:
-            return
-        first = batch[0] if type(batch) in (tuple, list) and batch else None
-        if type(first) is torch.Tensor and first.ndim:  # the common batch, without the walk
-            self.samples += first.shape[0]
             return
         size = batch_length(batch)
         if size is None and not self._said_uncountable:
