@@ -642,17 +642,14 @@ def test_an_exception_closes_nvml(use_fake) -> None:
 
 # --------------------------------------------------------------------------- ranks, through a store
 @pytest.fixture
-def store(tmp_path):
-    """A real process group of one, whose key-value store stands in for a job's."""
+def store(monkeypatch):
+    """The job's TCP store (rank 0's server), where ``MASTER_ADDR``/``MASTER_PORT`` point."""
     import torch.distributed as dist
 
-    from runkit import compat
-
-    dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
-    try:
-        yield compat.default_store()
-    finally:
-        dist.destroy_process_group()
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(server.port))
+    return server
 
 
 def test_the_exchange_hands_rank_0_every_ranks_payload_through_the_store(store) -> None:

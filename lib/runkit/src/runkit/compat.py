@@ -58,12 +58,6 @@ def _compiled_marker() -> bool:
     return net._compiled_call_impl is not None and plain._compiled_call_impl is None
 
 
-def _default_store_probe() -> bool:
-    import torch.distributed.distributed_c10d as c10d
-
-    return callable(getattr(c10d, "_get_default_store", None))
-
-
 def _hydra_args_parser() -> bool:
     args = hydra_args_parser().parse_args(["-m", "--cfg", "job", "-cd", "d", "a=1"])
     return (
@@ -160,14 +154,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "pl_module.net shadowed by the DataParallel wrapper without registering it, so "
         "parameters and state_dict keys stay those of the network",
         lambda: "net" in _linear_holder()._modules,
-    ),
-    PrivateApi(
-        "torch.distributed.distributed_c10d",
-        "_get_default_store",
-        "runkit.compat.default_store (gpu_stats' exchange between ranks)",
-        "the job's key-value store: ranks hand rank 0 their figures without a collective, "
-        "which would deadlock against Lightning's rank-0-only metric sync",
-        _default_store_probe,
     ),
     PrivateApi(
         "lightning.pytorch.strategies.launchers.subprocess_script:_SubprocessScriptLauncher",
@@ -370,13 +356,6 @@ def detach_refresh_thread(progress: Any) -> None:
         thread.refresh_cond = False  # Lightning's "redraw when you wake" request
         thread.stop()
         live._refresh_thread = None
-
-
-def default_store() -> Any:
-    """The default process group's key-value store (private: see PRIVATE_APIS)."""
-    import torch.distributed.distributed_c10d as c10d
-
-    return c10d._get_default_store()
 
 
 def hydra_args_parser() -> Any:
