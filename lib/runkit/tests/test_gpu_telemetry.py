@@ -364,7 +364,7 @@ def test_loop_timer_counts_the_gaps_between_steps_and_leaves_validation_out() ->
 
 def test_batch_length_finds_the_first_tensor_or_gives_up() -> None:
     assert batch_length({"x": [torch.zeros(5, 2)], "y": torch.zeros(5)}) == 5
-    assert batch_length(torch.tensor(3.0)) is None and batch_length(["text"]) is None
+    assert batch_length(torch.tensor(3.0)) == 1 and batch_length(["text"]) is None
 
 
 @pytest.mark.parametrize(

@@ -39,7 +39,6 @@ from runkit.gpus import nvml
 log = logging.getLogger(__name__)
 
 MIN_WAIT_WARNING_S = 1.0  # less waiting in all: no starvation line (the loader's start alone)
-STATE_VERSION = 1
 
 
 def cuda_device_uuid(index: int) -> str | None:
@@ -359,25 +358,22 @@ class GpuStatsMonitor(pl.Callback):
     ) -> None:
         self._loop.batch_end(batch)
 
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.sanity_checking:
-            self._loop.pause()  # until the next training batch: validation is not a data wait
-
-    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking or self._sampler is None:
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if trainer.sanity_checking:
             return
-        self._phase_before_val = self._sampler.phase
-        self._guarded("validation start", lambda: self._sampler.set_phase(VAL))
+        self._loop.pause()  # until the next training batch: validation is not a data wait
+        if self._sampler is not None:
+            self._phase_before_val = self._sampler.phase
+            self._guarded("validation start", lambda: self._sampler.set_phase(VAL))
         if self._peaks is not None:
             self._guarded("peak reset", lambda: self._peaks.stash())
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
-        phase = VAL if self.report_validation else None
-        local = self._local(trainer, phase, False)
+        local = self._local(trainer, VAL if self.report_validation else None, False)
+        resume = self._phase_before_val
         if self._sampler is not None:
-            resume = self._phase_before_val
             self._guarded("validation end", lambda: self._sampler.set_phase(resume, reset=False))
         if self._peaks is not None:
             self._guarded("peak reset", lambda: self._peaks.restart())
@@ -397,18 +393,13 @@ class GpuStatsMonitor(pl.Callback):
         everyone = self._exchanges["training epoch end"].gather(
             trainer, local, self._watched(trainer)
         )
-        flat = flatten_epoch(
-            everyone, self.key_prefix, self.log_sampler_cost, self.per_gpu_keys_up_to
-        )
-        loops = [p.get("loop") for p in everyone]
+        root, loops = self.key_prefix, [p.get("loop") for p in everyone]
+        flat = flatten_epoch(everyone, root, self.log_sampler_cost, self.per_gpu_keys_up_to)
         flat.update(flatten_loop(loops))
         self._publish(trainer, pl_module, flat)
         self._add_energy(everyone)
-        epoch_samples = count_samples(loops)
-        fit_samples = self._fit_samples
-        self._fit_samples = (
-            None if None in (fit_samples, epoch_samples) else fit_samples + epoch_samples
-        )
+        epoch, fit = count_samples(loops), self._fit_samples
+        self._fit_samples = None if epoch is None or fit is None else fit + epoch
         self._epoch_samples = 0.0
         self._summary.add_epoch(everyone)
         if trainer.is_global_zero:
@@ -503,11 +494,7 @@ class GpuStatsMonitor(pl.Callback):
         return None if None in parts else sum(parts)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": STATE_VERSION,
-            "energy_j": self.run_energy_j(),
-            "train_samples": self.run_samples(),
-        }
+        return {"version": 1, "energy_j": self.run_energy_j(), "train_samples": self.run_samples()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue the run's energy from a checkpoint; a damaged entry is ignored (one line)."""

@@ -268,28 +268,29 @@ class GpuSampler:
 
 
 class TorchPeakMemory:
-    """PyTorch's own peak allocated/reserved memory per CUDA device, split by phase."""
+    """PyTorch's own peak allocated/reserved memory per CUDA device, split by phase: ``clear``
+    at an epoch's start, ``stash`` (the training peaks so far) as validation starts, ``restart``
+    as it ends, ``peaks`` (with the stash: the whole epoch's) at a phase's end."""
 
     def __init__(self, devices: dict[str, torch.device]) -> None:
         self.devices = {k: d for k, d in devices.items() if d.type == "cuda"}
         self._carry: dict[str, tuple[float, float]] = {}
 
     def _read(self, device: torch.device) -> tuple[float, float]:
-        return (
-            torch.cuda.max_memory_allocated(device) / GIB,
-            torch.cuda.max_memory_reserved(device) / GIB,
-        )
+        allocated, reserved = torch.cuda.max_memory_allocated, torch.cuda.max_memory_reserved
+        return allocated(device) / GIB, reserved(device) / GIB
+
+    def _with_carry(self, label: str, now: tuple[float, float]) -> tuple[float, float]:
+        carry = self._carry.get(label, (0.0, 0.0))
+        return max(now[0], carry[0]), max(now[1], carry[1])
 
     def clear(self) -> None:
-        """A new training epoch: forget everything and restart the peaks."""
         self._carry.clear()
         self.restart()
 
     def stash(self) -> None:
-        """Validation starts: remember the training peaks so far, then restart the peaks."""
         for label, device in self.devices.items():
-            old, now = self._carry.get(label, (0.0, 0.0)), self._read(device)
-            self._carry[label] = (max(old[0], now[0]), max(old[1], now[1]))
+            self._carry[label] = self._with_carry(label, self._read(device))
         self.restart()
 
     def restart(self) -> None:
@@ -301,7 +302,6 @@ class TorchPeakMemory:
         for label, device in self.devices.items():
             alloc, reserved = self._read(device)
             if include_carry:
-                carry = self._carry.get(label, (0.0, 0.0))
-                alloc, reserved = max(alloc, carry[0]), max(reserved, carry[1])
+                alloc, reserved = self._with_carry(label, (alloc, reserved))
             out[label] = {"torch_peak_alloc_gib": alloc, "torch_peak_reserved_gib": reserved}
         return out
