@@ -652,76 +652,54 @@ def store(monkeypatch):
     return server
 
 
+def ranked(rank: int, world: int = 2) -> SimpleNamespace:
+    return SimpleNamespace(world_size=world, global_rank=rank)
+
+
 def test_the_exchange_hands_rank_0_every_ranks_payload_through_the_store(store) -> None:
-    exchange = RankExchange("training epoch end", timeout_s=5)
     mine, theirs = {"gpus": {"cuda0": {"util_mean": 1.0}}}, {"gpus": {"cuda1": {"util_mean": 2.0}}}
     # Rank 1 posts and goes on at once: it never waits for anyone.
-    rank1 = RankExchange("training epoch end", timeout_s=5)
-    assert rank1.gather(SimpleNamespace(world_size=2, global_rank=1), theirs) == [theirs]
-    gathered = exchange.gather(SimpleNamespace(world_size=2, global_rank=0), mine)
+    assert RankExchange("epoch", timeout_s=5).gather(ranked(1), theirs) == [theirs]
+    gathered = RankExchange("epoch", timeout_s=5).gather(ranked(0), mine)
     assert gathered == [mine, theirs] and gathered[0] is mine and gathered[1] is not theirs
-    assert not store.check(["runkit/training epoch end/1/1"])  # read, then removed
+    assert not store.check(["runkit/epoch/1/1"])  # read, then removed
+    one = RankExchange("epoch", timeout_s=5)
+    assert one.gather(ranked(0, world=1), mine) == [mine] and one._round == 0  # no store
 
 
-def test_a_rank_that_never_posts_costs_rank_0_the_timeout_and_one_warning(store, caplog) -> None:
-    import time
-
+def test_a_late_rank_costs_rank_0_the_timeout_one_warning_and_its_key_once_posted(
+    store, caplog
+) -> None:
     exchange = RankExchange("validation end", timeout_s=0.6)
     started = time.monotonic()
     with caplog.at_level(logging.WARNING):
-        gathered = exchange.gather(SimpleNamespace(world_size=3, global_rank=0), {"node": 0})
+        assert exchange.gather(ranked(0, world=3), {"node": 0}) == [{"node": 0}]
     assert 0.5 < time.monotonic() - started < 5
-    assert gathered == [{"node": 0}]
     (line,) = [r.getMessage() for r in caplog.records if "did not reach" in r.getMessage()]
     assert line == (
         "gpu_stats: rank 1,2 did not reach validation end within 1 s; its figures are left out "
         "this time (a rank held up elsewhere: look at that rank's log)"
     )
-    # A late rank's payload, posted after rank 0 went on, is removed at the next round.
-    store.set("runkit/validation end/1/2", "{}")
-    with caplog.at_level(logging.WARNING):
-        exchange.gather(SimpleNamespace(world_size=1, global_rank=0), {"node": 0})
-        late = RankExchange("validation end", timeout_s=0.1)
-        late._round, late._late = 1, ["runkit/validation end/1/2"]
-        late.gather(SimpleNamespace(world_size=2, global_rank=0), {"node": 0})
+    store.set("runkit/validation end/1/2", "{}")  # posted after rank 0 went on
+    exchange.timeout_s = 0.1
+    exchange.gather(ranked(0, world=3), {"node": 0})  # round 2: late again, round 1's removed
     assert not store.check(["runkit/validation end/1/2"])
+    assert store.check(["runkit/validation end/1/1"]) is False  # never posted: nothing left
 
 
-def test_a_late_ranks_payload_is_removed_once_it_arrives_and_a_run_of_one_keeps_no_round(
-    store,
-) -> None:
-    exchange = RankExchange("training epoch end", timeout_s=0.1)
-    assert exchange.gather(SimpleNamespace(world_size=1, global_rank=0), {"r": 0}) == [{"r": 0}]
-    rank0 = SimpleNamespace(world_size=2, global_rank=0)
-    assert exchange.gather(rank0, {"r": 0}) == [{"r": 0}]  # round 1: rank 1 late
-    late = "runkit/training epoch end/1/1"
-    exchange.gather(rank0, {"r": 0})  # round 2: still not posted, still remembered
-    store.set(late, "{}")  # it arrives after rank 0 went on
-    exchange.gather(rank0, {"r": 0})
-    assert not store.check([late])
-
-
-def test_with_every_rank_rank_0_posts_its_payload_for_the_others(store) -> None:
-    mine, theirs = {"node": 0, "r": 0}, {"node": 0, "r": 1}
-    store.set("runkit/validation end/1/1", json.dumps(theirs))
-    rank0 = RankExchange("validation end", timeout_s=5)
-    gathered = rank0.gather(SimpleNamespace(world_size=2, global_rank=0), mine, every_rank=True)
-    assert gathered == [mine, theirs]
-    assert json.loads(store.get("runkit/validation end/1/0")) == mine
-
-
-def test_with_a_monitor_on_another_rank_every_rank_gets_every_payload(store) -> None:
-    mine, theirs = {"node": 0, "r": 1}, {"node": 0, "r": 0}
-    store.set("runkit/training epoch end/1/0", json.dumps(theirs))  # rank 0 posted already
-    rank1 = RankExchange("training epoch end", timeout_s=5)
-    gathered = rank1.gather(SimpleNamespace(world_size=2, global_rank=1), mine, every_rank=True)
-    assert gathered == [theirs, mine]  # in rank order, rank 1 included
-    assert store.check(["runkit/training epoch end/1/1"])  # posted for rank 0 to read
-    assert store.check(["runkit/training epoch end/1/0"])  # the owner removes its own, later
+def test_with_a_monitor_on_any_rank_every_rank_gets_every_payload(store) -> None:
+    zero, one = {"node": 0, "r": 0}, {"node": 0, "r": 1}
+    store.set("runkit/epoch/1/1", json.dumps(one))
+    rank0 = RankExchange("epoch", timeout_s=5)
+    assert rank0.gather(ranked(0), zero, every_rank=True) == [zero, one]
+    assert json.loads(store.get("runkit/epoch/1/0")) == zero  # posted for rank 1 to read
+    rank1 = RankExchange("epoch", timeout_s=5)
+    assert rank1.gather(ranked(1), one, every_rank=True) == [zero, one]  # rank order
+    assert store.check(["runkit/epoch/1/1"])  # the owner removes its own, later
     for _ in range(2):
-        store.set(f"runkit/training epoch end/{rank1._round + 1}/0", "{}")
-        rank1.gather(SimpleNamespace(world_size=2, global_rank=1), mine, every_rank=True)
-    assert not store.check(["runkit/training epoch end/1/1"])  # two rounds on: removed
+        store.set(f"runkit/epoch/{rank1._round + 1}/0", "{}")
+        rank1.gather(ranked(1), one, every_rank=True)
+    assert not store.check(["runkit/epoch/1/1"])  # two rounds on: removed
 
 
 # --------------------------------------------------------------------------- real Trainer.fit

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import pynvml
 import pytest
 import torch
-from lightning.pytorch.callbacks import EarlyStopping
 
 from runkit.gpu_stats import callback as gpu_callback
 from runkit.gpu_stats.callback import GpuStatsMonitor, energy_report
@@ -270,11 +269,15 @@ def test_gpm_open_failing_after_alloc_frees_the_samples() -> None:
 
 
 # --------------------------------------------------------------------------- keys
-def test_flatten_keys_per_node_and_across_gpus() -> None:
+def payload(node, gpus, boards=None, rank=0):
+    return {"node": node, "rank": rank, "gpus": gpus, "boards": boards or {}}
+
+
+def test_keys_per_gpu_per_node_then_aggregates_across_gpus() -> None:
     payloads = [
-        {"node": 0, "gpus": {"cuda0": {"util_mean": 90.0, "energy_j": 10.0, "sample_ms": 1.0}}},
-        {"node": 1, "gpus": {"cuda0": {"util_mean": 30.0, "energy_j": 20.0, "sample_ms": 2.0}}},
-        {"node": 1, "gpus": {}},  # a rank whose NVML failed still takes part
+        payload(0, {"cuda0": {"util_mean": 90.0, "energy_j": 10.0, "sample_ms": 1.0}}),
+        payload(1, {"cuda0": {"util_mean": 30.0, "energy_j": 20.0, "sample_ms": 2.0}}),
+        payload(1, {}),  # a rank whose NVML failed still takes part
     ]
     logged = flatten_epoch(payloads, "gpu", log_cost=False)
     assert logged["gpu/node0/cuda0/util_mean"] == 90 and logged["gpu/node1/cuda0/util_mean"] == 30
@@ -282,27 +285,13 @@ def test_flatten_keys_per_node_and_across_gpus() -> None:
     assert logged["gpu/all/util_mean_mean"] == 60 and logged["gpu/all/energy_j_sum"] == 30
     assert not any("sample_ms" in k for k in logged)
     assert "gpu/node1/cuda0/sample_ms" in flatten_epoch(payloads, "gpu", log_cost=True)
-
-
-def payload(node, gpus, boards=None, rank=0):
-    return {"node": node, "rank": rank, "gpus": gpus, "boards": boards or {}}
-
-
-def test_one_gpu_has_no_aggregate_copies_of_its_own_keys() -> None:
-    logged = flatten_epoch(
-        [payload(0, {"cuda0": {"util_mean": 50.0, "energy_j": 3.0}})], "gpu", False
-    )
-    assert logged == {"gpu/node0/cuda0/util_mean": 50.0, "gpu/node0/cuda0/energy_j": 3.0}
-
-
-def test_per_gpu_keys_up_to_n_per_node_then_aggregates_only() -> None:
+    one = flatten_epoch(payloads[:1], "gpu", False)  # one GPU: no aggregate copies of its keys
+    assert one == {"gpu/node0/cuda0/util_mean": 90.0, "gpu/node0/cuda0/energy_j": 10.0}
     big = {f"cuda{i}": {"util_mean": float(i), "energy_j": 1.0} for i in range(16)}
-    small = {"cuda0": {"util_mean": 99.0, "energy_j": 1.0}}
-    logged = flatten_epoch([payload(0, big), payload(1, small)], "gpu", False, 8)
+    logged = flatten_epoch([payload(0, big), payloads[1]], "gpu", False, 8)
     assert not any(k.startswith("gpu/node0/") for k in logged)  # 16 > 8: aggregates only
-    assert logged["gpu/node1/cuda0/util_mean"] == 99
-    assert (logged["gpu/all/util_mean_min"], logged["gpu/all/util_mean_max"]) == (0, 99)
-    assert logged["gpu/all/energy_j_sum"] == 17
+    assert logged["gpu/node1/cuda0/util_mean"] == 30 and logged["gpu/all/util_mean_max"] == 30
+    assert logged["gpu/all/util_mean_min"] == 0 and logged["gpu/all/energy_j_sum"] == 36
     assert len(flatten_epoch([payload(0, big)], "gpu", False, 16)) > len(logged)
 
 
@@ -383,14 +372,6 @@ def test_a_damaged_checkpoint_state_is_one_line_and_ignored(state, caplog) -> No
     assert monitor.run_energy_j() == {} and monitor.run_samples() == 0
     (line,) = [r.getMessage() for r in caplog.records]
     assert "energy counts from this resume on" in line
-
-
-def test_monitored_keys_come_from_callbacks_and_schedulers() -> None:
-    trainer = SimpleNamespace(
-        callbacks=[EarlyStopping(monitor="gpu/a"), object()],
-        lr_scheduler_configs=[SimpleNamespace(monitor="gpu/b"), SimpleNamespace(monitor=None)],
-    )
-    assert gpu_callback.monitored_keys(trainer) == {"gpu/a", "gpu/b"}
 
 
 # --------------------------------------------------------------------------- a real Hopper GPU
@@ -479,29 +460,19 @@ def monitor_with(state: dict) -> GpuStatsMonitor:
     return monitor
 
 
-def test_energy_report_from_a_resumed_run() -> None:
-    monitor = monitor_with(
-        {"energy_j": {"node0/cuda0": 7200.0, "node0/cuda1": 1800.0}, "train_samples": 900}
-    )
-    report = energy_report(SimpleNamespace(callbacks=[object(), monitor]))
-    assert report == {
+def test_energy_report_from_a_resumed_run_with_or_without_samples() -> None:
+    per_gpu = {"node0/cuda0": 7200.0, "node0/cuda1": 1800.0}
+    monitor = monitor_with({"energy_j": per_gpu, "train_samples": 900})
+    assert energy_report(SimpleNamespace(callbacks=[object(), monitor])) == {
         "energy_j": 9000.0,
         "energy_kwh": 9000.0 / 3.6e6,
         "energy_j_per_training_sample": 10.0,
         "training_samples": 900,
-        "energy_j_per_gpu": {"node0/cuda0": 7200.0, "node0/cuda1": 1800.0},
+        "energy_j_per_gpu": per_gpu,
     }
-    assert monitor.state_dict() == {
-        "version": 1,
-        "energy_j": {"node0/cuda0": 7200.0, "node0/cuda1": 1800.0},
-        "train_samples": 900.0,
-    }
-
-
-def test_energy_report_without_samples_or_energy() -> None:
+    assert monitor.state_dict() == {"version": 1, "energy_j": per_gpu, "train_samples": 900.0}
     unknown = monitor_with({"energy_j": {"node0/cuda0": 0.1234567}, "train_samples": None})
     report = energy_report(SimpleNamespace(callbacks=[unknown]))
-    assert report is not None
     assert report["energy_j"] == 0.123 and report["energy_j_per_gpu"] == {"node0/cuda0": 0.123}
     assert report["energy_j_per_training_sample"] is None and report["training_samples"] is None
     none_yet = monitor_with({"energy_j": {"node0/cuda0": 5.0}, "train_samples": 0})
