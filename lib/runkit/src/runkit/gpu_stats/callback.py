@@ -413,14 +413,12 @@ class GpuStatsMonitor(pl.Callback):
         sampler, peaks = self._sampler, self._peaks
         if sampler is None:
             return local
+        got = self._guarded("summary", lambda: sampler.report(phase))
+        gpus, local["energy_total_j"] = got or ({}, {})
         local["boards"] = {r.label: r.board_uuid for r in sampler.readers}
-        got = self._guarded("summary", lambda: sampler.report(phase)) or ({}, {})
-        gpus, local["energy_total_j"] = got
-        if phase is not None and peaks is not None:
-            for label, values in (self._guarded("peaks", lambda: peaks.peaks(epoch)) or {}).items():
-                if label in gpus:
-                    gpus[label].update(values)
         if phase is not None:
+            for label, values in (peaks.peaks(epoch) if peaks else {}).items():
+                gpus.get(label, {}).update(values)
             local["gpus"] = gpus
         return local
 
@@ -453,11 +451,8 @@ class GpuStatsMonitor(pl.Callback):
         busy = gpu_busy_pct(everyone)
         if busy is not None and busy >= self.gpu_idle_below_pct:
             return
-        loader = trainer.train_dataloader
-        settings = ", ".join(
-            f"data.{name}={getattr(loader, name, '?')}"
-            for name in ("num_workers", "pin_memory", "batch_size")
-        )
+        loader, names = trainer.train_dataloader, ("num_workers", "pin_memory", "batch_size")
+        settings = ", ".join(f"data.{name}={getattr(loader, name, '?')}" for name in names)
         log.warning(
             "loop: epoch %d waited for the next batch %.0f%% of its training time (%.1f s) and "
             "%s: the input pipeline holds training back. What helps: more loader processes "
