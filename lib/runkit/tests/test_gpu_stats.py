@@ -8,6 +8,7 @@ the CPU "device" is, and share one trained run where they can.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import os
@@ -816,7 +817,7 @@ def trained(tmp_path_factory):
     logger = CountingCsvLogger(tmp_path, name="csv", version=0)
     mp = pytest.MonkeyPatch()
     mp.setenv("COLUMNS", "220")  # Rich wraps the table at 80 columns otherwise
-    buffer = __import__("io").StringIO()
+    buffer = io.StringIO()
     mp.setattr(sys, "stdout", buffer)
     try:
         trainer = fit(tmp_path, monitor, watch, stop, best, loggers=logger,
