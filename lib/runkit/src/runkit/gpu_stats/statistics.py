@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MEAN_MAX = ("mean", "max")
-# metric -> statistics logged for it. "last": the key is the metric name; "frac": mean of 0/1.
+# metric -> statistics logged (MEAN_MAX unless listed). "last": the key is the metric name;
+# "frac": the mean of 0/1 readings.
 METRIC_STATS: dict[str, tuple[str, ...]] = {
     "util": ("mean", "max", "min"),
     "mem_total_gib": ("last",),
@@ -182,7 +183,9 @@ class RunSummary:
         return rows
 
 
-GPM_COLUMNS = {"sm_active": "SM active %", "sm_occupancy": "occupancy %"} | {
+GPM_COLUMNS = {
+    "sm_active": "SM active %",
+    "sm_occupancy": "occupancy %",
     "tensor_active": "tensor %",
     "dram_active": "DRAM bw %",
 }
