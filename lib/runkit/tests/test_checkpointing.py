@@ -66,15 +66,28 @@ def write_run(directory: Path, net_config: dict) -> Path:
     return directory
 
 
-def test_model_pth_is_a_plain_state_dict_that_loads_back_equal(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["ours", "plain", "without-crc", "legacy-format"])
+def test_model_pth_is_a_plain_state_dict_that_loads_back_equal(tmp_path: Path, kind: str) -> None:
+    """Ours (save_weights) and state_dicts saved by plain torch elsewhere, onto the device asked."""
     net = MLP(in_features=64, hidden=[8], num_classes=10)
-    path = save_weights(net, write_run(tmp_path, NET) / "model.pth")
-    state = torch.load(path, weights_only=True)
-    assert set(state) == set(net.state_dict())
-    loaded = load_network(path, device="cpu", allowed=TEMPLATE_TARGETS)
-    assert not loaded.training
-    for key, value in net.state_dict().items():
-        assert torch.equal(loaded.state_dict()[key], value)
+    path = write_run(tmp_path, NET) / "model.pth"
+    if kind == "ours":
+        save_weights(net, path)
+    else:
+        torch.serialization.set_crc32_options(kind != "without-crc")
+        try:
+            torch.save(
+                net.state_dict(), path, _use_new_zipfile_serialization=kind != "legacy-format"
+            )
+        finally:
+            torch.serialization.set_crc32_options(True)
+    assert set(torch.load(path, weights_only=True)) == set(net.state_dict())
+    loaded = load_network(path, device=torch.device("cpu"), allowed=TEMPLATE_TARGETS)
+    assert not loaded.training and {p.device.type for p in loaded.parameters()} == {"cpu"}
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in net.state_dict().items())
+    if torch.cuda.is_available():
+        on_gpu = load_network(path, device="cuda", allowed=TEMPLATE_TARGETS)
+        assert {p.device.type for p in on_gpu.parameters()} == {"cuda"}
 
 
 def test_model_pth_of_another_architecture_is_one_line_with_the_keys(tmp_path: Path) -> None:
@@ -96,19 +109,6 @@ def test_corrupt_model_pth_is_one_line_naming_the_file(tmp_path: Path, damage: s
     )
     info = raised(RunError, lambda: load_network(path, allowed=TEMPLATE_TARGETS))
     assert "\n" not in str(info.value) and str(path) in str(info.value)
-
-
-def test_load_network_maps_to_the_requested_device(tmp_path: Path) -> None:
-    net = MLP(in_features=64, hidden=[8], num_classes=10)
-    path = save_weights(net, write_run(tmp_path, NET) / "model.pth")
-    loaded = load_network(path, device=torch.device("cpu"), allowed=TEMPLATE_TARGETS)
-    assert {p.device.type for p in loaded.parameters()} == {"cpu"}
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device to map onto")
-    assert {
-        p.device.type
-        for p in load_network(path, device="cuda", allowed=TEMPLATE_TARGETS).parameters()
-    } == {"cuda"}
 
 
 def test_build_trainer_uses_atomic_io() -> None:
@@ -186,22 +186,6 @@ def test_checkpoint_with_one_changed_bit_is_refused_on_every_load_path(tmp_path:
     ):
         with pytest.raises(RunError, match=r"damaged.*CRC-32"):
             load()
-
-
-@pytest.mark.parametrize("kind", ["plain", "without-crc", "legacy-format"])
-def test_state_dicts_saved_by_plain_torch_elsewhere_still_load(tmp_path: Path, kind: str) -> None:
-    net = MLP(in_features=64, hidden=[8], num_classes=10)
-    path = write_run(tmp_path, NET) / "model.pth"
-    if kind == "without-crc":
-        torch.serialization.set_crc32_options(False)
-        try:
-            torch.save(net.state_dict(), path)
-        finally:
-            torch.serialization.set_crc32_options(True)
-    else:
-        torch.save(net.state_dict(), path, _use_new_zipfile_serialization=kind == "plain")
-    loaded = load_network(path, allowed=TEMPLATE_TARGETS)
-    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in net.state_dict().items())
 
 
 @pytest.mark.slow
@@ -683,22 +667,14 @@ def test_run_config_is_model_and_data_checked_against_the_allow_list(base: Path)
             "uses a YAML alias; configs saved by a run do not",
         ),
         ("- a\n", "is not a run config (a YAML mapping)"),
-        ("model: [\n", "cannot read"),
     ],
-    ids=["alias", "list", "broken"],
+    ids=["alias", "list"],
 )
 def test_config_yaml_problems_are_one_line(folder: Path, text: str, expected: str) -> None:
     path = save_weights(small_net(), folder / "model.pth")
     (folder / "config.yaml").write_text(text, encoding="utf-8")
     info = raised(RunError, lambda: load_network(path, allowed=TEMPLATE_TARGETS))
-    message = str(info.value)
-    assert "\n" not in message
-    source = repr(str(folder / "config.yaml"))
-    if expected == "cannot read":
-        assert message.startswith(f"cannot read {source} as a run config: ")
-        assert len(message) <= len(f"cannot read {source} as a run config: ") + 200
-    else:
-        assert message == f"{source} {expected}"
+    assert str(info.value) == f"{str(folder / 'config.yaml')!r} {expected}"
 
 
 def test_a_state_of_another_architecture_is_named_by_its_keys(base: Path) -> None:
@@ -906,23 +882,27 @@ def test_atomic_link_copies_where_there_are_no_hard_links(
     assert sorted(p.name for p in folder.iterdir()) == ["epoch_003.ckpt", "last.ckpt"]
 
 
+@pytest.mark.parametrize("existing", [False, True])
 def test_atomic_link_that_cannot_rename_is_one_line(
-    folder: Path, monkeypatch: pytest.MonkeyPatch
+    folder: Path, monkeypatch: pytest.MonkeyPatch, existing: bool
 ) -> None:
     source = folder / "epoch_003.ckpt"
     source.write_bytes(b"weights")
     target = folder / "last.ckpt"
+    if existing:
+        target.write_bytes(b"old")
 
     def full(*args: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "replace", full)
     info = raised(FileWriteError, lambda: atomic_link(source, target))
+    outcome = "its previous version is unchanged" if existing else "nothing was written"
     assert str(info.value) == (
-        f"the disk is full: could not write {str(target)!r} (No space left on device); "
-        "nothing was written"
+        f"the disk is full: could not write {str(target)!r} (No space left on device); {outcome}"
     )
-    assert sorted(p.name for p in folder.iterdir()) == ["epoch_003.ckpt"]
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch_003.ckpt"] + ["last.ckpt"] * existing
+    assert not existing or target.read_bytes() == b"old"
 
 
 def test_a_full_disk_is_one_line_naming_the_last_good_checkpoint(base: Path) -> None:
@@ -991,20 +971,28 @@ def test_a_full_disk_keeps_the_first_error(base: Path) -> None:
     assert info.value is first
 
 
+@pytest.mark.parametrize("same", [False, True])
 def test_a_failed_checkpoint_save_names_the_checkpoint_and_what_remains(
-    folder: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, same: bool
 ) -> None:
-    kept = folder / "epoch_000.ckpt"
+    """The kept checkpoint: the target itself if it exists, else the newest; "checkpoint" is said
+    once even where the folder's name says "write"."""
+    folder = tmp_path / "notes to write up"
+    kept = folder / ("last.ckpt" if same else "epoch_000.ckpt")
     AtomicCheckpointIO().save_checkpoint({"w": torch.ones(1)}, kept)
+    newer = folder / "epoch_009.ckpt"
+    if same:
+        AtomicCheckpointIO().save_checkpoint({"w": torch.ones(1)}, newer)
+        os.utime(newer, (time.time() + 60, time.time() + 60))
 
     def fails(obj: Any, handle: Any, *args: Any, **kwargs: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(torch, "save", fails)
-    target = folder / "epoch_001.ckpt"
+    target = kept if same else folder / "epoch_001.ckpt"
     info = raised(
         checkpointing.CheckpointSaveError,
-        lambda: AtomicCheckpointIO().save_checkpoint({"w": torch.ones(1)}, f"file://{target}"),
+        lambda: AtomicCheckpointIO().save_checkpoint({"w": torch.ones(2)}, f"file://{target}"),
     )
     assert str(info.value) == (
         f"the disk is full: could not write checkpoint {str(target)!r} (No space left on device); "
@@ -1016,6 +1004,7 @@ def test_a_failed_checkpoint_save_names_the_checkpoint_and_what_remains(
 def test_remote_checkpoints_and_storage_options_keep_lightnings_way(
     folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import fsspec
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
     calls: list[tuple[Any, str, Any]] = []
@@ -1033,6 +1022,22 @@ def test_remote_checkpoints_and_storage_options_keep_lightnings_way(
         ({"b": 2}, str(folder / "b.ckpt"), {"x": 1}),
     ]
     assert not (folder / "b.ckpt").exists()
+    monkeypatch.undo()
+    # a remote checkpoint is never read as a local file (what its URL reads as a local path)
+    remote = "memory://bucket/given.ckpt"
+    with fsspec.open(remote, "wb") as handle:
+        torch.save({"w": torch.arange(3)}, handle)
+    monkeypatch.chdir(folder)
+    local = Path("memory:") / "bucket" / "given.ckpt"
+    local.parent.mkdir(parents=True)
+    with zipfile.ZipFile(local, "w", compression=zipfile.ZIP_STORED) as archive:
+        archive.writestr("a", b"hello" * 100)
+    data = bytearray(local.read_bytes())
+    data[30 + 1 + 50] ^= 0x01  # header (30 bytes), the name "a", then inside the data
+    local.write_bytes(bytes(data))
+    with pytest.raises(RunError):
+        verify_archive(local)
+    assert torch.equal(AtomicCheckpointIO().load_checkpoint(remote)["w"], torch.arange(3))
 
 
 def test_verify_archive_checks_a_file_once_per_version(
@@ -1089,56 +1094,6 @@ def test_loads_are_verified_and_mapped(base: Path) -> None:
     assert torch.equal(AtomicCheckpointIO().load_checkpoint(path)["w"], torch.arange(3))
 
 
-def test_a_failed_save_says_checkpoint_once_even_if_the_path_says_write(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    folder = tmp_path / "notes to write up"
-    target = folder / "last.ckpt"
-    AtomicCheckpointIO().save_checkpoint({"w": torch.ones(1)}, target)
-    newer = folder / "epoch_009.ckpt"
-    AtomicCheckpointIO().save_checkpoint({"w": torch.ones(1)}, newer)
-    os.utime(newer, (time.time() + 60, time.time() + 60))
-
-    def fails(obj: Any, handle: Any, *args: Any, **kwargs: Any) -> None:
-        raise OSError(errno.EACCES, "Permission denied")
-
-    monkeypatch.setattr(torch, "save", fails)
-    info = raised(
-        checkpointing.CheckpointSaveError,
-        lambda: AtomicCheckpointIO().save_checkpoint({"w": torch.ones(2)}, target),
-    )
-    assert str(info.value) == (
-        f"could not write checkpoint {str(target)!r}: Permission denied; "
-        f"the last good checkpoint is {str(target)!r}"
-    )
-
-
-def damaged_zip(path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
-        archive.writestr("a", b"hello" * 100)
-    data = bytearray(path.read_bytes())
-    data[30 + 1 + 50] ^= 0x01  # header (30 bytes), the name "a", then inside the data
-    path.write_bytes(bytes(data))
-    return path
-
-
-def test_a_remote_checkpoint_is_never_read_as_a_local_file(
-    folder: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import fsspec
-
-    remote = "memory://bucket/given.ckpt"
-    with fsspec.open(remote, "wb") as handle:
-        torch.save({"w": torch.arange(3)}, handle)
-    monkeypatch.chdir(folder)
-    damaged_zip(Path("memory:") / "bucket" / "given.ckpt")  # what the URL reads as a local path
-    with pytest.raises(RunError):
-        verify_archive(Path("memory:") / "bucket" / "given.ckpt")
-    loaded = AtomicCheckpointIO().load_checkpoint(remote)
-    assert torch.equal(loaded["w"], torch.arange(3))
-
-
 def test_a_live_writers_process_is_only_looked_at(monkeypatch: pytest.MonkeyPatch) -> None:
     writer = subprocess.Popen(
         [
@@ -1164,23 +1119,6 @@ def test_a_live_writers_process_is_only_looked_at(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(os, "kill", not_ours)
     assert checkpointing._alive(12345)  # another user's process: alive, its file is kept
-
-
-def test_atomic_link_failing_over_an_existing_file_says_it_is_unchanged(
-    folder: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    source = folder / "epoch_003.ckpt"
-    source.write_bytes(b"weights")
-    target = folder / "last.ckpt"
-    target.write_bytes(b"old")
-
-    def full(*args: Any) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(os, "replace", full)
-    info = raised(FileWriteError, lambda: atomic_link(source, target))
-    assert str(info.value).endswith("; its previous version is unchanged")
-    assert target.read_bytes() == b"old"
 
 
 def test_an_unreadable_config_yaml_gives_the_parsers_reason(
