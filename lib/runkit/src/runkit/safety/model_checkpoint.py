@@ -53,7 +53,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
         if trainer.fast_dev_run:
             return  # nothing is written under fast_dev_run
         super().on_train_end(trainer, module)
-        if self._own_last and self._last_step != trainer.global_step:
+        if self._own_last and self._last_step < 0:  # Lightning's rule: none written yet
             self._write_last(trainer, None)
 
     def on_exception(self, trainer: pl.Trainer, module: pl.LightningModule, err: Any) -> None:
