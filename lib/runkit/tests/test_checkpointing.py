@@ -225,8 +225,13 @@ def folder(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def base(folder: Path) -> Path:
-    """The folder of a test of several cases, each in its own subfolder."""
+    """The folder of a test of several cases, each in its own subfolder (:func:`case`)."""
     return folder
+
+
+def case(base: Path, name: str) -> Path:
+    (base / name).mkdir()
+    return base / name
 
 
 def small_net() -> MLP:
@@ -332,8 +337,7 @@ def test_resolve_ckpt_path_a_file_is_returned_absolute(
 
 
 def test_resolve_ckpt_path_of_a_run_or_last(base: Path) -> None:
-    folder = base / "0"
-    folder.mkdir()
+    folder = case(base, "0")
     nested = lightning_checkpoint(folder / "run a" / "checkpoints" / "last.ckpt", small_net())
     assert resolve_ckpt_path(str(folder / "run a"), folder) == nested.resolve()
     flat = lightning_checkpoint(folder / "run b" / "last.ckpt", small_net())
@@ -342,8 +346,7 @@ def test_resolve_ckpt_path_of_a_run_or_last(base: Path) -> None:
     assert resolve_ckpt_path(str(folder / "run b"), folder) == flat.resolve()
     lightning_checkpoint(folder / "run a" / "last.ckpt", small_net())
     assert resolve_ckpt_path(str(folder / "run a"), folder) == nested.resolve()
-    folder = base / "1"
-    folder.mkdir()
+    folder = case(base, "1")
     runs = folder / "train" / "runs"
     older = lightning_checkpoint(runs / "1" / "checkpoints" / "last.ckpt", small_net())
     newer = lightning_checkpoint(runs / "2" / "checkpoints" / "last.ckpt", small_net())
@@ -386,33 +389,28 @@ def test_resolve_ckpt_path_for_eval_a_run_directory_means_its_tested_weights(
 
 
 def test_load_file_reads_state_dicts_and_refuses_anything_else_in_one_line(base: Path) -> None:
-    folder = base / "0"
-    folder.mkdir()
+    folder = case(base, "0")
     for given, what in ((folder / "nowhere.pth", "does not exist"), (folder, "is a directory")):
         info = raised(RunError, lambda g=given: load_file(g))
         assert str(info.value).startswith(f"ckpt_path={str(given)!r} {what}")
-    folder = base / "1"
-    folder.mkdir()
+    folder = case(base, "1")
     path = folder / "given.pth"
     torch.save([torch.ones(2)], path)
     info = raised(RunError, lambda: load_file(path))
     assert str(info.value) == f"{str(path)!r} holds a list, not a state_dict"
-    folder = base / "2"
-    folder.mkdir()
+    folder = case(base, "2")
     path = save_weights(small_net(), folder / "model.pth")
     mapped = load_file(path, mmap=True)
     read = load_file(path)
     assert mapped.keys() == read.keys()
     assert all(torch.equal(mapped[k], read[k]) for k in read)
-    folder = base / "3"
-    folder.mkdir()
+    folder = case(base, "3")
     path = folder / "model.pth"
     torch.save(small_net().state_dict(), path, _use_new_zipfile_serialization=False)
     with pytest.raises(RuntimeError):
         torch.load(path, weights_only=True, mmap=True)
     assert load_file(path, mmap=True).keys() == small_net().state_dict().keys()
-    folder = base / "4"
-    folder.mkdir()
+    folder = case(base, "4")
     path = save_weights(small_net(), folder / "model.pth")
     data = bytearray(path.read_bytes())
     directory = data.find(b"PK\x01\x02")  # the central directory's first record
@@ -448,22 +446,19 @@ def test_load_file_reports_an_error_without_text_by_its_type(
 
 
 def test_network_state_is_the_nets_tensors_or_one_line(base: Path) -> None:
-    folder = base / "0"
-    folder.mkdir()
+    folder = case(base, "0")
     net = small_net()
     data = load_file(lightning_checkpoint(folder / "given.ckpt", net))
     state = network_state(data, folder / "given.ckpt")
     assert state.keys() == net.state_dict().keys()  # criterion.weight and net. are gone
     assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())
-    folder = base / "1"
-    folder.mkdir()
+    folder = case(base, "1")
     plain = {"net.layer": torch.ones(1), "state_dict": torch.zeros(1)}  # names, not a checkpoint
     assert network_state(plain) is plain
     half = {"state_dict": {"net.w": torch.ones(1)}}  # no Lightning version: not a checkpoint
     with pytest.raises(RunError, match="'state_dict' is not a tensor"):
         network_state(half)
-    folder = base / "2"
-    folder.mkdir()
+    folder = case(base, "2")
     bad = {"pytorch-lightning_version": "2.6.0", "state_dict": [1, 2]}
     info = raised(RunError, lambda: network_state(bad, folder / "given.ckpt"))
     assert str(info.value) == f"{str(folder / 'given.ckpt')!r} has a state_dict that is not a dict"
@@ -475,8 +470,7 @@ def test_network_state_is_the_nets_tensors_or_one_line(base: Path) -> None:
     )
     info = raised(RunError, lambda: network_state({"w": 1}))
     assert str(info.value) == "'' is not a network's state_dict: 'w' is not a tensor"
-    folder = base / "4"
-    folder.mkdir()
+    folder = case(base, "4")
     path = folder / "given.ckpt"
     data = {
         "pytorch-lightning_version": "2.6.0",
@@ -491,8 +485,7 @@ def test_network_state_is_the_nets_tensors_or_one_line(base: Path) -> None:
 
 
 def test_load_network_rebuilds_from_the_saved_or_given_config(base: Path) -> None:
-    folder = base / "0"
-    folder.mkdir()
+    folder = case(base, "0")
     net = small_net()
     path = lightning_checkpoint(folder / "given.ckpt", net, config={"model": {"net": SMALL_NET}})
     OmegaConf.save(
@@ -501,16 +494,14 @@ def test_load_network_rebuilds_from_the_saved_or_given_config(base: Path) -> Non
     loaded = load_network(path, allowed=TEMPLATE_TARGETS)
     assert isinstance(loaded, MLP) and not loaded.training
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in net.state_dict().items())
-    folder = base / "1"
-    folder.mkdir()
+    folder = case(base, "1")
     net = small_net()
     OmegaConf.save({"model": {"net": SMALL_NET}}, folder / "config.yaml")
     up = lightning_checkpoint(folder / "checkpoints" / "last.ckpt", net)
     assert isinstance(load_network(up, allowed=TEMPLATE_TARGETS), MLP)
     beside = save_weights(net, folder / "model.pth")
     assert isinstance(load_network(beside, allowed=TEMPLATE_TARGETS), MLP)
-    folder = base / "2"
-    folder.mkdir()
+    folder = case(base, "2")
     net = small_net()
     path = save_weights(net, folder / "model.pth")
     info = raised(RunError, lambda: load_network(path, allowed=TEMPLATE_TARGETS))
@@ -525,8 +516,7 @@ def test_load_network_rebuilds_from_the_saved_or_given_config(base: Path) -> Non
 def test_load_network_rebuilds_a_model_without_net_and_loads_the_part_it_exported(
     base: Path,
 ) -> None:
-    folder = base / "3"
-    folder.mkdir()
+    folder = case(base, "3")
     trained = Regressor(width=5)
     config = {"model": {"_target_": f"{__name__}.Regressor", "width": 5}}
     data = {
@@ -549,8 +539,7 @@ def test_load_network_rebuilds_a_model_without_net_and_loads_the_part_it_exporte
     }
     again = load_network(weights, allowed=[__name__ + "."])
     assert all(torch.equal(again.state_dict()[k], v) for k, v in trained.state_dict().items())
-    folder = base / "4"
-    folder.mkdir()
+    folder = case(base, "4")
     trained, whole = small_net(), torch.nn.Module()
     whole.net = small_net()
     path = lightning_checkpoint(folder / "given.ckpt", trained)
@@ -601,8 +590,7 @@ class Regressor(torch.nn.Module):
 
 
 def test_run_config_is_model_and_data_checked_against_the_allow_list(base: Path) -> None:
-    folder = base / "0"
-    folder.mkdir()
+    folder = case(base, "0")
     config = {"model": {"net": SMALL_NET}, "data": {"batch_size": 4}, "paths": {"log_dir": "x"}}
     path = lightning_checkpoint(folder / "given.ckpt", small_net(), config=config)
     assert run_config(path, load_file(path), TEMPLATE_TARGETS) == {
@@ -616,16 +604,14 @@ def test_run_config_is_model_and_data_checked_against_the_allow_list(base: Path)
     OmegaConf.save({"model": {"net": SMALL_NET}}, folder / "config.yaml")
     plain = {"hyper_parameters": {"config": "text"}}
     assert run_config(path, plain, TEMPLATE_TARGETS) == {"model": {"net": SMALL_NET}}
-    folder = base / "1"
-    folder.mkdir()
+    folder = case(base, "1")
     path = lightning_checkpoint(
         folder / "given.ckpt", small_net(), config={"model": {"net": SMALL_NET}}
     )
     with pytest.raises(RunError, match=r"not under the trusted targets \[torch\.nn\.\]"):
         run_config(path, load_file(path), allowed=["torch.nn."])
     assert run_config(path, load_file(path), allowed=["project.models.nets.MLP"])
-    folder = base / "2"
-    folder.mkdir()
+    folder = case(base, "2")
     path = lightning_checkpoint(
         folder / "given.ckpt", small_net(), config={"model": {"net": SMALL_NET}}
     )
@@ -633,8 +619,7 @@ def test_run_config_is_model_and_data_checked_against_the_allow_list(base: Path)
     assert str(info.value) == f"{str(path)!r} has no data config to rebuild it from"
     info = raised(RunError, lambda: run_config(path, load_file(path), needs=("data", "model")))
     assert str(info.value) == f"{str(path)!r} has no data config to rebuild it from"
-    folder = base / "3"
-    folder.mkdir()
+    folder = case(base, "3")
     path = save_weights(small_net(), folder / "model.pth")
     (folder / "config.yaml").write_text(
         "model:\n  net:\n    _target_: project.models.nets.MLP\n    in_features: ${oc.env:HOME}\n",
@@ -674,8 +659,6 @@ def test_a_state_of_another_architecture_is_named_by_its_keys(base: Path) -> Non
         **{f"k{i}": torch.zeros(1) for i in range(1, 7)},
     }
     assert state_mismatch(expected, other) == "unexpected keys: x; shape mismatch: k0"
-    folder = base / "1"
-    folder.mkdir()
     net = small_net()
     before = {k: v.clone() for k, v in net.state_dict().items()}
     wrong = {k: torch.zeros(v.shape[::-1]) for k, v in before.items()}
@@ -685,8 +668,7 @@ def test_a_state_of_another_architecture_is_named_by_its_keys(base: Path) -> Non
 
 
 def test_atomic_write_leaves_the_old_file_or_the_new_one_and_says_why(base: Path) -> None:
-    folder = base / "0"
-    folder.mkdir()
+    folder = case(base, "0")
     target = folder / "new dir" / "model.pth"
     atomic_write(target, lambda handle: handle.write(b"bytes"))
     assert target.read_bytes() == b"bytes"
@@ -694,8 +676,7 @@ def test_atomic_write_leaves_the_old_file_or_the_new_one_and_says_why(base: Path
     os.umask(umask)
     assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~umask
     assert sorted(p.name for p in target.parent.iterdir()) == ["model.pth"]
-    folder = base / "1"
-    folder.mkdir()
+    folder = case(base, "1")
     target = folder / "model.pth"
     info = raised(FileWriteError, lambda: atomic_write(target, full_disk))
     assert str(info.value) == (
@@ -708,8 +689,7 @@ def test_atomic_write_leaves_the_old_file_or_the_new_one_and_says_why(base: Path
     assert str(info.value).endswith("; its previous version is unchanged")
     assert info.value.problem.startswith("the disk is full: ")
     assert target.read_bytes() == b"old" and list(folder.iterdir()) == [target]
-    folder = base / "2"
-    folder.mkdir()
+    folder = case(base, "2")
 
     def no_permission(handle: Any) -> None:
         raise PermissionError(errno.EACCES, "Permission denied")
@@ -734,8 +714,7 @@ def test_atomic_write_leaves_the_old_file_or_the_new_one_and_says_why(base: Path
 
 
 def test_atomic_write_names_the_os_error_behind_a_failed_write(base: Path) -> None:
-    folder = base / "3"
-    folder.mkdir()
+    folder = case(base, "3")
 
     def bug(handle: Any) -> None:
         handle.write(b"some")
@@ -744,8 +723,7 @@ def test_atomic_write_names_the_os_error_behind_a_failed_write(base: Path) -> No
     with pytest.raises(KeyError, match="a bug in the writer"):
         atomic_write(folder / "model.pth", bug)
     assert list(folder.iterdir()) == []
-    folder = base / "4"
-    folder.mkdir()
+    folder = case(base, "4")
 
     def like_torch_save(handle: Any) -> None:
         try:
@@ -770,8 +748,7 @@ def test_atomic_write_names_the_os_error_behind_a_failed_write(base: Path) -> No
         checkpointing._ErrorKeepingFile.write = original  # type: ignore[method-assign]
     assert str(info.value).startswith("the disk is full: could not write ")
     assert "(Disk quota exceeded)" in str(info.value)
-    folder = base / "5"
-    folder.mkdir()
+    folder = case(base, "5")
     (folder / "plain file").write_text("x")
     target = folder / "plain file" / "model.pth"
     info = raised(FileWriteError, lambda: atomic_write(target, lambda handle: handle.write(b"x")))
@@ -785,8 +762,7 @@ def full_disk(handle: Any) -> None:
 
 
 def test_only_dead_writers_leftovers_are_removed(base: Path) -> None:
-    folder = base / "0"
-    folder.mkdir()
+    folder = case(base, "0")
     name = ".model.pth.{pid}-{host}-0badc0de.tmp"
     host = checkpointing._HOST
     writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -814,8 +790,7 @@ def test_only_dead_writers_leftovers_are_removed(base: Path) -> None:
     assert sorted(removed) == sorted([dead, foreign_old, a_dir])
     assert own.exists() and parent.exists() and foreign_fresh.exists() and live_dir.is_dir()
     assert remove_stale_temporaries(folder / "missing") == []
-    folder = base / "1"
-    folder.mkdir()
+    folder = case(base, "1")
     target = folder / "keep.bin"
     target.write_bytes(b"x")
     link = folder / f".model.pth.{2**22 + 1}-{checkpointing._HOST}-0badc0de.tmp"
@@ -825,8 +800,7 @@ def test_only_dead_writers_leftovers_are_removed(base: Path) -> None:
 
 
 def test_atomic_link_makes_a_second_name_of_the_same_bytes(base: Path) -> None:
-    folder = base / "0"
-    folder.mkdir()
+    folder = case(base, "0")
     source = folder / "epoch_003.ckpt"
     source.write_bytes(b"weights")
     target = folder / "sub dir" / "last.ckpt"
@@ -836,8 +810,7 @@ def test_atomic_link_makes_a_second_name_of_the_same_bytes(base: Path) -> None:
     assert target.read_bytes() == b"weights"
     assert os.path.samefile(source, target)
     assert sorted(p.name for p in target.parent.iterdir()) == ["last.ckpt"]
-    folder = base / "1"
-    folder.mkdir()
+    folder = case(base, "1")
     source = folder / "epoch_003.ckpt"
     source.write_bytes(b"weights")
     target = folder / "a" / "b" / "last.ckpt"
@@ -891,8 +864,7 @@ def test_atomic_link_that_cannot_rename_is_one_line(
 
 
 def test_a_full_disk_is_one_line_naming_the_last_good_checkpoint(base: Path) -> None:
-    folder = base / "0"
-    folder.mkdir()
+    folder = case(base, "0")
     assert last_good_checkpoint(folder) == "no checkpoint was kept before it"
     (folder / "notes.txt").write_text("x")
     (folder / "dir.ckpt").mkdir()
@@ -907,8 +879,7 @@ def test_a_full_disk_is_one_line_naming_the_last_good_checkpoint(base: Path) -> 
     assert (
         last_good_checkpoint(folder, prefer=missing) == f"the last good checkpoint is {str(new)!r}"
     )
-    folder = base / "1"
-    folder.mkdir()
+    folder = case(base, "1")
     run = folder / "run"
     (run / "checkpoints").mkdir(parents=True)
     with pytest.raises(FileWriteError) as info, full_disk_in_one_line(run):
@@ -934,8 +905,7 @@ def test_a_full_disk_is_one_line_naming_the_last_good_checkpoint(base: Path) -> 
 
 
 def test_a_full_disk_keeps_the_first_error(base: Path) -> None:
-    folder = base / "2"
-    folder.mkdir()
+    folder = case(base, "2")
     with pytest.raises(ValueError, match="not about the disk"), full_disk_in_one_line(folder):
         raise ValueError("not about the disk")
     with pytest.raises(PermissionError), full_disk_in_one_line(folder):
@@ -1046,26 +1016,22 @@ def test_verify_archive_checks_a_file_once_per_version(
 
 
 def test_loads_are_verified_and_mapped(base: Path) -> None:
-    folder = base / "0"
-    folder.mkdir()
+    folder = case(base, "0")
     info = raised(RunError, lambda: verify_archive(folder / "nowhere.pth"))
     assert (
         str(info.value) == f"cannot read {str(folder / 'nowhere.pth')!r}: No such file or directory"
     )
-    folder = base / "1"
-    folder.mkdir()
+    folder = case(base, "1")
     path = save_weights(torch.nn.Linear(64, 64), folder / "model.pth")
     name = change_one_tensor_byte(path)
     assert str(raised(RunError, lambda: verify_archive(path)).value) == (
         f"{str(path)!r} is damaged: record {name!r} does not match its stored CRC-32 "
         "checksum (bytes changed on disk or in a copy); use an intact copy of the file"
     )
-    folder = base / "2"
-    folder.mkdir()
+    folder = case(base, "2")
     with pytest.raises(FileNotFoundError, match="Checkpoint file not found"):
         AtomicCheckpointIO().load_checkpoint(folder / "nowhere.ckpt")
-    folder = base / "3"
-    folder.mkdir()
+    folder = case(base, "3")
     path = folder / "given.ckpt"
     AtomicCheckpointIO().save_checkpoint({"w": torch.arange(3)}, path)
     seen: list[str] = []
@@ -1232,8 +1198,7 @@ def test_a_legacy_file_read_for_its_shapes_is_still_loaded_safely(
 
 
 def test_sharded_checkpoint_directories(base: Path) -> None:
-    folder = base / "0"
-    folder.mkdir()
+    folder = case(base, "0")
     import torch.distributed.checkpoint as dcp
 
     target = folder / "last.ckpt"
@@ -1277,8 +1242,7 @@ def test_sharded_checkpoint_directories(base: Path) -> None:
 
 
 def test_sharded_checkpoint_directories_are_staged_and_swapped_in(base: Path) -> None:
-    folder = base / "1"
-    folder.mkdir()
+    folder = case(base, "1")
     a, b = folder / "a", folder / "b"
     for path in (a, b):
         path.mkdir()
@@ -1286,8 +1250,7 @@ def test_sharded_checkpoint_directories_are_staged_and_swapped_in(base: Path) ->
     assert checkpointing._exchange(a, b)
     assert (a / "x").read_text() == "b" and (b / "x").read_text() == "a"
     assert not checkpointing._exchange(a, folder / "missing")
-    folder = base / "2"
-    folder.mkdir()
+    folder = case(base, "2")
     target = folder / "a b" / "last.ckpt"
     staging = checkpointing.new_staging_dir(target)
     assert staging.parent == target.parent and checkpointing._TEMP.fullmatch(staging.name)
@@ -1302,8 +1265,7 @@ def test_sharded_checkpoint_directories_are_staged_and_swapped_in(base: Path) ->
     single.write_text("a file before")
     checkpointing.swap_in(again, single)
     assert single.is_dir() and not again.exists()
-    folder = base / "3"
-    folder.mkdir()
+    folder = case(base, "3")
     import zlib
 
     (folder / "sub").mkdir()
