@@ -81,24 +81,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         _trainer_attribute("_signal_connector"),
     ),
     PrivateApi(
-        "lightning.pytorch.callbacks:ModelCheckpoint",
-        "_save_topk_checkpoint",
-        "runkit.safety.model_checkpoint",
-        "last.ckpt at every save point (Lightning 2.6 lets it fall behind)",
-    ),
-    PrivateApi(
-        "lightning.pytorch.callbacks:ModelCheckpoint",
-        "_save_last_checkpoint",
-        "runkit.safety.model_checkpoint",
-        "last.ckpt as a hard link to the best file written at the same step",
-    ),
-    PrivateApi(
-        "lightning.pytorch.callbacks:ModelCheckpoint",
-        "_save_checkpoint",
-        "runkit.safety.model_checkpoint",
-        "knowing which file a save point wrote",
-    ),
-    PrivateApi(
         "rich.live:Live",
         "_refresh_thread",
         "runkit.compat.detach_refresh_thread (runkit.run.progress_bar)",
