@@ -547,6 +547,7 @@ LAUNCH = textwrap.dedent(
 
     devices, hold_s, lock_dir, go = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4]
     inventory.probe_torch = lambda uuids=True: TorchCuda(True, 2)  # torch has no CUDA here
+    Path(f"{go}.{os.getpid()}").touch()  # imported
     while not Path(go).exists():  # start both launches at the same moment
         time.sleep(0.01)
     started = time.monotonic()
@@ -567,6 +568,13 @@ def launch(tmp_path: Path, devices: int, hold_s: float) -> subprocess.Popen[str]
     return subprocess.Popen([sys.executable, "-c", LAUNCH, *args], env=env, stdout=pipe, stderr=pipe, text=True)  # fmt: skip
 
 
+def imported(tmp_path: Path, *procs: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 240
+    while not all((tmp_path / f"go.{p.pid}").exists() for p in procs):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.01)
+
+
 def result(proc: subprocess.Popen[str]) -> dict:
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err
@@ -577,12 +585,13 @@ def result(proc: subprocess.Popen[str]) -> dict:
 def test_two_launches_at_once_take_different_gpus_and_a_third_waits_until_one_dies(tmp_path):
     holders = [launch(tmp_path, 1, hold_s=600) for _ in range(2)]  # each takes a GPU, then hangs
     try:
-        time.sleep(3)  # both imported and polling for the start signal
+        imported(tmp_path, *holders)  # both polling for the start signal
         (tmp_path / "go").touch()
         got = [json.loads(p.stdout.readline())["gpus"] for p in holders]
         assert sorted(got[0] + got[1]) == [0, 1]
         waiter = launch(tmp_path, 1, hold_s=0)
-        time.sleep(4)
+        imported(tmp_path, waiter)
+        time.sleep(1)
         assert waiter.poll() is None  # still waiting
         holders[0].send_signal(signal.SIGKILL)  # no clean-up at all: the kernel drops its locks
         holders[0].communicate(timeout=60)
