@@ -147,7 +147,8 @@ def test_a_rank_whose_handler_cannot_run_quits_after_the_grace(
         os.write(wakeup, bytes([signal.SIGTERM]))  # what the C-level handler writes
         until(lambda: quits, 10)
         assert request.received is None
-    assert quits == [(signal.SIGTERM, STUCK.format(0))]
+    # quit_now exits for real; stubbed, the watcher may ask again before the block ends
+    assert quits and set(quits) == {(signal.SIGTERM, STUCK.format(0))}
 
 
 STUCK = (
