@@ -184,7 +184,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     config = (run / "config.yaml").read_text()
     crafted = OmegaConf.create(config)  # the same run, with an MLP for the ConvNet
     crafted.model.net = {
-        "_target_": "project.models.nets.MLP",
+        "_target_": "tinyapp.models.MLP",
         "in_features": 64,
         "hidden": [16],
         "num_classes": 10,

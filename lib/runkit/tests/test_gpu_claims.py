@@ -141,7 +141,7 @@ def test_preflight_checks_the_keys():
 @pytest.mark.slow
 def test_the_cli_refuses_a_bad_key_in_one_line_and_creates_nothing(tmp_path):
     runs = tmp_path / "runs é"
-    command = [sys.executable, "-m", "project.train", "gpu_wait_s=-5", f"paths.log_dir='{runs}'"]
+    command = [sys.executable, "-m", "tinyapp.train", "gpu_wait_s=-5", f"paths.log_dir='{runs}'"]
     result = prewarmed.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (

@@ -329,7 +329,7 @@ def test_device_uuids_is_not_in_the_users_yaml_but_an_override_still_reaches_it(
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from project import config_dir
+    from tinyapp import config_dir
     from runkit.run.preflight import check_targets
 
     assert "device_uuids" not in (REPO / "configs" / "callbacks" / "gpu_stats.yaml").read_text()

@@ -16,7 +16,7 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 import prewarmed
-from conftest import clean_env, last_line, run_dirs, run_python
+from conftest import TESTS, clean_env, last_line, run_dirs, run_python
 from runkit.safety import interrupts, signals
 from runkit.safety.interrupts import GracefulInterrupt, resume_command
 
@@ -34,7 +34,7 @@ def test_ctrl_c_saves_prints_the_resume_command_and_the_command_resumes(tmp_path
     # SIGTERM's save and line in one process: test_signals.test_one_stop_delivered_...
     log_dir = tmp_path / "logs"
     process = subprocess.Popen(
-        [sys.executable, "-m", "project.train", *SLOW_TRAINING, f"paths.log_dir={log_dir}"],
+        [sys.executable, "-m", "tinyapp.train", *SLOW_TRAINING, f"paths.log_dir={log_dir}"],
         cwd=tmp_path,
         env=clean_env(),
         stdout=subprocess.PIPE,
@@ -53,7 +53,7 @@ def test_ctrl_c_saves_prints_the_resume_command_and_the_command_resumes(tmp_path
     state = torch.load(saved, map_location="cpu", weights_only=True)
     assert state["global_step"] > 0 and "SIGINT received" in err
     command = next(line.strip() for line in (out + err).splitlines() if "ckpt_path=" in line)
-    assert command.startswith("python -m project.train ")
+    assert command.startswith(f"PYTHONPATH={TESTS} python -m tinyapp.train ")
     assert command.endswith(f"ckpt_path={saved}")
     assert all(override in command for override in SLOW_TRAINING)
 

@@ -1,4 +1,4 @@
-"""``python -m project.predict`` through the real CLI: predictions in dataset order, one process
+"""``python -m tinyapp.predict`` through the real CLI: predictions in dataset order, one process
 and DDP x2 on the CPU, the template's ``predict_step`` and a foreign module's forward."""
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def test_the_template_predicts_its_classes_in_dataset_order(
     assert "DigitsDataModule.predict_dataloader" in output
 
     inputs = inputs_of(trained)
-    net = load_network(trained / "model.pth", device="cpu", allowed=("project.", "torch."))
+    net = load_network(trained / "model.pth", device="cpu", allowed=("tinyapp.", "torch."))
     with torch.no_grad():
         expected = net(inputs).argmax(dim=-1)
     predictions, index = saved(run)

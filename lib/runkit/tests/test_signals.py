@@ -718,7 +718,7 @@ def group_gone(pgid: int, timeout: float = 30) -> bool:
 
 
 class Run:
-    """``python -m project.<task>`` in its own session, stderr to a file, test callbacks
+    """``python -m tinyapp.<task>`` in its own session, stderr to a file, test callbacks
     importable; killed with its group if a test leaves it running."""
 
     def __init__(self, tmp_path: Path, task: str, *overrides: str, env: dict | None = None):
@@ -727,7 +727,7 @@ class Run:
             tmp_path / "stderr",
             tmp_path / "logs",
         )
-        command = [sys.executable, "-m", f"project.{task}", *overrides]
+        command = [sys.executable, "-m", f"tinyapp.{task}", *overrides]
         with self.out.open("w") as stdout, self.err.open("w") as stderr:
             self.process = subprocess.Popen(
                 [*command, f"paths.log_dir={self.log_dir}"],
@@ -803,7 +803,7 @@ def release(marker: Path) -> None:
 def trained_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     log_dir = tmp_path_factory.mktemp("trained") / "logs"
     done = subprocess.run(
-        [sys.executable, "-m", "project.train", *SMALL, "test=false", f"paths.log_dir={log_dir}"],
+        [sys.executable, "-m", "tinyapp.train", *SMALL, "test=false", f"paths.log_dir={log_dir}"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -943,7 +943,7 @@ def test_a_hang_up_with_the_terminal_gone_saves_like_sigterm_and_exits_129(
     before = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as a shell starts it, not as nohup
     try:
         process = subprocess.Popen(
-            [sys.executable, "-m", "project.train", *command, f"paths.log_dir={log_dir}"],
+            [sys.executable, "-m", "tinyapp.train", *command, f"paths.log_dir={log_dir}"],
             cwd=tmp_path,
             env=clean_env(PYTHONPATH=str(TESTS)),
             stdout=writer,
@@ -1136,7 +1136,7 @@ def test_a_ctrl_c_just_after_the_run_directory_line_is_one_line(tmp_path: Path) 
     # teardown), the files are complete and the last line says so.
     log_dir = tmp_path / "logs"
     process = subprocess.Popen(
-        [sys.executable, "-m", "project.train", *SMALL, f"paths.log_dir={log_dir}"],
+        [sys.executable, "-m", "tinyapp.train", *SMALL, f"paths.log_dir={log_dir}"],
         cwd=tmp_path,
         env=clean_env(),
         stdout=subprocess.PIPE,

@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from conftest import CliRunner, last_line, run_dirs
-from project import config_dir
+from tinyapp import config_dir
 from runkit.errors import RunError
 from runkit.run.launch import register_resolvers
 from runkit.run.preflight import check_config
