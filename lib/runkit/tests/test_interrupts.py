@@ -58,7 +58,7 @@ def test_ctrl_c_saves_prints_the_resume_command_and_the_command_resumes(tmp_path
     assert all(override in command for override in SLOW_TRAINING)
 
     # The printed command resumes (to the end of the stopped epoch, for the test).
-    argv = [a for a in shlex.split(command)[1:] if not a.startswith("trainer.max_epochs=")]
+    argv = [a for a in shlex.split(command)[2:] if not a.startswith("trainer.max_epochs=")]
     argv.append(f"trainer.max_epochs={state['epoch'] + 1}")
     resumed = prewarmed.run(
         [sys.executable, *argv], cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
