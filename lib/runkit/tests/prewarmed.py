@@ -24,30 +24,12 @@ from pathlib import Path
 from typing import Any
 
 # Imported by the server before it forks: what `python -m tinyapp.train` imports anyway.
-WARM = (
-    "torch",
-    "lightning.pytorch",
-    "torchmetrics",
-    "hydra",
-    "hydra.core.hydra_config",
-    "omegaconf",
-    "rich.console",
-    "matplotlib.pyplot",
-    "runkit.run.builders",
-    "runkit.run.preflight",
-    "runkit.run.launch",
-    "runkit.run.run_files",
-    "runkit.safety.checkpoints",
-    "runkit.safety.interrupts",
-    "runkit.safety.signals",
-    "runkit.gpu_stats.callback",
-    "runkit.gpus.resolve",
-    "runkit.gpus.claims",
-    "runkit.plots",
-    "runkit.speed",
-    "tinyapp.models",
-    "tinyapp.data",
-)
+WARM = ("torch", "lightning.pytorch", "torchmetrics", "hydra", "hydra.core.hydra_config",
+        "omegaconf", "rich.console", "matplotlib.pyplot", "runkit.run.builders",
+        "runkit.run.preflight", "runkit.run.launch", "runkit.run.run_files",
+        "runkit.safety.checkpoints", "runkit.safety.interrupts", "runkit.safety.signals",
+        "runkit.gpu_stats.callback", "runkit.gpus.resolve", "runkit.gpus.claims", "runkit.plots",
+        "runkit.speed", "tinyapp.models", "tinyapp.data")  # fmt: skip
 
 
 def _serve() -> None:
