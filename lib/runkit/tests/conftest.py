@@ -16,21 +16,9 @@ import prewarmed
 
 # Variables a parent test process (or an earlier DDP test) may leave behind and that would change
 # how a child run behaves.
-_LEAKY_ENV = (
-    "LOCAL_RANK",
-    "RANK",
-    "WORLD_SIZE",
-    "NODE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "PL_GLOBAL_SEED",
-    "PL_SEED_WORKERS",
-    "RUNKIT_GPU_SELECTION",
-    "RUNKIT_NVML_BACKEND",
-    "RUNKIT_FAKE_NVML",
-    "PROJECT_LOG_DIR",
-    "HYDRA_FULL_ERROR",
-)
+_LEAKY_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+              "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "RUNKIT_GPU_SELECTION", "RUNKIT_NVML_BACKEND",
+              "RUNKIT_FAKE_NVML", "PROJECT_LOG_DIR", "HYDRA_FULL_ERROR")  # fmt: skip
 
 # Small, quiet budgets for CLI tests: the real pipeline, a fraction of the work.
 FAST = ("trainer.max_epochs=2", "data.batch_size=256", "callbacks.progress_bar.refresh_rate=0")
