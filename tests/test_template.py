@@ -3,7 +3,7 @@
 Real Copier on real git repositories, offline: the working tree becomes a git repository tagged
 v1, ``copier copy`` makes a project from it under a name whose package sorts after ``runkit`` and
 one with a non-ASCII letter that sorts before, into a folder whose path holds a space; each starts
-its git repository as its README says, is checked file by file and built as a wheel. Then, in a
+its git repository as its README says and is checked file by file; one is built as a wheel. Then, in a
 fresh process environment (no ``PYTHONPATH``, no virtual environment, nothing of pytest or of
 this repository), each project's first push: the ``run:`` steps of its CI workflow as written
 (the suite in one of them), then every Makefile target that runs offline; the non-ASCII
@@ -336,8 +336,9 @@ def test_every_makefile_target_works_in_a_path_with_a_space(
 
 @pytest.mark.slow
 def test_the_generated_projects_wheel_holds_its_package_and_configs(
-    made: Made, tmp_path: Path
+    projects: dict[str, Made], tmp_path: Path
 ) -> None:
+    made = projects[SET_UP]  # one build: the package's name only fills the paths checked
     built = subprocess.run(  # by this environment's pip and hatchling: the build needs no other
         [
             sys.executable,
