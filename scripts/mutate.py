@@ -79,7 +79,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # only count: the CLI and fresh-interpreter tests run the unmutated tree)
     "signals": (
         ["lib/runkit/src/runkit/safety/signals.py"],
-        ["lib/runkit/tests/test_signals.py", "lib/runkit/tests/test_interrupts.py"],
+        ["lib/runkit/tests/test_signals.py"],
     ),
     # a small module to try the tool on
     "finite_loss": (

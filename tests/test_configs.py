@@ -75,58 +75,38 @@ def test_the_lightning_trainer_config_is_every_trainer_argument_at_its_default()
     assert node == TRAINER_DEFAULTS
 
 
-def test_eval_config_composes_and_names_the_checkpoint_it_requires() -> None:
-    assert (CONFIGS / "train.yaml").is_file()  # found next to the package
-    cfg = compose_train(name="eval")
-    assert OmegaConf.is_missing(cfg, "ckpt_path")
+@pytest.mark.parametrize("name", ["eval", "predict"])
+def test_eval_and_predict_name_the_checkpoint_they_require(name: str) -> None:
+    """predict is eval's config with the prediction writer: same checkpoint, trust, GPU and
+    speed keys; the writer puts predictions.pt in the run directory."""
     with pytest.raises(RunError, match=r"^ckpt_path is required; add ckpt_path=<a \.ckpt"):
-        check_config(cfg)
-
-
-def test_predict_config_is_eval_s_with_the_prediction_writer() -> None:
-    """Same checkpoint, trust, GPU and speed keys as eval; the writer puts predictions.pt in
-    the run directory; a missing ckpt_path is named."""
-    cfg = compose_train("ckpt_path=x", name="predict")
-    evaluation = compose_train("ckpt_path=x", name="eval")
-    assert cfg.task_name == "predict"
-    assert cfg.callbacks.predictions._target_ == "runkit.run.predictions.PredictionWriter"
-    assert cfg.callbacks.predictions.output_dir == cfg.paths.output_dir
-    assert "graceful_interrupt" in cfg.callbacks
+        check_config(compose_train(name=name))
+    cfg, evaluation = (
+        compose_train("ckpt_path=x", name=name),
+        compose_train("ckpt_path=x", name="eval"),
+    )
+    check_config(cfg)
     shared = [k for k in evaluation if k not in ("task_name", "callbacks", "paths", "hydra")]
     assert {k: cfg[k] for k in shared} == {k: evaluation[k] for k in shared}
-    check_config(cfg)
-    with pytest.raises(RunError, match=r"^ckpt_path is required"):
-        check_config(compose_train(name="predict"))
+    assert "graceful_interrupt" in cfg.callbacks
+    if name == "predict":
+        assert cfg.callbacks.predictions._target_ == "runkit.run.predictions.PredictionWriter"
+        assert cfg.callbacks.predictions.output_dir == cfg.paths.output_dir
 
 
-def test_overrides_reach_the_trainer_untouched() -> None:
+def test_overrides_reach_the_objects_the_config_builds() -> None:
     cfg = compose_train("trainer.max_epochs=3", "model.optimizer.lr=0.01", "trainer.devices=2")
-    assert (cfg.trainer.max_epochs, cfg.trainer.devices, cfg.model.optimizer.lr) == (3, 2, 0.01)
+    assert (cfg.trainer.max_epochs, cfg.trainer.devices) == (3, 2)
     assert cfg.model.scheduler.T_max == 3  # interpolated from trainer.max_epochs
-
-
-def test_model_data_and_callbacks_instantiate() -> None:
-    cfg = compose_train()
     model = instantiate(cfg.model)
     assert type(model.net).__name__ == "ConvNet"
-    optimizer = model.optimizer_factory(params=model.parameters())
-    assert optimizer.param_groups[0]["lr"] == cfg.model.optimizer.lr
-    datamodule = instantiate(cfg.data)
-    assert datamodule.batch_size == cfg.data.batch_size
+    assert model.optimizer_factory(params=model.parameters()).param_groups[0]["lr"] == 0.01
+    assert instantiate(cfg.data).batch_size == cfg.data.batch_size
     names = {type(instantiate(node)).__name__ for node in cfg.callbacks.values()}
     assert {"ModelCheckpoint", "RichProgressBar"} <= names
 
 
-def test_every_target_node_maps_one_to_one_onto_its_class() -> None:
-    """A key the class does not take is an error, not silently dropped."""
-    cfg = compose_train()
-    with open_dict(cfg):
-        cfg.model.net.widht = 3
-    with pytest.raises(RunError, match=r"model\.net\.widht is not an argument of .*ConvNet"):
-        check_targets(cfg.model, "model")
-
-
-def test_a_module_swapped_in_hears_every_key_it_does_not_take_and_how_to_drop_them() -> None:
+def test_a_key_the_target_does_not_take_is_named_with_how_to_drop_it() -> None:
     cfg = compose_train("model._target_=lightning.pytorch.demos.boring_classes.BoringModel")
     with open_dict(cfg):
         del cfg.model.net
@@ -138,22 +118,20 @@ def test_a_module_swapped_in_hears_every_key_it_does_not_take_and_how_to_drop_th
     )
 
 
-def test_checkpoint_hyperparameters_are_plain_data(tmp_path: Path) -> None:
+def test_checkpoint_hyperparameters_are_plain_data() -> None:
     from runkit.run.builders import plain
 
     cfg = compose_train()
     with open_dict(cfg):
         del cfg["hydra"]  # the task never sees Hydra's own node
-    data = plain(cfg)
-    stack = [data]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-        else:
-            assert item is None or isinstance(item, str | int | float | bool), type(item)
+    assert OmegaConf.to_container(OmegaConf.create(plain(cfg))) == plain(cfg)  # no objects
+    assert all(type(v) in (str, int, float, bool, type(None)) for v in _leaves(plain(cfg)))
+
+
+def _leaves(data: object) -> list[object]:
+    if isinstance(data, dict | list):
+        return [x for v in (data.values() if isinstance(data, dict) else data) for x in _leaves(v)]
+    return [data]
 
 
 PLUGIN = "lightning.pytorch.plugins.environments.LightningEnvironment"
@@ -161,20 +139,17 @@ SCHEDULER = ["model.scheduler._target_=torch.optim.lr_scheduler.StepLR", "~model
              "+model.scheduler.step_size=1"]  # fmt: skip
 BAD = [
     (["model.optimizer.lr=-1"], r"^model\.optimizer\.lr=-1 is invalid: torch\.optim\.AdamW "),
-    (["model.optimizer.weight_decay=-0.1"], r"^model\.optimizer\.weight_decay=-0\.1 is invalid"),
     (["+model.optimizer.betas=[0.9,1.5]"], r"^model\.optimizer\.betas=\[0\.9, 1\.5\] is invalid"),
-    (["+model.optimizer.eps=-1"], r"^model\.optimizer\.eps=-1 is invalid"),
     (["model.optimizer._target_=torch.optim.SGD", "+model.optimizer.momentum=-1"],
      r"^model\.optimizer\.momentum=-1 is invalid: torch\.optim\.SGD refuses it"),
     ([*SCHEDULER, "+model.scheduler.gamma=nan"], r"^model\.scheduler\.gamma=nan is not a finite number"),
-    (["model.optimizer.lr=nan"], r"^model\.optimizer\.lr=nan is not a finite number"),
     (["data.val_fraction=inf"], r"^data\.val_fraction=inf is not a finite number"),
     (["seed=-1"], r"^seed=-1 is invalid; expected an integer from 0 to 4294967295$"),
     (["seed=4294967296"], r"^seed=4294967296 is invalid"),
-    (["seed=abc"], r"^seed='abc' is invalid"),
     (["seed=null"], r"^seed=None is invalid"),
     (["paths.log_dir="], r"^paths\.log_dir is empty; expected a directory$"),
-    (["trainer.accelerator=tpu"], r"^trainer\.accelerator=tpu is not available on this machine"),
+    (["trainer.max_epochs=abc"], r"^trainer\.max_epochs='abc' has the wrong type; expected Optional\[int\]$"),
+    (["data.batch_size='3'"], r"^data\.batch_size='3' has the wrong type; expected int$"),  # not converted
     (["trainer.accelerator=abacus"], r"^trainer\.accelerator='abacus' does not exist; .*cpu"),
     ([f"trainer.plugins=[{{_target_: {PLUGIN}, nope: 1}}]"],
      r"^trainer\.plugins\[0\]\.nope is not an argument of"),
@@ -188,9 +163,9 @@ def test_preflight_names_the_bad_value_in_one_line(overrides: list[str], message
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("seed", [0, 4294967295])
-def test_the_smallest_and_largest_seeds_pass(seed: int) -> None:
-    check_config(compose_train(f"seed={seed}"))  # model=mlp &c.: every option's test above
+@pytest.mark.parametrize("overrides", [["seed=0"], ["seed=4294967295"], ["data.batch_size=7"]])
+def test_good_values_pass(overrides: list[str]) -> None:
+    check_config(compose_train(*overrides))  # model=mlp &c.: every option's test above
 
 
 def test_safety_parts_speed_switches_and_gpu_keys_show_in_train_and_eval() -> None:

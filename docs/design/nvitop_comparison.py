@@ -516,7 +516,11 @@ def selection() -> str:
     def ours_select(fake: FakeNvml, cvd: str | None, count: int) -> list[int]:
         set_env(cvd, "PCI_BUS_ID")
         inv = devices.collect_inventory(torch_info=devices.TorchCuda(True, 0), env=os.environ)
-        return sorted(devices.rank_by_load(list(inv.visible))[:count])
+        return sorted(
+            devices.rank_by_load(
+                [devices.Load(g.memory_free_mib, g.utilization_percent) for g in inv.visible]
+            )[:count]
+        )
 
     def nvitop_select(cvd: str | None, **kwargs: Any) -> tuple[list[Any], list[Any]]:
         set_env(cvd, "PCI_BUS_ID")
@@ -606,7 +610,11 @@ def selection() -> str:
     fake = mig_machine()
     use_machine(fake)
     inv = devices.collect_inventory(torch_info=devices.TorchCuda(True, 0), env={})
-    ours = sorted(devices.rank_by_load(list(inv.visible))[:2])
+    ours = sorted(
+        devices.rank_by_load(
+            [devices.Load(g.memory_free_mib, g.utilization_percent) for g in inv.visible]
+        )[:2]
+    )
     set_env(None, "PCI_BUS_ID")
     physical = select_devices(format="index", min_count=2, max_count=2)
     rows.append(

@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -157,55 +156,42 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     train(*FAST, f"paths.log_dir={logs}")
     (run,) = run_dirs(logs)
     bad = root / "bad inputs é"
-    bad.mkdir()
-    (bad / "empty.ckpt").write_bytes(b"")
-    data = (run / "checkpoints" / "last.ckpt").read_bytes()
-    (bad / "half.ckpt").write_bytes(data[: len(data) // 2])
+    ckpt = (run / "checkpoints" / "last.ckpt").read_bytes()
     weights = (run / "model.pth").read_bytes()
-    (bad / "half.pth").write_bytes(weights[: len(weights) // 2])
-    (bad / "notes.txt").write_text("not a checkpoint\n")
-    (bad / "a_file").write_text("a regular file, not a directory\n")
+    config = (run / "config.yaml").read_text()
+    crafted = OmegaConf.create(config)  # the same run, with an MLP for the ConvNet
+    crafted.model.net = {"_target_": "tinyapp.models.MLP", "in_features": 64,
+                         "hidden": [16], "num_classes": 10, "dropout": 0.0}  # fmt: skip
+    files = {
+        "empty.ckpt": b"", "half.ckpt": ckpt[: len(ckpt) // 2],
+        "half.pth": weights[: len(weights) // 2], "notes.txt": b"not a checkpoint\n",
+        "a_file": b"a regular file, not a directory\n",
+        "empty_last/train/runs/r/checkpoints/last.ckpt": b"",
+        "other_arch/model.pth": weights, "other_arch/config.yaml": OmegaConf.to_yaml(crafted),
+        "broken_config/model.pth": weights,
+        "broken_config/config.yaml": config[: len(config) // 3] + "\n  net: [unclosed\n",
+        "configs/experiment/broken.yaml": "# @package _global_\ntrainer:\n  max_epochs: [1\n",
+        # saved by a Latin-1 editor
+        "configs/experiment/latin1.yaml":
+            "# @package _global_\n# réglages\ntrainer:\n  max_epochs: 2\n".encode("latin-1"),
+        # as copier update leaves it
+        "conflicted/experiment/updated.yaml": "# @package _global_\ntrainer:\n<<<<<<< before "
+            "updating\n  max_epochs: 2\n=======\n  max_epochs: 3\n>>>>>>> after updating\n",
+    }  # fmt: skip
+    for name, content in files.items():
+        (bad / name).parent.mkdir(parents=True, exist_ok=True)
+        data = content.encode() if isinstance(content, str) else content
+        (bad / name).write_bytes(data)
     (bad / "empty_logs").mkdir()
-    (bad / "empty_last" / "train" / "runs" / "r" / "checkpoints").mkdir(parents=True)
-    (bad / "empty_last" / "train" / "runs" / "r" / "checkpoints" / "last.ckpt").write_bytes(b"")
+    (bad / "starting" / ".hydra").mkdir(parents=True)  # another run has just claimed it
     os.mkfifo(bad / "pipe.ckpt")
+    torch.save({"state_dict": {}, "trap": Evil(bad / PAYLOAD_FILE)}, bad / "evil.ckpt")
     train(  # a module without test_step (Lightning's DemoModel)
         *budget_for(BORING),
         *BORING,
         "+model._target_=lightning.pytorch.demos.boring_classes.DemoModel",
         "callbacks.model_checkpoint.monitor=null",
         f"paths.log_dir={root / 'demo_logs'}",
-    )
-    torch.save({"state_dict": {}, "trap": Evil(bad / PAYLOAD_FILE)}, bad / "evil.ckpt")
-    (bad / "starting" / ".hydra").mkdir(parents=True)  # another run has just claimed it
-    other = bad / "other_arch"
-    other.mkdir()
-    shutil.copy(run / "model.pth", other / "model.pth")
-    config = (run / "config.yaml").read_text()
-    crafted = OmegaConf.create(config)  # the same run, with an MLP for the ConvNet
-    crafted.model.net = {
-        "_target_": "tinyapp.models.MLP",
-        "in_features": 64,
-        "hidden": [16],
-        "num_classes": 10,
-        "dropout": 0.0,
-    }
-    OmegaConf.save(crafted, other / "config.yaml")
-    broken = bad / "broken_config"
-    broken.mkdir()
-    shutil.copy(run / "model.pth", broken / "model.pth")
-    (broken / "config.yaml").write_text(config[: len(config) // 3] + "\n  net: [unclosed\n")
-    (bad / "configs" / "experiment").mkdir(parents=True)
-    (bad / "configs" / "experiment" / "broken.yaml").write_text(
-        "# @package _global_\ntrainer:\n  max_epochs: [1\n"
-    )
-    (bad / "configs" / "experiment" / "latin1.yaml").write_bytes(  # saved by a Latin-1 editor
-        "# @package _global_\n# réglages\ntrainer:\n  max_epochs: 2\n".encode("latin-1")
-    )
-    (bad / "conflicted" / "experiment").mkdir(parents=True)
-    (bad / "conflicted" / "experiment" / "updated.yaml").write_text(  # as copier update leaves it
-        "# @package _global_\ntrainer:\n<<<<<<< before updating\n  max_epochs: 2\n=======\n"
-        "  max_epochs: 3\n>>>>>>> after updating\n"
     )
     (demo_run,) = run_dirs(root / "demo_logs")
     return {"root": root, "logs": logs, "run": run, "in": bad, "demo": demo_run}
@@ -246,42 +232,27 @@ def test_bad_input_is_one_line_and_loses_nothing(world: dict[str, Path], case: C
     assert not created, f"a run that never started left {created}"
 
 
-# The reliability page's table: | `<id>` | <what is wrong> | <the line> (exit <code>) | `<file>` |;
-# every case here has a row, and a row naming another file names a test defined there.
-
-
-def readme_rows() -> list[list[str]]:
+def test_reliability_table_lists_every_case() -> None:
+    """lib/runkit/docs/reliability.md's table, ``| `<id>` | <what> | <line> (exit <code>) |
+    `<file>` |``: a row for every case here, and a row naming another file names its test."""
     text = (ROOT / "lib" / "runkit" / "docs" / "reliability.md").read_text()
-    match = re.search(r"^# Reliability\n(.*?)(?=^## |\Z)", text, flags=re.M | re.S)
-    assert match, "README.md has no '## Reliability' section with the table of bad inputs"
     rows = [
-        [cell.strip() for cell in line.strip().strip("|").split("|")]
-        for line in match.group(1).splitlines()
+        [cell.strip().strip("`") for cell in line.strip().strip("|").split("|")]
+        for line in text.split("\n## ")[0].splitlines()
         if line.startswith("| `")
     ]
-    assert rows, "README.md's reliability section has no table rows"
-    return rows
-
-
-def test_readme_reliability_table_lists_every_case() -> None:
-    cases = {case.id: case for case in CASES}
-    listed = set()
-    for row in readme_rows():
+    cases, listed = {case.id: case for case in CASES}, set()
+    for row in rows:
         assert len(row) == 4, f"a reliability row needs 4 cells: {row}"
-        case_id, _, shown, test_file = (cell.strip("`") for cell in row)
-        path = ROOT / "lib" / "runkit" / test_file  # the library README's own paths
-        assert path.is_file(), f"README reliability row {case_id!r} names {test_file}: no such file"
-        if path.name == Path(__file__).name:
-            assert case_id in cases, f"README reliability row {case_id!r} is not a case here"
-            case = cases[case_id]
-            assert case.expect in shown, f"row {case_id!r} should show {case.expect!r}"
-            assert f"(exit {case.code})" in shown, f"row {case_id!r} should say (exit {case.code})"
-            listed.add(case_id)
-        else:
-            source = path.read_text()
-            defined = re.search(
-                rf"def {re.escape(case_id)}\(|[\"']{re.escape(case_id)}[\"']", source
-            )
-            assert defined, f"README reliability row {case_id!r}: no such test in {test_file}"
-    missing = sorted(set(cases) - listed)
-    assert not missing, f"cases without a row in README.md's reliability table: {missing}"
+        case_id, _, shown, test_file = row
+        path = ROOT / "lib" / "runkit" / test_file  # the library's own paths
+        assert path.is_file(), f"reliability row {case_id!r} names {test_file}: no such file"
+        if path.name != Path(__file__).name:
+            defined = rf"def {re.escape(case_id)}\(|[\"']{re.escape(case_id)}[\"']"
+            assert re.search(defined, path.read_text()), f"{case_id!r}: no such test in {test_file}"
+            continue
+        assert case_id in cases, f"reliability row {case_id!r} is not a case here"
+        assert cases[case_id].expect in shown, f"row {case_id!r} should show the line"
+        assert f"(exit {cases[case_id].code})" in shown, f"row {case_id!r}: exit code"
+        listed.add(case_id)
+    assert listed == set(cases), f"cases without a row: {sorted(set(cases) - listed)}"

@@ -15,9 +15,13 @@ import _common  # noqa: E402
 import run_all  # noqa: E402
 
 
-def test_a_printed_ratio_line_is_also_recorded_as_json(
+def test_a_printed_ratio_line_is_also_recorded_as_json_under_run_all_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv(_common.RESULTS_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    _common.ratio_line("x", [1.0])
+    assert list(tmp_path.iterdir()) == []  # outside run_all: no record
     records = tmp_path / "ratios.jsonl"
     monkeypatch.setenv(_common.RESULTS_ENV, str(records))
     monkeypatch.setattr(sys, "argv", ["benchmarks/loop_parity.py"])
@@ -38,15 +42,6 @@ def test_a_printed_ratio_line_is_also_recorded_as_json(
     assert second["median"] == 1.25 and second["met"] is None
 
 
-def test_no_record_is_written_outside_run_all(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delenv(_common.RESULTS_ENV, raising=False)
-    monkeypatch.chdir(tmp_path)
-    _common.ratio_line("x", [1.0])
-    assert list(tmp_path.iterdir()) == []
-
-
 def test_compare_pairs_ratios_by_script_and_label() -> None:
     def result(**medians: float) -> dict:
         ratios = [{"label": label, "median": m} for label, m in medians.items()]
@@ -59,11 +54,9 @@ def test_compare_pairs_ratios_by_script_and_label() -> None:
     assert "startup: help" in lines[2] and "0.300 (earlier only)" in lines[2]
 
 
-def _results_file(path: Path, ratios: list[dict]) -> Path:
+def _results_file(path: Path, *ratios: dict) -> Path:
     """A results file as run_all writes it, with the records ratio_line writes."""
-    records = [
-        {"script": "loop_parity", "repeats": 6, **record} for record in ratios
-    ]  # label, median, min, max, target, met
+    records = [{"script": "loop_parity", "repeats": 6, **record} for record in ratios]
     run = {"args": [], "exit_code": 0, "seconds": 1.0, "load_average": [1.0, 1.0]}
     path.write_text(json.dumps({"scripts": {"loop_parity": {**run, "ratios": records}}}))
     return path
@@ -74,19 +67,16 @@ def test_compare_two_files_shows_each_change_and_marks_a_regression(
 ) -> None:
     wall = {"label": "tiny / plain Lightning, wall clock", "target": 1.0}
     step = {"label": "tiny median training step only", "target": None, "met": None}
+    spread = ("median", "min", "max")
     earlier = _results_file(
         tmp_path / "earlier.json",
-        [
-            {**wall, "median": 1.02, "min": 1.0, "max": 1.05, "met": True},
-            {**step, "median": 0.70, "min": 0.60, "max": 0.80},
-        ],
+        {**wall, **dict(zip(spread, (1.02, 1.0, 1.05), strict=True)), "met": True},
+        {**step, **dict(zip(spread, (0.70, 0.60, 0.80), strict=True))},
     )
     now = _results_file(
         tmp_path / "now.json",
-        [
-            {**wall, "median": 0.97, "min": 0.95, "max": 0.99, "met": False},
-            {**step, "median": 0.75, "min": 0.70, "max": 0.78},
-        ],
+        {**wall, **dict(zip(spread, (0.97, 0.95, 0.99), strict=True)), "met": False},
+        {**step, **dict(zip(spread, (0.75, 0.70, 0.78), strict=True))},
     )
     monkeypatch.setattr(sys, "argv", ["run_all.py", "--compare", str(earlier), str(now)])
     assert run_all.main() == 0  # two files: compared, nothing run
@@ -100,22 +90,23 @@ def test_compare_two_files_shows_each_change_and_marks_a_regression(
     assert "outside" not in step_line and "REGRESSION" not in step_line
 
 
-def test_compare_refuses_a_missing_file_in_one_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--compare", "gone.json"], "gone.json: one or two existing result files"),
+        (["--only", "startup,warp"], "unknown warp; known: loop_parity"),
+    ],
+)
+def test_a_missing_file_or_an_unknown_benchmark_is_refused_in_one_line(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    said: str,
 ) -> None:
-    monkeypatch.setattr(sys, "argv", ["run_all.py", "--compare", str(tmp_path / "gone.json")])
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["run_all.py", *args])
     with pytest.raises(SystemExit) as exit_info:
         run_all.main()
-    assert exit_info.value.code == 2
-    assert "gone.json: one or two existing result files" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and said in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
-
-
-def test_an_unknown_benchmark_name_is_refused_in_one_line(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setattr(sys, "argv", ["run_all.py", "--only", "startup,warp"])
-    with pytest.raises(SystemExit) as exit_info:
-        run_all.main()
-    assert exit_info.value.code == 2
-    assert "unknown warp; known: loop_parity" in capsys.readouterr().err

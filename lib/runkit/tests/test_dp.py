@@ -1,10 +1,7 @@
-"""``trainer.strategy=dp``: registration, the CPU refusal, and the network's parallel wrapper.
-
-Without GPUs ``nn.DataParallel`` only calls the network, which would hide every mistake in
-splitting and gathering, so most tests swap in :class:`SplitDataParallel`, a CPU stand-in that
-splits the input over shallow copies of the network, and compare with one device. The ``gpu``
-test runs the real thing.
-"""
+"""``trainer.strategy=dp``. Without GPUs ``nn.DataParallel`` only calls the network, hiding every
+mistake in splitting and gathering, so most tests swap in :class:`SplitDataParallel`, a CPU
+stand-in over shallow copies of the network, and compare with one device; ``gpu`` tests the real
+thing."""
 
 from __future__ import annotations
 
@@ -197,39 +194,19 @@ class Encoder(pl.LightningModule):
         super().__init__()
         self.encoder = nn.Linear(4, 2)
 
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self.encoder(x), y)
 
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-def _fit_encoder(strategy: DataParallelStrategy, tmp_path: Path) -> None:
-    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
-    make_trainer(strategy, tmp_path).fit(Encoder(), torch.utils.data.DataLoader(data, batch_size=8))
-
-
-def test_the_network_attribute_is_configurable(tmp_path: Path) -> None:
-    strategy = CpuSplitDP(network="encoder")
-    _fit_encoder(strategy, tmp_path)
-    assert strategy.calls == [[4, 4], [4, 4]]
-    with pytest.raises(
-        RunError,
-        match=r"parallelises the network in Encoder\.net, but .*"
-        r"no nn\.Module attribute 'net'; set trainer\.strategy\.network",
-    ):
-        _fit_encoder(CpuSplitDP(), tmp_path)
-
-
-def test_a_compiled_network_is_refused_in_one_line() -> None:
-    module = make_module()
-    maybe_compile(module.net, True)
-    with pytest.raises(
-        RunError,
-        match=r"^a compiled network \(callbacks\.speed\.compile=true\) does not work with",
-    ):
-        CpuSplitDP(parallel_devices=[torch.device("cpu")] * 2)._setup_model(module)
+def test_the_network_attribute_is_configurable_and_a_compiled_one_refused() -> None:
+    two_cpus = {"parallel_devices": [torch.device("cpu")] * 2}
+    module, strategy = Encoder(), CpuSplitDP(network="encoder", **two_cpus)
+    strategy._setup_model(module)
+    assert module.encoder(torch.randn(5, 4)).shape == (5, 2) and strategy.calls == [[3, 2]]
+    no_net = r"network in Encoder\.net, but .* attribute 'net'; set trainer\.strategy\.network"
+    with pytest.raises(RunError, match=no_net):
+        CpuSplitDP(**two_cpus)._setup_model(Encoder())
+    compiled = make_module()
+    maybe_compile(compiled.net, True)
+    with pytest.raises(RunError, match=r"^a compiled network \(callbacks\.speed\.compile=true\)"):
+        CpuSplitDP(**two_cpus)._setup_model(compiled)
 
 
 def test_copies_on_other_gpus_compute_in_the_callers_autocast_dtype(

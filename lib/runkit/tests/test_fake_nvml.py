@@ -23,9 +23,10 @@ from runkit.testing.fake_nvml import (
 )
 
 
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
+def started(*gpus: FakeGpu, **kw) -> FakeNvml:
+    fake = FakeNvml(list(gpus), **kw)
+    fake.nvmlInit()
+    return fake
 
 
 def test_scripts_step_and_integrate_exactly() -> None:
@@ -37,20 +38,42 @@ def test_scripts_step_and_integrate_exactly() -> None:
     assert integrate(lambda t: 10.0, 2.0) == pytest.approx(20.0)
 
 
-def test_values_follow_the_clock(clock: FakeClock) -> None:
-    fake = FakeNvml(
-        [FakeGpu(util_gpu=[(0, 10), (5, 90)], power_mw=[(0, 100_000), (2, 300_000)])], clock=clock
-    )
-    fake.nvmlInit()
-    handle = fake.nvmlDeviceGetHandleByIndex(0)
-    assert fake.nvmlDeviceGetUtilizationRates(handle).gpu == 10
-    start = fake.nvmlDeviceGetTotalEnergyConsumption(handle)
+def test_values_and_failures_follow_the_clock() -> None:
+    clock = FakeClock()
+    gpu = FakeGpu(util_gpu=[(0, 10), (5, 90)], power_mw=[(0, 100_000), (2, 300_000)])
+    fake = started(gpu, FakeGpu(), clock=clock)
+    h = fake.nvmlDeviceGetHandleByIndex(0)
+    gpu.fail("power", "not_supported").fail("utilization", "gpu_is_lost", start=6)
+    gpu.fail("nvmlDeviceGetCurrentClocksEventReasons", "function_not_found")
+    assert fake.nvmlDeviceGetUtilizationRates(h).gpu == 10
+    start = fake.nvmlDeviceGetTotalEnergyConsumption(h)
     clock.advance(5)
-    assert fake.nvmlDeviceGetUtilizationRates(handle).gpu == 90
+    assert fake.nvmlDeviceGetUtilizationRates(h).gpu == 90
     # energy counter (mJ) = integral of power (mW) over seconds: 100 W * 2 s + 300 W * 3 s
-    assert fake.nvmlDeviceGetTotalEnergyConsumption(handle) - start == 1_100_000
-    fake.nvmlShutdown()
-    assert fake.balanced
+    assert fake.nvmlDeviceGetTotalEnergyConsumption(h) - start == 1_100_000
+    for call, error in [
+        (lambda: fake.nvmlDeviceGetPowerUsage(h), pynvml.NVMLError_NotSupported),
+        (lambda: fake.nvmlDeviceGetFanSpeed(h), pynvml.NVMLError_NotSupported),  # no fan
+        (lambda: fake.nvmlDeviceGetCurrentClocksEventReasons(h), pynvml.NVMLError_FunctionNotFound),
+        (lambda: fake.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM), pynvml.NVMLError_InvalidArgument),
+        (lambda: fake.nvmlDeviceGetBoardId(h), pynvml.NVMLError_FunctionNotFound),  # not modelled
+    ]:  # fmt: skip
+        with pytest.raises(error):
+            call()
+    assert fake.nvmlDeviceGetCurrentClocksThrottleReasons(h) == 0  # the old name still works
+    clock.set(6)
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):
+        fake.nvmlDeviceGetUtilizationRates(h)
+    gpu.heal("utilization")
+    assert fake.nvmlDeviceGetUtilizationRates(h).gpu == 90
+    fake.gpus[1].lose(at=7)
+    clock.advance(1)
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):
+        fake.nvmlDeviceGetHandleByIndex(1)
+    assert fake.NVML_CLOCK_SM == pynvml.NVML_CLOCK_SM
+    assert fake.NVMLError_GpuIsLost is pynvml.NVMLError_GpuIsLost
+    with pytest.raises(AttributeError):
+        _ = fake.not_a_pynvml_name
 
 
 def test_calls_need_init_which_nests_and_can_fail_as_pynvml_does(use_fake) -> None:
@@ -69,127 +92,71 @@ def test_calls_need_init_which_nests_and_can_fail_as_pynvml_does(use_fake) -> No
     assert fake.init_count == fake.shutdown_count == 0
 
 
-def test_identity_and_lookup_by_uuid() -> None:
-    fake = FakeNvml([FakeGpu(name="A"), FakeGpu(name="B", mig=[FakeGpu(name="B-mig")])])
-    fake.nvmlInit()
-    b = fake.nvmlDeviceGetHandleByIndex(1)
+def test_identity_fields_and_processes() -> None:
+    procs = [FakeProcess("self", 3 * GIB), FakeProcess(42, GIB)]
+    fake = started(FakeGpu(name="A", memory_temperature=71, processes=procs), FakeGpu(name="B"))
+    a, b = (fake.nvmlDeviceGetHandleByIndex(i) for i in (0, 1))
     uuid = fake.nvmlDeviceGetUUID(b)
     assert uuid.startswith("GPU-") and fake.nvmlDeviceGetName(b) == "B"
     assert fake.nvmlDeviceGetIndex(fake.nvmlDeviceGetHandleByUUID(uuid.encode())) == 1
-    bus_id = fake.nvmlDeviceGetPciInfo(b).busId
-    assert isinstance(bus_id, bytes)  # as in nvidia-ml-py
+    assert isinstance(fake.nvmlDeviceGetPciInfo(b).busId, bytes)  # as in nvidia-ml-py
     with pytest.raises(pynvml.NVMLError_NotFound):
         fake.nvmlDeviceGetHandleByUUID("GPU-does-not-exist")
     with pytest.raises(pynvml.NVMLError_InvalidArgument):
         fake.nvmlDeviceGetHandleByIndex(2)
+    for handle, expected in ((a, (pynvml.NVML_SUCCESS, 71)), (b, (pynvml.NVML_ERROR_NOT_SUPPORTED, 0))):  # fmt: skip
+        (value,) = fake.nvmlDeviceGetFieldValues(handle, [pynvml.NVML_FI_DEV_MEMORY_TEMP])
+        assert (value.nvmlReturn, value.value.uiVal) == expected
+    listed = fake.nvmlDeviceGetComputeRunningProcesses(a)
+    assert [(p.pid, p.usedGpuMemory) for p in listed] == [(os.getpid(), 3 * GIB), (42, GIB)]
 
 
-def test_mig_children(clock: FakeClock) -> None:
-    child = FakeGpu(name="slice", memory_total=10 * GIB, memory_used=GIB)
-    fake = FakeNvml([FakeGpu(), FakeGpu(mig=[child])], clock=clock)
-    fake.nvmlInit()
-    parent = fake.nvmlDeviceGetHandleByIndex(1)
+def test_mig_slices_answer_as_real_ones() -> None:
+    clock = FakeClock()
+    slices = [FakeGpu(processes=[FakeProcess(7)], memory_total=10 * GIB, memory_used=GIB)]
+    slices.append(FakeGpu(gpu_instance_id=5, compute_instance_id=2))
+    fake = started(FakeGpu(), FakeGpu(mig=slices), clock=clock)
+    plain, parent = (fake.nvmlDeviceGetHandleByIndex(i) for i in (0, 1))
     assert fake.nvmlDeviceGetMigMode(parent)[0] == pynvml.NVML_DEVICE_MIG_ENABLE
     assert fake.nvmlDeviceGetMaxMigDeviceCount(parent) == 7
-    mig = fake.nvmlDeviceGetMigDeviceHandleByIndex(parent, 0)
+    mig, mig5 = (fake.nvmlDeviceGetMigDeviceHandleByIndex(parent, j) for j in (0, 1))
     with pytest.raises(pynvml.NVMLError_NotFound):
-        fake.nvmlDeviceGetMigDeviceHandleByIndex(parent, 1)
+        fake.nvmlDeviceGetMigDeviceHandleByIndex(parent, 2)
     mig_uuid = fake.nvmlDeviceGetUUID(mig)
-    assert mig_uuid.startswith("MIG-")
-    assert fake.nvmlDeviceGetHandleByUUID(mig_uuid) is mig
-    assert bool(fake.nvmlDeviceIsMigDeviceHandle(mig))
-    assert not fake.nvmlDeviceIsMigDeviceHandle(parent)
+    assert mig_uuid.startswith("MIG-") and fake.nvmlDeviceGetHandleByUUID(mig_uuid) is mig
+    assert fake.nvmlDeviceIsMigDeviceHandle(mig) and not fake.nvmlDeviceIsMigDeviceHandle(parent)
     assert fake.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(mig) is parent
     assert fake.nvmlDeviceGetMemoryInfo(mig).total == 10 * GIB
-    with pytest.raises(pynvml.NVMLError_NotSupported):
-        fake.nvmlDeviceGetUtilizationRates(mig)  # as on real MIG slices
-    with pytest.raises(pynvml.NVMLError_NotSupported):
-        fake.nvmlDeviceGetMigMode(fake.nvmlDeviceGetHandleByIndex(0))
-    # losing the parent loses its slices
-    fake.gpus[1].lose(at=1.0)
+    ids = [(fake.nvmlDeviceGetGpuInstanceId(h), fake.nvmlDeviceGetComputeInstanceId(h)) for h in (mig, mig5)]  # fmt: skip
+    assert ids == [(1, 0), (5, 2)]
+    (proc,) = fake.nvmlDeviceGetComputeRunningProcesses(parent)
+    assert (proc.pid, proc.gpuInstanceId, proc.computeInstanceId) == (7, 1, 0)
+    for call, error in [
+        (lambda: fake.nvmlDeviceGetUtilizationRates(mig), pynvml.NVMLError_NotSupported),
+        (lambda: fake.nvmlDeviceGetMigMode(plain), pynvml.NVMLError_NotSupported),
+        (lambda: fake.nvmlDeviceGetGpuInstanceId(parent), pynvml.NVMLError_InvalidArgument),
+    ]:
+        with pytest.raises(error):
+            call()
+    fake.gpus[1].lose(at=1.0)  # losing the parent loses its slices
     clock.advance(1.0)
     with pytest.raises(pynvml.NVMLError_GpuIsLost):
         fake.nvmlDeviceGetMemoryInfo(mig)
 
 
-def test_scripted_failures(clock: FakeClock) -> None:
-    fake = FakeNvml([FakeGpu(fan_pct=None)], clock=clock)
-    fake.gpus[0].fail("power", "not_supported").fail("utilization", "gpu_is_lost", start=3)
-    fake.gpus[0].fail("nvmlDeviceGetCurrentClocksEventReasons", "function_not_found")
-    fake.nvmlInit()
-    h = fake.nvmlDeviceGetHandleByIndex(0)
-    with pytest.raises(pynvml.NVMLError_NotSupported):
-        fake.nvmlDeviceGetPowerUsage(h)
-    with pytest.raises(pynvml.NVMLError_NotSupported):
-        fake.nvmlDeviceGetFanSpeed(h)
-    with pytest.raises(pynvml.NVMLError_FunctionNotFound):
-        fake.nvmlDeviceGetCurrentClocksEventReasons(h)
-    with pytest.raises(pynvml.NVMLError_InvalidArgument):
-        fake.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM)  # not scripted
-    assert fake.nvmlDeviceGetCurrentClocksThrottleReasons(h) == 0  # the old name still works
-    assert fake.nvmlDeviceGetUtilizationRates(h).gpu == 0
-    clock.set(3)
-    with pytest.raises(pynvml.NVMLError_GpuIsLost):
-        fake.nvmlDeviceGetUtilizationRates(h)
-    fake.gpus[0].heal("utilization")
-    assert fake.nvmlDeviceGetUtilizationRates(h).gpu == 0
-
-
-def test_unimplemented_function_raises_function_not_found_and_constants_are_pynvml() -> None:
-    fake = FakeNvml(1)
-    assert fake.NVML_CLOCK_SM == pynvml.NVML_CLOCK_SM
-    assert fake.NVMLError_GpuIsLost is pynvml.NVMLError_GpuIsLost
-    with pytest.raises(pynvml.NVMLError_FunctionNotFound):
-        fake.nvmlDeviceGetBoardId(None)
-    with pytest.raises(AttributeError):
-        _ = fake.not_a_pynvml_name
-
-
-def test_memory_temperature_through_field_values() -> None:
-    fake = FakeNvml([FakeGpu(memory_temperature=71), FakeGpu()])
-    fake.nvmlInit()
-    for index, expected in (
-        (0, (pynvml.NVML_SUCCESS, 71)),
-        (1, (pynvml.NVML_ERROR_NOT_SUPPORTED, 0)),
-    ):
-        h = fake.nvmlDeviceGetHandleByIndex(index)
-        (value,) = fake.nvmlDeviceGetFieldValues(h, [pynvml.NVML_FI_DEV_MEMORY_TEMP])
-        assert (value.nvmlReturn, value.value.uiVal) == expected
-
-
-def test_processes_self_pid() -> None:
-    fake = FakeNvml([FakeGpu(processes=[FakeProcess("self", 3 * GIB), FakeProcess(42, GIB)])])
-    fake.nvmlInit()
-    procs = fake.nvmlDeviceGetComputeRunningProcesses(fake.nvmlDeviceGetHandleByIndex(0))
-    assert [(p.pid, p.usedGpuMemory) for p in procs] == [(os.getpid(), 3 * GIB), (42, GIB)]
-
-
 def test_call_counting_per_thread_and_cost(monkeypatch: pytest.MonkeyPatch) -> None:
     slept: list[float] = []
     monkeypatch.setattr(fake_nvml.time, "sleep", slept.append)
-    fake = FakeNvml(1, call_cost_s=0.0003)
-    fake.nvmlInit()
+    fake = started(FakeGpu(), call_cost_s=0.0003)
     worker = threading.Thread(target=lambda: [fake.nvmlDeviceGetCount() for _ in range(3)])
     worker.start()
     worker.join()
-    assert fake.calls["nvmlDeviceGetCount"] == 3
-    assert fake.calls_in_thread(worker.ident) == 3
+    assert fake.calls["nvmlDeviceGetCount"] == 3 == fake.calls_in_thread(worker.ident)
     assert fake.calls_in_thread() == 1  # nvmlInit in this thread
     assert slept == [0.0003] * 3
 
 
-def test_bad_scenarios_fail_with_one_clear_line() -> None:
-    with pytest.raises(ValueError, match="unknown NVML error name 'melted'"):
-        FakeGpu().fail("power", "melted")
-    with pytest.raises(ValueError, match="unknown metric 'flux'"):
-        FakeGpu().fail("flux", "not_supported")
-    with pytest.raises(ValueError, match="not sorted"):
-        FakeGpu(util_gpu=[(5, 1), (1, 2)])
-    with pytest.raises(ValueError, match=r"gpus\[0\] has unknown keys \['colour'\]"):
-        FakeNvml.from_dict({"gpus": [{"colour": "green"}]})
-
-
-def test_create_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+def test_scenarios_from_the_environment_and_bad_ones_in_one_line(monkeypatch, tmp_path) -> None:
     monkeypatch.delenv(fake_nvml.SCENARIO_ENV, raising=False)
     assert len(create().gpus) == 2  # the preset
     scenario = {
@@ -206,41 +173,24 @@ def test_create_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     assert fake.gpus[1].mig[0].uuid == "MIG-abc" and fake.gpus[1].lost_at == 2.0
     path = tmp_path / "scenario.json"
     path.write_text(json.dumps({"gpus": 3}))
-    monkeypatch.setenv(fake_nvml.SCENARIO_ENV, str(path))
-    assert len(create().gpus) == 3
-    monkeypatch.setenv(fake_nvml.SCENARIO_ENV, "{not json")
-    with pytest.raises(ValueError, match="invalid JSON"):
-        create()
-    monkeypatch.setenv(fake_nvml.SCENARIO_ENV, str(tmp_path / "missing.json"))
-    with pytest.raises(ValueError, match="neither inline JSON"):
-        create()
     damaged = tmp_path / "scénario with spaces.json"
     damaged.write_bytes(b'{"gpus": 2\xff\xfe}')
-    monkeypatch.setenv(fake_nvml.SCENARIO_ENV, str(damaged))
-    with pytest.raises(ValueError, match=r"scénario with spaces.json' cannot be read \(.*utf-8"):
-        create()
-
-
-def test_mig_instance_ids_match_the_process_list() -> None:
-    fake = FakeNvml(
-        [
-            FakeGpu(
-                mig=[
-                    FakeGpu(processes=[FakeProcess(7)]),
-                    FakeGpu(gpu_instance_id=5, compute_instance_id=2),
-                ]
-            )
-        ]
-    )
-    fake.nvmlInit()
-    parent = fake.nvmlDeviceGetHandleByIndex(0)
-    slices = [fake.nvmlDeviceGetMigDeviceHandleByIndex(parent, j) for j in range(2)]
-    ids = [
-        (fake.nvmlDeviceGetGpuInstanceId(h), fake.nvmlDeviceGetComputeInstanceId(h)) for h in slices
-    ]
-    assert ids == [(1, 0), (5, 2)]
-    with pytest.raises(pynvml.NVMLError_InvalidArgument):
-        fake.nvmlDeviceGetGpuInstanceId(parent)  # a physical GPU has none
-    (proc,) = fake.nvmlDeviceGetComputeRunningProcesses(parent)
-    assert (proc.pid, proc.gpuInstanceId, proc.computeInstanceId) == (7, 1, 0)
-    fake.nvmlShutdown()
+    for value, message in [
+        (str(path), None),
+        ("{not json", "invalid JSON"),
+        (str(tmp_path / "missing.json"), "neither inline JSON"),
+        (str(damaged), r"scénario with spaces.json' cannot be read \(.*utf-8"),
+        ('{"gpus": [{"colour": "green"}]}', "scenario .* is invalid .*'colour'"),
+    ]:
+        monkeypatch.setenv(fake_nvml.SCENARIO_ENV, value)
+        if message is None:
+            assert len(create().gpus) == 3
+        else:
+            with pytest.raises(ValueError, match=message):
+                create()
+    with pytest.raises(ValueError, match="unknown NVML error name 'melted'"):
+        FakeGpu().fail("power", "melted")
+    with pytest.raises(ValueError, match="unknown metric 'flux'"):
+        FakeGpu().fail("flux", "not_supported")
+    with pytest.raises(ValueError, match="not sorted"):
+        FakeGpu(util_gpu=[(5, 1), (1, 2)])

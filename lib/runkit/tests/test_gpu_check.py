@@ -141,22 +141,6 @@ def test_a_test_module_importing_what_the_gpu_machine_lacks_is_named(tmp_path: P
     assert gc.check_test_imports(tests, [*machine, "import-linter"], root=tmp_path) == []
 
 
-@pytest.mark.parametrize(
-    ("tag", "ok"),
-    [
-        (("py3", "none", "any"), True),
-        (("cp312", "cp312", "manylinux_2_17_x86_64"), True),
-        (("cp38", "abi3", "manylinux2014_x86_64"), True),
-        (("cp311", "cp311", "manylinux2014_x86_64"), False),
-        (("cp312", "cp312", "manylinux2014_aarch64"), False),
-        (("cp312", "cp312", "macosx_11_0_arm64"), False),
-        (("py2", "none", "any"), False),
-    ],
-)
-def test_installable_tags(tag: tuple[str, str, str], ok: bool) -> None:
-    assert gc.tag_installable(*tag) is ok
-
-
 # ---- time limits --------------------------------------------------------------------------------
 
 
@@ -168,7 +152,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_hang_is_cut_at_its_limit_with_what_it_started(tmp_path: Path) -> None:
+def test_a_hang_is_cut_at_its_limit_and_the_budget_stops_what_it_cannot_fit(tmp_path: Path) -> None:
     pid_file = tmp_path / "grandchild.pid"
     # The step starts a grandchild that ignores SIGTERM, then hangs: both must go.
     code = (
@@ -190,9 +174,7 @@ def test_a_hang_is_cut_at_its_limit_with_what_it_started(tmp_path: Path) -> None
     assert hang.output_tail == ["started"]
     assert not _alive(int(pid_file.read_text()))
     assert (after.status, after.output_tail) == ("pass", ["ok"])
-
-
-def test_the_overall_budget_stops_the_steps_it_cannot_fit(tmp_path: Path) -> None:
+    # the overall budget stops the steps it cannot fit
     sleep = ["-c", "import time; time.sleep(30)"]
     steps = [gc.Step("long", "", sleep, 20.0), gc.Step("next", "", ["-c", "pass"], 5.0)]
     first, second = gc.run_steps(steps, gc.Context(ROOT, tmp_path, dict(os.environ)), budget_s=1.0)
@@ -245,26 +227,19 @@ def test_a_gpu_run_passes_with_its_figures(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("change", "message"),
+    ("change", "accelerator", "message"),
     [
-        ({"gpu/node0/cuda0/util_mean": "0"}, "util_mean = 0.0"),
-        ({"gpu/node0/cuda0/power_w_mean": ""}, "power_w_mean"),
-        ({"gpu/node0/cuda0/energy_j": "-3"}, "energy_j = -3.0"),
+        ({"gpu/node0/cuda0/util_mean": "0"}, "CUDAAccelerator", "util_mean = 0.0"),
+        ({"gpu/node0/cuda0/power_w_mean": ""}, "CUDAAccelerator", "power_w_mean"),
+        ({"gpu/node0/cuda0/energy_j": "-3"}, "CUDAAccelerator", "energy_j = -3.0"),
+        ({}, "CPUAccelerator", "CPUAccelerator"),  # a run on the CPU
     ],
 )
-def test_a_gpu_run_with_implausible_figures_fails(
-    tmp_path: Path, change: dict[str, str], message: str
-) -> None:
-    run = fake_run(tmp_path / "run", {**GPU_ROW, **change})
+def test_a_gpu_run_with_implausible_figures_fails(tmp_path, change, accelerator, message) -> None:
+    run = fake_run(tmp_path / "run", {**GPU_ROW, **change}, accelerator)
     result = run_check(tmp_path, "train_gpu", run)
     assert result.status == "fail" and message in result.message
-    assert result.figures["accelerator"] == "CUDAAccelerator"  # what was read stays in the report
-
-
-def test_a_run_on_the_cpu_fails(tmp_path: Path) -> None:
-    run = fake_run(tmp_path / "run", GPU_ROW, accelerator="CPUAccelerator")
-    result = run_check(tmp_path, "train_gpu", run)
-    assert result.status == "fail" and "CPUAccelerator" in result.message
+    assert result.figures["accelerator"] == accelerator  # what was read stays in the report
 
 
 def test_gpm_figures_are_a_skip_until_they_exist(tmp_path: Path) -> None:
@@ -306,17 +281,6 @@ def test_dry_run_writes_its_report_under_out(tmp_path: Path, wheels: Path) -> No
     assert any(line.strip().endswith("strategies.dp.DataParallelStrategy") for line in tail)
     md = (tmp_path / "out" / "gpu_check.md").read_text()
     assert md.startswith("# GPU check (dry-run): PASS")
-
-
-@pytest.mark.slow
-def test_dry_run_fails_on_a_missing_wheel(tmp_path: Path, wheels: Path) -> None:
-    next(wheels.glob("pytest_timeout-*.whl")).unlink()
-    result = dry_run(tmp_path, wheels, "gpm_figures")
-    assert result.returncode == 1
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "missing wheel: pytest-timeout==" in errors[0]
-    doc = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    assert doc["steps"][0]["status"] == "fail" and doc["ok"] is False
 
 
 @pytest.mark.slow

@@ -25,12 +25,8 @@ from runkit.errors import RunError
 from runkit.run import launch
 from runkit.run.launch import launched_externally, rank_suffix, requeued_checkpoint, run_id
 
-TINY = (
-    "trainer.max_epochs=1",
-    "data.batch_size=256",
-    "+trainer.limit_val_batches=1",
-    "callbacks.progress_bar.refresh_rate=0",
-)
+TINY = ("trainer.max_epochs=1", "data.batch_size=256", "+trainer.limit_val_batches=1",
+        "callbacks.progress_bar.refresh_rate=0")  # fmt: skip
 
 
 def test_run_id_names_the_launch_so_every_rank_agrees() -> None:
@@ -111,14 +107,11 @@ def test_a_restarted_torchrun_group_resumes_from_its_own_launch_only(tmp_path: P
 
 @pytest.mark.slow
 def test_multi_process_launch_without_a_run_id_fails_in_one_line(tmp_path: Path) -> None:
+    env = clean_env(WORLD_SIZE="2", TORCHELASTIC_RUN_ID="none", RANK="0", LOCAL_RANK="0")
     result = prewarmed.run(
         [sys.executable, "-m", "tinyapp.train", f"paths.log_dir={tmp_path}"],
-        cwd=tmp_path,
-        env=clean_env(WORLD_SIZE="2", TORCHELASTIC_RUN_ID="none", RANK="0", LOCAL_RANK="0"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
     assert result.returncode == 2
     assert "pass hydra.run.dir=<dir>" in last_line(result.stderr)
     assert not list(tmp_path.rglob(".hydra"))
@@ -128,18 +121,11 @@ def test_multi_process_launch_without_a_run_id_fails_in_one_line(tmp_path: Path)
 def test_two_torchrun_nodes_share_one_run(tmp_path: Path) -> None:
     log_dir = tmp_path / "logs"
     outputs = train_on_two_torchrun_nodes(
-        tmp_path,
-        "nodes-test",
-        "trainer=multi_node",
-        "trainer.accelerator=cpu",
-        "trainer.devices=1",
-        f"paths.log_dir={log_dir}",
-        *TINY,
-    )
-
-    runs = [p for p in (log_dir / "train" / "runs").iterdir()]
-    assert [p.name for p in runs] == ["torchrun-nodes-test"]
-    run = runs[0]
+        tmp_path, "nodes-test", "trainer=multi_node", "trainer.accelerator=cpu",
+        "trainer.devices=1", f"paths.log_dir={log_dir}", *TINY,
+    )  # fmt: skip
+    (run,) = (log_dir / "train" / "runs").iterdir()
+    assert run.name == "torchrun-nodes-test"
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in (run / "train_rank1.log").read_text()
     summary = json.loads((run / "metrics.json").read_text())
     assert summary["num_nodes"] == 2
@@ -148,19 +134,10 @@ def test_two_torchrun_nodes_share_one_run(tmp_path: Path) -> None:
 
 
 # DDP x2 on the CPU, bit-identical: 629 training samples per rank, 5 steps an epoch.
-ELASTIC = (
-    "trainer=multi_node",
-    "trainer.num_nodes=1",
-    "trainer.devices=2",
-    "trainer.accelerator=cpu",
-    "trainer.deterministic=true",
-    "trainer.max_epochs=3",
-    "model.scheduler.T_max=3",
-    "data.batch_size=128",
-    "callbacks.progress_bar.refresh_rate=0",
-    "test=false",
-    "export_weights=false",
-)
+ELASTIC = ("trainer=multi_node", "trainer.num_nodes=1", "trainer.devices=2",
+           "trainer.accelerator=cpu", "trainer.deterministic=true", "trainer.max_epochs=3",
+           "model.scheduler.T_max=3", "data.batch_size=128",
+           "callbacks.progress_bar.refresh_rate=0", "test=false", "export_weights=false")  # fmt: skip
 
 
 def torchrun(cwd: Path, rdzv_id: str, *overrides: str) -> subprocess.CompletedProcess:
@@ -171,14 +148,8 @@ def torchrun(cwd: Path, rdzv_id: str, *overrides: str) -> subprocess.CompletedPr
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}",
         "-m", "tinyapp.train", *ELASTIC, f"paths.log_dir={cwd / 'logs'}", *overrides,
     ]  # fmt: skip
-    return subprocess.run(
-        command,
-        cwd=cwd,
-        env=clean_env(OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    env = clean_env(OMP_NUM_THREADS="1")
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
 
 
 @pytest.mark.slow
@@ -268,7 +239,5 @@ def test_a_slurm_job_is_known_by_its_first_start_not_by_its_id_alone(
     assert any(line in message for message in caplog.messages)
     # The job's own checkpoint, once it has one, is what it resumes from.
     torch.save({}, own / "checkpoints" / "last.ckpt")
-    assert (
-        requeued_checkpoint(current, ["a=1"], requeued)
-        == (own / "checkpoints" / "last.ckpt").resolve()
-    )
+    found = requeued_checkpoint(current, ["a=1"], requeued)
+    assert found == (own / "checkpoints" / "last.ckpt").resolve()

@@ -52,37 +52,28 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error: ")]
 
 
-# ------------------------------------------------------------------------------------------------
 # The function every printing site uses
 
 
 def test_override_survives_bash_and_hydra_for_hostile_values_and_keeps_their_type() -> None:
-    values = [*HOSTILE, 16, -1, 0.5, True, False, None]
+    scalars = [*HOSTILE, 16, -1, 0.5, True, False, None]
+    values = [*scalars, [*scalars, ["a b", 2]], ()]  # and lists of them
     words = bash_words(" ".join(quoting.override("ckpt_path", v) for v in values))
     assert len(words) == len(values), words  # one word each: nothing split, nothing expanded
     for word, value in zip(words, values, strict=True):
         assert word.startswith("ckpt_path="), word
         got = config_value(word)
-        assert got == value and type(got) is type(value), (value, word, got)
+        got = OmegaConf.to_container(got, resolve=True) if OmegaConf.is_list(got) else got  # type: ignore[arg-type]
+        assert repr(got) == repr(list(value) if value == () else value), (value, word)
 
 
 def test_override_survives_random_strings() -> None:
     alphabet = list(" é日'\"\\$={}[](),:;|&<>`~!?*#%@+-./_\t\nab01")
     rng = random.Random(24)
-    for _ in range(3000):
+    for _ in range(1000):
         value = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 14)))
         (word,) = shlex.split(quoting.override("k", value))  # POSIX shell rules
         assert config_value(word) == value, (value, quoting.override("k", value))
-
-
-def test_override_of_a_list_survives_bash_and_hydra_for_hostile_values() -> None:
-    values = [*HOSTILE, 16, -1, 0.5, True, None, ["a b", 2]]
-    (word,) = bash_words(quoting.override("trusted_targets", values))
-    got = OmegaConf.to_container(config_value(word), resolve=True)  # type: ignore[arg-type]
-    assert got == values, word
-    assert [type(v) for v in got] == [type(v) for v in values]  # type: ignore[union-attr]
-    assert bash_words(quoting.override("k", ())) == ["k=[]"]
-    assert config_value("k=[]") == []
 
 
 def test_plain_values_stay_as_a_user_types_them() -> None:
@@ -146,7 +137,6 @@ def test_resume_command_pastes_back_the_overrides_and_the_checkpoint(
     assert config_value(words[program]) == "/data/it's $HOME=a,b [x] é"
 
 
-# ------------------------------------------------------------------------------------------------
 # The real CLI: print, paste, run
 
 
@@ -169,16 +159,9 @@ def test_resume_command_printed_after_ctrl_c_resumes_when_pasted_into_bash(tmp_p
     env = clean_env()
     env.pop("PYTHONPATH", None)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # `python`
+    argv = [sys.executable, "-m", "tinyapp.train", "--config-dir", "my configs", "model=mine"]
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tinyapp.train",
-            "--config-dir",
-            "my configs",
-            "model=mine",
-            *overrides,
-        ],
+        [*argv, *overrides],
         cwd=tmp_path,
         env={**env, "PYTHONPATH": str(TESTS)},
         stdout=subprocess.PIPE,
@@ -254,7 +237,6 @@ def test_trainer_precision_hint_leads_to_a_run_that_works(cli: CliRunner, tmp_pa
     assert OmegaConf.load(run / "config.yaml").precision == "16-mixed"
 
 
-# ------------------------------------------------------------------------------------------------
 # Sweeps
 
 

@@ -1,14 +1,10 @@
-"""The speed switches (runkit.speed and the keys that drive them) and the no-sync promise.
-
-No test here measures time: benchmarks/ prints ratios. These check that each switch does what
-its config key says, is a no-op where it should be, rejects bad values in one line, and that a
-training step of the template's default loop reads nothing back from the device.
-"""
+"""The speed switches (runkit.speed and their config keys: what each does, where it is a no-op,
+bad values in one line) and the no-sync promise: a step of the default loop reads nothing back
+from the device. No test measures time (benchmarks/ prints ratios)."""
 
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import platform
 import resource
@@ -25,7 +21,7 @@ from host_reads import HostReadProbe, ReadRecorder, host_side_storages
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from conftest import CliRunner, clean_env, run_dirs
+from conftest import clean_env
 from tinyapp import config_dir
 from tinyapp.data import DigitsDataModule
 from tinyapp.models import MLP, ClassifierModule, ConvNet
@@ -76,17 +72,11 @@ def test_cuda_indices_follow_the_trainer_meaning_of_devices(
     assert speed.cuda_indices("auto", 1) == speed.cuda_indices("gpu", 2) == []
     _fake_cuda(monkeypatch, 4, (9, 0))
     assert speed.cuda_indices("cpu", 2) == []
-    for accelerator, devices, expected in [
-        ("gpu", 2, [0, 1]),
-        ("auto", [1, 3], [1, 3]),
-        ("cuda", "auto", [0, 1, 2, 3]),
-        ("gpu", -1, [0, 1, 2, 3]),
-        ("gpu", "-1", [0, 1, 2, 3]),
-        ("gpu", "0,2", [0, 2]),
-        ("gpu", "2", [0, 1]),
-        ("gpu", 9, [0, 1, 2, 3]),
-    ]:
-        assert speed.cuda_indices(accelerator, devices) == expected, (accelerator, devices)
+    all_four = [("cuda", "auto"), ("gpu", -1), ("gpu", "-1"), ("gpu", 9)]
+    for accelerator, devices in all_four:
+        assert speed.cuda_indices(accelerator, devices) == [0, 1, 2, 3], (accelerator, devices)
+    for devices, expected in [(2, [0, 1]), ([1, 3], [1, 3]), ("0,2", [0, 2]), ("2", [0, 1])]:
+        assert speed.cuda_indices("gpu", devices) == expected, devices
 
 
 def test_tf32_and_bf16_only_where_every_gpu_has_them(
@@ -107,30 +97,29 @@ def test_tf32_and_bf16_only_where_every_gpu_has_them(
     assert speed.resolve_precision(32, []) == "32"
 
 
-@pytest.mark.parametrize(
-    ("call", "message"),
-    [
-        (
-            lambda: speed.apply_matmul_precision("tf32", []),
-            r"^matmul_precision='tf32' is invalid; expected one of",
-        ),
-        (
-            lambda: speed.resolve_precision("fp8", []),
-            r"^precision='fp8' is invalid; expected auto or one of",
-        ),
-        (
-            lambda: speed.keep_freed_memory("yes"),
-            r"^keep_freed_memory='yes' is invalid; expected true or false$",
-        ),
-        (
-            lambda: DigitsDataModule(pin_memory="yes"),
-            r"^data\.pin_memory='yes' is invalid; expected",
-        ),
-    ],
-)
-def test_a_bad_value_is_one_line(call: Any, message: str) -> None:
+BAD_VALUES = {
+    r"^matmul_precision='tf32' is invalid; expected one of": (
+        speed.apply_matmul_precision,
+        "tf32",
+        [],
+    ),
+    r"^precision='fp8' is invalid; expected auto or one of": (speed.resolve_precision, "fp8", []),
+    r"^keep_freed_memory='yes' is invalid; expected true or false$": (
+        speed.keep_freed_memory,
+        "yes",
+    ),
+    r"^data\.pin_memory='yes' is invalid; expected": (
+        lambda v: DigitsDataModule(pin_memory=v),
+        "yes",
+    ),
+}
+
+
+@pytest.mark.parametrize("message", BAD_VALUES)
+def test_a_bad_value_is_one_line(message: str) -> None:
+    call, *args = BAD_VALUES[message]
     with pytest.raises(RunError, match=message):
-        call()
+        call(*args)
 
 
 # --------------------------------------------------------------------------- freed memory
@@ -214,6 +203,7 @@ def test_channels_last_applies_to_conv_nets_on_cuda_only(stand_in_trainer: Any) 
 def test_the_speed_callback_compiles_the_configured_network_in_place_once(
     stand_in_trainer: Any,
 ) -> None:
+    # nn.Module.compile in place sets _compiled_call_impl (no public way to ask)
     assert getattr(speed.maybe_compile(MLP(), False), "_compiled_call_impl", None) is None
     cfg = _compose("callbacks.speed.compile=true", "model.net.channels=[4,8]")
     switches = instantiate(cfg.callbacks.speed)
@@ -368,33 +358,6 @@ def test_optimiser_step_counters_on_the_host_are_free(fused: bool) -> None:
     assert all(r.line.startswith("torch/optim/") for r in probe.reads)
 
 
-@pytest.mark.slow
-def test_ddp_steps_read_no_device_tensor_and_validate_far_above_chance(
-    cli: CliRunner, log_dir: Path, tmp_path: Path
-) -> None:
-    """Two DDP processes over gloo, the default ConvNet, two short epochs (each rank sees half the
-    data): no host read in any step window of either rank, and a validation accuracy far above
-    chance (0.1), which batch norm's running statistics used to bring down to chance."""
-    report = tmp_path / "reads"
-    result = cli(
-        "train",
-        "trainer=ddp_sim",
-        "trainer.max_epochs=2",
-        "callbacks.progress_bar.refresh_rate=0",
-        "+callbacks.host_reads._target_=host_reads.HostReadProbe",
-        f"+callbacks.host_reads.report={report}",
-        env={"PYTHONPATH": str(Path(__file__).parent)},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    for rank in (0, 1):
-        found = json.loads(Path(f"{report}.{rank}.json").read_text())
-        assert found["windows"] >= 10, found
-        assert found["reads"] == [], found["reads"][:5]
-    (run,) = run_dirs(log_dir)
-    metrics = json.loads((run / "metrics.json").read_text())["metrics"]
-    assert metrics["val/acc"] > 0.7, metrics
-
-
 # --------------------------------------------------------------------------- train.py wiring
 def _settings(*overrides: str) -> dict[str, Any]:
     plan = types.SimpleNamespace(accelerator="cpu", devices=1, trainer_kwargs=lambda: {})
@@ -453,8 +416,7 @@ def test_train_builds_its_trainer_with_these_settings(
 
 def test_no_profiler_runs_the_profiled_code_and_records_nothing() -> None:
     profiler = speed.NoProfiler()
-    with profiler.profile("[Callback]FiniteLoss.on_before_backward") as value:
-        ran = [value]
-    with pytest.raises(ValueError, match="raised inside"), profiler.profile("[Module]M.step"):
+    with pytest.raises(ValueError, match="raised inside"), profiler.profile("[Module]M.step") as v:
+        assert v is None
         raise ValueError("raised inside")  # an error inside passes through
-    assert ran == [None] and profiler.summary() == ""
+    assert profiler.summary() == ""

@@ -1,8 +1,5 @@
-"""runkit.plots: learning curves and GPU panels from csv/metrics.csv, the CLI and its errors.
-
-The CSV files are written the way Lightning's CSVLogger writes them, so no training is needed;
-tests/test_readme.py checks that a real run leaves its curves.png.
-"""
+"""runkit.plots from CSV files written as Lightning's CSVLogger writes them (no training; a real
+run's curves.png and ``python -m runkit.plot`` itself: test_run_record.py, test_readme.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-import prewarmed
-from conftest import clean_env
 from runkit import plots as plot
 
 pytest.importorskip("matplotlib", reason="runkit.plots draws with matplotlib (the plot extra)")
@@ -65,17 +60,14 @@ def test_read_metrics_keeps_one_value_per_epoch_and_test_figures_apart(tmp_path:
 @pytest.mark.parametrize(
     ("options", "kinds"),
     [
-        ({}, ["metric", "metric"]),
-        ({"gpus": 2, "lr": True}, ["metric", "metric", "lr", "gpu_util", "gpu_mem"]),
-        (
-            {"gpus": 2, "extra": True},
-            ["metric", "metric", "gpu_util", "gpu_mem", "gpu_gpm", "loop"],
-        ),
+        ({}, []),
+        ({"gpus": 2, "lr": True}, ["lr", "gpu_util", "gpu_mem"]),
+        ({"gpus": 2, "extra": True}, ["gpu_util", "gpu_mem", "gpu_gpm", "loop"]),
     ],
 )
 def test_panels_only_for_what_was_logged(tmp_path: Path, options: dict, kinds: list) -> None:
     run = plot.read_metrics(write_run(tmp_path / "run", **options))
-    assert [p.kind for p in plot.panels_for([run])] == kinds
+    assert [p.kind for p in plot.panels_for([run])] == ["metric", "metric", *kinds]
 
 
 def test_gpu_panels_draw_one_line_per_gpu_and_its_companion(tmp_path: Path) -> None:
@@ -92,7 +84,9 @@ def test_gpu_panels_draw_one_line_per_gpu_and_its_companion(tmp_path: Path) -> N
     assert list(wait.get_lines()[0].get_ydata()) == pytest.approx([60, 50, 40, 30])  # percent
 
 
-def test_images_grow_with_gpu_rows_and_side_by_side_runs(tmp_path: Path) -> None:
+def test_images_grow_with_gpu_rows_and_side_by_side_runs_and_out_names_file_or_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run = write_run(tmp_path / "a")
     assert plot.plot_runs([run]) == run / plot.PLOT_FILE
     width, height = png_size(run / plot.PLOT_FILE)
@@ -101,7 +95,14 @@ def test_images_grow_with_gpu_rows_and_side_by_side_runs(tmp_path: Path) -> None
     assert png_size(with_gpu)[1] > height
     runs = [run, write_run(tmp_path / "b"), write_run(tmp_path / "c")]
     assert len(plot.draw([plot.read_metrics(r) for r in runs]).axes) == 2 * 3  # panels x runs
-    assert png_size(plot.plot_runs(runs, tmp_path / "abc.png"))[0] > width
+    assert plot.main([*map(str, runs), "--out", str(tmp_path / "abc.png")]) == 0  # the CLI
+    assert capsys.readouterr().out.strip() == str(tmp_path / "abc.png")
+    assert png_size(tmp_path / "abc.png")[0] > width
+    (tmp_path / "figs").mkdir()
+    assert plot.plot_runs([run], tmp_path / "figs") == tmp_path / "figs" / plot.PLOT_FILE
+    assert plot.plot_runs([run], tmp_path / "c.svg").read_text().lstrip().startswith("<?xml")
+    with pytest.raises(plot.PlotError, match=r"--out '.*c\.txt' has an unknown format; use"):
+        plot.plot_runs([run], tmp_path / "c.txt")
 
 
 def test_sweep_directory_stands_for_its_jobs_in_numeric_order(tmp_path: Path) -> None:
@@ -113,15 +114,6 @@ def test_sweep_directory_stands_for_its_jobs_in_numeric_order(tmp_path: Path) ->
     assert [p.name for p in plot.expand_run_dirs([sweep])] == ["0", "1", "2", "10"]
     assert plot.read_metrics(sweep / "0").label == "0\nlr=0.01"  # paths.* overrides left out
     assert plot.plot_runs([sweep]) == sweep / plot.PLOT_FILE
-
-
-def test_out_names_a_file_or_a_directory_and_rejects_unknown_formats(tmp_path: Path) -> None:
-    run = write_run(tmp_path / "run")
-    (tmp_path / "figs").mkdir()
-    assert plot.plot_runs([run], tmp_path / "figs") == tmp_path / "figs" / plot.PLOT_FILE
-    assert plot.plot_runs([run], tmp_path / "c.svg").read_text().lstrip().startswith("<?xml")
-    with pytest.raises(plot.PlotError, match=r"--out '.*c\.txt' has an unknown format; use"):
-        plot.plot_runs([run], tmp_path / "c.txt")
 
 
 def test_after_run_draws_or_says_why_in_one_line_and_never_raises(
@@ -145,21 +137,13 @@ def test_after_run_draws_or_says_why_in_one_line_and_never_raises(
     assert "pip install matplotlib" in record.getMessage() and str(run) in record.getMessage()
 
 
-def test_a_run_with_test_figures_only_is_a_clear_error(tmp_path: Path) -> None:
-    run = tmp_path / "eval-run"
-    (run / "csv").mkdir(parents=True)
-    (run / "csv" / "metrics.csv").write_text("epoch,step,test/acc,test/loss\n0,0,0.9,0.3\n")
-    with pytest.raises(plot.PlotError, match="an eval run has test/ figures only"):
-        plot.plot_runs([run])
-    assert not (run / plot.PLOT_FILE).exists()
-
-
 @pytest.mark.parametrize(
     ("setup", "expected"),
     [
         ("missing", "'missing' does not exist; expected a run or sweep directory"),
         ("empty", "'empty' holds no csv/metrics.csv, neither itself nor in its subfolders"),
         ("header", "has no rows yet"),
+        ("eval-run", "logged no values per epoch, nothing to plot (an eval run has test/ figures"),
     ],
 )
 def test_a_bad_run_dir_is_one_line_and_exit_2(
@@ -170,27 +154,14 @@ def test_a_bad_run_dir_is_one_line_and_exit_2(
     expected: str,
 ) -> None:
     monkeypatch.chdir(tmp_path)
+    for name, text in (
+        ("header", ""),
+        ("eval-run", "epoch,step,test/acc,test/loss\n0,0,0.9,0.3\n"),
+    ):
+        (tmp_path / name / "csv").mkdir(parents=True)
+        (tmp_path / name / "csv" / "metrics.csv").write_text(text)
     (tmp_path / "empty").mkdir()
-    (tmp_path / "header" / "csv").mkdir(parents=True)
-    (tmp_path / "header" / "csv" / "metrics.csv").write_text("")
     assert plot.main([setup]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: ") and expected in line
     assert not list(tmp_path.glob("**/*.png"))
-
-
-@pytest.mark.slow
-def test_cli_draws_and_prints_the_path(tmp_path: Path) -> None:
-    write_run(tmp_path / "a", gpus=1)
-    write_run(tmp_path / "b")
-    result = prewarmed.run(
-        [sys.executable, "-m", "runkit.plot", "a", "b", "--out", "ab.png"],
-        cwd=tmp_path,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "ab.png"
-    png_size(tmp_path / "ab.png")

@@ -19,14 +19,8 @@ pytestmark = pytest.mark.slow
 
 ZOO = Path(__file__).resolve().parent / "zoo"
 QUIET = "callbacks.progress_bar.refresh_rate=0"
-ZOO_DDP = (
-    "--config-dir",
-    "zoo/configs",
-    "experiment=zoo_regression",
-    "trainer=ddp_sim",
-    "precision=16-mixed",
-    QUIET,
-)
+ZOO_DDP = ("--config-dir", "zoo/configs", "experiment=zoo_regression", "trainer=ddp_sim",
+           "precision=16-mixed", QUIET)  # fmt: skip
 
 
 def _ok(done: subprocess.CompletedProcess) -> str:
@@ -81,16 +75,10 @@ def test_resuming_is_said_once_not_once_per_rank(zoo: dict[str, str]) -> None:
 
 def test_a_config_refused_under_ddp_is_one_line_once(tmp_path: Path) -> None:
     done = run_entry(
-        tmp_path,
-        "train",
-        "trainer=fsdp",
-        "trainer.accelerator=cpu",
-        "trainer.strategy.cpu_offload=true",
-        "callbacks.model_checkpoint.monitor=val/nope",
-        "data.batch_size=256",
-        QUIET,
-        f"paths.log_dir={tmp_path / 'logs'}",
-    )
+        tmp_path, "train", "trainer=fsdp", "trainer.accelerator=cpu",
+        "trainer.strategy.cpu_offload=true", "callbacks.model_checkpoint.monitor=val/nope",
+        "data.batch_size=256", QUIET, f"paths.log_dir={tmp_path / 'logs'}",
+    )  # fmt: skip
     output = done.stdout + done.stderr
     assert done.returncode == 2, output[-3000:]
     assert last_line(done.stderr).startswith("error: callbacks.model_checkpoint.monitor='val/nope'")
@@ -153,8 +141,7 @@ sys.stdin.readline()  # ends when the test closes stdin
     worker = int(rank0.stdout.readline())
     rank0.stdin.close()  # rank 0 ends
     rank0.wait(timeout=120)
-    # the worker is not our child (nor reaped at once): wait until it has exited, bounded far
-    # below its own 300 s wait
+    # the worker is not our child: wait until it has exited, bounded below its own 300 s wait
     stat = Path(f"/proc/{worker}/stat")
     deadline = time.monotonic() + 120
     while stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":

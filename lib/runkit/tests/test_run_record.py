@@ -42,12 +42,9 @@ def test_every_logger_option_keeps_exactly_one_csv_record(
     assert [type(logger) for logger in loggers if logger is not records[0]] == extra
 
 
-def test_the_record_follows_the_csv_node_when_one_is_configured(tmp_path: Path) -> None:
+def test_the_record_follows_the_csv_node_and_needs_an_output_dir(tmp_path: Path) -> None:
     (logger,) = loggers_of("logger=csv", "+logger.csv.flush_logs_every_n_steps=7", out=tmp_path)
     assert logger._flush_logs_every_n_steps == 7  # the configured node, not a second default one
-
-
-def test_without_an_output_dir_nothing_is_added() -> None:
     assert builders.run_record(None) is None
     assert builders.build_loggers(OmegaConf.create({}), None) == []
 
@@ -66,10 +63,9 @@ def test_debug_overfit_runs_with_anomaly_detection_like_every_debug_preset() -> 
     ("overrides", "task"),
     [
         (("logger=tensorboard",), "train"),
-        (("logger=none",), "train"),
         (("debug=fdr", "callbacks.progress_bar.refresh_rate=0"), "debug"),
     ],
-    ids=["tensorboard", "none", "fdr"],
+    ids=["tensorboard", "fdr"],  # logger=none: the in-process logger test above
 )
 def test_every_run_leaves_its_csv_log_and_curves(
     cli: CliRunner, log_dir: Path, overrides: tuple[str, ...], task: str

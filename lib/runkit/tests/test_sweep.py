@@ -20,8 +20,8 @@ import pytest
 
 from conftest import CliRunner, clean_env, user_config_dir
 from runkit.errors import RunError
-from runkit.run import sweep, sweep_summary
-from runkit.run.sweep import Attempt, SweepState
+from runkit.run import sweep
+from runkit.run.sweep import Attempt
 
 TESTS = Path(__file__).resolve().parent
 TINY = (
@@ -67,13 +67,10 @@ def test_n_jobs_defaults_to_the_visible_gpus(use_fake) -> None:
     assert sweep.default_n_jobs({"CUDA_VISIBLE_DEVICES": "0,2"}) == 2
 
 
-def test_a_damaged_state_file_is_one_line_naming_it(tmp_path: Path) -> None:
+def test_a_damaged_state_file_is_one_line_and_a_job_follows_its_sweep(tmp_path: Path) -> None:
     (tmp_path / sweep.STATE_FILE).write_text('{"attempts": [{"num": ')
     with pytest.raises(RunError, match=r"sweep_state.json' is damaged .*another hydra.sweep.dir"):
-        SweepState(tmp_path)
-
-
-def test_a_job_follows_the_sweep_that_started_it() -> None:
+        sweep.load_attempts(tmp_path)
     env = {sweep.PARENT_ENV: str(os.getppid())}
     sweep.follow_sweep_parent(env)  # its parent: the job goes on
     assert sweep.PARENT_ENV not in env  # and its own DDP ranks follow it, not the sweep
@@ -97,8 +94,8 @@ def test_the_summary_has_a_row_per_job_with_all_its_attempts(tmp_path: Path) -> 
         Attempt(2, ["lr=0.3", "e=2"], run("2"), "l2", "failed", 1, 11, 12),
         Attempt(1, ["lr=0.2", "e=2"], run("1-attempt2", 0.7), "l", "finished", 0, 40, 50),
     ]
-    rows = sweep_summary.job_rows(attempts, not_started=[["lr=0.4", "e=2"]])
-    table = list(csv.DictReader(sweep_summary.write_summary(tmp_path, rows).open()))
+    rows = sweep.job_rows(attempts, not_started=[["lr=0.4", "e=2"]])
+    table = list(csv.DictReader(sweep.write_summary(tmp_path, rows).open()))
     assert [(r["job"], r["status"], r["attempts"]) for r in table] == [
         ("0", "finished", "1"),
         ("1", "finished", "2"),
@@ -109,40 +106,22 @@ def test_the_summary_has_a_row_per_job_with_all_its_attempts(tmp_path: Path) -> 
     assert second["overrides"] == "lr=0.2 e=2" and second["val/acc"] == "0.7"
     assert float(second["best"]) == pytest.approx(0.8) and second["energy_j"] == "12.5"
     assert float(second["wall_s"]) == 15.0 and second["dir"].endswith("1-attempt2")
-    assert sweep_summary.varying(rows) == ["lr=0.1", "lr=0.2", "lr=0.3", "lr=0.4"]
-
-
-# ------------------------------------------------------------------ claims between jobs
-
-
-def run_app(tmp_path: Path, *overrides: str, **how) -> subprocess.Popen:
-    """``sweep_app`` (jobs that only claim one of 2 fake GPUs) under the parallel launcher."""
-    command = [
-        sys.executable, "-m", "sweep_app", "-m", "hydra/launcher=runkit_parallel",
-        "+hydra.launcher.job_overrides.select_gpus=least_used",
-        "+hydra.launcher.job_overrides.gpu_wait_s=600", f"gpu_lock_dir={tmp_path / 'locks'}",
-        f"hydra.sweep.dir={tmp_path / 'sweep'}", *overrides,
-    ]  # fmt: skip
-    env = clean_env(
-        RUNKIT_NVML_BACKEND="runkit.testing.fake_nvml:create",
-        RUNKIT_FAKE_NVML=json.dumps({"gpus": 2}),
-        PYTHONPATH=str(TESTS),
-    )
-    return subprocess.Popen(command, env=env, cwd=tmp_path, **how)
+    assert sweep.varying(rows) == ["lr=0.1", "lr=0.2", "lr=0.3", "lr=0.4"]
 
 
 def state(sweep_dir: Path) -> list[dict]:
     return json.loads((sweep_dir / sweep.STATE_FILE).read_text())["attempts"]
 
 
-def gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
-    except OSError:
-        return True
+def all_gone(pids: list[int], timeout: float = 0) -> bool:
+    """Whether every process has exited (a zombie counts), waiting up to ``timeout`` seconds."""
 
+    def gone(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+        except OSError:
+            return True
 
-def all_gone(pids: list[int], timeout: float) -> bool:
     deadline = time.time() + timeout
     while not all(gone(pid) for pid in pids) and time.time() < deadline:
         time.sleep(0.1)
@@ -153,10 +132,21 @@ def all_gone(pids: list[int], timeout: float) -> bool:
 def test_jobs_never_share_a_gpu_and_a_waiting_job_takes_the_first_freed(tmp_path: Path) -> None:
     # 3 jobs at once on 2 fake GPUs. The 15 s job asks once the other two hold both GPUs, so it
     # waits in its claim loop; the 1 s job lets go first, 7 s before the 8 s job.
-    overrides = ("hydra.launcher.n_jobs=3", "hold_s=1,8,15", "late_hold_s=15", "after_claims=2")
-    proc = run_app(tmp_path, *overrides, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
+    # sweep_app's jobs only claim one of 2 fake GPUs, under the parallel launcher.
+    command = [
+        sys.executable, "-m", "sweep_app", "-m", "hydra/launcher=runkit_parallel",
+        "+hydra.launcher.job_overrides.select_gpus=least_used",
+        "+hydra.launcher.job_overrides.gpu_wait_s=600", f"gpu_lock_dir={tmp_path / 'locks'}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}", "hydra.launcher.n_jobs=3", "hold_s=1,8,15",
+        "late_hold_s=15", "after_claims=2",
+    ]  # fmt: skip
+    env = clean_env(RUNKIT_NVML_BACKEND="runkit.testing.fake_nvml:create",
+                    RUNKIT_FAKE_NVML=json.dumps({"gpus": 2}), PYTHONPATH=str(TESTS))  # fmt: skip
+    done = subprocess.run(
+        command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    out = done.stdout
+    assert done.returncode == 0, done.stderr[-3000:]
     assert "0 job(s) skipped (finished earlier), 0 resumed, 3 started" in out
     folder = tmp_path / "sweep"
     jobs = short, long, late = [json.loads((folder / n / "claims.json").read_text()) for n in "012"]
@@ -249,7 +239,7 @@ def test_a_stopped_sweep_reruns_into_the_rest_without_repeating_a_finished_job(
     assert 0 <= float(rows[1]["best"]) <= 1 and 0 <= float(rows[0]["best"]) <= 1
     assert (folder / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (folder / "summary.png").unlink()
-    assert all(gone(a["pid"]) for a in state(folder))
+    assert all_gone([a["pid"] for a in state(folder)])
     finished_at = (folder / "0" / "metrics.json").stat().st_mtime_ns
 
     again = subprocess.run(command, capture_output=True, timeout=500, **how)
@@ -343,7 +333,7 @@ def test_kill_9_of_a_training_sweep_lets_every_running_job_save(
     finally:
         proc.kill()
         proc.wait()
-    assert all_gone(pids, 180), "a job did not stop within 180 s of the sweep's death"
+    assert all_gone(pids, timeout=180), "a job did not stop within 180 s of the sweep's death"
     for attempt in attempts:
         log = Path(attempt["log"]).read_text()
         assert log.count("SIGTERM received") == 1, log[-3000:]

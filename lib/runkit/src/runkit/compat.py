@@ -1,9 +1,6 @@
-"""Every private Lightning, torch, OmegaConf and Hydra API the library relies on, in one list.
-
-Each entry names the access, who uses it and why no public API does the job, and has a probe
-that the test suite runs, so a release that moves one fails in a line naming it. The simplest
-accesses live here as functions. Import-light: the probes import what they check.
-"""
+"""Every private Lightning, torch and Hydra API the library relies on, in one list: each entry
+names the access, who uses it and why no public API does the job, and has a probe that
+test_compat runs, so a release that moves one fails in a line naming it. Import-light."""
 
 from __future__ import annotations
 
@@ -28,7 +25,7 @@ class PrivateApi:
         """``None`` while the access still works; else one line naming it and who breaks."""
         detail = ""
         try:
-            if self.probe() if self.probe else hasattr(_resolve(self.owner), self.name):
+            if (self.probe or (lambda: hasattr(_resolve(self.owner), self.name)))():
                 return None
         except Exception as err:  # an import that moved, a signature that changed
             detail = f" ({type(err).__name__}: {err})"
@@ -50,14 +47,6 @@ def _trainer_attribute(name: str) -> Callable[[], bool]:
     return lambda: hasattr(_trainer(), name)
 
 
-def _compiled_marker() -> bool:
-    import torch
-
-    net, plain = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
-    net.compile()  # marks the module; nothing is compiled before the first call
-    return net._compiled_call_impl is not None and plain._compiled_call_impl is None
-
-
 def _default_store_probe() -> bool:
     import torch.distributed.distributed_c10d as c10d
 
@@ -73,16 +62,6 @@ def _hydra_args_parser() -> bool:
         and args.config_name is None
         and args.overrides == ["a=1"]
     )
-
-
-def _job_return_value() -> bool:
-    from hydra.core.utils import JobReturn, JobStatus
-
-    hydras = JobReturn.__dict__.get("return_value")
-    failure = ValueError("a job's failure")
-    job = JobReturn(status=JobStatus.FAILED)
-    job.return_value = failure
-    return isinstance(hydras, property) and hydras.fset is not None and job_failure(job) is failure
 
 
 PRIVATE_APIS: tuple[PrivateApi, ...] = (
@@ -106,13 +85,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "runkit.safety.interrupts",
         "the flag Lightning's loop checks to stop at a batch boundary",
         _trainer_attribute("_signal_connector"),
-    ),
-    PrivateApi(
-        "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop",
-        "batch_idx",
-        "runkit.compat.fit_batch_index (finite-loss guard)",
-        "the batch index inside the epoch, which the error names; not on the Trainer",
-        lambda: hasattr(_trainer_attribute_value("fit_loop").epoch_loop, "batch_idx"),
     ),
     PrivateApi(
         "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop",
@@ -155,21 +127,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         ),
     ),
     PrivateApi(
-        "torch.nn:Module",
-        "_compiled_call_impl",
-        "runkit.speed, runkit.strategies.dp",
-        "whether nn.Module.compile was called (compile once; refuse DP of a compiled network)",
-        _compiled_marker,
-    ),
-    PrivateApi(
-        "torch.nn:Module",
-        "_modules",
-        "runkit.strategies.dp",
-        "pl_module.net shadowed by the DataParallel wrapper without registering it, so "
-        "parameters and state_dict keys stay those of the network",
-        lambda: "net" in _linear_holder()._modules,
-    ),
-    PrivateApi(
         "torch.distributed.distributed_c10d",
         "_get_default_store",
         "runkit.compat.default_store (gpu_stats' exchange between ranks)",
@@ -198,28 +155,12 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         _hydra_args_parser,
     ),
     PrivateApi(
-        "hydra.core.utils:JobReturn",
-        "_return_value",
-        "runkit.compat.job_failure (runkit.run.cli, a sweep's reported job)",
-        "a failed job's exception, read without Hydra's 'Error executing job' report, which "
-        "the public return_value writes first",
-        _job_return_value,
-    ),
-    PrivateApi(
-        "torch.utils.data._utils.signal_handling",
-        "_set_worker_signal_handlers",
-        "runkit.compat.leave_dataloader_workers_out_of_stops (runkit.safety.signals)",
-        "a forked DataLoader worker sets torch's SIGTERM handler, which dies by a signal its parent "
-        "did not send (a process group's SIGTERM) and so crashes the parent's stop; the only "
-        "point after it and before the worker's loop",
-        lambda: _worker_signal_handlers(),
-    ),
-    PrivateApi(
         "torch.utils.data.dataloader:_MultiProcessingDataLoaderIter",
         "__init__",
         "runkit.compat.forked_for_a_dataloader_worker (runkit.safety.signals)",
         "a child forked from there will be a DataLoader worker, which keeps the stop signals "
-        "blocked from the fork on; nothing else marks a worker before its loop starts",
+        "blocked from the fork on (torch's SIGTERM handler would die by a group's signal and crash "
+        "the parent's stop); nothing else marks a worker before its loop starts",
         lambda: (
             "start"
             in _resolve(
@@ -254,13 +195,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "batches read again on resume are not new batches; Lightning adds the checkpoint's own",
         lambda: "fetched" in vars(_resolve("lightning.pytorch.loops.fetchers:_DataFetcher")()),
     ),
-    PrivateApi(
-        "lightning.pytorch.strategies:DDPStrategy",
-        "_get_process_group_backend",
-        "runkit.compat.process_group_backend (runkit.run.launch.join_restarted_group)",
-        "the backend Lightning would pass to init_process_group, for a torchrun restart that "
-        "sets the group up first (torch's store for it lacks a per-attempt prefix)",
-    ),
 )
 
 
@@ -289,17 +223,6 @@ def _skips_hooks_that_are_not_callable() -> bool:
     return probe.on_before_backward is None and called == ["on_after_backward"]
 
 
-def _worker_signal_handlers() -> bool:
-    from torch.utils.data import _utils
-    from torch.utils.data._utils import signal_handling, worker
-
-    return callable(signal_handling._set_worker_signal_handlers) and (
-        "signal_handling" in vars(worker)
-        and "_set_worker_signal_handlers" in worker._worker_loop.__code__.co_names
-        and _utils.signal_handling is signal_handling
-    )
-
-
 def _trainer() -> Any:
     from lightning.pytorch import Trainer
 
@@ -310,21 +233,6 @@ def _trainer() -> Any:
 
 def _trainer_attribute_value(name: str) -> Any:
     return getattr(_trainer(), name)
-
-
-def _linear_holder() -> Any:
-    import torch
-
-    holder, wrapper = torch.nn.Module(), torch.nn.Identity()
-    holder.net = torch.nn.Linear(1, 1)
-    vars(holder)["net"] = wrapper  # what DataParallelStrategy does
-    assert holder.net is wrapper and list(holder.state_dict()) == ["net.weight", "net.bias"]
-    return holder
-
-
-def check_all() -> list[str]:
-    """One line per private access that no longer works in the installed releases."""
-    return [line for api in PRIVATE_APIS if (line := api.missing()) is not None]
 
 
 BATCH_HOOKS = (
@@ -349,22 +257,9 @@ def skip_unused_batch_hooks(callback: Any) -> None:
     calls a step otherwise, whatever they do). Private: see PRIVATE_APIS."""
     from lightning.pytorch import Callback
 
-    skip_hooks(
-        callback,
-        *(n for n in BATCH_HOOKS if getattr(type(callback), n, None) is getattr(Callback, n)),
-    )
-
-
-def skip_hooks(callback: Any, *names: str) -> None:
-    """Leave ``callback`` out of Lightning's dispatch of the hooks ``names`` (private: see
-    PRIVATE_APIS; how, see :func:`skip_unused_batch_hooks`)."""
-    for name in names:
-        setattr(callback, name, None)
-
-
-def fit_batch_index(trainer: Any) -> int:
-    """The index of the current training batch within its epoch (private: see PRIVATE_APIS)."""
-    return int(trainer.fit_loop.epoch_loop.batch_idx)
+    for name in BATCH_HOOKS:
+        if getattr(type(callback), name, None) is getattr(Callback, name):
+            setattr(callback, name, None)
 
 
 def logging_step(trainer: Any) -> int:
@@ -400,12 +295,6 @@ def hydra_args_parser() -> Any:
     return get_args_parser()
 
 
-def job_failure(job: Any) -> Any:
-    """What a Hydra ``JobReturn`` holds (a failed job's exception) without the report Hydra's
-    ``return_value`` writes (private: see PRIVATE_APIS)."""
-    return getattr(job, "_return_value", None)
-
-
 def set_data_parallel_size(strategy: Any, size: int) -> None:
     """Set a ``ModelParallelStrategy``'s data-parallel mesh size (private: see PRIVATE_APIS)."""
     strategy._data_parallel_size = int(size)
@@ -427,27 +316,6 @@ def restart_train_data(trainer: Any, skip: int) -> int:
         read += 1
     fetcher.fetched -= read  # Lightning adds the batches the checkpoint had done
     return read
-
-
-def process_group_backend(strategy: Any) -> str | None:
-    """The process-group backend a Lightning strategy will use (``gloo``, ``nccl``...), or
-    ``None`` for a strategy without one (private: see PRIVATE_APIS)."""
-    get = getattr(strategy, "_get_process_group_backend", None)
-    return get() if callable(get) else None
-
-
-def leave_dataloader_workers_out_of_stops(install: Callable[[], Any]) -> None:
-    """In a forked child: run ``install`` right after a DataLoader worker sets torch's signal
-    handlers, before its loop (private: see PRIVATE_APIS). Only this child's module changes."""
-    from torch.utils.data._utils import signal_handling
-
-    torchs = signal_handling._set_worker_signal_handlers
-
-    def worker_handlers(*args: Any) -> None:
-        torchs(*args)
-        install()
-
-    signal_handling._set_worker_signal_handlers = worker_handlers
 
 
 def forked_for_a_dataloader_worker() -> bool:

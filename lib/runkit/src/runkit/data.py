@@ -1,8 +1,5 @@
-"""A LightningDataModule for any data set that fits in memory as two tensors: inputs and labels.
-
-Subclass :class:`ArrayDataModule` and implement :meth:`load_arrays`; splitting, batching and the
-loaders are done here (lib/runkit/docs/own-model-and-data.md has a worked example).
-"""
+"""A LightningDataModule for any data set that fits in memory as two tensors, inputs and labels:
+subclass :class:`ArrayDataModule` and implement :meth:`load_arrays` (docs/own-model-and-data.md)."""
 
 from __future__ import annotations
 
@@ -53,17 +50,13 @@ class ArrayDataModule(LightningDataModule):
         self.batch_size, self.split_seed = batch_size, split_seed
         self.val_fraction, self.test_fraction = val_fraction, test_fraction
         if num_workers != "auto" and not (isinstance(num_workers, int) and num_workers >= 0):
-            raise RunError(
-                f"data.num_workers={num_workers!r} is invalid; expected an integer >= 0 or auto"
-            )
+            raise RunError(f"data.num_workers={num_workers!r} is invalid; expected >= 0 or auto")
         # auto: in-memory tensors need no worker processes (they only add start-up and IPC cost)
         self.num_workers = (
             0 if num_workers == "auto" else min(int(num_workers), os.cpu_count() or 1)
         )
         if pin_memory != "auto" and not isinstance(pin_memory, bool):
-            raise RunError(
-                f"data.pin_memory={pin_memory!r} is invalid; expected true, false or auto"
-            )
+            raise RunError(f"data.pin_memory={pin_memory!r} is invalid; expected true, false, auto")
         self.pin_memory = pin_memory
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
@@ -76,15 +69,11 @@ class ArrayDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        inputs, labels = self.load_arrays()
-        dataset = BatchedTensorDataset(inputs, labels)
-        n_val = round(len(dataset) * self.val_fraction)
-        n_test = round(len(dataset) * self.test_fraction)
-        n_train = len(dataset) - n_val - n_test
+        dataset = BatchedTensorDataset(*self.load_arrays())
+        n_val, n_test = (round(len(dataset) * f) for f in (self.val_fraction, self.test_fraction))
+        sizes = [len(dataset) - n_val - n_test, n_val, n_test]
         generator = torch.Generator().manual_seed(self.split_seed)
-        self.train_set, self.val_set, self.test_set = random_split(
-            dataset, [n_train, n_val, n_test], generator=generator
-        )
+        self.train_set, self.val_set, self.test_set = random_split(dataset, sizes, generator)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, shuffle=True)
@@ -120,8 +109,7 @@ class ArrayDataModule(LightningDataModule):
         )
 
     def _pin(self) -> bool:
-        """``auto``: pin only for a CUDA device (pinning on the CPU gains nothing and would start
-        a CUDA context on a GPU machine training on the CPU)."""
+        """``auto``: pin only for a CUDA device (on the CPU it would start a CUDA context)."""
         if self.pin_memory != "auto":
             return bool(self.pin_memory)
         device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)

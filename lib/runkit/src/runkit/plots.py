@@ -1,17 +1,15 @@
-"""Learning curves and GPU statistics of finished runs, drawn as one PNG.
+"""Draw the learning curves (and GPU statistics, when logged) of finished runs; a sweep
+directory stands for its jobs, several runs are drawn side by side.
 
-    python -m runkit.plot RUN_DIR                  # RUN_DIR/curves.png
-    python -m runkit.plot SWEEP_DIR                # every job side by side: SWEEP_DIR/curves.png
-    python -m runkit.plot RUN_A RUN_B --out ab.png # several runs side by side
-
-Every training run draws its own ``curves.png`` at the end (:func:`after_run`). matplotlib is an
-optional extra, so a missing plot never fails a run; drawing uses the Agg canvas, no pyplot state.
+Every training run draws its ``curves.png`` at the end (:func:`after_run`); matplotlib is an
+optional extra, so a missing plot never fails a run. Drawing uses the Agg canvas, no pyplot state.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import io
 import logging
 import math
@@ -20,7 +18,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from runkit.errors import RunError
 
@@ -28,29 +26,30 @@ log = logging.getLogger(__name__)
 
 PLOT_FILE = "curves.png"
 METRICS_CSV = Path("csv") / "metrics.csv"
-INSTALL_HINT = "pip install matplotlib"
+HINT = "pip install matplotlib"
 FORMATS = (".png", ".svg", ".pdf")
 LOOP_WAIT = "loop/data_wait_frac"
 _GPU_KEY = re.compile(r"^gpu/(?P<gpu>node\d+/cuda\d+)/(?P<stat>[a-z0-9_]+)$")
 _STAGED = re.compile(r"^(?P<stage>train|val|test)(?:[/_.\-](?P<name>.+))?$")
 _LOADER = re.compile(r"/(?P<loader>dataloader_idx_\d+)$")
 _CSV = "a CSV log (the text file Lightning's CSVLogger writes)"
-_SIGNATURES = {
-    b"\x89PNG\r\n\x1a\n": "a PNG image",
-    b"%PDF": "a PDF document",
-    b"PK\x03\x04": "a zip archive (a checkpoint?)",
-}
-_TITLES = {
-    "lr": "learning rate",
-    "loop": "waiting for data % of the training loop",
-    "gpu_util": "GPU utilization % (epoch mean; thin: max)",
-    "gpu_mem": "GPU memory used GiB (epoch max; dotted: size)",
-    "gpu_gpm": "SM activity % (GPM, epoch mean; dashed: tensor cores)",
-}
-_GPU_LINES = {  # per GPU: the main statistic, its companion and the companion's line style
-    "gpu_util": ("util_mean", "util_max", "-"),
-    "gpu_mem": ("mem_used_gib_max", "mem_total_gib", ":"),
-    "gpu_gpm": ("sm_active_mean", "tensor_active_mean", "--"),
+_SIGNATURES = {b"\x89PNG\r\n\x1a\n": "a PNG image", b"%PDF": "a PDF document"}
+_SIGNATURES[b"PK\x03\x04"] = "a zip archive (a checkpoint?)"
+_TITLES = {"lr": "learning rate", "loop": "waiting for data % of the training loop"}
+_GPU_LINES = {  # per GPU panel: title, the main statistic, its companion and its line style
+    "gpu_util": ("GPU utilization % (epoch mean; thin: max)", "util_mean", "util_max", "-"),
+    "gpu_mem": (
+        "GPU memory used GiB (epoch max; dotted: size)",
+        "mem_used_gib_max",
+        "mem_total_gib",
+        ":",
+    ),
+    "gpu_gpm": (
+        "SM activity % (GPM, epoch mean; dashed: tensor cores)",
+        "sm_active_mean",
+        "tensor_active_mean",
+        "--",
+    ),
 }
 
 
@@ -86,7 +85,7 @@ class RunMetrics:
 
     def curve(self, column: str) -> tuple[list[int], list[float]]:
         points = sorted(self.series.get(column, {}).items())
-        return [epoch for epoch, _ in points], [value for _, value in points]
+        return [e for e, _ in points], [v for _, v in points]
 
     def metric_names(self) -> list[str]:
         """The metrics logged per epoch, whatever their separator: loss first, then accuracy."""
@@ -104,10 +103,9 @@ class RunMetrics:
         return sorted(found, key=lambda line: (rank.get(line[0].split(" ")[0], 2), line[0]))
 
     def test_figure(self, name: str) -> float | None:
-        for column, value in self.final.items():
-            if (parts := split_column(column)) and parts[1] == name and not parts[2]:
-                return value
-        return None
+        return next(
+            (v for c, v in self.final.items() if split_column(c) == ("test", name, "")), None
+        )
 
     def lr_columns(self) -> list[str]:
         return sorted(c for c in self.series if c.startswith("lr-"))
@@ -170,22 +168,14 @@ def read_csv_log(path: Path) -> list[dict[str, str]]:
 
 def _number(text: str | None) -> float | None:
     try:
-        value = float(text or "nan")
+        return value if math.isfinite(value := float(text or "nan")) else None
     except ValueError:
         return None
-    return value if math.isfinite(value) else None
 
 
 def read_metrics(run_dir: str | Path, label: str | None = None) -> RunMetrics:
     """Read ``RUN_DIR/csv/metrics.csv`` into one value per epoch and column (the last logged)."""
     run = Path(run_dir)
-    if not run.is_dir():
-        raise PlotError(f"{str(run_dir)!r} is not a directory; expected a run directory")
-    if not (run / METRICS_CSV).exists():
-        raise PlotError(
-            f"{str(run_dir)!r} has no {METRICS_CSV} (a run directory written by a training run, "
-            "or a sweep directory holding such runs, is expected)"
-        )
     metrics = RunMetrics(run, label or _label(run))
     for row in read_csv_log(run / METRICS_CSV):
         if (epoch := _number(row.get("epoch"))) is None:
@@ -241,31 +231,25 @@ def expand_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
     return runs
 
 
-@dataclass(frozen=True)
-class Panel:
+class Panel(NamedTuple):
     """One row of the figure: ``kind`` is metric, lr, gpu_util, gpu_mem, gpu_gpm or loop."""
 
     kind: str
     name: str = ""
 
-    @property
-    def title(self) -> str:
-        return _TITLES.get(self.kind, self.name)
-
 
 def panels_for(runs: Sequence[RunMetrics]) -> list[Panel]:
     """The panels any of ``runs`` has data for, in a fixed order, so side-by-side rows align."""
-    names = list(dict.fromkeys(n for run in runs for n in run.metric_names()))
-    panels = [Panel("metric", name) for name in names]
-    if any(run.lr_columns() for run in runs):
-        panels.append(Panel("lr"))
-    if any(run.gpus() for run in runs):
-        panels += [Panel("gpu_util"), Panel("gpu_mem")]
-    if any(f"gpu/{gpu}/sm_active_mean" in run.series for run in runs for gpu in run.gpus()):
-        panels.append(Panel("gpu_gpm"))
-    if any(LOOP_WAIT in run.series for run in runs):
-        panels.append(Panel("loop"))
-    return panels
+    names = dict.fromkeys(n for run in runs for n in run.metric_names())
+    gpus = [f"gpu/{gpu}/" for run in runs for gpu in run.gpus()]
+    has = {
+        "lr": any(run.lr_columns() for run in runs),
+        "gpu_util": bool(gpus),
+        "gpu_mem": bool(gpus),
+        "gpu_gpm": any(g + "sm_active_mean" in run.series for run in runs for g in gpus),
+        "loop": any(LOOP_WAIT in run.series for run in runs),
+    }
+    return [Panel("metric", n) for n in names] + [Panel(kind) for kind in has if has[kind]]
 
 
 def draw(runs: Sequence[RunMetrics]) -> Any:
@@ -281,32 +265,30 @@ def draw(runs: Sequence[RunMetrics]) -> Any:
             "nothing to plot (an eval run has test/ figures only; see its metrics.json)"
         )
     one = len(runs) == 1
-    ncols = (1 if len(panels) == 1 else 2) if one else len(runs)
+    ncols = min(2, len(panels)) if one else len(runs)
     nrows = math.ceil(len(panels) / ncols) if one else len(panels)
     cells = [(panel, run) for panel in panels for run in runs]
     width = 4.6 * ncols
     figure = Figure(
-        figsize=(width, 3.0 * nrows + 0.6), dpi=min(100, 6000 / width), layout="constrained"
+        figsize=(width, 3 * nrows + 0.6), dpi=min(100, 6000 / width), layout="constrained"
     )
     FigureCanvasAgg(figure)
-    axes = figure.subplots(nrows, ncols, squeeze=False, sharey="row" if not one else False).flat
+    axes = figure.subplots(nrows, ncols, squeeze=False, sharey=False if one else "row").flat
     for index, ax in enumerate(axes):
         if index >= len(cells):
             ax.set_visible(False)
             continue
         panel, run = cells[index]
-        drawn = _draw_panel(ax, panel, run)
-        if not drawn:
-            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
-        ax.set_title(
-            panel.title if one or index >= ncols else f"{run.label}\n{panel.title}", fontsize=9
-        )
+        title = _GPU_LINES.get(panel.kind, [_TITLES.get(panel.kind, panel.name)])[0]
+        ax.set_title(title if one or index >= ncols else f"{run.label}\n{title}", fontsize=9)
         ax.set_xlabel("epoch", fontsize=8)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
-        if drawn:
+        if _draw_panel(ax, panel, run):
             ax.legend(fontsize=7, loc="best")
+        else:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
     if one:
         tested = ", ".join(f"{key} {value:.4g}" for key, value in sorted(runs[0].final.items()))
         name = runs[0].label.replace("\n", "  ")
@@ -320,9 +302,7 @@ def _draw_panel(ax: Any, panel: Panel, run: RunMetrics) -> bool:
     if panel.kind == "metric":
         lines = run.lines(panel.name)
         for label, column in lines:
-            ax.plot(
-                *run.curve(column), "-" if label.startswith("train") else "--", label=label, **style
-            )
+            ax.plot(*run.curve(column), "-" if label[:5] == "train" else "--", label=label, **style)
         test = run.test_figure(panel.name)
         if test is not None and lines:
             ax.axhline(test, color="tab:green", linestyle=":", label=f"test {test:.4g}")
@@ -330,7 +310,7 @@ def _draw_panel(ax: Any, panel: Panel, run: RunMetrics) -> bool:
     if panel.kind == "lr":
         for column in run.lr_columns():
             ax.plot(*run.curve(column), label=column.removeprefix("lr-"), **style)
-        if run.lr_columns() and all(v > 0 for c in run.lr_columns() for v in run.curve(c)[1]):
+        if all(v > 0 for c in run.lr_columns() for v in run.curve(c)[1]):
             ax.set_yscale("log")
         return bool(run.lr_columns())
     if panel.kind == "loop":
@@ -338,19 +318,14 @@ def _draw_panel(ax: Any, panel: Panel, run: RunMetrics) -> bool:
         ax.plot(epochs, [100 * v for v in values], label="data wait", **style)
         ax.set_ylim(0, 105)
         return bool(epochs)
-    main, extra, extra_style = _GPU_LINES[panel.kind]
-    drawn = False
-    for n, gpu in enumerate(run.gpus()):
-        epochs, values = run.curve(f"gpu/{gpu}/{main}")
-        if epochs:
-            ax.plot(epochs, values, color=f"C{n % 10}", label=gpu, **style)
-            ax.plot(
-                *run.curve(f"gpu/{gpu}/{extra}"), extra_style, color=f"C{n % 10}", linewidth=0.8
-            )
-            drawn = True
+    _, main, extra, extra_style = _GPU_LINES[panel.kind]
+    drawn = [gpu for gpu in run.gpus() if run.curve(f"gpu/{gpu}/{main}")[0]]
+    for n, gpu in enumerate(drawn):
+        ax.plot(*run.curve(f"gpu/{gpu}/{main}"), color=f"C{n % 10}", label=gpu, **style)
+        ax.plot(*run.curve(f"gpu/{gpu}/{extra}"), extra_style, color=f"C{n % 10}", linewidth=0.8)
     if drawn:
-        ax.set_ylim(*((0, 105) if panel.kind != "gpu_mem" else (0, None)))
-    return drawn
+        ax.set_ylim(0, None if panel.kind == "gpu_mem" else 105)
+    return bool(drawn)
 
 
 def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> Path:
@@ -384,13 +359,9 @@ def after_run(run_dir: str | Path) -> Path | None:
     if not (run / METRICS_CSV).exists():
         log.info("No %s in this run, so no %s.", METRICS_CSV, PLOT_FILE)
         return None
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:
         log.info(
-            "Learning-curve plots need matplotlib: %s, then python -m runkit.plot %s",
-            INSTALL_HINT,
-            run,
+            "Learning-curve plots need matplotlib: %s, then python -m runkit.plot %s", HINT, run
         )
         return None
     try:
@@ -404,11 +375,8 @@ def after_run(run_dir: str | Path) -> Path | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m runkit.plot RUN_DIR [RUN_DIR ...] [--out FILE]``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m runkit.plot",
-        description="Draw the learning curves (and GPU statistics, when logged) of finished runs. "
-        "A sweep directory stands for its jobs; several runs are drawn side by side.",
-    )
+    what = (__doc__ or "").split("\n\n")[0]  # the first paragraph above
+    parser = argparse.ArgumentParser(prog="python -m runkit.plot", description=what)
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run or sweep directory")
     parser.add_argument("--out", help=f"image ({', '.join(FORMATS)}) or directory to write")
     args = parser.parse_args(argv)
@@ -420,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as err:
         if not (err.name or "").startswith("matplotlib"):
             raise
-        print(f"error: python -m runkit.plot needs matplotlib: {INSTALL_HINT}", file=sys.stderr)
+        print(f"error: python -m runkit.plot needs matplotlib: {HINT}", file=sys.stderr)
         return 2
     return 0
 

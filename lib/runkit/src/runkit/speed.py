@@ -1,10 +1,6 @@
 """The speed switches: each a config key, defaulting to the fast choice where it is safe, and a
 no-op where it would not help (TF32 on the CPU or older GPUs, the allocator switch without glibc).
-
-``matmul_precision``, ``precision`` (``auto``: ``bf16-mixed`` on a GPU that supports it),
-``keep_freed_memory``, ``callbacks.speed`` (:class:`NetworkSpeedups`: compile, channels-last) and
-``trainer.profiler=null`` as :class:`NoProfiler`; the library README's performance table says
-what each does.
+The library README's performance table says what each does.
 """
 
 from __future__ import annotations
@@ -28,20 +24,19 @@ from runkit.errors import RunError
 log = logging.getLogger(__name__)
 
 MATMUL_PRECISIONS = ("highest", "high", "medium")
-CPU_HAS_NO_FP16_AMP = ("16-mixed", "16")  # fp16 AMP is CUDA-only: Lightning runs bf16-mixed
 LIGHTNING_PRECISIONS = (
     *("transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true"),
     *("bf16-mixed", "32-true", "64-true", "64", "32", "16", "bf16"),
 )
 AMPERE = (8, 0)  # TF32 and native bf16 from this compute capability on
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 
 
 def cuda_indices(accelerator: Any, devices: Any) -> list[int]:
     """The CUDA device indices a run trains on (``devices`` as the Trainer takes it); ``[]`` for
     a run on the CPU, another accelerator or a machine without CUDA."""
-    name = str(accelerator).strip().lower()
-    if name not in ("auto", "gpu", "cuda") or not torch.cuda.is_available():
+    if str(accelerator).strip().lower() not in ("auto", "gpu", "cuda"):
+        return []
+    if not torch.cuda.is_available():
         return []
     if isinstance(devices, str):
         text = devices.strip()
@@ -53,36 +48,33 @@ def cuda_indices(accelerator: Any, devices: Any) -> list[int]:
     return list(range(visible if int(devices) == -1 else min(int(devices), visible)))
 
 
+def _ampere(cuda: Sequence[int]) -> bool:
+    return bool(cuda) and all(torch.cuda.get_device_capability(i) >= AMPERE for i in cuda)
+
+
 def apply_matmul_precision(value: str, cuda: Sequence[int]) -> str:
     """Set the float32 matmul precision when every GPU of the run is Ampere or newer (``high``:
-    TF32); return what is in force. Elsewhere nothing changes: there is no TF32 there, and a CPU
-    backend could trade float32 accuracy for bf16 arithmetic."""
+    TF32); return what is in force. Elsewhere nothing changes (a CPU backend could trade float32
+    accuracy for bf16 arithmetic)."""
     if value not in MATMUL_PRECISIONS:
         raise RunError(
             f"matmul_precision={value!r} is invalid; expected one of {', '.join(MATMUL_PRECISIONS)}"
         )
-    if not cuda or any(torch.cuda.get_device_capability(i) < AMPERE for i in cuda):
-        return torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(value)
-    return value
+    if _ampere(cuda):
+        torch.set_float32_matmul_precision(value)
+    return torch.get_float32_matmul_precision()
 
 
 def keep_freed_memory(enabled: Any) -> bool:
-    """Let this process keep the memory a training step frees for the next step (glibc's malloc);
-    return whether that is in force. Process-wide and not undone.
-
-    Each step frees its activations and allocates the same sizes again; by default glibc hands
-    large blocks back to the kernel and the next step faults them in again, zeroed (15 to 25 % of
-    a CPU step). ``mallopt`` keeps them: mmap threshold 32 MB, trim threshold 1 GiB.
-    """
+    """Let glibc's malloc keep the memory a step frees for the next step (else it returns large
+    blocks to the kernel and the next step faults them in again, zeroed); whether that is in
+    force. Process-wide, not undone: mmap threshold 32 MB, trim threshold 1 GiB."""
     if not isinstance(enabled, bool):
         raise RunError(f"keep_freed_memory={enabled!r} is invalid; expected true or false")
     if not enabled or platform.libc_ver()[0] != "glibc":
         return False
-    libc = ctypes.CDLL(None)
-    return bool(
-        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20) and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
-    )
+    mallopt = ctypes.CDLL(None).mallopt  # M_MMAP_THRESHOLD -3, M_TRIM_THRESHOLD -1 (malloc.h)
+    return bool(mallopt(-3, 32 << 20) and mallopt(-1, 1 << 30))
 
 
 def resolve_precision(value: Any, cuda: Sequence[int]) -> str:
@@ -94,17 +86,15 @@ def resolve_precision(value: Any, cuda: Sequence[int]) -> str:
             f"precision={value!r} is invalid; expected auto or one of "
             f"{', '.join(LIGHTNING_PRECISIONS)}"
         )
-    if text != "auto":
-        return text
-    bf16 = cuda and all(torch.cuda.get_device_capability(i) >= AMPERE for i in cuda)
-    return "bf16-mixed" if bf16 else "32-true"
+    return text if text != "auto" else "bf16-mixed" if _ampere(cuda) else "32-true"
 
 
 def maybe_compile(net: nn.Module, enabled: bool) -> nn.Module:
-    """Compile ``net`` in place when ``enabled`` and return it: ``torch.compile(net)``'s wrapper
-    would prefix every ``state_dict`` key with ``_orig_mod.``."""
-    if enabled:
+    """Compile ``net`` in place once when ``enabled`` (``torch.compile(net)``'s wrapper would
+    prefix every ``state_dict`` key with ``_orig_mod.``); marked, so DP can refuse it."""
+    if enabled and not getattr(net, "compiled_by_runkit", False):
         net.compile()
+        setattr(net, "compiled_by_runkit", True)  # noqa: B010 (nn.Module types its attributes)
     return net
 
 
@@ -130,24 +120,21 @@ class NetworkSpeedups(Callback):
     def __init__(
         self, compile: bool = False, channels_last: bool = True, network: str = "net"
     ) -> None:
-        self.compile = compile
-        self.channels_last = channels_last
-        self.network = network
+        self.compile, self.channels_last, self.network = compile, channels_last, network
         self._input_hook: Any = None
         compat.skip_unused_batch_hooks(self)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         net = getattr(pl_module, self.network, None)
         on_cuda = uses_channels_last(self.channels_last, trainer.strategy.root_device)
+        name = f"{type(pl_module).__name__}.{self.network}"
+        if not isinstance(net, nn.Module) and self.compile:
+            raise RunError(
+                f"callbacks.speed.compile=true compiles {name}, but there is no such network; "
+                "set callbacks.speed.network to the attribute holding it"
+            )
         if not isinstance(net, nn.Module):
-            if self.compile:
-                raise RunError(
-                    f"callbacks.speed.compile=true compiles {type(pl_module).__name__}."
-                    f"{self.network}, but there is no such network; set callbacks.speed.network "
-                    "to the attribute holding it"
-                )
-            # Said where channels-last would have applied (CUDA), once.
-            if on_cuda and stage == "fit" and trainer.is_global_zero:
+            if on_cuda and stage == "fit" and trainer.is_global_zero:  # once, where it applies
                 log.info(
                     "callbacks.speed: %s has no nn.Module attribute %r, so channels_last is not "
                     "applied; set callbacks.speed.network to the attribute holding your network",
@@ -159,9 +146,7 @@ class NetworkSpeedups(Callback):
             net.to(memory_format=torch.channels_last)
             if self._input_hook is None:
                 self._input_hook = net.register_forward_pre_hook(lambda m, a: to_channels_last(a))
-        # private (compat): nn.Module.compile's marker; fit, then test compiles once.
-        if self.compile and getattr(net, "_compiled_call_impl", None) is None:
-            maybe_compile(net, True)
+        maybe_compile(net, self.compile)  # fit, then test: compiled once
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._input_hook is not None:
@@ -184,7 +169,8 @@ def trainer_settings(cfg: Any, plan: Any) -> dict[str, Any]:
     kept = keep_freed_memory(cfg.get("keep_freed_memory", True))
     kwargs = plan.trainer_kwargs()
     precision = resolve_precision(cfg.get("precision", "auto"), cuda)
-    if precision in CPU_HAS_NO_FP16_AMP and str(plan.accelerator).strip().lower() == "cpu":
+    on_cpu = str(plan.accelerator).strip().lower() == "cpu"
+    if precision in ("16-mixed", "16") and on_cpu:  # fp16 AMP is CUDA-only
         if rank_zero_only.rank == 0:  # what Lightning would run, said once
             log.info(
                 "precision=%s: fp16 mixed precision does not exist on the CPU, so this run "

@@ -1,11 +1,10 @@
 """``select_gpus=least_used`` on a shared machine: measure, wait for and claim GPUs.
 
-A choice made from one reading lets two launches take the same GPU. So a run measures every
-visible GPU over a window, qualifies those under the thresholds that no other run claimed, and
-claims the best with a non-blocking ``flock`` on ``<lock dir>/<UUID>.lock``, held for the run (the
-kernel drops it however the process ends; lock files are never deleted, which would race with
-the next holder). nvitop's ``select_devices`` neither waits nor claims.
-"""
+A choice from one reading lets two launches take the same GPU. So a run measures every visible GPU
+over a window, qualifies those under the thresholds that no other run claimed, and claims the best
+with a non-blocking ``flock`` on ``<lock dir>/<UUID>.lock`` held for the run (the kernel drops it
+however the process ends; lock files are never deleted, which would race with the next holder).
+nvitop's ``select_devices`` neither waits nor claims."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ import stat
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -110,35 +109,30 @@ def measure_loads(gpus: Sequence[Gpu], window_s: float) -> list[Load]:
             if k:
                 time.sleep(window_s / (samples - 1))
             for reader, got, error in zip(readers, seen, errors, strict=True):
-                for j, (query, field) in enumerate(
-                    () if isinstance(reader, str) else ((reader.memory, 2), (reader.utilization, 0))
-                ):
+                queries = [] if isinstance(reader, str) else [reader.memory, reader.utilization]
+                for j, query in enumerate(queries):
                     try:
-                        got[j].append(query()[field])
+                        got[j].append(query()[2 - 2 * j])  # free memory, GPU utilisation
                     except unsupported:
                         pass
                     except lib.NVMLError as err:
                         error[j] = str(err)
     return [
-        Load(
-            min(free) // 2**20 if free and mem_err is None else None,
-            sum(util) / len(util) if util and util_err is None else None,
-            mem_err,
-            util_err,
-        )
+        Load(min(free) // 2**20 if free and mem_err is None else None,
+             sum(util) / len(util) if util and util_err is None else None, mem_err, util_err)
         for (free, util), (mem_err, util_err) in zip(seen, errors, strict=True)
-    ]
+    ]  # fmt: skip
 
 
-def rank_by_load(gpus: Sequence[Gpu]) -> list[int]:
-    """Positions in ``gpus``, best first: most free memory, lowest utilisation, lowest index;
-    unknown after known. nvitop's ranks a failed reading first and ties by highest index."""
+def rank_by_load(loads: Sequence[Load]) -> list[int]:
+    """Positions in ``loads``, best first: most free memory, lowest utilisation (whole percent),
+    lowest index; unknown after known. nvitop's ranks a failed reading first, ties by highest."""
 
     def key(i: int) -> tuple[bool, int, bool, int, int]:
-        free, util = gpus[i].memory_free_mib, gpus[i].utilization_percent
-        return (free is None, -(free or 0), util is None, util or 0, i)
+        free, util = loads[i].free_mib, loads[i].util_percent
+        return (free is None, -(free or 0), util is None, round(util or 0), i)
 
-    return sorted(range(len(gpus)), key=key)
+    return sorted(range(len(loads)), key=key)
 
 
 def judge(load: Load, policy: SelectionPolicy) -> str | None:
@@ -149,7 +143,7 @@ def judge(load: Load, policy: SelectionPolicy) -> str | None:
     free, util = load.free_mib, load.util_percent
     if policy.min_free_gib > 0 and free is None:
         return "free memory not reported, so gpu_min_free_gib cannot be checked"
-    if policy.min_free_gib > 0 and free is not None and free < policy.min_free_gib * 1024:
+    if free is not None and free < policy.min_free_gib * 1024:
         return f"{free / 1024:.1f} GiB free < gpu_min_free_gib={policy.min_free_gib:g}"
     if util is not None and util > policy.max_util_percent:
         return (
@@ -228,13 +222,12 @@ def release_claims() -> None:
 
 
 def claimed_uuids() -> tuple[str, ...]:
-    """The UUIDs of the GPUs this process holds claimed."""
     return tuple(_held)
 
 
 def finish_job() -> None:
-    """End of a job (the Hydra entry point calls it after each): give back its GPUs and forget its
-    NVML reading, so that the next job of a sweep measures and claims anew."""
+    """After each job (the Hydra entry point): give back its GPUs and forget its NVML reading, so
+    that the next job of a sweep measures and claims anew."""
     release_claims()
     forget_readings()
 
@@ -248,16 +241,8 @@ def _attempt(
     except nvml.NvmlUnavailable as err:
         loads = [Load(memory_error=str(err))] * len(candidates)
     reasons: list[str | None] = [judge(load, policy) for load in loads]
-    measured = [
-        replace(
-            g,
-            memory_free_mib=load.free_mib,
-            utilization_percent=None if load.util_percent is None else round(load.util_percent),
-        )
-        for g, load in zip(candidates, loads, strict=True)
-    ]
     got: dict[int, int] = {}
-    for i in rank_by_load(measured):
+    for i in rank_by_load(loads):
         if reasons[i] is None and len(got) < count:
             outcome = try_lock(lock_path(lock_dir, candidates[i].uuid))
             if isinstance(outcome, str):
@@ -272,14 +257,6 @@ def _attempt(
     return sorted(got), reasons
 
 
-def first_gpus(count: int, why: str) -> tuple[list[int], str]:
-    """The first ``count`` GPUs, where no load can be read (``why``)."""
-    chosen = list(range(count))
-    return chosen, (
-        f"select_gpus=least_used: no GPU load readings ({why}); using the first {count}: {chosen}"
-    )
-
-
 def wait_and_claim(inv: Inventory, count: int, policy: SelectionPolicy) -> tuple[list[int], str]:
     """The sorted ``cuda:N`` of ``count`` GPUs claimed under ``policy`` and a one-line message;
     :class:`DeviceError` on time-out (each GPU and why it did not qualify). Without NVML the
@@ -292,7 +269,11 @@ def wait_and_claim(inv: Inventory, count: int, policy: SelectionPolicy) -> tuple
                 f"select_gpus=least_used with gpu_min_free_gib/gpu_max_util/gpu_wait_s needs "
                 f"NVML readings, but there are none ({why}); use select_gpus=first"
             )
-        return first_gpus(count, why)
+        chosen = list(range(count))
+        return (
+            chosen,
+            f"select_gpus=least_used: no GPU load readings ({why}); using the first {count}: {chosen}",
+        )
     lock_dir = lock_dir_for(policy)
     started = next_status = time.monotonic()
     while True:

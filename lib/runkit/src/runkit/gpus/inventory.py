@@ -1,12 +1,11 @@
 """The GPUs of this machine and which ``cuda:N`` each one is, from this process's point of view.
 
-NVML is read at the detail the caller needs (``identity`` to number ``cuda:N``, ``load`` for
-``least_used``, ``full`` for the listing), once per job for device resolution
-(:func:`cached_inventory`). torch is imported inside functions so the listing starts quickly.
-"""
+NVML is read at the detail the caller needs (``identity`` for device resolution, once per job:
+:func:`cached_inventory`; ``full`` for the listing)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -23,8 +22,8 @@ from runkit.gpus.records import (
     apply_visible_devices,
 )
 
-IDENTITY, LOAD, FULL = "identity", "load", "full"
-DETAILS = (IDENTITY, LOAD, FULL)
+IDENTITY, FULL = "identity", "full"
+DETAILS = (IDENTITY, FULL)
 
 
 def probe_torch(*, uuids: bool = True) -> TorchCuda:
@@ -46,31 +45,27 @@ def probe_torch(*, uuids: bool = True) -> TorchCuda:
 
 
 def _mib(value: Any) -> int | None:
-    return None if value is None else int(value) // (1024 * 1024)
+    return None if value is None else int(value) // 2**20
 
 
 def _read_gpu(reader: DeviceReader, detail: str, **where: Any) -> Gpu:
     """One device at ``detail``; what NVML will not say stays ``None``."""
-    lib = reader.lib
-    get = lambda query, *args: nvml.optional(lib, query, *args)  # noqa: E731
+    get = functools.partial(nvml.optional, reader.lib)
     figures: dict[str, Any] = {}
-    if detail != IDENTITY:
+    if detail == FULL:
         total, used, free = get(reader.memory) or (None, None, None)
         util = get(reader.utilization)
         figures.update(memory_total_mib=_mib(total), memory_used_mib=_mib(used))
         figures.update(memory_free_mib=_mib(free), utilization_percent=util and util[0])
-    if detail == FULL:
         if not reader.is_mig:  # a slice has no temperature or power of its own: its GPU has
             power, limit = get(reader.power_mw), get(reader.power_limit_mw)
             figures.update(power_w=power and power / 1000, power_limit_w=limit and limit / 1000)
             figures["temperature_c"] = get(reader.temperature_c)
         seen: dict[int, GpuProcess] = {}
         for kind in ("Compute", "Graphics"):
-            for pid, used_bytes in get(reader.compute_processes, kind) or ():
-                name = get("nvmlSystemGetProcessName", pid)
-                seen.setdefault(
-                    pid, GpuProcess(pid, _mib(used_bytes), (name and nvml.as_text(name)) or None)
-                )
+            for pid, used in get(reader.compute_processes, kind) or ():
+                name = nvml.as_text(get("nvmlSystemGetProcessName", pid) or "") or None
+                seen.setdefault(pid, GpuProcess(pid, _mib(used), name))
         figures["processes"] = tuple(seen.values())
     name = get(reader.name) or "unknown GPU"
     return Gpu(get(reader.uuid) or "", name, pci_bus_id=get(reader.pci_bus_id), **figures, **where)
@@ -113,13 +108,10 @@ def _torch_devices(
     visible, notes = [], []
     for i in range(torch_info.device_count):
         uuid = uuids[i] if i < len(uuids) else ""
-        gpu = by_uuid.get(nvml.bare_uuid(uuid))
-        if gpu is None:
-            if physical is not None:
-                notes.append(f"cuda:{i} ({uuid}) is not in NVML's list; shown without metrics.")
-            name = "unknown GPU" if physical is not None else f"cuda:{i}"
-            gpu = Gpu(uuid, names[i] if i < len(names) else name)
-        visible.append(gpu)
+        if (gpu := by_uuid.get(nvml.bare_uuid(uuid))) is None and physical is not None:
+            notes.append(f"cuda:{i} ({uuid}) is not in NVML's list; shown without metrics.")
+        name = "unknown GPU" if physical is not None else f"cuda:{i}"
+        visible.append(gpu or Gpu(uuid, names[i] if i < len(names) else name))
     return visible, notes
 
 
@@ -189,25 +181,21 @@ def collect_inventory(
     return _inventory(_reading(detail), torch_info or probe_torch(uuids=probe_uuids), env)
 
 
-_last: tuple[Any, str, Any] | None = None  # the last reading: (library, detail, reading)
+_last: tuple[Any, Any] | None = None  # the last reading: (library, reading)
 
 
-def cached_inventory(detail: str = IDENTITY) -> Inventory:
+def cached_inventory() -> Inventory:
     """The inventory device resolution uses: NVML read once per job (until
-    :func:`forget_readings`), again for more ``detail`` or another library; torch's count and
-    ``CUDA_VISIBLE_DEVICES`` are looked at afresh (NVML's GPU list does not depend on them)."""
+    :func:`forget_readings`, or for another library); torch's count and ``CUDA_VISIBLE_DEVICES``
+    are looked at afresh (NVML's GPU list does not depend on them)."""
     global _last
     try:
         lib = nvml.load_library()
     except nvml.NvmlUnavailable:
         lib = None
-    if (
-        _last is None
-        or _last[0] is not lib
-        or not (isinstance(_last[2], str) or DETAILS.index(_last[1]) >= DETAILS.index(detail))
-    ):
-        _last = (lib, detail, _reading(detail))
-    return _inventory(_last[2], probe_torch(uuids=False), None)
+    if _last is None or _last[0] is not lib:
+        _last = (lib, _reading(IDENTITY))
+    return _inventory(_last[1], probe_torch(uuids=False), None)
 
 
 def forget_readings() -> None:

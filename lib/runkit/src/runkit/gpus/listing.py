@@ -62,12 +62,10 @@ def _fmt(value: Any, unit: str = "") -> str:
 
 
 def _row(i: int, g: Gpu) -> list[str]:
-    nvml_idx = ("-" if g.nvml_index is None else str(g.nvml_index)) + (
-        f" MIG {g.mig_index}" if g.is_mig else ""
+    nvml_idx = _fmt(g.nvml_index) + (f" MIG {g.mig_index}" if g.is_mig else "")
+    power = _fmt(g.power_w, " W") + (
+        "" if g.power_limit_w is None else f" / {g.power_limit_w:.0f} W"
     )
-    power = _fmt(g.power_w, " W")
-    if g.power_limit_w is not None:
-        power += f" / {_fmt(g.power_limit_w, ' W')}"
     memory = (
         "-"
         if g.memory_total_mib is None
@@ -93,16 +91,14 @@ def listing(inv: Inventory, header: str | None = None) -> Any:
     built = f"torch CUDA {inv.torch.version}, " if inv.torch.version else ""
     cuda = f"yes ({built}{inv.torch.device_count} device(s))"
     cvd = inv.cuda_visible_devices
-    parts += [
-        Text(
-            f"CUDA available: {cuda if inv.torch.available else 'no (training will use the CPU)'}"
-        ),
-        Text(
-            f"NVML driver {inv.driver_version or '?'}; CUDA_VISIBLE_DEVICES="
-            f"{'(unset)' if cvd is None else repr(cvd)}; "
-            f"CUDA_DEVICE_ORDER={inv.cuda_device_order}; {_MAPPING_TEXT[inv.mapping]}"
-        ),
-    ]
+    parts.append(
+        Text(f"CUDA available: {cuda if inv.torch.available else 'no (training will use the CPU)'}")
+    )
+    parts.append(
+        Text(f"NVML driver {inv.driver_version or '?'}; CUDA_VISIBLE_DEVICES="
+             f"{'(unset)' if cvd is None else repr(cvd)}; "
+             f"CUDA_DEVICE_ORDER={inv.cuda_device_order}; {_MAPPING_TEXT[inv.mapping]}")
+    )  # fmt: skip
     table = Table(title=inv.summary(), title_justify="left")
     for column in ("cuda", "nvml", "name", "uuid", "memory", "util", "temp", "power", "processes"):
         table.add_column(column, overflow="fold")

@@ -6,6 +6,7 @@ choice to the DDP ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runkit.gpus import claims
-from runkit.gpus.inventory import IDENTITY, LOAD, cached_inventory
+from runkit.gpus.inventory import cached_inventory
 from runkit.gpus.records import DeviceError, Gpu, Inventory, no_gpu_reason
 
 SELECTION_ENV = "RUNKIT_GPU_SELECTION"  # rank 0's least_used choice, inherited by its DDP ranks
@@ -91,8 +92,8 @@ def resolve_devices(
 ) -> DevicePlan:
     """What the Trainer gets: ``auto`` without a GPU is the CPU with a ``message``; a GPU, count or
     index that does not exist is a :class:`DeviceError`; ``cpu`` takes a process count; other
-    accelerators pass through; ``least_used`` picks by load, or in a DDP child (``LOCAL_RANK``)
-    reuses rank 0's choice from ``environ[SELECTION_ENV]``. ``environ`` is only read."""
+    accelerators pass through; ``least_used`` is left to the run, or in a DDP child
+    (``LOCAL_RANK``) reuses rank 0's choice from ``environ[SELECTION_ENV]`` (only read)."""
     if select not in SELECT_CHOICES:
         raise DeviceError(
             f"select_gpus={select!r} is not valid; use one of {', '.join(SELECT_CHOICES)}"
@@ -103,7 +104,7 @@ def resolve_devices(
         return _cpu_plan(accelerator, wanted, message=None)
     if acc not in ("auto", "gpu", "cuda"):
         return DevicePlan(accelerator, wanted)
-    inv = inventory or cached_inventory(LOAD if select == "least_used" else IDENTITY)
+    inv = inventory or cached_inventory()
     if (count := inv.usable_gpu_count) == 0:
         if acc == "auto" and inv.torch.mps_available:
             return DevicePlan(accelerator, wanted)
@@ -148,7 +149,7 @@ def resolve_for_run(
     plan = resolve_devices(accelerator, devices, select=select, environ=environ)
     if plan.handoff is None:
         return plan
-    inv = cached_inventory(IDENTITY)
+    inv = cached_inventory()
     count = len(plan.selected or ())
     chosen, message = claims.wait_and_claim(inv, count, policy or claims.SelectionPolicy())
     plan = _rank0_plan(plan.accelerator, chosen, message, inv, count)
@@ -181,7 +182,8 @@ def _request_key(count: int, inv: Inventory) -> str:
 def _least_used_plan(
     accelerator: Any, count: int, inv: Inventory, environ: Mapping[str, str]
 ) -> DevicePlan:
-    """Rank 0 picks by load; a DDP child (``LOCAL_RANK``, another pid's record) takes rank 0's."""
+    """Rank 0's plan stands for ``count`` GPUs that :func:`resolve_for_run` measures and claims; a
+    DDP child (``LOCAL_RANK``, another pid's record) takes rank 0's choice."""
     key, saved, local_rank = (
         _request_key(count, inv),
         environ.get(SELECTION_ENV),
@@ -208,20 +210,11 @@ def _least_used_plan(
             f"(LOCAL_RANK={local_rank} is set but {SELECTION_ENV} is not); pin GPUs with "
             "CUDA_VISIBLE_DEVICES or use select_gpus=first"
         )
-    candidates = inv.visible[: inv.usable_gpu_count]
-    if len(candidates) < inv.usable_gpu_count or all(g.memory_free_mib is None for g in candidates):
-        chosen, message = claims.first_gpus(count, inv.nvml_reason or "NVML gave none")
-    else:
-        chosen = sorted(claims.rank_by_load(candidates)[:count])
-        message = (
-            f"select_gpus=least_used picked {', '.join(f'cuda:{i}' for i in chosen)} of "
-            f"{len(candidates)} (most free memory, then lowest utilisation)"
-        )
-    return _rank0_plan(accelerator, chosen, message, inv, count)
+    return _rank0_plan(accelerator, list(range(count)), None, inv, count)  # the run measures
 
 
 def _rank0_plan(
-    accelerator: Any, chosen: list[int], message: str, inv: Inventory, count: int
+    accelerator: Any, chosen: list[int], message: str | None, inv: Inventory, count: int
 ) -> DevicePlan:
     """Rank 0's choice, with the record its DDP ranks will find in ``SELECTION_ENV``."""
     handoff = json.dumps({"pid": os.getpid(), "request": _request_key(count, inv), "gpus": chosen})
@@ -230,20 +223,13 @@ def _rank0_plan(
 
 def _parse_record(text: str) -> dict[str, Any]:
     """Rank 0's record from :data:`SELECTION_ENV`; a :class:`DeviceError` if it is not one."""
-    try:
+    with contextlib.suppress(ValueError, TypeError, KeyError):
         record = json.loads(text)
-    except ValueError:
-        record = None
-    gpus = record.get("gpus") if isinstance(record, dict) else None
-    if (
-        isinstance(gpus, list)
-        and isinstance(record.get("pid"), int)
-        and isinstance(record.get("request"), str)
-        and gpus
-        and len(set(gpus)) == len(gpus)
-        and all(type(i) is int and i >= 0 for i in gpus)
-    ):
-        return record
+        gpus = record["gpus"]
+        if (type(record["pid"]), type(record["request"]), type(gpus)) == (int, str, list) and (
+            gpus and len(set(gpus)) == len(gpus) and all(type(i) is int and i >= 0 for i in gpus)
+        ):
+            return record
     raise DeviceError(
         f"{SELECTION_ENV}={text!r} is not a GPU choice written by this template; unset it"
     )

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from hydra.utils import instantiate
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 import runkit.strategies  # noqa: F401  (registers trainer.strategy=dp before any Trainer)
@@ -22,10 +23,24 @@ from runkit.run import launch
 
 log = logging.getLogger(__name__)
 
-
-def build_callbacks(cfg: DictConfig | None) -> list[Callback]:
-    """One callback per entry of ``cfg.callbacks`` (entries without a ``_target_`` are skipped)."""
-    return [instantiate(node) for node in _target_nodes(cfg)]
+# The safety parts of a training run and what a run loses without one.
+SAFETY_PARTS = {
+    "callbacks.resume_state removed": (
+        "runkit.safety.resume.ResumeState",
+        "a resumed run will not restore the random state at each batch or carry on the earlier "
+        "run's logs",
+    ),
+    "callbacks.graceful_interrupt removed": (
+        "runkit.safety.interrupts.GracefulInterrupt",
+        "Ctrl-C/SIGTERM will not save a checkpoint, and a DDP worker whose launching process "
+        "dies waits in a collective until its timeout",
+    ),
+    "trainer.plugins has no AtomicCheckpointIO": (
+        "runkit.safety.checkpoints.AtomicCheckpointIO",
+        "checkpoint writes are not crash-safe: a kill or a full disk during a save can leave a "
+        "half-written file",
+    ),
+}
 
 
 def build_loggers(cfg: DictConfig | None, record: CSVLogger | None = None) -> list[Logger]:
@@ -36,6 +51,11 @@ def build_loggers(cfg: DictConfig | None, record: CSVLogger | None = None) -> li
     return [record, *loggers]
 
 
+def _target_nodes(group: DictConfig | None) -> list[DictConfig]:
+    nodes = group.values() if group else []
+    return [node for node in nodes if isinstance(node, DictConfig) and "_target_" in node]
+
+
 def run_record(output_dir: str | None) -> CSVLogger | None:
     """The CSV log every run keeps in ``<output_dir>/csv/``, whatever ``logger`` says (None
     without an output directory: a Trainer built outside a run)."""
@@ -43,32 +63,10 @@ def run_record(output_dir: str | None) -> CSVLogger | None:
 
 
 def _same_csv(logger: Logger, record: CSVLogger) -> bool:
-    if not isinstance(logger, CSVLogger):
-        return False
-    return Path(logger.log_dir).absolute() == Path(record.log_dir).absolute()
-
-
-# The safety parts of a training run (config nodes) and what a run loses without one.
-SAFETY_PARTS = (
-    (
-        "callbacks.resume_state removed",
-        "runkit.safety.resume.ResumeState",
-        "a resumed run will not restore the random state at each batch or carry on the "
-        "earlier run's logs",
-    ),
-    (
-        "callbacks.graceful_interrupt removed",
-        "runkit.safety.interrupts.GracefulInterrupt",
-        "Ctrl-C/SIGTERM will not save a checkpoint, and a DDP worker whose launching process "
-        "dies waits in a collective until its timeout",
-    ),
-    (
-        "trainer.plugins has no AtomicCheckpointIO",
-        "runkit.safety.checkpoints.AtomicCheckpointIO",
-        "checkpoint writes are not crash-safe: a kill or a full disk during a save can leave "
-        "a half-written file",
-    ),
-)
+    return (
+        isinstance(logger, CSVLogger)
+        and Path(logger.log_dir).absolute() == Path(record.log_dir).absolute()
+    )
 
 
 def build_trainer(cfg: DictConfig, **overrides: Any) -> Trainer:
@@ -76,31 +74,30 @@ def build_trainer(cfg: DictConfig, **overrides: Any) -> Trainer:
     replace arguments the run decided on (the resolved devices). A training run logs one line
     for each of :data:`SAFETY_PARTS` it lacks."""
     from hydra.utils import get_object
-    from lightning.pytorch.utilities import rank_zero_only
 
     from runkit.run.trainer_args import set_arguments
     from runkit.safety import interrupts
 
-    callbacks = build_callbacks(cfg.get("callbacks"))
+    callbacks = [instantiate(node) for node in _target_nodes(cfg.get("callbacks"))]
     if cfg.trainer.get("enable_model_summary") is None and any(
         isinstance(callback, ModelSummary) for callback in callbacks
-    ):
-        # callbacks.model_summary is the summary; Lightning's own would only say it skips itself
+    ):  # callbacks.model_summary is the summary; Lightning's would only say it skips itself
         overrides.setdefault("enable_model_summary", False)
     record = run_record(OmegaConf.select(cfg, "paths.output_dir", default=None))
     loggers = build_loggers(cfg.get("logger"), record)
-    arguments = set_arguments(cfg.trainer)
-    trainer = instantiate(arguments, callbacks=callbacks, logger=loggers or False, **overrides)
+    trainer = instantiate(
+        set_arguments(cfg.trainer), callbacks=callbacks, logger=loggers or False, **overrides
+    )
     if trainer.fast_dev_run and record is not None:
         # Lightning mutes every logger under fast_dev_run; the run's own record stays on.
         trainer.loggers = [logger for logger in loggers if _same_csv(logger, record)]
     parts = [*callbacks, trainer.strategy.checkpoint_io]
     missing = {
         key: lost
-        for key, target, lost in SAFETY_PARTS
+        for key, (target, lost) in SAFETY_PARTS.items()
         if not any(isinstance(part, get_object(target)) for part in parts)
     }
-    if not any(key.startswith("callbacks.graceful_interrupt") for key in missing):
+    if "callbacks.graceful_interrupt removed" not in missing:
         interrupts.watch_parent()  # part of that callback's job: a worker exits when rank 0 dies
     if cfg.get("train") and rank_zero_only.rank == 0:  # eval and test-only runs need none of them
         for key, lost in missing.items():
@@ -113,16 +110,16 @@ def build_trainer(cfg: DictConfig, **overrides: Any) -> Trainer:
 def run_trainer(cfg: DictConfig, out: Path) -> Trainer:
     """:func:`build_trainer` on the GPUs ``cfg`` asks for (``least_used`` waits for and claims
     them as training does) with training's hardware settings; rank 0 saves ``config.yaml``."""
-    from lightning.pytorch.utilities import rank_zero_only
-
     from runkit.gpus.claims import policy_from_config
     from runkit.gpus.resolve import resolve_for_run
     from runkit.run.run_files import save_config
     from runkit.speed import trainer_settings
 
-    policy = policy_from_config(cfg)
     plan = resolve_for_run(
-        cfg.trainer.accelerator, cfg.trainer.devices, select=cfg.select_gpus, policy=policy
+        cfg.trainer.accelerator,
+        cfg.trainer.devices,
+        select=cfg.select_gpus,
+        policy=policy_from_config(cfg),
     )
     if plan.message:
         rank_zero_only(log.info)(plan.message)  # once, not once per DDP process
@@ -130,12 +127,6 @@ def run_trainer(cfg: DictConfig, out: Path) -> Trainer:
     if trainer.is_global_zero:
         save_config(cfg, out)
     return trainer
-
-
-def _target_nodes(group: DictConfig | None) -> list[DictConfig]:
-    if not group:
-        return []
-    return [node for node in group.values() if isinstance(node, DictConfig) and "_target_" in node]
 
 
 def plain(cfg: DictConfig) -> dict[str, Any]:
@@ -149,15 +140,15 @@ def can_test(model: Any, datamodule: Any = None, required: bool = False) -> bool
     """Whether ``trainer.test`` can run on ``model`` (a ``test_step``, and a ``test_dataloader``
     in the model or ``datamodule``); else one line and ``False`` (a :class:`RunError` when
     testing is ``required``: eval's one purpose)."""
-    from lightning.pytorch.utilities import rank_zero_only
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
+    name = type(model).__name__
     if not is_overridden("test_step", model):
-        missing = f"{type(model).__name__} has no test_step"
+        missing = f"{name} has no test_step"
     elif not any(
-        part is not None and is_overridden("test_dataloader", part) for part in (model, datamodule)
+        p is not None and is_overridden("test_dataloader", p) for p in (model, datamodule)
     ):
-        missing = f"neither {type(model).__name__} nor the data module has a test_dataloader"
+        missing = f"neither {name} nor the data module has a test_dataloader"
     else:
         return True
     if required:

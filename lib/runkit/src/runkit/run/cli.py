@@ -6,11 +6,14 @@ Kept free of torch and Lightning imports, so ``--help`` and ``--cfg job`` answer
 from __future__ import annotations
 
 import contextlib
+import difflib
 import itertools
 import logging
+import math
 import os
 import re
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -76,7 +79,7 @@ def hydra_entry(
 def _main(task: Callable[[Any], Any], config_name: str, config_dir: Path) -> None:
     import hydra
 
-    from runkit.run.launch import destroy_process_group, register_resolvers
+    from runkit.run.launch import FAILED_JOBS, destroy_process_group, register_resolvers
     from runkit.run.sweep import follow_sweep_parent
     from runkit.safety.signals import stop_on_signal
 
@@ -84,16 +87,14 @@ def _main(task: Callable[[Any], Any], config_name: str, config_dir: Path) -> Non
     # Lightning 2.6 on torch >= 2.10 warns about its own use of a torch API.
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     register_resolvers()  # ${run_id:...}: one run directory for all processes of a launch
-    # submitit's lines through Hydra's handler alone, its no-accounting warning once
-    os.environ.setdefault("SUBMITIT_LOG_LEVEL", "NOCONFIG")
+    os.environ.setdefault("SUBMITIT_LOG_LEVEL", "NOCONFIG")  # submitit's lines through Hydra's
     logging.getLogger("submitit").addFilter(_FirstSacctWarning())
     follow_sweep_parent()  # a job of a parallel sweep ends with the sweep (kill -9 included)
     app = hydra.main(version_base="1.3", config_path=str(config_dir), config_name=config_name)
-    _quiet_reported_failures()
     job = _reporting(task, config_dir)
+    FAILED_JOBS.clear()  # an earlier app in this process (a test's) is not this sweep
     try:
-        conflicted = conflicted_config(sys.argv[1:], config_dir)
-        if conflicted is not None:
+        if (conflicted := conflicted_config(sys.argv[1:], config_dir)) is not None:
             raise RunError(conflicted)
         # Ctrl-C, SIGTERM: recorded, acted on at a safe point, 128+N; after the run too
         with stop_on_signal(until_exit=True):
@@ -105,26 +106,29 @@ def _main(task: Callable[[Any], Any], config_name: str, config_dir: Path) -> Non
                 sys.argv = [sys.argv[0], *argv]
                 app(job)()
             destroy_process_group()
-    except ReportedJobError as err:  # a sweep job's one line is printed already
-        raise SystemExit(err.exit_code) from None
     except Exception as err:
         mistake = user_mistake(err, config_dir=config_dir)
         if mistake is None:
             raise
+        if getattr(mistake, "reported", False):  # a submitit job's, said in its own log
+            raise SystemExit(mistake.exit_code) from None
         exit_with(mistake)
+    if FAILED_JOBS:
+        raise SystemExit(FAILED_JOBS[0])
 
 
 def _reporting(task: Callable[[Any], Any], config_dir: Path) -> Callable[[Any], Any]:
     """Run ``task``; a user's mistake inside it becomes one line and a run that never started
-    leaves no directory. In a multirun the line is printed and :class:`ReportedJobError` raised,
-    so Hydra finishes the other jobs and the sweep then exits with its code."""
+    leaves no directory. In a multirun the job returns NaN after its line (Hydra finishes the
+    other jobs) and the sweep then exits with its code (``launch.FAILED_JOBS``); a submitit job,
+    in a process of its own, raises it for the sweep to exit with."""
 
     def job(cfg: Any) -> Any:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
         from runkit.gpus.claims import finish_job
-        from runkit.run.launch import job_scope, sweep_objective
+        from runkit.run.launch import FAILED_JOBS, job_scope, sweep_objective
         from runkit.run.preflight import check_config, discard_unused, is_worker_process
 
         try:
@@ -144,7 +148,11 @@ def _reporting(task: Callable[[Any], Any], config_dir: Path) -> Callable[[Any], 
             if hydra_cfg.mode != RunMode.MULTIRUN:
                 exit_with(mistake)
             print(f"error: {mistake}", file=sys.stderr)
-            raise ReportedJobError(str(mistake), mistake.exit_code) from err
+            if os.environ.get("SUBMITIT_EXECUTOR"):  # a job of its own: its result says it
+                mistake.reported = True  # type: ignore[attr-defined]
+                raise mistake from None
+            FAILED_JOBS.append(mistake.exit_code)
+            return math.nan
         finally:
             finish_job()  # the job's claimed GPUs go back; the next job measures anew
 
@@ -157,12 +165,8 @@ _PARENT = os.getppid()  # at start: for a worker Lightning started, rank 0
 
 
 def _worker_fails(mistake: RunError) -> None:
-    """End a DDP worker on a mistake, leaving the one line (and the cleanup) to rank 0, which
-    meets the same mistake: a worker Lightning started waits for its parent, rank 0, to end and
-    says the mistake itself only if rank 0 has not ended by then (a mistake of this rank alone).
-    """
-    import time
-
+    """End a DDP worker on a mistake, leaving the line to rank 0, which meets the same mistake:
+    a worker Lightning started says it itself only if rank 0 has not ended within the wait."""
     if "LOCAL_RANK" in os.environ and not os.environ.get("TORCHELASTIC_RUN_ID"):
         deadline = time.monotonic() + WORKER_WAIT_S
         while os.getppid() == _PARENT and time.monotonic() < deadline:
@@ -171,36 +175,6 @@ def _worker_fails(mistake: RunError) -> None:
             raise SystemExit(mistake.exit_code)
     rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "?"))
     exit_with(mistake, f"rank {rank}: ")
-
-
-class ReportedJobError(RunError):
-    """A sweep job's mistake whose one line is printed already: the sweep ends with its code."""
-
-    def __init__(self, message: str, exit_code: int = 2) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-    def __reduce__(self) -> tuple[Any, ...]:  # launchers in other processes pickle job results
-        return (type(self), (str(self), self.exit_code))
-
-
-def _quiet_reported_failures() -> None:
-    """Keep Hydra from reporting again (``Error executing job ...``) a sweep job whose one line
-    is printed already; other failures (bugs) keep Hydra's report."""
-    from hydra.core.utils import JobReturn, JobStatus
-
-    hydras = JobReturn.__dict__.get("return_value")
-    if not isinstance(hydras, property) or getattr(hydras.fget, "quiet_when_reported", False):
-        return  # another Hydra, or done already
-
-    def return_value(self: Any) -> Any:
-        failure = compat.job_failure(self)  # the job's exception, without Hydra's report
-        if self.status == JobStatus.FAILED and isinstance(failure, ReportedJobError):
-            raise failure
-        return hydras.fget(self)
-
-    return_value.quiet_when_reported = True  # type: ignore[attr-defined]
-    JobReturn.return_value = property(return_value, hydras.fset)  # type: ignore[method-assign]
 
 
 def _sweep_to_show(argv: list[str]) -> list[tuple[list[str], list[str]]] | None:
@@ -233,12 +207,8 @@ def _sweep_to_show(argv: list[str]) -> list[tuple[list[str], list[str]]] | None:
 def user_mistake(
     err: BaseException, run_dir: str | None = None, config_dir: Path | None = None
 ) -> RunError | None:
-    """The user's mistake behind ``err`` as one :class:`RunError` line, or ``None`` for a bug.
-
-    Looks down the chain of causes for a RunError, damaged YAML, a file that fails (the
-    environment's failure inside ``run_dir``: :func:`~runkit.errors.file_failure`) or a config
-    file that is not UTF-8; else an error of Hydra or OmegaConf itself is folded into one line.
-    """
+    """The user's mistake behind ``err`` (down its causes: a RunError, damaged YAML, a failing
+    file, a config file not UTF-8, an error of Hydra or OmegaConf) as one line; ``None``: a bug."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
     from yaml import YAMLError
@@ -254,8 +224,6 @@ def user_mistake(
         if isinstance(cause, UnicodeDecodeError) and config_dir is not None:
             problem = undecodable_config(cause, sys.argv[1:], config_dir)
             return None if problem is None else RunError(problem)  # a data file: a bug's trace
-        if str(cause).startswith("Only one of --run, --multirun"):  # Hydra: --cfg with --info
-            return RunError(str(cause))
         cause = cause.__cause__
     if isinstance(err, HydraException | OmegaConfBaseException):
         return RunError(_unknown_key(err) or one_line(err))
@@ -274,7 +242,7 @@ def yaml_problem(err: BaseException) -> str:
 
 def undecodable_config(err: UnicodeDecodeError, argv: list[str], config_dir: Path) -> str | None:
     """``<file> is not UTF-8 text (byte 0xff at position 43); save it as UTF-8``, or ``None``
-    when no config file in use (Hydra's error names none) fails to decode."""
+    when no config file in use fails to decode."""
     bad = []
     for path in _config_files(argv, config_dir):
         with contextlib.suppress(OSError):  # unreadable is another problem, reported elsewhere
@@ -295,17 +263,14 @@ def conflicted_config(argv: list[str], config_dir: Path) -> str | None:
     """``configs/train.yaml:22 has merge-conflict markers ...``, or ``None``: ``copier update``
     and git leave them and exit 0, and such a file may even parse as YAML."""
     for path in _config_files(argv, config_dir):
-        try:
-            found = _CONFLICT_MARKER.search(path.read_bytes())
-        except OSError:  # unreadable is another problem, reported where it is read
-            continue
-        if found is not None:
-            line = found.string.count(b"\n", 0, found.start()) + 1
-            shown = os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd()) else path
-            return (
-                f"{shown}:{line} has merge-conflict markers (<<<<<<< ======= >>>>>>>, left by "
-                "copier update or git); keep the lines you want and delete the markers"
-            )
+        with contextlib.suppress(OSError):  # unreadable is another problem, reported elsewhere
+            if (found := _CONFLICT_MARKER.search(path.read_bytes())) is not None:
+                line = found.string.count(b"\n", 0, found.start()) + 1
+                shown = os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd()) else path
+                return (
+                    f"{shown}:{line} has merge-conflict markers (<<<<<<< ======= >>>>>>>, left by "
+                    "copier update or git); keep the lines you want and delete the markers"
+                )
     return None
 
 
@@ -349,8 +314,6 @@ MOVED_KEYS = {
 def _unknown_key(err: BaseException) -> str | None:
     """For ``trainer.devicez=2``: the key, the nearest real one, and ``+`` to add one on
     purpose; for a key of :data:`MOVED_KEYS`, the right key with the user's value."""
-    import difflib
-
     from omegaconf.errors import OmegaConfBaseException
 
     cause = err.__cause__

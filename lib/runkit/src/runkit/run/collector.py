@@ -1,5 +1,6 @@
-"""Python's cyclic garbage collector is off while the entry point imports torch and Lightning
-(~400k objects, next to no garbage, yet repeated full collections), then frozen and back on."""
+"""Python's cyclic garbage collector is held off while the entry point imports torch and
+Lightning (many objects, next to no garbage, yet repeated full collections), then frozen and
+turned back on."""
 
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
-"""How DDP processes find their run: one job per launched child, one directory per launch.
+"""How every process of a launch finds its run: one job per DDP child, one directory per launch.
 
-Lightning starts ranks > 0 by re-running ``sys.argv`` with ``hydra.run.dir`` appended; in a sweep
-that command holds ``-m`` and every value, so each child would re-run the whole sweep (Lightning
-#11300). :func:`job_scope` sets ``sys.argv`` and ``hydra.run.dir`` to exactly the current job for
-its length and collects its children afterwards (Lightning's own child command is kept).
-:func:`run_id` (``${run_id:<pattern>}``) names one directory for every process of a launch:
-``slurm-<job>.<step>``, ``torchrun-<rdzv id>``, else the timestamp; a multi-process launch without
-such an id must be given ``hydra.run.dir``. After a SLURM requeue or a torchrun restart,
-:func:`requeued_checkpoint` finds the newest checkpoint an earlier attempt of the same command
-left; a SLURM job is known by the start of its first attempt (:func:`slurm_first_start`, kept in
-the job's comment), since job ids are reused. Imports stay light: ``--help`` must stay instant.
+Lightning starts ranks > 0 by re-running ``sys.argv``, which in a sweep holds ``-m`` and every
+value (Lightning #11300): :func:`job_scope` narrows it to the current job. :func:`run_id` names
+one directory for all processes (SLURM job and step, torchrun id, else the time), and
+:func:`requeued_checkpoint` finds what an earlier attempt of a requeued or restarted launch saved.
+SLURM reuses job ids, so a job is known by its first attempt's start, kept in its comment.
 """
 
 from __future__ import annotations
@@ -33,20 +28,21 @@ from runkit.safety.signals import rank_zero, slurm_job_id
 
 log = logging.getLogger(__name__)
 
-LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 SWEEP_JOB_ENV = "RUNKIT_SWEEP_JOB"  # the sweep job's number, inherited by its DDP children
+SAVED_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", SWEEP_JOB_ENV)
 CHILD_GRACE_S = 60.0  # how long rank 0 waits at a job's end for its children to exit
 JOB_TOKEN_FILE = "slurm_job"  # in a SLURM job's run directory: <cluster>:<job id>:<first start>
 
+FAILED_JOBS: list[int] = []
+"""Exit codes of the sweep jobs that failed, their line printed: the sweep ends with the first.
+Hydra sees them complete with a NaN objective (a sweeper's failed trial): no second report."""
 _launchers: list[list[Any]] = []  # per running sweep job: the launchers whose children it collects
 
 
 @contextmanager
 def job_scope() -> Iterator[None]:
     """Run one Hydra job so that the DDP children started inside it run this job and no other.
-
-    Does nothing outside a sweep and where the ranks were started by someone else.
-    """
+    Does nothing outside a sweep and where the ranks were started by someone else."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -61,13 +57,12 @@ def job_scope() -> Iterator[None]:
     if hydra_cfg.mode != RunMode.MULTIRUN or launched_externally():
         if SWEEP_JOB_ENV in os.environ and "LOCAL_RANK" in os.environ:
             rank, num = os.environ["LOCAL_RANK"], os.environ[SWEEP_JOB_ENV]
-            log.info(
-                "Rank %s runs sweep job #%s: %s", rank, num, " ".join(hydra_cfg.overrides.task)
-            )
+            task = " ".join(hydra_cfg.overrides.task)
+            log.info("Rank %s runs sweep job #%s: %s", rank, num, task)
         yield
         return
     saved_argv, saved_run_dir = list(sys.argv), hydra_cfg.run.dir
-    saved_env = {key: os.environ.get(key) for key in (*LAUNCH_ENV, SWEEP_JOB_ENV)}
+    saved_env = {key: os.environ.get(key) for key in SAVED_ENV}
     task, hydra = hydra_cfg.overrides.task, hydra_cfg.overrides.hydra
     sys.argv = single_job_argv(sys.argv[0], task, hydra, sys.argv[1:])
     _set_run_dir(hydra_cfg, str(hydra_cfg.runtime.output_dir))
@@ -123,9 +118,9 @@ def track(trainer: Any) -> None:
 def launched_externally(environ: Mapping[str, str] | None = None) -> bool:
     """Whether the ranks were started by something else than Lightning in this process."""
     env = os.environ if environ is None else environ
-    if "LOCAL_RANK" in env or "TORCHELASTIC_RUN_ID" in env or "LSB_JOBID" in env:
-        return True
-    return _slurm_tasks(env) > 1
+    return any(k in env for k in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", "LSB_JOBID")) or (
+        _slurm_tasks(env) > 1
+    )
 
 
 def ranks_start_together(environ: Mapping[str, str] | None = None) -> bool:
@@ -145,12 +140,13 @@ def join_restarted_group(trainer: Any, environ: Mapping[str, str] | None = None)
     from datetime import timedelta
 
     import torch.distributed as dist
+    from lightning.pytorch.strategies import ParallelStrategy
 
-    from runkit import compat
-
-    backend = compat.process_group_backend(trainer.strategy)
-    if dist.is_initialized() or backend is None:
+    strategy = trainer.strategy
+    if dist.is_initialized() or not isinstance(strategy, ParallelStrategy):
         return
+    backend = getattr(strategy, "process_group_backend", None)  # the user's, else the device's
+    backend = backend or ("nccl" if strategy.root_device.type == "cuda" else "gloo")
     world = _int(env.get("WORLD_SIZE"))
     port, timeout = _int(env.get("MASTER_PORT")), timedelta(minutes=30)
     store = dist.TCPStore(env["MASTER_ADDR"], port, world, is_master=False, timeout=timeout)
@@ -187,11 +183,7 @@ def _finish_children(launchers: list[Any]) -> None:
         try:
             code = proc.wait(timeout=CHILD_GRACE_S)
         except subprocess.TimeoutExpired:
-            log.warning(
-                "DDP child %d did not exit %.0f s after its job; killing it",
-                proc.pid,
-                CHILD_GRACE_S,
-            )
+            log.warning("DDP child %d did not exit %.0f s after its job", proc.pid, CHILD_GRACE_S)
             proc.kill()
             code = proc.wait()
         if code != 0:
@@ -243,12 +235,11 @@ def requeued_checkpoint(
 ) -> Path | None:
     """After a SLURM requeue or a torchrun restart: the newest complete checkpoint an earlier
     run of this job with the same ``overrides`` (by default this run's) left beside ``run_dir``.
-
-    A torchrun launch whose earlier run finished is a rerun of a used ``--rdzv-id``: one line.
-    """
+    A torchrun launch whose earlier run finished is a rerun of a used ``--rdzv-id``: one line."""
     env = os.environ if environ is None else environ
     current = Path(run_dir).resolve()
-    token = _slurm_token(env)
+    start = slurm_first_start(env)
+    token = f"{env.get('SLURM_CLUSTER_NAME', '')}:{slurm_job_id(env)}:{start}" if start else None
     if token and rank_zero(env):
         (current / JOB_TOKEN_FILE).write_text(token + "\n", encoding="utf-8")
     earlier_runs = _earlier_runs(env)
@@ -269,10 +260,11 @@ def requeued_checkpoint(
     if not resuming:
         return None
     newest = max(found, key=lambda p: p.stat().st_mtime).resolve() if found else None
-    if rank_zero(env) and newest:
-        log.info("%s: resuming from %s", what, newest)
-    elif rank_zero(env):
-        log.info("%s; no checkpoint of this command to resume", what)
+    if rank_zero(env):
+        said = (
+            f": resuming from {newest}" if newest else "; no checkpoint of this command to resume"
+        )
+        log.info("%s%s", what, said)
     return newest
 
 
@@ -311,8 +303,7 @@ def _earlier_checkpoints(
 def _earlier_runs(env: Mapping[str, str]) -> tuple[str, re.Pattern[str]] | None:
     """For a SLURM job or a restarted torchrun group: what happened, in words, and the pattern
     of its earlier attempts' run directories (:func:`run_id`)."""
-    job = slurm_job_id(env)
-    if job:
+    if job := slurm_job_id(env):
         pattern = rf"(^|_)slurm-{re.escape(job)}(\.\d+)?(-requeue\d+)?$"
         return f"SLURM job {job} was requeued", re.compile(pattern)
     elastic = env.get("TORCHELASTIC_RUN_ID", "")
@@ -338,8 +329,8 @@ def _overrides(run_dir: Path) -> list[str] | None:
     import yaml
 
     try:
-        data = yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text(encoding="utf-8"))
-    except (OSError, ValueError, yaml.YAMLError):
+        data = yaml.safe_load(_read(run_dir / ".hydra" / "overrides.yaml") or "")
+    except yaml.YAMLError:
         return None
     return [str(o) for o in data] if isinstance(data, list) else None
 
@@ -348,11 +339,9 @@ _first_starts: dict[str, str | None] = {}
 
 
 def slurm_first_start(environ: Mapping[str, str] | None = None) -> str | None:
-    """When this SLURM job's first attempt started: the same in every task and requeued attempt.
-
-    SLURM keeps no such time across a requeue, so the first attempt's rank 0 writes it into the
-    job's comment (``runkit-start=...``). ``None`` where ``squeue`` cannot say.
-    """
+    """When this SLURM job's first attempt started, the same in every task and requeued attempt:
+    the first attempt's rank 0 keeps it in the job's comment (``runkit-start=...``), since SLURM
+    keeps no such time across a requeue. ``None`` where ``squeue`` cannot say."""
     env = os.environ if environ is None else environ
     job = slurm_job_id(env)
     if job is None:
@@ -375,11 +364,6 @@ def slurm_first_start(environ: Mapping[str, str] | None = None) -> str | None:
                 comment = f"comment={comment} runkit-start={start}".replace("= ", "=")
                 subprocess.run(["scontrol", "update", f"job={job}", comment], timeout=60)
     return _first_starts[job]
-
-
-def _slurm_token(env: Mapping[str, str]) -> str | None:
-    start = slurm_first_start(env)
-    return f"{env.get('SLURM_CLUSTER_NAME', '')}:{slurm_job_id(env)}:{start}" if start else None
 
 
 def _read(path: Path) -> str | None:

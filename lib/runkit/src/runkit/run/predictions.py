@@ -1,11 +1,8 @@
 """What ``predict`` runs on which loader, and its files: predictions in dataset order.
 
-``predictions.pt`` (``torch.load(path, weights_only=True)``) holds ``"predictions"`` (every item's,
-concatenated along the first dimension: a tensor, or the dict/list/tuple ``predict_step`` returns)
-and ``"index"`` (each row's dataset index). ``predictions.csv`` beside it holds ``index,prediction``
-(one value per item) or ``index,class`` (the argmax of ``N x C`` scores). Several predict loaders
-write ``predictions_<i>.*``. Under DDP the rows are put back in dataset order, each item once, by
-the indices Lightning records, and rank 0 writes the files.
+``predictions.pt`` holds ``"predictions"`` (every item's, along the first dimension) and
+``"index"`` (each row's dataset index); ``predictions.csv`` holds ``index,prediction`` or
+``index,class`` (the argmax of ``N x C`` scores). Under DDP rank 0 gathers and writes.
 """
 
 from __future__ import annotations
@@ -16,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
@@ -27,8 +25,6 @@ from runkit.errors import RunError
 from runkit.safety.checkpoints import atomic_write
 
 log = logging.getLogger(__name__)
-
-PREDICTIONS_FILE = "predictions.pt"
 
 
 def prepare_predict(model: LightningModule, datamodule: LightningDataModule) -> str:
@@ -104,7 +100,7 @@ class PredictionWriter(BasePredictionWriter):
 def _gather_to_rank_zero(share: Any, world_size: int) -> list[Any]:
     if world_size < 2 or not torch.distributed.is_initialized():
         return [share]
-    gathered: list[Any] | None = [None] * world_size if torch.distributed.get_rank() == 0 else None
+    gathered = [None] * world_size if torch.distributed.get_rank() == 0 else None
     torch.distributed.gather_object(share, gathered, dst=0)
     return gathered or []
 
@@ -128,17 +124,9 @@ def _in_dataset_order(shares: list[tuple[list[Any], list[list[int]]]]) -> tuple[
     else:  # a loader Lightning cannot index (an IterableDataset): the order it gave
         log.info("The predict loader has no sampler to index: the rows are in the order it gave")
         flat = torch.arange(counted)
-    index, first = _first_of_each(flat)
-    return _take(rows, first), index
-
-
-def _first_of_each(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sorted distinct indices and the position of each one's first row (padding repeats)."""
-    order = torch.sort(flat, stable=True).indices
-    ordered = flat[order]
-    keep = torch.ones_like(ordered, dtype=torch.bool)
-    keep[1:] = ordered[1:] != ordered[:-1]
-    return ordered[keep], order[keep]
+    index, first = np.unique(flat.numpy(), return_index=True)  # each index once (padding)
+    first_rows = torch.from_numpy(first)
+    return apply_to_collection(rows, torch.Tensor, lambda t: t[first_rows]), torch.from_numpy(index)
 
 
 def _concat(batches: list[Any]) -> Any:
@@ -155,26 +143,15 @@ def _concat(batches: list[Any]) -> Any:
     )
 
 
-def _tensors(rows: Any) -> list[torch.Tensor]:
-    if isinstance(rows, torch.Tensor):
-        return [rows]
-    return [
-        t for part in (rows.values() if isinstance(rows, Mapping) else rows) for t in _tensors(part)
-    ]
-
-
 def _rows(rows: Any) -> int:
-    counts = {len(t) for t in _tensors(rows)}
+    counts: set[int] = set()
+    apply_to_collection(rows, torch.Tensor, lambda t: counts.add(len(t)))
     if len(counts) != 1:
         raise RunError(
             f"predict_step returned parts with different numbers of rows ({sorted(counts)}): "
             "each must have the batch as its first dimension"
         )
     return counts.pop()
-
-
-def _take(rows: Any, positions: torch.Tensor) -> Any:
-    return apply_to_collection(rows, torch.Tensor, lambda t: t[positions])
 
 
 def _write(rows: Any, index: torch.Tensor, out: Path, stem: str) -> list[Path]:

@@ -2,26 +2,29 @@
 
 Hydra makes the run directory before it calls the task; :class:`PreflightCallback` runs earlier
 and turns each mistake into one :class:`~runkit.errors.RunError` line naming the bad value and
-what is accepted. It then checks the files the run reads and claims the run directory
-atomically; a run that fails later, before writing anything of its own, is removed again by
-:func:`discard_unused`.
+what is accepted. A ``_target_`` node's values are merged into a typed OmegaConf schema made
+from the target's signature. The checkpoint read is checked, and the run directory claimed
+atomically; a run that fails before writing anything is removed by :func:`discard_unused`.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import math
 import os
+import shutil
 import sys
-import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
+from types import UnionType
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import ValidationError
 
 from runkit.errors import RunError, exit_with, file_failure
 from runkit.run.collector import resume_collector
@@ -30,7 +33,6 @@ HYDRA_KEYS = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
 # Files only a finished or started run writes (DDP workers > 0 write none of them).
 RUN_MARKERS = ("checkpoints", "metrics.json", "model.pth", "csv", "tensorboard")
 MAX_SEED = 2**32 - 1  # lightning.seed_everything (NumPy) accepts 0 ... 2**32 - 1
-REQUIRED_HINTS = {"ckpt_path": "a .ckpt file, a model.pth or a run directory"}
 _UNKNOWN = object()  # a value that cannot be resolved yet (${hydra:...} before Hydra sets it)
 
 
@@ -48,7 +50,13 @@ class PreflightCallback(Callback):
     def _check(config: DictConfig, dir_key: str) -> None:
         try:
             check_config(config)
-            check_inputs(config)
+            trains = "train" in config  # eval's config has no `train` key: it reads any weights
+            check_inputs(
+                _value(config, "ckpt_path"),
+                _value(config.get("paths"), "log_dir"),
+                resumes=trains and bool(config.get("train")),
+                task=str(config.get("task_name") or "train") if trains else "train",
+            )
             resume_collector(freeze=True)  # check_config imported every _target_: the heavy part
             if dir_key == "hydra.sweep.dir" and _resumable_sweep(config):
                 from runkit.run.sweep import check_n_jobs
@@ -61,29 +69,32 @@ class PreflightCallback(Callback):
 
 def check_config(cfg: DictConfig) -> None:
     """Raise :class:`RunError` for the first mistake found in ``cfg`` (reads no file)."""
-    for path, node, key in _leaves(cfg):
-        if OmegaConf.is_missing(node, key):
-            raise RunError(
-                f"{path} is required; add {path}=<{REQUIRED_HINTS.get(path, 'a value')}> "
-                "to the command line"
+    plain = OmegaConf.to_container(cfg, resolve=False)  # interpolations stay "${...}" strings
+    assert isinstance(plain, dict)
+    leaves = list(_walk({k: v for k, v in plain.items() if k != "hydra"}))
+    for path, value in leaves:
+        if value == "???":
+            hint = (
+                "a .ckpt file, a model.pth or a run directory" if path == "ckpt_path" else "a value"
             )
+            raise RunError(f"{path} is required; add {path}=<{hint}> to the command line")
     seed = _value(cfg, "seed")  # before the nodes that interpolate it
-    if "seed" in cfg and seed is not _UNKNOWN and not _is_int(seed, 0, MAX_SEED):
+    if (
+        "seed" in cfg
+        and seed is not _UNKNOWN
+        and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED)
+    ):
         raise RunError(f"seed={seed!r} is invalid; expected an integer from 0 to {MAX_SEED}")
-    for path, node, key in _leaves(cfg):
-        value = _value(node, key)
+    for path, value in leaves:
         if isinstance(value, float) and not math.isfinite(value):
             raise RunError(f"{path}={value} is not a finite number; expected a finite value")
-    paths = cfg.get("paths")
-    for key in paths if isinstance(paths, DictConfig) else []:
-        if isinstance(value := _value(paths, key), str) and not value.strip():
-            raise RunError(f"paths.{key} is empty; expected a directory")
-    nodes = [(p, cfg[p]) for p in ("trainer", "data", "model") if cfg.get(p) is not None]
-    for group in ("callbacks", "logger"):
-        nodes += [(f"{group}.{n}", v) for n, v in (cfg.get(group) or {}).items()]
-    for path, node in nodes:
-        if isinstance(node, DictConfig):
-            check_targets(node, path)
+        if path.startswith("paths.") and isinstance(value, str) and not value.strip():
+            raise RunError(f"{path} is empty; expected a directory")
+    for group in ("trainer", "data", "model", "callbacks", "logger"):
+        nodes = cfg.get(group) if group in ("callbacks", "logger") else {group: cfg.get(group)}
+        for name, node in (nodes or {}).items():
+            if isinstance(node, DictConfig):
+                check_targets(node, name if name == group else f"{group}.{name}")
     trainer = cfg.get("trainer") or {}
     for key, minimum in (("max_epochs", 1), ("min_epochs", 0)):
         value = _value(trainer, key)
@@ -105,6 +116,17 @@ def check_config(cfg: DictConfig) -> None:
     check_devices(cfg)
 
 
+def _walk(data: Any, prefix: str = "") -> Any:
+    """Every leaf of plain config data as ``(dotted path, value)``."""
+    listed = isinstance(data, list)
+    for key, value in enumerate(data) if listed else data.items():
+        path = f"{prefix}[{key}]" if listed else f"{prefix}{'.' if prefix else ''}{key}"
+        if isinstance(value, dict | list):
+            yield from _walk(value, path)
+        else:
+            yield path, value
+
+
 def check_devices(cfg: DictConfig) -> None:
     """GPUs asked for must exist, and the ``gpu_*`` keys be valid; changes nothing (the run
     resolves, waits and claims where it starts: :func:`~runkit.gpus.resolve.resolve_for_run`)."""
@@ -124,7 +146,7 @@ def check_devices(cfg: DictConfig) -> None:
 
 
 def check_targets(node: DictConfig, path: str) -> None:
-    """Check the keys and simple value types of ``node`` (and nested nodes) against ``_target_``."""
+    """Check the keys and value types of ``node`` (and nested nodes) against ``_target_``."""
     for key in node:
         if OmegaConf.is_interpolation(node, key) or OmegaConf.is_missing(node, key):
             continue
@@ -140,11 +162,11 @@ def check_targets(node: DictConfig, path: str) -> None:
         params = inspect.signature(target).parameters
     except (TypeError, ValueError):  # builtins without a signature: nothing to check
         return
-    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    unknown = [] if accepts_any else [k for k in node if k not in HYDRA_KEYS and k not in params]
-    if unknown:
+    keys = [str(k) for k in node if k not in HYDRA_KEYS]
+    unknown = [k for k in keys if k not in params]
+    if unknown and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         names = [name for name in params if name not in ("self", "args", "kwargs")]
-        close = difflib.get_close_matches(str(unknown[0]), names, n=1)
+        close = difflib.get_close_matches(unknown[0], names, n=1)
         one = len(unknown) == 1
         raise RunError(
             f"{', '.join(f'{path}.{k}' for k in unknown)} "
@@ -154,51 +176,88 @@ def check_targets(node: DictConfig, path: str) -> None:
             + f"; remove {'it' if one else 'them'} with "
             + " ".join(f"~{path}.{k}" for k in unknown)
         )
-    try:
-        hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
-    except Exception:  # unresolvable forward references: no type checks for this target
-        hints = {}
-    for key in node:
-        value, expected = _value(node, key), hints.get(key)
-        if key in HYDRA_KEYS or expected is None or value is _UNKNOWN:
-            continue
-        if _accepts(expected, value) is False:
-            name = str(expected).replace("typing.", "")
-            if typing.get_origin(expected) is None:
-                name = getattr(expected, "__name__", name)
-            raise RunError(f"{path}.{key}={value!r} has the wrong type; expected {name}")
+    _check_types(node, path, target, keys)
     if node.get("_partial_") is True:
         _try_partial(node, path, target)
 
 
+def _check_types(node: DictConfig, path: str, target: Any, keys: list[str]) -> None:
+    """Merge the values into a schema of the target's annotations that OmegaConf can type
+    (int, float, bool, str, Optional[...]; the rest are Any): a value OmegaConf refuses, or
+    would convert (``"3"`` for an int, ``3`` for a str; an int for a float is fine), is the wrong
+    type. Interpolations wait for the run."""
+    values = OmegaConf.to_container(node, resolve=False)
+    assert isinstance(values, dict)
+    try:
+        merged = OmegaConf.merge(_schema(target, tuple(keys)), {k: values[k] for k in keys})
+        kept = OmegaConf.to_container(merged, resolve=False)
+        assert isinstance(kept, dict)
+        wrong = [k for k in keys if _converted(values[k], kept[k])]
+    except ValidationError as err:
+        wrong = [str(err.full_key).split(".")[0]]
+    if wrong:
+        expected = _hints(target)[wrong[0]]
+        name = str(expected).replace("typing.", "")
+        if typing.get_origin(expected) is None:
+            name = getattr(expected, "__name__", name)
+        raise RunError(
+            f"{path}.{wrong[0]}={_value(node, wrong[0])!r} has the wrong type; expected {name}"
+        )
+
+
+def _converted(given: Any, kept: Any) -> bool:
+    widened = isinstance(given, int) and not isinstance(given, bool) and isinstance(kept, float)
+    return type(given) is not type(kept) and not widened
+
+
+@functools.cache
+def _hints(target: Any) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
+    except Exception:  # unresolvable forward references: no type checks for this target
+        return {}
+
+
+@functools.cache
+def _schema(target: Any, keys: tuple[str, ...]) -> Any:
+    fields = [(k, _typed(_hints(target).get(k, Any)), field(default=MISSING)) for k in keys]
+    return OmegaConf.structured(make_dataclass("Schema", fields))
+
+
+def _typed(hint: Any) -> Any:
+    """``hint`` when it is a plain scalar type (or Optional of one), else ``Any``."""
+    union = typing.get_origin(hint) in (typing.Union, UnionType)
+    args = list(typing.get_args(hint)) if union else [hint]
+    scalar = [arg for arg in args if arg is not type(None)]
+    if len(scalar) != 1 or scalar[0] not in (int, float, bool, str):
+        return Any
+    return typing.Optional[scalar[0]] if len(args) > 1 else scalar[0]  # noqa: UP045
+
+
 def check_strategy(strategy: Any) -> None:
     """A strategy given by name must be one Lightning (or this library) registers."""
-    if not isinstance(strategy, str) or strategy == "auto":
-        return
     from lightning.pytorch.strategies import StrategyRegistry
 
     import runkit.strategies  # noqa: F401  (registers "dp")
 
-    known = set(StrategyRegistry.available_strategies()) | {"auto"}
-    if strategy not in known:
-        shown = sorted(name for name in known if "find_unused" not in name)
-        raise RunError(
-            f"trainer.strategy={strategy!r} does not exist; choose one of: {', '.join(shown)}"
-        )
+    known = {*StrategyRegistry.available_strategies(), "auto"}
+    if isinstance(strategy, str) and strategy not in known:
+        shown = ", ".join(sorted(name for name in known if "find_unused" not in name))
+        raise RunError(f"trainer.strategy={strategy!r} does not exist; choose one of: {shown}")
 
 
 def check_accelerator(accelerator: Any) -> None:
     """An accelerator given by name must exist and be usable here (GPUs: :func:`check_devices`)."""
-    if not isinstance(accelerator, str) or accelerator.lower() in ("auto", "gpu", "cuda"):
-        return
     from lightning.pytorch.accelerators import AcceleratorRegistry
 
+    if not isinstance(accelerator, str) or accelerator.lower() in ("auto", "gpu", "cuda"):
+        return
     known = sorted(AcceleratorRegistry.available_accelerators())
     usable = [n for n in known if AcceleratorRegistry[n]["accelerator"].is_available()]
     if accelerator.lower() not in known:
         raise RunError(
             f"trainer.accelerator={accelerator!r} does not exist; choose one of: auto, gpu, "
-            f"{', '.join(known)}"
+            + ", ".join(known)
         )
     if accelerator.lower() not in usable:
         raise RunError(
@@ -214,16 +273,10 @@ def _try_partial(node: DictConfig, path: str, target: Any) -> None:
     from hydra.utils import instantiate
     from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-    def params() -> list[torch.nn.Parameter]:
-        return [torch.nn.Parameter(torch.zeros(1))]
-
-    if not inspect.isclass(target):
-        return
-    if issubclass(target, torch.optim.Optimizer):
-        call: Any = lambda f: f(params=params())  # noqa: E731
-    elif issubclass(target, LRScheduler | ReduceLROnPlateau):
-        call = lambda f: f(optimizer=torch.optim.SGD(params(), lr=0.1))  # noqa: E731
-    else:
+    optimizer = inspect.isclass(target) and issubclass(target, torch.optim.Optimizer)
+    if not optimizer and not (
+        inspect.isclass(target) and issubclass(target, LRScheduler | ReduceLROnPlateau)
+    ):
         return
     try:
         values = OmegaConf.to_container(node, resolve=True)
@@ -232,98 +285,65 @@ def _try_partial(node: DictConfig, path: str, target: Any) -> None:
     assert isinstance(values, dict)
 
     def failure(drop: str | None = None) -> Exception | None:
+        params = [torch.nn.Parameter(torch.zeros(1))]
         try:
-            call(instantiate({k: v for k, v in values.items() if k != drop}))
+            factory = instantiate({k: v for k, v in values.items() if k != drop})
+            factory(params) if optimizer else factory(torch.optim.SGD(params, lr=0.1))
         except Exception as err:
             return err
         return None
 
-    error = failure()
-    if error is None:
+    if (error := failure()) is None:
         return
-    reason = " ".join(str(error).split()) or type(error).__name__
-    target = values["_target_"]
+    reason, name = " ".join(str(error).split()) or type(error).__name__, values["_target_"]
     for key in values:
         if key not in HYDRA_KEYS and failure(drop=key) is None:
             raise RunError(
-                f"{path}.{key}={values[key]!r} is invalid: {target} refuses it ({reason})"
+                f"{path}.{key}={values[key]!r} is invalid: {name} refuses it ({reason})"
             ) from error
-    raise RunError(f"{path} is invalid: {target} refuses its values ({reason})") from error
+    raise RunError(f"{path} is invalid: {name} refuses its values ({reason})") from error
 
 
-def _leaves(node: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
-    """Every leaf as ``(dotted path, parent, key)``, Hydra's node left out, nothing resolved."""
-    found: list[tuple[str, Any, Any]] = []
-    listed = isinstance(node, ListConfig)
-    for key in range(len(node)) if listed else list(node):
-        if prefix or key != "hydra":
-            path = f"{prefix}[{key}]" if listed else f"{prefix}{'.' if prefix else ''}{key}"
-            opaque = OmegaConf.is_missing(node, key) or OmegaConf.is_interpolation(node, key)
-            child = None if opaque else node[key]
-            if isinstance(child, DictConfig | ListConfig):
-                found += _leaves(child, path)
-            else:
-                found.append((path, node, key))
-    return found
+def check_inputs(value: Any, log_dir: Any, resumes: bool, task: str = "train") -> None:
+    """The checkpoint ``ckpt_path=value`` must be there, readable without running code, and,
+    when training ``resumes`` from it, a Lightning checkpoint with an intact log."""
+    import pickle
 
-
-def check_inputs(cfg: DictConfig) -> None:
-    """The checkpoint in ``ckpt_path`` must be there and readable, and one a resumed training
-    can start from (kept apart from :func:`check_config`, which reads no file)."""
-    value = _value(cfg, "ckpt_path")
-    if value in (None, "", _UNKNOWN) or OmegaConf.is_missing(cfg, "ckpt_path"):
-        return
+    from runkit import plots
     from runkit.safety import checkpoints
+    from runkit.safety.resume import run_dir_of
 
-    trains = "train" in cfg  # a training config; eval's has no `train` key and reads any weights
-    task = str(cfg.get("task_name") or "train") if trains else "train"
-    log_dir = _value(cfg.get("paths"), "log_dir")
-    if value == "last" and not isinstance(log_dir, str):
+    if value in (None, "", _UNKNOWN) or (value == "last" and not isinstance(log_dir, str)):
         return
     path = checkpoints.resolve_ckpt_path(str(value), str(log_dir), task)
     assert path is not None
-    data = _peek_checkpoint(path, value)
-    if not (trains and cfg.get("train")):
+    typed = checkpoints.typed_as(path, str(value))
+    try:
+        data = checkpoints.load_file(path, mmap=True)  # weights_only: code never runs
+    except RunError as err:
+        if not isinstance(err.__cause__, pickle.UnpicklingError):
+            raise
+        lines = [line.strip() for line in str(err.__cause__).splitlines() if "GLOBAL" in line]
+        raise RunError(
+            f"{typed} was refused: it holds objects that loading with weights_only does not "
+            f"allow{f' ({lines[0]})' if lines else ''}; it is not loaded"
+        ) from err
+    if not resumes:
         return
-    from runkit.run.rebuild import is_lightning_checkpoint
-
-    if not is_lightning_checkpoint(data):
+    if not ("pytorch-lightning_version" in data and isinstance(data.get("state_dict"), dict)):
         spec = getattr(sys.modules.get("__main__"), "__spec__", None)
         package = (getattr(spec, "name", None) or "").rpartition(".")[0]
         raise RunError(
-            f"{checkpoints.typed_as(path, str(value))} holds only weights (a model.pth or a bare "
-            "state_dict), so training cannot resume from it; pass a Lightning checkpoint (a .ckpt "
-            "file or a run directory), or evaluate it with "
-            + (f"python -m {package}.eval" if package else "eval")
+            f"{typed} holds only weights (a model.pth or a bare state_dict), so training cannot "
+            "resume from it; pass a Lightning checkpoint (a .ckpt file or a run directory), or "
+            "evaluate it with " + (f"python -m {package}.eval" if package else "eval")
         )
-    from runkit import plots
-    from runkit.safety.resume import run_dir_of
-
     log = run_dir_of(path) / plots.METRICS_CSV  # the earlier run's log, which the run carries on
     if log.exists() or log.is_symlink():
         try:
             plots.read_csv_log(log)
         except plots.PlotError as err:
             raise RunError(f"{err}; resume from a run whose log is intact") from err
-
-
-def _peek_checkpoint(path: Path, value: Any) -> dict[str, Any]:
-    """Load ``path`` as ``weights_only`` and memory-mapped: a file that would run code when
-    unpickled is refused without running it."""
-    import pickle
-
-    from runkit.safety.checkpoints import load_file, typed_as
-
-    try:
-        return load_file(path, mmap=True)
-    except RunError as err:
-        if not isinstance(err.__cause__, pickle.UnpicklingError):
-            raise
-        lines = [line.strip() for line in str(err.__cause__).splitlines() if "GLOBAL" in line]
-        raise RunError(
-            f"{typed_as(path, str(value))} was refused: it holds objects that loading with "
-            f"weights_only does not allow{f' ({lines[0]})' if lines else ''}; it is not loaded"
-        ) from err
 
 
 @dataclass
@@ -344,34 +364,33 @@ def claim_run_dir(cfg: DictConfig, key: str) -> None:
     global _claimed
     from runkit.run.launch import launched_externally, ranks_start_together
 
-    # torchrun and SLURM ranks start together and each checks: one line on every node
-    if is_worker_process() and not ranks_start_together():
+    # torchrun and SLURM ranks start together and each checks: one line on every node;
+    # a requeued SLURM job resumes in its own directory (runkit.run.launch.run_id)
+    if (is_worker_process() and not ranks_start_together()) or os.environ.get(
+        "SLURM_RESTART_COUNT", "0"
+    ) not in ("", "0"):
         return
-    if os.environ.get("SLURM_RESTART_COUNT", "0") not in ("", "0"):
-        return  # a requeued SLURM job resumes in its own directory (runkit.run.launch.run_id)
     try:
         directory = Path(os.path.abspath(str(OmegaConf.select(cfg, key))))  # as Hydra makes it
     except Exception:  # an unresolvable path fails later with Hydra's own message
         return
     if found := [name for name in RUN_MARKERS if (directory / name).exists()]:
         elastic = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        fix = (
+            "a new directory" if elastic == "none" else f"torchrun a new --rdzv-id (not {elastic})"
+        )
         raise RunError(
             f"{key}={str(directory)!r} already holds a run ({', '.join(found)}); "
-            + (
-                "pick a new directory"
-                if elastic == "none"
-                else f"give torchrun a new --rdzv-id (not {elastic})"
-            )
-            + " (resuming with ckpt_path=... starts a new run directory by itself)"
+            f"{'pick' if elastic == 'none' else 'give'} {fix} "
+            "(resuming with ckpt_path=... starts a new run directory by itself)"
         )
     sweep = key == "hydra.sweep.dir"
     if launched_externally() or (
         sweep and _resumable_sweep(cfg) and (directory / "multirun.yaml").is_file()
     ):
         return  # torchrun / SLURM (run_id names the launch); a parallel sweep resumed there
-    marker = (
-        "multirun.yaml" if sweep else str(OmegaConf.select(cfg, "hydra.output_subdir") or ".hydra")
-    )
+    marker = "multirun.yaml" if sweep else str(OmegaConf.select(cfg, "hydra.output_subdir"))
+    marker = marker if marker != "None" else ".hydra"
     first_new = next((p for p in reversed([directory, *directory.parents]) if not p.exists()), None)
     had_files = directory.is_dir() and any(directory.iterdir())
     try:
@@ -397,9 +416,6 @@ def _resumable_sweep(cfg: DictConfig) -> bool:
     return str(target).endswith(".RunkitParallelLauncher")
 
 
-_HYDRA_FILES = {"config.yaml", "hydra.yaml", "overrides.yaml"}
-
-
 def discard_unused(run_dir: Path) -> bool:
     """Remove ``run_dir`` (and the parents its claim created) if it holds only Hydra's files,
     ``config.yaml``, logs and empty folders; returns whether it was removed."""
@@ -411,23 +427,16 @@ def discard_unused(run_dir: Path) -> bool:
 
     def removable(entry: Path) -> bool:
         if entry.is_dir() and not entry.is_symlink():
-            allowed = _HYDRA_FILES if entry == subdir else set()
+            allowed = {"config.yaml", "hydra.yaml", "overrides.yaml"} if entry == subdir else ()
             return all(f.name in allowed and f.is_file() for f in entry.iterdir())
         return entry.is_file() and (entry.suffix == ".log" or entry.name == "config.yaml")
 
     if not all(removable(entry) for entry in run_dir.iterdir()):
         return False
-    for entry in run_dir.iterdir():
-        if entry.is_dir():
-            for file in entry.iterdir():
-                file.unlink()
-            entry.rmdir()
-        else:
-            entry.unlink()
-    run_dir.rmdir()
+    shutil.rmtree(run_dir)
     first_new = claim.first_new if claim is not None else None
     for directory in run_dir.parents if first_new is not None else []:
-        if first_new not in (directory, *directory.parents):
+        if not directory.is_relative_to(first_new):
             break
         try:
             directory.rmdir()
@@ -445,21 +454,13 @@ def is_worker_process() -> bool:
 def _value(node: Any, key: Any) -> Any:
     """The resolved value at ``key`` (containers as plain data), ``None`` when absent,
     ``_UNKNOWN`` when it cannot be resolved yet."""
-    if not isinstance(node, DictConfig | ListConfig) or (
-        isinstance(node, DictConfig) and key not in node
-    ):
+    if not isinstance(node, DictConfig) or key not in node:
         return None
     try:
         value = node[key]
     except Exception:  # e.g. ${hydra:runtime.output_dir} before Hydra has set it
         return _UNKNOWN
-    if isinstance(value, DictConfig | ListConfig):
-        return OmegaConf.to_container(value, resolve=False)
-    return value
-
-
-def _is_int(value: Any, low: int, high: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+    return OmegaConf.to_container(value) if isinstance(value, DictConfig | ListConfig) else value
 
 
 def _locate(target: str, path: str) -> Any:
@@ -472,23 +473,3 @@ def _locate(target: str, path: str) -> Any:
             f"{path}._target_={target!r} cannot be imported; expected a dotted path to a class "
             "or function, e.g. torch.nn.Linear"
         ) from err
-
-
-def _accepts(expected: Any, value: Any) -> bool | None:
-    """Whether ``value`` fits the annotation ``expected``; ``None`` when we cannot tell."""
-    origin = typing.get_origin(expected)
-    if origin in (typing.Union, types.UnionType):
-        verdicts = [_accepts(arg, value) for arg in typing.get_args(expected)]
-        if True in verdicts:
-            return True
-        return False if all(v is False for v in verdicts) else None
-    if origin is typing.Literal:
-        return value in typing.get_args(expected)
-    if expected is type(None):
-        return value is None
-    if expected in (bool, str):
-        return isinstance(value, expected)
-    if expected in (int, float):
-        number = (int, float) if expected is float else int
-        return isinstance(value, number) and not isinstance(value, bool)
-    return None

@@ -22,8 +22,8 @@ class RichProgressBar(LightningRichProgressBar):
     def __init__(self, refresh_rate: int = 100, leave: bool = False, **kwargs: Any) -> None:
         super().__init__(refresh_rate, leave, **kwargs)
         self.leave = leave  # each epoch's bar kept: Lightning stops the display at each epoch
-        self._next_batch_read = 0.0  # time.monotonic() from which a batch reads the values again
-        self._batch_read_due = True  # False only inside a training batch's end that skips it
+        self._next_read = 0.0  # time.monotonic() from which a batch reads the values again
+        self._read = True  # False only inside a training batch's end that skips the read
         self._shown: dict[str, Any] | None = None
         compat.skip_unused_batch_hooks(self)
 
@@ -31,40 +31,39 @@ class RichProgressBar(LightningRichProgressBar):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         now = time.monotonic()
-        self._batch_read_due = now >= self._next_batch_read
-        # the epoch's first and last batches always set the count: the rate's two ends
+        self._read = now >= self._next_read
         ends = batch_idx == 0 or batch_idx + 1 == trainer.num_training_batches
-        if not (self._batch_read_due or ends) and self.train_progress_bar_id is not None:
-            # Nothing to redraw before the interval has passed: the count is set (absolutely)
-            # at the next due batch and always at the epoch's first and last ones.
-            self._batch_read_due = True
+        if not (self._read or ends) and self.train_progress_bar_id is not None:
+            self._read = True  # nothing to redraw: the next due batch or the last sets the count
             return
-        if self._batch_read_due and self.refresh_rate > 0:
-            self._next_batch_read = now + 1.0 / self.refresh_rate
+        if self._read and self.refresh_rate > 0:
+            self._next_read = now + 1.0 / self.refresh_rate
         try:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         finally:
-            self._batch_read_due = True
+            self._read = True
 
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
-        if self._batch_read_due or self._shown is None:  # else the values shown last
+        if self._read or self._shown is None:  # else the values shown last
             self._shown = super().get_metrics(trainer, pl_module)
         return self._shown
 
     # Where Lightning stops the display (and joins its refresh thread): the thread let go first.
-    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.train_progress_bar_id is not None and self.leave and self.progress is not None:
+    def _let_go(self) -> None:
+        if self.progress is not None:
             compat.detach_refresh_thread(self.progress)
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.train_progress_bar_id is not None and self.leave:
+            self._let_go()
         super().on_train_epoch_start(trainer, pl_module)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if self.progress is not None:
-            compat.detach_refresh_thread(self.progress)
+        self._let_go()
         super().teardown(trainer, pl_module, stage)
 
     def on_exception(
         self, trainer: Trainer, pl_module: LightningModule, err: BaseException
     ) -> None:
-        if self.progress is not None:
-            compat.detach_refresh_thread(self.progress)
+        self._let_go()
         super().on_exception(trainer, pl_module, err)

@@ -19,13 +19,11 @@ from runkit.safety import checkpoints
 
 log = logging.getLogger(__name__)
 
-_TRAINING_CALLBACKS_WARNING = r"Be aware that when using `ckpt_path`, callbacks used to create"
-
 
 def load_trained(cfg: DictConfig) -> tuple[Path, Any, Path | None, Any]:
     """For eval and predict: ``(source, model, ckpt_path, datamodule)``, the weights at
-    ``cfg.ckpt_path`` (a run directory stands for the model.pth it tested) and the run's model
-    and data rebuilt from its own config, seeded with ``cfg.seed`` (``ckpt_path``: what Lightning
+    ``cfg.ckpt_path`` (a run directory stands for the model.pth it tested), the run's model and
+    data rebuilt from its own config, seeded with ``cfg.seed`` (``ckpt_path``: what Lightning
     loads, :func:`trained_model`)."""
     import lightning.pytorch as pl
     from hydra.utils import instantiate
@@ -44,7 +42,6 @@ def load_trained(cfg: DictConfig) -> tuple[Path, Any, Path | None, Any]:
 def trained_config(cfg: DictConfig, source: Path, data: dict[str, Any]) -> dict[str, Any]:
     """The ``model`` and ``data`` config of the run behind ``source``, with this command's
     ``data.*`` overrides; this command's own when no config is inside or beside the file."""
-    overrides = _task_overrides()
     try:
         parts = checkpoints.run_config(source, data, cfg.trusted_targets, ("model", "data"))
     except checkpoints.NoRunConfig:
@@ -54,14 +51,25 @@ def trained_config(cfg: DictConfig, source: Path, data: dict[str, Any]) -> dict[
             source,
         )
         return {key: OmegaConf.to_container(cfg[key], resolve=True) for key in ("model", "data")}
-    for override in overrides:
+    node = OmegaConf.create(parts["data"])
+    for override in _task_overrides():
         key = override.key_or_group
         if key == "model" or key.startswith("model."):
             raise RunError(
                 f"{override.input_line} is not used: eval rebuilds the model from the config of "
                 f"the run that wrote {str(source)!r}; drop it (data.* overrides do apply)"
             )
-    return {"model": parts["model"], "data": _with_data_overrides(parts["data"], cfg, overrides)}
+        if key == "data":  # another data config altogether: the composed one, as given
+            node = OmegaConf.create(OmegaConf.to_container(cfg.data, resolve=True))
+        elif key.startswith("data.") and override.is_delete():
+            parent, _, leaf = key[len("data.") :].rpartition(".")
+            holder = OmegaConf.select(node, parent) if parent else node
+            if holder is not None and leaf in holder:
+                del holder[leaf]
+        elif key.startswith("data."):
+            value = OmegaConf.select(cfg.data, key[len("data.") :], throw_on_missing=False)
+            OmegaConf.update(node, key[len("data.") :], value, merge=False, force_add=True)
+    return {"model": parts["model"], "data": OmegaConf.to_container(node, resolve=False)}
 
 
 def trained_model(model_config: dict[str, Any], source: Path, data: dict[str, Any]) -> Any:
@@ -78,7 +86,9 @@ def trained_model(model_config: dict[str, Any], source: Path, data: dict[str, An
             )
         # Lightning restores callback states from a checkpoint in test and predict too, and warns
         # about every training callback (ModelCheckpoint, ResumeState...) this run has no use for.
-        warnings.filterwarnings("ignore", message=_TRAINING_CALLBACKS_WARNING)
+        warnings.filterwarnings(
+            "ignore", message=r"Be aware that when using `ckpt_path`, callbacks"
+        )
         return model, source
     state = checkpoints.network_state(data, source, prefix="")
     expected = model.state_dict()
@@ -95,28 +105,6 @@ def trained_model(model_config: dict[str, Any], source: Path, data: dict[str, An
 def is_lightning_checkpoint(data: dict[str, Any]) -> bool:
     """Whether a loaded file is a Lightning checkpoint (else weights: a model.pth, a state_dict)."""
     return "pytorch-lightning_version" in data and isinstance(data.get("state_dict"), dict)
-
-
-def _with_data_overrides(
-    trained: dict[str, Any], cfg: DictConfig, overrides: list[Any]
-) -> dict[str, Any]:
-    """The run's data config, with the values this command set under ``data`` (as composed)."""
-    node = OmegaConf.create(trained)
-    for override in overrides:
-        key = override.key_or_group
-        if key == "data":  # another data config altogether: the composed one, as given
-            node = OmegaConf.create(OmegaConf.to_container(cfg.data, resolve=True))
-        elif key.startswith("data."):
-            path = key[len("data.") :]
-            if override.is_delete():
-                parent, _, leaf = path.rpartition(".")
-                holder = OmegaConf.select(node, parent) if parent else node
-                if holder is not None and leaf in holder:
-                    del holder[leaf]
-            else:
-                value = OmegaConf.select(cfg.data, path, throw_on_missing=False)
-                OmegaConf.update(node, path, value, merge=False, force_add=True)
-    return OmegaConf.to_container(node, resolve=False)
 
 
 def _task_overrides() -> list[Any]:

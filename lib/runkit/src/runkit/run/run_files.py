@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Trainer
+from lightning_utilities import apply_to_collection
 from omegaconf import DictConfig, OmegaConf
 
 from runkit.safety.checkpoints import CONFIG_FILE, atomic_write
@@ -24,9 +25,7 @@ METRICS_FILE = "metrics.json"
 
 def save_config(cfg: DictConfig, out: Path) -> Path:
     """Write the resolved config as ``config.yaml`` in the run directory."""
-    text = OmegaConf.to_yaml(cfg, resolve=True)
-    atomic_write(out / CONFIG_FILE, lambda handle: handle.write(text.encode()))
-    return out / CONFIG_FILE
+    return _write(out / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True))
 
 
 def scalars(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
@@ -40,9 +39,7 @@ def scalars(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
 
 def best_checkpoint(trainer: Trainer) -> str | None:
     """The best checkpoint the ModelCheckpoint callback kept, if it kept one."""
-    callback = trainer.checkpoint_callback
-    path = getattr(callback, "best_model_path", "") if callback is not None else ""
-    return path or None
+    return getattr(trainer.checkpoint_callback, "best_model_path", "") or None
 
 
 def save_metrics(
@@ -77,24 +74,17 @@ def save_metrics(
         "devices": trainer.num_devices,
         "num_nodes": trainer.num_nodes,
         "wall_seconds": round(time.time() - started, 2),
+        **({"energy": dict(energy)} if energy is not None else {}),
     }
-    if energy is not None:
-        payload["energy"] = dict(energy)
-    text = strict_json(payload, indent=2) + "\n"
-    atomic_write(out / METRICS_FILE, lambda handle: handle.write(text.encode()))
-    return out / METRICS_FILE
+    return _write(out / METRICS_FILE, strict_json(payload, indent=2) + "\n")
+
+
+def _write(path: Path, text: str) -> Path:
+    atomic_write(path, lambda handle: handle.write(text.encode()))
+    return path
 
 
 def strict_json(payload: Any, **kwargs: Any) -> str:
     """JSON that strict parsers read: a NaN or infinite figure is ``null``, not ``NaN``."""
-    return json.dumps(_finite_or_none(payload), allow_nan=False, **kwargs)
-
-
-def _finite_or_none(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, Mapping):
-        return {key: _finite_or_none(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite_or_none(item) for item in value]
-    return value
+    finite = apply_to_collection(payload, float, lambda v: v if math.isfinite(v) else None)
+    return json.dumps(finite, allow_nan=False, **kwargs)

@@ -1,32 +1,36 @@
-"""Sweeps that fill one machine: up to ``n_jobs`` jobs at once, each a process of its own, resumable.
+"""Sweeps that fill one machine (``hydra/launcher=runkit_parallel``): jobs at once, resumable.
 
 Each job runs as ``python -m <entry> <its overrides> hydra.run.dir=<its folder> hydra.mode=RUN``,
-so a single run's guarantees (GPU claims, DDP, stops, one-line errors) hold for every job; the
-preset adds ``select_gpus=least_used`` and a long ``gpu_wait_s``. hydra-joblib-launcher reuses
-worker processes across jobs (CUDA context, handlers and ``sys.argv`` carry over, a SIGTERM
-reaches no job). A stop signal goes to every running job (each saves and exits 128+N), no new
-job starts, and the sweep exits 128+N; jobs get SIGTERM from the kernel when the sweep dies.
-``sweep_state.json`` records every attempt: the same command with ``hydra.sweep.dir`` skips the
-finished jobs, resumes the interrupted ones in ``<num>-attempt<k>`` and starts the rest.
-``summary.csv`` (:mod:`runkit.run.sweep_summary`) sums up every job. Imports stay light.
+so a single run's guarantees (GPU claims, DDP, stops, one-line errors) hold for every job. Hydra's
+basic launcher runs one job at a time, joblib's reuses worker processes (CUDA context, handlers
+and ``sys.argv`` carry over, a SIGTERM reaches no job), submitit's local one keeps no record to
+resume from. ``sweep_state.json`` records every attempt, so the same command with
+``hydra.sweep.dir`` skips finished jobs and resumes interrupted ones; ``summary.csv``, a table
+and ``summary.png`` sum up every job. Imports stay light.
 """
 
 from __future__ import annotations
 
 import contextlib
+import csv
 import fcntl
 import json
 import logging
+import math
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from hydra.plugins.launcher import Launcher
 
 from runkit.errors import RunError
 from runkit.processes import die_with_parent
@@ -36,10 +40,10 @@ from runkit.safety import signals
 log = logging.getLogger(__name__)
 
 STATE_FILE = "sweep_state.json"
-LOCK_FILE = ".sweep.lock"
 PARENT_ENV = "RUNKIT_SWEEP_PARENT"  # set for each job: the sweep's pid, which the job follows
 POLL_S = 0.2  # how often the launcher looks at its jobs and at the stop signal
 STOP_GRACE_S = 600.0  # after a stop signal, how long the jobs may take to save before a kill
+FIXED = ["job", "status", "overrides", "attempts", "monitor", "best", "wall_s", "energy_j", "dir"]
 
 
 @dataclass
@@ -59,35 +63,22 @@ class Attempt:
     cause: str | None = None  # a failed attempt's last line that names why
 
 
-class SweepState:
-    """Every attempt of every job of one sweep folder, kept in ``sweep_state.json``."""
-
-    def __init__(self, sweep_dir: Path) -> None:
-        self.path = sweep_dir / STATE_FILE
-        self.attempts: list[Attempt] = []
-        if self.path.exists():
-            try:
-                data = json.loads(self.path.read_text(encoding="utf-8"))
-                self.attempts = [Attempt(**entry) for entry in data["attempts"]]
-            except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
-                raise RunError(
-                    f"{str(self.path)!r} is damaged ({type(err).__name__}: {err}); it records the "
-                    "jobs of this sweep: restore it, or start a new sweep in another hydra.sweep.dir"
-                ) from None
-
-    def of(self, overrides: Sequence[str]) -> list[Attempt]:
-        return [a for a in self.attempts if a.overrides == list(overrides)]
-
-    def save(self) -> None:
-        payload = {"attempts": [asdict(a) for a in self.attempts]}
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, self.path)
+def load_attempts(sweep_dir: Path) -> list[Attempt]:
+    """The attempts ``sweep_state.json`` records; a damaged file is one line naming it."""
+    path = sweep_dir / STATE_FILE
+    try:
+        return [Attempt(**a) for a in json.loads(path.read_text(encoding="utf-8"))["attempts"]]
+    except FileNotFoundError:
+        return []
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+        raise RunError(
+            f"{str(path)!r} is damaged ({type(err).__name__}: {err}); it records the "
+            "jobs of this sweep: restore it, or start a new sweep in another hydra.sweep.dir"
+        ) from None
 
 
 def finished(attempt: Attempt) -> bool:
-    """Whether the attempt's run wrote ``metrics.json`` (a kill -9 of the sweep leaves "running"
-    in the record of a job that went on to finish)."""
+    """Whether its run wrote ``metrics.json`` (its record may say "running" after a kill -9)."""
     return (Path(attempt.dir) / "metrics.json").is_file()
 
 
@@ -95,22 +86,18 @@ def newest_checkpoint(attempts: Sequence[Attempt]) -> Path | None:
     """The newest complete checkpoint any attempt of a job saved."""
     from runkit.run.launch import complete_checkpoint
 
-    found = [
-        path
-        for attempt in attempts
-        for path in (Path(attempt.dir) / "checkpoints").glob("*.ckpt")
-        if complete_checkpoint(path)
-    ]
+    found = [p for a in attempts for p in (Path(a.dir) / "checkpoints").glob("*.ckpt")]
+    found = [p for p in found if complete_checkpoint(p)]
     return max(found, key=lambda p: (p.stat().st_mtime_ns, p.name)) if found else None
 
 
-def read_metrics(run_dir: str | Path) -> dict[str, Any] | None:
-    """A run's ``metrics.json``, or ``None`` when it is missing or damaged."""
+def read_metrics(run_dir: str | Path) -> dict[str, Any]:
+    """A run's ``metrics.json``; empty when it is missing or damaged."""
     try:
         data = json.loads((Path(run_dir) / "metrics.json").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def default_n_jobs(environ: Mapping[str, str] | None = None) -> int:
@@ -144,8 +131,8 @@ def job_command(
     run_dir: Path,
     num: int,
 ) -> list[str]:
-    """The command of one job: ``entry``, the job's overrides, the ``extra`` ones it does not
-    set itself, the sweep's ``hydra.*`` overrides, its folder and number."""
+    """``entry``, the job's overrides, the ``extra`` ones it does not set, the sweep's ``hydra.*``
+    overrides, its folder and number."""
     own = {_key(o) for o in overrides}
     added = [f"{key}={hydra_value(value)}" for key, value in extra.items() if key not in own]
     mine = ("hydra.mode", "hydra.run.dir", "hydra.job.num", "hydra.job.id")
@@ -157,8 +144,7 @@ def job_command(
 
 
 def entry_command() -> list[str]:
-    """How to start this program again (``python -m <module>`` or its script), with the
-    command line's config options: a job finds the same configs."""
+    """This program again (``python -m <module>`` or its script) with the config options."""
     options = config_options(sys.argv[1:])
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     if spec is not None and spec.name:
@@ -205,8 +191,18 @@ class ParallelSweep:
         self.job_overrides = dict(job_overrides)
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         self._lock = _lock(self.sweep_dir)
-        self.state = SweepState(self.sweep_dir)
+        self.attempts = load_attempts(self.sweep_dir)
         self.counts = {"skipped": 0, "resumed": 0, "started": 0}
+
+    def of(self, overrides: Sequence[str]) -> list[Attempt]:
+        return [a for a in self.attempts if a.overrides == list(overrides)]
+
+    def save(self) -> None:
+        path = self.sweep_dir / STATE_FILE
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        payload = {"attempts": [asdict(a) for a in self.attempts]}
+        tmp.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
 
     def run(self, jobs: Sequence[tuple[list[str], Path, int]]) -> list[Attempt | None]:
         """Run ``jobs`` (overrides, first folder, number); for each, the attempt that ran or
@@ -214,9 +210,8 @@ class ParallelSweep:
         results: list[Attempt | None] = [None] * len(jobs)
         pending = []
         for index, (overrides, first_dir, num) in enumerate(jobs):
-            earlier = self.state.of(overrides)
-            done = next((a for a in earlier if finished(a)), None)
-            if done is not None:
+            earlier = self.of(overrides)
+            if (done := next((a for a in earlier if finished(a)), None)) is not None:
                 done.status, done.exit_code = "finished", 0
                 results[index] = done
                 self.counts["skipped"] += 1
@@ -232,12 +227,11 @@ class ParallelSweep:
             for job in running:  # an exception in the launcher: no job outlives it
                 _signal_group(job.proc, signal.SIGKILL)
                 self._finish(job, job.proc.wait())
-            self.state.save()
-        counts = self.counts
+            self.save()
         log.info(
             "Sweep: %d job(s) skipped (finished earlier), %d resumed, %d started",
-            counts["skipped"], counts["resumed"], counts["started"],
-        )  # fmt: skip
+            *self.counts.values(),
+        )
         return results
 
     def _loop(self, pending: list, running: list[_Running], results: list) -> None:
@@ -262,12 +256,12 @@ class ParallelSweep:
             time.sleep(POLL_S)
 
     def _start(self, index: int, overrides: list[str], first_dir: Path, num: int) -> _Running:
-        earlier = self.state.of(overrides)
+        earlier = self.of(overrides)
         if earlier:
             num = earlier[0].num
             run_dir = first_dir.with_name(f"{num}-attempt{len(earlier) + 1}")
         else:
-            used = {a.num for a in self.state.attempts}
+            used = {a.num for a in self.attempts}
             if num in used or first_dir.exists():  # another job has it (an earlier sweep's draw)
                 num = max(used | {num}) + 1
                 first_dir = first_dir.with_name(str(num))
@@ -293,8 +287,8 @@ class ParallelSweep:
         )
         attempt.pid = proc.pid
         signals.request.children.append(proc)  # a second Ctrl-C kills them with the sweep
-        self.state.attempts.append(attempt)
-        self.state.save()
+        self.attempts.append(attempt)
+        self.save()
         log.info("Sweep job #%d started: %s (log: %s)", num, " ".join(overrides), log_path)
         return _Running(attempt, proc, handle, index)
 
@@ -317,7 +311,7 @@ class ParallelSweep:
             )  # fmt: skip
         else:
             log.info("Sweep job #%d %s after %.0f s", attempt.num, attempt.status, took)
-        self.state.save()
+        self.save()
 
 
 def _signal_group(proc: subprocess.Popen, signum: int) -> None:
@@ -329,8 +323,7 @@ _CAUSE = re.compile(r"^(error: |[\w.]*(Error|Exception|Interrupt)\b: )")
 
 
 def _last_line(path: Path) -> str:
-    """The job's last line that names a cause (``error: ...``, ``ValueError: ...``), else its
-    last line."""
+    """The job's last line naming a cause (``error: ...``, ``ValueError: ...``), else its last."""
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").strip().splitlines()
     except OSError:
@@ -341,7 +334,7 @@ def _last_line(path: Path) -> str:
 
 def _lock(sweep_dir: Path) -> Any:
     """Hold the sweep folder for this process: a second sweep in it fails in one line."""
-    handle = open(sweep_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held until the process ends
+    handle = open(sweep_dir / ".sweep.lock", "a+")  # noqa: SIM115 - held until the process ends
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -351,3 +344,245 @@ def _lock(sweep_dir: Path) -> Any:
             "running; wait for it, or pick another hydra.sweep.dir"
         ) from None
     return handle
+
+
+@dataclass
+class RunkitParallelLauncherConf:
+    _target_: str = (
+        "hydra_plugins.runkit_parallel_launcher.parallel_launcher.RunkitParallelLauncher"
+    )
+    n_jobs: Any = None  # jobs at once; null: one per visible GPU (1 without a GPU)
+    job_overrides: dict[str, Any] = field(default_factory=dict)
+
+
+ConfigStore.instance().store(
+    group="hydra/launcher",
+    name="runkit_parallel",
+    node=RunkitParallelLauncherConf,
+    provider="runkit",
+)
+
+
+class ParallelLauncher(Launcher):
+    """Hydra's launcher of :class:`ParallelSweep` (the plugin in ``hydra_plugins`` subclasses it).
+    A failed job's line is said here and its code kept for the sweep's exit
+    (``runkit.run.launch.FAILED_JOBS``): Hydra sees it completed and reports nothing more."""
+
+    def __init__(self, n_jobs: int | None = None, job_overrides: Mapping[str, Any] | None = None):
+        self.n_jobs = check_n_jobs(n_jobs)
+        self.job_overrides = dict(job_overrides or {})
+        self._sweep: ParallelSweep | None = None
+
+    def setup(self, *, hydra_context: Any, task_function: Any, config: Any) -> None:
+        self.config, self.hydra_context = config, hydra_context
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[Any]:
+        from hydra.core.utils import configure_log, setup_globals
+        from omegaconf import OmegaConf, open_dict
+
+        setup_globals()
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        sweep_dir = Path(os.path.abspath(str(self.config.hydra.sweep.dir)))
+        if self._sweep is None:
+            n_jobs = self.n_jobs or default_n_jobs()
+            hydra_overrides = [str(o) for o in self.config.hydra.overrides.hydra]
+            self._sweep = ParallelSweep(
+                sweep_dir, n_jobs, entry_command(), hydra_overrides, self.job_overrides
+            )
+            log.info("Sweep: up to %d job(s) at once in %s", n_jobs, sweep_dir)
+        configs, jobs = [], []
+        for num, overrides in enumerate(job_overrides, start=initial_job_idx):
+            config = self.hydra_context.config_loader.load_sweep_config(
+                self.config, list(overrides)
+            )
+            with open_dict(config):
+                config.hydra.job.id = config.hydra.job.num = num
+            configs.append(config)
+            jobs.append((list(overrides), sweep_dir / str(config.hydra.sweep.subdir), num))
+        signals.request.phase = "sweep"
+        attempts = self._sweep.run(jobs)
+        failed: list[str] = []
+        returns = [
+            _job_return(config, overrides, attempt, failed)
+            for config, (overrides, _, _), attempt in zip(configs, jobs, attempts, strict=True)
+        ]
+        not_started = [o for (o, _, _), a in zip(jobs, attempts, strict=True) if a is None]
+        rows = job_rows(self._sweep.attempts, not_started)
+        path = write_summary(sweep_dir, rows)
+        key = OmegaConf.select(self.config, "optimized_metric", default=None)
+        print_table(rows, key)
+        plot_summary(sweep_dir, rows, key)
+        log.info("Sweep summary: %s", path)
+        if signals.request.received is not None:
+            signals.request.detail = (
+                f"; rerun the same command with hydra.sweep.dir={hydra_value(str(sweep_dir))} "
+                "to finish the sweep"
+            )
+            signals.exit_stopped(signals.request.received)
+        if failed:
+            print(
+                f"error: {len(failed)} of {len(jobs)} sweep job(s) failed: {', '.join(failed)}; "
+                f"their logs are in {sweep_dir / 'logs'}",
+                file=sys.stderr,
+            )
+        return returns
+
+
+def _job_return(
+    config: Any, overrides: list[str], attempt: Attempt | None, failed: list[str]
+) -> Any:
+    """Hydra's record of one job: its objective, else NaN (``failed`` collects failures)."""
+    from hydra.core.utils import JobReturn, JobStatus
+
+    from runkit.run.launch import FAILED_JOBS, sweep_objective
+
+    ret = JobReturn(overrides=overrides, cfg=config, hydra_cfg=config.hydra)
+    ret.task_name, ret.status = str(config.hydra.job.name), JobStatus.COMPLETED
+    ret.working_dir = attempt.dir if attempt is not None else None
+    ret.return_value = math.nan
+    if attempt is not None and attempt.status == "finished":
+        try:
+            ret.return_value = sweep_objective(config, read_metrics(attempt.dir).get("metrics"))
+        except RunError as err:
+            print(f"error: job #{attempt.num}: {err}", file=sys.stderr)
+            FAILED_JOBS.append(err.exit_code)
+    else:  # failed, interrupted or never started: the sweep exits 1
+        if attempt is not None and attempt.status == "failed":
+            failed.append(f"#{attempt.num} (exit {attempt.exit_code}: {attempt.cause})")
+        FAILED_JOBS.append(1)
+    return ret
+
+
+def job_rows(attempts: Sequence[Attempt], not_started: Sequence[Sequence[str]] = ()) -> list[dict]:
+    """One row per job, in job order; ``not_started``: the overrides of jobs a stop kept back."""
+    by_job: dict[tuple[str, ...], list[Attempt]] = {}
+    for attempt in attempts:
+        by_job.setdefault(tuple(attempt.overrides), []).append(attempt)
+    rows = []
+    for overrides, tries in sorted(by_job.items(), key=lambda item: item[1][0].num):
+        done = next((a for a in tries if finished(a)), None)
+        last = done or tries[-1]
+        data = read_metrics(last.dir)
+        monitor, best = data.get("monitor") or "", data.get("best_score")
+        if done is None:  # stopped or failed: no metrics.json, but its checkpoints know the best
+            monitor, best = checkpoint_best(tries)
+        rows.append({
+            "job": tries[0].num,
+            "status": "finished" if done is not None else last.status,
+            "overrides": " ".join(overrides),
+            "attempts": len(tries),
+            "monitor": monitor,
+            "best": best,
+            "wall_s": round(sum((a.ended or a.started) - a.started for a in tries), 1),
+            "energy_j": (data.get("energy") or {}).get("energy_j"),
+            "dir": last.dir,
+            **dict(sorted((data.get("metrics") or {}).items())),
+        })  # fmt: skip
+    known = set(by_job)
+    not_yet = [" ".join(o) for o in not_started if tuple(o) not in known]
+    return rows + [{"job": "", "status": "not started", "overrides": o} for o in not_yet]
+
+
+def checkpoint_best(attempts: Sequence[Attempt]) -> tuple[str, float | None]:
+    """The monitored key and best score so far of an unfinished job, from its newest
+    checkpoint's ModelCheckpoint state; ``("", None)`` without one."""
+    path = newest_checkpoint(attempts)
+    if path is None:
+        return "", None
+    from runkit.safety.checkpoints import load_file
+
+    try:  # a sharded checkpoint keeps the callbacks' state in meta.pt, beside the shards
+        data = load_file(path / "meta.pt" if path.is_dir() else path, mmap=True)
+    except RunError as err:
+        log.warning("No best score for the summary from %s: %s", path, err)
+        return "", None
+    for key, state in (data.get("callbacks") or {}).items():
+        score = state.get("best_model_score") if isinstance(state, dict) else None
+        if key.startswith("ModelCheckpoint") and score is not None:
+            return str(state.get("monitor") or ""), float(score)
+    return "", None
+
+
+def write_summary(sweep_dir: Path, rows: Sequence[dict]) -> Path:
+    """Write ``summary.csv`` atomically."""
+    fields = FIXED + sorted({k for row in rows for k in row} - set(FIXED))
+    path = sweep_dir / "summary.csv"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("w", encoding="utf-8", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields, restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+    return path
+
+
+def varying(rows: Sequence[dict]) -> list[str]:
+    """Each job's overrides minus those every job has: what tells the jobs apart."""
+    lists = [row["overrides"].split(" ") for row in rows]
+    common = set.intersection(*map(set, lists)) if len(lists) > 1 else set()
+    return [" ".join(o for o in overrides if o not in common) for overrides in lists]
+
+
+def print_table(rows: Sequence[dict], key: str | None) -> None:
+    """The summary as a Rich table: job, status, values, best, ``key`` (a metric), time, energy."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="Sweep summary")
+    names = ("job", "status", "values", "best", key, "wall s", "energy J")
+    for name in filter(None, names):
+        table.add_column(name)
+    for row, values in zip(rows, varying(rows), strict=True):
+        numbers = [_fmt(row.get(n)) for n in ("best", key) if n] + [
+            _fmt(row.get(n), 0) for n in ("wall_s", "energy_j")
+        ]
+        table.add_row(str(row.get("job", "")), row["status"], values, *numbers)
+    Console(width=max(100, Console().width)).print(table)
+
+
+def plot_summary(sweep_dir: Path, rows: Sequence[dict], key: str | None) -> Path | None:
+    """``summary.png``: each job's best score (or ``key``) as a bar labelled by its values;
+    ``None`` without matplotlib or a figure."""
+    name = key if key and any(_number(row.get(key)) is not None for row in rows) else "best"
+    points = [
+        (label or f"#{row['job']}", _number(row.get(name)))
+        for row, label in zip(rows, varying(rows), strict=True)
+        if _number(row.get(name)) is not None
+    ]
+    if not points:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.info("summary.png needs matplotlib: pip install 'lightning-runkit[plot]'")
+        return None
+    figure, axes = plt.subplots(figsize=(8, 0.5 * len(points) + 1.5))
+    labels, values = zip(*points, strict=True)
+    axes.barh(range(len(values)), values, color="#4c72b0")
+    axes.set_yticks(range(len(values)), labels=labels, fontsize=8)
+    axes.invert_yaxis()
+    monitor = next((row.get("monitor") for row in rows if row.get("monitor")), "")
+    axes.set_xlabel(name if name != "best" else f"best {monitor}".strip())
+    axes.set_title(f"{len(points)} job(s) of {sweep_dir.name}")
+    with warnings.catch_warnings():  # very long labels: the figure is still readable
+        warnings.simplefilter("ignore")
+        figure.tight_layout()
+    figure.savefig(sweep_dir / "summary.png", dpi=100)
+    plt.close(figure)
+    return sweep_dir / "summary.png"
+
+
+def _number(value: Any) -> float | None:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    number = _number(value)
+    return "" if number is None else f"{number:.{digits}f}"

@@ -1,15 +1,12 @@
-"""Stop (or skip the batch) when the training loss is NaN or infinite, and never save such weights.
+"""Stop (or skip the batch) when the training loss is NaN or infinite; never save such weights.
 
-``stop``: each step's loss is copied into a device-side buffer (no host sync), read on the host
-every ``check_every_n_steps`` steps, at each epoch's end and before any checkpoint is written (a
-refused save: Lightning never opens the file); the error names step, epoch and batch (exit 3).
-``skip``: such a batch's gradients are dropped before the optimiser step (one sync per step);
-after ``max_skipped`` of them the run stops.
-
-Either way a diverged run is no success: a checkpoint whose weights, buffers or monitored metric
-are not finite is refused, a validation with a non-finite monitored metric stops training, and
-non-finite weights at the end stop the run before test and export, naming the last finite
-checkpoint. The ranks agree on each verdict (``reduce_boolean_decision``).
+``stop``: each step's loss is kept on its device (no host sync) and read on the host every
+``check_every_n_steps`` steps, at each epoch's end and before any checkpoint is written (a refused
+save: Lightning never opens the file). ``skip``: such a batch's gradients are dropped before the
+optimiser step (one sync per step); after ``max_skipped`` of them the run stops. Either way a
+checkpoint whose weights, buffers or monitored metric are not finite is refused, and a diverged
+run stops before test and export, naming the last finite checkpoint. The ranks agree on each
+verdict (``reduce_boolean_decision``).
 """
 
 from __future__ import annotations
@@ -27,8 +24,6 @@ from runkit import compat
 from runkit.errors import RunError
 
 log = logging.getLogger(__name__)
-
-_MAX_KEPT = 1024
 
 
 class NonFiniteLossError(RunError):
@@ -59,49 +54,38 @@ class FiniteLoss(Callback):
                 f"callbacks.finite_loss.check_every_n_steps={check_every_n_steps!r} is invalid; "
                 "expected an integer >= 1"
             )
-        self.action = action
+        self.action, self.max_skipped = action, max_skipped
         self.check_every_n_steps = check_every_n_steps
-        self.max_skipped = max_skipped
-        self.skipped = 0
+        self.skipped, self._batch = 0, 0
         self._lower = "Lower the learning rate"  # the hint; the config key where there is one
-        self._losses: Tensor | None = None  # the losses since the last host read (stop mode)
-        self._where: list[tuple[int, int, int]] = []  # (step, epoch, batch) of each of them
+        self._losses: list[tuple[Tensor, int, int, int]] = []  # (loss, step, epoch, batch)
         self._loss_finite: Tensor | None = None  # this step's verdict (skip mode)
-        self._batch = 0
         compat.skip_unused_batch_hooks(self)
 
-    def on_train_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        self._batch = batch_idx
-
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        size = min(self.check_every_n_steps, _MAX_KEPT)
+        self._losses = []
         with contextlib.suppress(KeyError, TypeError):  # the run's config (hparams) has the key
             pl_module.hparams["config"]["model"]["optimizer"]["lr"]
             self._lower = "Lower model.optimizer.lr"
-        self._losses = torch.zeros(size, device=pl_module.device)
-        self._where = []
+
+    def on_train_batch_start(
+        self, trainer: Trainer, module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._batch = batch_idx
 
     def on_before_backward(
         self, trainer: Trainer, pl_module: LightningModule, loss: Tensor
     ) -> None:
         value = loss.detach()
-        if self.action == "skip":
+        if self.action == "stop":
+            where = (trainer.global_step, trainer.current_epoch, self._batch)
+            self._losses.append((value.sum(), *where))
+        else:
             finite = torch.isfinite(value).all()
             self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
-            return
-        if self._losses is None:
-            return
-        if len(self._where) == len(self._losses):
-            self.check()  # full: more backward passes than check_every_n_steps since the last read
-        self._losses[len(self._where)] = value if value.ndim == 0 else value.sum()
-        self._where.append((trainer.global_step, trainer.current_epoch, self._batch))
 
-    def on_before_optimizer_step(
-        self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
-        if self.action != "skip" or self._loss_finite is None:
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: Any, optimizer: Any) -> None:
+        if self._loss_finite is None:
             return
         finite, self._loss_finite = bool(self._loss_finite), None  # the one host sync per step
         if finite:
@@ -109,23 +93,17 @@ class FiniteLoss(Callback):
         self.skipped += 1
         log.warning(
             "Non-finite training loss at step %d (epoch %d, batch %d): batch skipped (%d so far)",
-            trainer.global_step,
-            trainer.current_epoch,
-            self._batch,
-            self.skipped,
+            *(trainer.global_step, trainer.current_epoch, self._batch, self.skipped),
         )
-        # Torch optimisers leave parameters without a gradient alone: an exact skip.
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)  # torch optimisers skip parameters without grads
         if self.skipped > self.max_skipped:
             raise NonFiniteLossError(
                 f"{self.skipped} training batches had a non-finite loss "
                 f"(callbacks.finite_loss.max_skipped={self.max_skipped}); stopping"
             )
 
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if (trainer.global_step % self.check_every_n_steps) == 0:
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_step % self.check_every_n_steps == 0:
             self.check()
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -136,7 +114,7 @@ class FiniteLoss(Callback):
             self._check_monitored(trainer, "training stopped, no checkpoint holds it")
 
     def on_save_checkpoint(
-        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: Any
     ) -> None:
         self.check()  # raising here keeps Lightning from writing the file
         # The module's weights, not the whole state_dict (a MaxMetric may hold -inf on purpose).
@@ -144,12 +122,11 @@ class FiniteLoss(Callback):
         self._check_monitored(trainer, "this checkpoint is not written")
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """The end of training: non-finite weights or monitored metric end the run here."""
         self._check_weights(trainer, pl_module, "nothing is tested or exported")
         self._check_monitored(trainer, "nothing is tested or exported")
 
     def _check_weights(self, trainer: Trainer, pl_module: LightningModule, outcome: str) -> None:
-        if _agreed(trainer, not _all_finite(_weights(pl_module))):
+        if _agreed(trainer, not _all_finite([*pl_module.parameters(), *pl_module.buffers()])):
             raise DivergedError(self._diverged(trainer, "weights are", outcome))
 
     def _check_monitored(self, trainer: Trainer, outcome: str) -> None:
@@ -157,8 +134,7 @@ class FiniteLoss(Callback):
         value = trainer.callback_metrics.get(monitor) if monitor else None
         bad = value is not None and not _all_finite([value])
         if _agreed(trainer, bad):
-            shown = f"={float(value)}" if bad else " (on another rank)"
-            what = f"monitored metric {monitor}{shown} is"
+            what = f"monitored metric {monitor}{f'={float(value)}' if bad else ' (on another rank)'} is"
             hint = f", or check how {type(trainer.lightning_module).__name__} computes {monitor}"
             raise DivergedError(self._diverged(trainer, what, outcome) + hint)
 
@@ -183,23 +159,19 @@ class FiniteLoss(Callback):
 
     def check(self) -> None:
         """Raise :class:`NonFiniteLossError` if a non-finite loss was recorded (one host sync)."""
-        if self._losses is None or not self._where:
+        if not self._losses:
             return
-        finite = torch.isfinite(self._losses[: len(self._where)])
+        finite = torch.isfinite(torch.stack([loss for loss, *_ in self._losses]))
         if bool(finite.all()):
-            self._where.clear()
+            self._losses.clear()
             return
         # Kept as they are: any later check (a save on the way out) refuses again.
-        step, epoch, batch = self._where[int((~finite).nonzero()[0, 0])]
+        _, step, epoch, batch = self._losses[int((~finite).nonzero()[0, 0])]
         raise NonFiniteLossError(
             f"non-finite training loss (NaN or inf) at step {step} (epoch {epoch}, batch {batch}); "
             f"training stopped, checkpoints saved before it are kept. {self._lower}, "
             "or set callbacks.finite_loss.action=skip to skip such batches"
         )
-
-
-def _weights(pl_module: LightningModule) -> list[Tensor]:
-    return [*pl_module.parameters(), *pl_module.buffers()]
 
 
 def _all_finite(tensors: Any) -> bool:

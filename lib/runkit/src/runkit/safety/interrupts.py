@@ -2,11 +2,7 @@
 
 :mod:`~runkit.safety.signals` records a signal; this module acts on it. Lightning's own SIGTERM
 handler broadcasts inside the handler and each rank raises on its own, so DDP ranks diverge and
-hang. :class:`GracefulInterrupt` replaces it: at every batch boundary the ranks all-reduce the
-signal they received (one integer on the CPU), end the loop at the same batch, and in fit save
-``checkpoints/interrupted.ckpt``; SLURM's SIGUSR1 then requeues the job. :func:`phase` wraps each
-phase of the tasks: a stop ends it in one line and ``128 + signal``, a dead DDP peer in
-:class:`PeerDied`. :func:`watch_parent` ends a DDP worker whose rank 0 died.
+hang; :class:`GracefulInterrupt` replaces it with one all-reduce per batch boundary.
 """
 
 from __future__ import annotations
@@ -84,8 +80,8 @@ class GracefulInterrupt(Callback):
     def _agree(
         self, trainer: Trainer, module: Any, batch: Any, batch_idx: int, loader: int = 0
     ) -> None:
-        """One all-reduce (MAX) of the signal each rank received; an agreed stop ends the loop.
-        After a training step fit ends after that batch, where a save resumes exactly."""
+        """One all-reduce (MAX) of the signal each rank received; an agreed stop ends the loop
+        (in fit after that batch, where a save resumes exactly)."""
         request = signals.request
         if self._stopping or not request.active:
             return
@@ -98,9 +94,8 @@ class GracefulInterrupt(Callback):
             signum = int(flag.item())
         if not signum:
             return
-        self._stopping = True
-        request.agreed = signum
-        procs = getattr(trainer.strategy.launcher, "procs", None)  # private: its worker list
+        self._stopping, request.agreed = True, signum
+        procs = getattr(trainer.strategy.launcher, "procs", None)  # its worker list
         if procs:  # Lightning's watchdog would SIGKILL rank 0 as the workers exit 128+N
             request.children = list(procs)
             procs.clear()
@@ -122,10 +117,10 @@ class GracefulInterrupt(Callback):
             trainer._signal_connector.received_sigterm = stop  # private: see _agree
 
     def on_exception(
-        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+        self, trainer: Trainer, pl_module: LightningModule, err: BaseException
     ) -> None:
         request = signals.request
-        if not isinstance(exception, SIGTERMException) or request.agreed is None:
+        if not isinstance(err, SIGTERMException) or request.agreed is None:
             return
         if trainer.state.fn != TrainerFn.FITTING:
             return
@@ -143,8 +138,7 @@ class GracefulInterrupt(Callback):
 
 
 def _in_fit_validation(trainer: Trainer) -> bool:
-    """Fit's validation (not its sanity check) cannot resume exactly where it stopped: a stop
-    there lets it finish, so the epoch ends as uninterrupted, and stops before the next batch."""
+    """Fit's validation cannot resume where it stopped: a stop there lets it and its epoch end."""
     fitting = trainer.state.fn == TrainerFn.FITTING
     return fitting and trainer.validating and not trainer.sanity_checking
 
@@ -158,10 +152,8 @@ _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken p
 
 @contextmanager
 def phase(name: str, trainer: Trainer | None = None) -> Iterator[None]:
-    """Run one phase of the run (``fit``, ``test``, ``export``...); a stop ends it with 128 + N.
-
-    ``trainer``: the Trainer the phase runs (a dead DDP peer then ends it in :class:`PeerDied`).
-    """
+    """Run one phase (``fit``, ``test``, ``export``...): a stop ends it in one line and 128 + N;
+    with the phase's ``trainer``, a dead DDP peer in :class:`PeerDied`."""
     request = signals.request
     request.phase, request.phase_done = name, False
     try:
@@ -189,9 +181,8 @@ def phase(name: str, trainer: Trainer | None = None) -> Iterator[None]:
 
 
 def _stop(signum: int) -> None:
-    request = signals.request
-    if signum == signal.SIGUSR1 and not request.quiet:
-        request.detail += requeue_slurm_job()
+    if signum == signal.SIGUSR1 and not signals.request.quiet:
+        signals.request.detail += requeue_slurm_job()
     signals.exit_stopped(signum)
 
 
@@ -200,16 +191,19 @@ def requeue_slurm_job() -> str:
     job = signals.slurm_job_id()
     if job is None:
         return ""
-    cmd = ["scontrol", "requeue", job]
     try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            ["scontrol", "requeue", job], capture_output=True, text=True, timeout=120
+        )
     except (OSError, subprocess.SubprocessError) as err:
         reason = str(err)
     else:
-        if result.returncode == 0:
+        if done.returncode == 0:
             return f"; requeued SLURM job {job}"
-        lines = result.stderr.strip().splitlines() or [f"exit code {result.returncode}"]
-        reason = f"scontrol: {lines[-1]}"
+        reason = (
+            "scontrol: "
+            + (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        )
     return f"; could not requeue SLURM job {job} ({reason}): submit it again to resume"
 
 
@@ -219,8 +213,7 @@ def checkpoint_dir(trainer: Trainer) -> Path:
 
 
 def resume_command(checkpoint: Path) -> str:
-    """The command that resumes from ``checkpoint``, ready to paste: the program, its config
-    options and ``PYTHONPATH``, the user's overrides (shell-quoted) and ``ckpt_path``."""
+    """The command that resumes from ``checkpoint``, ready to paste into a shell."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     program = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
     options = quoting.config_options(sys.argv[1:])
@@ -243,8 +236,7 @@ class PeerDied(RunError):
 
 
 def watch_parent(period: float = 1.0) -> None:
-    """In a DDP worker of Lightning's launcher: exit within ``period`` s when rank 0 dies
-    (nothing in Lightning watches it; the worker would wait in a collective for 30 minutes)."""
+    """In a DDP worker of Lightning's launcher: exit within ``period`` s when rank 0 dies."""
     if os.environ.get("LOCAL_RANK", "0") in ("", "0") or os.environ.get("RUNKIT_NO_PARENT_WATCH"):
         return
     parent = os.getppid()
@@ -253,11 +245,9 @@ def watch_parent(period: float = 1.0) -> None:
         while os.getppid() == parent:
             time.sleep(period)
         rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK"))
-        print(
+        signals._write_line(
             f"error: rank {rank}: the launching process (pid {parent}) died; "
-            "ending this worker instead of waiting in a collective",
-            file=sys.stderr,
-            flush=True,
+            "ending this worker instead of waiting in a collective"
         )
         os._exit(1)
 

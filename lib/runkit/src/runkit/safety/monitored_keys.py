@@ -10,11 +10,12 @@ Scheduler keys that name training figures are left to Lightning.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from runkit import compat
 from runkit.errors import RunError
@@ -29,18 +30,17 @@ class MonitoredKeysCheck(Callback):
 
     def __init__(self, settings: Mapping[str, str] | None = None) -> None:
         self.settings = dict(settings or {})
-        self._checked_validation = False
-        self._warned_unvalidated = False
+        self._checked, self._warned = False, False
         compat.skip_unused_batch_hooks(self)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.sanity_checking or self._checked_validation:
+        if trainer.sanity_checking or self._checked:
             return
-        self._checked_validation = True
+        self._checked = True
         for kind, key, setting, logged in self._missing(trainer, lambda k: k != "scheduler"):
             fix = (
-                f"it logs: {', '.join(logged)}. Set {setting} to one of them (and its mode to min "
-                "or max)"
+                f"it logs: {', '.join(logged)}. Set {setting} to one of them (and its mode to "
+                "min or max)"
                 if logged
                 else f"it logs nothing (no self.log call). Log {key!r} with self.log"
             )
@@ -49,53 +49,44 @@ class MonitoredKeysCheck(Callback):
             raise RunError(f"{setting}={key!r} is not a key {type(pl_module).__name__} logs; {fix}")
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._checked_validation or self._warned_unvalidated:
+        if self._checked or self._warned:
             return
-        self._warned_unvalidated = True
-        missing = self._missing(trainer, lambda kind: kind == "ModelCheckpoint")
-        for _, key, setting, _ in missing:
+        self._warned = True
+        why = (
+            "no val batches"
+            if is_overridden("validation_step", pl_module)
+            else "no validation_step"
+        )
+        for _, key, setting, _ in self._missing(trainer, lambda kind: kind == "ModelCheckpoint"):
             if rank_zero_only.rank == 0:
                 log.warning(
                     "%s=%r: no validation ran (%s has %s) and training does not log that key, "
                     "so no best checkpoint is kept and the last weights are tested; set %s to a "
                     "key training logs to keep the best",
-                    setting,
-                    key,
-                    type(pl_module).__name__,
-                    "no validation_step" if _no_validation_step(pl_module) else "no val batches",
-                    setting,
+                    *(setting, key, type(pl_module).__name__, why, setting),
                 )
 
     def _missing(self, trainer: Trainer, applies: Any) -> list[tuple[str, str, str, list[str]]]:
+        """(kind, key, setting, logged keys) of each monitor whose key is not logged."""
         logged = sorted(trainer.callback_metrics)
+        monitors = [
+            (_kind(c), getattr(c, "monitor", None), getattr(c, "strict", True))
+            for c in trainer.callbacks
+        ]
+        monitors += [
+            ("scheduler", c.monitor, c.strict) for c in getattr(trainer, "lr_scheduler_configs", [])
+        ]
         return [
             (kind, key, self.settings.get(kind, f"{kind}(monitor=...)"), logged)
-            for kind, key in _monitors(trainer)
-            if key not in logged and applies(kind)
+            for kind, key, strict in monitors
+            if isinstance(key, str)
+            and key not in logged
+            and applies(kind)
+            and (strict or kind not in ("EarlyStopping", "scheduler"))
         ]
-
-
-def _no_validation_step(pl_module: LightningModule) -> bool:
-    from lightning.pytorch.utilities.model_helpers import is_overridden
-
-    return not is_overridden("validation_step", pl_module)
-
-
-def _monitors(trainer: Trainer) -> Iterator[tuple[str, str]]:
-    """(kind, key) of every monitor: callbacks with a ``monitor`` and schedulers with one."""
-    for callback in trainer.callbacks:
-        key = getattr(callback, "monitor", None)
-        kind = _kind(callback)
-        if isinstance(key, str) and (kind != "EarlyStopping" or getattr(callback, "strict", True)):
-            yield kind, key
-    for config in getattr(trainer, "lr_scheduler_configs", []):
-        if isinstance(config.monitor, str) and getattr(config, "strict", True):
-            yield "scheduler", config.monitor
 
 
 def _kind(callback: Any) -> str:
     """The Lightning class a callback derives from (``ModelCheckpoint`` for a subclass)."""
-    for cls in type(callback).__mro__:
-        if cls.__module__.startswith("lightning.") and cls.__name__ != "Callback":
-            return cls.__name__
-    return type(callback).__name__
+    lightning = (c for c in type(callback).__mro__ if c.__module__.startswith("lightning."))
+    return next((c.__name__ for c in lightning if c is not Callback), type(callback).__name__)

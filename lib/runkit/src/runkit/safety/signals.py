@@ -4,12 +4,12 @@ A handler that does real work wherever Python happens to be (inside a gloo colle
 jobs, so the handler only records the signal; :mod:`runkit.safety.interrupts` acts on it at a
 batch boundary where the ranks agree, or the run ends; the process exits ``128 + signal``.
 A watcher thread hears every delivery (:func:`signal.set_wakeup_fd`) even while the main thread
-is in C++: a second stop signal quits at once without saving (after SLURM's warning only that
-signal again), and a distributed rank stuck ``STUCK_GRACE_S`` after the signal quits too.
-One stop often arrives as several deliveries (a group's Ctrl-C, GNU ``timeout``, the kernel's
-``PR_SET_PDEATHSIG`` per thread of a dying parent): every stop signal within ``STOP_REPEAT_S``
-of the first, or after the parent died, is the same stop. Forked children (DataLoader workers)
-are left out of the stop. Standard library only: the CLI installs the handlers before torch loads.
+is in C++: a second stop signal quits at once without saving, and a distributed rank stuck
+``STUCK_GRACE_S`` after the signal quits too. One stop often arrives as several deliveries (a
+group's Ctrl-C, GNU ``timeout``, ``PR_SET_PDEATHSIG`` per thread): every stop signal within
+``STOP_REPEAT_S`` of the first, or after the parent died, is the same stop. Forked children
+(DataLoader workers) are left out of the stop. Standard library only: the CLI installs the
+handlers before torch loads.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, NamedTuple
+from typing import Any
 
 CHILD_GRACE_S = 30.0  # how long a stopping rank 0 waits for the DDP workers it launched
 STUCK_GRACE_S = 10.0  # how long a rank may stay stuck after a stop signal before it quits
@@ -50,32 +50,26 @@ class StopRequest:
     children: list[subprocess.Popen] = field(default_factory=list)  # waited for before exit
     active: bool = False  # whether stop_on_signal handles the signals now
     received_at: float = 0.0  # time.monotonic() of the first stop signal
-    watched: bool = False  # the watcher thread hears every delivery (it judges the repeats)
     parent: int = 0  # the parent when the run began; another one means it died
     failed: bool = False  # the block ended in an exception: its own line and code follow
 
 
 request = StopRequest()
 
-
-class Stop(NamedTuple):
-    when: Callable[[], bool]  # whether the signal is a stop in this process
-    warns: bool = False  # SLURM's notice: the SIGTERM after it is the same stop
-
-
-STOP_SIGNALS = {
-    # The library README's table of stop signals says what each does.
-    signal.SIGINT: Stop(lambda: True),
-    signal.SIGTERM: Stop(lambda: True),
-    signal.SIGHUP: Stop(lambda: signal.getsignal(signal.SIGHUP) != signal.SIG_IGN),  # not nohup
-    signal.SIGUSR1: Stop(lambda: slurm_job_id() is not None, warns=True),  # --signal=SIGUSR1@90
-    signal.SIGUSR2: Stop(lambda: os.environ.get("SUBMITIT_EXECUTOR") == "slurm", warns=True),
+STOP_SIGNALS: dict[int, Callable[[], bool]] = {
+    # whether the signal is a stop in this process; the library README's table says what each does
+    signal.SIGINT: lambda: True,
+    signal.SIGTERM: lambda: True,
+    signal.SIGHUP: lambda: signal.getsignal(signal.SIGHUP) != signal.SIG_IGN,  # not nohup
+    signal.SIGUSR1: lambda: slurm_job_id() is not None,  # --signal=SIGUSR1@90
+    signal.SIGUSR2: lambda: os.environ.get("SUBMITIT_EXECUTOR") == "slurm",
 }
+WARNINGS = (signal.SIGUSR1, signal.SIGUSR2)  # SLURM's notice: its SIGTERM after is the same stop
 
 
 def stop_signals() -> tuple[signal.Signals, ...]:
     """The signals of :data:`STOP_SIGNALS` that are stops in this process now."""
-    return tuple(signum for signum, stop in STOP_SIGNALS.items() if stop.when())
+    return tuple(signum for signum, applies in STOP_SIGNALS.items() if applies())
 
 
 @contextmanager
@@ -112,61 +106,43 @@ def stop_on_signal(until_exit: bool = False) -> Iterator[StopRequest]:
 
 
 def _after_the_run(signum: int, frame: FrameType | None) -> None:
-    """A stop signal while the finished process shuts down: its files are all written. After a
-    failed run it is ignored: the error's own line and exit code follow."""
+    """A stop signal as the finished process shuts down (after a failed run: ignored)."""
     if request.received is not None:
         if _second_request(request, signum, time.monotonic()):
             quit_now(signum, "again: quitting at once")
-    elif request.failed:
-        return
-    elif request.quiet:
+    elif request.quiet and not request.failed:
         os._exit(128 + signum)
-    else:
+    elif not request.failed:
         quit_now(signum, "received after the run had finished (its files are complete)")
 
 
 def _at_exit() -> None:
-    """The last point where Python runs a handler; past it the interpreter resets them and a
-    signal would end the process silently, so the stop signals are ignored from here on."""
+    """Past the last point where Python runs a handler the stop signals are ignored."""
     _set(dict.fromkeys(stop_signals(), signal.SIG_IGN))
 
 
 def _record(signum: int, frame: FrameType | None) -> None:
-    now = time.monotonic()
+    """The handler: the first stop signal is recorded (the watcher judges any repeat)."""
     if request.received is not None:
-        # The watcher, when there is one, saw every delivery as it came and judges repeats.
-        if not request.watched and _second_request(request, signum, now):
-            quit_now(signum, "again: quitting at once, without saving")
         return
-    request.received, request.received_at = signum, request.received_at or now
+    request.received, request.received_at = signum, request.received_at or time.monotonic()
     _drop_closed_outputs()
     again = " (Ctrl-C again quits at once, without saving)" if signum == signal.SIGINT else ""
     _say(f"\n{signal.Signals(signum).name} received: stopping at the next safe point{again}")
 
 
 def _second_request(stop: StopRequest, signum: int, now: float) -> bool:
-    """Whether ``signum`` at ``now`` is a new request to quit, not the first stop again."""
+    """Whether ``signum`` at ``now`` asks again (after SLURM's warning: only the warning)."""
     first = stop.received
-    return first is not None and not _same_stop(stop, now) and _quits_at_once(first, signum)
-
-
-def _same_stop(stop: StopRequest, now: float) -> bool:
-    return now - stop.received_at < STOP_REPEAT_S or bool(
-        stop.parent and os.getppid() != stop.parent
-    )
-
-
-def _quits_at_once(first: int, again: int) -> bool:
-    """After SLURM's warning only the warning again quits (its SIGTERM comes during the save)."""
-    return not STOP_SIGNALS[first].warns or again == first
+    same = now - stop.received_at < STOP_REPEAT_S or stop.parent not in (0, os.getppid())
+    return first is not None and not same and (first not in WARNINGS or signum == first)
 
 
 _quitting = threading.Lock()
 
 
 def quit_now(signum: int, why: str) -> None:
-    """Say in one line why this process stops without saving, and ``os._exit(128 + signum)``:
-    from the watcher thread too, past any code the main thread is stuck in."""
+    """One line on why this process stops without saving; ``os._exit(128 + signum)``."""
     if not _quitting.acquire(blocking=False):
         return  # the other thread is saying it already
     code = 128 + int(signum)
@@ -186,30 +162,20 @@ class _Watcher:
 
     def __init__(self, stop: StopRequest) -> None:
         self.stop, self.first_at = stop, 0.0  # first_at: when the first stop signal came
-        self._waiting: tuple[Any, float] | None = None  # (the main thread's frame, since when)
+        self._waiting: tuple[Any, float] | None = None  # (the main thread's call, since when)
         self._reader, self._writer = socket.socketpair()
         self._writer.setblocking(False)
-        try:
-            fd = self._writer.fileno()
-            self._previous_fd = signal.set_wakeup_fd(fd)
-        except ValueError:  # not the main thread
-            self._previous_fd = None
-            self.close()
-            return
         self._reader.settimeout(0.5)  # wakes to check a stuck rank, and to see the block ended
+        self._previous_fd = signal.set_wakeup_fd(self._writer.fileno())
         threading.Thread(target=self._run, name="signal-watch", daemon=True).start()
-        stop.watched = True
 
     def close(self) -> None:
-        self.stop.watched = False
-        if self._previous_fd is not None:
-            signal.set_wakeup_fd(self._previous_fd)
+        signal.set_wakeup_fd(self._previous_fd)
         self._writer.close()
         self._reader.close()
 
     def _run(self) -> None:
         stops = {int(s) for s in stop_signals()}
-        first: int | None = None
         while True:
             try:
                 data = self._reader.recv(64)
@@ -219,15 +185,16 @@ class _Watcher:
                 return  # closed: the run is over
             now = time.monotonic()
             for signum in (b for b in data if b in stops):
-                if first is None:
-                    first, self.first_at = signum, now
+                if not self.first_at:
+                    self.first_at, self.first = now, signum
                     self.stop.received_at = self.stop.received_at or now
-                elif not _same_stop(self.stop, now) and _quits_at_once(first, signum):
+                elif _second_request(self.stop, signum, now):
                     quit_now(signum, "again: quitting at once, without saving")
-            if first is not None and _distributed():
-                self._check_stuck(first, now)
+            if self.first_at and _distributed():
+                self._check_stuck(self.first, now)
 
     def _check_stuck(self, signum: int, now: float) -> None:
+        """Quit when the handler has not run, or one torch.distributed call lasts, past the grace."""
         if self.stop.received is None and now - self.first_at > STUCK_GRACE_S:
             quit_now(
                 signum,
@@ -279,8 +246,7 @@ def exit_stopped(signum: int) -> None:
 
 
 def _say(text: str, run_log: bool = False) -> None:
-    """``text`` on stderr; ``run_log``: in the run's log files too (how a closed terminal's run
-    ended)."""
+    """``text`` on stderr; ``run_log``: in the run's log files too (a closed terminal's run)."""
     if request.quiet:
         return
     _write_line(text)
@@ -292,8 +258,7 @@ def _say(text: str, run_log: bool = False) -> None:
 
 
 def _drop_closed_outputs() -> None:
-    """Point stdout/stderr at /dev/null when their reader is gone (a closed terminal, a dead
-    pipe): the stop goes on to its save instead of ending in the next print's traceback."""
+    """stdout/stderr whose reader is gone go to /dev/null: the save goes on, no traceback."""
     for fd in (1, 2):
         with contextlib.suppress(OSError):
             poll = select.poll()
@@ -338,52 +303,37 @@ def _after_fork_in_parent() -> None:
 
 
 def _in_forked_child() -> None:
-    """A child forked during a run gets the handlers from before the run back, no wakeup
-    descriptor, and its signals unblocked; a DataLoader worker keeps them blocked
-    (:func:`_dataloader_worker_stops`), and a child it forks gets them back."""
+    """A child forked during a run gets the handlers from before it back, and its signals
+    unblocked, but a DataLoader worker (:func:`_dataloader_worker_stops`)."""
     global request, _worker_stops
     if _worker_stops:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _worker_stops)
         _worker_stops = ()
-        return
-    if not request.active:
-        return
-    request = StopRequest(quiet=True)
-    signal.set_wakeup_fd(-1)
-    _set(_before_the_run)
-    if hasattr(signal, "sigwaitinfo"):  # not on macOS
+    elif request.active:
+        request = StopRequest(quiet=True)
+        signal.set_wakeup_fd(-1)
+        _set(_before_the_run)
         from runkit import compat
 
-        if compat.forked_for_a_dataloader_worker():
-            compat.leave_dataloader_workers_out_of_stops(_dataloader_worker_stops)
-            return
-    signal.pthread_sigmask(signal.SIG_SETMASK, _fork.mask)
+        if hasattr(signal, "sigwaitinfo") and compat.forked_for_a_dataloader_worker():
+            _dataloader_worker_stops()  # not on macOS
+        else:
+            signal.pthread_sigmask(signal.SIG_SETMASK, _fork.mask)
 
 
 def _dataloader_worker_stops() -> None:
-    """In a DataLoader worker, after torch's handlers: its parent alone ends it.
-
-    A group's stop signal killed the worker and crashed the parent's stop; ignoring it kept the
-    worker alive past its parent. So the stop signals stay blocked and a thread takes them with
-    :func:`signal.sigwaitinfo`: the parent's SIGTERM ends the worker (exit 0, as torch's), any
-    other is left to the parent, which ends its workers.
-    """
+    """A DataLoader worker keeps the stop signals blocked (a group's killed it and crashed the
+    parent's stop) and a thread takes them: the parent's SIGTERM ends it (exit 0, as torch's)."""
     global _worker_stops
     stops = _worker_stops = tuple(_before_the_run)
     signal.pthread_sigmask(signal.SIG_BLOCK, stops)
     parent = os.getppid()
 
-    def end_if_the_parents(got: Any) -> None:
-        if got is not None and got.si_signo == signal.SIGTERM and got.si_pid == parent:
-            os._exit(0)
-
-    # Pending ones first: the parent's SIGTERM would merge unseen into a group's pending one.
-    while (got := signal.sigtimedwait(stops, 0)) is not None:
-        end_if_the_parents(got)
-
     def take() -> None:
         while True:
-            end_if_the_parents(signal.sigwaitinfo(stops))
+            got = signal.sigwaitinfo(stops)
+            if got.si_signo == signal.SIGTERM and got.si_pid == parent:
+                os._exit(0)
 
     threading.Thread(target=take, daemon=True).start()
 

@@ -1,11 +1,7 @@
-"""``trainer.strategy=dp``: one process drives several GPUs through ``torch.nn.DataParallel``.
-
-Lightning 2 dropped DataParallel; this brings it back as plain PyTorch uses it: while the Trainer
-runs, the module's network attribute (``net`` by default) answers with ``nn.DataParallel(net)``,
-and the step, loss, metrics and logging run once over the gathered outputs, so a module needs no
-DP-specific code. The wrapper is never registered as a submodule, so ``state_dict`` keys stay a
-single device's. Without a CUDA GPU the strategy refuses to run.
-"""
+"""``trainer.strategy=dp``: one process drives several GPUs through ``torch.nn.DataParallel``,
+which Lightning 2 dropped. While the Trainer runs, ``pl_module.net`` answers with the wrapper, so
+the step, loss and metrics run once over the gathered outputs and a module needs no DP code; the
+wrapper is no submodule, so ``state_dict`` keys stay a single device's."""
 
 from __future__ import annotations
 
@@ -95,7 +91,7 @@ class DataParallelStrategy(ParallelStrategy):
         self._require_cuda()
         super().setup_environment()
 
-    def _require_cuda(self) -> None:
+    def _require_cuda(self) -> None:  # tests allow the CPU
         if self.root_device.type != "cuda":
             raise RunError(
                 f"{NEEDS_GPU}, but the Trainer's devices are {self.root_device.type}; {CPU_HINT}"
@@ -114,15 +110,15 @@ class DataParallelStrategy(ParallelStrategy):
                 f"{name} has no nn.Module attribute {self.network!r}; set "
                 "trainer.strategy.network to the attribute that holds the network (trainer=dp)"
             )
-        # private (compat): a compiled network's copies would run the original's compiled code.
-        if getattr(net, "_compiled_call_impl", None) is not None:
+        # runkit.speed marks what it compiled: the copies would run the original's compiled code.
+        if getattr(net, "compiled_by_runkit", False):
             raise RunError(
                 "a compiled network (callbacks.speed.compile=true) does not work with "
                 "trainer.strategy=dp: the copies DataParallel makes of it cannot run compiled; "
                 "use DDP (trainer.devices=N) or callbacks.speed.compile=false"
             )
-        # private (compat): nn.Module finds submodules in `_modules` only when the instance dict
-        # lacks the name, so this shadows `pl_module.net` without registering the wrapper.
+        # The instance dict comes before nn.Module.__getattr__: the wrapper shadows the network
+        # without being registered (test_dp checks keys and parameters stay the network's).
         self._parallel_net = vars(model)[self.network] = self._data_parallel(net)
         return model
 

@@ -1,10 +1,5 @@
-"""``trainer=fsdp``: FSDP2 (``fully_shard``) through Lightning's ``ModelParallelStrategy``,
-for models that no longer fit one GPU, with no code in the module.
-
-Submodules whose class ``shard_modules`` names become FSDP units, then each top-level child with
-parameters of its own; a module's own ``configure_model`` that shards is honoured. Checkpoints
-are directories of shards written crash-safe with a manifest that loading checks first.
-"""
+"""``trainer=fsdp``: FSDP2 (``fully_shard``) through Lightning's ``ModelParallelStrategy``, with
+no code in the module; checkpoints are directories of shards with a manifest checked on load."""
 
 from __future__ import annotations
 
@@ -68,35 +63,19 @@ class FSDPStrategy(ModelParallelStrategy):
         """A module without its own ``configure_model`` gets this strategy's sharding as that
         hook, which Lightning calls where it calls the user's (idempotent)."""
         if isinstance(model, LightningModule) and not is_overridden("configure_model", model):
-            if not self._classes:
-                raise RunError(
-                    f"trainer=fsdp needs trainer.strategy.shard_modules (the submodule classes "
-                    f"that become FSDP units, e.g. [torch.nn.Linear]) or a configure_model in "
-                    f"{type(model).__name__}; neither is set"
-                )
             model.configure_model = types.MethodType(lambda module: self.shard(module), model)
         super().connect(model)
 
     def setup(self, trainer: Any) -> None:
         """Shard what a module's own ``configure_model`` built without sharding; else every rank
         would train an unsynchronised copy."""
-        from torch.distributed.fsdp import FSDPModule
-
-        module = self.lightning_module
-        if module is not None and not any(isinstance(m, FSDPModule) for m in module.modules()):
-            if not self._classes:
-                raise RunError(
-                    f"{type(module).__name__}.configure_model shards nothing; under trainer=fsdp "
-                    "it must apply fully_shard, or set trainer.strategy.shard_modules"
-                )
-            self.shard(module)
+        if self.lightning_module is not None:
+            self.shard(self.lightning_module)
         super().setup(trainer)
 
     def model_to_device(self) -> None:
-        """Not under ``cpu_offload``, where FSDP keeps the shards in CPU memory on purpose."""
-        if self.cpu_offload and self.root_device.type != "cpu":
-            return
-        super().model_to_device()
+        if not self.cpu_offload or self.root_device.type == "cpu":  # offload: CPU on purpose
+            super().model_to_device()
 
     def setup_environment(self) -> None:
         # One mesh dimension over every process ('auto' would mean num_nodes).
@@ -115,7 +94,13 @@ class FSDPStrategy(ModelParallelStrategy):
         from torch.distributed.tensor import DTensor
 
         if any(isinstance(m, FSDPModule) for m in module.modules()):
-            return
+            return  # sharded already
+        if not self._classes:
+            raise RunError(
+                f"trainer=fsdp needs trainer.strategy.shard_modules (the submodule classes that "
+                f"become FSDP units, e.g. [torch.nn.Linear]) or a configure_model in "
+                f"{type(module).__name__} that applies fully_shard; neither is set"
+            )
         units = [m for m in module.modules() if isinstance(m, self._classes)]
         if not units:
             present = sorted({type(m).__name__ for m in module.modules()} - {"Sequential"})
@@ -190,7 +175,7 @@ class FSDPStrategy(ModelParallelStrategy):
 
 def _gather(items: list[Any]) -> list[Any]:
     """Every rank's ``items``, concatenated in rank order, on every rank."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not dist.is_initialized():
         return list(items)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, items)
