@@ -59,8 +59,8 @@ gpu-wheels: ## fetch the wheels a GPU machine without internet lacks (wheels/gpu
 gpu-check-dry: ## check, without a GPU, everything the GPU check will run
 	$(PY) scripts/gpu_check.py --dry-run
 
-mutate: ## mutation score of MODULE=checkpoints|gpus|gpu_stats|gpu_stats_process|finite_loss (or a path, with TESTS="...") by its fast tests
-	@test -n "$(MODULE)" || { echo "error: pass MODULE=checkpoints, gpus, gpu_stats, gpu_stats_process or finite_loss (or a path under lib/runkit/src/ with TESTS=...)" >&2; exit 2; }
+mutate: ## mutation score of MODULE=checkpoints|gpus|gpu_stats|finite_loss (or a path, with TESTS="...") by its fast tests
+	@test -n "$(MODULE)" || { echo "error: pass MODULE=checkpoints, gpus, gpu_stats or finite_loss (or a path under lib/runkit/src/ with TESTS=...)" >&2; exit 2; }
 	$(PY) scripts/mutate.py $(MODULE) $(if $(TESTS),--tests $(TESTS)) $(ARGS)
 
 bench: ## every benchmark briefly; ratios to benchmarks/results/<date>.json, compared with the last

@@ -65,15 +65,9 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "gpu_stats": (
         [
             f"lib/runkit/src/runkit/gpu_stats/{name}.py"
-            for name in ("callback", "exchange", "gpm", "loop", "report", "sampler", "statistics")
+            for name in ("callback", "exchange", "gpm", "loop", "sampler", "statistics")
         ],
         ["lib/runkit/tests/test_gpu_stats.py", "lib/runkit/tests/test_gpu_telemetry.py"],
-    ),
-    # the sampler process, with its own tests, which fork it (a second or so per mutant). Code
-    # that runs only in the forked child is reached by no test that mutmut can see.
-    "gpu_stats_process": (
-        ["lib/runkit/src/runkit/gpu_stats/process.py"],
-        ["lib/runkit/tests/test_gpu_stats_process.py"],
     ),
     # stop signals: recorded at once, repeats judged, forked children left out (in-process tests
     # only count: the CLI and fresh-interpreter tests run the unmutated tree)

@@ -66,49 +66,60 @@ def write_run(directory: Path, net_config: dict) -> Path:
     return directory
 
 
-def test_model_pth_is_a_plain_state_dict_that_loads_back_equal(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["ours", "plain", "without-crc", "legacy-format"])
+def test_model_pth_is_a_plain_state_dict_that_loads_back_equal(tmp_path: Path, kind: str) -> None:
+    """Ours (save_weights) and state_dicts saved by plain torch elsewhere, onto the device asked."""
     net = MLP(in_features=64, hidden=[8], num_classes=10)
-    path = save_weights(net, write_run(tmp_path, NET) / "model.pth")
-    state = torch.load(path, weights_only=True)
-    assert set(state) == set(net.state_dict())
-    loaded = load_network(path, device="cpu", allowed=TEMPLATE_TARGETS)
-    assert not loaded.training
-    for key, value in net.state_dict().items():
-        assert torch.equal(loaded.state_dict()[key], value)
-
-
-def test_model_pth_of_another_architecture_is_one_line_with_the_keys(tmp_path: Path) -> None:
-    other = MLP(in_features=64, hidden=[8, 4], num_classes=10)
-    path = save_weights(other, write_run(tmp_path, NET) / "model.pth")
-    info = raised(RunError, lambda: load_network(path, allowed=TEMPLATE_TARGETS))
-    message = str(info.value)
-    assert "\n" not in message
-    assert "model.pth" in message and "unexpected keys" in message
-
-
-@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
-def test_corrupt_model_pth_is_one_line_naming_the_file(tmp_path: Path, damage: str) -> None:
-    net = MLP(in_features=64, hidden=[8], num_classes=10)
-    path = save_weights(net, write_run(tmp_path, NET) / "model.pth")
-    data = path.read_bytes()
-    path.write_bytes(
-        {"truncated": data[: len(data) // 2], "garbage": b"\x00" * 99, "empty": b""}[damage]
-    )
-    info = raised(RunError, lambda: load_network(path, allowed=TEMPLATE_TARGETS))
-    assert "\n" not in str(info.value) and str(path) in str(info.value)
-
-
-def test_load_network_maps_to_the_requested_device(tmp_path: Path) -> None:
-    net = MLP(in_features=64, hidden=[8], num_classes=10)
-    path = save_weights(net, write_run(tmp_path, NET) / "model.pth")
+    path = write_run(tmp_path, NET) / "model.pth"
+    if kind == "ours":
+        save_weights(net, path)
+    else:
+        torch.serialization.set_crc32_options(kind != "without-crc")
+        try:
+            torch.save(
+                net.state_dict(), path, _use_new_zipfile_serialization=kind != "legacy-format"
+            )
+        finally:
+            torch.serialization.set_crc32_options(True)
+    assert set(torch.load(path, weights_only=True)) == set(net.state_dict())
     loaded = load_network(path, device=torch.device("cpu"), allowed=TEMPLATE_TARGETS)
-    assert {p.device.type for p in loaded.parameters()} == {"cpu"}
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device to map onto")
-    assert {
-        p.device.type
-        for p in load_network(path, device="cuda", allowed=TEMPLATE_TARGETS).parameters()
-    } == {"cuda"}
+    assert not loaded.training and {p.device.type for p in loaded.parameters()} == {"cpu"}
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in net.state_dict().items())
+    if torch.cuda.is_available():
+        on_gpu = load_network(path, device="cuda", allowed=TEMPLATE_TARGETS)
+        assert {p.device.type for p in on_gpu.parameters()} == {"cuda"}
+
+
+UNREADABLE = "is not a readable checkpoint or state_dict (truncated or corrupt?): "
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        ("another-architecture", "unexpected keys"),
+        ("truncated", UNREADABLE),
+        ("garbage", UNREADABLE),
+        ("empty", "is an empty file"),
+        ("one-changed-bit", "is damaged: record "),
+    ],
+)
+def test_a_wrong_or_damaged_model_pth_is_one_line_naming_the_file(
+    tmp_path: Path, damage: str, expected: str
+) -> None:
+    hidden = [8, 4] if damage == "another-architecture" else [8]
+    path = save_weights(
+        MLP(in_features=64, hidden=hidden, num_classes=10), write_run(tmp_path, NET) / "model.pth"
+    )
+    data = path.read_bytes()
+    if damage == "one-changed-bit":
+        change_one_tensor_byte(path)
+        torch.load(path, weights_only=True)  # torch itself loads it without complaint
+    elif damage != "another-architecture":
+        path.write_bytes(
+            {"truncated": data[: len(data) // 2], "garbage": b"\x00" * 99, "empty": b""}[damage]
+        )
+    message = str(raised(RunError, lambda: load_network(path, allowed=TEMPLATE_TARGETS)).value)
+    assert "\n" not in message and str(path) in message and expected in message
 
 
 def test_build_trainer_uses_atomic_io() -> None:
@@ -164,17 +175,6 @@ def change_one_tensor_byte(path: Path) -> str:
     return info.filename
 
 
-def test_model_pth_with_one_changed_bit_is_refused_in_one_line(tmp_path: Path) -> None:
-    net = MLP(in_features=64, hidden=[8], num_classes=10)
-    path = save_weights(net, write_run(tmp_path, NET) / "model.pth")
-    change_one_tensor_byte(path)
-    torch.load(path, weights_only=True)  # torch itself loads it without complaint
-    info = raised(RunError, lambda: load_network(path, allowed=TEMPLATE_TARGETS))
-    message = str(info.value)
-    assert "\n" not in message and str(path) in message
-    assert "damaged" in message and "CRC-32" in message
-
-
 def test_checkpoint_with_one_changed_bit_is_refused_on_every_load_path(tmp_path: Path) -> None:
     path = tmp_path / "epoch_004.ckpt"
     AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.randn(64, 64)}}, path)
@@ -186,22 +186,6 @@ def test_checkpoint_with_one_changed_bit_is_refused_on_every_load_path(tmp_path:
     ):
         with pytest.raises(RunError, match=r"damaged.*CRC-32"):
             load()
-
-
-@pytest.mark.parametrize("kind", ["plain", "without-crc", "legacy-format"])
-def test_state_dicts_saved_by_plain_torch_elsewhere_still_load(tmp_path: Path, kind: str) -> None:
-    net = MLP(in_features=64, hidden=[8], num_classes=10)
-    path = write_run(tmp_path, NET) / "model.pth"
-    if kind == "without-crc":
-        torch.serialization.set_crc32_options(False)
-        try:
-            torch.save(net.state_dict(), path)
-        finally:
-            torch.serialization.set_crc32_options(True)
-    else:
-        torch.save(net.state_dict(), path, _use_new_zipfile_serialization=kind == "plain")
-    loaded = load_network(path, allowed=TEMPLATE_TARGETS)
-    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in net.state_dict().items())
 
 
 @pytest.mark.slow
@@ -241,8 +225,13 @@ def folder(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def base(folder: Path) -> Path:
-    """The folder of a test of several cases, each in its own subfolder."""
+    """The folder of a test of several cases, each in its own subfolder (:func:`case`)."""
     return folder
+
+
+def case(base: Path, name: str) -> Path:
+    (base / name).mkdir()
+    return base / name
 
 
 def small_net() -> MLP:
@@ -348,8 +337,7 @@ def test_resolve_ckpt_path_a_file_is_returned_absolute(
 
 
 def test_resolve_ckpt_path_of_a_run_or_last(base: Path) -> None:
-    folder = base / "0"
-    folder.mkdir()
+    folder = case(base, "0")
     nested = lightning_checkpoint(folder / "run a" / "checkpoints" / "last.ckpt", small_net())
     assert resolve_ckpt_path(str(folder / "run a"), folder) == nested.resolve()
     flat = lightning_checkpoint(folder / "run b" / "last.ckpt", small_net())
@@ -358,8 +346,7 @@ def test_resolve_ckpt_path_of_a_run_or_last(base: Path) -> None:
     assert resolve_ckpt_path(str(folder / "run b"), folder) == flat.resolve()
     lightning_checkpoint(folder / "run a" / "last.ckpt", small_net())
     assert resolve_ckpt_path(str(folder / "run a"), folder) == nested.resolve()
-    folder = base / "1"
-    folder.mkdir()
+    folder = case(base, "1")
     runs = folder / "train" / "runs"
     older = lightning_checkpoint(runs / "1" / "checkpoints" / "last.ckpt", small_net())
     newer = lightning_checkpoint(runs / "2" / "checkpoints" / "last.ckpt", small_net())
@@ -402,33 +389,28 @@ def test_resolve_ckpt_path_for_eval_a_run_directory_means_its_tested_weights(
 
 
 def test_load_file_reads_state_dicts_and_refuses_anything_else_in_one_line(base: Path) -> None:
-    folder = base / "0"
-    folder.mkdir()
+    folder = case(base, "0")
     for given, what in ((folder / "nowhere.pth", "does not exist"), (folder, "is a directory")):
         info = raised(RunError, lambda g=given: load_file(g))
         assert str(info.value).startswith(f"ckpt_path={str(given)!r} {what}")
-    folder = base / "1"
-    folder.mkdir()
+    folder = case(base, "1")
     path = folder / "given.pth"
     torch.save([torch.ones(2)], path)
     info = raised(RunError, lambda: load_file(path))
     assert str(info.value) == f"{str(path)!r} holds a list, not a state_dict"
-    folder = base / "2"
-    folder.mkdir()
+    folder = case(base, "2")
     path = save_weights(small_net(), folder / "model.pth")
     mapped = load_file(path, mmap=True)
     read = load_file(path)
     assert mapped.keys() == read.keys()
     assert all(torch.equal(mapped[k], read[k]) for k in read)
-    folder = base / "3"
-    folder.mkdir()
+    folder = case(base, "3")
     path = folder / "model.pth"
     torch.save(small_net().state_dict(), path, _use_new_zipfile_serialization=False)
     with pytest.raises(RuntimeError):
         torch.load(path, weights_only=True, mmap=True)
     assert load_file(path, mmap=True).keys() == small_net().state_dict().keys()
-    folder = base / "4"
-    folder.mkdir()
+    folder = case(base, "4")
     path = save_weights(small_net(), folder / "model.pth")
     data = bytearray(path.read_bytes())
     directory = data.find(b"PK\x01\x02")  # the central directory's first record
@@ -439,21 +421,6 @@ def test_load_file_reads_state_dicts_and_refuses_anything_else_in_one_line(base:
         f"{str(path)!r} is damaged: its archive structure cannot be read "
         "(Bad magic number for central directory)"
     )
-
-
-@pytest.mark.parametrize("size", [0, 1])
-def test_load_file_calls_only_a_zero_byte_file_empty(folder: Path, size: int) -> None:
-    path = folder / "given.pth"
-    path.write_bytes(b"P" * size)
-    info = raised(RunError, lambda: load_file(path))
-    message = str(info.value)
-    if size == 0:
-        assert message == f"ckpt_path={str(path)!r} is an empty file; expected a checkpoint"
-    else:
-        assert message.startswith(
-            f"{str(path)!r} is not a readable checkpoint or state_dict (truncated or corrupt?): "
-        )
-        assert "\n" not in message
 
 
 def test_load_file_reports_an_error_without_text_by_its_type(
@@ -479,22 +446,19 @@ def test_load_file_reports_an_error_without_text_by_its_type(
 
 
 def test_network_state_is_the_nets_tensors_or_one_line(base: Path) -> None:
-    folder = base / "0"
-    folder.mkdir()
+    folder = case(base, "0")
     net = small_net()
     data = load_file(lightning_checkpoint(folder / "given.ckpt", net))
     state = network_state(data, folder / "given.ckpt")
     assert state.keys() == net.state_dict().keys()  # criterion.weight and net. are gone
     assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())
-    folder = base / "1"
-    folder.mkdir()
+    folder = case(base, "1")
     plain = {"net.layer": torch.ones(1), "state_dict": torch.zeros(1)}  # names, not a checkpoint
     assert network_state(plain) is plain
     half = {"state_dict": {"net.w": torch.ones(1)}}  # no Lightning version: not a checkpoint
     with pytest.raises(RunError, match="'state_dict' is not a tensor"):
         network_state(half)
-    folder = base / "2"
-    folder.mkdir()
+    folder = case(base, "2")
     bad = {"pytorch-lightning_version": "2.6.0", "state_dict": [1, 2]}
     info = raised(RunError, lambda: network_state(bad, folder / "given.ckpt"))
     assert str(info.value) == f"{str(folder / 'given.ckpt')!r} has a state_dict that is not a dict"
@@ -506,8 +470,7 @@ def test_network_state_is_the_nets_tensors_or_one_line(base: Path) -> None:
     )
     info = raised(RunError, lambda: network_state({"w": 1}))
     assert str(info.value) == "'' is not a network's state_dict: 'w' is not a tensor"
-    folder = base / "4"
-    folder.mkdir()
+    folder = case(base, "4")
     path = folder / "given.ckpt"
     data = {
         "pytorch-lightning_version": "2.6.0",
@@ -522,8 +485,7 @@ def test_network_state_is_the_nets_tensors_or_one_line(base: Path) -> None:
 
 
 def test_load_network_rebuilds_from_the_saved_or_given_config(base: Path) -> None:
-    folder = base / "0"
-    folder.mkdir()
+    folder = case(base, "0")
     net = small_net()
     path = lightning_checkpoint(folder / "given.ckpt", net, config={"model": {"net": SMALL_NET}})
     OmegaConf.save(
@@ -532,16 +494,14 @@ def test_load_network_rebuilds_from_the_saved_or_given_config(base: Path) -> Non
     loaded = load_network(path, allowed=TEMPLATE_TARGETS)
     assert isinstance(loaded, MLP) and not loaded.training
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in net.state_dict().items())
-    folder = base / "1"
-    folder.mkdir()
+    folder = case(base, "1")
     net = small_net()
     OmegaConf.save({"model": {"net": SMALL_NET}}, folder / "config.yaml")
     up = lightning_checkpoint(folder / "checkpoints" / "last.ckpt", net)
     assert isinstance(load_network(up, allowed=TEMPLATE_TARGETS), MLP)
     beside = save_weights(net, folder / "model.pth")
     assert isinstance(load_network(beside, allowed=TEMPLATE_TARGETS), MLP)
-    folder = base / "2"
-    folder.mkdir()
+    folder = case(base, "2")
     net = small_net()
     path = save_weights(net, folder / "model.pth")
     info = raised(RunError, lambda: load_network(path, allowed=TEMPLATE_TARGETS))
@@ -556,8 +516,7 @@ def test_load_network_rebuilds_from_the_saved_or_given_config(base: Path) -> Non
 def test_load_network_rebuilds_a_model_without_net_and_loads_the_part_it_exported(
     base: Path,
 ) -> None:
-    folder = base / "3"
-    folder.mkdir()
+    folder = case(base, "3")
     trained = Regressor(width=5)
     config = {"model": {"_target_": f"{__name__}.Regressor", "width": 5}}
     data = {
@@ -580,8 +539,7 @@ def test_load_network_rebuilds_a_model_without_net_and_loads_the_part_it_exporte
     }
     again = load_network(weights, allowed=[__name__ + "."])
     assert all(torch.equal(again.state_dict()[k], v) for k, v in trained.state_dict().items())
-    folder = base / "4"
-    folder.mkdir()
+    folder = case(base, "4")
     trained, whole = small_net(), torch.nn.Module()
     whole.net = small_net()
     path = lightning_checkpoint(folder / "given.ckpt", trained)
@@ -632,8 +590,7 @@ class Regressor(torch.nn.Module):
 
 
 def test_run_config_is_model_and_data_checked_against_the_allow_list(base: Path) -> None:
-    folder = base / "0"
-    folder.mkdir()
+    folder = case(base, "0")
     config = {"model": {"net": SMALL_NET}, "data": {"batch_size": 4}, "paths": {"log_dir": "x"}}
     path = lightning_checkpoint(folder / "given.ckpt", small_net(), config=config)
     assert run_config(path, load_file(path), TEMPLATE_TARGETS) == {
@@ -647,16 +604,14 @@ def test_run_config_is_model_and_data_checked_against_the_allow_list(base: Path)
     OmegaConf.save({"model": {"net": SMALL_NET}}, folder / "config.yaml")
     plain = {"hyper_parameters": {"config": "text"}}
     assert run_config(path, plain, TEMPLATE_TARGETS) == {"model": {"net": SMALL_NET}}
-    folder = base / "1"
-    folder.mkdir()
+    folder = case(base, "1")
     path = lightning_checkpoint(
         folder / "given.ckpt", small_net(), config={"model": {"net": SMALL_NET}}
     )
     with pytest.raises(RunError, match=r"not under the trusted targets \[torch\.nn\.\]"):
         run_config(path, load_file(path), allowed=["torch.nn."])
     assert run_config(path, load_file(path), allowed=["tinyapp.models.MLP"])
-    folder = base / "2"
-    folder.mkdir()
+    folder = case(base, "2")
     path = lightning_checkpoint(
         folder / "given.ckpt", small_net(), config={"model": {"net": SMALL_NET}}
     )
@@ -664,8 +619,7 @@ def test_run_config_is_model_and_data_checked_against_the_allow_list(base: Path)
     assert str(info.value) == f"{str(path)!r} has no data config to rebuild it from"
     info = raised(RunError, lambda: run_config(path, load_file(path), needs=("data", "model")))
     assert str(info.value) == f"{str(path)!r} has no data config to rebuild it from"
-    folder = base / "3"
-    folder.mkdir()
+    folder = case(base, "3")
     path = save_weights(small_net(), folder / "model.pth")
     (folder / "config.yaml").write_text(
         "model:\n  net:\n    _target_: tinyapp.models.MLP\n    in_features: ${oc.env:HOME}\n",
@@ -683,22 +637,14 @@ def test_run_config_is_model_and_data_checked_against_the_allow_list(base: Path)
             "uses a YAML alias; configs saved by a run do not",
         ),
         ("- a\n", "is not a run config (a YAML mapping)"),
-        ("model: [\n", "cannot read"),
     ],
-    ids=["alias", "list", "broken"],
+    ids=["alias", "list"],
 )
 def test_config_yaml_problems_are_one_line(folder: Path, text: str, expected: str) -> None:
     path = save_weights(small_net(), folder / "model.pth")
     (folder / "config.yaml").write_text(text, encoding="utf-8")
     info = raised(RunError, lambda: load_network(path, allowed=TEMPLATE_TARGETS))
-    message = str(info.value)
-    assert "\n" not in message
-    source = repr(str(folder / "config.yaml"))
-    if expected == "cannot read":
-        assert message.startswith(f"cannot read {source} as a run config: ")
-        assert len(message) <= len(f"cannot read {source} as a run config: ") + 200
-    else:
-        assert message == f"{source} {expected}"
+    assert str(info.value) == f"{str(folder / 'config.yaml')!r} {expected}"
 
 
 def test_a_state_of_another_architecture_is_named_by_its_keys(base: Path) -> None:
@@ -713,8 +659,6 @@ def test_a_state_of_another_architecture_is_named_by_its_keys(base: Path) -> Non
         **{f"k{i}": torch.zeros(1) for i in range(1, 7)},
     }
     assert state_mismatch(expected, other) == "unexpected keys: x; shape mismatch: k0"
-    folder = base / "1"
-    folder.mkdir()
     net = small_net()
     before = {k: v.clone() for k, v in net.state_dict().items()}
     wrong = {k: torch.zeros(v.shape[::-1]) for k, v in before.items()}
@@ -724,8 +668,7 @@ def test_a_state_of_another_architecture_is_named_by_its_keys(base: Path) -> Non
 
 
 def test_atomic_write_leaves_the_old_file_or_the_new_one_and_says_why(base: Path) -> None:
-    folder = base / "0"
-    folder.mkdir()
+    folder = case(base, "0")
     target = folder / "new dir" / "model.pth"
     atomic_write(target, lambda handle: handle.write(b"bytes"))
     assert target.read_bytes() == b"bytes"
@@ -733,8 +676,7 @@ def test_atomic_write_leaves_the_old_file_or_the_new_one_and_says_why(base: Path
     os.umask(umask)
     assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~umask
     assert sorted(p.name for p in target.parent.iterdir()) == ["model.pth"]
-    folder = base / "1"
-    folder.mkdir()
+    folder = case(base, "1")
     target = folder / "model.pth"
     info = raised(FileWriteError, lambda: atomic_write(target, full_disk))
     assert str(info.value) == (
@@ -747,8 +689,7 @@ def test_atomic_write_leaves_the_old_file_or_the_new_one_and_says_why(base: Path
     assert str(info.value).endswith("; its previous version is unchanged")
     assert info.value.problem.startswith("the disk is full: ")
     assert target.read_bytes() == b"old" and list(folder.iterdir()) == [target]
-    folder = base / "2"
-    folder.mkdir()
+    folder = case(base, "2")
 
     def no_permission(handle: Any) -> None:
         raise PermissionError(errno.EACCES, "Permission denied")
@@ -773,8 +714,7 @@ def test_atomic_write_leaves_the_old_file_or_the_new_one_and_says_why(base: Path
 
 
 def test_atomic_write_names_the_os_error_behind_a_failed_write(base: Path) -> None:
-    folder = base / "3"
-    folder.mkdir()
+    folder = case(base, "3")
 
     def bug(handle: Any) -> None:
         handle.write(b"some")
@@ -783,8 +723,7 @@ def test_atomic_write_names_the_os_error_behind_a_failed_write(base: Path) -> No
     with pytest.raises(KeyError, match="a bug in the writer"):
         atomic_write(folder / "model.pth", bug)
     assert list(folder.iterdir()) == []
-    folder = base / "4"
-    folder.mkdir()
+    folder = case(base, "4")
 
     def like_torch_save(handle: Any) -> None:
         try:
@@ -809,8 +748,7 @@ def test_atomic_write_names_the_os_error_behind_a_failed_write(base: Path) -> No
         checkpointing._ErrorKeepingFile.write = original  # type: ignore[method-assign]
     assert str(info.value).startswith("the disk is full: could not write ")
     assert "(Disk quota exceeded)" in str(info.value)
-    folder = base / "5"
-    folder.mkdir()
+    folder = case(base, "5")
     (folder / "plain file").write_text("x")
     target = folder / "plain file" / "model.pth"
     info = raised(FileWriteError, lambda: atomic_write(target, lambda handle: handle.write(b"x")))
@@ -824,8 +762,7 @@ def full_disk(handle: Any) -> None:
 
 
 def test_only_dead_writers_leftovers_are_removed(base: Path) -> None:
-    folder = base / "0"
-    folder.mkdir()
+    folder = case(base, "0")
     name = ".model.pth.{pid}-{host}-0badc0de.tmp"
     host = checkpointing._HOST
     writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -853,8 +790,7 @@ def test_only_dead_writers_leftovers_are_removed(base: Path) -> None:
     assert sorted(removed) == sorted([dead, foreign_old, a_dir])
     assert own.exists() and parent.exists() and foreign_fresh.exists() and live_dir.is_dir()
     assert remove_stale_temporaries(folder / "missing") == []
-    folder = base / "1"
-    folder.mkdir()
+    folder = case(base, "1")
     target = folder / "keep.bin"
     target.write_bytes(b"x")
     link = folder / f".model.pth.{2**22 + 1}-{checkpointing._HOST}-0badc0de.tmp"
@@ -864,8 +800,7 @@ def test_only_dead_writers_leftovers_are_removed(base: Path) -> None:
 
 
 def test_atomic_link_makes_a_second_name_of_the_same_bytes(base: Path) -> None:
-    folder = base / "0"
-    folder.mkdir()
+    folder = case(base, "0")
     source = folder / "epoch_003.ckpt"
     source.write_bytes(b"weights")
     target = folder / "sub dir" / "last.ckpt"
@@ -875,8 +810,7 @@ def test_atomic_link_makes_a_second_name_of_the_same_bytes(base: Path) -> None:
     assert target.read_bytes() == b"weights"
     assert os.path.samefile(source, target)
     assert sorted(p.name for p in target.parent.iterdir()) == ["last.ckpt"]
-    folder = base / "1"
-    folder.mkdir()
+    folder = case(base, "1")
     source = folder / "epoch_003.ckpt"
     source.write_bytes(b"weights")
     target = folder / "a" / "b" / "last.ckpt"
@@ -906,28 +840,31 @@ def test_atomic_link_copies_where_there_are_no_hard_links(
     assert sorted(p.name for p in folder.iterdir()) == ["epoch_003.ckpt", "last.ckpt"]
 
 
+@pytest.mark.parametrize("existing", [False, True])
 def test_atomic_link_that_cannot_rename_is_one_line(
-    folder: Path, monkeypatch: pytest.MonkeyPatch
+    folder: Path, monkeypatch: pytest.MonkeyPatch, existing: bool
 ) -> None:
     source = folder / "epoch_003.ckpt"
     source.write_bytes(b"weights")
     target = folder / "last.ckpt"
+    if existing:
+        target.write_bytes(b"old")
 
     def full(*args: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "replace", full)
     info = raised(FileWriteError, lambda: atomic_link(source, target))
+    outcome = "its previous version is unchanged" if existing else "nothing was written"
     assert str(info.value) == (
-        f"the disk is full: could not write {str(target)!r} (No space left on device); "
-        "nothing was written"
+        f"the disk is full: could not write {str(target)!r} (No space left on device); {outcome}"
     )
-    assert sorted(p.name for p in folder.iterdir()) == ["epoch_003.ckpt"]
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch_003.ckpt"] + ["last.ckpt"] * existing
+    assert not existing or target.read_bytes() == b"old"
 
 
 def test_a_full_disk_is_one_line_naming_the_last_good_checkpoint(base: Path) -> None:
-    folder = base / "0"
-    folder.mkdir()
+    folder = case(base, "0")
     assert last_good_checkpoint(folder) == "no checkpoint was kept before it"
     (folder / "notes.txt").write_text("x")
     (folder / "dir.ckpt").mkdir()
@@ -942,8 +879,7 @@ def test_a_full_disk_is_one_line_naming_the_last_good_checkpoint(base: Path) -> 
     assert (
         last_good_checkpoint(folder, prefer=missing) == f"the last good checkpoint is {str(new)!r}"
     )
-    folder = base / "1"
-    folder.mkdir()
+    folder = case(base, "1")
     run = folder / "run"
     (run / "checkpoints").mkdir(parents=True)
     with pytest.raises(FileWriteError) as info, full_disk_in_one_line(run):
@@ -969,8 +905,7 @@ def test_a_full_disk_is_one_line_naming_the_last_good_checkpoint(base: Path) -> 
 
 
 def test_a_full_disk_keeps_the_first_error(base: Path) -> None:
-    folder = base / "2"
-    folder.mkdir()
+    folder = case(base, "2")
     with pytest.raises(ValueError, match="not about the disk"), full_disk_in_one_line(folder):
         raise ValueError("not about the disk")
     with pytest.raises(PermissionError), full_disk_in_one_line(folder):
@@ -991,20 +926,28 @@ def test_a_full_disk_keeps_the_first_error(base: Path) -> None:
     assert info.value is first
 
 
+@pytest.mark.parametrize("same", [False, True])
 def test_a_failed_checkpoint_save_names_the_checkpoint_and_what_remains(
-    folder: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, same: bool
 ) -> None:
-    kept = folder / "epoch_000.ckpt"
+    """The kept checkpoint: the target itself if it exists, else the newest; "checkpoint" is said
+    once even where the folder's name says "write"."""
+    folder = tmp_path / "notes to write up"
+    kept = folder / ("last.ckpt" if same else "epoch_000.ckpt")
     AtomicCheckpointIO().save_checkpoint({"w": torch.ones(1)}, kept)
+    newer = folder / "epoch_009.ckpt"
+    if same:
+        AtomicCheckpointIO().save_checkpoint({"w": torch.ones(1)}, newer)
+        os.utime(newer, (time.time() + 60, time.time() + 60))
 
     def fails(obj: Any, handle: Any, *args: Any, **kwargs: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(torch, "save", fails)
-    target = folder / "epoch_001.ckpt"
+    target = kept if same else folder / "epoch_001.ckpt"
     info = raised(
         checkpointing.CheckpointSaveError,
-        lambda: AtomicCheckpointIO().save_checkpoint({"w": torch.ones(1)}, f"file://{target}"),
+        lambda: AtomicCheckpointIO().save_checkpoint({"w": torch.ones(2)}, f"file://{target}"),
     )
     assert str(info.value) == (
         f"the disk is full: could not write checkpoint {str(target)!r} (No space left on device); "
@@ -1016,6 +959,7 @@ def test_a_failed_checkpoint_save_names_the_checkpoint_and_what_remains(
 def test_remote_checkpoints_and_storage_options_keep_lightnings_way(
     folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import fsspec
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
     calls: list[tuple[Any, str, Any]] = []
@@ -1033,6 +977,22 @@ def test_remote_checkpoints_and_storage_options_keep_lightnings_way(
         ({"b": 2}, str(folder / "b.ckpt"), {"x": 1}),
     ]
     assert not (folder / "b.ckpt").exists()
+    monkeypatch.undo()
+    # a remote checkpoint is never read as a local file (what its URL reads as a local path)
+    remote = "memory://bucket/given.ckpt"
+    with fsspec.open(remote, "wb") as handle:
+        torch.save({"w": torch.arange(3)}, handle)
+    monkeypatch.chdir(folder)
+    local = Path("memory:") / "bucket" / "given.ckpt"
+    local.parent.mkdir(parents=True)
+    with zipfile.ZipFile(local, "w", compression=zipfile.ZIP_STORED) as archive:
+        archive.writestr("a", b"hello" * 100)
+    data = bytearray(local.read_bytes())
+    data[30 + 1 + 50] ^= 0x01  # header (30 bytes), the name "a", then inside the data
+    local.write_bytes(bytes(data))
+    with pytest.raises(RunError):
+        verify_archive(local)
+    assert torch.equal(AtomicCheckpointIO().load_checkpoint(remote)["w"], torch.arange(3))
 
 
 def test_verify_archive_checks_a_file_once_per_version(
@@ -1056,26 +1016,22 @@ def test_verify_archive_checks_a_file_once_per_version(
 
 
 def test_loads_are_verified_and_mapped(base: Path) -> None:
-    folder = base / "0"
-    folder.mkdir()
+    folder = case(base, "0")
     info = raised(RunError, lambda: verify_archive(folder / "nowhere.pth"))
     assert (
         str(info.value) == f"cannot read {str(folder / 'nowhere.pth')!r}: No such file or directory"
     )
-    folder = base / "1"
-    folder.mkdir()
+    folder = case(base, "1")
     path = save_weights(torch.nn.Linear(64, 64), folder / "model.pth")
     name = change_one_tensor_byte(path)
     assert str(raised(RunError, lambda: verify_archive(path)).value) == (
         f"{str(path)!r} is damaged: record {name!r} does not match its stored CRC-32 "
         "checksum (bytes changed on disk or in a copy); use an intact copy of the file"
     )
-    folder = base / "2"
-    folder.mkdir()
+    folder = case(base, "2")
     with pytest.raises(FileNotFoundError, match="Checkpoint file not found"):
         AtomicCheckpointIO().load_checkpoint(folder / "nowhere.ckpt")
-    folder = base / "3"
-    folder.mkdir()
+    folder = case(base, "3")
     path = folder / "given.ckpt"
     AtomicCheckpointIO().save_checkpoint({"w": torch.arange(3)}, path)
     seen: list[str] = []
@@ -1087,56 +1043,6 @@ def test_loads_are_verified_and_mapped(base: Path) -> None:
     loaded = AtomicCheckpointIO().load_checkpoint(path, map_location=locate)
     assert torch.equal(loaded["w"], torch.arange(3)) and seen == ["cpu"]
     assert torch.equal(AtomicCheckpointIO().load_checkpoint(path)["w"], torch.arange(3))
-
-
-def test_a_failed_save_says_checkpoint_once_even_if_the_path_says_write(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    folder = tmp_path / "notes to write up"
-    target = folder / "last.ckpt"
-    AtomicCheckpointIO().save_checkpoint({"w": torch.ones(1)}, target)
-    newer = folder / "epoch_009.ckpt"
-    AtomicCheckpointIO().save_checkpoint({"w": torch.ones(1)}, newer)
-    os.utime(newer, (time.time() + 60, time.time() + 60))
-
-    def fails(obj: Any, handle: Any, *args: Any, **kwargs: Any) -> None:
-        raise OSError(errno.EACCES, "Permission denied")
-
-    monkeypatch.setattr(torch, "save", fails)
-    info = raised(
-        checkpointing.CheckpointSaveError,
-        lambda: AtomicCheckpointIO().save_checkpoint({"w": torch.ones(2)}, target),
-    )
-    assert str(info.value) == (
-        f"could not write checkpoint {str(target)!r}: Permission denied; "
-        f"the last good checkpoint is {str(target)!r}"
-    )
-
-
-def damaged_zip(path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
-        archive.writestr("a", b"hello" * 100)
-    data = bytearray(path.read_bytes())
-    data[30 + 1 + 50] ^= 0x01  # header (30 bytes), the name "a", then inside the data
-    path.write_bytes(bytes(data))
-    return path
-
-
-def test_a_remote_checkpoint_is_never_read_as_a_local_file(
-    folder: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import fsspec
-
-    remote = "memory://bucket/given.ckpt"
-    with fsspec.open(remote, "wb") as handle:
-        torch.save({"w": torch.arange(3)}, handle)
-    monkeypatch.chdir(folder)
-    damaged_zip(Path("memory:") / "bucket" / "given.ckpt")  # what the URL reads as a local path
-    with pytest.raises(RunError):
-        verify_archive(Path("memory:") / "bucket" / "given.ckpt")
-    loaded = AtomicCheckpointIO().load_checkpoint(remote)
-    assert torch.equal(loaded["w"], torch.arange(3))
 
 
 def test_a_live_writers_process_is_only_looked_at(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1164,23 +1070,6 @@ def test_a_live_writers_process_is_only_looked_at(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(os, "kill", not_ours)
     assert checkpointing._alive(12345)  # another user's process: alive, its file is kept
-
-
-def test_atomic_link_failing_over_an_existing_file_says_it_is_unchanged(
-    folder: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    source = folder / "epoch_003.ckpt"
-    source.write_bytes(b"weights")
-    target = folder / "last.ckpt"
-    target.write_bytes(b"old")
-
-    def full(*args: Any) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(os, "replace", full)
-    info = raised(FileWriteError, lambda: atomic_link(source, target))
-    assert str(info.value).endswith("; its previous version is unchanged")
-    assert target.read_bytes() == b"old"
 
 
 def test_an_unreadable_config_yaml_gives_the_parsers_reason(
@@ -1309,8 +1198,7 @@ def test_a_legacy_file_read_for_its_shapes_is_still_loaded_safely(
 
 
 def test_sharded_checkpoint_directories(base: Path) -> None:
-    folder = base / "0"
-    folder.mkdir()
+    folder = case(base, "0")
     import torch.distributed.checkpoint as dcp
 
     target = folder / "last.ckpt"
@@ -1354,8 +1242,7 @@ def test_sharded_checkpoint_directories(base: Path) -> None:
 
 
 def test_sharded_checkpoint_directories_are_staged_and_swapped_in(base: Path) -> None:
-    folder = base / "1"
-    folder.mkdir()
+    folder = case(base, "1")
     a, b = folder / "a", folder / "b"
     for path in (a, b):
         path.mkdir()
@@ -1363,8 +1250,7 @@ def test_sharded_checkpoint_directories_are_staged_and_swapped_in(base: Path) ->
     assert checkpointing._exchange(a, b)
     assert (a / "x").read_text() == "b" and (b / "x").read_text() == "a"
     assert not checkpointing._exchange(a, folder / "missing")
-    folder = base / "2"
-    folder.mkdir()
+    folder = case(base, "2")
     target = folder / "a b" / "last.ckpt"
     staging = checkpointing.new_staging_dir(target)
     assert staging.parent == target.parent and checkpointing._TEMP.fullmatch(staging.name)
@@ -1379,8 +1265,7 @@ def test_sharded_checkpoint_directories_are_staged_and_swapped_in(base: Path) ->
     single.write_text("a file before")
     checkpointing.swap_in(again, single)
     assert single.is_dir() and not again.exists()
-    folder = base / "3"
-    folder.mkdir()
+    folder = case(base, "3")
     import zlib
 
     (folder / "sub").mkdir()

@@ -1,10 +1,8 @@
-"""A kill -9 at any moment leaves a last.ckpt that loads and resumes.
+"""A kill -9 at any moment leaves a last.ckpt that loads and resumes; a full disk or a run
+directory taken away ends a run in one line.
 
-One driver process imports torch and Lightning once, then forks a training run per round (the
-real Hydra entry point, saving a checkpoint every step), kills it with SIGKILL at a random moment
-after its first checkpoint, and checks that ``last.ckpt`` loads with ``weights_only=True``. Each
-round resumes from the previous round's ``last.ckpt``, so "it resumes" is checked 20 times too:
-a round passes only when its own ``last.ckpt`` shows a later step than the one it started from.
+The kill test forks training runs (a checkpoint every step) from one driver, kills each at a
+random moment, and resumes the next round from the killed one's ``last.ckpt``.
 """
 
 from __future__ import annotations
@@ -81,18 +79,18 @@ print(json.dumps(results))
 
 
 @pytest.mark.slow
-def test_kill_9_twenty_times_leaves_a_loadable_resumable_last_ckpt(tmp_path: Path) -> None:
+def test_kill_9_ten_times_leaves_a_loadable_resumable_last_ckpt(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-c", DRIVER, str(tmp_path / "logs"), "20"],
+        [sys.executable, "-c", DRIVER, str(tmp_path / "logs"), "10"],
         cwd=tmp_path,
         env=clean_env(),
         capture_output=True,
         text=True,
-        timeout=600,  # ~1 s a round; a loaded 2-core machine needed 300 s for the 20
+        timeout=600,  # ~1 s a round; a loaded 2-core machine needed 300 s for 20
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(results) == 20, results
+    assert len(results) == 10, results
     for result in results:
         assert result["error"] is None, result
         assert result["step"] > result["started_from"], result

@@ -26,29 +26,40 @@ from runkit.safety.checkpoints import AtomicCheckpointIO
 from runkit.safety.model_checkpoint import ModelCheckpoint
 
 
-def last_epoch_after_fit(tmp_path: Path, callback_class: type) -> int:
+def fit(
+    dirpath: Path,
+    epochs: int = 2,
+    batches: int = 3,
+    callback_class: type = ModelCheckpoint,
+    ckpt_path: Any = None,
+    extra: tuple[pl.Callback, ...] = (),
+    **args: Any,
+) -> tuple[pl.Trainer, LightningModelCheckpoint]:
+    """Fit the digits MLP with the crash-safe I/O and a checkpoint callback made of ``args``."""
     pl.seed_everything(0)
-    # "max" of a falling val/loss: the best is epoch 0, nothing improves after it.
-    checkpoint = callback_class(
-        dirpath=tmp_path, monitor="val/loss", mode="max", save_top_k=1, save_last=True
-    )
+    checkpoint = callback_class(dirpath=dirpath, save_last=True, **args)
     trainer = pl.Trainer(
-        max_epochs=4,
-        accelerator="cpu",
-        logger=False,
-        callbacks=[checkpoint],
-        limit_train_batches=3,
-        limit_val_batches=2,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+        max_epochs=epochs, accelerator="cpu", logger=False, callbacks=[checkpoint, *extra],
+        plugins=[AtomicCheckpointIO()], limit_train_batches=batches, limit_val_batches=batches - 1,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
     module = ClassifierModule(MLP(hidden=(16,)), partial(torch.optim.SGD, lr=0.1))
-    trainer.fit(module, datamodule=DigitsDataModule(batch_size=32))
-    return torch.load(tmp_path / "last.ckpt", weights_only=True)["epoch"]
+    trainer.fit(module, datamodule=DigitsDataModule(batch_size=32), ckpt_path=ckpt_path)
+    return trainer, checkpoint
 
 
-def test_last_ckpt_holds_the_final_epoch(tmp_path: Path) -> None:
-    assert last_epoch_after_fit(tmp_path, ModelCheckpoint) == 3
+# "max" of a falling val/loss: the best is epoch 0, nothing improves after it.
+NOT_IMPROVING = {"monitor": "val/loss", "mode": "max"}
+
+
+@pytest.mark.parametrize("callback_class", [ModelCheckpoint, LightningModelCheckpoint])
+def test_last_ckpt_holds_the_final_epoch(tmp_path: Path, callback_class: type) -> None:
+    """Lightning alone leaves it behind: if Lightning fixes that, drop the subclass."""
+    fit(tmp_path, 4, callback_class=callback_class, save_top_k=1, **NOT_IMPROVING)
+    epoch = torch.load(tmp_path / "last.ckpt", weights_only=True)["epoch"]
+    if callback_class is LightningModelCheckpoint and epoch == 3:
+        pytest.fail("Lightning now keeps last.ckpt current: drop runkit.safety.model_checkpoint")
+    assert epoch == (3 if callback_class is ModelCheckpoint else 0)
 
 
 @pytest.mark.parametrize("save_top_k", [0, 1])
@@ -61,34 +72,12 @@ def test_last_ckpt_follows_each_save_point_during_the_run(tmp_path: Path, save_t
             last = tmp_path / "last.ckpt"
             seen.append(torch.load(last, weights_only=True)["epoch"] if last.exists() else None)
 
-    checkpoint = ModelCheckpoint(
-        dirpath=tmp_path, monitor="val/loss", mode="max", save_top_k=save_top_k, save_last=True
-    )
-    trainer = pl.Trainer(
-        max_epochs=3, accelerator="cpu", logger=False, callbacks=[checkpoint, Spy()],
-        limit_train_batches=2, limit_val_batches=1, enable_progress_bar=False,
-        enable_model_summary=False,
-    )  # fmt: skip
-    module = ClassifierModule(MLP(hidden=(16,)), partial(torch.optim.SGD, lr=0.1))
-    trainer.fit(module, datamodule=DigitsDataModule(batch_size=32))
+    fit(tmp_path, 3, 2, extra=(Spy(),), save_top_k=save_top_k, **NOT_IMPROVING)
     assert seen == [None, 0, 1]
 
 
-def test_lightning_alone_leaves_last_ckpt_behind(tmp_path: Path) -> None:
-    """The reason for the subclass; if Lightning fixes it, this fails and the subclass can go."""
-    epoch = last_epoch_after_fit(tmp_path, LightningModelCheckpoint)
-    if epoch == 3:
-        pytest.fail("Lightning now keeps last.ckpt current: drop runkit.safety.model_checkpoint")
-    assert epoch == 0
-
-
-# --------------------------------------------------------------------------- one serialisation
-
-
-def fit_counting_saves(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **checkpoint_args: Any
-) -> tuple[ModelCheckpoint, list[str]]:
-    """Fit with the crash-safe I/O; return the callback and one entry per ``torch.save``."""
+def counted_saves(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """One entry per ``torch.save`` from now on."""
     saves: list[str] = []
     real_save = torch.save
 
@@ -97,29 +86,15 @@ def fit_counting_saves(
         real_save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", counting_save)
-    pl.seed_everything(0)
-    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True, **checkpoint_args)
-    trainer = pl.Trainer(
-        max_epochs=2,
-        accelerator="cpu",
-        logger=False,
-        callbacks=[checkpoint],
-        plugins=[AtomicCheckpointIO()],
-        limit_train_batches=2,
-        limit_val_batches=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    module = ClassifierModule(MLP(hidden=(16,)), partial(torch.optim.SGD, lr=0.1))
-    trainer.fit(module, datamodule=DigitsDataModule(batch_size=32))
-    return checkpoint, saves
+    return saves
 
 
 def test_best_and_last_at_one_step_are_serialised_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # monitor=None: every epoch writes a new top-k file and last.ckpt (Lightning: 2 saves each).
-    checkpoint, saves = fit_counting_saves(tmp_path, monkeypatch, monitor=None, save_top_k=-1)
+    saves = counted_saves(monkeypatch)
+    _, checkpoint = fit(tmp_path, 2, 2, monitor=None, save_top_k=-1)
     assert len(saves) == 2, saves  # one per save point
     best, last = Path(checkpoint.best_model_path), tmp_path / "last.ckpt"
     assert best.name == "epoch=1-step=4.ckpt"
@@ -140,7 +115,8 @@ def test_without_hard_links_last_ckpt_is_a_copy_of_the_same_bytes(
         raise PermissionError(errno.EPERM, "Operation not permitted")
 
     monkeypatch.setattr(os, "link", no_links)
-    checkpoint, saves = fit_counting_saves(tmp_path, monkeypatch, monitor=None, save_top_k=1)
+    saves = counted_saves(monkeypatch)
+    _, checkpoint = fit(tmp_path, 2, 2, monitor=None, save_top_k=1)
     assert len(saves) == 2, saves
     best, last = Path(checkpoint.best_model_path), tmp_path / "last.ckpt"
     assert last.stat().st_ino != best.stat().st_ino
@@ -148,42 +124,19 @@ def test_without_hard_links_last_ckpt_is_a_copy_of_the_same_bytes(
     assert {p.name for p in tmp_path.iterdir()} == {best.name, last.name}
 
 
-# --------------------------------------------------------------------------- relocatable resume
-
-
-def fit(
-    dirpath: Path, epochs: int, callback_class: type = ModelCheckpoint, ckpt_path: Any = None
-) -> tuple[pl.Trainer, LightningModelCheckpoint]:
-    pl.seed_everything(0)
-    checkpoint = callback_class(
-        dirpath=dirpath, monitor="val/acc", mode="max", save_top_k=1, save_last=True
-    )
-    trainer = pl.Trainer(
-        max_epochs=epochs,
-        accelerator="cpu",
-        logger=False,
-        callbacks=[checkpoint],
-        plugins=[AtomicCheckpointIO()],
-        limit_train_batches=3,
-        limit_val_batches=2,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    module = ClassifierModule(MLP(hidden=(16,)), partial(torch.optim.SGD, lr=0.1))
-    trainer.fit(module, datamodule=DigitsDataModule(batch_size=32), ckpt_path=ckpt_path)
-    return trainer, checkpoint
+BEST = {"monitor": "val/acc", "mode": "max", "save_top_k": 1}
 
 
 @pytest.mark.slow
 def test_a_moved_finished_run_resumes_with_its_best_checkpoint_its_own(tmp_path: Path) -> None:
-    _, first = fit(tmp_path / "run a" / "checkpoints", epochs=2)
+    _, first = fit(tmp_path / "run a" / "checkpoints", **BEST)
     best_name, best_score = Path(first.best_model_path).name, first.best_model_score
     moved = tmp_path / "elsewhere" / "run é"
     moved.parent.mkdir()
     shutil.move(tmp_path / "run a", moved)
 
     own = tmp_path / "run b" / "checkpoints"
-    trainer, resumed = fit(own, epochs=2, ckpt_path=moved / "checkpoints" / "last.ckpt")
+    trainer, resumed = fit(own, ckpt_path=moved / "checkpoints" / "last.ckpt", **BEST)
     best = Path(resumed.best_model_path)
     assert best == own / best_name and best.is_file()  # its own directory, not the old path
     assert best.read_bytes() == (moved / "checkpoints" / best_name).read_bytes()
@@ -192,8 +145,9 @@ def test_a_moved_finished_run_resumes_with_its_best_checkpoint_its_own(tmp_path:
     assert resumed.best_model_path == str(best)  # test's restore does not point elsewhere
 
     # Lightning alone: the moved run's old absolute path, which no longer exists.
+    last = moved / "checkpoints" / "last.ckpt"
     _, plain = fit(
-        tmp_path / "run c", 2, LightningModelCheckpoint, moved / "checkpoints" / "last.ckpt"
+        tmp_path / "run c", callback_class=LightningModelCheckpoint, ckpt_path=last, **BEST
     )
     assert not Path(plain.best_model_path).exists()
 

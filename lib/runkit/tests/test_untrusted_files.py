@@ -109,15 +109,6 @@ def test_tricks_to_slip_a_target_past_the_check_are_refused(
     assert "given.ckpt" in message
 
 
-def test_a_target_reached_through_a_module_attribute_is_named_by_what_it_is(
-    tmp_path: Path,
-) -> None:
-    path = crafted_checkpoint(
-        tmp_path / "given.ckpt", {"model": {"net": TRICKS["through-an-import"](tmp_path / "m")}}
-    )
-    assert "torch.serialization.save" in refusal(path)
-
-
 def test_an_allowed_prefix_covers_whole_names_only() -> None:
     assert is_allowed("project.models.nets.MLP", ["project"])
     assert is_allowed("project.models.nets.MLP", ["project."])
@@ -158,14 +149,6 @@ def test_a_node_shared_by_reference_is_refused_before_it_is_expanded(tmp_path: P
         node = {"a": node, "b": node}
     path = crafted_checkpoint(tmp_path / "given.ckpt", {"model": {"net": {**NET, "x": node}}})
     assert "by reference" in refusal(path)
-
-
-def test_a_config_nested_without_end_is_refused(tmp_path: Path) -> None:
-    node: dict[str, Any] = {"leaf": 1}
-    for _ in range(500):
-        node = {"a": node}
-    with pytest.raises(RunError, match="deeper than"):
-        check_trusted({"model": node}, TRUSTED_TARGETS, tmp_path / "given.ckpt")
 
 
 def test_a_users_own_package_loads_once_allowed(
@@ -317,10 +300,6 @@ def test_check_trusted_refuses_malformed_targets_and_configs() -> None:
     assert "at the top" in refused("${x}")
     assert refused({"${x}": 1}) == "'given.ckpt' holds an interpolation in a key ('${x}')"
     assert refused({"list": ["${" + "q" * 80 + "}"]}).count("q") == 58
-    shared: dict[str, Any] = {"leaf": 1}
-    assert refused({"a": shared, "b": shared}).startswith(
-        "'given.ckpt' repeats one config node by reference (at "
-    )
     shared_list: list[Any] = [1]
     assert "by reference" in refused([shared_list, shared_list])
     check_trusted({"a": 1, "b": 1, "c": "x", "d": "x"}, [], "given.ckpt")  # equal values are fine
@@ -335,7 +314,7 @@ def test_check_trusted_refuses_malformed_targets_and_configs() -> None:
     assert refused(nested(MAX_DEPTH + 1)) == (
         f"'given.ckpt' nests its config deeper than {MAX_DEPTH} levels"
     )
-    shared: dict[str, Any] = {"leaf": 1}
+    shared = {"leaf": 1}
     assert refused({"a": shared, "b": shared}) in (
         "'given.ckpt' repeats one config node by reference (at a); configs saved by a run never do",
         "'given.ckpt' repeats one config node by reference (at b); configs saved by a run never do",

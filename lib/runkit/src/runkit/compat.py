@@ -47,12 +47,6 @@ def _trainer_attribute(name: str) -> Callable[[], bool]:
     return lambda: hasattr(_trainer(), name)
 
 
-def _default_store_probe() -> bool:
-    import torch.distributed.distributed_c10d as c10d
-
-    return callable(getattr(c10d, "_get_default_store", None))
-
-
 def _hydra_args_parser() -> bool:
     args = hydra_args_parser().parse_args(["-m", "--cfg", "job", "-cd", "d", "a=1"])
     return (
@@ -87,32 +81,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         _trainer_attribute("_signal_connector"),
     ),
     PrivateApi(
-        "lightning.pytorch.loops.training_epoch_loop:_TrainingEpochLoop",
-        "_batches_that_stepped",
-        "runkit.compat.logging_step (GpuStatsMonitor's rows)",
-        "the step Lightning logs its own rows at (its LearningRateMonitor and DeviceStatsMonitor "
-        "read it too); trainer.global_step is one ahead of it at a validation's and an epoch's end",
-        lambda: "_batches_that_stepped" in vars(_trainer_attribute_value("fit_loop").epoch_loop),
-    ),
-    PrivateApi(
-        "lightning.pytorch.callbacks:ModelCheckpoint",
-        "_save_topk_checkpoint",
-        "runkit.safety.model_checkpoint",
-        "last.ckpt at every save point (Lightning 2.6 lets it fall behind)",
-    ),
-    PrivateApi(
-        "lightning.pytorch.callbacks:ModelCheckpoint",
-        "_save_last_checkpoint",
-        "runkit.safety.model_checkpoint",
-        "last.ckpt as a hard link to the best file written at the same step",
-    ),
-    PrivateApi(
-        "lightning.pytorch.callbacks:ModelCheckpoint",
-        "_save_checkpoint",
-        "runkit.safety.model_checkpoint",
-        "knowing which file a save point wrote",
-    ),
-    PrivateApi(
         "rich.live:Live",
         "_refresh_thread",
         "runkit.compat.detach_refresh_thread (runkit.run.progress_bar)",
@@ -125,14 +93,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
                 "lightning.pytorch.callbacks.progress.rich_progress:CustomProgress.stop"
             ).__code__.co_names
         ),
-    ),
-    PrivateApi(
-        "torch.distributed.distributed_c10d",
-        "_get_default_store",
-        "runkit.compat.default_store (gpu_stats' exchange between ranks)",
-        "the job's key-value store: ranks hand rank 0 their figures without a collective, "
-        "which would deadlock against Lightning's rank-0-only metric sync",
-        _default_store_probe,
     ),
     PrivateApi(
         "lightning.pytorch.strategies.launchers.subprocess_script:_SubprocessScriptLauncher",
@@ -262,12 +222,6 @@ def skip_unused_batch_hooks(callback: Any) -> None:
             setattr(callback, name, None)
 
 
-def logging_step(trainer: Any) -> int:
-    """The step Lightning logs its own rows at now (private: see PRIVATE_APIS). A training
-    epoch's end is the exception: Lightning logs the epoch's rows one lower, at its last batch."""
-    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
-
-
 def detach_refresh_thread(progress: Any) -> None:
     """Tell a Rich display's refresh thread to end and let the display stop without joining it
     (private: see PRIVATE_APIS). Lightning's thread sleeps a whole redraw interval between
@@ -279,13 +233,6 @@ def detach_refresh_thread(progress: Any) -> None:
         thread.refresh_cond = False  # Lightning's "redraw when you wake" request
         thread.stop()
         live._refresh_thread = None
-
-
-def default_store() -> Any:
-    """The default process group's key-value store (private: see PRIVATE_APIS)."""
-    import torch.distributed.distributed_c10d as c10d
-
-    return c10d._get_default_store()
 
 
 def hydra_args_parser() -> Any:

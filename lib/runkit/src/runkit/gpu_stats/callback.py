@@ -1,13 +1,11 @@
 """GPU statistics per epoch from NVML: what the GPUs of *this run* did, not a snapshot.
 
 Why not Lightning's ``DeviceStatsMonitor``: it reads ``torch.cuda.memory_stats`` on the training
-thread at every step and knows nothing of utilisation, power or throttling. Here NVML is sampled
-off the training thread (a process of its own, :mod:`.process`, or a thread) every
-``interval_s``; once per epoch rank 0 logs each GPU's mean/max/min (``gpu/node{N}/cuda{i}/...``,
-``gpu_val/`` for validation) in one ``logger.log_metrics`` call. Devices are matched to NVML by
-UUID; under DDP ranks hand rank 0 their figures through the job's store (:mod:`.exchange`),
-never a collective. What a GPU cannot report is left out, never 0; a missing driver or a lost
-GPU costs one log line, never the run. Keys and failure modes: lib/runkit/docs/gpu-statistics.md.
+thread at every step and knows nothing of utilisation, power or throttling. Here a thread samples
+NVML every ``interval_s``; once per epoch rank 0 logs each GPU's mean/max/min in one
+``logger.log_metrics`` call. Devices are matched to NVML by UUID; ranks hand rank 0 their figures
+through the job's store (:mod:`.exchange`). What a GPU cannot report is left out, never 0; a
+missing driver or a lost GPU costs one log line, never the run. Keys: lib/runkit/docs/gpu-statistics.md.
 """
 
 from __future__ import annotations
@@ -24,10 +22,8 @@ import lightning.pytorch as pl
 import torch
 
 from runkit import compat
-from runkit.gpu_stats import report
 from runkit.gpu_stats.exchange import RankExchange
 from runkit.gpu_stats.loop import LoopTimer
-from runkit.gpu_stats.process import ProcessSampler, SamplerUnavailable
 from runkit.gpu_stats.sampler import (
     DEFAULT_GROUPS,
     OPTIONAL_GROUPS,
@@ -37,16 +33,12 @@ from runkit.gpu_stats.sampler import (
     GpuSampler,
     TorchPeakMemory,
 )
-from runkit.gpu_stats.statistics import flatten_epoch, flatten_loop
+from runkit.gpu_stats.statistics import RunSummary, flatten_epoch, flatten_loop, print_table
 from runkit.gpus import nvml
 
 log = logging.getLogger(__name__)
 
-MIN_WAIT_WARNING_S = 1.0
-"""An epoch waiting for data less than this in all gets no starvation warning (a short epoch's
-first batch, the loader starting, would otherwise raise it for nothing)."""
-STATE_VERSION = 1
-SAMPLERS = ("process", "thread")
+MIN_WAIT_WARNING_S = 1.0  # less waiting in all: no starvation line (the loader's start alone)
 
 
 def cuda_device_uuid(index: int) -> str | None:
@@ -95,33 +87,29 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _check(name: str, value: Any, ok: bool, accepted: str) -> None:
-    if not ok:
-        raise ValueError(f"GpuStatsMonitor: {name}={value!r}; give {accepted}")
-
-
 def _check_arguments(
-    seconds: dict[str, Any], shares: dict[str, tuple[Any, float]], sampler: str,
-    device_uuids: Any, key_prefix: str, per_gpu_keys_up_to: Any,
+    seconds: dict[str, Any], shares: dict[str, tuple[Any, float]], device_uuids: Any,
+    key_prefix: str, per_gpu_keys_up_to: Any,
 ) -> None:  # fmt: skip
     """:class:`GpuStatsMonitor`'s arguments, each refused in one line naming what it accepts."""
-
-    def number(value: Any) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-    _check("sampler", sampler, sampler in SAMPLERS, f"one of {', '.join(SAMPLERS)}")
-    for name, value in seconds.items():
-        _check(name, value, number(value) and value > 0, "seconds > 0")
-    for name, (value, high) in shares.items():
-        _check(name, value, number(value) and 0 <= value <= high, f"a number in [0, {high:g}]")
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    checks = [(name, v, number(v) and v > 0, "seconds > 0") for name, v in seconds.items()]
+    checks += [
+        (name, v, number(v) and 0 <= v <= high, f"a number in [0, {high:g}]")
+        for name, (v, high) in shares.items()
+    ]
     uuids_ok = device_uuids is None or (
         not isinstance(device_uuids, str) and all(isinstance(u, str) for u in device_uuids)
     )
-    _check("device_uuids", device_uuids, uuids_ok, "a list of NVML UUID strings")
-    prefix_ok = bool(key_prefix) and "/" not in key_prefix
-    _check("key_prefix", key_prefix, prefix_ok, "a word without '/'")
-    count_ok = type(per_gpu_keys_up_to) is int and per_gpu_keys_up_to >= 0
-    _check("per_gpu_keys_up_to", per_gpu_keys_up_to, count_ok, "a GPU count >= 0")
+    checks += [
+        ("device_uuids", device_uuids, uuids_ok, "a list of NVML UUID strings"),
+        ("key_prefix", key_prefix, bool(key_prefix) and "/" not in key_prefix, "a word without '/'"),
+        ("per_gpu_keys_up_to", per_gpu_keys_up_to,
+         type(per_gpu_keys_up_to) is int and per_gpu_keys_up_to >= 0, "a GPU count >= 0"),
+    ]  # fmt: skip
+    for name, value, ok, accepted in checks:
+        if not ok:
+            raise ValueError(f"GpuStatsMonitor: {name}={value!r}; give {accepted}")
 
 
 def energy_report(trainer: Any) -> dict[str, Any] | None:
@@ -152,8 +140,7 @@ class GpuStatsMonitor(pl.Callback):
         log_sampler_cost: log ``sample_ms``, the NVML time per sample of each GPU.
         summary_table: print a Rich table of every GPU at the end of ``fit`` (rank 0).
         device_uuids: the NVML UUID of each entry of ``trainer.strategy.parallel_devices``, for
-            runs on CPU with the fake NVML (``+callbacks.gpu_stats.device_uuids=[...]``); on
-            real GPUs leave it ``None``: the UUIDs come from CUDA.
+            runs on CPU with the fake NVML; on real GPUs leave it ``None`` (CUDA's UUIDs).
         key_prefix: first part of every key (``gpu``); validation uses ``{key_prefix}_val``.
         gpm: read GPM metrics (SM activity, occupancy, tensor cores, DRAM) where supported.
         per_gpu_keys_up_to: per-GPU keys for nodes with at most this many GPUs, else only
@@ -162,8 +149,6 @@ class GpuStatsMonitor(pl.Callback):
             data while the GPUs were mostly idle (1.0: never).
         gpu_idle_below_pct: "mostly idle": mean utilisation of the run's GPUs below this.
         gather_timeout_s: how long rank 0 waits at an epoch end for the other ranks' figures.
-        sampler: ``"process"`` (a child process of each rank; a thread where none can start)
-            or ``"thread"`` (a background thread of the training process).
     """
 
     def __init__(
@@ -183,25 +168,21 @@ class GpuStatsMonitor(pl.Callback):
         data_wait_warning: float = 0.3,
         gpu_idle_below_pct: float = 50.0,
         gather_timeout_s: float = 30.0,
-        sampler: str = "process",
     ) -> None:
         _check_arguments(
             {"interval_s": interval_s, "gather_timeout_s": gather_timeout_s},
             {"data_wait_warning": (data_wait_warning, 1.0), "gpu_idle_below_pct": (gpu_idle_below_pct, 100.0)},
-            sampler=sampler, device_uuids=device_uuids, key_prefix=key_prefix,
-            per_gpu_keys_up_to=per_gpu_keys_up_to,
+            device_uuids, key_prefix, per_gpu_keys_up_to,
         )  # fmt: skip
-        self.sampler = sampler
         self.interval_s, self.gather_timeout_s = float(interval_s), float(gather_timeout_s)
         self.report_validation, self.summary_table = report_validation, summary_table
         optional = {"fan": fan, "pcie": pcie, "ecc": ecc, "memory_temperature": memory_temperature}
-        self.groups = [*DEFAULT_GROUPS, *(g for g in OPTIONAL_GROUPS if optional[g])]
-        if not gpm:
-            self.groups.remove("gpm")
-        self.per_gpu_keys_up_to = per_gpu_keys_up_to
+        self.groups = [
+            g for g in (*DEFAULT_GROUPS, *OPTIONAL_GROUPS) if optional.get(g, g != "gpm" or gpm)
+        ]
+        self.per_gpu_keys_up_to, self.log_sampler_cost = per_gpu_keys_up_to, log_sampler_cost
         self.data_wait_warning = float(data_wait_warning)
         self.gpu_idle_below_pct = float(gpu_idle_below_pct)
-        self.log_sampler_cost = log_sampler_cost
         self.device_uuids = None if device_uuids is None else list(device_uuids)
         self.key_prefix = key_prefix
         self._reset_state()
@@ -209,7 +190,7 @@ class GpuStatsMonitor(pl.Callback):
 
     def _reset_state(self) -> None:
         self._stack = ExitStack()
-        self._sampler: GpuSampler | ProcessSampler | None = None
+        self._sampler: GpuSampler | None = None
         self._peaks: TorchPeakMemory | None = None
         self._active = False  # some rank samples a GPU
         self._exchanges = {
@@ -217,7 +198,7 @@ class GpuStatsMonitor(pl.Callback):
             for hook in ("setup", "validation end", "training epoch end")
         }
         self._identities: list[dict[str, Any]] = []
-        self._summary = report.RunSummary()
+        self._summary = RunSummary()
         self._phase_before_val: str | None = None
         self._loop = LoopTimer()
         self._fit_energy_j: dict[str, float] = {}  # this fit, per physical GPU
@@ -258,18 +239,8 @@ class GpuStatsMonitor(pl.Callback):
         self._active = any(p["gpus"] for p in everyone)
         if trainer.is_global_zero:
             self._report_setup(everyone)
-        sampler = self._sampler
-        if sampler is not None:
-            try:
-                sampler.start()
-            except SamplerUnavailable as err:
-                self._fall_back(err)
-                sampler.stop()
-                self._sampler = GpuSampler(sampler.readers, self.interval_s)
-                self._sampler.start()
-
-    def _fall_back(self, err: Exception) -> None:
-        log.warning("gpu_stats: %s; sampling in a thread of the training process instead", err)
+        if self._sampler is not None:
+            self._sampler.start()
 
     def _wanted(self, trainer: pl.Trainer) -> list[tuple[str, torch.device, str | None]]:
         """``(label, device, NVML UUID)`` of each GPU this process drives."""
@@ -292,19 +263,9 @@ class GpuStatsMonitor(pl.Callback):
         wanted = self._wanted(trainer)
         if not wanted:
             return {"status": "off: this run uses no CUDA device", "gpus": [], "quiet": True}
-        child = None
-        if self.sampler == "process" and self._loads():  # forked before this process opens NVML
-            try:
-                gpus = [(label, uuid) for label, _device, uuid in wanted if uuid]
-                child = ProcessSampler.fork(gpus, self.groups, self.interval_s)
-            except SamplerUnavailable as err:
-                self._fall_back(err)
-            else:
-                self._stack.callback(child.stop)
         try:
             lib = self._stack.enter_context(nvml.nvml_session())
         except nvml.NvmlUnavailable as err:
-            self._close()  # the child, if any, found the same
             return {"status": f"off: {err}", "gpus": []}
         readers, problems = [], []
         for label, _device, uuid in wanted:
@@ -326,20 +287,9 @@ class GpuStatsMonitor(pl.Callback):
         if not readers:
             self._close()
             return {"status": "off: no usable GPU", "gpus": [], "problems": problems}
-        if child is not None:
-            child.attach(readers)
-        self._sampler = child or GpuSampler(readers, self.interval_s)
+        self._sampler = GpuSampler(readers, self.interval_s)
         self._peaks = TorchPeakMemory({label: dev for label, dev, _ in wanted})
         return {"status": "on", "gpus": [r.identity() for r in readers], "problems": problems}
-
-    @staticmethod
-    def _loads() -> bool:
-        """Load (not initialise) NVML, so that a child forked now inherits the same library."""
-        try:
-            nvml.load_library()
-        except nvml.NvmlUnavailable:
-            return False  # the session opened next says so in one line
-        return True
 
     def _report_setup(self, everyone: Sequence[dict[str, Any]]) -> None:
         idle: dict[tuple[str, bool], list[str]] = {}
@@ -376,9 +326,7 @@ class GpuStatsMonitor(pl.Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._close()
 
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
         self._close()  # Lightning does not call ``teardown`` on this path
 
     def _guarded(self, what: str, fn: Callable[[], Any]) -> Any:
@@ -406,34 +354,26 @@ class GpuStatsMonitor(pl.Callback):
         self._loop.batch_start()
 
     def on_train_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
+        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._loop.batch_end(batch)
 
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.sanity_checking:
-            self._loop.pause()  # until the next training batch: validation is not a data wait
-
-    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking or self._sampler is None:
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if trainer.sanity_checking:
             return
-        self._phase_before_val = self._sampler.phase
-        self._guarded("validation start", lambda: self._sampler.set_phase(VAL))
+        self._loop.pause()  # until the next training batch: validation is not a data wait
+        if self._sampler is not None:
+            self._phase_before_val = self._sampler.phase
+            self._guarded("validation start", lambda: self._sampler.set_phase(VAL))
         if self._peaks is not None:
             self._guarded("peak reset", lambda: self._peaks.stash())
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
-        phase = VAL if self.report_validation else None
-        local = self._local(trainer, phase, False)
+        local = self._local(trainer, VAL if self.report_validation else None, False)
+        resume = self._phase_before_val
         if self._sampler is not None:
-            resume = self._phase_before_val
             self._guarded("validation end", lambda: self._sampler.set_phase(resume, reset=False))
         if self._peaks is not None:
             self._guarded("peak reset", lambda: self._peaks.restart())
@@ -444,7 +384,7 @@ class GpuStatsMonitor(pl.Callback):
         if self.report_validation and self._active:
             root = f"{self.key_prefix}_val"
             flat = flatten_epoch(everyone, root, self.log_sampler_cost, self.per_gpu_keys_up_to)
-            self._publish(trainer, pl_module, flat, epoch_end=False)
+            self._publish(trainer, pl_module, flat)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         local = self._local(trainer, TRAIN, True)
@@ -453,18 +393,13 @@ class GpuStatsMonitor(pl.Callback):
         everyone = self._exchanges["training epoch end"].gather(
             trainer, local, self._watched(trainer)
         )
-        flat = flatten_epoch(
-            everyone, self.key_prefix, self.log_sampler_cost, self.per_gpu_keys_up_to
-        )
-        loops = [p.get("loop") for p in everyone]
+        root, loops = self.key_prefix, [p.get("loop") for p in everyone]
+        flat = flatten_epoch(everyone, root, self.log_sampler_cost, self.per_gpu_keys_up_to)
         flat.update(flatten_loop(loops))
-        self._publish(trainer, pl_module, flat, epoch_end=True)
+        self._publish(trainer, pl_module, flat)
         self._add_energy(everyone)
-        epoch_samples = count_samples(loops)
-        fit_samples = self._fit_samples
-        self._fit_samples = (
-            None if None in (fit_samples, epoch_samples) else fit_samples + epoch_samples
-        )
+        epoch, fit = count_samples(loops), self._fit_samples
+        self._fit_samples = None if epoch is None or fit is None else fit + epoch
         self._epoch_samples = 0.0
         self._summary.add_epoch(everyone)
         if trainer.is_global_zero:
@@ -478,14 +413,12 @@ class GpuStatsMonitor(pl.Callback):
         sampler, peaks = self._sampler, self._peaks
         if sampler is None:
             return local
+        got = self._guarded("summary", lambda: sampler.report(phase))
+        gpus, local["energy_total_j"] = got or ({}, {})
         local["boards"] = {r.label: r.board_uuid for r in sampler.readers}
-        got = self._guarded("summary", lambda: sampler.report(phase)) or ({}, {})
-        gpus, local["energy_total_j"] = got
-        if phase is not None and peaks is not None:
-            for label, values in (self._guarded("peaks", lambda: peaks.peaks(epoch)) or {}).items():
-                if label in gpus:
-                    gpus[label].update(values)
         if phase is not None:
+            for label, values in (peaks.peaks(epoch) if peaks else {}).items():
+                gpus.get(label, {}).update(values)
             local["gpus"] = gpus
         return local
 
@@ -495,13 +428,7 @@ class GpuStatsMonitor(pl.Callback):
         prefixes = (f"{self.key_prefix}/", f"{self.key_prefix}_val/", "loop/")
         return any(key.startswith(prefixes) for key in monitored_keys(trainer))
 
-    def _publish(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        metrics: dict[str, float],
-        epoch_end: bool,
-    ) -> None:
+    def _publish(self, trainer: pl.Trainer, pl_module: Any, metrics: dict[str, float]) -> None:
         """Hand the figures to every logger in one call (rank 0), at the step of Lightning's own
         rows of this moment, and the monitored ones to monitors through ``pl_module.log``."""
         if not metrics:
@@ -509,7 +436,7 @@ class GpuStatsMonitor(pl.Callback):
         for key in sorted(monitored_keys(trainer) & metrics.keys()):
             pl_module.log(key, float(metrics[key]), logger=False, batch_size=1)
         if trainer.is_global_zero and trainer.loggers:
-            step = compat.logging_step(trainer) - int(epoch_end)
+            step = max(trainer.global_step - 1, 0)  # the step of Lightning's own rows now
             row = {**metrics, "epoch": trainer.current_epoch}
             for logger in trainer.loggers:
                 logger.log_metrics(row, step=step)
@@ -524,11 +451,8 @@ class GpuStatsMonitor(pl.Callback):
         busy = gpu_busy_pct(everyone)
         if busy is not None and busy >= self.gpu_idle_below_pct:
             return
-        loader = trainer.train_dataloader
-        settings = ", ".join(
-            f"data.{name}={getattr(loader, name, '?')}"
-            for name in ("num_workers", "pin_memory", "batch_size")
-        )
+        loader, names = trainer.train_dataloader, ("num_workers", "pin_memory", "batch_size")
+        settings = ", ".join(f"data.{name}={getattr(loader, name, '?')}" for name in names)
         log.warning(
             "loop: epoch %d waited for the next batch %.0f%% of its training time (%.1f s) and "
             "%s: the input pipeline holds training back. What helps: more loader processes "
@@ -565,11 +489,7 @@ class GpuStatsMonitor(pl.Callback):
         return None if None in parts else sum(parts)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": STATE_VERSION,
-            "energy_j": self.run_energy_j(),
-            "train_samples": self.run_samples(),
-        }
+        return {"version": 1, "energy_j": self.run_energy_j(), "train_samples": self.run_samples()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue the run's energy from a checkpoint; a damaged entry is ignored (one line)."""
@@ -594,4 +514,4 @@ class GpuStatsMonitor(pl.Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.summary_table and trainer.is_global_zero and self._summary:
-            report.print_table(self.run_summary())
+            print_table(self.run_summary())

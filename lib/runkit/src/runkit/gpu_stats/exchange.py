@@ -3,28 +3,39 @@
 Why not ``all_gather_object``: a collective in an epoch-end hook deadlocks against Lightning's
 own metric sync (the progress bar, on rank 0 only, all-reduces a ``sync_dist`` value in its
 ``on_train_epoch_end`` while the other ranks would wait in ours). Every rank posts its payload
-(JSON) in the job's key-value store and goes on; rank 0 alone waits for the others' keys, at
-most ``timeout_s``, in short slices so that signals are handled, and goes on without the late
-ones (one warning naming them).
+(JSON) in the job's TCP store (a client of the one at ``MASTER_ADDR:MASTER_PORT``, public API)
+and goes on; rank 0 alone waits for the others' keys, at most ``timeout_s``, in short slices so
+that signals are handled, and goes on without the late ones (one warning naming them).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
+import os
 import time
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-from runkit import compat
-
 log = logging.getLogger(__name__)
 
-POLL_S = 0.25
-"""Rank 0 waits for the store in slices this long, so Python runs signal handlers between them."""
+POLL_S = 0.25  # rank 0 waits in slices this long, so Python runs signal handlers between them
+
+
+@functools.cache
+def _client(host: str, port: int) -> Any:
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
+
+
+def job_store() -> Any | None:
+    """A client of the job's TCP store (every launcher of Lightning's, torchrun, SLURM sets
+    ``MASTER_ADDR``/``MASTER_PORT``); None without one."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return _client(host, int(port)) if host and port and dist.is_available() else None
 
 
 class RankExchange:
@@ -35,8 +46,7 @@ class RankExchange:
     """
 
     def __init__(self, name: str, timeout_s: float = 30.0) -> None:
-        self.name = name
-        self.timeout_s = timeout_s
+        self.name, self.timeout_s = name, timeout_s
         self._round = 0
         self._late: list[str] = []
 
@@ -46,9 +56,9 @@ class RankExchange:
         """Rank 0 (every rank with ``every_rank``): every rank's payload that arrived in time,
         in rank order; any other rank, and a run of one process: ``[payload]``."""
         world, rank = int(trainer.world_size), int(trainer.global_rank)
-        if world < 2 or not dist.is_available() or not dist.is_initialized():
+        store = job_store() if world > 1 else None
+        if store is None:
             return [payload]
-        store = compat.default_store()
         self._round += 1
         prefix = f"runkit/{self.name}/{self._round}/"
         if rank != 0:
@@ -60,7 +70,7 @@ class RankExchange:
         elif every_rank:
             store.set(prefix + "0", json.dumps(payload))
         else:  # keys late ranks posted after rank 0 had gone on
-            self._late = [key for key in self._late if not self._delete(store, key)]
+            self._late = [key for key in self._late if not store.delete_key(key)]
         others = [r for r in range(world) if r != rank]
         keys = [prefix + str(r) for r in others]
         deadline = time.monotonic() + self.timeout_s
@@ -83,10 +93,3 @@ class RankExchange:
                 *(",".join(map(str, late)), self.name, self.timeout_s),
             )
         return [gathered[r] for r in sorted(gathered)]
-
-    @staticmethod
-    def _delete(store: Any, key: str) -> bool:
-        if store.check([key]):
-            store.delete_key(key)
-            return True
-        return False

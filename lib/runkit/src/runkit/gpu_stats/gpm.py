@@ -1,10 +1,9 @@
 """GPM (GPU Performance Monitoring, Hopper and newer): what the SMs did, not only *whether* they ran.
 
-A GPM figure is the difference of two samples of the GPU's counters (``nvmlGpmMetricsGet``).
-Each :class:`GpmCounters` owns two samples and swaps them at every reading, so each reading covers
-exactly the interval since the last and nothing is allocated while sampling; a MIG slice is
-sampled through its physical GPU. A profiler holding the counters pauses GPM (one log line) and
-the next reading tries again; only ``NVMLError_GpuIsLost`` is passed on.
+A GPM figure is the difference of two samples of the GPU's counters (``nvmlGpmMetricsGet``); the
+two samples are swapped at every reading, so each covers the interval since the last and nothing
+is allocated while sampling. A profiler holding the counters pauses GPM (one log line) and the
+next reading tries again; only ``NVMLError_GpuIsLost`` is passed on.
 """
 
 from __future__ import annotations
@@ -34,29 +33,19 @@ class GpmUnsupported(Exception):
 
 
 class GpmCounters:
-    """GPM metrics of one device, one reading per call to :meth:`read` (see the module docstring).
-
-    ``board`` is the physical GPU's handle; ``gpu_instance_id`` the slice's GPU instance for a MIG
-    slice, ``None`` for a whole GPU. :meth:`close` frees the samples; call it on every path.
-    """
+    """GPM metrics of one device through its physical GPU ``board`` (a MIG slice's through its
+    GPU instance ``gpu_instance_id``); :meth:`close` frees the samples on every path."""
 
     def __init__(self, lib: Any, board: Any, label: str, gpu_instance_id: int | None) -> None:
-        self.lib = lib
-        self.board = board
-        self.label = label
-        self.gpu_instance_id = gpu_instance_id
+        self.lib, self.board, self.label, self.gpu_instance_id = lib, board, label, gpu_instance_id
         self._samples: list[Any] = []
-        self._have_previous = False
-        self._paused = False
+        self._have_previous = self._paused = False
         self._lost = nvml.error_classes(lib, ("NVMLError_GpuIsLost",))
         self._names: list[str] = []
         self._request: Any = None
 
     def open(self) -> None:
-        """Ask NVML whether the GPU has GPM, allocate the two samples and take the first.
-
-        Raises :class:`GpmUnsupported` when it has none; frees what it allocated on any error.
-        """
+        """Allocate the two samples and take the first; :class:`GpmUnsupported` without GPM."""
         lib = self.lib
         try:
             support = lib.nvmlGpmQueryDeviceSupport(self.board)
@@ -67,13 +56,12 @@ class GpmCounters:
         ids = {name: getattr(lib, const, None) for name, const in GPM_METRICS.items()}
         self._names = [name for name, metric_id in ids.items() if isinstance(metric_id, int)]
         try:
-            request = lib.c_nvmlGpmMetricsGet_t()
+            request = self._request = lib.c_nvmlGpmMetricsGet_t()
             request.version = lib.NVML_GPM_METRICS_GET_VERSION
             request.numMetrics = len(self._names)
             for i, name in enumerate(self._names):
                 request.metrics[i].metricId = ids[name]
-            self._request = request
-            for _ in range(2):
+            for _ in range(2):  # one by one: a failed second frees the first
                 self._samples.append(lib.nvmlGpmSampleAlloc())
             self.read()  # the first sample of the first pair; no figures yet
         except BaseException:
@@ -84,40 +72,34 @@ class GpmCounters:
         """The metrics since the previous call (empty the first time, or while GPM is refused)."""
         if len(self._samples) < 2:
             return {}
-        previous, current = self._samples
+        lib, (previous, current) = self.lib, self._samples
         try:
-            self._take(current)
+            if self.gpu_instance_id is None:
+                lib.nvmlGpmSampleGet(self.board, current)
+            else:
+                lib.nvmlGpmMigSampleGet(self.board, self.gpu_instance_id, current)
             values = self._metrics(previous, current) if self._have_previous else {}
         except self._lost:
             raise
-        except self.lib.NVMLError as err:
+        except lib.NVMLError as err:
             self._have_previous = False  # the next reading starts a fresh pair
             if not self._paused:
                 self._paused = True
                 log.info(
                     "gpu_stats: %s: GPM refused (%s); a profiler (DCGM, Nsight) may hold the "
                     "counters. GPM figures pause and come back when it lets go",
-                    self.label,
-                    type(err).__name__.replace("NVMLError_", ""),
+                    *(self.label, type(err).__name__.replace("NVMLError_", "")),
                 )
             return {}
         if self._paused and values:
             self._paused = False
             log.info("gpu_stats: %s: GPM figures are back", self.label)
-        self._samples = [current, previous]
-        self._have_previous = True
+        self._samples, self._have_previous = [current, previous], True
         return values
-
-    def _take(self, sample: Any) -> None:
-        if self.gpu_instance_id is None:
-            self.lib.nvmlGpmSampleGet(self.board, sample)
-        else:
-            self.lib.nvmlGpmMigSampleGet(self.board, self.gpu_instance_id, sample)
 
     def _metrics(self, first: Any, second: Any) -> dict[str, float]:
         request = self._request
-        request.sample1 = first
-        request.sample2 = second
+        request.sample1, request.sample2 = first, second
         self.lib.nvmlGpmMetricsGet(request)
         values = {}
         for i, name in enumerate(self._names):
@@ -128,8 +110,7 @@ class GpmCounters:
 
     def close(self) -> None:
         """Free the samples (safe to call again, and after a failed :meth:`open`)."""
-        samples, self._samples = self._samples, []
-        self._have_previous = False
+        samples, self._samples, self._have_previous = self._samples, [], False
         for sample in samples:
             try:
                 self.lib.nvmlGpmSampleFree(sample)

@@ -1,38 +1,25 @@
-"""How long the training loop waited for data: two clock reads a step, no device sync.
-
-The wait is the wall time between one ``on_train_batch_end`` and the next
-``on_train_batch_start`` (fetching, moving and hooking the next batch); validation inside the
-epoch is left out. An asynchronous GPU step overlaps the wait instead of adding to it, so a high
-share means the input pipeline, not the GPU, sets the pace.
-"""
+"""How long the training loop waited for data: the wall time between one batch's end and the
+next batch's start, validation left out; two clock reads a step, no device sync. An asynchronous
+GPU step overlaps the wait, so a high share means the input pipeline sets the pace."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from collections.abc import Mapping
 from typing import Any
 
-import torch
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 log = logging.getLogger(__name__)
 
 
 def batch_length(batch: Any) -> int | None:
-    """The number of samples in ``batch``: the first dimension of the first tensor in it
-    (looking into lists, tuples, mappings and dataclasses, as Lightning does); else None."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.ndim else None
-    if isinstance(batch, (list, tuple)):
-        items: Any = batch
-    elif isinstance(batch, Mapping):
-        items = batch.values()
-    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        items = (getattr(batch, f.name) for f in dataclasses.fields(batch))
-    else:
+    """The samples in ``batch`` as Lightning counts them for ``self.log``; None without a tensor."""
+    try:
+        return extract_batch_size(batch)
+    except MisconfigurationException:
         return None
-    return next((n for item in items if (n := batch_length(item)) is not None), None)
 
 
 class LoopTimer:
@@ -46,8 +33,7 @@ class LoopTimer:
     def start_epoch(self) -> None:
         self._epoch_start = self._last_end = self.clock()
         self._paused_at: float | None = None
-        self.wait_s = 0.0
-        self.paused_s = 0.0  # validation between the epoch start and the last step
+        self.wait_s = self.paused_s = 0.0  # paused: validation between epoch start and last step
         self.steps = 0
         self.samples: int | None = 0
 
@@ -62,14 +48,8 @@ class LoopTimer:
     def batch_end(self, batch: Any) -> None:
         self._last_end = self.clock()
         self.steps += 1
-        if self.samples is None:
-            return
-        first = batch[0] if type(batch) in (tuple, list) and batch else None
-        if type(first) is torch.Tensor and first.ndim:  # the common batch, without the walk
-            self.samples += first.shape[0]
-            return
-        size = batch_length(batch)
-        if size is None and not self._said_uncountable:
+        size = None if self.samples is None else batch_length(batch)
+        if size is None and self.samples is not None and not self._said_uncountable:
             self._said_uncountable = True
             log.info(
                 "loop: a training batch of type %s holds no tensor to count samples in; "
@@ -88,11 +68,6 @@ class LoopTimer:
         ``steps`` and ``samples`` (absent when a batch had no tensor); None before any step."""
         if not self.steps:
             return None
-        out = {
-            "loop_s": self._last_end - self._epoch_start - self.paused_s,
-            "data_wait_s": self.wait_s,
-            "steps": float(self.steps),
-        }
-        if self.samples is not None:
-            out["samples"] = float(self.samples)
-        return out
+        loop_s = self._last_end - self._epoch_start - self.paused_s
+        out = {"loop_s": loop_s, "data_wait_s": self.wait_s, "steps": float(self.steps)}
+        return out if self.samples is None else {**out, "samples": float(self.samples)}

@@ -1,9 +1,9 @@
 """Sampling GPUs for the statistics: which metrics each GPU supports, and a background thread.
 
 :class:`GpuReader` probes each metric group once and leaves out for good what the GPU does not
-support (never logged as 0). :class:`GpuSampler` reads them every ``interval_s`` into per-phase
-accumulators; switching phases makes no NVML call. It runs in the sampler process
-(:mod:`.process`) and, as the fallback, in a thread of the training process.
+support (never logged as 0). :class:`GpuSampler` reads them every ``interval_s`` in a thread into
+per-phase running aggregates; a phase's figures are a snapshot taken under a lock, so the
+training thread never reads NVML nor waits for a reading.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -50,26 +49,20 @@ class GpuReader:
     those (through :class:`~runkit.gpus.reader.DeviceReader`) into metric values."""
 
     def __init__(self, lib: Any, handle: Any, label: str, groups: Sequence[str]) -> None:
-        self.lib = lib
-        self.device = DeviceReader.open(lib, handle)
-        self.label = label
-        self.groups = list(groups)
+        self.lib, self.label, self.groups = lib, label, list(groups)
+        self.device = d = DeviceReader.open(lib, handle)
         self.unsupported: dict[str, str] = {}
         self.dead: str | None = None
         self.power_limit_mw: float | None = None
         self.pid = os.getpid()
         self._unsupported_errors = nvml.error_classes(lib, nvml.UNSUPPORTED_ERRORS)
         self._probe_skip_errors = nvml.error_classes(lib, _PROBE_SKIP_ERRORS)
-        self.is_mig = self.device.is_mig
-        self.name = self.device.name()
-        self.uuid = self.device.uuid()
+        self.is_mig, self.name, self.uuid = d.is_mig, d.name(), d.uuid()
         # The physical GPU: energy is counted once per board, however many slices a run uses.
-        self.board_uuid = (
-            nvml.as_text(lib.nvmlDeviceGetUUID(self.device.board)) if self.is_mig else self.uuid
-        )
+        self.board_uuid = nvml.as_text(lib.nvmlDeviceGetUUID(d.board)) if d.is_mig else self.uuid
         self.gpm: GpmCounters | None = None
-        self.nvml_index = nvml.optional(lib, self.device.index)
-        self.pci_bus_id = nvml.optional(lib, self.device.pci_bus_id)
+        self.nvml_index = nvml.optional(lib, d.index)
+        self.pci_bus_id = nvml.optional(lib, d.pci_bus_id)
 
     def _skip(self, group: str, why: str) -> None:
         self.groups.remove(group)
@@ -163,25 +156,21 @@ class GpuReader:
 class GpuSampler:
     """Samples :class:`GpuReader` s into per-phase accumulators, in a background thread.
 
-    The thread samples at once (priming the energy counter and the GPM pairs), then every
-    ``interval_s``. NVML is read outside the lock that guards the accumulators, so switching
-    phases never waits for a sample; a sample counts for the phase current as it starts.
+    :meth:`start` takes a first sample (priming the energy counter and the GPM pairs), then the
+    thread samples every ``interval_s``; a sample counts for the phase current as it starts. A
+    phase that no sample has reached yet (shorter than the interval) reports the latest reading.
     """
 
-    def __init__(self, readers: Sequence[GpuReader], interval_s: float, parallel: bool = False):
+    def __init__(self, readers: Sequence[GpuReader], interval_s: float) -> None:
         self.readers = list(readers)
         self.interval_s = interval_s
-        # parallel (the sampler process): a reading of 8 GPUs takes one GPU's time, which a
-        # phase's end without a reading of its own waits for; in the training process threads
-        # would take the GIL from training. NVML is thread-safe; each reader's state is its own.
-        many = parallel and len(self.readers) > 1
-        self._pool = ThreadPoolExecutor(len(self.readers), "gpu-stats-read") if many else None
         self.phase: str | None = None
         self._acc: dict[str, dict[str, GpuAccumulator]] = {}
+        self._latest: dict[str, tuple[dict[str, float], float]] = {}
         self._last_energy: dict[str, float] = {}
         self._energy_total_mj: dict[str, float] = {}
-        self._lock = threading.Lock()  # the accumulators and the phase
-        self._reading = threading.Lock()  # one sample at a time (the GPM pairs are stateful)
+        self._lock = threading.Lock()  # the aggregates and the phase: never held while reading
+        self._reading = threading.Lock()  # one reading at a time; none after stop
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -190,7 +179,6 @@ class GpuSampler:
         return [r for r in self.readers if r.dead is None]
 
     def start(self) -> None:
-        """Take the first sample here, then sample every ``interval_s`` in the thread."""
         if self._thread is None and self.alive:
             self.sample_now()
             self._thread = threading.Thread(target=self._run, name="gpu-stats", daemon=True)
@@ -203,8 +191,6 @@ class GpuSampler:
             self._thread.join(timeout=self.interval_s + 10.0)
             self._thread = None
         with self._reading:
-            if self._pool is not None:
-                self._pool.shutdown()
             for reader in self.readers:
                 reader.close()
 
@@ -215,21 +201,15 @@ class GpuSampler:
     def sample_now(self) -> None:
         """Read every live GPU once, for the phase current as the reading starts."""
         with self._reading:
+            if self._stop.is_set():
+                return  # stopped: the readers are closed
             with self._lock:
                 phase = self.phase
-            self._sample(phase)
-
-    def _sample(self, phase: str | None) -> None:
-        """One reading of every live GPU for ``phase``; the caller holds ``_reading``."""
-        if self._stop.is_set() and self._thread is None:
-            return  # stopped: the readers are closed
-        alive = self.alive
-        read = self._pool.map(self._read, alive) if self._pool else map(self._read, alive)
-        readings = list(zip(alive, read, strict=True))
-        with self._lock:
-            for reader, reading in readings:
-                if reading is not None:
-                    self._add(reader, phase, *reading)
+            readings = [(r, self._read(r)) for r in self.alive]
+            with self._lock:
+                for reader, reading in readings:
+                    if reading is not None:
+                        self._add(reader, phase, *reading)
 
     def _read(self, reader: GpuReader) -> tuple[dict[str, float], float] | None:
         start = time.perf_counter()
@@ -248,17 +228,16 @@ class GpuSampler:
             )
         return values, time.perf_counter() - start
 
-    def _add(
-        self, reader: GpuReader, phase: str | None, values: dict[str, float], s: float
-    ) -> None:
-        energy = values.pop("_energy_mj", None)
-        acc = self._acc[phase].setdefault(reader.label, GpuAccumulator()) if phase else None
+    def _add(self, reader: GpuReader, phase: str | None, values: dict[str, float], s: float):
+        label, energy = reader.label, values.pop("_energy_mj", None)
+        acc = self._acc[phase].setdefault(label, GpuAccumulator()) if phase else None
+        self._latest[label] = values, s
         if energy is not None:
-            previous = self._last_energy.get(reader.label)
-            self._last_energy[reader.label] = energy
+            previous, self._last_energy[label] = self._last_energy.get(label), energy
             if previous is not None:
-                total = self._energy_total_mj.get(reader.label, 0.0)
-                self._energy_total_mj[reader.label] = total + energy - previous
+                self._energy_total_mj[label] = self._energy_total_mj.get(label, 0.0) + (
+                    energy - previous
+                )
                 if acc is not None:
                     acc.add_energy(energy - previous)
         if acc is not None:
@@ -271,62 +250,50 @@ class GpuSampler:
             if phase is not None and (reset or phase not in self._acc):
                 self._acc[phase] = {}
 
-    def _missing(self, phase: str) -> bool:
-        with self._lock:
-            held = self._acc.setdefault(phase, {})
-            return any(not (r.label in held and held[r.label].samples) for r in self.alive)
-
-    def summaries(self, phase: str) -> dict[str, dict[str, float]]:
-        """``{label: figures}`` of ``phase`` so far, after one sample of it if a live GPU has
-        none yet (a phase shorter than the interval): a reading under way, maybe the phase's
-        own, ends first."""
-        if self._missing(phase):
-            with self._reading:
-                if self._missing(phase):
-                    self._sample(phase)
-        with self._lock:
-            return {label: acc.summary() for label, acc in self._acc[phase].items()}
-
-    def energy_totals_j(self) -> dict[str, float]:
-        """Each GPU's energy since the first sample, whatever the phase, in joules."""
-        with self._lock:
-            return {label: mj / 1000.0 for label, mj in self._energy_total_mj.items()}
-
     def report(self, phase: str | None) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
-        """:meth:`summaries` of ``phase`` (none without one) and :meth:`energy_totals_j`."""
-        return (self.summaries(phase) if phase else {}), self.energy_totals_j()
+        """``{label: figures}`` of ``phase`` so far (none without one) and each GPU's energy since
+        the first sample in joules: a snapshot, no reading."""
+        with self._lock:
+            held = self._acc.get(phase, {}) if phase else {}
+            figures = {}
+            for reader in self.readers if phase else []:
+                acc = held.get(reader.label)
+                if not (acc and acc.samples) and not reader.dead and reader.label in self._latest:
+                    acc = GpuAccumulator()
+                    acc.add(*self._latest[reader.label])
+                if acc is not None:
+                    figures[reader.label] = acc.summary()
+            energy = {label: mj / 1000.0 for label, mj in self._energy_total_mj.items()}
+        return figures, energy
 
 
 class TorchPeakMemory:
-    """PyTorch's own peak allocated/reserved memory per CUDA device, split by phase."""
+    """PyTorch's own peak allocated/reserved memory per CUDA device, split by phase: ``clear``
+    at an epoch's start, ``stash`` (the training peaks so far) as validation starts, ``restart``
+    as it ends, ``peaks`` (with the stash: the whole epoch's) at a phase's end."""
 
     def __init__(self, devices: dict[str, torch.device]) -> None:
         self.devices = {k: d for k, d in devices.items() if d.type == "cuda"}
         self._carry: dict[str, tuple[float, float]] = {}
 
     def _read(self, device: torch.device) -> tuple[float, float]:
-        return (
-            torch.cuda.max_memory_allocated(device) / GIB,
-            torch.cuda.max_memory_reserved(device) / GIB,
-        )
+        allocated, reserved = torch.cuda.max_memory_allocated, torch.cuda.max_memory_reserved
+        return allocated(device) / GIB, reserved(device) / GIB
+
+    def _with_carry(self, label: str, now: tuple[float, float]) -> tuple[float, float]:
+        carry = self._carry.get(label, (0.0, 0.0))
+        return max(now[0], carry[0]), max(now[1], carry[1])
 
     def clear(self) -> None:
-        """A new training epoch: forget everything and restart the peaks."""
         self._carry.clear()
-        self._restart()
+        self.restart()
 
     def stash(self) -> None:
-        """Validation starts: remember the training peaks so far, then restart the peaks."""
         for label, device in self.devices.items():
-            old, now = self._carry.get(label, (0.0, 0.0)), self._read(device)
-            self._carry[label] = (max(old[0], now[0]), max(old[1], now[1]))
-        self._restart()
+            self._carry[label] = self._with_carry(label, self._read(device))
+        self.restart()
 
     def restart(self) -> None:
-        """Validation ends: its peaks were read; training continues from fresh peaks."""
-        self._restart()
-
-    def _restart(self) -> None:
         for device in self.devices.values():
             torch.cuda.reset_peak_memory_stats(device)
 
@@ -335,7 +302,6 @@ class TorchPeakMemory:
         for label, device in self.devices.items():
             alloc, reserved = self._read(device)
             if include_carry:
-                carry = self._carry.get(label, (0.0, 0.0))
-                alloc, reserved = max(alloc, carry[0]), max(reserved, carry[1])
+                alloc, reserved = self._with_carry(label, (alloc, reserved))
             out[label] = {"torch_peak_alloc_gib": alloc, "torch_peak_reserved_gib": reserved}
         return out

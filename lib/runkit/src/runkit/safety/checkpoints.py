@@ -57,11 +57,9 @@ class CheckpointSaveError(FileWriteError):
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint I/O with crash-safe local writes and verified, safe loads.
-
-    Lightning stages local saves in ``$TMPDIR`` (a full ``/tmp`` fails them, a cross-device move
-    is not atomic, some errors are swallowed: Lightning #21800); remote paths keep its way.
-    """
+    """Lightning's checkpoint I/O with crash-safe local writes (Lightning stages them in
+    ``$TMPDIR``: a full ``/tmp`` fails them, a cross-device move is not atomic) and verified,
+    ``weights_only`` loads; remote paths keep Lightning's way."""
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
@@ -81,8 +79,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Any = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Lightning's load after the CRC check, never unpickling objects unless asked to; a
-        sharded directory is gathered into one checkpoint (:func:`load_sharded`)."""
         if get_protocol(str(path)) == "file":
             if is_sharded_checkpoint(path):
                 return load_sharded(path, map_location=map_location or "cpu")
@@ -94,7 +90,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 class _ErrorKeepingFile:
-    """Keeps a write's ``OSError``: ``torch.save`` turns it into an opaque ``RuntimeError``."""
+    """Keeps a write's ``OSError`` (``torch.save`` raises an opaque ``RuntimeError``)."""
 
     def __init__(self, handle: IO[bytes]) -> None:
         self.handle: IO[bytes] = handle
@@ -112,11 +108,8 @@ class _ErrorKeepingFile:
 
 
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Write a file so that a crash at any moment leaves the old file or the new one, never half.
-
-    A temporary file beside the target (a rename is atomic within one filesystem), fsynced, then
-    renamed over it; on failure it is removed and :class:`FileWriteError` says why in one line.
-    """
+    """Write a temporary file beside ``path``, fsync it, rename it over ``path``: a crash leaves
+    the old file or the new one. On failure it is removed; :class:`FileWriteError` says why."""
     target = Path(path)
     kept, handle, tmp = target.is_file(), None, None
     try:
@@ -153,8 +146,8 @@ def write_failure(target: Path, err: OSError, kept: bool) -> tuple[str, str]:
 
 
 def remove_stale_temporaries(directory: Path) -> list[Path]:
-    """Remove the temporaries (files, sharded staging directories) of writers that died mid-write:
-    the pid in the name no longer runs on this machine, or another machine's is a day old."""
+    """Remove dead writers' temporaries: the pid in the name no longer runs here, or another
+    machine's is a day old."""
     removed: list[Path] = []
     try:
         entries = list(os.scandir(directory))
@@ -198,8 +191,8 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def atomic_link(source: str | Path, target: str | Path) -> None:
-    """Make ``target`` a second name of ``source``'s bytes, replaced atomically: a hard link, else
-    a crash-safe copy; a sharded directory is linked file by file and swapped in."""
+    """Make ``target`` a second name of ``source``'s bytes, atomically: a hard link, else a copy;
+    a sharded directory file by file."""
     source, target = Path(source), Path(target)
     if source.is_dir():
         staging = new_staging_dir(target)
@@ -229,22 +222,21 @@ def _newest(paths: Iterable[Path]) -> Path | None:
     return max(paths, key=lambda p: p.stat().st_mtime, default=None)
 
 
+def _kept(path: Path | None, none: str) -> str:
+    return f"the last good checkpoint is {str(path)!r}" if path else none
+
+
 def last_good_checkpoint(directory: Path, prefer: Path | None = None) -> str:
     """Which checkpoint survives in ``directory``: ``prefer`` if it exists, else the newest."""
     if prefer is None or not is_checkpoint(prefer):
         prefer = _newest(p for p in Path(directory).glob("*.ckpt") if is_checkpoint(p))
-    return (
-        f"the last good checkpoint is {str(prefer)!r}"
-        if prefer
-        else ("no checkpoint was kept before it")
-    )
+    return _kept(prefer, "no checkpoint was kept before it")
 
 
 @contextlib.contextmanager
 def full_disk_in_one_line(run_dir: str | Path) -> Iterator[None]:
-    """A failed write of the run's files in the block (a full disk, the run directory deleted or
-    made unwritable; a logger's error may replace the checkpoint's) as one :class:`FileWriteError`
-    line naming what failed and the run's last good checkpoint."""
+    """A failed write of the run's files in the block (full disk, run directory taken away) as one
+    :class:`FileWriteError` line naming what failed and the run's last good checkpoint."""
     try:
         yield
     except Exception as err:
@@ -257,11 +249,7 @@ def full_disk_in_one_line(run_dir: str | Path) -> Iterator[None]:
         if ours is None and failed is None:
             raise
         newest = _newest(p for p in Path(run_dir).rglob("*.ckpt") if p.is_file())
-        kept = (
-            f"the last good checkpoint is {str(newest)!r}"
-            if newest
-            else ("no checkpoint of this run was kept")
-        )
+        kept = _kept(newest, "no checkpoint of this run was kept")
         raise FileWriteError(ours.problem if ours else str(failed), kept) from err
 
 
@@ -274,13 +262,9 @@ def _chain(err: BaseException) -> list[BaseException]:
     return chain
 
 
-# --------------------------------------------------------------------------- model.pth
-
-
 def exported_part(model: nn.Module) -> nn.Module:
-    """The module ``model.pth`` holds: ``model.net`` when it holds every weight of ``model``
-    (parameters and saved buffers, however tied), else ``model`` (a head beside ``net``).
-    Export, eval and :func:`load_network` all follow this one rule."""
+    """What ``model.pth`` holds: ``model.net`` when it holds every saved weight of ``model``
+    (however tied), else ``model`` (a head beside ``net``). Export, eval and loading follow it."""
     net = getattr(model, "net", None)
     if not isinstance(net, nn.Module):
         return model
@@ -291,15 +275,15 @@ def exported_part(model: nn.Module) -> nn.Module:
 
 
 def load_exported_weights(model: nn.Module, data: dict[str, Any], source: str | Path) -> nn.Module:
-    """Load a ``model.pth``/``.ckpt`` into :func:`exported_part` of ``model``; return that part."""
+    """Load a ``model.pth``/``.ckpt`` into :func:`exported_part` of ``model``; return it."""
     part = exported_part(model)
     load_state_into(part, network_state(data, source, "net." if part is not model else ""), source)
     return part
 
 
 def rebuild_model(model_config: dict[str, Any]) -> nn.Module:
-    """The LightningModule a (trusted) ``model`` config describes, its ``configure_model`` run.
-    ``compile``/``channels_last`` (kept under ``model`` by old runs) are dropped."""
+    """The LightningModule a trusted ``model`` config describes, its ``configure_model`` run
+    (``compile``/``channels_last`` of old runs dropped)."""
     from hydra.utils import instantiate
     from lightning.pytorch import LightningModule
     from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -312,7 +296,7 @@ def rebuild_model(model_config: dict[str, Any]) -> nn.Module:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    """Whether ``model`` is sharded (``trainer=fsdp``): exporting it is collective."""
+    """Whether ``model`` is sharded (``trainer=fsdp``): its export is collective."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
@@ -322,8 +306,8 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def save_weights(net: nn.Module, path: str | Path) -> Path:
-    """Export ``net.state_dict()`` on the CPU to ``path``, crash-safe. A sharded network is
-    gathered (every rank must call this) and written by rank 0."""
+    """Export ``net.state_dict()`` on the CPU to ``path``, crash-safe; a sharded network is
+    gathered (every rank calls this) and written by rank 0."""
     from torch.distributed.tensor import DTensor
 
     state = {
@@ -337,9 +321,8 @@ def save_weights(net: nn.Module, path: str | Path) -> Path:
     return Path(path)
 
 
-# --------------------------------------------------------------------------- sharded checkpoints
-# trainer=fsdp saves a directory: shards (``__<rank>_0.distcp``), their index (``.metadata``),
-# Lightning's other state (``meta.pt``) and, written last, MANIFEST_FILE (sizes and CRC-32s).
+# trainer=fsdp saves a directory: shards, their index (``.metadata``), ``meta.pt`` and, written
+# last, MANIFEST_FILE (sizes and CRC-32s).
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
@@ -350,12 +333,11 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
 
 
 def is_checkpoint(path: str | Path) -> bool:
-    """A checkpoint file, or a sharded checkpoint directory."""
     return Path(path).is_file() or is_sharded_checkpoint(path)
 
 
 def new_staging_dir(target: Path) -> Path:
-    """An empty directory beside ``target``, named as :func:`atomic_write`'s temporaries."""
+    """An empty directory beside ``target``, named as a temporary."""
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(target.parent)
     tmp = _temporary_name(target)
@@ -364,7 +346,6 @@ def new_staging_dir(target: Path) -> Path:
 
 
 def checkpoint_files(folder: Path) -> list[str]:
-    """The files of a checkpoint directory, sorted, the manifest excluded."""
     return sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST_FILE)
 
 
@@ -377,7 +358,7 @@ def _crc(path: Path) -> int:
 
 
 def describe_files(folder: Path, names: Iterable[str]) -> list[dict[str, Any]]:
-    """Size and CRC-32 of each named file, each fsynced (a rank describes its share)."""
+    """Size and CRC-32 of each named file, fsynced."""
     entries = []
     for name in names:
         with (folder / name).open("rb") as handle:
@@ -388,7 +369,7 @@ def describe_files(folder: Path, names: Iterable[str]) -> list[dict[str, Any]]:
 
 
 def write_manifest(folder: Path, entries: list[dict[str, Any]]) -> None:
-    """Write the manifest (crash-safe), describing any file no rank described, last."""
+    """Write the manifest last, describing any file no rank described."""
     missing = sorted(set(checkpoint_files(folder)) - {e["name"] for e in entries})
     entries = sorted([*entries, *describe_files(folder, missing)], key=lambda e: e["name"])
     text = json.dumps({"files": entries}, indent=1)
@@ -396,7 +377,7 @@ def write_manifest(folder: Path, entries: list[dict[str, Any]]) -> None:
 
 
 def _exchange(first: Path, second: Path) -> bool:
-    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where impossible."""
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``)."""
     import ctypes
 
     try:
@@ -407,9 +388,8 @@ def _exchange(first: Path, second: Path) -> bool:
 
 
 def swap_in(staging: Path, target: Path) -> None:
-    """Make the complete directory ``staging`` the checkpoint ``target``, crash-safe: a rename,
-    or an atomic exchange with the old one; else the old one is renamed aside first (left under a
-    temporary name, complete, if killed between the two renames)."""
+    """Make the complete directory ``staging`` the checkpoint ``target``: a rename, an atomic
+    exchange with the old one, else the old one renamed aside first."""
     _fsync_dir(staging)
     if target.is_file():
         target.unlink()
@@ -426,7 +406,6 @@ def swap_in(staging: Path, target: Path) -> None:
 
 
 def manifest_names(folder: Path) -> list[str]:
-    """The files a checkpoint directory's manifest lists; ``[]`` when it has none."""
     return [entry["name"] for entry in _manifest(folder) or []]
 
 
@@ -447,8 +426,8 @@ def _manifest(folder: Path) -> list[dict[str, Any]] | None:
 
 
 def damaged_files(folder: Path, names: Iterable[str] | None = None) -> str | None:
-    """One line naming the first damaged file of a checkpoint directory (missing, another size or
-    CRC-32 than its manifest says), or ``None``. ``names``: only these (a rank's share)."""
+    """One line naming the first file of a checkpoint directory unlike its manifest (missing,
+    size, CRC-32), or ``None``. ``names``: only these (a rank's share)."""
     manifest = _manifest(folder)
     if manifest is None:
         if (folder / ".metadata").is_file():
@@ -461,10 +440,8 @@ def damaged_files(folder: Path, names: Iterable[str] | None = None) -> str | Non
     for entry in manifest:
         if wanted is not None and entry["name"] not in wanted:
             continue
-        path, shard = (
-            folder / entry["name"],
-            f"{str(folder)!r} is damaged: shard file {entry['name']!r}",
-        )
+        path = folder / entry["name"]
+        shard = f"{str(folder)!r} is damaged: shard file {entry['name']!r}"
         if not path.is_file():
             return f"{shard} is missing"
         if path.stat().st_size != entry["size"]:
@@ -481,15 +458,14 @@ def damaged_files(folder: Path, names: Iterable[str] | None = None) -> str | Non
 
 
 def verify_checkpoint_dir(folder: str | Path) -> None:
-    """Refuse a sharded checkpoint directory with a missing or damaged file, in one line."""
     problem = damaged_files(Path(folder))
     if problem:
         raise RunError(problem)
 
 
 def load_sharded(folder: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
-    """A sharded checkpoint directory as one full Lightning checkpoint on one process (manifest
-    checked; ``meta.pt`` with ``weights_only``; no optimiser state: for test and eval)."""
+    """A sharded checkpoint directory as one full checkpoint on one process, without optimiser
+    state (for test and eval)."""
     import torch.distributed.checkpoint as dcp
 
     folder = Path(folder)
@@ -514,7 +490,6 @@ def load_sharded(folder: str | Path, map_location: Any = "cpu") -> dict[str, Any
 
 
 def sharded_shapes(folder: str | Path) -> dict[str, torch.Size]:
-    """The full shape of every tensor of a sharded checkpoint's ``state_dict``, from its index."""
     import torch.distributed.checkpoint as dcp
 
     try:
@@ -533,19 +508,16 @@ def _tensor_index(reader: Any) -> dict[str, Any]:
     }
 
 
-# --------------------------------------------------------------------------- verified loading
-
 _VERIFIED: set[tuple[int, int, int, int]] = set()  # (device, inode, size, mtime) checked already
 
 
 def _first(err: BaseException) -> str:
-    """An error's first line, or its type when it has no text."""
     return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 def verify_archive(path: str | Path) -> None:
-    """Refuse a torch zip archive whose records do not match their CRC-32, in one line (once per
-    file version). Non-zip (legacy) files and archives written without CRCs pass."""
+    """Refuse, in one line, a zip archive whose records do not match their CRC-32 (once per file
+    version); legacy files and archives without CRCs pass."""
     file = Path(path)
     try:
         st = file.stat()
@@ -571,8 +543,8 @@ def verify_archive(path: str | Path) -> None:
 
 
 def load_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
-    """``torch.load(weights_only=True)`` after :func:`verify_archive`; one line on failure.
-    ``mmap``: map the tensors (to look at shapes only). A sharded directory is gathered."""
+    """``torch.load(weights_only=True)`` after :func:`verify_archive`, one line on failure;
+    ``mmap``: for shapes only."""
     file = Path(path)
     if is_sharded_checkpoint(file):
         return load_sharded(file, map_location=map_location)
@@ -599,8 +571,7 @@ def load_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -
 def network_state(
     data: dict[str, Any], source: str | Path = "", prefix: str = "net."
 ) -> dict[str, torch.Tensor]:
-    """The network's ``state_dict`` from a Lightning checkpoint (keys under ``prefix``, stripped)
-    or a ``model.pth``."""
+    """The network's ``state_dict`` from a ``model.pth`` or a checkpoint (keys under ``prefix``)."""
     if "state_dict" in data and "pytorch-lightning_version" in data:
         state = data["state_dict"]
         if not isinstance(state, dict):
@@ -624,9 +595,8 @@ def run_config(
     allowed: Iterable[str] = TRUSTED_TARGETS,
     needs: tuple[str, ...] = ("model",),
 ) -> dict[str, Any]:
-    """The ``model`` and ``data`` config of the run that wrote ``path`` (inside the checkpoint, or
-    ``config.yaml`` beside it or one level up), every ``_target_`` checked against ``allowed``.
-    ``needs``: the nodes the caller rebuilds; one missing is one line."""
+    """The ``model`` and ``data`` config of the run that wrote ``path`` (inside it, or a
+    ``config.yaml`` beside it or one level up), checked against ``allowed``; ``needs`` must be there."""
     hparams = data.get("hyper_parameters") or {}
     if isinstance(hparams, dict) and isinstance(hparams.get("config"), dict):
         config, source = hparams["config"], Path(path)
@@ -648,7 +618,6 @@ def run_config(
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    """A ``config.yaml`` as plain data: aliases refused, interpolations kept as text."""
     import yaml
     from omegaconf import OmegaConf
 
@@ -670,9 +639,8 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 def state_mismatch(
     expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor], built_later: bool = False
 ) -> str | None:
-    """How ``state`` fails to fit a module whose ``state_dict()`` is ``expected``, in one line
-    (a few missing, unexpected and misshapen keys), or ``None``. ``built_later``: layers built in
-    ``setup()``/``configure_model`` are not in ``expected`` yet; unexpected keys are not judged."""
+    """How ``state`` fails to fit ``expected`` in one line (a few keys of each kind), or ``None``.
+    ``built_later``: layers built in ``configure_model`` are missing from ``expected``."""
     missing = sorted(set(expected) - set(state))
     unexpected = [] if built_later else sorted(set(state) - set(expected))
     mismatched = sorted(
@@ -690,13 +658,11 @@ def state_mismatch(
     return "; ".join(details) or None
 
 
-STANDS_FOR: dict[str, Path] = {}
-"""A checkpoint written by :func:`as_lightning_checkpoint` -> the file it stands for."""
+STANDS_FOR: dict[str, Path] = {}  # a file of as_lightning_checkpoint -> the one it stands for
 
 
 def as_lightning_checkpoint(state: dict[str, torch.Tensor], source: str | Path) -> Path:
-    """``state`` as a minimal Lightning checkpoint in a temporary file (removed at exit), for
-    ``trainer.test(ckpt_path=...)``: Lightning loads it strictly after ``setup()``."""
+    """``state`` as a minimal Lightning checkpoint in a temporary file, for ``trainer.test``."""
     import atexit
     import tempfile
 
@@ -711,8 +677,7 @@ def as_lightning_checkpoint(state: dict[str, torch.Tensor], source: str | Path) 
 
 
 def explain_load_failure(trainer: Any, err: BaseException) -> RunError | None:
-    """Lightning's many-line ``load_state_dict`` error for ``trainer.ckpt_path`` as one line
-    naming the keys; ``None`` when that is not the error."""
+    """Lightning's many-line ``load_state_dict`` error as one line naming the keys, or ``None``."""
     path = getattr(trainer, "ckpt_path", None)
     if not path or not isinstance(err, RuntimeError) or "state_dict" not in str(err):
         return None
@@ -731,7 +696,6 @@ def explain_load_failure(trainer: Any, err: BaseException) -> RunError | None:
 
 
 def load_state_into(net: nn.Module, state: dict[str, torch.Tensor], source: str | Path) -> None:
-    """``load_state_dict`` that reports a wrong architecture in one line with the offending keys."""
     mismatch = state_mismatch(net.state_dict(), state)
     if mismatch:
         raise RunError(f"{str(source)!r} does not fit {type(net).__name__}: {mismatch}")
@@ -744,11 +708,10 @@ def load_network(
     net_config: dict[str, Any] | None = None,
     allowed: Iterable[str] = TRUSTED_TARGETS,
 ) -> nn.Module:
-    """Load a trained network from a ``.ckpt`` or ``model.pth`` onto ``device``, in eval mode.
-
-    Rebuilt from the run's saved config (only classes under ``allowed``; add your own package:
-    ``allowed=[*TRUSTED_TARGETS, "my_project."]``) unless ``net_config`` (a ``model.net`` node)
-    is given; without a ``net``, the whole LightningModule::
+    """Load a trained network from a ``.ckpt`` or ``model.pth`` onto ``device``, in eval mode,
+    rebuilt from the run's saved config (only classes under ``allowed``: add your package with
+    ``allowed=[*TRUSTED_TARGETS, "my_project."]``) or ``net_config``; without a ``net``, the
+    whole LightningModule::
 
         net = load_network("logs/train/runs/<run>/model.pth", device="cuda:0")
         predictions = net(images.to("cuda:0")).argmax(-1)
@@ -772,18 +735,15 @@ def load_network(
     return net.to(device).eval()
 
 
-# --------------------------------------------------------------------------- ckpt_path=...
-
 _PASS = "pass a .ckpt file, a model.pth, a run directory or 'last'"
 
 
 def resolve_ckpt_path(
     value: str | None, log_dir: str | Path, task_name: str = "train", tested_weights: bool = False
 ) -> Path | None:
-    """The checkpoint the ``ckpt_path`` a user typed names, checked (CRCs, no unpickling), or one
-    line: a file, a sharded directory, a run directory (its ``checkpoints/last.ckpt``, else its
-    newest checkpoint; ``tested_weights``: its ``model.pth`` first), or ``last`` (the newest run
-    under ``<log_dir>/<task_name>`` with a ``last.ckpt``)."""
+    """The checkpoint a typed ``ckpt_path`` names, checked, or one line: a file, a sharded
+    directory, a run directory (its ``last.ckpt``, else its newest; ``tested_weights``: its
+    ``model.pth`` first), or ``last`` (the newest run's ``last.ckpt``)."""
     if value in (None, ""):
         return None
     if value == "last":
@@ -821,7 +781,6 @@ _SPECIAL = {
 
 
 def _check_file(path: Path, value: str) -> None:
-    """Refuse, in one line, a path that is not a non-empty regular file (never opened: a FIFO)."""
     if not path.exists():
         raise RunError(f"{typed_as(path, value)} does not exist; {_PASS}")
     if not path.is_file():
@@ -832,13 +791,11 @@ def _check_file(path: Path, value: str) -> None:
 
 
 def typed_as(path: str | Path, value: str) -> str:
-    """``ckpt_path='<the file as resolved>'``, and the value typed when that is another."""
     shown = str(Path(path).absolute())
     return f"ckpt_path={shown!r}" + ("" if value == shown else f" (typed {value!r})")
 
 
 def _checkpoint_in(folder: Path, value: str, tested_weights: bool) -> Path:
-    """The file a run directory stands for (see :func:`resolve_ckpt_path`)."""
     first = [folder / WEIGHTS_FILE] if tested_weights else []
     for candidate in (*first, folder / "checkpoints" / "last.ckpt", folder / "last.ckpt"):
         if is_checkpoint(candidate):

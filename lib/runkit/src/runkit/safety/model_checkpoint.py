@@ -1,26 +1,22 @@
-"""Lightning's ModelCheckpoint with ``last.ckpt`` always current, one serialisation per step, and
-runs that resume from a moved folder.
+"""Lightning's ModelCheckpoint with ``last.ckpt`` current at every save point and resumable runs.
 
-* Lightning 2.6 refreshes ``last.ckpt`` only at steps that also wrote a top-k file, so once the
-  metric stops improving it falls behind; here every save point refreshes it.
-* Best and last at one step: ``last.ckpt`` is a hard link to the file just written (a copy where
-  there are no hard links), swapped in atomically; Lightning's ``save_last="link"`` symlink
-  dangles once the folder is copied or the best is rotated out.
-* A resumed run writes to a new directory: the earlier run's best checkpoints are found relative
-  to the checkpoint resumed from and linked in, so the resumed run's best is its own.
-* Under ``fast_dev_run`` nothing is written (Lightning's ``on_train_end`` would write ``last``).
+Lightning 2.6 refreshes ``last.ckpt`` only at steps that also wrote a top-k file, so it falls
+behind once the metric stops improving. Here ``save_last=True`` is handled after each public save
+hook: ``last.ckpt`` becomes a hard link (a copy without hard links) of the file Lightning just
+wrote, read from its public state, else it is saved. A resumed run writes a new directory: the
+earlier run's best files are found relative to the checkpoint resumed from and linked in.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from fsspec.utils import get_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
-from lightning.pytorch.trainer.states import TrainerFn
 
 from runkit import compat
 from runkit.safety.checkpoints import atomic_link, is_checkpoint
@@ -34,94 +30,105 @@ class ModelCheckpoint(LightningModelCheckpoint):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._written: tuple[int, str] | None = None  # (global step, file) serialised last
+        self._own_last = self.save_last is True
+        if self._own_last:
+            self.save_last = False  # Lightning writes no last.ckpt: _follow does
+        self._on_epoch_end: bool | None = kwargs.get("save_on_train_epoch_end")
+        self._every_steps: int = kwargs.get("every_n_train_steps") or 0
+        self._last_step = -1
         self._resuming: pl.Trainer | None = None
         compat.skip_unused_batch_hooks(self)
 
-    # private overrides (compat.PRIVATE_APIS): Lightning 2.6 has no public hook for these
-    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
-        super()._save_checkpoint(trainer, filepath)
-        self._written = (trainer.global_step, filepath)
+    def on_train_batch_end(self, trainer: pl.Trainer, module: Any, *args: Any) -> None:
+        due = self._every_steps > 0 and trainer.global_step % self._every_steps == 0
+        self._follow(trainer, due, super().on_train_batch_end, module, *args)
 
-    def _save_topk_checkpoint(
-        self, trainer: pl.Trainer, monitor_candidates: dict[str, Any]
-    ) -> None:
-        # The file written now may become last.ckpt too: it carries last.ckpt's path.
-        previous_last = self.last_model_path
-        if self.save_last is True:
-            self.last_model_path = self._last_filepath(trainer, monitor_candidates)
-        try:
-            super()._save_topk_checkpoint(trainer, monitor_candidates)
-        finally:
-            self.last_model_path = previous_last
-        # A save point either way: Lightning then refreshes last.ckpt even if no file was written.
-        self._last_global_step_saved = trainer.global_step
+    def on_train_epoch_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self._follow(trainer, self._epoch_due(trainer, True), super().on_train_epoch_end, module)
 
-    def _save_last_checkpoint(
-        self, trainer: pl.Trainer, monitor_candidates: dict[str, Any]
+    def on_validation_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self._follow(trainer, self._epoch_due(trainer, False), super().on_validation_end, module)
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if trainer.fast_dev_run:
+            return  # nothing is written under fast_dev_run
+        super().on_train_end(trainer, module)
+        if self._own_last and self._last_step < 0:  # Lightning's rule: none written yet
+            self._write_last(trainer, None)
+
+    def on_exception(self, trainer: pl.Trainer, module: pl.LightningModule, err: Any) -> None:
+        super().on_exception(trainer, module, err)
+        if self._own_last and self.save_on_exception and not trainer.fast_dev_run:
+            self._write_last(trainer, None)
+
+    def _epoch_due(self, trainer: pl.Trainer, at_epoch_end: bool) -> bool:
+        """Whether Lightning's epoch-level save point is this hook (its own rule)."""
+        if not self.every_n_epochs or (trainer.current_epoch + 1) % self.every_n_epochs:
+            return False
+        on_end = self._on_epoch_end
+        if on_end is None:
+            batches = trainer.num_val_batches
+            total = sum(batches) if isinstance(batches, list) else batches
+            on_end = trainer.check_val_every_n_epoch == 1 and (
+                not total or trainer.val_check_interval == 1.0
+            )
+        return on_end == at_epoch_end
+
+    def _follow(
+        self, trainer: pl.Trainer, due: bool, hook: Callable[..., None], *args: Any
     ) -> None:
-        written = self._written
-        same_step = written is not None and written[0] == trainer.global_step
-        if self.save_last is not True or not same_step or get_protocol(written[1]) != "file":
-            super()._save_last_checkpoint(trainer, monitor_candidates)
-            return
-        filepath = self._last_filepath(trainer, monitor_candidates)
+        """Run Lightning's ``hook``; then make last.ckpt the file it wrote, or save it if due."""
+        if not self._own_last:
+            return hook(trainer, *args)
+        if not self.last_model_path:  # named in the state of every file written from now on
+            self.last_model_path = self._last_name(trainer)
+        best, topk = self.best_model_path, set(self.best_k_models)
+        hook(trainer, *args)
+        new = [path for path in self.best_k_models if path not in topk]
+        written = (
+            new[0] if new else (self.best_model_path if self.best_model_path != best else None)
+        )
+        saving = (
+            trainer.state.fn == "fit" and not trainer.sanity_checking and not trainer.fast_dev_run
+        )
+        if written or (due and saving and trainer.global_step != self._last_step):
+            self._write_last(trainer, written)
+
+    def _last_name(self, trainer: pl.Trainer) -> str:
+        """Lightning's name for ``last.ckpt``, versioned if another run's is there."""
+        name, version = self.format_checkpoint_name({}, self.CHECKPOINT_NAME_LAST), 1
+        while self.file_exists(name, trainer):
+            name = self.format_checkpoint_name({}, self.CHECKPOINT_NAME_LAST, ver=version)
+            version += 1
+        return name
+
+    def _write_last(self, trainer: pl.Trainer, written: str | None) -> None:
+        last = self.last_model_path or self._last_name(trainer)
+        self.last_model_path = last
+        local = written is not None and get_protocol(written) == "file"
         # Rank 0 decides, all ranks agree.
-        linkable = trainer.is_global_zero and is_checkpoint(written[1])
-        if not trainer.strategy.broadcast(linkable, src=0):
-            super()._save_last_checkpoint(trainer, monitor_candidates)
-            return
-        previous, self.last_model_path = self.last_model_path, filepath
-        if trainer.is_global_zero and Path(written[1]) != Path(filepath):
-            atomic_link(written[1], filepath)
-        trainer.strategy.barrier("ModelCheckpoint.last")
-        self._last_checkpoint_saved = filepath
-        # A previous last.ckpt of another name (versioned), in this directory, not resumed from.
-        old = Path(previous).absolute() if previous else None
-        resumed = Path(trainer.ckpt_path).absolute() if trainer.ckpt_path else None
-        if (
-            old
-            and previous != filepath
-            and old != resumed
-            and Path(self.dirpath or "").absolute() in old.parents
-        ):
-            trainer.strategy.remove_checkpoint(previous)
+        if local and trainer.strategy.broadcast(trainer.is_global_zero and is_checkpoint(written)):
+            if trainer.is_global_zero and Path(written) != Path(last):  # type: ignore[arg-type]
+                atomic_link(written, last)  # type: ignore[arg-type]
+            trainer.strategy.barrier("ModelCheckpoint.last")
+        else:
+            trainer.save_checkpoint(last, self.save_weights_only)
+        self._last_step = trainer.global_step
 
-    def _last_filepath(self, trainer: pl.Trainer, monitor_candidates: dict[str, Any]) -> str:
-        """The name Lightning gives ``last.ckpt`` (versioned if taken)."""
-        filepath = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST)
-        if self._enable_version_counter:
-            version = self.STARTING_VERSION
-            while self.file_exists(filepath, trainer) and filepath != self.last_model_path:
-                filepath = self.format_checkpoint_name(
-                    monitor_candidates, self.CHECKPOINT_NAME_LAST, ver=version
-                )
-                version += 1
-        return filepath
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.fast_dev_run:
-            super().on_train_end(trainer, pl_module)
-
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
+    def on_load_checkpoint(self, trainer: pl.Trainer, module: Any, checkpoint: Any) -> None:
         self._resuming = trainer  # load_state_dict, called next, needs the path resumed from
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         trainer, self._resuming = self._resuming, None
         earlier_dir = state_dict.get("dirpath", self.dirpath)
-        if trainer is not None and trainer.state.fn != TrainerFn.FITTING:
+        if trainer is not None and trainer.state.fn != "fit":
             return  # test/validate with ckpt_path=...: this callback saves nothing, keeps its own
         if trainer is None or trainer.ckpt_path is None or earlier_dir == self.dirpath:
-            super().load_state_dict(state_dict)  # the same directory: Lightning's way
-            return
-        files = [
-            path
-            for path in [*state_dict.get("best_k_models", {}), state_dict.get("best_model_path")]
-            if path and (self.save_top_k != -1 or path == state_dict.get("best_model_path"))
-        ]
-        carried: dict[str, str] | None = None
+            return super().load_state_dict(state_dict)  # the same directory: Lightning's way
+        best = state_dict.get("best_model_path") or ""
+        scores = state_dict.get("best_k_models", {})
+        files = [p for p in [*scores, best] if p and (self.save_top_k != -1 or p == best)]
+        carried = None
         if trainer.is_global_zero:
             carried = self._carry(files, str(earlier_dir), Path(trainer.ckpt_path))
         carried = trainer.strategy.broadcast(carried, src=0)
@@ -133,20 +140,20 @@ class ModelCheckpoint(LightningModelCheckpoint):
                     trainer.ckpt_path,
                 )
             self.best_model_path = ""
-            return
-        scores = state_dict.get("best_k_models", {})
+            return None
         self.best_k_models = {carried[p]: scores[p] for p in scores if p in carried}
-        self.best_model_path = carried.get(state_dict.get("best_model_path") or "", "")
+        self.best_model_path = carried.get(best, "")
         self.best_model_score = state_dict.get("best_model_score")
         kth = state_dict.get("kth_best_model_path") or ""
         if kth in carried:
             self.kth_best_model_path = carried[kth]
             self.kth_value = state_dict.get("kth_value", self.kth_value)
+        return None
 
     def _carry(self, files: list[str], earlier_dir: str, resumed: Path) -> dict[str, str] | None:
-        """Link the earlier run's ``files`` (looked for relative to the checkpoint resumed from
-        first: the run may have moved) into this run's directory: old -> new path; ``None``
-        unless every one is found."""
+        """Link the earlier run's ``files`` (looked for beside the checkpoint resumed from first:
+        the run may have moved) into this run's directory: old -> new path; ``None`` unless all
+        are found."""
         assert self.dirpath is not None
         homes = [resumed.parent, Path(earlier_dir), run_dir_of(resumed) / Path(earlier_dir).name]
         located: dict[str, Path] = {}
@@ -155,16 +162,11 @@ class ModelCheckpoint(LightningModelCheckpoint):
                 relative = Path(old).relative_to(earlier_dir)
             except ValueError:
                 relative = Path(Path(old).name)
-            found = next(
-                (home / relative for home in homes if is_checkpoint(home / relative)), None
-            )
+            found = next((h / relative for h in homes if is_checkpoint(h / relative)), None)
             if found is None:
                 return None
             located[old] = found
-        carried = {}
-        for old, found in located.items():
-            new = Path(self.dirpath) / found.name
-            if not new.exists():
-                atomic_link(found, new)
-            carried[old] = str(new)
-        return carried
+        for found in located.values():
+            if not (Path(self.dirpath) / found.name).exists():
+                atomic_link(found, Path(self.dirpath) / found.name)
+        return {old: str(Path(self.dirpath) / found.name) for old, found in located.items()}

@@ -1,8 +1,7 @@
-"""Resuming a run exactly: the random state at every batch, the logs carried on, a record of origin.
+"""Resuming a run exactly, in a new run directory, with the earlier run's logs carried on.
 
-A resumed run writes a new run directory. :class:`ResumeState` seeds the generators from
-``(seed, epoch)`` before each epoch's iterator exists, skips the batches a mid-epoch checkpoint
-had trained on, and copies the earlier run's CSV and TensorBoard logs into this run's.
+:class:`ResumeState` seeds the generators from ``(seed, epoch)`` before each epoch's iterator
+exists and skips the batches a mid-epoch checkpoint had trained on.
 """
 
 from __future__ import annotations
@@ -29,8 +28,8 @@ log = logging.getLogger(__name__)
 
 
 def run_dir_of(checkpoint: str | Path) -> Path:
-    """The run directory of a checkpoint: the nearest folder (three levels up at most) with a
-    ``.hydra`` or a ``config.yaml`` beside ``checkpoints/``; else the folder of ``checkpoints/``."""
+    """The nearest folder (three levels up at most) with a ``.hydra``, or a ``config.yaml`` beside
+    ``checkpoints/``; else the folder of ``checkpoints/``."""
     path = Path(checkpoint)
     for folder in list(path.parents)[:3]:
         if (folder / ".hydra").is_dir() or (
@@ -41,12 +40,11 @@ def run_dir_of(checkpoint: str | Path) -> Path:
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
-    """A well-spread 63-bit seed for ``epoch`` of a run seeded with ``seed``."""
     return ((seed + 1) * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9) % (2**63)
 
 
 def reseed(seed: int) -> None:
-    """Seed torch (all devices), NumPy and ``random`` without Lightning's log line."""
+    """Seed torch, NumPy and ``random`` without Lightning's log line."""
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
     random.seed(seed)
@@ -77,12 +75,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class ResumeState(Callback):
-    """Random state per epoch and batch (from ``(seed, epoch)``), carried-on logs, the origin."""
-
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
         self.resumed_from: Path | None = None
-        self._pending: dict[str, Any] | None = None  # generator state to put back (mid-epoch)
+        self._pending: dict[str, Any] | None = None  # generators' state to put back mid-epoch
         self._seeded_epoch: int | None = None
         compat.skip_unused_batch_hooks(self)
 
@@ -115,7 +111,6 @@ class ResumeState(Callback):
             self._seed_epoch(trainer)
 
     def _seed_epoch(self, trainer: Trainer) -> None:
-        """Seed the global generators, and the loaders' own, from ``(seed, epoch)``."""
         epoch = trainer.current_epoch
         reseed(epoch_seed(self.seed, epoch))
         for loader in _train_loaders(trainer):
@@ -124,9 +119,8 @@ class ResumeState(Callback):
         self._seeded_epoch = epoch
 
     def _start_data(self, trainer: Trainer) -> None:
-        """Start the first epoch's data as an uninterrupted run would: Lightning made its iterator
-        before any hook, so it is made again after seeding; after a mid-epoch checkpoint the
-        batches trained on are read and dropped, then the checkpoint's generator state is put back."""
+        """Lightning made the first epoch's iterator before any hook: make it again after seeding,
+        drop the batches a mid-epoch checkpoint had trained on, put its generators' state back."""
         self._seed_epoch(trainer)
         loop = trainer.fit_loop
         done = loop.epoch_loop.batch_progress.current.processed
@@ -165,13 +159,8 @@ def _train_loaders(trainer: Trainer) -> list[Any]:
 
 def _parts(loader: Any) -> list[Any]:
     """A loader, its sampler, batch sampler and the batch sampler's sampler."""
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    return [
-        loader,
-        getattr(loader, "sampler", None),
-        batch_sampler,
-        getattr(batch_sampler, "sampler", None),
-    ]
+    batches = getattr(loader, "batch_sampler", None)
+    return [loader, getattr(loader, "sampler", None), batches, getattr(batches, "sampler", None)]
 
 
 def _generators(loader: Any) -> list[torch.Generator]:
@@ -198,7 +187,7 @@ def _say_what_differs(loaders: list[Any], epoch: int, done: int) -> None:
 
 
 def continue_logs(trainer: Trainer, earlier: Path) -> None:
-    """Carry the earlier run's CSV rows (before the checkpoint's step) and TensorBoard events on."""
+    """Carry the earlier run's CSV rows (before the checkpoint) and TensorBoard events on."""
     root = Path(trainer.default_root_dir)
     for logger in trainer.loggers:
         if isinstance(logger, CSVLogger):
@@ -228,8 +217,7 @@ def _number(row: dict[str, str], key: str, missing: float = 0.0) -> float:
 
 
 def check_fits(model: LightningModule, checkpoint: Path) -> None:
-    """Fail in one line when the checkpoint's weights do not fit the model this run built (not
-    Lightning's many-line error later); the tensors are memory-mapped, only shapes are read."""
+    """Fail in one line when the checkpoint's weights do not fit ``model`` (only shapes are read)."""
     from runkit.safety.checkpoints import (
         is_sharded_checkpoint,
         load_file,
@@ -239,8 +227,7 @@ def check_fits(model: LightningModule, checkpoint: Path) -> None:
 
     expected = model.state_dict()
     if is_sharded_checkpoint(checkpoint):  # trainer=fsdp: the shapes from its index
-        shapes = sharded_shapes(checkpoint)
-        state = {key: torch.empty(shape, device="meta") for key, shape in shapes.items()}
+        state = {k: torch.empty(v, device="meta") for k, v in sharded_shapes(checkpoint).items()}
     else:
         state = load_file(checkpoint, mmap=True).get("state_dict")
     if not isinstance(state, dict):
@@ -248,7 +235,6 @@ def check_fits(model: LightningModule, checkpoint: Path) -> None:
             f"ckpt_path={str(checkpoint)!r} is not a Lightning checkpoint (no state_dict); "
             "to start from a model.pth, load it into the network instead of resuming"
         )
-    # Layers built in setup()/configure_model do not exist yet: Lightning judges those later.
     mismatch = state_mismatch(expected, state, built_later=True)
     if mismatch:
         raise RunError(

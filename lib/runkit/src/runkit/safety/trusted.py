@@ -1,9 +1,8 @@
 """Which ``_target_``s may be instantiated from a config that came out of a file.
 
-``hydra.utils.instantiate`` calls whatever a ``_target_`` names (``pathlib.Path.unlink``,
-``torch.hub.load``), and a checkpoint may come from anyone: every ``_target_`` must lie under an
-allowed prefix, both as written and as the object it resolves to (a dotted path can walk through
-a module's imports: ``mypkg.models.nets.torch.save`` is ``torch.save``).
+``instantiate`` calls whatever a ``_target_`` names, and a checkpoint may come from anyone: each
+must lie under an allowed prefix as written and as the object it resolves to
+(``mypkg.nets.torch.save`` is ``torch.save``).
 """
 
 from __future__ import annotations
@@ -32,11 +31,8 @@ def is_allowed(name: str, allowed: Iterable[str]) -> bool:
 
 
 def check_trusted(tree: Any, allowed: Iterable[str], source: str | Path) -> None:
-    """Refuse, in one line, a config from ``source`` that would run code not in ``allowed``.
-
-    Also refused: ``${...}`` interpolations (a resolver could build a target after this check),
-    nodes shared by reference (an exponential blow-up when copied), nesting past MAX_DEPTH.
-    """
+    """Refuse, in one line, a config from ``source`` that would run code not in ``allowed``; also
+    ``${...}`` (a resolver could build a target later), shared nodes, nesting past MAX_DEPTH."""
     allowed = tuple(str(prefix) for prefix in allowed)
     refused: list[tuple[str, str, str]] = []  # (where, target, what it really is)
     seen: set[int] = set()
@@ -101,7 +97,7 @@ def _check_target(
 
 
 def _locate(path: str) -> Any:
-    """The object ``path`` names, as ``instantiate`` finds it (Hydra's logs an ERROR first)."""
+    """The object ``path`` names, as ``instantiate`` finds it."""
     parts = path.split(".")
     obj = importlib.import_module(parts[0])
     for index, part in enumerate(parts[1:], start=1):
