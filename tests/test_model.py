@@ -80,9 +80,10 @@ def test_fit_logs_stage_metrics_and_checkpoint_loads_weights_only(tmp_path: Path
     module = make_module()
     module.save_hyperparameters({"config": {"model": {"net": {"channels": [8, 16]}}}})
     trainer = pl.Trainer(
-        max_epochs=2, accelerator="cpu", logger=CSVLogger(tmp_path, name="csv", version=""),
+        max_epochs=1, accelerator="cpu", logger=CSVLogger(tmp_path, name="csv", version=""),
         default_root_dir=tmp_path, enable_progress_bar=False, enable_model_summary=False,
-        limit_train_batches=5, limit_val_batches=2, log_every_n_steps=1,
+        limit_train_batches=2, limit_val_batches=1, limit_test_batches=1, log_every_n_steps=1,
+        num_sanity_val_steps=0,
     )  # fmt: skip
     datamodule = DigitsDataModule(batch_size=64)
     trainer.fit(module, datamodule=datamodule)

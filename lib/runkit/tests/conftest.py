@@ -1,4 +1,4 @@
-"""Shared test helpers: run the real CLI in a subprocess, find the run directories it made."""
+"""Shared test helpers: run the tests' app (``tinyapp``) in a subprocess, find its run directories."""
 
 from __future__ import annotations
 
@@ -16,47 +16,39 @@ import prewarmed
 
 # Variables a parent test process (or an earlier DDP test) may leave behind and that would change
 # how a child run behaves.
-_LEAKY_ENV = (
-    "LOCAL_RANK",
-    "RANK",
-    "WORLD_SIZE",
-    "NODE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "PL_GLOBAL_SEED",
-    "PL_SEED_WORKERS",
-    "RUNKIT_GPU_SELECTION",
-    "RUNKIT_NVML_BACKEND",
-    "RUNKIT_FAKE_NVML",
-    "PROJECT_LOG_DIR",
-    "HYDRA_FULL_ERROR",
-)
+_LEAKY_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+              "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "RUNKIT_GPU_SELECTION", "RUNKIT_NVML_BACKEND",
+              "RUNKIT_FAKE_NVML", "PROJECT_LOG_DIR", "HYDRA_FULL_ERROR")  # fmt: skip
 
 # Small, quiet budgets for CLI tests: the real pipeline, a fraction of the work.
 FAST = ("trainer.max_epochs=2", "data.batch_size=256", "callbacks.progress_bar.refresh_rate=0")
 
 CliRunner = Callable[..., subprocess.CompletedProcess]
-# python -m runkit.<these>; every other task is the template project's (python -m project.<task>).
+# python -m runkit.<these>; every other task is the tests' app's (python -m tinyapp.<task>).
 LIBRARY_COMMANDS = ("plot", "devices")
+TESTS = Path(__file__).resolve().parent
 
-# What the template's eval.yaml trusts: the library's default (torch) and the template's packages,
-# whose networks these tests rebuild from files.
-TEMPLATE_TARGETS = ("project.models.", "project.data.", "torch.nn.", "torch.optim.")
+# What tinyapp's eval.yaml trusts (as the template's does its own packages): its modules, torch.
+TEMPLATE_TARGETS = ("tinyapp.", "torch.nn.", "torch.optim.")
 
 
 def user_config_dir(folder: Path) -> Path:
-    """A config directory of a user's own, outside the project (``--config-dir``): ``model=mine``
-    (the template's MLP) is only there, so a command that lost ``--config-dir`` fails to compose.
-    """
-    template = Path(__file__).resolve().parents[3] / "configs" / "model" / "mlp.yaml"
+    """A config directory of a user's own (``--config-dir``): ``model=mine`` (tinyapp's MLP) is
+    only there, so a command that lost ``--config-dir`` fails to compose."""
     (folder / "model").mkdir(parents=True)
-    (folder / "model" / "mine.yaml").write_text(template.read_text())
+    (folder / "model" / "mine.yaml").write_text(
+        (TESTS / "tinyapp/configs/model/mlp.yaml").read_text()
+    )
     return folder
 
 
 def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without what a parent run leaves behind; this folder stays on
+    ``PYTHONPATH`` (after any given), so that a child finds ``tinyapp``."""
     env = {k: v for k, v in os.environ.items() if k not in _LEAKY_ENV}
     env.update(extra)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths if str(TESTS) in paths else [*paths, str(TESTS)])
     return env
 
 
@@ -68,10 +60,10 @@ def log_dir(tmp_path: Path) -> Path:
 def run_entry(
     cwd: Path, task: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess:
-    """``python -m project.<task> <args>`` (``runkit.<task>`` for the library's own commands) in
+    """``python -m tinyapp.<task> <args>`` (``runkit.<task>`` for the library's own commands) in
     ``cwd``, forked from the prewarmed server: for module-scoped fixtures, which cannot use
     :func:`cli`."""
-    package = "runkit" if task in LIBRARY_COMMANDS else "project"
+    package = "runkit" if task in LIBRARY_COMMANDS else "tinyapp"
     return prewarmed.run(
         [sys.executable, "-m", f"{package}.{task}", *args],
         cwd=cwd,
@@ -84,7 +76,7 @@ def run_entry(
 
 @pytest.fixture
 def cli(tmp_path: Path, log_dir: Path) -> CliRunner:
-    """``cli("train", "trainer.max_epochs=1", env={...})`` runs ``python -m project.train``.
+    """``cli("train", "trainer.max_epochs=1", env={...})`` runs ``python -m tinyapp.train``.
 
     The run happens in ``tmp_path`` with ``paths.log_dir`` pointing at ``log_dir``.
     """
@@ -122,14 +114,14 @@ def free_port() -> int:
 def train_on_two_torchrun_nodes(
     cwd: Path, rdzv_id: str, *overrides: str, timeout: float = 300
 ) -> list[str]:
-    """``python -m project.train`` as two torchrun nodes of one process each, on this machine
+    """``python -m tinyapp.train`` as two torchrun nodes of one process each, on this machine
     (``--rdzv-id`` names the run directory: ``torchrun-<rdzv_id>``); both must exit 0. Returns
     each node's output."""
     port = free_port()
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
         "--master-addr=127.0.0.1", f"--master-port={port}", f"--rdzv-id={rdzv_id}",
-        "-m", "project.train", *overrides,
+        "-m", "tinyapp.train", *overrides,
     ]  # fmt: skip
     nodes = [
         subprocess.Popen(
@@ -175,12 +167,12 @@ def use_fake() -> Iterator[Callable[[Any], Any]]:
 
 
 def compose_train(*overrides: str, name: str = "train") -> Any:
-    """The template's config as the CLI composes it (hydra config included), without a run."""
+    """tinyapp's config as the CLI composes it (hydra config included), without a run."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import open_dict
 
-    from project import config_dir
+    from tinyapp import config_dir
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(str(config_dir()), version_base="1.3"):

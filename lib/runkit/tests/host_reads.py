@@ -96,7 +96,7 @@ def _read_tensors(
 
 
 def _where() -> tuple[str, str, str]:
-    """(innermost line outside torch's plumbing, its code, the innermost project or test line)."""
+    """(innermost line outside torch's plumbing, its code, the innermost test or tinyapp line)."""
     frames = [
         f
         for f in traceback.extract_stack()
@@ -104,7 +104,7 @@ def _where() -> tuple[str, str, str]:
     ]
     inner = frames[-1] if frames else None
     ours = next(
-        (f for f in reversed(frames) if "/src/project/" in f.filename or "/tests/" in f.filename),
+        (f for f in reversed(frames) if "/tests/" in f.filename),
         None,
     )
 

@@ -1,19 +1,11 @@
-"""``python -m project.<entry> ...`` for the tests, without paying the imports each time.
+"""``python -m tinyapp.<entry> ...`` for the tests, without paying the imports each time.
 
-Every CLI run of the suite would spend ~10 s of its life importing torch, Lightning, torchmetrics
-and Hydra before it reads its first argument; the suite has well over a hundred of them. Here a
-server process imports those once, and each run is a ``fork`` of it that then does what
-``python -m`` does: ``runpy`` runs the entry module as ``__main__`` with the test's ``sys.argv``,
-working directory (also ``sys.path[0]``), environment, and stdin/stdout/stderr. So each run is
-still its own process, with its own pid, exit status, output, atexit handlers and signals; DDP
-ranks and the torchrun/SLURM launchers it starts are fresh interpreters as always. What differs
-from a fresh interpreter: modules the entry never imports may already be loaded (so a test of what
-*is* imported, e.g. "``--help`` loads no torch", must use ``subprocess``), and the interpreter flags
-are the server's (commands with flags before ``-m`` run fresh).
-
-``run(command, ...)`` takes the arguments of :func:`subprocess.run`; commands other than
-``[sys.executable, "-m", "project.<entry>", ...]`` simply go to :func:`subprocess.run`.
-``RUNKIT_TEST_FRESH=1`` sends every command there, to check that the server changes nothing.
+A server process imports torch, Lightning, Hydra and the library once; each run is a ``fork`` of
+it that does what ``python -m`` does (``runpy``, with the test's argv, working directory,
+environment and stdio), so it is still its own process: pid, exit status, atexit, signals. What
+differs from a fresh interpreter: modules the entry never imports may be loaded (a test of what
+*is* imported must use ``subprocess``), and interpreter flags and ``PYTHON*`` variables are the
+server's (other commands run fresh). ``RUNKIT_TEST_FRESH=1`` runs every command fresh.
 """
 
 from __future__ import annotations
@@ -31,29 +23,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
-# Imported by the server before it forks: what `python -m project.train` would import anyway.
-WARM = (
-    "torch",
-    "lightning.pytorch",
-    "torchmetrics",
-    "hydra",
-    "hydra.core.hydra_config",
-    "omegaconf",
-    "rich.console",
-    "matplotlib.pyplot",
-    "runkit.run.builders",
-    "runkit.run.preflight",
-    "runkit.run.launch",
-    "runkit.run.run_files",
-    "runkit.safety.checkpoints",
-    "runkit.safety.interrupts",
-    "runkit.safety.signals",
-    "runkit.gpu_stats.callback",
-    "runkit.gpus.resolve",
-    "runkit.gpus.claims",
-    "runkit.plots",
-    "runkit.speed",
-)
+# Imported by the server before it forks: what `python -m tinyapp.train` imports anyway.
+WARM = ("torch", "lightning.pytorch", "torchmetrics", "hydra", "hydra.core.hydra_config",
+        "omegaconf", "rich.console", "matplotlib.pyplot", "runkit.run.builders",
+        "runkit.run.preflight", "runkit.run.launch", "runkit.run.run_files",
+        "runkit.safety.checkpoints", "runkit.safety.interrupts", "runkit.safety.signals",
+        "runkit.gpu_stats.callback", "runkit.gpus.resolve", "runkit.gpus.claims", "runkit.plots",
+        "runkit.speed", "tinyapp.models", "tinyapp.data")  # fmt: skip
 
 
 def _serve() -> None:
@@ -186,12 +162,12 @@ def _interpreter_settings(env: dict[str, str]) -> dict[str, str]:
 
 
 def run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
-    """:func:`subprocess.run` for ``[sys.executable, "-m", "project.x", ...]``, on a prewarmed fork."""
+    """:func:`subprocess.run`; ``[sys.executable, "-m", "tinyapp.x", ...]`` on a prewarmed fork."""
     usable = (
         len(command) >= 3
         and command[0] == sys.executable
         and command[1] == "-m"
-        and str(command[2]).startswith(("project.", "runkit.", "conformance."))
+        and str(command[2]).startswith(("tinyapp.", "project.", "runkit.", "conformance."))
         and os.environ.get("RUNKIT_TEST_FRESH") != "1"
         and set(kwargs) <= {"cwd", "env", "capture_output", "text", "timeout", "check"}
         and kwargs.get("capture_output")

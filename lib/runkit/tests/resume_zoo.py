@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch import Callback, LightningDataModule, Trainer
 from torch.utils.data import DataLoader, Dataset
 
-from project.data.digits import DigitsDataModule
+from tinyapp.data import DigitsDataModule
 
 
 class Jittered(Dataset):

@@ -160,7 +160,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     weights = (run / "model.pth").read_bytes()
     config = (run / "config.yaml").read_text()
     crafted = OmegaConf.create(config)  # the same run, with an MLP for the ConvNet
-    crafted.model.net = {"_target_": "project.models.nets.MLP", "in_features": 64,
+    crafted.model.net = {"_target_": "tinyapp.models.MLP", "in_features": 64,
                          "hidden": [16], "num_classes": 10, "dropout": 0.0}  # fmt: skip
     files = {
         "empty.ckpt": b"", "half.ckpt": ckpt[: len(ckpt) // 2],

@@ -25,7 +25,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import TEMPLATE_TARGETS, CliRunner, last_line
-from project.models.nets import MLP
+from tinyapp.models import MLP
 from runkit.errors import RunError
 from runkit.run import builders
 from runkit.safety import checkpoints as checkpointing
@@ -50,7 +50,7 @@ from runkit.safety.checkpoints import (
 
 SRC = Path(checkpointing.__file__).resolve().parent
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
-NET = {"_target_": "project.models.nets.MLP", "in_features": 64, "hidden": [8], "num_classes": 10}
+NET = {"_target_": "tinyapp.models.MLP", "in_features": 64, "hidden": [8], "num_classes": 10}
 
 
 def raised(kind: type[BaseException], call: Any) -> Any:
@@ -209,7 +209,7 @@ def test_cli_refuses_a_checkpoint_with_one_changed_bit(
 
 
 SMALL_NET = {
-    "_target_": "project.models.nets.MLP",
+    "_target_": "tinyapp.models.MLP",
     "in_features": 4,
     "hidden": [3],
     "num_classes": 2,
@@ -610,7 +610,7 @@ def test_run_config_is_model_and_data_checked_against_the_allow_list(base: Path)
     )
     with pytest.raises(RunError, match=r"not under the trusted targets \[torch\.nn\.\]"):
         run_config(path, load_file(path), allowed=["torch.nn."])
-    assert run_config(path, load_file(path), allowed=["project.models.nets.MLP"])
+    assert run_config(path, load_file(path), allowed=["tinyapp.models.MLP"])
     folder = case(base, "2")
     path = lightning_checkpoint(
         folder / "given.ckpt", small_net(), config={"model": {"net": SMALL_NET}}
@@ -622,7 +622,7 @@ def test_run_config_is_model_and_data_checked_against_the_allow_list(base: Path)
     folder = case(base, "3")
     path = save_weights(small_net(), folder / "model.pth")
     (folder / "config.yaml").write_text(
-        "model:\n  net:\n    _target_: project.models.nets.MLP\n    in_features: ${oc.env:HOME}\n",
+        "model:\n  net:\n    _target_: tinyapp.models.MLP\n    in_features: ${oc.env:HOME}\n",
         encoding="utf-8",
     )
     with pytest.raises(RunError, match=r"holds an interpolation at model\.net\.in_features"):

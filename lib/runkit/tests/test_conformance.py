@@ -1,7 +1,7 @@
 """Conformance against plain Lightning (issue #31): the corpus of ``conformance/``.
 
 Each member is trained with the same seed and Trainer budget by a bare ``Trainer``
-(``conformance/oracle.py``) and by ``python -m project.train --config-dir conformance/configs``,
+(``conformance/oracle.py``) and by ``python -m tinyapp.train --config-dir conformance/configs``,
 the package in the run's working directory as a user's package sits in their project. Every value
 the oracle logs must be in the CLI's CSV log to the digit, and the final weights equal bit for bit
 (CPU runs are deterministic for a seed, under DDP x2 over gloo too). Then the template's own
@@ -187,7 +187,7 @@ def test_sigterm_under_ddp_saves_one_checkpoint_and_exits_143(trained, name: str
     log_dir = pair.cwd / "sigterm"
     args = train_args(log_dir, pair.member, "trainer.devices=2", "test=false", max_epochs=1000)
     process = subprocess.Popen(
-        [sys.executable, "-m", "project.train", *args], cwd=pair.cwd, env=clean_env(),
+        [sys.executable, "-m", "tinyapp.train", *args], cwd=pair.cwd, env=clean_env(),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     deadline = time.monotonic() + TIMEOUT

@@ -33,8 +33,8 @@ import json, os, random, signal, sys, time
 from pathlib import Path
 import torch
 import hydra, lightning.pytorch  # the heavy imports happen once, here, not in every round
-import project.train, runkit.run.builders, runkit.safety.checkpoints, runkit.gpus.resolve, runkit.run.preflight
-import project.data.digits, project.models.classifier, project.models.nets
+import tinyapp.train, runkit.run.builders, runkit.safety.checkpoints, runkit.gpus.resolve, runkit.run.preflight
+import tinyapp.data, tinyapp.models
 
 log_dir, rounds = Path(sys.argv[1]), int(sys.argv[2])
 random.seed(1234)
@@ -55,7 +55,7 @@ for index in range(rounds):
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1); os.dup2(devnull, 2)
         try:
-            project.train.main()
+            tinyapp.train.main()
         finally:
             os._exit(0)
     last = run / "checkpoints" / "last.ckpt"
@@ -231,7 +231,7 @@ def test_training_on_a_full_disk_ends_in_one_line(
         [
             sys.executable,
             "-m",
-            "project.train",
+            "tinyapp.train",
             f'paths.log_dir="{disk / "logs"}"',
             "data.batch_size=256",
             "callbacks.progress_bar.refresh_rate=0",
@@ -291,7 +291,7 @@ def test_a_run_directory_taken_away_mid_run_is_an_environment_failure(
         [
             sys.executable,
             "-m",
-            "project.train",
+            "tinyapp.train",
             f'hydra.run.dir="{run}"',
             "model=mlp",
             "trainer.max_epochs=4",

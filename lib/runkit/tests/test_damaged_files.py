@@ -251,7 +251,7 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One short training run, copied by each resume test (training costs more than the test)."""
     root = tmp_path_factory.mktemp("trained")
     result = prewarmed.run(
-        [sys.executable, "-m", "project.train", *FAST, f"paths.log_dir={root / 'logs'}"],
+        [sys.executable, "-m", "tinyapp.train", *FAST, f"paths.log_dir={root / 'logs'}"],
         cwd=root,
         env=clean_env(),
         capture_output=True,

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import DistributedSampler
 
 from conftest import CliRunner, run_dirs
-from project.data.digits import DigitsDataModule, load_digits
+from tinyapp.data import DigitsDataModule, load_digits
 from runkit.data import ArrayDataModule
 from runkit.errors import RunError
 

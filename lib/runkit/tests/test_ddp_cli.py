@@ -1,4 +1,4 @@
-"""``python -m project.train trainer.devices=2`` on a CPU-only machine: two processes over gloo,
+"""``python -m tinyapp.train trainer.devices=2`` on a CPU-only machine: two processes over gloo,
 one run directory, files by rank 0 only, rank 1's own log, the data sharded between them."""
 
 from __future__ import annotations

@@ -18,9 +18,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 from omegaconf import OmegaConf
 from torch import Tensor, nn
 
-from project.data.digits import DigitsDataModule
-from project.models.classifier import ClassifierModule
-from project.models.nets import MLP
+from tinyapp.data import DigitsDataModule
+from tinyapp.models import MLP, ClassifierModule
 from runkit.errors import RunError
 from runkit.run.preflight import check_config, check_strategy
 from runkit.speed import maybe_compile
@@ -113,7 +112,7 @@ def test_dp_is_registered_accepted_by_preflight_and_its_preset_names_the_network
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from project import config_dir
+    from tinyapp import config_dir
 
     assert "dp" in StrategyRegistry
     check_strategy("dp")  # no error

@@ -40,7 +40,7 @@ FSDP = (*TWO_PROCESSES, "data.batch_size=320", "model.scheduler.T_max=8")
 def start(tmp_path: Path, log_dir: Path, *overrides: str) -> subprocess.Popen:
     """A training run of its own process group (a kill reaches every rank at once)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "project.train", *FSDP, *overrides, f"paths.log_dir={log_dir}"],
+        [sys.executable, "-m", "tinyapp.train", *FSDP, *overrides, f"paths.log_dir={log_dir}"],
         cwd=tmp_path,
         env=clean_env(),
         stdout=subprocess.PIPE,
@@ -135,7 +135,7 @@ def test_fsdp_sigterm_resume_exactly_export_and_eval(cli: CliRunner, tmp_path: P
     assert record["global_step"] == (epoch + 2) * 2  # half the data per process (FSDP above)
 
     # model.pth: the full state gathered on rank 0, plain tensors, loads into the plain network.
-    from project.models.nets import ConvNet
+    from tinyapp.models import ConvNet
 
     exported = torch.load(full_run / "model.pth", map_location="cpu", weights_only=True)
     net = ConvNet()

@@ -20,9 +20,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 
 from conftest import CliRunner, last_line, run_dirs
-from project.data.digits import DigitsDataModule
-from project.models.classifier import ClassifierModule
-from project.models.nets import MLP
+from tinyapp.data import DigitsDataModule
+from tinyapp.models import MLP, ClassifierModule
 from runkit.safety.checkpoints import AtomicCheckpointIO
 from runkit.safety.model_checkpoint import ModelCheckpoint
 

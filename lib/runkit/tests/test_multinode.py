@@ -109,7 +109,7 @@ def test_a_restarted_torchrun_group_resumes_from_its_own_launch_only(tmp_path: P
 def test_multi_process_launch_without_a_run_id_fails_in_one_line(tmp_path: Path) -> None:
     env = clean_env(WORLD_SIZE="2", TORCHELASTIC_RUN_ID="none", RANK="0", LOCAL_RANK="0")
     result = prewarmed.run(
-        [sys.executable, "-m", "project.train", f"paths.log_dir={tmp_path}"],
+        [sys.executable, "-m", "tinyapp.train", f"paths.log_dir={tmp_path}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 2
@@ -141,12 +141,12 @@ ELASTIC = ("trainer=multi_node", "trainer.num_nodes=1", "trainer.devices=2",
 
 
 def torchrun(cwd: Path, rdzv_id: str, *overrides: str) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node=2 --max-restarts=1 --rdzv-backend=c10d ... -m project.train``."""
+    """``torchrun --nproc-per-node=2 --max-restarts=1 --rdzv-backend=c10d ... -m tinyapp.train``."""
     port = free_port()
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}",
-        "-m", "project.train", *ELASTIC, f"paths.log_dir={cwd / 'logs'}", *overrides,
+        "-m", "tinyapp.train", *ELASTIC, f"paths.log_dir={cwd / 'logs'}", *overrides,
     ]  # fmt: skip
     env = clean_env(OMP_NUM_THREADS="1")
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)

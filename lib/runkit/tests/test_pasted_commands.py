@@ -159,7 +159,7 @@ def test_resume_command_printed_after_ctrl_c_resumes_when_pasted_into_bash(tmp_p
     env = clean_env()
     env.pop("PYTHONPATH", None)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # `python`
-    argv = [sys.executable, "-m", "project.train", "--config-dir", "my configs", "model=mine"]
+    argv = [sys.executable, "-m", "tinyapp.train", "--config-dir", "my configs", "model=mine"]
     process = subprocess.Popen(
         [*argv, *overrides],
         cwd=tmp_path,
@@ -182,7 +182,7 @@ def test_resume_command_printed_after_ctrl_c_resumes_when_pasted_into_bash(tmp_p
     assert saved.is_file()
     lines = (out + err).splitlines()
     command = lines[next(i for i, line in enumerate(lines) if "resume with:" in line) + 1].strip()
-    assert command.startswith(f"PYTHONPATH={TESTS} python -m project.train --config-dir ")
+    assert command.startswith(f"PYTHONPATH={TESTS} python -m tinyapp.train --config-dir ")
     assert config_value(bash_words(command)[-1]) == str(saved)
 
     resumed = subprocess.run(
@@ -191,7 +191,7 @@ def test_resume_command_printed_after_ctrl_c_resumes_when_pasted_into_bash(tmp_p
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     (new_run,) = [d for d in run_dirs(log_dir) if d != run]
     assert f"Resuming from {saved}" in (new_run / "train.log").read_text()
-    assert "_target_: project.models.nets.MLP" in (new_run / "config.yaml").read_text()
+    assert "_target_: tinyapp.models.MLP" in (new_run / "config.yaml").read_text()
 
 
 HOSTILE_DIR = "it's $HOME=a,b [x] é"

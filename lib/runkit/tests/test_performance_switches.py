@@ -22,10 +22,9 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from conftest import clean_env
-from project import config_dir
-from project.data.digits import DigitsDataModule
-from project.models.classifier import ClassifierModule
-from project.models.nets import MLP, ConvNet
+from tinyapp import config_dir
+from tinyapp.data import DigitsDataModule
+from tinyapp.models import MLP, ClassifierModule, ConvNet
 import runkit
 from runkit import speed
 from runkit.errors import RunError
@@ -403,7 +402,7 @@ def test_trainer_settings_follow_the_precision_memory_and_profiler_keys(
 def test_train_builds_its_trainer_with_these_settings(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from project import train as train_module
+    from tinyapp import train as train_module
 
     seen: dict[str, Any] = {}
     monkeypatch.setattr(runkit, "build_trainer", lambda cfg, **kwargs: seen.update(kwargs))

@@ -1,4 +1,4 @@
-"""``python -m project.predict`` through the real CLI: predictions in dataset order, one process
+"""``python -m tinyapp.predict`` through the real CLI: predictions in dataset order, one process
 and DDP x2 on the CPU, the template's ``predict_step`` and a foreign module's forward (a bad
 ``ckpt_path`` is the preflight's line: test_bad_inputs.py)."""
 
@@ -86,7 +86,7 @@ def test_the_template_predicts_its_classes_in_dataset_order(
 
     inputs = inputs_of(trained, **data)
     assert devices == "one" or len(inputs) == 91
-    net = load_network(trained / "model.pth", device="cpu", allowed=("project.", "torch."))
+    net = load_network(trained / "model.pth", device="cpu", allowed=("tinyapp.", "torch."))
     with torch.no_grad():
         expected = net(inputs).argmax(dim=-1)
     predictions, index = saved(run)

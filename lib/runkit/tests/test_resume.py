@@ -78,7 +78,7 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
         [
             sys.executable,
             "-m",
-            "project.train",
+            "tinyapp.train",
             *EXACT,
             *STEP_CKPTS,
             "trainer.max_epochs=4",

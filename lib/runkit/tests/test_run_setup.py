@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from project import config_dir
+from tinyapp import config_dir
 import runkit
 from runkit import speed
 from runkit.errors import RunError
@@ -181,8 +181,8 @@ class _Built(Exception):
 def test_eval_tests_at_the_precision_training_used(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from project.eval import evaluate
-    from project.train import train
+    from tinyapp.eval import evaluate
+    from tinyapp.train import train
 
     seen: dict[str, Any] = {}
 

@@ -735,12 +735,12 @@ def group_gone(pgid: int, timeout: float = 30) -> bool:
 
 
 class Run:
-    """``python -m project.<task>`` in its own session, stderr to a file, test callbacks
+    """``python -m tinyapp.<task>`` in its own session, stderr to a file, test callbacks
     importable; killed with its group if a test leaves it running."""
 
     def __init__(self, tmp_path: Path, task: str, *overrides: str, env: dict | None = None):
         self.out, self.err, self.log_dir = (tmp_path / n for n in ("stdout", "stderr", "logs"))
-        command = [sys.executable, "-m", f"project.{task}", *overrides]
+        command = [sys.executable, "-m", f"tinyapp.{task}", *overrides]
         with self.out.open("w") as stdout, self.err.open("w") as stderr:
             self.process = subprocess.Popen(
                 [*command, f"paths.log_dir={self.log_dir}"], cwd=tmp_path, stdout=stdout,
@@ -804,7 +804,7 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Pa
     its exit code, what it printed after, its run directory (whose checkpoints other tests use)."""
     log_dir = tmp_path_factory.mktemp("trained") / "logs"
     process = subprocess.Popen(
-        [sys.executable, "-m", "project.train", *SMALL, f"paths.log_dir={log_dir}"],
+        [sys.executable, "-m", "tinyapp.train", *SMALL, f"paths.log_dir={log_dir}"],
         cwd=log_dir.parent, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True,
     )  # fmt: skip
@@ -917,7 +917,7 @@ def test_a_hang_up_with_the_terminal_gone_saves_like_sigterm_and_exits_129(tmp_p
     before = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as a shell starts it, not as nohup
     try:
         process = subprocess.Popen(
-            [sys.executable, "-m", "project.train", *command, f"paths.log_dir={log_dir}"],
+            [sys.executable, "-m", "tinyapp.train", *command, f"paths.log_dir={log_dir}"],
             cwd=tmp_path, env=clean_env(PYTHONPATH=str(TESTS)), stdout=writer, stderr=writer,
             start_new_session=True,
         )  # fmt: skip

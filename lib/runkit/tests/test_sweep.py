@@ -36,7 +36,7 @@ TINY = (
 
 def test_a_job_command_runs_one_job_in_its_folder_and_the_jobs_own_values_win() -> None:
     command = sweep.job_command(
-        ["python", "-m", "project.train"],
+        ["python", "-m", "tinyapp.train"],
         ["model.optimizer.lr=0.1", "select_gpus=first"],
         ["hydra/launcher=parallel", "hydra.mode=MULTIRUN", "hydra.sweep.dir=/s"],
         {"select_gpus": "least_used", "gpu_wait_s": 60},
@@ -44,7 +44,7 @@ def test_a_job_command_runs_one_job_in_its_folder_and_the_jobs_own_values_win() 
         3,
     )
     assert command == [
-        "python", "-m", "project.train", "model.optimizer.lr=0.1",
+        "python", "-m", "tinyapp.train", "model.optimizer.lr=0.1",
         "select_gpus=first",  # the job's own value, not the launcher's
         "gpu_wait_s=60", "hydra/launcher=parallel", "hydra.sweep.dir=/s",
         'hydra.run.dir="/s/a b é/3"', "hydra.job.num=3", "hydra.job.id=3", "hydra.mode=RUN",
@@ -211,7 +211,7 @@ def test_a_stopped_sweep_reruns_into_the_rest_without_repeating_a_finished_job(
     folder, marker = tmp_path / "sweep dir é", tmp_path / "paused"
     user_config_dir(tmp_path / "my configs")
     command = [
-        sys.executable, "-m", "project.train", "-m", "--config-dir", "my configs", "model=mine",
+        sys.executable, "-m", "tinyapp.train", "-m", "--config-dir", "my configs", "model=mine",
         "hydra/launcher=parallel", "hydra.launcher.n_jobs=1", "model.optimizer.lr=0.01,0.02,0.03",
         *TINY, "+callbacks.pause._target_=user_callbacks.PauseAtLr", "+callbacks.pause.at=train",
         f"+callbacks.pause.marker={marker}", "+callbacks.pause.lr=0.02",
@@ -253,7 +253,7 @@ def test_a_stopped_sweep_reruns_into_the_rest_without_repeating_a_finished_job(
     assert resumed["epochs"] == 2
     for job in ("0", "1-attempt2", "2"):
         config = (folder / job / "config.yaml").read_text()
-        assert "_target_: project.models.nets.MLP" in config, job  # model=mine, my configs'
+        assert "_target_: tinyapp.models.MLP" in config, job  # model=mine, my configs'
     assert [(r["status"], r["attempts"]) for r in summary(folder)] == [
         ("finished", "1"),
         ("finished", "2"),
@@ -312,7 +312,7 @@ def test_kill_9_of_a_training_sweep_lets_every_running_job_save(
     # Issue #32.3: the kernel's PR_SET_PDEATHSIG came once per thread of the dead sweep, and each
     # job took the second SIGTERM for a second request: "quitting at once, without saving".
     command = [
-        sys.executable, "-m", "project.train", "-m", "hydra/launcher=parallel",
+        sys.executable, "-m", "tinyapp.train", "-m", "hydra/launcher=parallel",
         "hydra.launcher.n_jobs=2", "model.optimizer.lr=0.01,0.02", "trainer.max_epochs=300",
         "data.batch_size=64", "test=false", "callbacks.progress_bar.refresh_rate=0",
         f"paths.log_dir={log_dir}",

@@ -123,7 +123,7 @@ def test_two_runs_racing_for_one_directory(tmp_path: Path) -> None:
     """Two runs given the same hydra.run.dir at once: one trains, the other stops in one line
     before writing anything (the directory is claimed atomically, not checked then created)."""
     run = tmp_path / "shared run é"
-    command = [sys.executable, "-m", "project.train", "debug=fdr", f"hydra.run.dir={q(run)}"]
+    command = [sys.executable, "-m", "tinyapp.train", "debug=fdr", f"hydra.run.dir={q(run)}"]
     racers = {
         seed: subprocess.Popen(
             [*command, f"seed={seed}", "callbacks.progress_bar.refresh_rate=0"],
@@ -151,7 +151,7 @@ def test_two_runs_racing_for_one_directory(tmp_path: Path) -> None:
 def test_help_and_cfg_job_do_not_import_torch(tmp_path: Path) -> None:
     probe = (
         "import sys, runpy; sys.argv = ['train', '{flag}'];\n"
-        "try: runpy.run_module('project.train', run_name='__main__')\n"
+        "try: runpy.run_module('tinyapp.train', run_name='__main__')\n"
         "except SystemExit: pass\n"
         "print('TORCH' if 'torch' in sys.modules or 'lightning' in sys.modules else 'LIGHT')"
     )

@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import CliRunner, compose_train, run_dirs
-from project import config_dir
+from tinyapp import config_dir
 from runkit.errors import RunError
 from runkit.run.preflight import check_config
 

@@ -16,12 +16,12 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import TEMPLATE_TARGETS, CliRunner, last_line
-from project.models.nets import MLP
+from tinyapp.models import MLP
 from runkit.errors import RunError
 from runkit.safety.checkpoints import load_network, save_weights
 from runkit.safety.trusted import MAX_DEPTH, TRUSTED_TARGETS, check_trusted, is_allowed
 
-NET = {"_target_": "project.models.nets.MLP", "in_features": 64, "hidden": [8], "num_classes": 10}
+NET = {"_target_": "tinyapp.models.MLP", "in_features": 64, "hidden": [8], "num_classes": 10}
 
 
 def raised(kind: type[BaseException], call: Any) -> Any:

@@ -4,7 +4,7 @@ Lightning's own demo classes (``lightning.pytorch.demos``) as they ship, and the
 :mod:`conformance.members`, one documented pattern of Lightning's LightningModule and DataModule
 pages each, several per class. ``test_conformance.py`` copies this package into a run's working
 directory, as a user drops their package into their project, and runs each member under a bare
-``lightning.pytorch.Trainer`` (:mod:`conformance.oracle`) and through ``python -m project.train
+``lightning.pytorch.Trainer`` (:mod:`conformance.oracle`) and through ``python -m tinyapp.train
 --config-dir conformance/configs model=<member> data=<member>``.
 
 ``MEMBERS`` says how each member runs; ``FEATURES`` which Lightning feature it exercises and what

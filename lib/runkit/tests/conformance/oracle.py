@@ -7,7 +7,7 @@ one callback of the template that changes what it learns: ``ResumeState``, which
 epoch from ``(seed, epoch)`` so that a resumed run continues exactly. Everything else stays plain.
 
 Builds the member's model and data from its configs as plain Python (``_convert_="all"``: lists and
-dicts, no OmegaConf containers), seeds as ``project.train`` does (``seed_everything(SEED,
+dicts, no OmegaConf containers), seeds as ``tinyapp.train`` does (``seed_everything(SEED,
 workers=True)`` before building the data, then the model), fits with ``conformance.TRAINER``
 and writes what the harness compares: ``<out_dir>/csv/metrics.csv`` (Lightning's CSVLogger) and
 ``<out_dir>/weights.pt``, the final ``state_dict``. ``devices`` > 1: DDP over gloo, as the
