@@ -1,8 +1,4 @@
-"""GPU inventory, CUDA_VISIBLE_DEVICES rules, device resolution and the least_used choice.
-
-Everything runs on the CPU: NVML is :mod:`runkit.testing.fake_nvml`, and what torch would say
-about CUDA is the explicit :class:`runkit.gpus.records.TorchCuda` argument.
-"""
+"""GPU inventory, CUDA_VISIBLE_DEVICES rules, device resolution, least_used; fake NVML, TorchCuda."""
 
 from __future__ import annotations
 
@@ -656,9 +652,7 @@ def test_bad_select_is_one_line():
 @pytest.mark.parametrize(("devices", "chosen"), [(2, [0, 1]), (-1, [0, 1, 2]), ("auto", [0, 1, 2])])
 def test_least_used_is_left_to_the_run_which_measures_and_claims(devices, chosen):
     environ: dict[str, str] = {}  # the measured choice: test_gpu_claims (wait_and_claim)
-    plan = resolve_devices(
-        "gpu", devices, select="least_used", inventory=machine(3), environ=environ
-    )
+    plan = resolve_devices("gpu", devices, select="least_used", inventory=machine(3), environ=environ)  # fmt: skip
     assert plan.trainer_kwargs() == {"accelerator": "gpu", "devices": chosen}
     assert plan.selected == tuple(chosen) and uuids(plan.gpus) == [f"GPU-{i:04d}" for i in chosen]
     assert environ == {}  # deciding changes nothing; the run hands its choice on
@@ -679,14 +673,9 @@ def test_a_ddp_child_reuses_rank_zero_choice_despite_different_load():
     # The child re-runs the command: LOCAL_RANK is set, the record comes from another pid (rank 0),
     # and meanwhile the load moved so that a fresh choice would be [0, 1].
     moved = machine(3)
-    assert resolve_devices("gpu", 2, select="least_used", inventory=moved, environ={}).devices == [
-        0,
-        1,
-    ]
+    assert resolve_devices("gpu", 2, select="least_used", inventory=moved, environ={}).devices == [0, 1]  # fmt: skip
     for accelerator in ("gpu", "cuda"):
-        child = resolve_devices(
-            accelerator, 2, select="least_used", inventory=moved, environ=rank0([1, 2])
-        )
+        child = resolve_devices(accelerator, 2, select="least_used", inventory=moved, environ=rank0([1, 2]))  # fmt: skip
         assert child.trainer_kwargs() == {"accelerator": accelerator, "devices": [1, 2]}
         assert child.selected == (1, 2) and uuids(child.gpus) == ["GPU-0001", "GPU-0002"]
         assert child.message == "GPUs chosen by rank 0 (least used): [1, 2]"
@@ -694,9 +683,7 @@ def test_a_ddp_child_reuses_rank_zero_choice_despite_different_load():
     # Sequential runs in one process (Hydra multirun) leave LOCAL_RANK=0 and their own record.
     environ = {**rank0([1, 2]), "LOCAL_RANK": "0"}
     environ[SELECTION_ENV] = environ[SELECTION_ENV].replace(str(os.getpid() + 1), str(os.getpid()))
-    assert resolve_devices(
-        "gpu", 2, select="least_used", inventory=moved, environ=environ
-    ).devices == [0, 1]
+    assert resolve_devices("gpu", 2, select="least_used", inventory=moved, environ=environ).devices == [0, 1]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -718,11 +705,10 @@ def test_a_ddp_child_reuses_rank_zero_choice_despite_different_load():
     ],
 )  # fmt: skip
 def test_a_child_that_cannot_use_rank_zero_choice_stops_in_one_line(environ, message):
-    inv = machine(3)
-    assert (
-        error(resolve_devices, "gpu", 2, select="least_used", inventory=inv, environ=environ)
-        == message
+    got = error(
+        resolve_devices, "gpu", 2, select="least_used", inventory=machine(3), environ=environ
     )
+    assert got == message
 
 
 # ------------------------------------------------------------------------- once per job
@@ -737,14 +723,9 @@ def gpu_box(monkeypatch, tmp_path, use_fake):
     claims.finish_job()
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.setattr(inventory_module, "probe_torch", lambda uuids=True: TorchCuda(True, 3))
-    for name in (
-        "CUDA_VISIBLE_DEVICES",
-        "CUDA_DEVICE_ORDER",
-        "LOCAL_RANK",
-        SELECTION_ENV,
-        nvml.BACKEND_ENV,
-    ):
-        monkeypatch.delenv(name, raising=False)  # fmt: skip
+    for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LOCAL_RANK", SELECTION_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv(nvml.BACKEND_ENV, raising=False)
     yield lib
     claims.finish_job()
 
@@ -764,9 +745,7 @@ def test_checks_change_nothing_and_only_the_run_claims_and_hands_over(gpu_box, s
     plan = resolve_for_run("gpu", 2, select=select, policy=QUICK, environ=environ)
     # a plain request reads no load; neither reads temperatures or process names
     assert ("nvmlDeviceGetMemoryInfo" in gpu_box.calls) == (select == "least_used")
-    assert not {"nvmlDeviceGetTemperature", "nvmlDeviceGetComputeRunningProcesses"} & set(
-        gpu_box.calls
-    )
+    assert not {"nvmlDeviceGetTemperature", "nvmlDeviceGetComputeRunningProcesses"} & set(gpu_box.calls)  # fmt: skip
     if select == "least_used":
         assert plan.devices == [1, 2] and json.loads(environ[SELECTION_ENV])["gpus"] == [1, 2]
         assert set(claims.claimed_uuids()) == {UUID1, UUID2}
