@@ -28,7 +28,6 @@ from conftest import stand_in
 from runkit.gpu_stats import callback as gpu_callback
 from runkit.gpu_stats.callback import (
     GpuStatsMonitor,
-    cuda_device_uuid,
     energy_report,
     process_devices,
 )
@@ -36,7 +35,6 @@ from runkit.gpu_stats.exchange import RankExchange
 from runkit.gpu_stats.loop import LoopTimer
 from runkit.gpu_stats.sampler import GpuSampler
 from runkit.gpus import nvml
-from runkit.gpus.nvml import find_handle
 from runkit.run import run_files
 from runkit.testing.fake_nvml import GIB, FakeClock, FakeGpu, FakeNvml, FakeProcess
 
@@ -46,67 +44,10 @@ HOPPER_GPM = {"SM_UTIL": 60, "SM_OCCUPANCY": 30, "ANY_TENSOR_UTIL": 20, "DRAM_BW
 
 
 # --------------------------------------------------------------------------- device mapping
-def visible_uuids(fake: FakeNvml, cuda_visible_devices: str | None, fastest_first: bool) -> list:
-    """What CUDA would enumerate: a stand-in for the driver, so the test can say what torch sees.
-
-    CUDA_DEVICE_ORDER=FASTEST_FIRST (CUDA's default) may order devices differently from NVML's
-    PCI order; the fake's GPUs are identical, so "fastest first" is modelled as reversed order.
-    """
-    physical = [g.uuid for g in fake.gpus]
-    if fastest_first:
-        physical = physical[::-1]
-    every = physical + [m.uuid for g in fake.gpus for m in g.mig]
-    if cuda_visible_devices is None:
-        chosen = physical
-    else:
-        chosen = []
-        for item in cuda_visible_devices.split(","):
-            chosen.append(
-                physical[int(item)] if item.isdigit() else next(u for u in every if u == item)
-            )
-    return [u.split("-", 1)[1] for u in chosen]  # torch reports the bare UUID, no GPU-/MIG-
-
-
-FOUR = FakeNvml(
-    [FakeGpu(name=f"gpu{i}") for i in range(3)]
-    + [FakeGpu(name="gpu3", mig=[FakeGpu(name="slice")])]
-)
-
-
-@pytest.mark.parametrize(
-    ("cvd", "fastest_first", "expected"),
-    [
-        (None, False, ["gpu0", "gpu1", "gpu2", "gpu3"]),
-        ("2,3", False, ["gpu2", "gpu3"]),  # cuda:0 is physical GPU 2, not NVML index 0
-        ("3,1", False, ["gpu3", "gpu1"]),
-        (f"{FOUR.gpus[2].uuid},{FOUR.gpus[0].uuid}", False, ["gpu2", "gpu0"]),
-        (FOUR.gpus[3].mig[0].uuid, False, ["slice"]),
-        ("0,1", True, ["gpu3", "gpu2"]),  # CUDA_DEVICE_ORDER=FASTEST_FIRST reorders
-    ],
-)
-def test_torch_device_maps_to_the_right_nvml_device(
-    monkeypatch: pytest.MonkeyPatch, cvd, fastest_first, expected
-) -> None:
-    uuids = visible_uuids(FOUR, cvd, fastest_first)
-    monkeypatch.setattr(
-        torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=uuids[i], name="x")
-    )
-    FOUR.nvmlInit()
-    try:
-        names = []
-        for index in range(len(uuids)):
-            handle, nvml_uuid = find_handle(FOUR, cuda_device_uuid(index))
-            assert nvml_uuid.startswith(("GPU-", "MIG-"))
-            names.append(FOUR.nvmlDeviceGetName(handle))
-    finally:
-        FOUR.nvmlShutdown()
-    assert names == expected
-
-
 def test_callback_setup_resolves_cuda_devices_by_uuid(monkeypatch, use_fake, caplog) -> None:
-    """The whole setup path with CUDA devices (faked torch side): cuda0 -> physical GPU 2."""
+    # find_handle's UUID spellings (bare, MIG-): test_devices.py
     fake = use_fake(FakeNvml([FakeGpu(name=f"gpu{i}") for i in range(4)]))
-    uuids = visible_uuids(fake, "2,3", fastest_first=False)
+    uuids = [g.uuid.split("-", 1)[1] for g in fake.gpus[2:]]  # torch: bare UUIDs, cuda:0 = GPU 2
     monkeypatch.setattr(
         torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=uuids[i])
     )
@@ -207,8 +148,7 @@ def test_no_driver_or_no_bindings_is_one_line_and_no_warning(
     with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger=LOGGER):
         warnings.simplefilter("error")  # any warning from us is fatal
         monitor.setup(trainer, None, "fit")
-        monitor.on_train_epoch_start(trainer, None)
-        monitor.on_train_epoch_end(trainer, Module(trainer))  # inactive: no log
+        epoch(monitor, trainer, None, [])  # inactive: no log
         monitor.teardown(trainer, None, "fit")
     (line,) = [r.getMessage() for r in caplog.records if r.name.startswith(LOGGER)]
     assert words in line and fake.init_count == fake.shutdown_count == 0
@@ -271,6 +211,12 @@ def train_steps(monitor: GpuStatsMonitor, trainer: Any, clock: FakeClock, waits:
         monitor.on_train_batch_start(trainer, None, None, 0)
         clock.advance(1.0)
         monitor.on_train_batch_end(trainer, None, None, (torch.zeros(8, 2), torch.zeros(8)), 0)
+
+
+def epoch(monitor: GpuStatsMonitor, trainer: Any, clock: FakeClock | None, waits: list[float]):
+    monitor.on_train_epoch_start(trainer, None)
+    train_steps(monitor, trainer, clock, waits)
+    monitor.on_train_epoch_end(trainer, Module(trainer))
 
 
 def test_an_epoch_with_validation_logs_exact_figures_once_each(
@@ -442,9 +388,7 @@ def test_a_rank_other_than_zero_feeds_monitors_but_not_loggers(
     )
     with caplog.at_level(logging.INFO, logger=LOGGER):
         monitor.setup(trainer, None, "fit")
-        monitor.on_train_epoch_start(trainer, None)
-        train_steps(monitor, trainer, clock, [3.0])  # starved, but only rank 0 says so
-        monitor.on_train_epoch_end(trainer, Module(trainer))
+        epoch(monitor, trainer, clock, [3.0])  # starved, but only rank 0 says so
         monitor.on_fit_end(trainer, None)
         monitor.teardown(trainer, None, "fit")
     assert trainer.loggers[0].calls == []
@@ -462,9 +406,7 @@ def test_without_loggers_monitors_still_get_their_keys(monkeypatch, caplog) -> N
     monitor = GpuStatsMonitor()
     trainer = stub_trainer(loggers=[], callbacks=[SimpleNamespace(monitor="loop/samples_per_s")])
     monitor.setup(trainer, None, "fit")
-    monitor.on_train_epoch_start(trainer, None)
-    train_steps(monitor, trainer, clock, [0.0])
-    monitor.on_train_epoch_end(trainer, Module(trainer))
+    epoch(monitor, trainer, clock, [0.0])
     assert trainer.callback_metrics["loop/samples_per_s"].item() == 8.0
 
 
@@ -473,8 +415,7 @@ def test_no_step_means_nothing_is_logged(monkeypatch) -> None:
     monitor = GpuStatsMonitor()
     trainer = stub_trainer(loggers=[logger])
     monitor.setup(trainer, None, "fit")
-    monitor.on_train_epoch_start(trainer, None)
-    monitor.on_train_epoch_end(trainer, Module(trainer))  # no batch: no call
+    epoch(monitor, trainer, None, [])  # no batch: no call
     assert logger.calls == [] and monitor.run_samples() == 0.0
 
 
@@ -518,18 +459,14 @@ def test_two_epochs_add_up_and_an_unsized_batch_makes_the_sample_count_unknown(m
     trainer = stub_trainer()
     monitor.setup(trainer, None, "fit")
     for _ in range(2):
-        monitor.on_train_epoch_start(trainer, None)
-        train_steps(monitor, trainer, clock, [0.0, 0.0])
-        monitor.on_train_epoch_end(trainer, Module(trainer))
+        epoch(monitor, trainer, clock, [0.0, 0.0])
     assert monitor.run_samples() == 32.0 and monitor.state_dict()["train_samples"] == 32.0
     monitor.on_train_epoch_start(trainer, None)
     monitor.on_train_batch_start(trainer, None, None, 0)
     monitor.on_train_batch_end(trainer, None, None, ["no tensor"], 0)
     monitor.on_train_epoch_end(trainer, Module(trainer))
     assert monitor.run_samples() is None
-    monitor.on_train_epoch_start(trainer, None)
-    train_steps(monitor, trainer, clock, [0.0])
-    monitor.on_train_epoch_end(trainer, Module(trainer))
+    epoch(monitor, trainer, clock, [0.0])
     assert monitor.run_samples() is None  # unknown once, unknown for the run
 
 
