@@ -92,8 +92,6 @@ def error(call, *args, **kwargs) -> str:
 
 
 # ------------------------------------------------------------------------- reading NVML
-
-
 def test_read_nvml_reads_every_gpu_and_mig_slice(fake):
     fake.gpus[0].memory_total, fake.gpus[0].memory_used = 80 * GIB + 3, GIB + 1024 * 1024 + 1
     gpus, driver, notes = read_nvml()
@@ -195,8 +193,6 @@ def test_a_backend_spec_loads_its_factory_or_says_it_cannot(monkeypatch):
 
 
 # ------------------------------------------------------------------------- one device's figures
-
-
 class OddDriver(FakeNvml):
     """The fake with an old driver's clock name, a checked ECC query and a typed field value."""
 
@@ -256,8 +252,6 @@ def test_old_drivers_and_typed_fields_read_as_the_same_figures(value_type, expec
 
 
 # ------------------------------------------------------------------------- CUDA_VISIBLE_DEVICES
-
-
 @pytest.mark.parametrize(
     ("value", "expected"),
     [
@@ -420,8 +414,6 @@ def test_a_first_entry_that_names_no_device_hides_every_gpu(value, hides):
 
 
 # ------------------------------------------------------------------------- the inventory
-
-
 def test_inventory_maps_cuda_indices_by_torch_uuid(physical):
     # torch reports UUIDs without the GPU-/MIG- prefix; cuda:0 is GPU 2, cuda:1 a MIG slice
     torch_info = TorchCuda(True, 3, uuids=(UUID2[4:], MIG31[4:], "beef"), names=("H100", "A100 MIG"))  # fmt: skip
@@ -523,7 +515,6 @@ def test_probe_torch_counts_without_initialising_cuda_unless_asked_for_uuids(mon
 
 
 # ------------------------------------------------------------------------- parse_devices
-
 ACCEPTED = "use a count ≥ 1, -1 (all), 'auto', or GPU indices such as [0,1] or '0,1'"
 
 
@@ -561,7 +552,6 @@ def test_device_error_is_a_project_error_and_a_value_error():
 
 
 # ------------------------------------------------------------------------- resolve_devices
-
 CPU_ONLY = build_inventory(None, TorchCuda(), env={}, nvml_reason="NVML is not available (x)")
 MAC = build_inventory(None, TorchCuda(mps_available=True), env={})
 BANANA = build_inventory(None, TorchCuda(), env={"CUDA_VISIBLE_DEVICES": "banana,,7"}, nvml_reason="x")  # fmt: skip
@@ -647,8 +637,6 @@ def test_bad_select_is_one_line():
 
 
 # ------------------------------------------------------------------------- select_gpus=least_used
-
-
 @pytest.mark.parametrize(("devices", "chosen"), [(2, [0, 1]), (-1, [0, 1, 2]), ("auto", [0, 1, 2])])
 def test_least_used_is_left_to_the_run_which_measures_and_claims(devices, chosen):
     environ: dict[str, str] = {}  # the measured choice: test_gpu_claims (wait_and_claim)
@@ -712,7 +700,6 @@ def test_a_child_that_cannot_use_rank_zero_choice_stops_in_one_line(environ, mes
 
 
 # ------------------------------------------------------------------------- once per job
-
 QUICK = SelectionPolicy(util_window_s=0.01)
 
 

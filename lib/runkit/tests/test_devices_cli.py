@@ -80,10 +80,7 @@ def test_json_output_has_the_documented_keys_and_indices(machine, monkeypatch, c
     assert set(doc) == JSON_KEYS and doc["schema_version"] == 1
     assert (doc["cuda_available"], doc["device_count"], doc["training_device"]) == (True, 2, "cuda")
     assert doc["index_mapping"] == "env-rules" and doc["cuda_visible_devices"] == "2,0"
-    assert [(g["index"], g["nvml_index"], g["uuid"]) for g in doc["gpus"]] == [
-        (0, 2, UUID2),
-        (1, 0, UUID0),
-    ]
+    assert [(g["index"], g["nvml_index"], g["uuid"]) for g in doc["gpus"]] == [(0, 2, UUID2), (1, 0, UUID0)]  # fmt: skip
     assert all(set(g) == GPU_KEYS for g in doc["gpus"] + doc["hidden_gpus"])
     assert doc["gpus"][0]["utilization_percent"] == 37
     assert doc["gpus"][1]["memory_used_mib"] == 10240
@@ -202,14 +199,9 @@ def test_the_help_names_the_command_and_its_options(capsys, monkeypatch):
     assert out.startswith("usage: python -m runkit.devices [-h] [--json] [--watch [SECONDS]]")
     assert "List the GPUs this process may use (as cuda:N), their load and processes." in out
     assert "--json print JSON for scripts" in out
-    assert (
-        "--watch [SECONDS] refresh every SECONDS (default 2) until Ctrl-C; with --json, one JSON "
-        "document per line" in out
-    )
+    assert "--watch [SECONDS] refresh every SECONDS (default 2) until Ctrl-C; with --json, one JSON document per line" in out  # fmt: skip
     asked: list[tuple[float, bool]] = []
-    monkeypatch.setattr(
-        listing, "watch", lambda seconds, as_json: asked.append((seconds, as_json)) or 0
-    )
+    monkeypatch.setattr(listing, "watch", lambda seconds, as_json: asked.append((seconds, as_json)) or 0)  # fmt: skip
     assert main(["--watch"]) == main(["--json", "--watch", "0.5"]) == 0
     assert asked == [(2.0, False), (0.5, True)]
 
@@ -235,12 +227,9 @@ def test_module_import_stays_light():
 
 
 # ------------------------------------------------------------------------- --watch
-
-
 @pytest.fixture
 def refreshes(monkeypatch, use_fake):
-    """GPU 0 goes from 10 % to 90 % busy at t=1 s, torch sees both GPUs (counted), and ``sleep``
-    moves the fake clock and presses Ctrl-C at the third."""
+    """GPU 0: 10 % then 90 % busy from t=1 s; torch probes counted; the third sleep is Ctrl-C."""
     clock = FakeClock()
     busy = FakeGpu(uuid=UUID0, util_gpu=[(0, 10), (1, 90)], processes=[FakeProcess(4242, 3 * GIB)])
     fake = use_fake(FakeNvml([busy, FakeGpu(uuid=UUID1)], clock=clock))
@@ -256,9 +245,7 @@ def refreshes(monkeypatch, use_fake):
             raise KeyboardInterrupt
         clock.advance(seconds)
 
-    monkeypatch.setattr(
-        listing, "time", SimpleNamespace(sleep=sleep, time=time.time, strftime=time.strftime)
-    )
+    monkeypatch.setattr(listing, "time", SimpleNamespace(sleep=sleep, time=time.time, strftime=time.strftime))  # fmt: skip
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     return SimpleNamespace(fake=fake, probes=probes, sleeps=sleeps)
 
@@ -298,8 +285,6 @@ def test_the_table_is_redrawn_in_place_on_a_terminal(refreshes):
 
 
 # ------------------------------------------------------------------------- in a subprocess
-
-
 def _skip_if_torch_sees_a_real_gpu() -> None:
     import torch
 
@@ -313,11 +298,8 @@ def test_cli_subprocess_with_the_fake_follows_cuda_visible_devices():
     result = run_cli("--json", env=fake_env(CUDA_VISIBLE_DEVICES="3,2,0,-1,1"))
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
-    assert [(g["index"], g["nvml_index"], g["uuid"], g["mig"]) for g in doc["gpus"]] == [
-        (0, 3, MIG, True),
-        (1, 2, UUID2, False),
-        (2, 0, UUID0, False),
-    ]
+    got = [(g["index"], g["nvml_index"], g["uuid"], g["mig"]) for g in doc["gpus"]]
+    assert got == [(0, 3, MIG, True), (1, 2, UUID2, False), (2, 0, UUID0, False)]
     assert doc["gpus"][2]["processes"] == [{"pid": 777, "used_memory_mib": 30720, "name": None}]
     assert [g["uuid"] for g in doc["hidden_gpus"]] == [UUID1]
     assert any("'-1,1' is ignored" in note for note in doc["notes"])
@@ -326,8 +308,6 @@ def test_cli_subprocess_with_the_fake_follows_cuda_visible_devices():
 
 
 # ------------------------------------------------------------------------- real GPU
-
-
 def _cuda_or_skip():
     import torch
 
