@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import FAST, compose_train, last_line, run_dirs
+from conftest import FAST, compose_train, run_dirs
 from runkit.errors import RunError
 from runkit.gpus import claims, nvml
 from runkit.gpus import inventory as inventory_module
@@ -771,6 +771,7 @@ def test_cpu_and_other_accelerators_never_touch_nvml(gpu_box):
 
 @pytest.mark.slow
 def test_a_variable_that_hides_every_gpu_is_named_by_the_cli(cli, log_dir):
+    # accelerator=gpu with it is refused in one line: test_bad_inputs (cuda-visible-devices-garbage)
     env = {"CUDA_VISIBLE_DEVICES": "banana,,7"}
     short = [f"trainer.limit_{s}_batches=1" for s in ("train", "val", "test")]
     result = cli("train", *FAST, "trainer.max_epochs=1", *short, env=env)
@@ -779,14 +780,3 @@ def test_a_variable_that_hides_every_gpu_is_named_by_the_cli(cli, log_dir):
     (run,) = run_dirs(log_dir)
     assert BANANA_WHY in (run / "train.log").read_text()
     assert json.loads((run / "metrics.json").read_text())["accelerator"] == "CPUAccelerator"
-    fake = {
-        "RUNKIT_NVML_BACKEND": "runkit.testing.fake_nvml:create",
-        "RUNKIT_FAKE_NVML": '{"gpus": 2}',
-    }
-    result = cli("train", "trainer.accelerator=gpu", env=env | fake)  # NVML sees GPUs it hides
-    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert last_line(result.stderr) == (
-        f"error: accelerator=gpu asks for a GPU, but this machine has no usable GPU ({BANANA_WHY}); "
-        "set CUDA_VISIBLE_DEVICES to GPU indices or UUIDs (e.g. 0,1) or unset it"
-    )
-    assert run_dirs(log_dir) == [run]  # the refused runs created nothing

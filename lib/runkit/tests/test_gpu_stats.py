@@ -844,9 +844,7 @@ def test_a_cpu_run_touches_no_nvml_and_a_starved_loop_is_named_once_per_epoch(
     assert "uses no CUDA device" in ours[0].getMessage() and ours[0].levelno == logging.INFO
     starved = [r for r in ours if "waited for the next batch" in r.getMessage()]
     assert len(starved) == 2 and {r.levelno for r in starved} == {logging.WARNING}
-    assert "no GPU reading" in starved[0].getMessage()
-    for setting in ("data.num_workers=0", "data.pin_memory=False", "data.batch_size=4"):
-        assert setting in starved[0].getMessage()
+    assert "no GPU reading" in starved[0].getMessage()  # the whole line: the by-hand test
 
 
 @pytest.mark.gpu
