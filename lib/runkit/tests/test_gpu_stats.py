@@ -1,9 +1,5 @@
-"""GpuStatsMonitor on machines without a GPU: the fake NVML stands in for the driver.
-
-The hooks are driven by hand against a FakeClock where exact figures are checked (the sampler's
-readings taken by hand too); real ``Trainer.fit`` runs use ``device_uuids`` to say which fake GPU
-the CPU "device" is, and share one trained run where they can.
-"""
+"""GpuStatsMonitor on the fake NVML: hooks driven by hand on a FakeClock for exact figures, and
+real fits (``device_uuids`` names the CPU device's fake GPU) sharing one trained run."""
 
 from __future__ import annotations
 
@@ -191,8 +187,7 @@ def stub_trainer(**overrides: Any) -> SimpleNamespace:
 
 @pytest.fixture
 def by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sampler's thread ends at once: its first reading (at setup) and those a test takes
-    with ``sample_now`` are the only ones (exact sums)."""
+    """The sampler's thread ends at once: only setup's reading and ``sample_now``'s count."""
     monkeypatch.setattr(GpuSampler, "_run", lambda self: None)
 
 
@@ -224,13 +219,8 @@ def test_an_epoch_with_validation_logs_exact_figures_once_each(
 ) -> None:
     monkeypatch.setenv("COLUMNS", "200")
     clock = FakeClock()
-    gpu = FakeGpu(
-        name="Fake H100",
-        util_gpu=[(0, 20), (5, 60)],
-        power_mw=200_000,
-        power_limit_mw=400_000,
-        temperature=[(0, 40), (5, 50)],
-    )
+    gpu = FakeGpu(name="Fake H100", util_gpu=[(0, 20), (5, 60)], power_mw=200_000,
+                  power_limit_mw=400_000, temperature=[(0, 40), (5, 50)])  # fmt: skip
     fake = use_fake(FakeNvml([gpu], clock=clock))
     monitor = monitor_on(monkeypatch, fake, clock)
     logger, other = RecordingLogger(), RecordingLogger()
@@ -509,15 +499,13 @@ def test_ranks_in_the_same_state_share_one_line(caplog) -> None:
     gpu = {"label": "cuda0", "name": "n", "uuid": "MIG-1", "nvml_index": 3, "pci_bus_id": "b",
            "mig": True, "unsupported": ["fan", "utilization"]}  # fmt: skip
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        GpuStatsMonitor()._report_setup(
-            [
-                {"rank": 0, "node": 0, "status": "off: x", "gpus": [], "quiet": True},
-                {"rank": 1, "node": 0, "status": "off: x", "gpus": [], "quiet": True},
-                {"rank": 2, "node": 1, "status": "off: x", "gpus": []},
-                {"rank": 3, "node": 1, "status": "off: y", "gpus": [], "problems": ["p"]},
-                {"rank": 4, "node": 1, "status": "on", "gpus": [gpu]},
-            ]
-        )
+        GpuStatsMonitor()._report_setup([
+            {"rank": 0, "node": 0, "status": "off: x", "gpus": [], "quiet": True},
+            {"rank": 1, "node": 0, "status": "off: x", "gpus": [], "quiet": True},
+            {"rank": 2, "node": 1, "status": "off: x", "gpus": []},
+            {"rank": 3, "node": 1, "status": "off: y", "gpus": [], "problems": ["p"]},
+            {"rank": 4, "node": 1, "status": "on", "gpus": [gpu]},
+        ])  # fmt: skip
     suffix = "; training continues without GPU statistics"
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
         (logging.WARNING, "gpu_stats: rank 3 (node 1): p"),
@@ -642,18 +630,16 @@ class TinyModel(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-class SlowData(torch.utils.data.Dataset):
-    """A data set that takes ``delay_s`` per sample, like one decoding files on one core."""
+class SlowData(torch.utils.data.TensorDataset):
+    """64 samples, ``delay_s`` each, like decoding files on one core."""
 
-    def __init__(self, delay_s: float = 0.0, n: int = 64) -> None:
-        self.delay_s, self.x, self.y = delay_s, torch.randn(n, 4), torch.randint(0, 2, (n,))
-
-    def __len__(self) -> int:
-        return len(self.x)
+    def __init__(self, delay_s: float = 0.0) -> None:
+        super().__init__(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+        self.delay_s = delay_s
 
     def __getitem__(self, i: int):
         time.sleep(self.delay_s)
-        return self.x[i], self.y[i]
+        return super().__getitem__(i)
 
 
 def loader(delay_s: float = 0.0, batch_size: int = 4) -> torch.utils.data.DataLoader:
@@ -687,8 +673,7 @@ def rows_with(tmp_path: Path, key: str = "gpu/node0/cuda0/samples") -> list[dict
 
 
 class Watch(pl.Callback):
-    """Per step: the fake's NVML calls from the training thread; per epoch: the samples in the
-    batches trained on and the monitor's count; at each validation's end: the watched key."""
+    """NVML calls from the training thread, samples seen vs counted, the key at validation end."""
 
     def __init__(self, fake: FakeNvml, monitor: GpuStatsMonitor) -> None:
         self.fake, self.monitor = fake, monitor
@@ -729,8 +714,7 @@ VAL_KEY = "gpu_val/node0/cuda0/util_mean"
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """One fit of two epochs on a fake H100 with GPM, watched by EarlyStopping and
-    ModelCheckpoint, batches of 6 (the last of 4), ``last.ckpt`` kept for a resume."""
+    """Two epochs on a fake H100 with GPM, EarlyStopping, ModelCheckpoint (last.ckpt), batches of 6."""
     tmp_path = tmp_path_factory.mktemp("trained")
     gpu = FakeGpu(name="Fake H100", util_gpu=40, util_memory=20, memory_used=10 * GIB,
                   power_mw=350_000, temperature=61, processes=[FakeProcess("self", 2 * GIB)],
