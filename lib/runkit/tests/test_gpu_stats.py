@@ -364,15 +364,17 @@ def test_the_starvation_line_needs_the_share_a_second_of_waiting_and_idle_gpus(
     assert not isinstance(warned, str) or warned in lines[0]
 
 
-def test_a_rank_other_than_zero_feeds_monitors_but_not_loggers(
-    monkeypatch, use_fake, by_hand, caplog
+@pytest.mark.parametrize("rank_zero", [False, True])  # True: rank 0 without any logger
+def test_monitors_get_their_keys_on_every_rank_and_without_loggers(
+    monkeypatch, use_fake, by_hand, caplog, rank_zero
 ) -> None:
     clock = FakeClock()
     fake = use_fake(FakeNvml([FakeGpu(util_gpu=30)], clock=clock))
     monitor = monitor_on(monkeypatch, fake, clock, summary_table=True)
     watcher = SimpleNamespace(monitor="gpu/node0/cuda0/util_mean")
     trainer = stub_trainer(
-        is_global_zero=False,
+        is_global_zero=rank_zero,
+        loggers=[] if rank_zero else [RecordingLogger()],
         callbacks=[monitor, watcher, SimpleNamespace(monitor=None)],
         lr_scheduler_configs=[SimpleNamespace(monitor="loop/data_wait_frac")],
     )
@@ -381,23 +383,14 @@ def test_a_rank_other_than_zero_feeds_monitors_but_not_loggers(
         epoch(monitor, trainer, clock, [3.0])  # starved, but only rank 0 says so
         monitor.on_fit_end(trainer, None)
         monitor.teardown(trainer, None, "fit")
-    assert trainer.loggers[0].calls == []
-    assert caplog.records == []  # neither the identity line nor the starvation line
+    if not rank_zero:
+        assert trainer.loggers[0].calls == []
+        assert caplog.records == []  # neither the identity line nor the starvation line
     metrics = trainer.callback_metrics
     assert set(metrics) == {"gpu/node0/cuda0/util_mean", "loop/data_wait_frac"}
     assert isinstance(metrics["gpu/node0/cuda0/util_mean"], torch.Tensor)
     assert metrics["gpu/node0/cuda0/util_mean"].item() == 30.0
     assert metrics["loop/data_wait_frac"].item() == pytest.approx(0.75)
-
-
-def test_without_loggers_monitors_still_get_their_keys(monkeypatch, caplog) -> None:
-    clock = FakeClock()
-    monkeypatch.setattr(gpu_callback, "LoopTimer", lambda: LoopTimer(clock))
-    monitor = GpuStatsMonitor()
-    trainer = stub_trainer(loggers=[], callbacks=[SimpleNamespace(monitor="loop/samples_per_s")])
-    monitor.setup(trainer, None, "fit")
-    epoch(monitor, trainer, clock, [0.0])
-    assert trainer.callback_metrics["loop/samples_per_s"].item() == 8.0
 
 
 def test_no_step_means_nothing_is_logged(monkeypatch) -> None:
