@@ -17,6 +17,7 @@ import textwrap
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from unittest.mock import Mock
 
 import pytest
 
@@ -284,11 +285,7 @@ def test_a_lock_excludes_every_other_holder_until_closed_and_holds_only_its_pid(
 def test_whatever_a_held_lock_file_holds_it_reads_as_another_run(locks, monkeypatch, note, reason):
     fd = other_run_holds(locks, UUIDS[0])
     if note is None:
-
-        def pread(*args):
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-
-        monkeypatch.setattr(os, "pread", pread)
+        monkeypatch.setattr(os, "pread", Mock(side_effect=OSError(errno.EIO, os.strerror(errno.EIO))))  # fmt: skip
     else:
         os.pwrite(fd, note, 0)
     assert claims.try_lock(claims.lock_path(locks, UUIDS[0])) == reason
@@ -297,8 +294,7 @@ def test_whatever_a_held_lock_file_holds_it_reads_as_another_run(locks, monkeypa
 
 @pytest.fixture
 def not_writable(locks, monkeypatch):
-    """Opening a file in ``locks`` for writing is refused, as for another user's lock file in a
-    shared directory (simulated: the tests may run as root, whom nothing is refused)."""
+    """Writing in ``locks`` is refused, as for another user's lock file (the tests may run as root)."""
     real_open = os.open
 
     def open_(path, flags, *args, **kwargs):
@@ -351,10 +347,7 @@ def test_hostile_lock_files_are_refused_not_followed(locks, tmp_path, request, w
 
 
 def test_a_filesystem_without_locks_is_named_in_the_reason(locks, monkeypatch):
-    def no_locks(fd, operation):
-        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
-
-    monkeypatch.setattr(fcntl, "flock", no_locks)
+    monkeypatch.setattr(fcntl, "flock", Mock(side_effect=OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))))  # fmt: skip
     path = claims.lock_path(locks, UUIDS[0])
     assert claims.try_lock(path) == (
         f"its lock file {str(path)!r} cannot be locked ({os.strerror(errno.ENOLCK)})"

@@ -645,16 +645,12 @@ def fit(tmp_path, monitor, *callbacks, epochs=2, loggers=None, model=None, train
     options = {"limit_train_batches": 12, "limit_val_batches": 2, "num_sanity_val_steps": 1,
                "log_every_n_steps": 1, **options}  # fmt: skip
     trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=epochs,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        accelerator="cpu", devices=1, max_epochs=epochs, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[monitor, *callbacks],
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
         logger=loggers if loggers is not None else CSVLogger(tmp_path, name="csv", version=0),
-        callbacks=[monitor, *callbacks],
         **options,
-    )
+    )  # fmt: skip
     trainer.fit(model or TinyModel(), train_loader or loader(), loader(), ckpt_path=ckpt_path)
     return trainer
 
