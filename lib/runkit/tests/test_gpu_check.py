@@ -1,5 +1,4 @@
-"""scripts/gpu_check.py: the wheel check, time limits that cut hangs, the GPU figures' checks on
-files shaped like a run's, and a real dry run writing its report under $OUT."""
+"""scripts/gpu_check.py: wheels, time limits, GPU figures on run-shaped files, a real dry run."""
 
 from __future__ import annotations
 
@@ -61,9 +60,7 @@ def make_wheel(
     metadata += "".join(f"Requires-Dist: {r}\n" for r in requires)
     with zipfile.ZipFile(path, "w") as archive:
         archive.writestr(f"{info}/METADATA", metadata)
-        archive.writestr(
-            f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
-        )
+        archive.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\n")
         archive.writestr(f"{info}/RECORD", f"{info}/METADATA,,\n{info}/WHEEL,,\n{info}/RECORD,,\n")
     return path
 
@@ -87,9 +84,7 @@ def wheels(tmp_path: Path, versions: dict[str, str]) -> Path:
 # ---- the wheel check ----------------------------------------------------------------------------
 
 
-def test_the_wheel_check_passes_a_complete_folder_and_names_each_problem_in_one_line(
-    wheels: Path, versions: dict[str, str], tmp_path: Path
-) -> None:
+def test_the_wheel_check_passes_a_full_folder_and_names_each_problem(wheels, versions, tmp_path):
     assert gc.check_wheels(wheels, versions, project_requires=gc.project_requirements()) == []
     (error,) = gc.check_wheels(tmp_path / "nowhere", versions)
     assert "does not exist" in error and "--fetch-wheels" in error
@@ -110,9 +105,7 @@ def test_the_wheel_check_passes_a_complete_folder_and_names_each_problem_in_one_
     assert wrong.name in error and "does not install" in error
 
 
-def test_a_dependency_neither_there_nor_brought_is_named(
-    wheels: Path, versions: dict[str, str]
-) -> None:
+def test_a_dependency_neither_there_nor_brought_is_named(wheels, versions) -> None:
     next(wheels.glob("hydra_core-*.whl")).unlink()
     make_wheel(wheels, "hydra-core", versions["hydra-core"], ["omegaconf", "einops>=0.7"])
     assert gc.check_wheels(wheels, versions) == [
@@ -201,13 +194,9 @@ def fake_run(run: Path, columns: dict[str, str], accelerator: str = "CUDAAcceler
     return run
 
 
-GPU_ROW = {
-    "gpu/node0/cuda0/util_mean": "37.5",
-    "gpu/node0/cuda0/mem_used_gib_max": "1.25",
-    "gpu/node0/cuda0/power_w_mean": "180",
-    "gpu/node0/cuda0/energy_j": "900",
-    "gpu/all/util_mean_max": "0",
-}
+GPU_ROW = {"gpu/node0/cuda0/util_mean": "37.5", "gpu/node0/cuda0/mem_used_gib_max": "1.25",
+           "gpu/node0/cuda0/power_w_mean": "180", "gpu/node0/cuda0/energy_j": "900",
+           "gpu/all/util_mean_max": "0"}  # fmt: skip
 
 
 def run_check(tmp_path: Path, name: str, run: Path) -> gc.StepResult:

@@ -1,10 +1,6 @@
-"""``select_gpus=least_used`` on a shared machine: thresholds, a windowed utilisation, waiting, and
-claims (a lock per GPU) that keep two launches off the same GPU.
+"""select_gpus=least_used: thresholds, windowed utilisation, waiting, and per-GPU lock claims.
 
-In-process tests move a :class:`FakeClock` starting at 1000 s instead of sleeping (a sleep without
-end fails); the concurrent-launch tests start real processes against the same fake NVML
-(``RUNKIT_NVML_BACKEND``) and lock directory.
-"""
+A FakeClock from 1000 s replaces sleeping; the launch test runs real processes on one fake NVML."""
 
 from __future__ import annotations
 
@@ -21,6 +17,7 @@ import textwrap
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from unittest.mock import Mock
 
 import pytest
 
@@ -98,8 +95,6 @@ def other_run_holds(locks: Path, uuid: str) -> int:
 
 
 # ------------------------------------------------------------------------- the gpu_* keys
-
-
 def test_the_defaults_ask_nothing_and_do_not_wait():
     policy = policy_from_config({})
     assert policy == SelectionPolicy() and not policy.has_thresholds and policy.wait_s == 0
@@ -138,8 +133,6 @@ def test_preflight_checks_the_keys():
 
 
 # ------------------------------------------------------------------------- measuring
-
-
 class BoardlessNvml(FakeNvml):
     """A driver that cannot give a MIG slice's GPU."""
 
@@ -217,8 +210,6 @@ def test_rank_by_load_free_memory_then_utilisation_then_index():
 
 
 # ------------------------------------------------------------------------- the lock directory
-
-
 @pytest.fixture
 def temp_dir(tmp_path, monkeypatch) -> Path:
     """The system temporary directory, here, and no usable ``$XDG_RUNTIME_DIR``."""
@@ -265,8 +256,6 @@ def test_a_lock_dir_that_cannot_be_used_is_refused_and_kept(temp_dir, monkeypatc
 
 
 # ------------------------------------------------------------------------- lock files
-
-
 def test_a_lock_excludes_every_other_holder_until_closed_and_holds_only_its_pid(locks):
     assert claims.lock_path(locks, "GPU-AbC-12_x") == locks / "GPU-AbC-12_x.lock"
     assert claims.lock_path(locks, "../../etc/passwd é") == locks / "______etc_passwd__.lock"
@@ -296,11 +285,7 @@ def test_a_lock_excludes_every_other_holder_until_closed_and_holds_only_its_pid(
 def test_whatever_a_held_lock_file_holds_it_reads_as_another_run(locks, monkeypatch, note, reason):
     fd = other_run_holds(locks, UUIDS[0])
     if note is None:
-
-        def pread(*args):
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-
-        monkeypatch.setattr(os, "pread", pread)
+        monkeypatch.setattr(os, "pread", Mock(side_effect=OSError(errno.EIO, os.strerror(errno.EIO))))  # fmt: skip
     else:
         os.pwrite(fd, note, 0)
     assert claims.try_lock(claims.lock_path(locks, UUIDS[0])) == reason
@@ -309,8 +294,7 @@ def test_whatever_a_held_lock_file_holds_it_reads_as_another_run(locks, monkeypa
 
 @pytest.fixture
 def not_writable(locks, monkeypatch):
-    """Opening a file in ``locks`` for writing is refused, as for another user's lock file in a
-    shared directory (simulated: the tests may run as root, whom nothing is refused)."""
+    """Writing in ``locks`` is refused, as for another user's lock file (the tests may run as root)."""
     real_open = os.open
 
     def open_(path, flags, *args, **kwargs):
@@ -363,10 +347,7 @@ def test_hostile_lock_files_are_refused_not_followed(locks, tmp_path, request, w
 
 
 def test_a_filesystem_without_locks_is_named_in_the_reason(locks, monkeypatch):
-    def no_locks(fd, operation):
-        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
-
-    monkeypatch.setattr(fcntl, "flock", no_locks)
+    monkeypatch.setattr(fcntl, "flock", Mock(side_effect=OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))))  # fmt: skip
     path = claims.lock_path(locks, UUIDS[0])
     assert claims.try_lock(path) == (
         f"its lock file {str(path)!r} cannot be locked ({os.strerror(errno.ENOLCK)})"
@@ -374,8 +355,6 @@ def test_a_filesystem_without_locks_is_named_in_the_reason(locks, monkeypatch):
 
 
 # ------------------------------------------------------------------------- waiting and claiming
-
-
 def test_the_best_qualified_gpus_are_claimed_and_the_line_names_them_and_the_lock_dir(clock, locks):
     machine(clock, FakeGpu(memory_used=5 * GIB), FakeGpu(), FakeGpu(memory_used=GIB))
     chosen, message = claims.wait_and_claim(inventory(3), 2, SelectionPolicy(lock_dir=str(locks)))
@@ -391,26 +370,22 @@ def test_the_best_qualified_gpus_are_claimed_and_the_line_names_them_and_the_loc
 
 
 @pytest.mark.parametrize(
-    ("first", "second"),
+    ("first", "second", "chosen"),
     [
         # at START the first GPU looks best; a second later, when the run measures, the second
-        (dict(memory_used=[(START, 0), (START + 1, 60 * GIB)]), dict(memory_used=10 * GIB)),
+        (dict(memory_used=[(START, 0), (START + 1, 60 * GIB)]), dict(memory_used=10 * GIB), 1),
         # equal memory: the lower utilisation over the window wins
-        (dict(util_gpu=[(START, 0), (START + 1, 50)]), dict(util_gpu=[(START, 50), (START + 1, 10)])),
+        (dict(util_gpu=[(START, 0), (START + 1, 50)]), dict(util_gpu=[(START, 50), (START + 1, 10)]), 1),
+        # a MIG slice without a utilisation reading can be claimed
+        (dict(name="A100", mig=[FakeGpu(uuid=MIG, memory_total=10 * GIB)]), dict(memory_used=75 * GIB), 0),
     ],
 )  # fmt: skip
-def test_the_choice_follows_the_fresh_measurement_not_the_inventory(clock, locks, first, second):
+def test_the_choice_follows_the_fresh_measurement_not_the_inventory(clock, locks, first, second, chosen):  # fmt: skip
     machine(clock, FakeGpu(**first), FakeGpu(**second))
     inv = inventory(2)
     clock.advance(1)
-    assert claims.wait_and_claim(inv, 1, SelectionPolicy(lock_dir=str(locks)))[0] == [1]
-
-
-def test_a_mig_slice_without_a_utilisation_reading_can_be_claimed(clock, locks):
-    mig = FakeGpu(uuid=MIG, memory_total=10 * GIB)
-    machine(clock, FakeGpu(name="NVIDIA A100-SXM4-80GB", mig=[mig]), FakeGpu(memory_used=75 * GIB))
-    chosen, _ = claims.wait_and_claim(inventory(2), 1, SelectionPolicy(lock_dir=str(locks)))
-    assert chosen == [0] and claims.claimed_uuids() == (MIG,)
+    assert claims.wait_and_claim(inv, 1, SelectionPolicy(lock_dir=str(locks)))[0] == [chosen]
+    assert claims.claimed_uuids() == ((MIG,) if chosen == 0 else (UUIDS[1],))
 
 
 def test_claimed_gpus_are_skipped_and_time_out_names_every_gpu(clock, locks):
@@ -534,7 +509,6 @@ def test_nvml_failing_when_measuring_leaves_no_gpu_qualified(clock, locks):
 
 
 # ------------------------------------------------------------------------- two real launches
-
 LAUNCH = textwrap.dedent(
     """
     import json, logging, os, sys, time

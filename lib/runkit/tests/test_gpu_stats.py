@@ -1,9 +1,5 @@
-"""GpuStatsMonitor on machines without a GPU: the fake NVML stands in for the driver.
-
-The hooks are driven by hand against a FakeClock where exact figures are checked (the sampler's
-readings taken by hand too); real ``Trainer.fit`` runs use ``device_uuids`` to say which fake GPU
-the CPU "device" is, and share one trained run where they can.
-"""
+"""GpuStatsMonitor on the fake NVML: hooks driven by hand on a FakeClock for exact figures, and
+real fits (``device_uuids`` names the CPU device's fake GPU) sharing one trained run."""
 
 from __future__ import annotations
 
@@ -11,10 +7,9 @@ import csv
 import io
 import json
 import logging
-import os
-import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -29,7 +24,6 @@ from conftest import stand_in
 from runkit.gpu_stats import callback as gpu_callback
 from runkit.gpu_stats.callback import (
     GpuStatsMonitor,
-    cuda_device_uuid,
     energy_report,
     process_devices,
 )
@@ -37,7 +31,6 @@ from runkit.gpu_stats.exchange import RankExchange
 from runkit.gpu_stats.loop import LoopTimer
 from runkit.gpu_stats.sampler import GpuSampler
 from runkit.gpus import nvml
-from runkit.gpus.nvml import find_handle
 from runkit.run import run_files
 from runkit.testing.fake_nvml import GIB, FakeClock, FakeGpu, FakeNvml, FakeProcess
 
@@ -47,67 +40,10 @@ HOPPER_GPM = {"SM_UTIL": 60, "SM_OCCUPANCY": 30, "ANY_TENSOR_UTIL": 20, "DRAM_BW
 
 
 # --------------------------------------------------------------------------- device mapping
-def visible_uuids(fake: FakeNvml, cuda_visible_devices: str | None, fastest_first: bool) -> list:
-    """What CUDA would enumerate: a stand-in for the driver, so the test can say what torch sees.
-
-    CUDA_DEVICE_ORDER=FASTEST_FIRST (CUDA's default) may order devices differently from NVML's
-    PCI order; the fake's GPUs are identical, so "fastest first" is modelled as reversed order.
-    """
-    physical = [g.uuid for g in fake.gpus]
-    if fastest_first:
-        physical = physical[::-1]
-    every = physical + [m.uuid for g in fake.gpus for m in g.mig]
-    if cuda_visible_devices is None:
-        chosen = physical
-    else:
-        chosen = []
-        for item in cuda_visible_devices.split(","):
-            chosen.append(
-                physical[int(item)] if item.isdigit() else next(u for u in every if u == item)
-            )
-    return [u.split("-", 1)[1] for u in chosen]  # torch reports the bare UUID, no GPU-/MIG-
-
-
-FOUR = FakeNvml(
-    [FakeGpu(name=f"gpu{i}") for i in range(3)]
-    + [FakeGpu(name="gpu3", mig=[FakeGpu(name="slice")])]
-)
-
-
-@pytest.mark.parametrize(
-    ("cvd", "fastest_first", "expected"),
-    [
-        (None, False, ["gpu0", "gpu1", "gpu2", "gpu3"]),
-        ("2,3", False, ["gpu2", "gpu3"]),  # cuda:0 is physical GPU 2, not NVML index 0
-        ("3,1", False, ["gpu3", "gpu1"]),
-        (f"{FOUR.gpus[2].uuid},{FOUR.gpus[0].uuid}", False, ["gpu2", "gpu0"]),
-        (FOUR.gpus[3].mig[0].uuid, False, ["slice"]),
-        ("0,1", True, ["gpu3", "gpu2"]),  # CUDA_DEVICE_ORDER=FASTEST_FIRST reorders
-    ],
-)
-def test_torch_device_maps_to_the_right_nvml_device(
-    monkeypatch: pytest.MonkeyPatch, cvd, fastest_first, expected
-) -> None:
-    uuids = visible_uuids(FOUR, cvd, fastest_first)
-    monkeypatch.setattr(
-        torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=uuids[i], name="x")
-    )
-    FOUR.nvmlInit()
-    try:
-        names = []
-        for index in range(len(uuids)):
-            handle, nvml_uuid = find_handle(FOUR, cuda_device_uuid(index))
-            assert nvml_uuid.startswith(("GPU-", "MIG-"))
-            names.append(FOUR.nvmlDeviceGetName(handle))
-    finally:
-        FOUR.nvmlShutdown()
-    assert names == expected
-
-
 def test_callback_setup_resolves_cuda_devices_by_uuid(monkeypatch, use_fake, caplog) -> None:
-    """The whole setup path with CUDA devices (faked torch side): cuda0 -> physical GPU 2."""
+    # find_handle's UUID spellings (bare, MIG-): test_devices.py
     fake = use_fake(FakeNvml([FakeGpu(name=f"gpu{i}") for i in range(4)]))
-    uuids = visible_uuids(fake, "2,3", fastest_first=False)
+    uuids = [g.uuid.split("-", 1)[1] for g in fake.gpus[2:]]  # torch: bare UUIDs, cuda:0 = GPU 2
     monkeypatch.setattr(
         torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=uuids[i])
     )
@@ -191,20 +127,27 @@ def test_too_few_device_uuids_is_a_clear_error(use_fake) -> None:
     assert fake.balanced
 
 
-def test_nvml_init_failure_is_one_line_and_nothing_else(use_fake, caplog) -> None:
-    fake = use_fake(FakeNvml(1, init_error="driver_not_loaded"))
+@pytest.mark.parametrize(
+    ("bindings", "words"), [(True, "Driver Not Loaded"), (False, "not installed")]
+)
+def test_no_driver_or_no_bindings_is_one_line_and_no_warning(
+    monkeypatch, use_fake, caplog, bindings, words
+) -> None:
+    fake = FakeNvml(1, init_error="driver_not_loaded")
+    if bindings:
+        use_fake(fake)
+    else:
+        monkeypatch.setitem(sys.modules, "pynvml", None)  # as if nvidia-ml-py were not installed
+        monkeypatch.delenv(nvml.BACKEND_ENV, raising=False)
     trainer = stand_in("cpu")
     monitor = GpuStatsMonitor(device_uuids=[fake.gpus[0].uuid])
-    with caplog.at_level(logging.INFO, logger=LOGGER):
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger=LOGGER):
+        warnings.simplefilter("error")  # any warning from us is fatal
         monitor.setup(trainer, None, "fit")
-        monitor.on_train_epoch_start(trainer, None)
-        monitor.on_train_epoch_end(
-            trainer, Module(trainer)
-        )  # would need pl_module.log if it were active
+        epoch(monitor, trainer, None, [])  # inactive: no log
         monitor.teardown(trainer, None, "fit")
-    lines = [r for r in caplog.records if r.name.startswith(LOGGER)]
-    assert len(lines) == 1 and "Driver Not Loaded" in lines[0].getMessage()
-    assert fake.init_count == fake.shutdown_count == 0
+    (line,) = [r.getMessage() for r in caplog.records if r.name.startswith(LOGGER)]
+    assert words in line and fake.init_count == fake.shutdown_count == 0
 
 
 # --------------------------------------------------------------------------- the hooks, by hand
@@ -244,8 +187,7 @@ def stub_trainer(**overrides: Any) -> SimpleNamespace:
 
 @pytest.fixture
 def by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sampler's thread ends at once: its first reading (at setup) and those a test takes
-    with ``sample_now`` are the only ones (exact sums)."""
+    """The sampler's thread ends at once: only setup's reading and ``sample_now``'s count."""
     monkeypatch.setattr(GpuSampler, "_run", lambda self: None)
 
 
@@ -266,18 +208,19 @@ def train_steps(monitor: GpuStatsMonitor, trainer: Any, clock: FakeClock, waits:
         monitor.on_train_batch_end(trainer, None, None, (torch.zeros(8, 2), torch.zeros(8)), 0)
 
 
+def epoch(monitor: GpuStatsMonitor, trainer: Any, clock: FakeClock | None, waits: list[float]):
+    monitor.on_train_epoch_start(trainer, None)
+    train_steps(monitor, trainer, clock, waits)
+    monitor.on_train_epoch_end(trainer, Module(trainer))
+
+
 def test_an_epoch_with_validation_logs_exact_figures_once_each(
     monkeypatch, use_fake, by_hand, caplog, capsys
 ) -> None:
     monkeypatch.setenv("COLUMNS", "200")
     clock = FakeClock()
-    gpu = FakeGpu(
-        name="Fake H100",
-        util_gpu=[(0, 20), (5, 60)],
-        power_mw=200_000,
-        power_limit_mw=400_000,
-        temperature=[(0, 40), (5, 50)],
-    )
+    gpu = FakeGpu(name="Fake H100", util_gpu=[(0, 20), (5, 60)], power_mw=200_000,
+                  power_limit_mw=400_000, temperature=[(0, 40), (5, 50)])  # fmt: skip
     fake = use_fake(FakeNvml([gpu], clock=clock))
     monitor = monitor_on(monkeypatch, fake, clock)
     logger, other = RecordingLogger(), RecordingLogger()
@@ -421,27 +364,28 @@ def test_the_starvation_line_needs_the_share_a_second_of_waiting_and_idle_gpus(
     assert not isinstance(warned, str) or warned in lines[0]
 
 
-def test_a_rank_other_than_zero_feeds_monitors_but_not_loggers(
-    monkeypatch, use_fake, by_hand, caplog
+@pytest.mark.parametrize("rank_zero", [False, True])  # True: rank 0 without any logger
+def test_monitors_get_their_keys_on_every_rank_and_without_loggers(
+    monkeypatch, use_fake, by_hand, caplog, rank_zero
 ) -> None:
     clock = FakeClock()
     fake = use_fake(FakeNvml([FakeGpu(util_gpu=30)], clock=clock))
     monitor = monitor_on(monkeypatch, fake, clock, summary_table=True)
     watcher = SimpleNamespace(monitor="gpu/node0/cuda0/util_mean")
     trainer = stub_trainer(
-        is_global_zero=False,
+        is_global_zero=rank_zero,
+        loggers=[] if rank_zero else [RecordingLogger()],
         callbacks=[monitor, watcher, SimpleNamespace(monitor=None)],
         lr_scheduler_configs=[SimpleNamespace(monitor="loop/data_wait_frac")],
     )
     with caplog.at_level(logging.INFO, logger=LOGGER):
         monitor.setup(trainer, None, "fit")
-        monitor.on_train_epoch_start(trainer, None)
-        train_steps(monitor, trainer, clock, [3.0])  # starved, but only rank 0 says so
-        monitor.on_train_epoch_end(trainer, Module(trainer))
+        epoch(monitor, trainer, clock, [3.0])  # starved, but only rank 0 says so
         monitor.on_fit_end(trainer, None)
         monitor.teardown(trainer, None, "fit")
-    assert trainer.loggers[0].calls == []
-    assert caplog.records == []  # neither the identity line nor the starvation line
+    if not rank_zero:
+        assert trainer.loggers[0].calls == []
+        assert caplog.records == []  # neither the identity line nor the starvation line
     metrics = trainer.callback_metrics
     assert set(metrics) == {"gpu/node0/cuda0/util_mean", "loop/data_wait_frac"}
     assert isinstance(metrics["gpu/node0/cuda0/util_mean"], torch.Tensor)
@@ -449,27 +393,12 @@ def test_a_rank_other_than_zero_feeds_monitors_but_not_loggers(
     assert metrics["loop/data_wait_frac"].item() == pytest.approx(0.75)
 
 
-def test_without_loggers_monitors_still_get_their_keys(monkeypatch, caplog) -> None:
-    clock = FakeClock()
-    monkeypatch.setattr(gpu_callback, "LoopTimer", lambda: LoopTimer(clock))
-    monitor = GpuStatsMonitor()
-    trainer = stub_trainer(loggers=[], callbacks=[SimpleNamespace(monitor="loop/samples_per_s")])
-    monitor.setup(trainer, None, "fit")
-    monitor.on_train_epoch_start(trainer, None)
-    train_steps(monitor, trainer, clock, [0.0])
-    monitor.on_train_epoch_end(trainer, Module(trainer))
-    assert trainer.callback_metrics["loop/samples_per_s"].item() == 8.0
-
-
 def test_no_step_means_nothing_is_logged(monkeypatch) -> None:
     logger = RecordingLogger()
     monitor = GpuStatsMonitor()
     trainer = stub_trainer(loggers=[logger])
     monitor.setup(trainer, None, "fit")
-    monitor.on_train_epoch_start(trainer, None)
-    monitor.on_train_epoch_end(
-        trainer, Module(trainer)
-    )  # an epoch with no batch: no figures, no call
+    epoch(monitor, trainer, None, [])  # no batch: no call
     assert logger.calls == [] and monitor.run_samples() == 0.0
 
 
@@ -506,27 +435,21 @@ def test_sanity_checking_and_disabled_validation_log_no_validation_figures(
     assert monitor.run_samples() == 16.0
 
 
-def test_two_epochs_add_up_and_an_unsized_batch_makes_the_sample_count_unknown(
-    monkeypatch,
-) -> None:
+def test_two_epochs_add_up_and_an_unsized_batch_makes_the_sample_count_unknown(monkeypatch) -> None:
     clock = FakeClock()
     monkeypatch.setattr(gpu_callback, "LoopTimer", lambda: LoopTimer(clock))
     monitor = GpuStatsMonitor()
     trainer = stub_trainer()
     monitor.setup(trainer, None, "fit")
     for _ in range(2):
-        monitor.on_train_epoch_start(trainer, None)
-        train_steps(monitor, trainer, clock, [0.0, 0.0])
-        monitor.on_train_epoch_end(trainer, Module(trainer))
+        epoch(monitor, trainer, clock, [0.0, 0.0])
     assert monitor.run_samples() == 32.0 and monitor.state_dict()["train_samples"] == 32.0
     monitor.on_train_epoch_start(trainer, None)
     monitor.on_train_batch_start(trainer, None, None, 0)
     monitor.on_train_batch_end(trainer, None, None, ["no tensor"], 0)
     monitor.on_train_epoch_end(trainer, Module(trainer))
     assert monitor.run_samples() is None
-    monitor.on_train_epoch_start(trainer, None)
-    train_steps(monitor, trainer, clock, [0.0])
-    monitor.on_train_epoch_end(trainer, Module(trainer))
+    epoch(monitor, trainer, clock, [0.0])
     assert monitor.run_samples() is None  # unknown once, unknown for the run
 
 
@@ -569,15 +492,13 @@ def test_ranks_in_the_same_state_share_one_line(caplog) -> None:
     gpu = {"label": "cuda0", "name": "n", "uuid": "MIG-1", "nvml_index": 3, "pci_bus_id": "b",
            "mig": True, "unsupported": ["fan", "utilization"]}  # fmt: skip
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        GpuStatsMonitor()._report_setup(
-            [
-                {"rank": 0, "node": 0, "status": "off: x", "gpus": [], "quiet": True},
-                {"rank": 1, "node": 0, "status": "off: x", "gpus": [], "quiet": True},
-                {"rank": 2, "node": 1, "status": "off: x", "gpus": []},
-                {"rank": 3, "node": 1, "status": "off: y", "gpus": [], "problems": ["p"]},
-                {"rank": 4, "node": 1, "status": "on", "gpus": [gpu]},
-            ]
-        )
+        GpuStatsMonitor()._report_setup([
+            {"rank": 0, "node": 0, "status": "off: x", "gpus": [], "quiet": True},
+            {"rank": 1, "node": 0, "status": "off: x", "gpus": [], "quiet": True},
+            {"rank": 2, "node": 1, "status": "off: x", "gpus": []},
+            {"rank": 3, "node": 1, "status": "off: y", "gpus": [], "problems": ["p"]},
+            {"rank": 4, "node": 1, "status": "on", "gpus": [gpu]},
+        ])  # fmt: skip
     suffix = "; training continues without GPU statistics"
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
         (logging.WARNING, "gpu_stats: rank 3 (node 1): p"),
@@ -612,9 +533,7 @@ def test_a_bug_in_the_bookkeeping_stops_sampling_with_one_line(
     ]
     assert fake.balanced and not fake.initialised  # NVML is shut down at once
     train_steps(monitor, trainer, clock, [0.0])
-    monitor.on_train_epoch_end(
-        trainer, Module(trainer)
-    )  # the epoch still ends (and gathers), without GPUs
+    monitor.on_train_epoch_end(trainer, Module(trainer))  # still ends, no GPUs
     ((row, _),) = trainer.loggers[0].calls
     assert not any(k.startswith("gpu/") for k in row) and "loop/data_wait_frac" in row
 
@@ -704,18 +623,16 @@ class TinyModel(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-class SlowData(torch.utils.data.Dataset):
-    """A data set that takes ``delay_s`` per sample, like one decoding files on one core."""
+class SlowData(torch.utils.data.TensorDataset):
+    """64 samples, ``delay_s`` each, like decoding files on one core."""
 
-    def __init__(self, delay_s: float = 0.0, n: int = 64) -> None:
-        self.delay_s, self.x, self.y = delay_s, torch.randn(n, 4), torch.randint(0, 2, (n,))
-
-    def __len__(self) -> int:
-        return len(self.x)
+    def __init__(self, delay_s: float = 0.0) -> None:
+        super().__init__(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+        self.delay_s = delay_s
 
     def __getitem__(self, i: int):
         time.sleep(self.delay_s)
-        return self.x[i], self.y[i]
+        return super().__getitem__(i)
 
 
 def loader(delay_s: float = 0.0, batch_size: int = 4) -> torch.utils.data.DataLoader:
@@ -728,16 +645,12 @@ def fit(tmp_path, monitor, *callbacks, epochs=2, loggers=None, model=None, train
     options = {"limit_train_batches": 12, "limit_val_batches": 2, "num_sanity_val_steps": 1,
                "log_every_n_steps": 1, **options}  # fmt: skip
     trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=epochs,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        accelerator="cpu", devices=1, max_epochs=epochs, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[monitor, *callbacks],
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
         logger=loggers if loggers is not None else CSVLogger(tmp_path, name="csv", version=0),
-        callbacks=[monitor, *callbacks],
         **options,
-    )
+    )  # fmt: skip
     trainer.fit(model or TinyModel(), train_loader or loader(), loader(), ckpt_path=ckpt_path)
     return trainer
 
@@ -749,8 +662,7 @@ def rows_with(tmp_path: Path, key: str = "gpu/node0/cuda0/samples") -> list[dict
 
 
 class Watch(pl.Callback):
-    """Per step: the fake's NVML calls from the training thread; per epoch: the samples in the
-    batches trained on and the monitor's count; at each validation's end: the watched key."""
+    """NVML calls from the training thread, samples seen vs counted, the key at validation end."""
 
     def __init__(self, fake: FakeNvml, monitor: GpuStatsMonitor) -> None:
         self.fake, self.monitor = fake, monitor
@@ -791,8 +703,7 @@ VAL_KEY = "gpu_val/node0/cuda0/util_mean"
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """One fit of two epochs on a fake H100 with GPM, watched by EarlyStopping and
-    ModelCheckpoint, batches of 6 (the last of 4), ``last.ckpt`` kept for a resume."""
+    """Two epochs on a fake H100 with GPM, EarlyStopping, ModelCheckpoint (last.ckpt), batches of 6."""
     tmp_path = tmp_path_factory.mktemp("trained")
     gpu = FakeGpu(name="Fake H100", util_gpu=40, util_memory=20, memory_used=10 * GIB,
                   power_mw=350_000, temperature=61, processes=[FakeProcess("self", 2 * GIB)],
@@ -906,55 +817,7 @@ def test_a_cpu_run_touches_no_nvml_and_a_starved_loop_is_named_once_per_epoch(
     assert "uses no CUDA device" in ours[0].getMessage() and ours[0].levelno == logging.INFO
     starved = [r for r in ours if "waited for the next batch" in r.getMessage()]
     assert len(starved) == 2 and {r.levelno for r in starved} == {logging.WARNING}
-    assert "no GPU reading" in starved[0].getMessage()
-    for setting in ("data.num_workers=0", "data.pin_memory=False", "data.batch_size=4"):
-        assert setting in starved[0].getMessage()
-
-
-NO_NVML_SCRIPT = """
-import logging, sys, warnings
-warnings.simplefilter("error")  # any warning from us (or a pynvml wrapper) is fatal
-sys.modules["pynvml"] = None  # as if nvidia-ml-py were not installed
-import torch
-import lightning.pytorch as pl
-from lightning.fabric.utilities.warnings import PossibleUserWarning
-warnings.filterwarnings("ignore", category=PossibleUserWarning)  # Lightning's own advice
-# Lightning 2.6.6's own FutureWarning under torch >= 2.10, raised inside Lightning, not ours
-warnings.filterwarnings("ignore", message=r".*treespec, LeafSpec", category=FutureWarning)
-from runkit.gpu_stats.callback import GpuStatsMonitor
-logging.basicConfig(level=logging.INFO, format="LOG %(name)s %(message)s")
-
-class M(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 2)
-    def training_step(self, batch, i):
-        return self.layer(batch[0]).sum()
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-data = torch.utils.data.TensorDataset(torch.randn(8, 4))
-monitor = GpuStatsMonitor(device_uuids=["GPU-00000000-fa6e-4000-8000-000000000000"])
-trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False,
-                     enable_model_summary=False, callbacks=[monitor])
-trainer.fit(M(), torch.utils.data.DataLoader(data, batch_size=4))
-print("FIT DONE")
-"""
-
-
-@pytest.mark.slow
-def test_no_nvml_bindings_under_warnings_as_errors_is_one_line(tmp_path) -> None:
-    # A missing driver takes the same path in-process (test_nvml_init_failure_is_one_line...).
-    script = tmp_path / "run.py"
-    script.write_text(NO_NVML_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PROJECT_")}
-    result = subprocess.run([sys.executable, "-W", "error", str(script)], capture_output=True,
-                            text=True, timeout=120, env=env, cwd=tmp_path)  # fmt: skip
-    output = result.stdout + result.stderr
-    assert result.returncode == 0 and "FIT DONE" in output and "Traceback" not in output, output
-    (line,) = [line for line in output.splitlines() if line.startswith(f"LOG {LOGGER}")]
-    assert "not installed" in line
+    assert "no GPU reading" in starved[0].getMessage()  # the whole line: the by-hand test
 
 
 @pytest.mark.gpu

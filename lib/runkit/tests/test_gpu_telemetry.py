@@ -1,6 +1,4 @@
-"""The GPU figures below the callback: the sampler's per-phase statistics on a FakeClock, the
-readers (units, unsupported metrics, lost GPUs, GPM, MIG), the key scheme, the loop timer, the
-run's energy and report. No Trainer: the fake NVML stands in for the driver."""
+"""The GPU figures below the callback (sampler, readers, GPM, keys, loop timer, energy); no Trainer."""
 
 from __future__ import annotations
 
@@ -47,23 +45,12 @@ def open_reader(fake: FakeNvml, index: int, groups=DEFAULT_GROUPS) -> GpuReader:
 # --------------------------------------------------------------------------- sampling
 def test_epoch_statistics_are_exact_on_a_fake_clock() -> None:
     clock = FakeClock()
-    fake = FakeNvml(
-        [
-            FakeGpu(
-                util_gpu=[(0, 10), (2, 50), (4, 90)],
-                util_memory=[(0, 20), (3, 40)],
-                memory_used=[(0, 4 * GIB), (3, 8 * GIB)],
-                memory_total=16 * GIB,
-                temperature=[(0, 50), (1, 70)],
-                power_mw=350_000,
-                power_limit_mw=700_000,
-                clock_sm_mhz=[(0, 1800), (3, 1200)],
-                clocks_event_reasons=[(0, 0), (3, SW_POWER_CAP)],
-                processes=[FakeProcess("self", [(0, GIB), (2, 3 * GIB)])],
-            )
-        ],
-        clock=clock,
-    )
+    gpu = FakeGpu(util_gpu=[(0, 10), (2, 50), (4, 90)], util_memory=[(0, 20), (3, 40)],
+                  memory_used=[(0, 4 * GIB), (3, 8 * GIB)], memory_total=16 * GIB,
+                  temperature=[(0, 50), (1, 70)], power_mw=350_000, power_limit_mw=700_000,
+                  clock_sm_mhz=[(0, 1800), (3, 1200)], clocks_event_reasons=[(0, 0), (3, SW_POWER_CAP)],
+                  processes=[FakeProcess("self", [(0, GIB), (2, 3 * GIB)])])  # fmt: skip
+    fake = FakeNvml([gpu], clock=clock)
     fake.nvmlInit()
     sampler = GpuSampler([open_reader(fake, 0)], interval_s=1.0)
     sampler.sample_now()  # before any phase: only primes the energy counter
@@ -96,15 +83,8 @@ def test_epoch_statistics_are_exact_on_a_fake_clock() -> None:
 
 def test_validation_is_split_out_of_the_training_epoch() -> None:
     clock = FakeClock()
-    fake = FakeNvml(
-        [
-            FakeGpu(
-                util_gpu=[(0, 80), (2, 10), (3, 80)],
-                power_mw=[(0, 400_000), (2, 100_000), (3, 400_000)],
-            )
-        ],
-        clock=clock,
-    )
+    gpu = FakeGpu(util_gpu=[(0, 80), (2, 10), (3, 80)], power_mw=[(0, 400_000), (2, 100_000), (3, 400_000)])  # fmt: skip
+    fake = FakeNvml([gpu], clock=clock)
     fake.nvmlInit()
     sampler = GpuSampler([open_reader(fake, 0)], interval_s=1.0)
     sampler.sample_now()  # t=0: primes the energy counter
@@ -358,13 +338,9 @@ def test_batch_length_finds_the_first_tensor_or_gives_up() -> None:
 
 @pytest.mark.parametrize(
     "state",
-    [
-        {"energy_j": {"node0/cuda0": float("nan")}},
-        {"energy_j": "lots"},
-        "garbage",
-        {"energy_j": {}, "train_samples": -3},
-    ],
-)
+    [{"energy_j": {"node0/cuda0": float("nan")}}, {"energy_j": "lots"}, "garbage",
+     {"energy_j": {}, "train_samples": -3}],
+)  # fmt: skip
 def test_a_damaged_checkpoint_state_is_one_line_and_ignored(state, caplog) -> None:
     monitor = GpuStatsMonitor()
     with caplog.at_level(logging.WARNING, logger=LOGGER):
@@ -402,9 +378,7 @@ def test_real_gpm_on_a_hopper_gpu() -> None:
 
 # --------------------------------------------------------------------------- units, peaks, energy
 def test_optional_groups_are_read_in_their_units() -> None:
-    gpu = FakeGpu(
-        fan_pct=60, pcie_tx_kbs=2048, pcie_rx_kbs=512, ecc_uncorrected=3, memory_temperature=80
-    )
+    gpu = FakeGpu(fan_pct=60, pcie_tx_kbs=2048, pcie_rx_kbs=512, ecc_uncorrected=3, memory_temperature=80)  # fmt: skip
     fake = FakeNvml([gpu], clock=lambda: 0.0)
     fake.nvmlInit()
     try:
@@ -413,13 +387,8 @@ def test_optional_groups_are_read_in_their_units() -> None:
     finally:
         fake.nvmlShutdown()
     assert dropped == [] and reader.unsupported == {}
-    assert values == {
-        "fan_pct": 60.0,
-        "pcie_tx_mbs": 2.0,
-        "pcie_rx_mbs": 0.5,
-        "ecc_uncorrected": 3.0,
-        "mem_temp_c": 80.0,
-    }
+    assert values == {"fan_pct": 60.0, "pcie_tx_mbs": 2.0, "pcie_rx_mbs": 0.5, "ecc_uncorrected": 3.0,
+                      "mem_temp_c": 80.0}  # fmt: skip
 
 
 def test_torch_peaks_are_kept_per_phase(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -464,20 +433,15 @@ def test_energy_report_from_a_resumed_run_with_or_without_samples() -> None:
     per_gpu = {"node0/cuda0": 7200.0, "node0/cuda1": 1800.0}
     monitor = monitor_with({"energy_j": per_gpu, "train_samples": 900})
     assert energy_report(SimpleNamespace(callbacks=[object(), monitor])) == {
-        "energy_j": 9000.0,
-        "energy_kwh": 9000.0 / 3.6e6,
-        "energy_j_per_training_sample": 10.0,
-        "training_samples": 900,
-        "energy_j_per_gpu": per_gpu,
-    }
+        "energy_j": 9000.0, "energy_kwh": 9000.0 / 3.6e6, "energy_j_per_training_sample": 10.0,
+        "training_samples": 900, "energy_j_per_gpu": per_gpu,
+    }  # fmt: skip
     assert monitor.state_dict() == {"version": 1, "energy_j": per_gpu, "train_samples": 900.0}
     unknown = monitor_with({"energy_j": {"node0/cuda0": 0.1234567}, "train_samples": None})
     report = energy_report(SimpleNamespace(callbacks=[unknown]))
     assert report["energy_j"] == 0.123 and report["energy_j_per_gpu"] == {"node0/cuda0": 0.123}
     assert report["energy_j_per_training_sample"] is None and report["training_samples"] is None
     none_yet = monitor_with({"energy_j": {"node0/cuda0": 5.0}, "train_samples": 0})
-    assert (
-        energy_report(SimpleNamespace(callbacks=[none_yet]))["energy_j_per_training_sample"] is None
-    )
+    assert energy_report(SimpleNamespace(callbacks=[none_yet]))["energy_j_per_training_sample"] is None  # fmt: skip
     assert energy_report(SimpleNamespace(callbacks=[GpuStatsMonitor()])) is None
     assert energy_report(SimpleNamespace(callbacks=[])) is None
