@@ -14,7 +14,7 @@ import pytest
 
 SCRIPT = textwrap.dedent(
     """
-    import os, sys
+    import os, sys, time
     import torch
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
@@ -35,6 +35,12 @@ SCRIPT = textwrap.dedent(
         def on_train_epoch_end(self, trainer, pl_module):
             if faults and trainer.global_rank == 2:
                 fake.gpus[2].lose(at=0.0)  # the real clock is past 0: lost from now on
+                # the sampler thread's next reading finds it lost; wait for it, so epoch 1
+                # cannot end first, reporting epoch 0's reading (a loaded machine did)
+                deadline = time.monotonic() + 60
+                while not all(r.dead for r in monitor._sampler.readers):
+                    assert time.monotonic() < deadline, "the sampler never read the lost GPU"
+                    time.sleep(0.01)
 
     class M(pl.LightningModule):
         def __init__(self):
