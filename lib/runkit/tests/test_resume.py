@@ -72,9 +72,7 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def assert_same_run(expected: Path, actual: Path) -> None:
     """The same weights and buffers at the end, the same metrics rows, the same best checkpoint."""
-    assert_equal_weights(
-        expected / "checkpoints" / "last.ckpt", actual / "checkpoints" / "last.ckpt"
-    )
+    assert_equal_weights(*(run / "checkpoints" / "last.ckpt" for run in (expected, actual)))
     assert logged(actual) == logged(expected)
     best = [
         Path(json.loads((r / "metrics.json").read_text())["best_checkpoint"])
@@ -98,12 +96,8 @@ def tree_hash(directory: Path) -> dict[str, str]:
     }
 
 
-def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    return torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
-
-
 def assert_equal_weights(a: Path, b: Path) -> None:
-    wa, wb = weights(a), weights(b)
+    wa, wb = (torch.load(c, map_location="cpu", weights_only=True)["state_dict"] for c in (a, b))
     assert wa.keys() == wb.keys()
     different = [key for key in wa if not torch.equal(wa[key], wb[key])]
     assert not different, f"{a} and {b} differ in {different}"
@@ -145,9 +139,7 @@ def test_resume_is_bit_identical_at_epoch_end_and_mid_epoch(
     assert third.returncode == 0, third.stderr[-2000:]
     assert "not resumable" not in third.stdout + third.stderr
     from_mid = next(d for d in run_dirs(log_dir) if d not in (half, resumed))
-    assert_equal_weights(
-        straight / "checkpoints" / "last.ckpt", from_mid / "checkpoints" / "last.ckpt"
-    )
+    assert_equal_weights(*(run / "checkpoints" / "last.ckpt" for run in (straight, from_mid)))
 
 
 @pytest.mark.slow
