@@ -153,13 +153,10 @@ def test_the_setting_a_module_that_logs_nothing_is_told_to_use_trains_it(
     # Lightning's BoringModel logs nothing: the refusal said "set ... to one of them" (of none).
     boring = "lightning.pytorch.demos.boring_classes"
     command = [
-        "~model",
-        f"+model._target_={boring}.BoringModel",
-        "~data",
-        f"+data._target_={boring}.BoringDataModule",
-        "trainer.max_epochs=2",
+        "~model", f"+model._target_={boring}.BoringModel", "~data",
+        f"+data._target_={boring}.BoringDataModule", "trainer.max_epochs=2",
         "callbacks.progress_bar.refresh_rate=0",
-    ]
+    ]  # fmt: skip
     refused = cli("train", *command)
     assert refused.returncode == 2, refused.stderr[-3000:]
     suggested = [word for word in last_line(refused.stderr).split() if word.endswith("=null")]
