@@ -115,11 +115,8 @@ def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
         point.mkdir()
         if os.geteuid() != 0:
             pytest.skip("mounting a small tmpfs (a real full disk) needs root")
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(point)],
-            capture_output=True,
-            text=True,
-        )
+        command = ["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(point)]
+        done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
         mounted.append(point)
@@ -308,12 +305,8 @@ def test_kill_9_during_export_leaves_a_temporary_file_the_next_export_removes(
     tmp_path: Path,
 ) -> None:
     target = tmp_path / "run é" / "model.pth"
-    child = subprocess.Popen(
-        [sys.executable, "-c", KILLED_WRITER, str(target)],
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    command = [sys.executable, "-c", KILLED_WRITER, str(target)]
+    child = subprocess.Popen(command, env=clean_env(), stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None and child.stdout.readline().strip() == "writing"
     child.send_signal(signal.SIGKILL)
     child.wait()
