@@ -1,8 +1,4 @@
-"""A user's own data module and a stop at a chosen point, for the resume tests (``test_resume.py``).
-
-Not part of the project: the tests put this directory on ``PYTHONPATH``, the CLI instantiates
-``resume_zoo.<name>`` from ``data._target_=...`` or ``+callbacks.<name>._target_=...``.
-"""
+"""A user's own data module and stops at chosen points, copied into the resume tests' runs."""
 
 from __future__ import annotations
 
@@ -59,8 +55,7 @@ def _tensors(subset: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class StopIn(Callback):
-    """SIGTERM to this process at batch ``batch`` of ``phase`` (train, validation) in ``epoch``,
-    once, and only in a run that does not resume."""
+    """SIGTERM at ``batch`` of ``phase`` (train, validation) in ``epoch``, once, unless resuming."""
 
     def __init__(self, phase: str, epoch: int, batch: int = 1) -> None:
         self.phase, self.epoch, self.batch, self.done = phase, epoch, batch, False
@@ -70,7 +65,7 @@ class StopIn(Callback):
             return
         if trainer.sanity_checking or not trainer.is_global_zero:
             return
-        if trainer.current_epoch == self.epoch and batch_idx == self.batch:
+        if (trainer.current_epoch, batch_idx) == (self.epoch, self.batch):
             self.done = True
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -84,20 +79,12 @@ class StopIn(Callback):
 
 
 class KillRank(Callback):
-    """``kill -9`` of global rank ``rank`` at batch ``batch`` of ``epoch``, in torchrun's first
-    attempt only (``TORCHELASTIC_RESTART_COUNT`` 0): the restarted group trains on."""
+    """``kill -9`` of global rank ``rank`` at ``batch`` of ``epoch``, in torchrun's first attempt."""
 
     def __init__(self, rank: int, epoch: int, batch: int) -> None:
-        self.rank, self.epoch, self.batch = rank, epoch, batch
+        self.at = (rank, epoch, batch)
 
-    def on_train_batch_start(
-        self, trainer: Trainer, pl_module: Any, batch: Any, index: int
-    ) -> None:
-        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-            return
-        if (trainer.global_rank, trainer.current_epoch, index) == (
-            self.rank,
-            self.epoch,
-            self.batch,
-        ):
+    def on_train_batch_start(self, trainer: Trainer, module: Any, batch: Any, index: int) -> None:
+        here = (trainer.global_rank, trainer.current_epoch, index)
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and here == self.at:
             os.kill(os.getpid(), signal.SIGKILL)

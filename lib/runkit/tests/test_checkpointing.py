@@ -124,22 +124,11 @@ def test_a_wrong_or_damaged_model_pth_is_one_line_naming_the_file(
 
 def test_build_trainer_uses_atomic_io() -> None:
     shipped = OmegaConf.load(CONFIGS / "trainer" / "default.yaml")  # where the plugin is set
-    cfg = OmegaConf.create(
-        {
-            "seed": 1,
-            "trainer": {
-                "_target_": "lightning.pytorch.Trainer",
-                "accelerator": "cpu",
-                "devices": 1,
-                "logger": False,
-                "enable_progress_bar": False,
-                "enable_model_summary": False,
-                "plugins": shipped.plugins,
-            },
-        }
-    )
-    trainer = builders.build_trainer(cfg)
-    assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+    trainer = {"_target_": "lightning.pytorch.Trainer", "accelerator": "cpu", "devices": 1,
+               "logger": False, "enable_progress_bar": False, "enable_model_summary": False,
+               "plugins": shipped.plugins}  # fmt: skip
+    cfg = OmegaConf.create({"seed": 1, "trainer": trainer})
+    assert isinstance(builders.build_trainer(cfg).strategy.checkpoint_io, AtomicCheckpointIO)
 
 
 def test_nothing_in_src_unpickles_with_weights_only_false() -> None:
@@ -208,12 +197,7 @@ def test_cli_refuses_a_checkpoint_with_one_changed_bit(
 # --------------------------------------------------------------------------- case by case
 
 
-SMALL_NET = {
-    "_target_": "tinyapp.models.MLP",
-    "in_features": 4,
-    "hidden": [3],
-    "num_classes": 2,
-}
+SMALL_NET = {"_target_": "tinyapp.models.MLP", "in_features": 4, "hidden": [3], "num_classes": 2}
 
 
 @pytest.fixture
@@ -531,12 +515,8 @@ def test_load_network_rebuilds_a_model_without_net_and_loads_the_part_it_exporte
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in trained.state_dict().items())
     OmegaConf.save(config, folder / "config.yaml")
     weights = save_weights(exported_part(trained), folder / "model.pth")
-    assert set(torch.load(weights, weights_only=True)) == {
-        "body.weight",
-        "body.bias",
-        "head.weight",
-        "head.bias",
-    }
+    parts = {"body.weight", "body.bias", "head.weight", "head.bias"}
+    assert set(torch.load(weights, weights_only=True)) == parts
     again = load_network(weights, allowed=[__name__ + "."])
     assert all(torch.equal(again.state_dict()[k], v) for k, v in trained.state_dict().items())
     folder = case(base, "4")
@@ -1046,16 +1026,9 @@ def test_loads_are_verified_and_mapped(base: Path) -> None:
 
 
 def test_a_live_writers_process_is_only_looked_at(monkeypatch: pytest.MonkeyPatch) -> None:
-    writer = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import signal, time; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
-            "print('ready', flush=True); time.sleep(60)",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    code = "import signal, time; signal.signal(signal.SIGHUP, signal.SIG_DFL); print('ready', "
+    writer = subprocess.Popen([sys.executable, "-c", code + "flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert writer.stdout is not None and writer.stdout.readline() == "ready\n"
     try:
         assert checkpointing._alive(writer.pid)

@@ -82,12 +82,8 @@ print(json.dumps(results))
 def test_kill_9_ten_times_leaves_a_loadable_resumable_last_ckpt(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-c", DRIVER, str(tmp_path / "logs"), "10"],
-        cwd=tmp_path,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,  # ~1 s a round; a loaded 2-core machine needed 300 s for 20
-    )
+        cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(results) == 10, results
@@ -119,11 +115,8 @@ def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
         point.mkdir()
         if os.geteuid() != 0:
             pytest.skip("mounting a small tmpfs (a real full disk) needs root")
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(point)],
-            capture_output=True,
-            text=True,
-        )
+        command = ["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(point)]
+        done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
         mounted.append(point)
@@ -220,6 +213,21 @@ FULL_DISK_RUNS = {
 }
 
 
+def failed_run(cwd: Path, *overrides: str) -> str:
+    """Train in a subprocess that must end in one ``error:`` line, exit 4 (not a user's mistake)."""
+    args = ["data.batch_size=256", "callbacks.progress_bar.refresh_rate=0", *overrides]
+    done = subprocess.run(
+        [sys.executable, "-m", "tinyapp.train", *args],
+        cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    subprocess.run(["umount", "-l", str(cwd / "run é")], capture_output=True, check=False)
+    assert done.returncode == 4, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "Error executing job" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [last_line(done.stderr)], errors
+    return errors[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", FULL_DISK_RUNS, ids=list(FULL_DISK_RUNS))
 def test_training_on_a_full_disk_ends_in_one_line(
@@ -227,25 +235,7 @@ def test_training_on_a_full_disk_ends_in_one_line(
 ) -> None:
     kib, overrides = FULL_DISK_RUNS[case]
     disk = small_disk(kib)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tinyapp.train",
-            f'paths.log_dir="{disk / "logs"}"',
-            "data.batch_size=256",
-            "callbacks.progress_bar.refresh_rate=0",
-            *overrides,
-        ],
-        cwd=disk.parent,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 4, done.stderr[-3000:]
-    assert "Traceback" not in done.stderr and "Error executing job" not in done.stderr
-    line = last_line(done.stderr)
+    line = failed_run(disk.parent, f'paths.log_dir="{disk / "logs"}"', *overrides)
     assert line.startswith("error: the disk is full: could not write checkpoint"), line
     assert str(disk) in line
     assert not list(disk.rglob(".*.tmp"))
@@ -287,33 +277,12 @@ def test_a_run_directory_taken_away_mid_run_is_an_environment_failure(
         pytest.skip("a read-only mount needs root")
     (tmp_path / "take_away.py").write_text(TAKE_AWAY)
     run = tmp_path / "run é"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tinyapp.train",
-            f'hydra.run.dir="{run}"',
-            "model=mlp",
-            "trainer.max_epochs=4",
-            "data.batch_size=256",
-            "callbacks.progress_bar.refresh_rate=0",
-            "+callbacks.take_away._target_=take_away.TakeAway",
-            f'+callbacks.take_away.folder="{run}"',
-            f"+callbacks.take_away.how={how}",
-        ],
-        cwd=tmp_path,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    subprocess.run(["umount", "-l", str(run)], capture_output=True, check=False)
-    # Not exit 2 (a user's mistake) after Hydra's "Error executing job" line: one line, exit 4.
-    assert done.returncode == 4, done.stderr[-3000:]
-    assert "Traceback" not in done.stderr and "Error executing job" not in done.stderr
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [last_line(done.stderr)], errors
-    assert f"{run}/" in errors[0], errors
+    line = failed_run(
+        tmp_path, f'hydra.run.dir="{run}"', "model=mlp", "trainer.max_epochs=4",
+        "+callbacks.take_away._target_=take_away.TakeAway", f'+callbacks.take_away.folder="{run}"',
+        f"+callbacks.take_away.how={how}",
+    )  # fmt: skip
+    assert f"{run}/" in line, line
 
 
 KILLED_WRITER = r"""
@@ -336,12 +305,8 @@ def test_kill_9_during_export_leaves_a_temporary_file_the_next_export_removes(
     tmp_path: Path,
 ) -> None:
     target = tmp_path / "run é" / "model.pth"
-    child = subprocess.Popen(
-        [sys.executable, "-c", KILLED_WRITER, str(target)],
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    command = [sys.executable, "-c", KILLED_WRITER, str(target)]
+    child = subprocess.Popen(command, env=clean_env(), stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None and child.stdout.readline().strip() == "writing"
     child.send_signal(signal.SIGKILL)
     child.wait()

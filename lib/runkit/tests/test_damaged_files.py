@@ -131,37 +131,37 @@ def test_after_run_never_fails_a_run_over_a_damaged_csv_log(
     assert not (run / plots.PLOT_FILE).exists()
 
 
+def plot_cli_case(root: Path, case: str) -> tuple[list[str], str]:
+    """Damage one file a plot reads; the command line and the start of the error line."""
+    if case == "sweep":
+        sweep = root / "sweep"
+        for job in ("0", "1"):
+            (sweep / job / "csv").mkdir(parents=True)
+            (sweep / job / "csv" / "metrics.csv").write_text(GOOD_CSV)
+        damage(sweep / "1" / plots.METRICS_CSV, "png")
+        expected = (
+            f"error: {str(sweep / '1' / plots.METRICS_CSV)!r} is not a CSV log (the text file "
+            "Lightning's CSVLogger writes): it holds a PNG image; the file is damaged or foreign"
+        )
+        return [str(sweep), "--out", str(root / "compare.png")], expected
+    if case == "overrides":
+        run = a_run(root)
+        damage(run / ".hydra" / "overrides.yaml", "binary")
+        return [str(run)], f"error: {str(run / '.hydra' / 'overrides.yaml')!r} "
+    (root / "curves.png").write_bytes(PNG)
+    return ["curves.png"], "error: 'curves.png' is a file; expected a run or sweep directory"
+
+
 @pytest.mark.slow
-def test_plot_cli_on_a_sweep_names_the_damaged_job(cli: CliRunner, tmp_path: Path) -> None:
-    sweep = tmp_path / "sweep"
-    for job in ("0", "1"):
-        (sweep / job / "csv").mkdir(parents=True)
-        (sweep / job / "csv" / "metrics.csv").write_text(GOOD_CSV)
-    damage(sweep / "1" / plots.METRICS_CSV, "png")
+@pytest.mark.parametrize("case", ["sweep", "overrides", "png-as-run"])
+def test_plot_cli_on_damaged_files_is_one_line_naming_them(
+    cli: CliRunner, tmp_path: Path, case: str
+) -> None:
+    args, expected = plot_cli_case(tmp_path, case)
     before = snapshot(tmp_path)
-    line = one_error_line(cli("plot", str(sweep), "--out", str(tmp_path / "compare.png")))
-    assert line == (
-        f"error: {str(sweep / '1' / plots.METRICS_CSV)!r} is not a CSV log (the text file "
-        "Lightning's CSVLogger writes): it holds a PNG image; the file is damaged or foreign"
-    )
+    line = one_error_line(cli("plot", *args))
+    assert line.startswith(expected) and (case == "overrides" or line == expected), line
     assert snapshot(tmp_path) == before
-
-
-@pytest.mark.slow
-def test_plot_cli_on_damaged_hydra_overrides_is_one_line(cli: CliRunner, tmp_path: Path) -> None:
-    run = a_run(tmp_path)
-    damage(run / ".hydra" / "overrides.yaml", "binary")
-    before = snapshot(tmp_path)
-    line = one_error_line(cli("plot", str(run)))
-    assert line.startswith(f"error: {str(run / '.hydra' / 'overrides.yaml')!r} "), line
-    assert snapshot(tmp_path) == before
-
-
-@pytest.mark.slow
-def test_plot_cli_on_a_png_given_as_the_run_is_one_line(cli: CliRunner, tmp_path: Path) -> None:
-    (tmp_path / "curves.png").write_bytes(PNG)
-    line = one_error_line(cli("plot", "curves.png"))
-    assert line == "error: 'curves.png' is a file; expected a run or sweep directory"
 
 
 # ------------------------------------------------------------------------- GPU claims: lock files
@@ -170,8 +170,7 @@ LOCK_UUID = "GPU-11110000-1111-2222-3333-444455556666"
 
 
 def quick_policy(lock_dir: Path) -> SelectionPolicy:
-    """The default policy with its locks in ``lock_dir``, reading the fake GPU's utilisation over
-    0.05 s instead of 1 s: these tests are about the lock file, not the window."""
+    """The default policy, locks in ``lock_dir``, utilisation read over 0.05 s (not the window's test)."""
     return SelectionPolicy(lock_dir=str(lock_dir), util_window_s=0.05)
 
 
@@ -188,8 +187,7 @@ def one_fake_gpu() -> Callable[[], object]:
 def test_a_damaged_lock_file_nobody_holds_is_claimed_and_rewritten(
     tmp_path: Path, one_fake_gpu: Callable[[], object], kind: str
 ) -> None:
-    """A lock file's content is a note (the holder's pid); the lock is the kernel's. A damaged
-    note left by a run that died is no claim: the GPU is taken and the note rewritten."""
+    """The note (a pid) of a run that died is no claim, the kernel's lock is: GPU taken, rewritten."""
     lock = claims.lock_path(tmp_path, LOCK_UUID)
     damage(lock, kind)
     chosen, message = claims.wait_and_claim(one_fake_gpu(), 1, quick_policy(tmp_path))
@@ -252,12 +250,8 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("trained")
     result = prewarmed.run(
         [sys.executable, "-m", "tinyapp.train", *FAST, f"paths.log_dir={root / 'logs'}"],
-        cwd=root,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+        cwd=root, env=clean_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     (run,) = run_dirs(root / "logs")
     return run
@@ -275,9 +269,7 @@ def earlier_run(trained_run: Path, log_dir: Path) -> Path:
 def test_resuming_from_a_run_whose_csv_log_is_damaged(
     cli: CliRunner, log_dir: Path, earlier_run: Path, kind: str
 ) -> None:
-    """Resume reads the earlier run's CSV log to carry its rows on: damage there is one line
-    naming the file, before the new run starts (it was a UnicodeDecodeError traceback, or a
-    silent copy of a cut-short row)."""
+    """Resume carries the earlier CSV log's rows on: damage there is one line, before the run."""
     damage(earlier_run / plots.METRICS_CSV, kind)
     before = snapshot(earlier_run)
     result = cli("train", *FAST, "trainer.max_epochs=3", f"ckpt_path={earlier_run}")

@@ -89,39 +89,33 @@ def counted_saves(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return saves
 
 
+def no_links(*args: Any, **kwargs: Any) -> None:
+    raise PermissionError(errno.EPERM, "Operation not permitted")
+
+
+@pytest.mark.parametrize("links", [True, False])
 def test_best_and_last_at_one_step_are_serialised_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, links: bool
 ) -> None:
-    # monitor=None: every epoch writes a new top-k file and last.ckpt (Lightning: 2 saves each).
+    """monitor=None: each epoch a top-k file and last.ckpt (Lightning: 2 saves); without hard
+    links last.ckpt is a copy of the same bytes."""
+    if not links:
+        monkeypatch.setattr(os, "link", no_links)
     saves = counted_saves(monkeypatch)
-    _, checkpoint = fit(tmp_path, 2, 2, monitor=None, save_top_k=-1)
+    _, checkpoint = fit(tmp_path, 2, 2, monitor=None, save_top_k=-1 if links else 1)
     assert len(saves) == 2, saves  # one per save point
     best, last = Path(checkpoint.best_model_path), tmp_path / "last.ckpt"
     assert best.name == "epoch=1-step=4.ckpt"
-    assert last.stat().st_ino == best.stat().st_ino  # a hard link: one copy on disk
-    assert torch.load(last, weights_only=True)["epoch"] == 1
-    assert {p.name for p in tmp_path.iterdir()} == {"epoch=0-step=2.ckpt", best.name, last.name}
-    # The state in a file that is also last.ckpt names last.ckpt as the last checkpoint, as
-    # Lightning's own last.ckpt does (set before the first save point's best is written).
-    first = torch.load(tmp_path / "epoch=0-step=2.ckpt", weights_only=True)
-    (state,) = [v for k, v in first["callbacks"].items() if k.startswith("ModelCheckpoint")]
-    assert state["last_model_path"] == str(last)
-
-
-def test_without_hard_links_last_ckpt_is_a_copy_of_the_same_bytes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def no_links(*args: Any, **kwargs: Any) -> None:
-        raise PermissionError(errno.EPERM, "Operation not permitted")
-
-    monkeypatch.setattr(os, "link", no_links)
-    saves = counted_saves(monkeypatch)
-    _, checkpoint = fit(tmp_path, 2, 2, monitor=None, save_top_k=1)
-    assert len(saves) == 2, saves
-    best, last = Path(checkpoint.best_model_path), tmp_path / "last.ckpt"
-    assert last.stat().st_ino != best.stat().st_ino
+    assert (last.stat().st_ino == best.stat().st_ino) == links  # a hard link: one copy on disk
     assert last.read_bytes() == best.read_bytes()
-    assert {p.name for p in tmp_path.iterdir()} == {best.name, last.name}
+    assert torch.load(last, weights_only=True)["epoch"] == 1
+    kept = {best.name, last.name} | ({"epoch=0-step=2.ckpt"} if links else set())
+    assert {p.name for p in tmp_path.iterdir()} == kept
+    if links:
+        # A file that is also last.ckpt names last.ckpt as the last checkpoint, as Lightning's does.
+        first = torch.load(tmp_path / "epoch=0-step=2.ckpt", weights_only=True)
+        (state,) = [v for k, v in first["callbacks"].items() if k.startswith("ModelCheckpoint")]
+        assert state["last_model_path"] == str(last)
 
 
 BEST = {"monitor": "val/acc", "mode": "max", "save_top_k": 1}
@@ -159,13 +153,10 @@ def test_the_setting_a_module_that_logs_nothing_is_told_to_use_trains_it(
     # Lightning's BoringModel logs nothing: the refusal said "set ... to one of them" (of none).
     boring = "lightning.pytorch.demos.boring_classes"
     command = [
-        "~model",
-        f"+model._target_={boring}.BoringModel",
-        "~data",
-        f"+data._target_={boring}.BoringDataModule",
-        "trainer.max_epochs=2",
+        "~model", f"+model._target_={boring}.BoringModel", "~data",
+        f"+data._target_={boring}.BoringDataModule", "trainer.max_epochs=2",
         "callbacks.progress_bar.refresh_rate=0",
-    ]
+    ]  # fmt: skip
     refused = cli("train", *command)
     assert refused.returncode == 2, refused.stderr[-3000:]
     suggested = [word for word in last_line(refused.stderr).split() if word.endswith("=null")]

@@ -23,46 +23,32 @@ import prewarmed
 from conftest import CliRunner, clean_env, run_dirs
 
 EXACT = (
-    "trainer.accelerator=cpu",
-    "trainer.deterministic=true",
-    "data.batch_size=128",
-    "callbacks.progress_bar.refresh_rate=0",
-    "test=false",
-    "export_weights=false",
+    "trainer.accelerator=cpu", "trainer.deterministic=true", "data.batch_size=128",
+    "callbacks.progress_bar.refresh_rate=0", "test=false", "export_weights=false",
     "model.scheduler.T_max=4",  # the same schedule whether a run stops at epoch 2 or 4
-)
+)  # fmt: skip
 # An extra checkpoint every 13 steps (mid-epoch: steps 13, 26, 39), all kept.
 STEP_CKPTS = (
     "+callbacks.steps._target_=lightning.pytorch.callbacks.ModelCheckpoint",
-    "+callbacks.steps.dirpath=${paths.output_dir}/steps",
-    "+callbacks.steps.filename='step_{step}'",
-    "+callbacks.steps.every_n_train_steps=13",
-    "+callbacks.steps.save_top_k=-1",
+    "+callbacks.steps.dirpath=${paths.output_dir}/steps", "+callbacks.steps.filename='step_{step}'",
+    "+callbacks.steps.every_n_train_steps=13", "+callbacks.steps.save_top_k=-1",
     "+callbacks.steps.auto_insert_metric_name=false",
-)
-
-
+)  # fmt: skip
 ZOO = Path(__file__).resolve().parent / "resume_zoo.py"
 # A user's DataModule: a shuffled torch DataLoader, augmentation from torch's global generator,
 # two worker processes (resume_zoo.UserDigits in place of the template's data module).
 USER_DATA = (
-    "data._target_=resume_zoo.UserDigits",
-    "~data.val_fraction",
-    "~data.test_fraction",
-    "~data.split_seed",
-    "~data.pin_memory",
-    "data.num_workers=2",
-)
+    "data._target_=resume_zoo.UserDigits", "~data.val_fraction", "~data.test_fraction",
+    "~data.split_seed", "~data.pin_memory", "data.num_workers=2",
+)  # fmt: skip
 
 
 def stop_in(phase: str, epoch: int, batch: int = 1) -> tuple[str, ...]:
     """The overrides that SIGTERM the run at ``batch`` of ``phase`` (train, validation) in ``epoch``."""
     return (
-        "+callbacks.stop._target_=resume_zoo.StopIn",
-        f"+callbacks.stop.phase={phase}",
-        f"+callbacks.stop.epoch={epoch}",
-        f"+callbacks.stop.batch={batch}",
-    )
+        "+callbacks.stop._target_=resume_zoo.StopIn", f"+callbacks.stop.phase={phase}",
+        f"+callbacks.stop.epoch={epoch}", f"+callbacks.stop.batch={batch}",
+    )  # fmt: skip
 
 
 @pytest.fixture
@@ -75,21 +61,10 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One uninterrupted 4-epoch run (with mid-epoch checkpoints), shared by the tests here."""
     cwd = tmp_path_factory.mktemp("straight")
     done = prewarmed.run(
-        [
-            sys.executable,
-            "-m",
-            "tinyapp.train",
-            *EXACT,
-            *STEP_CKPTS,
-            "trainer.max_epochs=4",
-            f"paths.log_dir={cwd / 'logs'}",
-        ],
-        cwd=cwd,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+        [sys.executable, "-m", "tinyapp.train", *EXACT, *STEP_CKPTS, "trainer.max_epochs=4",
+         f"paths.log_dir={cwd / 'logs'}"],
+        cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     (run,) = run_dirs(cwd / "logs")
     return run
@@ -97,9 +72,7 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def assert_same_run(expected: Path, actual: Path) -> None:
     """The same weights and buffers at the end, the same metrics rows, the same best checkpoint."""
-    assert_equal_weights(
-        expected / "checkpoints" / "last.ckpt", actual / "checkpoints" / "last.ckpt"
-    )
+    assert_equal_weights(*(run / "checkpoints" / "last.ckpt" for run in (expected, actual)))
     assert logged(actual) == logged(expected)
     best = [
         Path(json.loads((r / "metrics.json").read_text())["best_checkpoint"])
@@ -123,12 +96,8 @@ def tree_hash(directory: Path) -> dict[str, str]:
     }
 
 
-def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    return torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
-
-
 def assert_equal_weights(a: Path, b: Path) -> None:
-    wa, wb = weights(a), weights(b)
+    wa, wb = (torch.load(c, map_location="cpu", weights_only=True)["state_dict"] for c in (a, b))
     assert wa.keys() == wb.keys()
     different = [key for key in wa if not torch.equal(wa[key], wb[key])]
     assert not different, f"{a} and {b} differ in {different}"
@@ -170,9 +139,7 @@ def test_resume_is_bit_identical_at_epoch_end_and_mid_epoch(
     assert third.returncode == 0, third.stderr[-2000:]
     assert "not resumable" not in third.stdout + third.stderr
     from_mid = next(d for d in run_dirs(log_dir) if d not in (half, resumed))
-    assert_equal_weights(
-        straight / "checkpoints" / "last.ckpt", from_mid / "checkpoints" / "last.ckpt"
-    )
+    assert_equal_weights(*(run / "checkpoints" / "last.ckpt" for run in (straight, from_mid)))
 
 
 @pytest.mark.slow
@@ -182,12 +149,8 @@ def test_a_stop_resumes_as_if_never_stopped(
 ) -> None:
     """SIGTERM in epoch 2's validation or mid-way through its training batches, then the printed
     resume: the same rows (no NaN or zero epoch), weights, buffers and best checkpoint."""
-    stopped = cli(
-        "train",
-        *EXACT,
-        "trainer.max_epochs=4",
-        *stop_in(phase, 2, batch=6 if phase == "train" else 1),
-    )
+    stop = stop_in(phase, 2, batch=6 if phase == "train" else 1)
+    stopped = cli("train", *EXACT, "trainer.max_epochs=4", *stop)
     assert stopped.returncode == 143, stopped.stderr[-2000:]
     (run,) = run_dirs(log_dir)
     saved = run / "checkpoints" / "interrupted.ckpt"
@@ -261,11 +224,8 @@ def test_the_resume_check_does_not_read_the_weights_lightning_reads_next(tmp_pat
     del state
     done = subprocess.run(
         [sys.executable, "-c", CHECK_FITS, str(path)],
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+        env=clean_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     grown_mb = int(done.stdout.split()[-1])
     assert grown_mb < 40, f"the check raised the peak memory by {grown_mb} MB"
