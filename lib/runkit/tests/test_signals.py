@@ -214,8 +214,9 @@ def raises(error: BaseException) -> Callable:
     [({"RANK": "2"}, "rank 2: "), ({"LOCAL_RANK": "3"}, "rank 3: "), ({"RANK": "0"}, ""), ({}, "")],
 )
 def test_quitting_says_which_rank_kills_the_workers_and_exits_128_plus_n(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], env: dict, where: str
-) -> None:
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], one_process: None,
+    env: dict, where: str,
+) -> None:  # fmt: skip
     killed: list[str] = []
     children = [
         SimpleNamespace(kill=raises(ProcessLookupError())),
@@ -225,8 +226,6 @@ def test_quitting_says_which_rank_kills_the_workers_and_exits_128_plus_n(
     monkeypatch.setattr(signals, "_quitting", threading.Lock())
     monkeypatch.setattr(os, "_exit", raises(SystemExit(143)))
     monkeypatch.setattr(sys, "stdout", SimpleNamespace(flush=raises(BrokenPipeError())))
-    for var in ("RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
         monkeypatch.setenv(var, value)
     with pytest.raises(SystemExit):
