@@ -123,19 +123,13 @@ def test_two_runs_racing_for_one_directory(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "tinyapp.train", "debug=fdr", f"hydra.run.dir={q(run)}"]
     racers = {
         seed: subprocess.Popen(
-            [*command, f"seed={seed}", "callbacks.progress_bar.refresh_rate=0"],
-            cwd=tmp_path,
-            env=clean_env(),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for seed in (1, 2)
-    }
+            [*command, f"seed={seed}", "callbacks.progress_bar.refresh_rate=0"], cwd=tmp_path,
+            env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        ) for seed in (1, 2)
+    }  # fmt: skip
     errors = {seed: proc.communicate(timeout=300)[1] for seed, proc in racers.items()}
     outcomes = {seed: (racers[seed].returncode, errors[seed]) for seed in racers}
-    codes = sorted(code for code, _ in outcomes.values())
-    assert codes == [0, 2], outcomes
+    assert sorted(code for code, _ in outcomes.values()) == [0, 2], outcomes
     (winner,) = [seed for seed, (code, _) in outcomes.items() if code == 0]
     (loser,) = [err for code, err in outcomes.values() if code == 2]
     assert "Traceback" not in loser
