@@ -706,14 +706,16 @@ def group_gone(pgid: int, timeout: float = 30) -> bool:
 class Run:
     """``python -m tinyapp.<task>`` in its own session; killed with its group at the end."""
 
-    def __init__(self, tmp_path: Path, task: str, *overrides: str, env: dict | None = None):
+    def __init__(self, tmp_path: Path, task: str, *overrides: str, env: dict | None = None,
+                 output: int | None = None):  # fmt: skip
         self.out, self.err, self.log_dir = (tmp_path / n for n in ("stdout", "stderr", "logs"))
         command = [sys.executable, "-m", f"tinyapp.{task}", *overrides]
         with self.out.open("w") as stdout, self.err.open("w") as stderr:
             self.process = subprocess.Popen(
-                [*command, f"paths.log_dir={self.log_dir}"], cwd=tmp_path, stdout=stdout,
-                stderr=stderr, env=clean_env(**{"PYTHONPATH": str(TESTS), **(env or {})}),
-                start_new_session=True,
+                [*command, f"paths.log_dir={self.log_dir}"], cwd=tmp_path,
+                stdout=stdout if output is None else output,
+                stderr=stderr if output is None else output,
+                env=clean_env(**{"PYTHONPATH": str(TESTS), **(env or {})}), start_new_session=True,
             )  # fmt: skip
         self.pid = self.process.pid
 
@@ -745,8 +747,8 @@ class Run:
 def run(tmp_path: Path) -> Iterator[Callable[..., Run]]:
     started: list[Run] = []
 
-    def start(task: str, *overrides: str, env: dict | None = None) -> Run:
-        started.append(Run(tmp_path, task, *overrides, env=env))
+    def start(task: str, *overrides: str, **how: object) -> Run:
+        started.append(Run(tmp_path, task, *overrides, **how))  # type: ignore[arg-type]
         return started[-1]
 
     yield start
@@ -868,40 +870,33 @@ def test_a_slurm_job_saves_on_its_warning_signal_requeues_and_resumes_by_itself(
 
 
 @pytest.mark.slow
-def test_a_hang_up_with_the_terminal_gone_saves_like_sigterm_and_exits_129(tmp_path: Path) -> None:
-    log_dir = tmp_path / "logs"
+def test_a_hang_up_with_the_terminal_gone_saves_like_sigterm_and_exits_129(
+    tmp_path: Path, run: Callable[..., Run]
+) -> None:
     hold, marker = held(tmp_path, "Pause", "train")
     reader, writer = pty.openpty()
-    command = ["trainer.max_epochs=2", "data.batch_size=64", "test=false", *hold]
     before = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as a shell starts it, not as nohup
     try:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "tinyapp.train", *command, f"paths.log_dir={log_dir}"],
-            cwd=tmp_path, env=clean_env(PYTHONPATH=str(TESTS)), stdout=writer, stderr=writer,
-            start_new_session=True,
-        )  # fmt: skip
+        command = ("trainer.max_epochs=2", "data.batch_size=64", "test=false", *hold)
+        job = run("train", *command, output=writer)
     finally:
         signal.signal(signal.SIGHUP, before)
     os.close(writer)
     os.set_blocking(reader, False)
-    try:
-        deadline = time.time() + 300
-        while not marker.exists():  # read what it prints (the progress bar's too) until held
-            assert process.poll() is None and time.time() < deadline, process.returncode
-            with contextlib.suppress(OSError):  # BlockingIOError: nothing new
-                os.read(reader, 1 << 16)
-            time.sleep(0.05)
-        os.close(reader)
-        os.killpg(process.pid, signal.SIGHUP)
-        release(marker)
-        process.wait(timeout=120)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    (run_dir,) = run_dirs(log_dir)
+
+    def is_held() -> bool:  # reads what it prints (the progress bar's too) until held
+        with contextlib.suppress(OSError):  # BlockingIOError: nothing new
+            os.read(reader, 1 << 16)
+        return marker.exists()
+
+    job.until(is_held, "the hold")
+    os.close(reader)  # the terminal is gone: a closed pty answers EIO
+    os.killpg(job.pid, signal.SIGHUP)
+    release(marker)
+    code = job.wait(timeout=120)
+    (run_dir,) = run_dirs(job.log_dir)
     log = (run_dir / "train.log").read_text()
-    assert process.returncode == 129, log[-3000:]
+    assert code == 129, log[-3000:]
     saved = run_dir / "checkpoints" / interrupts.INTERRUPTED_FILE
     # held at the end of a batch, after the stop check there: the next batch's end stops
     step = int(marker.read_text().split()[1]) + 1
