@@ -17,9 +17,7 @@ from runkit.safety.finite_loss import DivergedError, FiniteLoss, NonFiniteLossEr
 
 
 class Poisoned(LightningModule):
-    """A linear model whose loss is NaN at the steps ``bad_steps``; from step ``nan_buffer_at`` on
-    a running statistic is NaN (what skipped batches do to BatchNorm's buffers); it logs
-    ``val/loss``, NaN from epoch ``nan_val_from`` on."""
+    """NaN loss at ``bad_steps``, buffer from ``nan_buffer_at``, val/loss from ``nan_val_from``."""
 
     def __init__(self, bad_steps: set[int], nan_buffer_at: int = -1, nan_val_from: int = 9) -> None:
         super().__init__()
@@ -100,7 +98,6 @@ def test_bad_options_are_one_line() -> None:
 
 
 def test_diverged_weights_are_never_saved_and_end_the_run_in_one_line(tmp_path: Path) -> None:
-    # Issue #32.7: action=skip with lr=1e12 exited 0 and exported NaN weights.
     with pytest.raises(DivergedError) as info:
         fit(Poisoned(set(), nan_buffer_at=13), FiniteLoss(action="skip"), tmp_path)
     message = str(info.value)
@@ -112,8 +109,6 @@ def test_diverged_weights_are_never_saved_and_end_the_run_in_one_line(tmp_path: 
 
 
 def test_a_non_finite_monitored_metric_stops_training_at_that_validation(tmp_path: Path) -> None:
-    # It trained on to its last epoch, saved last.ckpt with the NaN and called that file "the
-    # last finite checkpoint", "at step 40 (epoch 4)" for epochs 0-3.
     model = Poisoned(set(), nan_val_from=1)
     with pytest.raises(DivergedError) as info:
         fit(model, FiniteLoss(), tmp_path, every=None, epochs=4)
@@ -155,8 +150,6 @@ def test_metrics_json_is_strict_json() -> None:
 def test_a_diverging_run_with_skip_fails_in_one_line_and_exports_nothing(
     cli: CliRunner, log_dir: Path
 ) -> None:
-    # Issue #32.7: 58 "batch skipped" lines, exit 0, NaN weights tested and exported, NaN in
-    # metrics.json. Now one line, exit 3, no model.pth, and only finite checkpoints are kept.
     done = cli("train", "callbacks.finite_loss.action=skip", "model.optimizer.lr=1e12", *FAST)
     assert done.returncode == 3, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]

@@ -1,9 +1,4 @@
-"""Multi-node DDP through Lightning's own cluster environments, simulated on localhost.
-
-Two ``torchrun`` agents, one per "node", one CPU process each, meet on 127.0.0.1. Every process
-runs Hydra itself, so they must agree on one run directory (``torchrun-<rdzv id>``); rank 0
-writes the outputs, rank 1 trains and logs to its own file in the same directory.
-"""
+"""Multi-node DDP through Lightning's cluster environments, simulated by torchrun on localhost."""
 
 from __future__ import annotations
 
@@ -176,8 +171,7 @@ def test_torchrun_restarts_after_a_killed_worker_continue_the_run_exactly(tmp_pa
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     assert json.loads((again / "metrics.json").read_text())["global_step"] == 15
 
-    # The same command again: its rendezvous id names a finished run. One line from each rank
-    # (in each of torchrun's two attempts), no C++ frames from a rank left waiting.
+    # the same rendezvous id names a finished run: one line a rank, no C++ frames
     rerun = torchrun(tmp_path, "el", *kill)
     assert rerun.returncode != 0
     errors = [line for line in rerun.stderr.splitlines() if line.startswith("error: ")]
@@ -220,8 +214,7 @@ def test_a_slurm_job_is_known_by_its_first_start_not_by_its_id_alone(
     expected = "update job=812 comment=runkit-start=2026-01-02T03:04:05\n" if writes else None
     assert (calls.read_text() if calls.exists() else None) == expected
 
-    # An older job 812 stopped with a checkpoint of the same command; this job's own first
-    # attempt saved nothing before it was requeued: it starts afresh, and says why in one line.
+    # an older job's checkpoint of the same command is not this job's: it starts afresh
     runs, first = tmp_path / "runs", "2026-01-02T03:04:05"
     older = make_run(runs, "2025-12-01_00-00-00_slurm-812.0", checkpoint="interrupted.ckpt")
     own = make_run(runs, f"{first}_slurm-812.0").parent.parent

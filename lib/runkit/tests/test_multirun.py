@@ -1,6 +1,4 @@
-"""Sweeps with DDP through Hydra's own launcher: each job's two ranks run that job only, in its
-folder. The children's log files name the job they ran (``Rank 1 runs sweep job #N: ...``); a
-child that re-ran the sweep, or ran other values than rank 0 (an optuna draw), fails here."""
+"""Sweeps with DDP through Hydra's own launcher: each job's two ranks run that job only."""
 
 from __future__ import annotations
 

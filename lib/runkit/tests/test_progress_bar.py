@@ -21,8 +21,7 @@ BATCHES, EPOCHS = 6, 2  # training batches per epoch, epochs
 
 
 class LogsEveryStep(LightningModule):
-    """Logs a value to the progress bar at every training step (Lightning reads it per batch);
-    ``sleep_s``: steps of a few milliseconds, so the rate is the steps', not the loop's."""
+    """Logs a progress-bar value every step; ``sleep_s`` makes the steps, not the loop, the rate."""
 
     def __init__(self, sleep_s: float = 0.0) -> None:
         super().__init__()
@@ -47,8 +46,7 @@ def fit(
     epochs: int = EPOCHS,
     **module: Any,
 ) -> list[dict]:
-    """Every set of logged values the bar read (``trainer.progress_bar_metrics``: an ``.item()``
-    each, a device sync on a GPU) during a short fit, in order."""
+    """Every set of logged values the bar read (each a device sync on a GPU) in a short fit."""
     reads: list[dict[str, Any]] = []
 
     class Counting(Trainer):
@@ -107,8 +105,7 @@ def test_values_are_read_once_per_redraw_and_each_epoch_ends_on_its_count(
 
 
 class ShownRate(Callback):
-    """Per epoch: the rate the training bar shows (its speed column, rendered) and the batches
-    per second the loop ran, from the epoch's start to its last batch's end."""
+    """Per epoch: the rate the training bar shows and the batches per second the loop ran."""
 
     def __init__(self, bar: RichProgressBar) -> None:
         self.bar, self.pairs = bar, []
@@ -129,8 +126,7 @@ class ShownRate(Callback):
 
 
 def test_the_rate_shown_is_the_rate_run(tmp_path: Path) -> None:
-    # A redraw interval (1 s) longer than an epoch (~40 steps of 4 ms): the case that showed
-    # 0.00it/s, since between redraws the bar is left alone.
+    # a redraw interval (1 s) longer than an epoch: the case that showed 0.00it/s
     bar = RichProgressBar(refresh_rate=1)
     rate = ShownRate(bar)
     fit(tmp_path, bar, rate, batches=40, epochs=3, sleep_s=0.004)
@@ -141,8 +137,6 @@ def test_the_rate_shown_is_the_rate_run(tmp_path: Path) -> None:
 def test_a_stage_ends_without_waiting_for_the_refresh_thread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Lightning's refresh thread sleeps a whole redraw interval between checks of its flag, and
-    # Lightning's stop joins it (at each epoch too with leave=True): each stage ended late.
     joined: dict[str, list[str]] = {}
     join = threading.Thread.join
 

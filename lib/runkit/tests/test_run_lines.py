@@ -1,7 +1,4 @@
-"""What a run prints, through the real CLI: no line a user cannot act on, each line once per run
-(not once per DDP process), and lines that say what actually happens. The zoo's module (no
-``net``) is trained under DDP x2 at ``precision=16-mixed`` on the CPU, resumed and evaluated once.
-"""
+"""What a run prints through the real CLI: no line a user cannot act on, each line once per run."""
 
 from __future__ import annotations
 
@@ -31,8 +28,7 @@ def _ok(done: subprocess.CompletedProcess) -> str:
 
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The output of each CLI run of the zoo's regression module (no ``net``): a DDP x2 fit at
-    precision=16-mixed, its resume under DDP x2, the eval of its last.ckpt."""
+    """Output of a DDP x2 16-mixed fit of the zoo's module (no ``net``), its resume, its eval."""
     root = tmp_path_factory.mktemp("lines")
     shutil.copytree(ZOO, root / "zoo", ignore=shutil.ignore_patterns("__pycache__"))
     logs = root / "logs"
@@ -86,8 +82,7 @@ def test_a_config_refused_under_ddp_is_one_line_once(tmp_path: Path) -> None:
     assert "Error executing job" not in output
     assert "cannot create or write" not in output
     assert output.count("trainer.strategy.cpu_offload: the run is on the CPU already") == 1
-    # The monitor is judged where Lightning's ModelCheckpoint judges it, at the first validation:
-    # the run has started by then, and stops before it saves any checkpoint.
+    # judged at the first validation, as Lightning's ModelCheckpoint does: nothing saved yet
     assert len(run_dirs(tmp_path / "logs")) == 1
     assert not list((tmp_path / "logs").rglob("*.ckpt"))
 
@@ -109,8 +104,7 @@ cli._worker_fails(RunError("callbacks.x=1 is wrong"))
 
 
 def test_a_worker_whose_rank_0_lives_on_says_the_mistake_itself() -> None:
-    """A mistake of rank 1 alone: rank 0 (here: this process, its parent) does not end, so after
-    the wait the worker says it, naming its rank."""
+    """A mistake of rank 1 alone, rank 0 (this process) living on: the worker says it."""
     env = clean_env(LOCAL_RANK="1", RANK="1")
     done = subprocess.run(
         [sys.executable, "-c", WORKER, "0.2"], env=env, capture_output=True, text=True, timeout=120

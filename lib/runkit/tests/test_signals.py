@@ -1,9 +1,5 @@
-"""Stop signals in every phase: DDP ranks agree and exit 128+N together, a second request quits at
-once, one stop delivered many times is one stop, a dying rank ends the job, SLURM jobs requeue.
-
-The CLI tests hold a run at a known point with a user callback (``user_callbacks``, from this
-directory on ``PYTHONPATH``), send the signal there, then let the run go on.
-"""
+"""Stop signals in every phase: ranks agree and exit 128+N, a second request quits, a repeat is one
+stop, a dying rank ends the job, SLURM requeues. CLI runs are held by ``user_callbacks``."""
 
 from __future__ import annotations
 
@@ -63,8 +59,7 @@ def test_a_signal_outside_lightning_lets_the_phase_finish_then_exits_143(
     assert last_line(capsys.readouterr().err) == (
         "stopped by SIGTERM after export had finished (its files are written); exit code 143"
     )
-    assert signal.getsignal(signal.SIGTERM) is before
-    # Outside the main thread the block runs unchanged.
+    assert signal.getsignal(signal.SIGTERM) is before  # outside the main thread: unchanged
     seen: list = []
     with_thread = lambda: seen.append(signals.stop_on_signal().__enter__().active)  # noqa: E731
     thread = threading.Thread(target=with_thread)
@@ -95,7 +90,6 @@ def test_the_launch_variables_name_the_slurm_job_and_rank_zero(
 
 @pytest.fixture
 def quits(monkeypatch: pytest.MonkeyPatch, one_process: None) -> list[tuple[int, str]]:
-    """What :func:`signals.quit_now` was asked, instead of quitting; one process, not a job."""
     asked: list[tuple[int, str]] = []
     monkeypatch.setattr(signals, "quit_now", lambda signum, why: asked.append((signum, why)))
     monkeypatch.setenv("SLURM_JOB_ID", "7")  # SIGUSR1 is a stop (SLURM's warning)
@@ -138,7 +132,6 @@ def test_a_second_request_quits_and_the_same_stop_delivered_again_does_not(
 def test_a_rank_whose_handler_cannot_run_quits_after_the_grace(
     monkeypatch: pytest.MonkeyPatch, quits: list
 ) -> None:
-    # The main thread blocked in C++ (a collective): the watcher heard the signal, no handler ran.
     monkeypatch.setattr(signals, "STUCK_GRACE_S", 0.2)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with signals.stop_on_signal() as request:
@@ -147,7 +140,6 @@ def test_a_rank_whose_handler_cannot_run_quits_after_the_grace(
         os.write(wakeup, bytes([signal.SIGTERM]))  # what the C-level handler writes
         until(lambda: quits, 10)
         assert request.received is None
-    # quit_now exits for real; stubbed, the watcher may ask again before the block ends
     assert quits and set(quits) == {(signal.SIGTERM, STUCK.format(0))}
 
 
@@ -222,8 +214,9 @@ def raises(error: BaseException) -> Callable:
     [({"RANK": "2"}, "rank 2: "), ({"LOCAL_RANK": "3"}, "rank 3: "), ({"RANK": "0"}, ""), ({}, "")],
 )
 def test_quitting_says_which_rank_kills_the_workers_and_exits_128_plus_n(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], env: dict, where: str
-) -> None:
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], one_process: None,
+    env: dict, where: str,
+) -> None:  # fmt: skip
     killed: list[str] = []
     children = [
         SimpleNamespace(kill=raises(ProcessLookupError())),
@@ -233,8 +226,6 @@ def test_quitting_says_which_rank_kills_the_workers_and_exits_128_plus_n(
     monkeypatch.setattr(signals, "_quitting", threading.Lock())
     monkeypatch.setattr(os, "_exit", raises(SystemExit(143)))
     monkeypatch.setattr(sys, "stdout", SimpleNamespace(flush=raises(BrokenPipeError())))
-    for var in ("RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
         monkeypatch.setenv(var, value)
     with pytest.raises(SystemExit):
@@ -255,7 +246,6 @@ def test_a_rank_stuck_after_a_stop_signal_quits_after_the_grace(
     assert quits == []
     watcher._check_stuck(signal.SIGTERM, 100.5 + grace)
     assert quits == [(signal.SIGTERM, STUCK.format(10))]
-    # The handler ran, but the main thread waits in one torch.distributed call.
     watcher.stop.received, quits[:] = signal.SIGTERM, []
     code = SimpleNamespace(co_filename=f"torch{os.sep}distributed{os.sep}c.py", co_name="barrier")
     frame = SimpleNamespace(f_code=code, f_lasti=8)
@@ -278,7 +268,7 @@ def blocked() -> set[int]:
 def test_a_child_forked_during_a_run_gets_the_handlers_from_before_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    mine = lambda *_: None  # noqa: E731 - a handler of the program's own
+    mine = lambda *_: None  # noqa: E731
     monkeypatch.setattr(signals, "request", signals.StopRequest())
     previous = signal.signal(signal.SIGTERM, mine)
     workers: list = []
@@ -295,12 +285,10 @@ def test_a_child_forked_during_a_run_gets_the_handlers_from_before_it(
             assert signal.getsignal(signal.SIGTERM) is mine
             assert signals.request is not request and signals.request.quiet
             assert signal.set_wakeup_fd(-1) == -1
-            # A child of a DataLoader worker gets the stop signals back.
             signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
             monkeypatch.setattr(signals, "_worker_stops", (signal.SIGTERM,))
             signals._in_forked_child()
             assert signal.SIGTERM not in blocked() and signals._worker_stops == ()
-        # A DataLoader worker keeps them blocked, and takes them itself.
         monkeypatch.setattr(compat, "forked_for_a_dataloader_worker", lambda: True)
         with signals.stop_on_signal():
             signals._before_fork()
@@ -331,7 +319,6 @@ def test_a_dataloader_worker_ends_on_its_parents_sigterm_alone(
         assert set(stops) <= blocked()
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
-    # The thread: the parent's SIGTERM ends the worker, any other signal is left alone.
     parent = os.getppid()
     got = iter([(signal.SIGINT, parent), (signal.SIGTERM, os.getpid()), (signal.SIGTERM, parent)])
     waits: list = []
@@ -400,8 +387,6 @@ def test_the_last_line_gets_out_when_stderr_is_busy_or_gone(
 
 @pytest.mark.parametrize(("gone", "terminal"), [(1, "pipe"), (2, "pipe"), (2, "pty")])
 def test_outputs_whose_reader_is_gone_go_to_dev_null(gone: int, terminal: str) -> None:
-    # A terminal or pipe that went away (a dead pipe answers EPIPE; a closed pty, EIO): the stop
-    # goes on to its save instead of a traceback.
     saved = {fd: os.dup(fd) for fd in (1, 2)}
     reader, writer = pty.openpty() if terminal == "pty" else os.pipe()
     live_reader, live_writer = os.pipe()
@@ -461,8 +446,6 @@ def test_after_the_run_the_stop_signals_are_ignored_until_the_process_ends() -> 
 def test_a_worker_started_by_rank0_leaves_the_report_to_rank0(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # A late signal in a Lightning DDP worker: a non-zero exit would make Lightning's watchdog in
-    # rank 0 SIGKILL rank 0; rank 0 reports the signal instead.
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     with signals.stop_on_signal():
@@ -484,7 +467,6 @@ def test_a_dead_peer_is_named_with_its_whole_first_line() -> None:
 
 
 def fake_scontrol(directory: Path, code: int = 0) -> Path:
-    """An ``scontrol`` that records its arguments (and fails with ``code``)."""
     directory.mkdir(exist_ok=True)
     script, calls = directory / "scontrol", directory / "scontrol.calls"
     fail = f'echo "scontrol: error: Invalid job id specified" >&2\nexit {code}\n' if code else ""
@@ -518,8 +500,7 @@ LOOPS = ("train", "validation", "test", "predict")
 
 
 class SignalOnce(Callback):
-    """Sends this process SIGTERM as batch ``batch`` of loop ``at`` ends (``sanity``: fit's
-    sanity check), and counts the batches that end in each loop."""
+    """SIGTERM as batch ``batch`` of loop ``at`` ends; counts the batches ended per loop."""
 
     def __init__(self, at: str, batch: int) -> None:
         self.at, self.batch, self.sent = at, batch, False
@@ -540,12 +521,8 @@ for _loop in LOOPS:  # the same hook in every loop
 
 SAVED = "at epoch 1, step 4; saved {saved}"
 STOPS = {
-    # case: (what the trainer runs, the loop and batch where the signal comes, the batches that
-    # end in each loop, how the line ends)
     "training": ("fit", "train", 1, {"sanity": 2, "train": 2}, "at epoch 0, step 2; saved {saved}"),
-    # the sanity check's last batch: fit went on to train one step and saved it
     "sanity check": ("fit", "sanity", 1, {"sanity": 2}, "before the first training step (nothing to save)"),
-    # the validation after the last training batch ends first, then the epoch
     "training's last batch": ("fit", "train", 3, {"sanity": 2, "train": 4, "validation": 4}, SAVED),
     "fit's validation": ("fit", "validation", 0, {"sanity": 2, "train": 4, "validation": 4}, SAVED),
     "validate": ("validate", "validation", 0, {"validation": 1}, ""),
@@ -589,14 +566,12 @@ with signals.stop_on_signal():
     print("finished the block", sorted(s.name for s in signals.stop_signals()))
 """
 PROGRAMS = {
-    # case: (program, its arguments, exit code, stdout, stderr's lines)
     "hang-up in a terminal": (
         HANG_UP, [], 129, "finished the block ['SIGHUP', 'SIGINT', 'SIGTERM']",
         ["SIGHUP received: stopping at the next safe point",
          "stopped by SIGHUP during startup; exit code 129"],
     ),
     "hang-up under nohup": (HANG_UP, ["nohup"], 0, "finished the block ['SIGINT', 'SIGTERM']", []),
-    # torchrun SIGTERMs this rank because another one exited 2, as this one prints its line.
     "a signal after a failed run": ("""
 import os, signal, sys
 from runkit.safety import signals
@@ -608,7 +583,6 @@ except ValueError:
     print("error: bad input", file=sys.stderr)
     raise SystemExit(2)
 """, [], 2, "", ["error: bad input"]),
-    # Issue #25.5: a Ctrl-C after "Run directory:" ended the process by the signal, silently.
     "a Ctrl-C while a finished run shuts down": ("""
 import os, signal, time
 from runkit.safety import signals
@@ -647,7 +621,6 @@ print("not reached")
 
 @pytest.mark.slow  # a fresh interpreter with torch.distributed
 def test_sigterm_ends_a_rank_stuck_in_a_collective_within_seconds(tmp_path: Path) -> None:
-    # Issue #19.1: a rank blocked in C++ runs no Python signal handler; SIGTERM did nothing.
     done = run_python(STUCK_RANK, str(tmp_path / "store"), timeout=60)  # not the 300 s timeout
     assert done.returncode == 143, done.stderr
     stuck = STUCK.format(f"{signals.STUCK_GRACE_S:.0f}")
@@ -659,12 +632,11 @@ import multiprocessing, os, signal, subprocess, sys, time
 from runkit.safety import signals
 from torch.utils.data import DataLoader
 
-def from_elsewhere(pid, signum):  # a group's signal: sent by another process than the parent
+def from_elsewhere(pid, signum):
     subprocess.run(["kill", f"-{signum}", str(pid)], check=True)
 
 with signals.stop_on_signal():
     loader = DataLoader(range(64), batch_size=4, num_workers=2)
-    # A stop signal between the fork and torch's worker handlers (here: at once, in the child).
     os.register_at_fork(after_in_child=lambda: [os.kill(os.getpid(), s) for s in (15, 2)])
     print("batches", len(list(loader)), flush=True)
     batches = iter(loader)
@@ -688,8 +660,6 @@ print("end", flush=True)
 
 
 def test_a_dataloader_worker_ends_by_its_parent_alone() -> None:
-    # A SIGTERM to a DDP run's group right as an epoch began: a worker not yet under torch's
-    # handlers died by it, the rank crashed, and at exit it waited forever for its other worker.
     done = run_python(DATALOADER_WORKERS, timeout=90)
     assert done.returncode == 0, done.stderr[-3000:]
     expected = ["batches 16", "alive [True, True] batches 16", "terminated 0", "end"]
@@ -719,7 +689,6 @@ def alive(pid: int) -> bool:
 
 
 def in_group(pgid: int) -> list[int]:
-    """Live processes of process group ``pgid`` (the run's session: it and all it started)."""
     members = []
     for stat_file in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, IndexError):
@@ -735,22 +704,22 @@ def group_gone(pgid: int, timeout: float = 30) -> bool:
 
 
 class Run:
-    """``python -m tinyapp.<task>`` in its own session, stderr to a file, test callbacks
-    importable; killed with its group if a test leaves it running."""
+    """``python -m tinyapp.<task>`` in its own session; killed with its group at the end."""
 
-    def __init__(self, tmp_path: Path, task: str, *overrides: str, env: dict | None = None):
+    def __init__(self, tmp_path: Path, task: str, *overrides: str, env: dict | None = None,
+                 output: int | None = None):  # fmt: skip
         self.out, self.err, self.log_dir = (tmp_path / n for n in ("stdout", "stderr", "logs"))
         command = [sys.executable, "-m", f"tinyapp.{task}", *overrides]
         with self.out.open("w") as stdout, self.err.open("w") as stderr:
             self.process = subprocess.Popen(
-                [*command, f"paths.log_dir={self.log_dir}"], cwd=tmp_path, stdout=stdout,
-                stderr=stderr, env=clean_env(**{"PYTHONPATH": str(TESTS), **(env or {})}),
-                start_new_session=True,
+                [*command, f"paths.log_dir={self.log_dir}"], cwd=tmp_path,
+                stdout=stdout if output is None else output,
+                stderr=stderr if output is None else output,
+                env=clean_env(**{"PYTHONPATH": str(TESTS), **(env or {})}), start_new_session=True,
             )  # fmt: skip
         self.pid = self.process.pid
 
     def until(self, found: Callable[[], object], what: str, timeout: float = 300) -> None:
-        """Wait until ``found()``; fail at once, with the end of stderr, if the run ends."""
         deadline = time.time() + timeout
         while not found():
             assert self.process.poll() is None, f"exited before {what}: {self.text[-3000:]}"
@@ -778,8 +747,8 @@ class Run:
 def run(tmp_path: Path) -> Iterator[Callable[..., Run]]:
     started: list[Run] = []
 
-    def start(task: str, *overrides: str, env: dict | None = None) -> Run:
-        started.append(Run(tmp_path, task, *overrides, env=env))
+    def start(task: str, *overrides: str, **how: object) -> Run:
+        started.append(Run(tmp_path, task, *overrides, **how))  # type: ignore[arg-type]
         return started[-1]
 
     yield start
@@ -788,7 +757,6 @@ def run(tmp_path: Path) -> Iterator[Callable[..., Run]]:
 
 
 def held(tmp_path: Path, target: str, at: str = "", name: str = "pause") -> tuple[list[str], Path]:
-    """The overrides adding ``user_callbacks.<target>`` (holding the run), and its marker."""
     marker, key = tmp_path / name, f"+callbacks.{name}"
     added = [f"{key}._target_=user_callbacks.{target}", f"{key}.marker={marker}"]
     return [*added, *([f"{key}.at={at}"] if at else [])], marker
@@ -800,8 +768,7 @@ def release(marker: Path) -> None:
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Path]:
-    """A whole run (fit, test, export) given a Ctrl-C to its group as it prints ``Run directory:``:
-    its exit code, what it printed after, its run directory (whose checkpoints other tests use)."""
+    """A run given a Ctrl-C as it prints ``Run directory:``: exit code, what followed, its dir."""
     log_dir = tmp_path_factory.mktemp("trained") / "logs"
     process = subprocess.Popen(
         [sys.executable, "-m", "tinyapp.train", *SMALL, f"paths.log_dir={log_dir}"],
@@ -848,8 +815,6 @@ PHASE_STOPS = {
 def test_a_stop_in_any_phase_ends_it_at_the_next_batch_with_one_line(
     tmp_path: Path, run: Callable[..., Run], where: str, request: pytest.FixtureRequest
 ) -> None:
-    # Issue #11.3: SIGTERM in the test phase exited 0, silently. A Ctrl-C in the sanity check
-    # trained a step and saved it; a SIGTERM in predict let it predict every batch first.
     (task, *overrides), at, signum, phase, unwritten = PHASE_STOPS[where]
     if task != "train":
         overrides.append(f"ckpt_path={request.getfixturevalue('trained_checkpoint')}")
@@ -871,8 +836,6 @@ def test_a_stop_in_any_phase_ends_it_at_the_next_batch_with_one_line(
 def test_a_slurm_job_saves_on_its_warning_signal_requeues_and_resumes_by_itself(
     tmp_path: Path, run: Callable[..., Run]
 ) -> None:
-    # Issue #11.11, simulated: a one-task SLURM job gets SIGUSR1 (#SBATCH --signal), saves and
-    # calls scontrol requeue; SLURM then runs the same command again with SLURM_RESTART_COUNT=1.
     calls = fake_scontrol(tmp_path / "bin")
     hold, marker = held(tmp_path, "Pause", "train")
     command = ("trainer.max_epochs=2", "data.batch_size=128", "test=false", *QUIET, *hold)
@@ -907,42 +870,33 @@ def test_a_slurm_job_saves_on_its_warning_signal_requeues_and_resumes_by_itself(
 
 
 @pytest.mark.slow
-def test_a_hang_up_with_the_terminal_gone_saves_like_sigterm_and_exits_129(tmp_path: Path) -> None:
-    # The terminal closed, or the ssh session dropped: the run's group gets SIGHUP, and its
-    # stdout and stderr are gone (a closed pty answers EIO; a dead pipe: the unit test above).
-    log_dir = tmp_path / "logs"
+def test_a_hang_up_with_the_terminal_gone_saves_like_sigterm_and_exits_129(
+    tmp_path: Path, run: Callable[..., Run]
+) -> None:
     hold, marker = held(tmp_path, "Pause", "train")
     reader, writer = pty.openpty()
-    command = ["trainer.max_epochs=2", "data.batch_size=64", "test=false", *hold]
     before = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as a shell starts it, not as nohup
     try:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "tinyapp.train", *command, f"paths.log_dir={log_dir}"],
-            cwd=tmp_path, env=clean_env(PYTHONPATH=str(TESTS)), stdout=writer, stderr=writer,
-            start_new_session=True,
-        )  # fmt: skip
+        command = ("trainer.max_epochs=2", "data.batch_size=64", "test=false", *hold)
+        job = run("train", *command, output=writer)
     finally:
         signal.signal(signal.SIGHUP, before)
     os.close(writer)
     os.set_blocking(reader, False)
-    try:
-        deadline = time.time() + 300
-        while not marker.exists():  # read what it prints (the progress bar's too) until held
-            assert process.poll() is None and time.time() < deadline, process.returncode
-            with contextlib.suppress(OSError):  # BlockingIOError: nothing new
-                os.read(reader, 1 << 16)
-            time.sleep(0.05)
-        os.close(reader)
-        os.killpg(process.pid, signal.SIGHUP)
-        release(marker)
-        process.wait(timeout=120)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    (run_dir,) = run_dirs(log_dir)
+
+    def is_held() -> bool:  # reads what it prints (the progress bar's too) until held
+        with contextlib.suppress(OSError):  # BlockingIOError: nothing new
+            os.read(reader, 1 << 16)
+        return marker.exists()
+
+    job.until(is_held, "the hold")
+    os.close(reader)  # the terminal is gone: a closed pty answers EIO
+    os.killpg(job.pid, signal.SIGHUP)
+    release(marker)
+    code = job.wait(timeout=120)
+    (run_dir,) = run_dirs(job.log_dir)
     log = (run_dir / "train.log").read_text()
-    assert process.returncode == 129, log[-3000:]
+    assert code == 129, log[-3000:]
     saved = run_dir / "checkpoints" / interrupts.INTERRUPTED_FILE
     # held at the end of a batch, after the stop check there: the next batch's end stops
     step = int(marker.read_text().split()[1]) + 1
@@ -961,8 +915,7 @@ inventory.probe_torch = lambda uuids=True: TorchCuda(True, 2)  # test only: two 
 
 
 def hold_in(where: str, tmp_path: Path, request: pytest.FixtureRequest) -> tuple:
-    """Where a run is held for the first Ctrl-C: its command, how the test knows it is held,
-    the phase its signal handling is in there, and its environment."""
+    """The command, the held check, the phase and the environment of a run held in ``where``."""
     train = ["train", *SMALL]
     if where == "waiting for GPUs":
         (tmp_path / "fake_cuda").mkdir()
@@ -990,9 +943,6 @@ def hold_in(where: str, tmp_path: Path, request: pytest.FixtureRequest) -> tuple
 def test_a_second_ctrl_c_through_the_cli_quits_at_once_in_every_phase(
     tmp_path: Path, run: Callable[..., Run], where: str, request: pytest.FixtureRequest
 ) -> None:
-    # Issue #24.3. The run is held where the first Ctrl-C comes (a user callback waiting for a
-    # file, or the GPU wait itself); both Ctrl-Cs go to the whole process group, as a terminal's.
-    # The watcher that quits is the same in every phase: fit (up to its save), predict, the wait.
     (task, *overrides), is_held, phase, env = hold_in(where, tmp_path, request)
     job = run(task, *overrides, env=env)
     job.until(lambda: is_held(job), f"the hold in {where}")
@@ -1034,10 +984,6 @@ DELIVERIES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("how", list(DELIVERIES))
 def test_one_stop_delivered_to_every_process_saves_once(run: Callable[..., Run], how: str) -> None:
-    # Issue #32.1, .2, .4: with DataLoader workers a group's Ctrl-C counted once per worker and
-    # quit without saving; a group's SIGTERM killed the workers and torch crashed the run; rank 0
-    # signalled twice by `timeout` quit without saving. Issue #11.1: both DDP ranks hung in a
-    # futex. Each is one stop now: the ranks agree at one batch end, save once, exit 128+N.
     trainer, signum, whom = DELIVERIES[how]
     job = run("train", "data.num_workers=2", *LONG, *trainer)
     checkpoints = job.first("train/runs/*/checkpoints")
@@ -1064,8 +1010,6 @@ def test_one_stop_delivered_to_every_process_saves_once(run: Callable[..., Run],
 def test_a_dataloader_worker_killed_during_a_run_ends_it_with_exit_1(
     run: Callable[..., Run],
 ) -> None:
-    # The kernel's OOM killer ends a worker: torch raises in the run, which exits. It waited
-    # forever for the other worker (which ignored the SIGTERM that ends workers at exit).
     job = run("train", "data.num_workers=2", *LONG)
     job.first("train/runs/*/checkpoints")
     job.until(lambda: len(descendants(job.pid)) >= 2, "workers")
@@ -1078,8 +1022,6 @@ def test_a_dataloader_worker_killed_during_a_run_ends_it_with_exit_1(
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["rank1", "rank0"])
 def test_a_dying_rank_ends_the_job(run: Callable[..., Run], victim: str) -> None:
-    # Rank 1 dying: Lightning's observer in rank 0 ends the job. Rank 0 dying: nothing in
-    # Lightning watches it; interrupts.watch_parent makes the orphaned worker exit within seconds.
     job = run("train", "trainer.accelerator=cpu", "trainer.devices=2", *LONG)
     last = job.first("train/runs/*/checkpoints/last.ckpt")
     rank1 = children(job.pid)[0]
@@ -1097,9 +1039,6 @@ def test_a_dying_rank_ends_the_job(run: Callable[..., Run], victim: str) -> None
 def test_a_ctrl_c_just_after_the_run_directory_line_is_one_line(
     finished_run: tuple[int, str, Path],
 ) -> None:
-    # Issue #32.6: a Ctrl-C to the group as "Run directory:" is printed exited 130 with nothing on
-    # stderr in 4 of 7 tries. Wherever it lands now (the end of export, the interpreter's
-    # teardown), the files are complete and the last line says so.
     code, rest, run_dir = finished_run
     assert code == 130, rest[-3000:]
     assert last_line(rest) in (

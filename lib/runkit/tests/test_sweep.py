@@ -1,8 +1,4 @@
-"""``hydra/launcher=parallel``: jobs at once, GPU claims between them, stops, resumes, summaries.
-
-The claim tests run ``sweep_app`` (jobs that only claim fake GPUs: seconds each); the others run
-the template's real training through the real CLI, each job a fresh interpreter.
-"""
+"""``hydra/launcher=parallel``: jobs at once, GPU claims between them, stops, resumes, summaries."""
 
 from __future__ import annotations
 
@@ -114,7 +110,6 @@ def state(sweep_dir: Path) -> list[dict]:
 
 
 def all_gone(pids: list[int], timeout: float = 0) -> bool:
-    """Whether every process has exited (a zombie counts), waiting up to ``timeout`` seconds."""
 
     def gone(pid: int) -> bool:
         try:
@@ -132,7 +127,6 @@ def all_gone(pids: list[int], timeout: float = 0) -> bool:
 def test_jobs_never_share_a_gpu_and_a_waiting_job_takes_the_first_freed(tmp_path: Path) -> None:
     # 3 jobs at once on 2 fake GPUs. The 15 s job asks once the other two hold both GPUs, so it
     # waits in its claim loop; the 1 s job lets go first, 7 s before the 8 s job.
-    # sweep_app's jobs only claim one of 2 fake GPUs, under the parallel launcher.
     command = [
         sys.executable, "-m", "sweep_app", "-m", "hydra/launcher=runkit_parallel",
         "+hydra.launcher.job_overrides.select_gpus=least_used",
@@ -172,8 +166,7 @@ def summary(folder: Path) -> list[dict]:
 def test_jobs_run_at_the_same_time_and_a_failing_job_does_not_stop_the_others(
     cli: CliRunner, log_dir: Path, tmp_path: Path
 ) -> None:
-    # lr=0.02 fails at train start; the other two meet at train start (Rendezvous): run one
-    # after another, the first would wait alone and fail.
+    # lr=0.02 fails at train start; the other two meet there (Rendezvous): they must run at once
     result = cli(
         "train", "-m", "hydra/launcher=parallel", "hydra.launcher.n_jobs=2",
         "model.optimizer.lr=0.01,0.02,0.03", *TINY,
@@ -205,9 +198,7 @@ def test_jobs_run_at_the_same_time_and_a_failing_job_does_not_stop_the_others(
 def test_a_stopped_sweep_reruns_into_the_rest_without_repeating_a_finished_job(
     log_dir: Path, tmp_path: Path
 ) -> None:
-    # One job at a time: #0 finishes, #1 is stopped in its second epoch, #2 never starts. The
-    # user's code (user_callbacks, on PYTHONPATH) and a config folder of their own: every job,
-    # first and resumed, must get both.
+    # #0 finishes, #1 is stopped in its second epoch, #2 never starts; all get the user's code
     folder, marker = tmp_path / "sweep dir é", tmp_path / "paused"
     user_config_dir(tmp_path / "my configs")
     command = [
@@ -233,8 +224,7 @@ def test_a_stopped_sweep_reruns_into_the_rest_without_repeating_a_finished_job(
     assert [r["status"] for r in rows] == ["finished", "interrupted", "not started"]
     assert (folder / "1" / "checkpoints" / "interrupted.ckpt").is_file()
     assert not (folder / "1" / "metrics.json").exists()
-    # The stopped job's best so far comes from its checkpoint (it validated once), the finished
-    # one's from its metrics.json; both are drawn.
+    # best: the stopped job's from its checkpoint, the finished one's from metrics.json
     assert rows[1]["monitor"] == rows[0]["monitor"] == "val/acc"
     assert 0 <= float(rows[1]["best"]) <= 1 and 0 <= float(rows[0]["best"]) <= 1
     assert (folder / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -276,8 +266,7 @@ def test_an_optuna_search_continues_its_study_from_the_sweep_folder(
     )  # fmt: skip
     first = cli("train", *args, "hydra.sweeper.n_trials=2", timeout=500)
     assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
-    # Another sampler seed: the same seed would draw the first trial's values again (the sweep
-    # would then skip it as finished, and the study count it as one more trial).
+    # another seed: the same one would draw the first trial's values again
     seeded = ("hydra.sweeper.n_trials=1", "hydra.sweeper.sampler.seed=8")
     again = cli("train", *args, *seeded, timeout=500)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
@@ -309,8 +298,6 @@ def test_a_bad_n_jobs_is_one_line_and_creates_nothing(cli: CliRunner, log_dir: P
 def test_kill_9_of_a_training_sweep_lets_every_running_job_save(
     log_dir: Path, tmp_path: Path
 ) -> None:
-    # Issue #32.3: the kernel's PR_SET_PDEATHSIG came once per thread of the dead sweep, and each
-    # job took the second SIGTERM for a second request: "quitting at once, without saving".
     command = [
         sys.executable, "-m", "tinyapp.train", "-m", "hydra/launcher=parallel",
         "hydra.launcher.n_jobs=2", "model.optimizer.lr=0.01,0.02", "trainer.max_epochs=300",

@@ -24,8 +24,7 @@ def q(path: Path | str) -> str:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One short training run shared by the tests that inspect its outputs; its directory has a
-    space and a non-ASCII letter, as a user's may."""
+    """One short shared training run, in a directory with a space and a non-ASCII letter."""
     root = tmp_path_factory.mktemp("trained")
     result = run_entry(root, "train", *FAST, f"paths.log_dir={q(root / 'my logs é')}")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -102,8 +101,7 @@ def test_installed_wheel_finds_its_configs_from_any_directory(tmp_path: Path) ->
 
 
 def test_empty_project_log_dir_means_unset(tmp_path: Path) -> None:
-    """``debug=fdr`` runs one batch and saves no checkpoint; a removed safety callback is said
-    in one line; ``PROJECT_LOG_DIR=`` (set, but empty) is the default ./logs, not the root."""
+    """``debug=fdr``: one batch, no checkpoint; a removed callback is one line; empty = ./logs."""
     args = ("debug=fdr", "~callbacks.graceful_interrupt", "callbacks.progress_bar.refresh_rate=0")
     result = run_entry(tmp_path, "train", *args, env={"PROJECT_LOG_DIR": ""})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -120,25 +118,18 @@ def test_empty_project_log_dir_means_unset(tmp_path: Path) -> None:
 
 
 def test_two_runs_racing_for_one_directory(tmp_path: Path) -> None:
-    """Two runs given the same hydra.run.dir at once: one trains, the other stops in one line
-    before writing anything (the directory is claimed atomically, not checked then created)."""
+    """Two runs with one hydra.run.dir: one trains, the other stops in one line, writing nothing."""
     run = tmp_path / "shared run é"
     command = [sys.executable, "-m", "tinyapp.train", "debug=fdr", f"hydra.run.dir={q(run)}"]
     racers = {
         seed: subprocess.Popen(
-            [*command, f"seed={seed}", "callbacks.progress_bar.refresh_rate=0"],
-            cwd=tmp_path,
-            env=clean_env(),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for seed in (1, 2)
-    }
+            [*command, f"seed={seed}", "callbacks.progress_bar.refresh_rate=0"], cwd=tmp_path,
+            env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        ) for seed in (1, 2)
+    }  # fmt: skip
     errors = {seed: proc.communicate(timeout=300)[1] for seed, proc in racers.items()}
     outcomes = {seed: (racers[seed].returncode, errors[seed]) for seed in racers}
-    codes = sorted(code for code, _ in outcomes.values())
-    assert codes == [0, 2], outcomes
+    assert sorted(code for code, _ in outcomes.values()) == [0, 2], outcomes
     (winner,) = [seed for seed, (code, _) in outcomes.items() if code == 0]
     (loser,) = [err for code, err in outcomes.values() if code == 2]
     assert "Traceback" not in loser
