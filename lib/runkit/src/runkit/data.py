@@ -1,5 +1,6 @@
 """A LightningDataModule for any data set that fits in memory as two tensors, inputs and labels:
-subclass :class:`ArrayDataModule` and implement :meth:`load_arrays` (docs/own-model-and-data.md)."""
+subclass :class:`ArrayDataModule` and implement :meth:`load_arrays` (own-model-and-data.md, among
+the library's pages, has an example)."""
 
 from __future__ import annotations
 
