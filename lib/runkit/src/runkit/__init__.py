@@ -1,13 +1,15 @@
 """lightning-runkit: everything a training run needs that is not the user's model, data or flow.
 
-The public API is :data:`__all__`, loaded on first use, so ``import runkit`` pulls in neither
-torch nor Lightning and a project's ``--help`` stays instant. The components (callbacks, the
-CheckpointIO, the strategies) are named by their modules in a project's configs.
-"""
+The public API is :data:`__all__`, typed for checkers and loaded on first use, so ``import
+runkit`` pulls in neither torch nor Lightning and a project's ``--help`` stays instant. The
+components (callbacks, the CheckpointIO, the strategies) are named by module in the configs."""
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names as a type checker sees them; at run time, loaded on first use
@@ -39,29 +41,6 @@ if TYPE_CHECKING:  # the names as a type checker sees them; at run time, loaded 
     from runkit.speed import trainer_settings
 
 __version__ = "0.1.0"
-
-_BY_MODULE = {
-    "runkit.run.cli": "hydra_entry find_configs",
-    "runkit.errors": "RunError",
-    "runkit.gpus.claims": "policy_from_config",
-    "runkit.gpus.resolve": "resolve_for_run",
-    "runkit.speed": "trainer_settings",
-    "runkit.run.builders": "build_trainer plain can_test run_trainer",
-    "runkit.data": "ArrayDataModule",
-    "runkit.safety.checkpoints": "resolve_ckpt_path load_file full_disk_in_one_line WEIGHTS_FILE "
-    "exported_part save_weights is_sharded load_network",
-    "runkit.run.launch": "requeued_checkpoint",
-    "runkit.safety.resume": "check_fits",
-    "runkit.safety.interrupts": "phase",
-    "runkit.safety.trusted": "TRUSTED_TARGETS",
-    "runkit.run.rebuild": "load_trained trained_config trained_model",
-    "runkit.run.predictions": "prepare_predict",
-    "runkit.run.run_files": "save_config save_metrics scalars best_checkpoint",
-    "runkit.gpu_stats.callback": "energy_report",
-    "runkit.plots": "after_run",
-}
-PUBLIC: dict[str, str] = {n: module for module, names in _BY_MODULE.items() for n in names.split()}
-"""Each public name and the module that defines it."""
 
 __all__ = [
     "TRUSTED_TARGETS",
@@ -101,13 +80,21 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    module = PUBLIC.get(name)
-    if module is None:
+    if name not in __all__:
         raise AttributeError(f"module 'runkit' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module(_modules()[name]), name)
     globals()[name] = value  # once: later reads find it here
     return value
 
 
+@functools.cache
+def _modules() -> dict[str, str]:
+    """Each public name's module, read from the imports for type checkers above: one list."""
+    tree = ast.parse(Path(__file__).read_text("utf-8"))
+    block = next(node for node in tree.body if isinstance(node, ast.If))
+    imports = [i for i in block.body if isinstance(i, ast.ImportFrom)]
+    return {alias.name: str(i.module) for i in imports for alias in i.names}
+
+
 def __dir__() -> list[str]:
-    return [*__all__, "PUBLIC", "__version__"]
+    return [*__all__, "__version__"]

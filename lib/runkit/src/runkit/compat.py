@@ -1,25 +1,23 @@
 """Every private Lightning, torch and Hydra API the library relies on, in one list: each entry
-names the access, who uses it and why no public API does the job, and has a probe that
-test_compat runs, so a release that moves one fails in a line naming it. Import-light."""
+names the access, who uses it and why no public API does the job, and a probe that the suite
+runs, so a release that moves one fails in a line naming it. Import-light."""
 
 from __future__ import annotations
 
 import importlib
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 
-@dataclass(frozen=True)
-class PrivateApi:
+class PrivateApi(NamedTuple):
     """One private access: ``owner`` has ``name``; ``probe`` (default: hasattr) proves it."""
 
     owner: str
     name: str
     used_by: str
     why: str
-    probe: Callable[[], bool] | None = None
+    probe: Callable[[], Any] | None = None
 
     def missing(self) -> str | None:
         """``None`` while the access still works; else one line naming it and who breaks."""
@@ -43,30 +41,20 @@ def _resolve(path: str) -> Any:
     return obj
 
 
-def _trainer_attribute(name: str) -> Callable[[], bool]:
-    return lambda: hasattr(_trainer(), name)
+def _trainer() -> Any:
+    from lightning.pytorch import Trainer
+
+    return Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
 
 
-def _hydra_args_parser() -> bool:
+def _parses_as_hydra() -> bool:
     args = hydra_args_parser().parse_args(["-m", "--cfg", "job", "-cd", "d", "a=1"])
-    return (
-        args.multirun is True
-        and args.cfg == "job"
-        and args.config_dir == "d"
-        and args.config_name is None
-        and args.overrides == ["a=1"]
-    )
+    return (args.multirun, args.cfg, args.config_dir, args.config_name, args.overrides) == (
+        True, "job", "d", None, ["a=1"]
+    )  # fmt: skip
 
 
 PRIVATE_APIS: tuple[PrivateApi, ...] = (
-    PrivateApi(
-        "lightning.pytorch.trainer.call:_call_callback_hooks",
-        "callable",
-        "runkit.compat.skip_unused_batch_hooks (every runkit callback)",
-        "Lightning's hook dispatch skips a hook attribute that is not callable; no public way to "
-        "say a callback does not use a hook",
-        lambda: _skips_hooks_that_are_not_callable(),
-    ),
     PrivateApi(
         "lightning.pytorch.trainer.connectors.signal_connector:_SignalConnector",
         "register_signal_handlers",
@@ -78,7 +66,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "_signal_connector",
         "runkit.safety.interrupts",
         "the flag Lightning's loop checks to stop at a batch boundary",
-        _trainer_attribute("_signal_connector"),
+        lambda: hasattr(_trainer(), "_signal_connector"),
     ),
     PrivateApi(
         "rich.live:Live",
@@ -112,7 +100,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "runkit.compat.hydra_args_parser (runkit.run.cli, -m with --cfg; runkit.quoting.config_options; "
         "runkit.safety.interrupts outside Hydra)",
         "Hydra's own command-line parser, to tell flags from overrides exactly as Hydra will",
-        _hydra_args_parser,
+        _parses_as_hydra,
     ),
     PrivateApi(
         "torch.utils.data.dataloader:_MultiProcessingDataLoaderIter",
@@ -131,7 +119,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi(
         "lightning.pytorch.strategies:ModelParallelStrategy",
         "_data_parallel_size",
-        "runkit.compat.set_data_parallel_size (runkit.strategies.fsdp)",
+        "runkit.strategies.fsdp",
         "FSDP over every process: the data-parallel size is devices * num_nodes, known only "
         "once the Trainer has set the processes up ('auto' means num_nodes)",
         lambda: (
@@ -146,7 +134,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "the training epoch's iterator: Lightning restores the loops after on_fit_start and "
         "creates it before on_train_start (no hook between), so a resume re-creates it after "
         "reseeding and reads the batches trained on; a DataLoader's sampler cannot be swapped",
-        lambda: "_data_fetcher" in vars(_trainer_attribute_value("fit_loop")),
+        lambda: "_data_fetcher" in vars(_trainer().fit_loop),
     ),
     PrivateApi(
         "lightning.pytorch.loops.fetchers:_DataFetcher",
@@ -156,70 +144,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         lambda: "fetched" in vars(_resolve("lightning.pytorch.loops.fetchers:_DataFetcher")()),
     ),
 )
-
-
-def _skips_hooks_that_are_not_callable() -> bool:
-    import lightning.pytorch as pl
-    from lightning.pytorch.trainer import call
-
-    called: list[str] = []
-
-    class Probe(pl.Callback):
-        def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
-            called.append("on_after_backward")
-
-    probe = Probe()
-    skip_unused_batch_hooks(probe)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[probe],
-    )
-    call._call_callback_hooks(trainer, "on_before_backward", None)  # None: skipped, no error
-    call._call_callback_hooks(trainer, "on_after_backward")
-    return probe.on_before_backward is None and called == ["on_after_backward"]
-
-
-def _trainer() -> Any:
-    from lightning.pytorch import Trainer
-
-    return Trainer(
-        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False
-    )
-
-
-def _trainer_attribute_value(name: str) -> Any:
-    return getattr(_trainer(), name)
-
-
-BATCH_HOOKS = (
-    "on_train_batch_start",
-    "on_before_zero_grad",
-    "on_before_backward",
-    "on_after_backward",
-    "on_before_optimizer_step",
-    "on_train_batch_end",
-    "on_validation_batch_start",
-    "on_validation_batch_end",
-    "on_test_batch_start",
-    "on_test_batch_end",
-    "on_predict_batch_start",
-    "on_predict_batch_end",
-)
-
-
-def skip_unused_batch_hooks(callback: Any) -> None:
-    """Leave ``callback`` out of Lightning's dispatch of each per-batch hook its class inherits
-    unchanged from ``Callback`` (set to ``None`` on the instance, which the dispatch skips; six
-    calls a step otherwise, whatever they do). Private: see PRIVATE_APIS."""
-    from lightning.pytorch import Callback
-
-    for name in BATCH_HOOKS:
-        if getattr(type(callback), name, None) is getattr(Callback, name):
-            setattr(callback, name, None)
 
 
 def detach_refresh_thread(progress: Any) -> None:
@@ -240,11 +164,6 @@ def hydra_args_parser() -> Any:
     from hydra._internal.utils import get_args_parser
 
     return get_args_parser()
-
-
-def set_data_parallel_size(strategy: Any, size: int) -> None:
-    """Set a ``ModelParallelStrategy``'s data-parallel mesh size (private: see PRIVATE_APIS)."""
-    strategy._data_parallel_size = int(size)
 
 
 def restart_train_data(trainer: Any, skip: int) -> int:

@@ -5,20 +5,13 @@ the library's pages, has an example)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence, Sized
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from torch.utils.data import (
-    DataLoader,
-    Dataset,
-    RandomSampler,
-    TensorDataset,
-    default_collate,
-    random_split,
-)
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset, default_collate, random_split
 
 from runkit.errors import RunError
 
@@ -26,7 +19,7 @@ from runkit.errors import RunError
 class ArrayDataModule(LightningDataModule):
     """Split ``(inputs, labels)`` once into train/val/test (from its own seeded generator, so the
     training ``seed`` never moves samples between splits) and serve them as DataLoaders.
-    ``batch_size`` is per process."""
+    ``batch_size`` is per process; ``num_workers=auto``: none for in-memory tensors."""
 
     def __init__(
         self,
@@ -38,30 +31,31 @@ class ArrayDataModule(LightningDataModule):
         pin_memory: bool | str = "auto",
     ) -> None:
         super().__init__()
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise RunError(f"data.batch_size={batch_size!r} is invalid; expected an integer >= 1")
-        for name, fraction in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
-            if not 0 < fraction < 1:
-                raise RunError(f"data.{name}={fraction!r} is invalid; expected 0 < value < 1")
+        for key, value, ok, expected in (
+            ("batch_size", batch_size, isinstance(batch_size, int) and batch_size >= 1,
+             "an integer >= 1"),
+            ("val_fraction", val_fraction, 0 < val_fraction < 1, "0 < value < 1"),
+            ("test_fraction", test_fraction, 0 < test_fraction < 1, "0 < value < 1"),
+            ("num_workers", num_workers, num_workers == "auto"
+             or (isinstance(num_workers, int) and num_workers >= 0), ">= 0 or auto"),
+            ("pin_memory", pin_memory, pin_memory == "auto" or isinstance(pin_memory, bool),
+             "true, false, auto"),
+        ):  # fmt: skip
+            if not ok:
+                raise RunError(f"data.{key}={value!r} is invalid; expected {expected}")
         if val_fraction + test_fraction >= 1:
             raise RunError(
                 f"data.val_fraction + data.test_fraction = {val_fraction + test_fraction} "
                 "leaves nothing to train on; expected a sum below 1"
             )
-        self.batch_size, self.split_seed = batch_size, split_seed
+        self.batch_size, self.split_seed, self.pin_memory = batch_size, split_seed, pin_memory
         self.val_fraction, self.test_fraction = val_fraction, test_fraction
-        if num_workers != "auto" and not (isinstance(num_workers, int) and num_workers >= 0):
-            raise RunError(f"data.num_workers={num_workers!r} is invalid; expected >= 0 or auto")
-        # auto: in-memory tensors need no worker processes (they only add start-up and IPC cost)
         self.num_workers = (
             0 if num_workers == "auto" else min(int(num_workers), os.cpu_count() or 1)
         )
-        if pin_memory != "auto" and not isinstance(pin_memory, bool):
-            raise RunError(f"data.pin_memory={pin_memory!r} is invalid; expected true, false, auto")
-        self.pin_memory = pin_memory
-        self.train_set: Dataset | None = None
-        self.val_set: Dataset | None = None
-        self.test_set: Dataset | None = None
+        self.train_set: Any = None
+        self.val_set: Any = None
+        self.test_set: Any = None
 
     def load_arrays(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Return all inputs (float, first dim = samples) and integer class labels."""
@@ -77,7 +71,9 @@ class ArrayDataModule(LightningDataModule):
         self.train_set, self.val_set, self.test_set = random_split(dataset, sizes, generator)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+        # seeded as pl.seed_everything set it (as Lightning's DistributedSampler, which DDP uses)
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        return self._loader(self.train_set, EpochShuffle(self.train_set, seed))
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set)
@@ -88,15 +84,9 @@ class ArrayDataModule(LightningDataModule):
     def predict_dataloader(self) -> DataLoader:
         return self._loader(self.test_set)
 
-    def _loader(self, dataset: Dataset | None, shuffle: bool = False) -> DataLoader:
-        if dataset is None:
-            raise RuntimeError("setup() must run before the loaders are requested")
-        sampler: Any = None
-        if shuffle:  # seeded as pl.seed_everything set it (as Lightning's DistributedSampler)
-            sampler = EpochShuffle(dataset, int(os.environ.get("PL_GLOBAL_SEED", 0)))
-        elif (kwargs := getattr(self.trainer, "distributed_sampler_kwargs", None)) and kwargs.get(
-            "num_replicas", 1
-        ) > 1:
+    def _loader(self, dataset: Any, sampler: Any = None) -> DataLoader:
+        kwargs = getattr(self.trainer, "distributed_sampler_kwargs", None)
+        if sampler is None and kwargs and kwargs.get("num_replicas", 1) > 1:
             # Under DDP every evaluation sample once (Lightning's sampler would pad by repeating).
             sampler = UnrepeatedDistributedSampler(dataset, shuffle=False, **kwargs)
         return DataLoader(
@@ -149,10 +139,9 @@ class EpochShuffle(RandomSampler):
     """A new order every epoch that depends only on ``(seed, epoch)``, not on any global RNG, so a
     resumed run sees the same order (Lightning calls :meth:`set_epoch`; DDP replaces it)."""
 
-    def __init__(self, data_source: Sized, seed: int = 0) -> None:
+    def __init__(self, data_source: Any, seed: int = 0) -> None:
         super().__init__(data_source)
-        self.seed = seed
-        self.epoch = 0
+        self.seed, self.epoch = seed, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch

@@ -1,7 +1,6 @@
 """The speed switches: each a config key, defaulting to the fast choice where it is safe, and a
 no-op where it would not help (TF32 on the CPU or older GPUs, the allocator switch without glibc).
-The library README's performance table says what each does.
-"""
+The library README's performance table says what each does."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from lightning.pytorch.profilers import Profiler
 from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
-from runkit import compat, quoting
+from runkit import quoting
 from runkit.errors import RunError
 
 log = logging.getLogger(__name__)
@@ -28,7 +27,6 @@ LIGHTNING_PRECISIONS = (
     *("transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true"),
     *("bf16-mixed", "32-true", "64-true", "64", "32", "16", "bf16"),
 )
-AMPERE = (8, 0)  # TF32 and native bf16 from this compute capability on
 
 
 def cuda_indices(accelerator: Any, devices: Any) -> list[int]:
@@ -49,28 +47,29 @@ def cuda_indices(accelerator: Any, devices: Any) -> list[int]:
 
 
 def _ampere(cuda: Sequence[int]) -> bool:
-    return bool(cuda) and all(torch.cuda.get_device_capability(i) >= AMPERE for i in cuda)
+    """TF32 and native bf16 on every GPU of the run (compute capability 8.0 on)."""
+    return bool(cuda) and all(torch.cuda.get_device_capability(i) >= (8, 0) for i in cuda)
+
+
+def _invalid(key: str, value: Any, expected: str) -> RunError:
+    return RunError(f"{key}={value!r} is invalid; expected {expected}")
 
 
 def apply_matmul_precision(value: str, cuda: Sequence[int]) -> str:
-    """Set the float32 matmul precision when every GPU of the run is Ampere or newer (``high``:
-    TF32); return what is in force. Elsewhere nothing changes (a CPU backend could trade float32
-    accuracy for bf16 arithmetic)."""
+    """Set the float32 matmul precision when every GPU of the run is Ampere or newer; return
+    what is in force (elsewhere nothing changes: a CPU backend could trade accuracy)."""
     if value not in MATMUL_PRECISIONS:
-        raise RunError(
-            f"matmul_precision={value!r} is invalid; expected one of {', '.join(MATMUL_PRECISIONS)}"
-        )
+        raise _invalid("matmul_precision", value, f"one of {', '.join(MATMUL_PRECISIONS)}")
     if _ampere(cuda):
         torch.set_float32_matmul_precision(value)
     return torch.get_float32_matmul_precision()
 
 
 def keep_freed_memory(enabled: Any) -> bool:
-    """Let glibc's malloc keep the memory a step frees for the next step (else it returns large
-    blocks to the kernel and the next step faults them in again, zeroed); whether that is in
-    force. Process-wide, not undone: mmap threshold 32 MB, trim threshold 1 GiB."""
+    """Let glibc's malloc keep the memory a step frees for the next step (process-wide, not
+    undone: mmap threshold 32 MB, trim threshold 1 GiB); whether that is in force."""
     if not isinstance(enabled, bool):
-        raise RunError(f"keep_freed_memory={enabled!r} is invalid; expected true or false")
+        raise _invalid("keep_freed_memory", enabled, "true or false")
     if not enabled or platform.libc_ver()[0] != "glibc":
         return False
     mallopt = ctypes.CDLL(None).mallopt  # M_MMAP_THRESHOLD -3, M_TRIM_THRESHOLD -1 (malloc.h)
@@ -78,14 +77,11 @@ def keep_freed_memory(enabled: Any) -> bool:
 
 
 def resolve_precision(value: Any, cuda: Sequence[int]) -> str:
-    """``auto``: ``bf16-mixed`` when every GPU of the run is Ampere or newer, else ``32-true``
-    (the CPU included); any other value must be a Lightning precision (returned as text)."""
+    """``auto``: ``bf16-mixed`` when every GPU of the run is Ampere or newer, else ``32-true``;
+    any other value must be a Lightning precision (returned as text)."""
     text = str(value).strip()
     if text != "auto" and text not in LIGHTNING_PRECISIONS:
-        raise RunError(
-            f"precision={value!r} is invalid; expected auto or one of "
-            f"{', '.join(LIGHTNING_PRECISIONS)}"
-        )
+        raise _invalid("precision", value, f"auto or one of {', '.join(LIGHTNING_PRECISIONS)}")
     return text if text != "auto" else "bf16-mixed" if _ampere(cuda) else "32-true"
 
 
@@ -107,11 +103,6 @@ def to_channels_last(batch: Any) -> Any:
     return batch
 
 
-def uses_channels_last(enabled: bool, device: Any) -> bool:
-    """Whether channels-last applies: switched on, and the module lives on a CUDA device."""
-    return bool(enabled) and getattr(device, "type", str(device)) == "cuda"
-
-
 class NetworkSpeedups(Callback):
     """``callbacks.speed``: ``compile`` and ``channels_last`` for ``pl_module.<network>``, in
     ``setup``, before the strategy moves and wraps the module. Channels-last applies on CUDA to a
@@ -122,24 +113,22 @@ class NetworkSpeedups(Callback):
     ) -> None:
         self.compile, self.channels_last, self.network = compile, channels_last, network
         self._input_hook: Any = None
-        compat.skip_unused_batch_hooks(self)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         net = getattr(pl_module, self.network, None)
-        on_cuda = uses_channels_last(self.channels_last, trainer.strategy.root_device)
-        name = f"{type(pl_module).__name__}.{self.network}"
-        if not isinstance(net, nn.Module) and self.compile:
-            raise RunError(
-                f"callbacks.speed.compile=true compiles {name}, but there is no such network; "
-                "set callbacks.speed.network to the attribute holding it"
-            )
+        on_cuda = self.channels_last and trainer.strategy.root_device.type == "cuda"
         if not isinstance(net, nn.Module):
+            name = f"{type(pl_module).__name__}"
+            if self.compile:
+                raise RunError(
+                    f"callbacks.speed.compile=true compiles {name}.{self.network}, but there is "
+                    "no such network; set callbacks.speed.network to the attribute holding it"
+                )
             if on_cuda and stage == "fit" and trainer.is_global_zero:  # once, where it applies
                 log.info(
-                    "callbacks.speed: %s has no nn.Module attribute %r, so channels_last is not "
-                    "applied; set callbacks.speed.network to the attribute holding your network",
-                    type(pl_module).__name__,
-                    self.network,
+                    f"callbacks.speed: {name} has no nn.Module attribute {self.network!r}, so "
+                    "channels_last is not applied; set callbacks.speed.network to the attribute "
+                    "holding your network"
                 )
             return
         if on_cuda and any(isinstance(m, nn.Conv2d) for m in net.modules()):
@@ -169,13 +158,11 @@ def trainer_settings(cfg: Any, plan: Any) -> dict[str, Any]:
     kept = keep_freed_memory(cfg.get("keep_freed_memory", True))
     kwargs = plan.trainer_kwargs()
     precision = resolve_precision(cfg.get("precision", "auto"), cuda)
-    on_cpu = str(plan.accelerator).strip().lower() == "cpu"
-    if precision in ("16-mixed", "16") and on_cpu:  # fp16 AMP is CUDA-only
-        if rank_zero_only.rank == 0:  # what Lightning would run, said once
+    if precision in ("16-mixed", "16") and str(plan.accelerator).strip().lower() == "cpu":
+        if rank_zero_only.rank == 0:  # fp16 AMP is CUDA-only: what Lightning would run, said once
             log.info(
-                "precision=%s: fp16 mixed precision does not exist on the CPU, so this run "
-                "uses bf16-mixed (set precision=bf16-mixed or 32-true to choose)",
-                precision,
+                f"precision={precision}: fp16 mixed precision does not exist on the CPU, so this "
+                "run uses bf16-mixed (set precision=bf16-mixed or 32-true to choose)"
             )
         precision = "bf16-mixed"
     kwargs["precision"] = precision
@@ -191,7 +178,7 @@ def trainer_settings(cfg: Any, plan: Any) -> dict[str, Any]:
 
 
 class NoProfiler(Profiler):
-    """A profiler that times nothing at the least cost: one shared ``nullcontext`` for the ~90
+    """A profiler that times nothing at the least cost: one shared ``nullcontext`` for the many
     hook calls a step, where Lightning's ``PassThroughProfiler`` builds a generator each time."""
 
     def start(self, action_name: str) -> None: ...

@@ -21,7 +21,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from runkit import compat
 from runkit.gpu_stats.exchange import RankExchange
 from runkit.gpu_stats.loop import LoopTimer
 from runkit.gpu_stats.sampler import (
@@ -186,7 +185,6 @@ class GpuStatsMonitor(pl.Callback):
         self.device_uuids = None if device_uuids is None else list(device_uuids)
         self.key_prefix = key_prefix
         self._reset_state()
-        compat.skip_unused_batch_hooks(self)
 
     def _reset_state(self) -> None:
         self._stack = ExitStack()

@@ -20,7 +20,6 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities import apply_to_collection
 
-from runkit import compat
 from runkit.errors import RunError
 from runkit.safety.checkpoints import atomic_write
 
@@ -74,7 +73,6 @@ class PredictionWriter(BasePredictionWriter):
         super().__init__(write_interval="epoch")
         self.output_dir = Path(output_dir)
         self.written: list[Path] = []
-        compat.skip_unused_batch_hooks(self)
 
     def write_on_epoch_end(
         self,

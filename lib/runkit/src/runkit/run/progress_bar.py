@@ -25,7 +25,6 @@ class RichProgressBar(LightningRichProgressBar):
         self._next_read = 0.0  # time.monotonic() from which a batch reads the values again
         self._read = True  # False only inside a training batch's end that skips the read
         self._shown: dict[str, Any] | None = None
-        compat.skip_unused_batch_hooks(self)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -20,7 +20,6 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor
 
-from runkit import compat
 from runkit.errors import RunError
 
 log = logging.getLogger(__name__)
@@ -60,7 +59,6 @@ class FiniteLoss(Callback):
         self._lower = "Lower the learning rate"  # the hint; the config key where there is one
         self._losses: list[tuple[Tensor, int, int, int]] = []  # (loss, step, epoch, batch)
         self._loss_finite: Tensor | None = None  # this step's verdict (skip mode)
-        compat.skip_unused_batch_hooks(self)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._losses = []

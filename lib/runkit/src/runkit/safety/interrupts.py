@@ -50,7 +50,6 @@ class GracefulInterrupt(Callback):
         self._group: Any = None
         self._stopping = False
         self._limits: list[float] = []  # predict under DDP: the batches every rank runs
-        compat.skip_unused_batch_hooks(self)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         request = signals.request

@@ -1,13 +1,11 @@
-"""Training strategies the Trainer finds by name (``trainer.strategy=...``).
-
-Importing this package registers them in Lightning's ``StrategyRegistry``; preflight and the
-Trainer builder import it, so ``trainer.strategy=dp`` works from the command line.
-"""
+"""Training strategies the Trainer finds by name: importing this package registers ``dp`` in
+Lightning's ``StrategyRegistry`` (preflight and the Trainer builder import it)."""
 
 from lightning.pytorch.strategies import StrategyRegistry
 
 from runkit.strategies.dp import DataParallelStrategy
 
-DataParallelStrategy.register_strategies(StrategyRegistry)
+if "dp" not in StrategyRegistry:
+    StrategyRegistry.register("dp", DataParallelStrategy, "DataParallel: one process, GPUs")
 
 __all__ = ["DataParallelStrategy"]

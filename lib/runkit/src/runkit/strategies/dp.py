@@ -9,12 +9,10 @@ from typing import Any
 
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
-from torch import Tensor, nn
-from torch.nn import DataParallel
+from torch import nn
 
 from runkit.errors import RunError
 
-STRATEGY_NAME = "dp"
 CPU_HINT = "on the CPU use trainer=ddp_sim (N processes over gloo)"
 NEEDS_GPU = "trainer.strategy=dp asks for a GPU (DataParallel splits each batch over CUDA GPUs)"
 
@@ -47,22 +45,22 @@ class _Autocast(nn.Module):
             return self.module(*args, **kwargs)
 
 
-class AutocastDataParallel(DataParallel):
+class AutocastDataParallel(nn.DataParallel):
     """``nn.DataParallel`` whose copies compute in the caller's autocast dtype: torch's worker
     threads would use the default (float16 on CUDA) under ``precision=bf16-mixed``."""
 
     def parallel_apply(self, replicas: Any, inputs: Any, kwargs: Any) -> list[Any]:
-        device_type = self.src_device_obj.type
-        if torch.is_autocast_enabled(device_type):
-            dtype = torch.get_autocast_dtype(device_type)
-            replicas = [_Autocast(replica, device_type, dtype) for replica in replicas]
+        device = self.src_device_obj.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            replicas = [_Autocast(replica, device, dtype) for replica in replicas]
         return super().parallel_apply(replicas, inputs, kwargs)
 
 
 class DataParallelStrategy(ParallelStrategy):
     """Single-process data parallelism of ``pl_module.<network>`` over ``trainer.devices``."""
 
-    strategy_name = STRATEGY_NAME
+    strategy_name = "dp"
     # One process: rank 0 of 1 whatever the environment says; DataParallel splits the batches.
     global_rank = local_rank = node_rank = 0  # type: ignore[assignment]
     world_size = 1  # type: ignore[assignment]
@@ -102,23 +100,21 @@ class DataParallelStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
-        net = getattr(model, self.network, None)
+        net, name = getattr(model, self.network, None), type(model).__name__
         if not isinstance(net, nn.Module):
-            name = type(model).__name__
             raise RunError(
                 f"trainer.strategy=dp parallelises the network in {name}.{self.network}, but "
                 f"{name} has no nn.Module attribute {self.network!r}; set "
                 "trainer.strategy.network to the attribute that holds the network (trainer=dp)"
             )
-        # runkit.speed marks what it compiled: the copies would run the original's compiled code.
-        if getattr(net, "compiled_by_runkit", False):
+        if getattr(net, "compiled_by_runkit", False):  # runkit.speed marks what it compiled
             raise RunError(
                 "a compiled network (callbacks.speed.compile=true) does not work with "
                 "trainer.strategy=dp: the copies DataParallel makes of it cannot run compiled; "
                 "use DDP (trainer.devices=N) or callbacks.speed.compile=false"
             )
         # The instance dict comes before nn.Module.__getattr__: the wrapper shadows the network
-        # without being registered (test_dp checks keys and parameters stay the network's).
+        # without being registered (its keys and parameters stay the network's).
         self._parallel_net = vars(model)[self.network] = self._data_parallel(net)
         return model
 
@@ -129,7 +125,7 @@ class DataParallelStrategy(ParallelStrategy):
     def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
         return tensor
 
-    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+    def all_gather(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
         return tensor
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -148,10 +144,3 @@ class DataParallelStrategy(ParallelStrategy):
         super().teardown()
         if self.parallel_devices and self.root_device.type == "cuda":
             torch.cuda.empty_cache()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if STRATEGY_NAME not in strategy_registry:
-            strategy_registry.register(
-                STRATEGY_NAME, cls, description="DataParallel: one process, several GPUs"
-            )

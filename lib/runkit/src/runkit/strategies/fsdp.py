@@ -3,6 +3,7 @@ no code in the module; checkpoints are directories of shards with a manifest che
 
 from __future__ import annotations
 
+import importlib
 import logging
 import shutil
 import types
@@ -18,8 +19,9 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
-from runkit import compat
 from runkit.errors import RunError
 from runkit.safety import checkpoints
 
@@ -60,15 +62,13 @@ class FSDPStrategy(ModelParallelStrategy):
         self._classes = resolve_classes(self.shard_modules)
 
     def connect(self, model: Any) -> None:
-        """A module without its own ``configure_model`` gets this strategy's sharding as that
-        hook, which Lightning calls where it calls the user's (idempotent)."""
+        """A module without its own ``configure_model`` gets :meth:`shard` as that hook."""
         if isinstance(model, LightningModule) and not is_overridden("configure_model", model):
             model.configure_model = types.MethodType(lambda module: self.shard(module), model)
         super().connect(model)
 
     def setup(self, trainer: Any) -> None:
-        """Shard what a module's own ``configure_model`` built without sharding; else every rank
-        would train an unsynchronised copy."""
+        # Shard what a module's own configure_model built unsharded: else unsynchronised copies.
         if self.lightning_module is not None:
             self.shard(self.lightning_module)
         super().setup(trainer)
@@ -78,35 +78,28 @@ class FSDPStrategy(ModelParallelStrategy):
             super().model_to_device()
 
     def setup_environment(self) -> None:
-        # One mesh dimension over every process ('auto' would mean num_nodes).
-        compat.set_data_parallel_size(self, self.num_nodes * self.num_processes)
+        # One mesh dimension over every process ('auto' would mean num_nodes); private: compat.
+        self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
 
     def shard(self, module: LightningModule) -> None:
         """``fully_shard`` the configured units, then each top-level child that still holds
         parameters outside them (bf16: batch norms are float32 units). Done once."""
-        from torch.distributed.fsdp import (
-            CPUOffloadPolicy,
-            FSDPModule,
-            MixedPrecisionPolicy,
-            fully_shard,
-        )
-        from torch.distributed.tensor import DTensor
-
+        name = type(module).__name__
         if any(isinstance(m, FSDPModule) for m in module.modules()):
             return  # sharded already
         if not self._classes:
             raise RunError(
                 f"trainer=fsdp needs trainer.strategy.shard_modules (the submodule classes that "
-                f"become FSDP units, e.g. [torch.nn.Linear]) or a configure_model in "
-                f"{type(module).__name__} that applies fully_shard; neither is set"
+                f"become FSDP units, e.g. [torch.nn.Linear]) or a configure_model in {name} "
+                "that applies fully_shard; neither is set"
             )
-        units = [m for m in module.modules() if isinstance(m, self._classes)]
+        units = {m for m in module.modules() if isinstance(m, self._classes)}
         if not units:
             present = sorted({type(m).__name__ for m in module.modules()} - {"Sequential"})
             raise RunError(
                 f"trainer.strategy.shard_modules={self.shard_modules} matches no submodule of "
-                f"{type(module).__name__}; its submodule classes: {', '.join(present[:12])}"
+                f"{name}; its submodule classes: {', '.join(present[:12])}"
             )
         kwargs: dict[str, Any] = {"mesh": self.device_mesh["data_parallel"]}
         bf16 = str(getattr(self.precision_plugin, "precision", "32-true")) in _BF16
@@ -118,18 +111,17 @@ class FSDPStrategy(ModelParallelStrategy):
             log.info("trainer.strategy.cpu_offload: the run is on the CPU already; ignored")
         # A batch norm's running statistics are float32 buffers, refused beside bf16 weights.
         norms = {m for m in module.modules() if isinstance(m, _BATCH_NORMS)} if bf16 else set()
-        float32 = {"mp_policy": MixedPrecisionPolicy(torch.float32, torch.float32)}
-        chosen = [m for m in module.modules() if m in {*units, *norms}]
-        for unit in reversed(chosen):  # reversed pre-order: every unit before its parents
-            fully_shard(unit, **{**kwargs, **(float32 if unit in norms else {})})
+        float32 = {**kwargs, "mp_policy": MixedPrecisionPolicy(torch.float32, torch.float32)}
+        for unit in reversed([m for m in module.modules() if m in units | norms]):  # leaves first
+            fully_shard(unit, **(float32 if unit in norms else kwargs))
         for child in module.children():
             if any(not isinstance(p, DTensor) for p in child.parameters()):
                 fully_shard(child, **kwargs)
         loose = next((n for n, p in module.named_parameters() if not isinstance(p, DTensor)), None)
         if loose is not None:
             raise RunError(
-                f"{type(module).__name__}.{loose} is a parameter of the LightningModule itself; "
-                "trainer=fsdp shards submodules: move it into one (or write configure_model)"
+                f"{name}.{loose} is a parameter of the LightningModule itself; trainer=fsdp "
+                "shards submodules: move it into one (or write configure_model)"
             )
 
     def save_checkpoint(
@@ -184,8 +176,6 @@ def _gather(items: list[Any]) -> list[Any]:
 
 def resolve_classes(names: Sequence[str]) -> tuple[type, ...]:
     """The classes ``shard_modules`` names: dotted import paths, or bare ``torch.nn`` names."""
-    import importlib
-
     classes = []
     for name in names:
         module_name, _, attr = name.rpartition(".")
