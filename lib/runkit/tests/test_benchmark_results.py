@@ -54,9 +54,19 @@ def test_compare_pairs_ratios_by_script_and_label() -> None:
     assert "startup: help" in lines[2] and "0.300 (earlier only)" in lines[2]
 
 
-def _results_file(path: Path, *ratios: dict) -> Path:
-    """A results file as run_all writes it, with the records ratio_line writes."""
-    records = [{"script": "loop_parity", "repeats": 6, **record} for record in ratios]
+def _results_file(path: Path, wall: tuple[float, ...], step: tuple[float, ...]) -> Path:
+    """A results file as run_all writes it: a targeted wall-clock ratio (met when its median is
+    at least 1) and an untargeted step ratio, each (median, min, max)."""
+    records = [
+        {"label": "tiny / plain Lightning, wall clock", "target": 1.0, "met": wall[0] >= 1.0},
+        {"label": "tiny median training step only", "target": None, "met": None},
+    ]
+    for record, figures in zip(records, (wall, step), strict=True):
+        record.update(
+            script="loop_parity",
+            repeats=6,
+            **dict(zip(("median", "min", "max"), figures, strict=True)),
+        )
     run = {"args": [], "exit_code": 0, "seconds": 1.0, "load_average": [1.0, 1.0]}
     path.write_text(json.dumps({"scripts": {"loop_parity": {**run, "ratios": records}}}))
     return path
@@ -65,19 +75,8 @@ def _results_file(path: Path, *ratios: dict) -> Path:
 def test_compare_two_files_shows_each_change_and_marks_a_regression(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    wall = {"label": "tiny / plain Lightning, wall clock", "target": 1.0}
-    step = {"label": "tiny median training step only", "target": None, "met": None}
-    spread = ("median", "min", "max")
-    earlier = _results_file(
-        tmp_path / "earlier.json",
-        {**wall, **dict(zip(spread, (1.02, 1.0, 1.05), strict=True)), "met": True},
-        {**step, **dict(zip(spread, (0.70, 0.60, 0.80), strict=True))},
-    )
-    now = _results_file(
-        tmp_path / "now.json",
-        {**wall, **dict(zip(spread, (0.97, 0.95, 0.99), strict=True)), "met": False},
-        {**step, **dict(zip(spread, (0.75, 0.70, 0.78), strict=True))},
-    )
+    earlier = _results_file(tmp_path / "earlier.json", (1.02, 1.0, 1.05), (0.70, 0.60, 0.80))
+    now = _results_file(tmp_path / "now.json", (0.97, 0.95, 0.99), (0.75, 0.70, 0.78))
     monkeypatch.setattr(sys, "argv", ["run_all.py", "--compare", str(earlier), str(now)])
     assert run_all.main() == 0  # two files: compared, nothing run
     out = capsys.readouterr().out.splitlines()

@@ -15,48 +15,37 @@ from omegaconf import OmegaConf
 from torch.utils.data import DistributedSampler
 
 from conftest import CliRunner, run_dirs
-from tinyapp.data import DigitsDataModule, load_digits
+from tinyapp.data import DigitsDataModule
 from runkit.data import ArrayDataModule
 from runkit.errors import RunError
-
-
-def test_digits_ship_with_the_package() -> None:
-    inputs, labels = load_digits()
-    assert inputs.shape == (1797, 1, 8, 8)
-    assert inputs.dtype == torch.float32
-    assert inputs.min() >= 0.0 and inputs.max() <= 1.0
-    assert labels.dtype == torch.int64
-    assert torch.bincount(labels).tolist() == [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
 
 
 def _indices(dm: ArrayDataModule) -> list[set[int]]:
     return [set(subset.indices) for subset in (dm.train_set, dm.val_set, dm.test_set)]
 
 
-def test_split_is_disjoint_complete_and_fixed_by_its_own_seed() -> None:
-    first, second = DigitsDataModule(), DigitsDataModule()
+def test_split_is_disjoint_complete_fixed_by_its_own_seed_and_only_training_shuffles() -> None:
+    first, second, other = (
+        DigitsDataModule(batch_size=100),
+        DigitsDataModule(),
+        DigitsDataModule(split_seed=1),
+    )
     first.setup()
     torch.manual_seed(1234)  # the training seed must not move samples between splits
     second.setup()
+    other.setup()
     train, val, test = _indices(first)
     assert len(train) + len(val) + len(test) == 1797
     assert not (train & val or train & test or val & test)
     assert (len(val), len(test)) == (270, 270)
     assert _indices(first) == _indices(second)
-    other = DigitsDataModule(split_seed=1)
-    other.setup()
     assert _indices(other)[2] != test  # another split_seed, another split
-
-
-def test_loaders_batch_and_shuffle_only_training() -> None:
-    dm = DigitsDataModule(batch_size=100)
-    dm.setup()
-    images, labels = next(iter(dm.train_dataloader()))
-    assert images.shape == (100, 1, 8, 8) and labels.shape == (100,)
-    assert len(dm.test_dataloader()) == 3  # 270 samples in batches of 100
-    first = next(iter(dm.val_dataloader()))[1]
-    again = next(iter(dm.val_dataloader()))[1]
-    assert torch.equal(first, again)
+    images, labels = next(iter(first.train_dataloader()))
+    assert images.shape == (100, 1, 8, 8) and images.dtype == torch.float32
+    assert labels.shape == (100,) and labels.dtype == torch.int64
+    assert len(first.test_dataloader()) == 3  # 270 samples in batches of 100
+    batches = [next(iter(first.val_dataloader()))[1] for _ in range(2)]
+    assert torch.equal(*batches)
 
 
 @pytest.mark.parametrize(

@@ -91,7 +91,7 @@ def _result(size: str, ratio: float, parts: bool) -> dict:
     }
 
 
-def test_each_size_prints_its_ratios_in_one_form_with_the_targets(
+def test_each_size_prints_its_ratios_and_parts_in_one_form_with_the_targets(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     verdicts = loop_parity.print_size(_result("mid", 0.97, parts=False), {})
@@ -106,20 +106,15 @@ def test_each_size_prints_its_ratios_in_one_form_with_the_targets(
         ("mid / hand loop, wall clock", 0.95, True),
         ("mid / hand loop, CPU time", 0.95, True),
     ]
-    # tiny against the hand loop is reported, not targeted
-    tiny = [label for label, _, _ in loop_parity.print_size(_result("tiny", 1.0, False), {})]
+    # tiny against the hand loop is reported, not targeted; parts: what the template spends
+    # beyond plain Lightning, CPU ms an epoch (2 epochs, 20 steps): template, plain, beyond, a step
+    tiny = [label for label, _, _ in loop_parity.print_size(_result("tiny", 1.0, True), {})]
     assert tiny == ["tiny / plain Lightning, wall clock", "tiny / plain Lightning, CPU time"]
-
-
-def test_parts_show_what_the_template_spends_beyond_plain_lightning(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    loop_parity.print_size(_result("tiny", 1.0, parts=True), {})
     lines = capsys.readouterr().out.splitlines()
-    # CPU ms an epoch (seconds over 2 epochs): template, plain, beyond, beyond a step (20 steps)
-    finite = next(line for line in lines if "callback FiniteLoss: batch hooks" in line)
-    assert finite.split()[-5:-1] == ["5.00", "0.00", "+5.00", "+0.250"]
-    step = next(line for line in lines if line.strip().startswith("training steps"))
-    assert step.split()[-5:-1] == ["100.00", "95.00", "+5.00", "+0.250"]
-    total = next(line for line in lines if "sum (the profiled epoch)" in line)
-    assert total.split()[-5:-1] == ["105.00", "95.00", "+10.00", "+0.500"]
+    for name, figures in (
+        ("callback FiniteLoss: batch hooks", ["5.00", "0.00", "+5.00", "+0.250"]),
+        ("training steps", ["100.00", "95.00", "+5.00", "+0.250"]),
+        ("sum (the profiled epoch)", ["105.00", "95.00", "+10.00", "+0.500"]),
+    ):
+        line = next(line for line in lines if line.strip().startswith(name))
+        assert line.split()[-5:-1] == figures, name

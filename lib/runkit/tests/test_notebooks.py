@@ -17,23 +17,21 @@ NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 nbformat = pytest.importorskip("nbformat", reason="the notebook tests need the dev extra")
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_is_committed_without_outputs(path: Path) -> None:
-    notebook = nbformat.read(path, as_version=4)
-    nbformat.validate(notebook)
-    for number, cell in enumerate(notebook.cells):
-        where = f"{path.name} cell {number}"
-        if cell.cell_type == "code":
-            assert cell.outputs == [], f"{where} has outputs; run nbstripout (pre-commit does)"
-            assert cell.execution_count is None, f"{where} has an execution count"
-        assert "execution" not in cell.metadata, f"{where} keeps execution timings"
-    assert "widgets" not in notebook.metadata, f"{path.name} keeps widget state"
-    assert notebook.metadata["kernelspec"]["name"] == "python3"
-
-
-def test_pre_commit_strips_notebooks_and_nbstripout_would_change_nothing(tmp_path: Path) -> None:
-    """The pre-commit hook's own tool, run on copies: a committed notebook is already stripped."""
+def test_notebooks_are_committed_stripped_as_pre_commit_strips_them(tmp_path: Path) -> None:
+    """Valid, no outputs, counts, timings or widget state, a python3 kernel; and the pre-commit
+    hook's own tool, run on copies, would change nothing."""
     assert {"01_gpu_story.ipynb", "02_plot_a_run.ipynb"} <= {path.name for path in NOTEBOOKS}
+    for path in NOTEBOOKS:
+        notebook = nbformat.read(path, as_version=4)
+        nbformat.validate(notebook)
+        for number, cell in enumerate(notebook.cells):
+            where = f"{path.name} cell {number}"
+            if cell.cell_type == "code":
+                assert cell.outputs == [], f"{where} has outputs; run nbstripout (pre-commit does)"
+                assert cell.execution_count is None, f"{where} has an execution count"
+            assert "execution" not in cell.metadata, f"{where} keeps execution timings"
+        assert "widgets" not in notebook.metadata, f"{path.name} keeps widget state"
+        assert notebook.metadata["kernelspec"]["name"] == "python3"
     config = yaml.safe_load((NOTEBOOK_DIR.parent / ".pre-commit-config.yaml").read_text())
     hooks = {hook["id"] for repo in config["repos"] for hook in repo["hooks"]}
     assert {"nbstripout", "ruff", "ruff-format"} <= hooks
@@ -44,9 +42,7 @@ def test_pre_commit_strips_notebooks_and_nbstripout_would_change_nothing(tmp_pat
         [sys.executable, "-m", "nbstripout", *map(str, copies)], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
-    assert [c.read_text() for c in copies] == [p.read_text() for p in NOTEBOOKS], (
-        "nbstripout changes them"
-    )
+    assert [c.read_text() for c in copies] == [p.read_text() for p in NOTEBOOKS], "changed"
 
 
 @pytest.mark.slow
