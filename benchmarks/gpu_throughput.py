@@ -158,7 +158,7 @@ def choices(cfg: Any, cpu: bool) -> tuple[Any, str, bool]:
     indices = [] if cpu else [torch.cuda.current_device()]
     precision = speed.resolve_precision(cfg.precision, indices)
     device = torch.device("cpu" if cpu else f"cuda:{indices[0]}")
-    layout = speed.uses_channels_last(cfg.callbacks.speed.channels_last, device)
+    layout = bool(cfg.callbacks.speed.channels_last) and device.type == "cuda"
     return device, precision, layout and cfg.model.net._target_.endswith("ConvNet")
 
 

@@ -48,10 +48,6 @@ def hydra_value(value: Value) -> str:
     return f'"{text}"'
 
 
-_CONFIG_OPTIONS = (("config_dir", "--config-dir"), ("config_name", "--config-name"),
-                   ("config_path", "--config-path"))  # fmt: skip
-
-
 def config_options(argv: Sequence[str]) -> list[str]:
     """The options of ``argv`` that choose its configs, by their long names
     (``["--config-dir", "my_configs"]``), as Hydra's own parser reads them: a command that
@@ -60,10 +56,9 @@ def config_options(argv: Sequence[str]) -> list[str]:
 
     args, _ = compat.hydra_args_parser().parse_known_args(list(argv))
     words = []
-    for attribute, option in _CONFIG_OPTIONS:
-        value = getattr(args, attribute, None)
-        if value is not None:
-            words += [option, str(value)]
+    for name in ("config_dir", "config_name", "config_path"):
+        if (value := getattr(args, name, None)) is not None:
+            words += [f"--{name.replace('_', '-')}", str(value)]
     return words
 
 
