@@ -161,7 +161,9 @@ def _sees_channels_last(net: ConvNet) -> bool:
     return seen[0]
 
 
-def test_channels_last_applies_to_conv_nets_on_cuda_only(stand_in_trainer: Any) -> None:
+def test_channels_last_applies_to_conv_nets_on_cuda_only_and_a_missing_network_is_left_alone(
+    stand_in_trainer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     switches = speed.NetworkSpeedups(channels_last=True)
     module = ClassifierModule(ConvNet(in_channels=3, channels=(4, 8)), torch.optim.SGD)
     weight = module.net.features[3].weight
@@ -185,10 +187,6 @@ def test_channels_last_applies_to_conv_nets_on_cuda_only(stand_in_trainer: Any) 
     out_images, out_labels = speed.to_channels_last((images, labels))
     assert out_images.is_contiguous(memory_format=torch.channels_last) and out_labels is labels
 
-
-def test_the_speed_callback_leaves_a_module_without_the_network_alone(
-    caplog: pytest.LogCaptureFixture, stand_in_trainer: Any
-) -> None:
     class NoNet(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
