@@ -14,7 +14,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import FAST, TEMPLATE_TARGETS, clean_env, last_line, run_dirs, run_entry
+from conftest import FAST, TEMPLATE_TARGETS, clean_env, run_dirs, run_entry
 from runkit import plots
 from runkit.safety.checkpoints import load_network
 
@@ -188,28 +188,6 @@ def test_empty_project_log_dir_means_unset(tmp_path: Path) -> None:
     assert_csv_log_and_curves(run)
     assert "findfont" not in result.stdout  # matplotlib's DEBUG chatter
     assert "open file" not in result.stdout  # fsspec's, once per metrics.csv write
-
-
-def test_two_runs_racing_for_one_directory(tmp_path: Path) -> None:
-    """Two runs with one hydra.run.dir: one trains, the other stops in one line, writing nothing."""
-    run = tmp_path / "shared run é"
-    command = [sys.executable, "-m", "tinyapp.train", "debug=fdr", f"hydra.run.dir={q(run)}"]
-    racers = {
-        seed: subprocess.Popen(
-            [*command, f"seed={seed}", "callbacks.progress_bar.refresh_rate=0"], cwd=tmp_path,
-            env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        ) for seed in (1, 2)
-    }  # fmt: skip
-    errors = {seed: proc.communicate(timeout=300)[1] for seed, proc in racers.items()}
-    outcomes = {seed: (racers[seed].returncode, errors[seed]) for seed in racers}
-    assert sorted(code for code, _ in outcomes.values()) == [0, 2], outcomes
-    (winner,) = [seed for seed, (code, _) in outcomes.items() if code == 0]
-    (loser,) = [err for code, err in outcomes.values() if code == 2]
-    assert "Traceback" not in loser
-    assert last_line(loser).startswith(f"error: hydra.run.dir={str(run)!r} ")
-    assert "is taken" in last_line(loser) or "already holds a run" in last_line(loser)
-    assert OmegaConf.load(run / "config.yaml").seed == winner
-    assert json.loads((run / "metrics.json").read_text())["global_step"] == 1
 
 
 def test_help_and_cfg_job_do_not_import_torch(tmp_path: Path) -> None:
