@@ -19,7 +19,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import FAST, run_dirs, run_entry
+from conftest import FAST, compose_train, run_dirs, run_entry
+from runkit.errors import RunError
+from runkit.run.preflight import check_config
 
 FAKE_NVML = "runkit.testing.fake_nvml:create"
 ROOT = Path(__file__).resolve().parents[3]
@@ -34,6 +36,7 @@ class Case:
     expect: str  # a piece of the one error line
     code: int = 2
     env: dict[str, str] = field(default_factory=dict)
+    cli: bool = True  # False: a value the preflight's check_config names, checked in-process
 
 
 # Lightning's own demo modules and data, through the CLI (model._target_, data._target_).
@@ -63,16 +66,16 @@ CASES = [
          "trainer.devicez is not a key of the config (did you mean trainer.devices?)"),
     Case("unknown-group", "train", ("model=nosuch",), "Could not find 'model/nosuch'"),
     Case("wrong-type", "train", ("trainer.max_epochs=abc",),
-         "trainer.max_epochs='abc' has the wrong type"),
-    Case("zero-epochs", "train", ("trainer.max_epochs=0",), "trainer.max_epochs=0 is invalid"),
-    Case("negative-epochs", "train", ("trainer.max_epochs=-3",), "max_epochs=-3"),
+         "trainer.max_epochs='abc' has the wrong type", cli=False),
+    Case("zero-epochs", "train", ("trainer.max_epochs=0",), "trainer.max_epochs=0 is invalid", cli=False),
+    Case("negative-epochs", "train", ("trainer.max_epochs=-3",), "max_epochs=-3", cli=False),
     Case("zero-batch", "train", ("data.batch_size=0",), "data.batch_size"),
-    Case("negative-lr", "train", ("model.optimizer.lr=-1",), "model.optimizer.lr=-1"),
-    Case("nan-lr", "train", ("model.optimizer.lr=nan",), "lr=nan is not a finite"),
+    Case("negative-lr", "train", ("model.optimizer.lr=-1",), "model.optimizer.lr=-1", cli=False),
+    Case("nan-lr", "train", ("model.optimizer.lr=nan",), "lr=nan is not a finite", cli=False),
     Case("betas-out-of-range", "train", ("+model.optimizer.betas=[0.9,1.5]",),
-         "model.optimizer.betas=[0.9, 1.5] is invalid"),
-    Case("negative-seed", "train", ("seed=-1",), "seed=-1 is invalid"),
-    Case("seed-not-a-number", "train", ("seed=abc",), "seed='abc' is invalid"),
+         "model.optimizer.betas=[0.9, 1.5] is invalid", cli=False),
+    Case("negative-seed", "train", ("seed=-1",), "seed=-1 is invalid", cli=False),
+    Case("seed-not-a-number", "train", ("seed=abc",), "seed='abc' is invalid", cli=False),
     Case("experiment-yaml-broken", "train", ("--config-dir={in}/configs", "experiment=broken"),
          "broken.yaml is not valid YAML (line "),
     Case("experiment-not-utf8", "train", ("--config-dir={in}/configs", "experiment=latin1"),
@@ -80,9 +83,9 @@ CASES = [
     Case("config-with-conflict-markers", "train",
          ("--config-dir={in}/conflicted", "experiment=updated"),
          "updated.yaml:3 has merge-conflict markers"),
-    Case("no-such-strategy", "train", ("trainer.strategy=warp",), "does not exist"),
+    Case("no-such-strategy", "train", ("trainer.strategy=warp",), "does not exist", cli=False),
     Case("accelerator-not-here", "train", ("trainer.accelerator=tpu",),
-         "trainer.accelerator=tpu is not available"),
+         "trainer.accelerator=tpu is not available", cli=False),
     Case("gpus-beyond-what-exists", "train", ("trainer.accelerator=gpu", "trainer.devices=4"),
          "GPU", env=fake_gpus()),
     Case("ckpt-missing", "train", ('ckpt_path="{in}/nope.ckpt"',), "nope.ckpt' does not exist"),
@@ -107,7 +110,7 @@ CASES = [
          "'/dev/zero' is a character device, not a regular file"),
     Case("ckpt-fifo", "train", ('ckpt_path="{in}/pipe.ckpt"',),
          "pipe.ckpt' is a FIFO (named pipe), not a regular file"),
-    Case("eval-without-ckpt", "eval", (), "ckpt_path is required"),
+    Case("eval-without-ckpt", "eval", (), "ckpt_path is required", cli=False),
     Case("eval-without-test-step", "eval",
          ('ckpt_path="{demo}"', "trusted_targets=[lightning.pytorch.demos.,torch.]"),
          "DemoModel has no test_step, so there is nothing to evaluate"),
@@ -122,7 +125,7 @@ CASES = [
          "config.yaml"),
     Case("output-dir-not-writable", "train", ('paths.log_dir="{in}/a_file/logs"',),
          "cannot create or write"),
-    Case("log-dir-empty", "train", ("paths.log_dir=",), "paths.log_dir is empty"),
+    Case("log-dir-empty", "train", ("paths.log_dir=",), "paths.log_dir is empty", cli=False),
     Case("path-not-quoted", "train", ("paths.log_dir={in}/logs",),
          "quote a value with spaces, non-ASCII or special characters"),
     Case("run-dir-holds-a-run", "train", ('hydra.run.dir="{run}"',), "already holds a run"),
@@ -213,8 +216,21 @@ def command_for(case: Case, world: dict[str, Path]) -> list[str]:
     return command
 
 
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if not c.cli], ids=[c.id for c in CASES if not c.cli]
+)
+def test_a_bad_value_is_named_in_one_line(case: Case) -> None:
+    """The config checks the preflight runs before anything exists (their CLI path, one line on
+    stderr, exit 2 and nothing created, is the one the CLI cases below take)."""
+    args = [a for a in case.args if a.startswith(("~", "+")) or "=" in a]
+    with pytest.raises(RunError) as refused:
+        check_config(compose_train(*args, name=case.task))
+    assert case.expect in str(refused.value) and "\n" not in str(refused.value)
+    assert refused.value.exit_code == case.code
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", [c for c in CASES if c.cli], ids=[c.id for c in CASES if c.cli])
 def test_bad_input_is_one_line_and_loses_nothing(world: dict[str, Path], case: Case) -> None:
     before = tree_hash(world["run"])
     everything = set(world["root"].rglob("*"))
