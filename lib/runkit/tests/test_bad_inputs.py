@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.demos.boring_classes import DemoModel
 from omegaconf import OmegaConf
 
 from conftest import FAST, compose_train, run_dirs, run_entry
@@ -112,7 +113,7 @@ CASES = [
          "pipe.ckpt' is a FIFO (named pipe), not a regular file"),
     Case("eval-without-ckpt", "eval", (), "ckpt_path is required", cli=False),
     Case("eval-without-test-step", "eval",
-         ('ckpt_path="{demo}"', "trusted_targets=[lightning.pytorch.demos.,torch.]"),
+         ('ckpt_path="{demo}/model.pth"', "trusted_targets=[lightning.pytorch.demos.,torch.]"),
          "DemoModel has no test_step, so there is nothing to evaluate"),
     Case("monitor-of-a-module-that-logs-nothing", "train",
          (*BORING, "+model._target_=lightning.pytorch.demos.boring_classes.BoringModel"),
@@ -189,14 +190,12 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (bad / "starting" / ".hydra").mkdir(parents=True)  # another run has just claimed it
     os.mkfifo(bad / "pipe.ckpt")
     torch.save({"state_dict": {}, "trap": Evil(bad / PAYLOAD_FILE)}, bad / "evil.ckpt")
-    train(  # a module without test_step (Lightning's DemoModel)
-        *budget_for(BORING),
-        *BORING,
-        "+model._target_=lightning.pytorch.demos.boring_classes.DemoModel",
-        "callbacks.model_checkpoint.monitor=null",
-        f"paths.log_dir={root / 'demo_logs'}",
-    )
-    (demo_run,) = run_dirs(root / "demo_logs")
+    demo_run = root / "demo_run"  # a run of a module without test_step (Lightning's DemoModel)
+    demo_run.mkdir()
+    torch.save(DemoModel().state_dict(), demo_run / "model.pth")
+    boring = "lightning.pytorch.demos.boring_classes."
+    OmegaConf.save({"model": {"_target_": f"{boring}DemoModel"},
+                    "data": {"_target_": f"{boring}BoringDataModule"}}, demo_run / "config.yaml")  # fmt: skip
     return {"root": root, "logs": logs, "run": run, "in": bad, "demo": demo_run}
 
 
