@@ -88,7 +88,7 @@ class PredictionWriter(BasePredictionWriter):
             (list(batches), [list(b) for b in indices])
             for batches, indices in zip(loaders, batch_indices, strict=True)
         ]
-        shares = [share]  # rank 0 gathers every rank's predictions and indices
+        shares: list[Any] = [share]  # rank 0 gathers every rank's predictions and indices
         if trainer.world_size > 1 and torch.distributed.is_initialized():
             gathered = [None] * trainer.world_size if trainer.is_global_zero else None
             torch.distributed.gather_object(share, gathered, dst=0)
