@@ -21,8 +21,7 @@ from lightning.pytorch.demos.boring_classes import DemoModel
 from omegaconf import OmegaConf
 
 from conftest import FAST, compose_train, run_dirs, run_entry
-from runkit.errors import RunError
-from runkit.run.preflight import check_config
+from runkit.run.preflight import PreflightCallback
 
 FAKE_NVML = "runkit.testing.fake_nvml:create"
 ROOT = Path(__file__).resolve().parents[3]
@@ -37,7 +36,7 @@ class Case:
     expect: str  # a piece of the one error line
     code: int = 2
     env: dict[str, str] = field(default_factory=dict)
-    cli: bool = True  # False: a value the preflight's check_config names, checked in-process
+    cli: bool = True  # False: refused by the preflight, checked in-process
 
 
 # Lightning's own demo modules and data, through the CLI (model._target_, data._target_).
@@ -89,26 +88,26 @@ CASES = [
          "trainer.accelerator=tpu is not available", cli=False),
     Case("gpus-beyond-what-exists", "train", ("trainer.accelerator=gpu", "trainer.devices=4"),
          "GPU", env=fake_gpus()),
-    Case("ckpt-missing", "train", ('ckpt_path="{in}/nope.ckpt"',), "nope.ckpt' does not exist"),
-    Case("ckpt-empty", "train", ('ckpt_path="{in}/empty.ckpt"',), "empty"),
-    Case("ckpt-truncated", "train", ('ckpt_path="{in}/half.ckpt"',), "truncated"),
-    Case("ckpt-not-a-ckpt", "train", ('ckpt_path="{in}/notes.txt"',), "not a complete"),
+    Case("ckpt-missing", "train", ('ckpt_path="{in}/nope.ckpt"',), "nope.ckpt' does not exist", cli=False),
+    Case("ckpt-empty", "train", ('ckpt_path="{in}/empty.ckpt"',), "empty", cli=False),
+    Case("ckpt-truncated", "train", ('ckpt_path="{in}/half.ckpt"',), "truncated", cli=False),
+    Case("ckpt-not-a-ckpt", "train", ('ckpt_path="{in}/notes.txt"',), "not a complete", cli=False),
     Case("ckpt-malicious", "train", ('ckpt_path="{in}/evil.ckpt"',), "was refused"),
     Case("resume-from-model-pth", "train", ('ckpt_path="{run}/model.pth"',),
-         "training cannot resume from it"),
+         "training cannot resume from it", cli=False),
     Case("resume-other-model", "train", ("model=mlp", 'ckpt_path="{run}"'),
          "was trained with another model"),
     Case("ckpt-last-none", "train", ('paths.log_dir="{in}/empty_logs"', "ckpt_path=last"),
-         "found no"),
+         "found no", cli=False),
     # The file judged is named as resolved, and the value typed beside it when that is another.
     Case("ckpt-last-empty", "train", ('paths.log_dir="{in}/empty_last"', "ckpt_path=last"),
-         "checkpoints/last.ckpt' (typed 'last') is an empty file"),
+         "checkpoints/last.ckpt' (typed 'last') is an empty file", cli=False),
     Case("ckpt-run-dir-empty-last", "train", ('ckpt_path="{in}/empty_last/train/runs/r"',),
-         "runs/r/checkpoints/last.ckpt' (typed '"),
+         "runs/r/checkpoints/last.ckpt' (typed '", cli=False),
     Case("ckpt-dir-typed-relative", "train", ('ckpt_path="{in_name}/empty_logs"',),
-         "empty_logs' (typed 'bad inputs é/empty_logs') is a directory without"),
+         "empty_logs' (typed 'bad inputs é/empty_logs') is a directory without", cli=False),
     Case("ckpt-device", "train", ("ckpt_path=/dev/zero",),
-         "'/dev/zero' is a character device, not a regular file"),
+         "'/dev/zero' is a character device, not a regular file", cli=False),
     Case("ckpt-fifo", "train", ('ckpt_path="{in}/pipe.ckpt"',),
          "pipe.ckpt' is a FIFO (named pipe), not a regular file"),
     Case("eval-without-ckpt", "eval", (), "ckpt_path is required", cli=False),
@@ -121,7 +120,7 @@ CASES = [
          "callbacks.model_checkpoint.monitor=null to keep the latest checkpoint only"),
     Case("eval-other-architecture", "eval", ('ckpt_path="{in}/other_arch/model.pth"',),
          "does not fit MLP: missing keys"),
-    Case("eval-truncated-pth", "eval", ('ckpt_path="{in}/half.pth"',), "half.pth"),
+    Case("eval-truncated-pth", "eval", ('ckpt_path="{in}/half.pth"',), "half.pth", cli=False),
     Case("eval-config-yaml-broken", "eval", ('ckpt_path="{in}/broken_config/model.pth"',),
          "config.yaml"),
     Case("output-dir-not-writable", "train", ('paths.log_dir="{in}/a_file/logs"',),
@@ -215,17 +214,28 @@ def command_for(case: Case, world: dict[str, Path]) -> list[str]:
     return command
 
 
+@pytest.mark.slow  # the world: a training run
 @pytest.mark.parametrize(
     "case", [c for c in CASES if not c.cli], ids=[c.id for c in CASES if not c.cli]
 )
-def test_a_bad_value_is_named_in_one_line(case: Case) -> None:
-    """The config checks the preflight runs before anything exists (their CLI path, one line on
-    stderr, exit 2 and nothing created, is the one the CLI cases below take)."""
-    args = [a for a in case.args if a.startswith(("~", "+")) or "=" in a]
-    with pytest.raises(RunError) as refused:
-        check_config(compose_train(*args, name=case.task))
-    assert case.expect in str(refused.value) and "\n" not in str(refused.value)
-    assert refused.value.exit_code == case.code
+def test_a_bad_value_or_file_is_refused_before_anything_exists(
+    world: dict[str, Path],
+    case: Case,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the preflight refuses (the config's values, the checkpoint read), through its Hydra
+    callback in this process: one line on stderr, the exit code, nothing created or run."""
+    monkeypatch.chdir(world["root"])
+    before = set(world["root"].rglob("*"))
+    cfg = compose_train(*command_for(case, world), name=case.task)
+    with pytest.raises(SystemExit) as stop:
+        PreflightCallback._check(cfg, "hydra.run.dir")
+    err = capsys.readouterr().err
+    assert stop.value.code == case.code, err
+    assert err.startswith("error: ") and err.count("\n") == 1 and case.expect in err, err
+    assert set(world["root"].rglob("*")) == before
+    assert not (world["in"] / PAYLOAD_FILE).exists()
 
 
 @pytest.mark.slow
