@@ -286,6 +286,7 @@ def check_inputs(value: Any, log_dir: Any, resumes: bool, task: str = "train") -
     import pickle
 
     from runkit import plots
+    from runkit.run.rebuild import is_lightning_checkpoint
     from runkit.safety import checkpoints
     from runkit.safety.resume import run_dir_of
 
@@ -306,7 +307,7 @@ def check_inputs(value: Any, log_dir: Any, resumes: bool, task: str = "train") -
         ) from err
     if not resumes:
         return
-    if not ("pytorch-lightning_version" in data and isinstance(data.get("state_dict"), dict)):
+    if not is_lightning_checkpoint(data):
         spec = getattr(sys.modules.get("__main__"), "__spec__", None)
         package = (getattr(spec, "name", None) or "").rpartition(".")[0]
         raise RunError(
