@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.demos.boring_classes import DemoModel
 from omegaconf import OmegaConf
 
-from conftest import FAST, run_dirs, run_entry
+from conftest import FAST, compose_train, run_dirs, run_entry
+from runkit.run.preflight import PreflightCallback
 
 FAKE_NVML = "runkit.testing.fake_nvml:create"
 ROOT = Path(__file__).resolve().parents[3]
@@ -34,6 +36,7 @@ class Case:
     expect: str  # a piece of the one error line
     code: int = 2
     env: dict[str, str] = field(default_factory=dict)
+    cli: bool = True  # False: refused by the preflight, checked in-process
 
 
 # Lightning's own demo modules and data, through the CLI (model._target_, data._target_).
@@ -63,16 +66,16 @@ CASES = [
          "trainer.devicez is not a key of the config (did you mean trainer.devices?)"),
     Case("unknown-group", "train", ("model=nosuch",), "Could not find 'model/nosuch'"),
     Case("wrong-type", "train", ("trainer.max_epochs=abc",),
-         "trainer.max_epochs='abc' has the wrong type"),
-    Case("zero-epochs", "train", ("trainer.max_epochs=0",), "trainer.max_epochs=0 is invalid"),
-    Case("negative-epochs", "train", ("trainer.max_epochs=-3",), "max_epochs=-3"),
+         "trainer.max_epochs='abc' has the wrong type", cli=False),
+    Case("zero-epochs", "train", ("trainer.max_epochs=0",), "trainer.max_epochs=0 is invalid", cli=False),
+    Case("negative-epochs", "train", ("trainer.max_epochs=-3",), "max_epochs=-3", cli=False),
     Case("zero-batch", "train", ("data.batch_size=0",), "data.batch_size"),
-    Case("negative-lr", "train", ("model.optimizer.lr=-1",), "model.optimizer.lr=-1"),
-    Case("nan-lr", "train", ("model.optimizer.lr=nan",), "lr=nan is not a finite"),
+    Case("negative-lr", "train", ("model.optimizer.lr=-1",), "model.optimizer.lr=-1", cli=False),
+    Case("nan-lr", "train", ("model.optimizer.lr=nan",), "lr=nan is not a finite", cli=False),
     Case("betas-out-of-range", "train", ("+model.optimizer.betas=[0.9,1.5]",),
-         "model.optimizer.betas=[0.9, 1.5] is invalid"),
-    Case("negative-seed", "train", ("seed=-1",), "seed=-1 is invalid"),
-    Case("seed-not-a-number", "train", ("seed=abc",), "seed='abc' is invalid"),
+         "model.optimizer.betas=[0.9, 1.5] is invalid", cli=False),
+    Case("negative-seed", "train", ("seed=-1",), "seed=-1 is invalid", cli=False),
+    Case("seed-not-a-number", "train", ("seed=abc",), "seed='abc' is invalid", cli=False),
     Case("experiment-yaml-broken", "train", ("--config-dir={in}/configs", "experiment=broken"),
          "broken.yaml is not valid YAML (line "),
     Case("experiment-not-utf8", "train", ("--config-dir={in}/configs", "experiment=latin1"),
@@ -80,36 +83,36 @@ CASES = [
     Case("config-with-conflict-markers", "train",
          ("--config-dir={in}/conflicted", "experiment=updated"),
          "updated.yaml:3 has merge-conflict markers"),
-    Case("no-such-strategy", "train", ("trainer.strategy=warp",), "does not exist"),
+    Case("no-such-strategy", "train", ("trainer.strategy=warp",), "does not exist", cli=False),
     Case("accelerator-not-here", "train", ("trainer.accelerator=tpu",),
-         "trainer.accelerator=tpu is not available"),
+         "trainer.accelerator=tpu is not available", cli=False),
     Case("gpus-beyond-what-exists", "train", ("trainer.accelerator=gpu", "trainer.devices=4"),
          "GPU", env=fake_gpus()),
-    Case("ckpt-missing", "train", ('ckpt_path="{in}/nope.ckpt"',), "nope.ckpt' does not exist"),
-    Case("ckpt-empty", "train", ('ckpt_path="{in}/empty.ckpt"',), "empty"),
-    Case("ckpt-truncated", "train", ('ckpt_path="{in}/half.ckpt"',), "truncated"),
-    Case("ckpt-not-a-ckpt", "train", ('ckpt_path="{in}/notes.txt"',), "not a complete"),
+    Case("ckpt-missing", "train", ('ckpt_path="{in}/nope.ckpt"',), "nope.ckpt' does not exist", cli=False),
+    Case("ckpt-empty", "train", ('ckpt_path="{in}/empty.ckpt"',), "empty", cli=False),
+    Case("ckpt-truncated", "train", ('ckpt_path="{in}/half.ckpt"',), "truncated", cli=False),
+    Case("ckpt-not-a-ckpt", "train", ('ckpt_path="{in}/notes.txt"',), "not a complete", cli=False),
     Case("ckpt-malicious", "train", ('ckpt_path="{in}/evil.ckpt"',), "was refused"),
     Case("resume-from-model-pth", "train", ('ckpt_path="{run}/model.pth"',),
-         "training cannot resume from it"),
+         "training cannot resume from it", cli=False),
     Case("resume-other-model", "train", ("model=mlp", 'ckpt_path="{run}"'),
          "was trained with another model"),
     Case("ckpt-last-none", "train", ('paths.log_dir="{in}/empty_logs"', "ckpt_path=last"),
-         "found no"),
+         "found no", cli=False),
     # The file judged is named as resolved, and the value typed beside it when that is another.
     Case("ckpt-last-empty", "train", ('paths.log_dir="{in}/empty_last"', "ckpt_path=last"),
-         "checkpoints/last.ckpt' (typed 'last') is an empty file"),
+         "checkpoints/last.ckpt' (typed 'last') is an empty file", cli=False),
     Case("ckpt-run-dir-empty-last", "train", ('ckpt_path="{in}/empty_last/train/runs/r"',),
-         "runs/r/checkpoints/last.ckpt' (typed '"),
+         "runs/r/checkpoints/last.ckpt' (typed '", cli=False),
     Case("ckpt-dir-typed-relative", "train", ('ckpt_path="{in_name}/empty_logs"',),
-         "empty_logs' (typed 'bad inputs é/empty_logs') is a directory without"),
+         "empty_logs' (typed 'bad inputs é/empty_logs') is a directory without", cli=False),
     Case("ckpt-device", "train", ("ckpt_path=/dev/zero",),
-         "'/dev/zero' is a character device, not a regular file"),
+         "'/dev/zero' is a character device, not a regular file", cli=False),
     Case("ckpt-fifo", "train", ('ckpt_path="{in}/pipe.ckpt"',),
          "pipe.ckpt' is a FIFO (named pipe), not a regular file"),
-    Case("eval-without-ckpt", "eval", (), "ckpt_path is required"),
+    Case("eval-without-ckpt", "eval", (), "ckpt_path is required", cli=False),
     Case("eval-without-test-step", "eval",
-         ('ckpt_path="{demo}"', "trusted_targets=[lightning.pytorch.demos.,torch.]"),
+         ('ckpt_path="{demo}/model.pth"', "trusted_targets=[lightning.pytorch.demos.,torch.]"),
          "DemoModel has no test_step, so there is nothing to evaluate"),
     Case("monitor-of-a-module-that-logs-nothing", "train",
          (*BORING, "+model._target_=lightning.pytorch.demos.boring_classes.BoringModel"),
@@ -117,12 +120,12 @@ CASES = [
          "callbacks.model_checkpoint.monitor=null to keep the latest checkpoint only"),
     Case("eval-other-architecture", "eval", ('ckpt_path="{in}/other_arch/model.pth"',),
          "does not fit MLP: missing keys"),
-    Case("eval-truncated-pth", "eval", ('ckpt_path="{in}/half.pth"',), "half.pth"),
+    Case("eval-truncated-pth", "eval", ('ckpt_path="{in}/half.pth"',), "half.pth", cli=False),
     Case("eval-config-yaml-broken", "eval", ('ckpt_path="{in}/broken_config/model.pth"',),
          "config.yaml"),
     Case("output-dir-not-writable", "train", ('paths.log_dir="{in}/a_file/logs"',),
          "cannot create or write"),
-    Case("log-dir-empty", "train", ("paths.log_dir=",), "paths.log_dir is empty"),
+    Case("log-dir-empty", "train", ("paths.log_dir=",), "paths.log_dir is empty", cli=False),
     Case("path-not-quoted", "train", ("paths.log_dir={in}/logs",),
          "quote a value with spaces, non-ASCII or special characters"),
     Case("run-dir-holds-a-run", "train", ('hydra.run.dir="{run}"',), "already holds a run"),
@@ -186,14 +189,12 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (bad / "starting" / ".hydra").mkdir(parents=True)  # another run has just claimed it
     os.mkfifo(bad / "pipe.ckpt")
     torch.save({"state_dict": {}, "trap": Evil(bad / PAYLOAD_FILE)}, bad / "evil.ckpt")
-    train(  # a module without test_step (Lightning's DemoModel)
-        *budget_for(BORING),
-        *BORING,
-        "+model._target_=lightning.pytorch.demos.boring_classes.DemoModel",
-        "callbacks.model_checkpoint.monitor=null",
-        f"paths.log_dir={root / 'demo_logs'}",
-    )
-    (demo_run,) = run_dirs(root / "demo_logs")
+    demo_run = root / "demo_run"  # a run of a module without test_step (Lightning's DemoModel)
+    demo_run.mkdir()
+    torch.save(DemoModel().state_dict(), demo_run / "model.pth")
+    boring = "lightning.pytorch.demos.boring_classes."
+    OmegaConf.save({"model": {"_target_": f"{boring}DemoModel"},
+                    "data": {"_target_": f"{boring}BoringDataModule"}}, demo_run / "config.yaml")  # fmt: skip
     return {"root": root, "logs": logs, "run": run, "in": bad, "demo": demo_run}
 
 
@@ -213,8 +214,32 @@ def command_for(case: Case, world: dict[str, Path]) -> list[str]:
     return command
 
 
+@pytest.mark.slow  # the world: a training run
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if not c.cli], ids=[c.id for c in CASES if not c.cli]
+)
+def test_a_bad_value_or_file_is_refused_before_anything_exists(
+    world: dict[str, Path],
+    case: Case,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the preflight refuses (the config's values, the checkpoint read), through its Hydra
+    callback in this process: one line on stderr, the exit code, nothing created or run."""
+    monkeypatch.chdir(world["root"])
+    before = set(world["root"].rglob("*"))
+    cfg = compose_train(*command_for(case, world), name=case.task)
+    with pytest.raises(SystemExit) as stop:
+        PreflightCallback._check(cfg, "hydra.run.dir")
+    err = capsys.readouterr().err
+    assert stop.value.code == case.code, err
+    assert err.startswith("error: ") and err.count("\n") == 1 and case.expect in err, err
+    assert set(world["root"].rglob("*")) == before
+    assert not (world["in"] / PAYLOAD_FILE).exists()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", [c for c in CASES if c.cli], ids=[c.id for c in CASES if c.cli])
 def test_bad_input_is_one_line_and_loses_nothing(world: dict[str, Path], case: Case) -> None:
     before = tree_hash(world["run"])
     everything = set(world["root"].rglob("*"))

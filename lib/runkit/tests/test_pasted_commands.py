@@ -217,26 +217,6 @@ def test_a_hint_keeps_a_hostile_value_when_pasted(
     assert OmegaConf.select(OmegaConf.create(shown.stdout), key) == value
 
 
-@pytest.mark.slow
-def test_trainer_precision_hint_leads_to_a_run_that_works(cli: CliRunner, tmp_path: Path) -> None:
-    """``trainer.precision=...`` fails the CLI's key check, ``+trainer.precision=...`` the run
-    (before building anything): both in one line whose hint, pasted, runs."""
-    before = set(tmp_path.rglob("*"))
-    for typed, before_hint in (("trainer", "write "), ("+trainer", "top-level key: ")):
-        failed = cli("train", *TINY, f"{typed}.precision=16-mixed")
-        assert failed.returncode == 2, failed.stderr[-2000:]
-        assert "Traceback" not in failed.stderr
-        (line,) = error_lines(failed.stderr)
-        assert line.strip() == failed.stderr.strip().splitlines()[-1].strip()
-        assert "+trainer.precision" not in line  # the hint that was refused later
-        assert bash_words(line.rsplit(before_hint, 1)[1]) == ["precision=16-mixed"]
-    assert set(tmp_path.rglob("*")) == before, "a refused run created files"
-    done = cli("train", *TINY, "precision=16-mixed")
-    assert done.returncode == 0, done.stderr[-2000:]
-    (run,) = run_dirs(tmp_path / "logs")
-    assert OmegaConf.load(run / "config.yaml").precision == "16-mixed"
-
-
 # Sweeps
 
 

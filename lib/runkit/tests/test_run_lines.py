@@ -1,16 +1,23 @@
-"""What a run prints through the real CLI: no line a user cannot act on, each line once per run."""
+"""What a run prints through the real CLI: no line a user cannot act on, each line once per run;
+predict with a module of one's own (the zoo's: no predict_step, no predict_dataloader)."""
 
 from __future__ import annotations
 
+import csv
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from conftest import clean_env, last_line, run_dirs, run_entry
+from runkit.safety.checkpoints import load_network
 
 pytestmark = pytest.mark.slow
 
@@ -27,8 +34,9 @@ def _ok(done: subprocess.CompletedProcess) -> str:
 
 
 @pytest.fixture(scope="module")
-def zoo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Output of a DDP x2 16-mixed fit of the zoo's module (no ``net``), its resume, its eval."""
+def zoo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Output of a DDP x2 16-mixed fit of the zoo's module (no ``net``), its resume, its eval;
+    ``root`` (holding the zoo) and the first ``run``."""
     root = tmp_path_factory.mktemp("lines")
     shutil.copytree(ZOO, root / "zoo", ignore=shutil.ignore_patterns("__pycache__"))
     logs = root / "logs"
@@ -43,11 +51,11 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     last = run / "checkpoints" / "last.ckpt"
     trusted = ("trusted_targets=[zoo.,torch.]", f"paths.log_dir={logs}")
     seen["eval"] = _ok(run_entry(root, "eval", f"ckpt_path={last}", *trusted))
-    return seen
+    return {**seen, "root": root, "run": run}
 
 
 @pytest.mark.parametrize("phase", ["fit", "resume", "eval"])
-def test_no_line_a_user_cannot_act_on(zoo: dict[str, str], phase: str) -> None:
+def test_no_line_a_user_cannot_act_on(zoo: dict[str, Any], phase: str) -> None:
     output = zoo[phase]
     # Lightning's, about its own summary callback that the template's replaces
     assert "Trainer already configured with model summary" not in output
@@ -57,7 +65,7 @@ def test_no_line_a_user_cannot_act_on(zoo: dict[str, str], phase: str) -> None:
     assert "Please add the following callbacks" not in output
 
 
-def test_16_mixed_on_the_cpu_says_once_that_bf16_mixed_runs(zoo: dict[str, str]) -> None:
+def test_16_mixed_on_the_cpu_says_once_that_bf16_mixed_runs(zoo: dict[str, Any]) -> None:
     output = zoo["fit"]
     assert output.count("Speed: precision=bf16-mixed") == 1, output
     assert "Speed: precision=16-mixed" not in output
@@ -65,8 +73,36 @@ def test_16_mixed_on_the_cpu_says_once_that_bf16_mixed_runs(zoo: dict[str, str])
     assert "AMP with fp16 is not supported" not in output  # Lightning's own warning: not needed
 
 
-def test_resuming_is_said_once_not_once_per_rank(zoo: dict[str, str]) -> None:
+def test_resuming_is_said_once_not_once_per_rank(zoo: dict[str, Any]) -> None:
     assert zoo["resume"].count("Resuming from ") == 1, zoo["resume"]
+
+
+def test_a_module_without_predict_step_predicts_its_forward_on_the_test_split(
+    zoo: dict[str, Any],
+) -> None:
+    trained, out = zoo["run"], zoo["root"] / "predicted"
+    done = run_entry(zoo["root"], "predict", f"ckpt_path={trained}",
+                     "trusted_targets=[zoo.,torch.]", f"paths.log_dir={out}")  # fmt: skip
+    output = _ok(done)
+    line = (
+        "Predicting with RegressionModule's forward (it has no predict_step) on the inputs of "
+        "each batch, on PointsData.test_dataloader (it has no predict_dataloader)"
+    )
+    assert output.count(line) == 1, output
+    (run,) = run_dirs(out, "predict")
+    datamodule = instantiate(OmegaConf.load(trained / "config.yaml").data)
+    datamodule.setup("test")  # zoo imports from the root, as in the CLI's copy
+    dataset = datamodule.test_dataloader().dataset
+    inputs = torch.stack([dataset[i][0] for i in range(len(dataset))])
+    module = load_network(trained / "model.pth", device="cpu", allowed=("zoo.", "torch."))
+    with torch.no_grad():
+        expected = module(inputs)
+    data = torch.load(run / "predictions.pt", weights_only=True)
+    assert torch.equal(data["index"], torch.arange(len(inputs)))
+    torch.testing.assert_close(data["predictions"], expected)
+    with (run / "predictions.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [float(r["prediction"]) for r in rows] == pytest.approx(expected.tolist())
 
 
 def test_a_config_refused_under_ddp_is_one_line_once(tmp_path: Path) -> None:
@@ -85,12 +121,6 @@ def test_a_config_refused_under_ddp_is_one_line_once(tmp_path: Path) -> None:
     # judged at the first validation, as Lightning's ModelCheckpoint does: nothing saved yet
     assert len(run_dirs(tmp_path / "logs")) == 1
     assert not list((tmp_path / "logs").rglob("*.ckpt"))
-
-
-def test_debug_overfit_does_not_log_every_csv_open(tmp_path: Path) -> None:
-    args = ("debug=overfit", "trainer.max_epochs=2", QUIET, f"paths.log_dir={tmp_path / 'logs'}")
-    output = _ok(run_entry(tmp_path, "train", *args))
-    assert "open file" not in output  # fsspec's DEBUG line: one per metrics.csv write before
 
 
 WORKER = """

@@ -1,6 +1,6 @@
-"""A run's own record (``csv/metrics.csv`` and the ``curves.png`` drawn from it) does not depend
-on the ``logger`` group: every logger option and every debug preset leaves both; the debug
-presets run as README says (CPU, anomaly detection)."""
+"""A run's own record (``csv/metrics.csv``) does not depend on the ``logger`` group: every logger
+option keeps exactly one (the CLI runs: test_train_cli.py); the debug presets are as README says
+(CPU, anomaly detection)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,8 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import OmegaConf
 
-from conftest import FAST, CliRunner, compose_train, run_dirs
-from runkit import plots
+from conftest import compose_train
 from runkit.run import builders
-
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def loggers_of(*overrides: str, out: Path) -> list:
@@ -56,29 +53,3 @@ def test_debug_overfit_runs_with_anomaly_detection_like_every_debug_preset() -> 
         assert cfg.trainer.accelerator == "cpu", preset
         assert cfg.hydra.job_logging.root.level == "DEBUG", preset
     assert compose_train("debug=overfit").trainer.overfit_batches == 3
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("overrides", "task"),
-    [
-        (("logger=tensorboard",), "train"),
-        (("debug=fdr", "callbacks.progress_bar.refresh_rate=0"), "debug"),
-    ],
-    ids=["tensorboard", "fdr"],  # logger=none: the in-process logger test above
-)
-def test_every_run_leaves_its_csv_log_and_curves(
-    cli: CliRunner, log_dir: Path, overrides: tuple[str, ...], task: str
-) -> None:
-    pytest.importorskip("matplotlib", reason="curves.png is drawn with matplotlib (plot extra)")
-    budget = () if task == "debug" else FAST
-    result = cli("train", *budget, *overrides)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run,) = run_dirs(log_dir, task)
-    metrics = plots.read_metrics(run)  # the CSV log a real run wrote passes the damage checks
-    assert metrics.curve("val/loss")[0], "no validation loss per epoch in csv/metrics.csv"
-    assert "test/acc" in metrics.final
-    assert (run / plots.PLOT_FILE).read_bytes()[:8] == PNG_SIGNATURE
-    assert "findfont" not in result.stdout  # matplotlib's DEBUG chatter stays out of debug runs
-    if "logger=tensorboard" in overrides:
-        assert list((run / "tensorboard").glob("events.out.tfevents.*"))

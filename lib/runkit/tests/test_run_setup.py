@@ -158,19 +158,6 @@ def test_an_unused_run_directory_goes_with_the_parents_its_claim_made(
     assert after == (before if left is None else left)
 
 
-# The checkpoint a run reads, checked before the run directory exists
-
-
-def test_check_inputs_tells_a_checkpoint_from_weights(tmp_path: Path) -> None:
-    ckpt, weights = tmp_path / "last.ckpt", tmp_path / "model.pth"
-    torch.save({"state_dict": {"net.w": torch.ones(2)}, "pytorch-lightning_version": "2.6"}, ckpt)
-    torch.save({"w": torch.ones(2)}, weights)
-    preflight.check_inputs(str(ckpt), str(tmp_path), resumes=True)
-    preflight.check_inputs(str(weights), str(tmp_path), resumes=False)  # eval, or test only
-    with pytest.raises(RunError, match=r"holds only weights .* cannot resume"):
-        preflight.check_inputs(str(weights), str(tmp_path), resumes=True)
-
-
 # eval: the same Trainer settings as train
 
 

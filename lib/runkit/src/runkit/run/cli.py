@@ -67,54 +67,51 @@ def hydra_entry(
     app: a user's mistake ends in one line on stderr and exit 2, a bug keeps its traceback."""
 
     def main() -> None:
-        pause_collector()
+        pause_collector()  # on again once the heavy imports are done, or at the end
+        import hydra
+
+        from runkit.run.launch import FAILED_JOBS, destroy_process_group, register_resolvers
+        from runkit.run.sweep import follow_sweep_parent
+        from runkit.safety.signals import stop_on_signal
+
+        os.environ["HYDRA_FULL_ERROR"] = "1"  # exceptions reach us instead of Hydra's printer
+        # Lightning 2.6 on torch >= 2.10 warns about its own use of a torch API.
+        warnings.filterwarnings(
+            "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+        )
+        register_resolvers()  # ${run_id:...}: one run directory for all processes of a launch
+        os.environ.setdefault("SUBMITIT_LOG_LEVEL", "NOCONFIG")  # submitit's lines through Hydra's
+        logging.getLogger("submitit").addFilter(_FirstSacctWarning())
+        follow_sweep_parent()  # a job of a parallel sweep ends with the sweep (kill -9 included)
+        directory = Path(config_dir)
+        app = hydra.main(version_base="1.3", config_path=str(directory), config_name=config_name)
+        job = _reporting(task, directory)
+        FAILED_JOBS.clear()  # an earlier app in this process (a test's) is not this sweep
         try:
-            _main(task, config_name, Path(config_dir))
+            if (conflicted := conflicted_config(sys.argv[1:], directory)) is not None:
+                raise RunError(conflicted)
+            # Ctrl-C, SIGTERM: recorded, acted on at a safe point, 128+N; after the run too
+            with stop_on_signal(until_exit=True):
+                jobs = _sweep_to_show(sys.argv[1:])
+                for number, (argv, values) in enumerate(jobs or [(sys.argv[1:], None)]):
+                    if values is not None:
+                        print(("---\n" if number else "") + f"# job #{number}: {' '.join(values)}")
+                    sys.argv = [sys.argv[0], *argv]
+                    app(job)()
+                destroy_process_group()
+        except Exception as err:
+            mistake = user_mistake(err, config_dir=directory)
+            if mistake is None:
+                raise
+            if getattr(mistake, "reported", False):  # a submitit job's, said in its own log
+                raise SystemExit(mistake.exit_code) from None
+            exit_with(mistake)
         finally:  # the job never ran (--help, --cfg, a mistake): the collector on again
             resume_collector(freeze=False)
+        if FAILED_JOBS:
+            raise SystemExit(FAILED_JOBS[0])
 
     return main
-
-
-def _main(task: Callable[[Any], Any], config_name: str, config_dir: Path) -> None:
-    import hydra
-
-    from runkit.run.launch import FAILED_JOBS, destroy_process_group, register_resolvers
-    from runkit.run.sweep import follow_sweep_parent
-    from runkit.safety.signals import stop_on_signal
-
-    os.environ["HYDRA_FULL_ERROR"] = "1"  # exceptions reach us instead of Hydra's printer
-    # Lightning 2.6 on torch >= 2.10 warns about its own use of a torch API.
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-    register_resolvers()  # ${run_id:...}: one run directory for all processes of a launch
-    os.environ.setdefault("SUBMITIT_LOG_LEVEL", "NOCONFIG")  # submitit's lines through Hydra's
-    logging.getLogger("submitit").addFilter(_FirstSacctWarning())
-    follow_sweep_parent()  # a job of a parallel sweep ends with the sweep (kill -9 included)
-    app = hydra.main(version_base="1.3", config_path=str(config_dir), config_name=config_name)
-    job = _reporting(task, config_dir)
-    FAILED_JOBS.clear()  # an earlier app in this process (a test's) is not this sweep
-    try:
-        if (conflicted := conflicted_config(sys.argv[1:], config_dir)) is not None:
-            raise RunError(conflicted)
-        # Ctrl-C, SIGTERM: recorded, acted on at a safe point, 128+N; after the run too
-        with stop_on_signal(until_exit=True):
-            jobs = _sweep_to_show(sys.argv[1:])
-            if jobs is None:
-                app(job)()
-            for number, (argv, values) in enumerate(jobs or []):
-                print(("---\n" if number else "") + f"# job #{number}: {' '.join(values)}")
-                sys.argv = [sys.argv[0], *argv]
-                app(job)()
-            destroy_process_group()
-    except Exception as err:
-        mistake = user_mistake(err, config_dir=config_dir)
-        if mistake is None:
-            raise
-        if getattr(mistake, "reported", False):  # a submitit job's, said in its own log
-            raise SystemExit(mistake.exit_code) from None
-        exit_with(mistake)
-    if FAILED_JOBS:
-        raise SystemExit(FAILED_JOBS[0])
 
 
 def _reporting(task: Callable[[Any], Any], config_dir: Path) -> Callable[[Any], Any]:
@@ -217,8 +214,13 @@ def user_mistake(
     while cause is not None:
         if isinstance(cause, RunError):
             return cause
-        if isinstance(cause, YAMLError):
-            return RunError(yaml_problem(cause))
+        if isinstance(cause, YAMLError):  # <file> is not valid YAML (line 4, column 1): <why>
+            mark = getattr(cause, "problem_mark", None)
+            where = getattr(mark, "name", None) or "a config file"
+            at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            parts = [getattr(cause, "context", None), getattr(cause, "problem", None)]
+            what = ", ".join(str(part) for part in parts if part) or " ".join(str(cause).split())
+            return RunError(f"{where} is not valid YAML{at}: {what}")
         if isinstance(cause, OSError) and (failure := file_failure(cause, run_dir)) is not None:
             return failure
         if isinstance(cause, UnicodeDecodeError) and config_dir is not None:
@@ -228,16 +230,6 @@ def user_mistake(
     if isinstance(err, HydraException | OmegaConfBaseException):
         return RunError(_unknown_key(err) or one_line(err))
     return None
-
-
-def yaml_problem(err: BaseException) -> str:
-    """``<file> is not valid YAML (line 4, column 1): <what the parser expected>``."""
-    mark = getattr(err, "problem_mark", None)
-    where = getattr(mark, "name", None) or "a config file"
-    position = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-    parts = [getattr(err, "context", None), getattr(err, "problem", None)]
-    what = ", ".join(str(part) for part in parts if part) or " ".join(str(err).split())
-    return f"{where} is not valid YAML{position}: {what}"
 
 
 def undecodable_config(err: UnicodeDecodeError, argv: list[str], config_dir: Path) -> str | None:
@@ -301,30 +293,23 @@ def one_line(err: BaseException) -> str:
     return text
 
 
-MOVED_KEYS = {
-    "trainer.precision": (
-        "precision",
-        "the run's precision is the top-level key precision (configs/train.yaml; auto: "
-        "bf16-mixed on a GPU with bf16, else 32-true)",
-    ),
-}
-"""Keys a user may expect under one node that the template reads elsewhere: where, and why."""
-
-
 def _unknown_key(err: BaseException) -> str | None:
     """For ``trainer.devicez=2``: the key, the nearest real one, and ``+`` to add one on
-    purpose; for a key of :data:`MOVED_KEYS`, the right key with the user's value."""
+    purpose; for ``trainer.precision``, which the template reads as ``precision``, that key."""
     from omegaconf.errors import OmegaConfBaseException
 
     cause = err.__cause__
     if not isinstance(cause, OmegaConfBaseException) or "not in struct" not in str(cause):
         return None
     full_key, key = str(cause.full_key), str(cause.key)
-    if full_key in MOVED_KEYS:
-        target, why = MOVED_KEYS[full_key]
+    if full_key == "trainer.precision":
         typed = [a.partition("=")[2] for a in sys.argv[1:] if a.partition("=")[0] == full_key]
-        hint = quoting.command([f"{target}={typed[0]}"]) if typed else f"{target}=..."
-        return f"{full_key} is not a key of the config: {why}; write {hint}"
+        hint = quoting.command([f"precision={typed[0]}"]) if typed else "precision=..."
+        return (
+            f"{full_key} is not a key of the config: the run's precision is the top-level key "
+            "precision (configs/train.yaml; auto: bf16-mixed on a GPU with bf16, else 32-true); "
+            f"write {hint}"
+        )
     parent = getattr(cause, "parent_node", None)
     siblings = [str(k) for k in parent] if parent is not None else []
     close = difflib.get_close_matches(key, siblings, n=1)

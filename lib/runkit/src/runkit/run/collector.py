@@ -1,6 +1,5 @@
-"""Python's cyclic garbage collector is held off while the entry point imports torch and
-Lightning (many objects, next to no garbage, yet repeated full collections), then frozen and
-turned back on."""
+"""The cyclic garbage collector is held off while the entry point imports torch and Lightning
+(many objects, next to no garbage, yet repeated full collections), then frozen and turned on."""
 
 from __future__ import annotations
 
@@ -12,11 +11,9 @@ _collector_paused = False
 def pause_collector() -> bool:
     """Hold the collector off until the heavy imports are done; True if it was on."""
     global _collector_paused
-    if not gc.isenabled():
-        return False  # the caller manages the collector
+    _collector_paused = gc.isenabled()  # else the caller manages the collector
     gc.disable()
-    _collector_paused = True
-    return True
+    return _collector_paused
 
 
 def resume_collector(freeze: bool) -> None:

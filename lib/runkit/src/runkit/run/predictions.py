@@ -86,21 +86,17 @@ class PredictionWriter(BasePredictionWriter):
             (list(batches), [list(b) for b in indices])
             for batches, indices in zip(loaders, batch_indices, strict=True)
         ]
-        shares = _gather_to_rank_zero(share, trainer.world_size)
+        shares: list[Any] = [share]  # rank 0 gathers every rank's predictions and indices
+        if trainer.world_size > 1 and torch.distributed.is_initialized():
+            gathered = [None] * trainer.world_size if trainer.is_global_zero else None
+            torch.distributed.gather_object(share, gathered, dst=0)
+            shares = gathered or []
         if not trainer.is_global_zero:
             return
         for i in range(len(share)):
             stem = "predictions" if len(share) == 1 else f"predictions_{i}"
             rows, index = _in_dataset_order([rank_share[i] for rank_share in shares])
             self.written += _write(rows, index, self.output_dir, stem)
-
-
-def _gather_to_rank_zero(share: Any, world_size: int) -> list[Any]:
-    if world_size < 2 or not torch.distributed.is_initialized():
-        return [share]
-    gathered = [None] * world_size if torch.distributed.get_rank() == 0 else None
-    torch.distributed.gather_object(share, gathered, dst=0)
-    return gathered or []
 
 
 def _in_dataset_order(shares: list[tuple[list[Any], list[list[int]]]]) -> tuple[Any, torch.Tensor]:

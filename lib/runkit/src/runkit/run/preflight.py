@@ -2,9 +2,8 @@
 
 Hydra makes the run directory before it calls the task; :class:`PreflightCallback` runs earlier
 and turns each mistake into one :class:`~runkit.errors.RunError` line naming the bad value and
-what is accepted. A ``_target_`` node's values are merged into a typed OmegaConf schema made
-from the target's signature. The checkpoint read is checked, and the run directory claimed
-atomically; a run that fails before writing anything is removed by :func:`discard_unused`.
+what is accepted. It then claims the run directory atomically; a run that fails before writing
+anything is removed again by :func:`discard_unused`.
 """
 
 from __future__ import annotations
@@ -17,14 +16,12 @@ import os
 import shutil
 import sys
 import typing
-from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
 from types import UnionType
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import ValidationError
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from runkit.errors import RunError, exit_with, file_failure
 from runkit.run.collector import resume_collector
@@ -79,11 +76,7 @@ def check_config(cfg: DictConfig) -> None:
             )
             raise RunError(f"{path} is required; add {path}=<{hint}> to the command line")
     seed = _value(cfg, "seed")  # before the nodes that interpolate it
-    if (
-        "seed" in cfg
-        and seed is not _UNKNOWN
-        and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED)
-    ):
+    if "seed" in cfg and seed is not _UNKNOWN and not (type(seed) is int and 0 <= seed <= MAX_SEED):
         raise RunError(f"seed={seed!r} is invalid; expected an integer from 0 to {MAX_SEED}")
     for path, value in leaves:
         if isinstance(value, float) and not math.isfinite(value):
@@ -146,7 +139,8 @@ def check_devices(cfg: DictConfig) -> None:
 
 
 def check_targets(node: DictConfig, path: str) -> None:
-    """Check the keys and value types of ``node`` (and nested nodes) against ``_target_``."""
+    """Check the keys and scalar value types of ``node`` (and nested nodes) against the
+    signature of its ``_target_``; an optimiser's or scheduler's partial is built once."""
     for key in node:
         if OmegaConf.is_interpolation(node, key) or OmegaConf.is_missing(node, key):
             continue
@@ -157,7 +151,15 @@ def check_targets(node: DictConfig, path: str) -> None:
                 check_targets(item, f"{path}.{key}" + ("" if index is None else f"[{index}]"))
     if "_target_" not in node:
         return
-    target = _locate(str(node["_target_"]), path)
+    try:
+        from hydra.utils import get_object
+
+        target = get_object(str(node["_target_"]))
+    except Exception as err:
+        raise RunError(
+            f"{path}._target_={node['_target_']!r} cannot be imported; expected a dotted path to "
+            "a class or function, e.g. torch.nn.Linear"
+        ) from err
     try:
         params = inspect.signature(target).parameters
     except (TypeError, ValueError):  # builtins without a signature: nothing to check
@@ -176,38 +178,29 @@ def check_targets(node: DictConfig, path: str) -> None:
             + f"; remove {'it' if one else 'them'} with "
             + " ".join(f"~{path}.{k}" for k in unknown)
         )
-    _check_types(node, path, target, keys)
+    hints = _hints(target)
+    for key in keys:  # an int, float, bool or str (or Optional of one); an int for a float is fine
+        hint = hints.get(key)
+        args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, UnionType) else ()
+        scalar = [arg for arg in args or (hint,) if arg is not type(None)]
+        if (
+            len(scalar) != 1
+            or scalar[0] not in (int, float, bool, str)
+            or OmegaConf.is_interpolation(node, key)
+            or OmegaConf.is_missing(node, key)
+        ):
+            continue
+        value = _value(node, key)
+        if not (
+            type(value) is scalar[0]
+            or (value is None and len(args) > 1)
+            or (scalar[0] is float and type(value) is int)
+        ):
+            name = str(hint).replace("typing.", "")
+            name = name if typing.get_origin(hint) else getattr(hint, "__name__", name)
+            raise RunError(f"{path}.{key}={value!r} has the wrong type; expected {name}")
     if node.get("_partial_") is True:
         _try_partial(node, path, target)
-
-
-def _check_types(node: DictConfig, path: str, target: Any, keys: list[str]) -> None:
-    """Merge the values into a schema of the target's annotations that OmegaConf can type
-    (int, float, bool, str, Optional[...]; the rest are Any): a value OmegaConf refuses, or
-    would convert (``"3"`` for an int, ``3`` for a str; an int for a float is fine), is the wrong
-    type. Interpolations wait for the run."""
-    values = OmegaConf.to_container(node, resolve=False)
-    assert isinstance(values, dict)
-    try:
-        merged = OmegaConf.merge(_schema(target, tuple(keys)), {k: values[k] for k in keys})
-        kept = OmegaConf.to_container(merged, resolve=False)
-        assert isinstance(kept, dict)
-        wrong = [k for k in keys if _converted(values[k], kept[k])]
-    except ValidationError as err:
-        wrong = [str(err.full_key).split(".")[0]]
-    if wrong:
-        expected = _hints(target)[wrong[0]]
-        name = str(expected).replace("typing.", "")
-        if typing.get_origin(expected) is None:
-            name = getattr(expected, "__name__", name)
-        raise RunError(
-            f"{path}.{wrong[0]}={_value(node, wrong[0])!r} has the wrong type; expected {name}"
-        )
-
-
-def _converted(given: Any, kept: Any) -> bool:
-    widened = isinstance(given, int) and not isinstance(given, bool) and isinstance(kept, float)
-    return type(given) is not type(kept) and not widened
 
 
 @functools.cache
@@ -216,22 +209,6 @@ def _hints(target: Any) -> dict[str, Any]:
         return typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
     except Exception:  # unresolvable forward references: no type checks for this target
         return {}
-
-
-@functools.cache
-def _schema(target: Any, keys: tuple[str, ...]) -> Any:
-    fields = [(k, _typed(_hints(target).get(k, Any)), field(default=MISSING)) for k in keys]
-    return OmegaConf.structured(make_dataclass("Schema", fields))
-
-
-def _typed(hint: Any) -> Any:
-    """``hint`` when it is a plain scalar type (or Optional of one), else ``Any``."""
-    union = typing.get_origin(hint) in (typing.Union, UnionType)
-    args = list(typing.get_args(hint)) if union else [hint]
-    scalar = [arg for arg in args if arg is not type(None)]
-    if len(scalar) != 1 or scalar[0] not in (int, float, bool, str):
-        return Any
-    return typing.Optional[scalar[0]] if len(args) > 1 else scalar[0]  # noqa: UP045
 
 
 def check_strategy(strategy: Any) -> None:
@@ -273,10 +250,8 @@ def _try_partial(node: DictConfig, path: str, target: Any) -> None:
     from hydra.utils import instantiate
     from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-    optimizer = inspect.isclass(target) and issubclass(target, torch.optim.Optimizer)
-    if not optimizer and not (
-        inspect.isclass(target) and issubclass(target, LRScheduler | ReduceLROnPlateau)
-    ):
+    kinds = (torch.optim.Optimizer, LRScheduler, ReduceLROnPlateau)
+    if not (inspect.isclass(target) and issubclass(target, kinds)):
         return
     try:
         values = OmegaConf.to_container(node, resolve=True)
@@ -288,7 +263,8 @@ def _try_partial(node: DictConfig, path: str, target: Any) -> None:
         params = [torch.nn.Parameter(torch.zeros(1))]
         try:
             factory = instantiate({k: v for k, v in values.items() if k != drop})
-            factory(params) if optimizer else factory(torch.optim.SGD(params, lr=0.1))
+            is_optimizer = issubclass(target, torch.optim.Optimizer)
+            factory(params) if is_optimizer else factory(torch.optim.SGD(params, lr=0.1))
         except Exception as err:
             return err
         return None
@@ -310,6 +286,7 @@ def check_inputs(value: Any, log_dir: Any, resumes: bool, task: str = "train") -
     import pickle
 
     from runkit import plots
+    from runkit.run.rebuild import is_lightning_checkpoint
     from runkit.safety import checkpoints
     from runkit.safety.resume import run_dir_of
 
@@ -330,7 +307,7 @@ def check_inputs(value: Any, log_dir: Any, resumes: bool, task: str = "train") -
         ) from err
     if not resumes:
         return
-    if not ("pytorch-lightning_version" in data and isinstance(data.get("state_dict"), dict)):
+    if not is_lightning_checkpoint(data):
         spec = getattr(sys.modules.get("__main__"), "__spec__", None)
         package = (getattr(spec, "name", None) or "").rpartition(".")[0]
         raise RunError(
@@ -346,15 +323,9 @@ def check_inputs(value: Any, log_dir: Any, resumes: bool, task: str = "train") -
             raise RunError(f"{err}; resume from a run whose log is intact") from err
 
 
-@dataclass
-class _Claim:
-    directory: Path
-    first_new: Path | None  # the highest directory the claim created (None: it existed)
-    marker: str
-    had_files: bool  # the directory existed with files in it: never removed
-
-
-_claimed: _Claim | None = None
+# The directory claimed, the highest directory the claim created (None: it existed), the
+# marker, and whether it held files already (then never removed).
+_claimed: tuple[Path, Path | None, str, bool] | None = None
 
 
 def claim_run_dir(cfg: DictConfig, key: str) -> None:
@@ -377,11 +348,12 @@ def claim_run_dir(cfg: DictConfig, key: str) -> None:
     if found := [name for name in RUN_MARKERS if (directory / name).exists()]:
         elastic = os.environ.get("TORCHELASTIC_RUN_ID", "none")
         fix = (
-            "a new directory" if elastic == "none" else f"torchrun a new --rdzv-id (not {elastic})"
+            "pick a new directory"
+            if elastic == "none"
+            else f"give torchrun a new --rdzv-id (not {elastic})"
         )
         raise RunError(
-            f"{key}={str(directory)!r} already holds a run ({', '.join(found)}); "
-            f"{'pick' if elastic == 'none' else 'give'} {fix} "
+            f"{key}={str(directory)!r} already holds a run ({', '.join(found)}); {fix} "
             "(resuming with ckpt_path=... starts a new run directory by itself)"
         )
     sweep = key == "hydra.sweep.dir"
@@ -407,7 +379,7 @@ def claim_run_dir(cfg: DictConfig, key: str) -> None:
     except OSError as err:  # below a file, no permission (the user's path); a full disk
         err.filename = err.filename or str(directory)
         raise file_failure(err) or err from err
-    _claimed = _Claim(directory, first_new, marker, had_files)
+    _claimed = (directory, first_new, marker, had_files)
 
 
 def _resumable_sweep(cfg: DictConfig) -> bool:
@@ -420,21 +392,25 @@ def discard_unused(run_dir: Path) -> bool:
     """Remove ``run_dir`` (and the parents its claim created) if it holds only Hydra's files,
     ``config.yaml``, logs and empty folders; returns whether it was removed."""
     run_dir = Path(os.path.abspath(run_dir))
-    claim = _claimed if _claimed is not None and _claimed.directory == run_dir else None
-    subdir = run_dir / (claim.marker if claim is not None else ".hydra")
-    if (claim is not None and claim.had_files) or not run_dir.is_dir():
+    _, first_new, marker, had_files = (
+        _claimed
+        if _claimed is not None and _claimed[0] == run_dir
+        else (None, None, ".hydra", False)
+    )
+    if had_files or not run_dir.is_dir():
         return False  # a directory the user gave with files in it: not ours to remove
 
     def removable(entry: Path) -> bool:
         if entry.is_dir() and not entry.is_symlink():
-            allowed = {"config.yaml", "hydra.yaml", "overrides.yaml"} if entry == subdir else ()
+            allowed = (
+                {"config.yaml", "hydra.yaml", "overrides.yaml"} if entry.name == marker else ()
+            )
             return all(f.name in allowed and f.is_file() for f in entry.iterdir())
         return entry.is_file() and (entry.suffix == ".log" or entry.name == "config.yaml")
 
     if not all(removable(entry) for entry in run_dir.iterdir()):
         return False
     shutil.rmtree(run_dir)
-    first_new = claim.first_new if claim is not None else None
     for directory in run_dir.parents if first_new is not None else []:
         if not directory.is_relative_to(first_new):
             break
@@ -461,15 +437,3 @@ def _value(node: Any, key: Any) -> Any:
     except Exception:  # e.g. ${hydra:runtime.output_dir} before Hydra has set it
         return _UNKNOWN
     return OmegaConf.to_container(value) if isinstance(value, DictConfig | ListConfig) else value
-
-
-def _locate(target: str, path: str) -> Any:
-    from hydra.utils import get_object
-
-    try:
-        return get_object(target)
-    except Exception as err:
-        raise RunError(
-            f"{path}._target_={target!r} cannot be imported; expected a dotted path to a class "
-            "or function, e.g. torch.nn.Linear"
-        ) from err
