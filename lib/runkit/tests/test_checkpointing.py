@@ -1214,15 +1214,7 @@ def test_sharded_checkpoint_directories(base: Path) -> None:
     )
 
 
-def test_sharded_checkpoint_directories_are_staged_and_swapped_in(base: Path) -> None:
-    folder = case(base, "1")
-    a, b = folder / "a", folder / "b"
-    for path in (a, b):
-        path.mkdir()
-        (path / "x").write_text(path.name)
-    assert checkpointing._exchange(a, b)
-    assert (a / "x").read_text() == "b" and (b / "x").read_text() == "a"
-    assert not checkpointing._exchange(a, folder / "missing")
+def test_sharded_checkpoint_directories_are_staged(base: Path) -> None:
     folder = case(base, "2")
     target = folder / "a b" / "last.ckpt"
     staging = checkpointing.new_staging_dir(target)
