@@ -489,26 +489,21 @@ def sharded_shapes(folder: str | Path) -> dict[str, torch.Size]:
     return {key: torch.Size(item.size) for key, item in _tensor_index(folder)[1].items()}
 
 
-_VERIFIED: set[tuple[int, int, int, int]] = set()  # (device, inode, size, mtime) checked already
-
-
 def _first(err: BaseException) -> str:
     return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 def verify_archive(path: str | Path) -> None:
-    """Refuse, in one line, a zip archive whose records do not match their CRC-32 (once per file
-    version); legacy files and archives without CRCs pass."""
-    file = Path(path)
+    """Refuse, in one line, a zip archive whose records do not match their CRC-32; legacy files
+    and archives without CRCs pass."""
     try:
-        st = file.stat()
+        Path(path).stat()
     except OSError as err:
         raise RunError(f"cannot read {str(path)!r}: {err.strerror}") from err
-    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    if key in _VERIFIED or not zipfile.is_zipfile(file):
+    if not zipfile.is_zipfile(path):
         return
     try:
-        with zipfile.ZipFile(file) as archive:
+        with zipfile.ZipFile(path) as archive:
             records = archive.infolist()
             damaged = None if all(i.CRC == 0 for i in records) else archive.testzip()
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError) as err:
@@ -520,7 +515,6 @@ def verify_archive(path: str | Path) -> None:
             f"{str(path)!r} is damaged: record {damaged!r} does not match its stored CRC-32 "
             "checksum (bytes changed on disk or in a copy); use an intact copy of the file"
         )
-    _VERIFIED.add(key)
 
 
 def load_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
