@@ -1,9 +1,7 @@
 """A monitored key the LightningModule never logs ends the run in one line, not Lightning's 85.
 
-Each key is judged where Lightning's own callbacks judge it, so what plain Lightning trains
-trains here too: at the end of the first real validation (not the sanity check), before the
-checkpoint callback, every callback's key; at the end of a training epoch with no validation
-before it, where Lightning's ModelCheckpoint only warns, one warning that no best is kept.
+Each key is judged where Lightning's own callbacks judge it: at the end of the first real
+validation, before the checkpoint callback; without validation, one warning that no best is kept.
 Scheduler keys that name training figures are left to Lightning.
 """
 
@@ -17,7 +15,6 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from runkit import compat
 from runkit.errors import RunError
 
 log = logging.getLogger(__name__)
@@ -31,7 +28,6 @@ class MonitoredKeysCheck(Callback):
     def __init__(self, settings: Mapping[str, str] | None = None) -> None:
         self.settings = dict(settings or {})
         self._checked, self._warned = False, False
-        compat.skip_unused_batch_hooks(self)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or self._checked:
