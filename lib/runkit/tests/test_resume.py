@@ -143,14 +143,13 @@ def test_resume_is_bit_identical_at_epoch_end_and_mid_epoch(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("phase", ["validation", "train"])
 def test_a_stop_resumes_as_if_never_stopped(
-    cli: CliRunner, log_dir: Path, straight: Path, zoo: None, phase: str
+    cli: CliRunner, log_dir: Path, straight: Path, zoo: None
 ) -> None:
-    """SIGTERM in epoch 2's validation or mid-way through its training batches, then the printed
-    resume: the same rows (no NaN or zero epoch), weights, buffers and best checkpoint."""
-    stop = stop_in(phase, 2, batch=6 if phase == "train" else 1)
-    stopped = cli("train", *EXACT, "trainer.max_epochs=4", *stop)
+    """SIGTERM in epoch 2's validation, then the printed resume: the same rows (no NaN or zero
+    epoch), weights, buffers and best checkpoint (a stop mid-way through training batches:
+    test_a_users_datamodule_resumes_bit_identically)."""
+    stopped = cli("train", *EXACT, "trainer.max_epochs=4", *stop_in("validation", 2))
     assert stopped.returncode == 143, stopped.stderr[-2000:]
     (run,) = run_dirs(log_dir)
     saved = run / "checkpoints" / "interrupted.ckpt"
@@ -206,7 +205,7 @@ from runkit.safety.resume import check_fits
 class Big(pl.LightningModule):
     def __init__(self):
         super().__init__()
-        self.net = torch.nn.Linear(6000, 6000, bias=False)  # 144 MB of weights
+        self.net = torch.nn.Linear(4000, 4000, bias=False)  # 64 MB of weights
 
 model = Big()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -219,7 +218,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
 def test_the_resume_check_does_not_read_the_weights_lightning_reads_next(tmp_path: Path) -> None:
     """Checking shapes must not hold a second copy of a large model in memory."""
     path = tmp_path / "big.ckpt"
-    state = {"net.weight": torch.zeros(6000, 6000)}
+    state = {"net.weight": torch.zeros(4000, 4000)}
     torch.save({"state_dict": state, "pytorch-lightning_version": "2.6.0"}, path)
     del state
     done = subprocess.run(
@@ -228,7 +227,7 @@ def test_the_resume_check_does_not_read_the_weights_lightning_reads_next(tmp_pat
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     grown_mb = int(done.stdout.split()[-1])
-    assert grown_mb < 40, f"the check raised the peak memory by {grown_mb} MB"
+    assert grown_mb < 32, f"the check raised the peak memory by {grown_mb} MB"
 
 
 class Stream(torch.utils.data.IterableDataset):
