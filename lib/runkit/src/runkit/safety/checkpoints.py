@@ -97,7 +97,8 @@ class _ErrorKeepingFile:
     """Keeps a write's ``OSError`` (``torch.save`` raises an opaque ``RuntimeError``)."""
 
     def __init__(self, handle: IO[bytes]) -> None:
-        self.handle, self.error = handle, None
+        self.handle: IO[bytes] = handle
+        self.error: OSError | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.handle, name)
