@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 from fsspec.utils import get_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 
+from runkit import compat
 from runkit.safety.checkpoints import atomic_link, is_checkpoint
 from runkit.safety.resume import run_dir_of
 
@@ -37,6 +38,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
         self._every_steps: int = given.get("every_n_train_steps") or 0
         self._last_step = -1
         self._resuming: pl.Trainer | None = None
+        compat.skip_unused_batch_hooks(self)
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: Any, *args: Any) -> None:
         due = self._every_steps > 0 and trainer.global_step % self._every_steps == 0

@@ -15,6 +15,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from runkit import compat
 from runkit.errors import RunError
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ class MonitoredKeysCheck(Callback):
     def __init__(self, settings: Mapping[str, str] | None = None) -> None:
         self.settings = dict(settings or {})
         self._checked, self._warned = False, False
+        compat.skip_unused_batch_hooks(self)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or self._checked:

@@ -80,6 +80,7 @@ class ResumeState(Callback):
         self.resumed_from: Path | None = None
         self._pending: dict[str, Any] | None = None  # generators' state to put back mid-epoch
         self._seeded_epoch: int | None = None
+        compat.skip_unused_batch_hooks(self)
 
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "rng": rng_state()}
