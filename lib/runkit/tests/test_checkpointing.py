@@ -178,15 +178,13 @@ def test_checkpoint_with_one_changed_bit_is_refused_on_every_load_path(tmp_path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("task", ["eval", "train"])
-def test_cli_refuses_a_checkpoint_with_one_changed_bit(
-    tmp_path: Path, cli: CliRunner, task: str
-) -> None:
+def test_cli_refuses_a_checkpoint_with_one_changed_bit(tmp_path: Path, cli: CliRunner) -> None:
+    """Train's refusal (eval's one-line refusal path: test_untrusted_files)."""
     path = tmp_path / "from a colleague" / "epoch_004.ckpt"
     AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.randn(64, 64)}}, path)
     change_one_tensor_byte(path)
     before = path.read_bytes()
-    done = cli(task, f'ckpt_path="{path}"')  # logs under tmp_path/logs
+    done = cli("train", f'ckpt_path="{path}"')  # logs under tmp_path/logs
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
     line = last_line(done.stderr)
@@ -975,26 +973,6 @@ def test_remote_checkpoints_and_storage_options_keep_lightnings_way(
     assert torch.equal(AtomicCheckpointIO().load_checkpoint(remote)["w"], torch.arange(3))
 
 
-def test_verify_archive_checks_a_file_once_per_version(
-    folder: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    path = save_weights(small_net(), folder / "model.pth")
-    opened: list[Any] = []
-    real = zipfile.ZipFile
-
-    def counting(*args: Any, **kwargs: Any) -> zipfile.ZipFile:
-        opened.append(args[0])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(zipfile, "ZipFile", counting)
-    verify_archive(path)
-    verify_archive(path)
-    assert len(opened) == 1
-    save_weights(MLP(in_features=4, hidden=[5], num_classes=2), path)  # a new version
-    verify_archive(path)
-    assert len(opened) == 2
-
-
 def test_loads_are_verified_and_mapped(base: Path) -> None:
     folder = case(base, "0")
     info = raised(RunError, lambda: verify_archive(folder / "nowhere.pth"))
@@ -1025,19 +1003,7 @@ def test_loads_are_verified_and_mapped(base: Path) -> None:
     assert torch.equal(AtomicCheckpointIO().load_checkpoint(path)["w"], torch.arange(3))
 
 
-def test_a_live_writers_process_is_only_looked_at(monkeypatch: pytest.MonkeyPatch) -> None:
-    code = "import signal, time; signal.signal(signal.SIGHUP, signal.SIG_DFL); print('ready', "
-    writer = subprocess.Popen([sys.executable, "-c", code + "flush=True); time.sleep(60)"],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
-    assert writer.stdout is not None and writer.stdout.readline() == "ready\n"
-    try:
-        assert checkpointing._alive(writer.pid)
-        with pytest.raises(subprocess.TimeoutExpired):
-            writer.wait(timeout=0.5)  # no signal reached it
-    finally:
-        writer.kill()
-        writer.wait()
-
+def test_another_users_writer_is_alive(monkeypatch: pytest.MonkeyPatch) -> None:
     def not_ours(pid: int, signal: int) -> None:
         raise PermissionError(errno.EPERM, "Operation not permitted")
 
@@ -1214,15 +1180,7 @@ def test_sharded_checkpoint_directories(base: Path) -> None:
     )
 
 
-def test_sharded_checkpoint_directories_are_staged_and_swapped_in(base: Path) -> None:
-    folder = case(base, "1")
-    a, b = folder / "a", folder / "b"
-    for path in (a, b):
-        path.mkdir()
-        (path / "x").write_text(path.name)
-    assert checkpointing._exchange(a, b)
-    assert (a / "x").read_text() == "b" and (b / "x").read_text() == "a"
-    assert not checkpointing._exchange(a, folder / "missing")
+def test_sharded_checkpoint_directories_are_staged(base: Path) -> None:
     folder = case(base, "2")
     target = folder / "a b" / "last.ckpt"
     staging = checkpointing.new_staging_dir(target)

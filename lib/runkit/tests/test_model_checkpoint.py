@@ -76,6 +76,23 @@ def test_last_ckpt_follows_each_save_point_during_the_run(tmp_path: Path, save_t
     assert seen == [None, 0, 1]
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"monitor": None, "every_n_epochs": 2},
+        {"monitor": "val/loss", "save_top_k": 2},
+        {"monitor": None, "every_n_train_steps": 2, "save_top_k": -1},
+        {"monitor": "val/acc", "mode": "max", "save_on_train_epoch_end": True},
+    ],
+)
+def test_the_files_after_fit_are_lightnings_own(tmp_path: Path, args: dict[str, Any]) -> None:
+    """The same arguments keep the same files as Lightning's ModelCheckpoint (and last.ckpt)."""
+    for callback_class in (ModelCheckpoint, LightningModelCheckpoint):
+        fit(tmp_path / callback_class.__module__, 3, 2, callback_class=callback_class, **args)
+    ours, theirs = (sorted(p.name for p in d.iterdir()) for d in sorted(tmp_path.iterdir()))
+    assert ours == theirs and "last.ckpt" in ours
+
+
 def counted_saves(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """One entry per ``torch.save`` from now on."""
     saves: list[str] = []

@@ -1,9 +1,10 @@
 """Saving and loading model state: crash-safe writes, integrity checks, ``model.pth``, networks.
 
-``model.pth`` is a plain ``state_dict`` of the module's ``net`` when that holds every weight, else
-of the whole module (:func:`exported_part`). ``*.ckpt`` files carry the whole training state. Both
-load with ``weights_only=True`` after their zip CRCs are checked (torch does not check them). A
-network is rebuilt from a file's config only through trusted ``_target_``s (:mod:`.trusted`).
+``*.ckpt`` files carry the whole training state, ``model.pth`` a plain ``state_dict`` of
+:func:`exported_part`. Both load with ``weights_only=True`` after their zip CRCs are checked (torch
+does not check them). A network is rebuilt from a file's config only through trusted
+``_target_``s (:mod:`.trusted`). ``trainer=fsdp`` saves a directory of shards with a
+``manifest.json`` (sizes and CRC-32s) written last.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ MANIFEST_FILE = "manifest.json"
 _HOST = f"{zlib.crc32(socket.gethostname().encode()):08x}"
 _TEMP = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)-(?P<host>[0-9a-f]{8})-[0-9a-f]{8}\.tmp")
 _FOREIGN_TEMP_AGE_S = 24 * 3600
+_PASS = "pass a .ckpt file, a model.pth, a run directory or 'last'"
 
 
 class FileWriteError(EnvironmentFailure):
@@ -56,17 +58,19 @@ class CheckpointSaveError(FileWriteError):
     """A checkpoint could not be written; the message names the last good checkpoint."""
 
 
+class NoRunConfig(RunError):
+    """A weights file with no run config inside it or beside it."""
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint I/O with crash-safe local writes (Lightning stages them in
-    ``$TMPDIR``: a full ``/tmp`` fails them, a cross-device move is not atomic) and verified,
-    ``weights_only`` loads; remote paths keep Lightning's way."""
+    """Lightning's checkpoint I/O with crash-safe local writes beside the target (Lightning stages
+    them in ``$TMPDIR``) and verified ``weights_only`` loads; remote paths keep Lightning's way."""
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
     ) -> None:
         if storage_options is not None or get_protocol(str(path)) != "file":
-            super().save_checkpoint(checkpoint, path, storage_options=storage_options)
-            return
+            return super().save_checkpoint(checkpoint, path, storage_options=storage_options)
         target = Path(str(path).removeprefix("file://"))
         try:
             atomic_write(target, lambda handle: torch.save(checkpoint, handle))
@@ -107,14 +111,19 @@ class _ErrorKeepingFile:
             raise
 
 
+def _temporary_name(target: Path) -> Path:
+    """A fresh temporary name beside ``target``, dead writers' leftovers removed first."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(target.parent)
+    return target.parent / f".{target.name}.{os.getpid()}-{_HOST}-{secrets.token_hex(4)}.tmp"
+
+
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
     """Write a temporary file beside ``path``, fsync it, rename it over ``path``: a crash leaves
     the old file or the new one. On failure it is removed; :class:`FileWriteError` says why."""
     target = Path(path)
     kept, handle, tmp = target.is_file(), None, None
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(target.parent)
         tmp = _temporary_name(target)
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as raw:
             handle = _ErrorKeepingFile(raw)
@@ -132,10 +141,6 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
     _fsync_dir(target.parent)
 
 
-def _temporary_name(target: Path) -> Path:
-    return target.parent / f".{target.name}.{os.getpid()}-{_HOST}-{secrets.token_hex(4)}.tmp"
-
-
 def write_failure(target: Path, err: OSError, kept: bool) -> tuple[str, str]:
     """(what failed, what remains) for :class:`FileWriteError`."""
     outcome = "its previous version is unchanged" if kept else "nothing was written"
@@ -149,25 +154,22 @@ def remove_stale_temporaries(directory: Path) -> list[Path]:
     """Remove dead writers' temporaries: the pid in the name no longer runs here, or another
     machine's is a day old."""
     removed: list[Path] = []
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return removed
-    for entry in entries:
-        match = _TEMP.fullmatch(entry.name)
-        if match is None or entry.is_symlink():
-            continue
-        with contextlib.suppress(OSError):
-            if match["host"] == _HOST:
-                stale = int(match["pid"]) != os.getpid() and not _alive(int(match["pid"]))
-            else:
-                stale = time.time() - entry.stat().st_mtime > _FOREIGN_TEMP_AGE_S
-            if stale:
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path)
+    with contextlib.suppress(OSError):
+        for entry in list(os.scandir(directory)):
+            match = _TEMP.fullmatch(entry.name)
+            if match is None or entry.is_symlink():
+                continue
+            with contextlib.suppress(OSError):
+                if match["host"] == _HOST:
+                    stale = int(match["pid"]) != os.getpid() and not _alive(int(match["pid"]))
                 else:
-                    os.unlink(entry.path)
-                removed.append(Path(entry.path))
+                    stale = time.time() - entry.stat().st_mtime > _FOREIGN_TEMP_AGE_S
+                if stale:
+                    if entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.path)
+                    else:
+                        os.unlink(entry.path)
+                    removed.append(Path(entry.path))
     return removed
 
 
@@ -199,17 +201,14 @@ def atomic_link(source: str | Path, target: str | Path) -> None:
         for name in [*checkpoint_files(source), MANIFEST_FILE]:
             if (source / name).is_file():
                 atomic_link(source / name, staging / name)
-        swap_in(staging, target)
-        return
-    target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(target.parent)
+        return swap_in(staging, target)
     tmp = _temporary_name(target)
     try:
         os.link(source, tmp)
     except OSError:  # no hard links on this filesystem: copy the bytes
         with source.open("rb") as reader:
             atomic_write(target, lambda handle: shutil.copyfileobj(reader, handle, 1 << 20))
-        return
+        return None
     try:
         os.replace(tmp, target)
     except OSError as err:
@@ -222,15 +221,13 @@ def _newest(paths: Iterable[Path]) -> Path | None:
     return max(paths, key=lambda p: p.stat().st_mtime, default=None)
 
 
-def _kept(path: Path | None, none: str) -> str:
-    return f"the last good checkpoint is {str(path)!r}" if path else none
-
-
-def last_good_checkpoint(directory: Path, prefer: Path | None = None) -> str:
+def last_good_checkpoint(directory: Path, prefer: Path | None = None, none: str = "") -> str:
     """Which checkpoint survives in ``directory``: ``prefer`` if it exists, else the newest."""
     if prefer is None or not is_checkpoint(prefer):
-        prefer = _newest(p for p in Path(directory).glob("*.ckpt") if is_checkpoint(p))
-    return _kept(prefer, "no checkpoint was kept before it")
+        prefer = _newest(p for p in Path(directory).rglob("*.ckpt") if is_checkpoint(p))
+    if prefer is None:
+        return none or "no checkpoint was kept before it"
+    return f"the last good checkpoint is {str(prefer)!r}"
 
 
 @contextlib.contextmanager
@@ -240,7 +237,11 @@ def full_disk_in_one_line(run_dir: str | Path) -> Iterator[None]:
     try:
         yield
     except Exception as err:
-        chain = _chain(err)
+        chain: list[BaseException] = []
+        current: BaseException | None = err
+        while current is not None and current not in chain:
+            chain.append(current)
+            current = current.__cause__ or current.__context__
         ours = next((e for e in chain if isinstance(e, FileWriteError)), None)
         if isinstance(ours, CheckpointSaveError):
             raise ours from None
@@ -248,18 +249,8 @@ def full_disk_in_one_line(run_dir: str | Path) -> Iterator[None]:
         failed = next((f for f in failures if isinstance(f, EnvironmentFailure)), None)
         if ours is None and failed is None:
             raise
-        newest = _newest(p for p in Path(run_dir).rglob("*.ckpt") if p.is_file())
-        kept = _kept(newest, "no checkpoint of this run was kept")
+        kept = last_good_checkpoint(Path(run_dir), none="no checkpoint of this run was kept")
         raise FileWriteError(ours.problem if ours else str(failed), kept) from err
-
-
-def _chain(err: BaseException) -> list[BaseException]:
-    chain: list[BaseException] = []
-    current: BaseException | None = err
-    while current is not None and current not in chain:
-        chain.append(current)
-        current = current.__cause__ or current.__context__
-    return chain
 
 
 def exported_part(model: nn.Module) -> nn.Module:
@@ -314,15 +305,10 @@ def save_weights(net: nn.Module, path: str | Path) -> Path:
         key: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
         for key, value in net.state_dict().items()
     }
-    if not (
-        is_sharded(net) and torch.distributed.is_initialized() and torch.distributed.get_rank()
-    ):
+    dist = torch.distributed
+    if not (is_sharded(net) and dist.is_initialized() and dist.get_rank()):
         atomic_write(path, lambda handle: torch.save(state, handle))
     return Path(path)
-
-
-# trainer=fsdp saves a directory: shards, their index (``.metadata``), ``meta.pt`` and, written
-# last, MANIFEST_FILE (sizes and CRC-32s).
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
@@ -338,8 +324,6 @@ def is_checkpoint(path: str | Path) -> bool:
 
 def new_staging_dir(target: Path) -> Path:
     """An empty directory beside ``target``, named as a temporary."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(target.parent)
     tmp = _temporary_name(target)
     tmp.mkdir()
     return tmp
@@ -395,12 +379,12 @@ def swap_in(staging: Path, target: Path) -> None:
         target.unlink()
     if not target.exists():
         os.replace(staging, target)
-    elif _exchange(staging, target):
-        shutil.rmtree(staging, ignore_errors=True)
     else:
-        aside = staging.with_name(staging.name.replace(".tmp", "") + f"-{secrets.token_hex(4)}.tmp")
-        os.replace(target, aside)
-        os.replace(staging, target)
+        aside = staging
+        if not _exchange(staging, target):
+            aside = staging.with_name(staging.name[:-4] + f"-{secrets.token_hex(4)}.tmp")
+            os.replace(target, aside)
+            os.replace(staging, target)
         shutil.rmtree(aside, ignore_errors=True)
     _fsync_dir(target.parent)
 
@@ -438,22 +422,21 @@ def damaged_files(folder: Path, names: Iterable[str] | None = None) -> str | Non
         )
     wanted = None if names is None else set(names)
     for entry in manifest:
+        path, size = folder / entry["name"], entry["size"]
         if wanted is not None and entry["name"] not in wanted:
             continue
-        path = folder / entry["name"]
         shard = f"{str(folder)!r} is damaged: shard file {entry['name']!r}"
         if not path.is_file():
             return f"{shard} is missing"
-        if path.stat().st_size != entry["size"]:
-            return (
-                f"{shard} has {path.stat().st_size} bytes, {entry['size']} were written; "
-                "use an intact copy of the checkpoint"
+        if path.stat().st_size != size:
+            problem = f"has {path.stat().st_size} bytes, {size} were written"
+        elif _crc(path) != entry["crc32"]:
+            problem = (
+                "does not match its recorded CRC-32 checksum (bytes changed on disk or in a copy)"
             )
-        if _crc(path) != entry["crc32"]:
-            return (
-                f"{shard} does not match its recorded CRC-32 checksum (bytes changed on disk or "
-                "in a copy); use an intact copy of the checkpoint"
-            )
+        else:
+            continue
+        return f"{shard} {problem}; use an intact copy of the checkpoint"
     return None
 
 
@@ -461,6 +444,23 @@ def verify_checkpoint_dir(folder: str | Path) -> None:
     problem = damaged_files(Path(folder))
     if problem:
         raise RunError(problem)
+
+
+def _tensor_index(folder: str | Path) -> tuple[Any, dict[str, Any]]:
+    """The reader of a sharded checkpoint and its index of ``state_dict`` tensors, or one line."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        reader = dcp.FileSystemReader(str(folder))
+        index = reader.read_metadata().state_dict_metadata
+    except Exception as err:
+        raise RunError(
+            f"{str(folder)!r} is not a readable sharded checkpoint: {_first(err)}"
+        ) from err
+    prefix = "state_dict."
+    return reader, {
+        k[len(prefix) :]: v for k, v in index.items() if k.startswith(prefix) and hasattr(v, "size")
+    }
 
 
 def load_sharded(folder: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
@@ -472,43 +472,22 @@ def load_sharded(folder: str | Path, map_location: Any = "cpu") -> dict[str, Any
     verify_checkpoint_dir(folder)
     meta = folder / "meta.pt"
     data = load_file(meta, map_location=map_location) if meta.is_file() else {}
-    reader = dcp.FileSystemReader(str(folder))
+    reader, index = _tensor_index(folder)
+    state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in index.items()}
     try:
-        state = {
-            f"state_dict.{key}": torch.empty(tuple(item.size), dtype=item.properties.dtype)
-            for key, item in _tensor_index(reader).items()
-        }
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, storage_reader=reader, no_dist=True)
+            dcp.load({"state_dict": state}, storage_reader=reader, no_dist=True)
     except Exception as err:
         raise RunError(
             f"{str(folder)!r} is not a readable sharded checkpoint: {_first(err)}"
         ) from err
-    data["state_dict"] = {key[len("state_dict.") :]: value for key, value in state.items()}
+    data["state_dict"] = state
     return data
 
 
 def sharded_shapes(folder: str | Path) -> dict[str, torch.Size]:
-    import torch.distributed.checkpoint as dcp
-
-    try:
-        index = _tensor_index(dcp.FileSystemReader(str(folder)))
-    except Exception as err:
-        raise RunError(f"{str(folder)!r} is not a readable sharded checkpoint: {err}") from err
-    return {key: torch.Size(item.size) for key, item in index.items()}
-
-
-def _tensor_index(reader: Any) -> dict[str, Any]:
-    index = reader.read_metadata().state_dict_metadata
-    return {
-        key[len("state_dict.") :]: item
-        for key, item in index.items()
-        if key.startswith("state_dict.") and hasattr(item, "size")
-    }
-
-
-_VERIFIED: set[tuple[int, int, int, int]] = set()  # (device, inode, size, mtime) checked already
+    return {key: torch.Size(item.size) for key, item in _tensor_index(folder)[1].items()}
 
 
 def _first(err: BaseException) -> str:
@@ -516,18 +495,16 @@ def _first(err: BaseException) -> str:
 
 
 def verify_archive(path: str | Path) -> None:
-    """Refuse, in one line, a zip archive whose records do not match their CRC-32 (once per file
-    version); legacy files and archives without CRCs pass."""
-    file = Path(path)
+    """Refuse, in one line, a zip archive whose records do not match their CRC-32; legacy files
+    and archives without CRCs pass."""
     try:
-        st = file.stat()
+        Path(path).stat()
     except OSError as err:
         raise RunError(f"cannot read {str(path)!r}: {err.strerror}") from err
-    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    if key in _VERIFIED or not zipfile.is_zipfile(file):
+    if not zipfile.is_zipfile(path):
         return
     try:
-        with zipfile.ZipFile(file) as archive:
+        with zipfile.ZipFile(path) as archive:
             records = archive.infolist()
             damaged = None if all(i.CRC == 0 for i in records) else archive.testzip()
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError) as err:
@@ -539,7 +516,6 @@ def verify_archive(path: str | Path) -> None:
             f"{str(path)!r} is damaged: record {damaged!r} does not match its stored CRC-32 "
             "checksum (bytes changed on disk or in a copy); use an intact copy of the file"
         )
-    _VERIFIED.add(key)
 
 
 def load_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
@@ -583,10 +559,6 @@ def network_state(
             f"{str(source)!r} is not a network's state_dict: {str(odd)[:60]!r} is not a tensor"
         )
     return data
-
-
-class NoRunConfig(RunError):
-    """A weights file with no run config inside it or beside it."""
 
 
 def run_config(
@@ -641,18 +613,16 @@ def state_mismatch(
 ) -> str | None:
     """How ``state`` fails to fit ``expected`` in one line (a few keys of each kind), or ``None``.
     ``built_later``: layers built in ``configure_model`` are missing from ``expected``."""
-    missing = sorted(set(expected) - set(state))
-    unexpected = [] if built_later else sorted(set(state) - set(expected))
-    mismatched = sorted(
-        k for k in set(expected) & set(state) if expected[k].shape != state[k].shape
-    )
+    kinds = {
+        "missing keys": sorted(set(expected) - set(state)),
+        "unexpected keys": [] if built_later else sorted(set(state) - set(expected)),
+        "shape mismatch": sorted(
+            k for k in set(expected) & set(state) if expected[k].shape != state[k].shape
+        ),
+    }
     details = [
         f"{label}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}"
-        for label, keys in (
-            ("missing keys", missing),
-            ("unexpected keys", unexpected),
-            ("shape mismatch", mismatched),
-        )
+        for label, keys in kinds.items()
         if keys
     ]
     return "; ".join(details) or None
@@ -735,9 +705,6 @@ def load_network(
     return net.to(device).eval()
 
 
-_PASS = "pass a .ckpt file, a model.pth, a run directory or 'last'"
-
-
 def resolve_ckpt_path(
     value: str | None, log_dir: str | Path, task_name: str = "train", tested_weights: bool = False
 ) -> Path | None:
@@ -747,8 +714,7 @@ def resolve_ckpt_path(
     if value in (None, ""):
         return None
     if value == "last":
-        runs = Path(log_dir).glob(f"{task_name}/*runs/**/checkpoints/last.ckpt")
-        path = _newest(runs)
+        path = _newest(Path(log_dir).glob(f"{task_name}/*runs/**/checkpoints/last.ckpt"))
         if path is None:
             raise RunError(
                 "ckpt_path=last found no checkpoints/last.ckpt under "

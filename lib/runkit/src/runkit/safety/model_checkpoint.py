@@ -1,14 +1,14 @@
 """Lightning's ModelCheckpoint with ``last.ckpt`` current at every save point and resumable runs.
 
-Lightning 2.6 refreshes ``last.ckpt`` only at steps that also wrote a top-k file, so it falls
-behind once the metric stops improving. Here ``save_last=True`` is handled after each public save
-hook: ``last.ckpt`` becomes a hard link (a copy without hard links) of the file Lightning just
-wrote, read from its public state, else it is saved. A resumed run writes a new directory: the
-earlier run's best files are found relative to the checkpoint resumed from and linked in.
+Lightning 2.6 refreshes ``last.ckpt`` only at steps that also wrote a top-k file. Here
+``save_last=True`` is handled after each save hook: ``last.ckpt`` becomes a hard link (else a
+copy) of the file Lightning just wrote, else it is saved. A resumed run links the earlier run's
+best files, found relative to the checkpoint resumed from, into its own directory.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -29,11 +29,12 @@ class ModelCheckpoint(LightningModelCheckpoint):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        given = inspect.signature(super().__init__).bind(*args, **kwargs).arguments
         self._own_last = self.save_last is True
         if self._own_last:
             self.save_last = False  # Lightning writes no last.ckpt: _follow does
-        self._on_epoch_end: bool | None = kwargs.get("save_on_train_epoch_end")
-        self._every_steps: int = kwargs.get("every_n_train_steps") or 0
+        self._on_epoch_end: bool | None = given.get("save_on_train_epoch_end")
+        self._every_steps: int = given.get("every_n_train_steps") or 0
         self._last_step = -1
         self._resuming: pl.Trainer | None = None
 
@@ -42,10 +43,12 @@ class ModelCheckpoint(LightningModelCheckpoint):
         self._follow(trainer, due, super().on_train_batch_end, module, *args)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        self._follow(trainer, self._epoch_due(trainer, True), super().on_train_epoch_end, module)
+        due = self._epoch_due(trainer, True)
+        self._follow(trainer, due, super().on_train_epoch_end, module)
 
     def on_validation_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        self._follow(trainer, self._epoch_due(trainer, False), super().on_validation_end, module)
+        due = self._epoch_due(trainer, False)
+        self._follow(trainer, due, super().on_validation_end, module)
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if trainer.fast_dev_run:
@@ -60,15 +63,15 @@ class ModelCheckpoint(LightningModelCheckpoint):
             self._write_last(trainer, None)
 
     def _epoch_due(self, trainer: pl.Trainer, at_epoch_end: bool) -> bool:
-        """Whether Lightning's epoch-level save point is this hook (its own rule)."""
+        """Whether this hook is Lightning's epoch-level save point (its rule, time intervals aside)."""
         if not self.every_n_epochs or (trainer.current_epoch + 1) % self.every_n_epochs:
             return False
         on_end = self._on_epoch_end
         if on_end is None:
             batches = trainer.num_val_batches
-            total = sum(batches) if isinstance(batches, list) else batches
             on_end = trainer.check_val_every_n_epoch == 1 and (
-                not total or trainer.val_check_interval == 1.0
+                not (sum(batches) if isinstance(batches, list) else batches)
+                or trainer.val_check_interval == 1.0
             )
         return on_end == at_epoch_end
 

@@ -1,9 +1,7 @@
 """A monitored key the LightningModule never logs ends the run in one line, not Lightning's 85.
 
-Each key is judged where Lightning's own callbacks judge it, so what plain Lightning trains
-trains here too: at the end of the first real validation (not the sanity check), before the
-checkpoint callback, every callback's key; at the end of a training epoch with no validation
-before it, where Lightning's ModelCheckpoint only warns, one warning that no best is kept.
+Each key is judged where Lightning's own callbacks judge it: at the end of the first real
+validation, before the checkpoint callback; without validation, one warning that no best is kept.
 Scheduler keys that name training figures are left to Lightning.
 """
 

@@ -110,6 +110,7 @@ class ResumeState(Callback):
             self._seed_epoch(trainer)
 
     def _seed_epoch(self, trainer: Trainer) -> None:
+        """Seed the global generators and the loaders' own from ``(seed, epoch)``."""
         epoch = trainer.current_epoch
         reseed(epoch_seed(self.seed, epoch))
         for loader in _train_loaders(trainer):
@@ -146,9 +147,7 @@ _NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch 
 
 
 def _stateful(loader: Any) -> bool:
-    return callable(getattr(loader, "state_dict", None)) and callable(
-        getattr(loader, "load_state_dict", None)
-    )
+    return all(callable(getattr(loader, f, None)) for f in ("state_dict", "load_state_dict"))
 
 
 def _train_loaders(trainer: Trainer) -> list[Any]:
@@ -171,18 +170,18 @@ def _say_what_differs(loaders: list[Any], epoch: int, done: int) -> None:
     """One line when the resumed epoch's data can differ: an IterableDataset without state."""
     iterable = [dl for dl in loaders if isinstance(getattr(dl, "dataset", None), IterableDataset)]
     names = ", ".join(type(dl.dataset).__name__ for dl in iterable if not _stateful(dl))
-    if not names:
-        return
-    where = f"its first {done} batches are read again and dropped; " if done else ""
-    log.warning(
-        "Resuming epoch %d: the training data (%s) is an IterableDataset without "
-        "state_dict/load_state_dict, so the epoch's stream starts again from its beginning (%s"
-        "the batches after that are the uninterrupted run's only if the stream depends on "
-        "nothing but torch's global generator, which is seeded per epoch)",
-        epoch,
-        names,
-        where,
-    )
+    if names:
+        log.warning(
+            "Resuming epoch %d: the training data (%s) is an IterableDataset without "
+            "state_dict/load_state_dict, so the epoch's stream starts again from its beginning "
+            "(%sthe batches after that are the uninterrupted run's only if the stream depends on "
+            "nothing but torch's global generator, which is seeded per epoch)",
+            *(
+                epoch,
+                names,
+                f"its first {done} batches are read again and dropped; " if done else "",
+            ),
+        )
 
 
 def continue_logs(trainer: Trainer, earlier: Path) -> None:

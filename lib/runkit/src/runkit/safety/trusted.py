@@ -97,16 +97,13 @@ def _check_target(
 
 
 def _locate(path: str) -> Any:
-    """The object ``path`` names, as ``instantiate`` finds it."""
+    """The object ``path`` names, as ``instantiate`` finds it (importing modules as it goes)."""
     parts = path.split(".")
     obj = importlib.import_module(parts[0])
     for index, part in enumerate(parts[1:], start=1):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            if not isinstance(obj, ModuleType):
-                raise
-            obj = importlib.import_module(".".join(parts[: index + 1]))
+        if not hasattr(obj, part) and isinstance(obj, ModuleType):
+            importlib.import_module(".".join(parts[: index + 1]))
+        obj = getattr(obj, part)
     return obj
 
 
