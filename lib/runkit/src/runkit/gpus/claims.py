@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from runkit.gpus import nvml
-from runkit.gpus.inventory import forget_readings
+from runkit.gpus.inventory import DeviceError, Gpu, Inventory, forget_readings
 from runkit.gpus.reader import DeviceReader
-from runkit.gpus.records import DeviceError, Gpu, Inventory
 
 log = logging.getLogger(__name__)
 STATUS_EVERY_S, POLL_S, SAMPLE_EVERY_S = 60.0, 2.0, 0.2  # waiting: log, pause; window: spacing

@@ -12,8 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from runkit.gpus.inventory import collect_inventory, probe_torch
-from runkit.gpus.records import Gpu, Inventory
+from runkit.gpus.inventory import Gpu, Inventory, collect_inventory, probe_torch
 
 DEFAULT_WATCH_S, MIN_WATCH_S = 2.0, 0.1
 JSON_SCHEMA_VERSION = 1  # bumped when a key of the JSON changes meaning or goes away

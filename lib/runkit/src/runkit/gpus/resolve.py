@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runkit.gpus import claims
-from runkit.gpus.inventory import cached_inventory
-from runkit.gpus.records import DeviceError, Gpu, Inventory, no_gpu_reason
+from runkit.gpus.inventory import DeviceError, Gpu, Inventory, cached_inventory, no_gpu_reason
 
 SELECTION_ENV = "RUNKIT_GPU_SELECTION"  # rank 0's least_used choice, inherited by its DDP ranks
 SELECT_CHOICES = ("first", "least_used")  # the values of select_gpus
