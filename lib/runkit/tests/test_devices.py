@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import FAST, compose_train, run_dirs
+from conftest import FAST, run_dirs
 from runkit.errors import RunError
 from runkit.gpus import claims, nvml
 from runkit.gpus import inventory as inventory_module
@@ -589,7 +589,7 @@ ACCELERATOR = object()  # an Accelerator instance passes through
 def test_what_the_trainer_gets(accelerator, devices, inv, kwargs, gpus, message):
     plan = resolve_devices(accelerator, devices, inventory=inv)
     assert plan.trainer_kwargs() == dict(zip(("accelerator", "devices"), kwargs, strict=True))
-    assert uuids(plan.gpus) == gpus and plan.message == message and plan.selected is None
+    assert uuids(plan.gpus) == gpus and plan.message == message
 
 
 def test_resolve_devices_defaults_to_auto_and_hands_out_fresh_lists():
@@ -643,7 +643,7 @@ def test_least_used_is_left_to_the_run_which_measures_and_claims(devices, chosen
     environ: dict[str, str] = {}  # the measured choice: test_gpu_claims (wait_and_claim)
     plan = resolve_devices("gpu", devices, select="least_used", inventory=machine(3), environ=environ)  # fmt: skip
     assert plan.trainer_kwargs() == {"accelerator": "gpu", "devices": chosen}
-    assert plan.selected == tuple(chosen) and uuids(plan.gpus) == [f"GPU-{i:04d}" for i in chosen]
+    assert uuids(plan.gpus) == [f"GPU-{i:04d}" for i in chosen]
     assert environ == {}  # deciding changes nothing; the run hands its choice on
     assert json.loads(plan.handoff) == {
         "pid": os.getpid(), "request": f"devices={len(chosen)} CUDA_VISIBLE_DEVICES=None", "gpus": chosen,
@@ -666,7 +666,7 @@ def test_a_ddp_child_reuses_rank_zero_choice_despite_different_load():
     for accelerator in ("gpu", "cuda"):
         child = resolve_devices(accelerator, 2, select="least_used", inventory=moved, environ=rank0([1, 2]))  # fmt: skip
         assert child.trainer_kwargs() == {"accelerator": accelerator, "devices": [1, 2]}
-        assert child.selected == (1, 2) and uuids(child.gpus) == ["GPU-0001", "GPU-0002"]
+        assert uuids(child.gpus) == ["GPU-0001", "GPU-0002"]
         assert child.message == "GPUs chosen by rank 0 (least used): [1, 2]"
         assert child.handoff is None  # a child hands nothing further
     # Sequential runs in one process (Hydra multirun) leave LOCAL_RANK=0 and their own record.
@@ -720,14 +720,13 @@ def gpu_box(monkeypatch, tmp_path, use_fake):
 
 @pytest.mark.parametrize("select", ["first", "least_used"])
 def test_checks_change_nothing_and_only_the_run_claims_and_hands_over(gpu_box, select):
-    from runkit.run.preflight import check_config
+    from runkit.run.preflight import check_devices
 
-    cfg = compose_train("trainer.accelerator=gpu", "trainer.devices=2", f"select_gpus={select}")
-    ours = lambda: {k: v for k, v in os.environ.items() if k.startswith("PROJECT_")}  # noqa: E731
-    before = ours()
-    check_config(cfg)  # the preflight Hydra callback, then again in the job
-    check_config(cfg)
-    assert ours() == before and claims.claimed_uuids() == ()
+    cfg = OmegaConf.create({"trainer": {"accelerator": "gpu", "devices": 2}, "select_gpus": select})
+    before = dict(os.environ)
+    check_devices(cfg)  # the preflight Hydra callback, then again in the job
+    check_devices(cfg)
+    assert dict(os.environ) == before and claims.claimed_uuids() == ()
     assert gpu_box.calls["nvmlInit"] == 1  # NVML read once per job
     environ: dict[str, str] = {}
     plan = resolve_for_run("gpu", 2, select=select, policy=QUICK, environ=environ)
