@@ -5,6 +5,7 @@ UUID prefixes, ``+1``, PCI bus order and the R570 MIG rule, and cannot read the 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -383,24 +384,22 @@ def collect_inventory(
     return build_inventory(torch_info=torch_info, env=env, **_reading(detail))
 
 
-_last: tuple[Any, dict[str, Any]] | None = None  # the last reading: (library, reading)
+@functools.lru_cache(maxsize=1)
+def _kept_reading(lib: Any) -> dict[str, Any]:
+    return _reading(IDENTITY)
 
 
 def cached_inventory() -> Inventory:
     """The inventory device resolution uses: NVML read once per job (until
     :func:`forget_readings`, or for another library); torch's count and ``CUDA_VISIBLE_DEVICES``
     are looked at afresh (NVML's GPU list does not depend on them)."""
-    global _last
     try:
         lib = nvml.load_library()
     except nvml.NvmlUnavailable:
         lib = None
-    if _last is None or _last[0] is not lib:
-        _last = (lib, _reading(IDENTITY))
-    return build_inventory(torch_info=probe_torch(uuids=False), **_last[1])
+    return build_inventory(torch_info=probe_torch(uuids=False), **_kept_reading(lib))
 
 
 def forget_readings() -> None:
     """Drop the reading :func:`cached_inventory` keeps: the next call reads NVML again."""
-    global _last
-    _last = None
+    _kept_reading.cache_clear()
