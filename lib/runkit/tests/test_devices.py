@@ -165,6 +165,11 @@ def test_one_uuid_spelling_finds_gpus_and_mig_slices(fake):
             handle, nvml_uuid = nvml.find_handle(lib, given)
             assert nvml_uuid == expected == lib.nvmlDeviceGetUUID(handle), given
         assert nvml.find_handle(lib, "GPU-0000") is None
+        assert nvml.optional(lib, "no_such_query") is None  # not even in these bindings
+    twins = FakeNvml([FakeGpu(uuid="GPU-abc", mig=[FakeGpu(uuid="MIG-abc")])])  # one bare UUID
+    twins.nvmlInit()
+    found = [nvml.find_handle(twins, u)[1] for u in ("abc", " mig-ABC", "GPU-abc", "MIG-abc")]
+    assert found == ["GPU-abc", "MIG-abc", "GPU-abc", "MIG-abc"]
     assert nvml.bare_uuid(" MIG-ABC ") == nvml.bare_uuid("abc") == "abc"
 
 
@@ -745,8 +750,11 @@ def test_checks_change_nothing_and_only_the_run_claims_and_hands_over(gpu_box, s
 
 
 def test_the_end_of_a_job_gives_back_its_gpus_and_the_next_job_measures_anew(gpu_box, monkeypatch):
-    assert resolve_for_run("gpu", 1, select="least_used", policy=QUICK, environ={}).devices == [1]
-    assert claims.claimed_uuids() == (UUID1,)
+    monkeypatch.setenv(SELECTION_ENV, "")  # by default the choice goes to os.environ
+    assert resolve_for_run("gpu", 1, select="least_used", policy=QUICK).devices == [1]
+    assert claims.claimed_uuids() == (UUID1,) and json.loads(os.environ[SELECTION_ENV])["gpus"] == [
+        1
+    ]
     gpu_box.gpus[1].memory_used = 70 * GIB  # between two jobs of a sweep the load moves
     claims.finish_job()  # what the Hydra entry point does after every job
     assert claims.claimed_uuids() == ()

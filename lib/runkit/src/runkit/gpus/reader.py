@@ -50,19 +50,15 @@ class DeviceReader:
     sm_clock_mhz = _query("nvmlDeviceGetClockInfo", float, "NVML_CLOCK_SM")
     energy_mj = _query("nvmlDeviceGetTotalEnergyConsumption")
     fan_pct = _query("nvmlDeviceGetFanSpeed")
-    pci_bus_id = _query("nvmlDeviceGetPciInfo", lambda info: nvml.as_text(info.busId))
-    memory = _query(  # total, used, free
-        "nvmlDeviceGetMemoryInfo", lambda m: (int(m.total), int(m.used), int(m.free)), board=False
-    )
-    utilization = _query(  # GPU, memory
-        "nvmlDeviceGetUtilizationRates", lambda u: (int(u.gpu), int(u.memory)), board=False
-    )
     ecc_uncorrected = _query(
         "nvmlDeviceGetTotalEccErrors",
         float,
         "NVML_MEMORY_ERROR_TYPE_UNCORRECTED",
         "NVML_VOLATILE_ECC",
     )
+
+    def pci_bus_id(self) -> str:
+        return nvml.as_text(self.lib.nvmlDeviceGetPciInfo(self.board).busId)
 
     def mig_enabled(self) -> bool:
         mode = self.lib.nvmlDeviceGetMigMode(self.board)
@@ -76,6 +72,14 @@ class DeviceReader:
             for slot in range(count or 0)
         ]
         return [(slot, DeviceReader(lib, c, self.board)) for slot, c in children if c is not None]
+
+    def memory(self) -> tuple[int, int, int]:
+        info = self.lib.nvmlDeviceGetMemoryInfo(self.handle)
+        return int(info.total), int(info.used), int(info.free)
+
+    def utilization(self) -> tuple[int, int]:
+        rates = self.lib.nvmlDeviceGetUtilizationRates(self.handle)
+        return int(rates.gpu), int(rates.memory)
 
     def compute_processes(self, kind: str = "Compute") -> list[tuple[int, int | None]]:
         """``(pid, used bytes or None)`` of every process computing (or ``kind="Graphics"``)."""
