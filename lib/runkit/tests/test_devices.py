@@ -295,6 +295,7 @@ NOT_GPU = "is not of the list's kind (GPU- UUIDs, set by its first entry)"
     ("value", "notes"),
     [
         ("0,2,-1,1", [invalid("-1", "names no GPU here", "-1,1")]),
+        ("GPU-nope", [invalid("GPU-nope", "names no GPU here", "GPU-nope")]),
         (f"{UUID2},GPU-aaaa", [invalid("GPU-aaaa", "matches more than one GPU", "GPU-aaaa")]),
         ("1,GPU-aaaa", [invalid("GPU-aaaa", NOT_INDICES, "GPU-aaaa")]),
         (f"0,{MIG30}", [invalid(MIG30, NOT_INDICES, MIG30)]),

@@ -231,9 +231,13 @@ def test_the_lock_directory_is_the_given_one_or_the_users_own(temp_dir, tmp_path
 
 
 def test_a_lock_dir_that_cannot_be_used_is_refused_and_kept(temp_dir, monkeypatch):
-    # a file where gpu_lock_dir names a directory: test_damaged_files (png lock directory)
     taken = temp_dir / "locks é"
     taken.write_text("mine")
+    assert refused(claims.lock_dir_for, SelectionPolicy(lock_dir=str(taken))) == (
+        f"gpu_lock_dir={str(taken)!r} cannot be created ({os.strerror(errno.EEXIST)}); "
+        "give a writable directory or null"
+    )
+    assert taken.read_text() == "mine"
     path = temp_dir / f"runkit-gpu-locks-{os.getuid()}"
     (temp_dir / "elsewhere").mkdir()
     path.symlink_to(temp_dir / "elsewhere")
