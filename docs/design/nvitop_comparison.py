@@ -90,7 +90,6 @@ nvml = _first_module("runkit.gpus.nvml", "project.nvml")
 fake_nvml = _first_module("runkit.testing.fake_nvml", "project.testing.fake_nvml")
 devices = _merged(
     "runkit.gpus.inventory",
-    "runkit.gpus.records",
     "runkit.gpus.resolve",
     "runkit.gpus.claims",
     "runkit.gpus.visible",

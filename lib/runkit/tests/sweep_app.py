@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 import runkit
 from runkit.gpus import inventory
 from runkit.gpus.claims import SelectionPolicy
-from runkit.gpus.records import TorchCuda
+from runkit.gpus.inventory import TorchCuda
 from runkit.gpus.resolve import resolve_for_run
 from runkit.safety import signals
 

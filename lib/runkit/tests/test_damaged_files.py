@@ -22,8 +22,7 @@ from conftest import FAST, CliRunner, clean_env, run_dirs
 from runkit import plots
 from runkit.gpus import claims, nvml
 from runkit.gpus.claims import SelectionPolicy
-from runkit.gpus.inventory import collect_inventory
-from runkit.gpus.records import DeviceError, TorchCuda
+from runkit.gpus.inventory import DeviceError, TorchCuda, collect_inventory
 from runkit.testing.fake_nvml import FakeGpu, FakeNvml
 
 PNG = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x01"

@@ -16,9 +16,17 @@ from rich.console import Console
 
 import prewarmed
 from runkit.gpus import inventory, listing, nvml
-from runkit.gpus.inventory import build_inventory, collect_inventory, read_nvml
+from runkit.gpus.inventory import (
+    Gpu,
+    GpuProcess,
+    Inventory,
+    TorchCuda,
+    apply_visible_devices,
+    build_inventory,
+    collect_inventory,
+    read_nvml,
+)
 from runkit.gpus.listing import main
-from runkit.gpus.records import Gpu, GpuProcess, Inventory, TorchCuda, apply_visible_devices
 from runkit.testing.fake_nvml import GIB, FakeClock, FakeGpu, FakeNvml, FakeProcess
 
 UUID0 = "GPU-aaaa1111-1111-1111-1111-111111111111"

@@ -24,8 +24,7 @@ import pytest
 from runkit.errors import RunError
 from runkit.gpus import claims, nvml
 from runkit.gpus.claims import Load, SelectionPolicy, judge, policy_from_config, rank_by_load
-from runkit.gpus.inventory import collect_inventory
-from runkit.gpus.records import TorchCuda
+from runkit.gpus.inventory import TorchCuda, collect_inventory
 from runkit.gpus.resolve import DeviceError
 from runkit.testing.fake_nvml import GIB, FakeClock, FakeGpu, FakeNvml, nvml_error
 
@@ -516,7 +515,7 @@ LAUNCH = textwrap.dedent(
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     from runkit.gpus import inventory
     from runkit.gpus.claims import SelectionPolicy
-    from runkit.gpus.records import TorchCuda
+    from runkit.gpus.inventory import TorchCuda
     from runkit.gpus.resolve import resolve_for_run
 
     devices, hold_s, lock_dir, go = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4]

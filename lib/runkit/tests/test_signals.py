@@ -909,7 +909,7 @@ def test_a_hang_up_with_the_terminal_gone_saves_like_sigterm_and_exits_129(
 
 
 FAKE_CUDA = """from runkit.gpus import inventory
-from runkit.gpus.records import TorchCuda
+from runkit.gpus.inventory import TorchCuda
 inventory.probe_torch = lambda uuids=True: TorchCuda(True, 2)  # test only: two CUDA devices
 """
 

@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from runkit.gpus import nvml
-from runkit.gpus.inventory import forget_readings
+from runkit.gpus.inventory import DeviceError, Gpu, Inventory, forget_readings
 from runkit.gpus.reader import DeviceReader
-from runkit.gpus.records import DeviceError, Gpu, Inventory
 
 log = logging.getLogger(__name__)
 STATUS_EVERY_S, POLL_S, SAMPLE_EVERY_S = 60.0, 2.0, 0.2  # waiting: log, pause; window: spacing
@@ -50,7 +49,7 @@ _KEYS = {
     "gpu_min_free_gib": ("min_free_gib", 0.0, math.inf, "a number of GiB >= 0"),
     "gpu_max_util": ("max_util_percent", 0.0, 100.0, "a percentage from 0 to 100"),
     "gpu_wait_s": ("wait_s", 0.0, math.inf, "a number of seconds >= 0"),
-    "gpu_util_window_s": ("util_window_s", 0.0, 60.0, "a number of seconds > 0 and <= 60"),
+    "gpu_util_window_s": ("util_window_s", 1e-9, 60.0, "a number of seconds > 0 and <= 60"),
 }
 
 
@@ -61,9 +60,7 @@ def policy_from_config(cfg: Mapping[str, Any]) -> SelectionPolicy:
         if (value := cfg.get(key)) is None:
             continue
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not (number and math.isfinite(value) and low <= value <= high) or (
-            key == "gpu_util_window_s" and value == 0
-        ):
+        if not (number and math.isfinite(value) and low <= value <= high):
             raise DeviceError(f"{key}={value!r} is invalid; expected {accepted}")
         values[field] = float(value)
     lock_dir = cfg.get("gpu_lock_dir")
@@ -89,10 +86,9 @@ class Load:
 
 def _reader(lib: Any, uuid: str) -> DeviceReader | str:
     """A reader of the device with ``uuid``, or why there is none."""
-    if (found := nvml.find_handle(lib, uuid)) is None:
-        return "NVML knows no such GPU"
     try:
-        return DeviceReader.open(lib, found[0])
+        found = nvml.find_handle(lib, uuid)
+        return DeviceReader.open(lib, found[0]) if found else "NVML knows no such GPU"
     except lib.NVMLError as err:
         return str(err)
 

@@ -5,6 +5,7 @@ GPUs by NVML index, not as ``cuda:N`` for this process, and cannot be pointed at
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -12,14 +13,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from runkit.gpus.inventory import collect_inventory, probe_torch
-from runkit.gpus.records import Gpu, Inventory
+from runkit.gpus.inventory import Gpu, Inventory, collect_inventory, probe_torch
 
 DEFAULT_WATCH_S, MIN_WATCH_S = 2.0, 0.1
 JSON_SCHEMA_VERSION = 1  # bumped when a key of the JSON changes meaning or goes away
-_GPU_KEYS = ("nvml_index", "name", "uuid", "mig", "parent_uuid", "memory_used_mib")
-_GPU_KEYS += ("memory_total_mib", "memory_free_mib", "utilization_percent", "temperature_c")
-_GPU_KEYS += ("power_w", "power_limit_w")
+_GPU_KEYS = "nvml_index name uuid is_mig parent_uuid memory_used_mib memory_total_mib "
+_GPU_KEYS += "memory_free_mib utilization_percent temperature_c power_w power_limit_w"
 _MAPPING_TEXT = {
     "torch-uuid": "cuda:N matched to NVML by UUID (torch)",
     "env-rules": "cuda:N worked out by CUDA's CUDA_VISIBLE_DEVICES/CUDA_DEVICE_ORDER rules",
@@ -29,9 +28,8 @@ _MAPPING_TEXT = {
 
 
 def _gpu_json(gpu: Gpu, index: int | None) -> dict[str, Any]:
-    doc = {"index": index, **{k: getattr(gpu, "is_mig" if k == "mig" else k) for k in _GPU_KEYS}}
-    doc["processes"] = [vars(p) for p in gpu.processes]
-    return doc
+    doc = {"index": index, **{k.removeprefix("is_"): getattr(gpu, k) for k in _GPU_KEYS.split()}}
+    return {**doc, "processes": [vars(p) for p in gpu.processes]}
 
 
 def inventory_to_json(inv: Inventory) -> dict[str, Any]:
@@ -62,21 +60,17 @@ def _fmt(value: Any, unit: str = "") -> str:
 
 
 def _row(i: int, g: Gpu) -> list[str]:
-    nvml_idx = _fmt(g.nvml_index) + (f" MIG {g.mig_index}" if g.is_mig else "")
-    power = _fmt(g.power_w, " W") + (
-        "" if g.power_limit_w is None else f" / {g.power_limit_w:.0f} W"
-    )
-    memory = (
-        "-"
-        if g.memory_total_mib is None
-        else f"{_fmt(g.memory_used_mib)} / {g.memory_total_mib} MiB"
-    )
+    total, limit = g.memory_total_mib, g.power_limit_w
     procs = ", ".join(
         f"{p.pid}{' ' + p.name if p.name else ''} ({_fmt(p.used_memory_mib, ' MiB')})"
         for p in g.processes
     )
-    util, temp = _fmt(g.utilization_percent, "%"), _fmt(g.temperature_c, " °C")
-    return [f"cuda:{i}", nvml_idx, g.name, g.uuid, memory, util, temp, power, procs or "-"]
+    return [
+        f"cuda:{i}", _fmt(g.nvml_index) + (f" MIG {g.mig_index}" if g.is_mig else ""), g.name,
+        g.uuid, "-" if total is None else f"{_fmt(g.memory_used_mib)} / {total} MiB",
+        _fmt(g.utilization_percent, "%"), _fmt(g.temperature_c, " °C"),
+        _fmt(g.power_w, " W") + ("" if limit is None else f" / {limit:.0f} W"), procs or "-",
+    ]  # fmt: skip
 
 
 def listing(inv: Inventory, header: str | None = None) -> Any:
@@ -91,25 +85,21 @@ def listing(inv: Inventory, header: str | None = None) -> Any:
     built = f"torch CUDA {inv.torch.version}, " if inv.torch.version else ""
     cuda = f"yes ({built}{inv.torch.device_count} device(s))"
     cvd = inv.cuda_visible_devices
-    parts.append(
-        Text(f"CUDA available: {cuda if inv.torch.available else 'no (training will use the CPU)'}")
-    )
-    parts.append(
-        Text(f"NVML driver {inv.driver_version or '?'}; CUDA_VISIBLE_DEVICES="
-             f"{'(unset)' if cvd is None else repr(cvd)}; "
-             f"CUDA_DEVICE_ORDER={inv.cuda_device_order}; {_MAPPING_TEXT[inv.mapping]}")
-    )  # fmt: skip
     table = Table(title=inv.summary(), title_justify="left")
     for column in ("cuda", "nvml", "name", "uuid", "memory", "util", "temp", "power", "processes"):
         table.add_column(column, overflow="fold")
     for i, g in enumerate(inv.visible):
         table.add_row(*_row(i, g))
-    parts.append(table)
-    parts += [
-        Text(f"not visible to CUDA here: NVML GPU {g.nvml_index} {g.name} {g.uuid}")
-        for g in inv.hidden
-    ]
-    return Group(*parts, *(Text(f"note: {note}") for note in inv.notes))
+    return Group(
+        *parts,
+        Text(f"CUDA available: {cuda if inv.torch.available else 'no (training will use the CPU)'}"),
+        Text(f"NVML driver {inv.driver_version or '?'}; CUDA_VISIBLE_DEVICES="
+             f"{'(unset)' if cvd is None else repr(cvd)}; "
+             f"CUDA_DEVICE_ORDER={inv.cuda_device_order}; {_MAPPING_TEXT[inv.mapping]}"),
+        table,
+        *(Text(f"not visible to CUDA here: NVML GPU {g.nvml_index} {g.name} {g.uuid}") for g in inv.hidden),
+        *(Text(f"note: {note}") for note in inv.notes),
+    )  # fmt: skip
 
 
 def render(inv: Inventory, console: Any) -> None:
@@ -121,15 +111,12 @@ def render(inv: Inventory, console: Any) -> None:
 
 def watch_seconds(text: str) -> float:
     """argparse type of ``--watch SECONDS``: a finite number >= 0.1."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= MIN_WATCH_S):
-        raise argparse.ArgumentTypeError(
-            f"SECONDS={text!r} is invalid; expected a number of seconds >= {MIN_WATCH_S}"
-        )
-    return value
+    with contextlib.suppress(ValueError):
+        if math.isfinite(value := float(text)) and value >= MIN_WATCH_S:
+            return value
+    raise argparse.ArgumentTypeError(
+        f"SECONDS={text!r} is invalid; expected a number of seconds >= {MIN_WATCH_S}"
+    )
 
 
 def watch(seconds: float, as_json: bool, console: Any = None) -> int:

@@ -1,8 +1,7 @@
-"""``accelerator``/``devices`` as typed, checked against the machine before anything is built:
-"4 GPUs on a 2-GPU machine" is one clear line instead of Lightning's traceback, and "no GPU" falls
-back to the CPU with one message. :func:`resolve_devices` decides and changes nothing;
-:func:`resolve_for_run` also measures, waits for and claims ``least_used`` GPUs and hands rank 0's
-choice to the DDP ranks."""
+"""``accelerator``/``devices`` as typed, checked against the machine before anything is built: "4
+GPUs on a 2-GPU machine" is one line instead of Lightning's traceback, and "no GPU" falls back to
+the CPU with one message. :func:`resolve_for_run` also measures, waits for and claims ``least_used``
+GPUs and hands rank 0's choice to the DDP ranks."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runkit.gpus import claims
-from runkit.gpus.inventory import cached_inventory
-from runkit.gpus.records import DeviceError, Gpu, Inventory, no_gpu_reason
+from runkit.gpus.inventory import DeviceError, Gpu, Inventory, cached_inventory, no_gpu_reason
 
 SELECTION_ENV = "RUNKIT_GPU_SELECTION"  # rank 0's least_used choice, inherited by its DDP ranks
 SELECT_CHOICES = ("first", "least_used")  # the values of select_gpus
@@ -31,7 +29,6 @@ class DevicePlan:
     accelerator: Any
     devices: int | str | list[int]
     message: str | None = None
-    selected: tuple[int, ...] | None = None
     gpus: tuple[Gpu, ...] = ()
     handoff: str | None = None
 
@@ -149,10 +146,10 @@ def resolve_for_run(
     plan = resolve_devices(accelerator, devices, select=select, environ=environ)
     if plan.handoff is None:
         return plan
-    inv = cached_inventory()
-    count = len(plan.selected or ())
-    chosen, message = claims.wait_and_claim(inv, count, policy or claims.SelectionPolicy())
-    plan = _rank0_plan(plan.accelerator, chosen, message, inv, count)
+    inv, record = cached_inventory(), json.loads(plan.handoff)
+    policy = policy or claims.SelectionPolicy()
+    chosen, message = claims.wait_and_claim(inv, len(record["gpus"]), policy)
+    plan = _rank0_plan(plan.accelerator, chosen, message, inv, record["request"])
     environ[SELECTION_ENV] = str(plan.handoff)
     return plan
 
@@ -175,20 +172,13 @@ def _gpus_at(inv: Inventory, indices: Sequence[int]) -> tuple[Gpu, ...]:
     return tuple(inv.visible[i] for i in indices if i < len(inv.visible))
 
 
-def _request_key(count: int, inv: Inventory) -> str:
-    return f"devices={count} CUDA_VISIBLE_DEVICES={inv.cuda_visible_devices}"
-
-
 def _least_used_plan(
     accelerator: Any, count: int, inv: Inventory, environ: Mapping[str, str]
 ) -> DevicePlan:
     """Rank 0's plan stands for ``count`` GPUs that :func:`resolve_for_run` measures and claims; a
     DDP child (``LOCAL_RANK``, another pid's record) takes rank 0's choice."""
-    key, saved, local_rank = (
-        _request_key(count, inv),
-        environ.get(SELECTION_ENV),
-        environ.get("LOCAL_RANK"),
-    )
+    key = f"devices={count} CUDA_VISIBLE_DEVICES={inv.cuda_visible_devices}"
+    saved, local_rank = environ.get(SELECTION_ENV), environ.get("LOCAL_RANK")
     record = _parse_record(saved) if saved else None
     if record is not None and record["pid"] != os.getpid() and local_rank is not None:
         if record["request"] != key:
@@ -203,22 +193,22 @@ def _least_used_plan(
                 "in this process"
             )
         message = f"GPUs chosen by rank 0 (least used): {chosen}"
-        return DevicePlan(accelerator, chosen, message, tuple(chosen), _gpus_at(inv, chosen))
+        return DevicePlan(accelerator, chosen, message, _gpus_at(inv, chosen))
     if local_rank is not None and record is None:
         raise DeviceError(
             f"select_gpus=least_used cannot coordinate processes started by an external launcher "
             f"(LOCAL_RANK={local_rank} is set but {SELECTION_ENV} is not); pin GPUs with "
             "CUDA_VISIBLE_DEVICES or use select_gpus=first"
         )
-    return _rank0_plan(accelerator, list(range(count)), None, inv, count)  # the run measures
+    return _rank0_plan(accelerator, list(range(count)), None, inv, key)  # the run measures
 
 
 def _rank0_plan(
-    accelerator: Any, chosen: list[int], message: str | None, inv: Inventory, count: int
+    accelerator: Any, chosen: list[int], message: str | None, inv: Inventory, key: str
 ) -> DevicePlan:
     """Rank 0's choice, with the record its DDP ranks will find in ``SELECTION_ENV``."""
-    handoff = json.dumps({"pid": os.getpid(), "request": _request_key(count, inv), "gpus": chosen})
-    return DevicePlan(accelerator, chosen, message, tuple(chosen), _gpus_at(inv, chosen), handoff)
+    handoff = json.dumps({"pid": os.getpid(), "request": key, "gpus": chosen})
+    return DevicePlan(accelerator, chosen, message, _gpus_at(inv, chosen), handoff)
 
 
 def _parse_record(text: str) -> dict[str, Any]:

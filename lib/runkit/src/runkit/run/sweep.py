@@ -102,8 +102,7 @@ def read_metrics(run_dir: str | Path) -> dict[str, Any]:
 
 def default_n_jobs(environ: Mapping[str, str] | None = None) -> int:
     """The number of GPUs this process may use (NVML and ``CUDA_VISIBLE_DEVICES``), or 1."""
-    from runkit.gpus.inventory import IDENTITY, collect_inventory
-    from runkit.gpus.records import TorchCuda
+    from runkit.gpus.inventory import IDENTITY, TorchCuda, collect_inventory
 
     inventory = collect_inventory(torch_info=TorchCuda(), env=environ, detail=IDENTITY)
     return max(1, len(inventory.visible))

@@ -223,7 +223,7 @@ def _mig_gpm(fake: FakeNvml, handle: FakeHandle, gpu: FakeGpu, instance: int, sa
     return fake.gpm_sample(sample, handle, child)
 
 
-_TEMP, _SM, _GR = pynvml.NVML_TEMPERATURE_GPU, pynvml.NVML_CLOCK_SM, pynvml.NVML_CLOCK_GRAPHICS
+_TEMP, _SM = pynvml.NVML_TEMPERATURE_GPU, pynvml.NVML_CLOCK_SM
 _TX, _RX = pynvml.NVML_PCIE_UTIL_TX_BYTES, pynvml.NVML_PCIE_UTIL_RX_BYTES
 _ON, _OFF = pynvml.NVML_DEVICE_MIG_ENABLE, pynvml.NVML_DEVICE_MIG_DISABLE
 # The handle-taking functions (``nvmlDeviceGet`` + key unless named in full): the metric whose
@@ -242,9 +242,8 @@ _DEVICE: dict[str, tuple[str, str, Any]] = {
     "FieldValues": ("memory_temperature", "", lambda f, h, g, ids: [_field(f, g, i) for i in ids]),
     "PowerUsage": ("power", "slice", "power_mw"),
     "EnforcedPowerLimit": ("power_limit", "slice", "power_limit_mw"),
-    "PowerManagementLimit": ("power_limit", "slice", "power_limit_mw"),
     "TotalEnergyConsumption": ("energy", "slice", lambda f, h, g: _energy(f, g)),
-    "ClockInfo": ("clock", "slice", {_SM: "clock_sm_mhz", _GR: "clock_sm_mhz"}),
+    "ClockInfo": ("clock", "slice", {_SM: "clock_sm_mhz"}),
     "CurrentClocksEventReasons": ("throttle", "slice", "clocks_event_reasons"),
     "CurrentClocksThrottleReasons": ("throttle", "slice", "clocks_event_reasons"),
     "FanSpeed": ("fan", "slice", "fan_pct"),
@@ -406,9 +405,6 @@ class FakeNvml:
             self._depth += 1
             self.init_count += 1
 
-    def nvmlInitWithFlags(self, flags: int) -> None:
-        self.nvmlInit()
-
     def nvmlShutdown(self) -> None:
         self._enter("nvmlShutdown", charge=False)
         with self._lock:
@@ -434,7 +430,9 @@ class FakeNvml:
     def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> FakeHandle:
         self._enter("nvmlDeviceGetHandleByUUID")
         key = uuid.decode() if isinstance(uuid, bytes) else uuid
-        return self._alive(self._by_uuid.get(key) or _raise("not_found"))
+        if key not in self._by_uuid:
+            raise nvml_error("not_found")
+        return self._alive(self._by_uuid[key])
 
     def nvmlGpmSampleAlloc(self) -> Any:
         self._enter("nvmlGpmSampleAlloc")
@@ -477,10 +475,6 @@ class FakeNvml:
                 mean = (integrate(script, end) - integrate(script, start)) / (end - start)
                 metric.nvmlReturn, metric.value = pynvml.NVML_SUCCESS, float(mean)
         return request
-
-
-def _raise(error: str) -> Any:
-    raise nvml_error(error)
 
 
 def _address(sample: Any) -> int:
