@@ -1,9 +1,6 @@
-"""A Hydra app whose jobs only claim GPUs, for the parallel launcher's claim tests (test_sweep.py).
-
-Each job claims one fake GPU as a training run does, holds it ``hold_s`` seconds (less after a
-stop signal), writes ``claimed`` at once, then ``claims.json`` and ``metrics.json``. A job whose
-``hold_s`` is ``late_hold_s`` claims only after ``after_claims`` other jobs have claimed theirs.
-"""
+"""A Hydra app whose jobs only claim a fake GPU, hold it ``hold_s`` seconds (less after a stop)
+and write ``claimed``, then ``claims.json`` and ``metrics.json``; the job whose ``hold_s`` is
+``late_hold_s`` claims only once ``after_claims`` others have (test_sweep.py)."""
 
 from __future__ import annotations
 

@@ -109,25 +109,6 @@ def _lr(trainer: Trainer) -> float:
     return group.get("initial_lr", group["lr"])
 
 
-class Rendezvous(Callback):
-    """At train start each of ``parties`` sweep jobs writes a file into ``folder`` and waits 300 s
-    at most for the others': jobs run one after another fail. A job with ``skip_lr`` takes no part."""
-
-    def __init__(self, folder: str, parties: int, skip_lr: float | None = None) -> None:
-        self.folder, self.parties, self.skip_lr = Path(folder), parties, skip_lr
-
-    def on_train_start(self, trainer: Trainer, *args: Any) -> None:
-        if self.skip_lr is not None and math.isclose(_lr(trainer), self.skip_lr):
-            return
-        self.folder.mkdir(parents=True, exist_ok=True)
-        (self.folder / f"{_lr(trainer)}").write_text(str(time.time()))
-        deadline = time.time() + 300
-        while len(list(self.folder.iterdir())) < self.parties:
-            if time.time() > deadline:
-                raise RuntimeError(f"rendezvous: alone in {self.folder} after 300 s")
-            time.sleep(0.05)
-
-
 class PauseAtLr(Pause):
     """:class:`Pause` in the job of a sweep whose learning rate is ``lr`` only."""
 

@@ -2,21 +2,21 @@
 
 Lightning starts ranks > 0 by re-running ``sys.argv``, which in a sweep holds ``-m`` and every
 value (Lightning #11300): :func:`job_scope` narrows it to the current job. :func:`run_id` names
-one directory for all processes (SLURM job and step, torchrun id, else the time), and
-:func:`requeued_checkpoint` finds what an earlier attempt of a requeued or restarted launch saved.
-SLURM reuses job ids, so a job is known by its first attempt's start, kept in its comment.
+one directory for all processes, and :func:`requeued_checkpoint` finds what an earlier attempt
+of a requeued or restarted launch saved. SLURM reuses job ids, so a job is known by its first
+attempt's start, kept in its comment.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import zipfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -42,23 +42,30 @@ _launchers: list[list[Any]] = []  # per running sweep job: the launchers whose c
 @contextmanager
 def job_scope() -> Iterator[None]:
     """Run one Hydra job so that the DDP children started inside it run this job and no other.
-    Does nothing outside a sweep and where the ranks were started by someone else."""
+    A job of ``hydra/launcher=slurm``: submitit's SIGUSR2 is a stop (every rank saves), then
+    submitit's own handler requeues the job into the same folder."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    if not HydraConfig.initialized():
-        yield
+    from runkit.safety.signals import stop_on_signal
+
+    hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
+    if hydra_cfg is not None and os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
+        try:
+            with stop_on_signal():
+                yield
+        except SystemExit as stop:
+            handler = signal.getsignal(signal.SIGUSR2)  # submitit's again, after the block
+            if stop.code == 128 + signal.SIGUSR2 and callable(handler):
+                handler(signal.SIGUSR2, None)
+            raise
         return
-    if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
-        with _submitit_job():
-            yield
-        return
-    hydra_cfg = HydraConfig.get()
-    if hydra_cfg.mode != RunMode.MULTIRUN or launched_externally():
-        if SWEEP_JOB_ENV in os.environ and "LOCAL_RANK" in os.environ:
+    if hydra_cfg is None or hydra_cfg.mode != RunMode.MULTIRUN or launched_externally():
+        if hydra_cfg is not None and SWEEP_JOB_ENV in os.environ and "LOCAL_RANK" in os.environ:
             rank, num = os.environ["LOCAL_RANK"], os.environ[SWEEP_JOB_ENV]
-            task = " ".join(hydra_cfg.overrides.task)
-            log.info("Rank %s runs sweep job #%s: %s", rank, num, task)
+            log.info(
+                "Rank %s runs sweep job #%s: %s", rank, num, " ".join(hydra_cfg.overrides.task)
+            )
         yield
         return
     saved_argv, saved_run_dir = list(sys.argv), hydra_cfg.run.dir
@@ -73,7 +80,10 @@ def job_scope() -> Iterator[None]:
         yield
     finally:
         _launchers.remove(launchers)
-        _finish_children(launchers)
+        procs = [proc for launcher in launchers for proc in launcher.procs]
+        for launcher in launchers:
+            launcher.procs.clear()  # Lightning's watchdog would kill the sweep on a child's exit
+        _finish_children(procs)
         sys.argv = saved_argv
         _set_run_dir(hydra_cfg, saved_run_dir)
         for key, value in saved_env.items():
@@ -81,24 +91,6 @@ def job_scope() -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-@contextmanager
-def _submitit_job() -> Iterator[None]:
-    """A sweep job of ``hydra/launcher=slurm``: submitit's SIGUSR2 is a stop (every rank saves),
-    then submitit's own handler requeues the job into the same folder."""
-    import signal
-
-    from runkit.safety.signals import stop_on_signal
-
-    try:
-        with stop_on_signal():
-            yield
-    except SystemExit as stop:
-        handler = signal.getsignal(signal.SIGUSR2)  # submitit's again, after the block
-        if stop.code == 128 + signal.SIGUSR2 and callable(handler):
-            handler(signal.SIGUSR2, None)
-        raise
 
 
 def single_job_argv(program: str, task: Any, hydra: Any, argv: Sequence[str] = ()) -> list[str]:
@@ -118,9 +110,7 @@ def track(trainer: Any) -> None:
 def launched_externally(environ: Mapping[str, str] | None = None) -> bool:
     """Whether the ranks were started by something else than Lightning in this process."""
     env = os.environ if environ is None else environ
-    return any(k in env for k in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", "LSB_JOBID")) or (
-        _slurm_tasks(env) > 1
-    )
+    return any(k in env for k in ("LOCAL_RANK", "LSB_JOBID")) or ranks_start_together(env)
 
 
 def ranks_start_together(environ: Mapping[str, str] | None = None) -> bool:
@@ -132,7 +122,7 @@ def ranks_start_together(environ: Mapping[str, str] | None = None) -> bool:
 def join_restarted_group(trainer: Any, environ: Mapping[str, str] | None = None) -> None:
     """In a group torchrun restarted, set up the process group before Lightning does, under
     ``runkit/attempt_<N>/`` in torchrun's store: torch's own connection reads the dead attempt's
-    addresses there and fails or hangs. Does nothing in a first attempt."""
+    addresses there and fails or hangs."""
     env = os.environ if environ is None else environ
     restart = _int(env.get("TORCHELASTIC_RESTART_COUNT"))
     if restart == 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
@@ -147,9 +137,8 @@ def join_restarted_group(trainer: Any, environ: Mapping[str, str] | None = None)
         return
     backend = getattr(strategy, "process_group_backend", None)  # the user's, else the device's
     backend = backend or ("nccl" if strategy.root_device.type == "cuda" else "gloo")
-    world = _int(env.get("WORLD_SIZE"))
-    port, timeout = _int(env.get("MASTER_PORT")), timedelta(minutes=30)
-    store = dist.TCPStore(env["MASTER_ADDR"], port, world, is_master=False, timeout=timeout)
+    world, port = _int(env.get("WORLD_SIZE")), _int(env.get("MASTER_PORT"))
+    store = dist.TCPStore(env["MASTER_ADDR"], port, world, False, timedelta(minutes=30))
     prefixed = dist.PrefixStore(f"runkit/attempt_{restart}/", store)
     dist.init_process_group(backend, store=prefixed, rank=_int(env.get("RANK")), world_size=world)
 
@@ -171,13 +160,9 @@ def destroy_process_group() -> None:
             dist.destroy_process_group()
 
 
-def _finish_children(launchers: list[Any]) -> None:
+def _finish_children(procs: list[subprocess.Popen]) -> None:
     """The process group goes first (a child blocked in a collective then fails), then each
     child gets a grace period before it is killed."""
-    procs: list[subprocess.Popen] = []
-    for launcher in launchers:
-        procs += launcher.procs
-        launcher.procs.clear()  # Lightning's watchdog would kill the sweep on a child's exit
     destroy_process_group()
     for proc in procs:
         try:
@@ -206,7 +191,8 @@ def run_id(pattern: str, environ: Mapping[str, str] | None = None) -> str:
     """The name of this run's directory, the same in every process of one launch."""
     env = os.environ if environ is None else environ
     job = slurm_job_id(env)
-    requeue = f"-requeue{_int(env.get('SLURM_RESTART_COUNT'))}" if _restarted(env) else ""
+    restarts = _int(env.get("SLURM_RESTART_COUNT"))
+    requeue = f"-requeue{restarts}" if restarts else ""
     if job and _slurm_tasks(env) > 1:
         step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
         start = slurm_first_start(env)
@@ -237,29 +223,48 @@ def requeued_checkpoint(
     run of this job with the same ``overrides`` (by default this run's) left beside ``run_dir``.
     A torchrun launch whose earlier run finished is a rerun of a used ``--rdzv-id``: one line."""
     env = os.environ if environ is None else environ
-    current = Path(run_dir).resolve()
+    current, job = Path(run_dir).resolve(), slurm_job_id(env)
     start = slurm_first_start(env)
-    token = f"{env.get('SLURM_CLUSTER_NAME', '')}:{slurm_job_id(env)}:{start}" if start else None
+    token = f"{env.get('SLURM_CLUSTER_NAME', '')}:{job}:{start}" if start else None
     if token and rank_zero(env):
         (current / JOB_TOKEN_FILE).write_text(token + "\n", encoding="utf-8")
-    earlier_runs = _earlier_runs(env)
-    if earlier_runs is None:
+    elastic = env.get("TORCHELASTIC_RUN_ID", "")
+    restart = _int(env.get("TORCHELASTIC_RESTART_COUNT"))
+    if job:
+        what, name = f"SLURM job {job} was requeued", rf"(^|_)slurm-{job}(\.\d+)?(-requeue\d+)?$"
+    elif elastic not in ("", "none") and restart > 0:
+        limit = env.get("TORCHELASTIC_MAX_RESTARTS")
+        what = f"torchrun restarted the group (restart {restart}{f' of {limit}' if limit else ''})"
+        name = rf"^torchrun-{re.escape(elastic)}(-restart\d+)?$"
+    else:
         return None
-    what, name = earlier_runs
     if overrides is None:
         from hydra.core.hydra_config import HydraConfig
 
         overrides = list(HydraConfig.get().overrides.task)
-    resuming = _restarted(env) or "TORCHELASTIC_RUN_ID" in env
-    found, finished = _earlier_checkpoints(env, current, name, token, resuming, overrides)
-    if finished and "TORCHELASTIC_RUN_ID" in env:
+    resuming = _int(env.get("SLURM_RESTART_COUNT")) > 0 or bool(elastic)
+    submitit = env.get("SUBMITIT_EXECUTOR") == "slurm"  # a sweep job: requeued into its folder
+    same, others = [], []
+    for earlier in [current] if submitit else current.parent.iterdir():
+        if not submitit and (earlier == current or not re.search(name, earlier.name)):
+            continue
+        if token and _read(earlier / JOB_TOKEN_FILE) != token:
+            others.append(earlier.name)
+        elif resuming and _overrides(earlier) == [str(o) for o in overrides]:
+            same.append(earlier)
+    if others and rank_zero(env):
+        log.info(
+            "SLURM job %s: %d run(s) in %s (%s...) are of an earlier job with this id; "
+            "this job does not resume from them", job, len(others), current.parent, max(others),
+        )  # fmt: skip
+    if elastic and (finished := [d for d in same if (d / "metrics.json").is_file()]):
         raise RunError(
-            f"torchrun --rdzv-id={env['TORCHELASTIC_RUN_ID']} has run to its end already, in "
-            f"{finished[0]}; give torchrun a new --rdzv-id to train again"
+            f"torchrun --rdzv-id={elastic} has run to its end already, in {finished[0]}; give "
+            "torchrun a new --rdzv-id to train again"
         )
     if not resuming:
         return None
-    newest = max(found, key=lambda p: p.stat().st_mtime).resolve() if found else None
+    newest = newest_checkpoint(same)
     if rank_zero(env):
         said = (
             f": resuming from {newest}" if newest else "; no checkpoint of this command to resume"
@@ -268,60 +273,19 @@ def requeued_checkpoint(
     return newest
 
 
-def _earlier_checkpoints(
-    env: Mapping[str, str],
-    current: Path,
-    name: re.Pattern[str],
-    token: str | None,
-    resuming: bool,
-    overrides: list[str],
-) -> tuple[list[Path], list[Path]]:
-    """The complete checkpoints of this job's earlier runs of the same command, and those runs
-    that finished; runs of an earlier job with the same id are left out, in one line."""
-    found: list[Path] = []
-    finished: list[Path] = []
-    others: list[str] = []
-    submitit = env.get("SUBMITIT_EXECUTOR") == "slurm"  # a sweep job: requeued into its folder
-    for earlier in [current] if submitit else current.parent.iterdir():
-        if not submitit and (earlier == current or not name.search(earlier.name)):
-            continue
-        if token and _read(earlier / JOB_TOKEN_FILE) != token:
-            others.append(earlier.name)
-        elif resuming and _overrides(earlier) == [str(o) for o in overrides]:
-            if (earlier / "metrics.json").is_file():
-                finished.append(earlier)
-            found += [p for p in (earlier / "checkpoints").glob("*.ckpt") if complete_checkpoint(p)]
-    if others and rank_zero(env):
-        log.info(
-            "SLURM job %s: %d run(s) in %s (%s...) are of an earlier job with this id; "
-            "this job does not resume from them",
-            slurm_job_id(env), len(others), current.parent, max(others),
-        )  # fmt: skip
-    return found, finished
+def newest_checkpoint(run_dirs: Iterable[str | Path]) -> Path | None:
+    """The newest whole checkpoint file, or sharded checkpoint directory (``trainer=fsdp``),
+    in the ``checkpoints`` of ``run_dirs``."""
 
+    def whole(path: Path) -> bool:
+        if path.is_dir():
+            from runkit.safety.checkpoints import is_sharded_checkpoint  # torch: only when needed
 
-def _earlier_runs(env: Mapping[str, str]) -> tuple[str, re.Pattern[str]] | None:
-    """For a SLURM job or a restarted torchrun group: what happened, in words, and the pattern
-    of its earlier attempts' run directories (:func:`run_id`)."""
-    if job := slurm_job_id(env):
-        pattern = rf"(^|_)slurm-{re.escape(job)}(\.\d+)?(-requeue\d+)?$"
-        return f"SLURM job {job} was requeued", re.compile(pattern)
-    elastic = env.get("TORCHELASTIC_RUN_ID", "")
-    restart = _int(env.get("TORCHELASTIC_RESTART_COUNT"))
-    if elastic and elastic != "none" and restart > 0:
-        limit = env.get("TORCHELASTIC_MAX_RESTARTS")
-        what = f"torchrun restarted the group (restart {restart}{f' of {limit}' if limit else ''})"
-        return what, re.compile(rf"^torchrun-{re.escape(elastic)}(-restart\d+)?$")
-    return None
+            return is_sharded_checkpoint(path)
+        return zipfile.is_zipfile(path)
 
-
-def complete_checkpoint(checkpoint: Path) -> bool:
-    """A whole checkpoint file, or a sharded checkpoint directory (``trainer=fsdp``)."""
-    if checkpoint.is_dir():
-        from runkit.safety.checkpoints import is_sharded_checkpoint  # torch: only when needed
-
-        return is_sharded_checkpoint(checkpoint)
-    return zipfile.is_zipfile(checkpoint)
+    found = [p for d in run_dirs for p in (Path(d) / "checkpoints").glob("*.ckpt") if whole(p)]
+    return max(found, key=lambda p: (p.stat().st_mtime_ns, p.name)).resolve() if found else None
 
 
 def _overrides(run_dir: Path) -> list[str] | None:
@@ -347,23 +311,27 @@ def slurm_first_start(environ: Mapping[str, str] | None = None) -> str | None:
     if job is None:
         return None
     if job not in _first_starts:
-        try:
-            out = subprocess.run(
-                ["squeue", "-h", "-j", job, "-o", "%S|%k"], capture_output=True, text=True,
-                timeout=60,
-            ).stdout.strip()  # fmt: skip
-        except (OSError, subprocess.SubprocessError):
-            out = ""
+        out = _command("squeue", "-h", "-j", job, "-o", "%S|%k").strip()
         start, _, comment = out.partition("|")
         comment = "" if comment == "(null)" else comment
         kept = re.search(r"runkit-start=(\S+)", comment)
         valid = re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", start)
         _first_starts[job] = kept.group(1) if kept else start if valid else None
         if not kept and valid and rank_zero(env):  # the first attempt (or one requeued before)
-            with contextlib.suppress(OSError, subprocess.SubprocessError):
-                comment = f"comment={comment} runkit-start={start}".replace("= ", "=")
-                subprocess.run(["scontrol", "update", f"job={job}", comment], timeout=60)
+            _command(
+                "scontrol",
+                "update",
+                f"job={job}",
+                f"comment={comment} runkit-start={start}".replace("= ", "="),
+            )
     return _first_starts[job]
+
+
+def _command(*command: str) -> str:
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def _read(path: Path) -> str | None:
@@ -371,10 +339,6 @@ def _read(path: Path) -> str | None:
         return path.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError):
         return None
-
-
-def _restarted(env: Mapping[str, str]) -> bool:
-    return _int(env.get("SLURM_RESTART_COUNT")) > 0
 
 
 def rank_suffix(environ: Mapping[str, str] | None = None) -> str:

@@ -1,12 +1,11 @@
 """Sweeps that fill one machine (``hydra/launcher=runkit_parallel``): jobs at once, resumable.
 
-Each job runs as ``python -m <entry> <its overrides> hydra.run.dir=<its folder> hydra.mode=RUN``,
-so a single run's guarantees (GPU claims, DDP, stops, one-line errors) hold for every job. Hydra's
-basic launcher runs one job at a time, joblib's reuses worker processes (CUDA context, handlers
-and ``sys.argv`` carry over, a SIGTERM reaches no job), submitit's local one keeps no record to
-resume from. ``sweep_state.json`` records every attempt, so the same command with
-``hydra.sweep.dir`` skips finished jobs and resumes interrupted ones; ``summary.csv``, a table
-and ``summary.png`` sum up every job. Imports stay light.
+Each job is a process of its own, ``<entry> <its overrides> hydra.run.dir=<its folder>``, so a
+single run's guarantees (GPU claims, DDP, stops, one-line errors) hold per job. Hydra's basic
+launcher runs one job at a time, joblib's workers carry CUDA state, handlers and ``sys.argv``
+from job to job (and a SIGTERM reaches no job), submitit's local one keeps no record to resume
+from: ``sweep_state.json`` records every attempt, so the same command with ``hydra.sweep.dir``
+skips finished jobs and resumes interrupted ones.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import fcntl
+import io
 import json
 import logging
 import math
@@ -35,6 +35,7 @@ from hydra.plugins.launcher import Launcher
 from runkit.errors import RunError
 from runkit.processes import die_with_parent
 from runkit.quoting import config_options, hydra_value
+from runkit.run.launch import newest_checkpoint
 from runkit.safety import signals
 
 log = logging.getLogger(__name__)
@@ -48,10 +49,10 @@ FIXED = ["job", "status", "overrides", "attempts", "monitor", "best", "wall_s", 
 
 @dataclass
 class Attempt:
-    """One process of one job of the sweep, as ``sweep_state.json`` records it."""
+    """One process of one job, as ``sweep_state.json`` records it."""
 
     num: int
-    overrides: list[str]  # the job's own overrides, without what the launcher added
+    overrides: list[str]  # the job's own, without what the launcher added
     dir: str
     log: str
     status: str = "running"  # running, finished, interrupted (by a signal), failed
@@ -64,7 +65,6 @@ class Attempt:
 
 
 def load_attempts(sweep_dir: Path) -> list[Attempt]:
-    """The attempts ``sweep_state.json`` records; a damaged file is one line naming it."""
     path = sweep_dir / STATE_FILE
     try:
         return [Attempt(**a) for a in json.loads(path.read_text(encoding="utf-8"))["attempts"]]
@@ -80,15 +80,6 @@ def load_attempts(sweep_dir: Path) -> list[Attempt]:
 def finished(attempt: Attempt) -> bool:
     """Whether its run wrote ``metrics.json`` (its record may say "running" after a kill -9)."""
     return (Path(attempt.dir) / "metrics.json").is_file()
-
-
-def newest_checkpoint(attempts: Sequence[Attempt]) -> Path | None:
-    """The newest complete checkpoint any attempt of a job saved."""
-    from runkit.run.launch import complete_checkpoint
-
-    found = [p for a in attempts for p in (Path(a.dir) / "checkpoints").glob("*.ckpt")]
-    found = [p for p in found if complete_checkpoint(p)]
-    return max(found, key=lambda p: (p.stat().st_mtime_ns, p.name)) if found else None
 
 
 def read_metrics(run_dir: str | Path) -> dict[str, Any]:
@@ -109,7 +100,6 @@ def default_n_jobs(environ: Mapping[str, str] | None = None) -> int:
 
 
 def check_n_jobs(value: Any) -> int | None:
-    """``hydra.launcher.n_jobs``: a positive integer, or null for one job per visible GPU."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise RunError(
             f"hydra.launcher.n_jobs={value!r} is invalid; expected a positive integer (jobs at "
@@ -142,18 +132,9 @@ def job_command(
     ]  # fmt: skip
 
 
-def entry_command() -> list[str]:
-    """This program again (``python -m <module>`` or its script) with the config options."""
-    options = config_options(sys.argv[1:])
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    if spec is not None and spec.name:
-        return [sys.executable, "-m", spec.name.removesuffix(".__main__"), *options]
-    return [sys.executable, os.path.abspath(sys.argv[0]), *options]
-
-
 def follow_sweep_parent(environ: MutableMapping[str, str] | None = None) -> None:
-    """In a job of a parallel sweep: get SIGTERM from the kernel when the sweep dies (it then
-    saves as on any SIGTERM); a sweep already gone ends the job at once."""
+    """In a job of a parallel sweep: SIGTERM from the kernel when the sweep dies (the job saves
+    as on any SIGTERM); a sweep already gone ends the job at once."""
     env = os.environ if environ is None else environ
     parent = env.pop(PARENT_ENV, None)  # the job's own DDP ranks follow the job, not the sweep
     if not parent:
@@ -164,161 +145,210 @@ def follow_sweep_parent(environ: MutableMapping[str, str] | None = None) -> None
         raise SystemExit(128 + signal.SIGTERM)
 
 
-@dataclass
-class _Running:
-    attempt: Attempt
-    proc: subprocess.Popen
-    handle: Any
-    index: int
+ConfigStore.instance().store(
+    group="hydra/launcher", name="runkit_parallel", provider="runkit", node={
+        "_target_": "hydra_plugins.runkit_parallel_launcher.parallel_launcher.RunkitParallelLauncher",
+        "n_jobs": None, "job_overrides": {},  # n_jobs null: one per visible GPU (1 without)
+    },
+)  # fmt: skip
 
 
-class ParallelSweep:
-    """Runs the jobs a sweeper hands over, up to ``n_jobs`` at once, in ``sweep_dir``; ``entry``
-    runs one job, ``hydra_overrides`` go to every job, ``job_overrides`` to those that do not
-    set the key themselves."""
+class ParallelLauncher(Launcher):
+    """Runs up to ``n_jobs`` jobs at once; ``job_overrides`` go to those that do not set the key.
+    A failed job's line is said here and its code kept for the sweep's exit
+    (``runkit.run.launch.FAILED_JOBS``): Hydra sees it completed, with a NaN objective."""
 
-    def __init__(
-        self,
-        sweep_dir: Path,
-        n_jobs: int,
-        entry: Sequence[str],
-        hydra_overrides: Sequence[str],
-        job_overrides: Mapping[str, Any],
-    ) -> None:
-        self.sweep_dir, self.n_jobs = sweep_dir, n_jobs
-        self.entry, self.hydra_overrides = list(entry), list(hydra_overrides)
-        self.job_overrides = dict(job_overrides)
-        self.sweep_dir.mkdir(parents=True, exist_ok=True)
-        self._lock = _lock(self.sweep_dir)
-        self.attempts = load_attempts(self.sweep_dir)
-        self.counts = {"skipped": 0, "resumed": 0, "started": 0}
+    def __init__(self, n_jobs: int | None = None, job_overrides: Mapping[str, Any] | None = None):
+        self.n_jobs = check_n_jobs(n_jobs) or 0  # 0: one per visible GPU
+        self.job_overrides = dict(job_overrides or {})
+        self.attempts: list[Attempt] = []
+        self.lock: Any = None
 
-    def of(self, overrides: Sequence[str]) -> list[Attempt]:
-        return [a for a in self.attempts if a.overrides == list(overrides)]
+    def setup(self, *, hydra_context: Any, task_function: Any, config: Any) -> None:
+        self.config, self.hydra_context = config, hydra_context
 
-    def save(self) -> None:
-        path = self.sweep_dir / STATE_FILE
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        payload = {"attempts": [asdict(a) for a in self.attempts]}
-        tmp.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[Any]:
+        from hydra.core.utils import JobReturn, JobStatus, configure_log, setup_globals
+        from omegaconf import open_dict
 
-    def run(self, jobs: Sequence[tuple[list[str], Path, int]]) -> list[Attempt | None]:
+        from runkit.run.launch import FAILED_JOBS, sweep_objective
+
+        hydra = self.config.hydra
+        setup_globals()
+        configure_log(hydra.hydra_logging, hydra.verbose)
+        self.dir = Path(os.path.abspath(str(hydra.sweep.dir)))
+        if self.lock is None:  # the first batch of jobs
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self.lock, self.attempts = _lock(self.dir), load_attempts(self.dir)
+            self.n_jobs = self.n_jobs or default_n_jobs()
+            self.hydra_overrides = [str(o) for o in hydra.overrides.hydra]
+            self.entry = _entry_command()
+            log.info("Sweep: up to %d job(s) at once in %s", self.n_jobs, self.dir)
+        returns, jobs = [], []
+        for num, overrides in enumerate(map(list, job_overrides), start=initial_job_idx):
+            config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+            with open_dict(config):
+                config.hydra.job.id = config.hydra.job.num = num
+            ret = JobReturn(overrides=overrides, cfg=config, hydra_cfg=config.hydra)
+            ret.task_name, ret.status = str(config.hydra.job.name), JobStatus.COMPLETED
+            returns.append(ret)
+            jobs.append((overrides, self.dir / str(config.hydra.sweep.subdir), num))
+        signals.request.phase = "sweep"
+        failed = []
+        attempts = self._run(jobs)
+        for ret, attempt in zip(returns, attempts, strict=True):
+            ret.working_dir, ret.return_value = attempt.dir if attempt else None, math.nan
+            if attempt is not None and attempt.status == "finished":
+                try:
+                    metrics = read_metrics(attempt.dir).get("metrics")
+                    ret.return_value = sweep_objective(ret.cfg, metrics)
+                except RunError as err:
+                    print(f"error: job #{attempt.num}: {err}", file=sys.stderr)
+                    FAILED_JOBS.append(err.exit_code)
+                continue
+            if attempt is not None and attempt.status == "failed":
+                failed.append(f"#{attempt.num} (exit {attempt.exit_code}: {attempt.cause})")
+            FAILED_JOBS.append(1)  # failed, interrupted or never started: the sweep exits 1
+        self._summary([job[0] for job, a in zip(jobs, attempts, strict=True) if a is None])
+        if signals.request.received is not None:
+            signals.request.detail = (
+                f"; rerun the same command with hydra.sweep.dir={hydra_value(str(self.dir))} "
+                "to finish the sweep"
+            )
+            signals.exit_stopped(signals.request.received)
+        if failed:
+            print(
+                f"error: {len(failed)} of {len(jobs)} sweep job(s) failed: {', '.join(failed)}; "
+                f"their logs are in {self.dir / 'logs'}",
+                file=sys.stderr,
+            )
+        return returns
+
+    def _run(self, jobs: Sequence[tuple[list[str], Path, int]]) -> list[Attempt | None]:
         """Run ``jobs`` (overrides, first folder, number); for each, the attempt that ran or
         finished it (``None``: the sweep was stopped first)."""
         results: list[Attempt | None] = [None] * len(jobs)
-        pending = []
-        for index, (overrides, first_dir, num) in enumerate(jobs):
-            earlier = self.of(overrides)
+        pending, counts = [], {"skipped": 0, "resumed": 0, "started": 0}
+        for index, job in enumerate(jobs):
+            earlier = [a for a in self.attempts if a.overrides == job[0]]
             if (done := next((a for a in earlier if finished(a)), None)) is not None:
-                done.status, done.exit_code = "finished", 0
-                results[index] = done
-                self.counts["skipped"] += 1
+                done.status, done.exit_code, results[index] = "finished", 0, done
+                counts["skipped"] += 1
                 continue
             for attempt in earlier:
                 if attempt.status == "running":  # the sweep was killed while it ran
                     attempt.status = "interrupted"
-            pending.append((index, overrides, first_dir, num))
-        running: list[_Running] = []
+            pending.append((index, job))
+        running: dict[subprocess.Popen, tuple[Attempt, int]] = {}
+        deadline = math.inf
         try:
-            self._loop(pending, running, results)
+            while pending or running:
+                received = signals.request.received
+                if received is not None and deadline == math.inf:
+                    deadline = time.monotonic() + STOP_GRACE_S
+                    pending.clear()
+                    log.info("Sweep: stopping %d running job(s); no new job starts", len(running))
+                    for proc in running:
+                        _signal_group(proc, received)
+                if time.monotonic() > deadline:
+                    for proc in running:
+                        _signal_group(proc, signal.SIGKILL)
+                while pending and len(running) < self.n_jobs:
+                    index, job = pending.pop(0)
+                    proc, attempt = self._start(*job, counts)
+                    running[proc] = attempt, index
+                for proc in [p for p in running if p.poll() is not None]:
+                    attempt, index = running.pop(proc)
+                    results[index] = self._finish(proc, attempt)
+                time.sleep(POLL_S)
         finally:
-            for job in running:  # an exception in the launcher: no job outlives it
-                _signal_group(job.proc, signal.SIGKILL)
-                self._finish(job, job.proc.wait())
-            self.save()
+            for proc, (attempt, _) in running.items():  # the launcher failed: no job outlives it
+                _signal_group(proc, signal.SIGKILL)
+                self._finish(proc, attempt)
+            self._save()
         log.info(
-            "Sweep: %d job(s) skipped (finished earlier), %d resumed, %d started",
-            *self.counts.values(),
+            "Sweep: %d job(s) skipped (finished earlier), %d resumed, %d started", *counts.values()
         )
         return results
 
-    def _loop(self, pending: list, running: list[_Running], results: list) -> None:
-        stopping, deadline = False, float("inf")
-        while pending or running:
-            received = signals.request.received
-            if received is not None and not stopping:
-                stopping, deadline = True, time.monotonic() + STOP_GRACE_S
-                pending.clear()
-                for job in running:
-                    _signal_group(job.proc, received)
-                log.info("Sweep: stopping %d running job(s); no new job starts", len(running))
-            if time.monotonic() > deadline:
-                for job in running:
-                    _signal_group(job.proc, signal.SIGKILL)
-            while pending and len(running) < self.n_jobs:
-                running.append(self._start(*pending.pop(0)))
-            for job in [j for j in running if j.proc.poll() is not None]:
-                running.remove(job)
-                self._finish(job, job.proc.returncode)
-                results[job.index] = job.attempt
-            time.sleep(POLL_S)
-
-    def _start(self, index: int, overrides: list[str], first_dir: Path, num: int) -> _Running:
-        earlier = self.of(overrides)
+    def _start(
+        self, overrides: list[str], run_dir: Path, num: int, counts: dict[str, int]
+    ) -> tuple[subprocess.Popen, Attempt]:
+        earlier = [a for a in self.attempts if a.overrides == overrides]
+        used = {a.num for a in self.attempts}
         if earlier:
             num = earlier[0].num
-            run_dir = first_dir.with_name(f"{num}-attempt{len(earlier) + 1}")
-        else:
-            used = {a.num for a in self.attempts}
-            if num in used or first_dir.exists():  # another job has it (an earlier sweep's draw)
-                num = max(used | {num}) + 1
-                first_dir = first_dir.with_name(str(num))
-            run_dir = first_dir
-        extra, own = dict(self.job_overrides), list(overrides)
-        resume = newest_checkpoint(earlier)
+            run_dir = run_dir.with_name(f"{num}-attempt{len(earlier) + 1}")
+        elif num in used or run_dir.exists():  # another job has it (an earlier sweep's draw)
+            num = max(used | {num}) + 1
+            run_dir = run_dir.with_name(str(num))
+        extra, own = dict(self.job_overrides), overrides
+        resume = newest_checkpoint(a.dir for a in earlier)
         if resume is not None:  # the checkpoint wins over the job's own ckpt_path
             extra["ckpt_path"] = str(resume)
             own = [o for o in overrides if _key(o) != "ckpt_path"]
             log.info("Sweep job #%d resumes from %s", num, resume)
-        self.counts["resumed" if resume is not None else "started"] += 1
-        (self.sweep_dir / "logs").mkdir(exist_ok=True)
-        log_path = self.sweep_dir / "logs" / f"{run_dir.name}.log"
+        counts["resumed" if resume is not None else "started"] += 1
+        (self.dir / "logs").mkdir(exist_ok=True)
+        log_path = self.dir / "logs" / f"{run_dir.name}.log"
         command = job_command(self.entry, own, self.hydra_overrides, extra, run_dir, num)
-        resumed_from = str(resume) if resume is not None else None
-        attempt = Attempt(
-            num, list(overrides), str(run_dir), str(log_path), resumed_from=resumed_from
-        )
-        handle = open(log_path, "ab")  # noqa: SIM115 - closed in _finish
-        env = {**os.environ, PARENT_ENV: str(os.getpid())}
-        proc = subprocess.Popen(
-            command, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        attempt.pid = proc.pid
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, PARENT_ENV: str(os.getpid())},
+            )  # fmt: skip
         signals.request.children.append(proc)  # a second Ctrl-C kills them with the sweep
+        attempt = Attempt(num, overrides, str(run_dir), str(log_path), pid=proc.pid)
+        attempt.resumed_from = str(resume) if resume is not None else None
         self.attempts.append(attempt)
-        self.save()
+        self._save()
         log.info("Sweep job #%d started: %s (log: %s)", num, " ".join(overrides), log_path)
-        return _Running(attempt, proc, handle, index)
+        return proc, attempt
 
-    def _finish(self, job: _Running, code: int) -> None:
-        job.handle.close()
+    def _finish(self, proc: subprocess.Popen, attempt: Attempt) -> Attempt:
         with contextlib.suppress(ValueError):
-            signals.request.children.remove(job.proc)
-        attempt = job.attempt
-        attempt.exit_code, attempt.ended = code, time.time()
+            signals.request.children.remove(proc)
+        attempt.exit_code = code = proc.wait()
+        attempt.ended = time.time()
         if code == 0 and finished(attempt):
             attempt.status = "finished"
         else:
             attempt.status = "interrupted" if code > 128 or code < 0 else "failed"
-        took = attempt.ended - attempt.started
+        took, said = attempt.ended - attempt.started, attempt.status
         if attempt.status == "failed":
             attempt.cause = _last_line(Path(attempt.log))
-            log.error(
-                "Sweep job #%d failed (exit %s) after %.0f s: %s (log: %s)",
-                attempt.num, code, took, attempt.cause, attempt.log,
-            )  # fmt: skip
-        else:
-            log.info("Sweep job #%d %s after %.0f s", attempt.num, attempt.status, took)
-        self.save()
+            said = f"failed (exit {code})"
+        cause = f": {attempt.cause} (log: {attempt.log})" if attempt.cause else ""
+        level = logging.ERROR if attempt.cause else logging.INFO
+        log.log(level, "Sweep job #%d %s after %.0f s%s", attempt.num, said, took, cause)
+        self._save()
+        return attempt
+
+    def _save(self) -> None:
+        payload = json.dumps({"attempts": [asdict(a) for a in self.attempts]}, indent=1)
+        _replace(self.dir / STATE_FILE, payload + "\n")
+
+    def _summary(self, not_started: Sequence[Sequence[str]]) -> None:
+        rows = job_rows(self.attempts, not_started)
+        path = write_summary(self.dir, rows)
+        key = self.config.get("optimized_metric")
+        print_table(rows, key)
+        plot_summary(self.dir, rows, key)
+        log.info("Sweep summary: %s", path)
+
+
+def _entry_command() -> list[str]:
+    """This program again (``python -m <module>`` or its script) with the config options."""
+    options = config_options(sys.argv[1:])
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        return [sys.executable, "-m", spec.name.removesuffix(".__main__"), *options]
+    return [sys.executable, os.path.abspath(sys.argv[0]), *options]
 
 
 def _signal_group(proc: subprocess.Popen, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signum)
-
-
-_CAUSE = re.compile(r"^(error: |[\w.]*(Error|Exception|Interrupt)\b: )")
 
 
 def _last_line(path: Path) -> str:
@@ -327,8 +357,8 @@ def _last_line(path: Path) -> str:
         lines = path.read_text(encoding="utf-8", errors="replace").strip().splitlines()
     except OSError:
         return f"see {path}"
-    causes = [line for line in lines if _CAUSE.match(line)]
-    return (causes or lines or [""])[-1].strip()
+    cause = re.compile(r"^(error: |[\w.]*(Error|Exception|Interrupt)\b: )")
+    return ([line for line in lines if cause.match(line)] or lines or [""])[-1].strip()
 
 
 def _lock(sweep_dir: Path) -> Any:
@@ -345,111 +375,10 @@ def _lock(sweep_dir: Path) -> Any:
     return handle
 
 
-@dataclass
-class RunkitParallelLauncherConf:
-    _target_: str = (
-        "hydra_plugins.runkit_parallel_launcher.parallel_launcher.RunkitParallelLauncher"
-    )
-    n_jobs: Any = None  # jobs at once; null: one per visible GPU (1 without a GPU)
-    job_overrides: dict[str, Any] = field(default_factory=dict)
-
-
-ConfigStore.instance().store(
-    group="hydra/launcher",
-    name="runkit_parallel",
-    node=RunkitParallelLauncherConf,
-    provider="runkit",
-)
-
-
-class ParallelLauncher(Launcher):
-    """Hydra's launcher of :class:`ParallelSweep` (the plugin in ``hydra_plugins`` subclasses it).
-    A failed job's line is said here and its code kept for the sweep's exit
-    (``runkit.run.launch.FAILED_JOBS``): Hydra sees it completed and reports nothing more."""
-
-    def __init__(self, n_jobs: int | None = None, job_overrides: Mapping[str, Any] | None = None):
-        self.n_jobs = check_n_jobs(n_jobs)
-        self.job_overrides = dict(job_overrides or {})
-        self._sweep: ParallelSweep | None = None
-
-    def setup(self, *, hydra_context: Any, task_function: Any, config: Any) -> None:
-        self.config, self.hydra_context = config, hydra_context
-
-    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[Any]:
-        from hydra.core.utils import configure_log, setup_globals
-        from omegaconf import OmegaConf, open_dict
-
-        setup_globals()
-        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
-        sweep_dir = Path(os.path.abspath(str(self.config.hydra.sweep.dir)))
-        if self._sweep is None:
-            n_jobs = self.n_jobs or default_n_jobs()
-            hydra_overrides = [str(o) for o in self.config.hydra.overrides.hydra]
-            self._sweep = ParallelSweep(
-                sweep_dir, n_jobs, entry_command(), hydra_overrides, self.job_overrides
-            )
-            log.info("Sweep: up to %d job(s) at once in %s", n_jobs, sweep_dir)
-        configs, jobs = [], []
-        for num, overrides in enumerate(job_overrides, start=initial_job_idx):
-            config = self.hydra_context.config_loader.load_sweep_config(
-                self.config, list(overrides)
-            )
-            with open_dict(config):
-                config.hydra.job.id = config.hydra.job.num = num
-            configs.append(config)
-            jobs.append((list(overrides), sweep_dir / str(config.hydra.sweep.subdir), num))
-        signals.request.phase = "sweep"
-        attempts = self._sweep.run(jobs)
-        failed: list[str] = []
-        returns = [
-            _job_return(config, overrides, attempt, failed)
-            for config, (overrides, _, _), attempt in zip(configs, jobs, attempts, strict=True)
-        ]
-        not_started = [o for (o, _, _), a in zip(jobs, attempts, strict=True) if a is None]
-        rows = job_rows(self._sweep.attempts, not_started)
-        path = write_summary(sweep_dir, rows)
-        key = OmegaConf.select(self.config, "optimized_metric", default=None)
-        print_table(rows, key)
-        plot_summary(sweep_dir, rows, key)
-        log.info("Sweep summary: %s", path)
-        if signals.request.received is not None:
-            signals.request.detail = (
-                f"; rerun the same command with hydra.sweep.dir={hydra_value(str(sweep_dir))} "
-                "to finish the sweep"
-            )
-            signals.exit_stopped(signals.request.received)
-        if failed:
-            print(
-                f"error: {len(failed)} of {len(jobs)} sweep job(s) failed: {', '.join(failed)}; "
-                f"their logs are in {sweep_dir / 'logs'}",
-                file=sys.stderr,
-            )
-        return returns
-
-
-def _job_return(
-    config: Any, overrides: list[str], attempt: Attempt | None, failed: list[str]
-) -> Any:
-    """Hydra's record of one job: its objective, else NaN (``failed`` collects failures)."""
-    from hydra.core.utils import JobReturn, JobStatus
-
-    from runkit.run.launch import FAILED_JOBS, sweep_objective
-
-    ret = JobReturn(overrides=overrides, cfg=config, hydra_cfg=config.hydra)
-    ret.task_name, ret.status = str(config.hydra.job.name), JobStatus.COMPLETED
-    ret.working_dir = attempt.dir if attempt is not None else None
-    ret.return_value = math.nan
-    if attempt is not None and attempt.status == "finished":
-        try:
-            ret.return_value = sweep_objective(config, read_metrics(attempt.dir).get("metrics"))
-        except RunError as err:
-            print(f"error: job #{attempt.num}: {err}", file=sys.stderr)
-            FAILED_JOBS.append(err.exit_code)
-    else:  # failed, interrupted or never started: the sweep exits 1
-        if attempt is not None and attempt.status == "failed":
-            failed.append(f"#{attempt.num} (exit {attempt.exit_code}: {attempt.cause})")
-        FAILED_JOBS.append(1)
-    return ret
+def _replace(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def job_rows(attempts: Sequence[Attempt], not_started: Sequence[Sequence[str]] = ()) -> list[dict]:
@@ -457,7 +386,7 @@ def job_rows(attempts: Sequence[Attempt], not_started: Sequence[Sequence[str]] =
     by_job: dict[tuple[str, ...], list[Attempt]] = {}
     for attempt in attempts:
         by_job.setdefault(tuple(attempt.overrides), []).append(attempt)
-    rows = []
+    rows: list[dict] = []
     for overrides, tries in sorted(by_job.items(), key=lambda item: item[1][0].num):
         done = next((a for a in tries if finished(a)), None)
         last = done or tries[-1]
@@ -466,26 +395,20 @@ def job_rows(attempts: Sequence[Attempt], not_started: Sequence[Sequence[str]] =
         if done is None:  # stopped or failed: no metrics.json, but its checkpoints know the best
             monitor, best = checkpoint_best(tries)
         rows.append({
-            "job": tries[0].num,
-            "status": "finished" if done is not None else last.status,
-            "overrides": " ".join(overrides),
-            "attempts": len(tries),
-            "monitor": monitor,
-            "best": best,
-            "wall_s": round(sum((a.ended or a.started) - a.started for a in tries), 1),
-            "energy_j": (data.get("energy") or {}).get("energy_j"),
-            "dir": last.dir,
+            "job": tries[0].num, "status": "finished" if done else last.status,
+            "overrides": " ".join(overrides), "attempts": len(tries), "monitor": monitor,
+            "best": best, "wall_s": round(sum((a.ended or a.started) - a.started for a in tries), 1),
+            "energy_j": (data.get("energy") or {}).get("energy_j"), "dir": last.dir,
             **dict(sorted((data.get("metrics") or {}).items())),
         })  # fmt: skip
-    known = set(by_job)
-    not_yet = [" ".join(o) for o in not_started if tuple(o) not in known]
+    not_yet = [" ".join(o) for o in not_started if tuple(o) not in by_job]
     return rows + [{"job": "", "status": "not started", "overrides": o} for o in not_yet]
 
 
 def checkpoint_best(attempts: Sequence[Attempt]) -> tuple[str, float | None]:
-    """The monitored key and best score so far of an unfinished job, from its newest
-    checkpoint's ModelCheckpoint state; ``("", None)`` without one."""
-    path = newest_checkpoint(attempts)
+    """The monitored key and best score of an unfinished job, from its newest checkpoint's
+    ModelCheckpoint state; ``("", None)`` without one."""
+    path = newest_checkpoint(a.dir for a in attempts)
     if path is None:
         return "", None
     from runkit.safety.checkpoints import load_file
@@ -503,16 +426,13 @@ def checkpoint_best(attempts: Sequence[Attempt]) -> tuple[str, float | None]:
 
 
 def write_summary(sweep_dir: Path, rows: Sequence[dict]) -> Path:
-    """Write ``summary.csv`` atomically."""
     fields = FIXED + sorted({k for row in rows for k in row} - set(FIXED))
-    path = sweep_dir / "summary.csv"
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("w", encoding="utf-8", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fields, restval="")
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(tmp, path)
-    return path
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=fields, restval="")
+    writer.writeheader()
+    writer.writerows(rows)
+    _replace(sweep_dir / "summary.csv", text.getvalue())
+    return sweep_dir / "summary.csv"
 
 
 def varying(rows: Sequence[dict]) -> list[str]:
@@ -528,28 +448,25 @@ def print_table(rows: Sequence[dict], key: str | None) -> None:
     from rich.table import Table
 
     table = Table(title="Sweep summary")
-    names = ("job", "status", "values", "best", key, "wall s", "energy J")
-    for name in filter(None, names):
+    for name in filter(None, ("job", "status", "values", "best", key, "wall s", "energy J")):
         table.add_column(name)
     for row, values in zip(rows, varying(rows), strict=True):
-        numbers = [_fmt(row.get(n)) for n in ("best", key) if n] + [
-            _fmt(row.get(n), 0) for n in ("wall_s", "energy_j")
-        ]
+        numbers = [_fmt(row.get(n)) for n in ("best", key) if n]
+        numbers += [_fmt(row.get(n), 0) for n in ("wall_s", "energy_j")]
         table.add_row(str(row.get("job", "")), row["status"], values, *numbers)
     Console(width=max(100, Console().width)).print(table)
 
 
-def plot_summary(sweep_dir: Path, rows: Sequence[dict], key: str | None) -> Path | None:
-    """``summary.png``: each job's best score (or ``key``) as a bar labelled by its values;
-    ``None`` without matplotlib or a figure."""
+def plot_summary(sweep_dir: Path, rows: Sequence[dict], key: str | None) -> None:
+    """``summary.png``: each job's ``key`` (else its best score) as a bar labelled by its values."""
     name = key if key and any(_number(row.get(key)) is not None for row in rows) else "best"
     points = [
         (label or f"#{row['job']}", _number(row.get(name)))
         for row, label in zip(rows, varying(rows), strict=True)
-        if _number(row.get(name)) is not None
     ]
+    points = [(label, value) for label, value in points if value is not None]
     if not points:
-        return None
+        return
     try:
         import matplotlib
 
@@ -557,21 +474,19 @@ def plot_summary(sweep_dir: Path, rows: Sequence[dict], key: str | None) -> Path
         import matplotlib.pyplot as plt
     except ImportError:
         log.info("summary.png needs matplotlib: pip install 'lightning-runkit[plot]'")
-        return None
+        return
     figure, axes = plt.subplots(figsize=(8, 0.5 * len(points) + 1.5))
     labels, values = zip(*points, strict=True)
-    axes.barh(range(len(values)), values, color="#4c72b0")
-    axes.set_yticks(range(len(values)), labels=labels, fontsize=8)
+    axes.barh(range(len(values)), values, tick_label=labels)
     axes.invert_yaxis()
-    monitor = next((row.get("monitor") for row in rows if row.get("monitor")), "")
-    axes.set_xlabel(name if name != "best" else f"best {monitor}".strip())
-    axes.set_title(f"{len(points)} job(s) of {sweep_dir.name}")
+    monitor = next((row["monitor"] for row in rows if row.get("monitor")), "")
+    xlabel = name if name != "best" else f"best {monitor}".strip()
+    axes.set(xlabel=xlabel, title=f"{len(points)} job(s) of {sweep_dir.name}")
     with warnings.catch_warnings():  # very long labels: the figure is still readable
         warnings.simplefilter("ignore")
         figure.tight_layout()
     figure.savefig(sweep_dir / "summary.png", dpi=100)
     plt.close(figure)
-    return sweep_dir / "summary.png"
 
 
 def _number(value: Any) -> float | None:
