@@ -1,10 +1,6 @@
 """GPM (GPU Performance Monitoring, Hopper and newer): what the SMs did, not only *whether* they ran.
-
-A GPM figure is the difference of two samples of the GPU's counters (``nvmlGpmMetricsGet``); the
-two samples are swapped at every reading, so each covers the interval since the last and nothing
-is allocated while sampling. A profiler holding the counters pauses GPM (one log line) and the
-next reading tries again; only ``NVMLError_GpuIsLost`` is passed on.
-"""
+Two samples of the counters, swapped at every reading, give the interval since the last; a
+profiler holding the counters pauses GPM (one log line); only ``GpuIsLost`` is passed on."""
 
 from __future__ import annotations
 
@@ -40,7 +36,6 @@ class GpmCounters:
         self.lib, self.board, self.label, self.gpu_instance_id = lib, board, label, gpu_instance_id
         self._samples: list[Any] = []
         self._have_previous = self._paused = False
-        self._lost = nvml.error_classes(lib, ("NVMLError_GpuIsLost",))
         self._names: list[str] = []
         self._request: Any = None
 
@@ -72,14 +67,21 @@ class GpmCounters:
         """The metrics since the previous call (empty the first time, or while GPM is refused)."""
         if len(self._samples) < 2:
             return {}
-        lib, (previous, current) = self.lib, self._samples
+        lib, (previous, current), request = self.lib, self._samples, self._request
+        values = {}
         try:
             if self.gpu_instance_id is None:
                 lib.nvmlGpmSampleGet(self.board, current)
             else:
                 lib.nvmlGpmMigSampleGet(self.board, self.gpu_instance_id, current)
-            values = self._metrics(previous, current) if self._have_previous else {}
-        except self._lost:
+            if self._have_previous:
+                request.sample1, request.sample2 = previous, current
+                lib.nvmlGpmMetricsGet(request)
+                for i, name in enumerate(self._names):
+                    metric = request.metrics[i]
+                    if metric.nvmlReturn == lib.NVML_SUCCESS and math.isfinite(metric.value):
+                        values[name] = float(metric.value)
+        except nvml.error_classes(lib, ("NVMLError_GpuIsLost",)):
             raise
         except lib.NVMLError as err:
             self._have_previous = False  # the next reading starts a fresh pair
@@ -95,17 +97,6 @@ class GpmCounters:
             self._paused = False
             log.info("gpu_stats: %s: GPM figures are back", self.label)
         self._samples, self._have_previous = [current, previous], True
-        return values
-
-    def _metrics(self, first: Any, second: Any) -> dict[str, float]:
-        request = self._request
-        request.sample1, request.sample2 = first, second
-        self.lib.nvmlGpmMetricsGet(request)
-        values = {}
-        for i, name in enumerate(self._names):
-            metric = request.metrics[i]
-            if metric.nvmlReturn == self.lib.NVML_SUCCESS and math.isfinite(metric.value):
-                values[name] = float(metric.value)
         return values
 
     def close(self) -> None:

@@ -53,15 +53,15 @@ class LoopTimer:
     def batch_end(self, batch: Any) -> None:
         self._last_end = self.clock()
         self.steps += 1
-        size = None if self.samples is None else batch_length(batch)
-        if size is None and self.samples is not None and not self._said_uncountable:
-            self._said_uncountable = True
-            log.info(
-                "loop: a training batch of type %s holds no tensor to count samples in; "
-                "loop/samples_per_s is not logged (loop/data_wait_frac is)",
-                type(batch).__name__,
-            )
-        self.samples = None if size is None else self.samples + size
+        if self.samples is not None and (size := batch_length(batch)) is not None:
+            self.samples += size
+        elif self.samples is not None:
+            self.samples = None
+            if not self._said_uncountable:
+                self._said_uncountable = True
+                log.info("loop: a training batch of type %s holds no tensor to count samples "
+                         "in; loop/samples_per_s is not logged (loop/data_wait_frac is)",
+                         type(batch).__name__)  # fmt: skip
 
     def pause(self) -> None:
         """Validation starts: its time, until the next training batch starts, is left out."""
