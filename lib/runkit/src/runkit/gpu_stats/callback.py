@@ -154,14 +154,12 @@ class GpuStatsMonitor(pl.Callback):
         self._stack = ExitStack()
         self._sampler: GpuSampler | None = None
         self._peaks: TorchPeakMemory | None = None
-        self._active = False  # some rank samples a GPU
         self._exchanges = {
             hook: RankExchange(hook, self.gather_timeout_s)
             for hook in ("setup", "validation end", "training epoch end")
         }
         self.identities: list[dict[str, Any]] = []  # every rank's setup report
         self._summary = RunSummary()
-        self._phase_before_val: str | None = None
         self._loop = LoopTimer()
         self._fit_energy_j: dict[str, float] = {}  # this fit, per physical GPU
         self._fit_samples: float | None = 0.0  # training samples of this fit, every rank
@@ -193,7 +191,6 @@ class GpuStatsMonitor(pl.Callback):
             self._close()
             raise ValueError(errors[0])
         self.identities = everyone
-        self._active = any(p["gpus"] for p in everyone)
         if trainer.is_global_zero:
             self._report_setup(everyone)
         if self._sampler is not None:
@@ -305,21 +302,19 @@ class GpuStatsMonitor(pl.Callback):
         if trainer.sanity_checking:
             return
         self._loop.pause()  # until the next training batch: validation is not a data wait
-        if self._sampler is not None:
-            self._phase_before_val = self._sampler.phase
         self._guarded("validation start", lambda s, p: (s.set_phase(VAL), p.restart(stash=True)))
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
         local = self._local(trainer, VAL if self.report_validation else None, False)
-        resume = self._phase_before_val
-        self._guarded("validation end", lambda s, p: (s.set_phase(resume, False), p.restart()))
+        # Validation runs inside the training epoch (Lightning calls on_train_epoch_end after it).
+        self._guarded("validation end", lambda s, p: (s.set_phase(TRAIN, False), p.restart()))
         # Every rank, every validation: the run's energy is current when a checkpoint is saved.
         everyone = self._exchanges["validation end"].gather(trainer, local, self._watched(trainer))
         self._add_energy(everyone)
         self._epoch_samples = _count_samples([p.get("loop") for p in everyone])
-        if self.report_validation and self._active:
+        if self.report_validation:
             root = f"{self.key_prefix}_val"
             flat = flatten_epoch(everyone, root, self.log_sampler_cost, self.per_gpu_keys_up_to)
             self._publish(trainer, pl_module, flat)
