@@ -540,7 +540,7 @@ def loader(delay_s: float = 0.0, batch_size: int = 4) -> torch.utils.data.DataLo
     return torch.utils.data.DataLoader(SlowData(delay_s), batch_size=batch_size)
 
 
-def fit(tmp_path, monitor, *callbacks, epochs=2, loggers=None, model=None, train_loader=None,
+def fit(tmp_path, monitor, *callbacks, epochs=2, model=None, train_loader=None,
         ckpt_path=None, **options):  # fmt: skip
     """A real fit on CPU, the monitor first; Trainer ``options`` override the defaults."""
     options = {"limit_train_batches": 12, "limit_val_batches": 2, "num_sanity_val_steps": 1,
@@ -549,7 +549,7 @@ def fit(tmp_path, monitor, *callbacks, epochs=2, loggers=None, model=None, train
         accelerator="cpu", devices=1, max_epochs=epochs, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[monitor, *callbacks],
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        logger=loggers if loggers is not None else CSVLogger(tmp_path, name="csv", version=0),
+        logger=CSVLogger(tmp_path, name="csv", version=0),
         **options,
     )  # fmt: skip
     trainer.fit(model or TinyModel(), train_loader or loader(), loader(), ckpt_path=ckpt_path)
@@ -563,40 +563,14 @@ def rows_with(tmp_path: Path, key: str = "gpu/node0/cuda0/samples") -> list[dict
 
 
 class Watch(pl.Callback):
-    """NVML calls from the training thread, samples seen vs counted, the key at validation end."""
+    """The NVML calls made from the training thread so far, at each batch's start."""
 
-    def __init__(self, fake: FakeNvml, monitor: GpuStatsMonitor) -> None:
-        self.fake, self.monitor = fake, monitor
-        self.counts: dict[int, list[int]] = {}
-        self.pairs: list[tuple[int, float]] = []
-        self.at_validation_end: list[Any] = []
-
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        self.seen = 0
+    def __init__(self, fake: FakeNvml) -> None:
+        self.fake, self.counts = fake, []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.counts.setdefault(trainer.current_epoch, []).append(self.fake.calls_in_thread())
+        self.counts.append(self.fake.calls_in_thread())
         time.sleep(0.01)  # an epoch outlasts the sampler's interval
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.seen += len(batch[0])
-
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        self.pairs.append((self.seen, self.monitor._loop.summary()["samples"]))
-
-    def on_validation_end(self, trainer, pl_module) -> None:
-        if not trainer.sanity_checking:
-            self.at_validation_end.append(trainer.callback_metrics.get(VAL_KEY))
-
-
-class CountingCsvLogger(CSVLogger):
-    """The real CSV logger, counting the calls that carry GPU figures."""
-
-    gpu_calls = 0
-
-    def log_metrics(self, metrics, step=None):
-        self.gpu_calls += any(k.startswith(("gpu/", "gpu_val/")) for k in metrics)
-        super().log_metrics(metrics, step)
 
 
 VAL_KEY = "gpu_val/node0/cuda0/util_mean"
@@ -612,28 +586,25 @@ def trained(tmp_path_factory):
     fake = FakeNvml([gpu])
     nvml.use_library(fake)
     monitor = GpuStatsMonitor(interval_s=0.02, device_uuids=[gpu.uuid], log_sampler_cost=True)
-    watch = Watch(fake, monitor)
+    watch = Watch(fake)
     stop = EarlyStopping("gpu/node0/cuda0/util_mean", patience=5, check_on_train_epoch_end=True)
     best = ModelCheckpoint(tmp_path / "ckpt", monitor=VAL_KEY, mode="max", save_last=True)
-    logger = CountingCsvLogger(tmp_path, name="csv", version=0)
     mp = pytest.MonkeyPatch()
     mp.setenv("COLUMNS", "220")  # Rich wraps the table at 80 columns otherwise
     buffer = io.StringIO()
     mp.setattr(sys, "stdout", buffer)
     try:
-        trainer = fit(tmp_path, monitor, watch, stop, best, loggers=logger,
-                      train_loader=loader(batch_size=6))  # fmt: skip
+        trainer = fit(tmp_path, monitor, watch, stop, best, train_loader=loader(batch_size=6))
     finally:
         mp.undo()
         nvml.use_library(None)
     return SimpleNamespace(path=tmp_path, fake=fake, monitor=monitor, watch=watch, best=best,
-                           logger=logger, trainer=trainer, out=buffer.getvalue())  # fmt: skip
+                           trainer=trainer, out=buffer.getvalue())  # fmt: skip
 
 
 def test_a_fit_logs_one_row_per_epoch_of_exact_gpu_figures(trained) -> None:
     train, val = rows_with(trained.path), rows_with(trained.path, VAL_KEY)
     assert len(train) == 2 and len(val) == 2  # one row per epoch; the sanity check is not logged
-    assert trained.logger.gpu_calls == 4  # per epoch: one training call, one validation call
     expected = {"util_mean": 40, "util_max": 40, "mem_util_mean": 20, "mem_used_gib_max": 10,
                 "proc_mem_gib_max": 2, "power_ratio_mean": 0.5, "temp_c_max": 61,
                 "sm_active_mean": 60, "tensor_active_max": 20, "dram_active_mean": 45}  # fmt: skip
@@ -657,11 +628,10 @@ def test_a_fit_feeds_monitors_counts_samples_and_reads_no_gpu_in_the_loop(traine
     metrics = trained.trainer.callback_metrics
     assert float(metrics["gpu/node0/cuda0/util_mean"]) == 40  # EarlyStopping's key
     assert "gpu/node0/cuda0/temp_c_max" not in metrics  # no monitor asks
-    assert [float(v) for v in trained.watch.at_validation_end] == [40.0] * 2  # watched: at once
-    assert float(trained.best.best_model_score) == 40
-    assert trained.watch.pairs == [(64, 64)] * 2  # 10 batches of 6 and one of 4
-    for epoch, counts in trained.watch.counts.items():  # no NVML call from the training thread
-        assert len(counts) == 11 and len(set(counts)) == 1, (epoch, counts)
+    assert float(trained.best.best_model_score) == 40  # the validation's key, at its end
+    assert trained.monitor.run_samples() == 2 * 64  # per epoch 10 batches of 6 and one of 4
+    counts = trained.watch.counts  # no NVML call from the training thread while it trains
+    assert len(counts) == 2 * 11 and len(set(counts)) == 1, counts
     assert trained.fake.balanced and not trained.fake.initialised
     assert trained.fake.gpm_samples_live == 0
     assert "GPU statistics over the run" in trained.out and "Fake H100" in trained.out
