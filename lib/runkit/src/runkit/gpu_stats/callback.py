@@ -14,7 +14,7 @@ import logging
 import math
 import re
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from typing import Any
 
@@ -85,7 +85,7 @@ def energy_report(trainer: Any) -> dict[str, Any] | None:
     kWh, J per training sample and J per physical GPU; None without a monitor or a reading."""
     monitor = next((c for c in trainer.callbacks if isinstance(c, GpuStatsMonitor)), None)
     per_gpu = monitor.run_energy_j() if monitor is not None else {}
-    if not per_gpu:
+    if monitor is None or not per_gpu:
         return None
     total, samples = sum(per_gpu.values()), monitor.run_samples()
     return {
@@ -198,7 +198,7 @@ class GpuStatsMonitor(pl.Callback):
 
     def _open(self, trainer: pl.Trainer) -> dict[str, Any]:
         """Map this process's devices to NVML by UUID and probe them: what rank 0 should hear."""
-        wanted = []
+        wanted: list[tuple[str, torch.device, str | None]] = []
         for position, device in process_devices(trainer):
             if self.device_uuids is not None:
                 if position >= len(self.device_uuids):
@@ -272,21 +272,24 @@ class GpuStatsMonitor(pl.Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
         self._close()  # Lightning does not call ``teardown`` on this path
 
-    def _guarded(self, what: str, fn: Callable[[GpuSampler, TorchPeakMemory], Any]) -> Any:
-        """Local bookkeeping; on a bug, stop sampling here but keep training (and gathers)."""
-        if self._sampler is None or self._peaks is None:
-            return None
-        try:
-            return fn(self._sampler, self._peaks)
-        except Exception as err:
-            log.warning("gpu_stats: %s failed (%s: %s); sampling stops", what, type(err).__name__, err)  # fmt: skip
-            self._close()
-            return None
+    def _failed(self, what: str, err: Exception) -> None:
+        """A bug in the local bookkeeping: stop sampling here but keep training (and gathers)."""
+        log.warning("gpu_stats: %s failed (%s: %s); sampling stops", what, type(err).__name__, err)
+        self._close()
+
+    def _switch(self, what: str, phase: str | None, reset: bool = True, **restart: bool) -> None:
+        """Send later samples to ``phase`` (``reset``: from an empty one); restart torch's peaks."""
+        if self._sampler is not None and self._peaks is not None:
+            try:
+                self._sampler.set_phase(phase, reset)
+                self._peaks.restart(**restart)
+            except Exception as err:
+                self._failed(what, err)
 
     # ------------------------------------------------------------------ phases
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._loop.start_epoch()
-        self._guarded("epoch start", lambda s, p: (s.set_phase(TRAIN), p.restart(clear=True)))
+        self._switch("epoch start", TRAIN, clear=True)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -302,14 +305,14 @@ class GpuStatsMonitor(pl.Callback):
         if trainer.sanity_checking:
             return
         self._loop.pause()  # until the next training batch: validation is not a data wait
-        self._guarded("validation start", lambda s, p: (s.set_phase(VAL), p.restart(stash=True)))
+        self._switch("validation start", VAL, stash=True)
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
         local = self._local(trainer, VAL if self.report_validation else None, False)
         # Validation runs inside the training epoch (Lightning calls on_train_epoch_end after it).
-        self._guarded("validation end", lambda s, p: (s.set_phase(TRAIN, False), p.restart()))
+        self._switch("validation end", TRAIN, reset=False)
         # Every rank, every validation: the run's energy is current when a checkpoint is saved.
         everyone = self._exchanges["validation end"].gather(trainer, local, self._watched(trainer))
         self._add_energy(everyone)
@@ -321,7 +324,7 @@ class GpuStatsMonitor(pl.Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         local = self._local(trainer, TRAIN, True)
-        self._guarded("epoch end", lambda s, p: s.set_phase(None))
+        self._switch("epoch end", None)
         exchange = self._exchanges["training epoch end"]
         everyone = exchange.gather(trainer, local, self._watched(trainer))
         loops = [p.get("loop") for p in everyone]
@@ -341,11 +344,14 @@ class GpuStatsMonitor(pl.Callback):
         ``phase`` (with PyTorch's peaks; the whole epoch's with ``epoch``) and the energy."""
         local: dict[str, Any] = {"node": trainer.node_rank, "rank": trainer.global_rank}
         local["loop"] = self._loop.summary()
-        if self._sampler is None:
+        if self._sampler is None or self._peaks is None:
             return local
         local["boards"] = {r.label: r.board_uuid for r in self._sampler.readers}
-        got = self._guarded("summary", lambda s, p: (*s.report(phase), p.peaks(epoch)))
-        gpus, local["energy_total_j"], peaks = got or ({}, {}, {})
+        try:
+            (gpus, local["energy_total_j"]), peaks = self._sampler.report(phase), self._peaks.peaks(epoch)  # fmt: skip
+        except Exception as err:
+            self._failed("summary", err)
+            gpus, local["energy_total_j"], peaks = {}, {}, {}
         if phase is not None:
             for label, values in peaks.items():
                 gpus.get(label, {}).update(values)

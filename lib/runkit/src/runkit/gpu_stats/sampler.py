@@ -61,7 +61,7 @@ class GpuReader:
     def probe(self) -> None:
         """Read every group once; drop those the GPU refuses. Any other failure (GpuIsLost...)
         propagates: the caller gives up on this GPU."""
-        skip = (*nvml.error_classes(self.lib, _PROBE_SKIP_ERRORS), AttributeError)
+        skip: tuple[type[BaseException], ...] = (*nvml.error_classes(self.lib, _PROBE_SKIP_ERRORS), AttributeError)  # fmt: skip
         if "power" in self.groups:
             self.power_limit_mw = nvml.optional(self.lib, self.device.power_limit_mw)
         if "gpm" in self.groups:
