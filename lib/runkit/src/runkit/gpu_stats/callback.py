@@ -100,22 +100,15 @@ def energy_report(trainer: Any) -> dict[str, Any] | None:
 class GpuStatsMonitor(pl.Callback):
     """Log per-epoch GPU statistics from NVML for every GPU of the run (see the module docstring).
 
-    Args:
-        interval_s: seconds between background samples.
-        report_validation: also log the validation runs, under ``gpu_val/``.
-        fan, pcie, ecc, memory_temperature: log these too (off by default; often unsupported).
-        log_sampler_cost: log ``sample_ms``, the NVML time per sample of each GPU.
-        summary_table: print a Rich table of every GPU at the end of ``fit`` (rank 0).
-        device_uuids: the NVML UUID of each entry of ``trainer.strategy.parallel_devices``, for
-            runs on CPU with the fake NVML; on real GPUs leave it ``None`` (CUDA's UUIDs).
-        key_prefix: first part of every key (``gpu``); validation uses ``{key_prefix}_val``.
-        gpm: read GPM metrics (SM activity, occupancy, tensor cores, DRAM) where supported.
-        per_gpu_keys_up_to: per-GPU keys for nodes with at most this many GPUs, else only
-            the ``gpu/all/`` aggregates.
-        data_wait_warning: warn when an epoch waited more than this share of its loop time for
-            data while the GPUs were mostly idle (1.0: never).
-        gpu_idle_below_pct: "mostly idle": mean utilisation of the run's GPUs below this.
-        gather_timeout_s: how long rank 0 waits at an epoch end for the other ranks' figures.
+    ``interval_s``: seconds between samples; ``report_validation``: log validation runs too (under
+    ``{key_prefix}_val/``); ``fan``, ``pcie``, ``ecc``, ``memory_temperature`` (off: often
+    unsupported), ``gpm``: metric groups; ``log_sampler_cost``: log ``sample_ms``, NVML's time per
+    sample; ``summary_table``: a Rich table of every GPU at the end of ``fit``; ``device_uuids``:
+    the NVML UUID of each of ``trainer.strategy.parallel_devices``, for CPU runs on the fake NVML
+    (None: CUDA's); ``per_gpu_keys_up_to``: per-GPU keys for nodes with at most this many GPUs,
+    else the ``gpu/all/`` aggregates only; ``data_wait_warning``, ``gpu_idle_below_pct``: warn when
+    an epoch waited more than this share of its loop for data while the GPUs were busy less than
+    this; ``gather_timeout_s``: how long rank 0 waits at an epoch end for the others' figures.
     """
 
     def __init__(
