@@ -22,9 +22,14 @@ from lightning.pytorch.loggers import CSVLogger
 
 from conftest import stand_in
 from runkit.gpu_stats import callback as gpu_callback
-from runkit.gpu_stats.callback import GpuStatsMonitor, energy_report, process_devices
+from runkit.gpu_stats.callback import (
+    GpuStatsMonitor,
+    LoopTimer,
+    batch_length,
+    energy_report,
+    process_devices,
+)
 from runkit.gpu_stats.exchange import RankExchange
-from runkit.gpu_stats.loop import LoopTimer, batch_length
 from runkit.gpu_stats.sampler import GpuSampler
 from runkit.gpus import nvml
 from runkit.run import run_files

@@ -12,8 +12,15 @@ import torch
 
 from runkit.gpu_stats import sampler
 from runkit.gpu_stats.callback import GpuStatsMonitor, energy_report
-from runkit.gpu_stats.gpm import GPM_METRICS, GpmCounters
-from runkit.gpu_stats.sampler import TRAIN, VAL, GpuReader, GpuSampler, TorchPeakMemory
+from runkit.gpu_stats.sampler import (
+    GPM_METRICS,
+    TRAIN,
+    VAL,
+    GpmCounters,
+    GpuReader,
+    GpuSampler,
+    TorchPeakMemory,
+)
 from runkit.gpu_stats.statistics import RunSummary, flatten_epoch, flatten_loop
 from runkit.gpus import nvml
 from runkit.testing.fake_nvml import GIB, FakeClock, FakeGpu, FakeNvml, FakeProcess

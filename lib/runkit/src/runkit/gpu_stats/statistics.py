@@ -20,9 +20,9 @@ AGGREGATED = (
     *("temp_c_max", "power_w_mean", "sm_clock_mhz_mean", "throttle_any_frac", "energy_j"),
     *("sm_active_mean", "tensor_active_mean"),
 )  # fmt: skip
-# The run means the table shows (utilisation and GPM, with its column title) and NVML's cost.
+# The run means the table shows, with their column titles: utilisation and the GPM figures.
 WEIGHTED = {"util": "util %", "sm_active": "SM active %", "sm_occupancy": "occupancy %",
-            "tensor_active": "tensor %", "dram_active": "DRAM bw %", "sample": ""}  # fmt: skip
+            "tensor_active": "tensor %", "dram_active": "DRAM bw %"}  # fmt: skip
 
 
 class GpuAccumulator:
@@ -102,41 +102,32 @@ def flatten_loop(loops: Sequence[dict[str, float] | None]) -> dict[str, float]:
 
 class RunSummary:
     """Each GPU over the training epochs of a run: epoch means weighted by their samples, the
-    peaks' maximum, the energy's sum; :meth:`rows` and :meth:`print` the table."""
+    peaks' maximum, the energy's sum."""
 
     def __init__(self) -> None:
-        self.runs: dict[tuple[int, str], dict[str, float]] = {}
+        self.epochs: dict[tuple[int, str], list[dict[str, float]]] = {}
 
     def add_epoch(self, everyone: Sequence[dict[str, Any]]) -> None:
         for p in everyone:
             for label, summary in p.get("gpus", {}).items():
-                run = self.runs.setdefault((p["node"], label), {})
-                n = summary.get("samples", 0.0)
-                for m in WEIGHTED:
-                    if (value := summary.get("sample_ms" if m == "sample" else f"{m}_mean")) is not None:  # fmt: skip
-                        run[f"{m}_w"] = run.get(f"{m}_w", 0.0) + value * n
-                        run[f"{m}_n"] = run.get(f"{m}_n", 0.0) + n
-                for key in ("mem_used_gib_max", "torch_peak_alloc_gib"):
-                    if key in summary:
-                        run[key] = max(run.get(key, 0.0), summary[key])
-                if "energy_j" in summary:
-                    run["energy_j"] = run.get("energy_j", 0.0) + summary["energy_j"]
-                run["samples"] = run.get("samples", 0.0) + n
+                self.epochs.setdefault((p["node"], label), []).append(summary)
 
     def rows(self, identities: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """One row per GPU; ``identities`` are every rank's setup reports (names, UUIDs)."""
         names = {(p["node"], g["label"]): g for p in identities for g in p.get("gpus", [])}
         rows = []
-        for (node, label), run in sorted(self.runs.items()):
+        for (node, label), epochs in sorted(self.epochs.items()):
             ident = names.get((node, label), {})
-            rows.append({
-                "gpu": f"node{node}/{label}", "name": ident.get("name", "?"),
-                "uuid": ident.get("uuid", "?"),
-                **{"sample_ms" if m == "sample" else f"{m}_mean":
-                   run[f"{m}_w"] / run[f"{m}_n"] if run.get(f"{m}_n") else None for m in WEIGHTED},
-                **{k: run.get(k) for k in ("mem_used_gib_max", "torch_peak_alloc_gib", "energy_j")},
-                "samples": int(run["samples"]),
-            })  # fmt: skip
+            row = {"gpu": f"node{node}/{label}", "name": ident.get("name", "?"),
+                   "uuid": ident.get("uuid", "?"), "samples": int(sum(e.get("samples", 0) for e in epochs))}  # fmt: skip
+            for key in ("sample_ms", *(f"{m}_mean" for m in WEIGHTED)):
+                have = [(e[key], e.get("samples", 0.0)) for e in epochs if key in e]
+                n = sum(w for _, w in have)
+                row[key] = sum(v * w for v, w in have) / n if n else None
+            for key, total in (("mem_used_gib_max", max), ("torch_peak_alloc_gib", max), ("energy_j", sum)):  # fmt: skip
+                values = [e[key] for e in epochs if key in e]
+                row[key] = total(values) if values else None
+            rows.append(row)
         return rows
 
 
@@ -148,7 +139,7 @@ def print_table(rows: Sequence[dict[str, Any]]) -> None:
     def fmt(value: float | None, spec: str = ".1f") -> str:
         return "n/a" if value is None else format(value, spec)
 
-    means = ["util", *(m for m in list(WEIGHTED)[1:-1] if any(r[f"{m}_mean"] is not None for r in rows))]  # fmt: skip
+    means = ["util", *(m for m in list(WEIGHTED)[1:] if any(r[f"{m}_mean"] is not None for r in rows))]  # fmt: skip
     table = Table(title="GPU statistics over the run (training epochs)")
     for column in ("GPU", "name", *(WEIGHTED[m] for m in means), "peak mem GiB",
                    "torch peak GiB", "energy kJ", "samples", "NVML ms/sample"):  # fmt: skip
