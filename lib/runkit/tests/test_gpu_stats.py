@@ -304,6 +304,7 @@ STARVED = (
 def test_the_starvation_line_needs_the_share_a_second_of_waiting_and_idle_gpus(
     monkeypatch, caplog, waits, kwargs, warned
 ) -> None:
+    kwargs = dict(kwargs)  # the parametrisation's own dict stays as it is, for a rerun
     util = kwargs.pop("util", None)
     hand = Hand(monkeypatch, [] if util is None else [FakeGpu(util_gpu=util)],
                 trainer={"current_epoch": 3}, **kwargs)  # fmt: skip
