@@ -314,12 +314,9 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> 
     path; by default ``<dir>/curves.png`` for one directory, ``./curves.png`` for several."""
     runs = [read_metrics(path) for path in expand_run_dirs(run_dirs)]
     if out is None:
-        target = Path(run_dirs[0]) / PLOT_FILE if len(run_dirs) == 1 else Path(PLOT_FILE)
-    elif Path(out).is_dir():
-        target = Path(out) / PLOT_FILE
-    elif Path(out).suffix.lower() in FORMATS:
-        target = Path(out)
-    else:
+        out = run_dirs[0] if len(run_dirs) == 1 else "."
+    target = Path(out) / PLOT_FILE if Path(out).is_dir() else Path(out)
+    if target.suffix.lower() not in FORMATS:
         raise PlotError(
             f"--out {str(out)!r} has an unknown format; use a name ending in {', '.join(FORMATS)}"
         )
