@@ -1,6 +1,6 @@
-"""GpuStatsMonitor under real DDP (three CPU ranks over gloo, one fake NVML each): GPU 1's
-figures reach rank 0 only through the job's store; a rank without NVML still joins every gather
-(a GPU lost mid-run: test_gpu_telemetry; its rank keeps posting, as this rank does)."""
+"""GpuStatsMonitor under real DDP (two CPU ranks over gloo, one fake NVML each): rank 0 has no
+NVML, yet GPU 1's figures reach its logger and every rank's monitors through the job's store
+(a GPU lost mid-run: test_gpu_telemetry; its rank keeps posting, as rank 0 does here)."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ SCRIPT = textwrap.dedent(
 
     out_dir = sys.argv[1]
     rank = int(os.environ.get("LOCAL_RANK", "0"))  # set by Lightning for the launched ranks
-    fake = FakeNvml([FakeGpu(util_gpu=u, name=f"gpu{i}") for i, u in enumerate((30, 80, 50))],
-                    init_error="driver_not_loaded" if rank == 2 else None)  # rank 2: no NVML
+    fake = FakeNvml([FakeGpu(util_gpu=u, name=f"gpu{i}") for i, u in enumerate((30, 80))],
+                    init_error="driver_not_loaded" if rank == 0 else None)  # rank 0: no NVML
     nvml.use_library(fake)
 
     class M(pl.LightningModule):
@@ -48,13 +48,12 @@ SCRIPT = textwrap.dedent(
                               summary_table=False)
     # Monitors on GPU keys: each rank must find them in its own trainer.callback_metrics.
     watchers = [
-        EarlyStopping(monitor="gpu/all/util_mean_max", mode="max", patience=5,
-                      check_on_train_epoch_end=True),
+        EarlyStopping(monitor="loop/data_wait_frac", patience=5, check_on_train_epoch_end=True),
         ModelCheckpoint(dirpath=os.path.join(out_dir, "ckpt"), mode="max",
                         monitor="gpu/node0/cuda1/util_mean", save_on_train_epoch_end=True),
     ]
     trainer = pl.Trainer(
-        accelerator="cpu", devices=3, strategy="ddp", max_epochs=2, log_every_n_steps=1,
+        accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, log_every_n_steps=1,
         logger=CSVLogger(out_dir, name="csv", version=0), enable_progress_bar=False,
         enable_model_summary=False, callbacks=[monitor, *watchers],
     )
@@ -73,7 +72,7 @@ def column(rows: list[dict[str, str]], key: str) -> list[float]:
 
 
 @pytest.mark.slow
-def test_ddp_gathers_every_rank_gpu_and_a_rank_without_nvml_joins(tmp_path: Path) -> None:
+def test_ddp_rank_0_without_nvml_gathers_rank_1s_gpu_for_every_rank(tmp_path: Path) -> None:
     script = tmp_path / "ddp_run.py"
     script.write_text(SCRIPT)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PROJECT_", "LOCAL_RANK"))}
@@ -85,20 +84,15 @@ def test_ddp_gathers_every_rank_gpu_and_a_rank_without_nvml_joins(tmp_path: Path
     assert result.returncode == 0, output
     with (tmp_path / "csv" / "version_0" / "metrics.csv").open() as handle:
         rows = list(csv.DictReader(handle))
-    assert column(rows, "gpu/node0/cuda0/util_mean") == [30, 30]
     assert column(rows, "gpu/node0/cuda1/util_mean") == [80, 80]  # only rank 1 sampled it
-    assert not column(rows, "gpu/node0/cuda2/util_mean")  # rank 2 has no NVML
-    assert column(rows, "gpu/all/util_mean_min") == [30, 30]
-    assert column(rows, "gpu/all/util_mean_max") == [80, 80]
-    assert column(rows, "gpu/all/util_mean_mean") == [55, 55]
+    assert not column(rows, "gpu/node0/cuda0/util_mean")  # rank 0 has no NVML
+    assert not any(k.startswith("gpu/all/") for k in rows[0])  # one GPU in the run
     assert len(column(rows, "loop/data_wait_frac")) == 2
-    # each validation's figures, every rank's, reach rank 0 with the epoch's exchange
+    # each validation's figures reach rank 0 with the validation's exchange
     assert column(rows, "gpu_val/node0/cuda1/util_mean") == [80, 80]
-    assert column(rows, "gpu_val/all/util_mean_mean") == [55, 55]
     assert "self.log('gpu" not in output  # every rank logs the same value: no advice to sync
-    assert "rank 2: off: NVML is not available" in output
-    for rank, inits in ((0, 1), (1, 1), (2, 0)):
+    assert "rank 0: off: NVML is not available" in output
+    for rank, inits in ((0, 0), (1, 1)):
         assert f"RANK {rank} DONE balanced=True inits={inits}" in output, output
         # every rank's monitors saw the GPU keys (no all-reduce); 2 epochs x 30 samples
-        gpus = "['node0/cuda0', 'node0/cuda1']"  # each rank knows both GPUs' energy
-        assert f"RANK {rank} BEST 80.0 SAMPLES 60.0 GPUS {gpus}" in output, output
+        assert f"RANK {rank} BEST 80.0 SAMPLES 60.0 GPUS ['node0/cuda1']" in output, output
