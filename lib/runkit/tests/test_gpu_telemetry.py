@@ -321,8 +321,10 @@ def test_a_damaged_checkpoint_state_is_one_line_and_ignored(state, caplog) -> No
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         monitor.load_state_dict(state)
     assert monitor.run_energy_j() == {} and monitor.run_samples() == 0
-    (line,) = [r.getMessage() for r in caplog.records]
-    assert "energy counts from this resume on" in line
+    assert [r.getMessage() for r in caplog.records] == [
+        "gpu_stats: the checkpoint's GPU statistics state is not what this callback writes "
+        f"({state!r:.80}); the run's energy counts from this resume on"
+    ]
 
 
 def test_energy_report_from_a_resumed_run_with_or_without_samples() -> None:
