@@ -65,7 +65,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "gpu_stats": (
         [
             f"lib/runkit/src/runkit/gpu_stats/{name}.py"
-            for name in ("callback", "exchange", "gpm", "loop", "sampler", "statistics")
+            for name in ("callback", "exchange", "sampler", "statistics")
         ],
         ["lib/runkit/tests/test_gpu_stats.py", "lib/runkit/tests/test_gpu_telemetry.py"],
     ),

@@ -24,11 +24,12 @@ from conftest import stand_in
 from runkit.gpu_stats import callback as gpu_callback
 from runkit.gpu_stats.callback import (
     GpuStatsMonitor,
+    LoopTimer,
+    batch_length,
     energy_report,
     process_devices,
 )
 from runkit.gpu_stats.exchange import RankExchange
-from runkit.gpu_stats.loop import LoopTimer
 from runkit.gpu_stats.sampler import GpuSampler
 from runkit.gpus import nvml
 from runkit.run import run_files
@@ -39,56 +40,44 @@ REPO = Path(__file__).resolve().parents[3]
 HOPPER_GPM = {"SM_UTIL": 60, "SM_OCCUPANCY": 30, "ANY_TENSOR_UTIL": 20, "DRAM_BW_UTIL": 45}
 
 
-# --------------------------------------------------------------------------- device mapping
+# --------------------------------------------------------------------------- devices, arguments
 def test_callback_setup_resolves_cuda_devices_by_uuid(monkeypatch, use_fake, caplog) -> None:
     # find_handle's UUID spellings (bare, MIG-): test_devices.py
     fake = use_fake(FakeNvml([FakeGpu(name=f"gpu{i}") for i in range(4)]))
     uuids = [g.uuid.split("-", 1)[1] for g in fake.gpus[2:]]  # torch: bare UUIDs, cuda:0 = GPU 2
-    monkeypatch.setattr(
-        torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=uuids[i])
-    )
+    props = lambda i: SimpleNamespace(uuid=uuids[i])  # noqa: E731
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
     trainer = stand_in("cuda:0", "cuda:1")
     monitor = GpuStatsMonitor()
     with caplog.at_level(logging.INFO, logger=LOGGER):
         monitor.setup(trainer, None, "fit")
-    try:
-        (payload,) = monitor.identities
-        assert [(g["label"], g["name"], g["nvml_index"]) for g in payload["gpus"]] == [
-            ("cuda0", "gpu2", 2),
-            ("cuda1", "gpu3", 3),
-        ]
-        assert any(
-            "node0/cuda0 = gpu2" in r.message and fake.gpus[2].uuid in r.message
-            for r in caplog.records
-        )
-    finally:
-        monitor.teardown(trainer, None, "fit")
+    monitor.teardown(trainer, None, "fit")
+    (payload,) = monitor.identities
+    assert [(g["label"], g["name"], g["nvml_index"]) for g in payload["gpus"]] == [
+        ("cuda0", "gpu2", 2),
+        ("cuda1", "gpu3", 3),
+    ]
+    assert any("node0/cuda0 = gpu2" in r.message and fake.gpus[2].uuid in r.message for r in caplog.records)  # fmt: skip
     assert fake.balanced and not fake.initialised
 
 
 def test_process_devices_one_process_many_gpus_vs_one_per_rank() -> None:
     cuda = [torch.device("cuda", i) for i in range(2)]
-    # one process drives both (DataParallel-like): both are sampled here
-    assert [p for p, _ in process_devices(stand_in(*cuda))] == [0, 1]
-    # DDP: rank 1 drives parallel_devices[1] only
-    ddp = stand_in(*cuda, world_size=2, local_rank=1)
+    assert [p for p, _ in process_devices(stand_in(*cuda))] == [0, 1]  # one process drives both
+    ddp = stand_in(*cuda, world_size=2, local_rank=1)  # DDP: rank 1 drives its own only
     assert process_devices(ddp) == [(1, torch.device("cuda", 1))]
-    single = SimpleNamespace(
-        strategy=SimpleNamespace(root_device=torch.device("cpu")),
-        world_size=1,
-        num_nodes=1,
-        local_rank=0,
-    )
+    single = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")),
+                             world_size=1, num_nodes=1, local_rank=0)  # fmt: skip
     assert process_devices(single) == [(0, torch.device("cpu"))]
 
 
-# --------------------------------------------------------------------------- arguments
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"interval_s": -1.0}, "interval_s=-1.0; give seconds > 0"),
         ({"interval_s": "1"}, "interval_s='1'; give seconds > 0"),
         ({"interval_s": 0}, "interval_s=0; give seconds > 0"),
+        ({"gather_timeout_s": 0}, "gather_timeout_s=0; give seconds > 0"),
         ({"device_uuids": ["GPU-1", 2]}, "device_uuids=['GPU-1', 2]; give a list of NVML UUID strings"),
         ({"device_uuids": "GPU-1"}, "device_uuids='GPU-1'; give a list of NVML UUID strings"),
         ({"key_prefix": ""}, "key_prefix=''; give a word without '/'"),
@@ -105,7 +94,7 @@ def test_process_devices_one_process_many_gpus_vs_one_per_rank() -> None:
 def test_each_bad_argument_is_named_with_what_is_accepted(kwargs, message) -> None:
     with pytest.raises(ValueError) as raised:
         GpuStatsMonitor(**kwargs)
-    assert str(raised.value).startswith(f"GpuStatsMonitor: {message}")
+    assert str(raised.value) == f"GpuStatsMonitor: {message}"
 
 
 def test_device_uuids_is_not_in_the_users_yaml_but_an_override_still_reaches_it() -> None:
@@ -125,29 +114,6 @@ def test_too_few_device_uuids_is_a_clear_error(use_fake) -> None:
     with pytest.raises(ValueError, match=r"device_uuids has 1 entries .*parallel_devices\[1\]"):
         GpuStatsMonitor(device_uuids=[fake.gpus[0].uuid]).setup(trainer, None, "fit")
     assert fake.balanced
-
-
-@pytest.mark.parametrize(
-    ("bindings", "words"), [(True, "Driver Not Loaded"), (False, "not installed")]
-)
-def test_no_driver_or_no_bindings_is_one_line_and_no_warning(
-    monkeypatch, use_fake, caplog, bindings, words
-) -> None:
-    fake = FakeNvml(1, init_error="driver_not_loaded")
-    if bindings:
-        use_fake(fake)
-    else:
-        monkeypatch.setitem(sys.modules, "pynvml", None)  # as if nvidia-ml-py were not installed
-        monkeypatch.delenv(nvml.BACKEND_ENV, raising=False)
-    trainer = stand_in("cpu")
-    monitor = GpuStatsMonitor(device_uuids=[fake.gpus[0].uuid])
-    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger=LOGGER):
-        warnings.simplefilter("error")  # any warning from us is fatal
-        monitor.setup(trainer, None, "fit")
-        epoch(monitor, trainer, None, [])  # inactive: no log
-        monitor.teardown(trainer, None, "fit")
-    (line,) = [r.getMessage() for r in caplog.records if r.name.startswith(LOGGER)]
-    assert words in line and fake.init_count == fake.shutdown_count == 0
 
 
 # --------------------------------------------------------------------------- the hooks, by hand
@@ -172,88 +138,113 @@ class Module:
         self.trainer.callback_metrics[name] = torch.tensor(value)
 
 
-def stub_trainer(**overrides: Any) -> SimpleNamespace:
-    """The attributes of ``pl.Trainer`` the callback reads, for one CPU process."""
-    values: dict[str, Any] = dict(
-        callbacks=[],
-        loggers=[RecordingLogger()],
-        callback_metrics={},
-        current_epoch=0,
-        global_step=12,
-        train_dataloader=SimpleNamespace(num_workers=0, pin_memory=False, batch_size=4),
-    )
-    return SimpleNamespace(**{**vars(stand_in("cpu")), **values, **overrides})
+class Hand:
+    """A monitor driven hook by hook, its loop and the fake NVML on one FakeClock; the sampler's
+    thread ends at once, so only setup's reading and :meth:`sample` count."""
+
+    def __init__(self, monkeypatch, gpus=(), trainer: dict | None = None, **kwargs) -> None:
+        self.clock = FakeClock()
+        monkeypatch.setattr(gpu_callback, "LoopTimer", lambda: LoopTimer(self.clock))
+        monkeypatch.setattr(GpuSampler, "_run", lambda sampler: None)
+        self.fake = FakeNvml(list(gpus), clock=self.clock)
+        monkeypatch.setattr(nvml, "load_library", lambda: self.fake)
+        if gpus:
+            kwargs.setdefault("device_uuids", [self.fake.gpus[0].uuid])
+        self.monitor = GpuStatsMonitor(interval_s=1000.0, **kwargs)
+        values: dict[str, Any] = dict(
+            callbacks=[], loggers=[RecordingLogger()], callback_metrics={}, current_epoch=0,
+            global_step=12, train_dataloader=SimpleNamespace(num_workers=0, pin_memory=False, batch_size=4),
+        )  # fmt: skip
+        self.trainer = SimpleNamespace(**{**vars(stand_in("cpu")), **values, **(trainer or {})})
+        self.module = Module(self.trainer)
+
+    @property
+    def calls(self) -> list[tuple[dict[str, float], int]]:
+        return self.trainer.loggers[0].calls
+
+    def sample(self, t: float) -> None:
+        self.clock.set(t)
+        self.monitor._sampler.sample_now()
+
+    def steps(self, *waits: float, batch: Any = None) -> None:
+        """One training step per wait: ``wait`` s fetching the batch (8 samples), then 1 s."""
+        for wait in waits:
+            self.clock.advance(wait)
+            self.monitor.on_train_batch_start(self.trainer, None, None, 0)
+            self.clock.advance(1.0)
+            batch_ = (torch.zeros(8, 2), torch.zeros(8)) if batch is None else batch
+            self.monitor.on_train_batch_end(self.trainer, None, None, batch_, 0)
+
+    def validate(self, start: float, end: float) -> None:
+        self.clock.set(start)
+        self.monitor.on_validation_epoch_start(self.trainer, self.module)
+        self.clock.set(end)
+        self.monitor.on_validation_epoch_end(self.trainer, self.module)
+
+    def epoch(self, *waits: float, end: bool = True) -> None:
+        self.monitor.on_train_epoch_start(self.trainer, None)
+        self.steps(*waits)
+        if end:
+            self.monitor.on_train_epoch_end(self.trainer, self.module)
+
+    def run(self, *waits: float, caplog=None) -> None:
+        """Setup, one epoch of ``waits``, the fit's end and teardown."""
+        with caplog.at_level(logging.INFO, logger=LOGGER) if caplog else warnings.catch_warnings():
+            self.monitor.setup(self.trainer, None, "fit")
+            self.epoch(*waits)
+            self.monitor.on_fit_end(self.trainer, None)
+            self.monitor.teardown(self.trainer, None, "fit")
 
 
-@pytest.fixture
-def by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sampler's thread ends at once: only setup's reading and ``sample_now``'s count."""
-    monkeypatch.setattr(GpuSampler, "_run", lambda self: None)
+@pytest.mark.parametrize(("bindings", "words"), [(True, "Driver Not Loaded"), (False, "not installed")])  # fmt: skip
+def test_no_driver_or_no_bindings_is_one_line_and_no_warning(monkeypatch, caplog, bindings, words) -> None:  # fmt: skip
+    real = nvml.load_library
+    hand = Hand(monkeypatch, [FakeGpu()])
+    fake = FakeNvml(1, init_error="driver_not_loaded")
+    monkeypatch.setattr(nvml, "load_library", (lambda: fake) if bindings else real)
+    if not bindings:  # as if nvidia-ml-py were not installed
+        monkeypatch.setitem(sys.modules, "pynvml", None)
+        monkeypatch.delenv(nvml.BACKEND_ENV, raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning from us is fatal
+        hand.run(caplog=caplog)  # inactive: no log
+    (line,) = [r.getMessage() for r in caplog.records if r.name.startswith(LOGGER)]
+    assert words in line and fake.init_count == fake.shutdown_count == 0
+    assert hand.calls == []
 
 
-def monitor_on(
-    monkeypatch: pytest.MonkeyPatch, fake: FakeNvml, loop_clock: FakeClock, **kwargs: Any
-) -> GpuStatsMonitor:
-    monkeypatch.setattr(gpu_callback, "LoopTimer", lambda: LoopTimer(loop_clock))
-    kwargs.setdefault("device_uuids", [fake.gpus[0].uuid])
-    return GpuStatsMonitor(interval_s=1000.0, **kwargs)
-
-
-def train_steps(monitor: GpuStatsMonitor, trainer: Any, clock: FakeClock, waits: list[float]):
-    """One training step per wait: ``wait`` s fetching the batch (8 samples), then 1 s of step."""
-    for wait in waits:
-        clock.advance(wait)
-        monitor.on_train_batch_start(trainer, None, None, 0)
-        clock.advance(1.0)
-        monitor.on_train_batch_end(trainer, None, None, (torch.zeros(8, 2), torch.zeros(8)), 0)
-
-
-def epoch(monitor: GpuStatsMonitor, trainer: Any, clock: FakeClock | None, waits: list[float]):
-    monitor.on_train_epoch_start(trainer, None)
-    train_steps(monitor, trainer, clock, waits)
-    monitor.on_train_epoch_end(trainer, Module(trainer))
-
-
-def test_an_epoch_with_validation_logs_exact_figures_once_each(
-    monkeypatch, use_fake, by_hand, caplog, capsys
-) -> None:
+def test_an_epoch_with_validation_logs_exact_figures_once_each(monkeypatch, caplog, capsys) -> None:
     monkeypatch.setenv("COLUMNS", "200")
-    clock = FakeClock()
     gpu = FakeGpu(name="Fake H100", util_gpu=[(0, 20), (5, 60)], power_mw=200_000,
                   power_limit_mw=400_000, temperature=[(0, 40), (5, 50)])  # fmt: skip
-    fake = use_fake(FakeNvml([gpu], clock=clock))
-    monitor = monitor_on(monkeypatch, fake, clock)
-    logger, other = RecordingLogger(), RecordingLogger()
-    trainer = stub_trainer(loggers=[logger, other])
+    hand = Hand(monkeypatch, [gpu])
+    hand.trainer.loggers.append(RecordingLogger())
+    monitor, trainer, fake = hand.monitor, hand.trainer, hand.fake
     with caplog.at_level(logging.INFO, logger=LOGGER):
         monitor.setup(trainer, None, "fit")  # the first reading, t=0: primes the energy counter
-    (identity_line,) = [r.getMessage() for r in caplog.records]
-    assert identity_line == (
+    assert [r.getMessage() for r in caplog.records] == [
         f"gpu_stats: node0/cuda0 = Fake H100, {gpu.uuid}, NVML index 0, PCI "
         f"{gpu.pci_bus_id}; not supported: gpm"
-    )
+    ]
     assert [p["status"] for p in monitor.identities] == ["on"]
-    sampler = monitor._sampler
-    monitor.on_train_epoch_start(trainer, None)
-    train_steps(monitor, trainer, clock, [1.0, 0.5])  # t = 3.5
-    clock.set(4.0)
-    monitor.on_validation_start(trainer, None)
-    monitor.on_validation_epoch_start(trainer, None)
-    clock.set(5.0)
-    sampler.sample_now()  # t=5 counts for validation: util 60, temp 50, 5 s at 200 W
+    hand.epoch(1.0, 0.5, end=False)  # t = 3.5
+    hand.clock.set(4.0)
+    monitor.on_validation_epoch_start(trainer, hand.module)
+    hand.sample(5.0)  # t=5 counts for validation: util 60, temp 50, 5 s at 200 W
     calls = fake.total_calls()
-    monitor.on_validation_epoch_end(trainer, Module(trainer))
+    monitor.on_validation_epoch_end(trainer, hand.module)
     assert fake.total_calls() == calls  # the hooks read no GPU: a snapshot of the thread's
-    clock.set(9.0)
-    train_steps(monitor, trainer, clock, [0.5])  # the 5 s of validation are not waiting
-    clock.set(11.0)
-    sampler.sample_now()  # t=11 counts for training: 6 s at 200 W
-    monitor.on_train_epoch_end(trainer, Module(trainer))
+    hand.clock.set(9.0)
+    hand.steps(0.5)  # the 5 s of validation are not waiting
+    hand.sample(11.0)  # t=11 counts for training: 6 s at 200 W
+    reads = fake.total_calls()
+    monitor.on_train_epoch_end(trainer, hand.module)
+    assert fake.total_calls() == reads  # the hooks read no GPU: a snapshot of the thread's
     monitor.on_fit_end(trainer, None)
     monitor.teardown(trainer, None, "fit")
 
-    (val, val_step), (train, step) = logger.calls
-    assert other.calls == logger.calls  # every logger, one call each
+    (val, val_step), (train, step) = hand.calls
+    assert trainer.loggers[1].calls == hand.calls  # every logger, one call each
     assert val_step == step == 11  # Lightning's own rows of both moments: global_step - 1
     assert len(val) == 23 and val["epoch"] == 0  # 22 keys of the default groups, and the epoch
     assert {k.split("/")[-1]: v for k, v in val.items() if k != "epoch"}.items() >= {
@@ -262,91 +253,46 @@ def test_an_epoch_with_validation_logs_exact_figures_once_each(
         "throttle_any_frac": 0.0, "samples": 1.0, "energy_j": pytest.approx(1000.0),
     }.items()  # fmt: skip
     assert train["gpu/node0/cuda0/energy_j"] == pytest.approx(1200.0)
-    assert train["gpu/node0/cuda0/samples"] == 1.0
-    assert train["gpu/node0/cuda0/util_mean"] == 60.0
+    assert train["gpu/node0/cuda0/samples"] == 1.0 and train["gpu/node0/cuda0/util_mean"] == 60.0
     # loop: t=0 to the last step's end (10.5) less validation (4 to 9.5); waits 1 + 0.5 + 0.5 s
     assert train["loop/data_wait_frac"] == pytest.approx(2.0 / 5.0)
     assert train["loop/samples_per_s"] == pytest.approx(24 / 5.0)  # 3 batches of 8
     assert not any("sample_ms" in k or "/all/" in k for k in train)
     assert monitor.state_dict() == {
-        "version": 1,
-        "energy_j": {"node0/cuda0": pytest.approx(2200.0)},
-        "train_samples": 24.0,
-    }
+        "version": 1, "energy_j": {"node0/cuda0": pytest.approx(2200.0)}, "train_samples": 24.0,
+    }  # fmt: skip
     (row,) = monitor.run_summary()
-    assert row["gpu"] == "node0/cuda0" and row["name"] == "Fake H100" and row["uuid"] == gpu.uuid
+    assert (row["gpu"], row["name"], row["uuid"]) == ("node0/cuda0", "Fake H100", gpu.uuid)
     assert row["util_mean"] == 60 and row["samples"] == 1 and row["energy_j"] == pytest.approx(1200)
     out = capsys.readouterr().out
     assert "GPU statistics over the run" in out and "1.20" in out  # kJ
     assert fake.balanced and not fake.initialised
 
 
-def test_a_phase_no_reading_reached_reports_the_latest_without_reading(
-    monkeypatch, use_fake, by_hand
-) -> None:
-    clock = FakeClock()
-    fake = use_fake(FakeNvml([FakeGpu(util_gpu=[(0, 30), (1, 90)])], clock=clock))
-    monitor = monitor_on(monkeypatch, fake, clock)
-    trainer = stub_trainer()
-    monitor.setup(trainer, None, "fit")  # t=0: util 30
-    calls = fake.total_calls()
-    monitor.on_train_epoch_start(trainer, None)
-    clock.set(2.0)  # util 90 now, but no reading since
-    train_steps(monitor, trainer, clock, [0.0])
-    monitor.on_train_epoch_end(trainer, Module(trainer))
-    assert fake.total_calls() == calls  # the training thread read no GPU
-    monitor.teardown(trainer, None, "fit")
-    ((row, _),) = trainer.loggers[0].calls
+def test_a_phase_no_reading_reached_reports_the_latest_without_reading(monkeypatch) -> None:
+    hand = Hand(monkeypatch, [FakeGpu(util_gpu=[(0, 30), (1, 90)])])
+    hand.monitor.setup(hand.trainer, None, "fit")  # t=0: util 30
+    calls = hand.fake.total_calls()
+    hand.clock.set(2.0)  # util 90 now, but no reading since
+    hand.epoch(0.0)
+    assert hand.fake.total_calls() == calls  # the training thread read no GPU
+    hand.monitor.teardown(hand.trainer, None, "fit")
+    ((row, _),) = hand.calls
     assert row["gpu/node0/cuda0/util_mean"] == 30 and "gpu/node0/cuda0/energy_j" not in row
 
 
-def starvation_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("loop:")]
-
-
-def run_cpu_epoch(monkeypatch, waits: list[float], caplog, util=None, **kwargs) -> RecordingLogger:
-    """One epoch of ``waits``; with ``util``, on a fake GPU that busy (read at setup only)."""
-    clock = FakeClock()
-    monkeypatch.setattr(gpu_callback, "LoopTimer", lambda: LoopTimer(clock))
-    if util is not None:
-        fake = FakeNvml([FakeGpu(util_gpu=util)], clock=clock)
-        monkeypatch.setattr(nvml, "load_library", lambda: fake)
-        kwargs["device_uuids"] = [fake.gpus[0].uuid]
-    monitor = GpuStatsMonitor(interval_s=1000.0, **kwargs)
-    logger = RecordingLogger()
-    trainer = stub_trainer(loggers=[logger], current_epoch=3)
-    with caplog.at_level(logging.INFO, logger=LOGGER):
-        monitor.setup(trainer, None, "fit")
-        monitor.on_train_epoch_start(trainer, None)
-        train_steps(monitor, trainer, clock, waits)
-        monitor.on_train_epoch_end(trainer, Module(trainer))
-        monitor.teardown(trainer, None, "fit")
-    return logger
-
-
-def test_a_starved_epoch_without_gpu_readings_gets_one_line_naming_the_settings(
-    monkeypatch, caplog
-) -> None:
-    logger = run_cpu_epoch(monkeypatch, [3.0, 1.0], caplog)  # waited 4 s of a 6 s loop
-    ((row, step),) = logger.calls
-    assert row == {"loop/data_wait_frac": pytest.approx(4 / 6), "loop/samples_per_s": 16 / 6,
-                   "epoch": 3}  # fmt: skip
-    assert step == 11  # Lightning's own row of the epoch: its last batch's (12 stepped)
-    (line,) = starvation_lines(caplog)
-    assert line == (
-        "loop: epoch 3 waited for the next batch 67% of its training time (4.0 s) and no GPU "
-        "reading: the input pipeline holds training back. What helps: more loader processes "
-        "(data.num_workers), pinned memory (data.pin_memory), a larger batch (data.batch_size); "
-        "now data.num_workers=0, data.pin_memory=False, data.batch_size=4"
-    )
-    assert [r.levelno for r in caplog.records if r.getMessage().startswith("loop:")] == [
-        logging.WARNING
-    ]
+STARVED = (
+    "loop: epoch 3 waited for the next batch 67% of its training time (4.0 s) and no GPU "
+    "reading: the input pipeline holds training back. What helps: more loader processes "
+    "(data.num_workers), pinned memory (data.pin_memory), a larger batch (data.batch_size); "
+    "now data.num_workers=0, data.pin_memory=False, data.batch_size=4"
+)
 
 
 @pytest.mark.parametrize(
     ("waits", "kwargs", "warned"),
     [
+        ([3.0, 1.0], {}, STARVED),  # waited 4 s of a 6 s loop, no GPU reading
         ([0.5, 0.5], {"data_wait_warning": 0.0}, True),  # a 1.0 s wait is enough
         ([0.4, 0.5], {"data_wait_warning": 0.0}, False),  # 0.9 s is not, whatever the share
         ([1.0, 1.0], {"data_wait_warning": 0.5}, False),  # exactly the threshold: no line
@@ -358,77 +304,67 @@ def test_a_starved_epoch_without_gpu_readings_gets_one_line_naming_the_settings(
 def test_the_starvation_line_needs_the_share_a_second_of_waiting_and_idle_gpus(
     monkeypatch, caplog, waits, kwargs, warned
 ) -> None:
-    run_cpu_epoch(monkeypatch, waits, caplog, **kwargs)
-    lines = starvation_lines(caplog)
-    assert len(lines) == (1 if warned else 0)
-    assert not isinstance(warned, str) or warned in lines[0]
+    kwargs = dict(kwargs)  # the parametrisation's own dict stays as it is, for a rerun
+    util = kwargs.pop("util", None)
+    hand = Hand(monkeypatch, [] if util is None else [FakeGpu(util_gpu=util)],
+                trainer={"current_epoch": 3}, **kwargs)  # fmt: skip
+    hand.run(*waits, caplog=caplog)
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.getMessage().startswith("loop:")]  # fmt: skip
+    assert len(lines) == (1 if warned else 0) and {level for level, _ in lines} <= {logging.WARNING}
+    assert not isinstance(warned, str) or warned in lines[0][1]
+    if warned == STARVED:
+        assert lines[0][1] == STARVED
+        assert hand.calls == [({"loop/data_wait_frac": pytest.approx(4 / 6), "loop/samples_per_s": 16 / 6,
+                                "epoch": 3}, 11)]  # Lightning's own row: its last batch's  # fmt: skip
 
 
 @pytest.mark.parametrize("rank_zero", [False, True])  # True: rank 0 without any logger
-def test_monitors_get_their_keys_on_every_rank_and_without_loggers(
-    monkeypatch, use_fake, by_hand, caplog, rank_zero
-) -> None:
-    clock = FakeClock()
-    fake = use_fake(FakeNvml([FakeGpu(util_gpu=30)], clock=clock))
-    monitor = monitor_on(monkeypatch, fake, clock, summary_table=True)
-    watcher = SimpleNamespace(monitor="gpu/node0/cuda0/util_mean")
-    trainer = stub_trainer(
-        is_global_zero=rank_zero,
-        loggers=[] if rank_zero else [RecordingLogger()],
-        callbacks=[monitor, watcher, SimpleNamespace(monitor=None)],
-        lr_scheduler_configs=[SimpleNamespace(monitor="loop/data_wait_frac")],
-    )
-    with caplog.at_level(logging.INFO, logger=LOGGER):
-        monitor.setup(trainer, None, "fit")
-        epoch(monitor, trainer, clock, [3.0])  # starved, but only rank 0 says so
-        monitor.on_fit_end(trainer, None)
-        monitor.teardown(trainer, None, "fit")
+def test_monitors_get_their_keys_on_every_rank_and_without_loggers(monkeypatch, caplog, rank_zero) -> None:  # fmt: skip
+    watchers = {
+        "is_global_zero": rank_zero, "loggers": [] if rank_zero else [RecordingLogger()],
+        "callbacks": [SimpleNamespace(monitor="gpu/node0/cuda0/util_mean"), SimpleNamespace(monitor=None)],
+        "lr_scheduler_configs": [SimpleNamespace(monitor="loop/data_wait_frac")],
+    }  # fmt: skip
+    hand = Hand(monkeypatch, [FakeGpu(util_gpu=30)], trainer=watchers, summary_table=True)
+    hand.run(3.0, caplog=caplog)  # starved, but only rank 0 says so
     if not rank_zero:
-        assert trainer.loggers[0].calls == []
-        assert caplog.records == []  # neither the identity line nor the starvation line
-    metrics = trainer.callback_metrics
+        assert hand.calls == [] and caplog.records == []  # no identity line, no starvation line
+    metrics = hand.trainer.callback_metrics
     assert set(metrics) == {"gpu/node0/cuda0/util_mean", "loop/data_wait_frac"}
     assert isinstance(metrics["gpu/node0/cuda0/util_mean"], torch.Tensor)
     assert metrics["gpu/node0/cuda0/util_mean"].item() == 30.0
     assert metrics["loop/data_wait_frac"].item() == pytest.approx(0.75)
 
 
-def test_no_step_means_nothing_is_logged(monkeypatch) -> None:
-    logger = RecordingLogger()
-    monitor = GpuStatsMonitor()
-    trainer = stub_trainer(loggers=[logger])
-    monitor.setup(trainer, None, "fit")
-    epoch(monitor, trainer, None, [])  # no batch: no call
-    assert logger.calls == [] and monitor.run_samples() == 0.0
+def test_no_step_logs_nothing_and_another_stage_sets_nothing_up(monkeypatch) -> None:
+    hand = Hand(monkeypatch, [FakeGpu()])
+    hand.monitor.setup(hand.trainer, None, "validate")
+    assert hand.fake.total_calls() == 0 and hand.monitor.identities == []
+    hand.run()  # no batch: no call
+    assert hand.calls[0][0].keys() >= {"gpu/node0/cuda0/util_mean"}
+    assert not any(k.startswith("loop/") for k in hand.calls[0][0])
+    cpu = Hand(monkeypatch)
+    cpu.run()
+    assert cpu.calls == [] and cpu.monitor.run_samples() == 0.0
 
 
-def test_sanity_checking_and_disabled_validation_log_no_validation_figures(
-    monkeypatch, use_fake, by_hand
-) -> None:
-    clock = FakeClock()
-    fake = use_fake(FakeNvml([FakeGpu(util_gpu=10)], clock=clock))
-    monitor = monitor_on(monkeypatch, fake, clock, report_validation=False, key_prefix="dev")
-    logger = RecordingLogger()
-    trainer = stub_trainer(loggers=[logger], sanity_checking=True)
-    monitor.setup(trainer, None, "fit")
-    for hook in ("on_validation_start", "on_validation_epoch_start", "on_validation_epoch_end"):
-        getattr(monitor, hook)(trainer, Module(trainer))  # the sanity check: nothing happens
+def test_sanity_checking_and_disabled_validation_log_no_validation_figures(monkeypatch) -> None:
+    hand = Hand(monkeypatch, [FakeGpu(util_gpu=10)], trainer={"sanity_checking": True},
+                report_validation=False, key_prefix="dev")  # fmt: skip
+    monitor, fake = hand.monitor, hand.fake
+    monitor.setup(hand.trainer, None, "fit")
+    hand.validate(0.0, 0.0)  # the sanity check: nothing happens
     assert fake.calls["nvmlDeviceGetUtilizationRates"] == 2  # the probe's and the first reading's
-    trainer.sanity_checking = False
-    monitor.on_train_epoch_start(trainer, None)
-    train_steps(monitor, trainer, clock, [1.0])  # t = 2
-    monitor.on_validation_start(trainer, None)
-    monitor.on_validation_epoch_start(trainer, None)
-    clock.set(4.0)
-    monitor.on_validation_epoch_end(trainer, Module(trainer))  # logs nothing, reads no GPU
-    assert logger.calls == []
-    assert fake.calls["nvmlDeviceGetUtilizationRates"] == 2  # no reading on the training thread
+    hand.trainer.sanity_checking = False
+    hand.epoch(1.0, end=False)  # t = 2
+    hand.validate(2.0, 4.0)  # logs nothing, reads no GPU
+    assert hand.calls == [] and fake.calls["nvmlDeviceGetUtilizationRates"] == 2
     assert monitor.run_samples() == 8.0  # the epoch so far counts, for a checkpoint saved now
-    clock.set(6.0)
-    train_steps(monitor, trainer, clock, [0.0])  # validation 2..6 left out; t = 7
-    monitor.on_train_epoch_end(trainer, Module(trainer))
-    monitor.teardown(trainer, None, "fit")
-    ((row, _),) = logger.calls
+    hand.clock.set(6.0)
+    hand.steps(0.0)  # validation 2..6 left out; t = 7
+    monitor.on_train_epoch_end(hand.trainer, hand.module)
+    monitor.teardown(hand.trainer, None, "fit")
+    ((row, _),) = hand.calls
     assert row["dev/node0/cuda0/util_mean"] == 10.0
     assert row["loop/data_wait_frac"] == pytest.approx(1.0 / 3.0)
     assert not any(k.startswith("dev_val/") for k in row)
@@ -436,54 +372,35 @@ def test_sanity_checking_and_disabled_validation_log_no_validation_figures(
 
 
 def test_two_epochs_add_up_and_an_unsized_batch_makes_the_sample_count_unknown(monkeypatch) -> None:
-    clock = FakeClock()
-    monkeypatch.setattr(gpu_callback, "LoopTimer", lambda: LoopTimer(clock))
-    monitor = GpuStatsMonitor()
-    trainer = stub_trainer()
-    monitor.setup(trainer, None, "fit")
-    for _ in range(2):
-        epoch(monitor, trainer, clock, [0.0, 0.0])
-    assert monitor.run_samples() == 32.0 and monitor.state_dict()["train_samples"] == 32.0
-    monitor.on_train_epoch_start(trainer, None)
-    monitor.on_train_batch_start(trainer, None, None, 0)
-    monitor.on_train_batch_end(trainer, None, None, ["no tensor"], 0)
-    monitor.on_train_epoch_end(trainer, Module(trainer))
-    assert monitor.run_samples() is None
-    epoch(monitor, trainer, clock, [0.0])
-    assert monitor.run_samples() is None  # unknown once, unknown for the run
+    assert batch_length({"x": [torch.zeros(5, 2)], "y": torch.zeros(5)}) == 5  # as Lightning
+    assert batch_length(torch.tensor(3.0)) == 1 and batch_length(["text"]) is None
+    hand = Hand(monkeypatch)
+    hand.monitor.setup(hand.trainer, None, "fit")
+    hand.epoch(0.0, 0.0)
+    hand.epoch(0.0, 0.0)
+    assert hand.monitor.run_samples() == 32.0 and hand.monitor.state_dict()["train_samples"] == 32.0
+    hand.monitor.on_train_epoch_start(hand.trainer, None)
+    hand.steps(0.0, batch=["no tensor"])
+    hand.monitor.on_train_epoch_end(hand.trainer, hand.module)
+    assert hand.monitor.run_samples() is None and "loop/samples_per_s" not in hand.calls[-1][0]
+    hand.epoch(0.0)
+    assert hand.monitor.run_samples() is None  # unknown once, unknown for the run
 
 
-def test_setup_for_another_stage_does_nothing(use_fake) -> None:
-    fake = use_fake(FakeNvml(1))
-    monitor = GpuStatsMonitor(device_uuids=[fake.gpus[0].uuid])
-    monitor.setup(stub_trainer(), None, "validate")
-    assert fake.total_calls() == 0 and monitor.identities == []
-
-
-def test_gpus_that_cannot_be_opened_are_named_and_the_run_goes_on(
-    monkeypatch, use_fake, caplog
-) -> None:
-    fake = use_fake(FakeNvml([FakeGpu().fail("memory", "unknown")]))  # fails at the probe
+def test_gpus_that_cannot_be_opened_are_named_and_the_run_goes_on(monkeypatch, caplog) -> None:
     absent = "GPU-00000000-0000-4000-8000-00000000dead"
     cpu = torch.device("cpu")
-    trainer = stub_trainer(strategy=SimpleNamespace(parallel_devices=[cpu, cpu], root_device=cpu))
-    monitor = GpuStatsMonitor(device_uuids=[absent, fake.gpus[0].uuid])
+    strategy = SimpleNamespace(parallel_devices=[cpu, cpu], root_device=cpu)
+    hand = Hand(monkeypatch, [FakeGpu().fail("memory", "unknown")], trainer={"strategy": strategy})  # fails at the probe  # fmt: skip
+    monitor = GpuStatsMonitor(device_uuids=[absent, hand.fake.gpus[0].uuid])
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        monitor.setup(trainer, None, "fit")
+        monitor.setup(hand.trainer, None, "fit")
     lines = [(r.levelno, r.getMessage()) for r in caplog.records]
-    assert lines[0] == (
-        logging.WARNING,
-        f"gpu_stats: rank 0 (node 0): cuda0: no NVML device with UUID {absent!r}",
-    )
+    assert lines[0] == (logging.WARNING, f"gpu_stats: rank 0 (node 0): cuda0: no NVML device with UUID {absent!r}")  # fmt: skip
     assert lines[1][0] == logging.WARNING
     assert lines[1][1].startswith("gpu_stats: rank 0 (node 0): cuda1: NVMLError_Unknown: ")
-    assert lines[2:] == [
-        (
-            logging.WARNING,
-            "gpu_stats: rank 0: off: no usable GPU; training continues without GPU statistics",
-        )
-    ]
-    assert fake.balanced and not fake.initialised  # NVML shut down at once
+    assert lines[2:] == [(logging.WARNING, "gpu_stats: rank 0: off: no usable GPU; training continues without GPU statistics")]  # fmt: skip
+    assert hand.fake.balanced and not hand.fake.initialised  # NVML shut down at once
     (payload,) = monitor.identities
     assert payload["status"] == "off: no usable GPU" and payload["gpus"] == []
 
@@ -502,39 +419,29 @@ def test_ranks_in_the_same_state_share_one_line(caplog) -> None:
     suffix = "; training continues without GPU statistics"
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
         (logging.WARNING, "gpu_stats: rank 3 (node 1): p"),
-        (
-            logging.INFO,
-            "gpu_stats: node1/cuda0 = n, MIG-1, NVML index 3, PCI b (MIG slice); "
-            "not supported: fan, utilization",
-        ),
+        (logging.INFO, "gpu_stats: node1/cuda0 = n, MIG-1, NVML index 3, PCI b (MIG slice); "
+                       "not supported: fan, utilization"),
         (logging.INFO, f"gpu_stats: rank 0,1: off: x{suffix}"),
         (logging.WARNING, f"gpu_stats: rank 2: off: x{suffix}"),
         (logging.WARNING, f"gpu_stats: rank 3: off: y{suffix}"),
-    ]
+    ]  # fmt: skip
 
 
-def test_a_bug_in_the_bookkeeping_stops_sampling_with_one_line(
-    monkeypatch, use_fake, by_hand, caplog
-) -> None:
-    clock = FakeClock()
-    fake = use_fake(FakeNvml([FakeGpu(util_gpu=10)], clock=clock))
-    monitor = monitor_on(monkeypatch, fake, clock)
-    trainer = stub_trainer()
-    monitor.setup(trainer, None, "fit")
+def test_a_bug_in_the_bookkeeping_stops_sampling_with_one_line(monkeypatch, caplog) -> None:
+    hand = Hand(monkeypatch, [FakeGpu(util_gpu=10)])
+    hand.monitor.setup(hand.trainer, None, "fit")
 
     def broken(*args: Any, **kwargs: Any) -> None:
         raise KeyError("oops")
 
     monkeypatch.setattr(GpuSampler, "set_phase", broken)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        monitor.on_train_epoch_start(trainer, None)
+        hand.epoch(0.0)  # still ends, no GPUs
     assert [r.getMessage() for r in caplog.records] == [
         "gpu_stats: epoch start failed (KeyError: 'oops'); sampling stops"
     ]
-    assert fake.balanced and not fake.initialised  # NVML is shut down at once
-    train_steps(monitor, trainer, clock, [0.0])
-    monitor.on_train_epoch_end(trainer, Module(trainer))  # still ends, no GPUs
-    ((row, _),) = trainer.loggers[0].calls
+    assert hand.fake.balanced and not hand.fake.initialised  # NVML is shut down at once
+    ((row, _),) = hand.calls
     assert not any(k.startswith("gpu/") for k in row) and "loop/data_wait_frac" in row
 
 
@@ -639,7 +546,7 @@ def loader(delay_s: float = 0.0, batch_size: int = 4) -> torch.utils.data.DataLo
     return torch.utils.data.DataLoader(SlowData(delay_s), batch_size=batch_size)
 
 
-def fit(tmp_path, monitor, *callbacks, epochs=2, loggers=None, model=None, train_loader=None,
+def fit(tmp_path, monitor, *callbacks, epochs=2, model=None, train_loader=None,
         ckpt_path=None, **options):  # fmt: skip
     """A real fit on CPU, the monitor first; Trainer ``options`` override the defaults."""
     options = {"limit_train_batches": 12, "limit_val_batches": 2, "num_sanity_val_steps": 1,
@@ -648,7 +555,7 @@ def fit(tmp_path, monitor, *callbacks, epochs=2, loggers=None, model=None, train
         accelerator="cpu", devices=1, max_epochs=epochs, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[monitor, *callbacks],
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        logger=loggers if loggers is not None else CSVLogger(tmp_path, name="csv", version=0),
+        logger=CSVLogger(tmp_path, name="csv", version=0),
         **options,
     )  # fmt: skip
     trainer.fit(model or TinyModel(), train_loader or loader(), loader(), ckpt_path=ckpt_path)
@@ -662,40 +569,14 @@ def rows_with(tmp_path: Path, key: str = "gpu/node0/cuda0/samples") -> list[dict
 
 
 class Watch(pl.Callback):
-    """NVML calls from the training thread, samples seen vs counted, the key at validation end."""
+    """The NVML calls made from the training thread so far, at each batch's start."""
 
-    def __init__(self, fake: FakeNvml, monitor: GpuStatsMonitor) -> None:
-        self.fake, self.monitor = fake, monitor
-        self.counts: dict[int, list[int]] = {}
-        self.pairs: list[tuple[int, float]] = []
-        self.at_validation_end: list[Any] = []
-
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        self.seen = 0
+    def __init__(self, fake: FakeNvml) -> None:
+        self.fake, self.counts = fake, []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.counts.setdefault(trainer.current_epoch, []).append(self.fake.calls_in_thread())
+        self.counts.append(self.fake.calls_in_thread())
         time.sleep(0.01)  # an epoch outlasts the sampler's interval
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.seen += len(batch[0])
-
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        self.pairs.append((self.seen, self.monitor._loop.summary()["samples"]))
-
-    def on_validation_end(self, trainer, pl_module) -> None:
-        if not trainer.sanity_checking:
-            self.at_validation_end.append(trainer.callback_metrics.get(VAL_KEY))
-
-
-class CountingCsvLogger(CSVLogger):
-    """The real CSV logger, counting the calls that carry GPU figures."""
-
-    gpu_calls = 0
-
-    def log_metrics(self, metrics, step=None):
-        self.gpu_calls += any(k.startswith(("gpu/", "gpu_val/")) for k in metrics)
-        super().log_metrics(metrics, step)
 
 
 VAL_KEY = "gpu_val/node0/cuda0/util_mean"
@@ -711,28 +592,25 @@ def trained(tmp_path_factory):
     fake = FakeNvml([gpu])
     nvml.use_library(fake)
     monitor = GpuStatsMonitor(interval_s=0.02, device_uuids=[gpu.uuid], log_sampler_cost=True)
-    watch = Watch(fake, monitor)
+    watch = Watch(fake)
     stop = EarlyStopping("gpu/node0/cuda0/util_mean", patience=5, check_on_train_epoch_end=True)
     best = ModelCheckpoint(tmp_path / "ckpt", monitor=VAL_KEY, mode="max", save_last=True)
-    logger = CountingCsvLogger(tmp_path, name="csv", version=0)
     mp = pytest.MonkeyPatch()
     mp.setenv("COLUMNS", "220")  # Rich wraps the table at 80 columns otherwise
     buffer = io.StringIO()
     mp.setattr(sys, "stdout", buffer)
     try:
-        trainer = fit(tmp_path, monitor, watch, stop, best, loggers=logger,
-                      train_loader=loader(batch_size=6))  # fmt: skip
+        trainer = fit(tmp_path, monitor, watch, stop, best, train_loader=loader(batch_size=6))
     finally:
         mp.undo()
         nvml.use_library(None)
     return SimpleNamespace(path=tmp_path, fake=fake, monitor=monitor, watch=watch, best=best,
-                           logger=logger, trainer=trainer, out=buffer.getvalue())  # fmt: skip
+                           trainer=trainer, out=buffer.getvalue())  # fmt: skip
 
 
 def test_a_fit_logs_one_row_per_epoch_of_exact_gpu_figures(trained) -> None:
     train, val = rows_with(trained.path), rows_with(trained.path, VAL_KEY)
     assert len(train) == 2 and len(val) == 2  # one row per epoch; the sanity check is not logged
-    assert trained.logger.gpu_calls == 4  # per epoch: one training call, one validation call
     expected = {"util_mean": 40, "util_max": 40, "mem_util_mean": 20, "mem_used_gib_max": 10,
                 "proc_mem_gib_max": 2, "power_ratio_mean": 0.5, "temp_c_max": 61,
                 "sm_active_mean": 60, "tensor_active_max": 20, "dram_active_mean": 45}  # fmt: skip
@@ -756,11 +634,10 @@ def test_a_fit_feeds_monitors_counts_samples_and_reads_no_gpu_in_the_loop(traine
     metrics = trained.trainer.callback_metrics
     assert float(metrics["gpu/node0/cuda0/util_mean"]) == 40  # EarlyStopping's key
     assert "gpu/node0/cuda0/temp_c_max" not in metrics  # no monitor asks
-    assert [float(v) for v in trained.watch.at_validation_end] == [40.0] * 2  # watched: at once
-    assert float(trained.best.best_model_score) == 40
-    assert trained.watch.pairs == [(64, 64)] * 2  # 10 batches of 6 and one of 4
-    for epoch, counts in trained.watch.counts.items():  # no NVML call from the training thread
-        assert len(counts) == 11 and len(set(counts)) == 1, (epoch, counts)
+    assert float(trained.best.best_model_score) == 40  # the validation's key, at its end
+    assert trained.monitor.run_samples() == 2 * 64  # per epoch 10 batches of 6 and one of 4
+    counts = trained.watch.counts  # no NVML call from the training thread while it trains
+    assert len(counts) == 2 * 11 and len(set(counts)) == 1, counts
     assert trained.fake.balanced and not trained.fake.initialised
     assert trained.fake.gpm_samples_live == 0
     assert "GPU statistics over the run" in trained.out and "Fake H100" in trained.out

@@ -1,4 +1,4 @@
-"""The GPU figures below the callback (sampler, readers, GPM, keys, loop timer, energy); no Trainer."""
+"""The GPU figures below the callback (sampler, readers, GPM, keys, energy); no Trainer."""
 
 from __future__ import annotations
 
@@ -10,123 +10,126 @@ import pynvml
 import pytest
 import torch
 
-from runkit.gpu_stats import callback as gpu_callback
+from runkit.gpu_stats import sampler
 from runkit.gpu_stats.callback import GpuStatsMonitor, energy_report
-from runkit.gpu_stats.gpm import GPM_METRICS, GpmCounters
-from runkit.gpu_stats.loop import LoopTimer, batch_length
 from runkit.gpu_stats.sampler import (
-    DEFAULT_GROUPS,
-    GIB,
+    GPM_METRICS,
     TRAIN,
     VAL,
+    GpmCounters,
     GpuReader,
     GpuSampler,
     TorchPeakMemory,
 )
 from runkit.gpu_stats.statistics import RunSummary, flatten_epoch, flatten_loop
 from runkit.gpus import nvml
-from runkit.testing.fake_nvml import FakeClock, FakeGpu, FakeNvml, FakeProcess
+from runkit.testing.fake_nvml import GIB, FakeClock, FakeGpu, FakeNvml, FakeProcess
 
-SW_POWER_CAP = pynvml.nvmlClocksEventReasonSwPowerCap
+DEFAULT_GROUPS = sampler.DEFAULT_GROUPS
+
 LOGGER = "runkit.gpu_stats"
 HOPPER_GPM = {"SM_UTIL": 60, "SM_OCCUPANCY": 30, "ANY_TENSOR_UTIL": 20, "DRAM_BW_UTIL": 45}
 
 
-def reader_for(fake: FakeNvml, handle, label: str = "cuda0", groups=DEFAULT_GROUPS) -> GpuReader:
-    reader = GpuReader(fake, handle, label, groups)
+@pytest.fixture
+def nvml_of():
+    """``nvml_of(gpu, ..., clock=...)``: a started fake NVML, shut down after the test."""
+    fakes: list[FakeNvml] = []
+
+    def start(*gpus: FakeGpu, clock=None) -> FakeNvml:
+        fakes.append(FakeNvml(list(gpus), clock=clock))
+        fakes[-1].nvmlInit()
+        return fakes[-1]
+
+    yield start
+    for fake in fakes:
+        fake.nvmlShutdown()
+
+
+def open_reader(fake: FakeNvml, index: int, groups=DEFAULT_GROUPS, handle=None) -> GpuReader:
+    handle = handle or fake.nvmlDeviceGetHandleByIndex(index)
+    reader = GpuReader(fake, handle, f"cuda{index}", groups)
     reader.probe()
     return reader
 
 
-def open_reader(fake: FakeNvml, index: int, groups=DEFAULT_GROUPS) -> GpuReader:
-    return reader_for(fake, fake.nvmlDeviceGetHandleByIndex(index), f"cuda{index}", groups)
+def sample_at(sampler: GpuSampler, clock: FakeClock, *times: float) -> None:
+    for t in times:
+        clock.set(t)
+        sampler.sample_now()
 
 
 # --------------------------------------------------------------------------- sampling
-def test_epoch_statistics_are_exact_on_a_fake_clock() -> None:
+def test_epoch_statistics_are_exact_on_a_fake_clock(nvml_of) -> None:
     clock = FakeClock()
     gpu = FakeGpu(util_gpu=[(0, 10), (2, 50), (4, 90)], util_memory=[(0, 20), (3, 40)],
                   memory_used=[(0, 4 * GIB), (3, 8 * GIB)], memory_total=16 * GIB,
                   temperature=[(0, 50), (1, 70)], power_mw=350_000, power_limit_mw=700_000,
-                  clock_sm_mhz=[(0, 1800), (3, 1200)], clocks_event_reasons=[(0, 0), (3, SW_POWER_CAP)],
+                  clock_sm_mhz=[(0, 1800), (3, 1200)],
+                  clocks_event_reasons=[(0, 0), (3, pynvml.nvmlClocksEventReasonSwPowerCap)],
                   processes=[FakeProcess("self", [(0, GIB), (2, 3 * GIB)])])  # fmt: skip
-    fake = FakeNvml([gpu], clock=clock)
-    fake.nvmlInit()
-    sampler = GpuSampler([open_reader(fake, 0)], interval_s=1.0)
+    sampler = GpuSampler([open_reader(nvml_of(gpu, clock=clock), 0)], interval_s=1.0)
     sampler.sample_now()  # before any phase: only primes the energy counter
     sampler.set_phase(TRAIN)  # t=0
-    for _ in range(3):  # t=1, 2, 3
-        clock.advance(1)
-        sampler.sample_now()
-    clock.advance(1)  # t=4: the closing sample
-    sampler.sample_now()
-    summary = sampler.report(TRAIN)[0]["cuda0"]
-    # A boundary sample belongs to the phase it closes: the t=0 one closed "no phase", so the
-    # epoch's samples are t = 1, 2, 3, 4.
-    assert summary["samples"] == 4
-    assert summary["util_mean"] == pytest.approx((10 + 50 + 50 + 90) / 4)
-    assert (summary["util_max"], summary["util_min"]) == (90, 10)
-    assert summary["mem_util_mean"] == pytest.approx((20 + 20 + 40 + 40) / 4)
-    assert summary["mem_used_gib_mean"] == pytest.approx((4 + 4 + 8 + 8) / 4)
-    assert summary["mem_used_gib_max"] == 8 and summary["mem_total_gib"] == 16
-    assert summary["proc_mem_gib_mean"] == pytest.approx((1 + 3 + 3 + 3) / 4)
-    assert (summary["temp_c_mean"], summary["temp_c_max"]) == (70, 70)
-    assert summary["power_w_mean"] == 350 and summary["power_ratio_max"] == 0.5
-    assert summary["sm_clock_mhz_min"] == 1200
-    assert summary["sm_clock_mhz_mean"] == pytest.approx((1800 + 1800 + 1200 + 1200) / 4)
-    assert summary["throttle_power_frac"] == pytest.approx(2 / 4)
-    assert summary["throttle_any_frac"] == pytest.approx(2 / 4)
-    assert summary["throttle_thermal_frac"] == 0
-    assert summary["energy_j"] == pytest.approx(350 * 4)  # 350 W for the 4 s of the phase
-    fake.nvmlShutdown()
+    sample_at(sampler, clock, 1, 2, 3, 4)
+    s = sampler.report(TRAIN)[0]["cuda0"]
+    # A boundary sample belongs to the phase it closes: the epoch's samples are t = 1, 2, 3, 4.
+    assert s["samples"] == 4 and s["util_mean"] == pytest.approx((10 + 50 + 50 + 90) / 4)
+    assert (s["util_max"], s["util_min"], s["mem_used_gib_max"], s["mem_total_gib"]) == (
+        90,
+        10,
+        8,
+        16,
+    )
+    assert s["mem_util_mean"] == pytest.approx(30) and s["mem_used_gib_mean"] == pytest.approx(6)
+    assert s["proc_mem_gib_mean"] == pytest.approx((1 + 3 + 3 + 3) / 4)
+    assert (s["temp_c_mean"], s["temp_c_max"], s["power_w_mean"], s["power_ratio_max"]) == (
+        70,
+        70,
+        350,
+        0.5,
+    )
+    assert s["sm_clock_mhz_min"] == 1200 and s["sm_clock_mhz_mean"] == pytest.approx(1500)
+    assert s["throttle_power_frac"] == s["throttle_any_frac"] == pytest.approx(2 / 4)
+    assert s["throttle_thermal_frac"] == 0
+    assert s["energy_j"] == pytest.approx(350 * 4)  # 350 W for the 4 s of the phase  # fmt: skip
 
 
-def test_validation_is_split_out_of_the_training_epoch() -> None:
+def test_validation_is_split_out_of_the_training_epoch(nvml_of) -> None:
     clock = FakeClock()
     gpu = FakeGpu(util_gpu=[(0, 80), (2, 10), (3, 80)], power_mw=[(0, 400_000), (2, 100_000), (3, 400_000)])  # fmt: skip
-    fake = FakeNvml([gpu], clock=clock)
-    fake.nvmlInit()
-    sampler = GpuSampler([open_reader(fake, 0)], interval_s=1.0)
+    sampler = GpuSampler([open_reader(nvml_of(gpu, clock=clock), 0)], interval_s=1.0)
     sampler.sample_now()  # t=0: primes the energy counter
     sampler.set_phase(TRAIN)
-    clock.set(1)
-    sampler.sample_now()
-    clock.set(2)
-    sampler.sample_now()  # closes train with t=2 (util 10 counts for train)
+    sample_at(sampler, clock, 1, 2)  # t=2 closes train (util 10 counts for train)
     sampler.set_phase(VAL)
-    clock.set(3)
-    sampler.sample_now()  # closing sample t=3 (util 80)
+    sample_at(sampler, clock, 3)
     val = sampler.report(VAL)[0]["cuda0"]
     sampler.set_phase(TRAIN, reset=False)
-    clock.set(4)
-    sampler.sample_now()
-    train = sampler.report(TRAIN)[0]["cuda0"]
-    # A boundary sample belongs to the phase it closes: train has t = 1 (80), 2 (10), 4 (80);
-    # validation has t = 3 (80).
-    assert train["samples"] == 3 and val["samples"] == 1
-    assert train["util_mean"] == pytest.approx((80 + 10 + 80) / 3)
-    assert val["util_mean"] == 80
+    sample_at(sampler, clock, 4)
+    train, energy = sampler.report(TRAIN)
+    train = train["cuda0"]
+    assert train["samples"] == 3 and train["util_mean"] == pytest.approx((80 + 10 + 80) / 3)
+    assert val["samples"] == 1 and val["util_mean"] == 80
     # energy: train gets t 0..2 (2 s x 400 W) and 3..4 (400 W); val gets 2..3 (100 W)
-    assert train["energy_j"] == pytest.approx(800 + 400)
-    assert val["energy_j"] == pytest.approx(100)
-    fake.nvmlShutdown()
+    assert train["energy_j"] == pytest.approx(1200) and val["energy_j"] == pytest.approx(100)
+    assert energy == {"cuda0": pytest.approx(1300)}  # the run's, since the first sample
 
 
-def test_unsupported_metrics_are_left_out_never_zero() -> None:
+def test_unsupported_metrics_are_left_out_never_zero(nvml_of) -> None:
     mig_parent = FakeGpu(name="A100", mig=[FakeGpu(name="A100 MIG 1g.10gb", memory_total=10 * GIB)])
     datacenter = FakeGpu(fan_pct=None).fail("power", "not_supported")
     datacenter.fail("nvmlDeviceGetCurrentClocksEventReasons", "function_not_found")  # old driver
-    fake = FakeNvml([datacenter, mig_parent])
-    fake.nvmlInit()
+    fake = nvml_of(datacenter, mig_parent)
     groups = [*DEFAULT_GROUPS, "fan", "memory_temperature"]
     plain = open_reader(fake, 0, groups)
     mig_handle = fake.nvmlDeviceGetMigDeviceHandleByIndex(fake.nvmlDeviceGetHandleByIndex(1), 0)
-    mig = GpuReader(fake, mig_handle, "cuda1", groups)
-    mig.probe()
+    mig = open_reader(fake, 1, groups, mig_handle)
     assert set(plain.unsupported) == {"power", "fan", "memory_temperature", "gpm"}  # no GPM here
     assert "throttle" in plain.groups  # fell back to nvmlDeviceGetCurrentClocksThrottleReasons
     assert set(mig.unsupported) == {"utilization", "fan", "memory_temperature", "gpm"}
     assert mig.is_mig and mig.nvml_index == 1  # whole-GPU values come from the parent
+    assert mig.identity()["board_uuid"] == fake.gpus[1].uuid  # energy counted per physical GPU
     sampler = GpuSampler([plain, mig], interval_s=1.0)
     sampler.sample_now()
     sampler.set_phase(TRAIN)
@@ -135,88 +138,97 @@ def test_unsupported_metrics_are_left_out_never_zero() -> None:
     assert "throttle_any_frac" in out["cuda0"] and "temp_c_mean" in out["cuda0"]
     assert not any(k.startswith(("util", "mem_util", "fan")) for k in out["cuda1"])
     assert out["cuda1"]["mem_total_gib"] == 10 and "power_w_mean" in out["cuda1"]
-    fake.nvmlShutdown()
 
 
-def test_gpu_lost_mid_run_warns_once_and_the_others_continue(caplog) -> None:
+def test_optional_groups_are_read_in_their_units(nvml_of) -> None:
+    gpu = FakeGpu(fan_pct=60, pcie_tx_kbs=2048, pcie_rx_kbs=512, ecc_uncorrected=3, memory_temperature=80)  # fmt: skip
+    reader = open_reader(nvml_of(gpu, clock=lambda: 0.0), 0, ["fan", "pcie", "ecc", "memory_temperature"])  # fmt: skip
+    assert reader.read() == (
+        {"fan_pct": 60.0, "pcie_tx_mbs": 2.0, "pcie_rx_mbs": 0.5, "ecc_uncorrected": 3.0, "mem_temp_c": 80.0},
+        [],
+    )  # fmt: skip
+    assert reader.unsupported == {}
+
+
+def test_gpu_lost_mid_run_warns_once_and_the_others_continue(nvml_of, caplog) -> None:
     clock = FakeClock()
-    fake = FakeNvml([FakeGpu(util_gpu=30), FakeGpu(util_gpu=60).lose(at=2.0)], clock=clock)
-    fake.nvmlInit()
+    fake = nvml_of(FakeGpu(util_gpu=30), FakeGpu(util_gpu=60).lose(at=2.0), clock=clock)
     sampler = GpuSampler([open_reader(fake, 0), open_reader(fake, 1)], interval_s=1.0)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         sampler.set_phase(TRAIN)
-        for _ in range(4):
-            clock.advance(1)
-            sampler.sample_now()
-        sampler.sample_now()
+        sample_at(sampler, clock, 1, 2, 3, 4, 4)
     out = sampler.report(TRAIN)[0]
-    # samples at t = 1, 2, 3, 4 and the closing one at t = 4; the lost GPU only has t = 1
+    # samples at t = 1, 2, 3, 4, 4; the lost GPU only has t = 1
     assert out["cuda0"]["samples"] == 5 and out["cuda0"]["util_mean"] == 30
     assert out["cuda1"]["samples"] == 1 and out["cuda1"]["util_mean"] == 60
     lost = [r for r in caplog.records if "stopped sampling cuda1" in r.message]
     assert len(lost) == 1 and "GpuIsLost" in lost[0].message
     assert [r.label for r in sampler.alive] == ["cuda0"]
-    fake.nvmlShutdown()
+
+
+def test_torch_peaks_leave_validation_out_of_the_epoch(monkeypatch) -> None:
+    peaks = [0.0, 0.0]
+    resets: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: peaks[0] * GIB)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: peaks[1] * GIB)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: resets.append(d) or peaks.__setitem__(slice(None), [0.0, 0.0]))  # fmt: skip
+    memory = TorchPeakMemory({"cuda0": torch.device("cuda", 0), "cpu": torch.device("cpu")})
+    assert list(memory.devices) == ["cuda0"]  # CPU devices have no CUDA peaks
+    memory.restart(clear=True)  # the epoch starts
+    peaks[:] = [3.0, 4.0]  # training
+    memory.restart(stash=True)  # validation starts: training's peaks kept aside
+    peaks[:] = [1.0, 5.0]  # validation
+    assert memory.peaks(False) == {"cuda0": {"torch_peak_alloc_gib": 1.0, "torch_peak_reserved_gib": 5.0}}  # fmt: skip
+    memory.restart()
+    peaks[:] = [2.0, 1.0]  # training again
+    assert memory.peaks(True) == {"cuda0": {"torch_peak_alloc_gib": 3.0, "torch_peak_reserved_gib": 4.0}}  # fmt: skip
+    memory.restart(clear=True)
+    assert memory.peaks(True)["cuda0"]["torch_peak_alloc_gib"] == 0.0
+    assert resets == [torch.device("cuda", 0)] * 4
 
 
 # --------------------------------------------------------------------------- GPM
-def test_gpm_readings_cover_each_sampling_interval_exactly() -> None:
+def test_gpm_readings_cover_each_sampling_interval_exactly(nvml_of) -> None:
     clock = FakeClock()
-    gpm = {**HOPPER_GPM, "SM_UTIL": [(0, 20), (2, 80)]}  # 20 % until t=2, then 80 %
-    fake = FakeNvml([FakeGpu(gpm=gpm)], clock=clock)
-    fake.nvmlInit()
-    reader = reader_for(fake, fake.nvmlDeviceGetHandleByIndex(0))  # first sample at t=0
+    fake = nvml_of(FakeGpu(gpm={**HOPPER_GPM, "SM_UTIL": [(0, 20), (2, 80)]}), clock=clock)
+    reader = open_reader(fake, 0)  # first sample at t=0
     assert "gpm" in reader.groups and fake.gpm_samples_live == 2
     sampler = GpuSampler([reader], interval_s=1.0)
     sampler.set_phase(TRAIN)
-    for t in (1.0, 3.0, 4.0):  # intervals 0-1 (20 %), 1-3 (half 20, half 80 %), 3-4 (80 %)
-        clock.set(t)
-        sampler.sample_now()
-    summary = sampler.report(TRAIN)[0]["cuda0"]
-    assert summary["sm_active_mean"] == pytest.approx((20 + 50 + 80) / 3)
-    assert summary["sm_active_max"] == pytest.approx(80)
-    assert summary["sm_occupancy_mean"] == 30 and summary["tensor_active_max"] == 20
-    assert summary["dram_active_mean"] == 45
-    assert not any(k.startswith(("fp16", "fp32", "fp64")) for k in summary)  # absent, never 0
+    sample_at(sampler, clock, 1, 3, 4)  # intervals 0-1 (20 %), 1-3 (half 20, half 80 %), 3-4 (80)
+    s = sampler.report(TRAIN)[0]["cuda0"]
+    assert s["sm_active_mean"] == pytest.approx((20 + 50 + 80) / 3)
+    assert s["sm_active_max"] == pytest.approx(80) and s["sm_occupancy_mean"] == 30
+    assert s["tensor_active_max"] == 20 and s["dram_active_mean"] == 45
+    assert not any(k.startswith(("fp16", "fp32", "fp64")) for k in s)  # absent, never 0
     sampler.stop()
     assert fake.gpm_samples_live == 0  # the pair is freed when sampling stops
-    fake.nvmlShutdown()
 
 
-def test_gpm_of_a_mig_slice_comes_from_the_mig_sample_call() -> None:
+def test_gpm_of_a_mig_slice_comes_from_the_mig_sample_call(nvml_of) -> None:
     clock = FakeClock()
-    slices = [FakeGpu(gpm={"SM_UTIL": 10}), FakeGpu(gpm={"SM_UTIL": 70})]
-    fake = FakeNvml([FakeGpu(mig=slices)], clock=clock)
-    fake.nvmlInit()
-    board = fake.nvmlDeviceGetHandleByIndex(0)
-    second = fake.nvmlDeviceGetMigDeviceHandleByIndex(board, 1)
-    reader = reader_for(fake, second)
+    fake = nvml_of(FakeGpu(mig=[FakeGpu(gpm={"SM_UTIL": 10}), FakeGpu(gpm={"SM_UTIL": 70})]), clock=clock)  # fmt: skip
+    second = fake.nvmlDeviceGetMigDeviceHandleByIndex(fake.nvmlDeviceGetHandleByIndex(0), 1)
+    reader = open_reader(fake, 0, handle=second)
     clock.advance(1)
-    values, _ = reader.read()
-    assert values["sm_active"] == 70  # the second slice's, not the first's nor the GPU's
+    assert reader.read()[0]["sm_active"] == 70  # the second slice's, not the first's nor the GPU's
     assert fake.calls["nvmlGpmMigSampleGet"] == 2 and fake.calls["nvmlGpmSampleGet"] == 0
-    assert reader.board_uuid == fake.gpus[0].uuid  # energy is counted per physical GPU
     reader.close()
     assert fake.gpm_samples_live == 0
-    fake.nvmlShutdown()
 
 
-def test_gpm_taken_by_a_profiler_pauses_with_one_line_and_comes_back(caplog) -> None:
+def test_gpm_taken_by_a_profiler_pauses_with_one_line_and_comes_back(nvml_of, caplog) -> None:
     clock = FakeClock()
     gpu = FakeGpu(gpm={"SM_UTIL": 50})
-    fake = FakeNvml([gpu], clock=clock)
-    fake.nvmlInit()
-    reader = reader_for(fake, fake.nvmlDeviceGetHandleByIndex(0))
+    reader = open_reader(nvml_of(gpu, clock=clock), 0)
     gpu.fail("nvmlGpmSampleGet", "in_use", start=1.5)  # DCGM or Nsight takes the counters
     readings = []
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        for t in (1, 2, 3, 4):
+        for t in (1, 2, 3, 4, 5):
             clock.set(t)
             if t == 4:
                 gpu.heal("nvmlGpmSampleGet")
             readings.append(reader.read()[0].get("sm_active"))
-        clock.set(5)
-        readings.append(reader.read()[0].get("sm_active"))
     # t=2, 3 refused; t=4 starts a fresh pair (no figure yet); t=5 has one again
     assert readings == [50, None, None, None, 50]
     assert "gpm" in reader.groups and reader.dead is None  # the other metrics never stopped
@@ -224,28 +236,20 @@ def test_gpm_taken_by_a_profiler_pauses_with_one_line_and_comes_back(caplog) -> 
     assert sum("GPM refused (InUse)" in m and "profiler" in m for m in messages) == 1
     assert sum("GPM figures are back" in m for m in messages) == 1
     reader.close()
-    fake.nvmlShutdown()
 
 
-def test_gpm_unsupported_or_missing_is_left_out_and_allocates_nothing() -> None:
-    fake = FakeNvml([FakeGpu(), FakeGpu(gpm=HOPPER_GPM).fail("gpm", "function_not_found")])
-    fake.nvmlInit()
+def test_gpm_unsupported_missing_or_failing_at_open_holds_no_samples(nvml_of) -> None:
+    fake = nvml_of(FakeGpu(), FakeGpu(gpm=HOPPER_GPM).fail("gpm", "function_not_found"))
     for index in range(2):
-        reader = reader_for(fake, fake.nvmlDeviceGetHandleByIndex(index))
+        reader = open_reader(fake, index)
         assert "gpm" not in reader.groups and "gpm" in reader.unsupported
         assert not set(GPM_METRICS) & set(reader.read()[0])
-    assert fake.calls["nvmlGpmSampleAlloc"] == 0 and fake.gpm_samples_live == 0
-    fake.nvmlShutdown()
-
-
-def test_gpm_open_failing_after_alloc_frees_the_samples() -> None:
-    fake = FakeNvml([FakeGpu(gpm=HOPPER_GPM).fail("nvmlGpmSampleGet", "gpu_is_lost")])
-    fake.nvmlInit()
-    counters = GpmCounters(fake, fake.nvmlDeviceGetHandleByIndex(0), "cuda0", None)
-    with pytest.raises(fake.NVMLError_GpuIsLost):
+    assert fake.calls["nvmlGpmSampleAlloc"] == 0
+    lost = nvml_of(FakeGpu(gpm=HOPPER_GPM).fail("nvmlGpmSampleGet", "gpu_is_lost"))
+    counters = GpmCounters(lost, lost.nvmlDeviceGetHandleByIndex(0), "cuda0", None)
+    with pytest.raises(lost.NVMLError_GpuIsLost):
         counters.open()
-    assert fake.calls["nvmlGpmSampleAlloc"] == 2 and fake.gpm_samples_live == 0
-    fake.nvmlShutdown()
+    assert lost.calls["nvmlGpmSampleAlloc"] == 2 and lost.gpm_samples_live == 0
 
 
 # --------------------------------------------------------------------------- keys
@@ -279,8 +283,7 @@ def test_energy_of_mig_slices_of_one_gpu_is_counted_once() -> None:
     boards = {"cuda0": "GPU-a", "cuda1": "GPU-a"}  # two slices of one physical GPU
     gpus = {"cuda0": {"energy_j": 10.0}, "cuda1": {"energy_j": 10.0}}
     other = payload(0, {"cuda0": {"energy_j": 5.0}}, {"cuda0": "GPU-b"}, rank=1)
-    logged = flatten_epoch([payload(0, gpus, boards), other], "gpu", False)
-    assert logged["gpu/all/energy_j_sum"] == 15
+    assert flatten_epoch([payload(0, gpus, boards), other], "gpu", False)["gpu/all/energy_j_sum"] == 15  # fmt: skip
     monitor = GpuStatsMonitor()
     monitor._add_energy(  # the run's energy: every rank's cumulative counters, each board once
         [
@@ -291,51 +294,23 @@ def test_energy_of_mig_slices_of_one_gpu_is_counted_once() -> None:
     assert monitor.run_energy_j() == {"node0/cuda0": 100.0}
 
 
-def test_loop_figures_take_the_slowest_rank_and_the_runs_throughput() -> None:
+def test_loop_figures_and_the_run_summary_across_ranks_and_epochs() -> None:
     loops = [
         {"loop_s": 10.0, "data_wait_s": 2.0, "steps": 10, "samples": 100.0},
         {"loop_s": 10.0, "data_wait_s": 5.0, "steps": 10, "samples": 100.0},
         None,  # a rank that ran no step
-    ]
+    ]  # the slowest rank's share; the run's throughput
     assert flatten_loop(loops) == {"loop/data_wait_frac": 0.5, "loop/samples_per_s": 20.0}
     assert flatten_loop([None]) == {}
     assert "loop/samples_per_s" not in flatten_loop([{"loop_s": 1.0, "data_wait_s": 0.0}])
-
-
-def test_run_summary_weights_gpm_means_by_samples() -> None:
-    summary = RunSummary()
+    summary = RunSummary()  # GPM means weighted by samples
     summary.add_epoch([payload(0, {"cuda0": {"sm_active_mean": 10.0, "samples": 1.0}})])
     summary.add_epoch([payload(0, {"cuda0": {"sm_active_mean": 40.0, "samples": 3.0}})])
     (row,) = summary.rows([])
     assert row["sm_active_mean"] == pytest.approx((10 + 120) / 4) and row["util_mean"] is None
 
 
-def test_loop_timer_counts_the_gaps_between_steps_and_leaves_validation_out() -> None:
-    clock = FakeClock()
-    timer = LoopTimer(clock)
-    batch = (torch.zeros(8, 3), torch.zeros(8))
-    for fetch, step in ((2.0, 1.0), (0.5, 1.0)):  # first gap includes the loader start-up
-        clock.advance(fetch)
-        timer.batch_start()
-        clock.advance(step)
-        timer.batch_end(batch)
-    timer.pause()  # mid-epoch validation: 10 s that are neither waiting nor training
-    clock.advance(10)
-    timer.batch_start()  # back to training (the gap since validation started is left out)
-    clock.advance(1.0)
-    timer.batch_end(batch)
-    timer.pause()  # validation after the last step: not in the loop's time either
-    clock.advance(7)
-    assert timer.summary() == {"loop_s": 5.5, "data_wait_s": 2.5, "steps": 3.0, "samples": 24.0}
-    timer.start_epoch()
-    assert timer.summary() is None
-
-
-def test_batch_length_finds_the_first_tensor_or_gives_up() -> None:
-    assert batch_length({"x": [torch.zeros(5, 2)], "y": torch.zeros(5)}) == 5
-    assert batch_length(torch.tensor(3.0)) == 1 and batch_length(["text"]) is None
-
-
+# --------------------------------------------------------------------------- energy state
 @pytest.mark.parametrize(
     "state",
     [{"energy_j": {"node0/cuda0": float("nan")}}, {"energy_j": "lots"}, "garbage",
@@ -346,8 +321,28 @@ def test_a_damaged_checkpoint_state_is_one_line_and_ignored(state, caplog) -> No
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         monitor.load_state_dict(state)
     assert monitor.run_energy_j() == {} and monitor.run_samples() == 0
-    (line,) = [r.getMessage() for r in caplog.records]
-    assert "energy counts from this resume on" in line
+    assert [r.getMessage() for r in caplog.records] == [
+        "gpu_stats: the checkpoint's GPU statistics state is not what this callback writes "
+        f"({state!r:.80}); the run's energy counts from this resume on"
+    ]
+
+
+def test_energy_report_from_a_resumed_run_with_or_without_samples() -> None:
+    def report(state: dict) -> dict | None:
+        monitor = GpuStatsMonitor()
+        monitor.load_state_dict(state)
+        return energy_report(SimpleNamespace(callbacks=[object(), monitor]))
+
+    per_gpu = {"node0/cuda0": 7200.0, "node0/cuda1": 1800.0}
+    assert report({"energy_j": per_gpu, "train_samples": 900}) == {
+        "energy_j": 9000.0, "energy_kwh": 9000.0 / 3.6e6, "energy_j_per_training_sample": 10.0,
+        "training_samples": 900, "energy_j_per_gpu": per_gpu,
+    }  # fmt: skip
+    unknown = report({"energy_j": {"node0/cuda0": 0.1234567}, "train_samples": None})
+    assert unknown["energy_j"] == 0.123 and unknown["energy_j_per_gpu"] == {"node0/cuda0": 0.123}
+    assert unknown["energy_j_per_training_sample"] is None and unknown["training_samples"] is None
+    assert report({"energy_j": {"a": 5.0}, "train_samples": 0})["energy_j_per_training_sample"] is None  # fmt: skip
+    assert report({}) is None and energy_report(SimpleNamespace(callbacks=[])) is None
 
 
 # --------------------------------------------------------------------------- a real Hopper GPU
@@ -357,7 +352,7 @@ def test_real_gpm_on_a_hopper_gpu() -> None:
         pytest.skip("needs a CUDA GPU with an NVIDIA driver (torch.cuda.is_available() is False)")
     nvml.use_library(None)
     with nvml.nvml_session() as lib:
-        found = nvml.find_handle(lib, gpu_callback.cuda_device_uuid(0))
+        found = nvml.find_handle(lib, str(torch.cuda.get_device_properties(0).uuid))
         assert found is not None
         reader = GpuReader(lib, found[0], "cuda0", DEFAULT_GROUPS)
         reader.probe()
@@ -374,74 +369,3 @@ def test_real_gpm_on_a_hopper_gpu() -> None:
             reader.close()
     assert 0 < values["sm_active"] <= 100 and 0 < values["tensor_active"] <= 100
     assert 0 <= values["sm_occupancy"] <= 100 and 0 <= values["dram_active"] <= 100
-
-
-# --------------------------------------------------------------------------- units, peaks, energy
-def test_optional_groups_are_read_in_their_units() -> None:
-    gpu = FakeGpu(fan_pct=60, pcie_tx_kbs=2048, pcie_rx_kbs=512, ecc_uncorrected=3, memory_temperature=80)  # fmt: skip
-    fake = FakeNvml([gpu], clock=lambda: 0.0)
-    fake.nvmlInit()
-    try:
-        reader = open_reader(fake, 0, ["fan", "pcie", "ecc", "memory_temperature"])
-        values, dropped = reader.read()
-    finally:
-        fake.nvmlShutdown()
-    assert dropped == [] and reader.unsupported == {}
-    assert values == {"fan_pct": 60.0, "pcie_tx_mbs": 2.0, "pcie_rx_mbs": 0.5, "ecc_uncorrected": 3.0,
-                      "mem_temp_c": 80.0}  # fmt: skip
-
-
-def test_torch_peaks_are_kept_per_phase(monkeypatch: pytest.MonkeyPatch) -> None:
-    peaks = {"alloc": 0.0, "reserved": 0.0}
-    resets: list[torch.device] = []
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: peaks["alloc"] * GIB)
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: peaks["reserved"] * GIB)
-
-    def reset(device: torch.device) -> None:
-        resets.append(device)
-        peaks.update(alloc=0.0, reserved=0.0)
-
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
-    memory = TorchPeakMemory({"cuda0": torch.device("cuda", 0), "cpu": torch.device("cpu")})
-    assert list(memory.devices) == ["cuda0"]  # CPU devices have no CUDA peaks
-    memory.clear()
-    peaks.update(alloc=3.0, reserved=4.0)  # training
-    memory.stash()  # validation starts: training's peaks kept aside
-    peaks.update(alloc=1.0, reserved=5.0)  # validation
-    assert memory.peaks(include_carry=False) == {
-        "cuda0": {"torch_peak_alloc_gib": 1.0, "torch_peak_reserved_gib": 5.0}
-    }
-    memory.restart()
-    peaks.update(alloc=2.0, reserved=1.0)  # training again
-    assert memory.peaks(include_carry=True) == {
-        "cuda0": {"torch_peak_alloc_gib": 3.0, "torch_peak_reserved_gib": 4.0}
-    }
-    memory.clear()
-    assert memory.peaks(include_carry=True) == {
-        "cuda0": {"torch_peak_alloc_gib": 0.0, "torch_peak_reserved_gib": 0.0}
-    }
-    assert resets == [torch.device("cuda", 0)] * 4
-
-
-def monitor_with(state: dict) -> GpuStatsMonitor:
-    monitor = GpuStatsMonitor()
-    monitor.load_state_dict(state)
-    return monitor
-
-
-def test_energy_report_from_a_resumed_run_with_or_without_samples() -> None:
-    per_gpu = {"node0/cuda0": 7200.0, "node0/cuda1": 1800.0}
-    monitor = monitor_with({"energy_j": per_gpu, "train_samples": 900})
-    assert energy_report(SimpleNamespace(callbacks=[object(), monitor])) == {
-        "energy_j": 9000.0, "energy_kwh": 9000.0 / 3.6e6, "energy_j_per_training_sample": 10.0,
-        "training_samples": 900, "energy_j_per_gpu": per_gpu,
-    }  # fmt: skip
-    assert monitor.state_dict() == {"version": 1, "energy_j": per_gpu, "train_samples": 900.0}
-    unknown = monitor_with({"energy_j": {"node0/cuda0": 0.1234567}, "train_samples": None})
-    report = energy_report(SimpleNamespace(callbacks=[unknown]))
-    assert report["energy_j"] == 0.123 and report["energy_j_per_gpu"] == {"node0/cuda0": 0.123}
-    assert report["energy_j_per_training_sample"] is None and report["training_samples"] is None
-    none_yet = monitor_with({"energy_j": {"node0/cuda0": 5.0}, "train_samples": 0})
-    assert energy_report(SimpleNamespace(callbacks=[none_yet]))["energy_j_per_training_sample"] is None  # fmt: skip
-    assert energy_report(SimpleNamespace(callbacks=[GpuStatsMonitor()])) is None
-    assert energy_report(SimpleNamespace(callbacks=[])) is None

@@ -50,13 +50,6 @@ def panel(figure: object, title: str) -> object:
     return next(ax for ax in figure.axes if ax.get_visible() and ax.get_title().startswith(title))
 
 
-def test_read_metrics_keeps_one_value_per_epoch_and_test_figures_apart(tmp_path: Path) -> None:
-    run = plot.read_metrics(write_run(tmp_path / "run"))
-    assert run.curve("train/loss") == ([0, 1, 2, 3], [1.5, 0.75, 0.5, 0.375])
-    assert run.final == {"test/acc": 0.93, "test/loss": 0.2}
-    assert run.metric_names() == ["loss", "acc"] and run.gpus() == []
-
-
 @pytest.mark.parametrize(
     ("options", "kinds"),
     [
@@ -65,8 +58,13 @@ def test_read_metrics_keeps_one_value_per_epoch_and_test_figures_apart(tmp_path:
         ({"gpus": 2, "extra": True}, ["gpu_util", "gpu_mem", "gpu_gpm", "loop"]),
     ],
 )
-def test_panels_only_for_what_was_logged(tmp_path: Path, options: dict, kinds: list) -> None:
+def test_one_value_per_epoch_test_figures_apart_and_panels_for_what_was_logged(
+    tmp_path: Path, options: dict, kinds: list
+) -> None:
     run = plot.read_metrics(write_run(tmp_path / "run", **options))
+    assert run.curve("train/loss") == ([0, 1, 2, 3], [1.5, 0.75, 0.5, 0.375])
+    assert run.final == {"test/acc": 0.93, "test/loss": 0.2} and run.test_figure("acc") == 0.93
+    assert run.metric_names() == ["loss", "acc"] and len(run.gpus()) == options.get("gpus", 0)
     assert [p.kind for p in plot.panels_for([run])] == ["metric", "metric", *kinds]
 
 
@@ -95,11 +93,10 @@ def test_images_grow_with_gpu_rows_and_side_by_side_runs_and_out_names_file_or_d
     assert png_size(with_gpu)[1] > height
     runs = [run, write_run(tmp_path / "b"), write_run(tmp_path / "c")]
     assert len(plot.draw([plot.read_metrics(r) for r in runs]).axes) == 2 * 3  # panels x runs
-    assert plot.main([*map(str, runs), "--out", str(tmp_path / "abc.png")]) == 0  # the CLI
-    assert capsys.readouterr().out.strip() == str(tmp_path / "abc.png")
-    assert png_size(tmp_path / "abc.png")[0] > width
-    (tmp_path / "figs").mkdir()
-    assert plot.plot_runs([run], tmp_path / "figs") == tmp_path / "figs" / plot.PLOT_FILE
+    (tmp_path / "figs").mkdir()  # the CLI; --out a directory
+    assert plot.main([*map(str, runs), "--out", str(tmp_path / "figs")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "figs" / plot.PLOT_FILE)
+    assert png_size(tmp_path / "figs" / plot.PLOT_FILE)[0] > width
     assert plot.plot_runs([run], tmp_path / "c.svg").read_text().lstrip().startswith("<?xml")
     with pytest.raises(plot.PlotError, match=r"--out '.*c\.txt' has an unknown format; use"):
         plot.plot_runs([run], tmp_path / "c.txt")
@@ -146,18 +143,9 @@ def test_after_run_draws_or_says_why_in_one_line_and_never_raises(
         ("eval-run", "logged no values per epoch, nothing to plot (an eval run has test/ figures"),
     ],
 )
-def test_a_bad_run_dir_is_one_line_and_exit_2(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture,
-    setup: str,
-    expected: str,
-) -> None:
+def test_a_bad_run_dir_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, setup, expected) -> None:  # fmt: skip
     monkeypatch.chdir(tmp_path)
-    for name, text in (
-        ("header", ""),
-        ("eval-run", "epoch,step,test/acc,test/loss\n0,0,0.9,0.3\n"),
-    ):
+    for name, text in (("header", ""), ("eval-run", "epoch,step,test/acc,test/loss\n0,0,0.9,0.3\n")):  # fmt: skip
         (tmp_path / name / "csv").mkdir(parents=True)
         (tmp_path / name / "csv" / "metrics.csv").write_text(text)
     (tmp_path / "empty").mkdir()

@@ -33,24 +33,14 @@ _GPU_KEY = re.compile(r"^gpu/(?P<gpu>node\d+/cuda\d+)/(?P<stat>[a-z0-9_]+)$")
 _STAGED = re.compile(r"^(?P<stage>train|val|test)(?:[/_.\-](?P<name>.+))?$")
 _LOADER = re.compile(r"/(?P<loader>dataloader_idx_\d+)$")
 _CSV = "a CSV log (the text file Lightning's CSVLogger writes)"
-_SIGNATURES = {b"\x89PNG\r\n\x1a\n": "a PNG image", b"%PDF": "a PDF document"}
-_SIGNATURES[b"PK\x03\x04"] = "a zip archive (a checkpoint?)"
+_SIGNATURES = {b"\x89PNG\r\n\x1a\n": "a PNG image", b"%PDF": "a PDF document",
+               b"PK\x03\x04": "a zip archive (a checkpoint?)"}  # fmt: skip
 _TITLES = {"lr": "learning rate", "loop": "waiting for data % of the training loop"}
 _GPU_LINES = {  # per GPU panel: title, the main statistic, its companion and its line style
     "gpu_util": ("GPU utilization % (epoch mean; thin: max)", "util_mean", "util_max", "-"),
-    "gpu_mem": (
-        "GPU memory used GiB (epoch max; dotted: size)",
-        "mem_used_gib_max",
-        "mem_total_gib",
-        ":",
-    ),
-    "gpu_gpm": (
-        "SM activity % (GPM, epoch mean; dashed: tensor cores)",
-        "sm_active_mean",
-        "tensor_active_mean",
-        "--",
-    ),
-}
+    "gpu_mem": ("GPU memory used GiB (epoch max; dotted: size)", "mem_used_gib_max", "mem_total_gib", ":"),
+    "gpu_gpm": ("SM activity % (GPM, epoch mean; dashed: tensor cores)", "sm_active_mean", "tensor_active_mean", "--"),
+}  # fmt: skip
 
 
 class PlotError(RunError):
@@ -103,12 +93,7 @@ class RunMetrics:
         return sorted(found, key=lambda line: (rank.get(line[0].split(" ")[0], 2), line[0]))
 
     def test_figure(self, name: str) -> float | None:
-        return next(
-            (v for c, v in self.final.items() if split_column(c) == ("test", name, "")), None
-        )
-
-    def lr_columns(self) -> list[str]:
-        return sorted(c for c in self.series if c.startswith("lr-"))
+        return next((v for c, v in self.final.items() if split_column(c) == ("test", name, "")), None)  # fmt: skip
 
     def gpus(self) -> list[str]:
         """GPUs with statistics, as ``node{N}/cuda{i}``, in node then CUDA index order."""
@@ -138,8 +123,7 @@ def read_text_file(path: Path, what: str) -> str:
 def read_csv_log(path: Path) -> list[dict[str, str]]:
     """The rows of a CSVLogger file; one-line :class:`PlotError` when it is empty, binary, cut
     short (the logger ends every row with a newline), ragged or lacks ``epoch`` and ``step``."""
-    text = read_text_file(path, _CSV)
-    name = repr(str(path))
+    text, name = read_text_file(path, _CSV), repr(str(path))
     if not text.strip():
         raise PlotError(
             f"{name} is empty: it has no rows yet (did the run stop before its first epoch ended?)"
@@ -225,9 +209,7 @@ def expand_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
                 f"{str(given)!r} holds no {METRICS_CSV}, neither itself nor in its subfolders "
                 "(every training run writes one)"
             )
-        runs += sorted(
-            jobs, key=lambda p: (0, int(p.name), "") if p.name.isdigit() else (1, 0, p.name)
-        )
+        runs += sorted(jobs, key=lambda p: (0, int(p.name), "") if p.name.isdigit() else (1, 0, p.name))  # fmt: skip
     return runs
 
 
@@ -241,12 +223,12 @@ class Panel(NamedTuple):
 def panels_for(runs: Sequence[RunMetrics]) -> list[Panel]:
     """The panels any of ``runs`` has data for, in a fixed order, so side-by-side rows align."""
     names = dict.fromkeys(n for run in runs for n in run.metric_names())
-    gpus = [f"gpu/{gpu}/" for run in runs for gpu in run.gpus()]
+    gpus = [(run, f"gpu/{gpu}/") for run in runs for gpu in run.gpus()]
     has = {
-        "lr": any(run.lr_columns() for run in runs),
+        "lr": any(c.startswith("lr-") for run in runs for c in run.series),
         "gpu_util": bool(gpus),
         "gpu_mem": bool(gpus),
-        "gpu_gpm": any(g + "sm_active_mean" in run.series for run in runs for g in gpus),
+        "gpu_gpm": any(g + "sm_active_mean" in run.series for run, g in gpus),
         "loop": any(LOOP_WAIT in run.series for run in runs),
     }
     return [Panel("metric", n) for n in names] + [Panel(kind) for kind in has if has[kind]]
@@ -267,13 +249,11 @@ def draw(runs: Sequence[RunMetrics]) -> Any:
     one = len(runs) == 1
     ncols = min(2, len(panels)) if one else len(runs)
     nrows = math.ceil(len(panels) / ncols) if one else len(panels)
-    cells = [(panel, run) for panel in panels for run in runs]
     width = 4.6 * ncols
-    figure = Figure(
-        figsize=(width, 3 * nrows + 0.6), dpi=min(100, 6000 / width), layout="constrained"
-    )
+    figure = Figure(figsize=(width, 3 * nrows + 0.6), dpi=min(100, 6000 / width), layout="constrained")  # fmt: skip
     FigureCanvasAgg(figure)
     axes = figure.subplots(nrows, ncols, squeeze=False, sharey=False if one else "row").flat
+    cells = [(panel, run) for panel in panels for run in runs]
     for index, ax in enumerate(axes):
         if index >= len(cells):
             ax.set_visible(False)
@@ -308,11 +288,12 @@ def _draw_panel(ax: Any, panel: Panel, run: RunMetrics) -> bool:
             ax.axhline(test, color="tab:green", linestyle=":", label=f"test {test:.4g}")
         return bool(lines)
     if panel.kind == "lr":
-        for column in run.lr_columns():
+        columns = sorted(c for c in run.series if c.startswith("lr-"))
+        for column in columns:
             ax.plot(*run.curve(column), label=column.removeprefix("lr-"), **style)
-        if all(v > 0 for c in run.lr_columns() for v in run.curve(c)[1]):
+        if all(v > 0 for c in columns for v in run.curve(c)[1]):
             ax.set_yscale("log")
-        return bool(run.lr_columns())
+        return bool(columns)
     if panel.kind == "loop":
         epochs, values = run.curve(LOOP_WAIT)
         ax.plot(epochs, [100 * v for v in values], label="data wait", **style)
@@ -333,12 +314,9 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> 
     path; by default ``<dir>/curves.png`` for one directory, ``./curves.png`` for several."""
     runs = [read_metrics(path) for path in expand_run_dirs(run_dirs)]
     if out is None:
-        target = Path(run_dirs[0]) / PLOT_FILE if len(run_dirs) == 1 else Path(PLOT_FILE)
-    elif Path(out).is_dir():
-        target = Path(out) / PLOT_FILE
-    elif Path(out).suffix.lower() in FORMATS:
-        target = Path(out)
-    else:
+        out = run_dirs[0] if len(run_dirs) == 1 else "."
+    target = Path(out) / PLOT_FILE if Path(out).is_dir() else Path(out)
+    if target.suffix.lower() not in FORMATS:
         raise PlotError(
             f"--out {str(out)!r} has an unknown format; use a name ending in {', '.join(FORMATS)}"
         )
@@ -360,9 +338,7 @@ def after_run(run_dir: str | Path) -> Path | None:
         log.info("No %s in this run, so no %s.", METRICS_CSV, PLOT_FILE)
         return None
     if importlib.util.find_spec("matplotlib") is None:
-        log.info(
-            "Learning-curve plots need matplotlib: %s, then python -m runkit.plot %s", HINT, run
-        )
+        log.info("Learning-curve plots need matplotlib: %s, then python -m runkit.plot %s", HINT, run)  # fmt: skip
         return None
     try:
         path = plot_runs([run])

@@ -13,16 +13,18 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from runkit.gpu_stats.exchange import RankExchange
-from runkit.gpu_stats.loop import LoopTimer
 from runkit.gpu_stats.sampler import (
     DEFAULT_GROUPS,
     OPTIONAL_GROUPS,
@@ -38,12 +40,6 @@ from runkit.gpus import nvml
 log = logging.getLogger(__name__)
 
 MIN_WAIT_WARNING_S = 1.0  # less waiting in all: no starvation line (the loader's start alone)
-
-
-def cuda_device_uuid(index: int) -> str | None:
-    """The UUID CUDA reports for ``cuda:index`` (this already reflects CUDA_VISIBLE_DEVICES)."""
-    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
-    return None if uuid is None else str(uuid)
 
 
 def process_devices(trainer: Any) -> list[tuple[int, torch.device]]:
@@ -63,52 +59,92 @@ def monitored_keys(trainer: Any) -> set[str]:
     return {m for w in watchers if isinstance(m := getattr(w, "monitor", None), str)}
 
 
-def gpu_busy_pct(everyone: Sequence[dict[str, Any]]) -> float | None:
-    """Mean utilisation of the run's GPUs (SM activity where a MIG slice has none); None
-    without any reading."""
-    values = [
-        summary.get("util_mean", summary.get("sm_active_mean"))
-        for payload in everyone
-        for summary in payload.get("gpus", {}).values()
-    ]
-    known = [v for v in values if v is not None]
-    return sum(known) / len(known) if known else None
-
-
-def count_samples(loops: Sequence[dict[str, float] | None]) -> float | None:
-    """Training samples of every rank's loop figures; None when a batch held no tensor."""
-    if any(loop is not None and "samples" not in loop for loop in loops):
+def batch_length(batch: Any) -> int | None:
+    """The samples in ``batch`` as Lightning counts them for ``self.log``; None without a tensor.
+    The common ``(inputs, ...)`` batch is read directly (Lightning's walk costs microseconds)."""
+    first = batch[0] if type(batch) in (tuple, list) and batch else batch
+    if type(first) is torch.Tensor and first.ndim:
+        return first.shape[0]
+    try:
+        return extract_batch_size(batch)
+    except MisconfigurationException:
         return None
-    return sum(loop["samples"] for loop in loops if loop)
 
 
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+class LoopTimer:
+    """One training epoch's loop time, data wait, steps and samples. The wait is the wall time
+    between one batch's end and the next batch's start, validation left out: two clock reads a
+    step, no device sync. An asynchronous GPU step overlaps the wait, so a high share means the
+    input pipeline sets the pace."""
+
+    def __init__(self, clock: Any = time.perf_counter) -> None:
+        self.clock = clock
+        self._said_uncountable = False
+        self.start_epoch()
+
+    def start_epoch(self) -> None:
+        self._epoch_start = self._last_end = self.clock()
+        self._paused_at: float | None = None
+        self.wait_s = self.paused_s = 0.0  # paused: validation between epoch start and last step
+        self.steps = 0
+        self.samples: int | None = 0
+
+    def batch_start(self) -> None:
+        now = self.clock()
+        if self._paused_at is not None:  # after validation: the whole gap since it started is out
+            gap, self._paused_at = now - self._paused_at, None
+            self.paused_s += gap
+            self._last_end += gap
+        self.wait_s += now - self._last_end
+
+    def batch_end(self, batch: Any) -> None:
+        self._last_end = self.clock()
+        self.steps += 1
+        if self.samples is not None and (size := batch_length(batch)) is not None:
+            self.samples += size
+        elif self.samples is not None:
+            self.samples = None
+            if not self._said_uncountable:
+                self._said_uncountable = True
+                log.info("loop: a training batch of type %s holds no tensor to count samples "
+                         "in; loop/samples_per_s is not logged (loop/data_wait_frac is)",
+                         type(batch).__name__)  # fmt: skip
+
+    def pause(self) -> None:
+        """Validation starts: its time, until the next training batch starts, is left out."""
+        if self._paused_at is None:
+            self._paused_at = self.clock()
+
+    def summary(self) -> dict[str, float] | None:
+        """``loop_s`` (epoch start to the last step's end, less validation), ``data_wait_s``,
+        ``steps`` and ``samples`` (absent when a batch had no tensor); None before any step."""
+        if not self.steps:
+            return None
+        loop_s = self._last_end - self._epoch_start - self.paused_s
+        out = {"loop_s": loop_s, "data_wait_s": self.wait_s, "steps": float(self.steps)}
+        return out if self.samples is None else {**out, "samples": float(self.samples)}
 
 
-def _check_arguments(
-    seconds: dict[str, Any], shares: dict[str, tuple[Any, float]], device_uuids: Any,
-    key_prefix: str, per_gpu_keys_up_to: Any,
-) -> None:  # fmt: skip
+def _check_arguments(a: dict[str, Any]) -> None:
     """:class:`GpuStatsMonitor`'s arguments, each refused in one line naming what it accepts."""
-    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
-    checks = [(name, v, number(v) and v > 0, "seconds > 0") for name, v in seconds.items()]
-    checks += [
-        (name, v, number(v) and 0 <= v <= high, f"a number in [0, {high:g}]")
-        for name, (v, high) in shares.items()
-    ]
-    uuids_ok = device_uuids is None or (
-        not isinstance(device_uuids, str) and all(isinstance(u, str) for u in device_uuids)
-    )
-    checks += [
-        ("device_uuids", device_uuids, uuids_ok, "a list of NVML UUID strings"),
-        ("key_prefix", key_prefix, bool(key_prefix) and "/" not in key_prefix, "a word without '/'"),
-        ("per_gpu_keys_up_to", per_gpu_keys_up_to,
-         type(per_gpu_keys_up_to) is int and per_gpu_keys_up_to >= 0, "a GPU count >= 0"),
-    ]  # fmt: skip
-    for name, value, ok, accepted in checks:
+
+    def number(v: Any, high: float = math.inf) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= high
+
+    uuids, prefix, up_to = a["device_uuids"], a["key_prefix"], a["per_gpu_keys_up_to"]
+    checks = {
+        "interval_s": (number(a["interval_s"]) and a["interval_s"] > 0, "seconds > 0"),
+        "gather_timeout_s": (number(a["gather_timeout_s"]) and a["gather_timeout_s"] > 0, "seconds > 0"),
+        "data_wait_warning": (number(a["data_wait_warning"], 1), "a number in [0, 1]"),
+        "gpu_idle_below_pct": (number(a["gpu_idle_below_pct"], 100), "a number in [0, 100]"),
+        "device_uuids": (uuids is None or (not isinstance(uuids, str) and all(isinstance(u, str) for u in uuids)),
+                         "a list of NVML UUID strings"),
+        "key_prefix": (bool(prefix) and "/" not in prefix, "a word without '/'"),
+        "per_gpu_keys_up_to": (type(up_to) is int and up_to >= 0, "a GPU count >= 0"),
+    }  # fmt: skip
+    for name, (ok, accepted) in checks.items():
         if not ok:
-            raise ValueError(f"GpuStatsMonitor: {name}={value!r}; give {accepted}")
+            raise ValueError(f"GpuStatsMonitor: {name}={a[name]!r}; give {accepted}")
 
 
 def energy_report(trainer: Any) -> dict[str, Any] | None:
@@ -116,10 +152,9 @@ def energy_report(trainer: Any) -> dict[str, Any] | None:
     kWh, J per training sample and J per physical GPU; None without a monitor or a reading."""
     monitor = next((c for c in trainer.callbacks if isinstance(c, GpuStatsMonitor)), None)
     per_gpu = monitor.run_energy_j() if monitor is not None else {}
-    if not per_gpu:
+    if monitor is None or not per_gpu:
         return None
-    total = sum(per_gpu.values())
-    samples = monitor.run_samples()
+    total, samples = sum(per_gpu.values()), monitor.run_samples()
     return {
         "energy_j": round(total, 3),
         "energy_kwh": total / 3.6e6,
@@ -132,22 +167,15 @@ def energy_report(trainer: Any) -> dict[str, Any] | None:
 class GpuStatsMonitor(pl.Callback):
     """Log per-epoch GPU statistics from NVML for every GPU of the run (see the module docstring).
 
-    Args:
-        interval_s: seconds between background samples.
-        report_validation: also log the validation runs, under ``gpu_val/``.
-        fan, pcie, ecc, memory_temperature: log these too (off by default; often unsupported).
-        log_sampler_cost: log ``sample_ms``, the NVML time per sample of each GPU.
-        summary_table: print a Rich table of every GPU at the end of ``fit`` (rank 0).
-        device_uuids: the NVML UUID of each entry of ``trainer.strategy.parallel_devices``, for
-            runs on CPU with the fake NVML; on real GPUs leave it ``None`` (CUDA's UUIDs).
-        key_prefix: first part of every key (``gpu``); validation uses ``{key_prefix}_val``.
-        gpm: read GPM metrics (SM activity, occupancy, tensor cores, DRAM) where supported.
-        per_gpu_keys_up_to: per-GPU keys for nodes with at most this many GPUs, else only
-            the ``gpu/all/`` aggregates.
-        data_wait_warning: warn when an epoch waited more than this share of its loop time for
-            data while the GPUs were mostly idle (1.0: never).
-        gpu_idle_below_pct: "mostly idle": mean utilisation of the run's GPUs below this.
-        gather_timeout_s: how long rank 0 waits at an epoch end for the other ranks' figures.
+    ``interval_s``: seconds between samples; ``report_validation``: log validation runs too (under
+    ``{key_prefix}_val/``); ``fan``, ``pcie``, ``ecc``, ``memory_temperature`` (off: often
+    unsupported), ``gpm``: metric groups; ``log_sampler_cost``: log ``sample_ms``, NVML's time per
+    sample; ``summary_table``: a Rich table of every GPU at the end of ``fit``; ``device_uuids``:
+    the NVML UUID of each of ``trainer.strategy.parallel_devices``, for CPU runs on the fake NVML
+    (None: CUDA's); ``per_gpu_keys_up_to``: per-GPU keys for nodes with at most this many GPUs,
+    else the ``gpu/all/`` aggregates only; ``data_wait_warning``, ``gpu_idle_below_pct``: warn when
+    an epoch waited more than this share of its loop for data while the GPUs were busy less than
+    this; ``gather_timeout_s``: how long rank 0 waits at an epoch end for the others' figures.
     """
 
     def __init__(
@@ -168,17 +196,12 @@ class GpuStatsMonitor(pl.Callback):
         gpu_idle_below_pct: float = 50.0,
         gather_timeout_s: float = 30.0,
     ) -> None:
-        _check_arguments(
-            {"interval_s": interval_s, "gather_timeout_s": gather_timeout_s},
-            {"data_wait_warning": (data_wait_warning, 1.0), "gpu_idle_below_pct": (gpu_idle_below_pct, 100.0)},
-            device_uuids, key_prefix, per_gpu_keys_up_to,
-        )  # fmt: skip
+        _check_arguments(locals())
         self.interval_s, self.gather_timeout_s = float(interval_s), float(gather_timeout_s)
         self.report_validation, self.summary_table = report_validation, summary_table
-        optional = {"fan": fan, "pcie": pcie, "ecc": ecc, "memory_temperature": memory_temperature}
-        self.groups = [
-            g for g in (*DEFAULT_GROUPS, *OPTIONAL_GROUPS) if optional.get(g, g != "gpm" or gpm)
-        ]
+        wanted = {"fan": fan, "pcie": pcie, "ecc": ecc, "memory_temperature": memory_temperature}
+        wanted["gpm"] = gpm
+        self.groups = [g for g in (*DEFAULT_GROUPS, *OPTIONAL_GROUPS) if wanted.get(g, True)]
         self.per_gpu_keys_up_to, self.log_sampler_cost = per_gpu_keys_up_to, log_sampler_cost
         self.data_wait_warning = float(data_wait_warning)
         self.gpu_idle_below_pct = float(gpu_idle_below_pct)
@@ -190,25 +213,18 @@ class GpuStatsMonitor(pl.Callback):
         self._stack = ExitStack()
         self._sampler: GpuSampler | None = None
         self._peaks: TorchPeakMemory | None = None
-        self._active = False  # some rank samples a GPU
         self._exchanges = {
             hook: RankExchange(hook, self.gather_timeout_s)
             for hook in ("setup", "validation end", "training epoch end")
         }
-        self._identities: list[dict[str, Any]] = []
+        self.identities: list[dict[str, Any]] = []  # every rank's setup report
         self._summary = RunSummary()
-        self._phase_before_val: str | None = None
         self._loop = LoopTimer()
         self._fit_energy_j: dict[str, float] = {}  # this fit, per physical GPU
         self._fit_samples: float | None = 0.0  # training samples of this fit, every rank
         self._epoch_samples: float | None = 0.0  # of the epoch under way, at its validation
         self._restored_energy_j: dict[str, float] = {}  # from the checkpoint a resume starts at
         self._restored_samples: float | None = 0.0
-
-    @property
-    def identities(self) -> list[dict[str, Any]]:
-        """What every rank reported at setup: status, problems and, per GPU, its identity."""
-        return list(self._identities)
 
     # ------------------------------------------------------------------ lifecycle
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -222,27 +238,26 @@ class GpuStatsMonitor(pl.Callback):
         try:
             local = self._open(trainer)
         except ValueError as err:  # a configuration error: raised below, on every rank at once
-            self._close()
             local = {"config_error": str(err)}
         except Exception as err:  # never let statistics break a run
-            self._close()
             local = {"status": f"failed to start ({type(err).__name__}: {err})", "gpus": []}
+        if "status" in local and local["status"] != "on":
+            self._close()
         local.update(node=trainer.node_rank, rank=trainer.global_rank)
         everyone = self._exchanges["setup"].gather(trainer, local, self._watched(trainer))
         errors = [p["config_error"] for p in everyone if p.get("config_error")]
         if errors:
             self._close()
             raise ValueError(errors[0])
-        self._identities = everyone
-        self._active = any(p["gpus"] for p in everyone)
+        self.identities = everyone
         if trainer.is_global_zero:
             self._report_setup(everyone)
         if self._sampler is not None:
             self._sampler.start()
 
-    def _wanted(self, trainer: pl.Trainer) -> list[tuple[str, torch.device, str | None]]:
-        """``(label, device, NVML UUID)`` of each GPU this process drives."""
-        wanted = []
+    def _open(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """Map this process's devices to NVML by UUID and probe them: what rank 0 should hear."""
+        wanted: list[tuple[str, torch.device, str | None]] = []
         for position, device in process_devices(trainer):
             if self.device_uuids is not None:
                 if position >= len(self.device_uuids):
@@ -253,12 +268,8 @@ class GpuStatsMonitor(pl.Callback):
                 wanted.append((f"cuda{position}", device, self.device_uuids[position]))
             elif device.type == "cuda":
                 index = device.index if device.index is not None else torch.cuda.current_device()
-                wanted.append((f"cuda{index}", device, cuda_device_uuid(index)))
-        return wanted
-
-    def _open(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """Map this process's devices to NVML and probe them. Returns what rank 0 should hear."""
-        wanted = self._wanted(trainer)
+                uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+                wanted.append((f"cuda{index}", device, None if uuid is None else str(uuid)))
         if not wanted:
             return {"status": "off: this run uses no CUDA device", "gpus": [], "quiet": True}
         try:
@@ -283,40 +294,33 @@ class GpuStatsMonitor(pl.Callback):
             readers.append(reader)
             self._stack.callback(reader.close)  # its GPM samples go before NVML shuts down
         if not readers:
-            self._close()
             return {"status": "off: no usable GPU", "gpus": [], "problems": problems}
         self._sampler = GpuSampler(readers, self.interval_s)
         self._peaks = TorchPeakMemory({label: dev for label, dev, _ in wanted})
         return {"status": "on", "gpus": [r.identity() for r in readers], "problems": problems}
 
     def _report_setup(self, everyone: Sequence[dict[str, Any]]) -> None:
-        idle: dict[tuple[str, bool], list[str]] = {}
-        for payload in everyone:
-            for problem in payload.get("problems", []):
-                log.warning(
-                    "gpu_stats: rank %s (node %s): %s", payload["rank"], payload["node"], problem
-                )
-            if not payload["gpus"]:  # one line for all ranks in the same state
-                key = (payload["status"], bool(payload.get("quiet")))
-                idle.setdefault(key, []).append(str(payload["rank"]))
-            for gpu in payload["gpus"]:
+        idle: dict[tuple[str, bool], list[str]] = {}  # one line for all ranks in the same state
+        for p in everyone:
+            for problem in p.get("problems", []):
+                log.warning("gpu_stats: rank %s (node %s): %s", p["rank"], p["node"], problem)
+            if not p["gpus"]:
+                idle.setdefault((p["status"], bool(p.get("quiet"))), []).append(str(p["rank"]))
+            for gpu in p["gpus"]:
                 log.info(
                     "gpu_stats: node%s/%s = %s, %s, NVML index %s, PCI %s%s; not supported: %s",
-                    *(payload["node"], gpu["label"], gpu["name"], gpu["uuid"], gpu["nvml_index"]),
-                    gpu["pci_bus_id"],
-                    " (MIG slice)" if gpu["mig"] else "",
+                    *(p["node"], gpu["label"], gpu["name"], gpu["uuid"], gpu["nvml_index"]),
+                    gpu["pci_bus_id"], " (MIG slice)" if gpu["mig"] else "",
                     ", ".join(gpu["unsupported"]) or "none",
-                )
+                )  # fmt: skip
         for (status, quiet), ranks in idle.items():
-            log.log(
-                logging.INFO if quiet else logging.WARNING,
-                "gpu_stats: rank %s: %s; training continues without GPU statistics",
-                *(",".join(ranks), status),
-            )
+            log.log(logging.INFO if quiet else logging.WARNING,
+                    "gpu_stats: rank %s: %s; training continues without GPU statistics",
+                    ",".join(ranks), status)  # fmt: skip
 
     def _close(self) -> None:
         """Stop the sampler and shut NVML down; safe to call any number of times."""
-        sampler, self._sampler = self._sampler, None
+        sampler, self._sampler, self._peaks = self._sampler, None, None
         if sampler is not None:
             sampler.stop()
         self._stack.close()
@@ -327,24 +331,24 @@ class GpuStatsMonitor(pl.Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
         self._close()  # Lightning does not call ``teardown`` on this path
 
-    def _guarded(self, what: str, fn: Callable[[], Any]) -> Any:
-        """Run local bookkeeping; on a bug, stop sampling here but keep training (and gathers)."""
-        try:
-            return fn()
-        except Exception as err:
-            log.warning(
-                "gpu_stats: %s failed (%s: %s); sampling stops", what, type(err).__name__, err
-            )
-            self._close()
-            return None
+    def _failed(self, what: str, err: Exception) -> None:
+        """A bug in the local bookkeeping: stop sampling here but keep training (and gathers)."""
+        log.warning("gpu_stats: %s failed (%s: %s); sampling stops", what, type(err).__name__, err)
+        self._close()
+
+    def _switch(self, what: str, phase: str | None, reset: bool = True, **restart: bool) -> None:
+        """Send later samples to ``phase`` (``reset``: from an empty one); restart torch's peaks."""
+        if self._sampler is not None and self._peaks is not None:
+            try:
+                self._sampler.set_phase(phase, reset)
+                self._peaks.restart(**restart)
+            except Exception as err:
+                self._failed(what, err)
 
     # ------------------------------------------------------------------ phases
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._loop.start_epoch()
-        if self._sampler is not None:
-            self._guarded("epoch start", lambda: self._sampler.set_phase(TRAIN))
-        if self._peaks is not None:
-            self._guarded("peak reset", lambda: self._peaks.clear())
+        self._switch("epoch start", TRAIN, clear=True)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -360,43 +364,34 @@ class GpuStatsMonitor(pl.Callback):
         if trainer.sanity_checking:
             return
         self._loop.pause()  # until the next training batch: validation is not a data wait
-        if self._sampler is not None:
-            self._phase_before_val = self._sampler.phase
-            self._guarded("validation start", lambda: self._sampler.set_phase(VAL))
-        if self._peaks is not None:
-            self._guarded("peak reset", lambda: self._peaks.stash())
+        self._switch("validation start", VAL, stash=True)
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
         local = self._local(trainer, VAL if self.report_validation else None, False)
-        resume = self._phase_before_val
-        if self._sampler is not None:
-            self._guarded("validation end", lambda: self._sampler.set_phase(resume, reset=False))
-        if self._peaks is not None:
-            self._guarded("peak reset", lambda: self._peaks.restart())
+        # Validation runs inside the training epoch (Lightning calls on_train_epoch_end after it).
+        self._switch("validation end", TRAIN, reset=False)
         # Every rank, every validation: the run's energy is current when a checkpoint is saved.
         everyone = self._exchanges["validation end"].gather(trainer, local, self._watched(trainer))
         self._add_energy(everyone)
-        self._epoch_samples = count_samples([p.get("loop") for p in everyone])
-        if self.report_validation and self._active:
+        self._epoch_samples = _count_samples([p.get("loop") for p in everyone])
+        if self.report_validation:
             root = f"{self.key_prefix}_val"
             flat = flatten_epoch(everyone, root, self.log_sampler_cost, self.per_gpu_keys_up_to)
             self._publish(trainer, pl_module, flat)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         local = self._local(trainer, TRAIN, True)
-        if self._sampler is not None:
-            self._guarded("epoch end", lambda: self._sampler.set_phase(None))
-        everyone = self._exchanges["training epoch end"].gather(
-            trainer, local, self._watched(trainer)
-        )
-        root, loops = self.key_prefix, [p.get("loop") for p in everyone]
-        flat = flatten_epoch(everyone, root, self.log_sampler_cost, self.per_gpu_keys_up_to)
+        self._switch("epoch end", None)
+        exchange = self._exchanges["training epoch end"]
+        everyone = exchange.gather(trainer, local, self._watched(trainer))
+        loops = [p.get("loop") for p in everyone]
+        flat = flatten_epoch(everyone, self.key_prefix, self.log_sampler_cost, self.per_gpu_keys_up_to)  # fmt: skip
         flat.update(flatten_loop(loops))
         self._publish(trainer, pl_module, flat)
         self._add_energy(everyone)
-        epoch, fit = count_samples(loops), self._fit_samples
+        epoch, fit = _count_samples(loops), self._fit_samples
         self._fit_samples = None if epoch is None or fit is None else fit + epoch
         self._epoch_samples = 0.0
         self._summary.add_epoch(everyone)
@@ -408,14 +403,16 @@ class GpuStatsMonitor(pl.Callback):
         ``phase`` (with PyTorch's peaks; the whole epoch's with ``epoch``) and the energy."""
         local: dict[str, Any] = {"node": trainer.node_rank, "rank": trainer.global_rank}
         local["loop"] = self._loop.summary()
-        sampler, peaks = self._sampler, self._peaks
-        if sampler is None:
+        if self._sampler is None or self._peaks is None:
             return local
-        got = self._guarded("summary", lambda: sampler.report(phase))
-        gpus, local["energy_total_j"] = got or ({}, {})
-        local["boards"] = {r.label: r.board_uuid for r in sampler.readers}
+        local["boards"] = {r.label: r.board_uuid for r in self._sampler.readers}
+        try:
+            (gpus, local["energy_total_j"]), peaks = self._sampler.report(phase), self._peaks.peaks(epoch)  # fmt: skip
+        except Exception as err:
+            self._failed("summary", err)
+            gpus, local["energy_total_j"], peaks = {}, {}, {}
         if phase is not None:
-            for label, values in (peaks.peaks(epoch) if peaks else {}).items():
+            for label, values in peaks.items():
                 gpus.get(label, {}).update(values)
             local["gpus"] = gpus
         return local
@@ -433,11 +430,12 @@ class GpuStatsMonitor(pl.Callback):
             return
         for key in sorted(monitored_keys(trainer) & metrics.keys()):
             pl_module.log(key, float(metrics[key]), logger=False, batch_size=1)
-        if trainer.is_global_zero and trainer.loggers:
-            step = max(trainer.global_step - 1, 0)  # the step of Lightning's own rows now
-            row = {**metrics, "epoch": trainer.current_epoch}
+        if trainer.is_global_zero:
             for logger in trainer.loggers:
-                logger.log_metrics(row, step=step)
+                logger.log_metrics(
+                    {**metrics, "epoch": trainer.current_epoch},
+                    step=max(trainer.global_step - 1, 0),
+                )
 
     def _warn_if_starved(
         self, trainer: pl.Trainer, everyone: Sequence[dict[str, Any]], flat: dict[str, float]
@@ -446,11 +444,16 @@ class GpuStatsMonitor(pl.Callback):
         waited = max((p["loop"]["data_wait_s"] for p in everyone if p.get("loop")), default=0.0)
         if share is None or share <= self.data_wait_warning or waited < MIN_WAIT_WARNING_S:
             return
-        busy = gpu_busy_pct(everyone)
+        utils = [s.get("util_mean", s.get("sm_active_mean")) for p in everyone for s in p.get("gpus", {}).values()]  # fmt: skip
+        known = [u for u in utils if u is not None]  # SM activity where a MIG slice has no util
+        busy = sum(known) / len(known) if known else None
         if busy is not None and busy >= self.gpu_idle_below_pct:
             return
-        loader, names = trainer.train_dataloader, ("num_workers", "pin_memory", "batch_size")
-        settings = ", ".join(f"data.{name}={getattr(loader, name, '?')}" for name in names)
+        loader = trainer.train_dataloader
+        settings = ", ".join(
+            f"data.{name}={getattr(loader, name, '?')}"
+            for name in ("num_workers", "pin_memory", "batch_size")
+        )
         log.warning(
             "loop: epoch %d waited for the next batch %.0f%% of its training time (%.1f s) and "
             "%s: the input pipeline holds training back. What helps: more loader processes "
@@ -466,25 +469,22 @@ class GpuStatsMonitor(pl.Callback):
         """This fit's energy per physical GPU so far, each GPU once (the first slice reporting
         it names it), from every rank's cumulative counters."""
         seen: set[str] = set()
-        for payload in everyone:
-            boards = payload.get("boards", {})
-            for label, joules in payload.get("energy_total_j", {}).items():
-                board = boards.get(label, f"{payload['node']}/{label}")
+        for p in everyone:
+            for label, joules in p.get("energy_total_j", {}).items():
+                board = p.get("boards", {}).get(label, f"{p['node']}/{label}")
                 if board not in seen:
                     seen.add(board)
-                    self._fit_energy_j[f"node{payload['node']}/{label}"] = joules
+                    self._fit_energy_j[f"node{p['node']}/{label}"] = joules
 
     def run_energy_j(self) -> dict[str, float]:
         """Energy per physical GPU over the whole run (earlier runs it resumed included), J."""
-        keys = sorted(set(self._restored_energy_j) | set(self._fit_energy_j))
-        return {
-            k: self._restored_energy_j.get(k, 0.0) + self._fit_energy_j.get(k, 0.0) for k in keys
-        }
+        restored, fit = self._restored_energy_j, self._fit_energy_j
+        return {k: restored.get(k, 0.0) + fit.get(k, 0.0) for k in sorted({*restored, *fit})}
 
     def run_samples(self) -> float | None:
         """Training samples over the whole run (resumed runs included); None when unknown."""
         parts = (self._restored_samples, self._fit_samples, self._epoch_samples)
-        return None if None in parts else sum(parts)
+        return None if None in parts else sum(parts)  # type: ignore[arg-type]
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": 1, "energy_j": self.run_energy_j(), "train_samples": self.run_samples()}
@@ -493,10 +493,15 @@ class GpuStatsMonitor(pl.Callback):
         """Continue the run's energy from a checkpoint; a damaged entry is ignored (one line)."""
         state = state_dict if isinstance(state_dict, Mapping) else {}
         energy, samples = state.get("energy_j"), state.get("train_samples")
-        good_energy = isinstance(energy, Mapping) and all(
-            isinstance(k, str) and _finite(v) and v >= 0 for k, v in energy.items()
-        )
-        if not (good_energy and (samples is None or (_finite(samples) and samples >= 0))):
+
+        def good(v: Any) -> bool:
+            return type(v) in (int, float) and math.isfinite(v) and v >= 0
+
+        if not (
+            isinstance(energy, Mapping)
+            and all(isinstance(k, str) and good(v) for k, v in energy.items())
+            and (samples is None or good(samples))
+        ):
             log.warning(
                 "gpu_stats: the checkpoint's GPU statistics state is not what this callback "
                 "writes (%.80r); the run's energy counts from this resume on",
@@ -508,8 +513,15 @@ class GpuStatsMonitor(pl.Callback):
 
     def run_summary(self) -> list[dict[str, Any]]:
         """One row per GPU over the whole ``fit`` (training epochs): what the table shows."""
-        return self._summary.rows(self._identities)
+        return self._summary.rows(self.identities)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.summary_table and trainer.is_global_zero and self._summary:
+        if self.summary_table and trainer.is_global_zero and self._summary.epochs:
             print_table(self.run_summary())
+
+
+def _count_samples(loops: Sequence[dict[str, float] | None]) -> float | None:
+    """Training samples of every rank's loop figures; None when a batch held no tensor."""
+    if any(loop is not None and "samples" not in loop for loop in loops):
+        return None
+    return sum(loop["samples"] for loop in loops if loop)

@@ -3,9 +3,8 @@
 Why not ``all_gather_object``: a collective in an epoch-end hook deadlocks against Lightning's
 own metric sync (the progress bar, on rank 0 only, all-reduces a ``sync_dist`` value in its
 ``on_train_epoch_end`` while the other ranks would wait in ours). Every rank posts its payload
-(JSON) in the job's TCP store (a client of the one at ``MASTER_ADDR:MASTER_PORT``, public API)
-and goes on; rank 0 alone waits for the others' keys, at most ``timeout_s``, in short slices so
-that signals are handled, and goes on without the late ones (one warning naming them).
+(JSON) in the job's TCP store and goes on; rank 0 alone waits for the others' keys, at most
+``timeout_s``, in short slices so that signals are handled, then warns once about the late ones.
 """
 
 from __future__ import annotations
@@ -32,18 +31,15 @@ def _client(host: str, port: int) -> Any:
 
 
 def job_store() -> Any | None:
-    """A client of the job's TCP store (every launcher of Lightning's, torchrun, SLURM sets
-    ``MASTER_ADDR``/``MASTER_PORT``); None without one."""
+    """A client of the job's TCP store at ``MASTER_ADDR:MASTER_PORT``; None without one."""
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     return _client(host, int(port)) if host and port and dist.is_available() else None
 
 
 class RankExchange:
-    """Every rank's payload for rank 0, in rank order, through the job's key-value store.
-
-    Every rank calls it at the same hooks, so rounds match by count. Rank 0 removes what it
-    read; with ``every_rank``, each rank removes its own payload two rounds later.
-    """
+    """Every rank's payload for rank 0, in rank order, through the job's key-value store. Rounds
+    match by count (every rank calls it at the same hooks); rank 0 removes what it read, or with
+    ``every_rank`` each rank its own payload two rounds later."""
 
     def __init__(self, name: str, timeout_s: float = 30.0) -> None:
         self.name, self.timeout_s = name, timeout_s

@@ -1,14 +1,14 @@
 """Sampling GPUs for the statistics: which metrics each GPU supports, and a background thread.
 
-:class:`GpuReader` probes each metric group once and leaves out for good what the GPU does not
-support (never logged as 0). :class:`GpuSampler` reads them every ``interval_s`` in a thread into
-per-phase running aggregates; a phase's figures are a snapshot taken under a lock, so the
-training thread never reads NVML nor waits for a reading.
+A metric group the GPU refuses at the probe is left out for good (never logged as 0). The thread
+reads every ``interval_s`` into per-phase aggregates; a phase's figures are a snapshot taken
+under a lock, so the training thread never reads NVML nor waits for a reading.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from runkit.gpu_stats.gpm import GpmCounters, GpmUnsupported
 from runkit.gpu_stats.statistics import GpuAccumulator
 from runkit.gpus import nvml
 from runkit.gpus.reader import DeviceReader
@@ -26,27 +25,118 @@ log = logging.getLogger(__name__)
 
 GIB = 1024**3
 TRAIN, VAL = "train", "val"
-
-# Clock event ("throttle") reason bits, from nvml.h (nvmlClocksEventReason*).
-_SW_POWER_CAP, _HW_SLOWDOWN, _SW_THERMAL, _HW_THERMAL, _HW_POWER_BRAKE = 0x4, 0x8, 0x20, 0x40, 0x80
-THROTTLE_MASKS = {
-    "throttle_power": _SW_POWER_CAP | _HW_POWER_BRAKE,
-    "throttle_thermal": _SW_THERMAL | _HW_THERMAL,
-    "throttle_hw": _HW_SLOWDOWN,
-    "throttle_any": _SW_POWER_CAP | _HW_POWER_BRAKE | _SW_THERMAL | _HW_THERMAL | _HW_SLOWDOWN,
-}
-DEFAULT_GROUPS = (
-    *("utilization", "memory", "process_memory", "temperature", "power"),
-    *("clock", "throttle", "energy", "gpm"),
-)
+# Clock event ("throttle") reason bits, from nvml.h: SW power cap 0x4, HW slowdown 0x8,
+# SW thermal 0x20, HW thermal 0x40, HW power brake 0x80.
+THROTTLE_MASKS = {"throttle_power": 0x84, "throttle_thermal": 0x60, "throttle_hw": 0x8,
+                  "throttle_any": 0xEC}  # fmt: skip
+DEFAULT_GROUPS = ("utilization", "memory", "process_memory", "temperature", "power", "clock",
+                  "throttle", "energy", "gpm")  # fmt: skip
 OPTIONAL_GROUPS = ("fan", "pcie", "ecc", "memory_temperature")
 # At the probe, these also mean "leave the group out" rather than "this GPU is failing".
 _PROBE_SKIP_ERRORS = (*nvml.UNSUPPORTED_ERRORS, "NVMLError_NoPermission", "NVMLError_NotFound")
 
 
+# Logged metric -> pynvml's metric id constant; all are percentages (0-100).
+GPM_METRICS = {
+    "sm_active": "NVML_GPM_METRIC_SM_UTIL",
+    "sm_occupancy": "NVML_GPM_METRIC_SM_OCCUPANCY",
+    "tensor_active": "NVML_GPM_METRIC_ANY_TENSOR_UTIL",
+    "dram_active": "NVML_GPM_METRIC_DRAM_BW_UTIL",
+    "fp16_active": "NVML_GPM_METRIC_FP16_UTIL",
+    "fp32_active": "NVML_GPM_METRIC_FP32_UTIL",
+    "fp64_active": "NVML_GPM_METRIC_FP64_UTIL",
+}
+
+
+class GpmUnsupported(Exception):
+    """This GPU (or driver, or binding) has no GPM: the metrics are left out, never zero."""
+
+
+class GpmCounters:
+    """GPM (GPU Performance Monitoring, Hopper and newer): what the SMs did, not only *whether*
+    they ran, through the physical GPU ``board`` (a MIG slice's: its ``gpu_instance_id``). Two
+    samples of the counters, swapped at every reading, give the interval since the last; a
+    profiler holding them pauses GPM (one line); only ``GpuIsLost`` is passed on."""
+
+    def __init__(self, lib: Any, board: Any, label: str, gpu_instance_id: int | None) -> None:
+        self.lib, self.board, self.label, self.gpu_instance_id = lib, board, label, gpu_instance_id
+        self._samples: list[Any] = []
+        self._have_previous = self._paused = False
+        self._names: list[str] = []
+        self._request: Any = None
+
+    def open(self) -> None:
+        """Allocate the two samples and take the first; :class:`GpmUnsupported` without GPM."""
+        lib = self.lib
+        try:
+            support = lib.nvmlGpmQueryDeviceSupport(self.board)
+        except (*nvml.error_classes(lib, nvml.UNSUPPORTED_ERRORS), AttributeError) as err:
+            raise GpmUnsupported(type(err).__name__.replace("NVMLError_", "")) from err
+        if not getattr(support, "isSupportedDevice", 0):
+            raise GpmUnsupported("NotSupported")
+        ids = {name: getattr(lib, const, None) for name, const in GPM_METRICS.items()}
+        self._names = [name for name, metric_id in ids.items() if isinstance(metric_id, int)]
+        try:
+            request = self._request = lib.c_nvmlGpmMetricsGet_t()
+            request.version = lib.NVML_GPM_METRICS_GET_VERSION
+            request.numMetrics = len(self._names)
+            for i, name in enumerate(self._names):
+                request.metrics[i].metricId = ids[name]
+            for _ in range(2):  # one by one: a failed second frees the first
+                self._samples.append(lib.nvmlGpmSampleAlloc())
+            self.read()  # the first sample of the first pair; no figures yet
+        except BaseException:
+            self.close()
+            raise
+
+    def read(self) -> dict[str, float]:
+        """The metrics since the previous call (empty the first time, or while GPM is refused)."""
+        if len(self._samples) < 2:
+            return {}
+        lib, (previous, current), request = self.lib, self._samples, self._request
+        values = {}
+        try:
+            if self.gpu_instance_id is None:
+                lib.nvmlGpmSampleGet(self.board, current)
+            else:
+                lib.nvmlGpmMigSampleGet(self.board, self.gpu_instance_id, current)
+            if self._have_previous:
+                request.sample1, request.sample2 = previous, current
+                lib.nvmlGpmMetricsGet(request)
+                for i, name in enumerate(self._names):
+                    metric = request.metrics[i]
+                    if metric.nvmlReturn == lib.NVML_SUCCESS and math.isfinite(metric.value):
+                        values[name] = float(metric.value)
+        except nvml.error_classes(lib, ("NVMLError_GpuIsLost",)):
+            raise
+        except lib.NVMLError as err:
+            self._have_previous = False  # the next reading starts a fresh pair
+            if not self._paused:
+                self._paused = True
+                log.info(
+                    "gpu_stats: %s: GPM refused (%s); a profiler (DCGM, Nsight) may hold the "
+                    "counters. GPM figures pause and come back when it lets go",
+                    *(self.label, type(err).__name__.replace("NVMLError_", "")),
+                )
+            return {}
+        if self._paused and values:
+            self._paused = False
+            log.info("gpu_stats: %s: GPM figures are back", self.label)
+        self._samples, self._have_previous = [current, previous], True
+        return values
+
+    def close(self) -> None:
+        """Free the samples (safe to call again, and after a failed :meth:`open`)."""
+        samples, self._samples, self._have_previous = self._samples, [], False
+        for sample in samples:
+            try:
+                self.lib.nvmlGpmSampleFree(sample)
+            except self.lib.NVMLError as err:
+                log.debug("gpu_stats: %s: freeing a GPM sample failed: %s", self.label, err)
+
+
 class GpuReader:
-    """One GPU as the statistics see it: probes once which metric groups it supports, then reads
-    those (through :class:`~runkit.gpus.reader.DeviceReader`) into metric values."""
+    """One GPU as the statistics see it: :meth:`probe` once, then :meth:`read` its groups."""
 
     def __init__(self, lib: Any, handle: Any, label: str, groups: Sequence[str]) -> None:
         self.lib, self.label, self.groups = lib, label, list(groups)
@@ -54,23 +144,23 @@ class GpuReader:
         self.unsupported: dict[str, str] = {}
         self.dead: str | None = None
         self.power_limit_mw: float | None = None
+        self.gpm: GpmCounters | None = None
         self.pid = os.getpid()
-        self._unsupported_errors = nvml.error_classes(lib, nvml.UNSUPPORTED_ERRORS)
-        self._probe_skip_errors = nvml.error_classes(lib, _PROBE_SKIP_ERRORS)
         self.is_mig, self.name, self.uuid = d.is_mig, d.name(), d.uuid()
         # The physical GPU: energy is counted once per board, however many slices a run uses.
         self.board_uuid = nvml.as_text(lib.nvmlDeviceGetUUID(d.board)) if d.is_mig else self.uuid
-        self.gpm: GpmCounters | None = None
         self.nvml_index = nvml.optional(lib, d.index)
         self.pci_bus_id = nvml.optional(lib, d.pci_bus_id)
 
-    def _skip(self, group: str, why: str) -> None:
+    def _skip(self, group: str, err: BaseException | str) -> None:
         self.groups.remove(group)
+        why = err if isinstance(err, str) else type(err).__name__
         self.unsupported[group] = why.replace("NVMLError_", "")
 
     def probe(self) -> None:
-        """Read every group once; those the GPU refuses are dropped and listed in ``unsupported``.
-        NVMLError_GpuIsLost (and any other failure) propagates: the caller gives up on this GPU."""
+        """Read every group once; drop those the GPU refuses. Any other failure (GpuIsLost...)
+        propagates: the caller gives up on this GPU."""
+        skip: tuple[type[BaseException], ...] = (*nvml.error_classes(self.lib, _PROBE_SKIP_ERRORS), AttributeError)  # fmt: skip
         if "power" in self.groups:
             self.power_limit_mw = nvml.optional(self.lib, self.device.power_limit_mw)
         if "gpm" in self.groups:
@@ -81,13 +171,13 @@ class GpuReader:
                 self.gpm = counters
             except GpmUnsupported as err:
                 self._skip("gpm", str(err))
-            except self._probe_skip_errors as err:  # refused at the first sample: never had it
-                self._skip("gpm", type(err).__name__)
+            except skip as err:  # refused at the first sample: never had it
+                self._skip("gpm", err)
         for group in [g for g in self.groups if g != "gpm"]:
             try:
                 self._values(group)
-            except (*self._probe_skip_errors, AttributeError) as err:
-                self._skip(group, type(err).__name__)
+            except skip as err:
+                self._skip(group, err)
 
     def close(self) -> None:
         """Free what the reader holds in NVML (the GPM samples); safe to call again."""
@@ -101,13 +191,12 @@ class GpuReader:
         for group in list(self.groups):
             try:
                 out.update(self._values(group))
-            except self._unsupported_errors as err:
-                self._skip(group, type(err).__name__)
+            except nvml.error_classes(self.lib, nvml.UNSUPPORTED_ERRORS) as err:
+                self._skip(group, err)
                 dropped.append(group)
         return out, dropped
 
     def _values(self, group: str) -> dict[str, float]:
-        """One group's metrics, read now."""
         d = self.device
         if group == "utilization":
             gpu, memory = d.utilization()
@@ -141,34 +230,22 @@ class GpuReader:
         return {key: float(read())}
 
     def identity(self) -> dict[str, Any]:
-        return {
-            "label": self.label,
-            "name": self.name,
-            "uuid": self.uuid,
-            "nvml_index": self.nvml_index,
-            "pci_bus_id": self.pci_bus_id,
-            "mig": self.is_mig,
-            "board_uuid": self.board_uuid,
-            "unsupported": sorted(self.unsupported),
-        }
+        keys = ("label", "name", "uuid", "nvml_index", "pci_bus_id", "board_uuid")
+        return {**{k: getattr(self, k) for k in keys}, "mig": self.is_mig,
+                "unsupported": sorted(self.unsupported)}  # fmt: skip
 
 
 class GpuSampler:
-    """Samples :class:`GpuReader` s into per-phase accumulators, in a background thread.
-
-    :meth:`start` takes a first sample (priming the energy counter and the GPM pairs), then the
-    thread samples every ``interval_s``; a sample counts for the phase current as it starts. A
-    phase that no sample has reached yet (shorter than the interval) reports the latest reading.
-    """
+    """Samples :class:`GpuReader` s into per-phase accumulators in a thread. :meth:`start` takes
+    a first sample (priming energy and GPM), then one every ``interval_s``; a sample counts for
+    the phase current as it starts. A phase no sample reached reports the latest reading."""
 
     def __init__(self, readers: Sequence[GpuReader], interval_s: float) -> None:
-        self.readers = list(readers)
-        self.interval_s = interval_s
+        self.readers, self.interval_s = list(readers), interval_s
         self.phase: str | None = None
         self._acc: dict[str, dict[str, GpuAccumulator]] = {}
         self._latest: dict[str, tuple[dict[str, float], float]] = {}
-        self._last_energy: dict[str, float] = {}
-        self._energy_total_mj: dict[str, float] = {}
+        self._energy: dict[str, tuple[float, float]] = {}  # label: (last counter, total since), mJ
         self._lock = threading.Lock()  # the aggregates and the phase: never held while reading
         self._reading = threading.Lock()  # one reading at a time; none after stop
         self._stop = threading.Event()
@@ -203,13 +280,12 @@ class GpuSampler:
         with self._reading:
             if self._stop.is_set():
                 return  # stopped: the readers are closed
-            with self._lock:
-                phase = self.phase
+            phase = self.phase
             readings = [(r, self._read(r)) for r in self.alive]
             with self._lock:
                 for reader, reading in readings:
                     if reading is not None:
-                        self._add(reader, phase, *reading)
+                        self._add(reader.label, phase, *reading)
 
     def _read(self, reader: GpuReader) -> tuple[dict[str, float], float] | None:
         start = time.perf_counter()
@@ -217,29 +293,24 @@ class GpuSampler:
             values, dropped = reader.read()
         except Exception as err:  # GpuIsLost, NVML gone, anything: this GPU is done, training not
             reader.dead = f"{type(err).__name__}: {err}"
-            log.warning(
-                "gpu_stats: stopped sampling %s (%s): %s; training continues",
-                *(reader.label, reader.name, reader.dead),
-            )
+            log.warning("gpu_stats: stopped sampling %s (%s): %s; training continues",
+                        reader.label, reader.name, reader.dead)  # fmt: skip
             return None
         if dropped:
-            log.info(
-                "gpu_stats: %s no longer reports %s; left out", reader.label, ", ".join(dropped)
-            )
+            log.info("gpu_stats: %s no longer reports %s; left out", reader.label, ", ".join(dropped))  # fmt: skip
         return values, time.perf_counter() - start
 
-    def _add(self, reader: GpuReader, phase: str | None, values: dict[str, float], s: float):
-        label, energy = reader.label, values.pop("_energy_mj", None)
+    def _add(self, label: str, phase: str | None, values: dict[str, float], s: float) -> None:
         acc = self._acc[phase].setdefault(label, GpuAccumulator()) if phase else None
         self._latest[label] = values, s
-        if energy is not None:
-            previous, self._last_energy[label] = self._last_energy.get(label), energy
-            if previous is not None:
-                self._energy_total_mj[label] = self._energy_total_mj.get(label, 0.0) + (
-                    energy - previous
-                )
+        if (energy := values.pop("_energy_mj", None)) is not None:
+            if (previous := self._energy.get(label)) is not None:
+                delta = energy - previous[0]
+                self._energy[label] = energy, previous[1] + delta
                 if acc is not None:
-                    acc.add_energy(energy - previous)
+                    acc.energy_mj = (acc.energy_mj or 0.0) + delta
+            else:
+                self._energy[label] = energy, 0.0
         if acc is not None:
             acc.add(values, s)
 
@@ -253,9 +324,9 @@ class GpuSampler:
     def report(self, phase: str | None) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
         """``{label: figures}`` of ``phase`` so far (none without one) and each GPU's energy since
         the first sample in joules: a snapshot, no reading."""
+        figures = {}
         with self._lock:
             held = self._acc.get(phase, {}) if phase else {}
-            figures = {}
             for reader in self.readers if phase else []:
                 acc = held.get(reader.label)
                 if not (acc and acc.samples) and not reader.dead and reader.label in self._latest:
@@ -263,45 +334,34 @@ class GpuSampler:
                     acc.add(*self._latest[reader.label])
                 if acc is not None:
                     figures[reader.label] = acc.summary()
-            energy = {label: mj / 1000.0 for label, mj in self._energy_total_mj.items()}
+            energy = {label: total / 1000.0 for label, (_, total) in self._energy.items()}
         return figures, energy
 
 
 class TorchPeakMemory:
-    """PyTorch's own peak allocated/reserved memory per CUDA device, split by phase: ``clear``
-    at an epoch's start, ``stash`` (the training peaks so far) as validation starts, ``restart``
-    as it ends, ``peaks`` (with the stash: the whole epoch's) at a phase's end."""
+    """PyTorch's own peak allocated/reserved memory per CUDA device; an epoch's peak leaves its
+    validation out: the training peaks are stashed as validation starts."""
 
     def __init__(self, devices: dict[str, torch.device]) -> None:
         self.devices = {k: d for k, d in devices.items() if d.type == "cuda"}
-        self._carry: dict[str, tuple[float, float]] = {}
-
-    def _read(self, device: torch.device) -> tuple[float, float]:
-        allocated, reserved = torch.cuda.max_memory_allocated, torch.cuda.max_memory_reserved
-        return allocated(device) / GIB, reserved(device) / GIB
-
-    def _with_carry(self, label: str, now: tuple[float, float]) -> tuple[float, float]:
-        carry = self._carry.get(label, (0.0, 0.0))
-        return max(now[0], carry[0]), max(now[1], carry[1])
-
-    def clear(self) -> None:
-        self._carry.clear()
-        self.restart()
-
-    def stash(self) -> None:
-        for label, device in self.devices.items():
-            self._carry[label] = self._with_carry(label, self._read(device))
-        self.restart()
-
-    def restart(self) -> None:
-        for device in self.devices.values():
-            torch.cuda.reset_peak_memory_stats(device)
+        self.carry = dict.fromkeys(self.devices, (0.0, 0.0))
 
     def peaks(self, include_carry: bool) -> dict[str, dict[str, float]]:
         out = {}
-        for label, device in self.devices.items():
-            alloc, reserved = self._read(device)
-            if include_carry:
-                alloc, reserved = self._with_carry(label, (alloc, reserved))
+        for label, d in self.devices.items():
+            now = (
+                torch.cuda.max_memory_allocated(d) / GIB,
+                torch.cuda.max_memory_reserved(d) / GIB,
+            )
+            alloc, reserved = map(max, now, self.carry[label]) if include_carry else now
             out[label] = {"torch_peak_alloc_gib": alloc, "torch_peak_reserved_gib": reserved}
         return out
+
+    def restart(self, stash: bool = False, clear: bool = False) -> None:
+        """New peaks from now; ``stash``: keep the ones so far for the epoch, ``clear``: forget."""
+        if clear:
+            self.carry = dict.fromkeys(self.devices, (0.0, 0.0))
+        for label, peak in self.peaks(include_carry=True).items() if stash else ():
+            self.carry[label] = (peak["torch_peak_alloc_gib"], peak["torch_peak_reserved_gib"])
+        for d in self.devices.values():
+            torch.cuda.reset_peak_memory_stats(d)

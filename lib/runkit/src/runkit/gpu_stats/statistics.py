@@ -1,21 +1,17 @@
-"""The numbers behind the logged GPU keys: running statistics per phase, the flat key scheme and
-the end-of-``fit`` report. Pure bookkeeping: no NVML, no torch, no threads."""
+"""The numbers behind the logged GPU keys: running statistics per phase, the key scheme and the
+end-of-``fit`` table. Pure bookkeeping: no NVML, no torch, no threads."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-MEAN_MAX = ("mean", "max")
-# metric -> statistics logged (MEAN_MAX unless listed). "last": the key is the metric name;
+# metric -> statistics logged (mean and max unless listed); "last": the key is the metric's name,
 # "frac": the mean of 0/1 readings.
 METRIC_STATS: dict[str, tuple[str, ...]] = {
-    "util": ("mean", "max", "min"),
-    "mem_total_gib": ("last",),
-    "sm_clock_mhz": ("mean", "min"),
+    "util": ("mean", "max", "min"), "sm_clock_mhz": ("mean", "min"),
+    "mem_total_gib": ("last",), "ecc_uncorrected": ("last",),
     **dict.fromkeys(("throttle_power", "throttle_thermal", "throttle_hw", "throttle_any"), ("frac",)),
-    "ecc_uncorrected": ("last",),
     **dict.fromkeys(("fp16_active", "fp32_active", "fp64_active"), ("mean",)),
 }  # fmt: skip
 # Per-GPU keys that also get min/mean/max across all GPUs of the run.
@@ -24,60 +20,39 @@ AGGREGATED = (
     *("temp_c_max", "power_w_mean", "sm_clock_mhz_mean", "throttle_any_frac", "energy_j"),
     *("sm_active_mean", "tensor_active_mean"),
 )  # fmt: skip
-# Metrics whose run mean the table shows: utilisation and the GPM figures (gpm.py).
-WEIGHTED = ("util", "sm_active", "sm_occupancy", "tensor_active", "dram_active")
+# The run means the table shows, with their column titles: utilisation and the GPM figures.
+WEIGHTED = {"util": "util %", "sm_active": "SM active %", "sm_occupancy": "occupancy %",
+            "tensor_active": "tensor %", "dram_active": "DRAM bw %"}  # fmt: skip
 
 
-@dataclass
-class RunningStat:
-    """Count, sum, min, max and last value of a stream: O(1) memory however long the epoch."""
-
-    count: int = 0
-    total: float = 0.0
-    low: float = float("inf")
-    high: float = float("-inf")
-    last: float = 0.0
-
-    def add(self, value: float) -> None:
-        self.count += 1
-        self.total += value
-        self.low, self.high, self.last = min(self.low, value), max(self.high, value), value
-
-    def get(self, stat: str) -> float:
-        if stat in ("mean", "frac"):
-            return self.total / self.count
-        return {"max": self.high, "min": self.low, "last": self.last}[stat]
-
-
-@dataclass
 class GpuAccumulator:
-    """What one GPU did during one phase (a training epoch or a validation run)."""
+    """What one GPU did during one phase: per metric count, sum, min, max and last (O(1) memory)."""
 
-    stats: dict[str, RunningStat] = field(default_factory=dict)
-    energy_mj: float | None = None
-    samples: int = 0
-    sample_seconds: float = 0.0
+    def __init__(self) -> None:
+        self.stats: dict[str, list[float]] = {}
+        self.energy_mj: float | None = None
+        self.samples, self.seconds = 0, 0.0
 
     def add(self, values: dict[str, float], seconds: float) -> None:
         self.samples += 1
-        self.sample_seconds += seconds
-        for metric, value in values.items():
-            self.stats.setdefault(metric, RunningStat()).add(value)
-
-    def add_energy(self, delta_mj: float) -> None:
-        self.energy_mj = (self.energy_mj or 0.0) + delta_mj
+        self.seconds += seconds
+        for metric, v in values.items():
+            if (s := self.stats.get(metric)) is None:
+                self.stats[metric] = [1, v, v, v, v]
+            else:
+                s[:] = s[0] + 1, s[1] + v, min(s[2], v), max(s[3], v), v
 
     def summary(self) -> dict[str, float]:
         """Flat ``{key: value}`` of the phase (no prefix)."""
         out: dict[str, float] = {}
-        for metric, stat in self.stats.items():
-            for which in METRIC_STATS.get(metric, MEAN_MAX):
-                out[metric if which == "last" else f"{metric}_{which}"] = stat.get(which)
+        for metric, (n, total, low, high, last) in self.stats.items():
+            got = {"mean": total / n, "frac": total / n, "min": low, "max": high, "last": last}
+            for which in METRIC_STATS.get(metric, ("mean", "max")):
+                out[metric if which == "last" else f"{metric}_{which}"] = got[which]
         if self.energy_mj is not None:
             out["energy_j"] = self.energy_mj / 1000.0
         if self.samples:
-            out["samples"] = float(self.samples)
-            out["sample_ms"] = 1000.0 * self.sample_seconds / self.samples
+            out |= {"samples": float(self.samples), "sample_ms": 1e3 * self.seconds / self.samples}
         return out
 
 
@@ -88,39 +63,35 @@ def flatten_epoch(
     keys: per GPU for nodes with at most ``per_gpu_keys_up_to`` GPUs; ``{root}/all/`` min, mean
     and max only for a run of several GPUs; ``energy_j_sum`` counts each physical GPU once."""
     per_node: dict[int, int] = {}
-    for payload in payloads:
-        per_node[payload["node"]] = per_node.get(payload["node"], 0) + len(payload.get("gpus", {}))
+    for p in payloads:
+        per_node[p["node"]] = per_node.get(p["node"], 0) + len(p.get("gpus", {}))
     logged: dict[str, float] = {}
     per_key: dict[str, list[float]] = {}
-    energy_by_board: dict[str, float] = {}
-    for payload in payloads:
-        node, boards = payload["node"], payload.get("boards", {})
-        for label, summary in payload.get("gpus", {}).items():
+    energy: dict[str, float] = {}
+    for p in payloads:
+        node, boards = p["node"], p.get("boards", {})
+        for label, summary in p.get("gpus", {}).items():
             for key, value in summary.items():
-                if key == "sample_ms" and not log_cost:
-                    continue
-                if per_node[node] <= per_gpu_keys_up_to:
+                if per_node[node] <= per_gpu_keys_up_to and (log_cost or key != "sample_ms"):
                     logged[f"{root}/node{node}/{label}/{key}"] = value
                 if key in AGGREGATED:
                     per_key.setdefault(key, []).append(value)
             if "energy_j" in summary:
-                energy_by_board.setdefault(
-                    boards.get(label, f"{node}/{label}"), summary["energy_j"]
-                )
+                energy.setdefault(boards.get(label, f"{node}/{label}"), summary["energy_j"])
     if sum(per_node.values()) > 1:
         for key, values in per_key.items():
             logged[f"{root}/all/{key}_min"] = min(values)
             logged[f"{root}/all/{key}_mean"] = sum(values) / len(values)
             logged[f"{root}/all/{key}_max"] = max(values)
-        if energy_by_board:
-            logged[f"{root}/all/energy_j_sum"] = sum(energy_by_board.values())
+        if energy:
+            logged[f"{root}/all/energy_j_sum"] = sum(energy.values())
     return logged
 
 
 def flatten_loop(loops: Sequence[dict[str, float] | None]) -> dict[str, float]:
     """``loop/data_wait_frac``: the waiting share of the rank that waited most (the others wait
     for it); ``loop/samples_per_s``: training samples per second of the whole run."""
-    present = [loop for loop in loops if loop and loop.get("loop_s", 0.0) > 0]
+    present = [lp for lp in loops if lp and lp.get("loop_s", 0.0) > 0]
     if not present:
         return {}
     out = {"loop/data_wait_frac": max(lp["data_wait_s"] / lp["loop_s"] for lp in present)}
@@ -134,61 +105,30 @@ class RunSummary:
     peaks' maximum, the energy's sum."""
 
     def __init__(self) -> None:
-        self._runs: dict[tuple[int, str], dict[str, float]] = {}
-
-    def __bool__(self) -> bool:
-        return bool(self._runs)
+        self.epochs: dict[tuple[int, str], list[dict[str, float]]] = {}
 
     def add_epoch(self, everyone: Sequence[dict[str, Any]]) -> None:
-        for payload in everyone:
-            for label, summary in payload.get("gpus", {}).items():
-                run = self._runs.setdefault((payload["node"], label), {})
-                n = summary.get("samples", 0.0)
-                for m in (*WEIGHTED, "sample"):
-                    key = "sample_ms" if m == "sample" else f"{m}_mean"
-                    if key in summary:
-                        run[f"{m}_weighted"] = run.get(f"{m}_weighted", 0.0) + summary[key] * n
-                        run[f"{m}_samples"] = run.get(f"{m}_samples", 0.0) + n
-                for key in ("mem_used_gib_max", "torch_peak_alloc_gib"):
-                    if key in summary:
-                        run[key] = max(run.get(key, 0.0), summary[key])
-                if "energy_j" in summary:
-                    run["energy_j"] = run.get("energy_j", 0.0) + summary["energy_j"]
-                run["samples"] = run.get("samples", 0.0) + n
+        for p in everyone:
+            for label, summary in p.get("gpus", {}).items():
+                self.epochs.setdefault((p["node"], label), []).append(summary)
 
     def rows(self, identities: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """One row per GPU; ``identities`` are every rank's setup reports (names, UUIDs)."""
         names = {(p["node"], g["label"]): g for p in identities for g in p.get("gpus", [])}
         rows = []
-        for (node, label), run in sorted(self._runs.items()):
+        for (node, label), epochs in sorted(self.epochs.items()):
             ident = names.get((node, label), {})
-            means = {}
-            for m in (*WEIGHTED, "sample"):
-                n = run.get(f"{m}_samples")
-                means["sample_ms" if m == "sample" else f"{m}_mean"] = (
-                    run[f"{m}_weighted"] / n if n else None
-                )
-            rows.append(
-                {
-                    "gpu": f"node{node}/{label}",
-                    "name": ident.get("name", "?"),
-                    "uuid": ident.get("uuid", "?"),
-                    **means,
-                    "mem_used_gib_max": run.get("mem_used_gib_max"),
-                    "torch_peak_alloc_gib": run.get("torch_peak_alloc_gib"),
-                    "energy_j": run.get("energy_j"),
-                    "samples": int(run["samples"]),
-                }
-            )
+            row = {"gpu": f"node{node}/{label}", "name": ident.get("name", "?"),
+                   "uuid": ident.get("uuid", "?"), "samples": int(sum(e.get("samples", 0) for e in epochs))}  # fmt: skip
+            for key in ("sample_ms", *(f"{m}_mean" for m in WEIGHTED)):
+                have = [(e[key], e.get("samples", 0.0)) for e in epochs if key in e]
+                n = sum(w for _, w in have)
+                row[key] = sum(v * w for v, w in have) / n if n else None
+            for key, total in (("mem_used_gib_max", max), ("torch_peak_alloc_gib", max), ("energy_j", sum)):  # fmt: skip
+                values = [e[key] for e in epochs if key in e]
+                row[key] = total(values) if values else None
+            rows.append(row)
         return rows
-
-
-GPM_COLUMNS = {
-    "sm_active": "SM active %",
-    "sm_occupancy": "occupancy %",
-    "tensor_active": "tensor %",
-    "dram_active": "DRAM bw %",
-}
 
 
 def print_table(rows: Sequence[dict[str, Any]]) -> None:
@@ -199,24 +139,18 @@ def print_table(rows: Sequence[dict[str, Any]]) -> None:
     def fmt(value: float | None, spec: str = ".1f") -> str:
         return "n/a" if value is None else format(value, spec)
 
-    gpm = [m for m in GPM_COLUMNS if any(row.get(f"{m}_mean") is not None for row in rows)]
+    means = ["util", *(m for m in list(WEIGHTED)[1:] if any(r[f"{m}_mean"] is not None for r in rows))]  # fmt: skip
     table = Table(title="GPU statistics over the run (training epochs)")
-    table.add_column("GPU")
-    table.add_column("name")
-    for column in ("util %", *(GPM_COLUMNS[m] for m in gpm), "peak mem GiB", "torch peak GiB",
-                   "energy kJ", "samples", "NVML ms/sample"):  # fmt: skip
-        table.add_column(column, justify="right")
+    for column in ("GPU", "name", *(WEIGHTED[m] for m in means), "peak mem GiB",
+                   "torch peak GiB", "energy kJ", "samples", "NVML ms/sample"):  # fmt: skip
+        table.add_column(column, justify="left" if column in ("GPU", "name") else "right")
     for row in rows:
         energy = None if row["energy_j"] is None else row["energy_j"] / 1000
         table.add_row(
-            row["gpu"],
-            row["name"],
-            *(fmt(row.get(f"{metric}_mean")) for metric in ("util", *gpm)),
+            row["gpu"], row["name"], *(fmt(row[f"{m}_mean"]) for m in means),
             *(fmt(row[k], ".2f") for k in ("mem_used_gib_max", "torch_peak_alloc_gib")),
-            fmt(energy, ".2f"),
-            str(row["samples"]),
-            fmt(row["sample_ms"], ".2f"),
-        )
+            fmt(energy, ".2f"), str(row["samples"]), fmt(row["sample_ms"], ".2f"),
+        )  # fmt: skip
     console = Console()
     if not console.is_terminal:  # a log file, CI, a SLURM .out: no screen to fit, no wrapped rows
         unbounded = console.options.update(max_width=10_000)
