@@ -35,6 +35,7 @@ FIRST_CTRL_C = "SIGINT received: stopping at the next safe point"
 QUIT_LINE = "error: SIGINT again: quitting at once, without saving; exit code 130"
 RANKS = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "SLURM_JOB_ID", "WORLD_SIZE")
 AGAIN = "again: quitting at once, without saving"
+STUCK = "received, but this rank stayed stuck {} for {} s (waiting for another rank?); stopping without saving"
 
 
 @pytest.fixture
@@ -140,13 +141,7 @@ def test_a_rank_whose_handler_cannot_run_quits_after_the_grace(
         os.write(wakeup, bytes([signal.SIGTERM]))  # what the C-level handler writes
         until(lambda: quits, 10)
         assert request.received is None
-    assert quits and set(quits) == {(signal.SIGTERM, STUCK.format(0))}
-
-
-STUCK = (
-    "received, but this rank stayed stuck in native code for {} s (a collective waiting for "
-    "another rank?); stopping without saving"
-)
+    assert quits and set(quits) == {(signal.SIGTERM, STUCK.format("in native code", 0))}
 
 
 @pytest.mark.parametrize(
@@ -239,26 +234,24 @@ def test_quitting_says_which_rank_kills_the_workers_and_exits_128_plus_n(
 def test_a_rank_stuck_after_a_stop_signal_quits_after_the_grace(
     monkeypatch: pytest.MonkeyPatch, quits: list
 ) -> None:
-    watcher = signals._Watcher(signals.StopRequest())
-    watcher.close()
-    watcher.first_at, grace = 100.0, signals.STUCK_GRACE_S
-    watcher._check_stuck(signal.SIGTERM, 100.0 + grace)  # the handler may still run
+    stop, grace, sigterm = signals.StopRequest(), signals.STUCK_GRACE_S, signal.SIGTERM
+    assert signals._check_stuck(stop, sigterm, grace, None, 0.0) is None  # the handler may run
     assert quits == []
-    watcher._check_stuck(signal.SIGTERM, 100.5 + grace)
-    assert quits == [(signal.SIGTERM, STUCK.format(10))]
-    watcher.stop.received, quits[:] = signal.SIGTERM, []
+    assert signals._check_stuck(stop, sigterm, grace + 0.5, None, 0.0) is None
+    assert quits == [(sigterm, STUCK.format("in native code", 10))]
+    stop.received, quits[:] = sigterm, []
     code = SimpleNamespace(co_filename=f"torch{os.sep}distributed{os.sep}c.py", co_name="barrier")
     frame = SimpleNamespace(f_code=code, f_lasti=8)
     monkeypatch.setattr(sys, "_current_frames", lambda: {threading.main_thread().ident: frame})
+    waiting = None
     for now in (200.0, 200.0 + grace, 200.5 + grace):
-        watcher._check_stuck(signal.SIGTERM, now)
-    assert quits == [
-        (signal.SIGTERM, "received, but this rank waited 10 s in torch.distributed.barrier for "
-         "another rank; stopping without saving")
-    ]  # fmt: skip
+        waiting = signals._check_stuck(stop, sigterm, 99.0, waiting, now)
+        assert waiting == (("barrier", id(frame), 8), 200.0)
+    assert quits == [(sigterm, STUCK.format("in torch.distributed.barrier", 10))]
+    frame.f_lasti = 9  # another call: its own grace
+    assert signals._check_stuck(stop, sigterm, 99.0, waiting, 300.0)[1] == 300.0
     monkeypatch.setattr(sys, "_current_frames", lambda: {})
-    watcher._check_stuck(signal.SIGTERM, 300.0)
-    assert watcher._waiting is None
+    assert signals._check_stuck(stop, sigterm, 99.0, waiting, 300.0) is None
 
 
 def blocked() -> set[int]:
@@ -362,7 +355,7 @@ def logged_to(path: Path) -> Iterator[None]:
 
 
 def test_the_last_line_gets_out_when_stderr_is_busy_or_gone(
-    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     class Busy:
         def write(self, text: str) -> None:
@@ -373,16 +366,6 @@ def test_the_last_line_gets_out_when_stderr_is_busy_or_gone(
     assert capfd.readouterr().err == "one line ?\n"
     sys.stderr.write = raises(ValueError("closed"))  # type: ignore[method-assign]
     signals._write_line("lost")  # a closed stream: nothing, no traceback
-    monkeypatch.undo()
-    monkeypatch.setattr(signals, "request", signals.StopRequest())
-    with logged_to(tmp_path / "train.log"):
-        signals._say("in the run's log", run_log=True)
-        signals._say("only on stderr")
-        signals.request.quiet = True
-        signals._say("from a worker: nothing", run_log=True)
-    assert capfd.readouterr().err == "in the run's log\nonly on stderr\n"
-    log = "runkit.safety.signals:WARNING:signals.py:in the run's log\n"
-    assert (tmp_path / "train.log").read_text() == log
 
 
 @pytest.mark.parametrize(("gone", "terminal"), [(1, "pipe"), (2, "pipe"), (2, "pty")])
@@ -430,7 +413,13 @@ def test_a_stop_waits_for_its_workers_and_kills_those_that_do_not_end(
     assert [w.calls for w in workers] == [[30.0], [30.0, "kill", None]]
     line = "stopped by SIGTERM during fit; saved x; exit code 143"
     assert capfd.readouterr().err == f"{line}\n"
-    assert (tmp_path / "train.log").read_text().endswith(f":{line}\n")
+    assert (
+        tmp_path / "train.log"
+    ).read_text() == f"runkit.safety.signals:WARNING:signals.py:{line}\n"
+    monkeypatch.setattr(signals, "request", signals.StopRequest(quiet=True))  # a DDP worker
+    with logged_to(tmp_path / "train.log"), pytest.raises(SystemExit):
+        signals.exit_stopped(signal.SIGTERM)
+    assert capfd.readouterr().err == "" and (tmp_path / "train.log").read_text().count("\n") == 1
 
 
 def test_after_the_run_the_stop_signals_are_ignored_until_the_process_ends() -> None:

@@ -1,8 +1,7 @@
-"""The stop signals in every phase: all ranks stop together, save once, exit 128+N.
+"""Acting on a recorded stop signal in every phase: all ranks stop together, save once.
 
-:mod:`~runkit.safety.signals` records a signal; this module acts on it. Lightning's own SIGTERM
-handler broadcasts inside the handler and each rank raises on its own, so DDP ranks diverge and
-hang; :class:`GracefulInterrupt` replaces it with one all-reduce per batch boundary.
+Lightning's own SIGTERM handler broadcasts inside the handler and each rank raises on its own, so
+DDP ranks diverge and hang; :class:`GracefulInterrupt` replaces it by one all-reduce a batch.
 """
 
 from __future__ import annotations
@@ -46,7 +45,6 @@ class GracefulInterrupt(Callback):
     """Stop every rank at the same batch when any rank got a stop signal; save in fit."""
 
     def __init__(self) -> None:
-        self.saved: Path | None = None
         self._group: Any = None
         self._stopping = False
         self._limits: list[float] = []  # predict under DDP: the batches every rank runs
@@ -80,8 +78,8 @@ class GracefulInterrupt(Callback):
     def _agree(
         self, trainer: Trainer, module: Any, batch: Any, batch_idx: int, loader: int = 0
     ) -> None:
-        """One all-reduce (MAX) of the signal each rank received; an agreed stop ends the loop
-        (in fit after that batch, where a save resumes exactly)."""
+        """One all-reduce (MAX) of each rank's signal; an agreed stop ends the loop (in fit after
+        that batch, where a save resumes exactly)."""
         request = signals.request
         if self._stopping or not request.active:
             return
@@ -106,15 +104,13 @@ class GracefulInterrupt(Callback):
 
     on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _agree
 
-    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.on_validation_end(trainer, pl_module, stop=False)
-
-    def on_validation_end(
-        self, trainer: Trainer, pl_module: LightningModule, stop: bool = True
-    ) -> None:
+    def on_validation_start(self, trainer: Trainer, *args: Any, stop: bool = False) -> None:
         # A stop agreed before or during fit's validation takes effect once it is over.
         if self._stopping and _in_fit_validation(trainer):
             trainer._signal_connector.received_sigterm = stop  # private: see _agree
+
+    def on_validation_end(self, trainer: Trainer, *args: Any) -> None:
+        self.on_validation_start(trainer, stop=True)
 
     def on_exception(
         self, trainer: Trainer, pl_module: LightningModule, err: BaseException
@@ -129,7 +125,6 @@ class GracefulInterrupt(Callback):
             return
         path = checkpoint_dir(trainer) / INTERRUPTED_FILE
         trainer.save_checkpoint(path, weights_only=False)  # every rank calls it; rank 0 writes
-        self.saved = path
         request.detail = (
             f" at epoch {trainer.current_epoch}, step {trainer.global_step}; saved {path}"
         )
