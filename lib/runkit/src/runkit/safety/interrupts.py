@@ -116,9 +116,8 @@ class GracefulInterrupt(Callback):
         self, trainer: Trainer, pl_module: LightningModule, err: BaseException
     ) -> None:
         request = signals.request
-        if not isinstance(err, SIGTERMException) or request.agreed is None:
-            return
-        if trainer.state.fn != TrainerFn.FITTING:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if not isinstance(err, SIGTERMException) or request.agreed is None or not fitting:
             return
         if trainer.sanity_checking or trainer.global_step == 0:
             request.detail = " before the first training step (nothing to save)"
@@ -183,22 +182,19 @@ def _stop(signum: int) -> None:
 
 def requeue_slurm_job() -> str:
     """``scontrol requeue`` this SLURM job; what happened, for the last line."""
-    job = signals.slurm_job_id()
-    if job is None:
+    if (job := signals.slurm_job_id()) is None:
         return ""
     try:
         done = subprocess.run(
             ["scontrol", "requeue", job], capture_output=True, text=True, timeout=120
         )
-    except (OSError, subprocess.SubprocessError) as err:
-        reason = str(err)
-    else:
-        if done.returncode == 0:
-            return f"; requeued SLURM job {job}"
         reason = (
-            "scontrol: "
-            + (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+            "scontrol: " + [f"exit code {done.returncode}", *done.stderr.strip().splitlines()][-1]
         )
+    except (OSError, subprocess.SubprocessError) as err:
+        done, reason = None, str(err)
+    if done and done.returncode == 0:
+        return f"; requeued SLURM job {job}"
     return f"; could not requeue SLURM job {job} ({reason}): submit it again to resume"
 
 
@@ -211,15 +207,14 @@ def resume_command(checkpoint: Path) -> str:
     """The command that resumes from ``checkpoint``, ready to paste into a shell."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     program = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
-    options = quoting.config_options(sys.argv[1:])
     try:
         from hydra.core.hydra_config import HydraConfig
 
         overrides = list(HydraConfig.get().overrides.task)
     except Exception:  # not under Hydra (a notebook, a test): the command line's
-        overrides = list(compat.hydra_args_parser().parse_known_args(sys.argv[1:])[0].overrides)
+        overrides = compat.hydra_args_parser().parse_known_args(sys.argv[1:])[0].overrides
     kept = [o for o in overrides if not o.lstrip("+~").startswith("ckpt_path=")]
-    command = quoting.command([*program, *options, *kept])
+    command = quoting.command([*program, *quoting.config_options(sys.argv[1:]), *kept])
     prefix = "".join(f"{word} " for word in quoting.environment_prefix(os.environ))
     return f"{prefix}{command} {quoting.override('ckpt_path', str(checkpoint))}"
 
