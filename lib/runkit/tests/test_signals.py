@@ -30,7 +30,7 @@ from runkit.safety import interrupts, signals
 
 TESTS = Path(__file__).resolve().parent
 QUIET = ("callbacks.progress_bar.refresh_rate=0",)
-SMALL = ("trainer.max_epochs=1", "data.batch_size=64", *QUIET)
+SMALL = ("trainer.max_epochs=1", "data.batch_size=256", *QUIET)
 LONG = ("trainer.max_epochs=300", "data.batch_size=64", "test=false", *QUIET)
 FIRST_CTRL_C = "SIGINT received: stopping at the next safe point"
 QUIT_LINE = "error: SIGINT again: quitting at once, without saving; exit code 130"
@@ -754,10 +754,11 @@ def release(marker: Path) -> None:
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Path]:
-    """A run given a Ctrl-C as it prints ``Run directory:``: exit code, what followed, its dir."""
+    """A run given a Ctrl-C as it prints ``Run directory:``: exit code, what followed, its dir
+    (its checkpoint's batch size gives eval and predict several batches a rank)."""
     log_dir = tmp_path_factory.mktemp("trained") / "logs"
     process = subprocess.Popen(
-        [sys.executable, "-m", "tinyapp.train", *SMALL, f"paths.log_dir={log_dir}"],
+        [sys.executable, "-m", "tinyapp.train", *SMALL, "data.batch_size=64", f"paths.log_dir={log_dir}"],
         cwd=log_dir.parent, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True,
     )  # fmt: skip
@@ -849,7 +850,7 @@ def test_a_slurm_job_saves_on_its_warning_signal_requeues_and_resumes_by_itself(
 ) -> None:
     calls = fake_scontrol(tmp_path / "bin")
     hold, marker = held(tmp_path, "Pause", "train")
-    command = ("trainer.max_epochs=2", "data.batch_size=128", "test=false", *QUIET, *hold)
+    command = ("trainer.max_epochs=1", "data.batch_size=256", "test=false", *QUIET, *hold)
     slurm = {
         "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "1",
         "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
@@ -977,12 +978,13 @@ def test_a_second_ctrl_c_through_the_cli_quits_at_once_in_every_phase(
 
 @pytest.mark.slow
 def test_a_dataloader_worker_killed_during_a_run_ends_it_with_exit_1(
-    run: Callable[..., Run],
+    tmp_path: Path, run: Callable[..., Run]
 ) -> None:
-    job = run("train", *WORKERS)
-    job.first("train/runs/*/checkpoints")
-    job.until(lambda: len(descendants(job.pid)) >= 2, "workers")
+    hold, marker = held(tmp_path, "Pause", "train")
+    job = run("train", *WORKERS, *hold)
+    job.until(marker.exists, "the hold")
     os.kill(descendants(job.pid)[0], signal.SIGKILL)
+    release(marker)
     assert job.wait(timeout=120) == 1, job.text[-3000:]
     assert "DataLoader worker" in job.text, job.text[-3000:]
     assert group_gone(job.pid), "processes of the run are left behind"
@@ -991,7 +993,7 @@ def test_a_dataloader_worker_killed_during_a_run_ends_it_with_exit_1(
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["rank1", "rank0"])
 def test_a_dying_rank_ends_the_job(run: Callable[..., Run], victim: str) -> None:
-    job = run("train", "trainer.accelerator=cpu", "trainer.devices=2", *LONG)
+    job = run("train", "trainer.accelerator=cpu", "trainer.devices=2", *LONG, "data.batch_size=256")
     last = job.first("train/runs/*/checkpoints/last.ckpt")
     rank1 = descendants(job.pid)[0]
     os.kill(rank1 if victim == "rank1" else job.pid, signal.SIGKILL)

@@ -193,7 +193,7 @@ def _check_stuck(stop: StopRequest, signum: int, since: float, waiting: Any, now
         call = (frame.f_code.co_name, id(frame), frame.f_lasti)
         waiting = waiting if waiting and waiting[0] == call else (call, now)
     where = "in native code" if stop.received is None and since > STUCK_GRACE_S else None
-    if call and now - waiting[1] > STUCK_GRACE_S:
+    if call and now - waiting[1] > STUCK_GRACE_S and not where:
         where = f"in torch.distributed.{call[0]}"
     if where:
         quit_now(
