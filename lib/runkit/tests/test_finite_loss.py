@@ -146,9 +146,10 @@ def test_a_tensor_counts_by_its_own_shard_and_a_verdict_by_every_rank() -> None:
 
 def test_diverged_weights_are_never_saved_and_end_the_run_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(DivergedError) as info:
-        fit(Poisoned(set(), nan_buffer_at=13), FiniteLoss(action="skip"), tmp_path)
+        fit(Poisoned({3}, nan_buffer_at=13), FiniteLoss(action="skip"), tmp_path)
     assert info.value.exit_code == 3 and str(info.value) == (
-        "training diverged: the weights are not finite (NaN or inf) at step 14 (epoch 1); this "
+        "training diverged: the weights are not finite (NaN or inf) at step 14 (epoch 1, 1 "
+        "batch(es) skipped); this "
         f"checkpoint is not written; the last finite checkpoint is {tmp_path / 'last.ckpt'} (epoch "
         "1, step 13). Lower the learning rate"
     )
@@ -173,12 +174,33 @@ def test_a_non_finite_monitored_metric_stops_training_at_that_validation(tmp_pat
 
 
 def test_a_divergence_found_as_training_ends_names_the_epoch_that_ran(tmp_path: Path) -> None:
+    with pytest.raises(DivergedError) as info:  # epochs 0 and 1, no save due
+        fit(Poisoned(set(), nan_buffer_at=15), FiniteLoss(), tmp_path, every=1000)
+    assert str(info.value) == (
+        "training diverged: the weights are not finite (NaN or inf) at step 20 (epoch 1); nothing "
+        "is tested or exported; the last finite checkpoint is none (none was saved). Lower the "
+        "learning rate"
+    )
+
+
+def test_a_monitored_metric_bad_on_another_rank_ends_fit_alone_at_that_validation() -> None:
+    other_rank_bad = SimpleNamespace(reduce_boolean_decision=lambda bad, all=True: not all or bad)
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(fn="validate"), sanity_checking=False, strategy=other_rank_bad,
+        checkpoint_callback=SimpleNamespace(monitor="val/acc", last_model_path="", best_model_path=""),
+        callback_metrics={"val/acc": torch.tensor(0.5)}, lightning_module=Poisoned(set()), global_step=7,
+        fit_loop=SimpleNamespace(epoch_progress=SimpleNamespace(current=SimpleNamespace(started=1))),
+    )  # fmt: skip
+    callback = FiniteLoss()
+    callback.on_validation_end(trainer, None)  # type: ignore[arg-type]  # validate: not training
+    trainer.state.fn = "fit"
     with pytest.raises(DivergedError) as info:
-        fit(
-            Poisoned(set(), nan_buffer_at=15), FiniteLoss(), tmp_path, every=1000
-        )  # epochs 0 and 1, no save due
-    assert "the weights are not finite (NaN or inf) at step 20 (epoch 1); nothing is tested" in (
-        str(info.value)
+        callback.on_validation_end(trainer, None)  # type: ignore[arg-type]
+    assert str(info.value) == (
+        "training diverged: the monitored metric val/acc (on another rank) is not finite (NaN or "
+        "inf) at step 7 (epoch 0); training stopped, no checkpoint holds it; the last finite "
+        "checkpoint is none (none was saved). Lower the learning rate, or check how Poisoned "
+        "computes val/acc"
     )
 
 
