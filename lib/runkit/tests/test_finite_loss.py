@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +14,13 @@ from torch.utils.data import DataLoader, TensorDataset
 from conftest import FAST, CliRunner, last_line, run_dirs
 from runkit.errors import RunError
 from runkit.safety.checkpoints import AtomicCheckpointIO
-from runkit.safety.finite_loss import DivergedError, FiniteLoss, NonFiniteLossError
+from runkit.safety.finite_loss import (
+    DivergedError,
+    FiniteLoss,
+    NonFiniteLossError,
+    _agreed,
+    _all_finite,
+)
 
 
 class Poisoned(LightningModule):
@@ -66,21 +73,31 @@ def assert_all_finite(folder: Path) -> None:
 
 def test_stop_names_the_step_and_never_saves_nan(tmp_path: Path) -> None:
     model = Poisoned({13})
-    with pytest.raises(NonFiniteLossError, match=r"at step 13 \(epoch 1, batch 3\)") as info:
+    model.hparams["config"] = {"model": {"optimizer": {"lr": 0.01}}}  # the hint names the key
+    with pytest.raises(NonFiniteLossError) as info:
         fit(model, FiniteLoss(check_every_n_steps=1000), tmp_path)
-    assert "\n" not in str(info.value) and info.value.exit_code == 3
+    assert str(info.value) == (
+        "non-finite training loss (NaN or inf) at step 13 (epoch 1, batch 3); training stopped, "
+        "checkpoints saved before it are kept. Lower model.optimizer.lr, or set "
+        "callbacks.finite_loss.action=skip to skip such batches"
+    )
+    assert info.value.exit_code == 3
     last = torch.load(tmp_path / "last.ckpt", weights_only=True)
     assert last["global_step"] == 13  # the state before the NaN step
     assert_all_finite(tmp_path)
 
 
 def test_stop_between_checkpoints_within_check_every_n_steps(tmp_path: Path) -> None:
-    with pytest.raises(NonFiniteLossError, match="at step 2 "):
-        fit(Poisoned({2}), FiniteLoss(check_every_n_steps=4), tmp_path, every=1000)
+    model = Poisoned({2})
+    with pytest.raises(NonFiniteLossError, match=r"at step 2 \(epoch 0, batch 2\).*Lower the lea"):
+        fit(model, FiniteLoss(check_every_n_steps=4), tmp_path, every=1000)
+    assert model.trainer.global_step == 4  # read at the 4th step's end
     assert not list(tmp_path.glob("*.ckpt"))  # nothing was due, nothing NaN was written
 
 
-def test_skip_leaves_weights_as_if_the_batch_never_came(tmp_path: Path) -> None:
+def test_skip_leaves_weights_as_if_the_batch_never_came(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     torch.manual_seed(0)
     model = Poisoned({3, 4})
     callback = FiniteLoss(action="skip")
@@ -88,22 +105,54 @@ def test_skip_leaves_weights_as_if_the_batch_never_came(tmp_path: Path) -> None:
     assert callback.skipped == 2
     assert trainer.global_step == 20
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    warning = "Non-finite training loss at step 4 (epoch 0, batch 4): batch skipped (2 so far)"
+    assert warning in caplog.messages
+    with pytest.raises(NonFiniteLossError) as info:  # more than max_skipped
+        fit(Poisoned({3, 4}), FiniteLoss(action="skip", max_skipped=1), tmp_path / "again")
+    assert str(info.value) == (
+        "2 training batches had a non-finite loss (callbacks.finite_loss.max_skipped=1); stopping"
+    )
 
 
 def test_bad_options_are_one_line() -> None:
-    with pytest.raises(RunError, match="action='ignore' is invalid"):
+    with pytest.raises(RunError) as info:
         FiniteLoss(action="ignore")  # type: ignore[arg-type]
-    with pytest.raises(RunError, match="check_every_n_steps=0"):
-        FiniteLoss(check_every_n_steps=0)
+    assert str(info.value) == (
+        "callbacks.finite_loss.action='ignore' is invalid; expected stop or skip"
+    )
+    for every in (0, 1.5):
+        with pytest.raises(RunError) as info:
+            FiniteLoss(check_every_n_steps=every)  # type: ignore[arg-type]
+        assert str(info.value) == (
+            f"callbacks.finite_loss.check_every_n_steps={every!r} is invalid; "
+            "expected an integer >= 1"
+        )
+    assert FiniteLoss(check_every_n_steps=1).check_every_n_steps == 1
+
+
+def test_a_tensor_counts_by_its_own_shard_and_a_verdict_by_every_rank() -> None:
+    class Sharded(torch.Tensor):
+        def to_local(self) -> torch.Tensor:
+            return torch.tensor([float("nan")])
+
+    nan, sharded = torch.tensor([float("nan")]), torch.zeros(1).as_subclass(Sharded)
+    assert _all_finite([]) and _all_finite([torch.tensor([1, 2]), torch.empty(0), "x"])
+    assert not _all_finite([torch.ones(2), nan]) and not _all_finite([sharded])
+    other_rank_bad = SimpleNamespace(
+        reduce_boolean_decision=lambda bad, all=True: (bad and True) if all else (bad or True)
+    )
+    assert _agreed(SimpleNamespace(strategy=other_rank_bad), False)  # type: ignore[arg-type]
 
 
 def test_diverged_weights_are_never_saved_and_end_the_run_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(DivergedError) as info:
-        fit(Poisoned(set(), nan_buffer_at=13), FiniteLoss(action="skip"), tmp_path)
-    message = str(info.value)
-    assert "\n" not in message and info.value.exit_code == 3
-    assert message.startswith("training diverged: the weights are not finite (NaN or inf) at step")
-    assert f"the last finite checkpoint is {tmp_path / 'last.ckpt'}" in message
+        fit(Poisoned({3}, nan_buffer_at=13), FiniteLoss(action="skip"), tmp_path)
+    assert info.value.exit_code == 3 and str(info.value) == (
+        "training diverged: the weights are not finite (NaN or inf) at step 14 (epoch 1, 1 "
+        "batch(es) skipped); this "
+        f"checkpoint is not written; the last finite checkpoint is {tmp_path / 'last.ckpt'} (epoch "
+        "1, step 13). Lower the learning rate"
+    )
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 13
     assert_all_finite(tmp_path)
 
@@ -125,12 +174,33 @@ def test_a_non_finite_monitored_metric_stops_training_at_that_validation(tmp_pat
 
 
 def test_a_divergence_found_as_training_ends_names_the_epoch_that_ran(tmp_path: Path) -> None:
+    with pytest.raises(DivergedError) as info:  # epochs 0 and 1, no save due
+        fit(Poisoned(set(), nan_buffer_at=15), FiniteLoss(), tmp_path, every=1000)
+    assert str(info.value) == (
+        "training diverged: the weights are not finite (NaN or inf) at step 20 (epoch 1); nothing "
+        "is tested or exported; the last finite checkpoint is none (none was saved). Lower the "
+        "learning rate"
+    )
+
+
+def test_a_monitored_metric_bad_on_another_rank_ends_fit_alone_at_that_validation() -> None:
+    other_rank_bad = SimpleNamespace(reduce_boolean_decision=lambda bad, all=True: not all or bad)
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(fn="validate"), sanity_checking=False, strategy=other_rank_bad,
+        checkpoint_callback=SimpleNamespace(monitor="val/acc", last_model_path="", best_model_path=""),
+        callback_metrics={"val/acc": torch.tensor(0.5)}, lightning_module=Poisoned(set()), global_step=7,
+        fit_loop=SimpleNamespace(epoch_progress=SimpleNamespace(current=SimpleNamespace(started=1))),
+    )  # fmt: skip
+    callback = FiniteLoss()
+    callback.on_validation_end(trainer, None)  # type: ignore[arg-type]  # validate: not training
+    trainer.state.fn = "fit"
     with pytest.raises(DivergedError) as info:
-        fit(
-            Poisoned(set(), nan_buffer_at=15), FiniteLoss(), tmp_path, every=1000
-        )  # epochs 0 and 1, no save due
-    assert "the weights are not finite (NaN or inf) at step 20 (epoch 1); nothing is tested" in (
-        str(info.value)
+        callback.on_validation_end(trainer, None)  # type: ignore[arg-type]
+    assert str(info.value) == (
+        "training diverged: the monitored metric val/acc (on another rank) is not finite (NaN or "
+        "inf) at step 7 (epoch 0); training stopped, no checkpoint holds it; the last finite "
+        "checkpoint is none (none was saved). Lower the learning rate, or check how Poisoned "
+        "computes val/acc"
     )
 
 

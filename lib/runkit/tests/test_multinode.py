@@ -37,11 +37,7 @@ def test_run_id_names_the_launch_so_every_rank_agrees() -> None:
     assert run_id("%Y", single) == f"{year}_slurm-9"
     assert run_id("%Y", {**single, "SLURM_RESTART_COUNT": "2"}) == f"{year}_slurm-9-requeue2"
     # A plain run, a job id that is not one, an interactive job: the timestamp.
-    for env in (
-        {},
-        {**single, "SLURM_JOB_ID": "../x"},
-        {**single, "SLURM_JOB_NAME": "interactive"},
-    ):
+    for env in ({}, {**single, "SLURM_JOB_ID": "../x"}, {**single, "SLURM_JOB_NAME": "bash"}):
         assert run_id("%Y", env) == year
     # Lightning's own DDP children are handed hydra.run.dir, but must not fail if asked.
     assert run_id("%Y", {"LOCAL_RANK": "1", "WORLD_SIZE": "2"}) == year
@@ -188,12 +184,9 @@ def test_torchrun_restarts_after_a_killed_worker_continue_the_run_exactly(tmp_pa
     ],
 )
 def test_a_slurm_job_is_known_by_its_first_start_not_by_its_id_alone(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
-    squeue: str,
-    writes: bool,
-) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    squeue: str, writes: bool,
+) -> None:  # fmt: skip
     bin_dir, calls = tmp_path / "bin", tmp_path / "bin" / "calls"
     bin_dir.mkdir()
     for name, body in (("squeue", f"echo '{squeue}'"), ("scontrol", f'echo "$@" >> {calls}')):
@@ -201,12 +194,7 @@ def test_a_slurm_job_is_known_by_its_first_start_not_by_its_id_alone(
         (bin_dir / name).chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setattr(launch, "_first_starts", {})
-    env = {
-        "SLURM_JOB_ID": "812",
-        "SLURM_NTASKS": "2",
-        "SLURM_STEP_ID": "0",
-        "SLURM_CLUSTER_NAME": "c",
-    }
+    env = dict(SLURM_JOB_ID="812", SLURM_NTASKS="2", SLURM_STEP_ID="0", SLURM_CLUSTER_NAME="c")
     # Every task and every requeued attempt names the directory after the first attempt's start.
     assert run_id("%Y-%m-%d_%H-%M-%S", env) == "2026-01-02_03-04-05_slurm-812.0"
     requeued = {**env, "SLURM_RESTART_COUNT": "1"}

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -29,12 +30,13 @@ from runkit.safety import interrupts, signals
 
 TESTS = Path(__file__).resolve().parent
 QUIET = ("callbacks.progress_bar.refresh_rate=0",)
-SMALL = ("trainer.max_epochs=1", "data.batch_size=64", *QUIET)
+SMALL = ("trainer.max_epochs=1", "data.batch_size=256", *QUIET)
 LONG = ("trainer.max_epochs=300", "data.batch_size=64", "test=false", *QUIET)
 FIRST_CTRL_C = "SIGINT received: stopping at the next safe point"
 QUIT_LINE = "error: SIGINT again: quitting at once, without saving; exit code 130"
 RANKS = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "SLURM_JOB_ID", "WORLD_SIZE")
 AGAIN = "again: quitting at once, without saving"
+STUCK = "received, but this rank stayed stuck {} for {} s (waiting for another rank?); stopping without saving"
 
 
 @pytest.fixture
@@ -47,20 +49,43 @@ def one_process(monkeypatch: pytest.MonkeyPatch) -> None:
 # The mechanism, in this process or a fresh interpreter
 
 
-def test_a_signal_outside_lightning_lets_the_phase_finish_then_exits_143(
-    one_process: None, capsys: pytest.CaptureFixture[str]
-) -> None:
-    before, finished = signal.getsignal(signal.SIGTERM), False
-    with pytest.raises(SystemExit) as stop, signals.stop_on_signal(), interrupts.phase("export"):
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.01)  # the handler has run: only recorded, nothing raised
-        finished = True
-    assert stop.value.code == 143 and finished
-    assert last_line(capsys.readouterr().err) == (
-        "stopped by SIGTERM after export had finished (its files are written); exit code 143"
-    )
-    assert signal.getsignal(signal.SIGTERM) is before  # outside the main thread: unchanged
-    seen: list = []
+EXPORTED = "stopped by {} after export had finished (its files are written); exit code {}"
+
+
+@pytest.mark.parametrize(
+    ("signum", "env", "hang_up", "lines"),
+    [
+        (signal.SIGTERM, {}, signal.SIG_DFL, ["SIGTERM received: stopping at the next safe point", EXPORTED.format("SIGTERM", 143)]),
+        (signal.SIGHUP, {}, signal.SIG_DFL, ["SIGHUP received: stopping at the next safe point", EXPORTED.format("SIGHUP", 129)]),
+        (signal.SIGHUP, {}, signal.SIG_IGN, []),  # started under nohup: not a stop
+        (signal.SIGTERM, {"LOCAL_RANK": "1"}, signal.SIG_DFL, []),  # Lightning's DDP worker: rank 0 speaks
+    ],
+)  # fmt: skip
+def test_a_signal_outside_lightning_lets_the_phase_finish_then_exits_128_plus_n(
+    one_process: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    signum: int, env: dict, hang_up: Any, lines: list[str],
+) -> None:  # fmt: skip
+    monkeypatch.setenv("LOCAL_RANK", env.get("LOCAL_RANK", "0"))
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    hup, before = signal.signal(signal.SIGHUP, hang_up), signal.getsignal(signal.SIGTERM)
+    finished, code = False, None
+    try:
+        with signals.stop_on_signal(), interrupts.phase("export"):
+            assert (signal.SIGHUP in signals.stop_signals()) == (hang_up == signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            time.sleep(0.01)  # the handler has run: only recorded, nothing raised
+            finished = True
+    except SystemExit as stop:
+        code = stop.code
+    finally:
+        signal.signal(signal.SIGHUP, hup)
+    assert finished and code == (128 + signum if lines else None)
+    assert [line for line in capsys.readouterr().err.splitlines() if line] == lines
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_outside_the_main_thread_the_block_runs_unchanged() -> None:
+    before, seen = signal.getsignal(signal.SIGTERM), []
     with_thread = lambda: seen.append(signals.stop_on_signal().__enter__().active)  # noqa: E731
     thread = threading.Thread(target=with_thread)
     thread.start()
@@ -140,13 +165,7 @@ def test_a_rank_whose_handler_cannot_run_quits_after_the_grace(
         os.write(wakeup, bytes([signal.SIGTERM]))  # what the C-level handler writes
         until(lambda: quits, 10)
         assert request.received is None
-    assert quits and set(quits) == {(signal.SIGTERM, STUCK.format(0))}
-
-
-STUCK = (
-    "received, but this rank stayed stuck in native code for {} s (a collective waiting for "
-    "another rank?); stopping without saving"
-)
+    assert quits and set(quits) == {(signal.SIGTERM, STUCK.format("in native code", 0))}
 
 
 @pytest.mark.parametrize(
@@ -239,26 +258,24 @@ def test_quitting_says_which_rank_kills_the_workers_and_exits_128_plus_n(
 def test_a_rank_stuck_after_a_stop_signal_quits_after_the_grace(
     monkeypatch: pytest.MonkeyPatch, quits: list
 ) -> None:
-    watcher = signals._Watcher(signals.StopRequest())
-    watcher.close()
-    watcher.first_at, grace = 100.0, signals.STUCK_GRACE_S
-    watcher._check_stuck(signal.SIGTERM, 100.0 + grace)  # the handler may still run
+    stop, grace, sigterm = signals.StopRequest(), signals.STUCK_GRACE_S, signal.SIGTERM
+    assert signals._check_stuck(stop, sigterm, grace, None, 0.0) is None  # the handler may run
     assert quits == []
-    watcher._check_stuck(signal.SIGTERM, 100.5 + grace)
-    assert quits == [(signal.SIGTERM, STUCK.format(10))]
-    watcher.stop.received, quits[:] = signal.SIGTERM, []
+    assert signals._check_stuck(stop, sigterm, grace + 0.5, None, 0.0) is None
+    assert quits == [(sigterm, STUCK.format("in native code", 10))]
+    stop.received, quits[:] = sigterm, []
     code = SimpleNamespace(co_filename=f"torch{os.sep}distributed{os.sep}c.py", co_name="barrier")
     frame = SimpleNamespace(f_code=code, f_lasti=8)
     monkeypatch.setattr(sys, "_current_frames", lambda: {threading.main_thread().ident: frame})
+    waiting = None
     for now in (200.0, 200.0 + grace, 200.5 + grace):
-        watcher._check_stuck(signal.SIGTERM, now)
-    assert quits == [
-        (signal.SIGTERM, "received, but this rank waited 10 s in torch.distributed.barrier for "
-         "another rank; stopping without saving")
-    ]  # fmt: skip
+        waiting = signals._check_stuck(stop, sigterm, 99.0, waiting, now)
+        assert waiting == (("barrier", id(frame), 8), 200.0)
+    assert quits == [(sigterm, STUCK.format("in torch.distributed.barrier", 10))]
+    frame.f_lasti = 9  # another call: its own grace
+    assert signals._check_stuck(stop, sigterm, 99.0, waiting, 300.0)[1] == 300.0
     monkeypatch.setattr(sys, "_current_frames", lambda: {})
-    watcher._check_stuck(signal.SIGTERM, 300.0)
-    assert watcher._waiting is None
+    assert signals._check_stuck(stop, sigterm, 99.0, waiting, 300.0) is None
 
 
 def blocked() -> set[int]:
@@ -362,7 +379,7 @@ def logged_to(path: Path) -> Iterator[None]:
 
 
 def test_the_last_line_gets_out_when_stderr_is_busy_or_gone(
-    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     class Busy:
         def write(self, text: str) -> None:
@@ -373,16 +390,6 @@ def test_the_last_line_gets_out_when_stderr_is_busy_or_gone(
     assert capfd.readouterr().err == "one line ?\n"
     sys.stderr.write = raises(ValueError("closed"))  # type: ignore[method-assign]
     signals._write_line("lost")  # a closed stream: nothing, no traceback
-    monkeypatch.undo()
-    monkeypatch.setattr(signals, "request", signals.StopRequest())
-    with logged_to(tmp_path / "train.log"):
-        signals._say("in the run's log", run_log=True)
-        signals._say("only on stderr")
-        signals.request.quiet = True
-        signals._say("from a worker: nothing", run_log=True)
-    assert capfd.readouterr().err == "in the run's log\nonly on stderr\n"
-    log = "runkit.safety.signals:WARNING:signals.py:in the run's log\n"
-    assert (tmp_path / "train.log").read_text() == log
 
 
 @pytest.mark.parametrize(("gone", "terminal"), [(1, "pipe"), (2, "pipe"), (2, "pty")])
@@ -430,7 +437,13 @@ def test_a_stop_waits_for_its_workers_and_kills_those_that_do_not_end(
     assert [w.calls for w in workers] == [[30.0], [30.0, "kill", None]]
     line = "stopped by SIGTERM during fit; saved x; exit code 143"
     assert capfd.readouterr().err == f"{line}\n"
-    assert (tmp_path / "train.log").read_text().endswith(f":{line}\n")
+    assert (
+        tmp_path / "train.log"
+    ).read_text() == f"runkit.safety.signals:WARNING:signals.py:{line}\n"
+    monkeypatch.setattr(signals, "request", signals.StopRequest(quiet=True))  # a DDP worker
+    with logged_to(tmp_path / "train.log"), pytest.raises(SystemExit):
+        signals.exit_stopped(signal.SIGTERM)
+    assert capfd.readouterr().err == "" and (tmp_path / "train.log").read_text().count("\n") == 1
 
 
 def test_after_the_run_the_stop_signals_are_ignored_until_the_process_ends() -> None:
@@ -441,17 +454,6 @@ def test_after_the_run_the_stop_signals_are_ignored_until_the_process_ends() -> 
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
-
-
-def test_a_worker_started_by_rank0_leaves_the_report_to_rank0(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    with signals.stop_on_signal():
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.01)
-    assert capsys.readouterr().err == ""
 
 
 def test_a_dead_peer_is_named_with_its_whole_first_line() -> None:
@@ -556,22 +558,7 @@ def test_a_stop_ends_every_loop_at_the_next_batch(
     assert last_line(capsys.readouterr().err) == line
 
 
-HANG_UP = """
-import os, signal, sys, time
-signal.signal(signal.SIGHUP, signal.SIG_IGN if sys.argv[1:] == ["nohup"] else signal.SIG_DFL)
-from runkit.safety import signals
-with signals.stop_on_signal():
-    os.kill(os.getpid(), signal.SIGHUP)
-    time.sleep(0.5)
-    print("finished the block", sorted(s.name for s in signals.stop_signals()))
-"""
 PROGRAMS = {
-    "hang-up in a terminal": (
-        HANG_UP, [], 129, "finished the block ['SIGHUP', 'SIGINT', 'SIGTERM']",
-        ["SIGHUP received: stopping at the next safe point",
-         "stopped by SIGHUP during startup; exit code 129"],
-    ),
-    "hang-up under nohup": (HANG_UP, ["nohup"], 0, "finished the block ['SIGINT', 'SIGTERM']", []),
     "a signal after a failed run": ("""
 import os, signal, sys
 from runkit.safety import signals
@@ -610,7 +597,7 @@ import os, signal, sys, threading
 from datetime import timedelta
 import torch.distributed as dist
 from runkit.safety import signals
-os.environ["WORLD_SIZE"] = "2"
+os.environ["WORLD_SIZE"], signals.STUCK_GRACE_S = "2", 2.0
 with signals.stop_on_signal():
     threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
     store = dist.FileStore(sys.argv[1], 2)  # rank 1 never comes: rank 0 waits in C++
@@ -623,8 +610,10 @@ print("not reached")
 def test_sigterm_ends_a_rank_stuck_in_a_collective_within_seconds(tmp_path: Path) -> None:
     done = run_python(STUCK_RANK, str(tmp_path / "store"), timeout=60)  # not the 300 s timeout
     assert done.returncode == 143, done.stderr
-    stuck = STUCK.format(f"{signals.STUCK_GRACE_S:.0f}")
-    assert last_line(done.stderr) == f"error: SIGTERM {stuck}; exit code 143"
+    assert (
+        last_line(done.stderr)
+        == f"error: SIGTERM {STUCK.format('in native code', 2)}; exit code 143"
+    )
 
 
 DATALOADER_WORKERS = """
@@ -671,13 +660,9 @@ def test_a_dataloader_worker_ends_by_its_parent_alone() -> None:
 # The real CLI, each run in a session of its own
 
 
-def children(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(p) for p in path.read_text().split()] if path.exists() else []
-
-
 def descendants(pid: int) -> list[int]:
-    kids = children(pid)
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    kids = [int(p) for p in path.read_text().split()] if path.exists() else []
     return [*kids, *(d for kid in kids for d in descendants(kid))]
 
 
@@ -688,19 +673,18 @@ def alive(pid: int) -> bool:
         return False
 
 
-def in_group(pgid: int) -> list[int]:
-    members = []
-    for stat_file in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError):
-            fields = stat_file.read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                members.append(int(stat_file.parent.name))
-    return members
-
-
 def group_gone(pgid: int, timeout: float = 30) -> bool:
-    until(lambda: not in_group(pgid), timeout)
-    return not in_group(pgid)
+    def in_group() -> list[int]:
+        members = []
+        for stat_file in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, IndexError):
+                fields = stat_file.read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid and fields[0] != "Z":
+                    members.append(int(stat_file.parent.name))
+        return members
+
+    until(lambda: not in_group(), timeout)
+    return not in_group()
 
 
 class Run:
@@ -709,13 +693,18 @@ class Run:
     def __init__(self, tmp_path: Path, task: str, *overrides: str, env: dict | None = None,
                  output: int | None = None):  # fmt: skip
         self.out, self.err, self.log_dir = (tmp_path / n for n in ("stdout", "stderr", "logs"))
-        command = [sys.executable, "-m", f"tinyapp.{task}", *overrides]
+        command = [
+            sys.executable,
+            "-m",
+            f"tinyapp.{task}",
+            *overrides,
+            f"paths.log_dir={self.log_dir}",
+        ]
         with self.out.open("w") as stdout, self.err.open("w") as stderr:
             self.process = subprocess.Popen(
-                [*command, f"paths.log_dir={self.log_dir}"], cwd=tmp_path,
-                stdout=stdout if output is None else output,
-                stderr=stderr if output is None else output,
-                env=clean_env(**{"PYTHONPATH": str(TESTS), **(env or {})}), start_new_session=True,
+                command, cwd=tmp_path, stdout=stdout if output is None else output,
+                stderr=stderr if output is None else output, start_new_session=True,
+                env=clean_env(**{"PYTHONPATH": str(TESTS), **(env or {})}),
             )  # fmt: skip
         self.pid = self.process.pid
 
@@ -737,11 +726,6 @@ class Run:
     def text(self) -> str:
         return self.err.read_text()
 
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.pid, signal.SIGKILL)
-            self.process.wait()
-
 
 @pytest.fixture
 def run(tmp_path: Path) -> Iterator[Callable[..., Run]]:
@@ -753,7 +737,9 @@ def run(tmp_path: Path) -> Iterator[Callable[..., Run]]:
 
     yield start
     for each in started:
-        each.kill()
+        if each.process.poll() is None:
+            os.killpg(each.pid, signal.SIGKILL)
+            each.process.wait()
 
 
 def held(tmp_path: Path, target: str, at: str = "", name: str = "pause") -> tuple[list[str], Path]:
@@ -768,10 +754,11 @@ def release(marker: Path) -> None:
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Path]:
-    """A run given a Ctrl-C as it prints ``Run directory:``: exit code, what followed, its dir."""
+    """A run given a Ctrl-C as it prints ``Run directory:``: exit code, what followed, its dir
+    (its checkpoint's batch size gives eval and predict several batches a rank)."""
     log_dir = tmp_path_factory.mktemp("trained") / "logs"
     process = subprocess.Popen(
-        [sys.executable, "-m", "tinyapp.train", *SMALL, f"paths.log_dir={log_dir}"],
+        [sys.executable, "-m", "tinyapp.train", *SMALL, "data.batch_size=64", f"paths.log_dir={log_dir}"],
         cwd=log_dir.parent, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True,
     )  # fmt: skip
@@ -790,46 +777,71 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Pa
     return process.returncode, rest, run_dirs(log_dir)[0]
 
 
-@pytest.fixture
-def trained_checkpoint(finished_run: tuple[int, str, Path]) -> Path:
-    return finished_run[2] / "checkpoints" / "last.ckpt"
+@pytest.mark.slow
+def test_a_ctrl_c_just_after_the_run_directory_line_is_one_line(
+    finished_run: tuple[int, str, Path],
+) -> None:
+    code, rest, run_dir = finished_run
+    assert code == 130, rest[-3000:]
+    assert last_line(rest) in (
+        "stopped by SIGINT after export had finished (its files are written); exit code 130",
+        "error: SIGINT received after the run had finished (its files are complete); exit code 130",
+    ), rest[-3000:]
+    assert (run_dir / "metrics.json").is_file() and (run_dir / "model.pth").is_file()
 
 
-PHASE_STOPS = {
-    # where: (the task and its overrides, where it is held, the signal, the phase of the line,
-    # the files of the run directory the stop leaves unwritten); one process: in-process above
-    "sanity check, DDP": (  # rank 0 held, rank 1 waits at the next batch: they agree there
-        ["train", "trainer=ddp_sim", "trainer.num_sanity_val_steps=1", *SMALL], "sanity",
-        signal.SIGTERM, "fit before the first training step (nothing to save)",
+WORKERS = ("data.num_workers=2", *LONG)  # a group's signal reaches the DataLoader workers too
+SAVED = "fit at epoch 0, step {step}; saved {saved}"
+CLI_STOPS = {
+    # case: (the task and its overrides, where rank 0 is held, who gets the SIGTERM: the group,
+    # rank 0 alone, or rank 0 then its group (GNU timeout), the last line's "during ...", the
+    # files the stop leaves unwritten); in one process: test_a_stop_ends_every_loop_at_the_...
+    "sanity check, DDP": (
+        ["train", "trainer=ddp_sim", "trainer.num_sanity_val_steps=1", *SMALL], "sanity", "group",
+        "fit before the first training step (nothing to save)",
         ["checkpoints/interrupted.ckpt", "checkpoints/last.ckpt"],
     ),
-    "test": (["train", *SMALL], "test", signal.SIGTERM, "test", ["model.pth", "metrics.json"]),
-    "predict, DDP": (
-        ["predict", "trainer=ddp_sim"], "predict", signal.SIGTERM, "predict", ["predictions.pt"]
+    "eval, DDP": (["eval", "trainer=ddp_sim"], "test", "group", "eval", ["metrics.json"]),
+    "predict, DDP": (["predict", "trainer=ddp_sim"], "predict", "group", "predict", ["predictions.pt"]),
+    "fit, DDP, SIGTERM to rank 0 alone": (["train", "trainer=ddp_sim", *WORKERS], "train", "rank 0", SAVED, []),
+    "fit, FSDP, timeout's SIGTERM": (
+        ["train", "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", *WORKERS], "train",
+        "rank 0, then group", SAVED, [],
     ),
 }  # fmt: skip
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", list(PHASE_STOPS))
-def test_a_stop_in_any_phase_ends_it_at_the_next_batch_with_one_line(
-    tmp_path: Path, run: Callable[..., Run], where: str, request: pytest.FixtureRequest
+@pytest.mark.parametrize("case", list(CLI_STOPS))
+def test_one_stop_in_any_phase_ends_it_at_the_next_batch_with_one_line(
+    tmp_path: Path, run: Callable[..., Run], case: str, request: pytest.FixtureRequest
 ) -> None:
-    (task, *overrides), at, signum, phase, unwritten = PHASE_STOPS[where]
+    (task, *overrides), at, whom, during, unwritten = CLI_STOPS[case]
     if task != "train":
-        overrides.append(f"ckpt_path={request.getfixturevalue('trained_checkpoint')}")
+        overrides.append(
+            f"ckpt_path={request.getfixturevalue('finished_run')[2]}/checkpoints/last.ckpt"
+        )
     hold, marker = held(tmp_path, "Pause", at)
     job = run(task, *overrides, *hold)
     job.until(marker.exists, "the hold")
-    os.killpg(job.pid, signum)  # as a terminal's Ctrl-C, SLURM or Kubernetes: every process
+    started = descendants(job.pid)
+    if whom.startswith("rank 0"):
+        job.process.send_signal(signal.SIGTERM)
+    if whom.endswith("group"):  # as a terminal's Ctrl-C, SLURM or Kubernetes: every process
+        os.killpg(job.pid, signal.SIGTERM)
     release(marker)
-    assert job.wait(timeout=120) == 128 + signum, job.text[-3000:]
-    assert (
-        last_line(job.text) == f"stopped by {signum.name} during {phase}; exit code {128 + signum}"
-    )
-    assert job.text.count(f"{signum.name} received") == 1 and "Traceback" not in job.text
+    assert job.wait(timeout=120) == 143, job.text[-3000:]
     (run_dir,) = run_dirs(job.log_dir, task)
+    saved = run_dir / "checkpoints" / interrupts.INTERRUPTED_FILE  # FSDP's: a sharded directory
+    step = int(marker.read_text().split()[1]) + 1  # held after the batch's stop check: the next
+    during = during.format(step=step, saved=saved)
+    assert last_line(job.text) == f"stopped by SIGTERM during {during}; exit code 143"
+    assert job.text.count("SIGTERM received") == 1, job.text[-3000:]
+    for absent in ("again: quitting", "Traceback", "killed by signal", "weights_only` was not set"):
+        assert absent not in job.text  # weights_only: issue #11.12b
+    assert saved.exists() == ("saved" in during)
     assert [name for name in unwritten if (run_dir / name).exists()] == []
+    assert not [pid for pid in started if alive(pid)] and group_gone(job.pid)
 
 
 @pytest.mark.slow
@@ -838,7 +850,7 @@ def test_a_slurm_job_saves_on_its_warning_signal_requeues_and_resumes_by_itself(
 ) -> None:
     calls = fake_scontrol(tmp_path / "bin")
     hold, marker = held(tmp_path, "Pause", "train")
-    command = ("trainer.max_epochs=2", "data.batch_size=128", "test=false", *QUIET, *hold)
+    command = ("trainer.max_epochs=1", "data.batch_size=256", "test=false", *QUIET, *hold)
     slurm = {
         "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "1",
         "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
@@ -877,8 +889,14 @@ def test_a_hang_up_with_the_terminal_gone_saves_like_sigterm_and_exits_129(
     reader, writer = pty.openpty()
     before = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as a shell starts it, not as nohup
     try:
-        command = ("trainer.max_epochs=2", "data.batch_size=64", "test=false", *hold)
-        job = run("train", *command, output=writer)
+        job = run(
+            "train",
+            "data.num_workers=2",
+            "trainer.max_epochs=2",
+            "test=false",
+            *hold,
+            output=writer,
+        )
     finally:
         signal.signal(signal.SIGHUP, before)
     os.close(writer)
@@ -890,6 +908,7 @@ def test_a_hang_up_with_the_terminal_gone_saves_like_sigterm_and_exits_129(
         return marker.exists()
 
     job.until(is_held, "the hold")
+    started = descendants(job.pid)  # with its DataLoader workers: the group's signal is one stop
     os.close(reader)  # the terminal is gone: a closed pty answers EIO
     os.killpg(job.pid, signal.SIGHUP)
     release(marker)
@@ -898,7 +917,6 @@ def test_a_hang_up_with_the_terminal_gone_saves_like_sigterm_and_exits_129(
     log = (run_dir / "train.log").read_text()
     assert code == 129, log[-3000:]
     saved = run_dir / "checkpoints" / interrupts.INTERRUPTED_FILE
-    # held at the end of a batch, after the stop check there: the next batch's end stops
     step = int(marker.read_text().split()[1]) + 1
     assert torch.load(saved, map_location="cpu", weights_only=True)["global_step"] == step
     assert last_line(log).endswith(
@@ -906,6 +924,7 @@ def test_a_hang_up_with_the_terminal_gone_saves_like_sigterm_and_exits_129(
         "exit code 129"
     )
     assert "ckpt_path=" in log  # the command that resumes
+    assert not [pid for pid in started if alive(pid)] and group_gone(job.pid)
 
 
 FAKE_CUDA = """from runkit.gpus import inventory
@@ -914,106 +933,58 @@ inventory.probe_torch = lambda uuids=True: TorchCuda(True, 2)  # test only: two 
 """
 
 
-def hold_in(where: str, tmp_path: Path, request: pytest.FixtureRequest) -> tuple:
-    """The command, the held check, the phase and the environment of a run held in ``where``."""
-    train = ["train", *SMALL]
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["saving", "waiting for GPUs"])
+def test_a_second_ctrl_c_through_the_cli_quits_at_once_in_every_phase(
+    tmp_path: Path, run: Callable[..., Run], where: str
+) -> None:
+    env, pause, hold_save = {}, tmp_path / "pause", tmp_path / "hold_save"
     if where == "waiting for GPUs":
         (tmp_path / "fake_cuda").mkdir()
         (tmp_path / "fake_cuda" / "sitecustomize.py").write_text(FAKE_CUDA)
-        wait = ["trainer.accelerator=gpu", "select_gpus=least_used", "gpu_max_util=30"]
-        wait += ["gpu_wait_s=3600", f"gpu_lock_dir={tmp_path / 'locks'}"]
+        overrides = ["trainer.accelerator=gpu", "select_gpus=least_used", "gpu_max_util=30"]
+        overrides += ["gpu_wait_s=3600", f"gpu_lock_dir={tmp_path / 'locks'}"]
         env = {
             "PYTHONPATH": f"{tmp_path / 'fake_cuda'}{os.pathsep}{TESTS}",
             "RUNKIT_NVML_BACKEND": "runkit.testing.fake_nvml:create",
             "RUNKIT_FAKE_NVML": json.dumps({"gpus": [{"util_gpu": 100}, {"util_gpu": 100}]}),
         }
-        waiting = lambda job: "Waiting for 1 GPU(s)" in job.out.read_text() + job.text  # noqa: E731
-        return [*train, *wait], waiting, "", env
-    if where == "predict":
-        hold, marker = held(tmp_path, "Pause", "predict")
-        ckpt = f"ckpt_path={request.getfixturevalue('trained_checkpoint')}"
-        return ["predict", ckpt, *hold], lambda job: marker.exists(), "predict", {}
-    hold, marker = held(tmp_path, "Pause", "train")  # saving: HoldSave's marker after the Ctrl-C
-    hold += held(tmp_path, "HoldSave", name="hold_save")[0]
-    return [*train, *hold], lambda job: marker.exists(), "fit", {}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("where", ["saving", "predict", "waiting for GPUs"])
-def test_a_second_ctrl_c_through_the_cli_quits_at_once_in_every_phase(
-    tmp_path: Path, run: Callable[..., Run], where: str, request: pytest.FixtureRequest
-) -> None:
-    (task, *overrides), is_held, phase, env = hold_in(where, tmp_path, request)
-    job = run(task, *overrides, env=env)
-    job.until(lambda: is_held(job), f"the hold in {where}")
-    if phase:
-        assert (tmp_path / "pause").read_text().split("\n")[0] == phase
+        is_held = lambda: "Waiting for 1 GPU(s)" in job.out.read_text() + job.text  # noqa: E731
+    else:  # held in fit, then in the save the first Ctrl-C asked for
+        overrides = (
+            held(tmp_path, "Pause", "train")[0] + held(tmp_path, "HoldSave", name="hold_save")[0]
+        )
+        is_held = pause.exists
+    job = run("train", *SMALL, *overrides, env=env)
+    job.until(is_held, f"the hold in {where}")
     os.killpg(job.pid, signal.SIGINT)
     job.until(lambda: FIRST_CTRL_C in job.text, "the first Ctrl-C's line")
     time.sleep(signals.STOP_REPEAT_S)  # sooner, it is the first Ctrl-C delivered again
-    if where == "saving":  # let the stop go on to its save, and hold the save there
-        release(tmp_path / "pause")
-        job.until((tmp_path / "hold_save").exists, "the save after the first Ctrl-C")
-        assert (
-            tmp_path / "hold_save"
-        ).read_text() == f"fit\nsaving after signal {int(signal.SIGINT)}"
+    if where == "saving":
+        assert pause.read_text().split("\n")[0] == "fit"
+        release(pause)
+        job.until(hold_save.exists, "the save after the first Ctrl-C")
+        assert hold_save.read_text() == f"fit\nsaving after signal {int(signal.SIGINT)}"
     started = descendants(job.pid)
     os.killpg(job.pid, signal.SIGINT)
     assert job.wait(timeout=15) == 130, job.text[-3000:]  # at once: the hold would last 300 s
     assert last_line(job.text) == QUIT_LINE and "Traceback" not in job.text, job.text[-3000:]
     assert not [pid for pid in started if alive(pid)]
     assert group_gone(job.pid), "processes of the run are left behind"
-    for run_dir in run_dirs(job.log_dir, task):  # quit without saving: nothing new is written
+    for run_dir in run_dirs(job.log_dir):  # quit without saving: nothing new is written
         assert not (run_dir / "checkpoints" / "interrupted.ckpt").exists()
         assert not (run_dir / "model.pth").exists() and not (run_dir / "metrics.json").exists()
 
 
-DELIVERIES = {
-    # how: (what the run is, the signal, who gets it: the group, or rank 0 alone first (GNU
-    # timeout, itself signalled, sends it to its child, then to the child's group), or rank 0 alone
-    "Ctrl-C": ((), signal.SIGINT, "group"),
-    "ddp_sim, timeout's SIGTERM": (("trainer=ddp_sim",), signal.SIGTERM, "rank 0, then group"),
-    "ddp_sim, SIGTERM to rank 0 alone": (("trainer=ddp_sim",), signal.SIGTERM, "rank 0"),
-    "fsdp, timeout's SIGTERM": (
-        ("trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2"), signal.SIGTERM,
-        "rank 0, then group",
-    ),
-}  # fmt: skip
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("how", list(DELIVERIES))
-def test_one_stop_delivered_to_every_process_saves_once(run: Callable[..., Run], how: str) -> None:
-    trainer, signum, whom = DELIVERIES[how]
-    job = run("train", "data.num_workers=2", *LONG, *trainer)
-    checkpoints = job.first("train/runs/*/checkpoints")
-    ranks = 2 if trainer else 1  # the workers are forked at each epoch's start
-    job.until(lambda: len(descendants(job.pid)) >= 3 * ranks - 1, "workers")
-    started = descendants(job.pid)
-    if whom.startswith("rank 0"):
-        job.process.send_signal(signum)
-    if whom.endswith("group"):
-        os.killpg(job.pid, signum)
-    assert job.wait() == 128 + signum, job.text[-3000:]
-    saved = checkpoints / interrupts.INTERRUPTED_FILE  # FSDP's: a sharded directory
-    assert saved.exists() and job.text.count(f"{signum.name} received") == 1, job.text[-3000:]
-    for absent in ("again: quitting", "Traceback", "killed by signal", "weights_only` was not set"):
-        assert absent not in job.text  # weights_only: issue #11.12b
-    line = last_line(job.text)
-    assert line.startswith(f"stopped by {signum.name} during fit at epoch ")
-    assert line.endswith(f"; saved {saved}; exit code {128 + signum}")
-    assert int(line.split(", step ")[1].split(";")[0]) > 0
-    assert not [pid for pid in started if alive(pid)] and group_gone(job.pid)
-
-
 @pytest.mark.slow
 def test_a_dataloader_worker_killed_during_a_run_ends_it_with_exit_1(
-    run: Callable[..., Run],
+    tmp_path: Path, run: Callable[..., Run]
 ) -> None:
-    job = run("train", "data.num_workers=2", *LONG)
-    job.first("train/runs/*/checkpoints")
-    job.until(lambda: len(descendants(job.pid)) >= 2, "workers")
+    hold, marker = held(tmp_path, "Pause", "train")
+    job = run("train", *WORKERS, *hold)
+    job.until(marker.exists, "the hold")
     os.kill(descendants(job.pid)[0], signal.SIGKILL)
+    release(marker)
     assert job.wait(timeout=120) == 1, job.text[-3000:]
     assert "DataLoader worker" in job.text, job.text[-3000:]
     assert group_gone(job.pid), "processes of the run are left behind"
@@ -1022,9 +993,9 @@ def test_a_dataloader_worker_killed_during_a_run_ends_it_with_exit_1(
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["rank1", "rank0"])
 def test_a_dying_rank_ends_the_job(run: Callable[..., Run], victim: str) -> None:
-    job = run("train", "trainer.accelerator=cpu", "trainer.devices=2", *LONG)
+    job = run("train", "trainer.accelerator=cpu", "trainer.devices=2", *LONG, "data.batch_size=256")
     last = job.first("train/runs/*/checkpoints/last.ckpt")
-    rank1 = children(job.pid)[0]
+    rank1 = descendants(job.pid)[0]
     os.kill(rank1 if victim == "rank1" else job.pid, signal.SIGKILL)
     survivor = job.pid if victim == "rank1" else rank1
     until(lambda: job.process.poll() is not None and not alive(survivor), 60)
@@ -1033,16 +1004,3 @@ def test_a_dying_rank_ends_the_job(run: Callable[..., Run], victim: str) -> None
         assert job.wait(timeout=10) != 0
         assert "another process of this 2-process job died" in job.text, job.text[-2000:]
     assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] > 0
-
-
-@pytest.mark.slow
-def test_a_ctrl_c_just_after_the_run_directory_line_is_one_line(
-    finished_run: tuple[int, str, Path],
-) -> None:
-    code, rest, run_dir = finished_run
-    assert code == 130, rest[-3000:]
-    assert last_line(rest) in (
-        "stopped by SIGINT after export had finished (its files are written); exit code 130",
-        "error: SIGINT received after the run had finished (its files are complete); exit code 130",
-    ), rest[-3000:]
-    assert (run_dir / "metrics.json").is_file() and (run_dir / "model.pth").is_file()

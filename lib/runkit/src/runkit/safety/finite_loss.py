@@ -1,12 +1,9 @@
 """Stop (or skip the batch) when the training loss is NaN or infinite; never save such weights.
 
-``stop``: each step's loss is kept on its device (no host sync) and read on the host every
-``check_every_n_steps`` steps, at each epoch's end and before any checkpoint is written (a refused
-save: Lightning never opens the file). ``skip``: such a batch's gradients are dropped before the
-optimiser step (one sync per step); after ``max_skipped`` of them the run stops. Either way a
-checkpoint whose weights, buffers or monitored metric are not finite is refused, and a diverged
-run stops before test and export, naming the last finite checkpoint. The ranks agree on each
-verdict (``reduce_boolean_decision``).
+``stop`` keeps each step's loss on its device and reads them every ``check_every_n_steps`` steps,
+at each epoch's end and before any save (no host sync a step); ``skip`` drops such a batch's
+gradients (one sync a step). Either way a checkpoint whose weights, buffers or monitored metric
+are not finite is refused, and a diverged run stops before test and export; the ranks agree.
 """
 
 from __future__ import annotations
@@ -44,15 +41,15 @@ class FiniteLoss(Callback):
         check_every_n_steps: int = 50,
         max_skipped: int = 100,
     ) -> None:
-        if action not in ("stop", "skip"):
-            raise RunError(
-                f"callbacks.finite_loss.action={action!r} is invalid; expected stop or skip"
-            )
-        if not isinstance(check_every_n_steps, int) or check_every_n_steps < 1:
-            raise RunError(
-                f"callbacks.finite_loss.check_every_n_steps={check_every_n_steps!r} is invalid; "
-                "expected an integer >= 1"
-            )
+        every_ok = isinstance(check_every_n_steps, int) and check_every_n_steps >= 1
+        for key, value, ok, expected in (
+            ("action", action, action in ("stop", "skip"), "stop or skip"),
+            ("check_every_n_steps", check_every_n_steps, every_ok, "an integer >= 1"),
+        ):
+            if not ok:
+                raise RunError(
+                    f"callbacks.finite_loss.{key}={value!r} is invalid; expected {expected}"
+                )
         self.action, self.max_skipped = action, max_skipped
         self.check_every_n_steps = check_every_n_steps
         self.skipped, self._batch = 0, 0
@@ -66,20 +63,15 @@ class FiniteLoss(Callback):
             pl_module.hparams["config"]["model"]["optimizer"]["lr"]
             self._lower = "Lower model.optimizer.lr"
 
-    def on_train_batch_start(
-        self, trainer: Trainer, module: Any, batch: Any, batch_idx: int
-    ) -> None:
-        self._batch = batch_idx
+    def on_train_batch_start(self, trainer: Trainer, module: Any, batch: Any, index: int) -> None:
+        self._batch = index
 
-    def on_before_backward(
-        self, trainer: Trainer, pl_module: LightningModule, loss: Tensor
-    ) -> None:
-        value = loss.detach()
+    def on_before_backward(self, trainer: Trainer, pl_module: Any, loss: Tensor) -> None:
         if self.action == "stop":
             where = (trainer.global_step, trainer.current_epoch, self._batch)
-            self._losses.append((value.sum(), *where))
+            self._losses.append((loss.detach().sum(), *where))
         else:
-            finite = torch.isfinite(value).all()
+            finite = torch.isfinite(loss.detach()).all()
             self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: Any, optimizer: Any) -> None:
@@ -111,21 +103,17 @@ class FiniteLoss(Callback):
         if trainer.state.fn == "fit" and not trainer.sanity_checking:  # before ModelCheckpoint's
             self._check_monitored(trainer, "training stopped, no checkpoint holds it")
 
-    def on_save_checkpoint(
-        self, trainer: Trainer, pl_module: LightningModule, checkpoint: Any
-    ) -> None:
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: Any, checkpoint: Any) -> None:
         self.check()  # raising here keeps Lightning from writing the file
+        self.on_train_end(trainer, pl_module, "this checkpoint is not written")
+
+    def on_train_end(
+        self, trainer: Trainer, pl_module: Any, outcome: str = "nothing is tested or exported"
+    ) -> None:
         # The module's weights, not the whole state_dict (a MaxMetric may hold -inf on purpose).
-        self._check_weights(trainer, pl_module, "this checkpoint is not written")
-        self._check_monitored(trainer, "this checkpoint is not written")
-
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._check_weights(trainer, pl_module, "nothing is tested or exported")
-        self._check_monitored(trainer, "nothing is tested or exported")
-
-    def _check_weights(self, trainer: Trainer, pl_module: LightningModule, outcome: str) -> None:
         if _agreed(trainer, not _all_finite([*pl_module.parameters(), *pl_module.buffers()])):
             raise DivergedError(self._diverged(trainer, "weights are", outcome))
+        self._check_monitored(trainer, outcome)
 
     def _check_monitored(self, trainer: Trainer, outcome: str) -> None:
         monitor = getattr(trainer.checkpoint_callback, "monitor", None)

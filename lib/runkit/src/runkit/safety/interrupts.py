@@ -1,8 +1,7 @@
-"""The stop signals in every phase: all ranks stop together, save once, exit 128+N.
+"""Acting on a recorded stop signal in every phase: all ranks stop together, save once.
 
-:mod:`~runkit.safety.signals` records a signal; this module acts on it. Lightning's own SIGTERM
-handler broadcasts inside the handler and each rank raises on its own, so DDP ranks diverge and
-hang; :class:`GracefulInterrupt` replaces it with one all-reduce per batch boundary.
+Lightning's own SIGTERM handler broadcasts inside the handler and each rank raises on its own, so
+DDP ranks diverge and hang; :class:`GracefulInterrupt` replaces it by one all-reduce a batch.
 """
 
 from __future__ import annotations
@@ -46,7 +45,6 @@ class GracefulInterrupt(Callback):
     """Stop every rank at the same batch when any rank got a stop signal; save in fit."""
 
     def __init__(self) -> None:
-        self.saved: Path | None = None
         self._group: Any = None
         self._stopping = False
         self._limits: list[float] = []  # predict under DDP: the batches every rank runs
@@ -79,8 +77,8 @@ class GracefulInterrupt(Callback):
     def _agree(
         self, trainer: Trainer, module: Any, batch: Any, batch_idx: int, loader: int = 0
     ) -> None:
-        """One all-reduce (MAX) of the signal each rank received; an agreed stop ends the loop
-        (in fit after that batch, where a save resumes exactly)."""
+        """One all-reduce (MAX) of each rank's signal; an agreed stop ends the loop (in fit after
+        that batch, where a save resumes exactly)."""
         request = signals.request
         if self._stopping or not request.active:
             return
@@ -105,30 +103,26 @@ class GracefulInterrupt(Callback):
 
     on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _agree
 
-    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.on_validation_end(trainer, pl_module, stop=False)
-
-    def on_validation_end(
-        self, trainer: Trainer, pl_module: LightningModule, stop: bool = True
-    ) -> None:
+    def on_validation_start(self, trainer: Trainer, *args: Any, stop: bool = False) -> None:
         # A stop agreed before or during fit's validation takes effect once it is over.
         if self._stopping and _in_fit_validation(trainer):
             trainer._signal_connector.received_sigterm = stop  # private: see _agree
+
+    def on_validation_end(self, trainer: Trainer, *args: Any) -> None:
+        self.on_validation_start(trainer, stop=True)
 
     def on_exception(
         self, trainer: Trainer, pl_module: LightningModule, err: BaseException
     ) -> None:
         request = signals.request
-        if not isinstance(err, SIGTERMException) or request.agreed is None:
-            return
-        if trainer.state.fn != TrainerFn.FITTING:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if not isinstance(err, SIGTERMException) or request.agreed is None or not fitting:
             return
         if trainer.sanity_checking or trainer.global_step == 0:
             request.detail = " before the first training step (nothing to save)"
             return
         path = checkpoint_dir(trainer) / INTERRUPTED_FILE
         trainer.save_checkpoint(path, weights_only=False)  # every rank calls it; rank 0 writes
-        self.saved = path
         request.detail = (
             f" at epoch {trainer.current_epoch}, step {trainer.global_step}; saved {path}"
         )
@@ -187,22 +181,19 @@ def _stop(signum: int) -> None:
 
 def requeue_slurm_job() -> str:
     """``scontrol requeue`` this SLURM job; what happened, for the last line."""
-    job = signals.slurm_job_id()
-    if job is None:
+    if (job := signals.slurm_job_id()) is None:
         return ""
     try:
         done = subprocess.run(
             ["scontrol", "requeue", job], capture_output=True, text=True, timeout=120
         )
-    except (OSError, subprocess.SubprocessError) as err:
-        reason = str(err)
-    else:
-        if done.returncode == 0:
-            return f"; requeued SLURM job {job}"
         reason = (
-            "scontrol: "
-            + (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+            "scontrol: " + [f"exit code {done.returncode}", *done.stderr.strip().splitlines()][-1]
         )
+    except (OSError, subprocess.SubprocessError) as err:
+        done, reason = None, str(err)
+    if done and done.returncode == 0:
+        return f"; requeued SLURM job {job}"
     return f"; could not requeue SLURM job {job} ({reason}): submit it again to resume"
 
 
@@ -215,15 +206,14 @@ def resume_command(checkpoint: Path) -> str:
     """The command that resumes from ``checkpoint``, ready to paste into a shell."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     program = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
-    options = quoting.config_options(sys.argv[1:])
     try:
         from hydra.core.hydra_config import HydraConfig
 
         overrides = list(HydraConfig.get().overrides.task)
     except Exception:  # not under Hydra (a notebook, a test): the command line's
-        overrides = list(compat.hydra_args_parser().parse_known_args(sys.argv[1:])[0].overrides)
+        overrides = compat.hydra_args_parser().parse_known_args(sys.argv[1:])[0].overrides
     kept = [o for o in overrides if not o.lstrip("+~").startswith("ckpt_path=")]
-    command = quoting.command([*program, *options, *kept])
+    command = quoting.command([*program, *quoting.config_options(sys.argv[1:]), *kept])
     prefix = "".join(f"{word} " for word in quoting.environment_prefix(os.environ))
     return f"{prefix}{command} {quoting.override('ckpt_path', str(checkpoint))}"
 

@@ -1,15 +1,10 @@
 """Stop signals (:data:`STOP_SIGNALS`): recorded at once, acted on at a safe point.
 
-A handler that does real work wherever Python happens to be (inside a gloo collective) hangs DDP
-jobs, so the handler only records the signal; :mod:`runkit.safety.interrupts` acts on it at a
-batch boundary where the ranks agree, or the run ends; the process exits ``128 + signal``.
-A watcher thread hears every delivery (:func:`signal.set_wakeup_fd`) even while the main thread
-is in C++: a second stop signal quits at once without saving, and a distributed rank stuck
-``STUCK_GRACE_S`` after the signal quits too. One stop often arrives as several deliveries (a
-group's Ctrl-C, GNU ``timeout``, ``PR_SET_PDEATHSIG`` per thread): every stop signal within
-``STOP_REPEAT_S`` of the first, or after the parent died, is the same stop. Forked children
-(DataLoader workers) are left out of the stop. Standard library only: the CLI installs the
-handlers before torch loads.
+A handler doing real work wherever Python happens to be (inside a gloo collective) hangs DDP jobs,
+so it only records the signal; :mod:`runkit.safety.interrupts` acts on it at a batch boundary the
+ranks agree on. A watcher thread hears every delivery (:func:`signal.set_wakeup_fd`) even while
+the main thread is in C++: a second request quits at once, as does a rank stuck past the grace.
+Standard library only: the CLI installs the handlers before torch loads.
 """
 
 from __future__ import annotations
@@ -68,7 +63,6 @@ WARNINGS = (signal.SIGUSR1, signal.SIGUSR2)  # SLURM's notice: its SIGTERM after
 
 
 def stop_signals() -> tuple[signal.Signals, ...]:
-    """The signals of :data:`STOP_SIGNALS` that are stops in this process now."""
     return tuple(signum for signum, applies in STOP_SIGNALS.items() if applies())
 
 
@@ -91,7 +85,13 @@ def stop_on_signal(until_exit: bool = False) -> Iterator[StopRequest]:
         atexit.unregister(_at_exit)
         atexit.register(_at_exit)  # runs after the hooks torch and Lightning register
     _set(dict.fromkeys(previous, _record))
-    watcher = _Watcher(request)
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    reader.settimeout(0.5)  # wakes to check a stuck rank, and to see the block ended
+    wakeup = signal.set_wakeup_fd(writer.fileno())
+    threading.Thread(
+        target=_watch, args=(request, reader), name="signal-watch", daemon=True
+    ).start()
     try:
         yield request
     except BaseException:
@@ -99,7 +99,9 @@ def stop_on_signal(until_exit: bool = False) -> Iterator[StopRequest]:
         raise
     finally:
         request.active = False
-        watcher.close()
+        signal.set_wakeup_fd(wakeup)
+        writer.close()
+        reader.close()
         _set(dict.fromkeys(previous, _after_the_run) if until_exit else previous)
     if request.received is not None and not _started_by_rank0():
         exit_stopped(request.received)  # the work finished but a signal came
@@ -128,11 +130,15 @@ def _record(signum: int, frame: FrameType | None) -> None:
     request.received, request.received_at = signum, request.received_at or time.monotonic()
     _drop_closed_outputs()
     again = " (Ctrl-C again quits at once, without saving)" if signum == signal.SIGINT else ""
-    _say(f"\n{signal.Signals(signum).name} received: stopping at the next safe point{again}")
+    if not request.quiet:
+        _write_line(
+            f"\n{signal.Signals(signum).name} received: stopping at the next safe point{again}"
+        )
 
 
 def _second_request(stop: StopRequest, signum: int, now: float) -> bool:
-    """Whether ``signum`` at ``now`` asks again (after SLURM's warning: only the warning)."""
+    """Whether ``signum`` at ``now`` asks again: not within ``STOP_REPEAT_S`` of the first, nor
+    after the parent died (one stop delivered per thread), nor SLURM's SIGTERM after its warning."""
     first = stop.received
     same = now - stop.received_at < STOP_REPEAT_S or stop.parent not in (0, os.getppid())
     return first is not None and not same and (first not in WARNINGS or signum == first)
@@ -157,63 +163,45 @@ def quit_now(signum: int, why: str) -> None:
     os._exit(code)
 
 
-class _Watcher:
-    """Hears every signal through a wakeup socket; quits on a second request or a stuck rank."""
+def _watch(stop: StopRequest, reader: socket.socket) -> None:
+    """Hears every signal through the wakeup socket; quits on a second request or a stuck rank."""
+    stops, first, first_at, waiting = {int(s) for s in stop_signals()}, 0, 0.0, None
+    while True:
+        try:
+            data = reader.recv(64)
+        except TimeoutError:
+            data = b""
+        except OSError:
+            return  # closed: the run is over
+        now = time.monotonic()
+        for signum in (b for b in data if b in stops):
+            if not first:
+                first, first_at = signum, now
+                stop.received_at = stop.received_at or now
+            elif _second_request(stop, signum, now):
+                quit_now(signum, "again: quitting at once, without saving")
+        if first and _distributed():
+            waiting = _check_stuck(stop, first, now - first_at, waiting, now)
 
-    def __init__(self, stop: StopRequest) -> None:
-        self.stop, self.first_at = stop, 0.0  # first_at: when the first stop signal came
-        self._waiting: tuple[Any, float] | None = None  # (the main thread's call, since when)
-        self._reader, self._writer = socket.socketpair()
-        self._writer.setblocking(False)
-        self._reader.settimeout(0.5)  # wakes to check a stuck rank, and to see the block ended
-        self._previous_fd = signal.set_wakeup_fd(self._writer.fileno())
-        threading.Thread(target=self._run, name="signal-watch", daemon=True).start()
 
-    def close(self) -> None:
-        signal.set_wakeup_fd(self._previous_fd)
-        self._writer.close()
-        self._reader.close()
-
-    def _run(self) -> None:
-        stops = {int(s) for s in stop_signals()}
-        while True:
-            try:
-                data = self._reader.recv(64)
-            except TimeoutError:
-                data = b""
-            except OSError:
-                return  # closed: the run is over
-            now = time.monotonic()
-            for signum in (b for b in data if b in stops):
-                if not self.first_at:
-                    self.first_at, self.first = now, signum
-                    self.stop.received_at = self.stop.received_at or now
-                elif _second_request(self.stop, signum, now):
-                    quit_now(signum, "again: quitting at once, without saving")
-            if self.first_at and _distributed():
-                self._check_stuck(self.first, now)
-
-    def _check_stuck(self, signum: int, now: float) -> None:
-        """Quit when the handler has not run, or one torch.distributed call lasts, past the grace."""
-        if self.stop.received is None and now - self.first_at > STUCK_GRACE_S:
-            quit_now(
-                signum,
-                f"received, but this rank stayed stuck in native code for {STUCK_GRACE_S:.0f} s "
-                "(a collective waiting for another rank?); stopping without saving",
-            )
-        frame = sys._current_frames().get(threading.main_thread().ident or -1)
-        if frame is None or f"torch{os.sep}distributed{os.sep}" not in frame.f_code.co_filename:
-            self._waiting = None
-            return
+def _check_stuck(stop: StopRequest, signum: int, since: float, waiting: Any, now: float) -> Any:
+    """Quit when the handler has not run ``since`` the signal, or one torch.distributed call has
+    lasted, past the grace; returns the call the main thread waits in and since when."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    call = None
+    if frame is not None and f"torch{os.sep}distributed{os.sep}" in frame.f_code.co_filename:
         call = (frame.f_code.co_name, id(frame), frame.f_lasti)
-        if self._waiting is None or self._waiting[0] != call:
-            self._waiting = (call, now)
-        elif now - self._waiting[1] > STUCK_GRACE_S:
-            quit_now(
-                signum,
-                f"received, but this rank waited {STUCK_GRACE_S:.0f} s in torch.distributed."
-                f"{call[0]} for another rank; stopping without saving",
-            )
+        waiting = waiting if waiting and waiting[0] == call else (call, now)
+    where = "in native code" if stop.received is None and since > STUCK_GRACE_S else None
+    if call and now - waiting[1] > STUCK_GRACE_S and not where:
+        where = f"in torch.distributed.{call[0]}"
+    if where:
+        quit_now(
+            signum,
+            f"received, but this rank stayed stuck {where} for {STUCK_GRACE_S:.0f} s (waiting "
+            "for another rank?); stopping without saving",
+        )
+    return waiting if call else None
 
 
 def _distributed() -> bool:
@@ -235,26 +223,18 @@ def exit_stopped(signum: int) -> None:
             child.kill()
             child.wait()
     request.children = []
-    code = 128 + int(signum)
-    when = f"during {request.phase}"
-    if request.phase_done:
-        when = f"after {request.phase} had finished (its files are written)"
+    code, phase = 128 + int(signum), request.phase
+    when = f"after {phase} had finished (its files are written)" if request.phase_done else ""
     _drop_closed_outputs()
     name = signal.Signals(signum).name
-    _say(f"stopped by {name} {when}{request.detail}; exit code {code}", run_log=True)
-    raise SystemExit(code)
-
-
-def _say(text: str, run_log: bool = False) -> None:
-    """``text`` on stderr; ``run_log``: in the run's log files too (a closed terminal's run)."""
-    if request.quiet:
-        return
-    _write_line(text)
-    if run_log:
-        record = logging.LogRecord(__name__, logging.WARNING, __file__, 0, text, None, None)
+    line = f"stopped by {name} {when or f'during {phase}'}{request.detail}; exit code {code}"
+    if not request.quiet:  # on stderr and in the run's log files (a closed terminal's run)
+        _write_line(line)
+        record = logging.LogRecord(__name__, logging.WARNING, __file__, 0, line, None, None)
         for handler in logging.getLogger().handlers:
             if isinstance(handler, logging.FileHandler):
                 handler.handle(record)
+    raise SystemExit(code)
 
 
 def _drop_closed_outputs() -> None:
@@ -343,24 +323,21 @@ os.register_at_fork(
 )
 
 
-def slurm_job_id(environ: Mapping[str, str] | None = None) -> str | None:
+def slurm_job_id(env: Mapping[str, str] = os.environ) -> str | None:
     """This SLURM job's id; ``None`` outside a batch job (and in ``bash``/``interactive`` ones)."""
-    env = os.environ if environ is None else environ
     job = env.get("SLURM_JOB_ID", "")
     if not re.fullmatch(r"[0-9]+", job) or env.get("SLURM_JOB_NAME") in ("bash", "interactive"):
         return None
     return job
 
 
-def rank_zero(environ: Mapping[str, str] | None = None) -> bool:
+def rank_zero(env: Mapping[str, str] = os.environ) -> bool:
     """Whether this process is global rank 0 (or the only process), from the launch variables."""
-    env = os.environ if environ is None else environ
     return all(
         env.get(v, "0") in ("", "0") for v in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID")
     )
 
 
-def _started_by_rank0(environ: Mapping[str, str] | None = None) -> bool:
+def _started_by_rank0(env: Mapping[str, str] = os.environ) -> bool:
     """A DDP worker of Lightning's launcher (not torchrun's): rank 0 reports the signal."""
-    env = os.environ if environ is None else environ
     return env.get("LOCAL_RANK", "0") not in ("", "0") and "TORCHELASTIC_RUN_ID" not in env
