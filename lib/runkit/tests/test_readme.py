@@ -28,26 +28,23 @@ from conftest import clean_env, run_dirs
 ROOT = Path(__file__).resolve().parents[3]
 
 
-class _Readmes:
-    """Both READMEs and the pages they link, read as one text."""
-
-    files = (
-        ROOT / "README.md",
-        ROOT / "lib" / "runkit" / "README.md",
-        *sorted((ROOT / "lib" / "runkit" / "docs").glob("*.md")),
-        ROOT / "docs" / "library-development.md",
-    )
-
-    def read_text(self) -> str:
-        return "\n".join(path.read_text() for path in self.files)
+# Both READMEs and the pages they link, read as one text.
+READMES = (ROOT / "README.md", ROOT / "lib" / "runkit" / "README.md",
+           *sorted((ROOT / "lib" / "runkit" / "docs").glob("*.md")),
+           ROOT / "docs" / "library-development.md")  # fmt: skip
 
 
-README = _Readmes()
+def readme() -> str:
+    return "\n".join(path.read_text() for path in READMES)
+
+
 TRAIN_COMMAND = "bash scripts/setup.sh && .venv/bin/python -m project.train"
 TEST_COMMAND = "bash scripts/setup.sh && .venv/bin/python -m pytest"
-# Appended to every RUN command that trains but the debug presets: the README's epochs repeat
-# one epoch's code path; "Your own model and data" runs with its own epochs (SECTION).
+# Appended to every RUN command that trains: the README's epochs repeat one epoch's code path, and
+# a narrower ConvNet runs the same code (the debug presets keep their own epochs and batches;
+# "Your own model and data" runs with its own epochs: SECTION).
 BUDGET = ("trainer.max_epochs=1", "data.batch_size=256", "callbacks.progress_bar.refresh_rate=0")
+NARROW = "model.net.channels=[8,16]"
 MARKER = re.compile(r"^<!-- not run by the README test: (.+) -->$")
 RUN, CLI, COMPOSE_ONLY, DRY, SKIP, SECTION = "run", "cli", "compose-only", "dry", "skip", "section"
 
@@ -143,7 +140,7 @@ def of(how: str) -> list[str]:
 
 def readme_commands(text: str | None = None) -> list[str]:
     """Every command of the ``bash`` blocks: continuation lines joined, comments removed."""
-    text = README.read_text() if text is None else text
+    text = readme() if text is None else text
     commands = []
     for block in re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M):
         for line in block.replace("\\\n", " ").splitlines():
@@ -180,7 +177,7 @@ def test_every_readme_command_is_checked_and_every_check_is_in_readme() -> None:
 
 def test_every_command_of_an_unmarked_block_runs() -> None:
     blocks = 0
-    for path in README.files:
+    for path in READMES:
         lines = path.read_text().splitlines(keepends=True)
         for i in (i for i, line in enumerate(lines) if line == "```bash\n"):
             blocks += 1
@@ -189,17 +186,17 @@ def test_every_command_of_an_unmarked_block_runs() -> None:
                     not in (RUN, CLI, SECTION)]  # fmt: skip
             marked = MARKER.match(lines[i - 1].strip())
             assert bool(idle) == bool(marked), f"{path.name}: marker and commands disagree: {idle}"
-    assert blocks == README.read_text().count("```bash\n")
+    assert blocks == readme().count("```bash\n")
 
 
 def test_fresh_machine_commands_are_in_readme_and_ci_runs_the_test_one() -> None:
-    text = README.read_text()
+    text = readme()
     assert f"```bash\n{TRAIN_COMMAND}\n```" in text and f"```bash\n{TEST_COMMAND}\n```" in text
     assert TEST_COMMAND in (ROOT / ".ci" / "run").read_text().splitlines()
 
 
 def test_layout_names_files_that_exist() -> None:
-    listing = re.search(r"```text\n(.*?)```", README.read_text().split("## Layout", 1)[1], re.S)
+    listing = re.search(r"```text\n(.*?)```", readme().split("## Layout", 1)[1], re.S)
     assert listing
     parent, checked = "", 0
     for line in listing.group(1).splitlines():
@@ -216,7 +213,7 @@ def test_layout_names_files_that_exist() -> None:
 
 
 def test_config_group_table_names_real_options() -> None:
-    rows = re.findall(r"^\| `(\w+)` \| (.*?) \|", README.read_text(), flags=re.M)
+    rows = re.findall(r"^\| `(\w+)` \| (.*?) \|", readme(), flags=re.M)
     groups = {group: options for group, options in rows if (ROOT / "configs" / group).is_dir()}
     assert {"data", "model", "trainer", "callbacks", "logger", "debug", "experiment"} <= set(groups)
     for group, options in groups.items():
@@ -275,11 +272,13 @@ def test_cli_and_dry_run_commands(tmp_path: Path) -> None:
 
 
 def budget(command: str) -> tuple[str, ...]:
-    """:data:`BUDGET` less the keys ``command`` sets; nothing for a debug preset or no training."""
-    if "project.train" not in command or "debug=" in command:
+    """:data:`BUDGET` less the keys ``command`` sets (none for a debug preset), and :data:`NARROW`
+    where it trains the default ConvNet; nothing where it does not train."""
+    if "project.train" not in command:
         return ()
     own = {word.partition("=")[0] for word in shlex.split(command)}
-    return tuple(o for o in BUDGET if o.partition("=")[0] not in own)
+    kept = () if "debug" in own else tuple(o for o in BUDGET if o.partition("=")[0] not in own)
+    return (*kept, *(() if own & {"model", "experiment"} else (NARROW,)))
 
 
 @pytest.mark.slow
@@ -350,7 +349,7 @@ def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
     assert all((d / "predictions.pt").is_file() for d in run_dirs(logs, "predict"))
 
     # The snippets that load model.pth: onto the chosen device, and with a longer allow-list.
-    snippets = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+    snippets = re.findall(r"^```python\n(.*?)^```", readme(), flags=re.S | re.M)
     outputs = []
     for snippet in (s for s in snippets if "load_network" in s):
         code = snippet.replace("logs/train/runs/<run>", str(first.relative_to(tmp_path)))
@@ -366,13 +365,13 @@ def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
 
 
 def _row(test_id: str) -> str:
-    (row,) = [line for line in README.read_text().splitlines() if line.startswith(f"| `{test_id}`")]
+    (row,) = [line for line in readme().splitlines() if line.startswith(f"| `{test_id}`")]
     return row
 
 
 def test_readme_tells_the_flow_in_its_own_words() -> None:
     """No reference to an article the reader cannot see; the flow is spelled out, in order."""
-    text = README.read_text()
+    text = readme()
     assert "article" not in text.lower()
     flow = text.split("**The flow.**", 1)[1].split("\n\n", 1)[0]
     steps = ["check the GPUs", "train on the CPU", "choose which", "build the data and the model",
@@ -395,7 +394,7 @@ def test_the_ddp_row_claims_what_its_test_asserts() -> None:
 
 
 def test_the_makefile_and_fast_test_claims() -> None:
-    text = " ".join(README.read_text().split())
+    text = " ".join(readme().split())
     assert (
         "They run `.venv/bin/python` when there is a `.venv`, else the `python3` on `PATH`" in text
     )

@@ -20,12 +20,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_readme import CHECKS, README, SECTION
+from test_readme import CHECKS, READMES, SECTION
 
 from conftest import clean_env
 
 ROOT = Path(__file__).resolve().parents[3]
-READMES = README.files
 OWN = (ROOT / "lib" / "runkit" / "docs" / "own-model-and-data.md", "# Your own model and data")
 SECTIONS = [OWN]  # (file, heading) run as written, each by a test below
 

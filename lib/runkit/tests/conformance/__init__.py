@@ -35,24 +35,12 @@ TRAINER: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class Member:
-    """One corpus member: ``configs/model/<name>.yaml`` with ``configs/data/<name>.yaml``.
-
-    Args:
-        name: the config name of its model and data.
-        monitor: the key checkpoints follow and its mode (``None``: the module logs no
-            validation figure, so there is no best checkpoint, as under plain Lightning).
-        ddp: also run as DDP x2 on the CPU.
-        exact_resume: a resumed run ends with the same weights as one that did not stop (false
-            for data that draws from torch's generator while it is iterated and keeps no state).
-        draws_random: the module or its data draws from torch's generator while it trains
-            (dropout, augmentation, iterable data): the template seeds every epoch from
-            ``(seed, epoch)`` (``runkit.safety.resume.ResumeState``, what makes resume exact), so
-            its oracle is plain Lightning plus that one callback.
-        fixed_test_data: the test split is the same whenever it is set up (false for data drawn
-            from torch's generator in ``setup`` or while iterated, as in Lightning's
-            ``IterableBoringDataModule``: eval, which starts from the seed, then sees other
-            samples than the test after fit, which starts where training left the generator).
-    """
+    """``configs/{model,data}/<name>.yaml``. ``monitor``: the checkpoint's key and mode (None: no
+    validation figure, no best checkpoint); ``ddp``: also DDP x2 on the CPU; ``exact_resume``:
+    false for data drawing from torch's generator without state; ``draws_random``: the oracle
+    adds ``ResumeState`` (the template reseeds each epoch from ``(seed, epoch)``);
+    ``fixed_test_data``: false where the test split is drawn from the generator (eval then sees
+    other samples than the test after fit)."""
 
     name: str
     monitor: tuple[str, str] | None
@@ -97,14 +85,8 @@ MEMBERS = {
 
 @dataclass(frozen=True)
 class Feature:
-    """A feature of Lightning's LightningModule / DataModule documentation in the corpus.
-
-    Args:
-        name: the feature, as the README's table shows it.
-        member: the corpus member that has it.
-        template: what the template does with it (the README's third column).
-        present: whether the member's classes (model, data) have it: the table's claim, checked.
-    """
+    """A feature of Lightning's module/data documentation: the member that has it, what the
+    template does with it (the table's third column), ``present(model, data)``: the claim."""
 
     name: str
     member: str
