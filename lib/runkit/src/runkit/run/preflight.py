@@ -178,7 +178,12 @@ def check_targets(node: DictConfig, path: str) -> None:
             + f"; remove {'it' if one else 'them'} with "
             + " ".join(f"~{path}.{k}" for k in unknown)
         )
-    hints = _hints(target)
+    _check_types(node, path, _hints(target), keys)
+    if node.get("_partial_") is True:
+        _try_partial(node, path, target)
+
+
+def _check_types(node: DictConfig, path: str, hints: dict[str, Any], keys: list[str]) -> None:
     for key in keys:  # an int, float, bool or str (or Optional of one); an int for a float is fine
         hint = hints.get(key)
         args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, UnionType) else ()
@@ -199,8 +204,6 @@ def check_targets(node: DictConfig, path: str) -> None:
             name = str(hint).replace("typing.", "")
             name = name if typing.get_origin(hint) else getattr(hint, "__name__", name)
             raise RunError(f"{path}.{key}={value!r} has the wrong type; expected {name}")
-    if node.get("_partial_") is True:
-        _try_partial(node, path, target)
 
 
 @functools.cache
