@@ -374,37 +374,44 @@ def test_the_choice_follows_the_fresh_measurement_not_the_inventory(clock, locks
     assert claims.claimed_uuids() == ((MIG,) if chosen == 0 else (UUIDS[1],))
 
 
-def test_claimed_gpus_are_skipped_and_time_out_names_every_gpu(clock, locks):
-    machine(clock, FakeGpu(memory_used=10 * GIB), FakeGpu(memory_used=70 * GIB), FakeGpu(util_gpu=95))  # fmt: skip
-    other_run = other_run_holds(locks, UUIDS[0])
-    policy = SelectionPolicy(min_free_gib=20, max_util_percent=50, lock_dir=str(locks))
-    assert refused(claims.wait_and_claim, inventory(3), 1, policy) == (
-        "select_gpus=least_used found 0 of the 1 GPU(s) wanted with gpu_wait_s=0: "
-        f"cuda:0 claimed by another run (pid {os.getpid()}); "
-        "cuda:1 10.0 GiB free < gpu_min_free_gib=20; "
-        "cuda:2 utilization 95% (mean over 1 s) > gpu_max_util=50"
-    )
-    assert claims.claimed_uuids() == ()
-    os.close(other_run)
-    assert claims.wait_and_claim(inventory(3), 1, policy)[0] == [0]
-    assert claims.claimed_uuids() == (UUIDS[0],)
+HELD = "claimed by another run (pid {pid})"
+NO_NVML = "memory unreadable (NVML is not available (Driver Not Loaded))"
 
 
-def test_too_few_gpus_claimed_are_given_back_and_the_error_names_each(clock, locks):
-    machine(clock, FakeGpu(), FakeGpu(), FakeGpu())
-    held = [other_run_holds(locks, u) for u in UUIDS[:2]]
-    pid = os.getpid()
-    assert refused(
-        claims.wait_and_claim, inventory(3), 2, SelectionPolicy(lock_dir=str(locks))
-    ) == (
-        "select_gpus=least_used found 1 of the 2 GPU(s) wanted with gpu_wait_s=0: "
-        f"cuda:0 claimed by another run (pid {pid}); cuda:1 claimed by another run (pid {pid}); "
-        "cuda:2 qualifies"
+@pytest.mark.parametrize(
+    ("loads", "held", "policy", "wanted", "why", "after"),
+    [
+        # claimed GPUs are skipped and the time-out names every GPU; a released one is claimed
+        ([dict(memory_used=10 * GIB), dict(memory_used=70 * GIB), dict(util_gpu=95)], 1,
+         dict(min_free_gib=20, max_util_percent=50), 1,
+         f"found 0 of the 1 GPU(s) wanted with gpu_wait_s=0: cuda:0 {HELD}; "
+         "cuda:1 10.0 GiB free < gpu_min_free_gib=20; cuda:2 utilization 95% (mean over 1 s) > gpu_max_util=50",
+         [0]),
+        # too few: the one claimed is given back
+        ([{}, {}, {}], 2, {}, 2,
+         f"found 1 of the 2 GPU(s) wanted with gpu_wait_s=0: cuda:0 {HELD}; cuda:1 {HELD}; cuda:2 qualifies",
+         [0, 1]),
+        # NVML failing when measuring leaves no GPU qualified
+        ([{}, {}], 0, None, 1,
+         f"found 0 of the 1 GPU(s) wanted with gpu_wait_s=0: cuda:0 {NO_NVML}; cuda:1 {NO_NVML}", None),
+    ],
+)  # fmt: skip
+def test_a_refusal_names_every_gpu_and_keeps_no_claim(clock, locks, loads, held, policy, wanted, why, after):  # fmt: skip
+    machine(clock, *(FakeGpu(**load) for load in loads))
+    inv = inventory(len(loads))
+    fds = [other_run_holds(locks, u) for u in UUIDS[:held]]
+    if policy is None:
+        nvml.use_library(FakeNvml(2, init_error="driver_not_loaded"))
+    chosen = SelectionPolicy(**(policy or {}), lock_dir=str(locks))
+    assert refused(claims.wait_and_claim, inv, wanted, chosen) == (
+        "select_gpus=least_used " + why.format(pid=os.getpid())
     )
     assert claims.claimed_uuids() == ()
-    held.append(other_run_holds(locks, UUIDS[2]))  # the third was given back
-    for fd in held:
+    for fd in fds + [other_run_holds(locks, u) for u in UUIDS[held : len(loads)]]:  # all free
         os.close(fd)
+    if after is not None:
+        assert claims.wait_and_claim(inv, wanted, chosen)[0] == after
+        assert claims.claimed_uuids() == tuple(UUIDS[i] for i in after)
 
 
 def test_a_run_waits_logging_once_a_minute_until_another_run_lets_go(
@@ -479,17 +486,6 @@ def test_without_readings_thresholds_and_waits_are_refused_and_plain_least_used_
             "readings, but there are none (NVML is not available (Driver Not Loaded)); "
             "use select_gpus=first"
         )
-
-
-def test_nvml_failing_when_measuring_leaves_no_gpu_qualified(clock, locks):
-    machine(clock, FakeGpu(), FakeGpu())
-    inv = inventory(2)
-    nvml.use_library(FakeNvml(2, init_error="driver_not_loaded"))
-    why = "memory unreadable (NVML is not available (Driver Not Loaded))"
-    assert refused(claims.wait_and_claim, inv, 1, SelectionPolicy(lock_dir=str(locks))) == (
-        "select_gpus=least_used found 0 of the 1 GPU(s) wanted with gpu_wait_s=0: "
-        f"cuda:0 {why}; cuda:1 {why}"
-    )
 
 
 # ------------------------------------------------------------------------- two real launches
