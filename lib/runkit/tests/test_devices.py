@@ -259,9 +259,15 @@ def test_old_drivers_and_typed_fields_read_as_the_same_figures(value_type, expec
 
 
 # ------------------------------------------------------------------------- CUDA_VISIBLE_DEVICES
-@pytest.mark.parametrize(
-    ("value", "expected"),
-    [
+def invalid(entry: str, why: str, ignored: str) -> str:
+    return f"CUDA_VISIBLE_DEVICES entry {entry!r} {why}; CUDA stops at the first invalid entry, so {ignored!r} is ignored."  # fmt: skip
+
+
+NOT_INDICES = "is not of the list's kind (indices, set by its first entry)"
+NOT_GPU = "is not of the list's kind (GPU- UUIDs, set by its first entry)"
+
+
+VISIBLE = [
         (None, [UUID0, UUID1, UUID2, MIG30, MIG31]),  # a MIG-mode GPU shows its slices
         ("0,1", [UUID0, UUID1]), ("2,0", [UUID2, UUID0]),  # reordering: cuda:0 is physical GPU 2
         ("3", [MIG30, MIG31]), (UUID2, [UUID2]), (f"{UUID1},{UUID0}", [UUID1, UUID0]),
@@ -277,39 +283,29 @@ def test_old_drivers_and_typed_fields_read_as_the_same_figures(value_type, expec
         (f"2,{UUID2}", [UUID2]), (f"{UUID2},0", [UUID2]),  # another kind ends the list, as in torch
         (f"{UUID1}, {UUID0}", [UUID1]),  # torch compares UUID entries unstripped
         (f" {UUID1}", []),  # ... and a blank first makes it a list of indices
-    ],
-)  # fmt: skip
-def test_cuda_visible_devices(physical, value, expected):
-    visible, _notes = apply_visible_devices(physical, value, "PCI_BUS_ID")
-    assert uuids(visible) == expected
-
-
-def invalid(entry: str, why: str, ignored: str) -> str:
-    return f"CUDA_VISIBLE_DEVICES entry {entry!r} {why}; CUDA stops at the first invalid entry, so {ignored!r} is ignored."  # fmt: skip
-
-
-NOT_INDICES = "is not of the list's kind (indices, set by its first entry)"
-NOT_GPU = "is not of the list's kind (GPU- UUIDs, set by its first entry)"
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    ("value", "notes"),
+    ("value", "expected", "notes"),
     [
-        ("0,2,-1,1", [invalid("-1", "names no GPU here", "-1,1")]),
-        ("GPU-nope", [invalid("GPU-nope", "names no GPU here", "GPU-nope")]),
-        (f"{UUID2},GPU-aaaa", [invalid("GPU-aaaa", "matches more than one GPU", "GPU-aaaa")]),
-        ("1,GPU-aaaa", [invalid("GPU-aaaa", NOT_INDICES, "GPU-aaaa")]),
-        (f"0,{MIG30}", [invalid(MIG30, NOT_INDICES, MIG30)]),
-        (f"{UUID0},1", [invalid("1", NOT_GPU, "1")]),
-        (f"{UUID0}, {UUID1}", [invalid(f" {UUID1}", NOT_GPU, f" {UUID1}")]),
-        (f"{MIG30},0", [invalid("0", "is not of the list's kind (MIG- UUIDs, set by its first entry)", "0")]),
-        ("", ["CUDA_VISIBLE_DEVICES is empty, which hides every GPU."]),
-        ("1,1", ["CUDA_VISIBLE_DEVICES names '1' twice; CUDA then shows no GPU at all."]),
-        ("0,1", []),
+        *[(value, expected, None) for value, expected in VISIBLE],
+        ("0,2,-1,1", [UUID0, UUID2], [invalid("-1", "names no GPU here", "-1,1")]),
+        ("GPU-nope", [], [invalid("GPU-nope", "names no GPU here", "GPU-nope")]),
+        (f"{UUID2},GPU-aaaa", [UUID2], [invalid("GPU-aaaa", "matches more than one GPU", "GPU-aaaa")]),
+        ("1,GPU-aaaa", [UUID1], [invalid("GPU-aaaa", NOT_INDICES, "GPU-aaaa")]),
+        (f"0,{MIG30}", [UUID0], [invalid(MIG30, NOT_INDICES, MIG30)]),
+        (f"{UUID0},1", [UUID0], [invalid("1", NOT_GPU, "1")]),
+        (f"{UUID0}, {UUID1}", [UUID0], [invalid(f" {UUID1}", NOT_GPU, f" {UUID1}")]),
+        (f"{MIG30},0", [MIG30], [invalid("0", "is not of the list's kind (MIG- UUIDs, set by its first entry)", "0")]),
+        ("", [], ["CUDA_VISIBLE_DEVICES is empty, which hides every GPU."]),
+        ("1,1", [], ["CUDA_VISIBLE_DEVICES names '1' twice; CUDA then shows no GPU at all."]),
+        ("0,1", [UUID0, UUID1], []),
     ],
 )  # fmt: skip
-def test_what_cuda_ignores_is_explained(physical, value, notes):
-    assert apply_visible_devices(physical, value, "PCI_BUS_ID")[1] == notes
+def test_cuda_visible_devices_and_what_cuda_ignores(physical, value, expected, notes):
+    visible, said = apply_visible_devices(physical, value, "PCI_BUS_ID")
+    assert uuids(visible) == expected and notes in (None, said)
 
 
 def mig_slice(uuid: str, parent: str, gi: int | None, ci: int = 0) -> Gpu:
