@@ -222,9 +222,8 @@ class OddDriver(FakeNvml):
 def test_the_reader_reads_every_board_figure_in_nvml_units_from_the_board_of_a_slice():
     figures = dict(clock_sm_mhz=1410, clocks_event_reasons=4, energy_mj=123_456, fan_pct=55, pcie_tx_kbs=10,
                    pcie_rx_kbs=20, ecc_uncorrected=3, memory_temperature=71)  # fmt: skip
-    lib = FakeNvml(
-        [FakeGpu(**figures, mig=[FakeGpu(memory_total=10 * GIB)]), FakeGpu()], clock=lambda: 0.0
-    )
+    board0 = FakeGpu(**figures, mig=[FakeGpu(memory_total=10 * GIB)])
+    lib = FakeNvml([board0, FakeGpu()], clock=lambda: 0.0)
     lib.nvmlInit()
     gpu = lib.nvmlDeviceGetHandleByIndex(0)
     for handle in (gpu, lib.nvmlDeviceGetMigDeviceHandleByIndex(gpu, 0)):
@@ -238,7 +237,6 @@ def test_the_reader_reads_every_board_figure_in_nvml_units_from_the_board_of_a_s
     assert not other.is_mig and other.index() == 1
     with pytest.raises(lib.NVMLError):
         other.memory_temperature_c()  # not reported by that board
-    lib.nvmlShutdown()
 
 
 @pytest.mark.parametrize(
@@ -255,7 +253,6 @@ def test_old_drivers_and_typed_fields_read_as_the_same_figures(value_type, expec
     lib.result = lib.NVML_ERROR_NOT_SUPPORTED
     with pytest.raises(lib.NVMLError_NotSupported):
         reader.memory_temperature_c()
-    lib.nvmlShutdown()
 
 
 # ------------------------------------------------------------------------- CUDA_VISIBLE_DEVICES
@@ -655,8 +652,7 @@ def rank0(gpus: list[int], request: str = "devices=2 CUDA_VISIBLE_DEVICES=None",
 
 
 def test_a_ddp_child_reuses_rank_zero_choice_despite_different_load():
-    # The child re-runs the command: LOCAL_RANK is set, the record comes from another pid (rank 0),
-    # and meanwhile the load moved so that a fresh choice would be [0, 1].
+    # a child (LOCAL_RANK set, the record from rank 0's pid) keeps [1, 2]; a fresh choice: [0, 1]
     moved = machine(3)
     assert resolve_devices("gpu", 2, select="least_used", inventory=moved, environ={}).devices == [0, 1]  # fmt: skip
     for accelerator in ("gpu", "cuda"):
