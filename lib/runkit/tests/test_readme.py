@@ -1,13 +1,5 @@
-"""README.md stays true: every command of its ``bash`` blocks is checked, its tables name real files.
-
-:data:`CHECKS` says how each command is proven: ``RUN`` for real in one directory, in order, with
-:data:`BUDGET` appended to what trains (the first in a fresh interpreter, the rest forked from the
-prewarmed server); ``CLI`` exactly as written; ``COMPOSE_ONLY`` composed by Hydra (needs GPUs);
-``DRY`` as ``make -n`` or ``pytest --collect-only``; ``SECTION`` run with its section's files by
-``test_readme_sections.py``; ``SKIP`` with a reason. A README command missing from CHECKS fails, and
-so does a stale entry. A block whose commands do not all run is marked on the line before it with
-``<!-- not run by the README test: <why> -->``.
-"""
+"""README.md stays true: :data:`CHECKS` says how each ``bash`` command is proven (RUN, CLI as
+written, COMPOSE_ONLY, DRY, SECTION, SKIP with a reason); a block not all run is marked as such."""
 
 from __future__ import annotations
 
@@ -28,7 +20,6 @@ from conftest import clean_env, run_dirs
 ROOT = Path(__file__).resolve().parents[3]
 
 
-# Both READMEs and the pages they link, read as one text.
 READMES = (ROOT / "README.md", ROOT / "lib" / "runkit" / "README.md",
            *sorted((ROOT / "lib" / "runkit" / "docs").glob("*.md")),
            ROOT / "docs" / "library-development.md")  # fmt: skip
@@ -40,9 +31,7 @@ def readme() -> str:
 
 TRAIN_COMMAND = "bash scripts/setup.sh && .venv/bin/python -m project.train"
 TEST_COMMAND = "bash scripts/setup.sh && .venv/bin/python -m pytest"
-# Appended to every RUN command that trains: the README's epochs repeat one epoch's code path, and
-# a narrower ConvNet runs the same code (the debug presets keep their own epochs and batches;
-# "Your own model and data" runs with its own epochs: SECTION).
+# Appended to RUN commands that train: one epoch, a narrower ConvNet run the same code path.
 BUDGET = ("trainer.max_epochs=1", "data.batch_size=256", "callbacks.progress_bar.refresh_rate=0")
 NARROW = "model.net.channels=[8,16]"
 MARKER = re.compile(r"^<!-- not run by the README test: (.+) -->$")
@@ -162,10 +151,6 @@ def split(command: str) -> tuple[dict[str, str], list[str]]:
     return env, words
 
 
-# ------------------------------------------------------------------------------------------------
-# Fast checks
-
-
 def test_every_readme_command_is_checked_and_every_check_is_in_readme() -> None:
     commands = readme_commands()
     unchecked, stale = set(commands) - CHECKS.keys(), CHECKS.keys() - set(commands)
@@ -233,15 +218,10 @@ def test_composed_commands(command: str) -> None:
         compose(config_name=words[2].removeprefix("project."), overrides=overrides)
 
 
-# ------------------------------------------------------------------------------------------------
-# Commands that run
-
-
 def _run(
     command: str, cwd: Path, extra: tuple[str, ...] = (), fresh: bool = False
 ) -> subprocess.CompletedProcess:
-    """``command`` as written (and ``extra``) in ``cwd``, forked from the prewarmed server unless
-    ``fresh``; it must succeed."""
+    """``command`` as written (and ``extra``) in ``cwd``, forked unless ``fresh``; it must pass."""
     env, words = split(command)
     result = (subprocess.run if fresh else prewarmed.run)(
         [*words, *extra], cwd=cwd, env=clean_env(**env), capture_output=True, text=True,
@@ -253,8 +233,7 @@ def _run(
 
 @pytest.mark.slow
 def test_cli_and_dry_run_commands(tmp_path: Path) -> None:
-    """CLI commands as written (none starts a run); DRY ones name real targets and tests, side by
-    side (each collection is a fresh interpreter importing torch, writing nothing)."""
+    """CLI commands as written (none starts a run); DRY ones name real targets and tests."""
 
     def one(command: str) -> None:
         make = ("PY=" + sys.executable,) if command.startswith("make") else ()
@@ -272,8 +251,7 @@ def test_cli_and_dry_run_commands(tmp_path: Path) -> None:
 
 
 def budget(command: str) -> tuple[str, ...]:
-    """:data:`BUDGET` less the keys ``command`` sets (none for a debug preset), and :data:`NARROW`
-    where it trains the default ConvNet; nothing where it does not train."""
+    """:data:`BUDGET` less the keys ``command`` sets, and :data:`NARROW` for the default ConvNet."""
     if "project.train" not in command:
         return ()
     own = {word.partition("=")[0] for word in shlex.split(command)}
@@ -283,8 +261,7 @@ def budget(command: str) -> tuple[str, ...]:
 
 @pytest.mark.slow
 def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
-    """Every RUN command in one directory: first the run the others evaluate, resume and plot,
-    then the rest in the README's order."""
+    """Every RUN command in one directory: first the run the others use, then the rest."""
     logs, ran, places = tmp_path / "logs", [], {}
     multiruns = logs / "train" / "multiruns"
 
@@ -337,8 +314,7 @@ def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
     run(f"{T} debug=fdr")
     assert run_dirs(logs, "debug")
 
-    # Every other command that trains, each a run of its own (DDP and FSDP on 2 CPU processes);
-    # predict's runs go to logs/predict/, each with its predictions.
+    # Every other command that trains, each a run of its own; predict's write their predictions.
     def counted() -> int:
         return sum(len(run_dirs(logs, task)) for task in ("train", "debug", "predict"))
 
@@ -360,17 +336,12 @@ def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
     assert len(outputs) == 2 and re.fullmatch(r"tensor\(\[(\d, ){4}\d\]\)\n", outputs[0])
 
 
-# ------------------------------------------------------------------------------------------------
-# Claims in README's prose and tables
-
-
 def _row(test_id: str) -> str:
     (row,) = [line for line in readme().splitlines() if line.startswith(f"| `{test_id}`")]
     return row
 
 
 def test_readme_tells_the_flow_in_its_own_words() -> None:
-    """No reference to an article the reader cannot see; the flow is spelled out, in order."""
     text = readme()
     assert "article" not in text.lower()
     flow = text.split("**The flow.**", 1)[1].split("\n\n", 1)[0]
