@@ -1,6 +1,5 @@
-"""The speed switches (runkit.speed and their config keys: what each does, where it is a no-op,
-bad values in one line) and the no-sync promise: a step of the default loop reads nothing back
-from the device. No test measures time (benchmarks/ prints ratios)."""
+"""The speed switches (what each does, where it is a no-op, bad values in one line) and the no-sync
+promise: a step of the default loop reads nothing back from the device."""
 
 from __future__ import annotations
 
@@ -60,9 +59,7 @@ def test_config_defaults_are_the_fast_safe_choices() -> None:
     assert cfg.data.num_workers == "auto" and cfg.data.pin_memory == "auto"
 
 
-def test_cuda_indices_follow_the_trainer_meaning_of_devices(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_cuda_indices_follow_the_trainer_meaning_of_devices(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert speed.cuda_indices("auto", 1) == speed.cuda_indices("gpu", 2) == []
     _fake_cuda(monkeypatch, 4, (9, 0))
@@ -75,9 +72,7 @@ def test_cuda_indices_follow_the_trainer_meaning_of_devices(
         assert speed.cuda_indices(accelerator, devices) == expected, devices
 
 
-def test_tf32_and_bf16_only_where_every_gpu_has_them(
-    monkeypatch: pytest.MonkeyPatch, restore_matmul_precision: Any
-) -> None:
+def test_tf32_and_bf16_only_where_every_gpu_has_them(monkeypatch, restore_matmul_precision) -> None:
     torch.set_float32_matmul_precision("highest")
     assert speed.apply_matmul_precision("high", []) == "highest"  # the CPU: left alone
     assert speed.resolve_precision("auto", []) == "32-true"
@@ -94,28 +89,24 @@ def test_tf32_and_bf16_only_where_every_gpu_has_them(
 
 
 BAD_VALUES = {
-    "matmul_precision='tf32' is invalid; expected one of": lambda: speed.apply_matmul_precision(
-        "tf32", []
+    "matmul_precision='tf32' is invalid; expected one of": (speed.apply_matmul_precision, "tf32"),
+    "precision='fp8' is invalid; expected auto or one of": (speed.resolve_precision, "fp8"),
+    "keep_freed_memory='yes' is invalid; expected true or false$": (speed.keep_freed_memory, "yes"),
+    r"data\.pin_memory='yes' is invalid; expected": (
+        lambda v, *_: DigitsDataModule(pin_memory=v),
+        "yes",
     ),
-    "precision='fp8' is invalid; expected auto or one of": lambda: speed.resolve_precision(
-        "fp8", []
-    ),
-    "keep_freed_memory='yes' is invalid; expected true or false$": lambda: speed.keep_freed_memory(
-        "yes"
-    ),
-    r"data\.pin_memory='yes' is invalid; expected": lambda: DigitsDataModule(pin_memory="yes"),
 }
 
 
 @pytest.mark.parametrize("message", BAD_VALUES)
 def test_a_bad_value_is_one_line(message: str) -> None:
+    function, value = BAD_VALUES[message]
     with pytest.raises(RunError, match=f"^{message}"):
-        BAD_VALUES[message]()
+        function(value) if function is speed.keep_freed_memory else function(value, [])
 
 
-# A fresh interpreter (the allocator's settings are the process's) frees and allocates again what
-# a training step does, 16 blocks of 4 MB, and prints the pages it faulted in over five such
-# rounds after the first: with glibc's defaults (switch off), then with the switch on.
+# A fresh interpreter churns 16 blocks of 4 MB per step; pages faulted in, switch off then on.
 _CHURN = """
 import resource, torch
 from runkit import speed
@@ -162,7 +153,7 @@ def _sees_channels_last(net: ConvNet) -> bool:
 
 
 def test_channels_last_applies_to_conv_nets_on_cuda_only_and_a_missing_network_is_left_alone(
-    stand_in_trainer: Any, caplog: pytest.LogCaptureFixture
+    stand_in_trainer, caplog
 ) -> None:
     switches = speed.NetworkSpeedups(channels_last=True)
     module = ClassifierModule(ConvNet(in_channels=3, channels=(4, 8)), torch.optim.SGD)
@@ -230,15 +221,9 @@ def test_the_configured_network_is_compiled_in_place_once_and_trains(tmp_path: P
     assert model.net._compiled_call_impl is compiled  # fit, then test: compiled once
 
 
-# tests/host_reads.py counts, at the operator, every read of a tensor value by the host made in
-# a training or validation step window; on a GPU each read of a GPU tensor waits for the device.
 @pytest.mark.parametrize("strategy", ["auto", "dp"])
-def test_a_step_reads_no_device_tensor_and_logs_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: str
-) -> None:
-    """The template's default loop (module, ConvNet, metrics, CSV logger, progress bar,
-    checkpointing, GPU statistics) makes no host read of a tensor and no ``log`` call in any
-    training or validation step; with ``strategy=dp`` (test_dp.py's CPU stand-in) as well."""
+def test_a_step_reads_no_device_tensor_and_logs_nothing(tmp_path, monkeypatch, strategy) -> None:
+    """The default loop makes no host read of a tensor and no ``log`` call in any step (host_reads)."""
     from test_dp import CpuSplitDP
 
     cfg = _compose(
@@ -268,9 +253,7 @@ def test_a_step_reads_no_device_tensor_and_logs_nothing(
 
 
 def test_the_probe_names_the_operator_and_the_line_of_each_read() -> None:
-    """The probe catches what a GPU run would wait for, with the operator and the line (the NaN
-    check torchmetrics runs by default, batch norm's epoch average), and lets pass what costs
-    nothing there."""
+    """The probe names what a GPU run would wait for, and lets pass what costs nothing there."""
     from torchmetrics import MeanMetric
 
     # Made before the window, as the batch, the module and its metrics are: accelerator data.
@@ -306,10 +289,7 @@ def _settings(*overrides: str) -> dict[str, Any]:
 
 
 def test_trainer_settings_follow_the_precision_memory_and_profiler_keys(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    restore_matmul_precision: Any,
-    caplog: pytest.LogCaptureFixture,
+    tmp_path, monkeypatch, restore_matmul_precision, caplog
 ) -> None:
     from lightning.pytorch.profilers import SimpleProfiler
 
@@ -345,9 +325,7 @@ def test_trainer_settings_follow_the_precision_memory_and_profiler_keys(
     assert torch.get_float32_matmul_precision() == "high"
 
 
-def test_train_builds_its_trainer_with_these_settings(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_train_builds_its_trainer_with_these_settings(tmp_path, monkeypatch) -> None:
     from tinyapp import train as train_module
 
     seen: dict[str, Any] = {}
