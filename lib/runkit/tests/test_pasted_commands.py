@@ -49,9 +49,6 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error: ")]
 
 
-# The function every printing site uses
-
-
 def test_override_survives_bash_and_hydra_for_hostile_and_random_values_keeping_type() -> None:
     scalars = [*HOSTILE, 16, -1, 0.5, True, False, None]
     alphabet, rng = list(" é日'\"\\$={}[](),:;|&<>`~!?*#%@+-./_\t\nab01"), random.Random(24)
@@ -127,9 +124,6 @@ def test_resume_command_pastes_back_the_overrides_and_the_checkpoint(monkeypatch
     assert config_value(words[program]) == "/data/it's $HOME=a,b [x] é"
 
 
-# The real CLI: print, paste, run
-
-
 @pytest.mark.slow
 def test_resume_command_printed_after_ctrl_c_resumes_when_pasted_into_bash(tmp_path: Path) -> None:
     log_dir = tmp_path / "it's $HOME=a,b [x] é"
@@ -190,9 +184,6 @@ def test_a_hint_keeps_a_hostile_value_when_pasted(cli, tmp_path, typed, before_h
     assert shown.returncode == 0, shown.stderr[-2000:]
     value = f"{tmp_path}/{HOSTILE_DIR}" if key == "paths.log_dir" else HOSTILE_DIR
     assert OmegaConf.select(OmegaConf.create(shown.stdout), key) == value
-
-
-# Sweeps
 
 
 @pytest.mark.slow
