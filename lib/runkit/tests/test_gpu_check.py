@@ -11,7 +11,6 @@ import sys
 import time
 import zipfile
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -19,16 +18,10 @@ ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-gc = _load()
+spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+assert spec and spec.loader
+gc = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)  # dataclasses look there
+spec.loader.exec_module(gc)
 
 # What the real wheels require (their METADATA), markers and extras included.
 REQUIRES = {
@@ -75,9 +68,6 @@ def wheels(tmp_path: Path, versions: dict[str, str]) -> Path:
         make_wheel(folder, name, version, REQUIRES[name])
     (folder / gc.MANIFEST).write_text("".join(f"{n}=={v}\n" for n, v in versions.items()))
     return folder
-
-
-# ---- the wheel check ----------------------------------------------------------------------------
 
 
 def test_the_wheel_check_passes_a_full_folder_and_names_each_problem(wheels, versions, tmp_path):
@@ -130,9 +120,6 @@ def test_a_test_module_importing_what_the_gpu_machine_lacks_is_named(tmp_path: P
     assert gc.check_test_imports(tests, [*machine, "import-linter"], root=tmp_path) == []
 
 
-# ---- time limits --------------------------------------------------------------------------------
-
-
 def _alive(pid: int) -> bool:
     status = Path(f"/proc/{pid}/status")
     try:
@@ -170,9 +157,6 @@ def test_a_hang_is_cut_at_its_limit_and_the_budget_stops_what_it_cannot_fit(tmp_
     assert first.status == "timeout" and first.seconds < 8
     assert second.status == "timeout" and "not started" in second.message
     assert not gc.overall([first, second])[0]
-
-
-# ---- the GPU checks, on files shaped like a GPU run's ---------------------------------------------
 
 
 def fake_run(run: Path, columns: dict[str, str], accelerator: str = "CUDAAccelerator") -> Path:
@@ -237,9 +221,6 @@ def test_gpm_figures_are_a_skip_until_they_exist(tmp_path: Path) -> None:
     ctx.run_dirs["train_gpu"] = fake_run(tmp_path / "b", row)
     result = gc.run_step(gpm, ctx)
     assert (result.status, result.figures) == ("pass", {"gpu/node0/cuda0/sm_active_mean": 42.0})
-
-
-# ---- the real dry run ---------------------------------------------------------------------------
 
 
 @pytest.mark.slow

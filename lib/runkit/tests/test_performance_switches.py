@@ -143,13 +143,11 @@ def test_keep_freed_memory_is_a_no_op_without_glibc(monkeypatch: pytest.MonkeyPa
 
 def _sees_channels_last(net: ConvNet) -> bool:
     """Whether the first convolution receives its input in channels-last layout."""
-    seen: list[bool] = []
-    hook = net.features[0].register_forward_pre_hook(
-        lambda module, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last))
-    )
+    seen: list[torch.Tensor] = []
+    hook = net.features[0].register_forward_pre_hook(lambda module, args: seen.append(args[0]))
     net(torch.rand(2, 3, 8, 8))
     hook.remove()
-    return seen[0]
+    return seen[0].is_contiguous(memory_format=torch.channels_last)
 
 
 def test_channels_last_applies_to_conv_nets_on_cuda_only_and_a_missing_network_is_left_alone(
@@ -226,15 +224,10 @@ def test_a_step_reads_no_device_tensor_and_logs_nothing(tmp_path, monkeypatch, s
     """The default loop makes no host read of a tensor and no ``log`` call in any step (host_reads)."""
     from test_dp import CpuSplitDP
 
-    cfg = _compose(
-        f"paths.output_dir={tmp_path}",
-        "trainer.accelerator=cpu",
-        "trainer.max_epochs=2",
-        "model.net.channels=[4,8]",  # the default network's operators, at a fraction of the work
-        "data.batch_size=64",
-        "+trainer.limit_train_batches=3",  # windows: batches 1-2 of each epoch
-        "+trainer.limit_val_batches=2",  # and batch 1 of each validation
-    )
+    # The default network's operators, smaller; windows: train batches 1-2, val batch 1, twice.
+    limits = ("+trainer.limit_train_batches=3", "+trainer.limit_val_batches=2")
+    cfg = _compose(f"paths.output_dir={tmp_path}", "trainer.accelerator=cpu", "trainer.max_epochs=2",
+                   "model.net.channels=[4,8]", "data.batch_size=64", *limits)  # fmt: skip
     probe, logs, original = HostReadProbe(), [], pl.LightningModule.log
 
     def log(self: pl.LightningModule, name: str, *args: Any, **kwargs: Any) -> Any:
