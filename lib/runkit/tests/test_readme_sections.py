@@ -94,7 +94,7 @@ def run_section(text: str, cwd: Path) -> list[tuple[str, subprocess.CompletedPro
     return done
 
 
-def test_file_blocks_name_their_path_keep_hydra_headers_first_and_run_in_a_section() -> None:
+def test_file_blocks_name_their_path_keep_hydra_headers_first_and_every_block_runs() -> None:
     covered = {
         file_path(b) for readme, heading in SECTIONS for b in blocks(section(readme, heading))
     }
@@ -102,11 +102,13 @@ def test_file_blocks_name_their_path_keep_hydra_headers_first_and_run_in_a_secti
         found = blocks(readme.read_text())
         for block in found:  # Hydra reads '# @package' only before any other line
             assert "@package" not in block.text or block.text.startswith("# @package"), block.text
-            assert block.lang != "yaml" or file_path(block), (
-                f"{readme.name}: a YAML block names no path"
-            )
+            assert block.lang != "yaml" or file_path(block), f"{readme.name}: no path: {block}"
         named = {file_path(b) for b in found} - {None, "tests/test_mine.py"}  # the suite's example
         assert named <= covered, f"file blocks no test writes: {sorted(named - covered)}"
+    for readme, block in python_snippets():  # load_network's run on test_readme.py's trained run
+        assert "load_network" in block.text or file_path(block) in (None, "tests/test_mine.py"), (
+            f"{readme.name}: a python block no test runs:\n{block.text}"
+        )
 
 
 @pytest.mark.slow
@@ -149,14 +151,6 @@ def python_snippets() -> list[tuple[Path, Block]]:
         for b in blocks(readme.read_text())
         if b.lang == "python" and b.text not in in_sections
     ]
-
-
-def test_every_python_block_is_run_somewhere() -> None:
-    for readme, block in python_snippets():
-        # load_network's snippets need a trained run: test_readme.py runs them on its run.
-        assert "load_network" in block.text or file_path(block) in (None, "tests/test_mine.py"), (
-            f"{readme.name}: a python block no test runs:\n{block.text}"
-        )
 
 
 @pytest.mark.slow
