@@ -1,6 +1,5 @@
-"""The speed switches (runkit.speed and their config keys: what each does, where it is a no-op,
-bad values in one line) and the no-sync promise: a step of the default loop reads nothing back
-from the device. No test measures time (benchmarks/ prints ratios)."""
+"""The speed switches (what each does, where it is a no-op, bad values in one line) and the no-sync
+promise: a step of the default loop reads nothing back from the device."""
 
 from __future__ import annotations
 
@@ -60,9 +59,7 @@ def test_config_defaults_are_the_fast_safe_choices() -> None:
     assert cfg.data.num_workers == "auto" and cfg.data.pin_memory == "auto"
 
 
-def test_cuda_indices_follow_the_trainer_meaning_of_devices(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_cuda_indices_follow_the_trainer_meaning_of_devices(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert speed.cuda_indices("auto", 1) == speed.cuda_indices("gpu", 2) == []
     _fake_cuda(monkeypatch, 4, (9, 0))
@@ -75,9 +72,7 @@ def test_cuda_indices_follow_the_trainer_meaning_of_devices(
         assert speed.cuda_indices(accelerator, devices) == expected, devices
 
 
-def test_tf32_and_bf16_only_where_every_gpu_has_them(
-    monkeypatch: pytest.MonkeyPatch, restore_matmul_precision: Any
-) -> None:
+def test_tf32_and_bf16_only_where_every_gpu_has_them(monkeypatch, restore_matmul_precision) -> None:
     torch.set_float32_matmul_precision("highest")
     assert speed.apply_matmul_precision("high", []) == "highest"  # the CPU: left alone
     assert speed.resolve_precision("auto", []) == "32-true"
@@ -94,28 +89,24 @@ def test_tf32_and_bf16_only_where_every_gpu_has_them(
 
 
 BAD_VALUES = {
-    "matmul_precision='tf32' is invalid; expected one of": lambda: speed.apply_matmul_precision(
-        "tf32", []
+    "matmul_precision='tf32' is invalid; expected one of": (speed.apply_matmul_precision, "tf32"),
+    "precision='fp8' is invalid; expected auto or one of": (speed.resolve_precision, "fp8"),
+    "keep_freed_memory='yes' is invalid; expected true or false$": (speed.keep_freed_memory, "yes"),
+    r"data\.pin_memory='yes' is invalid; expected": (
+        lambda v, *_: DigitsDataModule(pin_memory=v),
+        "yes",
     ),
-    "precision='fp8' is invalid; expected auto or one of": lambda: speed.resolve_precision(
-        "fp8", []
-    ),
-    "keep_freed_memory='yes' is invalid; expected true or false$": lambda: speed.keep_freed_memory(
-        "yes"
-    ),
-    r"data\.pin_memory='yes' is invalid; expected": lambda: DigitsDataModule(pin_memory="yes"),
 }
 
 
 @pytest.mark.parametrize("message", BAD_VALUES)
 def test_a_bad_value_is_one_line(message: str) -> None:
+    function, value = BAD_VALUES[message]
     with pytest.raises(RunError, match=f"^{message}"):
-        BAD_VALUES[message]()
+        function(value) if function is speed.keep_freed_memory else function(value, [])
 
 
-# A fresh interpreter (the allocator's settings are the process's) frees and allocates again what
-# a training step does, 16 blocks of 4 MB, and prints the pages it faulted in over five such
-# rounds after the first: with glibc's defaults (switch off), then with the switch on.
+# A fresh interpreter churns 16 blocks of 4 MB per step; pages faulted in, switch off then on.
 _CHURN = """
 import resource, torch
 from runkit import speed
@@ -152,17 +143,15 @@ def test_keep_freed_memory_is_a_no_op_without_glibc(monkeypatch: pytest.MonkeyPa
 
 def _sees_channels_last(net: ConvNet) -> bool:
     """Whether the first convolution receives its input in channels-last layout."""
-    seen: list[bool] = []
-    hook = net.features[0].register_forward_pre_hook(
-        lambda module, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last))
-    )
+    seen: list[torch.Tensor] = []
+    hook = net.features[0].register_forward_pre_hook(lambda module, args: seen.append(args[0]))
     net(torch.rand(2, 3, 8, 8))
     hook.remove()
-    return seen[0]
+    return seen[0].is_contiguous(memory_format=torch.channels_last)
 
 
 def test_channels_last_applies_to_conv_nets_on_cuda_only_and_a_missing_network_is_left_alone(
-    stand_in_trainer: Any, caplog: pytest.LogCaptureFixture
+    stand_in_trainer, caplog
 ) -> None:
     switches = speed.NetworkSpeedups(channels_last=True)
     module = ClassifierModule(ConvNet(in_channels=3, channels=(4, 8)), torch.optim.SGD)
@@ -230,26 +219,15 @@ def test_the_configured_network_is_compiled_in_place_once_and_trains(tmp_path: P
     assert model.net._compiled_call_impl is compiled  # fit, then test: compiled once
 
 
-# tests/host_reads.py counts, at the operator, every read of a tensor value by the host made in
-# a training or validation step window; on a GPU each read of a GPU tensor waits for the device.
 @pytest.mark.parametrize("strategy", ["auto", "dp"])
-def test_a_step_reads_no_device_tensor_and_logs_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: str
-) -> None:
-    """The template's default loop (module, ConvNet, metrics, CSV logger, progress bar,
-    checkpointing, GPU statistics) makes no host read of a tensor and no ``log`` call in any
-    training or validation step; with ``strategy=dp`` (test_dp.py's CPU stand-in) as well."""
+def test_a_step_reads_no_device_tensor_and_logs_nothing(tmp_path, monkeypatch, strategy) -> None:
+    """The default loop makes no host read of a tensor and no ``log`` call in any step (host_reads)."""
     from test_dp import CpuSplitDP
 
-    cfg = _compose(
-        f"paths.output_dir={tmp_path}",
-        "trainer.accelerator=cpu",
-        "trainer.max_epochs=2",
-        "model.net.channels=[4,8]",  # the default network's operators, at a fraction of the work
-        "data.batch_size=64",
-        "+trainer.limit_train_batches=3",  # windows: batches 1-2 of each epoch
-        "+trainer.limit_val_batches=2",  # and batch 1 of each validation
-    )
+    # The default network's operators, smaller; windows: train batches 1-2, val batch 1, twice.
+    limits = ("+trainer.limit_train_batches=3", "+trainer.limit_val_batches=2")
+    cfg = _compose(f"paths.output_dir={tmp_path}", "trainer.accelerator=cpu", "trainer.max_epochs=2",
+                   "model.net.channels=[4,8]", "data.batch_size=64", *limits)  # fmt: skip
     probe, logs, original = HostReadProbe(), [], pl.LightningModule.log
 
     def log(self: pl.LightningModule, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -268,9 +246,7 @@ def test_a_step_reads_no_device_tensor_and_logs_nothing(
 
 
 def test_the_probe_names_the_operator_and_the_line_of_each_read() -> None:
-    """The probe catches what a GPU run would wait for, with the operator and the line (the NaN
-    check torchmetrics runs by default, batch norm's epoch average), and lets pass what costs
-    nothing there."""
+    """The probe names what a GPU run would wait for, and lets pass what costs nothing there."""
     from torchmetrics import MeanMetric
 
     # Made before the window, as the batch, the module and its metrics are: accelerator data.
@@ -306,10 +282,7 @@ def _settings(*overrides: str) -> dict[str, Any]:
 
 
 def test_trainer_settings_follow_the_precision_memory_and_profiler_keys(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    restore_matmul_precision: Any,
-    caplog: pytest.LogCaptureFixture,
+    tmp_path, monkeypatch, restore_matmul_precision, caplog
 ) -> None:
     from lightning.pytorch.profilers import SimpleProfiler
 
@@ -345,9 +318,7 @@ def test_trainer_settings_follow_the_precision_memory_and_profiler_keys(
     assert torch.get_float32_matmul_precision() == "high"
 
 
-def test_train_builds_its_trainer_with_these_settings(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_train_builds_its_trainer_with_these_settings(tmp_path, monkeypatch) -> None:
     from tinyapp import train as train_module
 
     seen: dict[str, Any] = {}

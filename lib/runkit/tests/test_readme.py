@@ -1,13 +1,5 @@
-"""README.md stays true: every command of its ``bash`` blocks is checked, its tables name real files.
-
-:data:`CHECKS` says how each command is proven: ``RUN`` for real in one directory, in order, with
-:data:`BUDGET` appended to what trains (the first in a fresh interpreter, the rest forked from the
-prewarmed server); ``CLI`` exactly as written; ``COMPOSE_ONLY`` composed by Hydra (needs GPUs);
-``DRY`` as ``make -n`` or ``pytest --collect-only``; ``SECTION`` run with its section's files by
-``test_readme_sections.py``; ``SKIP`` with a reason. A README command missing from CHECKS fails, and
-so does a stale entry. A block whose commands do not all run is marked on the line before it with
-``<!-- not run by the README test: <why> -->``.
-"""
+"""README.md stays true: :data:`CHECKS` says how each ``bash`` command is proven (RUN, CLI as
+written, COMPOSE_ONLY, DRY, SECTION, SKIP with a reason); a block not all run is marked as such."""
 
 from __future__ import annotations
 
@@ -17,7 +9,6 @@ import shlex
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -28,7 +19,6 @@ from conftest import clean_env, run_dirs
 ROOT = Path(__file__).resolve().parents[3]
 
 
-# Both READMEs and the pages they link, read as one text.
 READMES = (ROOT / "README.md", ROOT / "lib" / "runkit" / "README.md",
            *sorted((ROOT / "lib" / "runkit" / "docs").glob("*.md")),
            ROOT / "docs" / "library-development.md")  # fmt: skip
@@ -40,32 +30,24 @@ def readme() -> str:
 
 TRAIN_COMMAND = "bash scripts/setup.sh && .venv/bin/python -m project.train"
 TEST_COMMAND = "bash scripts/setup.sh && .venv/bin/python -m pytest"
-# Appended to every RUN command that trains: the README's epochs repeat one epoch's code path, and
-# a narrower ConvNet runs the same code (the debug presets keep their own epochs and batches;
-# "Your own model and data" runs with its own epochs: SECTION).
+# Appended to RUN commands that train: one epoch, a narrower ConvNet run the same code path.
 BUDGET = ("trainer.max_epochs=1", "data.batch_size=256", "callbacks.progress_bar.refresh_rate=0")
 NARROW = "model.net.channels=[8,16]"
 MARKER = re.compile(r"^<!-- not run by the README test: (.+) -->$")
 RUN, CLI, COMPOSE_ONLY, DRY, SKIP, SECTION = "run", "cli", "compose-only", "dry", "skip", "section"
 
 
-@dataclass(frozen=True)
-class Check:
-    how: str
-    why: str = ""  # required for everything not run as written
-
-
-def _same(how: str, why: str, *commands: str) -> dict[str, Check]:
-    return {command: Check(how, why) for command in commands}
+def _same(how: str, why: str, *commands: str) -> dict[str, tuple[str, str]]:
+    return {command: (how, why) for command in commands}
 
 
 T = "python -m project.train"
 PARALLEL = f"{T} -m hydra/launcher=parallel hydra.launcher.n_jobs=2 model.optimizer.lr=0.01,0.001"
 SUITE = "the suite itself"
 WATCH = "runs until Ctrl-C; tests/test_devices_cli.py drives it"
-CHECKS: dict[str, Check] = {
-    TRAIN_COMMAND: Check(SKIP, "creates .venv and pip-installs; the training it runs is RUN below"),
-    TEST_COMMAND: Check(SKIP, "the suite itself; .ci/run runs it verbatim (checked below)"),
+CHECKS: dict[str, tuple[str, str]] = {  # how, why (unless RUN, CLI)
+    TRAIN_COMMAND: (SKIP, "creates .venv and pip-installs; the training it runs is RUN below"),
+    TEST_COMMAND: (SKIP, "the suite itself; .ci/run runs it verbatim (checked below)"),
     **_same(
         RUN, "", T, f"{T} trainer.max_epochs=3 model.optimizer.lr=0.01",
         f"{T} model=mlp data.batch_size=128", f"{T} experiment=example",
@@ -99,16 +81,16 @@ CHECKS: dict[str, Check] = {
         "python -m runkit.devices --json --watch 5",
     ),
     "torchrun --nnodes=2 --nproc-per-node=4 --node-rank=0 --master-addr=node0 --master-port=29500 "
-    "--rdzv-id=exp1 -m project.train trainer=multi_node trainer.devices=4": Check(SKIP, "two machines with 4 GPUs each; tests/test_multinode.py runs two nodes on localhost"),
-    "mkdir -p logs/slurm && sbatch scripts/slurm/train.sbatch": Check(SKIP, "needs SLURM"),
+    "--rdzv-id=exp1 -m project.train trainer=multi_node trainer.devices=4": (SKIP, "two machines with 4 GPUs each; tests/test_multinode.py runs two nodes on localhost"),
+    "mkdir -p logs/slurm && sbatch scripts/slurm/train.sbatch": (SKIP, "needs SLURM"),
     "torchrun --nproc-per-node=4 --max-restarts=3 --rdzv-backend=c10d "
     "--rdzv-endpoint=localhost:29400 --rdzv-id=exp1 -m project.train trainer=multi_node "
-    "trainer.num_nodes=1 trainer.devices=4": Check(SKIP, "4 GPUs; tests/test_multinode.py restarts a killed worker on two CPU processes"),
-    "python scripts/gpu_check.py --fetch-wheels": Check(SKIP, "downloads wheels; tests/test_gpu_check.py checks the folder logic"),
-    "python scripts/gpu_check.py --dry-run": Check(SKIP, "tests/test_gpu_check.py runs the dry run"),
-    "python scripts/gpu_check.py": Check(SKIP, "needs a GPU machine"),
-    f"{T} -m hydra/launcher=slurm model.optimizer.lr=0.01,0.001": Check(SKIP, "needs SLURM and the slurm extra (submitit)"),
-    f"{T} -m hparams_search=optuna": Check(SKIP, "needs the optuna extra (a network install) and 20 trainings"),
+    "trainer.num_nodes=1 trainer.devices=4": (SKIP, "4 GPUs; tests/test_multinode.py restarts a killed worker on two CPU processes"),
+    "python scripts/gpu_check.py --fetch-wheels": (SKIP, "downloads wheels; tests/test_gpu_check.py checks the folder logic"),
+    "python scripts/gpu_check.py --dry-run": (SKIP, "tests/test_gpu_check.py runs the dry run"),
+    "python scripts/gpu_check.py": (SKIP, "needs a GPU machine"),
+    f"{T} -m hydra/launcher=slurm model.optimizer.lr=0.01,0.001": (SKIP, "needs SLURM and the slurm extra (submitit)"),
+    f"{T} -m hparams_search=optuna": (SKIP, "needs the optuna extra (a network install) and 20 trainings"),
     **_same(
         SECTION, "test_readme_sections.py runs the section 'Your own model and data' as written",
         "python make_table.py",
@@ -117,25 +99,25 @@ CHECKS: dict[str, Check] = {
         "PYTHONPATH=. python -m project.train --config-dir my_configs experiment=regression trainer.devices=2",
         "PYTHONPATH=. python -m project.eval ckpt_path=logs/train/runs/<run> 'trusted_targets=[my_project.]'",
     ),
-    "python -m pytest": Check(SKIP, "the suite itself (TEST_COMMAND)"),
+    "python -m pytest": (SKIP, "the suite itself (TEST_COMMAND)"),
     **_same(
         DRY, SUITE, 'python -m pytest -m "not slow"', "python -m pytest lib/runkit/tests/test_plot.py",
         "python -m pytest -m gpu", "make test-fast",
     ),
-    "python -m pytest tests": Check(DRY, "the project's own tests, run by the suite itself"),
-    "pip install copier": Check(SKIP, "installs from PyPI; the dev extra has it"),
-    "copier copy <this repository> my-project": Check(SKIP, "tests/test_template.py makes a project from a local git repository of the template"),
-    "copier update --skip-answered": Check(SKIP, "tests/test_template.py updates such a project to a later tagged version"),
-    "git status && git diff --check": Check(SKIP, "tests/test_template.py runs it after an update that conflicts"),
-    "make lint": Check(DRY, "lints the whole tree, which other work in progress may not pass"),
-    "make format": Check(DRY, "rewrites files"),
-    "make plot": Check(DRY, "the newest run of the repository's own logs/"),
-    "pre-commit install": Check(SKIP, "writes git hooks and fetches the hook repositories"),
+    "python -m pytest tests": (DRY, "the project's own tests, run by the suite itself"),
+    "pip install copier": (SKIP, "installs from PyPI; the dev extra has it"),
+    "copier copy <this repository> my-project": (SKIP, "tests/test_template.py makes a project from a local git repository of the template"),
+    "copier update --skip-answered": (SKIP, "tests/test_template.py updates such a project to a later tagged version"),
+    "git status && git diff --check": (SKIP, "tests/test_template.py runs it after an update that conflicts"),
+    "make lint": (DRY, "lints the whole tree, which other work in progress may not pass"),
+    "make format": (DRY, "rewrites files"),
+    "make plot": (DRY, "the newest run of the repository's own logs/"),
+    "pre-commit install": (SKIP, "writes git hooks and fetches the hook repositories"),
 }  # fmt: skip
 
 
 def of(how: str) -> list[str]:
-    return [c for c, k in CHECKS.items() if k.how == how]
+    return [c for c, k in CHECKS.items() if k[0] == how]
 
 
 def readme_commands(text: str | None = None) -> list[str]:
@@ -162,15 +144,11 @@ def split(command: str) -> tuple[dict[str, str], list[str]]:
     return env, words
 
 
-# ------------------------------------------------------------------------------------------------
-# Fast checks
-
-
 def test_every_readme_command_is_checked_and_every_check_is_in_readme() -> None:
     commands = readme_commands()
     unchecked, stale = set(commands) - CHECKS.keys(), CHECKS.keys() - set(commands)
     assert not unchecked and not stale, f"not in CHECKS: {unchecked}; not in README: {stale}"
-    assert all(k.how in (RUN, CLI) or k.why for k in CHECKS.values())
+    assert all(k[0] in (RUN, CLI) or k[1] for k in CHECKS.values())
     text = "```bash\n# a comment\npython -m a \\\n  x=1   # why\n```\n```text\nnot this\n```\n"
     assert readme_commands(text) == ["python -m a x=1"]
 
@@ -182,7 +160,7 @@ def test_every_command_of_an_unmarked_block_runs() -> None:
         for i in (i for i, line in enumerate(lines) if line == "```bash\n"):
             blocks += 1
             end = lines.index("```\n", i + 1)
-            idle = [c for c in readme_commands("".join(lines[i : end + 1])) if CHECKS[c].how
+            idle = [c for c in readme_commands("".join(lines[i : end + 1])) if CHECKS[c][0]
                     not in (RUN, CLI, SECTION)]  # fmt: skip
             marked = MARKER.match(lines[i - 1].strip())
             assert bool(idle) == bool(marked), f"{path.name}: marker and commands disagree: {idle}"
@@ -233,15 +211,10 @@ def test_composed_commands(command: str) -> None:
         compose(config_name=words[2].removeprefix("project."), overrides=overrides)
 
 
-# ------------------------------------------------------------------------------------------------
-# Commands that run
-
-
 def _run(
     command: str, cwd: Path, extra: tuple[str, ...] = (), fresh: bool = False
 ) -> subprocess.CompletedProcess:
-    """``command`` as written (and ``extra``) in ``cwd``, forked from the prewarmed server unless
-    ``fresh``; it must succeed."""
+    """``command`` as written (and ``extra``) in ``cwd``, forked unless ``fresh``; it must pass."""
     env, words = split(command)
     result = (subprocess.run if fresh else prewarmed.run)(
         [*words, *extra], cwd=cwd, env=clean_env(**env), capture_output=True, text=True,
@@ -253,12 +226,11 @@ def _run(
 
 @pytest.mark.slow
 def test_cli_and_dry_run_commands(tmp_path: Path) -> None:
-    """CLI commands as written (none starts a run); DRY ones name real targets and tests, side by
-    side (each collection is a fresh interpreter importing torch, writing nothing)."""
+    """CLI commands as written (none starts a run); DRY ones name real targets and tests."""
 
     def one(command: str) -> None:
         make = ("PY=" + sys.executable,) if command.startswith("make") else ()
-        if CHECKS[command].how == CLI:
+        if CHECKS[command][0] == CLI:
             _run(command, ROOT if make else tmp_path, make)
         elif make:
             assert sys.executable in _run(command.replace("make", "make -n", 1), ROOT, make).stdout
@@ -272,8 +244,7 @@ def test_cli_and_dry_run_commands(tmp_path: Path) -> None:
 
 
 def budget(command: str) -> tuple[str, ...]:
-    """:data:`BUDGET` less the keys ``command`` sets (none for a debug preset), and :data:`NARROW`
-    where it trains the default ConvNet; nothing where it does not train."""
+    """:data:`BUDGET` less the keys ``command`` sets, and :data:`NARROW` for the default ConvNet."""
     if "project.train" not in command:
         return ()
     own = {word.partition("=")[0] for word in shlex.split(command)}
@@ -283,8 +254,7 @@ def budget(command: str) -> tuple[str, ...]:
 
 @pytest.mark.slow
 def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
-    """Every RUN command in one directory: first the run the others evaluate, resume and plot,
-    then the rest in the README's order."""
+    """Every RUN command in one directory: first the run the others use, then the rest."""
     logs, ran, places = tmp_path / "logs", [], {}
     multiruns = logs / "train" / "multiruns"
 
@@ -337,8 +307,7 @@ def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
     run(f"{T} debug=fdr")
     assert run_dirs(logs, "debug")
 
-    # Every other command that trains, each a run of its own (DDP and FSDP on 2 CPU processes);
-    # predict's runs go to logs/predict/, each with its predictions.
+    # Every other command that trains, each a run of its own; predict's write their predictions.
     def counted() -> int:
         return sum(len(run_dirs(logs, task)) for task in ("train", "debug", "predict"))
 
@@ -360,17 +329,12 @@ def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
     assert len(outputs) == 2 and re.fullmatch(r"tensor\(\[(\d, ){4}\d\]\)\n", outputs[0])
 
 
-# ------------------------------------------------------------------------------------------------
-# Claims in README's prose and tables
-
-
 def _row(test_id: str) -> str:
     (row,) = [line for line in readme().splitlines() if line.startswith(f"| `{test_id}`")]
     return row
 
 
 def test_readme_tells_the_flow_in_its_own_words() -> None:
-    """No reference to an article the reader cannot see; the flow is spelled out, in order."""
     text = readme()
     assert "article" not in text.lower()
     flow = text.split("**The flow.**", 1)[1].split("\n\n", 1)[0]

@@ -1,11 +1,5 @@
-"""README sections a user follows top to bottom run from their own text, nothing stripped.
-
-A *file block* (``python`` or ``yaml``) whose first comment line, after a Hydra ``# @package``
-header, names a relative path is written to that path verbatim. The ``bash`` blocks' commands then
-run in order in a real ``bash`` in one scratch folder, ``python`` the suite's interpreter and no
-``PYTHONPATH`` but what the command sets; ``logs/train/runs/<run>`` is the ``Run directory:`` the
-previous run printed. Nothing is added to a command: its epochs are the README's.
-"""
+"""README sections run as written in one folder: file blocks (``# path`` first, after a Hydra
+header) written verbatim, then the bash commands in a real bash; ``<run>`` is the printed run."""
 
 from __future__ import annotations
 
@@ -20,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_readme import CHECKS, READMES, SECTION
+from test_readme import CHECKS, READMES, SECTION, readme_commands
 
 from conftest import clean_env
 
@@ -52,8 +46,7 @@ def file_path(block: Block) -> str | None:
 
 
 def section(readme: Path, heading: str) -> str:
-    """The text under ``heading`` up to the next heading of its level or above (a ``#`` line
-    inside a code block is a comment, not a heading)."""
+    """The text under ``heading`` up to the next heading of its level or above, fences skipped."""
     lines = readme.read_text().splitlines(keepends=True)
     start = lines.index(f"{heading}\n")
     level = len(heading.split(" ", 1)[0])
@@ -67,12 +60,6 @@ def section(readme: Path, heading: str) -> str:
     return "".join(lines[start:end])
 
 
-def commands(block: Block) -> list[str]:
-    """A bash block's commands: continuation lines joined, comment-only lines left out."""
-    lines = block.text.replace("\\\n", " ").splitlines()
-    return [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
-
-
 def shell_env() -> dict[str, str]:
     """A user's shell: ``python`` is this interpreter, nothing on ``PYTHONPATH``."""
     env = clean_env()
@@ -82,8 +69,7 @@ def shell_env() -> dict[str, str]:
 
 
 def run_section(text: str, cwd: Path) -> list[tuple[str, subprocess.CompletedProcess]]:
-    """Write the file blocks of ``text`` and run its commands in order (module docstring): each
-    command as the README has it, with what it printed."""
+    """Write the file blocks of ``text``, run its commands in order; each with what it printed."""
     done: list[tuple[str, subprocess.CompletedProcess]] = []
     printed: str | None = None
     for block in blocks(text):
@@ -93,7 +79,7 @@ def run_section(text: str, cwd: Path) -> list[tuple[str, subprocess.CompletedPro
             (cwd / path).write_text(block.text)
         if block.lang != "bash":
             continue
-        for command in commands(block):
+        for command in readme_commands(f"```bash\n{block.text}```\n"):
             line = command
             if "logs/train/runs/<run>" in command:
                 assert printed, f"{command!r} needs a run directory; no command before printed one"
@@ -108,11 +94,7 @@ def run_section(text: str, cwd: Path) -> list[tuple[str, subprocess.CompletedPro
     return done
 
 
-# ------------------------------------------------------------------------------------------------
-# Fast checks
-
-
-def test_file_blocks_name_their_path_keep_hydra_headers_first_and_run_in_a_section() -> None:
+def test_file_blocks_name_their_path_keep_hydra_headers_first_and_every_block_runs() -> None:
     covered = {
         file_path(b) for readme, heading in SECTIONS for b in blocks(section(readme, heading))
     }
@@ -120,26 +102,13 @@ def test_file_blocks_name_their_path_keep_hydra_headers_first_and_run_in_a_secti
         found = blocks(readme.read_text())
         for block in found:  # Hydra reads '# @package' only before any other line
             assert "@package" not in block.text or block.text.startswith("# @package"), block.text
-            assert block.lang != "yaml" or file_path(block), (
-                f"{readme.name}: a YAML block names no path"
-            )
+            assert block.lang != "yaml" or file_path(block), f"{readme.name}: no path: {block}"
         named = {file_path(b) for b in found} - {None, "tests/test_mine.py"}  # the suite's example
         assert named <= covered, f"file blocks no test writes: {sorted(named - covered)}"
-
-
-def test_block_parsing_keeps_the_header_and_finds_the_path() -> None:
-    header = Block("yaml", "# @package _global_\n# my/x.yaml: why\na: 1\n")
-    assert file_path(header) == "my/x.yaml"
-    assert (
-        file_path(Block("python", "# my_project/nets.py\nimport torch\n")) == "my_project/nets.py"
-    )
-    assert file_path(Block("python", "import torch\n# not/a/path.py\n")) is None
-    assert file_path(Block("python", "# a comment, not a path\n")) is None
-    assert commands(Block("bash", "# say\npython -m a \\\n  x=1\n\n")) == ["python -m a    x=1"]
-
-
-# ------------------------------------------------------------------------------------------------
-# The sections, run
+    for readme, block in python_snippets():  # load_network's run on test_readme.py's trained run
+        assert "load_network" in block.text or file_path(block) in (None, "tests/test_mine.py"), (
+            f"{readme.name}: a python block no test runs:\n{block.text}"
+        )
 
 
 @pytest.mark.slow
@@ -147,7 +116,7 @@ def test_your_own_model_and_data_runs_as_written(tmp_path: Path) -> None:
     done = run_section(section(*OWN), tmp_path)
     ran = [command for command, _ in done]
     assert ran[0] == "python make_table.py" and len(ran) == 5, ran
-    assert set(ran) == {c for c, k in CHECKS.items() if k.how == SECTION}  # test_readme's list
+    assert set(ran) == {c for c, k in CHECKS.items() if k[0] == SECTION}  # test_readme's list
 
     runs = sorted((tmp_path / "logs" / "train" / "runs").iterdir())
     assert len(runs) == 3, runs  # tiny + csv, the regression, the regression under DDP
@@ -173,10 +142,6 @@ def test_your_own_model_and_data_runs_as_written(tmp_path: Path) -> None:
     assert tested["test/loss"] == pytest.approx(trained["test/loss"], rel=1e-4)
 
 
-# ------------------------------------------------------------------------------------------------
-# Python blocks outside the sections
-
-
 def python_snippets() -> list[tuple[Path, Block]]:
     """Every python block of both READMEs that no section test runs."""
     in_sections = {b.text for readme, heading in SECTIONS for b in blocks(section(readme, heading))}
@@ -188,18 +153,9 @@ def python_snippets() -> list[tuple[Path, Block]]:
     ]
 
 
-def test_every_python_block_is_run_somewhere() -> None:
-    for readme, block in python_snippets():
-        # load_network's snippets need a trained run: test_readme.py runs them on its run.
-        assert "load_network" in block.text or file_path(block) in (None, "tests/test_mine.py"), (
-            f"{readme.name}: a python block no test runs:\n{block.text}"
-        )
-
-
 @pytest.mark.slow
 def test_library_readme_snippets_run(tmp_path: Path) -> None:
-    """The library README's Trainer snippet, and its example test file run by pytest with the
-    suite's conftest (its ``cli`` fixture and ``FAST``), as the README tells a contributor."""
+    """The library README's Trainer snippet; its example test file run with the suite's conftest."""
     tests = Path(__file__).resolve().parent
     snippets = [b for _, b in python_snippets() if "load_network" not in b.text]
     (trainer,) = [b for b in snippets if file_path(b) is None]
