@@ -38,6 +38,14 @@ def train(cwd: Path, log_dir: Path, *overrides: str):
     return run_entry(cwd, "train", *args, timeout=400)
 
 
+def train_ok(cwd: Path, log_dir: Path, *overrides: str):
+    """A training run that must succeed: its output and its run directory."""
+    done = train(cwd, log_dir, *overrides)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run,) = run_dirs(log_dir)
+    return done, run
+
+
 def evaluate(cwd: Path, log_dir: Path, source: Path, *overrides: str):
     return run_entry(cwd, "eval", f"paths.log_dir={log_dir}", TRUSTED, f"ckpt_path={source}",
                      *overrides)  # fmt: skip
@@ -60,20 +68,16 @@ def trained(project: Path, tmp_path_factory: pytest.TempPathFactory):
         key = (module, *extra)
         if key not in made:
             log_dir = tmp_path_factory.mktemp(f"zoo-{module}")
-            done = train(project, log_dir, f"experiment=zoo_{module}", "trainer.max_epochs=2",
-                         *extra)  # fmt: skip
-            assert done.returncode == 0, done.stderr[-3000:]
-            (made[key],) = run_dirs(log_dir)
+            made[key] = train_ok(project, log_dir, f"experiment=zoo_{module}",
+                                 "trainer.max_epochs=2", *extra)[1]  # fmt: skip
         return made[key]
 
     return get
 
 
 def plain_trainer(**kwargs) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-        **kwargs,
-    )  # fmt: skip
+    return pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, **kwargs)  # fmt: skip
 
 
 MODULES = [("regression",), ("two_optimizers",), ("lazy",),
@@ -126,10 +130,8 @@ def test_a_users_module_resumes_from_its_run_directory(
 ) -> None:
     # #31.2: resume compared state dicts before setup() built the head.
     earlier = trained(module)
-    resumed = train(project, tmp_path, f"experiment=zoo_{module}", "trainer.max_epochs=3",
-                    f"ckpt_path={earlier}", "test=false")  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    (later,) = run_dirs(tmp_path)
+    _, later = train_ok(project, tmp_path, f"experiment=zoo_{module}", "trainer.max_epochs=3",
+                        f"ckpt_path={earlier}", "test=false")  # fmt: skip
     assert metrics(later)["global_step"] == 3 * metrics(earlier)["global_step"] // 2
     assert metrics(later)["resumed_from"] == str(earlier / "checkpoints" / "last.ckpt")
 
@@ -179,9 +181,7 @@ def test_sync_dist_logging_under_ddp_with_every_default_callback_finishes(
 ) -> None:
     # #19.1: rank 0 waited in Lightning's sync of a sync_dist value (read first by the rank-0-only
     # progress bar), rank 1 in the GPU statistics' all_gather_object: for good. two_loaders: below.
-    done = train(project, tmp_path, f"experiment=zoo_{module}", "trainer.devices=2")
-    assert done.returncode == 0, done.stderr[-3000:]
-    (run,) = run_dirs(tmp_path)
+    _, run = train_ok(project, tmp_path, f"experiment=zoo_{module}", "trainer.devices=2")
     assert metrics(run)["devices"] == 2 and Path(metrics(run)["best_checkpoint"]).is_file()
     assert figures_of(run)
 
@@ -237,10 +237,9 @@ def test_monitors_plain_lightning_accepts_keep_the_best_and_a_run_without_test_s
     plain_trainer(max_epochs=1, callbacks=[reference]).fit(TwoLoadersModule(), TwoValidationSets())
     assert reference.best_model_path  # plain Lightning judges the key and keeps the best
 
-    done = train(project, tmp_path, "experiment=zoo_two_loaders", "trainer.max_epochs=2",
-                 f"callbacks.model_checkpoint.monitor={monitor}", f"trainer.devices={devices}")  # fmt: skip
-    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    (run,) = run_dirs(tmp_path)
+    done, run = train_ok(project, tmp_path, "experiment=zoo_two_loaders", "trainer.max_epochs=2",
+                         f"callbacks.model_checkpoint.monitor={monitor}", f"trainer.devices={devices}")  # fmt: skip
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert metrics(run)["monitor"] == monitor and Path(metrics(run)["best_checkpoint"]).is_file()
     assert metrics(run)["devices"] == devices and (run / "curves.png").is_file()
     exported = torch.load(run / "model.pth", weights_only=True)
@@ -268,9 +267,7 @@ def test_without_validation_step_the_monitor_is_reported_truthfully(
     plain_trainer(max_epochs=1, callbacks=[reference]).fit(NoValidationModule(), PointsData())
     assert reference.best_model_path == ""  # plain Lightning keeps no best either (and warns)
 
-    done = train(project, tmp_path, "experiment=zoo_no_validation", "trainer.max_epochs=2")
-    assert done.returncode == 0, done.stderr[-3000:]
-    (run,) = run_dirs(tmp_path)
+    done, run = train_ok(project, tmp_path, "experiment=zoo_no_validation", "trainer.max_epochs=2")
     assert metrics(run)["monitor"] is None and metrics(run)["best_checkpoint"] is None
     assert "test_loss" in metrics(run)["metrics"] and (run / "model.pth").is_file()
     said = [

@@ -133,9 +133,7 @@ class PatternModule(LightningModule):
         return {"loss": loss, "correct": (logits.argmax(1) == batch.y).float().mean().detach()}
 
     def validation_step(self, batch: Pair, batch_idx: int, dataloader_idx: int = 0) -> None:
-        logits, size = self(batch.x), len(batch.y)
-        self.log("val/loss", F.cross_entropy(logits, batch.y), sync_dist=True, batch_size=size)
-        self._correct.append((logits.argmax(1) == batch.y).float())
+        self._correct.append(self._evaluate(batch, "val").float())
 
     def on_validation_epoch_end(self) -> None:
         score = torch.cat(self._correct).mean() if self._correct else torch.tensor(0.0)
@@ -143,10 +141,13 @@ class PatternModule(LightningModule):
         self._correct.clear()
 
     def test_step(self, batch: Pair, batch_idx: int, dataloader_idx: int = 0) -> None:
+        correct = self._evaluate(batch, "test").float().mean()
+        self.log("test/acc", correct, sync_dist=True, batch_size=len(batch.y))
+
+    def _evaluate(self, batch: Pair, stage: str) -> torch.Tensor:
         logits, size = self(batch.x), len(batch.y)  # a Pair: Lightning cannot find its size
-        self.log("test/loss", F.cross_entropy(logits, batch.y), sync_dist=True, batch_size=size)
-        accuracy = (logits.argmax(1) == batch.y).float().mean()
-        self.log("test/acc", accuracy, sync_dist=True, batch_size=size)
+        self.log(f"{stage}/loss", F.cross_entropy(logits, batch.y), sync_dist=True, batch_size=size)
+        return logits.argmax(1) == batch.y
 
     def predict_step(self, batch: Pair, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         return self(batch.x).softmax(dim=1)
@@ -154,15 +155,8 @@ class PatternModule(LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {
-                "scheduler": plateau,
-                "monitor": "val/loss/dataloader_idx_0",
-                "interval": "epoch",
-                "frequency": 1,
-            },
-        }
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "interval": "epoch",
+                "monitor": "val/loss/dataloader_idx_0", "frequency": 1}}  # fmt: skip
 
 
 class ListModule(LightningModule):
@@ -195,10 +189,8 @@ class ListModule(LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1),
-        }
+        return {"optimizer": optimizer,
+                "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1)}  # fmt: skip
 
 
 # Every word once, then seeded lines: WikiText2's dictionary is WORDS and <eos> (the config's 21).
