@@ -1,7 +1,4 @@
-"""Callbacks a user could write, which CLI tests add (``+callbacks.pause._target_=user_callbacks.Pause``).
-
-Not part of the project: the tests put this directory on ``PYTHONPATH``.
-"""
+"""Users' callbacks that CLI tests add (``+callbacks.pause._target_=user_callbacks.Pause``)."""
 
 from __future__ import annotations
 
@@ -10,13 +7,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback, Trainer
 
 
 class Pause(Callback):
-    """At the first batch end of phase ``at`` (``train`` from epoch ``epoch``, ``sanity``,
-    ``test``, ``predict``) write ``marker`` and wait for ``<marker>.release``; a resumed fit does
-    not pause."""
+    """Hold at the first batch end of phase ``at`` (train from ``epoch``, sanity, test, predict)."""
 
     def __init__(self, at: str, marker: str, epoch: int = 0) -> None:
         self.at, self.marker, self.epoch, self.done = at, Path(marker), epoch, False
@@ -45,8 +40,7 @@ class Pause(Callback):
 
 
 def hold(marker: Path, text: str) -> None:
-    """Write ``marker`` (the signal handling's phase, then ``text``) and wait, in Python where
-    signal handlers run, for ``<marker>.release`` (300 s at most)."""
+    """Write ``marker`` (phase, then ``text``); wait in Python for ``<marker>.release`` (300 s)."""
     from runkit.safety import signals
 
     marker.write_text(f"{signals.request.phase}\n{text}")
@@ -55,29 +49,8 @@ def hold(marker: Path, text: str) -> None:
         time.sleep(0.05)
 
 
-class PauseInExport(Callback):
-    """Hold the run as its export starts writing ``model.pth``: the first ``state_dict()`` after
-    the test is the export's, and a hook armed at test end holds it there (see :func:`hold`)."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker, self.done = Path(marker), False
-
-    def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not trainer.is_global_zero:
-            return
-
-        def pause(*args: Any) -> None:  # a function: torch marks its hooks with an attribute
-            if not self.done:
-                self.done = True
-                hold(self.marker, "export")
-
-        for module in pl_module.modules():
-            module.register_state_dict_post_hook(pause)
-
-
 class HoldSave(Callback):
-    """Hold, once, the save a stop signal asked for, before the file is written (see :func:`hold`);
-    periodic saves before the signal go through."""
+    """Hold, once, the save a stop signal asked for, before the file is written."""
 
     def __init__(self, marker: str) -> None:
         self.marker, self.done = Path(marker), False
@@ -103,12 +76,6 @@ class FailAtStart(Callback):
             raise ValueError(f"user callback: refusing lr={lr}")
 
 
-def _lr(trainer: Trainer) -> float:
-    """The job's configured learning rate (a scheduler's ``initial_lr``, once one has stepped)."""
-    group = trainer.optimizers[0].param_groups[0]
-    return group.get("initial_lr", group["lr"])
-
-
 class PauseAtLr(Pause):
     """:class:`Pause` in the job of a sweep whose learning rate is ``lr`` only."""
 
@@ -117,5 +84,6 @@ class PauseAtLr(Pause):
         self.lr = lr
 
     def _pause(self, trainer: Trainer) -> None:
-        if math.isclose(_lr(trainer), self.lr):
+        group = trainer.optimizers[0].param_groups[0]  # initial_lr once a scheduler has stepped
+        if math.isclose(group.get("initial_lr", group["lr"]), self.lr):
             super()._pause(trainer)

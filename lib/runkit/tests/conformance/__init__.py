@@ -1,16 +1,6 @@
-"""The conformance corpus: LightningModules and DataModules that are not the template's (issue #31).
-
-Lightning's own demo classes (``lightning.pytorch.demos``) as they ship, and the members of
-:mod:`conformance.members`, one documented pattern of Lightning's LightningModule and DataModule
-pages each, several per class. ``test_conformance.py`` copies this package into a run's working
-directory, as a user drops their package into their project, and runs each member under a bare
-``lightning.pytorch.Trainer`` (:mod:`conformance.oracle`) and through ``python -m tinyapp.train
---config-dir conformance/configs model=<member> data=<member>``.
-
-``MEMBERS`` says how each member runs; ``FEATURES`` which Lightning feature it exercises and what
-the template does with it: the table of lib/runkit/docs/own-model-and-data.md is generated from
-it (``feature_table``) and a test keeps the two equal.
-"""
+"""The conformance corpus (issue #31): Lightning's demo classes and :mod:`conformance.members`,
+run by a bare Trainer (:mod:`conformance.oracle`) and by the CLI. ``FEATURES`` generates the table
+of lib/runkit/docs/own-model-and-data.md (``feature_table``)."""
 
 from __future__ import annotations
 
@@ -22,7 +12,7 @@ from typing import Any
 CONFIGS = Path(__file__).resolve().parent / "configs"
 SEED = 42  # the template's default seed (train.yaml); the oracle seeds the same way
 
-# The same Trainer arguments for the oracle and the CLI (as trainer.<key>=<value>): a few batches.
+# The same Trainer arguments for the oracle and the CLI: a few batches.
 TRAINER: dict[str, Any] = {
     "max_epochs": 2,
     "limit_train_batches": 4,
@@ -35,12 +25,9 @@ TRAINER: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class Member:
-    """``configs/{model,data}/<name>.yaml``. ``monitor``: the checkpoint's key and mode (None: no
-    validation figure, no best checkpoint); ``ddp``: also DDP x2 on the CPU; ``exact_resume``:
-    false for data drawing from torch's generator without state; ``draws_random``: the oracle
-    adds ``ResumeState`` (the template reseeds each epoch from ``(seed, epoch)``);
-    ``fixed_test_data``: false where the test split is drawn from the generator (eval then sees
-    other samples than the test after fit)."""
+    """``configs/{model,data}/<name>.yaml``; ``monitor``: key and mode (None: no best checkpoint);
+    ``draws_random``: the oracle adds ``ResumeState``; ``fixed_test_data``: false where the test
+    split is drawn from the generator (eval sees other samples than the test after fit)."""
 
     name: str
     monitor: tuple[str, str] | None
@@ -52,16 +39,10 @@ class Member:
     def overrides(self, **trainer: Any) -> list[str]:
         """The CLI's arguments for this member: ``TRAINER``, updated by ``trainer``."""
         key = "callbacks.model_checkpoint"
-        watch = [f"{key}.monitor=null"]
-        if self.monitor is not None:
-            watch = [f"{key}.monitor={self.monitor[0]}", f"{key}.mode={self.monitor[1]}"]
-        return [
-            f"model={self.name}",
-            f"data={self.name}",
-            *watch,
-            f"seed={SEED}",
-            *(f"trainer.{k}={v}" for k, v in {**TRAINER, **trainer}.items()),
-        ]
+        m = self.monitor
+        watch = [f"{key}.monitor={m[0]}", f"{key}.mode={m[1]}"] if m else [f"{key}.monitor=null"]
+        return [f"model={self.name}", f"data={self.name}", *watch, f"seed={SEED}",
+                *(f"trainer.{k}={v}" for k, v in {**TRAINER, **trainer}.items())]  # fmt: skip
 
 
 MEMBERS = {
@@ -85,8 +66,7 @@ MEMBERS = {
 
 @dataclass(frozen=True)
 class Feature:
-    """A feature of Lightning's module/data documentation: the member that has it, what the
-    template does with it (the table's third column), ``present(model, data)``: the claim."""
+    """A feature of Lightning's docs, the member that has it, what the template does with it."""
 
     name: str
     member: str

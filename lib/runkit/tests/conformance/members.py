@@ -1,10 +1,5 @@
-"""The corpus's own members: modules and data modules written the way Lightning's docs teach.
-
-Each class combines several documented patterns so that the harness stays cheap; the package's
-``FEATURES`` says which pattern lives where. Everything is small (a few hundred numbers) and
-seeded: the global seed (``seed_everything``) for weights, shuffling and augmentation, a fixed
-generator for the files ``prepare_data`` writes.
-"""
+"""The corpus's own members, written as Lightning's docs teach, several patterns per class
+(``FEATURES`` says which lives where); small and seeded."""
 
 from __future__ import annotations
 
@@ -17,12 +12,11 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.demos.transformer import LightningTransformer, WikiText2
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 
 class Pair:
-    """A batch Lightning cannot move by itself (no tuple, dict or dataclass): the reason a
-    DataModule overrides ``transfer_batch_to_device``."""
+    """A batch Lightning cannot move by itself: why PatternData has ``transfer_batch_to_device``."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
         self.x, self.y = x, y
@@ -32,24 +26,21 @@ def _pairs(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> Pair:
     return Pair(torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]))
 
 
-class Noisy(Dataset):
-    """Rows of a saved file, with augmentation drawn from torch's global generator (per worker:
-    Lightning's ``worker_init_fn`` seeds it under ``seed_everything(workers=True)``)."""
+class Noisy(TensorDataset):
+    """Rows of a saved file, with augmentation from torch's global generator (seeded per worker)."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, noise: float) -> None:
-        self.x, self.y, self.noise = x, y, noise
-
-    def __len__(self) -> int:
-        return len(self.y)
+        super().__init__(x, y)
+        self.noise = noise
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.x[index]
-        return x + self.noise * torch.randn_like(x), self.y[index]
+        x, y = super().__getitem__(index)
+        return x + self.noise * torch.randn_like(x), y
 
 
 class PatternData(LightningDataModule):
-    """``prepare_data`` writes a file, ``setup(stage)`` reads the splits that stage needs, two
-    validation and two test loaders, ``num_workers`` for training, ``transfer_batch_to_device``."""
+    """``prepare_data`` writes a file, ``setup(stage)`` reads what the stage needs, two validation
+    and two test loaders, ``num_workers`` for training, ``transfer_batch_to_device``."""
 
     def __init__(
         self,
@@ -65,21 +56,16 @@ class PatternData(LightningDataModule):
         self.num_classes, self.batch_size, self.num_workers = num_classes, batch_size, num_workers
         self.splits: dict[str, Dataset] = {}
 
-    @property
-    def file(self) -> Path:
-        return self.root / "points.pt"
-
     def prepare_data(self) -> None:
-        if self.file.is_file():
+        if (self.root / "points.pt").is_file():
             return
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(self.samples, self.features, generator=generator)
-        y = (x[:, : self.num_classes] * 2).argmax(dim=1)
         self.root.mkdir(parents=True, exist_ok=True)
-        torch.save((x, y), self.file)
+        torch.save((x, (x[:, : self.num_classes] * 2).argmax(dim=1)), self.root / "points.pt")
 
     def setup(self, stage: str) -> None:
-        x, y = torch.load(self.file, weights_only=True)
+        x, y = torch.load(self.root / "points.pt", weights_only=True)
         a, b = self.samples // 2, 3 * self.samples // 4
         if stage == "fit":
             self.splits["train"] = Noisy(x[:a], y[:a], noise=0.1)
@@ -88,21 +74,18 @@ class PatternData(LightningDataModule):
         if stage in ("test", "predict"):
             self.splits["test"] = Noisy(x[b:], y[b:], noise=0.0)
 
-    def _loader(self, split: str, **kwargs: Any) -> DataLoader:
-        return DataLoader(
-            self.splits[split], batch_size=self.batch_size, collate_fn=_pairs, **kwargs
-        )
+    def _loader(self, split: str, batch_size: int = 0, **kwargs: Any) -> DataLoader:
+        size = batch_size or self.batch_size
+        return DataLoader(self.splits[split], batch_size=size, collate_fn=_pairs, **kwargs)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=True, num_workers=self.num_workers)
 
     def val_dataloader(self) -> list[DataLoader]:
-        half = self.batch_size // 2
-        return [self._loader("val"), DataLoader(self.splits["val"], half, collate_fn=_pairs)]
+        return [self._loader("val"), self._loader("val", self.batch_size // 2)]
 
     def test_dataloader(self) -> list[DataLoader]:
-        half = self.batch_size // 2
-        return [self._loader("test"), DataLoader(self.splits["test"], half, collate_fn=_pairs)]
+        return [self._loader("test"), self._loader("test", self.batch_size // 2)]
 
     def predict_dataloader(self) -> DataLoader:
         return self._loader("test")
@@ -116,10 +99,9 @@ class PatternData(LightningDataModule):
 
 
 class PatternModule(LightningModule):
-    """A classifier whose head is built in ``setup()`` from the data module, a nested module and
-    containers as arguments, a dict from ``training_step``, validation keys per loader and one
-    logged in ``on_validation_epoch_end``, a scheduler dict with ``monitor`` and ``interval``, and
-    ``predict_step``."""
+    """A head built in ``setup()``, a nested module and containers as arguments, a dict from
+    ``training_step``, keys per loader and one in ``on_validation_epoch_end``, a scheduler dict
+    with ``monitor`` and ``interval``, ``predict_step``."""
 
     def __init__(
         self, encoder: nn.Module, widths: list[int], options: dict[str, Any], lr: float = 0.1
@@ -138,8 +120,7 @@ class PatternModule(LightningModule):
 
     def setup(self, stage: str) -> None:
         if self.head is None:  # Lightning calls setup once per stage; build once
-            classes = self.trainer.datamodule.num_classes
-            self.head = nn.Linear(self.hparams.widths[-1], classes)
+            self.head = nn.Linear(self.hparams.widths[-1], self.trainer.datamodule.num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.head is not None
@@ -152,11 +133,7 @@ class PatternModule(LightningModule):
         return {"loss": loss, "correct": (logits.argmax(1) == batch.y).float().mean().detach()}
 
     def validation_step(self, batch: Pair, batch_idx: int, dataloader_idx: int = 0) -> None:
-        logits = self(batch.x)
-        self.log(
-            "val/loss", F.cross_entropy(logits, batch.y), sync_dist=True, batch_size=len(batch.y)
-        )
-        self._correct.append((logits.argmax(1) == batch.y).float())
+        self._correct.append(self._evaluate(batch, "val").float())
 
     def on_validation_epoch_end(self) -> None:
         score = torch.cat(self._correct).mean() if self._correct else torch.tensor(0.0)
@@ -164,15 +141,13 @@ class PatternModule(LightningModule):
         self._correct.clear()
 
     def test_step(self, batch: Pair, batch_idx: int, dataloader_idx: int = 0) -> None:
-        logits = self(batch.x)
-        size = len(batch.y)  # a Pair: Lightning cannot find the batch size by itself
-        self.log("test/loss", F.cross_entropy(logits, batch.y), sync_dist=True, batch_size=size)
-        self.log(
-            "test/acc",
-            (logits.argmax(1) == batch.y).float().mean(),
-            sync_dist=True,
-            batch_size=size,
-        )
+        correct = self._evaluate(batch, "test").float().mean()
+        self.log("test/acc", correct, sync_dist=True, batch_size=len(batch.y))
+
+    def _evaluate(self, batch: Pair, stage: str) -> torch.Tensor:
+        logits, size = self(batch.x), len(batch.y)  # a Pair: Lightning cannot find its size
+        self.log(f"{stage}/loss", F.cross_entropy(logits, batch.y), sync_dist=True, batch_size=size)
+        return logits.argmax(1) == batch.y
 
     def predict_step(self, batch: Pair, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         return self(batch.x).softmax(dim=1)
@@ -180,20 +155,13 @@ class PatternModule(LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {
-                "scheduler": plateau,
-                "monitor": "val/loss/dataloader_idx_0",
-                "interval": "epoch",
-                "frequency": 1,
-            },
-        }
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "interval": "epoch",
+                "monitor": "val/loss/dataloader_idx_0", "frequency": 1}}  # fmt: skip
 
 
 class ListModule(LightningModule):
-    """For Lightning's ``IterableBoringDataModule``: a list batch (one tensor per training
-    loader), layers built in ``configure_model``, a scheduler object in the optimiser dict."""
+    """For ``IterableBoringDataModule``: a list batch (a tensor per training loader), layers built
+    in ``configure_model``, a scheduler object in the optimiser dict."""
 
     def __init__(self, features: int = 4, lr: float = 0.05) -> None:
         super().__init__()
@@ -221,21 +189,16 @@ class ListModule(LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1),
-        }
+        return {"optimizer": optimizer,
+                "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1)}  # fmt: skip
 
 
-# Every word once, then a seeded stream of them: the dictionary WikiText2 builds has exactly
-# len(WORDS) + 1 entries (``<eos>``), which is the vocab_size the transformer's config gives.
+# Every word once, then seeded lines: WikiText2's dictionary is WORDS and <eos> (the config's 21).
 WORDS = [f"w{i}" for i in range(20)]
 
 
 class TokenData(LightningDataModule):
-    """Generated text for Lightning's demo transformer: ``prepare_data`` writes the file its
-    ``WikiText2`` reads (``data/wikitext-2.txt``, where the demo module's own ``prepare_data``
-    looks, so it downloads nothing)."""
+    """Generated text for the demo transformer, written where its ``WikiText2`` reads (no download)."""
 
     def __init__(self, lines: int = 40, block_size: int = 12, batch_size: int = 4) -> None:
         super().__init__()
@@ -260,9 +223,7 @@ class TokenData(LightningDataModule):
 
 
 class GeneratedTokensTransformer(LightningTransformer):
-    """Lightning's demo ``LightningTransformer`` unchanged but for ``prepare_data``: the demo's
-    downloads WikiText-2 (it needs ``requests`` and a network, which a test machine lacks); the
-    data here comes from :class:`TokenData`."""
+    """Lightning's demo ``LightningTransformer`` but for ``prepare_data`` (the demo's downloads)."""
 
     def prepare_data(self) -> None:
         pass

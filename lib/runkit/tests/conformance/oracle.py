@@ -1,17 +1,7 @@
-"""The oracle: one corpus member under a bare ``lightning.pytorch.Trainer``, nothing of the template.
-
-    python -m conformance.oracle <member> <out_dir> <devices>
-
-A member that draws from torch's generator while it trains (``Member.draws_random``) gets the
-one callback of the template that changes what it learns: ``ResumeState``, which seeds every
-epoch from ``(seed, epoch)`` so that a resumed run continues exactly. Everything else stays plain.
-
-Builds the member's model and data from its configs as plain Python (``_convert_="all"``: lists and
-dicts, no OmegaConf containers), seeds as ``tinyapp.train`` does (``seed_everything(SEED,
-workers=True)`` before building the data, then the model), fits with ``conformance.TRAINER``
-and writes what the harness compares: ``<out_dir>/csv/metrics.csv`` (Lightning's CSVLogger) and
-``<out_dir>/weights.pt``, the final ``state_dict``. ``devices`` > 1: DDP over gloo, as the
-template's ``trainer.devices=2`` on the CPU.
+"""The oracle: one corpus member under a bare ``lightning.pytorch.Trainer`` (``python -m
+conformance.oracle <member> <out_dir> <devices>``), seeded as ``tinyapp.train`` is; writes
+``<out_dir>/csv/metrics.csv`` and the final ``weights.pt``. A member drawing from torch's
+generator gets ``ResumeState`` (the per-epoch reseed), the one callback that changes learning.
 """
 
 from __future__ import annotations
@@ -29,7 +19,6 @@ from conformance import CONFIGS, MEMBERS, SEED, TRAINER
 
 
 def build(name: str, group: str) -> object:
-    """The member's model or data module from ``configs/<group>/<name>.yaml``, plain values."""
     return instantiate(OmegaConf.load(CONFIGS / group / f"{name}.yaml"), _convert_="all")
 
 

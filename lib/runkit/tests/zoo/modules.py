@@ -1,4 +1,4 @@
-"""The zoo's LightningModules (see the package docstring)."""
+"""The zoo's LightningModules."""
 
 from __future__ import annotations
 
@@ -44,10 +44,8 @@ class RegressionModule(LightningModule):
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=1)
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": plateau, "monitor": "val/loss"},
-        }
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": plateau, "monitor": "val/loss"}}  # fmt: skip
 
 
 class TwoOptimizerModule(LightningModule):
@@ -64,29 +62,28 @@ class TwoOptimizerModule(LightningModule):
         features = self.encoder(x)
         return {"features": features, "prediction": self.head(features).squeeze(-1)}
 
+    def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return F.mse_loss(self(batch["x"])["prediction"], batch["y"])
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         encoder_opt, head_opt = self.optimizers()
         for optimizer in (head_opt, encoder_opt):
-            loss = F.mse_loss(self(batch["x"])["prediction"], batch["y"])
+            loss = self._loss(batch)
             optimizer.zero_grad()
             self.manual_backward(loss)
             optimizer.step()
         self.log("train_loss", loss, on_step=True, on_epoch=True, sync_dist=True)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss = F.mse_loss(self(batch["x"])["prediction"], batch["y"])
-        self.log("val_loss", loss, on_epoch=True, sync_dist=True)
+        self.log("val_loss", self._loss(batch), on_epoch=True, sync_dist=True)
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss = F.mse_loss(self(batch["x"])["prediction"], batch["y"])
-        self.log("test_loss", loss, on_epoch=True, sync_dist=True)
+        self.log("test_loss", self._loss(batch), on_epoch=True, sync_dist=True)
 
     def configure_optimizers(self) -> Any:
         lr = self.hparams.lr
-        return [
-            torch.optim.SGD(self.encoder.parameters(), lr=lr),
-            torch.optim.Adam(self.head.parameters(), lr=lr / 5),
-        ]
+        return [torch.optim.SGD(self.encoder.parameters(), lr=lr),
+                torch.optim.Adam(self.head.parameters(), lr=lr / 5)]  # fmt: skip
 
 
 class LazyModule(LightningModule):
@@ -99,11 +96,9 @@ class LazyModule(LightningModule):
 
     def configure_model(self) -> None:
         if self.layers is None:  # idempotent, as Lightning asks
-            self.layers = nn.Sequential(
-                nn.Linear(self.hparams.in_features, self.hparams.hidden),
-                nn.GELU(),
-                nn.Linear(self.hparams.hidden, 1),
-            )
+            hidden = self.hparams.hidden
+            self.layers = nn.Sequential(nn.Linear(self.hparams.in_features, hidden), nn.GELU(),
+                                        nn.Linear(hidden, 1))  # fmt: skip
 
     def _loss(self, batch: Points) -> torch.Tensor:
         assert self.layers is not None
@@ -125,9 +120,8 @@ class LazyModule(LightningModule):
 
 
 class HeadModule(LightningModule):
-    """The lightning-hydra-template layout: a network ``net`` from ``__init__`` and a head beside
-    it built in ``setup()`` from the data module (as Lightning's docs teach); layer sizes arrive
-    as a list and options as a dict from the config."""
+    """A ``net`` from ``__init__`` and a head beside it built in ``setup()`` from the data module;
+    layer sizes arrive as a list and options as a dict from the config."""
 
     def __init__(
         self,
@@ -148,16 +142,14 @@ class HeadModule(LightningModule):
 
     def setup(self, stage: str) -> None:
         if self.head is None:  # reads the data, as Lightning documents; idempotent
-            outputs = self.trainer.datamodule.outputs
-            self.head = nn.Linear(self.width, outputs)
+            self.head = nn.Linear(self.width, self.trainer.datamodule.outputs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.head is not None
         return self.head(self.net(x)).squeeze(-1)
 
     def _loss(self, batch: Any) -> torch.Tensor:
-        x, y = batch
-        return F.mse_loss(self(x), y)
+        return F.mse_loss(self(batch[0]), batch[1])
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
@@ -174,9 +166,8 @@ class HeadModule(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-class TwoLoadersModule(LightningModule):
-    """Two validation loaders (Lightning suffixes each key with ``/dataloader_idx_N``), a score
-    logged only in ``on_validation_epoch_end`` outside the sanity check, and no ``test_step``."""
+class _OneLayer(LightningModule):
+    """One linear layer, a training step and SGD: what the next two modules share."""
 
     def __init__(self, in_features: int = 8, lr: float = 0.05) -> None:
         super().__init__()
@@ -193,6 +184,14 @@ class TwoLoadersModule(LightningModule):
         self.log("train_loss", loss, on_epoch=True, sync_dist=True)
         return loss
 
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+class TwoLoadersModule(_OneLayer):
+    """Two validation loaders (keys get ``/dataloader_idx_N``), a score logged only in
+    ``on_validation_epoch_end`` outside the sanity check, and no ``test_step``."""
+
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         loss = self._loss(batch)
         self.errors.append(loss.detach())
@@ -203,29 +202,9 @@ class TwoLoadersModule(LightningModule):
             self.log("val_score", -torch.stack(self.errors).mean(), sync_dist=True)
         self.errors.clear()
 
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
 
-
-class NoValidationModule(LightningModule):
+class NoValidationModule(_OneLayer):
     """No ``validation_step`` (like Lightning's demo ``LightningTransformer``)."""
-
-    def __init__(self, in_features: int = 8, lr: float = 0.05) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.layer = nn.Linear(in_features, 1)
-
-    def _loss(self, batch: Any) -> torch.Tensor:
-        x, y = batch
-        return F.mse_loss(self.layer(x).squeeze(-1), y)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss, on_epoch=True, sync_dist=True)
-        return loss
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self.log("test_loss", self._loss(batch), sync_dist=True)
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
