@@ -95,7 +95,14 @@ up() {
         mkdir -p "$DIR/$node"
         alive "$DIR/$node/slurmd.pid" || slurmd -N "$node" 9>&-
     done
-    wait_for "the nodes" sh -c "[ \"\$(sinfo -h -N -t idle,alloc,mix -o %N | sort -u | wc -l)\" = ${#NODES[@]} ]"
+    # A drain outlives a restart in the saved state (a duplicate job id after a reset, a killed run):
+    # this cluster is ours, so a start returns every node to service.
+    for node in "${NODES[@]}"; do
+        sinfo -h -N -n "$node" -o %T 2>/dev/null | grep -q drain \
+            && scontrol update NodeName="$node" State=RESUME
+    done
+    wait_for "the nodes" sh -c "[ \"\$(sinfo -h -N -t idle,alloc,mix -o '%N %T' | grep -v drain \
+        | sort -u | wc -l)\" = ${#NODES[@]} ]"
     echo "cluster: up (${NODES[*]}); export SLURM_CONF=$SLURM_CONF"
 }
 
@@ -128,5 +135,14 @@ stop)
         down && rm -f "$DIR/holds"
     fi
     ;;
-reset) stop_pid "$DIR/slurmctld.pid"; rm -rf "$DIR/ctld"; up ;;
+reset)  # the nodes forget their jobs too: a node that still knew an old job's id would drain
+    if alive "$DIR/slurmctld.pid"; then
+        scancel --quiet --user=root 2>/dev/null || true
+        for _ in $(seq 150); do [[ -z "$(squeue -h 2>/dev/null)" ]] && break; sleep 0.2; done
+    fi
+    for node in "${NODES[@]}"; do stop_pid "$DIR/$node/slurmd.pid"; rm -rf "${DIR:?}/$node"; done
+    stop_pid "$DIR/slurmctld.pid"
+    rm -rf "$DIR/ctld"
+    up
+    ;;
 esac
