@@ -49,8 +49,11 @@ def job_scope() -> Iterator[None]:
 
     from runkit.safety.signals import stop_on_signal
 
-    hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
-    if hydra_cfg is not None and os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
+    if not HydraConfig.initialized():
+        yield
+        return
+    hydra_cfg = HydraConfig.get()
+    if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
         try:
             with stop_on_signal():
                 yield
@@ -60,8 +63,8 @@ def job_scope() -> Iterator[None]:
                 handler(signal.SIGUSR2, None)
             raise
         return
-    if hydra_cfg is None or hydra_cfg.mode != RunMode.MULTIRUN or launched_externally():
-        if hydra_cfg is not None and SWEEP_JOB_ENV in os.environ and "LOCAL_RANK" in os.environ:
+    if hydra_cfg.mode != RunMode.MULTIRUN or launched_externally():
+        if SWEEP_JOB_ENV in os.environ and "LOCAL_RANK" in os.environ:
             rank, num = os.environ["LOCAL_RANK"], os.environ[SWEEP_JOB_ENV]
             log.info(
                 "Rank %s runs sweep job #%s: %s", rank, num, " ".join(hydra_cfg.overrides.task)
