@@ -993,7 +993,7 @@ def test_a_dataloader_worker_killed_during_a_run_ends_it_with_exit_1(
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["rank1", "rank0"])
 def test_a_dying_rank_ends_the_job(run: Callable[..., Run], victim: str) -> None:
-    job = run("train", "trainer.accelerator=cpu", "trainer.devices=2", *LONG, "data.batch_size=256")
+    job = run("train", "trainer.accelerator=cpu", "trainer.devices=2", *LONG)
     last = job.first("train/runs/*/checkpoints/last.ckpt")
     rank1 = descendants(job.pid)[0]
     os.kill(rank1 if victim == "rank1" else job.pid, signal.SIGKILL)
