@@ -349,7 +349,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: python -m runkit.plot needs matplotlib: {HINT}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -147,17 +147,14 @@ class GpuReader:
         skip: tuple[type[BaseException], ...] = (*nvml.error_classes(self.lib, _PROBE_SKIP_ERRORS), AttributeError)  # fmt: skip
         if "power" in self.groups:
             self.power_limit_mw = nvml.optional(self.lib, self.device.power_limit_mw)
-        if "gpm" in self.groups:
-            instance = self.device.gpu_instance_id() if self.is_mig else None
-            counters = GpmCounters(self.lib, self.device.board, self.label, instance)
+        for group in list(self.groups):
             try:
-                counters.open()
-                self.gpm = counters
-            except skip as err:
-                self._skip("gpm", err)
-        for group in [g for g in self.groups if g != "gpm"]:
-            try:
-                self._values(group)
+                if group == "gpm":
+                    instance = self.device.gpu_instance_id() if self.is_mig else None
+                    self.gpm = GpmCounters(self.lib, self.device.board, self.label, instance)
+                    self.gpm.open()
+                else:
+                    self._values(group)
             except skip as err:
                 self._skip(group, err)
 
@@ -180,8 +177,7 @@ class GpuReader:
     def _values(self, group: str) -> dict[str, float]:
         d = self.device
         if group == "utilization":
-            gpu, memory = d.utilization()
-            return {"util": float(gpu), "mem_util": float(memory)}
+            return dict(zip(("util", "mem_util"), map(float, d.utilization()), strict=True))
         if group == "memory":
             total, used, _free = d.memory()
             return {"mem_used_gib": used / GIB, "mem_total_gib": total / GIB}
@@ -282,13 +278,10 @@ class GpuSampler:
         acc = self._acc[phase].setdefault(label, GpuAccumulator()) if phase else None
         self._latest[label] = values, s
         if (energy := values.pop("_energy_mj", None)) is not None:
-            if (previous := self._energy.get(label)) is not None:
-                delta = energy - previous[0]
-                self._energy[label] = energy, previous[1] + delta
-                if acc is not None:
-                    acc.energy_mj = (acc.energy_mj or 0.0) + delta
-            else:
-                self._energy[label] = energy, 0.0
+            last, total = (previous := self._energy.get(label)) or (energy, 0.0)
+            self._energy[label] = energy, total + energy - last
+            if acc is not None and previous is not None:
+                acc.energy_mj = (acc.energy_mj or 0.0) + energy - last
         if acc is not None:
             acc.add(values, s)
 
