@@ -137,8 +137,7 @@ def _check_arguments(a: dict[str, Any]) -> None:
 def energy_report(trainer: Any) -> dict[str, Any] | None:
     """The run's energy for ``metrics.json`` (None without a :class:`GpuStatsMonitor` reading)."""
     monitor = next((c for c in trainer.callbacks if isinstance(c, GpuStatsMonitor)), None)
-    per_gpu = monitor.run_energy_j() if monitor is not None else {}
-    if monitor is None or not per_gpu:
+    if monitor is None or not (per_gpu := monitor.run_energy_j()):
         return None
     total, samples = sum(per_gpu.values()), monitor.run_samples()
     return {
