@@ -199,9 +199,7 @@ def test_a_backend_spec_loads_its_factory_or_says_it_cannot(monkeypatch):
 
 
 # ------------------------------------------------------------------------- one device's figures
-class OddDriver(FakeNvml):
-    """The fake with an old driver's clock name, a checked ECC query and a typed field value."""
-
+class OddDriver(FakeNvml):  # an old driver's clock name, a checked ECC query, typed fields
     value_type, result = 0, 0
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int:

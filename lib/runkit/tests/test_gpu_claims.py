@@ -127,9 +127,7 @@ def test_the_gpu_keys_make_the_policy_and_a_bad_one_is_one_line_naming_it(keys, 
 
 
 # ------------------------------------------------------------------------- measuring
-class BoardlessNvml(FakeNvml):
-    """A driver that cannot give a MIG slice's GPU."""
-
+class BoardlessNvml(FakeNvml):  # a driver that cannot give a MIG slice's GPU
     def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, handle):
         raise nvml_error("unknown")
 
