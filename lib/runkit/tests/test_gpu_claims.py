@@ -202,28 +202,23 @@ def test_rank_by_load_free_memory_then_utilisation_then_index():
 
 
 # ------------------------------------------------------------------------- the lock directory
-@pytest.fixture
-def temp_dir(tmp_path, monkeypatch) -> Path:
-    """The system temporary directory, here, and no usable ``$XDG_RUNTIME_DIR``."""
-    path = tmp_path / "tmp é"
-    path.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(path))
+def test_the_lock_directory_is_the_given_one_or_the_users_own_and_a_bad_one_is_refused(
+    tmp_path, monkeypatch
+):
+    temp_dir = tmp_path / "tmp é"  # the system temporary directory, and no usable XDG_RUNTIME_DIR
+    temp_dir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp_dir))
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "no such dir"))
-    return path
-
-
-def test_the_lock_directory_is_the_given_one_or_the_users_own(temp_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     got = claims.lock_dir_for(SelectionPolicy(lock_dir="~/a b/é/locks"))  # parents created
     assert got == tmp_path / "a b" / "é" / "locks" and got.is_dir()
     got = claims.lock_dir_for(SelectionPolicy())
     assert got == temp_dir / f"runkit-gpu-locks-{os.getuid()}"
     assert got.stat().st_mode & 0o777 == 0o700
+    got.rmdir()
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     assert claims.lock_dir_for(SelectionPolicy()) == tmp_path / "runkit-gpu-locks"
-
-
-def test_a_lock_dir_that_cannot_be_used_is_refused_and_kept(temp_dir, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "no such dir"))
     taken = temp_dir / "locks é"
     taken.write_text("mine")
     assert refused(claims.lock_dir_for, SelectionPolicy(lock_dir=str(taken))) == (
