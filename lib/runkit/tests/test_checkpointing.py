@@ -167,14 +167,9 @@ UNREADABLE = "is not a readable checkpoint or state_dict (truncated or corrupt?)
 
 @pytest.mark.parametrize(
     ("damage", "expected"),
-    [
-        ("another-architecture", "unexpected keys"),
-        ("truncated", UNREADABLE),
-        ("garbage", UNREADABLE),
-        ("empty", "is an empty file"),
-        ("one-changed-bit", "is damaged: record "),
-    ],
-)
+    [("another-architecture", "unexpected keys"), ("truncated", UNREADABLE), ("garbage", UNREADABLE),
+     ("empty", "is an empty file"), ("one-changed-bit", "is damaged: record ")],
+)  # fmt: skip
 def test_a_wrong_or_damaged_model_pth_is_one_line_naming_the_file(
     tmp_path: Path, damage: str, expected: str
 ) -> None:
@@ -272,23 +267,11 @@ PASS = "pass a .ckpt file, a model.pth, a run directory or 'last'"
     ("make", "typed", "expected"),
     [
         pytest.param(None, "nowhere.ckpt", "{path} does not exist; " + PASS, id="missing"),
-        pytest.param(
-            b"", "given.ckpt", "{path} is an empty file; expected a checkpoint", id="empty"
-        ),
-        pytest.param(
-            b"P",
-            "given.ckpt",
-            "{path} is not a complete torch checkpoint (truncated, or another kind of file)",
-            id="one-byte",
-        ),
-        pytest.param(
-            "dir",
-            "",
-            "{path} is a directory without checkpoints/last.ckpt or any other .ckpt file; " + PASS,
-            id="no-checkpoint-in-dir",
-        ),
+        pytest.param(b"", "given.ckpt", "{path} is an empty file; expected a checkpoint", id="empty"),
+        pytest.param(b"P", "given.ckpt", "{path} is not a complete torch checkpoint (truncated, or another kind of file)", id="one-byte"),
+        pytest.param("dir", "", "{path} is a directory without checkpoints/last.ckpt or any other .ckpt file; " + PASS, id="no-checkpoint-in-dir"),
     ],
-)
+)  # fmt: skip
 def test_resolve_ckpt_path_refuses_in_one_line(
     folder: Path, make: Any, typed: str, expected: str
 ) -> None:
@@ -633,23 +616,11 @@ FULL = "the disk is full: could not write {t} (No space left on device); "
     [
         pytest.param(full_disk, None, FULL + "nothing was written", id="full-new"),
         pytest.param(full_disk, b"old", FULL + "its previous version is unchanged", id="full-old"),
-        pytest.param(
-            fails(PermissionError(errno.EACCES, "Permission denied")),
-            None,
-            "could not write {t}: Permission denied; nothing was written",
-            id="permission",
-        ),
-        pytest.param(
-            fails(OSError("quota of the group reached")),
-            None,
-            "could not write {t}: quota of the group reached; nothing was written",
-            id="bare",
-        ),
-        pytest.param(
-            fails(OSError()), None, "could not write {t}: OSError; nothing was written", id="silent"
-        ),
+        pytest.param(fails(PermissionError(errno.EACCES, "Permission denied")), None, "could not write {t}: Permission denied; nothing was written", id="permission"),
+        pytest.param(fails(OSError("quota of the group reached")), None, "could not write {t}: quota of the group reached; nothing was written", id="bare"),
+        pytest.param(fails(OSError()), None, "could not write {t}: OSError; nothing was written", id="silent"),
     ],
-)
+)  # fmt: skip
 def test_atomic_write_leaves_the_old_file_or_nothing_and_says_why(
     folder: Path, write: Any, before: bytes | None, expected: str
 ) -> None:
