@@ -220,10 +220,14 @@ def test_a_directory_where_a_lock_file_belongs_is_one_line_naming_it(
 # ------------------------------------------------------------------------- resume: the earlier CSV
 
 
+SMALL_NET = "model.net.channels=[8]"
+
+
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("trained")
-    done = run_entry(root, "train", *FAST, "trainer.max_epochs=1", f"paths.log_dir={root / 'logs'}")
+    logs = f"paths.log_dir={root / 'logs'}"
+    done = run_entry(root, "train", *FAST, "trainer.max_epochs=1", SMALL_NET, logs)
     assert done.returncode == 0, done.stderr[-3000:]
     (run,) = run_dirs(root / "logs")
     return run
@@ -238,7 +242,7 @@ def test_resuming_from_a_run_whose_csv_log_is_damaged(
     shutil.copytree(trained_run, earlier_run)
     damage(earlier_run / plots.METRICS_CSV, "directory")
     before = snapshot(earlier_run)
-    result = cli("train", *FAST, "trainer.max_epochs=3", f"ckpt_path={earlier_run}")
+    result = cli("train", *FAST, "trainer.max_epochs=3", SMALL_NET, f"ckpt_path={earlier_run}")
     assert snapshot(earlier_run) == before  # the earlier run is never changed
     line = one_error_line(result)
     assert line.startswith(f"error: {str(earlier_run / plots.METRICS_CSV)!r} "), line
