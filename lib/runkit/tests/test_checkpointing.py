@@ -27,7 +27,6 @@ from omegaconf import OmegaConf
 from conftest import TEMPLATE_TARGETS, CliRunner, last_line
 from tinyapp.models import MLP
 from runkit.errors import RunError
-from runkit.run import builders
 from runkit.safety import checkpoints as checkpointing
 from runkit.safety.checkpoints import (
     AtomicCheckpointIO,
@@ -50,7 +49,6 @@ from runkit.safety.checkpoints import (
 )
 
 SRC = Path(checkpointing.__file__).resolve().parent
-CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 NET = {"_target_": "tinyapp.models.MLP", "in_features": 64, "hidden": [8], "num_classes": 10}
 SMALL_NET = {"_target_": "tinyapp.models.MLP", "in_features": 4, "hidden": [3], "num_classes": 2}
 DEAD = f".model.pth.{2**22 + 1}-{checkpointing._HOST}-0badc0de.tmp"  # pid above pid_max
@@ -186,15 +184,6 @@ def test_a_wrong_or_damaged_model_pth_is_one_line_naming_the_file(
         )
     message = refusal(path)
     assert "\n" not in message and str(path) in message and expected in message
-
-
-def test_build_trainer_uses_atomic_io() -> None:
-    shipped = OmegaConf.load(CONFIGS / "trainer" / "default.yaml")  # where the plugin is set
-    trainer = {"_target_": "lightning.pytorch.Trainer", "accelerator": "cpu", "devices": 1,
-               "logger": False, "enable_progress_bar": False, "enable_model_summary": False,
-               "plugins": shipped.plugins}  # fmt: skip
-    cfg = OmegaConf.create({"seed": 1, "trainer": trainer})
-    assert isinstance(builders.build_trainer(cfg).strategy.checkpoint_io, AtomicCheckpointIO)
 
 
 def test_nothing_in_src_unpickles_with_weights_only_false() -> None:
@@ -441,9 +430,7 @@ class Regressor(torch.nn.Module):
         self.head = torch.nn.Linear(width, 1)
 
 
-class Built(pl.LightningModule):
-    """Its layer made in configure_model, from a list argument."""
-
+class Built(pl.LightningModule):  # its layer made in configure_model, from a list argument
     def __init__(self, sizes: list[int]) -> None:
         super().__init__()
         self.sizes, self.layer = sizes, None
