@@ -14,8 +14,6 @@ from tinyapp.data import DigitsDataModule
 
 
 class Jittered(Dataset):
-    """The digits with noise drawn from torch's global generator at every read (augmentation)."""
-
     def __init__(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
         self.inputs, self.labels = inputs, labels
 
@@ -27,8 +25,6 @@ class Jittered(Dataset):
 
 
 class UserDigits(LightningDataModule):
-    """Written as Lightning's documentation teaches: a shuffled torch DataLoader with workers."""
-
     def __init__(self, batch_size: int = 128, num_workers: int = 2) -> None:
         super().__init__()
         self.batch_size, self.num_workers = batch_size, num_workers

@@ -1,24 +1,18 @@
-"""Files the program wrote, found damaged or foreign when a tool reads them back.
-
-Every tool that reads such a file (``python -m runkit.plot`` and ``curves.png``: the CSV log and
-Hydra's overrides; resume: the earlier run's CSV log; ``select_gpus=least_used``: the lock files
-in the GPU claims directory) gets each file empty, cut short, binary, and of the wrong kind (a PNG,
-a directory), and must answer in one line, ``error: ...`` naming the file, exit 2, nothing created
-and nothing lost; or, where the content does not matter (a lock file), carry on.
-"""
+"""Files the program wrote, found damaged or foreign when a tool reads them back (plot's CSV log
+and overrides, resume's earlier CSV log, the GPU lock files): one ``error:`` line naming the file,
+exit 2, nothing created or lost; or, where the content does not matter (a lock file), carry on."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-import prewarmed
-from conftest import FAST, CliRunner, clean_env, run_dirs
+from conftest import FAST, CliRunner, run_dirs, run_entry
 from runkit import plots
 from runkit.gpus import claims, nvml
 from runkit.gpus.claims import SelectionPolicy
@@ -36,7 +30,6 @@ GOOD_CSV = (
 
 
 def damage(path: Path, kind: str) -> None:
-    """Put a damaged or foreign ``kind`` of file at ``path`` (a directory for ``directory``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.is_dir():
         shutil.rmtree(path)
@@ -59,7 +52,6 @@ def damage(path: Path, kind: str) -> None:
 
 
 def snapshot(root: Path) -> dict[str, bytes | None]:
-    """Every path under ``root`` with its bytes (None for a directory): to prove nothing changed."""
     return {
         str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None)
         for p in sorted(root.rglob("*"))
@@ -90,7 +82,6 @@ CSV_CASES = {
 
 
 def a_run(root: Path) -> Path:
-    """A run directory as a training run leaves it, as far as plot reads it."""
     run = root / "logs" / "train" / "runs" / "run é"
     (run / "csv").mkdir(parents=True)
     (run / "csv" / "metrics.csv").write_text(GOOD_CSV)
@@ -111,7 +102,6 @@ def test_plot_reading_a_damaged_csv_log_raises_one_line(tmp_path: Path, kind: st
 
 
 def test_the_intact_csv_log_still_reads(tmp_path: Path) -> None:
-    """The checks refuse damage, not the CSV logger's own files (CRLF rows, empty cells)."""
     metrics = plots.read_metrics(a_run(tmp_path))
     assert metrics.curve("val/loss") == ([0, 1], [1.2, 0.8])
     assert metrics.curve("train/loss") == ([0, 1], [1.5, 1.0])
@@ -131,7 +121,6 @@ def test_after_run_never_fails_a_run_over_a_damaged_csv_log(
 
 
 def plot_cli_case(root: Path, case: str) -> tuple[list[str], str]:
-    """Damage one file a plot reads; the command line and the start of the error line."""
     if case == "sweep":
         sweep = root / "sweep"
         for job in ("0", "1"):
@@ -151,14 +140,15 @@ def plot_cli_case(root: Path, case: str) -> tuple[list[str], str]:
     return ["curves.png"], "error: 'curves.png' is a file; expected a run or sweep directory"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", ["sweep", "overrides", "png-as-run"])
 def test_plot_cli_on_damaged_files_is_one_line_naming_them(
-    cli: CliRunner, tmp_path: Path, case: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, case: str
 ) -> None:
     args, expected = plot_cli_case(tmp_path, case)
     before = snapshot(tmp_path)
-    line = one_error_line(cli("plot", *args))
+    monkeypatch.chdir(tmp_path)  # python -m runkit.plot's main, in-process
+    returncode = plots.main(args)
+    line = one_error_line(SimpleNamespace(returncode=returncode, stderr=capsys.readouterr().err))
     assert line.startswith(expected) and (case == "overrides" or line == expected), line
     assert snapshot(tmp_path) == before
 
@@ -169,7 +159,6 @@ LOCK_UUID = "GPU-11110000-1111-2222-3333-444455556666"
 
 
 def quick_policy(lock_dir: Path) -> SelectionPolicy:
-    """The default policy, locks in ``lock_dir``, utilisation read over 0.05 s (not the window's test)."""
     return SelectionPolicy(lock_dir=str(lock_dir), util_window_s=0.05)
 
 
@@ -186,7 +175,7 @@ def one_fake_gpu() -> Callable[[], object]:
 def test_a_damaged_lock_file_nobody_holds_is_claimed_and_rewritten(
     tmp_path: Path, one_fake_gpu: Callable[[], object], kind: str
 ) -> None:
-    """The note (a pid) of a run that died is no claim, the kernel's lock is: GPU taken, rewritten."""
+    # the note (a pid) of a run that died is no claim, the kernel's lock is
     lock = claims.lock_path(tmp_path, LOCK_UUID)
     damage(lock, kind)
     chosen, message = claims.wait_and_claim(one_fake_gpu(), 1, quick_policy(tmp_path))
@@ -199,7 +188,6 @@ def test_a_damaged_lock_file_nobody_holds_is_claimed_and_rewritten(
 def test_a_held_lock_file_with_damaged_content_still_keeps_others_off(
     tmp_path: Path, one_fake_gpu: Callable[[], object], kind: str
 ) -> None:
-    """Another run holds the lock and its note is garbage: the GPU is still taken."""
     lock = claims.lock_path(tmp_path, LOCK_UUID)
     holder = claims.try_lock(lock)  # another open file: flock keeps this process off it too
     assert isinstance(holder, int)
@@ -229,49 +217,32 @@ def test_a_directory_where_a_lock_file_belongs_is_one_line_naming_it(
     assert snapshot(tmp_path) == before and claims.claimed_uuids() == ()
 
 
-def test_a_png_where_the_lock_directory_belongs_is_one_line(tmp_path: Path) -> None:
-    (tmp_path / "locks").write_bytes(PNG)
-    with pytest.raises(DeviceError) as info:
-        claims.lock_dir_for(SelectionPolicy(lock_dir=str(tmp_path / "locks")))
-    assert str(info.value) == (
-        f"gpu_lock_dir={str(tmp_path / 'locks')!r} cannot be created (File exists); "
-        "give a writable directory or null"
-    )
-    assert (tmp_path / "locks").read_bytes() == PNG
-
-
 # ------------------------------------------------------------------------- resume: the earlier CSV
+
+
+SMALL_NET = "model.net.channels=[8]"
 
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One short training run, copied by each resume test (training costs more than the test)."""
     root = tmp_path_factory.mktemp("trained")
-    result = prewarmed.run(
-        [sys.executable, "-m", "tinyapp.train", *FAST, f"paths.log_dir={root / 'logs'}"],
-        cwd=root, env=clean_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    logs = f"paths.log_dir={root / 'logs'}"
+    done = run_entry(root, "train", *FAST, "trainer.max_epochs=1", SMALL_NET, logs)
+    assert done.returncode == 0, done.stderr[-3000:]
     (run,) = run_dirs(root / "logs")
-    return run
-
-
-@pytest.fixture
-def earlier_run(trained_run: Path, log_dir: Path) -> Path:
-    run = log_dir / "train" / "runs" / trained_run.name
-    shutil.copytree(trained_run, run)
     return run
 
 
 @pytest.mark.slow
 def test_resuming_from_a_run_whose_csv_log_is_damaged(
-    cli: CliRunner, log_dir: Path, earlier_run: Path
+    cli: CliRunner, log_dir: Path, trained_run: Path
 ) -> None:
-    """Resume carries the earlier CSV log's rows on: damage there (a directory; every kind's line:
-    the plot tests) is one line, before the run."""
+    """Resume carries the earlier CSV log's rows on: damage there is one line, before the run."""
+    earlier_run = log_dir / "train" / "runs" / trained_run.name
+    shutil.copytree(trained_run, earlier_run)
     damage(earlier_run / plots.METRICS_CSV, "directory")
     before = snapshot(earlier_run)
-    result = cli("train", *FAST, "trainer.max_epochs=3", f"ckpt_path={earlier_run}")
+    result = cli("train", *FAST, "trainer.max_epochs=3", SMALL_NET, f"ckpt_path={earlier_run}")
     assert snapshot(earlier_run) == before  # the earlier run is never changed
     line = one_error_line(result)
     assert line.startswith(f"error: {str(earlier_run / plots.METRICS_CSV)!r} "), line
