@@ -22,13 +22,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from conftest import stand_in
 from runkit.gpu_stats import callback as gpu_callback
-from runkit.gpu_stats.callback import (
-    GpuStatsMonitor,
-    LoopTimer,
-    batch_length,
-    energy_report,
-    process_devices,
-)
+from runkit.gpu_stats.callback import GpuStatsMonitor, LoopTimer
 from runkit.gpu_stats.exchange import RankExchange
 from runkit.gpu_stats.sampler import GpuSampler
 from runkit.gpus import nvml
@@ -36,7 +30,6 @@ from runkit.run import run_files
 from runkit.testing.fake_nvml import GIB, FakeClock, FakeGpu, FakeNvml, FakeProcess
 
 LOGGER = "runkit.gpu_stats"  # every module of the package logs under it
-REPO = Path(__file__).resolve().parents[3]
 HOPPER_GPM = {"SM_UTIL": 60, "SM_OCCUPANCY": 30, "ANY_TENSOR_UTIL": 20, "DRAM_BW_UTIL": 45}
 
 
@@ -45,70 +38,54 @@ def test_callback_setup_resolves_cuda_devices_by_uuid(monkeypatch, use_fake, cap
     # find_handle's UUID spellings (bare, MIG-): test_devices.py
     fake = use_fake(FakeNvml([FakeGpu(name=f"gpu{i}") for i in range(4)]))
     uuids = [g.uuid.split("-", 1)[1] for g in fake.gpus[2:]]  # torch: bare UUIDs, cuda:0 = GPU 2
-    props = lambda i: SimpleNamespace(uuid=uuids[i])  # noqa: E731
-    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
-    trainer = stand_in("cuda:0", "cuda:1")
-    monitor = GpuStatsMonitor()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=uuids[i]))  # fmt: skip
+    trainer, monitor = stand_in("cuda:0", "cuda:1"), GpuStatsMonitor()
     with caplog.at_level(logging.INFO, logger=LOGGER):
         monitor.setup(trainer, None, "fit")
     monitor.teardown(trainer, None, "fit")
     (payload,) = monitor.identities
-    assert [(g["label"], g["name"], g["nvml_index"]) for g in payload["gpus"]] == [
-        ("cuda0", "gpu2", 2),
-        ("cuda1", "gpu3", 3),
-    ]
+    assert [(g["label"], g["name"], g["nvml_index"]) for g in payload["gpus"]] == [("cuda0", "gpu2", 2), ("cuda1", "gpu3", 3)]  # fmt: skip
     assert any("node0/cuda0 = gpu2" in r.message and fake.gpus[2].uuid in r.message for r in caplog.records)  # fmt: skip
     assert fake.balanced and not fake.initialised
-
-
-def test_process_devices_one_process_many_gpus_vs_one_per_rank() -> None:
     cuda = [torch.device("cuda", i) for i in range(2)]
-    assert [p for p, _ in process_devices(stand_in(*cuda))] == [0, 1]  # one process drives both
+    devices = gpu_callback.process_devices
+    assert [p for p, _ in devices(stand_in(*cuda))] == [0, 1]  # one process drives both
     ddp = stand_in(*cuda, world_size=2, local_rank=1)  # DDP: rank 1 drives its own only
-    assert process_devices(ddp) == [(1, torch.device("cuda", 1))]
+    assert devices(ddp) == [(1, torch.device("cuda", 1))]
     single = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")),
                              world_size=1, num_nodes=1, local_rank=0)  # fmt: skip
-    assert process_devices(single) == [(0, torch.device("cpu"))]
+    assert devices(single) == [(0, torch.device("cpu"))]
+
+
+BAD_ARGUMENTS = [
+    ("interval_s", (-1.0, "1", 0), "seconds > 0"),
+    ("gather_timeout_s", (0,), "seconds > 0"),
+    ("device_uuids", (["GPU-1", 2], "GPU-1"), "a list of NVML UUID strings"),
+    ("key_prefix", ("", "a/b"), "a word without '/'"),
+    ("per_gpu_keys_up_to", (True, 2.0, -1), "a GPU count >= 0"),
+    ("data_wait_warning", (True, -0.1), "a number in [0, 1]"),
+    ("gpu_idle_below_pct", (100.5, "x"), "a number in [0, 100]"),
+]
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"interval_s": -1.0}, "interval_s=-1.0; give seconds > 0"),
-        ({"interval_s": "1"}, "interval_s='1'; give seconds > 0"),
-        ({"interval_s": 0}, "interval_s=0; give seconds > 0"),
-        ({"gather_timeout_s": 0}, "gather_timeout_s=0; give seconds > 0"),
-        ({"device_uuids": ["GPU-1", 2]}, "device_uuids=['GPU-1', 2]; give a list of NVML UUID strings"),
-        ({"device_uuids": "GPU-1"}, "device_uuids='GPU-1'; give a list of NVML UUID strings"),
-        ({"key_prefix": ""}, "key_prefix=''; give a word without '/'"),
-        ({"key_prefix": "a/b"}, "key_prefix='a/b'; give a word without '/'"),
-        ({"per_gpu_keys_up_to": True}, "per_gpu_keys_up_to=True; give a GPU count >= 0"),
-        ({"per_gpu_keys_up_to": 2.0}, "per_gpu_keys_up_to=2.0; give a GPU count >= 0"),
-        ({"per_gpu_keys_up_to": -1}, "per_gpu_keys_up_to=-1; give a GPU count >= 0"),
-        ({"data_wait_warning": True}, "data_wait_warning=True; give a number in [0, 1]"),
-        ({"data_wait_warning": -0.1}, "data_wait_warning=-0.1; give a number in [0, 1]"),
-        ({"gpu_idle_below_pct": 100.5}, "gpu_idle_below_pct=100.5; give a number in [0, 100]"),
-        ({"gpu_idle_below_pct": "x"}, "gpu_idle_below_pct='x'; give a number in [0, 100]"),
-    ],
-)  # fmt: skip
-def test_each_bad_argument_is_named_with_what_is_accepted(kwargs, message) -> None:
+    ("name", "value", "accepted"), [(n, v, a) for n, values, a in BAD_ARGUMENTS for v in values]
+)
+def test_each_bad_argument_is_named_with_what_is_accepted(name, value, accepted) -> None:
     with pytest.raises(ValueError) as raised:
-        GpuStatsMonitor(**kwargs)
-    assert str(raised.value) == f"GpuStatsMonitor: {message}"
+        GpuStatsMonitor(**{name: value})
+    assert str(raised.value) == f"GpuStatsMonitor: {name}={value!r}; give {accepted}"
 
 
-def test_device_uuids_is_not_in_the_users_yaml_but_an_override_still_reaches_it() -> None:
+def test_device_uuids_is_an_override_not_in_the_yaml_and_too_few_is_a_clear_error(use_fake) -> None:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    yaml = (REPO / "configs" / "callbacks" / "gpu_stats.yaml").read_text()
+    yaml = (Path(__file__).parents[3] / "configs" / "callbacks" / "gpu_stats.yaml").read_text()
     assert "device_uuids" not in yaml
     uuid = "GPU-00000000-fa6e-4000-8000-000000000000"
     cfg = OmegaConf.merge(OmegaConf.create(yaml), {"gpu_stats": {"device_uuids": [uuid]}})
     assert instantiate(cfg.gpu_stats).device_uuids == [uuid]
-
-
-def test_too_few_device_uuids_is_a_clear_error(use_fake) -> None:
     fake = use_fake(FakeNvml(1))
     trainer = stand_in("cpu", "cpu", world_size=2, local_rank=1)
     with pytest.raises(ValueError, match=r"device_uuids has 1 entries .*parallel_devices\[1\]"):
@@ -117,18 +94,13 @@ def test_too_few_device_uuids_is_a_clear_error(use_fake) -> None:
 
 
 # --------------------------------------------------------------------------- the hooks, by hand
-class RecordingLogger:
-    """Stands in for a Lightning logger: what ``log_metrics`` received, in order."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[dict[str, float], int]] = []
-
+class RecordingLogger(list):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        self.calls.append((dict(metrics), step))
+        self.append((dict(metrics), step))
 
 
 class Module:
-    """Stands in for the LightningModule: ``log`` puts a value where monitors read it."""
+    """``log`` puts a value where monitors read it, as a LightningModule's does."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
@@ -160,7 +132,7 @@ class Hand:
 
     @property
     def calls(self) -> list[tuple[dict[str, float], int]]:
-        return self.trainer.loggers[0].calls
+        return self.trainer.loggers[0]
 
     def sample(self, t: float) -> None:
         self.clock.set(t)
@@ -239,12 +211,12 @@ def test_an_epoch_with_validation_logs_exact_figures_once_each(monkeypatch, capl
     hand.sample(11.0)  # t=11 counts for training: 6 s at 200 W
     reads = fake.total_calls()
     monitor.on_train_epoch_end(trainer, hand.module)
-    assert fake.total_calls() == reads  # the hooks read no GPU: a snapshot of the thread's
+    assert fake.total_calls() == reads
     monitor.on_fit_end(trainer, None)
     monitor.teardown(trainer, None, "fit")
 
     (val, val_step), (train, step) = hand.calls
-    assert trainer.loggers[1].calls == hand.calls  # every logger, one call each
+    assert trainer.loggers[1] == hand.calls  # every logger, one call each
     assert val_step == step == 11  # Lightning's own rows of both moments: global_step - 1
     assert len(val) == 23 and val["epoch"] == 0  # 22 keys of the default groups, and the epoch
     assert {k.split("/")[-1]: v for k, v in val.items() if k != "epoch"}.items() >= {
@@ -267,18 +239,6 @@ def test_an_epoch_with_validation_logs_exact_figures_once_each(monkeypatch, capl
     out = capsys.readouterr().out
     assert "GPU statistics over the run" in out and "1.20" in out  # kJ
     assert fake.balanced and not fake.initialised
-
-
-def test_a_phase_no_reading_reached_reports_the_latest_without_reading(monkeypatch) -> None:
-    hand = Hand(monkeypatch, [FakeGpu(util_gpu=[(0, 30), (1, 90)])])
-    hand.monitor.setup(hand.trainer, None, "fit")  # t=0: util 30
-    calls = hand.fake.total_calls()
-    hand.clock.set(2.0)  # util 90 now, but no reading since
-    hand.epoch(0.0)
-    assert hand.fake.total_calls() == calls  # the training thread read no GPU
-    hand.monitor.teardown(hand.trainer, None, "fit")
-    ((row, _),) = hand.calls
-    assert row["gpu/node0/cuda0/util_mean"] == 30 and "gpu/node0/cuda0/energy_j" not in row
 
 
 STARVED = (
@@ -336,7 +296,7 @@ def test_monitors_get_their_keys_on_every_rank_and_without_loggers(monkeypatch, 
     assert metrics["loop/data_wait_frac"].item() == pytest.approx(0.75)
 
 
-def test_no_step_logs_nothing_and_another_stage_sets_nothing_up(monkeypatch) -> None:
+def test_no_step_no_new_reading_and_another_stage_log_only_what_there_is(monkeypatch) -> None:
     hand = Hand(monkeypatch, [FakeGpu()])
     hand.monitor.setup(hand.trainer, None, "validate")
     assert hand.fake.total_calls() == 0 and hand.monitor.identities == []
@@ -346,6 +306,15 @@ def test_no_step_logs_nothing_and_another_stage_sets_nothing_up(monkeypatch) -> 
     cpu = Hand(monkeypatch)
     cpu.run()
     assert cpu.calls == [] and cpu.monitor.run_samples() == 0.0
+    late = Hand(monkeypatch, [FakeGpu(util_gpu=[(0, 30), (1, 90)])])
+    late.monitor.setup(late.trainer, None, "fit")  # t=0: util 30
+    calls = late.fake.total_calls()
+    late.clock.set(2.0)  # util 90 now, but no reading since
+    late.epoch(0.0)
+    assert late.fake.total_calls() == calls  # the training thread read no GPU
+    late.monitor.teardown(late.trainer, None, "fit")
+    ((row, _),) = late.calls
+    assert row["gpu/node0/cuda0/util_mean"] == 30 and "gpu/node0/cuda0/energy_j" not in row
 
 
 def test_sanity_checking_and_disabled_validation_log_no_validation_figures(monkeypatch) -> None:
@@ -372,8 +341,9 @@ def test_sanity_checking_and_disabled_validation_log_no_validation_figures(monke
 
 
 def test_two_epochs_add_up_and_an_unsized_batch_makes_the_sample_count_unknown(monkeypatch) -> None:
-    assert batch_length({"x": [torch.zeros(5, 2)], "y": torch.zeros(5)}) == 5  # as Lightning
-    assert batch_length(torch.tensor(3.0)) == 1 and batch_length(["text"]) is None
+    length = gpu_callback.batch_length
+    assert length({"x": [torch.zeros(5, 2)], "y": torch.zeros(5)}) == 5  # as Lightning
+    assert length(torch.tensor(3.0)) == 1 and length(["text"]) is None
     hand = Hand(monkeypatch)
     hand.monitor.setup(hand.trainer, None, "fit")
     hand.epoch(0.0, 0.0)
@@ -387,7 +357,9 @@ def test_two_epochs_add_up_and_an_unsized_batch_makes_the_sample_count_unknown(m
     assert hand.monitor.run_samples() is None  # unknown once, unknown for the run
 
 
-def test_gpus_that_cannot_be_opened_are_named_and_the_run_goes_on(monkeypatch, caplog) -> None:
+def test_unusable_gpus_are_named_the_run_goes_on_and_ranks_in_one_state_share_a_line(
+    monkeypatch, caplog
+) -> None:
     absent = "GPU-00000000-0000-4000-8000-00000000dead"
     cpu = torch.device("cpu")
     strategy = SimpleNamespace(parallel_devices=[cpu, cpu], root_device=cpu)
@@ -403,9 +375,7 @@ def test_gpus_that_cannot_be_opened_are_named_and_the_run_goes_on(monkeypatch, c
     assert hand.fake.balanced and not hand.fake.initialised  # NVML shut down at once
     (payload,) = monitor.identities
     assert payload["status"] == "off: no usable GPU" and payload["gpus"] == []
-
-
-def test_ranks_in_the_same_state_share_one_line(caplog) -> None:
+    caplog.clear()
     gpu = {"label": "cuda0", "name": "n", "uuid": "MIG-1", "nvml_index": 3, "pci_bus_id": "b",
            "mig": True, "unsupported": ["fan", "utilization"]}  # fmt: skip
     with caplog.at_level(logging.INFO, logger=LOGGER):
@@ -430,11 +400,7 @@ def test_ranks_in_the_same_state_share_one_line(caplog) -> None:
 def test_a_bug_in_the_bookkeeping_stops_sampling_with_one_line(monkeypatch, caplog) -> None:
     hand = Hand(monkeypatch, [FakeGpu(util_gpu=10)])
     hand.monitor.setup(hand.trainer, None, "fit")
-
-    def broken(*args: Any, **kwargs: Any) -> None:
-        raise KeyError("oops")
-
-    monkeypatch.setattr(GpuSampler, "set_phase", broken)
+    monkeypatch.setattr(GpuSampler, "set_phase", lambda *a, **k: {}["oops"])  # a KeyError
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         hand.epoch(0.0)  # still ends, no GPUs
     assert [r.getMessage() for r in caplog.records] == [
@@ -470,6 +436,19 @@ def test_the_exchange_hands_rank_0_every_ranks_payload_through_the_store(store) 
     assert not store.check(["runkit/epoch/1/1"])  # read, then removed
     one = RankExchange("epoch", timeout_s=5)
     assert one.gather(ranked(0, world=1), mine) == [mine] and one._round == 0  # no store
+    # With a monitor on any rank, every rank gets every payload.
+    zero, first = {"node": 0, "r": 0}, {"node": 0, "r": 1}
+    store.set("runkit/every/1/1", json.dumps(first))
+    rank0 = RankExchange("every", timeout_s=5)
+    assert rank0.gather(ranked(0), zero, every_rank=True) == [zero, first]
+    assert json.loads(store.get("runkit/every/1/0")) == zero  # posted for rank 1 to read
+    rank1 = RankExchange("every", timeout_s=5)
+    assert rank1.gather(ranked(1), first, every_rank=True) == [zero, first]  # rank order
+    assert store.check(["runkit/every/1/1"])  # the owner removes its own, later
+    for _ in range(2):
+        store.set(f"runkit/every/{rank1._round + 1}/0", "{}")
+        rank1.gather(ranked(1), first, every_rank=True)
+    assert not store.check(["runkit/every/1/1"])  # two rounds on: removed
 
 
 def test_a_late_rank_costs_rank_0_the_timeout_one_warning_and_its_key_once_posted(
@@ -492,39 +471,21 @@ def test_a_late_rank_costs_rank_0_the_timeout_one_warning_and_its_key_once_poste
     assert store.check(["runkit/validation end/1/1"]) is False  # never posted: nothing left
 
 
-def test_with_a_monitor_on_any_rank_every_rank_gets_every_payload(store) -> None:
-    zero, one = {"node": 0, "r": 0}, {"node": 0, "r": 1}
-    store.set("runkit/epoch/1/1", json.dumps(one))
-    rank0 = RankExchange("epoch", timeout_s=5)
-    assert rank0.gather(ranked(0), zero, every_rank=True) == [zero, one]
-    assert json.loads(store.get("runkit/epoch/1/0")) == zero  # posted for rank 1 to read
-    rank1 = RankExchange("epoch", timeout_s=5)
-    assert rank1.gather(ranked(1), one, every_rank=True) == [zero, one]  # rank order
-    assert store.check(["runkit/epoch/1/1"])  # the owner removes its own, later
-    for _ in range(2):
-        store.set(f"runkit/epoch/{rank1._round + 1}/0", "{}")
-        rank1.gather(ranked(1), one, every_rank=True)
-    assert not store.check(["runkit/epoch/1/1"])  # two rounds on: removed
-
-
 # --------------------------------------------------------------------------- real Trainer.fit
 class TinyModel(pl.LightningModule):
     def __init__(self, fail_at_step: int | None = None) -> None:
         super().__init__()
-        self.layer = torch.nn.Linear(4, 2)
-        self.fail_at_step = fail_at_step
+        self.layer, self.fail_at_step = torch.nn.Linear(4, 2), fail_at_step
 
     def training_step(self, batch, batch_idx):
         if self.fail_at_step is not None and self.global_step >= self.fail_at_step:
             raise RuntimeError("model blew up")
-        x, y = batch
-        loss = torch.nn.functional.cross_entropy(self.layer(x), y)
+        loss = torch.nn.functional.cross_entropy(self.layer(batch[0]), batch[1])
         self.log("train_loss", loss, on_step=False, on_epoch=True)
         return loss
 
     def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", torch.nn.functional.cross_entropy(self.layer(x), y))
+        self.log("val_loss", torch.nn.functional.cross_entropy(self.layer(batch[0]), batch[1]))
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -555,15 +516,13 @@ def fit(tmp_path, monitor, *callbacks, epochs=2, model=None, train_loader=None,
         accelerator="cpu", devices=1, max_epochs=epochs, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[monitor, *callbacks],
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        logger=CSVLogger(tmp_path, name="csv", version=0),
-        **options,
+        logger=CSVLogger(tmp_path, name="csv", version=0), **options,
     )  # fmt: skip
     trainer.fit(model or TinyModel(), train_loader or loader(), loader(), ckpt_path=ckpt_path)
     return trainer
 
 
 def rows_with(tmp_path: Path, key: str = "gpu/node0/cuda0/samples") -> list[dict[str, str]]:
-    """The CSV rows that hold ``key``."""
     with (tmp_path / "csv" / "version_0" / "metrics.csv").open() as handle:
         return [r for r in csv.DictReader(handle) if r.get(key)]
 
@@ -597,18 +556,20 @@ def trained(tmp_path_factory):
     best = ModelCheckpoint(tmp_path / "ckpt", monitor=VAL_KEY, mode="max", save_last=True)
     mp = pytest.MonkeyPatch()
     mp.setenv("COLUMNS", "220")  # Rich wraps the table at 80 columns otherwise
-    buffer = io.StringIO()
-    mp.setattr(sys, "stdout", buffer)
+    mp.setattr(sys, "stdout", io.StringIO())
     try:
         trainer = fit(tmp_path, monitor, watch, stop, best, train_loader=loader(batch_size=6))
+        out = sys.stdout.getvalue()
     finally:
         mp.undo()
         nvml.use_library(None)
     return SimpleNamespace(path=tmp_path, fake=fake, monitor=monitor, watch=watch, best=best,
-                           trainer=trainer, out=buffer.getvalue())  # fmt: skip
+                           trainer=trainer, out=out)  # fmt: skip
 
 
-def test_a_fit_logs_one_row_per_epoch_of_exact_gpu_figures(trained) -> None:
+def test_a_fit_logs_exact_gpu_figures_once_per_epoch_feeds_monitors_and_reads_no_gpu_in_the_loop(
+    trained,
+) -> None:
     train, val = rows_with(trained.path), rows_with(trained.path, VAL_KEY)
     assert len(train) == 2 and len(val) == 2  # one row per epoch; the sanity check is not logged
     expected = {"util_mean": 40, "util_max": 40, "mem_util_mean": 20, "mem_used_gib_max": 10,
@@ -628,9 +589,6 @@ def test_a_fit_logs_one_row_per_epoch_of_exact_gpu_figures(trained) -> None:
     # at the step of Lightning's own rows: the epoch's train_loss, the validation's val_loss
     assert [r["step"] for r in train] == [r["step"] for r in rows_with(trained.path, "train_loss")]
     assert [r["step"] for r in val] == [r["step"] for r in rows_with(trained.path, "val_loss")]
-
-
-def test_a_fit_feeds_monitors_counts_samples_and_reads_no_gpu_in_the_loop(trained) -> None:
     metrics = trained.trainer.callback_metrics
     assert float(metrics["gpu/node0/cuda0/util_mean"]) == 40  # EarlyStopping's key
     assert "gpu/node0/cuda0/temp_c_max" not in metrics  # no monitor asks
@@ -642,8 +600,8 @@ def test_a_fit_feeds_monitors_counts_samples_and_reads_no_gpu_in_the_loop(traine
     assert trained.fake.gpm_samples_live == 0
     assert "GPU statistics over the run" in trained.out and "Fake H100" in trained.out
     assert "SM active %" in trained.out and "60.0" in trained.out
-    (row,) = trained.monitor.run_summary()
-    assert row["util_mean"] == 40 and row["mem_used_gib_max"] == 10
+    (summary,) = trained.monitor.run_summary()
+    assert summary["util_mean"] == 40 and summary["mem_used_gib_max"] == 10
 
 
 @pytest.mark.slow
@@ -657,7 +615,7 @@ def test_energy_continues_across_a_resume_and_reaches_metrics_json(
     monitor = GpuStatsMonitor(interval_s=0.02, device_uuids=[fake.gpus[0].uuid])
     trainer = fit(tmp_path, monitor, epochs=3, ckpt_path=last, num_sanity_val_steps=0,
                   train_loader=loader(0.002, batch_size=6))  # fmt: skip
-    report = energy_report(trainer)
+    report = gpu_callback.energy_report(trainer)
     assert report["training_samples"] == 3 * 64  # both runs' samples
     assert report["energy_j"] > state["energy_j"]["node0/cuda0"]  # continued, not restarted
     assert report["energy_kwh"] == pytest.approx(report["energy_j"] / 3.6e6)
