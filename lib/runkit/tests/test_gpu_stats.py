@@ -19,6 +19,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 from conftest import stand_in
 from runkit.gpu_stats import callback as gpu_callback
@@ -99,20 +100,9 @@ class RecordingLogger(list):
         self.append((dict(metrics), step))
 
 
-class Module:
-    """``log`` puts a value where monitors read it, as a LightningModule's does."""
-
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
-
-    def log(self, name: str, value: float, **kwargs: Any) -> None:
-        assert kwargs == {"logger": False, "batch_size": 1}
-        self.trainer.callback_metrics[name] = torch.tensor(value)
-
-
 class Hand:
     """A monitor driven hook by hook, its loop and the fake NVML on one FakeClock; the sampler's
-    thread ends at once, so only setup's reading and :meth:`sample` count."""
+    thread ends at once, so only setup's reading and :meth:`sample` count. Also the module."""
 
     def __init__(self, monkeypatch, gpus=(), trainer: dict | None = None, **kwargs) -> None:
         self.clock = FakeClock()
@@ -128,7 +118,11 @@ class Hand:
             global_step=12, train_dataloader=SimpleNamespace(num_workers=0, pin_memory=False, batch_size=4),
         )  # fmt: skip
         self.trainer = SimpleNamespace(**{**vars(stand_in("cpu")), **values, **(trainer or {})})
-        self.module = Module(self.trainer)
+        self.module = self
+
+    def log(self, name: str, value: float, **kwargs: Any) -> None:  # as LightningModule.log
+        assert kwargs == {"logger": False, "batch_size": 1}
+        self.trainer.callback_metrics[name] = torch.tensor(value)
 
     @property
     def calls(self) -> list[tuple[dict[str, float], int]]:
@@ -491,20 +485,11 @@ class TinyModel(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-class SlowData(torch.utils.data.TensorDataset):
-    """64 samples, ``delay_s`` each, like decoding files on one core."""
-
-    def __init__(self, delay_s: float = 0.0) -> None:
-        super().__init__(torch.randn(64, 4), torch.randint(0, 2, (64,)))
-        self.delay_s = delay_s
-
-    def __getitem__(self, i: int):
-        time.sleep(self.delay_s)
-        return super().__getitem__(i)
-
-
-def loader(delay_s: float = 0.0, batch_size: int = 4) -> torch.utils.data.DataLoader:
-    return torch.utils.data.DataLoader(SlowData(delay_s), batch_size=batch_size)
+def loader(delay_s: float = 0.0, batch_size: int = 4) -> DataLoader:
+    """64 samples, ``delay_s`` each to load, like decoding files on one core."""
+    slow = lambda batch: time.sleep(delay_s * len(batch)) or default_collate(batch)  # noqa: E731
+    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    return DataLoader(data, batch_size=batch_size, collate_fn=slow)
 
 
 def fit(tmp_path, monitor, *callbacks, epochs=2, model=None, train_loader=None,
