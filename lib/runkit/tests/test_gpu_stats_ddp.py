@@ -16,6 +16,7 @@ SCRIPT = textwrap.dedent(
     import torch
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
     from lightning.pytorch.loggers import CSVLogger
     from runkit.gpus import nvml
     from runkit.gpu_stats.callback import GpuStatsMonitor
@@ -35,17 +36,6 @@ SCRIPT = textwrap.dedent(
                   f"SAMPLES {monitor.run_samples()} GPUS {sorted(monitor.run_energy_j())} "
                   f"balanced={fake.balanced} inits={fake.init_count}", flush=True)
 
-    class M(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.Linear(4, 2)
-        def training_step(self, batch, i):
-            return torch.nn.functional.cross_entropy(self.layer(batch[0]), batch[1])
-        def validation_step(self, batch, i):
-            self.log("val_loss", torch.nn.functional.cross_entropy(self.layer(batch[0]), batch[1]))
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
     monitor = GpuStatsMonitor(interval_s=0.05, device_uuids=[g.uuid for g in fake.gpus],
                               summary_table=False)
     watchers = [  # monitors on GPU keys: each rank must find them in its own callback_metrics
@@ -58,9 +48,8 @@ SCRIPT = textwrap.dedent(
         logger=CSVLogger(sys.argv[1], name="csv", version=0), enable_progress_bar=False,
         enable_model_summary=False, callbacks=[Install(), monitor, *watchers, Report()],
     )
-    data = torch.utils.data.TensorDataset(torch.randn(30, 4), torch.randint(0, 2, (30,)))
-    loader = torch.utils.data.DataLoader(data, batch_size=4)
-    trainer.fit(M(), loader, loader)
+    loader = torch.utils.data.DataLoader(torch.randn(30, 32), batch_size=4)
+    trainer.fit(BoringModel(), loader, loader)
     """
 )
 
