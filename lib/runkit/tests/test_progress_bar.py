@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import RichProgressBar as LightningRichProgressBar
-from torch.utils.data import DataLoader, TensorDataset
+from lightning.pytorch.demos.boring_classes import BoringModel
+from torch.utils.data import DataLoader
 
 from runkit.run import progress_bar
 from runkit.run.progress_bar import RichProgressBar
@@ -18,21 +19,18 @@ from runkit.run.progress_bar import RichProgressBar
 BATCHES, EPOCHS = 6, 2  # training batches per epoch, epochs
 
 
-class LogsEveryStep(LightningModule):
+class LogsEveryStep(BoringModel):
     def __init__(self, sleep_s: float = 0.0) -> None:
         super().__init__()
-        self.layer, self.sleep_s = torch.nn.Linear(2, 1), sleep_s
+        self.sleep_s = sleep_s
 
-    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> Any:
         time.sleep(self.sleep_s)  # the steps, not the loop, set the rate
         self.log("step_value", float(self.global_step), prog_bar=True)
-        return self.layer(batch[0]).pow(2).mean()
+        return super().training_step(batch, batch_idx)
 
-    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         self.log("val_value", 1.0, prog_bar=True)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
 def fit(tmp_path, *callbacks: Callback, batches=BATCHES, epochs=EPOCHS, **module) -> list[dict]:
@@ -46,7 +44,7 @@ def fit(tmp_path, *callbacks: Callback, batches=BATCHES, epochs=EPOCHS, **module
             reads.append({key: float(value) for key, value in values.items()})
             return values
 
-    data = DataLoader(TensorDataset(torch.randn(batches * 2, 2)), batch_size=2)
+    data = DataLoader(torch.randn(batches * 2, 32), batch_size=2)
     trainer = Counting(
         accelerator="cpu", max_epochs=epochs, callbacks=list(callbacks),
         logger=False, enable_checkpointing=False, enable_model_summary=False,
