@@ -97,12 +97,12 @@ def test_images_grow_with_gpu_rows_and_runs_and_out_is_a_file_or_dir(tmp_path, c
 
 def test_sweep_directory_stands_for_its_jobs_in_numeric_order(tmp_path) -> None:
     sweep = tmp_path / "multiruns" / "2024-01-01_00-00-00"
-    for job in ("0", "1", "10", "2"):
+    for job in ("1", "10", "2"):
         (write_run(sweep / job) / ".hydra").mkdir()
         (sweep / job / ".hydra" / "overrides.yaml").write_text(f"- lr=0.{job}1\n- paths.x=/x\n")
     (sweep / "multirun.yaml").write_text("{}\n")
-    assert [p.name for p in plot.expand_run_dirs([sweep])] == ["0", "1", "2", "10"]
-    assert plot.read_metrics(sweep / "0").label == "0\nlr=0.01"  # paths.* overrides left out
+    assert [p.name for p in plot.expand_run_dirs([sweep])] == ["1", "2", "10"]
+    assert plot.read_metrics(sweep / "1").label == "1\nlr=0.11"  # paths.* overrides left out
     assert plot.plot_runs([sweep]) == sweep / plot.PLOT_FILE
 
 
