@@ -233,7 +233,7 @@ def payload(node, gpus, boards=None, rank=0):
     return {"node": node, "rank": rank, "gpus": gpus, "boards": boards or {}}
 
 
-def test_keys_per_gpu_per_node_then_aggregates_and_mig_slices_energy_once() -> None:
+def test_keys_per_gpu_then_aggregates_mig_energy_once_loop_figures_and_run_summary() -> None:
     payloads = [
         payload(0, {"cuda0": {"util_mean": 90.0, "energy_j": 10.0, "sample_ms": 1.0}}),
         payload(1, {"cuda0": {"util_mean": 30.0, "energy_j": 20.0, "sample_ms": 2.0}}),
@@ -265,9 +265,6 @@ def test_keys_per_gpu_per_node_then_aggregates_and_mig_slices_energy_once() -> N
         ]
     )
     assert monitor.run_energy_j() == {"node0/cuda0": 100.0}
-
-
-def test_loop_figures_and_the_run_summary_across_ranks_and_epochs() -> None:
     loops = [
         {"loop_s": 10.0, "data_wait_s": 2.0, "steps": 10, "samples": 100.0},
         {"loop_s": 10.0, "data_wait_s": 5.0, "steps": 10, "samples": 100.0},
