@@ -3,6 +3,7 @@ real fits (``device_uuids`` names the CPU device's fake GPU) sharing one trained
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -17,7 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, LambdaCallback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
@@ -512,17 +513,6 @@ def rows_with(tmp_path: Path, key: str = "gpu/node0/cuda0/samples") -> list[dict
         return [r for r in csv.DictReader(handle) if r.get(key)]
 
 
-class Watch(pl.Callback):
-    """The NVML calls made from the training thread so far, at each batch's start."""
-
-    def __init__(self, fake: FakeNvml) -> None:
-        self.fake, self.counts = fake, []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.counts.append(self.fake.calls_in_thread())
-        time.sleep(0.01)  # an epoch outlasts the sampler's interval
-
-
 VAL_KEY = "gpu_val/node0/cuda0/util_mean"
 
 
@@ -534,22 +524,19 @@ def trained(tmp_path_factory):
                   power_mw=350_000, temperature=61, processes=[FakeProcess("self", 2 * GIB)],
                   gpm=HOPPER_GPM)  # fmt: skip
     fake = FakeNvml([gpu])
-    nvml.use_library(fake)
     monitor = GpuStatsMonitor(interval_s=0.02, device_uuids=[gpu.uuid], log_sampler_cost=True)
-    watch = Watch(fake)
+    counts: list[int] = []  # NVML calls from the training thread so far, at each batch's start
+    watch = LambdaCallback(  # each batch outlasts the sampler's interval
+        on_train_batch_start=lambda *_: counts.append(fake.calls_in_thread()) or time.sleep(0.01)
+    )
     stop = EarlyStopping("gpu/node0/cuda0/util_mean", patience=5, check_on_train_epoch_end=True)
     best = ModelCheckpoint(tmp_path / "ckpt", monitor=VAL_KEY, mode="max", save_last=True)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("COLUMNS", "220")  # Rich wraps the table at 80 columns otherwise
-    mp.setattr(sys, "stdout", io.StringIO())
-    try:
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(io.StringIO()) as out:
+        mp.setenv("COLUMNS", "220")  # Rich wraps the table at 80 columns otherwise
+        mp.setattr(nvml, "load_library", lambda: fake)
         trainer = fit(tmp_path, monitor, watch, stop, best, train_loader=loader(batch_size=6))
-        out = sys.stdout.getvalue()
-    finally:
-        mp.undo()
-        nvml.use_library(None)
-    return SimpleNamespace(path=tmp_path, fake=fake, monitor=monitor, watch=watch, best=best,
-                           trainer=trainer, out=out)  # fmt: skip
+    return SimpleNamespace(path=tmp_path, fake=fake, monitor=monitor, counts=counts, best=best,
+                           trainer=trainer, out=out.getvalue())  # fmt: skip
 
 
 def test_a_fit_logs_exact_gpu_figures_once_per_epoch_feeds_monitors_and_reads_no_gpu_in_the_loop(
@@ -579,7 +566,7 @@ def test_a_fit_logs_exact_gpu_figures_once_per_epoch_feeds_monitors_and_reads_no
     assert "gpu/node0/cuda0/temp_c_max" not in metrics  # no monitor asks
     assert float(trained.best.best_model_score) == 40  # the validation's key, at its end
     assert trained.monitor.run_samples() == 2 * 64  # per epoch 10 batches of 6 and one of 4
-    counts = trained.watch.counts  # no NVML call from the training thread while it trains
+    counts = trained.counts  # no NVML call from the training thread while it trains
     assert len(counts) == 2 * 11 and len(set(counts)) == 1, counts
     assert trained.fake.balanced and not trained.fake.initialised
     assert trained.fake.gpm_samples_live == 0
