@@ -256,9 +256,7 @@ STARVED = (
         ([3.0], {"util": 50, "gpu_idle_below_pct": 50.0}, False),  # busy enough: no line
     ],
 )
-def test_the_starvation_line_needs_the_share_a_second_of_waiting_and_idle_gpus(
-    monkeypatch, caplog, waits, kwargs, warned
-) -> None:
+def test_the_starvation_line_needs_the_share_a_second_of_waiting_and_idle_gpus(monkeypatch, caplog, waits, kwargs, warned) -> None:  # fmt: skip
     kwargs = dict(kwargs)  # the parametrisation's own dict stays as it is, for a rerun
     util = kwargs.pop("util", None)
     hand = Hand(monkeypatch, [] if util is None else [FakeGpu(util_gpu=util)],
@@ -352,9 +350,7 @@ def test_two_epochs_add_up_and_an_unsized_batch_makes_the_sample_count_unknown(m
     assert hand.monitor.run_samples() is None  # unknown once, unknown for the run
 
 
-def test_unusable_gpus_are_named_the_run_goes_on_and_ranks_in_one_state_share_a_line(
-    monkeypatch, caplog
-) -> None:
+def test_unusable_gpus_are_named_the_run_goes_on_and_ranks_in_one_state_share_a_line(monkeypatch, caplog) -> None:  # fmt: skip
     absent = "GPU-00000000-0000-4000-8000-00000000dead"
     cpu = torch.device("cpu")
     strategy = SimpleNamespace(parallel_devices=[cpu, cpu], root_device=cpu)
@@ -446,9 +442,7 @@ def test_the_exchange_hands_rank_0_every_ranks_payload_through_the_store(store) 
     assert not store.check(["runkit/every/1/1"])  # two rounds on: removed
 
 
-def test_a_late_rank_costs_rank_0_the_timeout_one_warning_and_its_key_once_posted(
-    store, caplog
-) -> None:
+def test_a_late_rank_costs_rank_0_the_timeout_one_warning_and_its_key_once_posted(store, caplog) -> None:  # fmt: skip
     exchange = RankExchange("validation end", timeout_s=0.6)
     started = time.monotonic()
     with caplog.at_level(logging.WARNING):
@@ -539,9 +533,7 @@ def trained(tmp_path_factory):
                            trainer=trainer, out=out.getvalue())  # fmt: skip
 
 
-def test_a_fit_logs_exact_gpu_figures_once_per_epoch_feeds_monitors_and_reads_no_gpu_in_the_loop(
-    trained,
-) -> None:
+def test_a_fit_logs_exact_gpu_figures_once_per_epoch_feeds_monitors_and_reads_no_gpu_in_the_loop(trained) -> None:  # fmt: skip
     train, val = rows_with(trained.path), rows_with(trained.path, VAL_KEY)
     assert len(train) == 2 and len(val) == 2  # one row per epoch; the sanity check is not logged
     expected = {"util_mean": 40, "util_max": 40, "mem_util_mean": 20, "mem_used_gib_max": 10,
@@ -577,9 +569,7 @@ def test_a_fit_logs_exact_gpu_figures_once_per_epoch_feeds_monitors_and_reads_no
 
 
 @pytest.mark.slow
-def test_energy_continues_across_a_resume_and_reaches_metrics_json(
-    trained, tmp_path, use_fake
-) -> None:
+def test_energy_continues_across_a_resume_and_reaches_metrics_json(trained, tmp_path, use_fake) -> None:  # fmt: skip
     fake = use_fake(FakeNvml([FakeGpu(power_mw=300_000)]))
     last = trained.path / "ckpt" / "last.ckpt"
     state = torch.load(last, weights_only=True)["callbacks"]["GpuStatsMonitor"]
@@ -606,9 +596,7 @@ def test_an_exception_in_training_still_shuts_nvml_down(tmp_path, use_fake) -> N
 
 
 @pytest.mark.slow
-def test_a_cpu_run_touches_no_nvml_and_a_starved_loop_is_named_once_per_epoch(
-    tmp_path, use_fake, caplog, monkeypatch
-) -> None:
+def test_a_cpu_run_touches_no_nvml_and_a_starved_loop_is_named_once_per_epoch(tmp_path, use_fake, caplog, monkeypatch) -> None:  # fmt: skip
     monkeypatch.setattr(gpu_callback, "MIN_WAIT_WARNING_S", 0.2)
     fake = use_fake(FakeNvml(1))
     with caplog.at_level(logging.INFO, logger=LOGGER):

@@ -96,9 +96,7 @@ def test_validation_is_split_out_of_the_training_epoch(nvml_of) -> None:
     assert energy == {"cuda0": pytest.approx(1300)}  # the run's, since the first sample
 
 
-def test_unsupported_metrics_are_left_out_never_zero_and_optional_ones_read_in_units(
-    nvml_of,
-) -> None:
+def test_unsupported_metrics_are_left_out_never_zero_and_optional_ones_read_in_units(nvml_of) -> None:  # fmt: skip
     mig_parent = FakeGpu(name="A100", mig=[FakeGpu(name="A100 MIG 1g.10gb", memory_total=10 * GIB)])
     datacenter = FakeGpu(fan_pct=None).fail("power", "not_supported")
     datacenter.fail("nvmlDeviceGetCurrentClocksEventReasons", "function_not_found")  # old driver

@@ -73,9 +73,7 @@ class Seen(Callback):
         self.rates.append((speed.render(task).plain, self.batches / (self.end - self.start)))
 
 
-def test_values_are_read_once_per_redraw_and_each_epoch_ends_on_its_count(
-    tmp_path, monkeypatch
-) -> None:
+def test_values_are_read_once_per_redraw_and_each_epoch_ends_on_its_count(tmp_path, monkeypatch) -> None:  # fmt: skip
     lightning = fit(tmp_path / "lightning", LightningRichProgressBar())
     ticks = iter(range(0, 10_000, 2))  # two seconds a call: every batch is past the interval
     monkeypatch.setattr(progress_bar, "time", SimpleNamespace(monotonic=lambda: next(ticks)))
