@@ -418,7 +418,7 @@ def ranked(rank: int, world: int = 2) -> SimpleNamespace:
     return SimpleNamespace(world_size=world, global_rank=rank)
 
 
-def test_the_exchange_hands_rank_0_every_ranks_payload_through_the_store(store) -> None:
+def test_the_exchange_hands_rank_0_every_ranks_payload_and_waits_for_late_ones_once(store, caplog) -> None:  # fmt: skip
     mine, theirs = {"gpus": {"cuda0": {"util_mean": 1.0}}}, {"gpus": {"cuda1": {"util_mean": 2.0}}}
     # Rank 1 posts and goes on at once: it never waits for anyone.
     assert RankExchange("epoch", timeout_s=5).gather(ranked(1), theirs) == [theirs]
@@ -440,9 +440,7 @@ def test_the_exchange_hands_rank_0_every_ranks_payload_through_the_store(store) 
         store.set(f"runkit/every/{rank1._round + 1}/0", "{}")
         rank1.gather(ranked(1), first, every_rank=True)
     assert not store.check(["runkit/every/1/1"])  # two rounds on: removed
-
-
-def test_a_late_rank_costs_rank_0_the_timeout_one_warning_and_its_key_once_posted(store, caplog) -> None:  # fmt: skip
+    # A late rank costs rank 0 the timeout, one warning, and its key once posted.
     exchange = RankExchange("validation end", timeout_s=0.6)
     started = time.monotonic()
     with caplog.at_level(logging.WARNING):
