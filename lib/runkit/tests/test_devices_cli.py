@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from types import SimpleNamespace
+from unittest.mock import Mock
 
 import pytest
 from rich.console import Console
@@ -175,7 +176,9 @@ def test_no_usable_gpu_is_one_line_and_exit_zero(monkeypatch, capsys, use_fake, 
     assert capsys.readouterr().out == f"No usable GPU: {reason}; training will use the CPU.\n"
 
 
-def test_the_help_names_the_command_and_its_options(capsys, monkeypatch):
+def test_the_help_names_the_command_and_its_options_and_bad_seconds_are_one_line(
+    capsys, monkeypatch
+):
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
     assert exit_info.value.code == 0
@@ -188,17 +191,14 @@ def test_the_help_names_the_command_and_its_options(capsys, monkeypatch):
     monkeypatch.setattr(listing, "watch", lambda seconds, as_json: asked.append((seconds, as_json)) or 0)  # fmt: skip
     assert main(["--watch"]) == main(["--json", "--watch", "0.5"]) == 0
     assert asked == [(2.0, False), (0.5, True)]
-
-
-@pytest.mark.parametrize("value", ["0", "-1", "abc", "nan", "inf", "0.05"])
-def test_bad_seconds_is_one_argparse_line(value, capsys):
-    with pytest.raises(SystemExit) as info:
-        main(["--watch", value])
-    assert info.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"python -m runkit.devices: error: argument --watch: SECONDS={value!r} is invalid; "
-        "expected a number of seconds >= 0.1"
-    )
+    for value in ["0", "-1", "abc", "nan", "inf", "0.05"]:
+        with pytest.raises(SystemExit) as info:
+            main(["--watch", value])
+        assert info.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"python -m runkit.devices: error: argument --watch: SECONDS={value!r} is invalid; "
+            "expected a number of seconds >= 0.1"
+        )
 
 
 def test_module_import_stays_light():
@@ -247,13 +247,10 @@ def test_json_watch_prints_one_document_per_refresh_and_ctrl_c_exits_zero(refres
     assert refreshes.fake.balanced
 
 
-@pytest.mark.parametrize("as_json", [True, False])
-def test_ctrl_c_while_torch_is_asked_ends_the_watch_quietly(monkeypatch, capsys, as_json):
-    def pressed(uuids: bool = True) -> TorchCuda:
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(listing, "probe_torch", pressed)
-    assert listing.watch(1.0, as_json=as_json) == 0 and capsys.readouterr().out == ""
+def test_ctrl_c_while_torch_is_asked_ends_the_watch_quietly(monkeypatch, capsys):
+    monkeypatch.setattr(listing, "probe_torch", Mock(side_effect=KeyboardInterrupt))
+    for as_json in (True, False):
+        assert listing.watch(1.0, as_json=as_json) == 0 and capsys.readouterr().out == ""
 
 
 def test_the_table_is_redrawn_in_place_on_a_terminal(refreshes):
@@ -270,8 +267,7 @@ def test_the_table_is_redrawn_in_place_on_a_terminal(refreshes):
 
 # ------------------------------------------------------------------------- real GPU
 def _cuda_or_skip():
-    import torch
-
+    torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False")
     return torch

@@ -7,6 +7,7 @@ import fcntl
 import json
 import logging
 import os
+import selectors
 import signal
 import subprocess
 import sys
@@ -93,43 +94,40 @@ def other_run_holds(locks: Path, uuid: str) -> int:
 
 
 # ------------------------------------------------------------------------- the gpu_* keys
-def test_the_defaults_ask_nothing_and_do_not_wait():
-    policy = policy_from_config({})
-    assert policy == SelectionPolicy() and not policy.has_thresholds and policy.wait_s == 0
-    keys = {"gpu_min_free_gib": 20, "gpu_max_util": 30, "gpu_wait_s": 600, "gpu_lock_dir": "/x y"}
-    assert policy_from_config(keys) == SelectionPolicy(20, 30, 600, lock_dir="/x y")
-
-
 @pytest.mark.parametrize(
-    ("key", "value", "message"),
+    ("keys", "expected"),
     [
-        ("gpu_wait_s", -1, "gpu_wait_s=-1 is invalid; expected a number of seconds >= 0"),
-        ("gpu_max_util", 150, "gpu_max_util=150 is invalid; expected a percentage from 0 to 100"),
-        ("gpu_min_free_gib", "lots", "gpu_min_free_gib='lots' is invalid; expected a number of GiB >= 0"),
-        ("gpu_min_free_gib", True, "gpu_min_free_gib=True is invalid"),
-        ("gpu_wait_s", float("nan"), "gpu_wait_s=nan is invalid"),
-        ("gpu_wait_s", float("inf"), "gpu_wait_s=inf is invalid"),
-        ("gpu_util_window_s", 0, "gpu_util_window_s=0 is invalid; expected a number of seconds > 0 and <= 60"),
-        ("gpu_lock_dir", "", "gpu_lock_dir='' is invalid; expected a directory path or null"),
-        ("gpu_lock_dir", "runs\0x", "gpu_lock_dir='runs\\x00x' is invalid; expected a directory path or null (a directory per user)"),
+        ({}, SelectionPolicy()),
+        ({"gpu_min_free_gib": 20, "gpu_max_util": 30, "gpu_wait_s": 600, "gpu_lock_dir": "/x y"},
+         SelectionPolicy(20, 30, 600, lock_dir="/x y")),
+        *[({key: value}, message) for key, value, message in [
+            ("gpu_wait_s", -1, "gpu_wait_s=-1 is invalid; expected a number of seconds >= 0"),
+            ("gpu_max_util", 150, "gpu_max_util=150 is invalid; expected a percentage from 0 to 100"),
+            ("gpu_min_free_gib", "lots", "gpu_min_free_gib='lots' is invalid; expected a number of GiB >= 0"),
+            ("gpu_min_free_gib", True, "gpu_min_free_gib=True is invalid"),
+            ("gpu_wait_s", float("nan"), "gpu_wait_s=nan is invalid"),
+            ("gpu_wait_s", float("inf"), "gpu_wait_s=inf is invalid"),
+            ("gpu_util_window_s", 0, "gpu_util_window_s=0 is invalid; expected a number of seconds > 0 and <= 60"),
+            ("gpu_lock_dir", "", "gpu_lock_dir='' is invalid; expected a directory path or null"),
+            ("gpu_lock_dir", "runs\0x", "gpu_lock_dir='runs\\x00x' is invalid; expected a directory path or null (a directory per user)"),
+        ]],
     ],
 )  # fmt: skip
-def test_a_bad_key_is_one_line_naming_it(key, value, message):
-    with pytest.raises(RunError) as info:
-        policy_from_config({key: value})
-    assert str(info.value).startswith(message) and "\n" not in str(info.value)
-
-
-def test_preflight_checks_the_keys():
-    cfg = OmegaConf.create({"gpu_max_util": 101, "trainer": {"accelerator": "cpu", "devices": 1}})
-    with pytest.raises(RunError, match=r"^gpu_max_util=101 is invalid"):
-        check_devices(cfg)
+def test_the_gpu_keys_make_the_policy_and_a_bad_one_is_one_line_naming_it(keys, expected):
+    if isinstance(expected, SelectionPolicy):  # the defaults ask nothing and do not wait
+        policy = policy_from_config(keys)
+        assert policy == expected and policy.has_thresholds == bool(keys)
+        assert policy.wait_s == keys.get("gpu_wait_s", 0)
+        return
+    cfg = OmegaConf.create({**keys, "trainer": {"accelerator": "cpu", "devices": 1}})
+    for check, given in ((policy_from_config, keys), (check_devices, cfg)):  # preflight too
+        with pytest.raises(RunError) as info:
+            check(given)
+        assert str(info.value).startswith(expected) and "\n" not in str(info.value)
 
 
 # ------------------------------------------------------------------------- measuring
-class BoardlessNvml(FakeNvml):
-    """A driver that cannot give a MIG slice's GPU."""
-
+class BoardlessNvml(FakeNvml):  # a driver that cannot give a MIG slice's GPU
     def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, handle):
         raise nvml_error("unknown")
 
@@ -204,28 +202,23 @@ def test_rank_by_load_free_memory_then_utilisation_then_index():
 
 
 # ------------------------------------------------------------------------- the lock directory
-@pytest.fixture
-def temp_dir(tmp_path, monkeypatch) -> Path:
-    """The system temporary directory, here, and no usable ``$XDG_RUNTIME_DIR``."""
-    path = tmp_path / "tmp é"
-    path.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(path))
+def test_the_lock_directory_is_the_given_one_or_the_users_own_and_a_bad_one_is_refused(
+    tmp_path, monkeypatch
+):
+    temp_dir = tmp_path / "tmp é"  # the system temporary directory, and no usable XDG_RUNTIME_DIR
+    temp_dir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp_dir))
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "no such dir"))
-    return path
-
-
-def test_the_lock_directory_is_the_given_one_or_the_users_own(temp_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     got = claims.lock_dir_for(SelectionPolicy(lock_dir="~/a b/é/locks"))  # parents created
     assert got == tmp_path / "a b" / "é" / "locks" and got.is_dir()
     got = claims.lock_dir_for(SelectionPolicy())
     assert got == temp_dir / f"runkit-gpu-locks-{os.getuid()}"
     assert got.stat().st_mode & 0o777 == 0o700
+    got.rmdir()
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     assert claims.lock_dir_for(SelectionPolicy()) == tmp_path / "runkit-gpu-locks"
-
-
-def test_a_lock_dir_that_cannot_be_used_is_refused_and_kept(temp_dir, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "no such dir"))
     taken = temp_dir / "locks é"
     taken.write_text("mine")
     assert refused(claims.lock_dir_for, SelectionPolicy(lock_dir=str(taken))) == (
@@ -250,7 +243,7 @@ def test_a_lock_dir_that_cannot_be_used_is_refused_and_kept(temp_dir, monkeypatc
 
 
 # ------------------------------------------------------------------------- lock files
-def test_a_lock_excludes_every_other_holder_until_closed_and_holds_only_its_pid(locks):
+def test_a_lock_excludes_every_other_holder_until_closed_and_holds_only_its_pid(locks, monkeypatch):
     assert claims.lock_path(locks, "GPU-AbC-12_x") == locks / "GPU-AbC-12_x.lock"
     assert claims.lock_path(locks, "../../etc/passwd é") == locks / "______etc_passwd__.lock"
     path = claims.lock_path(locks, UUIDS[0])
@@ -266,6 +259,10 @@ def test_a_lock_excludes_every_other_holder_until_closed_and_holds_only_its_pid(
     fd = claims.try_lock(path)
     assert path.read_bytes() == f"{os.getpid()}\n".encode()
     os.close(fd)
+    monkeypatch.setattr(fcntl, "flock", Mock(side_effect=OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))))  # fmt: skip
+    assert claims.try_lock(path) == (  # a filesystem without locks
+        f"its lock file {str(path)!r} cannot be locked ({os.strerror(errno.ENOLCK)})"
+    )
 
 
 @pytest.mark.parametrize(
@@ -330,14 +327,6 @@ def test_hostile_lock_files_are_refused_not_followed(locks, tmp_path, request, w
     opened = claims.try_lock(folder)  # read-only, a directory opens, but is no regular file
     assert ("cannot be opened" if writable else "is not a regular file") in opened
     assert target.read_text() == "keep me"
-
-
-def test_a_filesystem_without_locks_is_named_in_the_reason(locks, monkeypatch):
-    monkeypatch.setattr(fcntl, "flock", Mock(side_effect=OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))))  # fmt: skip
-    path = claims.lock_path(locks, UUIDS[0])
-    assert claims.try_lock(path) == (
-        f"its lock file {str(path)!r} cannot be locked ({os.strerror(errno.ENOLCK)})"
-    )
 
 
 # ------------------------------------------------------------------------- waiting and claiming
@@ -488,7 +477,7 @@ def test_without_readings_thresholds_and_waits_are_refused_and_plain_least_used_
         )
 
 
-# ------------------------------------------------------------------------- two real launches
+# ------------------------------------------------------------------------- real launches
 LAUNCH = textwrap.dedent(
     """
     import json, logging, os, sys, time
@@ -499,55 +488,48 @@ LAUNCH = textwrap.dedent(
     from runkit.gpus.inventory import TorchCuda
     from runkit.gpus.resolve import resolve_for_run
 
-    devices, hold_s, lock_dir, go = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4]
     inventory.probe_torch = lambda uuids=True: TorchCuda(True, 2)  # torch has no CUDA here
+    lock_dir, go = sys.argv[1:]
     Path(f"{go}.{os.getpid()}").touch()  # imported
-    while not Path(go).exists():  # start both launches at the same moment
+    while not Path(go).exists():  # start every launch at the same moment
         time.sleep(0.01)
-    started = time.monotonic()
     policy = SelectionPolicy(wait_s=60, util_window_s=0.2, lock_dir=lock_dir)
-    plan = resolve_for_run("gpu", devices, select="least_used", policy=policy, environ={})
-    print(json.dumps({"gpus": plan.devices, "waited": time.monotonic() - started}), flush=True)
-    time.sleep(hold_s)
+    plan = resolve_for_run("gpu", 1, select="least_used", policy=policy, environ={})
+    print(json.dumps({"gpus": plan.devices, "at": time.monotonic()}), flush=True)
+    time.sleep(600)
     """
 )
 
 
-def launch(tmp_path: Path, devices: int, hold_s: float) -> subprocess.Popen[str]:
+@pytest.mark.slow
+def test_three_launches_at_once_take_different_gpus_and_the_third_waits_until_one_dies(tmp_path):
     env = dict(os.environ, RUNKIT_NVML_BACKEND="runkit.testing.fake_nvml:create")
     env["RUNKIT_FAKE_NVML"] = json.dumps({"gpus": 2})
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    args = [str(devices), str(hold_s), str(tmp_path / "locks"), str(tmp_path / "go")]
-    pipe = subprocess.PIPE
-    return subprocess.Popen([sys.executable, "-c", LAUNCH, *args], env=env, stdout=pipe, stderr=pipe, text=True)  # fmt: skip
-
-
-def imported(tmp_path: Path, *procs: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + 240
-    while not all((tmp_path / f"go.{p.pid}").exists() for p in procs):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
-        time.sleep(0.01)
-
-
-@pytest.mark.slow
-def test_two_launches_at_once_take_different_gpus_and_a_third_waits_until_one_dies(tmp_path):
-    holders = [launch(tmp_path, 1, hold_s=600) for _ in range(2)]  # each takes a GPU, then hangs
+    args = [sys.executable, "-c", LAUNCH, str(tmp_path / "locks"), str(tmp_path / "go")]
+    procs = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, text=True) for _ in range(3)]
     try:
-        imported(tmp_path, *holders)  # both polling for the start signal
+        while not all((tmp_path / f"go.{p.pid}").exists() for p in procs):  # all imported
+            assert all(p.poll() is None for p in procs)
+            time.sleep(0.01)
         (tmp_path / "go").touch()
-        got = [json.loads(p.stdout.readline())["gpus"] for p in holders]
-        assert sorted(got[0] + got[1]) == [0, 1]
-        waiter = launch(tmp_path, 1, hold_s=0)
-        imported(tmp_path, waiter)
-        time.sleep(1)
+        got: dict[subprocess.Popen[str], dict] = {}
+        with selectors.DefaultSelector() as lines:
+            for proc in procs:
+                lines.register(proc.stdout, selectors.EVENT_READ, proc)
+            while len(got) < 2:
+                for key, _ in lines.select():
+                    got[key.data] = json.loads(key.fileobj.readline())
+                    lines.unregister(key.fileobj)
+        first, second = got.values()
+        assert sorted(first["gpus"] + second["gpus"]) == [0, 1]
+        (waiter,) = [p for p in procs if p not in got]
         assert waiter.poll() is None  # still waiting
-        holders[0].send_signal(signal.SIGKILL)  # no clean-up at all: the kernel drops its locks
-        holders[0].communicate(timeout=60)
-        out, err = waiter.communicate(timeout=240)
-        assert waiter.returncode == 0, err
-        waited = json.loads(out.strip().splitlines()[-1])
-        assert waited["gpus"] == got[0] and waited["waited"] >= 1.0
+        killed, killed_at = next(iter(got)), time.monotonic()
+        killed.send_signal(signal.SIGKILL)  # no clean-up at all: the kernel drops its locks
+        waited = json.loads(waiter.stdout.readline())
+        assert waited["gpus"] == first["gpus"] and waited["at"] > killed_at
     finally:
-        for proc in holders:
+        for proc in procs:
             proc.kill()
             proc.communicate(timeout=60)

@@ -1,8 +1,6 @@
 """``python -m runkit.devices``: the GPUs this process may use, as ``cuda:N`` (the command's name)."""
 
-import sys
-
 from runkit.gpus.listing import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

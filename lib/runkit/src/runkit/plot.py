@@ -1,8 +1,6 @@
 """``python -m runkit.plot RUN [RUN ...]``: redraw ``curves.png`` (see :mod:`runkit.plots`)."""
 
-import sys
-
 from runkit.plots import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

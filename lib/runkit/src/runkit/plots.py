@@ -1,8 +1,7 @@
 """Draw the learning curves (and GPU statistics, when logged) of finished runs; a sweep
 directory stands for its jobs, several runs are drawn side by side.
 
-Every training run draws its ``curves.png`` at the end (:func:`after_run`); matplotlib is an
-optional extra, so a missing plot never fails a run. Drawing uses the Agg canvas, no pyplot state.
+Every training run draws its ``curves.png`` at the end (:func:`after_run`); matplotlib is optional.
 """
 
 from __future__ import annotations
@@ -48,9 +47,8 @@ class PlotError(RunError):
 
 
 def split_column(column: str) -> tuple[str, str, str] | None:
-    """``(stage, name, loader)`` of a per-epoch metric column (``val_loss/dataloader_idx_1`` is
-    ``("val", "loss", "dataloader_idx_1")``, ``alpha`` is ``("", "alpha", "")``); ``None`` for
-    per-step values, ``*_best`` and the columns of the lr, GPU and loop panels."""
+    """``(stage, name, loader)`` of a per-epoch metric column (``val_loss/dataloader_idx_1``:
+    ``("val", "loss", "dataloader_idx_1")``); ``None`` for other columns."""
     if column.startswith(("lr-", "gpu/", "loop/")):
         return None
     found = _LOADER.search(column)
@@ -78,12 +76,10 @@ class RunMetrics:
         return [e for e, _ in points], [v for _, v in points]
 
     def metric_names(self) -> list[str]:
-        """The metrics logged per epoch, whatever their separator: loss first, then accuracy."""
         names = {parts[1] for c in self.series if (parts := split_column(c))}
         return sorted(names, key=lambda n: ({"loss": 0, "acc": 1}.get(n, 2), n))
 
     def lines(self, name: str) -> list[tuple[str, str]]:
-        """``(label, column)`` of every curve of metric ``name``: one per stage and loader."""
         found = [
             (" ".join(p for p in (parts[0], parts[2]) if p) or name, column)
             for column in self.series
@@ -96,13 +92,11 @@ class RunMetrics:
         return next((v for c, v in self.final.items() if split_column(c) == ("test", name, "")), None)  # fmt: skip
 
     def gpus(self) -> list[str]:
-        """GPUs with statistics, as ``node{N}/cuda{i}``, in node then CUDA index order."""
         found = {m["gpu"] for c in self.series if (m := _GPU_KEY.match(c))}
         return sorted(found, key=lambda g: tuple(int(n) for n in re.findall(r"\d+", g)))
 
 
 def read_text_file(path: Path, what: str) -> str:
-    """The UTF-8 text of a file the program wrote, or a one-line :class:`PlotError`."""
     try:
         data = path.read_bytes()
     except IsADirectoryError as err:
@@ -121,8 +115,7 @@ def read_text_file(path: Path, what: str) -> str:
 
 
 def read_csv_log(path: Path) -> list[dict[str, str]]:
-    """The rows of a CSVLogger file; one-line :class:`PlotError` when it is empty, binary, cut
-    short (the logger ends every row with a newline), ragged or lacks ``epoch`` and ``step``."""
+    """The rows of a CSVLogger file; one-line :class:`PlotError` when it is not one, or damaged."""
     text, name = read_text_file(path, _CSV), repr(str(path))
     if not text.strip():
         raise PlotError(
@@ -158,7 +151,6 @@ def _number(text: str | None) -> float | None:
 
 
 def read_metrics(run_dir: str | Path, label: str | None = None) -> RunMetrics:
-    """Read ``RUN_DIR/csv/metrics.csv`` into one value per epoch and column (the last logged)."""
     run = Path(run_dir)
     metrics = RunMetrics(run, label or _label(run))
     for row in read_csv_log(run / METRICS_CSV):
@@ -180,7 +172,6 @@ def read_metrics(run_dir: str | Path, label: str | None = None) -> RunMetrics:
 
 
 def _label(run: Path) -> str:
-    """The run's folder name, plus the overrides it was started with (a sweep job's parameters)."""
     overrides = run / ".hydra" / "overrides.yaml"
     if not overrides.exists():
         return run.name
@@ -192,8 +183,7 @@ def _label(run: Path) -> str:
 
 
 def expand_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
-    """A run stands for itself; a directory without its own ``csv/metrics.csv`` (a sweep) stands
-    for the runs directly inside it, in job-number order."""
+    """A run stands for itself; a sweep for its runs, in job-number order."""
     runs: list[Path] = []
     for given in paths:
         path = Path(given)
@@ -214,14 +204,11 @@ def expand_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
 
 
 class Panel(NamedTuple):
-    """One row of the figure: ``kind`` is metric, lr, gpu_util, gpu_mem, gpu_gpm or loop."""
-
     kind: str
     name: str = ""
 
 
 def panels_for(runs: Sequence[RunMetrics]) -> list[Panel]:
-    """The panels any of ``runs`` has data for, in a fixed order, so side-by-side rows align."""
     names = dict.fromkeys(n for run in runs for n in run.metric_names())
     gpus = [(run, f"gpu/{gpu}/") for run in runs for gpu in run.gpus()]
     has = {
@@ -235,7 +222,6 @@ def panels_for(runs: Sequence[RunMetrics]) -> list[Panel]:
 
 
 def draw(runs: Sequence[RunMetrics]) -> Any:
-    """A matplotlib ``Figure``: a grid of panels for one run, one column per run for several."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -277,7 +263,6 @@ def draw(runs: Sequence[RunMetrics]) -> Any:
 
 
 def _draw_panel(ax: Any, panel: Panel, run: RunMetrics) -> bool:
-    """Draw ``panel`` for ``run`` on ``ax``; False when the run has nothing for it."""
     style = {"marker": "o", "markersize": 3}
     if panel.kind == "metric":
         lines = run.lines(panel.name)
@@ -310,8 +295,7 @@ def _draw_panel(ax: Any, panel: Panel, run: RunMetrics) -> bool:
 
 
 def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> Path:
-    """Draw ``run_dirs`` (runs or sweeps) into ``out`` (a file or a directory) and return its
-    path; by default ``<dir>/curves.png`` for one directory, ``./curves.png`` for several."""
+    """Draw ``run_dirs`` into ``out`` (a file or a directory; default: the one directory or .)."""
     runs = [read_metrics(path) for path in expand_run_dirs(run_dirs)]
     if out is None:
         out = run_dirs[0] if len(run_dirs) == 1 else "."
@@ -331,8 +315,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> 
 
 
 def after_run(run_dir: str | Path) -> Path | None:
-    """Draw ``run_dir/curves.png`` at the end of a training run; never fails the run (None and
-    one log line when there is no CSV log or matplotlib, or the log is damaged)."""
+    """Draw ``run_dir/curves.png`` at the end of a training run; never fails the run."""
     run = Path(run_dir)
     if not (run / METRICS_CSV).exists():
         log.info("No %s in this run, so no %s.", METRICS_CSV, PLOT_FILE)
@@ -350,7 +333,6 @@ def after_run(run_dir: str | Path) -> Path | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m runkit.plot RUN_DIR [RUN_DIR ...] [--out FILE]``."""
     what = (__doc__ or "").split("\n\n")[0]  # the first paragraph above
     parser = argparse.ArgumentParser(prog="python -m runkit.plot", description=what)
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run or sweep directory")
@@ -367,7 +349,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: python -m runkit.plot needs matplotlib: {HINT}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

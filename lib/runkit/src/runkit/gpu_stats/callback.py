@@ -1,12 +1,8 @@
 """GPU statistics per epoch from NVML: what the GPUs of *this run* did, not a snapshot.
 
-Why not Lightning's ``DeviceStatsMonitor``: it reads ``torch.cuda.memory_stats`` on the training
-thread at every step and knows nothing of utilisation, power or throttling. Here a thread samples
-NVML every ``interval_s``; once per epoch rank 0 logs each GPU's mean/max/min in one
-``logger.log_metrics`` call. Devices are matched to NVML by UUID; ranks hand rank 0 their figures
-through the job's store (:mod:`.exchange`). What a GPU cannot report is left out, never 0; a
-missing driver or a lost GPU costs one log line, never the run. Keys: lib/runkit/docs/gpu-statistics.md.
-"""
+Lightning's ``DeviceStatsMonitor`` reads ``torch.cuda.memory_stats`` on the training thread at every
+step and knows nothing of utilisation, power or throttling. Design and keys:
+lib/runkit/docs/gpu-statistics.md."""
 
 from __future__ import annotations
 
@@ -43,8 +39,7 @@ MIN_WAIT_WARNING_S = 1.0  # less waiting in all: no starvation line (the loader'
 
 
 def process_devices(trainer: Any) -> list[tuple[int, torch.device]]:
-    """The devices this process drives, each with its position in ``parallel_devices``: the
-    root device, or all of them for one process driving its node's devices."""
+    """This process's devices with their positions in ``parallel_devices``."""
     strategy = trainer.strategy
     devices = list(getattr(strategy, "parallel_devices", None) or [strategy.root_device])
     if len(devices) > 1 and trainer.world_size == trainer.num_nodes:
@@ -54,14 +49,12 @@ def process_devices(trainer: Any) -> list[tuple[int, torch.device]]:
 
 
 def monitored_keys(trainer: Any) -> set[str]:
-    """The metric names callbacks and learning rate schedulers watch (their ``monitor``)."""
     watchers = [*getattr(trainer, "callbacks", []), *getattr(trainer, "lr_scheduler_configs", [])]
     return {m for w in watchers if isinstance(m := getattr(w, "monitor", None), str)}
 
 
 def batch_length(batch: Any) -> int | None:
-    """The samples in ``batch`` as Lightning counts them for ``self.log``; None without a tensor.
-    The common ``(inputs, ...)`` batch is read directly (Lightning's walk costs microseconds)."""
+    """The samples in ``batch`` as Lightning counts them for ``self.log``; None without a tensor."""
     first = batch[0] if type(batch) in (tuple, list) and batch else batch
     if type(first) is torch.Tensor and first.ndim:
         return first.shape[0]
@@ -72,10 +65,8 @@ def batch_length(batch: Any) -> int | None:
 
 
 class LoopTimer:
-    """One training epoch's loop time, data wait, steps and samples. The wait is the wall time
-    between one batch's end and the next batch's start, validation left out: two clock reads a
-    step, no device sync. An asynchronous GPU step overlaps the wait, so a high share means the
-    input pipeline sets the pace."""
+    """One training epoch's loop time, data wait (one batch's end to the next one's start,
+    validation left out), steps and samples: two clock reads a step, no device sync."""
 
     def __init__(self, clock: Any = time.perf_counter) -> None:
         self.clock = clock
@@ -111,13 +102,11 @@ class LoopTimer:
                          type(batch).__name__)  # fmt: skip
 
     def pause(self) -> None:
-        """Validation starts: its time, until the next training batch starts, is left out."""
         if self._paused_at is None:
             self._paused_at = self.clock()
 
     def summary(self) -> dict[str, float] | None:
-        """``loop_s`` (epoch start to the last step's end, less validation), ``data_wait_s``,
-        ``steps`` and ``samples`` (absent when a batch had no tensor); None before any step."""
+        """``loop_s``, ``data_wait_s``, ``steps`` and ``samples`` (when countable); None before a step."""
         if not self.steps:
             return None
         loop_s = self._last_end - self._epoch_start - self.paused_s
@@ -126,8 +115,6 @@ class LoopTimer:
 
 
 def _check_arguments(a: dict[str, Any]) -> None:
-    """:class:`GpuStatsMonitor`'s arguments, each refused in one line naming what it accepts."""
-
     def number(v: Any, high: float = math.inf) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= high
 
@@ -148,11 +135,9 @@ def _check_arguments(a: dict[str, Any]) -> None:
 
 
 def energy_report(trainer: Any) -> dict[str, Any] | None:
-    """The run's energy for ``metrics.json`` from the trainer's :class:`GpuStatsMonitor`: J,
-    kWh, J per training sample and J per physical GPU; None without a monitor or a reading."""
+    """The run's energy for ``metrics.json`` (None without a :class:`GpuStatsMonitor` reading)."""
     monitor = next((c for c in trainer.callbacks if isinstance(c, GpuStatsMonitor)), None)
-    per_gpu = monitor.run_energy_j() if monitor is not None else {}
-    if monitor is None or not per_gpu:
+    if monitor is None or not (per_gpu := monitor.run_energy_j()):
         return None
     total, samples = sum(per_gpu.values()), monitor.run_samples()
     return {
@@ -199,8 +184,7 @@ class GpuStatsMonitor(pl.Callback):
         _check_arguments(locals())
         self.interval_s, self.gather_timeout_s = float(interval_s), float(gather_timeout_s)
         self.report_validation, self.summary_table = report_validation, summary_table
-        wanted = {"fan": fan, "pcie": pcie, "ecc": ecc, "memory_temperature": memory_temperature}
-        wanted["gpm"] = gpm
+        wanted = dict(fan=fan, pcie=pcie, ecc=ecc, memory_temperature=memory_temperature, gpm=gpm)
         self.groups = [g for g in (*DEFAULT_GROUPS, *OPTIONAL_GROUPS) if wanted.get(g, True)]
         self.per_gpu_keys_up_to, self.log_sampler_cost = per_gpu_keys_up_to, log_sampler_cost
         self.data_wait_warning = float(data_wait_warning)
@@ -256,7 +240,6 @@ class GpuStatsMonitor(pl.Callback):
             self._sampler.start()
 
     def _open(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """Map this process's devices to NVML by UUID and probe them: what rank 0 should hear."""
         wanted: list[tuple[str, torch.device, str | None]] = []
         for position, device in process_devices(trainer):
             if self.device_uuids is not None:
@@ -319,7 +302,6 @@ class GpuStatsMonitor(pl.Callback):
                     ",".join(ranks), status)  # fmt: skip
 
     def _close(self) -> None:
-        """Stop the sampler and shut NVML down; safe to call any number of times."""
         sampler, self._sampler, self._peaks = self._sampler, None, None
         if sampler is not None:
             sampler.stop()
@@ -332,12 +314,10 @@ class GpuStatsMonitor(pl.Callback):
         self._close()  # Lightning does not call ``teardown`` on this path
 
     def _failed(self, what: str, err: Exception) -> None:
-        """A bug in the local bookkeeping: stop sampling here but keep training (and gathers)."""
         log.warning("gpu_stats: %s failed (%s: %s); sampling stops", what, type(err).__name__, err)
         self._close()
 
     def _switch(self, what: str, phase: str | None, reset: bool = True, **restart: bool) -> None:
-        """Send later samples to ``phase`` (``reset``: from an empty one); restart torch's peaks."""
         if self._sampler is not None and self._peaks is not None:
             try:
                 self._sampler.set_phase(phase, reset)
@@ -399,8 +379,6 @@ class GpuStatsMonitor(pl.Callback):
             self._warn_if_starved(trainer, everyone, flat)
 
     def _local(self, trainer: pl.Trainer, phase: str | None, epoch: bool) -> dict[str, Any]:
-        """This rank's payload: who it is, its loop so far, and from its sampler the figures of
-        ``phase`` (with PyTorch's peaks; the whole epoch's with ``epoch``) and the energy."""
         local: dict[str, Any] = {"node": trainer.node_rank, "rank": trainer.global_rank}
         local["loop"] = self._loop.summary()
         if self._sampler is None or self._peaks is None:
@@ -418,14 +396,11 @@ class GpuStatsMonitor(pl.Callback):
         return local
 
     def _watched(self, trainer: pl.Trainer) -> bool:
-        """Whether a monitor watches one of this callback's keys: then every rank needs the
-        run's figures, not only rank 0 (each rank waits for the others at the epoch ends)."""
+        """A monitor watches one of our keys: every rank needs the run's figures, not only rank 0."""
         prefixes = (f"{self.key_prefix}/", f"{self.key_prefix}_val/", "loop/")
         return any(key.startswith(prefixes) for key in monitored_keys(trainer))
 
     def _publish(self, trainer: pl.Trainer, pl_module: Any, metrics: dict[str, float]) -> None:
-        """Hand the figures to every logger in one call (rank 0), at the step of Lightning's own
-        rows of this moment, and the monitored ones to monitors through ``pl_module.log``."""
         if not metrics:
             return
         for key in sorted(monitored_keys(trainer) & metrics.keys()):
@@ -466,8 +441,7 @@ class GpuStatsMonitor(pl.Callback):
 
     # ------------------------------------------------------------------ energy over the run
     def _add_energy(self, everyone: Sequence[dict[str, Any]]) -> None:
-        """This fit's energy per physical GPU so far, each GPU once (the first slice reporting
-        it names it), from every rank's cumulative counters."""
+        """This fit's energy per physical GPU so far, each counted once."""
         seen: set[str] = set()
         for p in everyone:
             for label, joules in p.get("energy_total_j", {}).items():
@@ -477,12 +451,10 @@ class GpuStatsMonitor(pl.Callback):
                     self._fit_energy_j[f"node{p['node']}/{label}"] = joules
 
     def run_energy_j(self) -> dict[str, float]:
-        """Energy per physical GPU over the whole run (earlier runs it resumed included), J."""
         restored, fit = self._restored_energy_j, self._fit_energy_j
         return {k: restored.get(k, 0.0) + fit.get(k, 0.0) for k in sorted({*restored, *fit})}
 
     def run_samples(self) -> float | None:
-        """Training samples over the whole run (resumed runs included); None when unknown."""
         parts = (self._restored_samples, self._fit_samples, self._epoch_samples)
         return None if None in parts else sum(parts)  # type: ignore[arg-type]
 
@@ -490,7 +462,6 @@ class GpuStatsMonitor(pl.Callback):
         return {"version": 1, "energy_j": self.run_energy_j(), "train_samples": self.run_samples()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue the run's energy from a checkpoint; a damaged entry is ignored (one line)."""
         state = state_dict if isinstance(state_dict, Mapping) else {}
         energy, samples = state.get("energy_j"), state.get("train_samples")
 
@@ -512,7 +483,6 @@ class GpuStatsMonitor(pl.Callback):
         self._restored_samples = None if samples is None else float(samples)
 
     def run_summary(self) -> list[dict[str, Any]]:
-        """One row per GPU over the whole ``fit`` (training epochs): what the table shows."""
         return self._summary.rows(self.identities)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -521,7 +491,6 @@ class GpuStatsMonitor(pl.Callback):
 
 
 def _count_samples(loops: Sequence[dict[str, float] | None]) -> float | None:
-    """Training samples of every rank's loop figures; None when a batch held no tensor."""
     if any(loop is not None and "samples" not in loop for loop in loops):
         return None
     return sum(loop["samples"] for loop in loops if loop)

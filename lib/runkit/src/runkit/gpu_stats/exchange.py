@@ -1,11 +1,6 @@
-"""Rank 0 hears every rank's figures, and no rank ever waits in a collective for them.
-
-Why not ``all_gather_object``: a collective in an epoch-end hook deadlocks against Lightning's
-own metric sync (the progress bar, on rank 0 only, all-reduces a ``sync_dist`` value in its
-``on_train_epoch_end`` while the other ranks would wait in ours). Every rank posts its payload
-(JSON) in the job's TCP store and goes on; rank 0 alone waits for the others' keys, at most
-``timeout_s``, in short slices so that signals are handled, then warns once about the late ones.
-"""
+"""Rank 0 hears every rank's figures through the job's TCP store, and no rank waits in a
+collective: ``all_gather_object`` in an epoch-end hook deadlocks against Lightning's own metric
+sync (rank 0's progress bar all-reduces a ``sync_dist`` value in its ``on_train_epoch_end``)."""
 
 from __future__ import annotations
 
@@ -31,15 +26,13 @@ def _client(host: str, port: int) -> Any:
 
 
 def job_store() -> Any | None:
-    """A client of the job's TCP store at ``MASTER_ADDR:MASTER_PORT``; None without one."""
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     return _client(host, int(port)) if host and port and dist.is_available() else None
 
 
 class RankExchange:
-    """Every rank's payload for rank 0, in rank order, through the job's key-value store. Rounds
-    match by count (every rank calls it at the same hooks); rank 0 removes what it read, or with
-    ``every_rank`` each rank its own payload two rounds later."""
+    """Every rank's payload for rank 0 in rank order; rounds match by count. Rank 0 removes what
+    it read, or with ``every_rank`` each rank its own payload two rounds later."""
 
     def __init__(self, name: str, timeout_s: float = 30.0) -> None:
         self.name, self.timeout_s = name, timeout_s
@@ -49,8 +42,8 @@ class RankExchange:
     def gather(
         self, trainer: Any, payload: dict[str, Any], every_rank: bool = False
     ) -> list[dict[str, Any]]:
-        """Rank 0 (every rank with ``every_rank``): every rank's payload that arrived in time,
-        in rank order; any other rank, and a run of one process: ``[payload]``."""
+        """Rank 0 (every rank with ``every_rank``): the payloads that arrived within the timeout
+        (waited for in slices, so signals are handled); any other rank: ``[payload]``."""
         world, rank = int(trainer.world_size), int(trainer.global_rank)
         store = job_store() if world > 1 else None
         if store is None:

@@ -1,9 +1,5 @@
-"""Sampling GPUs for the statistics: which metrics each GPU supports, and a background thread.
-
-A metric group the GPU refuses at the probe is left out for good (never logged as 0). The thread
-reads every ``interval_s`` into per-phase aggregates; a phase's figures are a snapshot taken
-under a lock, so the training thread never reads NVML nor waits for a reading.
-"""
+"""Sampling GPUs for the statistics in a background thread: the training thread never reads
+NVML nor waits for a reading. A metric group the GPU refuses at the probe is left out for good."""
 
 from __future__ import annotations
 
@@ -48,15 +44,9 @@ GPM_METRICS = {
 }
 
 
-class GpmUnsupported(Exception):
-    """This GPU (or driver, or binding) has no GPM: the metrics are left out, never zero."""
-
-
 class GpmCounters:
-    """GPM (GPU Performance Monitoring, Hopper and newer): what the SMs did, not only *whether*
-    they ran, through the physical GPU ``board`` (a MIG slice's: its ``gpu_instance_id``). Two
-    samples of the counters, swapped at every reading, give the interval since the last; a
-    profiler holding them pauses GPM (one line); only ``GpuIsLost`` is passed on."""
+    """GPM (Hopper and newer): what the SMs did, through the physical GPU ``board`` (a MIG slice:
+    its ``gpu_instance_id``); two samples, swapped at every reading, give the interval between."""
 
     def __init__(self, lib: Any, board: Any, label: str, gpu_instance_id: int | None) -> None:
         self.lib, self.board, self.label, self.gpu_instance_id = lib, board, label, gpu_instance_id
@@ -66,14 +56,10 @@ class GpmCounters:
         self._request: Any = None
 
     def open(self) -> None:
-        """Allocate the two samples and take the first; :class:`GpmUnsupported` without GPM."""
+        """Allocate the two samples and take the first; ``NVMLError_NotSupported`` without GPM."""
         lib = self.lib
-        try:
-            support = lib.nvmlGpmQueryDeviceSupport(self.board)
-        except (*nvml.error_classes(lib, nvml.UNSUPPORTED_ERRORS), AttributeError) as err:
-            raise GpmUnsupported(type(err).__name__.replace("NVMLError_", "")) from err
-        if not getattr(support, "isSupportedDevice", 0):
-            raise GpmUnsupported("NotSupported")
+        if not getattr(lib.nvmlGpmQueryDeviceSupport(self.board), "isSupportedDevice", 0):
+            raise lib.NVMLError(lib.NVML_ERROR_NOT_SUPPORTED)
         ids = {name: getattr(lib, const, None) for name, const in GPM_METRICS.items()}
         self._names = [name for name, metric_id in ids.items() if isinstance(metric_id, int)]
         try:
@@ -90,7 +76,8 @@ class GpmCounters:
             raise
 
     def read(self) -> dict[str, float]:
-        """The metrics since the previous call (empty the first time, or while GPM is refused)."""
+        """The metrics since the previous call (none the first time, nor while a profiler holds
+        GPM: one line); only ``GpuIsLost`` is raised."""
         if len(self._samples) < 2:
             return {}
         lib, (previous, current), request = self.lib, self._samples, self._request
@@ -126,7 +113,6 @@ class GpmCounters:
         return values
 
     def close(self) -> None:
-        """Free the samples (safe to call again, and after a failed :meth:`open`)."""
         samples, self._samples, self._have_previous = self._samples, [], False
         for sample in samples:
             try:
@@ -152,35 +138,27 @@ class GpuReader:
         self.nvml_index = nvml.optional(lib, d.index)
         self.pci_bus_id = nvml.optional(lib, d.pci_bus_id)
 
-    def _skip(self, group: str, err: BaseException | str) -> None:
+    def _skip(self, group: str, err: BaseException) -> None:
         self.groups.remove(group)
-        why = err if isinstance(err, str) else type(err).__name__
-        self.unsupported[group] = why.replace("NVMLError_", "")
+        self.unsupported[group] = type(err).__name__.replace("NVMLError_", "")
 
     def probe(self) -> None:
-        """Read every group once; drop those the GPU refuses. Any other failure (GpuIsLost...)
-        propagates: the caller gives up on this GPU."""
+        """Read every group once; drop those the GPU refuses (any other failure propagates)."""
         skip: tuple[type[BaseException], ...] = (*nvml.error_classes(self.lib, _PROBE_SKIP_ERRORS), AttributeError)  # fmt: skip
         if "power" in self.groups:
             self.power_limit_mw = nvml.optional(self.lib, self.device.power_limit_mw)
-        if "gpm" in self.groups:
-            instance = self.device.gpu_instance_id() if self.is_mig else None
-            counters = GpmCounters(self.lib, self.device.board, self.label, instance)
+        for group in list(self.groups):
             try:
-                counters.open()
-                self.gpm = counters
-            except GpmUnsupported as err:
-                self._skip("gpm", str(err))
-            except skip as err:  # refused at the first sample: never had it
-                self._skip("gpm", err)
-        for group in [g for g in self.groups if g != "gpm"]:
-            try:
-                self._values(group)
+                if group == "gpm":
+                    instance = self.device.gpu_instance_id() if self.is_mig else None
+                    self.gpm = GpmCounters(self.lib, self.device.board, self.label, instance)
+                    self.gpm.open()
+                else:
+                    self._values(group)
             except skip as err:
                 self._skip(group, err)
 
     def close(self) -> None:
-        """Free what the reader holds in NVML (the GPM samples); safe to call again."""
         if self.gpm is not None:
             self.gpm.close()
 
@@ -199,8 +177,7 @@ class GpuReader:
     def _values(self, group: str) -> dict[str, float]:
         d = self.device
         if group == "utilization":
-            gpu, memory = d.utilization()
-            return {"util": float(gpu), "mem_util": float(memory)}
+            return dict(zip(("util", "mem_util"), map(float, d.utilization()), strict=True))
         if group == "memory":
             total, used, _free = d.memory()
             return {"mem_used_gib": used / GIB, "mem_total_gib": total / GIB}
@@ -236,9 +213,8 @@ class GpuReader:
 
 
 class GpuSampler:
-    """Samples :class:`GpuReader` s into per-phase accumulators in a thread. :meth:`start` takes
-    a first sample (priming energy and GPM), then one every ``interval_s``; a sample counts for
-    the phase current as it starts. A phase no sample reached reports the latest reading."""
+    """Samples :class:`GpuReader` s into per-phase accumulators in a thread, a first sample at
+    :meth:`start`; a phase no sample reached reports the latest reading."""
 
     def __init__(self, readers: Sequence[GpuReader], interval_s: float) -> None:
         self.readers, self.interval_s = list(readers), interval_s
@@ -262,7 +238,6 @@ class GpuSampler:
             self._thread.start()
 
     def stop(self) -> None:
-        """Stop the thread and free what the readers hold in NVML (before NVML shuts down)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.interval_s + 10.0)
@@ -276,7 +251,6 @@ class GpuSampler:
             self.sample_now()
 
     def sample_now(self) -> None:
-        """Read every live GPU once, for the phase current as the reading starts."""
         with self._reading:
             if self._stop.is_set():
                 return  # stopped: the readers are closed
@@ -304,26 +278,21 @@ class GpuSampler:
         acc = self._acc[phase].setdefault(label, GpuAccumulator()) if phase else None
         self._latest[label] = values, s
         if (energy := values.pop("_energy_mj", None)) is not None:
-            if (previous := self._energy.get(label)) is not None:
-                delta = energy - previous[0]
-                self._energy[label] = energy, previous[1] + delta
-                if acc is not None:
-                    acc.energy_mj = (acc.energy_mj or 0.0) + delta
-            else:
-                self._energy[label] = energy, 0.0
+            last, total = (previous := self._energy.get(label)) or (energy, 0.0)
+            self._energy[label] = energy, total + energy - last
+            if acc is not None and previous is not None:
+                acc.energy_mj = (acc.energy_mj or 0.0) + energy - last
         if acc is not None:
             acc.add(values, s)
 
     def set_phase(self, phase: str | None, reset: bool = True) -> None:
-        """Send later samples to ``phase`` (``reset``: from an empty one)."""
         with self._lock:
             self.phase = phase
             if phase is not None and (reset or phase not in self._acc):
                 self._acc[phase] = {}
 
     def report(self, phase: str | None) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
-        """``{label: figures}`` of ``phase`` so far (none without one) and each GPU's energy since
-        the first sample in joules: a snapshot, no reading."""
+        """``{label: figures}`` of ``phase`` so far and each GPU's energy since the start, J."""
         figures = {}
         with self._lock:
             held = self._acc.get(phase, {}) if phase else {}
@@ -339,8 +308,8 @@ class GpuSampler:
 
 
 class TorchPeakMemory:
-    """PyTorch's own peak allocated/reserved memory per CUDA device; an epoch's peak leaves its
-    validation out: the training peaks are stashed as validation starts."""
+    """PyTorch's peak allocated/reserved memory per CUDA device; the training peaks are stashed as
+    validation starts."""
 
     def __init__(self, devices: dict[str, torch.device]) -> None:
         self.devices = {k: d for k, d in devices.items() if d.type == "cuda"}

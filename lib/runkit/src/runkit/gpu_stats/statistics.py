@@ -1,5 +1,4 @@
-"""The numbers behind the logged GPU keys: running statistics per phase, the key scheme and the
-end-of-``fit`` table. Pure bookkeeping: no NVML, no torch, no threads."""
+"""The numbers behind the logged GPU keys: statistics per phase, the key scheme, the ``fit`` table."""
 
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ WEIGHTED = {"util": "util %", "sm_active": "SM active %", "sm_occupancy": "occup
 
 
 class GpuAccumulator:
-    """What one GPU did during one phase: per metric count, sum, min, max and last (O(1) memory)."""
+    """One GPU during one phase: per metric count, sum, min, max and last."""
 
     def __init__(self) -> None:
         self.stats: dict[str, list[float]] = {}
@@ -43,7 +42,6 @@ class GpuAccumulator:
                 s[:] = s[0] + 1, s[1] + v, min(s[2], v), max(s[3], v), v
 
     def summary(self) -> dict[str, float]:
-        """Flat ``{key: value}`` of the phase (no prefix)."""
         out: dict[str, float] = {}
         for metric, (n, total, low, high, last) in self.stats.items():
             got = {"mean": total / n, "frac": total / n, "min": low, "max": high, "last": last}
@@ -59,9 +57,8 @@ class GpuAccumulator:
 def flatten_epoch(
     payloads: Sequence[dict[str, Any]], root: str, log_cost: bool, per_gpu_keys_up_to: int = 8
 ) -> dict[str, float]:
-    """Every rank's ``{"node", "gpus": {label: summary}, "boards": {label: uuid}}`` as the logged
-    keys: per GPU for nodes with at most ``per_gpu_keys_up_to`` GPUs; ``{root}/all/`` min, mean
-    and max only for a run of several GPUs; ``energy_j_sum`` counts each physical GPU once."""
+    """Every rank's payload as the logged keys: per GPU for nodes with at most
+    ``per_gpu_keys_up_to`` GPUs, ``{root}/all/`` aggregates for several GPUs."""
     per_node: dict[int, int] = {}
     for p in payloads:
         per_node[p["node"]] = per_node.get(p["node"], 0) + len(p.get("gpus", {}))
@@ -89,8 +86,7 @@ def flatten_epoch(
 
 
 def flatten_loop(loops: Sequence[dict[str, float] | None]) -> dict[str, float]:
-    """``loop/data_wait_frac``: the waiting share of the rank that waited most (the others wait
-    for it); ``loop/samples_per_s``: training samples per second of the whole run."""
+    """The waiting share of the rank that waited most, and the run's training samples per second."""
     present = [lp for lp in loops if lp and lp.get("loop_s", 0.0) > 0]
     if not present:
         return {}
@@ -101,8 +97,7 @@ def flatten_loop(loops: Sequence[dict[str, float] | None]) -> dict[str, float]:
 
 
 class RunSummary:
-    """Each GPU over the training epochs of a run: epoch means weighted by their samples, the
-    peaks' maximum, the energy's sum."""
+    """Each GPU over a run's training epochs: means weighted by samples, peaks' max, energy's sum."""
 
     def __init__(self) -> None:
         self.epochs: dict[tuple[int, str], list[dict[str, float]]] = {}
@@ -113,7 +108,6 @@ class RunSummary:
                 self.epochs.setdefault((p["node"], label), []).append(summary)
 
     def rows(self, identities: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-        """One row per GPU; ``identities`` are every rank's setup reports (names, UUIDs)."""
         names = {(p["node"], g["label"]): g for p in identities for g in p.get("gpus", [])}
         rows = []
         for (node, label), epochs in sorted(self.epochs.items()):
@@ -132,7 +126,7 @@ class RunSummary:
 
 
 def print_table(rows: Sequence[dict[str, Any]]) -> None:
-    """Print :meth:`RunSummary.rows` as one Rich table; GPM columns only where a GPU had GPM."""
+    """:meth:`RunSummary.rows` as one Rich table; GPM columns only where a GPU had GPM."""
     from rich.console import Console
     from rich.table import Table
 

@@ -1,10 +1,7 @@
-"""``select_gpus=least_used`` on a shared machine: measure, wait for and claim GPUs.
-
-A choice from one reading lets two launches take the same GPU. So a run measures every visible GPU
-over a window, qualifies those under the thresholds that no other run claimed, and claims the best
-with a non-blocking ``flock`` on ``<lock dir>/<UUID>.lock`` held for the run (the kernel drops it
-however the process ends; lock files are never deleted, which would race with the next holder).
-nvitop's ``select_devices`` neither waits nor claims."""
+"""``select_gpus=least_used``: measure GPUs over a window, wait for and claim them with a ``flock``
+on ``<lock dir>/<UUID>.lock`` held for the run, since a choice from one reading lets two launches
+take the same GPU (lock files are never deleted: that would race with the next holder). nvitop's
+``select_devices`` neither waits nor claims."""
 
 from __future__ import annotations
 
@@ -54,7 +51,6 @@ _KEYS = {
 
 
 def policy_from_config(cfg: Mapping[str, Any]) -> SelectionPolicy:
-    """The policy of a config's ``gpu_*`` keys; a bad value is one :class:`DeviceError` line."""
     values: dict[str, Any] = {}
     for key, (field, low, high, accepted) in _KEYS.items():
         if (value := cfg.get(key)) is None:
@@ -85,7 +81,6 @@ class Load:
 
 
 def _reader(lib: Any, uuid: str) -> DeviceReader | str:
-    """A reader of the device with ``uuid``, or why there is none."""
     try:
         found = nvml.find_handle(lib, uuid)
         return DeviceReader.open(lib, found[0]) if found else "NVML knows no such GPU"
@@ -94,7 +89,7 @@ def _reader(lib: Any, uuid: str) -> DeviceReader | str:
 
 
 def measure_loads(gpus: Sequence[Gpu], window_s: float) -> list[Load]:
-    """One :class:`Load` per GPU (found by UUID), read over ``window_s`` in one NVML session."""
+    """One :class:`Load` per GPU, read over ``window_s`` in one NVML session."""
     samples = max(2, round(window_s / SAMPLE_EVERY_S) + 1)
     with nvml.nvml_session() as lib:
         unsupported = nvml.error_classes(lib, nvml.UNSUPPORTED_ERRORS)
@@ -122,7 +117,7 @@ def measure_loads(gpus: Sequence[Gpu], window_s: float) -> list[Load]:
 
 def rank_by_load(loads: Sequence[Load]) -> list[int]:
     """Positions in ``loads``, best first: most free memory, lowest utilisation (whole percent),
-    lowest index; unknown after known. nvitop's ranks a failed reading first, ties by highest."""
+    lowest index; unknown after known (nvitop ranks a failed reading first)."""
 
     def key(i: int) -> tuple[bool, int, bool, int, int]:
         free, util = loads[i].free_mib, loads[i].util_percent
@@ -132,7 +127,6 @@ def rank_by_load(loads: Sequence[Load]) -> list[int]:
 
 
 def judge(load: Load, policy: SelectionPolicy) -> str | None:
-    """Why a GPU with ``load`` does not qualify under ``policy``; ``None`` when it does."""
     if load.memory_error or load.util_error:
         kind = "memory" if load.memory_error else "utilization"
         return f"{kind} unreadable ({load.memory_error or load.util_error})"
@@ -150,7 +144,6 @@ def judge(load: Load, policy: SelectionPolicy) -> str | None:
 
 
 def lock_dir_for(policy: SelectionPolicy) -> Path:
-    """The lock directory, created if missing; :class:`DeviceError` when it cannot be used."""
     given, runtime = policy.lock_dir is not None, os.environ.get("XDG_RUNTIME_DIR")
     if policy.lock_dir is not None:
         path = Path(os.path.expanduser(policy.lock_dir))
@@ -171,13 +164,12 @@ def lock_dir_for(policy: SelectionPolicy) -> Path:
 
 
 def lock_path(lock_dir: Path, uuid: str) -> Path:
-    """A GPU's lock file: its UUID, anything but letters, digits, ``-`` and ``_`` replaced."""
     return lock_dir / f"{re.sub(r'[^A-Za-z0-9_-]', '_', uuid)}.lock"
 
 
 def try_lock(path: Path) -> int | str:
-    """The descriptor holding ``path`` locked, or why not (one phrase): no symlink followed, no
-    FIFO waited on, only a regular file locked; the holder writes its pid for the others."""
+    """The descriptor holding ``path`` locked, or why not: no symlink followed, no FIFO waited on,
+    only a regular file locked; the holder writes its pid for the others."""
     import fcntl  # POSIX only: imported where used, so importing this module works anywhere
 
     flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -211,7 +203,6 @@ def try_lock(path: Path) -> int | str:
 
 
 def release_claims() -> None:
-    """Give back every GPU this process claimed (closing the descriptor drops the lock)."""
     while _held:
         with contextlib.suppress(OSError):
             os.close(_held.popitem()[1])
@@ -222,8 +213,7 @@ def claimed_uuids() -> tuple[str, ...]:
 
 
 def finish_job() -> None:
-    """After each job (the Hydra entry point): give back its GPUs and forget its NVML reading, so
-    that the next job of a sweep measures and claims anew."""
+    """After each job: give back its GPUs and forget its NVML reading (a sweep's next job claims anew)."""
     release_claims()
     forget_readings()
 
@@ -231,7 +221,6 @@ def finish_job() -> None:
 def _attempt(
     candidates: Sequence[Gpu], count: int, policy: SelectionPolicy, lock_dir: Path
 ) -> tuple[list[int] | None, list[str | None]]:
-    """One measurement and claim: ``(chosen cuda:N or None, why each GPU is out)``."""
     try:
         loads = measure_loads(candidates, policy.util_window_s)
     except nvml.NvmlUnavailable as err:
@@ -254,9 +243,8 @@ def _attempt(
 
 
 def wait_and_claim(inv: Inventory, count: int, policy: SelectionPolicy) -> tuple[list[int], str]:
-    """The sorted ``cuda:N`` of ``count`` GPUs claimed under ``policy`` and a one-line message;
-    :class:`DeviceError` on time-out (each GPU and why it did not qualify). Without NVML the
-    first ``count`` are taken unclaimed, unless thresholds or a wait need readings."""
+    """The sorted ``cuda:N`` of ``count`` GPUs claimed under ``policy`` and a message; without NVML
+    the first ``count`` unclaimed, unless thresholds or a wait need readings."""
     candidates = list(inv.visible[: inv.usable_gpu_count])
     if not inv.nvml_available or not all(g.uuid for g in candidates):
         why = inv.nvml_reason or "NVML gave no UUIDs"

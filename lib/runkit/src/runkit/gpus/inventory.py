@@ -23,7 +23,7 @@ IDENTITY, FULL = "identity", "full"  # how much of NVML to read: names and UUIDs
 
 
 class DeviceError(RunError, ValueError):
-    """The accelerator/devices asked for cannot be had; one line naming what was asked and exists."""
+    """The accelerator/devices asked for cannot be had (one line)."""
 
 
 @dataclass(frozen=True)
@@ -100,14 +100,12 @@ class Inventory:
         return tuple(g for g in self.physical if g.uuid not in shown)
 
     def summary(self) -> str:
-        """One line: how many GPUs training can use, or why it will use the CPU."""
         if n := self.usable_gpu_count:
             return f"{n} CUDA GPU{'s' * (n != 1)} visible; training can use cuda:0..cuda:{n - 1}."
         return f"No usable GPU: {no_gpu_reason(self)}; training will use the CPU."
 
 
 def no_gpu_reason(inv: Inventory) -> str:
-    """Why ``inv`` offers no GPU; a ``CUDA_VISIBLE_DEVICES`` hiding them all is named first."""
     value = inv.cuda_visible_devices
     if value is not None and value.strip() == "":
         return "CUDA_VISIBLE_DEVICES is set to an empty string"
@@ -120,13 +118,11 @@ def no_gpu_reason(inv: Inventory) -> str:
 
 
 def list_kind(value: str) -> str:
-    """What the whole list holds, decided by how the value starts, as torch decides it."""
     return {"GPU-": "GPU- UUIDs", "MIG-": "MIG- UUIDs"}.get(value[:4], "indices")
 
 
 def first_entry_problem(cuda_visible_devices: str | None) -> str | None:
-    """Why a list of indices hides every GPU on any machine (its first entry is no index >= 0),
-    or None: said without NVML, where the GPU count is unknown."""
+    """Why a list of indices hides every GPU on any machine (its first entry is no index >= 0)."""
     value = cuda_visible_devices or ""
     if not value.strip() or list_kind(value) != "indices":
         return None
@@ -140,8 +136,7 @@ def first_entry_problem(cuda_visible_devices: str | None) -> str | None:
 
 
 def apply_mig_limits(units: Sequence[Gpu], driver: str | None) -> tuple[list[Gpu], list[str]]:
-    """What CUDA enumerates of ``units`` by the driver's MIG rule: before R570 one MIG device and
-    no other GPU; from R570 (or unknown) one per GPU instance, at most 64."""
+    """What CUDA enumerates of ``units`` by the driver's MIG rule (changed in R570)."""
     mig = [u for u in units if u.is_mig]
     if (major := re.match(r"\s*(\d+)", driver or "")) and mig and int(major.group(1)) < 570:
         note = (
@@ -170,7 +165,6 @@ def apply_mig_limits(units: Sequence[Gpu], driver: str | None) -> tuple[list[Gpu
 
 
 def _find(raw: str, kind: str, physical: Sequence[Gpu], enumeration: Sequence[Gpu]) -> Gpu | str:
-    """The device one entry names in a list of ``kind``, or why none (which ends the list)."""
     wrong = f"is not of the list's kind ({kind}, set by its first entry)"
     if kind == "indices":
         if raw.strip().startswith(("GPU-", "MIG-")):
@@ -199,9 +193,8 @@ def apply_visible_devices(
     order: str | None = None,
     driver_version: str | None = None,
 ) -> tuple[list[Gpu], list[str]]:
-    """The GPUs CUDA shows out of NVML's ``physical`` list (``result[i]`` is ``cuda:i``) and notes
-    explaining any surprise. CUDA's order is PCI bus order (NVML's where a bus id is missing),
-    which ``FASTEST_FIRST`` equals unless the models differ; ``driver_version`` sets the MIG rule."""
+    """The GPUs CUDA shows out of NVML's ``physical`` list (``result[i]`` is ``cuda:i``), in PCI bus
+    order, and notes explaining any surprise."""
     no_bus = any(g.pci_bus_id is None for g in physical)
     enumeration = sorted(
         physical, key=lambda g: ("" if no_bus else g.pci_bus_id, g.nvml_index or 0)
@@ -242,8 +235,7 @@ def apply_visible_devices(
 
 
 def probe_torch(*, uuids: bool = True) -> TorchCuda:
-    """Ask torch about CUDA; ``uuids=False`` only counts (from NVML, as Lightning does), so that a
-    process that later forks DDP workers keeps CUDA uninitialised."""
+    """Ask torch about CUDA; ``uuids=False`` only counts, so that CUDA stays uninitialised."""
     try:
         import torch
     except ImportError:
@@ -264,7 +256,6 @@ def _mib(value: Any) -> int | None:
 
 
 def _read_gpu(reader: DeviceReader, detail: str, **where: Any) -> Gpu:
-    """One device at ``detail``; what NVML will not say stays ``None``."""
     lib = reader.lib
     figures: dict[str, Any] = {}
     if detail == FULL:
@@ -292,8 +283,7 @@ def _read_gpu(reader: DeviceReader, detail: str, **where: Any) -> Gpu:
 
 
 def read_nvml(detail: str = FULL) -> tuple[list[Gpu], str | None, list[str]]:
-    """Every physical GPU (with its MIG devices) in NVML order, the driver version, and notes on
-    GPUs NVML cannot open; :class:`~runkit.gpus.nvml.NvmlUnavailable` when NVML cannot start."""
+    """Every physical GPU (with its MIG devices) in NVML order, the driver version, and notes."""
     gpus: list[Gpu] = []
     notes: list[str] = []
     with nvml.nvml_session() as lib:
@@ -364,7 +354,6 @@ def build_inventory(
 
 
 def _reading(detail: str) -> dict[str, Any]:
-    """:func:`read_nvml`'s answer as :func:`build_inventory`'s arguments."""
     try:
         physical, driver, notes = read_nvml(detail)
         return {"physical": physical, "driver_version": driver, "notes": notes}
@@ -379,7 +368,6 @@ def collect_inventory(
     probe_uuids: bool = True,
     detail: str = FULL,
 ) -> Inventory:
-    """NVML (at ``detail``) and torch (``torch_info``, else probed) read afresh."""
     torch_info = torch_info or probe_torch(uuids=probe_uuids)
     return build_inventory(torch_info=torch_info, env=env, **_reading(detail))
 
@@ -390,9 +378,7 @@ def _kept_reading(lib: Any) -> dict[str, Any]:
 
 
 def cached_inventory() -> Inventory:
-    """The inventory device resolution uses: NVML read once per job (until
-    :func:`forget_readings`, or for another library); torch's count and ``CUDA_VISIBLE_DEVICES``
-    are looked at afresh (NVML's GPU list does not depend on them)."""
+    """The inventory device resolution uses: NVML read once per job (:func:`forget_readings`)."""
     try:
         lib = nvml.load_library()
     except nvml.NvmlUnavailable:
@@ -401,5 +387,4 @@ def cached_inventory() -> Inventory:
 
 
 def forget_readings() -> None:
-    """Drop the reading :func:`cached_inventory` keeps: the next call reads NVML again."""
     _kept_reading.cache_clear()

@@ -1,6 +1,5 @@
 """``python -m runkit.devices [--json] [--watch [SECONDS]]``: the GPUs this process may use, as
-``cuda:N``, once or refreshed in place; the one place that reads NVML in full. nvitop's TUI numbers
-GPUs by NVML index, not as ``cuda:N`` for this process, and cannot be pointed at the fake NVML."""
+``cuda:N`` (nvitop numbers them by NVML index and cannot read the fake NVML)."""
 
 from __future__ import annotations
 
@@ -33,7 +32,6 @@ def _gpu_json(gpu: Gpu, index: int | None) -> dict[str, Any]:
 
 
 def inventory_to_json(inv: Inventory) -> dict[str, Any]:
-    """The ``--json`` document (its keys: lib/runkit/docs/cuda-visible-devices.md)."""
     n = inv.usable_gpu_count
     return {
         "schema_version": JSON_SCHEMA_VERSION,
@@ -74,7 +72,6 @@ def _row(i: int, g: Gpu) -> list[str]:
 
 
 def listing(inv: Inventory, header: str | None = None) -> Any:
-    """The listing as a Rich ``Group``: what CUDA and NVML say, the table, hidden GPUs, notes."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -110,7 +107,6 @@ def render(inv: Inventory, console: Any) -> None:
 
 
 def watch_seconds(text: str) -> float:
-    """argparse type of ``--watch SECONDS``: a finite number >= 0.1."""
     with contextlib.suppress(ValueError):
         if math.isfinite(value := float(text)) and value >= MIN_WATCH_S:
             return value
@@ -120,8 +116,7 @@ def watch_seconds(text: str) -> float:
 
 
 def watch(seconds: float, as_json: bool, console: Any = None) -> int:
-    """Refresh every ``seconds`` until Ctrl-C (exit 0): a Rich table redrawn in place on
-    ``console``, or one ``--json`` document (plus ``time``) per line; torch is asked once."""
+    """Refresh every ``seconds`` until Ctrl-C: a table redrawn in place, or a JSON line each time."""
     try:  # Ctrl-C in any phase, asking torch included, ends the watch quietly
         from rich.console import Console
         from rich.live import Live

@@ -1,9 +1,5 @@
-"""The one door to NVML: :func:`nvml_session` yields ``pynvml`` or a look-alike.
-
-Why: tests swap in :mod:`runkit.testing.fake_nvml` (:func:`use_library`, or
-``RUNKIT_NVML_BACKEND=module:factory`` in a subprocess) so the real code path is the tested one.
-nvitop's ``libnvml`` imports ``pynvml`` directly, out of the backend variable's reach.
-"""
+"""The one door to NVML: :func:`nvml_session` yields ``pynvml`` or a look-alike that tests swap
+in (:func:`use_library`, ``RUNKIT_NVML_BACKEND=module:factory``); nvitop's ``libnvml`` cannot."""
 
 from __future__ import annotations
 
@@ -26,7 +22,6 @@ class NvmlUnavailable(RuntimeError):
 
 
 def use_library(lib: Any | None) -> None:
-    """Make every later :func:`nvml_session` use ``lib`` (a pynvml look-alike); ``None`` undoes it."""
     global _override
     _override = lib
 
@@ -44,7 +39,6 @@ def _from_spec(spec: str) -> Any:
 
 
 def load_library() -> Any:
-    """The pynvml-compatible object this process uses, not initialised."""
     if _override is not None:
         return _override
     if spec := os.environ.get(BACKEND_ENV):
@@ -88,7 +82,6 @@ def error_classes(lib: Any, names: Iterable[str]) -> tuple[type[BaseException], 
 
 
 def as_text(value: bytes | str) -> str:
-    """``str`` whether the bindings give ``bytes`` (old) or ``str`` (new)."""
     return value.decode() if isinstance(value, bytes) else value
 
 

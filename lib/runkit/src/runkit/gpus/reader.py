@@ -1,6 +1,5 @@
-"""The one reader of an NVML device, for the listing and the statistics alike: each quantity
-read one way (units, MIG, old drivers), in NVML's units, raising ``NVMLError`` on refusal. On a
-MIG slice memory, utilisation and processes are the slice's; the rest is its GPU's (``board``)."""
+"""The one reader of an NVML device, for the listing and the statistics alike, in NVML's units.
+On a MIG slice memory, utilisation and processes are the slice's; the rest is its GPU's."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ from runkit.gpus import nvml
 
 
 def _query(func: str, cast: Callable[[Any], Any] = float, *consts: str, board: bool = True) -> Any:
-    """A method reading ``func(handle, *consts)`` (the GPU's handle where ``board``) as ``cast``."""
 
     def read(self: DeviceReader) -> Any:
         lib = self.lib
@@ -65,7 +63,6 @@ class DeviceReader:
         return bool(mode) and mode[0] == getattr(self.lib, "NVML_DEVICE_MIG_ENABLE", 1)
 
     def mig_slices(self) -> list[tuple[int, DeviceReader]]:
-        """``(slot, reader)`` of each MIG device (an empty slot is NOT_FOUND: skipped)."""
         lib, count = self.lib, nvml.optional(self.lib, "nvmlDeviceGetMaxMigDeviceCount", self.board)
         children = [
             (slot, nvml.optional(lib, "nvmlDeviceGetMigDeviceHandleByIndex", self.board, slot))

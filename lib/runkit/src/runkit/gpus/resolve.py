@@ -1,7 +1,5 @@
-"""``accelerator``/``devices`` as typed, checked against the machine before anything is built: "4
-GPUs on a 2-GPU machine" is one line instead of Lightning's traceback, and "no GPU" falls back to
-the CPU with one message. :func:`resolve_for_run` also measures, waits for and claims ``least_used``
-GPUs and hands rank 0's choice to the DDP ranks."""
+"""``accelerator``/``devices`` checked against the machine before anything is built: "4 GPUs on a
+2-GPU machine" is one line instead of Lightning's traceback; "no GPU" falls back to the CPU."""
 
 from __future__ import annotations
 
@@ -33,14 +31,12 @@ class DevicePlan:
     handoff: str | None = None
 
     def trainer_kwargs(self) -> dict[str, Any]:
-        """A fresh list each call, so the Trainer cannot alter the plan."""
-        devices = list(self.devices) if isinstance(self.devices, list) else self.devices
+        devices = list(self.devices) if isinstance(self.devices, list) else self.devices  # a copy
         return {"accelerator": self.accelerator, "devices": devices}
 
 
 def parse_devices(devices: Any) -> str | int | list[int]:
-    """``devices`` as users type it (``2``, ``-1``, ``"auto"``, ``"0,1"``, ``"[0,1]"``, a list) as
-    ``"auto"``, a count (``-1``: all) or a list of indices."""
+    """``devices`` as users type it as ``"auto"``, a count (``-1``: all) or a list of indices."""
     if isinstance(devices, str):
         text = devices.strip()
         if text.lower() == "auto":
@@ -87,10 +83,8 @@ def resolve_devices(
     inventory: Inventory | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> DevicePlan:
-    """What the Trainer gets: ``auto`` without a GPU is the CPU with a ``message``; a GPU, count or
-    index that does not exist is a :class:`DeviceError`; ``cpu`` takes a process count; other
-    accelerators pass through; ``least_used`` is left to the run, or in a DDP child
-    (``LOCAL_RANK``) reuses rank 0's choice from ``environ[SELECTION_ENV]`` (only read)."""
+    """What the Trainer gets; a GPU, count or index that does not exist is a :class:`DeviceError`.
+    ``least_used`` is left to the run, or a DDP child reuses rank 0's choice (``SELECTION_ENV``)."""
     if select not in SELECT_CHOICES:
         raise DeviceError(
             f"select_gpus={select!r} is not valid; use one of {', '.join(SELECT_CHOICES)}"
@@ -138,9 +132,8 @@ def resolve_for_run(
     policy: claims.SelectionPolicy | None = None,
     environ: MutableMapping[str, str] | None = None,
 ) -> DevicePlan:
-    """:func:`resolve_devices` for the run that starts now: rank 0 gives back its earlier claims,
-    then measures, waits for and claims ``least_used`` GPUs under ``policy``
-    (:func:`~runkit.gpus.claims.wait_and_claim`) and puts its choice in ``environ[SELECTION_ENV]``."""
+    """:func:`resolve_devices` for the run that starts now: rank 0 claims ``least_used`` GPUs under
+    ``policy`` and puts its choice in ``environ[SELECTION_ENV]`` for its DDP ranks."""
     environ = os.environ if environ is None else environ
     claims.release_claims()
     plan = resolve_devices(accelerator, devices, select=select, environ=environ)
@@ -175,8 +168,6 @@ def _gpus_at(inv: Inventory, indices: Sequence[int]) -> tuple[Gpu, ...]:
 def _least_used_plan(
     accelerator: Any, count: int, inv: Inventory, environ: Mapping[str, str]
 ) -> DevicePlan:
-    """Rank 0's plan stands for ``count`` GPUs that :func:`resolve_for_run` measures and claims; a
-    DDP child (``LOCAL_RANK``, another pid's record) takes rank 0's choice."""
     key = f"devices={count} CUDA_VISIBLE_DEVICES={inv.cuda_visible_devices}"
     saved, local_rank = environ.get(SELECTION_ENV), environ.get("LOCAL_RANK")
     record = _parse_record(saved) if saved else None
@@ -206,13 +197,11 @@ def _least_used_plan(
 def _rank0_plan(
     accelerator: Any, chosen: list[int], message: str | None, inv: Inventory, key: str
 ) -> DevicePlan:
-    """Rank 0's choice, with the record its DDP ranks will find in ``SELECTION_ENV``."""
     handoff = json.dumps({"pid": os.getpid(), "request": key, "gpus": chosen})
     return DevicePlan(accelerator, chosen, message, _gpus_at(inv, chosen), handoff)
 
 
 def _parse_record(text: str) -> dict[str, Any]:
-    """Rank 0's record from :data:`SELECTION_ENV`; a :class:`DeviceError` if it is not one."""
     with contextlib.suppress(ValueError, TypeError, KeyError):
         record = json.loads(text)
         gpus = record["gpus"]

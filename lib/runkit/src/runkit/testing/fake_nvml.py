@@ -30,7 +30,6 @@ Script = Any  # number | sequence of (t, value) steps | callable(t) -> number
 
 
 def nvml_error(name: str) -> pynvml.NVMLError:
-    """The pynvml exception for an error name such as ``"not_supported"`` (its own subclass)."""
     code = getattr(pynvml, f"NVML_ERROR_{name.upper()}", None)
     if not isinstance(code, int):
         known = sorted(n[11:].lower() for n in dir(pynvml) if n.startswith("NVML_ERROR_"))
@@ -58,7 +57,6 @@ class FakeClock:
 
 
 def _check_script(value: Script, what: str) -> Script:
-    """A script as the fake keeps it: steps as a list of ``(t, value)``, sorted by time."""
     if not isinstance(value, (list, tuple)):
         return value
     steps = [(float(t), v) for t, v in value]
@@ -68,7 +66,6 @@ def _check_script(value: Script, what: str) -> Script:
 
 
 def evaluate(script: Script, t: float) -> Any:
-    """A script's value at ``t`` (a step holds until the next one)."""
     if callable(script):
         return script(t)
     if isinstance(script, list):
@@ -77,7 +74,6 @@ def evaluate(script: Script, t: float) -> Any:
 
 
 def integrate(script: Script, t: float) -> float:
-    """The integral of a script from 0 to ``t`` (exact for numbers and steps)."""
     if t <= 0:
         return 0.0
     if isinstance(script, list):
@@ -315,7 +311,6 @@ class FakeNvml:
 
     @property
     def balanced(self) -> bool:
-        """Every successful nvmlInit was matched by an nvmlShutdown."""
         return self.init_count == self.shutdown_count
 
     @property
@@ -327,7 +322,6 @@ class FakeNvml:
         return len(self._gpm_samples)
 
     def calls_in_thread(self, ident: int | None = None) -> int:
-        """How many NVML calls the thread ``ident`` (default: the calling one) has made."""
         return self._thread_calls[threading.get_ident() if ident is None else ident]
 
     def total_calls(self) -> int:
@@ -376,7 +370,6 @@ class FakeNvml:
         return int(self.value(getattr(gpu, figure)))
 
     def _checked(self, handle: FakeHandle, name: str, metric: str, refuses: str) -> FakeGpu:
-        """The handle's GPU after liveness, scripted failures and what the handle refuses."""
         gpu, now = self._alive(handle).gpu, self.clock()
         for key in (name, metric):
             if (failure := gpu.failures.get(key)) is not None and now >= failure[1]:
