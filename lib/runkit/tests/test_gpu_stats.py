@@ -480,7 +480,12 @@ class TinyModel(pl.LightningModule):
 
 def loader(delay_s: float = 0.0, batch_size: int = 4) -> DataLoader:
     """64 samples, ``delay_s`` each to load, like decoding files on one core."""
-    slow = lambda batch: time.sleep(delay_s * len(batch)) or default_collate(batch)  # noqa: E731
+
+    def slow(batch: list) -> Any:
+        for _ in batch:  # one sleep per sample, as a Dataset's __getitem__ would
+            time.sleep(delay_s)
+        return default_collate(batch)
+
     data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
     return DataLoader(data, batch_size=batch_size, collate_fn=slow)
 
