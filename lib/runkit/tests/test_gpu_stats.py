@@ -19,8 +19,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, LambdaCallback, ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger
-from torch.utils.data import DataLoader, TensorDataset, default_collate
+from torch.utils.data import DataLoader, default_collate
 
 from conftest import stand_in
 from runkit.gpu_stats import callback as gpu_callback
@@ -459,23 +460,20 @@ def test_the_exchange_hands_rank_0_every_ranks_payload_and_waits_for_late_ones_o
 
 
 # --------------------------------------------------------------------------- real Trainer.fit
-class TinyModel(pl.LightningModule):
+class TinyModel(BoringModel):
     def __init__(self, fail_at_step: int | None = None) -> None:
         super().__init__()
-        self.layer, self.fail_at_step = torch.nn.Linear(4, 2), fail_at_step
+        self.fail_at_step = fail_at_step
 
     def training_step(self, batch, batch_idx):
         if self.fail_at_step is not None and self.global_step >= self.fail_at_step:
             raise RuntimeError("model blew up")
-        loss = torch.nn.functional.cross_entropy(self.layer(batch[0]), batch[1])
-        self.log("train_loss", loss, on_step=False, on_epoch=True)
-        return loss
+        out = super().training_step(batch, batch_idx)
+        self.log("train_loss", out["loss"], on_step=False, on_epoch=True)
+        return out
 
     def validation_step(self, batch, batch_idx):
-        self.log("val_loss", torch.nn.functional.cross_entropy(self.layer(batch[0]), batch[1]))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        self.log("val_loss", super().validation_step(batch, batch_idx)["x"])
 
 
 def loader(delay_s: float = 0.0, batch_size: int = 4) -> DataLoader:
@@ -486,8 +484,7 @@ def loader(delay_s: float = 0.0, batch_size: int = 4) -> DataLoader:
             time.sleep(delay_s)
         return default_collate(batch)
 
-    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
-    return DataLoader(data, batch_size=batch_size, collate_fn=slow)
+    return DataLoader(torch.randn(64, 32), batch_size=batch_size, collate_fn=slow)
 
 
 def fit(tmp_path, monitor, *callbacks, epochs=2, model=None, train_loader=None,
