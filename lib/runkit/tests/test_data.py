@@ -5,47 +5,48 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
 from hydra.utils import instantiate
 from lightning.pytorch import Trainer
 from omegaconf import OmegaConf
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
-from conftest import CliRunner, run_dirs
+from conftest import CliRunner, run_dirs, stand_in
 from tinyapp.data import DigitsDataModule
-from runkit.data import ArrayDataModule
+from runkit.data import ArrayDataModule, BatchedTensorDataset, Rows, collate_rows
 from runkit.errors import RunError
 
 
-def _indices(dm: ArrayDataModule) -> list[set[int]]:
-    return [set(subset.indices) for subset in (dm.train_set, dm.val_set, dm.test_set)]
-
-
-def test_split_is_disjoint_complete_fixed_by_its_own_seed_and_only_training_shuffles() -> None:
-    first, second, other = (
-        DigitsDataModule(batch_size=100),
-        DigitsDataModule(),
-        DigitsDataModule(split_seed=1),
-    )
+def test_split_is_fixed_by_its_own_seed_and_batches_come_from_one_index() -> None:
+    first, second, other = DigitsDataModule(batch_size=100), DigitsDataModule(), DigitsDataModule(split_seed=1)  # fmt: skip
     first.setup()
     torch.manual_seed(1234)  # the training seed must not move samples between splits
     second.setup()
     other.setup()
-    train, val, test = _indices(first)
+    indices = lambda dm: [set(s.indices) for s in (dm.train_set, dm.val_set, dm.test_set)]  # noqa: E731
+    train, val, test = indices(first)
     assert len(train) + len(val) + len(test) == 1797
     assert not (train & val or train & test or val & test)
     assert (len(val), len(test)) == (270, 270)
-    assert _indices(first) == _indices(second)
-    assert _indices(other)[2] != test  # another split_seed, another split
+    assert indices(first) == indices(second)
+    assert indices(other)[2] != test  # another split_seed, another split
     images, labels = next(iter(first.train_dataloader()))
     assert images.shape == (100, 1, 8, 8) and images.dtype == torch.float32
     assert labels.shape == (100,) and labels.dtype == torch.int64
     assert len(first.test_dataloader()) == 3  # 270 samples in batches of 100
     batches = [next(iter(first.val_dataloader()))[1] for _ in range(2)]
     assert torch.equal(*batches)
+    fast = first.val_dataloader()
+    assert fast.collate_fn is collate_rows and first.train_dataloader().collate_fn is collate_rows
+    assert isinstance(first.val_set.dataset, BatchedTensorDataset)
+    rows = first.val_set.__getitems__([3, 1, 2])  # Subset passes the call to the tensors
+    assert isinstance(rows, Rows) and len(rows) == 3 and rows.tensors[0].shape[0] == 3
+    # A loader built by hand over the split (default collate) still gets (input, label) samples.
+    by_hand = DataLoader(first.val_set, batch_size=100)
+    for (x_fast, y_fast), (x_slow, y_slow) in zip(fast, by_hand, strict=True):
+        assert torch.equal(x_fast, x_slow) and torch.equal(y_fast, y_slow)
 
 
 @pytest.mark.parametrize(
@@ -63,7 +64,7 @@ def test_bad_arguments_fail_in_one_line(kwargs: dict, message: str) -> None:
     assert "\n" not in str(info.value)
 
 
-def test_own_data_is_one_method() -> None:
+def test_own_data_is_one_method_and_pin_memory_auto_pins_only_for_cuda_runs() -> None:
     class Xor(ArrayDataModule):
         def load_arrays(self) -> tuple[torch.Tensor, torch.Tensor]:
             inputs = torch.randint(0, 2, (200, 2)).float()
@@ -73,11 +74,17 @@ def test_own_data_is_one_method() -> None:
     dm.setup()
     inputs, labels = next(iter(dm.train_dataloader()))
     assert torch.equal(labels, (inputs[:, 0] != inputs[:, 1]).long())
+    data = DigitsDataModule(pin_memory="auto")
+    assert data._pin() is False  # no Trainer attached
+    for device, pinned in (("cpu", False), ("cuda", True)):
+        data.trainer = stand_in(device)
+        assert data._pin() is pinned
+    assert DigitsDataModule(pin_memory=True)._pin() is True
+    assert DigitsDataModule(pin_memory=False, num_workers="auto").num_workers == 0
 
 
 def test_under_ddp_every_evaluation_sample_is_served_exactly_once() -> None:
-    """Lightning's default sampler pads a split to a multiple of the process count (repeating
-    samples); the DataModule's evaluation sampler gives each rank every N-th sample instead."""
+    # Lightning's own sampler pads a split to a multiple of the ranks (repeating samples)
     served: dict[str, list[int]] = {"val": [], "test": []}
     for rank in range(3):
         dm = DigitsDataModule(batch_size=50, val_fraction=0.17, test_fraction=0.17)  # 305 each
@@ -98,18 +105,13 @@ def test_under_ddp_every_evaluation_sample_is_served_exactly_once() -> None:
 
 @pytest.mark.slow
 def test_ddp_metrics_count_every_sample_once(cli: CliRunner, log_dir: Path, tmp_path: Path) -> None:
-    """Two DDP processes over gloo, validation and test splits of 305 samples (odd): every sample
-    counts once, so the accuracy the DDP run logged equals one process's on the same weights to
-    the last bit (a count of correct samples); the loss, a float32 sum that the all-reduce adds
-    up in another order, agrees to float32 rounding (relative 1e-6), not to the bit.
-    The same run (default ConvNet, two epochs) keeps the no-sync promise under DDP: no host read
-    in any step window of either rank (host_reads.py), and a validation accuracy far above
-    chance (0.1), which batch norm's running statistics once brought down to chance."""
+    """Two DDP ranks (forked), splits of 305: the accuracy equals one process's to the bit, the
+    loss (a float32 sum) to 1e-6; no host read in any step window; accuracy far above chance."""
     split = ("data.val_fraction=0.17", "data.test_fraction=0.17", "data.batch_size=64")
     reads = ("+callbacks.host_reads._target_=host_reads.HostReadProbe",
              f"+callbacks.host_reads.report={tmp_path / 'reads'}")  # fmt: skip
-    result = cli("train", "trainer=ddp_sim", "trainer.max_epochs=2", *split, *reads,
-                 "callbacks.progress_bar.refresh_rate=0", timeout=600,
+    result = cli("train", "trainer=ddp_sim", "trainer.strategy=ddp_fork", "trainer.max_epochs=2",
+                 *split, *reads, "callbacks.progress_bar.refresh_rate=0", timeout=600,
                  env={"PYTHONPATH": str(Path(__file__).parent)})  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
@@ -127,35 +129,7 @@ def test_ddp_metrics_count_every_sample_once(cli: CliRunner, log_dir: Path, tmp_
     (tested,) = trainer.test(model, datamodule=data, verbose=False)
     assert len(data.val_set) == len(data.test_set) == 305
     assert validated["val/acc"] == logged["val/acc"] < 1.0
-    assert logged["val/acc"] > 0.7  # far above chance
+    assert logged["val/acc"] > 0.7  # far above chance (batch norm's running statistics once: 0.1)
     assert tested["test/acc"] == logged["test/acc"] < 1.0
     assert validated["val/loss"] == pytest.approx(logged["val/loss"], rel=1e-6, abs=0)
     assert tested["test/loss"] == pytest.approx(logged["test/loss"], rel=1e-6, abs=0)
-
-
-def test_pin_memory_auto_pins_only_for_cuda_runs(stand_in_trainer: Any) -> None:
-    data = DigitsDataModule(pin_memory="auto")
-    assert data._pin() is False  # no Trainer attached
-    for device, pinned in (("cpu", False), ("cuda", True)):
-        data.trainer = stand_in_trainer(device)
-        assert data._pin() is pinned
-    assert DigitsDataModule(pin_memory=True)._pin() is True
-    assert DigitsDataModule(pin_memory=False, num_workers="auto").num_workers == 0
-
-
-def test_in_memory_batches_come_from_one_index_and_match_the_per_sample_path() -> None:
-    from torch.utils.data import DataLoader
-
-    from runkit.data import BatchedTensorDataset, Rows, collate_rows
-
-    data = DigitsDataModule(batch_size=32)
-    data.setup()
-    fast = data.val_dataloader()
-    assert fast.collate_fn is collate_rows and data.train_dataloader().collate_fn is collate_rows
-    assert isinstance(data.val_set.dataset, BatchedTensorDataset)
-    rows = data.val_set.__getitems__([3, 1, 2])  # Subset passes the call to the tensors
-    assert isinstance(rows, Rows) and len(rows) == 3 and rows.tensors[0].shape[0] == 3
-    # A loader built by hand over the split (default collate) still gets (input, label) samples.
-    by_hand = DataLoader(data.val_set, batch_size=32)
-    for (x_fast, y_fast), (x_slow, y_slow) in zip(fast, by_hand, strict=True):
-        assert torch.equal(x_fast, x_slow) and torch.equal(y_fast, y_slow)

@@ -3,6 +3,7 @@ real fits (``device_uuids`` names the CPU device's fake GPU) sharing one trained
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -17,18 +18,14 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, LambdaCallback, ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, default_collate
 
 from conftest import stand_in
 from runkit.gpu_stats import callback as gpu_callback
-from runkit.gpu_stats.callback import (
-    GpuStatsMonitor,
-    LoopTimer,
-    batch_length,
-    energy_report,
-    process_devices,
-)
+from runkit.gpu_stats.callback import GpuStatsMonitor, LoopTimer
 from runkit.gpu_stats.exchange import RankExchange
 from runkit.gpu_stats.sampler import GpuSampler
 from runkit.gpus import nvml
@@ -36,7 +33,6 @@ from runkit.run import run_files
 from runkit.testing.fake_nvml import GIB, FakeClock, FakeGpu, FakeNvml, FakeProcess
 
 LOGGER = "runkit.gpu_stats"  # every module of the package logs under it
-REPO = Path(__file__).resolve().parents[3]
 HOPPER_GPM = {"SM_UTIL": 60, "SM_OCCUPANCY": 30, "ANY_TENSOR_UTIL": 20, "DRAM_BW_UTIL": 45}
 
 
@@ -45,70 +41,54 @@ def test_callback_setup_resolves_cuda_devices_by_uuid(monkeypatch, use_fake, cap
     # find_handle's UUID spellings (bare, MIG-): test_devices.py
     fake = use_fake(FakeNvml([FakeGpu(name=f"gpu{i}") for i in range(4)]))
     uuids = [g.uuid.split("-", 1)[1] for g in fake.gpus[2:]]  # torch: bare UUIDs, cuda:0 = GPU 2
-    props = lambda i: SimpleNamespace(uuid=uuids[i])  # noqa: E731
-    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
-    trainer = stand_in("cuda:0", "cuda:1")
-    monitor = GpuStatsMonitor()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=uuids[i]))  # fmt: skip
+    trainer, monitor = stand_in("cuda:0", "cuda:1"), GpuStatsMonitor()
     with caplog.at_level(logging.INFO, logger=LOGGER):
         monitor.setup(trainer, None, "fit")
     monitor.teardown(trainer, None, "fit")
     (payload,) = monitor.identities
-    assert [(g["label"], g["name"], g["nvml_index"]) for g in payload["gpus"]] == [
-        ("cuda0", "gpu2", 2),
-        ("cuda1", "gpu3", 3),
-    ]
+    assert [(g["label"], g["name"], g["nvml_index"]) for g in payload["gpus"]] == [("cuda0", "gpu2", 2), ("cuda1", "gpu3", 3)]  # fmt: skip
     assert any("node0/cuda0 = gpu2" in r.message and fake.gpus[2].uuid in r.message for r in caplog.records)  # fmt: skip
     assert fake.balanced and not fake.initialised
-
-
-def test_process_devices_one_process_many_gpus_vs_one_per_rank() -> None:
     cuda = [torch.device("cuda", i) for i in range(2)]
-    assert [p for p, _ in process_devices(stand_in(*cuda))] == [0, 1]  # one process drives both
+    devices = gpu_callback.process_devices
+    assert [p for p, _ in devices(stand_in(*cuda))] == [0, 1]  # one process drives both
     ddp = stand_in(*cuda, world_size=2, local_rank=1)  # DDP: rank 1 drives its own only
-    assert process_devices(ddp) == [(1, torch.device("cuda", 1))]
+    assert devices(ddp) == [(1, torch.device("cuda", 1))]
     single = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")),
                              world_size=1, num_nodes=1, local_rank=0)  # fmt: skip
-    assert process_devices(single) == [(0, torch.device("cpu"))]
+    assert devices(single) == [(0, torch.device("cpu"))]
+
+
+BAD_ARGUMENTS = [
+    ("interval_s", (-1.0, "1", 0), "seconds > 0"),
+    ("gather_timeout_s", (0,), "seconds > 0"),
+    ("device_uuids", (["GPU-1", 2], "GPU-1"), "a list of NVML UUID strings"),
+    ("key_prefix", ("", "a/b"), "a word without '/'"),
+    ("per_gpu_keys_up_to", (True, 2.0, -1), "a GPU count >= 0"),
+    ("data_wait_warning", (True, -0.1), "a number in [0, 1]"),
+    ("gpu_idle_below_pct", (100.5, "x"), "a number in [0, 100]"),
+]
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"interval_s": -1.0}, "interval_s=-1.0; give seconds > 0"),
-        ({"interval_s": "1"}, "interval_s='1'; give seconds > 0"),
-        ({"interval_s": 0}, "interval_s=0; give seconds > 0"),
-        ({"gather_timeout_s": 0}, "gather_timeout_s=0; give seconds > 0"),
-        ({"device_uuids": ["GPU-1", 2]}, "device_uuids=['GPU-1', 2]; give a list of NVML UUID strings"),
-        ({"device_uuids": "GPU-1"}, "device_uuids='GPU-1'; give a list of NVML UUID strings"),
-        ({"key_prefix": ""}, "key_prefix=''; give a word without '/'"),
-        ({"key_prefix": "a/b"}, "key_prefix='a/b'; give a word without '/'"),
-        ({"per_gpu_keys_up_to": True}, "per_gpu_keys_up_to=True; give a GPU count >= 0"),
-        ({"per_gpu_keys_up_to": 2.0}, "per_gpu_keys_up_to=2.0; give a GPU count >= 0"),
-        ({"per_gpu_keys_up_to": -1}, "per_gpu_keys_up_to=-1; give a GPU count >= 0"),
-        ({"data_wait_warning": True}, "data_wait_warning=True; give a number in [0, 1]"),
-        ({"data_wait_warning": -0.1}, "data_wait_warning=-0.1; give a number in [0, 1]"),
-        ({"gpu_idle_below_pct": 100.5}, "gpu_idle_below_pct=100.5; give a number in [0, 100]"),
-        ({"gpu_idle_below_pct": "x"}, "gpu_idle_below_pct='x'; give a number in [0, 100]"),
-    ],
-)  # fmt: skip
-def test_each_bad_argument_is_named_with_what_is_accepted(kwargs, message) -> None:
+    ("name", "value", "accepted"), [(n, v, a) for n, values, a in BAD_ARGUMENTS for v in values]
+)
+def test_each_bad_argument_is_named_with_what_is_accepted(name, value, accepted) -> None:
     with pytest.raises(ValueError) as raised:
-        GpuStatsMonitor(**kwargs)
-    assert str(raised.value) == f"GpuStatsMonitor: {message}"
+        GpuStatsMonitor(**{name: value})
+    assert str(raised.value) == f"GpuStatsMonitor: {name}={value!r}; give {accepted}"
 
 
-def test_device_uuids_is_not_in_the_users_yaml_but_an_override_still_reaches_it() -> None:
+def test_device_uuids_is_an_override_not_in_the_yaml_and_too_few_is_a_clear_error(use_fake) -> None:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    yaml = (REPO / "configs" / "callbacks" / "gpu_stats.yaml").read_text()
+    yaml = (Path(__file__).parents[3] / "configs" / "callbacks" / "gpu_stats.yaml").read_text()
     assert "device_uuids" not in yaml
     uuid = "GPU-00000000-fa6e-4000-8000-000000000000"
     cfg = OmegaConf.merge(OmegaConf.create(yaml), {"gpu_stats": {"device_uuids": [uuid]}})
     assert instantiate(cfg.gpu_stats).device_uuids == [uuid]
-
-
-def test_too_few_device_uuids_is_a_clear_error(use_fake) -> None:
     fake = use_fake(FakeNvml(1))
     trainer = stand_in("cpu", "cpu", world_size=2, local_rank=1)
     with pytest.raises(ValueError, match=r"device_uuids has 1 entries .*parallel_devices\[1\]"):
@@ -117,30 +97,14 @@ def test_too_few_device_uuids_is_a_clear_error(use_fake) -> None:
 
 
 # --------------------------------------------------------------------------- the hooks, by hand
-class RecordingLogger:
-    """Stands in for a Lightning logger: what ``log_metrics`` received, in order."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[dict[str, float], int]] = []
-
+class RecordingLogger(list):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        self.calls.append((dict(metrics), step))
-
-
-class Module:
-    """Stands in for the LightningModule: ``log`` puts a value where monitors read it."""
-
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
-
-    def log(self, name: str, value: float, **kwargs: Any) -> None:
-        assert kwargs == {"logger": False, "batch_size": 1}
-        self.trainer.callback_metrics[name] = torch.tensor(value)
+        self.append((dict(metrics), step))
 
 
 class Hand:
     """A monitor driven hook by hook, its loop and the fake NVML on one FakeClock; the sampler's
-    thread ends at once, so only setup's reading and :meth:`sample` count."""
+    thread ends at once, so only setup's reading and :meth:`sample` count. Also the module."""
 
     def __init__(self, monkeypatch, gpus=(), trainer: dict | None = None, **kwargs) -> None:
         self.clock = FakeClock()
@@ -156,11 +120,15 @@ class Hand:
             global_step=12, train_dataloader=SimpleNamespace(num_workers=0, pin_memory=False, batch_size=4),
         )  # fmt: skip
         self.trainer = SimpleNamespace(**{**vars(stand_in("cpu")), **values, **(trainer or {})})
-        self.module = Module(self.trainer)
+        self.module = self
+
+    def log(self, name: str, value: float, **kwargs: Any) -> None:  # as LightningModule.log
+        assert kwargs == {"logger": False, "batch_size": 1}
+        self.trainer.callback_metrics[name] = torch.tensor(value)
 
     @property
     def calls(self) -> list[tuple[dict[str, float], int]]:
-        return self.trainer.loggers[0].calls
+        return self.trainer.loggers[0]
 
     def sample(self, t: float) -> None:
         self.clock.set(t)
@@ -239,12 +207,12 @@ def test_an_epoch_with_validation_logs_exact_figures_once_each(monkeypatch, capl
     hand.sample(11.0)  # t=11 counts for training: 6 s at 200 W
     reads = fake.total_calls()
     monitor.on_train_epoch_end(trainer, hand.module)
-    assert fake.total_calls() == reads  # the hooks read no GPU: a snapshot of the thread's
+    assert fake.total_calls() == reads
     monitor.on_fit_end(trainer, None)
     monitor.teardown(trainer, None, "fit")
 
     (val, val_step), (train, step) = hand.calls
-    assert trainer.loggers[1].calls == hand.calls  # every logger, one call each
+    assert trainer.loggers[1] == hand.calls  # every logger, one call each
     assert val_step == step == 11  # Lightning's own rows of both moments: global_step - 1
     assert len(val) == 23 and val["epoch"] == 0  # 22 keys of the default groups, and the epoch
     assert {k.split("/")[-1]: v for k, v in val.items() if k != "epoch"}.items() >= {
@@ -269,18 +237,6 @@ def test_an_epoch_with_validation_logs_exact_figures_once_each(monkeypatch, capl
     assert fake.balanced and not fake.initialised
 
 
-def test_a_phase_no_reading_reached_reports_the_latest_without_reading(monkeypatch) -> None:
-    hand = Hand(monkeypatch, [FakeGpu(util_gpu=[(0, 30), (1, 90)])])
-    hand.monitor.setup(hand.trainer, None, "fit")  # t=0: util 30
-    calls = hand.fake.total_calls()
-    hand.clock.set(2.0)  # util 90 now, but no reading since
-    hand.epoch(0.0)
-    assert hand.fake.total_calls() == calls  # the training thread read no GPU
-    hand.monitor.teardown(hand.trainer, None, "fit")
-    ((row, _),) = hand.calls
-    assert row["gpu/node0/cuda0/util_mean"] == 30 and "gpu/node0/cuda0/energy_j" not in row
-
-
 STARVED = (
     "loop: epoch 3 waited for the next batch 67% of its training time (4.0 s) and no GPU "
     "reading: the input pipeline holds training back. What helps: more loader processes "
@@ -301,9 +257,7 @@ STARVED = (
         ([3.0], {"util": 50, "gpu_idle_below_pct": 50.0}, False),  # busy enough: no line
     ],
 )
-def test_the_starvation_line_needs_the_share_a_second_of_waiting_and_idle_gpus(
-    monkeypatch, caplog, waits, kwargs, warned
-) -> None:
+def test_the_starvation_line_needs_the_share_a_second_of_waiting_and_idle_gpus(monkeypatch, caplog, waits, kwargs, warned) -> None:  # fmt: skip
     kwargs = dict(kwargs)  # the parametrisation's own dict stays as it is, for a rerun
     util = kwargs.pop("util", None)
     hand = Hand(monkeypatch, [] if util is None else [FakeGpu(util_gpu=util)],
@@ -336,7 +290,7 @@ def test_monitors_get_their_keys_on_every_rank_and_without_loggers(monkeypatch, 
     assert metrics["loop/data_wait_frac"].item() == pytest.approx(0.75)
 
 
-def test_no_step_logs_nothing_and_another_stage_sets_nothing_up(monkeypatch) -> None:
+def test_no_step_no_new_reading_and_another_stage_log_only_what_there_is(monkeypatch) -> None:
     hand = Hand(monkeypatch, [FakeGpu()])
     hand.monitor.setup(hand.trainer, None, "validate")
     assert hand.fake.total_calls() == 0 and hand.monitor.identities == []
@@ -346,6 +300,15 @@ def test_no_step_logs_nothing_and_another_stage_sets_nothing_up(monkeypatch) -> 
     cpu = Hand(monkeypatch)
     cpu.run()
     assert cpu.calls == [] and cpu.monitor.run_samples() == 0.0
+    late = Hand(monkeypatch, [FakeGpu(util_gpu=[(0, 30), (1, 90)])])
+    late.monitor.setup(late.trainer, None, "fit")  # t=0: util 30
+    calls = late.fake.total_calls()
+    late.clock.set(2.0)  # util 90 now, but no reading since
+    late.epoch(0.0)
+    assert late.fake.total_calls() == calls  # the training thread read no GPU
+    late.monitor.teardown(late.trainer, None, "fit")
+    ((row, _),) = late.calls
+    assert row["gpu/node0/cuda0/util_mean"] == 30 and "gpu/node0/cuda0/energy_j" not in row
 
 
 def test_sanity_checking_and_disabled_validation_log_no_validation_figures(monkeypatch) -> None:
@@ -372,8 +335,9 @@ def test_sanity_checking_and_disabled_validation_log_no_validation_figures(monke
 
 
 def test_two_epochs_add_up_and_an_unsized_batch_makes_the_sample_count_unknown(monkeypatch) -> None:
-    assert batch_length({"x": [torch.zeros(5, 2)], "y": torch.zeros(5)}) == 5  # as Lightning
-    assert batch_length(torch.tensor(3.0)) == 1 and batch_length(["text"]) is None
+    length = gpu_callback.batch_length
+    assert length({"x": [torch.zeros(5, 2)], "y": torch.zeros(5)}) == 5  # as Lightning
+    assert length(torch.tensor(3.0)) == 1 and length(["text"]) is None
     hand = Hand(monkeypatch)
     hand.monitor.setup(hand.trainer, None, "fit")
     hand.epoch(0.0, 0.0)
@@ -387,7 +351,7 @@ def test_two_epochs_add_up_and_an_unsized_batch_makes_the_sample_count_unknown(m
     assert hand.monitor.run_samples() is None  # unknown once, unknown for the run
 
 
-def test_gpus_that_cannot_be_opened_are_named_and_the_run_goes_on(monkeypatch, caplog) -> None:
+def test_unusable_gpus_are_named_the_run_goes_on_and_ranks_in_one_state_share_a_line(monkeypatch, caplog) -> None:  # fmt: skip
     absent = "GPU-00000000-0000-4000-8000-00000000dead"
     cpu = torch.device("cpu")
     strategy = SimpleNamespace(parallel_devices=[cpu, cpu], root_device=cpu)
@@ -403,9 +367,7 @@ def test_gpus_that_cannot_be_opened_are_named_and_the_run_goes_on(monkeypatch, c
     assert hand.fake.balanced and not hand.fake.initialised  # NVML shut down at once
     (payload,) = monitor.identities
     assert payload["status"] == "off: no usable GPU" and payload["gpus"] == []
-
-
-def test_ranks_in_the_same_state_share_one_line(caplog) -> None:
+    caplog.clear()
     gpu = {"label": "cuda0", "name": "n", "uuid": "MIG-1", "nvml_index": 3, "pci_bus_id": "b",
            "mig": True, "unsupported": ["fan", "utilization"]}  # fmt: skip
     with caplog.at_level(logging.INFO, logger=LOGGER):
@@ -430,11 +392,7 @@ def test_ranks_in_the_same_state_share_one_line(caplog) -> None:
 def test_a_bug_in_the_bookkeeping_stops_sampling_with_one_line(monkeypatch, caplog) -> None:
     hand = Hand(monkeypatch, [FakeGpu(util_gpu=10)])
     hand.monitor.setup(hand.trainer, None, "fit")
-
-    def broken(*args: Any, **kwargs: Any) -> None:
-        raise KeyError("oops")
-
-    monkeypatch.setattr(GpuSampler, "set_phase", broken)
+    monkeypatch.setattr(GpuSampler, "set_phase", lambda *a, **k: {}["oops"])  # a KeyError
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         hand.epoch(0.0)  # still ends, no GPUs
     assert [r.getMessage() for r in caplog.records] == [
@@ -461,7 +419,7 @@ def ranked(rank: int, world: int = 2) -> SimpleNamespace:
     return SimpleNamespace(world_size=world, global_rank=rank)
 
 
-def test_the_exchange_hands_rank_0_every_ranks_payload_through_the_store(store) -> None:
+def test_the_exchange_hands_rank_0_every_ranks_payload_and_waits_for_late_ones_once(store, caplog) -> None:  # fmt: skip
     mine, theirs = {"gpus": {"cuda0": {"util_mean": 1.0}}}, {"gpus": {"cuda1": {"util_mean": 2.0}}}
     # Rank 1 posts and goes on at once: it never waits for anyone.
     assert RankExchange("epoch", timeout_s=5).gather(ranked(1), theirs) == [theirs]
@@ -470,11 +428,20 @@ def test_the_exchange_hands_rank_0_every_ranks_payload_through_the_store(store) 
     assert not store.check(["runkit/epoch/1/1"])  # read, then removed
     one = RankExchange("epoch", timeout_s=5)
     assert one.gather(ranked(0, world=1), mine) == [mine] and one._round == 0  # no store
-
-
-def test_a_late_rank_costs_rank_0_the_timeout_one_warning_and_its_key_once_posted(
-    store, caplog
-) -> None:
+    # With a monitor on any rank, every rank gets every payload.
+    zero, first = {"node": 0, "r": 0}, {"node": 0, "r": 1}
+    store.set("runkit/every/1/1", json.dumps(first))
+    rank0 = RankExchange("every", timeout_s=5)
+    assert rank0.gather(ranked(0), zero, every_rank=True) == [zero, first]
+    assert json.loads(store.get("runkit/every/1/0")) == zero  # posted for rank 1 to read
+    rank1 = RankExchange("every", timeout_s=5)
+    assert rank1.gather(ranked(1), first, every_rank=True) == [zero, first]  # rank order
+    assert store.check(["runkit/every/1/1"])  # the owner removes its own, later
+    for _ in range(2):
+        store.set(f"runkit/every/{rank1._round + 1}/0", "{}")
+        rank1.gather(ranked(1), first, every_rank=True)
+    assert not store.check(["runkit/every/1/1"])  # two rounds on: removed
+    # A late rank costs rank 0 the timeout, one warning, and its key once posted.
     exchange = RankExchange("validation end", timeout_s=0.6)
     started = time.monotonic()
     with caplog.at_level(logging.WARNING):
@@ -492,58 +459,32 @@ def test_a_late_rank_costs_rank_0_the_timeout_one_warning_and_its_key_once_poste
     assert store.check(["runkit/validation end/1/1"]) is False  # never posted: nothing left
 
 
-def test_with_a_monitor_on_any_rank_every_rank_gets_every_payload(store) -> None:
-    zero, one = {"node": 0, "r": 0}, {"node": 0, "r": 1}
-    store.set("runkit/epoch/1/1", json.dumps(one))
-    rank0 = RankExchange("epoch", timeout_s=5)
-    assert rank0.gather(ranked(0), zero, every_rank=True) == [zero, one]
-    assert json.loads(store.get("runkit/epoch/1/0")) == zero  # posted for rank 1 to read
-    rank1 = RankExchange("epoch", timeout_s=5)
-    assert rank1.gather(ranked(1), one, every_rank=True) == [zero, one]  # rank order
-    assert store.check(["runkit/epoch/1/1"])  # the owner removes its own, later
-    for _ in range(2):
-        store.set(f"runkit/epoch/{rank1._round + 1}/0", "{}")
-        rank1.gather(ranked(1), one, every_rank=True)
-    assert not store.check(["runkit/epoch/1/1"])  # two rounds on: removed
-
-
 # --------------------------------------------------------------------------- real Trainer.fit
-class TinyModel(pl.LightningModule):
+class TinyModel(BoringModel):
     def __init__(self, fail_at_step: int | None = None) -> None:
         super().__init__()
-        self.layer = torch.nn.Linear(4, 2)
         self.fail_at_step = fail_at_step
 
     def training_step(self, batch, batch_idx):
         if self.fail_at_step is not None and self.global_step >= self.fail_at_step:
             raise RuntimeError("model blew up")
-        x, y = batch
-        loss = torch.nn.functional.cross_entropy(self.layer(x), y)
-        self.log("train_loss", loss, on_step=False, on_epoch=True)
-        return loss
+        out = super().training_step(batch, batch_idx)
+        self.log("train_loss", out["loss"], on_step=False, on_epoch=True)
+        return out
 
     def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", torch.nn.functional.cross_entropy(self.layer(x), y))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        self.log("val_loss", super().validation_step(batch, batch_idx)["x"])
 
 
-class SlowData(torch.utils.data.TensorDataset):
-    """64 samples, ``delay_s`` each, like decoding files on one core."""
+def loader(delay_s: float = 0.0, batch_size: int = 4) -> DataLoader:
+    """64 samples, ``delay_s`` each to load, like decoding files on one core."""
 
-    def __init__(self, delay_s: float = 0.0) -> None:
-        super().__init__(torch.randn(64, 4), torch.randint(0, 2, (64,)))
-        self.delay_s = delay_s
+    def slow(batch: list) -> Any:
+        for _ in batch:  # one sleep per sample, as a Dataset's __getitem__ would
+            time.sleep(delay_s)
+        return default_collate(batch)
 
-    def __getitem__(self, i: int):
-        time.sleep(self.delay_s)
-        return super().__getitem__(i)
-
-
-def loader(delay_s: float = 0.0, batch_size: int = 4) -> torch.utils.data.DataLoader:
-    return torch.utils.data.DataLoader(SlowData(delay_s), batch_size=batch_size)
+    return DataLoader(torch.randn(64, 32), batch_size=batch_size, collate_fn=slow)
 
 
 def fit(tmp_path, monitor, *callbacks, epochs=2, model=None, train_loader=None,
@@ -555,28 +496,15 @@ def fit(tmp_path, monitor, *callbacks, epochs=2, model=None, train_loader=None,
         accelerator="cpu", devices=1, max_epochs=epochs, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[monitor, *callbacks],
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        logger=CSVLogger(tmp_path, name="csv", version=0),
-        **options,
+        logger=CSVLogger(tmp_path, name="csv", version=0), **options,
     )  # fmt: skip
     trainer.fit(model or TinyModel(), train_loader or loader(), loader(), ckpt_path=ckpt_path)
     return trainer
 
 
 def rows_with(tmp_path: Path, key: str = "gpu/node0/cuda0/samples") -> list[dict[str, str]]:
-    """The CSV rows that hold ``key``."""
     with (tmp_path / "csv" / "version_0" / "metrics.csv").open() as handle:
         return [r for r in csv.DictReader(handle) if r.get(key)]
-
-
-class Watch(pl.Callback):
-    """The NVML calls made from the training thread so far, at each batch's start."""
-
-    def __init__(self, fake: FakeNvml) -> None:
-        self.fake, self.counts = fake, []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.counts.append(self.fake.calls_in_thread())
-        time.sleep(0.01)  # an epoch outlasts the sampler's interval
 
 
 VAL_KEY = "gpu_val/node0/cuda0/util_mean"
@@ -590,25 +518,22 @@ def trained(tmp_path_factory):
                   power_mw=350_000, temperature=61, processes=[FakeProcess("self", 2 * GIB)],
                   gpm=HOPPER_GPM)  # fmt: skip
     fake = FakeNvml([gpu])
-    nvml.use_library(fake)
     monitor = GpuStatsMonitor(interval_s=0.02, device_uuids=[gpu.uuid], log_sampler_cost=True)
-    watch = Watch(fake)
+    counts: list[int] = []  # NVML calls from the training thread so far, at each batch's start
+    watch = LambdaCallback(  # each batch outlasts the sampler's interval
+        on_train_batch_start=lambda *_: counts.append(fake.calls_in_thread()) or time.sleep(0.01)
+    )
     stop = EarlyStopping("gpu/node0/cuda0/util_mean", patience=5, check_on_train_epoch_end=True)
     best = ModelCheckpoint(tmp_path / "ckpt", monitor=VAL_KEY, mode="max", save_last=True)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("COLUMNS", "220")  # Rich wraps the table at 80 columns otherwise
-    buffer = io.StringIO()
-    mp.setattr(sys, "stdout", buffer)
-    try:
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(io.StringIO()) as out:
+        mp.setenv("COLUMNS", "220")  # Rich wraps the table at 80 columns otherwise
+        mp.setattr(nvml, "load_library", lambda: fake)
         trainer = fit(tmp_path, monitor, watch, stop, best, train_loader=loader(batch_size=6))
-    finally:
-        mp.undo()
-        nvml.use_library(None)
-    return SimpleNamespace(path=tmp_path, fake=fake, monitor=monitor, watch=watch, best=best,
-                           trainer=trainer, out=buffer.getvalue())  # fmt: skip
+    return SimpleNamespace(path=tmp_path, fake=fake, monitor=monitor, counts=counts, best=best,
+                           trainer=trainer, out=out.getvalue())  # fmt: skip
 
 
-def test_a_fit_logs_one_row_per_epoch_of_exact_gpu_figures(trained) -> None:
+def test_a_fit_logs_exact_gpu_figures_once_per_epoch_feeds_monitors_and_reads_no_gpu_in_the_loop(trained) -> None:  # fmt: skip
     train, val = rows_with(trained.path), rows_with(trained.path, VAL_KEY)
     assert len(train) == 2 and len(val) == 2  # one row per epoch; the sanity check is not logged
     expected = {"util_mean": 40, "util_max": 40, "mem_util_mean": 20, "mem_used_gib_max": 10,
@@ -628,28 +553,23 @@ def test_a_fit_logs_one_row_per_epoch_of_exact_gpu_figures(trained) -> None:
     # at the step of Lightning's own rows: the epoch's train_loss, the validation's val_loss
     assert [r["step"] for r in train] == [r["step"] for r in rows_with(trained.path, "train_loss")]
     assert [r["step"] for r in val] == [r["step"] for r in rows_with(trained.path, "val_loss")]
-
-
-def test_a_fit_feeds_monitors_counts_samples_and_reads_no_gpu_in_the_loop(trained) -> None:
     metrics = trained.trainer.callback_metrics
     assert float(metrics["gpu/node0/cuda0/util_mean"]) == 40  # EarlyStopping's key
     assert "gpu/node0/cuda0/temp_c_max" not in metrics  # no monitor asks
     assert float(trained.best.best_model_score) == 40  # the validation's key, at its end
     assert trained.monitor.run_samples() == 2 * 64  # per epoch 10 batches of 6 and one of 4
-    counts = trained.watch.counts  # no NVML call from the training thread while it trains
+    counts = trained.counts  # no NVML call from the training thread while it trains
     assert len(counts) == 2 * 11 and len(set(counts)) == 1, counts
     assert trained.fake.balanced and not trained.fake.initialised
     assert trained.fake.gpm_samples_live == 0
     assert "GPU statistics over the run" in trained.out and "Fake H100" in trained.out
     assert "SM active %" in trained.out and "60.0" in trained.out
-    (row,) = trained.monitor.run_summary()
-    assert row["util_mean"] == 40 and row["mem_used_gib_max"] == 10
+    (summary,) = trained.monitor.run_summary()
+    assert summary["util_mean"] == 40 and summary["mem_used_gib_max"] == 10
 
 
 @pytest.mark.slow
-def test_energy_continues_across_a_resume_and_reaches_metrics_json(
-    trained, tmp_path, use_fake
-) -> None:
+def test_energy_continues_across_a_resume_and_reaches_metrics_json(trained, tmp_path, use_fake) -> None:  # fmt: skip
     fake = use_fake(FakeNvml([FakeGpu(power_mw=300_000)]))
     last = trained.path / "ckpt" / "last.ckpt"
     state = torch.load(last, weights_only=True)["callbacks"]["GpuStatsMonitor"]
@@ -657,7 +577,7 @@ def test_energy_continues_across_a_resume_and_reaches_metrics_json(
     monitor = GpuStatsMonitor(interval_s=0.02, device_uuids=[fake.gpus[0].uuid])
     trainer = fit(tmp_path, monitor, epochs=3, ckpt_path=last, num_sanity_val_steps=0,
                   train_loader=loader(0.002, batch_size=6))  # fmt: skip
-    report = energy_report(trainer)
+    report = gpu_callback.energy_report(trainer)
     assert report["training_samples"] == 3 * 64  # both runs' samples
     assert report["energy_j"] > state["energy_j"]["node0/cuda0"]  # continued, not restarted
     assert report["energy_kwh"] == pytest.approx(report["energy_j"] / 3.6e6)
@@ -676,9 +596,7 @@ def test_an_exception_in_training_still_shuts_nvml_down(tmp_path, use_fake) -> N
 
 
 @pytest.mark.slow
-def test_a_cpu_run_touches_no_nvml_and_a_starved_loop_is_named_once_per_epoch(
-    tmp_path, use_fake, caplog, monkeypatch
-) -> None:
+def test_a_cpu_run_touches_no_nvml_and_a_starved_loop_is_named_once_per_epoch(tmp_path, use_fake, caplog, monkeypatch) -> None:  # fmt: skip
     monkeypatch.setattr(gpu_callback, "MIN_WAIT_WARNING_S", 0.2)
     fake = use_fake(FakeNvml(1))
     with caplog.at_level(logging.INFO, logger=LOGGER):

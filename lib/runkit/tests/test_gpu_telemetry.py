@@ -10,22 +10,12 @@ import pynvml
 import pytest
 import torch
 
-from runkit.gpu_stats import sampler
+from runkit.gpu_stats import sampler as gpu_sampler
 from runkit.gpu_stats.callback import GpuStatsMonitor, energy_report
-from runkit.gpu_stats.sampler import (
-    GPM_METRICS,
-    TRAIN,
-    VAL,
-    GpmCounters,
-    GpuReader,
-    GpuSampler,
-    TorchPeakMemory,
-)
+from runkit.gpu_stats.sampler import DEFAULT_GROUPS, TRAIN, VAL, GpuReader, GpuSampler
 from runkit.gpu_stats.statistics import RunSummary, flatten_epoch, flatten_loop
 from runkit.gpus import nvml
 from runkit.testing.fake_nvml import GIB, FakeClock, FakeGpu, FakeNvml, FakeProcess
-
-DEFAULT_GROUPS = sampler.DEFAULT_GROUPS
 
 LOGGER = "runkit.gpu_stats"
 HOPPER_GPM = {"SM_UTIL": 60, "SM_OCCUPANCY": 30, "ANY_TENSOR_UTIL": 20, "DRAM_BW_UTIL": 45}
@@ -74,25 +64,15 @@ def test_epoch_statistics_are_exact_on_a_fake_clock(nvml_of) -> None:
     sample_at(sampler, clock, 1, 2, 3, 4)
     s = sampler.report(TRAIN)[0]["cuda0"]
     # A boundary sample belongs to the phase it closes: the epoch's samples are t = 1, 2, 3, 4.
-    assert s["samples"] == 4 and s["util_mean"] == pytest.approx((10 + 50 + 50 + 90) / 4)
-    assert (s["util_max"], s["util_min"], s["mem_used_gib_max"], s["mem_total_gib"]) == (
-        90,
-        10,
-        8,
-        16,
-    )
-    assert s["mem_util_mean"] == pytest.approx(30) and s["mem_used_gib_mean"] == pytest.approx(6)
-    assert s["proc_mem_gib_mean"] == pytest.approx((1 + 3 + 3 + 3) / 4)
-    assert (s["temp_c_mean"], s["temp_c_max"], s["power_w_mean"], s["power_ratio_max"]) == (
-        70,
-        70,
-        350,
-        0.5,
-    )
-    assert s["sm_clock_mhz_min"] == 1200 and s["sm_clock_mhz_mean"] == pytest.approx(1500)
-    assert s["throttle_power_frac"] == s["throttle_any_frac"] == pytest.approx(2 / 4)
-    assert s["throttle_thermal_frac"] == 0
-    assert s["energy_j"] == pytest.approx(350 * 4)  # 350 W for the 4 s of the phase  # fmt: skip
+    expected = {
+        "samples": 4, "util_mean": (10 + 50 + 50 + 90) / 4, "util_max": 90, "util_min": 10,
+        "mem_used_gib_max": 8, "mem_total_gib": 16, "mem_util_mean": 30, "mem_used_gib_mean": 6,
+        "proc_mem_gib_mean": (1 + 3 + 3 + 3) / 4, "temp_c_mean": 70, "temp_c_max": 70,
+        "power_w_mean": 350, "power_ratio_max": 0.5, "sm_clock_mhz_min": 1200,
+        "sm_clock_mhz_mean": 1500, "throttle_power_frac": 2 / 4, "throttle_any_frac": 2 / 4,
+        "throttle_thermal_frac": 0, "energy_j": 350 * 4,  # 350 W for the 4 s of the phase
+    }  # fmt: skip
+    assert {k: s[k] for k in expected} == pytest.approx(expected)
 
 
 def test_validation_is_split_out_of_the_training_epoch(nvml_of) -> None:
@@ -116,7 +96,7 @@ def test_validation_is_split_out_of_the_training_epoch(nvml_of) -> None:
     assert energy == {"cuda0": pytest.approx(1300)}  # the run's, since the first sample
 
 
-def test_unsupported_metrics_are_left_out_never_zero(nvml_of) -> None:
+def test_unsupported_metrics_are_left_out_never_zero_and_optional_ones_read_in_units(nvml_of) -> None:  # fmt: skip
     mig_parent = FakeGpu(name="A100", mig=[FakeGpu(name="A100 MIG 1g.10gb", memory_total=10 * GIB)])
     datacenter = FakeGpu(fan_pct=None).fail("power", "not_supported")
     datacenter.fail("nvmlDeviceGetCurrentClocksEventReasons", "function_not_found")  # old driver
@@ -138,9 +118,6 @@ def test_unsupported_metrics_are_left_out_never_zero(nvml_of) -> None:
     assert "throttle_any_frac" in out["cuda0"] and "temp_c_mean" in out["cuda0"]
     assert not any(k.startswith(("util", "mem_util", "fan")) for k in out["cuda1"])
     assert out["cuda1"]["mem_total_gib"] == 10 and "power_w_mean" in out["cuda1"]
-
-
-def test_optional_groups_are_read_in_their_units(nvml_of) -> None:
     gpu = FakeGpu(fan_pct=60, pcie_tx_kbs=2048, pcie_rx_kbs=512, ecc_uncorrected=3, memory_temperature=80)  # fmt: skip
     reader = open_reader(nvml_of(gpu, clock=lambda: 0.0), 0, ["fan", "pcie", "ecc", "memory_temperature"])  # fmt: skip
     assert reader.read() == (
@@ -172,7 +149,7 @@ def test_torch_peaks_leave_validation_out_of_the_epoch(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: peaks[0] * GIB)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: peaks[1] * GIB)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: resets.append(d) or peaks.__setitem__(slice(None), [0.0, 0.0]))  # fmt: skip
-    memory = TorchPeakMemory({"cuda0": torch.device("cuda", 0), "cpu": torch.device("cpu")})
+    memory = gpu_sampler.TorchPeakMemory({"cuda0": torch.device("cuda", 0), "cpu": torch.device("cpu")})  # fmt: skip
     assert list(memory.devices) == ["cuda0"]  # CPU devices have no CUDA peaks
     memory.restart(clear=True)  # the epoch starts
     peaks[:] = [3.0, 4.0]  # training
@@ -205,18 +182,6 @@ def test_gpm_readings_cover_each_sampling_interval_exactly(nvml_of) -> None:
     assert fake.gpm_samples_live == 0  # the pair is freed when sampling stops
 
 
-def test_gpm_of_a_mig_slice_comes_from_the_mig_sample_call(nvml_of) -> None:
-    clock = FakeClock()
-    fake = nvml_of(FakeGpu(mig=[FakeGpu(gpm={"SM_UTIL": 10}), FakeGpu(gpm={"SM_UTIL": 70})]), clock=clock)  # fmt: skip
-    second = fake.nvmlDeviceGetMigDeviceHandleByIndex(fake.nvmlDeviceGetHandleByIndex(0), 1)
-    reader = open_reader(fake, 0, handle=second)
-    clock.advance(1)
-    assert reader.read()[0]["sm_active"] == 70  # the second slice's, not the first's nor the GPU's
-    assert fake.calls["nvmlGpmMigSampleGet"] == 2 and fake.calls["nvmlGpmSampleGet"] == 0
-    reader.close()
-    assert fake.gpm_samples_live == 0
-
-
 def test_gpm_taken_by_a_profiler_pauses_with_one_line_and_comes_back(nvml_of, caplog) -> None:
     clock = FakeClock()
     gpu = FakeGpu(gpm={"SM_UTIL": 50})
@@ -238,18 +203,27 @@ def test_gpm_taken_by_a_profiler_pauses_with_one_line_and_comes_back(nvml_of, ca
     reader.close()
 
 
-def test_gpm_unsupported_missing_or_failing_at_open_holds_no_samples(nvml_of) -> None:
+def test_gpm_of_a_mig_slice_is_its_own_and_without_gpm_no_samples_are_held(nvml_of) -> None:
     fake = nvml_of(FakeGpu(), FakeGpu(gpm=HOPPER_GPM).fail("gpm", "function_not_found"))
     for index in range(2):
         reader = open_reader(fake, index)
         assert "gpm" not in reader.groups and "gpm" in reader.unsupported
-        assert not set(GPM_METRICS) & set(reader.read()[0])
+        assert not set(gpu_sampler.GPM_METRICS) & set(reader.read()[0])
     assert fake.calls["nvmlGpmSampleAlloc"] == 0
     lost = nvml_of(FakeGpu(gpm=HOPPER_GPM).fail("nvmlGpmSampleGet", "gpu_is_lost"))
-    counters = GpmCounters(lost, lost.nvmlDeviceGetHandleByIndex(0), "cuda0", None)
+    counters = gpu_sampler.GpmCounters(lost, lost.nvmlDeviceGetHandleByIndex(0), "cuda0", None)
     with pytest.raises(lost.NVMLError_GpuIsLost):
         counters.open()
     assert lost.calls["nvmlGpmSampleAlloc"] == 2 and lost.gpm_samples_live == 0
+    clock = FakeClock()
+    slices = nvml_of(FakeGpu(mig=[FakeGpu(gpm={"SM_UTIL": 10}), FakeGpu(gpm={"SM_UTIL": 70})]), clock=clock)  # fmt: skip
+    second = slices.nvmlDeviceGetMigDeviceHandleByIndex(slices.nvmlDeviceGetHandleByIndex(0), 1)
+    reader = open_reader(slices, 0, handle=second)
+    clock.advance(1)
+    assert reader.read()[0]["sm_active"] == 70  # the second slice's, not the first's nor the GPU's
+    assert slices.calls["nvmlGpmMigSampleGet"] == 2 and slices.calls["nvmlGpmSampleGet"] == 0
+    reader.close()
+    assert slices.gpm_samples_live == 0
 
 
 # --------------------------------------------------------------------------- keys
@@ -257,7 +231,7 @@ def payload(node, gpus, boards=None, rank=0):
     return {"node": node, "rank": rank, "gpus": gpus, "boards": boards or {}}
 
 
-def test_keys_per_gpu_per_node_then_aggregates_across_gpus() -> None:
+def test_keys_per_gpu_then_aggregates_mig_energy_once_loop_figures_and_run_summary() -> None:
     payloads = [
         payload(0, {"cuda0": {"util_mean": 90.0, "energy_j": 10.0, "sample_ms": 1.0}}),
         payload(1, {"cuda0": {"util_mean": 30.0, "energy_j": 20.0, "sample_ms": 2.0}}),
@@ -277,9 +251,6 @@ def test_keys_per_gpu_per_node_then_aggregates_across_gpus() -> None:
     assert logged["gpu/node1/cuda0/util_mean"] == 30 and logged["gpu/all/util_mean_max"] == 30
     assert logged["gpu/all/util_mean_min"] == 0 and logged["gpu/all/energy_j_sum"] == 36
     assert len(flatten_epoch([payload(0, big)], "gpu", False, 16)) > len(logged)
-
-
-def test_energy_of_mig_slices_of_one_gpu_is_counted_once() -> None:
     boards = {"cuda0": "GPU-a", "cuda1": "GPU-a"}  # two slices of one physical GPU
     gpus = {"cuda0": {"energy_j": 10.0}, "cuda1": {"energy_j": 10.0}}
     other = payload(0, {"cuda0": {"energy_j": 5.0}}, {"cuda0": "GPU-b"}, rank=1)
@@ -292,9 +263,6 @@ def test_energy_of_mig_slices_of_one_gpu_is_counted_once() -> None:
         ]
     )
     assert monitor.run_energy_j() == {"node0/cuda0": 100.0}
-
-
-def test_loop_figures_and_the_run_summary_across_ranks_and_epochs() -> None:
     loops = [
         {"loop_s": 10.0, "data_wait_s": 2.0, "steps": 10, "samples": 100.0},
         {"loop_s": 10.0, "data_wait_s": 5.0, "steps": 10, "samples": 100.0},

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import RichProgressBar as LightningRichProgressBar
-from torch.utils.data import DataLoader, TensorDataset
+from lightning.pytorch.demos.boring_classes import BoringModel
+from torch.utils.data import DataLoader
 
 from runkit.run import progress_bar
 from runkit.run.progress_bar import RichProgressBar
@@ -20,32 +19,21 @@ from runkit.run.progress_bar import RichProgressBar
 BATCHES, EPOCHS = 6, 2  # training batches per epoch, epochs
 
 
-class LogsEveryStep(LightningModule):
-    """Logs a progress-bar value every step; ``sleep_s`` makes the steps, not the loop, the rate."""
-
+class LogsEveryStep(BoringModel):
     def __init__(self, sleep_s: float = 0.0) -> None:
         super().__init__()
-        self.layer, self.sleep_s = torch.nn.Linear(2, 1), sleep_s
+        self.sleep_s = sleep_s
 
-    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        time.sleep(self.sleep_s)
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> Any:
+        time.sleep(self.sleep_s)  # the steps, not the loop, set the rate
         self.log("step_value", float(self.global_step), prog_bar=True)
-        return self.layer(batch[0]).pow(2).mean()
+        return super().training_step(batch, batch_idx)
 
-    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         self.log("val_value", 1.0, prog_bar=True)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
 
-
-def fit(
-    tmp_path: Path,
-    *callbacks: Callback,
-    batches: int = BATCHES,
-    epochs: int = EPOCHS,
-    **module: Any,
-) -> list[dict]:
+def fit(tmp_path, *callbacks: Callback, batches=BATCHES, epochs=EPOCHS, **module) -> list[dict]:
     """Every set of logged values the bar read (each a device sync on a GPU) in a short fit."""
     reads: list[dict[str, Any]] = []
 
@@ -56,7 +44,7 @@ def fit(
             reads.append({key: float(value) for key, value in values.items()})
             return values
 
-    data = DataLoader(TensorDataset(torch.randn(batches * 2, 2)), batch_size=2)
+    data = DataLoader(torch.randn(batches * 2, 32), batch_size=2)
     trainer = Counting(
         accelerator="cpu", max_epochs=epochs, callbacks=list(callbacks),
         logger=False, enable_checkpointing=False, enable_model_summary=False,
@@ -66,49 +54,11 @@ def fit(
     return reads
 
 
-class CountAtEpochEnd(RichProgressBar):
-    """Notes the training bar's count once each epoch is over."""
-
-    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        super().on_train_epoch_end(trainer, pl_module)
-        self.counts = [
-            *getattr(self, "counts", []),
-            self.progress.tasks[self.train_progress_bar_id].completed,
-        ]
-
-
-def test_values_are_read_once_per_redraw_and_each_epoch_ends_on_its_count(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    lightning = fit(tmp_path / "lightning", LightningRichProgressBar())
-    ticks = iter(range(0, 10_000, 2))  # two seconds a call: every batch is past the interval
-    monkeypatch.setattr(progress_bar, "time", SimpleNamespace(monotonic=lambda: next(ticks)))
-    assert fit(tmp_path / "due", RichProgressBar(refresh_rate=1)) == lightning
-
-    # The clock stands still: one redraw interval never passes, so only the first batch reads;
-    # every epoch end and validation end still does, and the values shown last are the final ones.
-    monkeypatch.setattr(progress_bar, "time", SimpleNamespace(monotonic=lambda: 1000.0))
-    updates: list[tuple] = []
-    update = LightningRichProgressBar._update
-    monkeypatch.setattr(
-        LightningRichProgressBar,
-        "_update",
-        lambda s, *a, **k: updates.append(a) or update(s, *a, **k),
-    )
-    bar = CountAtEpochEnd(refresh_rate=1)
-    reads = fit(tmp_path / "still", bar)
-    assert len(lightning) - len(reads) == EPOCHS * BATCHES - 1
-    assert reads[-1] == lightning[-1] and reads[-1]["step_value"] == EPOCHS * BATCHES - 1
-    assert bar.counts == [BATCHES] * EPOCHS
-    # per epoch: the first batch and the last (the rate's two ends), nothing in between
-    assert [a[1] for a in updates if a and a[0] == bar.train_progress_bar_id] == [1, BATCHES] * 2
-
-
-class ShownRate(Callback):
-    """Per epoch: the rate the training bar shows and the batches per second the loop ran."""
+class Seen(Callback):
+    """Per epoch, after the bar's own end: its count, the rate it shows, the batches/s run."""
 
     def __init__(self, bar: RichProgressBar) -> None:
-        self.bar, self.pairs = bar, []
+        self.bar, self.counts, self.rates = bar, [], []
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.start = time.monotonic()
@@ -117,33 +67,46 @@ class ShownRate(Callback):
         self.batches, self.end = args[-1] + 1, time.monotonic()
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        progress = self.bar.progress
-        (column,) = [c for c in progress.columns if type(c).__name__ == "ProcessingSpeedColumn"]
-        shown = float(
-            column.render(progress.tasks[self.bar.train_progress_bar_id]).plain.removesuffix("it/s")
-        )
-        self.pairs.append((shown, self.batches / (self.end - self.start)))
+        task = self.bar.progress.tasks[self.bar.train_progress_bar_id]
+        (speed,) = [c for c in self.bar.progress.columns if type(c).__name__ == "ProcessingSpeedColumn"]  # fmt: skip
+        self.counts.append(task.completed)
+        self.rates.append((speed.render(task).plain, self.batches / (self.end - self.start)))
 
 
-def test_the_rate_shown_is_the_rate_run(tmp_path: Path) -> None:
+def test_values_are_read_once_per_redraw_and_each_epoch_ends_on_its_count(tmp_path, monkeypatch) -> None:  # fmt: skip
+    lightning = fit(tmp_path / "lightning", LightningRichProgressBar())
+    ticks = iter(range(0, 10_000, 2))  # two seconds a call: every batch is past the interval
+    monkeypatch.setattr(progress_bar, "time", SimpleNamespace(monotonic=lambda: next(ticks)))
+    assert fit(tmp_path / "due", RichProgressBar(refresh_rate=1)) == lightning
+    # The clock stands still: one redraw interval never passes, so only the first batch reads;
+    # every epoch end and validation end still does, and the values shown last are the final ones.
+    monkeypatch.setattr(progress_bar, "time", SimpleNamespace(monotonic=lambda: 1000.0))
+    updates: list[tuple] = []
+    update = LightningRichProgressBar._update
+    monkeypatch.setattr(LightningRichProgressBar, "_update", lambda s, *a, **k: updates.append(a) or update(s, *a, **k))  # fmt: skip
+    bar = RichProgressBar(refresh_rate=1)
+    seen = Seen(bar)
+    reads = fit(tmp_path / "still", bar, seen)
+    assert len(lightning) - len(reads) == EPOCHS * BATCHES - 1
+    assert reads[-1] == lightning[-1] and reads[-1]["step_value"] == EPOCHS * BATCHES - 1
+    assert seen.counts == [BATCHES] * EPOCHS
+    # per epoch: the first batch and the last (the rate's two ends), nothing in between
+    assert [a[1] for a in updates if a and a[0] == bar.train_progress_bar_id] == [1, BATCHES] * 2
+
+
+def test_the_rate_shown_is_the_rate_run(tmp_path) -> None:
     # a redraw interval (1 s) longer than an epoch: the case that showed 0.00it/s
     bar = RichProgressBar(refresh_rate=1)
-    rate = ShownRate(bar)
-    fit(tmp_path, bar, rate, batches=40, epochs=3, sleep_s=0.004)
-    assert len(rate.pairs) == 3
-    assert all(abs(shown / run - 1) <= 0.2 for shown, run in rate.pairs), rate.pairs
+    seen = Seen(bar)
+    fit(tmp_path, bar, seen, batches=40, epochs=3, sleep_s=0.004)
+    pairs = [(float(shown.removesuffix("it/s")), run) for shown, run in seen.rates]
+    assert len(pairs) == 3 and all(abs(shown / run - 1) <= 0.2 for shown, run in pairs), pairs
 
 
-def test_a_stage_ends_without_waiting_for_the_refresh_thread(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_stage_ends_without_waiting_for_the_refresh_thread(tmp_path, monkeypatch) -> None:
     joined: dict[str, list[str]] = {}
     join = threading.Thread.join
-
-    def noting(self: threading.Thread, timeout: float | None = None) -> None:
-        joined[stage].append(type(self).__name__)
-        join(self, timeout)
-
+    noting = lambda self, timeout=None: joined[stage].append(type(self).__name__) or join(self, timeout)  # noqa: E731  # fmt: skip
     monkeypatch.setattr(threading.Thread, "join", noting)
     for stage, bar in {"lightning": LightningRichProgressBar(), "runkit": RichProgressBar(),
                        "lightning, leave": LightningRichProgressBar(leave=True),
