@@ -1,5 +1,6 @@
 """Stop signals in every phase: ranks agree and exit 128+N, a second request quits, a repeat is one
-stop, a dying rank ends the job, SLURM requeues. CLI runs are held by ``user_callbacks``."""
+stop, a dying rank ends the job, SLURM requeues; DDP on two CPU processes is one run. CLI runs are
+held by ``user_callbacks``."""
 
 from __future__ import annotations
 
@@ -341,9 +342,8 @@ def test_a_rank_of_several_is_told_by_its_launcher_or_torch(
 
 
 def test_the_last_line_gets_out_when_stderr_is_busy_or_gone(monkeypatch, capfd) -> None:
-    busy = SimpleNamespace(
-        write=raises(RuntimeError("reentrant call"))
-    )  # a handler interrupted a write
+    # a handler interrupted a write to stderr, then it is closed
+    busy = SimpleNamespace(write=raises(RuntimeError("reentrant call")))
     monkeypatch.setattr(sys, "stderr", busy)
     signals._write_line("one line \udcff")
     assert capfd.readouterr().err == "one line ?\n"
@@ -377,7 +377,8 @@ def test_a_stop_waits_for_its_workers_then_says_so_on_stderr_and_in_the_log(
     children = [Mock(), Mock(**{"wait.side_effect": [subprocess.TimeoutExpired("w", 30), 0]})]
     request = signals.StopRequest(children=children, phase="fit", detail="; saved x")
     monkeypatch.setattr(signals, "request", request)
-    handler = logging.FileHandler(tmp_path / "train.log")
+    log = tmp_path / "train.log"
+    handler = logging.FileHandler(log)
     handler.setFormatter(logging.Formatter("%(name)s:%(levelname)s:%(filename)s:%(message)s"))
     logging.getLogger().addHandler(handler)
     try:
@@ -394,9 +395,7 @@ def test_a_stop_waits_for_its_workers_then_says_so_on_stderr_and_in_the_log(
     assert children[1].mock_calls == [call.wait(timeout=30.0), call.kill(), call.wait()]
     line = "stopped by SIGTERM during fit; saved x; exit code 143"
     assert capfd.readouterr().err == f"{line}\n"  # once: the DDP worker says nothing
-    assert (
-        tmp_path / "train.log"
-    ).read_text() == f"runkit.safety.signals:WARNING:signals.py:{line}\n"
+    assert log.read_text() == f"runkit.safety.signals:WARNING:signals.py:{line}\n"
 
 
 def test_after_the_run_the_stop_signals_are_ignored_until_the_process_ends() -> None:
@@ -410,9 +409,7 @@ def test_after_the_run_the_stop_signals_are_ignored_until_the_process_ends() -> 
 
 
 def test_a_dead_peer_is_named_with_its_whole_first_line() -> None:
-    reason = (
-        "[../gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:41: Connection reset by peer"
-    )
+    reason = "[../gloo/transport/tcp/pair.cc:534] Read error [::1]:41: Connection reset by peer"
     trainer = SimpleNamespace(
         world_size=2, global_rank=0, checkpoint_callback=None, default_root_dir="/x"
     )
@@ -503,10 +500,8 @@ def test_a_stop_ends_every_loop_at_the_next_batch(
     assert {loop: n for loop, n in probe.ended.items() if n} == ended
     saved = tmp_path / "checkpoints" / interrupts.INTERRUPTED_FILE
     assert saved.exists() == ("saved" in end)
-    tail = f" {end.format(saved=saved)}" if end else ""
-    assert (
-        last_line(capsys.readouterr().err) == f"stopped by SIGTERM during {fn}{tail}; exit code 143"
-    )
+    line = f"stopped by SIGTERM during {fn}{f' {end}' if end else ''}; exit code 143"
+    assert last_line(capsys.readouterr().err) == line.format(saved=saved)
 
 
 FAILED_RUN = """
@@ -573,13 +568,13 @@ print("end", flush=True)
 """
 
 
-@pytest.mark.parametrize(
+@pytest.mark.parametrize(  # slow: the two that import torch
     ("program", "code", "out", "err"),
     [
         pytest.param(FAILED_RUN, 2, [], ["error: bad input"], id="a signal after a failed run"),
         pytest.param(SHUTTING_DOWN, 130, [], ["error: SIGINT received after the run had finished (its files are complete); exit code 130"], id="a Ctrl-C while a finished run shuts down"),
         pytest.param(STUCK_RANK, 143, [], [f"error: SIGTERM {STUCK.format('in native code', 2)}; exit code 143"], id="a rank stuck in a collective ends within seconds", marks=pytest.mark.slow),
-        pytest.param(DATALOADER_WORKERS, 0, ["batches 16", "alive [True, True] batches 16", "terminated 0", "end"], [], id="a DataLoader worker ends by its parent alone"),
+        pytest.param(DATALOADER_WORKERS, 0, ["batches 16", "alive [True, True] batches 16", "terminated 0", "end"], [], id="a DataLoader worker ends by its parent alone", marks=pytest.mark.slow),
     ],
 )  # fmt: skip
 def test_stop_signals_in_a_fresh_interpreter(tmp_path, program, code, out, err) -> None:
@@ -723,9 +718,7 @@ def test_two_cpu_processes_train_one_run_and_a_ctrl_c_after_it_is_one_line(finis
     # batch_size is per process: each rank sees half the data, so an epoch has half the steps
     summary = json.loads((run / "metrics.json").read_text())
     samples = 1797 - 2 * round(1797 * 0.15)  # the digits split: 1257 training samples
-    assert (
-        summary["global_step"] == math.ceil(math.ceil(samples / 2) / 64) < math.ceil(samples / 64)
-    )
+    assert summary["global_step"] == math.ceil(math.ceil(samples / 2) / 64) < samples / 64
     assert summary["devices"] == 2 and 0.0 <= summary["metrics"]["test/acc"] <= 1.0
     with (run / "csv" / "metrics.csv").open() as handle:  # written by rank 0 alone
         rows = list(csv.DictReader(handle))
