@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One prepared GPU check (issue #14): every GPU path of the template proven in one short run.
+"""One prepared GPU check: every GPU path of the template proven in one short run.
 
 GPU machines are lent rarely and briefly, with nothing to download there, so everything is
 prepared here and the check runs unattended, writes its own report and cannot hang:
@@ -48,7 +48,7 @@ WHEELS_DIR = ROOT / "wheels" / "gpu-py312"
 MANIFEST = "requirements.txt"
 
 # ---- what the GPU machine has, and what we bring ------------------------------------------------
-# Installed there (issue #14), with no way to download anything.
+# Installed there, with no way to download anything.
 GPU_MACHINE_HAS = (
     "torch",
     "lightning",
@@ -166,7 +166,7 @@ EVAL_OF = {"eval_gpu": "train_gpu", "eval_fsdp": "train_fsdp"}
 # Per-GPU statistics in csv/metrics.csv: "gpu/" then any prefix (node, device) then the name, so a
 # slightly different layout still matches; gpu/all/ (aggregates) and gpu_val/ are left out.
 GPU_STATS = ("util_mean", "mem_used_gib_max", "power_w_mean", "energy_j")
-GPM_KEY = re.compile(r"sm_active|gpm", re.IGNORECASE)  # issue #13, not built yet
+GPM_KEY = re.compile(r"sm_active|gpm", re.IGNORECASE)  # the GPM keys of gpu_stats
 MIN_TEST_ACC = 0.3  # 10 classes: chance is 0.1; three epochs reach far more unless numerics broke
 
 
@@ -784,14 +784,14 @@ def check_eval(step: Step, ctx: Context, output: str, log: Path) -> dict[str, An
 
 
 def check_gpm(step: Step, ctx: Context, output: str, log: Path) -> dict[str, Any]:
-    """GPM figures (issue #13) in the training CSV: a skip until that feature logs them."""
+    """GPM figures in the training CSV (Hopper and newer; a skip where the GPU has none)."""
     run = ctx.run_dirs.get("train_gpu")
     if run is None:
         raise Skip("train_gpu left no run directory")
     csv_path, rows = read_csv_rows(run)
     values = column_values(rows, GPM_KEY)
     if not values:
-        raise Skip(f"not present: no sm_active/gpm column in {csv_path.name} (issue #13)")
+        raise Skip(f"not present: no sm_active/gpm column in {csv_path.name}")
     figures = {column: round(max(numbers), 3) for column, numbers in values.items()}
     if not any(v > 0 for v in figures.values()) or any(not 0 <= v <= 100 for v in figures.values()):
         raise CheckFailed(f"GPM figures implausible (all zero or outside [0, 100]): {figures}")
@@ -899,7 +899,7 @@ def default_steps() -> list[Step]:
             check_train,
             dry="compose",
         ),
-        Step("gpm_figures", "GPM figures (issue #13)", [], 10, check_gpm, dry="none"),
+        Step("gpm_figures", "GPM figures", [], 10, check_gpm, dry="none"),
         Step(
             "eval_gpu",
             "model.pth evaluated on cuda:0 reproduces the test accuracy",

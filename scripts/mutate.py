@@ -39,7 +39,7 @@ EQUIVALENT_FILE = ROOT / "docs" / "mutation" / "equivalent.md"
 LIBRARY_SRC = "lib/runkit/src/"
 SOURCE_ROOTS = (LIBRARY_SRC, "src/")
 
-# The modules that guard data, devices and GPU figures (issue #16), each with the fast tests
+# The modules that guard data, devices and GPU figures, each with the fast tests
 # that are its own. `-m "not slow"` is added to every run: slow tests never count.
 MODULES: dict[str, tuple[list[str], list[str]]] = {
     # checkpoint I/O and loading, with the allow-list of _target_s from files and the CRC check

@@ -818,7 +818,7 @@ def test_one_stop_in_any_phase_ends_it_at_the_next_batch_with_one_line(
         assert last_line(job.text) == line
         assert job.text.count("SIGTERM received") == 1, job.text[-3000:]
     for absent in ("again: quitting", "Traceback", "killed by signal", "weights_only` was not set"):
-        assert absent not in job.text  # weights_only: issue #11.12b
+        assert absent not in job.text  # loaded with weights_only
     assert saved.exists() == ("saved" in during)
     assert [name for name in unwritten if (run_dir / name).exists()] == []
     assert all_gone(job, started)
