@@ -93,7 +93,26 @@ class ResumeState(Callback):
                     trainer.default_root_dir,
                 )
                 continue_logs(trainer, earlier)
-        self._start_data(trainer)
+        # Lightning made the first epoch's iterator before any hook: make it again after seeding,
+        # drop the batches a mid-epoch checkpoint had trained on, put its generators' state back.
+        self._seed_epoch(trainer)
+        loop = trainer.fit_loop
+        done = loop.epoch_loop.batch_progress.current.processed
+        mid_epoch = loop.restarted_mid_epoch and 0 < done < trainer.num_training_batches
+        loaders = _train_loaders(trainer)
+        skip = done if mid_epoch and not any(_stateful(dl) for dl in loaders) else 0
+        if trainer.ckpt_path is not None and trainer.is_global_zero:
+            _say_what_differs(loaders, trainer.current_epoch, done if mid_epoch else 0)
+        if skip:
+            warnings.filterwarnings("ignore", message=_NOT_RESUMABLE)  # the batches are skipped
+        for loader in loaders:  # what Lightning does before it creates an epoch's iterator
+            for sampler in {id(s): s for s in _parts(loader)[1::2] if s is not None}.values():
+                if callable(getattr(sampler, "set_epoch", None)):
+                    sampler.set_epoch(trainer.current_epoch)
+        compat.restart_train_data(trainer, skip)
+        if mid_epoch and self._pending is not None:
+            set_rng_state(self._pending)
+        self._pending = None
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._seeded_epoch != trainer.current_epoch:
@@ -109,30 +128,6 @@ class ResumeState(Callback):
             for generator in {id(g): g for g in found if isinstance(g, torch.Generator)}.values():
                 generator.manual_seed(epoch_seed(self.seed + 1, epoch))
         self._seeded_epoch = epoch
-
-    def _start_data(self, trainer: Trainer) -> None:
-        """Lightning made the first epoch's iterator before any hook: make it again after seeding,
-        drop the batches a mid-epoch checkpoint had trained on, put its generators' state back."""
-        self._seed_epoch(trainer)
-        loop = trainer.fit_loop
-        done = loop.epoch_loop.batch_progress.current.processed
-        mid_epoch = loop.restarted_mid_epoch and 0 < done < trainer.num_training_batches
-        loaders = _train_loaders(trainer)
-        stateful = [dl for dl in loaders if _stateful(dl)]
-        skip = done if mid_epoch and not stateful else 0
-        if trainer.ckpt_path is not None and trainer.is_global_zero:
-            _say_what_differs(loaders, trainer.current_epoch, done if mid_epoch else 0)
-        if skip:
-            warnings.filterwarnings("ignore", message=_NOT_RESUMABLE)  # the batches are skipped
-        for loader in loaders:  # what Lightning does before it creates an epoch's iterator
-            samplers = {id(s): s for s in _parts(loader)[1::2] if s is not None}
-            for sampler in samplers.values():
-                if callable(getattr(sampler, "set_epoch", None)):
-                    sampler.set_epoch(trainer.current_epoch)
-        compat.restart_train_data(trainer, skip)
-        if mid_epoch and self._pending is not None:
-            set_rng_state(self._pending)
-        self._pending = None
 
 
 _NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
