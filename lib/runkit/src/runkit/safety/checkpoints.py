@@ -224,8 +224,7 @@ def last_good_checkpoint(directory: Path, prefer: Path | None = None, none: str 
 
 @contextlib.contextmanager
 def full_disk_in_one_line(run_dir: str | Path) -> Iterator[None]:
-    """A failed write in the block as one :class:`FileWriteError` line naming the last good
-    checkpoint."""
+    """A failed write in the block: one :class:`FileWriteError` line with the last good one."""
     try:
         yield
     except Exception as err:
