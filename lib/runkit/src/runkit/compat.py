@@ -72,7 +72,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "rich.live:Live",
         "_refresh_thread",
         "runkit.compat.detach_refresh_thread (runkit.run.progress_bar)",
-        "stopping a display joins its refresh thread, up to a second a stage; nothing public avoids it",
+        "stopping a display joins its refresh thread: up to a second a stage, no public way out",
         lambda: (
             "_refresh_thread" in vars(_resolve("rich.live:Live")())
             and _uses(
@@ -94,8 +94,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi(
         "hydra._internal.utils",
         "get_args_parser",
-        "runkit.compat.hydra_args_parser (runkit.run.cli, -m with --cfg; runkit.quoting.config_options; "
-        "runkit.safety.interrupts outside Hydra)",
+        "runkit.compat.hydra_args_parser (run.cli, quoting, safety.interrupts)",
         "Hydra's own command-line parser, to tell flags from overrides exactly as Hydra will",
         _parses_as_hydra,
     ),
@@ -137,7 +136,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
 
 
 def detach_refresh_thread(progress: Any) -> None:
-    """Let a Rich display stop without joining its refresh thread, which ends at its next wake-up."""
+    """Let a Rich display stop without joining its refresh thread (it ends when it wakes)."""
     live = progress.live
     thread = live._refresh_thread
     if thread is not None:

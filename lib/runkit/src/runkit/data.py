@@ -16,8 +16,7 @@ from runkit.errors import RunError
 
 
 class ArrayDataModule(LightningDataModule):
-    """Split ``(inputs, labels)`` once into train/val/test by ``split_seed`` (the training seed
-    never moves samples between splits); ``batch_size`` is per process."""
+    """Split once by ``split_seed`` (the training seed never moves samples between splits)."""
 
     def __init__(
         self,

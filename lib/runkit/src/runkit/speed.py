@@ -96,8 +96,7 @@ def to_channels_last(batch: Any) -> Any:
 
 
 class NetworkSpeedups(Callback):
-    """``compile`` and ``channels_last`` (on CUDA, a network with a 2-D convolution) for
-    ``pl_module.<network>`` in ``setup``, before the strategy moves and wraps the module."""
+    """``compile``, ``channels_last`` for ``pl_module.<network>`` before the strategy wraps it."""
 
     def __init__(
         self, compile: bool = False, channels_last: bool = True, network: str = "net"

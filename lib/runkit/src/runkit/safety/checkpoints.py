@@ -422,7 +422,7 @@ def damaged_files(folder: Path, names: Iterable[str] | None = None) -> str | Non
 
 
 def _sharded_state(folder: str | Path, load: bool = True) -> dict[str, torch.Tensor]:
-    """A sharded checkpoint's ``state_dict`` tensors, read (else empty, on ``meta``), or one line."""
+    """A sharded checkpoint's ``state_dict`` (``load=False``: empty, on ``meta``), or one line."""
     import torch.distributed.checkpoint as dcp
 
     prefix = "state_dict."
@@ -641,8 +641,7 @@ def load_network(
     net_config: dict[str, Any] | None = None,
     allowed: Iterable[str] = TRUSTED_TARGETS,
 ) -> nn.Module:
-    """A trained network (or LightningModule) from a ``.ckpt``/``model.pth`` in eval mode, rebuilt
-    from the run's config (classes under ``allowed`` only) or ``net_config``."""
+    """A trained network from a ``.ckpt``/``model.pth``, rebuilt from a trusted config."""
     from hydra.utils import instantiate
 
     data = load_file(path, map_location=device)

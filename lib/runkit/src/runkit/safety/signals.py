@@ -64,8 +64,7 @@ def stop_signals() -> tuple[signal.Signals, ...]:
 
 @contextmanager
 def stop_on_signal(until_exit: bool = False) -> Iterator[StopRequest]:
-    """Record stop signals for the block; a stop not acted on ends it in ``128 + N``
-    (``until_exit``: also while the interpreter shuts down after it)."""
+    """Record stop signals for the block (``until_exit``: and after); an unhandled one: 128 + N."""
     global request
     if threading.current_thread() is not threading.main_thread() or request.active:
         yield request

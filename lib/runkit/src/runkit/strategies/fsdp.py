@@ -66,8 +66,9 @@ class FSDPStrategy(ModelParallelStrategy):
                 obj = None
             if not (isinstance(obj, type) and issubclass(obj, nn.Module)):
                 raise RunError(
-                    f"trainer.strategy.shard_modules has {name!r}, which is not an nn.Module class; "
-                    "accepted: import paths of module classes (torch.nn.Linear, my_project.Block)"
+                    f"trainer.strategy.shard_modules has {name!r}, which is not an nn.Module "
+                    "class; accepted: import paths of module classes "
+                    "(torch.nn.Linear, my_project.Block)"
                 )
             classes.append(obj)
         self._classes = tuple(classes)
