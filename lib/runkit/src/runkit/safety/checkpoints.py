@@ -210,7 +210,7 @@ def atomic_link(source: str | Path, target: str | Path) -> None:
 
 
 def _newest(paths: Iterable[Path]) -> Path | None:
-    return max(paths, key=lambda p: p.stat().st_mtime, default=None)
+    return max(paths, key=lambda p: (p.stat().st_mtime_ns, p.name), default=None)
 
 
 def last_good_checkpoint(directory: Path, prefer: Path | None = None, none: str = "") -> str:
@@ -723,14 +723,12 @@ def _checkpoint_in(folder: Path, value: str, tested_weights: bool) -> Path:
             if candidate.name == WEIGHTS_FILE:
                 log.info("ckpt_path=%s: using its %s (the weights it tested)", value, WEIGHTS_FILE)
             return candidate
-    found = [
-        p for d in (folder / "checkpoints", folder) for p in d.glob("*.ckpt") if is_checkpoint(p)
-    ]
-    if not found:
+    found = (p for d in (folder / "checkpoints", folder) for p in d.glob("*.ckpt"))
+    newest = _newest(p for p in found if is_checkpoint(p))
+    if newest is None:
         raise RunError(
             f"{typed_as(folder, value)} is a directory without checkpoints/last.ckpt or any other "
             f".ckpt file; {_PASS}"
         )
-    newest = max(found, key=lambda p: (p.stat().st_mtime_ns, p.name))
     log.info("ckpt_path=%s has no last.ckpt: using its newest checkpoint, %s", value, newest.name)
     return newest
