@@ -1,8 +1,7 @@
 """lightning-runkit: everything a training run needs that is not the user's model, data or flow.
 
-The public API is :data:`__all__`, typed for checkers and loaded on first use, so ``import
-runkit`` pulls in neither torch nor Lightning and a project's ``--help`` stays instant. The
-components (callbacks, the CheckpointIO, the strategies) are named by module in the configs."""
+The public API, :data:`__all__`, is typed for checkers and loaded on first use: ``import runkit``
+pulls in neither torch nor Lightning."""
 
 from __future__ import annotations
 
@@ -89,7 +88,7 @@ def __getattr__(name: str) -> Any:
 
 @functools.cache
 def _modules() -> dict[str, str]:
-    """Each public name's module, read from the imports for type checkers above: one list."""
+    # each public name's module, read from the imports for type checkers above: one list
     tree = ast.parse(Path(__file__).read_text("utf-8"))
     block = next(node for node in tree.body if isinstance(node, ast.If))
     imports = [i for i in block.body if isinstance(i, ast.ImportFrom)]

@@ -1,6 +1,5 @@
-"""Every private Lightning, torch and Hydra API the library relies on, in one list: each entry
-names the access, who uses it and why no public API does the job, and a probe that the suite
-runs, so a release that moves one fails in a line naming it. Import-light."""
+"""Every private Lightning, torch and Hydra API the library relies on, each with who uses it,
+why, and a probe the suite runs, so a release that moves one fails in a line naming it."""
 
 from __future__ import annotations
 
@@ -11,8 +10,6 @@ from typing import Any, NamedTuple
 
 
 class PrivateApi(NamedTuple):
-    """One private access: ``owner`` has ``name``; ``probe`` (default: hasattr) proves it."""
-
     owner: str
     name: str
     used_by: str
@@ -20,7 +17,6 @@ class PrivateApi(NamedTuple):
     probe: Callable[[], Any] | None = None
 
     def missing(self) -> str | None:
-        """``None`` while the access still works; else one line naming it and who breaks."""
         detail = ""
         try:
             if (self.probe or (lambda: hasattr(_resolve(self.owner), self.name)))():
@@ -39,6 +35,10 @@ def _resolve(path: str) -> Any:
     for part in filter(None, rest.split(".")):
         obj = getattr(obj, part)
     return obj
+
+
+def _uses(path: str, name: str) -> bool:
+    return name in _resolve(path).__code__.co_names
 
 
 def _trainer() -> Any:
@@ -72,14 +72,13 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "rich.live:Live",
         "_refresh_thread",
         "runkit.compat.detach_refresh_thread (runkit.run.progress_bar)",
-        "Lightning's refresh thread sleeps 1/refresh_rate and its stop joins it: each stage's "
-        "end waited up to a second; nothing public stops a display without that join",
+        "stopping a display joins its refresh thread: up to a second a stage, no public way out",
         lambda: (
             "_refresh_thread" in vars(_resolve("rich.live:Live")())
-            and "_refresh_thread"
-            in _resolve(
-                "lightning.pytorch.callbacks.progress.rich_progress:CustomProgress.stop"
-            ).__code__.co_names
+            and _uses(
+                "lightning.pytorch.callbacks.progress.rich_progress:CustomProgress.stop",
+                "_refresh_thread",
+            )
         ),
     ),
     PrivateApi(
@@ -87,18 +86,15 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "procs",
         "runkit.run.launch",
         "collecting a sweep job's DDP children before the next job starts",
-        lambda: (
-            "procs"
-            in _resolve(
-                "lightning.pytorch.strategies.launchers.subprocess_script:_SubprocessScriptLauncher"
-            ).__init__.__code__.co_names
+        lambda: _uses(
+            "lightning.pytorch.strategies.launchers.subprocess_script:_SubprocessScriptLauncher.__init__",
+            "procs",
         ),
     ),
     PrivateApi(
         "hydra._internal.utils",
         "get_args_parser",
-        "runkit.compat.hydra_args_parser (runkit.run.cli, -m with --cfg; runkit.quoting.config_options; "
-        "runkit.safety.interrupts outside Hydra)",
+        "runkit.compat.hydra_args_parser (run.cli, quoting, safety.interrupts)",
         "Hydra's own command-line parser, to tell flags from overrides exactly as Hydra will",
         _parses_as_hydra,
     ),
@@ -106,22 +102,17 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "torch.utils.data.dataloader:_MultiProcessingDataLoaderIter",
         "__init__",
         "runkit.compat.forked_for_a_dataloader_worker (runkit.safety.signals)",
-        "a child forked from there will be a DataLoader worker, which keeps the stop signals "
-        "blocked from the fork on (torch's SIGTERM handler would die by a group's signal and crash "
-        "the parent's stop); nothing else marks a worker before its loop starts",
-        lambda: (
-            "start"
-            in _resolve(
-                "torch.utils.data.dataloader:_MultiProcessingDataLoaderIter.__init__"
-            ).__code__.co_names
+        "a child forked from there is a DataLoader worker, which keeps the stop signals blocked; "
+        "nothing else marks a worker before its loop starts",
+        lambda: _uses(
+            "torch.utils.data.dataloader:_MultiProcessingDataLoaderIter.__init__", "start"
         ),
     ),
     PrivateApi(
         "lightning.pytorch.strategies:ModelParallelStrategy",
         "_data_parallel_size",
         "runkit.strategies.fsdp",
-        "FSDP over every process: the data-parallel size is devices * num_nodes, known only "
-        "once the Trainer has set the processes up ('auto' means num_nodes)",
+        "FSDP over every process: devices * num_nodes, known only once the processes are set up",
         lambda: (
             "_data_parallel_size"
             in vars(_resolve("lightning.pytorch.strategies:ModelParallelStrategy")())
@@ -131,9 +122,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "lightning.pytorch.loops.fit_loop:_FitLoop",
         "_data_fetcher",
         "runkit.compat.restart_train_data (runkit.safety.resume)",
-        "the training epoch's iterator: Lightning restores the loops after on_fit_start and "
-        "creates it before on_train_start (no hook between), so a resume re-creates it after "
-        "reseeding and reads the batches trained on; a DataLoader's sampler cannot be swapped",
+        "the epoch's iterator exists before any hook: a resume re-creates it after reseeding",
         lambda: "_data_fetcher" in vars(_trainer().fit_loop),
     ),
     PrivateApi(
@@ -147,10 +136,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
 
 
 def detach_refresh_thread(progress: Any) -> None:
-    """Tell a Rich display's refresh thread to end and let the display stop without joining it
-    (private: see PRIVATE_APIS). Lightning's thread sleeps a whole redraw interval between
-    checks of its flag; detached, it ends at its next wake-up by itself (a daemon thread that
-    draws nothing more)."""
+    """Let a Rich display stop without joining its refresh thread (it ends when it wakes)."""
     live = progress.live
     thread = live._refresh_thread
     if thread is not None:
@@ -160,15 +146,13 @@ def detach_refresh_thread(progress: Any) -> None:
 
 
 def hydra_args_parser() -> Any:
-    """Hydra's own ``argparse`` parser of a command line (private: see PRIVATE_APIS)."""
     from hydra._internal.utils import get_args_parser
 
     return get_args_parser()
 
 
 def restart_train_data(trainer: Any, skip: int) -> int:
-    """Create the training epoch's iterator again and read ``skip`` batches; how many were read
-    (fewer when the data ends first). Private: see PRIVATE_APIS."""
+    """Create the training epoch's iterator again and read ``skip`` batches; how many were read."""
     fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
     if fetcher is None:
         return 0
@@ -185,8 +169,7 @@ def restart_train_data(trainer: Any, skip: int) -> int:
 
 
 def forked_for_a_dataloader_worker() -> bool:
-    """In a child, right after the fork: whether torch's DataLoader forked it to be a worker (the
-    fork was called from ``_MultiProcessingDataLoaderIter.__init__``; private: see PRIVATE_APIS)."""
+    """In a child, right after the fork: whether torch's DataLoader forked it to be a worker."""
     dataloader = sys.modules.get("torch.utils.data.dataloader")
     if dataloader is None:
         return False

@@ -1,6 +1,5 @@
-"""A LightningDataModule for any data set that fits in memory as two tensors, inputs and labels:
-subclass :class:`ArrayDataModule` and implement :meth:`load_arrays` (own-model-and-data.md, among
-the library's pages, has an example)."""
+"""A LightningDataModule for a data set in memory as two tensors: subclass it, implement
+:meth:`ArrayDataModule.load_arrays` (own-model-and-data.md has an example)."""
 
 from __future__ import annotations
 
@@ -17,9 +16,7 @@ from runkit.errors import RunError
 
 
 class ArrayDataModule(LightningDataModule):
-    """Split ``(inputs, labels)`` once into train/val/test (from its own seeded generator, so the
-    training ``seed`` never moves samples between splits) and serve them as DataLoaders.
-    ``batch_size`` is per process; ``num_workers=auto``: none for in-memory tensors."""
+    """Split once by ``split_seed`` (the training seed never moves samples between splits)."""
 
     def __init__(
         self,
@@ -81,8 +78,7 @@ class ArrayDataModule(LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self._loader(self.test_set)
 
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set)
+    predict_dataloader = test_dataloader
 
     def _loader(self, dataset: Any, sampler: Any = None) -> DataLoader:
         kwargs = getattr(self.trainer, "distributed_sampler_kwargs", None)
@@ -100,7 +96,7 @@ class ArrayDataModule(LightningDataModule):
         )
 
     def _pin(self) -> bool:
-        """``auto``: pin only for a CUDA device (on the CPU it would start a CUDA context)."""
+        # auto: pin only for a CUDA device (on the CPU it would start a CUDA context)
         if self.pin_memory != "auto":
             return bool(self.pin_memory)
         device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
@@ -108,8 +104,7 @@ class ArrayDataModule(LightningDataModule):
 
 
 class Rows(Sequence):
-    """A batch as one stacked tensor per field, which :func:`collate_rows` passes on; also a
-    sequence of ``(input, label)`` samples for ``default_collate`` (a DataLoader built by hand)."""
+    """A batch as one stacked tensor per field; also a sequence of ``(input, label)`` samples."""
 
     def __init__(self, tensors: tuple[torch.Tensor, ...]) -> None:
         self.tensors = tensors
@@ -122,8 +117,7 @@ class Rows(Sequence):
 
 
 class BatchedTensorDataset(TensorDataset):
-    """A ``TensorDataset`` that serves a whole batch (``__getitems__``, which a DataLoader and
-    ``Subset`` use when present) with one indexing operation per tensor, not one per sample."""
+    """Serves a whole batch (``__getitems__``) with one indexing operation per tensor."""
 
     def __getitems__(self, indices: list[int]) -> Rows:
         index = torch.as_tensor(indices, dtype=torch.long)
@@ -131,13 +125,11 @@ class BatchedTensorDataset(TensorDataset):
 
 
 def collate_rows(batch: Any) -> Any:
-    """A batch already stacked passes through (as the list ``default_collate`` would make)."""
     return list(batch.tensors) if isinstance(batch, Rows) else default_collate(batch)
 
 
 class EpochShuffle(RandomSampler):
-    """A new order every epoch that depends only on ``(seed, epoch)``, not on any global RNG, so a
-    resumed run sees the same order (Lightning calls :meth:`set_epoch`; DDP replaces it)."""
+    """An order per epoch from ``(seed, epoch)`` only: a resumed run sees the same order."""
 
     def __init__(self, data_source: Any, seed: int = 0) -> None:
         super().__init__(data_source)

@@ -1,6 +1,5 @@
-"""The speed switches: each a config key, defaulting to the fast choice where it is safe, and a
-no-op where it would not help (TF32 on the CPU or older GPUs, the allocator switch without glibc).
-The library README's performance table says what each does."""
+"""The speed switches: each a config key, the fast choice by default where it is safe, a no-op
+where it would not help (the library README's performance table says what each does)."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ LIGHTNING_PRECISIONS = (
 
 
 def cuda_indices(accelerator: Any, devices: Any) -> list[int]:
-    """The CUDA device indices a run trains on (``devices`` as the Trainer takes it); ``[]`` for
-    a run on the CPU, another accelerator or a machine without CUDA."""
+    """The CUDA device indices a run trains on (``devices`` as the Trainer takes it), or ``[]``."""
     if str(accelerator).strip().lower() not in ("auto", "gpu", "cuda"):
         return []
     if not torch.cuda.is_available():
@@ -47,7 +45,6 @@ def cuda_indices(accelerator: Any, devices: Any) -> list[int]:
 
 
 def _ampere(cuda: Sequence[int]) -> bool:
-    """TF32 and native bf16 on every GPU of the run (compute capability 8.0 on)."""
     return bool(cuda) and all(torch.cuda.get_device_capability(i) >= (8, 0) for i in cuda)
 
 
@@ -56,8 +53,7 @@ def _invalid(key: str, value: Any, expected: str) -> RunError:
 
 
 def apply_matmul_precision(value: str, cuda: Sequence[int]) -> str:
-    """Set the float32 matmul precision when every GPU of the run is Ampere or newer; return
-    what is in force (elsewhere nothing changes: a CPU backend could trade accuracy)."""
+    """Set it when every GPU is Ampere or newer (a CPU backend could trade accuracy)."""
     if value not in MATMUL_PRECISIONS:
         raise _invalid("matmul_precision", value, f"one of {', '.join(MATMUL_PRECISIONS)}")
     if _ampere(cuda):
@@ -66,8 +62,7 @@ def apply_matmul_precision(value: str, cuda: Sequence[int]) -> str:
 
 
 def keep_freed_memory(enabled: Any) -> bool:
-    """Let glibc's malloc keep the memory a step frees for the next step (process-wide, not
-    undone: mmap threshold 32 MB, trim threshold 1 GiB); whether that is in force."""
+    """Let glibc's malloc keep the memory a step frees for the next one; whether in force."""
     if not isinstance(enabled, bool):
         raise _invalid("keep_freed_memory", enabled, "true or false")
     if not enabled or platform.libc_ver()[0] != "glibc":
@@ -77,8 +72,7 @@ def keep_freed_memory(enabled: Any) -> bool:
 
 
 def resolve_precision(value: Any, cuda: Sequence[int]) -> str:
-    """``auto``: ``bf16-mixed`` when every GPU of the run is Ampere or newer, else ``32-true``;
-    any other value must be a Lightning precision (returned as text)."""
+    """``auto``: ``bf16-mixed`` when every GPU is Ampere or newer, else ``32-true``."""
     text = str(value).strip()
     if text != "auto" and text not in LIGHTNING_PRECISIONS:
         raise _invalid("precision", value, f"auto or one of {', '.join(LIGHTNING_PRECISIONS)}")
@@ -86,8 +80,7 @@ def resolve_precision(value: Any, cuda: Sequence[int]) -> str:
 
 
 def maybe_compile(net: nn.Module, enabled: bool) -> nn.Module:
-    """Compile ``net`` in place once when ``enabled`` (``torch.compile(net)``'s wrapper would
-    prefix every ``state_dict`` key with ``_orig_mod.``); marked, so DP can refuse it."""
+    """Compile in place (keys keep no ``_orig_mod.``), once; marked, so DP can refuse it."""
     if enabled and not getattr(net, "compiled_by_runkit", False):
         net.compile()
         setattr(net, "compiled_by_runkit", True)  # noqa: B010 (nn.Module types its attributes)
@@ -95,7 +88,6 @@ def maybe_compile(net: nn.Module, enabled: bool) -> nn.Module:
 
 
 def to_channels_last(batch: Any) -> Any:
-    """The batch with its 4-D tensors (images) in channels-last layout."""
     if isinstance(batch, torch.Tensor):
         return batch.contiguous(memory_format=torch.channels_last) if batch.ndim == 4 else batch
     if isinstance(batch, list | tuple):
@@ -104,9 +96,7 @@ def to_channels_last(batch: Any) -> Any:
 
 
 class NetworkSpeedups(Callback):
-    """``callbacks.speed``: ``compile`` and ``channels_last`` for ``pl_module.<network>``, in
-    ``setup``, before the strategy moves and wraps the module. Channels-last applies on CUDA to a
-    network with a 2-D convolution: NHWC weights and a forward pre-hook for its 4-D inputs."""
+    """``compile``, ``channels_last`` for ``pl_module.<network>`` before the strategy wraps it."""
 
     def __init__(
         self, compile: bool = False, channels_last: bool = True, network: str = "net"
@@ -144,9 +134,7 @@ class NetworkSpeedups(Callback):
 
 
 def trainer_settings(cfg: Any, plan: Any) -> dict[str, Any]:
-    """The Trainer arguments a run decides for the devices of ``plan`` (a
-    :class:`runkit.gpus.resolve.DevicePlan`), applying TF32 and :func:`keep_freed_memory` on the
-    way; ``precision`` is the top-level key. Logs one line."""
+    """The Trainer arguments for the devices of ``plan``, applying TF32 and the allocator."""
     if cfg.trainer.get("precision") is not None:
         hint = quoting.override("precision", cfg.trainer.precision)  # pasteable as it is
         raise RunError(
@@ -178,8 +166,7 @@ def trainer_settings(cfg: Any, plan: Any) -> dict[str, Any]:
 
 
 class NoProfiler(Profiler):
-    """A profiler that times nothing at the least cost: one shared ``nullcontext`` for the many
-    hook calls a step, where Lightning's ``PassThroughProfiler`` builds a generator each time."""
+    """Times nothing: one shared ``nullcontext`` (``PassThroughProfiler`` builds a generator)."""
 
     def start(self, action_name: str) -> None: ...
 

@@ -1,10 +1,8 @@
-"""Saving and loading model state: crash-safe writes, integrity checks, ``model.pth``, networks.
+"""Crash-safe writes and checked loads of checkpoints, ``model.pth`` and networks.
 
-``*.ckpt`` files carry the whole training state, ``model.pth`` a plain ``state_dict`` of
-:func:`exported_part`. Both load with ``weights_only=True`` after their zip CRCs are checked (torch
-does not check them). A network is rebuilt from a file's config only through trusted
-``_target_``s (:mod:`.trusted`). ``trainer=fsdp`` saves a directory of shards with a
-``manifest.json`` (sizes and CRC-32s) written last.
+Files load with ``weights_only=True`` after their zip CRCs are checked (torch does not check
+them); networks are rebuilt only through trusted ``_target_``s; a sharded checkpoint's
+``manifest.json`` (sizes, CRC-32s) is written last.
 """
 
 from __future__ import annotations
@@ -63,8 +61,7 @@ class NoRunConfig(RunError):
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint I/O with crash-safe local writes beside the target (Lightning stages
-    them in ``$TMPDIR``) and verified ``weights_only`` loads; remote paths keep Lightning's way."""
+    """Crash-safe local writes beside the target (not in ``$TMPDIR``), verified loads."""
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
@@ -112,15 +109,13 @@ class _ErrorKeepingFile:
 
 
 def _temporary_name(target: Path) -> Path:
-    """A fresh temporary name beside ``target``, dead writers' leftovers removed first."""
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(target.parent)
     return target.parent / f".{target.name}.{os.getpid()}-{_HOST}-{secrets.token_hex(4)}.tmp"
 
 
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Write a temporary file beside ``path``, fsync it, rename it over ``path``: a crash leaves
-    the old file or the new one. On failure it is removed; :class:`FileWriteError` says why."""
+    """Write beside ``path``, fsync, rename over it: a crash leaves the old file or the new."""
     target = Path(path)
     kept, handle, tmp = target.is_file(), None, None
     try:
@@ -142,7 +137,6 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
 
 
 def write_failure(target: Path, err: OSError, kept: bool) -> tuple[str, str]:
-    """(what failed, what remains) for :class:`FileWriteError`."""
     outcome = "its previous version is unchanged" if kept else "nothing was written"
     if err.errno in DISK_FULL:
         return f"the disk is full: could not write {str(target)!r} ({err.strerror})", outcome
@@ -151,8 +145,7 @@ def write_failure(target: Path, err: OSError, kept: bool) -> tuple[str, str]:
 
 
 def remove_stale_temporaries(directory: Path) -> list[Path]:
-    """Remove dead writers' temporaries: the pid in the name no longer runs here, or another
-    machine's is a day old."""
+    """Remove temporaries whose writer died here, or another machine's a day old."""
     removed: list[Path] = []
     with contextlib.suppress(OSError):
         for entry in list(os.scandir(directory)):
@@ -193,8 +186,7 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def atomic_link(source: str | Path, target: str | Path) -> None:
-    """Make ``target`` a second name of ``source``'s bytes, atomically: a hard link, else a copy;
-    a sharded directory file by file."""
+    """Make ``target`` a hard link (else a copy) of ``source``, atomically."""
     source, target = Path(source), Path(target)
     if source.is_dir():
         staging = new_staging_dir(target)
@@ -218,7 +210,7 @@ def atomic_link(source: str | Path, target: str | Path) -> None:
 
 
 def _newest(paths: Iterable[Path]) -> Path | None:
-    return max(paths, key=lambda p: p.stat().st_mtime, default=None)
+    return max(paths, key=lambda p: (p.stat().st_mtime_ns, p.name), default=None)
 
 
 def last_good_checkpoint(directory: Path, prefer: Path | None = None, none: str = "") -> str:
@@ -232,8 +224,7 @@ def last_good_checkpoint(directory: Path, prefer: Path | None = None, none: str 
 
 @contextlib.contextmanager
 def full_disk_in_one_line(run_dir: str | Path) -> Iterator[None]:
-    """A failed write of the run's files in the block (full disk, run directory taken away) as one
-    :class:`FileWriteError` line naming what failed and the run's last good checkpoint."""
+    """A failed write in the block: one :class:`FileWriteError` line with the last good one."""
     try:
         yield
     except Exception as err:
@@ -254,8 +245,7 @@ def full_disk_in_one_line(run_dir: str | Path) -> Iterator[None]:
 
 
 def exported_part(model: nn.Module) -> nn.Module:
-    """What ``model.pth`` holds: ``model.net`` when it holds every saved weight of ``model``
-    (however tied), else ``model`` (a head beside ``net``). Export, eval and loading follow it."""
+    """What ``model.pth`` holds: ``model.net`` if it holds every saved weight, else ``model``."""
     net = getattr(model, "net", None)
     if not isinstance(net, nn.Module):
         return model
@@ -266,15 +256,13 @@ def exported_part(model: nn.Module) -> nn.Module:
 
 
 def load_exported_weights(model: nn.Module, data: dict[str, Any], source: str | Path) -> nn.Module:
-    """Load a ``model.pth``/``.ckpt`` into :func:`exported_part` of ``model``; return it."""
     part = exported_part(model)
     load_state_into(part, network_state(data, source, "net." if part is not model else ""), source)
     return part
 
 
 def rebuild_model(model_config: dict[str, Any]) -> nn.Module:
-    """The LightningModule a trusted ``model`` config describes, its ``configure_model`` run
-    (``compile``/``channels_last`` of old runs dropped)."""
+    """The LightningModule of a trusted ``model`` config, its ``configure_model`` run."""
     from hydra.utils import instantiate
     from lightning.pytorch import LightningModule
     from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -287,7 +275,6 @@ def rebuild_model(model_config: dict[str, Any]) -> nn.Module:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    """Whether ``model`` is sharded (``trainer=fsdp``): its export is collective."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
@@ -297,8 +284,7 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def save_weights(net: nn.Module, path: str | Path) -> Path:
-    """Export ``net.state_dict()`` on the CPU to ``path``, crash-safe; a sharded network is
-    gathered (every rank calls this) and written by rank 0."""
+    """Export ``net.state_dict()`` crash-safe; a sharded one is gathered (every rank calls)."""
     from torch.distributed.tensor import DTensor
 
     state = {
@@ -323,7 +309,6 @@ def is_checkpoint(path: str | Path) -> bool:
 
 
 def new_staging_dir(target: Path) -> Path:
-    """An empty directory beside ``target``, named as a temporary."""
     tmp = _temporary_name(target)
     tmp.mkdir()
     return tmp
@@ -342,7 +327,6 @@ def _crc(path: Path) -> int:
 
 
 def describe_files(folder: Path, names: Iterable[str]) -> list[dict[str, Any]]:
-    """Size and CRC-32 of each named file, fsynced."""
     entries = []
     for name in names:
         with (folder / name).open("rb") as handle:
@@ -353,7 +337,6 @@ def describe_files(folder: Path, names: Iterable[str]) -> list[dict[str, Any]]:
 
 
 def write_manifest(folder: Path, entries: list[dict[str, Any]]) -> None:
-    """Write the manifest last, describing any file no rank described."""
     missing = sorted(set(checkpoint_files(folder)) - {e["name"] for e in entries})
     entries = sorted([*entries, *describe_files(folder, missing)], key=lambda e: e["name"])
     text = json.dumps({"files": entries}, indent=1)
@@ -372,8 +355,7 @@ def _exchange(first: Path, second: Path) -> bool:
 
 
 def swap_in(staging: Path, target: Path) -> None:
-    """Make the complete directory ``staging`` the checkpoint ``target``: a rename, an atomic
-    exchange with the old one, else the old one renamed aside first."""
+    """Make the directory ``staging`` the checkpoint ``target``, atomically where Linux can."""
     _fsync_dir(staging)
     if target.is_file():
         target.unlink()
@@ -410,8 +392,7 @@ def _manifest(folder: Path) -> list[dict[str, Any]] | None:
 
 
 def damaged_files(folder: Path, names: Iterable[str] | None = None) -> str | None:
-    """One line naming the first file of a checkpoint directory unlike its manifest (missing,
-    size, CRC-32), or ``None``. ``names``: only these (a rank's share)."""
+    """One line naming the first file unlike the manifest, or ``None``; ``names``: only these."""
     manifest = _manifest(folder)
     if manifest is None:
         if (folder / ".metadata").is_file():
@@ -440,54 +421,46 @@ def damaged_files(folder: Path, names: Iterable[str] | None = None) -> str | Non
     return None
 
 
-def verify_checkpoint_dir(folder: str | Path) -> None:
-    problem = damaged_files(Path(folder))
-    if problem:
-        raise RunError(problem)
-
-
-def _tensor_index(folder: str | Path) -> tuple[Any, dict[str, Any]]:
-    """The reader of a sharded checkpoint and its index of ``state_dict`` tensors, or one line."""
+def _sharded_state(folder: str | Path, load: bool = True) -> dict[str, torch.Tensor]:
+    """A sharded checkpoint's ``state_dict`` (``load=False``: empty, on ``meta``), or one line."""
     import torch.distributed.checkpoint as dcp
 
+    prefix = "state_dict."
     try:
         reader = dcp.FileSystemReader(str(folder))
-        index = reader.read_metadata().state_dict_metadata
+        state = {
+            key[len(prefix) :]: torch.empty(
+                tuple(item.size),
+                dtype=item.properties.dtype,  # type: ignore[union-attr]
+                device="cpu" if load else "meta",
+            )
+            for key, item in reader.read_metadata().state_dict_metadata.items()
+            if key.startswith(prefix) and hasattr(item, "size")
+        }
+        if load:
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load({"state_dict": state}, storage_reader=reader, no_dist=True)
     except Exception as err:
         raise RunError(
             f"{str(folder)!r} is not a readable sharded checkpoint: {_first(err)}"
         ) from err
-    prefix = "state_dict."
-    return reader, {
-        k[len(prefix) :]: v for k, v in index.items() if k.startswith(prefix) and hasattr(v, "size")
-    }
+    return state
 
 
 def load_sharded(folder: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
-    """A sharded checkpoint directory as one full checkpoint on one process, without optimiser
-    state (for test and eval)."""
-    import torch.distributed.checkpoint as dcp
-
+    """A sharded checkpoint as one full checkpoint on one process, no optimiser state."""
     folder = Path(folder)
-    verify_checkpoint_dir(folder)
+    if problem := damaged_files(folder):
+        raise RunError(problem)
     meta = folder / "meta.pt"
     data = load_file(meta, map_location=map_location) if meta.is_file() else {}
-    reader, index = _tensor_index(folder)
-    state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in index.items()}
-    try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load({"state_dict": state}, storage_reader=reader, no_dist=True)
-    except Exception as err:
-        raise RunError(
-            f"{str(folder)!r} is not a readable sharded checkpoint: {_first(err)}"
-        ) from err
-    data["state_dict"] = state
+    data["state_dict"] = _sharded_state(folder)
     return data
 
 
 def sharded_shapes(folder: str | Path) -> dict[str, torch.Size]:
-    return {key: torch.Size(item.size) for key, item in _tensor_index(folder)[1].items()}
+    return {key: tensor.shape for key, tensor in _sharded_state(folder, load=False).items()}
 
 
 def _first(err: BaseException) -> str:
@@ -495,8 +468,7 @@ def _first(err: BaseException) -> str:
 
 
 def verify_archive(path: str | Path) -> None:
-    """Refuse, in one line, a zip archive whose records do not match their CRC-32; legacy files
-    and archives without CRCs pass."""
+    """Refuse a zip archive whose records do not match their CRC-32 (legacy files pass)."""
     try:
         Path(path).stat()
     except OSError as err:
@@ -519,8 +491,7 @@ def verify_archive(path: str | Path) -> None:
 
 
 def load_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
-    """``torch.load(weights_only=True)`` after :func:`verify_archive`, one line on failure;
-    ``mmap``: for shapes only."""
+    """``torch.load(weights_only=True)`` after :func:`verify_archive`; one line on failure."""
     file = Path(path)
     if is_sharded_checkpoint(file):
         return load_sharded(file, map_location=map_location)
@@ -547,7 +518,6 @@ def load_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -
 def network_state(
     data: dict[str, Any], source: str | Path = "", prefix: str = "net."
 ) -> dict[str, torch.Tensor]:
-    """The network's ``state_dict`` from a ``model.pth`` or a checkpoint (keys under ``prefix``)."""
     if "state_dict" in data and "pytorch-lightning_version" in data:
         state = data["state_dict"]
         if not isinstance(state, dict):
@@ -567,8 +537,7 @@ def run_config(
     allowed: Iterable[str] = TRUSTED_TARGETS,
     needs: tuple[str, ...] = ("model",),
 ) -> dict[str, Any]:
-    """The ``model`` and ``data`` config of the run that wrote ``path`` (inside it, or a
-    ``config.yaml`` beside it or one level up), checked against ``allowed``; ``needs`` must be there."""
+    """The trusted ``model``/``data`` config inside ``path`` or in a ``config.yaml`` near it."""
     hparams = data.get("hyper_parameters") or {}
     if isinstance(hparams, dict) and isinstance(hparams.get("config"), dict):
         config, source = hparams["config"], Path(path)
@@ -580,7 +549,23 @@ def run_config(
                 f"cannot rebuild the network for {str(path)!r}: no config inside it and no "
                 f"{CONFIG_FILE} beside it; pass the network config with model=..."
             )
-        config = _read_yaml(source)
+        import yaml
+        from omegaconf import OmegaConf
+
+        try:
+            text = source.read_text(encoding="utf-8")
+            if any(
+                isinstance(e, yaml.AliasEvent) for e in yaml.parse(text, Loader=yaml.SafeLoader)
+            ):
+                raise RunError(f"{str(source)!r} uses a YAML alias; configs saved by a run do not")
+            config = OmegaConf.to_container(OmegaConf.create(text), resolve=False)
+        except RunError:
+            raise
+        except Exception as err:
+            reason = " ".join(str(err).split())[:200] or type(err).__name__
+            raise RunError(f"cannot read {str(source)!r} as a run config: {reason}") from err
+        if not isinstance(config, dict):
+            raise RunError(f"{str(source)!r} is not a run config (a YAML mapping)")
     parts = {key: config[key] for key in ("model", "data") if key in config}
     missing = [key for key in needs if not isinstance(parts.get(key), dict)]
     if missing:
@@ -589,30 +574,10 @@ def run_config(
     return parts
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
-    import yaml
-    from omegaconf import OmegaConf
-
-    try:
-        text = path.read_text(encoding="utf-8")
-        if any(isinstance(e, yaml.AliasEvent) for e in yaml.parse(text, Loader=yaml.SafeLoader)):
-            raise RunError(f"{str(path)!r} uses a YAML alias; configs saved by a run do not")
-        config = OmegaConf.to_container(OmegaConf.create(text), resolve=False)
-    except RunError:
-        raise
-    except Exception as err:
-        reason = " ".join(str(err).split())[:200] or type(err).__name__
-        raise RunError(f"cannot read {str(path)!r} as a run config: {reason}") from err
-    if not isinstance(config, dict):
-        raise RunError(f"{str(path)!r} is not a run config (a YAML mapping)")
-    return config
-
-
 def state_mismatch(
     expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor], built_later: bool = False
 ) -> str | None:
-    """How ``state`` fails to fit ``expected`` in one line (a few keys of each kind), or ``None``.
-    ``built_later``: layers built in ``configure_model`` are missing from ``expected``."""
+    """How ``state`` fails to fit ``expected``, in one line, or ``None``."""
     kinds = {
         "missing keys": sorted(set(expected) - set(state)),
         "unexpected keys": [] if built_later else sorted(set(state) - set(expected)),
@@ -632,7 +597,6 @@ STANDS_FOR: dict[str, Path] = {}  # a file of as_lightning_checkpoint -> the one
 
 
 def as_lightning_checkpoint(state: dict[str, torch.Tensor], source: str | Path) -> Path:
-    """``state`` as a minimal Lightning checkpoint in a temporary file, for ``trainer.test``."""
     import atexit
     import tempfile
 
@@ -647,7 +611,6 @@ def as_lightning_checkpoint(state: dict[str, torch.Tensor], source: str | Path) 
 
 
 def explain_load_failure(trainer: Any, err: BaseException) -> RunError | None:
-    """Lightning's many-line ``load_state_dict`` error as one line naming the keys, or ``None``."""
     path = getattr(trainer, "ckpt_path", None)
     if not path or not isinstance(err, RuntimeError) or "state_dict" not in str(err):
         return None
@@ -678,14 +641,7 @@ def load_network(
     net_config: dict[str, Any] | None = None,
     allowed: Iterable[str] = TRUSTED_TARGETS,
 ) -> nn.Module:
-    """Load a trained network from a ``.ckpt`` or ``model.pth`` onto ``device``, in eval mode,
-    rebuilt from the run's saved config (only classes under ``allowed``: add your package with
-    ``allowed=[*TRUSTED_TARGETS, "my_project."]``) or ``net_config``; without a ``net``, the
-    whole LightningModule::
-
-        net = load_network("logs/train/runs/<run>/model.pth", device="cuda:0")
-        predictions = net(images.to("cuda:0")).argmax(-1)
-    """
+    """A trained network from a ``.ckpt``/``model.pth``, rebuilt from a trusted config."""
     from hydra.utils import instantiate
 
     data = load_file(path, map_location=device)
@@ -708,9 +664,7 @@ def load_network(
 def resolve_ckpt_path(
     value: str | None, log_dir: str | Path, task_name: str = "train", tested_weights: bool = False
 ) -> Path | None:
-    """The checkpoint a typed ``ckpt_path`` names, checked, or one line: a file, a sharded
-    directory, a run directory (its ``last.ckpt``, else its newest; ``tested_weights``: its
-    ``model.pth`` first), or ``last`` (the newest run's ``last.ckpt``)."""
+    """The checked checkpoint a ``ckpt_path`` names (file, sharded or run directory, ``last``)."""
     if value in (None, ""):
         return None
     if value == "last":
@@ -725,7 +679,8 @@ def resolve_ckpt_path(
         if path.is_dir() and not is_sharded_checkpoint(path):
             path = _checkpoint_in(path, value, tested_weights)
     if is_sharded_checkpoint(path):
-        verify_checkpoint_dir(path)
+        if problem := damaged_files(path):
+            raise RunError(problem)
         return path.resolve()
     _check_file(path, value)
     if not zipfile.is_zipfile(path):
@@ -768,14 +723,12 @@ def _checkpoint_in(folder: Path, value: str, tested_weights: bool) -> Path:
             if candidate.name == WEIGHTS_FILE:
                 log.info("ckpt_path=%s: using its %s (the weights it tested)", value, WEIGHTS_FILE)
             return candidate
-    found = [
-        p for d in (folder / "checkpoints", folder) for p in d.glob("*.ckpt") if is_checkpoint(p)
-    ]
-    if not found:
+    found = (p for d in (folder / "checkpoints", folder) for p in d.glob("*.ckpt"))
+    newest = _newest(p for p in found if is_checkpoint(p))
+    if newest is None:
         raise RunError(
             f"{typed_as(folder, value)} is a directory without checkpoints/last.ckpt or any other "
             f".ckpt file; {_PASS}"
         )
-    newest = max(found, key=lambda p: (p.stat().st_mtime_ns, p.name))
     log.info("ckpt_path=%s has no last.ckpt: using its newest checkpoint, %s", value, newest.name)
     return newest

@@ -1,9 +1,7 @@
 """Stop (or skip the batch) when the training loss is NaN or infinite; never save such weights.
 
-``stop`` keeps each step's loss on its device and reads them every ``check_every_n_steps`` steps,
-at each epoch's end and before any save (no host sync a step); ``skip`` drops such a batch's
-gradients (one sync a step). Either way a checkpoint whose weights, buffers or monitored metric
-are not finite is refused, and a diverged run stops before test and export; the ranks agree.
+``stop`` reads the losses kept on the device every ``check_every_n_steps`` steps and before any
+save (no host sync a step); ``skip`` syncs once a step. A diverged run stops before test/export.
 """
 
 from __future__ import annotations
@@ -23,13 +21,11 @@ log = logging.getLogger(__name__)
 
 
 class NonFiniteLossError(RunError):
-    """The training loss became NaN or infinite; the last good checkpoint is kept."""
-
     exit_code = 3
 
 
-class DivergedError(NonFiniteLossError):
-    """The weights or the monitored metric are NaN or infinite: the run diverged."""
+class DivergedError(NonFiniteLossError):  # the weights or the monitored metric
+    pass
 
 
 class FiniteLoss(Callback):
@@ -144,7 +140,6 @@ class FiniteLoss(Callback):
         )
 
     def check(self) -> None:
-        """Raise :class:`NonFiniteLossError` if a non-finite loss was recorded (one host sync)."""
         if not self._losses:
             return
         finite = torch.isfinite(torch.stack([loss for loss, *_ in self._losses]))
@@ -161,8 +156,7 @@ class FiniteLoss(Callback):
 
 
 def _all_finite(tensors: Any) -> bool:
-    """Whether every floating-point tensor holds finite values (one host sync for all); a
-    sharded tensor is checked on this rank's shard."""
+    """Whether every float tensor (a sharded one: this rank's shard) is finite; one host sync."""
     flags = [
         torch.isfinite(local).all()
         for tensor in tensors
@@ -175,6 +169,5 @@ def _all_finite(tensors: Any) -> bool:
     return bool(torch.stack([f.to(flags[0].device) for f in flags]).all()) if flags else True
 
 
-def _agreed(trainer: Trainer, bad: bool) -> bool:
-    """``bad`` on any rank (every rank calls this at the same point)."""
+def _agreed(trainer: Trainer, bad: bool) -> bool:  # on any rank; every rank calls it
     return bool(trainer.strategy.reduce_boolean_decision(bad, all=False))

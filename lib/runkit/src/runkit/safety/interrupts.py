@@ -1,8 +1,5 @@
-"""Acting on a recorded stop signal in every phase: all ranks stop together, save once.
-
-Lightning's own SIGTERM handler broadcasts inside the handler and each rank raises on its own, so
-DDP ranks diverge and hang; :class:`GracefulInterrupt` replaces it by one all-reduce a batch.
-"""
+"""Acting on a recorded stop signal: all ranks stop together, at one batch, and save once
+(Lightning's handler broadcasts inside the handler, so DDP ranks diverge and hang)."""
 
 from __future__ import annotations
 
@@ -77,8 +74,7 @@ class GracefulInterrupt(Callback):
     def _agree(
         self, trainer: Trainer, module: Any, batch: Any, batch_idx: int, loader: int = 0
     ) -> None:
-        """One all-reduce (MAX) of each rank's signal; an agreed stop ends the loop (in fit after
-        that batch, where a save resumes exactly)."""
+        """One all-reduce (MAX) of each rank's signal; an agreed stop ends the loop."""
         request = signals.request
         if self._stopping or not request.active:
             return
@@ -145,8 +141,7 @@ _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken p
 
 @contextmanager
 def phase(name: str, trainer: Trainer | None = None) -> Iterator[None]:
-    """Run one phase (``fit``, ``test``, ``export``...): a stop ends it in one line and 128 + N;
-    with the phase's ``trainer``, a dead DDP peer in :class:`PeerDied`."""
+    """Run one phase (``fit``, ``test``...): a stop ends it in one line and 128 + N."""
     request = signals.request
     request.phase, request.phase_done = name, False
     try:
@@ -180,7 +175,6 @@ def _stop(signum: int) -> None:
 
 
 def requeue_slurm_job() -> str:
-    """``scontrol requeue`` this SLURM job; what happened, for the last line."""
     if (job := signals.slurm_job_id()) is None:
         return ""
     try:
@@ -203,7 +197,6 @@ def checkpoint_dir(trainer: Trainer) -> Path:
 
 
 def resume_command(checkpoint: Path) -> str:
-    """The command that resumes from ``checkpoint``, ready to paste into a shell."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     program = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
     try:
@@ -219,13 +212,11 @@ def resume_command(checkpoint: Path) -> str:
 
 
 class PeerDied(RunError):
-    """A DDP peer process died; this one stops instead of waiting for it."""
-
-    exit_code = 1
+    exit_code = 1  # a DDP peer died: this process stops instead of waiting for it
 
 
 def watch_parent(period: float = 1.0) -> None:
-    """In a DDP worker of Lightning's launcher: exit within ``period`` s when rank 0 dies."""
+    """In a DDP worker of Lightning's launcher: exit when rank 0 dies."""
     if os.environ.get("LOCAL_RANK", "0") in ("", "0") or os.environ.get("RUNKIT_NO_PARENT_WATCH"):
         return
     parent = os.getppid()

@@ -1,10 +1,6 @@
-"""Lightning's ModelCheckpoint with ``last.ckpt`` current at every save point and resumable runs.
-
-Lightning 2.6 refreshes ``last.ckpt`` only at steps that also wrote a top-k file. Here
-``save_last=True`` is handled after each save hook: ``last.ckpt`` becomes a hard link (else a
-copy) of the file Lightning just wrote, else it is saved. A resumed run links the earlier run's
-best files, found relative to the checkpoint resumed from, into its own directory.
-"""
+"""Lightning's ModelCheckpoint with ``last.ckpt`` current at every save point (Lightning 2.6
+refreshes it only with a top-k file): a link to the file just written, else saved. A resumed
+run links the earlier run's best files into its own directory."""
 
 from __future__ import annotations
 
@@ -63,7 +59,6 @@ class ModelCheckpoint(LightningModelCheckpoint):
             self._write_last(trainer, None)
 
     def _epoch_due(self, trainer: pl.Trainer, at_epoch_end: bool) -> bool:
-        """Whether this hook is Lightning's epoch-level save point (its rule, time intervals aside)."""
         if not self.every_n_epochs or (trainer.current_epoch + 1) % self.every_n_epochs:
             return False
         on_end = self._on_epoch_end
@@ -78,7 +73,6 @@ class ModelCheckpoint(LightningModelCheckpoint):
     def _follow(
         self, trainer: pl.Trainer, due: bool, hook: Callable[..., None], *args: Any
     ) -> None:
-        """Run Lightning's ``hook``; then make last.ckpt the file it wrote, or save it if due."""
         if not self._own_last:
             return hook(trainer, *args)
         if not self.last_model_path:  # named in the state of every file written from now on
@@ -96,7 +90,6 @@ class ModelCheckpoint(LightningModelCheckpoint):
             self._write_last(trainer, written)
 
     def _last_name(self, trainer: pl.Trainer) -> str:
-        """Lightning's name for ``last.ckpt``, versioned if another run's is there."""
         name, version = self.format_checkpoint_name({}, self.CHECKPOINT_NAME_LAST), 1
         while self.file_exists(name, trainer):
             name = self.format_checkpoint_name({}, self.CHECKPOINT_NAME_LAST, ver=version)
@@ -152,9 +145,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
         return None
 
     def _carry(self, files: list[str], earlier_dir: str, resumed: Path) -> dict[str, str] | None:
-        """Link the earlier run's ``files`` (looked for beside the checkpoint resumed from first:
-        the run may have moved) into this run's directory: old -> new path; ``None`` unless all
-        are found."""
+        """Link the earlier run's ``files`` (the run may have moved) here: old -> new path."""
         assert self.dirpath is not None
         homes = [resumed.parent, Path(earlier_dir), run_dir_of(resumed) / Path(earlier_dir).name]
         located: dict[str, Path] = {}

@@ -1,9 +1,5 @@
-"""A monitored key the LightningModule never logs ends the run in one line, not Lightning's 85.
-
-Each key is judged where Lightning's own callbacks judge it: at the end of the first real
-validation, before the checkpoint callback; without validation, one warning that no best is kept.
-Scheduler keys that name training figures are left to Lightning.
-"""
+"""A monitored key the LightningModule never logs ends the run in one line, judged at the end
+of the first real validation (without one: a warning that no best is kept)."""
 
 from __future__ import annotations
 
@@ -21,9 +17,7 @@ log = logging.getLogger(__name__)
 
 
 class MonitoredKeysCheck(Callback):
-    """Fail in one line when a monitor names a key the LightningModule does not log.
-    ``settings``: the config setting behind each kind of monitor (``"ModelCheckpoint"``,
-    ``"EarlyStopping"``, ``"scheduler"``), for the line."""
+    """``settings``: the config setting behind each kind of monitor, for the line."""
 
     def __init__(self, settings: Mapping[str, str] | None = None) -> None:
         self.settings = dict(settings or {})
@@ -63,7 +57,6 @@ class MonitoredKeysCheck(Callback):
                 )
 
     def _missing(self, trainer: Trainer, applies: Any) -> list[tuple[str, str, str, list[str]]]:
-        """(kind, key, setting, logged keys) of each monitor whose key is not logged."""
         logged = sorted(trainer.callback_metrics)
         monitors = [
             (_kind(c), getattr(c, "monitor", None), getattr(c, "strict", True))
@@ -82,7 +75,6 @@ class MonitoredKeysCheck(Callback):
         ]
 
 
-def _kind(callback: Any) -> str:
-    """The Lightning class a callback derives from (``ModelCheckpoint`` for a subclass)."""
+def _kind(callback: Any) -> str:  # the Lightning class it derives from (ModelCheckpoint)
     lightning = (c for c in type(callback).__mro__ if c.__module__.startswith("lightning."))
     return next((c.__name__ for c in lightning if c is not Callback), type(callback).__name__)

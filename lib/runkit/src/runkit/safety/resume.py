@@ -1,8 +1,5 @@
-"""Resuming a run exactly, in a new run directory, with the earlier run's logs carried on.
-
-:class:`ResumeState` seeds the generators from ``(seed, epoch)`` before each epoch's iterator
-exists and skips the batches a mid-epoch checkpoint had trained on.
-"""
+"""Resuming a run exactly in a new run directory: generators seeded from ``(seed, epoch)``,
+the batches a mid-epoch checkpoint had trained on skipped, the earlier run's logs carried on."""
 
 from __future__ import annotations
 
@@ -28,8 +25,7 @@ log = logging.getLogger(__name__)
 
 
 def run_dir_of(checkpoint: str | Path) -> Path:
-    """The nearest folder (three levels up at most) with a ``.hydra``, or a ``config.yaml`` beside
-    ``checkpoints/``; else the folder of ``checkpoints/``."""
+    """The run directory of a checkpoint: the nearest folder with a ``.hydra`` or a config."""
     path = Path(checkpoint)
     for folder in list(path.parents)[:3]:
         if (folder / ".hydra").is_dir() or (
@@ -44,24 +40,9 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 
 def reseed(seed: int) -> None:
-    """Seed torch, NumPy and ``random`` without Lightning's log line."""
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
     random.seed(seed)
-
-
-def rng_state() -> dict[str, Any]:
-    """The global generators' state as tensors and plain data (loads with ``weights_only``)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    version, internal, gauss_next = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
-        "random": [version, list(internal), gauss_next],
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -81,8 +62,17 @@ class ResumeState(Callback):
         self._pending: dict[str, Any] | None = None  # generators' state to put back mid-epoch
         self._seeded_epoch: int | None = None
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"seed": self.seed, "rng": rng_state()}
+    def state_dict(self) -> dict[str, Any]:  # tensors and plain data: loads with weights_only
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        version, internal, gauss_next = random.getstate()
+        rng: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+            "random": [version, list(internal), gauss_next],
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        return {"seed": self.seed, "rng": rng}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.seed = int(state_dict.get("seed", self.seed))  # the resumed run's seed, not a new one
@@ -103,44 +93,41 @@ class ResumeState(Callback):
                     trainer.default_root_dir,
                 )
                 continue_logs(trainer, earlier)
-        self._start_data(trainer)
-
-    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._seeded_epoch != trainer.current_epoch:
-            self._seed_epoch(trainer)
-
-    def _seed_epoch(self, trainer: Trainer) -> None:
-        """Seed the global generators and the loaders' own from ``(seed, epoch)``."""
-        epoch = trainer.current_epoch
-        reseed(epoch_seed(self.seed, epoch))
-        for loader in _train_loaders(trainer):
-            for generator in _generators(loader):
-                generator.manual_seed(epoch_seed(self.seed + 1, epoch))
-        self._seeded_epoch = epoch
-
-    def _start_data(self, trainer: Trainer) -> None:
-        """Lightning made the first epoch's iterator before any hook: make it again after seeding,
-        drop the batches a mid-epoch checkpoint had trained on, put its generators' state back."""
+        # Lightning made the first epoch's iterator before any hook: make it again after seeding,
+        # drop the batches a mid-epoch checkpoint had trained on, put its generators' state back.
         self._seed_epoch(trainer)
         loop = trainer.fit_loop
         done = loop.epoch_loop.batch_progress.current.processed
         mid_epoch = loop.restarted_mid_epoch and 0 < done < trainer.num_training_batches
         loaders = _train_loaders(trainer)
-        stateful = [dl for dl in loaders if _stateful(dl)]
-        skip = done if mid_epoch and not stateful else 0
+        skip = done if mid_epoch and not any(_stateful(dl) for dl in loaders) else 0
         if trainer.ckpt_path is not None and trainer.is_global_zero:
             _say_what_differs(loaders, trainer.current_epoch, done if mid_epoch else 0)
         if skip:
             warnings.filterwarnings("ignore", message=_NOT_RESUMABLE)  # the batches are skipped
         for loader in loaders:  # what Lightning does before it creates an epoch's iterator
-            samplers = {id(s): s for s in _parts(loader)[1::2] if s is not None}
-            for sampler in samplers.values():
+            for sampler in {id(s): s for s in _parts(loader)[1::2] if s is not None}.values():
                 if callable(getattr(sampler, "set_epoch", None)):
                     sampler.set_epoch(trainer.current_epoch)
         compat.restart_train_data(trainer, skip)
         if mid_epoch and self._pending is not None:
             set_rng_state(self._pending)
         self._pending = None
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._seeded_epoch != trainer.current_epoch:
+            self._seed_epoch(trainer)
+
+    def _seed_epoch(self, trainer: Trainer) -> None:
+        epoch = trainer.current_epoch
+        reseed(epoch_seed(self.seed, epoch))
+        for loader in _train_loaders(trainer):
+            found = [
+                getattr(part, "generator", None) for part in _parts(loader) if part is not None
+            ]
+            for generator in {id(g): g for g in found if isinstance(g, torch.Generator)}.values():
+                generator.manual_seed(epoch_seed(self.seed + 1, epoch))
+        self._seeded_epoch = epoch
 
 
 _NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
@@ -156,18 +143,11 @@ def _train_loaders(trainer: Trainer) -> list[Any]:
 
 
 def _parts(loader: Any) -> list[Any]:
-    """A loader, its sampler, batch sampler and the batch sampler's sampler."""
     batches = getattr(loader, "batch_sampler", None)
     return [loader, getattr(loader, "sampler", None), batches, getattr(batches, "sampler", None)]
 
 
-def _generators(loader: Any) -> list[torch.Generator]:
-    found = [getattr(part, "generator", None) for part in _parts(loader) if part is not None]
-    return list({id(g): g for g in found if isinstance(g, torch.Generator)}.values())
-
-
 def _say_what_differs(loaders: list[Any], epoch: int, done: int) -> None:
-    """One line when the resumed epoch's data can differ: an IterableDataset without state."""
     iterable = [dl for dl in loaders if isinstance(getattr(dl, "dataset", None), IterableDataset)]
     names = ", ".join(type(dl.dataset).__name__ for dl in iterable if not _stateful(dl))
     if names:
@@ -185,7 +165,6 @@ def _say_what_differs(loaders: list[Any], epoch: int, done: int) -> None:
 
 
 def continue_logs(trainer: Trainer, earlier: Path) -> None:
-    """Carry the earlier run's CSV rows (before the checkpoint) and TensorBoard events on."""
     root = Path(trainer.default_root_dir)
     for logger in trainer.loggers:
         if isinstance(logger, CSVLogger):
@@ -215,7 +194,7 @@ def _number(row: dict[str, str], key: str, missing: float = 0.0) -> float:
 
 
 def check_fits(model: LightningModule, checkpoint: Path) -> None:
-    """Fail in one line when the checkpoint's weights do not fit ``model`` (only shapes are read)."""
+    """Fail in one line when the checkpoint's weights do not fit ``model`` (reads shapes only)."""
     from runkit.safety.checkpoints import (
         is_sharded_checkpoint,
         load_file,

@@ -1,10 +1,8 @@
-"""Stop signals (:data:`STOP_SIGNALS`): recorded at once, acted on at a safe point.
+"""Stop signals: recorded at once, acted on at a safe point the ranks agree on.
 
-A handler doing real work wherever Python happens to be (inside a gloo collective) hangs DDP jobs,
-so it only records the signal; :mod:`runkit.safety.interrupts` acts on it at a batch boundary the
-ranks agree on. A watcher thread hears every delivery (:func:`signal.set_wakeup_fd`) even while
-the main thread is in C++: a second request quits at once, as does a rank stuck past the grace.
-Standard library only: the CLI installs the handlers before torch loads.
+A handler doing real work inside a gloo collective hangs DDP jobs, so it only records the signal.
+A watcher thread hears every delivery even while the main thread is in C++: a second request quits
+at once, as does a rank stuck past the grace. Standard library only (installed before torch).
 """
 
 from __future__ import annotations
@@ -34,8 +32,6 @@ STOP_REPEAT_S = 1.0  # stop signals this soon after the first are the same stop 
 
 @dataclass
 class StopRequest:
-    """What this process knows about a stop, and what the last line says about it."""
-
     received: int | None = None  # the first stop signal, acted on at the next safe point
     agreed: int | None = None  # the stop every rank agreed on (runkit.safety.interrupts)
     phase: str = "startup"  # what the run is doing (fit, test, export...)
@@ -68,11 +64,7 @@ def stop_signals() -> tuple[signal.Signals, ...]:
 
 @contextmanager
 def stop_on_signal(until_exit: bool = False) -> Iterator[StopRequest]:
-    """Record stop signals for the block; a stop not acted on ends it in ``128 + N``.
-
-    ``until_exit`` (the CLI): a signal while the interpreter shuts down after the block still
-    ends in one line and ``128 + N``. Outside the main thread the block runs unchanged.
-    """
+    """Record stop signals for the block (``until_exit``: and after); an unhandled one: 128 + N."""
     global request
     if threading.current_thread() is not threading.main_thread() or request.active:
         yield request
@@ -124,7 +116,6 @@ def _at_exit() -> None:
 
 
 def _record(signum: int, frame: FrameType | None) -> None:
-    """The handler: the first stop signal is recorded (the watcher judges any repeat)."""
     if request.received is not None:
         return
     request.received, request.received_at = signum, request.received_at or time.monotonic()
@@ -164,7 +155,6 @@ def quit_now(signum: int, why: str) -> None:
 
 
 def _watch(stop: StopRequest, reader: socket.socket) -> None:
-    """Hears every signal through the wakeup socket; quits on a second request or a stuck rank."""
     stops, first, first_at, waiting = {int(s) for s in stop_signals()}, 0, 0.0, None
     while True:
         try:
@@ -215,7 +205,6 @@ def _distributed() -> bool:
 
 
 def exit_stopped(signum: int) -> None:
-    """Collect the workers, say in one line that the run stopped and why, exit ``128 + signum``."""
     for child in request.children:
         try:
             child.wait(timeout=CHILD_GRACE_S)
@@ -283,8 +272,7 @@ def _after_fork_in_parent() -> None:
 
 
 def _in_forked_child() -> None:
-    """A child forked during a run gets the handlers from before it back, and its signals
-    unblocked, but a DataLoader worker (:func:`_dataloader_worker_stops`)."""
+    """A child forked during a run gets the handlers from before it back (not a DataLoader's)."""
     global request, _worker_stops
     if _worker_stops:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _worker_stops)
@@ -324,7 +312,7 @@ os.register_at_fork(
 
 
 def slurm_job_id(env: Mapping[str, str] = os.environ) -> str | None:
-    """This SLURM job's id; ``None`` outside a batch job (and in ``bash``/``interactive`` ones)."""
+    """``None`` outside a SLURM batch job (and in ``bash``/``interactive`` ones)."""
     job = env.get("SLURM_JOB_ID", "")
     if not re.fullmatch(r"[0-9]+", job) or env.get("SLURM_JOB_NAME") in ("bash", "interactive"):
         return None
@@ -332,7 +320,6 @@ def slurm_job_id(env: Mapping[str, str] = os.environ) -> str | None:
 
 
 def rank_zero(env: Mapping[str, str] = os.environ) -> bool:
-    """Whether this process is global rank 0 (or the only process), from the launch variables."""
     return all(
         env.get(v, "0") in ("", "0") for v in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID")
     )

@@ -1,9 +1,5 @@
-"""Which ``_target_``s may be instantiated from a config that came out of a file.
-
-``instantiate`` calls whatever a ``_target_`` names, and a checkpoint may come from anyone: each
-must lie under an allowed prefix as written and as the object it resolves to
-(``mypkg.nets.torch.save`` is ``torch.save``).
-"""
+"""Which ``_target_``s a config read from a file may instantiate: a checkpoint may come from
+anyone, so each lies under an allowed prefix as written and as what it resolves to."""
 
 from __future__ import annotations
 
@@ -25,14 +21,12 @@ _DOTTED = re.compile(r"[A-Za-z][A-Za-z0-9_]*(\.[A-Za-z][A-Za-z0-9_]*)*")
 
 
 def is_allowed(name: str, allowed: Iterable[str]) -> bool:
-    """Whether ``name`` lies under an ``allowed`` prefix (``mypkg``: ``mypkg.x``, not ``mypkgx``)."""
     stems = (str(prefix).strip().rstrip(".") for prefix in allowed)
     return any(stem and (name == stem or name.startswith(stem + ".")) for stem in stems)
 
 
 def check_trusted(tree: Any, allowed: Iterable[str], source: str | Path) -> None:
-    """Refuse, in one line, a config from ``source`` that would run code not in ``allowed``; also
-    ``${...}`` (a resolver could build a target later), shared nodes, nesting past MAX_DEPTH."""
+    """Refuse in one line code not in ``allowed``, ``${...}``, shared nodes, deep nesting."""
     allowed = tuple(str(prefix) for prefix in allowed)
     refused: list[tuple[str, str, str]] = []  # (where, target, what it really is)
     seen: set[int] = set()
@@ -66,52 +60,10 @@ def check_trusted(tree: Any, allowed: Iterable[str], source: str | Path) -> None
                 if refusal is not None:
                     refused.append(refusal)
             stack.append((value, path, depth + 1))
-    if refused:  # every untrusted target at once: one round trip to allow them, not one each
-        _refuse(sorted(refused), allowed, source)
-
-
-def _check_target(
-    target: Any, where: str, allowed: tuple[str, ...], source: str | Path
-) -> tuple[str, str, str] | None:
-    """``(where, target, real)`` when ``target`` is not trusted; a malformed one raises."""
-    if not isinstance(target, str) or not _DOTTED.fullmatch(target):
-        raise RunError(
-            f"{str(source)!r} has {where}={str(target)[:80]!r}, not a plain dotted name "
-            "(letters, digits, '_' and '.', no leading '_'); refusing to instantiate it"
-        )
-    if not is_allowed(target, allowed) or any(part.startswith("_") for part in target.split(".")):
-        return where, target, ""  # never imported
-    try:
-        obj = _locate(target)  # imports modules under an allowed prefix only
-    except Exception as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise RunError(
-            f"{str(source)!r} names {where}={target!r}, which cannot be imported here: {reason}"
-        ) from err
-    module = getattr(obj, "__module__", None)
-    qualname = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
-    real = f"{module}.{qualname}" if isinstance(module, str) and isinstance(qualname, str) else ""
-    if not real or not is_allowed(real, allowed):
-        return where, target, real or type(obj).__name__
-    return None
-
-
-def _locate(path: str) -> Any:
-    """The object ``path`` names, as ``instantiate`` finds it (importing modules as it goes)."""
-    parts = path.split(".")
-    obj = importlib.import_module(parts[0])
-    for index, part in enumerate(parts[1:], start=1):
-        if not hasattr(obj, part) and isinstance(obj, ModuleType):
-            importlib.import_module(".".join(parts[: index + 1]))
-        obj = getattr(obj, part)
-    return obj
-
-
-def _refuse(
-    refused: list[tuple[str, str, str]], allowed: tuple[str, ...], source: str | Path
-) -> None:
-    named, prefixes = [], []
-    for where, target, real in refused:
+    if not refused:
+        return
+    named, prefixes = [], []  # every untrusted target at once: one round trip to allow them
+    for where, target, real in sorted(refused):
         really = f" (which is {real})" if real and real != target else ""
         named.append(f"{where}={target!r}{really}")
         prefix = (real or target).rpartition(".")[0] + "."
@@ -125,3 +77,33 @@ def _refuse(
         f"you trust this file, allow {'it' if one else 'them'} with {widened} (eval, predict) or "
         f"load_network(..., allowed=[..., {', '.join(map(repr, prefixes))}])"
     )
+
+
+def _check_target(
+    target: Any, where: str, allowed: tuple[str, ...], source: str | Path
+) -> tuple[str, str, str] | None:
+    if not isinstance(target, str) or not _DOTTED.fullmatch(target):
+        raise RunError(
+            f"{str(source)!r} has {where}={str(target)[:80]!r}, not a plain dotted name "
+            "(letters, digits, '_' and '.', no leading '_'); refusing to instantiate it"
+        )
+    if not is_allowed(target, allowed) or any(part.startswith("_") for part in target.split(".")):
+        return where, target, ""  # never imported
+    try:  # as instantiate finds it, importing modules (under an allowed prefix only) on the way
+        parts = target.split(".")
+        obj = importlib.import_module(parts[0])
+        for index, part in enumerate(parts[1:], start=1):
+            if not hasattr(obj, part) and isinstance(obj, ModuleType):
+                importlib.import_module(".".join(parts[: index + 1]))
+            obj = getattr(obj, part)
+    except Exception as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RunError(
+            f"{str(source)!r} names {where}={target!r}, which cannot be imported here: {reason}"
+        ) from err
+    module = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
+    real = f"{module}.{qualname}" if isinstance(module, str) and isinstance(qualname, str) else ""
+    if not real or not is_allowed(real, allowed):
+        return where, target, real or type(obj).__name__
+    return None

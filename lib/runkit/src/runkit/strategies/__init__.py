@@ -1,5 +1,4 @@
-"""Training strategies the Trainer finds by name: importing this package registers ``dp`` in
-Lightning's ``StrategyRegistry`` (preflight and the Trainer builder import it)."""
+"""Importing this package registers ``dp`` in Lightning's ``StrategyRegistry``."""
 
 from lightning.pytorch.strategies import StrategyRegistry
 

@@ -1,7 +1,5 @@
-"""``trainer.strategy=dp``: one process drives several GPUs through ``torch.nn.DataParallel``,
-which Lightning 2 dropped. While the Trainer runs, ``pl_module.net`` answers with the wrapper, so
-the step, loss and metrics run once over the gathered outputs and a module needs no DP code; the
-wrapper is no submodule, so ``state_dict`` keys stay a single device's."""
+"""``trainer.strategy=dp``: one process drives several GPUs through ``nn.DataParallel`` (dropped
+by Lightning 2); ``pl_module.net`` answers with the wrapper, which is no submodule."""
 
 from __future__ import annotations
 
@@ -18,8 +16,7 @@ NEEDS_GPU = "trainer.strategy=dp asks for a GPU (DataParallel splits each batch 
 
 
 def check_dp_request(accelerator: Any, devices: Any, num_nodes: Any = 1) -> None:
-    """Refuse ``strategy=dp`` where it cannot run: no CUDA GPU, or more than one node (preflight;
-    the strategy checks again at setup)."""
+    """Refuse ``strategy=dp`` without a CUDA GPU or on several nodes (preflight)."""
     from runkit.gpus.resolve import resolve_devices
 
     if isinstance(num_nodes, int) and num_nodes > 1:
@@ -46,8 +43,7 @@ class _Autocast(nn.Module):
 
 
 class AutocastDataParallel(nn.DataParallel):
-    """``nn.DataParallel`` whose copies compute in the caller's autocast dtype: torch's worker
-    threads would use the default (float16 on CUDA) under ``precision=bf16-mixed``."""
+    """Copies compute in the caller's autocast dtype (torch's threads would use float16)."""
 
     def parallel_apply(self, replicas: Any, inputs: Any, kwargs: Any) -> list[Any]:
         device = self.src_device_obj.type
@@ -58,8 +54,6 @@ class AutocastDataParallel(nn.DataParallel):
 
 
 class DataParallelStrategy(ParallelStrategy):
-    """Single-process data parallelism of ``pl_module.<network>`` over ``trainer.devices``."""
-
     strategy_name = "dp"
     # One process: rank 0 of 1 whatever the environment says; DataParallel splits the batches.
     global_rank = local_rank = node_rank = 0  # type: ignore[assignment]
@@ -119,23 +113,16 @@ class DataParallelStrategy(ParallelStrategy):
         return model
 
     def _data_parallel(self, net: nn.Module) -> nn.Module:
-        """The wrapper that replicates, scatters and gathers (tests substitute a CPU stand-in)."""
+        # tests substitute a CPU stand-in
         return AutocastDataParallel(net, device_ids=self.parallel_devices)
 
-    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        return tensor
+    def _same(self, value: Any, *args: Any, **kwargs: Any) -> Any:  # one process: as it is
+        return value
 
-    def all_gather(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        return tensor
+    reduce = all_gather = broadcast = reduce_boolean_decision = _same  # type: ignore[assignment]
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         return None
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return obj
-
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        return decision
 
     def teardown(self) -> None:
         module, wrapper, self._parallel_net = self.lightning_module, self._parallel_net, None

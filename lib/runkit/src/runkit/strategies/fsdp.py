@@ -32,9 +32,7 @@ _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm
 
 
 class FSDPStrategy(ModelParallelStrategy):
-    """``ModelParallelStrategy`` (FSDP2) that shards the user's module from config:
-    ``shard_modules`` (import paths or ``torch.nn`` names) become FSDP units; ``cpu_offload``
-    keeps the state in CPU memory (GPUs only); ``reduce_dtype`` is the gradients' under bf16."""
+    """Shards the user's module from config: ``shard_modules`` (classes) become FSDP units."""
 
     def __init__(
         self,
@@ -59,10 +57,23 @@ class FSDPStrategy(ModelParallelStrategy):
                 f"trainer.strategy.reduce_dtype={reduce_dtype!r} is not a torch dtype; "
                 "accepted: float32, bfloat16, float16"
             )
-        self._classes = resolve_classes(self.shard_modules)
+        classes = []  # dotted import paths, or bare torch.nn names
+        for name in self.shard_modules:
+            module_name, _, attr = name.rpartition(".")
+            try:
+                obj = getattr(importlib.import_module(module_name or "torch.nn"), attr)
+            except (ImportError, AttributeError, ValueError):
+                obj = None
+            if not (isinstance(obj, type) and issubclass(obj, nn.Module)):
+                raise RunError(
+                    f"trainer.strategy.shard_modules has {name!r}, which is not an nn.Module "
+                    "class; accepted: import paths of module classes "
+                    "(torch.nn.Linear, my_project.Block)"
+                )
+            classes.append(obj)
+        self._classes = tuple(classes)
 
     def connect(self, model: Any) -> None:
-        """A module without its own ``configure_model`` gets :meth:`shard` as that hook."""
         if isinstance(model, LightningModule) and not is_overridden("configure_model", model):
             model.configure_model = types.MethodType(lambda module: self.shard(module), model)
         super().connect(model)
@@ -83,8 +94,7 @@ class FSDPStrategy(ModelParallelStrategy):
         super().setup_environment()
 
     def shard(self, module: LightningModule) -> None:
-        """``fully_shard`` the configured units, then each top-level child that still holds
-        parameters outside them (bf16: batch norms are float32 units). Done once."""
+        """``fully_shard`` the units, then each child with loose parameters; once."""
         name = type(module).__name__
         if any(isinstance(m, FSDPModule) for m in module.modules()):
             return  # sharded already
@@ -127,7 +137,7 @@ class FSDPStrategy(ModelParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        """Lightning's sharded save, into a temporary directory swapped in once complete."""
+        """Lightning's sharded save into a directory swapped in once complete."""
         if storage_options is not None or get_protocol(str(filepath)) != "file":
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
@@ -153,8 +163,7 @@ class FSDPStrategy(ModelParallelStrategy):
         self.barrier()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
-        """Check the checkpoint directory's manifest (each rank its share of the files), then
-        Lightning's sharded load."""
+        """Check the manifest (each rank its share of the files), then Lightning's load."""
         path = Path(self.broadcast(str(checkpoint_path)))
         if path.is_dir():
             names = checkpoints.manifest_names(path)
@@ -166,27 +175,8 @@ class FSDPStrategy(ModelParallelStrategy):
 
 
 def _gather(items: list[Any]) -> list[Any]:
-    """Every rank's ``items``, concatenated in rank order, on every rank."""
     if not dist.is_initialized():
         return list(items)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, items)
     return [item for part in gathered for item in part]
-
-
-def resolve_classes(names: Sequence[str]) -> tuple[type, ...]:
-    """The classes ``shard_modules`` names: dotted import paths, or bare ``torch.nn`` names."""
-    classes = []
-    for name in names:
-        module_name, _, attr = name.rpartition(".")
-        try:
-            obj = getattr(importlib.import_module(module_name or "torch.nn"), attr)
-        except (ImportError, AttributeError, ValueError):
-            obj = None
-        if not (isinstance(obj, type) and issubclass(obj, nn.Module)):
-            raise RunError(
-                f"trainer.strategy.shard_modules has {name!r}, which is not an nn.Module class; "
-                "accepted: import paths of module classes (torch.nn.Linear, my_project.Block)"
-            )
-        classes.append(obj)
-    return tuple(classes)
