@@ -19,15 +19,14 @@ class RunError(Exception):
 
 
 class EnvironmentFailure(RunError):
-    """The machine failed the run, not the user: the disk is full, or the run's directory was
-    deleted or made unwritable while the run used it."""
+    """The machine failed the run, not the user (a full disk, the run's directory gone)."""
 
     exit_code = 4
 
 
 def file_failure(err: OSError, run_dir: str | os.PathLike[str] | None = None) -> RunError | None:
-    """``err`` as one line: the environment's when the disk is full or the file is in the run's
-    own ``run_dir``, else the user's (a path typed); ``None`` for no file and a disk not full."""
+    """``err`` as one line: the environment's (a full disk, a file in ``run_dir``), else the
+    user's; ``None`` for no file and a disk not full."""
     name, reason = err.filename or run_dir, err.strerror or str(err)
     if err.errno in DISK_FULL:
         return EnvironmentFailure(

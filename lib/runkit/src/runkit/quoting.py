@@ -1,9 +1,5 @@
-"""Overrides and commands printed for the user to paste, quoted so that pasting works.
-
-A printed ``key=value`` passes the POSIX shell, then Hydra's override grammar, which takes
-spaces, non-ASCII, ``$``, commas, brackets and ``=`` only inside quotes, and OmegaConf reads
-``${...}`` as an interpolation: :func:`override` quotes for Hydra, then for the shell.
-"""
+"""Overrides and commands printed for the user to paste, quoted so that pasting works:
+:func:`override` quotes for Hydra's grammar (and OmegaConf's ``${``), then for the shell."""
 
 from __future__ import annotations
 
@@ -16,8 +12,7 @@ _PLAIN = re.compile(r"(?:[0-9]+-)?[A-Za-z_/][\w./-]*", re.ASCII)
 _NOT_STRINGS = {"null", "true", "false", "nan", "inf"}
 
 
-Value = str | int | float | bool | None | Sequence["Value"]
-"""What a printed override can hold: a scalar, or a list (``[a,b]``) of values."""
+Value = str | int | float | bool | None | Sequence["Value"]  # a scalar, or a list of values
 
 
 def override(key: str, value: Value) -> str:
@@ -31,8 +26,7 @@ def command(words: Iterable[str]) -> str:
 
 
 def hydra_value(value: Value) -> str:
-    """``value`` in Hydra's override grammar: a string not plain in double quotes, its quotes,
-    ``${`` and the backslashes before them escaped; a sequence as ``[a,b]``."""
+    """``value`` in Hydra's override grammar (a string not plain in escaped double quotes)."""
     if isinstance(value, Sequence) and not isinstance(value, str):  # a list, a tuple, a ListConfig
         return "[" + ",".join(hydra_value(item) for item in value) + "]"
     if value is None:
@@ -49,9 +43,7 @@ def hydra_value(value: Value) -> str:
 
 
 def config_options(argv: Sequence[str]) -> list[str]:
-    """The options of ``argv`` that choose its configs, by their long names
-    (``["--config-dir", "my_configs"]``), as Hydra's own parser reads them: a command that
-    starts this program again needs them to find the same configs."""
+    """The options of ``argv`` that choose its configs (``["--config-dir", "my_configs"]``)."""
     from runkit import compat  # Hydra's parser, imported only when a command is rebuilt
 
     args, _ = compat.hydra_args_parser().parse_known_args(list(argv))

@@ -1,8 +1,5 @@
-"""Turn the composed config into a run's callbacks, loggers and Trainer, one node per object.
-
-One logger is not a choice: the run's own record, ``<run>/csv/metrics.csv``, which
-``curves.png``, ``python -m runkit.plot`` and resume read; the ``logger`` group adds others.
-"""
+"""Turn the composed config into a run's callbacks, loggers and Trainer, one node per object;
+the run's own record, ``<run>/csv/metrics.csv`` (read by plots and resume), is always kept."""
 
 from __future__ import annotations
 
@@ -57,8 +54,7 @@ def _target_nodes(group: DictConfig | None) -> list[DictConfig]:
 
 
 def run_record(output_dir: str | None) -> CSVLogger | None:
-    """The CSV log every run keeps in ``<output_dir>/csv/``, whatever ``logger`` says (None
-    without an output directory: a Trainer built outside a run)."""
+    """The CSV log every run keeps in ``<output_dir>/csv/``; None outside a run."""
     return CSVLogger(save_dir=str(output_dir), name="csv", version="") if output_dir else None
 
 
@@ -70,9 +66,8 @@ def _same_csv(logger: Logger, record: CSVLogger) -> bool:
 
 
 def build_trainer(cfg: DictConfig, **overrides: Any) -> Trainer:
-    """The Trainer of ``cfg.trainer`` with the run's callbacks and loggers; ``overrides``
-    replace arguments the run decided on (the resolved devices). A training run logs one line
-    for each of :data:`SAFETY_PARTS` it lacks."""
+    """The Trainer of ``cfg.trainer`` with the run's callbacks and loggers, ``overrides`` on top;
+    a training run logs one line for each of :data:`SAFETY_PARTS` it lacks."""
     from hydra.utils import get_object
 
     from runkit.run.trainer_args import set_arguments
@@ -108,8 +103,7 @@ def build_trainer(cfg: DictConfig, **overrides: Any) -> Trainer:
 
 
 def run_trainer(cfg: DictConfig, out: Path) -> Trainer:
-    """:func:`build_trainer` on the GPUs ``cfg`` asks for (``least_used`` waits for and claims
-    them as training does) with training's hardware settings; rank 0 saves ``config.yaml``."""
+    """:func:`build_trainer` on the GPUs ``cfg`` asks for; rank 0 saves ``config.yaml``."""
     from runkit.gpus.claims import policy_from_config
     from runkit.gpus.resolve import resolve_for_run
     from runkit.run.run_files import save_config
@@ -137,9 +131,8 @@ def plain(cfg: DictConfig) -> dict[str, Any]:
 
 
 def can_test(model: Any, datamodule: Any = None, required: bool = False) -> bool:
-    """Whether ``trainer.test`` can run on ``model`` (a ``test_step``, and a ``test_dataloader``
-    in the model or ``datamodule``); else one line and ``False`` (a :class:`RunError` when
-    testing is ``required``: eval's one purpose)."""
+    """Whether ``trainer.test`` can run on ``model``; else one line and ``False`` (a
+    :class:`RunError` when testing is ``required``)."""
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
     name = type(model).__name__

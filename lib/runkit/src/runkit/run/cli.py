@@ -1,7 +1,5 @@
 """The Hydra entry point of a project's tasks: where its configs are, and one line per mistake.
-
-Kept free of torch and Lightning imports, so ``--help`` and ``--cfg job`` answer at once.
-"""
+Free of torch and Lightning imports, so ``--help`` and ``--cfg job`` answer at once."""
 
 from __future__ import annotations
 
@@ -44,9 +42,7 @@ class _FirstSacctWarning(logging.Filter):
 
 
 def find_configs(package_file: str | Path, env_var: str | None = None) -> Path:
-    """The directory holding a project's ``train.yaml``: ``$env_var`` when set, else the
-    package's own ``configs`` (a wheel), else the top-level ``configs/`` of a ``src/`` layout.
-    Registers the configs' resolvers, so a config composed outside the CLI resolves the same."""
+    """The directory holding ``train.yaml``: ``$env_var``, the package's, or a ``src/`` layout's."""
     from runkit.run.launch import register_resolvers
 
     register_resolvers()
@@ -63,8 +59,7 @@ def find_configs(package_file: str | Path, env_var: str | None = None) -> Path:
 def hydra_entry(
     task: Callable[[Any], Any], config_name: str, config_dir: str | Path
 ) -> Callable[[], None]:
-    """Wrap ``task`` (given the composed config ``config_name`` of ``config_dir``) as a Hydra
-    app: a user's mistake ends in one line on stderr and exit 2, a bug keeps its traceback."""
+    """``task`` as a Hydra app: a mistake ends in one line and exit 2, a bug keeps its trace."""
 
     def main() -> None:
         pause_collector()  # on again once the heavy imports are done, or at the end
@@ -115,10 +110,7 @@ def hydra_entry(
 
 
 def _reporting(task: Callable[[Any], Any], config_dir: Path) -> Callable[[Any], Any]:
-    """Run ``task``; a user's mistake inside it becomes one line and a run that never started
-    leaves no directory. In a multirun the job returns NaN after its line (Hydra finishes the
-    other jobs) and the sweep then exits with its code (``launch.FAILED_JOBS``); a submitit job,
-    in a process of its own, raises it for the sweep to exit with."""
+    """Run ``task``; a mistake is one line (a multirun job returns NaN), no directory left."""
 
     def job(cfg: Any) -> Any:
         from hydra.core.hydra_config import HydraConfig
@@ -156,14 +148,12 @@ def _reporting(task: Callable[[Any], Any], config_dir: Path) -> Callable[[Any], 
     return job
 
 
-WORKER_WAIT_S = 20.0
-"""How long a worker Lightning started waits for rank 0 to report a mistake before it does."""
+WORKER_WAIT_S = 20.0  # how long a worker waits for rank 0 to report a mistake before it does
 _PARENT = os.getppid()  # at start: for a worker Lightning started, rank 0
 
 
 def _worker_fails(mistake: RunError) -> None:
-    """End a DDP worker on a mistake, leaving the line to rank 0, which meets the same mistake:
-    a worker Lightning started says it itself only if rank 0 has not ended within the wait."""
+    """End a DDP worker on a mistake, leaving the line to rank 0 unless rank 0 outlives the wait."""
     if "LOCAL_RANK" in os.environ and not os.environ.get("TORCHELASTIC_RUN_ID"):
         deadline = time.monotonic() + WORKER_WAIT_S
         while os.getppid() == _PARENT and time.monotonic() < deadline:
@@ -175,8 +165,8 @@ def _worker_fails(mistake: RunError) -> None:
 
 
 def _sweep_to_show(argv: list[str]) -> list[tuple[list[str], list[str]]] | None:
-    """For ``-m ... --cfg job``: each job's command line without ``-m`` and its overrides (Hydra
-    shows ``--cfg`` for single runs only); else ``None``. Only the command line's sweeps count."""
+    """For ``-m ... --cfg job`` (Hydra shows ``--cfg`` for single runs only): each job's command
+    line without ``-m`` and its overrides; else ``None``."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
@@ -204,8 +194,7 @@ def _sweep_to_show(argv: list[str]) -> list[tuple[list[str], list[str]]] | None:
 def user_mistake(
     err: BaseException, run_dir: str | None = None, config_dir: Path | None = None
 ) -> RunError | None:
-    """The user's mistake behind ``err`` (down its causes: a RunError, damaged YAML, a failing
-    file, a config file not UTF-8, an error of Hydra or OmegaConf) as one line; ``None``: a bug."""
+    """The user's mistake behind ``err`` or its causes as one line; ``None``: a bug."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
     from yaml import YAMLError
@@ -233,8 +222,7 @@ def user_mistake(
 
 
 def undecodable_config(err: UnicodeDecodeError, argv: list[str], config_dir: Path) -> str | None:
-    """``<file> is not UTF-8 text (byte 0xff at position 43); save it as UTF-8``, or ``None``
-    when no config file in use fails to decode."""
+    """``<file> is not UTF-8 text (...)``, or ``None`` when every config file in use decodes."""
     bad = []
     for path in _config_files(argv, config_dir):
         with contextlib.suppress(OSError):  # unreadable is another problem, reported elsewhere
@@ -252,8 +240,8 @@ _CONFLICT_MARKER = re.compile(rb"^(?:<{7}|>{7})(?: |$)|^={7}$", re.M)
 
 
 def conflicted_config(argv: list[str], config_dir: Path) -> str | None:
-    """``configs/train.yaml:22 has merge-conflict markers ...``, or ``None``: ``copier update``
-    and git leave them and exit 0, and such a file may even parse as YAML."""
+    """``configs/train.yaml:22 has merge-conflict markers ...`` (copier update and git leave
+    them and exit 0), or ``None``."""
     for path in _config_files(argv, config_dir):
         with contextlib.suppress(OSError):  # unreadable is another problem, reported elsewhere
             if (found := _CONFLICT_MARKER.search(path.read_bytes())) is not None:
@@ -267,14 +255,13 @@ def conflicted_config(argv: list[str], config_dir: Path) -> str | None:
 
 
 def _config_files(argv: list[str], config_dir: Path) -> list[Path]:
-    """The YAML files of the config directories in use: the project's and any ``--config-dir``."""
     options = quoting.config_options(argv)
     dirs = [config_dir, *(Path(v) for o, v in itertools.pairwise(options) if o == "--config-dir")]
     return [p for d in dirs if d.is_dir() for p in sorted(d.rglob("*.yaml"))]
 
 
 def one_line(err: BaseException) -> str:
-    """Fold an exception and its causes (often several lines each) into one readable line."""
+    """An exception and its causes in one line."""
     parts = [str(err)]
     cause = err.__cause__
     while cause is not None:
@@ -294,8 +281,7 @@ def one_line(err: BaseException) -> str:
 
 
 def _unknown_key(err: BaseException) -> str | None:
-    """For ``trainer.devicez=2``: the key, the nearest real one, and ``+`` to add one on
-    purpose; for ``trainer.precision``, which the template reads as ``precision``, that key."""
+    """For ``trainer.devicez=2``: the key, the nearest real one, and ``+`` to add one."""
     from omegaconf.errors import OmegaConfBaseException
 
     cause = err.__cause__

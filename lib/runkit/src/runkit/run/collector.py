@@ -17,8 +17,7 @@ def pause_collector() -> bool:
 
 
 def resume_collector(freeze: bool) -> None:
-    """Turn the collector back on (once); ``freeze``: first move what is alive now to the
-    permanent generation, which later forks then share instead of copying."""
+    """Turn the collector back on (once); ``freeze`` first, so later forks share what is alive."""
     global _collector_paused
     if _collector_paused:
         _collector_paused = False

@@ -1,11 +1,5 @@
 """How every process of a launch finds its run: one job per DDP child, one directory per launch.
-
-Lightning starts ranks > 0 by re-running ``sys.argv``, which in a sweep holds ``-m`` and every
-value (Lightning #11300): :func:`job_scope` narrows it to the current job. :func:`run_id` names
-one directory for all processes, and :func:`requeued_checkpoint` finds what an earlier attempt
-of a requeued or restarted launch saved. SLURM reuses job ids, so a job is known by its first
-attempt's start, kept in its comment.
-"""
+Lightning re-runs ``sys.argv`` for ranks > 0, in a sweep every job's (Lightning #11300)."""
 
 from __future__ import annotations
 
@@ -41,9 +35,7 @@ _launchers: list[list[Any]] = []  # per running sweep job: the launchers whose c
 
 @contextmanager
 def job_scope() -> Iterator[None]:
-    """Run one Hydra job so that the DDP children started inside it run this job and no other.
-    A job of ``hydra/launcher=slurm``: submitit's SIGUSR2 is a stop (every rank saves), then
-    submitit's own handler requeues the job into the same folder."""
+    """Run one Hydra job so that the DDP children started inside it run this job and no other."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -97,8 +89,7 @@ def job_scope() -> Iterator[None]:
 
 
 def single_job_argv(program: str, task: Any, hydra: Any, argv: Sequence[str] = ()) -> list[str]:
-    """The command line that runs one job of a sweep as a single run: the config options of
-    ``argv``, the job's overrides ``task``, the ``hydra`` overrides and ``hydra.mode=RUN``."""
+    """The command line that runs one job (``task``) of a sweep as a single run."""
     kept = [str(o) for o in hydra if not str(o).lstrip("~+").startswith("hydra.mode=")]
     return [program, *config_options(argv), *map(str, task), *kept, "hydra.mode=RUN"]
 
@@ -123,9 +114,8 @@ def ranks_start_together(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def join_restarted_group(trainer: Any, environ: Mapping[str, str] | None = None) -> None:
-    """In a group torchrun restarted, set up the process group before Lightning does, under
-    ``runkit/attempt_<N>/`` in torchrun's store: torch's own connection reads the dead attempt's
-    addresses there and fails or hangs."""
+    """In a group torchrun restarted, set up the process group under ``runkit/attempt_<N>/``
+    before Lightning does: torch's own would read the dead attempt's addresses and hang."""
     env = os.environ if environ is None else environ
     restart = _int(env.get("TORCHELASTIC_RESTART_COUNT"))
     if restart == 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
@@ -154,8 +144,7 @@ def _set_run_dir(hydra_cfg: Any, value: str | None) -> None:
 
 
 def destroy_process_group() -> None:
-    """Once a process's work is done, as torch asks: a gloo group left to the interpreter's exit
-    may abort the process ("terminate called without an active exception")."""
+    """As torch asks: a gloo group left to the interpreter's exit may abort the process."""
     if "torch" in sys.modules:
         import torch.distributed as dist
 
@@ -164,9 +153,7 @@ def destroy_process_group() -> None:
 
 
 def _finish_children(procs: list[subprocess.Popen]) -> None:
-    """The process group goes first (a child blocked in a collective then fails), then each
-    child gets a grace period before it is killed."""
-    destroy_process_group()
+    destroy_process_group()  # first: a child blocked in a collective then fails
     for proc in procs:
         try:
             code = proc.wait(timeout=CHILD_GRACE_S)
@@ -179,8 +166,7 @@ def _finish_children(procs: list[subprocess.Popen]) -> None:
 
 
 def sweep_objective(cfg: Any, result: Any) -> Any:
-    """What the entry point returns to Hydra: the ``optimized_metric`` as a float when set
-    (the sweepers' objective), else the task's own result."""
+    """What the entry point returns to Hydra: the ``optimized_metric`` when set, else ``result``."""
     key = cfg.get("optimized_metric") if hasattr(cfg, "get") else None
     if not key:
         return result
@@ -223,8 +209,7 @@ def requeued_checkpoint(
     environ: Mapping[str, str] | None = None,
 ) -> Path | None:
     """After a SLURM requeue or a torchrun restart: the newest complete checkpoint an earlier
-    run of this job with the same ``overrides`` (by default this run's) left beside ``run_dir``.
-    A torchrun launch whose earlier run finished is a rerun of a used ``--rdzv-id``: one line."""
+    run of this job with the same ``overrides`` (by default this run's) left beside ``run_dir``."""
     env = os.environ if environ is None else environ
     current, job = Path(run_dir).resolve(), slurm_job_id(env)
     start = slurm_first_start(env)
@@ -277,8 +262,7 @@ def requeued_checkpoint(
 
 
 def newest_checkpoint(run_dirs: Iterable[str | Path]) -> Path | None:
-    """The newest whole checkpoint file, or sharded checkpoint directory (``trainer=fsdp``),
-    in the ``checkpoints`` of ``run_dirs``."""
+    """The newest whole checkpoint (a file, or a sharded directory) in ``run_dirs``' checkpoints."""
 
     def whole(path: Path) -> bool:
         if path.is_dir():
@@ -306,9 +290,7 @@ _first_starts: dict[str, str | None] = {}
 
 
 def slurm_first_start(environ: Mapping[str, str] | None = None) -> str | None:
-    """When this SLURM job's first attempt started, the same in every task and requeued attempt:
-    the first attempt's rank 0 keeps it in the job's comment (``runkit-start=...``), since SLURM
-    keeps no such time across a requeue. ``None`` where ``squeue`` cannot say."""
+    """When this SLURM job's first attempt started, kept in the job's comment across requeues."""
     env = os.environ if environ is None else environ
     job = slurm_job_id(env)
     if job is None:
@@ -321,12 +303,8 @@ def slurm_first_start(environ: Mapping[str, str] | None = None) -> str | None:
         valid = re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", start)
         _first_starts[job] = kept.group(1) if kept else start if valid else None
         if not kept and valid and rank_zero(env):  # the first attempt (or one requeued before)
-            _command(
-                "scontrol",
-                "update",
-                f"job={job}",
-                f"comment={comment} runkit-start={start}".replace("= ", "="),
-            )
+            new = f"comment={comment} runkit-start={start}".replace("= ", "=")
+            _command("scontrol", "update", f"job={job}", new)
     return _first_starts[job]
 
 
@@ -351,17 +329,11 @@ def rank_suffix(environ: Mapping[str, str] | None = None) -> str:
     return f"_rank{rank}" if rank not in (None, "", "0") else ""
 
 
-def env_or(name: str, default: str) -> str:
-    """``${env_or:VAR,default}``: ``default`` when the variable is unset *or empty*."""
-    return os.environ.get(name) or default
-
-
 def register_resolvers() -> None:
-    """Make ``${run_id:...}``, ``${rank_suffix:}`` and ``${env_or:...}`` available (idempotent)."""
     from omegaconf import OmegaConf
 
     for name, resolver, cache in (
-        ("env_or", env_or, False),
+        ("env_or", lambda var, default: os.environ.get(var) or default, False),  # unset or empty
         ("run_id", run_id, True),
         ("rank_suffix", rank_suffix, True),
     ):

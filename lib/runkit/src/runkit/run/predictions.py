@@ -1,9 +1,6 @@
-"""What ``predict`` runs on which loader, and its files: predictions in dataset order.
-
-``predictions.pt`` holds ``"predictions"`` (every item's, along the first dimension) and
-``"index"`` (each row's dataset index); ``predictions.csv`` holds ``index,prediction`` or
-``index,class`` (the argmax of ``N x C`` scores). Under DDP rank 0 gathers and writes.
-"""
+"""What ``predict`` runs on which loader, and its files, in dataset order: ``predictions.pt``
+(``"predictions"`` and each row's dataset ``"index"``) and ``predictions.csv`` (``index,prediction``
+or ``index,class``, the argmax of ``N x C`` scores)."""
 
 from __future__ import annotations
 
@@ -27,9 +24,8 @@ log = logging.getLogger(__name__)
 
 
 def prepare_predict(model: LightningModule, datamodule: LightningDataModule) -> str:
-    """Make ``trainer.predict(model, datamodule=datamodule)`` run, and return the line saying
-    what runs: the module's ``predict_step`` (else its forward on each batch's inputs, a tensor
-    or the first element of a tuple) on ``predict_dataloader`` (else the test split)."""
+    """Make ``trainer.predict`` run (``predict_step``, else forward on the inputs; the predict
+    loader, else the test one) and return the line saying what runs."""
     name, data = type(model).__name__, type(datamodule).__name__
     if is_overridden("predict_step", model, LightningModule):
         step = f"{name}.predict_step"
@@ -66,8 +62,7 @@ def _test_loader(self: LightningDataModule) -> Any:
 
 
 class PredictionWriter(BasePredictionWriter):
-    """Write every prediction of ``trainer.predict`` to ``output_dir`` once, in dataset order:
-    rank 0 gathers the other ranks' predictions and indices at the predict epoch's end."""
+    """Write every prediction to ``output_dir`` once, in dataset order (rank 0 gathers)."""
 
     def __init__(self, output_dir: str | Path) -> None:
         super().__init__(write_interval="epoch")
@@ -105,8 +100,14 @@ def _in_dataset_order(shares: list[tuple[list[Any], list[list[int]]]]) -> tuple[
     if not batches:
         return torch.empty(0), torch.empty(0, dtype=torch.long)
     indices = [index for _, rank_indices in shares for index in rank_indices]
-    rows = _concat(batches)
-    counted = _rows(rows)
+    rows, counts = _concat(batches), set[int]()
+    apply_to_collection(rows, torch.Tensor, lambda t: counts.add(len(t)))
+    if len(counts) != 1:
+        raise RunError(
+            f"predict_step returned parts with different numbers of rows ({sorted(counts)}): "
+            "each must have the batch as its first dimension"
+        )
+    counted = counts.pop()
     if len(indices) == len(batches):  # Lightning recorded each batch's items
         flat = torch.tensor([i for batch in indices for i in batch], dtype=torch.long)
         if len(flat) != counted:
@@ -135,17 +136,6 @@ def _concat(batches: list[Any]) -> Any:
         f"predict_step returned a {type(first).__name__}: return a tensor, or a dict/list/tuple "
         "of tensors, whose first dimension is the batch"
     )
-
-
-def _rows(rows: Any) -> int:
-    counts: set[int] = set()
-    apply_to_collection(rows, torch.Tensor, lambda t: counts.add(len(t)))
-    if len(counts) != 1:
-        raise RunError(
-            f"predict_step returned parts with different numbers of rows ({sorted(counts)}): "
-            "each must have the batch as its first dimension"
-        )
-    return counts.pop()
 
 
 def _write(rows: Any, index: torch.Tensor, out: Path, stem: str) -> list[Path]:

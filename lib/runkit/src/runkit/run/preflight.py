@@ -1,13 +1,9 @@
-"""Check a composed config before anything is created, so a run that cannot start leaves nothing.
-
-Hydra makes the run directory before it calls the task; :class:`PreflightCallback` runs earlier
-and turns each mistake into one :class:`~runkit.errors.RunError` line naming the bad value and
-what is accepted. It then claims the run directory atomically; a run that fails before writing
-anything is removed again by :func:`discard_unused`.
-"""
+"""Check a composed config before anything is created, so a run that cannot start leaves nothing
+(:func:`discard_unused` removes the directory of a run that failed before writing anything)."""
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import inspect
@@ -34,8 +30,7 @@ _UNKNOWN = object()  # a value that cannot be resolved yet (${hydra:...} before 
 
 
 class PreflightCallback(Callback):
-    """Hydra callback running the checks before the run directory exists (Hydra turns a
-    callback's exception into a warning, so a mistake ends the process here)."""
+    """The checks, before the run directory exists; a mistake ends the process here."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config, "hydra.run.dir")
@@ -110,7 +105,6 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def _walk(data: Any, prefix: str = "") -> Any:
-    """Every leaf of plain config data as ``(dotted path, value)``."""
     listed = isinstance(data, list)
     for key, value in enumerate(data) if listed else data.items():
         path = f"{prefix}[{key}]" if listed else f"{prefix}{'.' if prefix else ''}{key}"
@@ -121,8 +115,7 @@ def _walk(data: Any, prefix: str = "") -> Any:
 
 
 def check_devices(cfg: DictConfig) -> None:
-    """GPUs asked for must exist, and the ``gpu_*`` keys be valid; changes nothing (the run
-    resolves, waits and claims where it starts: :func:`~runkit.gpus.resolve.resolve_for_run`)."""
+    """GPUs asked for must exist, and the ``gpu_*`` keys be valid; claims nothing."""
     from runkit.gpus.claims import policy_from_config
     from runkit.gpus.resolve import SELECT_CHOICES, resolve_devices
 
@@ -139,8 +132,7 @@ def check_devices(cfg: DictConfig) -> None:
 
 
 def check_targets(node: DictConfig, path: str) -> None:
-    """Check the keys and scalar value types of ``node`` (and nested nodes) against the
-    signature of its ``_target_``; an optimiser's or scheduler's partial is built once."""
+    """Check the keys and scalar types of ``node`` (and nested nodes) against its ``_target_``."""
     for key in node:
         if OmegaConf.is_interpolation(node, key) or OmegaConf.is_missing(node, key):
             continue
@@ -215,7 +207,6 @@ def _hints(target: Any) -> dict[str, Any]:
 
 
 def check_strategy(strategy: Any) -> None:
-    """A strategy given by name must be one Lightning (or this library) registers."""
     from lightning.pytorch.strategies import StrategyRegistry
 
     import runkit.strategies  # noqa: F401  (registers "dp")
@@ -227,7 +218,6 @@ def check_strategy(strategy: Any) -> None:
 
 
 def check_accelerator(accelerator: Any) -> None:
-    """An accelerator given by name must exist and be usable here (GPUs: :func:`check_devices`)."""
     from lightning.pytorch.accelerators import AcceleratorRegistry
 
     if not isinstance(accelerator, str) or accelerator.lower() in ("auto", "gpu", "cuda"):
@@ -247,8 +237,7 @@ def check_accelerator(accelerator: Any) -> None:
 
 
 def _try_partial(node: DictConfig, path: str, target: Any) -> None:
-    """Build an optimiser's or scheduler's partial once against a dummy parameter: a value
-    torch refuses (``model.optimizer.lr=-1``) is one line naming the key, with torch's reason."""
+    """Build an optimiser's or scheduler's partial once: a value torch refuses is one line."""
     import torch
     from hydra.utils import instantiate
     from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
@@ -284,8 +273,8 @@ def _try_partial(node: DictConfig, path: str, target: Any) -> None:
 
 
 def check_inputs(value: Any, log_dir: Any, resumes: bool, task: str = "train") -> None:
-    """The checkpoint ``ckpt_path=value`` must be there, readable without running code, and,
-    when training ``resumes`` from it, a Lightning checkpoint with an intact log."""
+    """``ckpt_path=value`` must be readable without running code and, when training ``resumes``
+    from it, a Lightning checkpoint with an intact log."""
     import pickle
 
     from runkit import plots
@@ -338,8 +327,7 @@ _claimed: _Claim | None = None
 
 def claim_run_dir(cfg: DictConfig, key: str) -> None:
     """Refuse a directory that holds an earlier run, then claim it with one exclusive ``mkdir``
-    of Hydra's ``.hydra`` (``multirun.yaml`` for a sweep): of two racing runs one gets it.
-    Processes of a run already claimed (DDP ranks, torchrun and SLURM tasks) share it."""
+    of ``.hydra`` (``multirun.yaml`` for a sweep): of two racing runs one gets it."""
     global _claimed
     from runkit.run.launch import launched_externally, ranks_start_together
 
@@ -391,14 +379,13 @@ def claim_run_dir(cfg: DictConfig, key: str) -> None:
 
 
 def _resumable_sweep(cfg: DictConfig) -> bool:
-    """Whether the sweep runs with the parallel launcher, which resumes an earlier sweep."""
     target = OmegaConf.select(cfg, "hydra.launcher._target_", default=None)
     return str(target).endswith(".RunkitParallelLauncher")
 
 
 def discard_unused(run_dir: Path) -> bool:
     """Remove ``run_dir`` (and the parents its claim created) if it holds only Hydra's files,
-    ``config.yaml``, logs and empty folders; returns whether it was removed."""
+    ``config.yaml`` and logs; whether it was removed."""
     run_dir = Path(os.path.abspath(run_dir))
     claim = _claimed if _claimed is not None and _claimed.directory == run_dir else None
     _, first_new, marker, had_files = claim or _Claim(run_dir, None, ".hydra", False)
@@ -416,25 +403,20 @@ def discard_unused(run_dir: Path) -> bool:
     if not all(removable(entry) for entry in run_dir.iterdir()):
         return False
     shutil.rmtree(run_dir)
-    for directory in run_dir.parents if first_new is not None else []:
-        if not directory.is_relative_to(first_new):
-            break
-        try:
+    with contextlib.suppress(OSError):  # the parents the claim created, up to the first not empty
+        for directory in [d for d in run_dir.parents if first_new and d.is_relative_to(first_new)]:
             directory.rmdir()
-        except OSError:
-            break
     return True
 
 
 def is_worker_process() -> bool:
-    """Whether this process is a DDP rank other than the first (global or node rank > 0)."""
+    """Whether this process is a DDP rank other than the first."""
     ranks = ("LOCAL_RANK", "RANK", "NODE_RANK", "SLURM_PROCID")
     return any(os.environ.get(var, "0") not in ("", "0") for var in ranks)
 
 
 def _value(node: Any, key: Any) -> Any:
-    """The resolved value at ``key`` (containers as plain data), ``None`` when absent,
-    ``_UNKNOWN`` when it cannot be resolved yet."""
+    """The resolved value at ``key`` as plain data; ``None`` if absent, ``_UNKNOWN`` if not yet."""
     if not isinstance(node, DictConfig) or key not in node:
         return None
     try:

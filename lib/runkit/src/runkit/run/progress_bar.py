@@ -1,9 +1,5 @@
-"""Lightning's Rich progress bar, reading the logged values once per redraw, not every batch.
-
-Lightning's reads them after every batch (an ``.item()`` each: a device sync on a GPU). Here the
-epoch's first and last batches set the count (the rate's two ends), each epoch's and validation's
-end reads the final values, and stopping the display does not wait out the refresh thread.
-"""
+"""Lightning's Rich progress bar, reading the logged values once per redraw, not every batch
+(each read is a device sync); stopping the display does not wait out the refresh thread."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
 """What eval and predict rebuild from a trained run: its config, its model, its weights.
-
-The model comes from the run's own config (in the checkpoint or beside it), trusted
-``_target_``s only; Lightning loads a checkpoint itself, so the module's hooks run as in
-training. The command's ``data.*`` overrides apply; ``model.*`` ones are refused in one line.
-"""
+The model comes from the run's own config (trusted ``_target_``s); ``data.*`` overrides apply."""
 
 from __future__ import annotations
 
@@ -21,10 +17,7 @@ log = logging.getLogger(__name__)
 
 
 def load_trained(cfg: DictConfig) -> tuple[Path, Any, Path | None, Any]:
-    """For eval and predict: ``(source, model, ckpt_path, datamodule)``, the weights at
-    ``cfg.ckpt_path`` (a run directory stands for the model.pth it tested), the run's model and
-    data rebuilt from its own config, seeded with ``cfg.seed`` (``ckpt_path``: what Lightning
-    loads, :func:`trained_model`)."""
+    """``(source, model, ckpt_path, datamodule)`` rebuilt from the run at ``cfg.ckpt_path``."""
     import lightning.pytorch as pl
     from hydra.utils import instantiate
 
@@ -40,8 +33,7 @@ def load_trained(cfg: DictConfig) -> tuple[Path, Any, Path | None, Any]:
 
 
 def trained_config(cfg: DictConfig, source: Path, data: dict[str, Any]) -> dict[str, Any]:
-    """The ``model`` and ``data`` config of the run behind ``source``, with this command's
-    ``data.*`` overrides; this command's own when no config is inside or beside the file."""
+    """The ``model`` and ``data`` config of the run behind ``source``, with ``data.*`` overrides."""
     try:
         parts = checkpoints.run_config(source, data, cfg.trusted_targets, ("model", "data"))
     except checkpoints.NoRunConfig:
@@ -51,8 +43,12 @@ def trained_config(cfg: DictConfig, source: Path, data: dict[str, Any]) -> dict[
             source,
         )
         return {key: OmegaConf.to_container(cfg[key], resolve=True) for key in ("model", "data")}
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
     node = OmegaConf.create(parts["data"])
-    for override in _task_overrides():
+    lines = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    for override in OverridesParser.create().parse_overrides(lines):
         key = override.key_or_group
         if key == "model" or key.startswith("model."):
             raise RunError(
@@ -74,8 +70,7 @@ def trained_config(cfg: DictConfig, source: Path, data: dict[str, Any]) -> dict[
 
 def trained_model(model_config: dict[str, Any], source: Path, data: dict[str, Any]) -> Any:
     """``(model, ckpt_path)``: the rebuilt module and the checkpoint Lightning loads into it
-    after ``setup()`` (``None`` when the weights are in already); a mismatch seen now (keys,
-    shapes) is one line, the rest Lightning's strict load judges."""
+    after ``setup()`` (``None`` when the weights are in already)."""
     model = checkpoints.rebuild_model(model_config)
     if is_lightning_checkpoint(data):
         mismatch = checkpoints.state_mismatch(model.state_dict(), data["state_dict"], True)
@@ -103,17 +98,5 @@ def trained_model(model_config: dict[str, Any], source: Path, data: dict[str, An
 
 
 def is_lightning_checkpoint(data: dict[str, Any]) -> bool:
-    """Whether a loaded file is a Lightning checkpoint (else weights: a model.pth, a state_dict)."""
+    """Whether a loaded file is a Lightning checkpoint (else weights)."""
     return "pytorch-lightning_version" in data and isinstance(data.get("state_dict"), dict)
-
-
-def _task_overrides() -> list[Any]:
-    """This command's overrides, parsed by Hydra's own grammar (none outside a Hydra app)."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.core.override_parser.overrides_parser import OverridesParser
-
-        lines = list(HydraConfig.get().overrides.task)
-    except Exception:  # not under Hydra (a notebook, a test calling evaluate directly)
-        return []
-    return OverridesParser.create().parse_overrides(lines)

@@ -1,9 +1,5 @@
-"""What a run leaves in its directory besides checkpoints and logger files.
-
-``config.yaml``  the composed config, resolved (what ``model.pth`` is rebuilt from);
-``metrics.json`` the final train/val/test figures, the best checkpoint (and its monitored score)
-and the run's size.
-"""
+"""What a run leaves in its directory besides checkpoints and logs: ``config.yaml`` (resolved)
+and ``metrics.json`` (final figures, the best checkpoint and its score, the run's size)."""
 
 from __future__ import annotations
 
@@ -24,7 +20,6 @@ METRICS_FILE = "metrics.json"
 
 
 def save_config(cfg: DictConfig, out: Path) -> Path:
-    """Write the resolved config as ``config.yaml`` in the run directory."""
     return _write(out / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True))
 
 
@@ -53,9 +48,8 @@ def save_metrics(
     energy: Mapping[str, Any] | None = None,
     evaluated: str | Path | None = None,
 ) -> Path:
-    """Write ``metrics.json``: the figures, where they came from (``resumed_from`` a
-    checkpoint; ``evaluated`` the weights an eval tested, leaving out what only training has),
-    the time since ``started`` and the GPUs' ``energy`` when known."""
+    """Write ``metrics.json``: the figures, where they came from (``resumed_from``, or the weights
+    an eval ``evaluated``), the time since ``started`` and the GPUs' ``energy``."""
     callback = trainer.checkpoint_callback
     score = getattr(callback, "best_model_score", None) if best_checkpoint else None
     training = {

@@ -1,17 +1,11 @@
-"""Sweeps that fill one machine (``hydra/launcher=runkit_parallel``): jobs at once, resumable.
-
-Each job is a process of its own, ``<entry> <its overrides> hydra.run.dir=<its folder>``, so a
-single run's guarantees (GPU claims, DDP, stops, one-line errors) hold per job. Hydra's basic
-launcher runs one job at a time, joblib's workers carry CUDA state, handlers and ``sys.argv``
-from job to job (and a SIGTERM reaches no job), submitit's local one keeps no record to resume
-from: ``sweep_state.json`` records every attempt, so the same command with ``hydra.sweep.dir``
-skips finished jobs and resumes interrupted ones.
-"""
+"""Sweeps that fill one machine (``hydra/launcher=runkit_parallel``): each job a process of its
+own, every attempt recorded in ``sweep_state.json``, so the same command resumes the sweep."""
 
 from __future__ import annotations
 
 import contextlib
 import csv
+import ctypes
 import fcntl
 import io
 import json
@@ -33,7 +27,6 @@ from hydra.core.config_store import ConfigStore
 from hydra.plugins.launcher import Launcher
 
 from runkit.errors import RunError
-from runkit.processes import die_with_parent
 from runkit.quoting import config_options, hydra_value
 from runkit.run.launch import newest_checkpoint
 from runkit.safety import signals
@@ -44,6 +37,7 @@ STATE_FILE = "sweep_state.json"
 PARENT_ENV = "RUNKIT_SWEEP_PARENT"  # set for each job: the sweep's pid, which the job follows
 POLL_S = 0.2  # how often the launcher looks at its jobs and at the stop signal
 STOP_GRACE_S = 600.0  # after a stop signal, how long the jobs may take to save before a kill
+_CAUSE = re.compile(r"^(error: |[\w.]*(Error|Exception|Interrupt)\b: )")
 FIXED = ["job", "status", "overrides", "attempts", "monitor", "best", "wall_s", "energy_j", "dir"]
 
 
@@ -120,8 +114,6 @@ def job_command(
     run_dir: Path,
     num: int,
 ) -> list[str]:
-    """``entry``, the job's overrides, the ``extra`` ones it does not set, the sweep's ``hydra.*``
-    overrides, its folder and number."""
     own = {_key(o) for o in overrides}
     added = [f"{key}={hydra_value(value)}" for key, value in extra.items() if key not in own]
     mine = ("hydra.mode", "hydra.run.dir", "hydra.job.num", "hydra.job.id")
@@ -133,13 +125,14 @@ def job_command(
 
 
 def follow_sweep_parent(environ: MutableMapping[str, str] | None = None) -> None:
-    """In a job of a parallel sweep: SIGTERM from the kernel when the sweep dies (the job saves
-    as on any SIGTERM); a sweep already gone ends the job at once."""
+    """In a sweep's job: SIGTERM when the sweep dies; a sweep already gone ends the job at once."""
     env = os.environ if environ is None else environ
     parent = env.pop(PARENT_ENV, None)  # the job's own DDP ranks follow the job, not the sweep
     if not parent:
         return
-    die_with_parent(signal.SIGTERM)
+    if sys.platform.startswith("linux"):  # PR_SET_PDEATHSIG: SIGTERM when the sweep dies
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
     if str(os.getppid()) != parent:
         print(f"error: the sweep (pid {parent}) ended before this job started", file=sys.stderr)
         raise SystemExit(128 + signal.SIGTERM)
@@ -154,9 +147,7 @@ ConfigStore.instance().store(
 
 
 class ParallelLauncher(Launcher):
-    """Runs up to ``n_jobs`` jobs at once; ``job_overrides`` go to those that do not set the key.
-    A failed job's line is said here and its code kept for the sweep's exit
-    (``runkit.run.launch.FAILED_JOBS``): Hydra sees it completed, with a NaN objective."""
+    """Runs up to ``n_jobs`` jobs at once; ``job_overrides`` go to those that do not set the key."""
 
     def __init__(self, n_jobs: int | None = None, job_overrides: Mapping[str, Any] | None = None):
         self.n_jobs = check_n_jobs(n_jobs) or 0  # 0: one per visible GPU
@@ -178,12 +169,7 @@ class ParallelLauncher(Launcher):
         configure_log(hydra.hydra_logging, hydra.verbose)
         self.dir = Path(os.path.abspath(str(hydra.sweep.dir)))
         if self.lock is None:  # the first batch of jobs
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self.lock, self.attempts = _lock(self.dir), load_attempts(self.dir)
-            self.n_jobs = self.n_jobs or default_n_jobs()
-            self.hydra_overrides = [str(o) for o in hydra.overrides.hydra]
-            self.entry = _entry_command()
-            log.info("Sweep: up to %d job(s) at once in %s", self.n_jobs, self.dir)
+            self._open(hydra)
         returns, jobs = [], []
         for num, overrides in enumerate(map(list, job_overrides), start=initial_job_idx):
             config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
@@ -209,7 +195,11 @@ class ParallelLauncher(Launcher):
             if attempt is not None and attempt.status == "failed":
                 failed.append(f"#{attempt.num} (exit {attempt.exit_code}: {attempt.cause})")
             FAILED_JOBS.append(1)  # failed, interrupted or never started: the sweep exits 1
-        self._summary([job[0] for job, a in zip(jobs, attempts, strict=True) if a is None])
+        rows = job_rows(self.attempts, [j[0] for j, a in zip(jobs, attempts, strict=True) if not a])
+        key = self.config.get("optimized_metric")
+        print_table(rows, key)
+        plot_summary(self.dir, rows, key)
+        log.info("Sweep summary: %s", write_summary(self.dir, rows))
         if signals.request.received is not None:
             signals.request.detail = (
                 f"; rerun the same command with hydra.sweep.dir={hydra_value(str(self.dir))} "
@@ -224,9 +214,32 @@ class ParallelLauncher(Launcher):
             )
         return returns
 
+    def _open(self, hydra: Any) -> None:
+        """Hold the sweep folder (a second sweep there fails in one line) and read its record."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.lock = open(self.dir / ".sweep.lock", "a+")  # noqa: SIM115 - held until exit
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.lock.close()
+            raise RunError(
+                f"hydra.sweep.dir={str(self.dir)!r} is in use by another sweep that is still "
+                "running; wait for it, or pick another hydra.sweep.dir"
+            ) from None
+        self.attempts = load_attempts(self.dir)
+        self.n_jobs = self.n_jobs or default_n_jobs()
+        self.hydra_overrides = [str(o) for o in hydra.overrides.hydra]
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)  # this program again
+        program = (
+            ["-m", spec.name.removesuffix(".__main__")]
+            if spec is not None and spec.name
+            else [os.path.abspath(sys.argv[0])]
+        )
+        self.entry = [sys.executable, *program, *config_options(sys.argv[1:])]
+        log.info("Sweep: up to %d job(s) at once in %s", self.n_jobs, self.dir)
+
     def _run(self, jobs: Sequence[tuple[list[str], Path, int]]) -> list[Attempt | None]:
-        """Run ``jobs`` (overrides, first folder, number); for each, the attempt that ran or
-        finished it (``None``: the sweep was stopped first)."""
+        """Per job (overrides, folder, number): the attempt that finished it, or ``None``."""
         results: list[Attempt | None] = [None] * len(jobs)
         pending, counts = [], {"skipped": 0, "resumed": 0, "started": 0}
         for index, job in enumerate(jobs):
@@ -315,9 +328,13 @@ class ParallelLauncher(Launcher):
         else:
             attempt.status = "interrupted" if code > 128 or code < 0 else "failed"
         took, said = attempt.ended - attempt.started, attempt.status
-        if attempt.status == "failed":
-            attempt.cause = _last_line(Path(attempt.log))
-            said = f"failed (exit {code})"
+        if attempt.status == "failed":  # its last line naming a cause (error: ..., ValueError: ...)
+            try:
+                lines = Path(attempt.log).read_text("utf-8", "replace").strip().splitlines()
+            except OSError:
+                lines = [f"see {attempt.log}"]
+            named = [line for line in lines if _CAUSE.match(line)]
+            attempt.cause, said = (named or lines or [""])[-1].strip(), f"failed (exit {code})"
         cause = f": {attempt.cause} (log: {attempt.log})" if attempt.cause else ""
         level = logging.ERROR if attempt.cause else logging.INFO
         log.log(level, "Sweep job #%d %s after %.0f s%s", attempt.num, said, took, cause)
@@ -328,51 +345,10 @@ class ParallelLauncher(Launcher):
         payload = json.dumps({"attempts": [asdict(a) for a in self.attempts]}, indent=1)
         _replace(self.dir / STATE_FILE, payload + "\n")
 
-    def _summary(self, not_started: Sequence[Sequence[str]]) -> None:
-        rows = job_rows(self.attempts, not_started)
-        path = write_summary(self.dir, rows)
-        key = self.config.get("optimized_metric")
-        print_table(rows, key)
-        plot_summary(self.dir, rows, key)
-        log.info("Sweep summary: %s", path)
-
-
-def _entry_command() -> list[str]:
-    """This program again (``python -m <module>`` or its script) with the config options."""
-    options = config_options(sys.argv[1:])
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    if spec is not None and spec.name:
-        return [sys.executable, "-m", spec.name.removesuffix(".__main__"), *options]
-    return [sys.executable, os.path.abspath(sys.argv[0]), *options]
-
 
 def _signal_group(proc: subprocess.Popen, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signum)
-
-
-def _last_line(path: Path) -> str:
-    """The job's last line naming a cause (``error: ...``, ``ValueError: ...``), else its last."""
-    try:
-        lines = path.read_text(encoding="utf-8", errors="replace").strip().splitlines()
-    except OSError:
-        return f"see {path}"
-    cause = re.compile(r"^(error: |[\w.]*(Error|Exception|Interrupt)\b: )")
-    return ([line for line in lines if cause.match(line)] or lines or [""])[-1].strip()
-
-
-def _lock(sweep_dir: Path) -> Any:
-    """Hold the sweep folder for this process: a second sweep in it fails in one line."""
-    handle = open(sweep_dir / ".sweep.lock", "a+")  # noqa: SIM115 - held until the process ends
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.close()
-        raise RunError(
-            f"hydra.sweep.dir={str(sweep_dir)!r} is in use by another sweep that is still "
-            "running; wait for it, or pick another hydra.sweep.dir"
-        ) from None
-    return handle
 
 
 def _replace(path: Path, text: str) -> None:
@@ -382,7 +358,7 @@ def _replace(path: Path, text: str) -> None:
 
 
 def job_rows(attempts: Sequence[Attempt], not_started: Sequence[Sequence[str]] = ()) -> list[dict]:
-    """One row per job, in job order; ``not_started``: the overrides of jobs a stop kept back."""
+    """One row per job, in job order, then the jobs a stop kept back (``not_started``)."""
     by_job: dict[tuple[str, ...], list[Attempt]] = {}
     for attempt in attempts:
         by_job.setdefault(tuple(attempt.overrides), []).append(attempt)
@@ -406,8 +382,7 @@ def job_rows(attempts: Sequence[Attempt], not_started: Sequence[Sequence[str]] =
 
 
 def checkpoint_best(attempts: Sequence[Attempt]) -> tuple[str, float | None]:
-    """The monitored key and best score of an unfinished job, from its newest checkpoint's
-    ModelCheckpoint state; ``("", None)`` without one."""
+    """An unfinished job's monitored key and best score, from its newest checkpoint."""
     path = newest_checkpoint(a.dir for a in attempts)
     if path is None:
         return "", None
@@ -443,7 +418,6 @@ def varying(rows: Sequence[dict]) -> list[str]:
 
 
 def print_table(rows: Sequence[dict], key: str | None) -> None:
-    """The summary as a Rich table: job, status, values, best, ``key`` (a metric), time, energy."""
     from rich.console import Console
     from rich.table import Table
 
@@ -451,14 +425,14 @@ def print_table(rows: Sequence[dict], key: str | None) -> None:
     for name in filter(None, ("job", "status", "values", "best", key, "wall s", "energy J")):
         table.add_column(name)
     for row, values in zip(rows, varying(rows), strict=True):
-        numbers = [_fmt(row.get(n)) for n in ("best", key) if n]
-        numbers += [_fmt(row.get(n), 0) for n in ("wall_s", "energy_j")]
+        shown = [(n, 4) for n in ("best", key) if n] + [("wall_s", 0), ("energy_j", 0)]
+        numbers = [f"{v:.{d}f}" if (v := _number(row.get(n))) is not None else "" for n, d in shown]
         table.add_row(str(row.get("job", "")), row["status"], values, *numbers)
     Console(width=max(100, Console().width)).print(table)
 
 
 def plot_summary(sweep_dir: Path, rows: Sequence[dict], key: str | None) -> None:
-    """``summary.png``: each job's ``key`` (else its best score) as a bar labelled by its values."""
+    """``summary.png``: each job's ``key`` (else its best score) as a bar."""
     name = key if key and any(_number(row.get(key)) is not None for row in rows) else "best"
     points = [
         (label or f"#{row['job']}", _number(row.get(name)))
@@ -495,8 +469,3 @@ def _number(value: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return number if math.isfinite(number) else None
-
-
-def _fmt(value: Any, digits: int = 4) -> str:
-    number = _number(value)
-    return "" if number is None else f"{number:.{digits}f}"

@@ -1,9 +1,5 @@
 """Every ``Trainer`` argument is a key of ``configs/trainer/lightning.yaml``: no ``+`` needed.
-
-A misspelt key still gets Hydra's "not a key" with a "did you mean". Keys still at these
-defaults are not passed (:func:`set_arguments`), so a Lightning release that drops one does
-not break every run; the tests check the data against the installed Trainer and the file.
-"""
+Keys still at these defaults are not passed, so a Lightning release that drops one breaks no run."""
 
 from __future__ import annotations
 
@@ -36,9 +32,6 @@ def set_arguments(trainer: Any) -> dict[str, Any]:
     return {
         key: value
         for key, value in resolved.items()
-        if key not in TRAINER_DEFAULTS or not _same(value, TRAINER_DEFAULTS[key])
+        if key not in TRAINER_DEFAULTS
+        or (type(value), value) != (type(TRAINER_DEFAULTS[key]), TRAINER_DEFAULTS[key])
     }
-
-
-def _same(value: Any, default: Any) -> bool:
-    return type(value) is type(default) and value == default
