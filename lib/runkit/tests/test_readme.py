@@ -133,7 +133,7 @@ def readme_commands(text: str | None = None) -> list[str]:
 
 
 def split(command: str) -> tuple[dict[str, str], list[str]]:
-    """``VAR=x python -m m args`` -> ({VAR: x}, [this interpreter, -m, m, args])."""
+    """``VAR=x python -m m args`` -> ({VAR: x}, [sys.executable, -m, m, args])."""
     words = shlex.split(command)
     env = {}
     while words and re.match(r"^[A-Z_]+=", words[0]):
@@ -214,7 +214,6 @@ def test_composed_commands(command: str) -> None:
 def _run(
     command: str, cwd: Path, extra: tuple[str, ...] = (), fresh: bool = False
 ) -> subprocess.CompletedProcess:
-    """``command`` as written (and ``extra``) in ``cwd``, forked unless ``fresh``; it must pass."""
     env, words = split(command)
     result = (subprocess.run if fresh else prewarmed.run)(
         [*words, *extra], cwd=cwd, env=clean_env(**env), capture_output=True, text=True,
@@ -226,8 +225,6 @@ def _run(
 
 @pytest.mark.slow
 def test_cli_and_dry_run_commands(tmp_path: Path) -> None:
-    """CLI commands as written (none starts a run); DRY ones name real targets and tests."""
-
     def one(command: str) -> None:
         make = ("PY=" + sys.executable,) if command.startswith("make") else ()
         if CHECKS[command][0] == CLI:
@@ -244,7 +241,6 @@ def test_cli_and_dry_run_commands(tmp_path: Path) -> None:
 
 
 def budget(command: str) -> tuple[str, ...]:
-    """:data:`BUDGET` less the keys ``command`` sets, and :data:`NARROW` for the default ConvNet."""
     if "project.train" not in command:
         return ()
     own = {word.partition("=")[0] for word in shlex.split(command)}
@@ -254,7 +250,6 @@ def budget(command: str) -> tuple[str, ...]:
 
 @pytest.mark.slow
 def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
-    """Every RUN command in one directory: first the run the others use, then the rest."""
     logs, ran, places = tmp_path / "logs", [], {}
     multiruns = logs / "train" / "multiruns"
 
@@ -358,10 +353,8 @@ def test_the_ddp_row_claims_what_its_test_asserts() -> None:
 
 
 def test_the_makefile_and_fast_test_claims() -> None:
-    text = " ".join(readme().split())
-    assert (
-        "They run `.venv/bin/python` when there is a `.venv`, else the `python3` on `PATH`" in text
-    )
+    said = "They run `.venv/bin/python` when there is a `.venv`, else the `python3` on `PATH`"
+    assert said in " ".join(readme().split())
     (line,) = [x for x in (ROOT / "Makefile").read_text().splitlines() if x.startswith("PY ?=")]
     assert "$(wildcard .venv/bin/python),.venv/bin/python," in line and "python3" in line
     dev = (ROOT / "docs" / "library-development.md").read_text()  # a measurement, with its date
@@ -383,10 +376,8 @@ def test_the_crafted_checkpoint_row_is_the_line_eval_prints(tmp_path: Path) -> N
         cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr[-2000:]
-    shown = re.search(
-        r"\| `(error: .*?)` \(exit 2\) \|",
-        _row("test_eval_of_a_crafted_checkpoint_deletes_nothing"),
-    )
+    row = _row("test_eval_of_a_crafted_checkpoint_deletes_nothing")
+    shown = re.search(r"\| `(error: .*?)` \(exit 2\) \|", row)
     assert shown
     assert done.stderr.strip().splitlines()[-1] == shown.group(1).replace("…/", f"{tmp_path}/")
     assert victim.read_text() == "precious"

@@ -9,8 +9,8 @@ import re
 import shlex
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import yaml
@@ -23,8 +23,7 @@ OWN = (ROOT / "lib" / "runkit" / "docs" / "own-model-and-data.md", "# Your own m
 SECTIONS = [OWN]  # (file, heading) run as written, each by a test below
 
 
-@dataclass(frozen=True)
-class Block:
+class Block(NamedTuple):
     lang: str
     text: str
 
@@ -46,7 +45,7 @@ def file_path(block: Block) -> str | None:
 
 
 def section(readme: Path, heading: str) -> str:
-    """The text under ``heading`` up to the next heading of its level or above, fences skipped."""
+    """The text under ``heading`` up to the next heading of its level or above."""
     lines = readme.read_text().splitlines(keepends=True)
     start = lines.index(f"{heading}\n")
     level = len(heading.split(" ", 1)[0])
@@ -60,8 +59,7 @@ def section(readme: Path, heading: str) -> str:
     return "".join(lines[start:end])
 
 
-def shell_env() -> dict[str, str]:
-    """A user's shell: ``python`` is this interpreter, nothing on ``PYTHONPATH``."""
+def shell_env() -> dict[str, str]:  # a user's shell: ``python`` is this one, no PYTHONPATH
     env = clean_env()
     env.pop("PYTHONPATH", None)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
@@ -69,7 +67,6 @@ def shell_env() -> dict[str, str]:
 
 
 def run_section(text: str, cwd: Path) -> list[tuple[str, subprocess.CompletedProcess]]:
-    """Write the file blocks of ``text``, run its commands in order; each with what it printed."""
     done: list[tuple[str, subprocess.CompletedProcess]] = []
     printed: str | None = None
     for block in blocks(text):
@@ -106,9 +103,8 @@ def test_file_blocks_name_their_path_keep_hydra_headers_first_and_every_block_ru
         named = {file_path(b) for b in found} - {None, "tests/test_mine.py"}  # the suite's example
         assert named <= covered, f"file blocks no test writes: {sorted(named - covered)}"
     for readme, block in python_snippets():  # load_network's run on test_readme.py's trained run
-        assert "load_network" in block.text or file_path(block) in (None, "tests/test_mine.py"), (
-            f"{readme.name}: a python block no test runs:\n{block.text}"
-        )
+        runs = "load_network" in block.text or file_path(block) in (None, "tests/test_mine.py")
+        assert runs, f"{readme.name}: a python block no test runs:\n{block.text}"
 
 
 @pytest.mark.slow
@@ -142,20 +138,14 @@ def test_your_own_model_and_data_runs_as_written(tmp_path: Path) -> None:
     assert tested["test/loss"] == pytest.approx(trained["test/loss"], rel=1e-4)
 
 
-def python_snippets() -> list[tuple[Path, Block]]:
-    """Every python block of both READMEs that no section test runs."""
+def python_snippets() -> list[tuple[Path, Block]]:  # that no section test runs
     in_sections = {b.text for readme, heading in SECTIONS for b in blocks(section(readme, heading))}
-    return [
-        (readme, b)
-        for readme in READMES
-        for b in blocks(readme.read_text())
-        if b.lang == "python" and b.text not in in_sections
-    ]
+    return [(readme, b) for readme in READMES for b in blocks(readme.read_text())
+            if b.lang == "python" and b.text not in in_sections]  # fmt: skip
 
 
 @pytest.mark.slow
 def test_library_readme_snippets_run(tmp_path: Path) -> None:
-    """The library README's Trainer snippet; its example test file run with the suite's conftest."""
     tests = Path(__file__).resolve().parent
     snippets = [b for _, b in python_snippets() if "load_network" not in b.text]
     (trainer,) = [b for b in snippets if file_path(b) is None]
