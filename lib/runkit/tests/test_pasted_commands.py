@@ -3,6 +3,7 @@ and the one-line endings of sweeps."""
 
 from __future__ import annotations
 
+import functools
 import random
 import signal
 import subprocess
@@ -38,8 +39,13 @@ def bash_words(line: str) -> list[str]:
     return done.stdout.decode().split("\0")[:-1]
 
 
+@functools.cache
+def parser() -> OverridesParser:
+    return OverridesParser.create()
+
+
 def config_value(word: str) -> object:  # Hydra's parser, then OmegaConf
-    (parsed,) = OverridesParser.create().parse_overrides([word])
+    (parsed,) = parser().parse_overrides([word])
     return OmegaConf.create({"k": parsed.value()}).k
 
 
