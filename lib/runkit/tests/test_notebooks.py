@@ -42,8 +42,9 @@ def test_notebooks_are_committed_stripped_as_pre_commit_strips_them(tmp_path: Pa
     assert [c.read_text() for c in copies] == [p.read_text() for p in NOTEBOOKS], "changed"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+@pytest.mark.slow  # 01_gpu_story trains its own run: a made project's `make notebooks` runs it
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.name != "01_gpu_story.ipynb"],
+                         ids=lambda p: p.name)  # fmt: skip
 def test_notebook_runs_top_to_bottom_on_cpu(
     path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

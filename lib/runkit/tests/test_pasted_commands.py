@@ -15,7 +15,7 @@ import pytest
 import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
-from test_readme_sections import shell_env
+from test_readme import shell_env
 
 from conftest import FAST, CliRunner, run_dirs, user_config_dir
 from runkit import quoting, speed
