@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import inspect
-import json
 import shutil
 import sys
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from test_conformance import figures, metrics, newest
 from torch import nn
 
 from conftest import compose_train, last_line, run_dirs, run_entry
@@ -49,14 +49,6 @@ def evaluate(cwd: Path, log_dir: Path, source: Path, *overrides: str):
                      *overrides)  # fmt: skip
 
 
-def metrics(run: Path) -> dict:
-    return json.loads((run / "metrics.json").read_text())
-
-
-def figures_of(run: Path) -> dict[str, float]:
-    return {k: v for k, v in metrics(run)["metrics"].items() if k.startswith("test")}
-
-
 @pytest.fixture(scope="module")
 def trained(project: Path, tmp_path_factory: pytest.TempPathFactory):
     made: dict[tuple[str, ...], Path] = {}  # a 2-epoch run of experiment=zoo_<module>, once
@@ -87,7 +79,7 @@ def test_a_users_module_trains_tests_exports_and_evaluates_to_the_same_figures(
     project: Path, trained, tmp_path: Path, run: tuple[str, ...]
 ) -> None:
     done = trained(*run)
-    reported = figures_of(done)
+    reported = figures(done)
     assert reported and all(v == v for v in reported.values())  # test figures, none NaN
     assert (done / "curves.png").is_file() and (done / "csv" / "metrics.csv").is_file()
     best = Path(metrics(done)["best_checkpoint"])
@@ -109,8 +101,8 @@ def test_a_users_module_trains_tests_exports_and_evaluates_to_the_same_figures(
     for source in (done, best):  # model.pth (loaded after setup), then the .ckpt
         again = evaluate(project, tmp_path, source)
         assert again.returncode == 0, again.stderr[-3000:]
-        evaluated = max(run_dirs(tmp_path, "eval"), key=lambda p: p.stat().st_mtime)
-        assert figures_of(evaluated) == reported  # exactly, not approximately
+        evaluated = newest(tmp_path, "eval")
+        assert figures(evaluated) == reported  # exactly, not approximately
         assert metrics(evaluated)["evaluated"] == str(
             done / "model.pth" if source == done else best
         )
@@ -163,7 +155,7 @@ def test_eval_honours_data_overrides_and_refuses_model_ones(
     with (evaluated / "csv" / "metrics.csv").open(newline="") as handle:
         steps = [row for row in csv.DictReader(handle) if row["test/loss_step"]]
     assert len(steps) == 640 - int(0.85 * 640)  # one step per test sample: batches of 1
-    assert figures_of(evaluated)["test_mae"] == pytest.approx(figures_of(run)["test_mae"])
+    assert figures(evaluated)["test_mae"] == pytest.approx(figures(run)["test_mae"])
 
 
 @pytest.mark.slow
@@ -173,7 +165,7 @@ def test_sync_dist_logging_under_ddp_with_every_default_callback_finishes(
 ) -> None:
     _, run = train_ok(project, tmp_path, f"experiment=zoo_{module}", "trainer.devices=2")
     assert metrics(run)["devices"] == 2 and Path(metrics(run)["best_checkpoint"]).is_file()
-    assert figures_of(run)
+    assert figures(run)
 
 
 REFUSED = [  # overrides, the setting named, its value, a key the module logs
