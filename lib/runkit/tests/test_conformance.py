@@ -1,7 +1,6 @@
-"""Conformance against plain Lightning (issue #31): each member of ``conformance/`` trained by a
-bare ``Trainer`` (``conformance/oracle.py``) and by the CLI logs the same values to the digit and
-ends with bit-equal weights (CPU, DDP x2 too); then test, eval, resume and SIGTERM on each pair.
-"""
+"""Each member of ``conformance/`` trained by a bare ``Trainer`` (``conformance/oracle.py``) and by
+the CLI logs the same values and ends with bit-equal weights (DDP x2 too); then test, eval, resume
+and SIGTERM on each pair."""
 
 from __future__ import annotations
 
@@ -74,8 +73,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-def logged(metrics_csv: Path) -> dict[tuple[str, str], str]:
-    """Every value a CSV log holds, by (step, key), as written (equal means to the digit)."""
+def logged(metrics_csv: Path) -> dict[tuple[str, str], str]:  # by (step, key), as written
     if not metrics_csv.is_file():
         return {}  # Lightning's CSVLogger writes no file for a module that logs nothing
     with metrics_csv.open(newline="") as handle:
@@ -127,8 +125,7 @@ def test_test_after_fit_and_eval_of_model_pth_and_best_checkpoint_agree(trained,
     reported = figures(run)
     best = metrics(run)["best_checkpoint"]
     sources = [run, *([Path(best)] if best else [])]  # a run directory: its model.pth
-    if not conformance.overrides_hook(_classes(name)[0], "test_step"):
-        # Plain Lightning's trainer.test refuses such a module; eval says so in one line.
+    if not conformance.overrides_hook(_classes(name)[0], "test_step"):  # eval says so in one line
         done = evaluate(cwd, run)
         assert (done.returncode, done.stderr.count("\n")) == (2, 1), done.stderr[-3000:]
         assert "has no test_step" in done.stderr and not run_dirs(cwd / "logs", "eval")

@@ -1,5 +1,4 @@
-"""The developer tools around the code: the Makefile's interpreter, and git ignoring what the
-program itself writes into the repository."""
+"""The developer tools: the Makefile's interpreter, .gitignore, scripts/mutate.py's modules."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ def make(cwd: Path, *args: str, path: str | None = None) -> subprocess.Completed
 
 
 @pytest.fixture
-def bare_checkout(tmp_path: Path) -> Path:
-    """The Makefile alone in a directory without .venv ("your own environment")."""
+def bare_checkout(tmp_path: Path) -> Path:  # the Makefile alone, no .venv ("your own environment")
     shutil.copy(REPO / "Makefile", tmp_path / "Makefile")
     return tmp_path
 
@@ -51,8 +49,6 @@ def test_make_uses_the_python3_on_path_else_the_venv_else_py(bare_checkout: Path
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["own environment", "repository .venv"])
 def test_make_devices_runs_both_ways(bare_checkout: Path, where: str) -> None:
-    """A real target: with no .venv, the active environment's python3 (here this interpreter's
-    bin directory first on PATH, as `activate` does); in the repository, its .venv."""
     if where == "own environment":
         path = f"{Path(sys.executable).parent}:/usr/bin:/bin"  # as `activate` puts it first
         done = make(bare_checkout, "devices", "ARGS=--json", path=path)
@@ -85,19 +81,13 @@ def test_plot_outputs_and_logs_are_ignored_and_nothing_else(tmp_path: Path) -> N
     assert listed == sorted([".gitignore", *kept])
 
 
-def _mutate_script() -> object:
-    """scripts/mutate.py as a module (importing it runs nothing)."""
+def test_every_mutation_module_names_sources_and_tests_that_exist() -> None:
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("mutate", REPO / "scripts" / "mutate.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["mutate"] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_every_mutation_module_names_sources_and_tests_that_exist() -> None:
-    mutate = _mutate_script()
+    mutate = importlib.util.module_from_spec(spec)
+    sys.modules["mutate"] = mutate  # its dataclass looks its module up there
+    spec.loader.exec_module(mutate)  # importing it runs nothing
     assert {"checkpoints", "gpus", "gpu_stats", "finite_loss"} <= set(mutate.MODULES)
     for name, (sources, tests) in mutate.MODULES.items():
         for pattern in sources:

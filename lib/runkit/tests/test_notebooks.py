@@ -1,5 +1,4 @@
-"""The notebooks: each runs top to bottom on a CPU without an error, and none is committed with
-outputs (they are stripped by nbstripout in pre-commit; this test catches a commit without it)."""
+"""The notebooks run top to bottom on a CPU, and none is committed with outputs."""
 
 from __future__ import annotations
 
@@ -18,8 +17,6 @@ nbformat = pytest.importorskip("nbformat", reason="the notebook tests need the d
 
 
 def test_notebooks_are_committed_stripped_as_pre_commit_strips_them(tmp_path: Path) -> None:
-    """Valid, no outputs, counts, timings or widget state, a python3 kernel; and the pre-commit
-    hook's own tool, run on copies, would change nothing."""
     assert {"01_gpu_story.ipynb", "02_plot_a_run.ipynb"} <= {path.name for path in NOTEBOOKS}
     for path in NOTEBOOKS:
         notebook = nbformat.read(path, as_version=4)
@@ -45,12 +42,12 @@ def test_notebooks_are_committed_stripped_as_pre_commit_strips_them(tmp_path: Pa
     assert [c.read_text() for c in copies] == [p.read_text() for p in NOTEBOOKS], "changed"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+@pytest.mark.slow  # 01_gpu_story trains its own run: a made project's `make notebooks` runs it
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.name != "01_gpu_story.ipynb"],
+                         ids=lambda p: p.name)  # fmt: skip
 def test_notebook_runs_top_to_bottom_on_cpu(
     path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Executed in a fresh directory, so its runs land in tmp_path/logs, never in the repository."""
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 

@@ -1,8 +1,9 @@
 """What the program prints to paste works pasted into a real bash and Hydra, whatever the value;
-and the one-line endings of sweeps (a bad job; ``-m`` with ``--cfg``)."""
+and the one-line endings of sweeps."""
 
 from __future__ import annotations
 
+import functools
 import random
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
-from test_readme_sections import shell_env
+from test_readme import shell_env
 
 from conftest import FAST, CliRunner, run_dirs, user_config_dir
 from runkit import quoting, speed
@@ -32,16 +33,19 @@ TINY = (*FAST, "trainer.max_epochs=1", "+trainer.limit_train_batches=2", "test=f
 
 
 def bash_words(line: str) -> list[str]:
-    """The words a real bash makes of ``line``, as if it were pasted after ``printf '%s\\0'``."""
     done = subprocess.run(
         ["bash", "-c", f"printf '%s\\0' {line}"], capture_output=True, check=True, timeout=30
     )
     return done.stdout.decode().split("\0")[:-1]
 
 
-def config_value(word: str) -> object:
-    """What Hydra's parser, then OmegaConf, make of one ``key=value`` word."""
-    (parsed,) = OverridesParser.create().parse_overrides([word])
+@functools.cache
+def parser() -> OverridesParser:
+    return OverridesParser.create()
+
+
+def config_value(word: str) -> object:  # Hydra's parser, then OmegaConf
+    (parsed,) = parser().parse_overrides([word])
     return OmegaConf.create({"k": parsed.value()}).k
 
 
@@ -66,7 +70,6 @@ def test_override_survives_bash_and_hydra_for_hostile_and_random_values_keeping_
 
 
 def test_plain_values_stay_as_a_user_types_them() -> None:
-    # Digits, a dash, a word: a string to Hydra (no number has a dash there), left unquoted.
     for value in ("16-mixed", "32-true", "bf16-mixed", "/data/run-1.ckpt", "torch.nn."):
         assert quoting.override("k", value) == f"k={value}"
         assert config_value(f"k={value}") == value
@@ -76,7 +79,6 @@ def test_plain_values_stay_as_a_user_types_them() -> None:
 
 @pytest.mark.parametrize("value", ["16-mixed", "it's $HOME=a,b [x] é", 16, "null", "1e-5"])
 def test_trainer_precision_line_of_a_built_run_pastes_back_the_value(value: object) -> None:
-    # +trainer.precision=... passes the CLI's key check; the run itself refuses it in one line.
     cfg = OmegaConf.create({"trainer": {"precision": value}})
     with pytest.raises(RunError) as refused:
         speed.trainer_settings(cfg, None)
@@ -101,7 +103,6 @@ def test_trusted_targets_hint_pastes_back_the_list_that_lets_the_file_in() -> No
     widened = OmegaConf.to_container(config_value(word), resolve=True)
     assert widened == [*allowed, "collections."]
     check_trusted(tree, widened, "given.ckpt")  # pasted, the list lets the file in
-    # The everyday case reads as before: one shell word, quoted for its brackets.
     with pytest.raises(RunError, match=r"with 'trusted_targets=\[torch\.nn\.,collections\.\]' "):
         check_trusted(tree, ["torch.nn."], "given.ckpt")
 
@@ -129,10 +130,8 @@ def test_resume_command_printed_after_ctrl_c_resumes_when_pasted_into_bash(tmp_p
     log_dir = tmp_path / "it's $HOME=a,b [x] é"
     marker = tmp_path / "paused"
     pause = ("_target_=user_callbacks.Pause", "at=train", f"marker={marker}")
-    # as a user types it: Hydra's quotes inside the shell's
     overrides = [*FAST, "trainer.accelerator=cpu", "test=false", f'paths.log_dir="{log_dir}"']
     overrides += [f"+callbacks.pause.{o}" for o in pause]
-    # The pasted command must bring PYTHONPATH (user_callbacks) and the user's config folder.
     user_config_dir(tmp_path / "my configs")
     env = shell_env()
     argv = [sys.executable, "-m", "tinyapp.train", "--config-dir", "my configs", "model=mine"]

@@ -1,23 +1,29 @@
 """README.md stays true: :data:`CHECKS` says how each ``bash`` command is proven (RUN, CLI as
-written, COMPOSE_ONLY, DRY, SECTION, SKIP with a reason); a block not all run is marked as such."""
+written, COMPOSE_ONLY, DRY, SECTION, SKIP with a reason); a block not all run is marked as such.
+SECTION: file blocks (``# path`` first, after a Hydra header) written verbatim, then the bash
+commands in a real bash, in one folder; ``<run>`` is the printed run."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
+import yaml
 
 import prewarmed
 from conftest import clean_env, run_dirs
 
 ROOT = Path(__file__).resolve().parents[3]
-
+OWN = (ROOT / "lib" / "runkit" / "docs" / "own-model-and-data.md", "# Your own model and data")
+SECTIONS = [OWN]  # (file, heading) run as written, each by a test below
 
 READMES = (ROOT / "README.md", ROOT / "lib" / "runkit" / "README.md",
            *sorted((ROOT / "lib" / "runkit" / "docs").glob("*.md")),
@@ -92,7 +98,7 @@ CHECKS: dict[str, tuple[str, str]] = {  # how, why (unless RUN, CLI)
     f"{T} -m hydra/launcher=slurm model.optimizer.lr=0.01,0.001": (SKIP, "needs SLURM and the slurm extra (submitit)"),
     f"{T} -m hparams_search=optuna": (SKIP, "needs the optuna extra (a network install) and 20 trainings"),
     **_same(
-        SECTION, "test_readme_sections.py runs the section 'Your own model and data' as written",
+        SECTION, "test_your_own_model_and_data_runs_as_written runs its section as written",
         "python make_table.py",
         "PYTHONPATH=. python -m project.train --config-dir my_configs model=tiny data=my_csv",
         "PYTHONPATH=. python -m project.train --config-dir my_configs experiment=regression",
@@ -133,7 +139,7 @@ def readme_commands(text: str | None = None) -> list[str]:
 
 
 def split(command: str) -> tuple[dict[str, str], list[str]]:
-    """``VAR=x python -m m args`` -> ({VAR: x}, [this interpreter, -m, m, args])."""
+    """``VAR=x python -m m args`` -> ({VAR: x}, [sys.executable, -m, m, args])."""
     words = shlex.split(command)
     env = {}
     while words and re.match(r"^[A-Z_]+=", words[0]):
@@ -154,17 +160,17 @@ def test_every_readme_command_is_checked_and_every_check_is_in_readme() -> None:
 
 
 def test_every_command_of_an_unmarked_block_runs() -> None:
-    blocks = 0
+    counted = 0
     for path in READMES:
         lines = path.read_text().splitlines(keepends=True)
         for i in (i for i, line in enumerate(lines) if line == "```bash\n"):
-            blocks += 1
+            counted += 1
             end = lines.index("```\n", i + 1)
             idle = [c for c in readme_commands("".join(lines[i : end + 1])) if CHECKS[c][0]
                     not in (RUN, CLI, SECTION)]  # fmt: skip
             marked = MARKER.match(lines[i - 1].strip())
             assert bool(idle) == bool(marked), f"{path.name}: marker and commands disagree: {idle}"
-    assert blocks == readme().count("```bash\n")
+    assert counted == readme().count("```bash\n")
 
 
 def test_fresh_machine_commands_are_in_readme_and_ci_runs_the_test_one() -> None:
@@ -214,7 +220,6 @@ def test_composed_commands(command: str) -> None:
 def _run(
     command: str, cwd: Path, extra: tuple[str, ...] = (), fresh: bool = False
 ) -> subprocess.CompletedProcess:
-    """``command`` as written (and ``extra``) in ``cwd``, forked unless ``fresh``; it must pass."""
     env, words = split(command)
     result = (subprocess.run if fresh else prewarmed.run)(
         [*words, *extra], cwd=cwd, env=clean_env(**env), capture_output=True, text=True,
@@ -226,8 +231,6 @@ def _run(
 
 @pytest.mark.slow
 def test_cli_and_dry_run_commands(tmp_path: Path) -> None:
-    """CLI commands as written (none starts a run); DRY ones name real targets and tests."""
-
     def one(command: str) -> None:
         make = ("PY=" + sys.executable,) if command.startswith("make") else ()
         if CHECKS[command][0] == CLI:
@@ -244,17 +247,17 @@ def test_cli_and_dry_run_commands(tmp_path: Path) -> None:
 
 
 def budget(command: str) -> tuple[str, ...]:
-    """:data:`BUDGET` less the keys ``command`` sets, and :data:`NARROW` for the default ConvNet."""
     if "project.train" not in command:
         return ()
     own = {word.partition("=")[0] for word in shlex.split(command)}
-    kept = () if "debug" in own else tuple(o for o in BUDGET if o.partition("=")[0] not in own)
+    kept = tuple(o for o in BUDGET if o.partition("=")[0] not in own)
+    if "debug" in own:  # a preset's own budget, but overfit's 30 epochs of 3 batches: 2 of them
+        kept = ("trainer.max_epochs=2",) if "debug=overfit" in command else ()
     return (*kept, *(() if own & {"model", "experiment"} else (NARROW,)))
 
 
 @pytest.mark.slow
 def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
-    """Every RUN command in one directory: first the run the others use, then the rest."""
     logs, ran, places = tmp_path / "logs", [], {}
     multiruns = logs / "train" / "multiruns"
 
@@ -358,10 +361,8 @@ def test_the_ddp_row_claims_what_its_test_asserts() -> None:
 
 
 def test_the_makefile_and_fast_test_claims() -> None:
-    text = " ".join(readme().split())
-    assert (
-        "They run `.venv/bin/python` when there is a `.venv`, else the `python3` on `PATH`" in text
-    )
+    said = "They run `.venv/bin/python` when there is a `.venv`, else the `python3` on `PATH`"
+    assert said in " ".join(readme().split())
     (line,) = [x for x in (ROOT / "Makefile").read_text().splitlines() if x.startswith("PY ?=")]
     assert "$(wildcard .venv/bin/python),.venv/bin/python," in line and "python3" in line
     dev = (ROOT / "docs" / "library-development.md").read_text()  # a measurement, with its date
@@ -383,10 +384,149 @@ def test_the_crafted_checkpoint_row_is_the_line_eval_prints(tmp_path: Path) -> N
         cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr[-2000:]
-    shown = re.search(
-        r"\| `(error: .*?)` \(exit 2\) \|",
-        _row("test_eval_of_a_crafted_checkpoint_deletes_nothing"),
-    )
+    row = _row("test_eval_of_a_crafted_checkpoint_deletes_nothing")
+    shown = re.search(r"\| `(error: .*?)` \(exit 2\) \|", row)
     assert shown
     assert done.stderr.strip().splitlines()[-1] == shown.group(1).replace("…/", f"{tmp_path}/")
     assert victim.read_text() == "precious"
+
+
+class Block(NamedTuple):
+    lang: str
+    text: str
+
+
+def blocks(text: str) -> list[Block]:
+    return [Block(*found) for found in re.findall(r"^```(\w*)\n(.*?)^```", text, re.S | re.M)]
+
+
+def file_path(block: Block) -> str | None:
+    """The path a file block names (``# my_project/nets.py``, ``# a.yaml: why``), else None."""
+    if block.lang not in ("python", "yaml"):
+        return None
+    for line in block.text.splitlines():
+        if re.match(r"#\s*@", line):
+            continue  # a Hydra header: it has to come first
+        found = re.match(r"# ((?:[\w.-]+/)*[\w.-]+\.(?:py|yaml))(?::\s|$)", line)
+        return found.group(1) if found else None
+    return None
+
+
+def section(readme: Path, heading: str) -> str:
+    """The text under ``heading`` up to the next heading of its level or above."""
+    lines = readme.read_text().splitlines(keepends=True)
+    start = lines.index(f"{heading}\n")
+    level = len(heading.split(" ", 1)[0])
+    fenced = False
+    for end in range(start + 1, len(lines)):
+        fenced ^= lines[end].startswith("```")
+        if not fenced and re.match(rf"#{{1,{level}}} ", lines[end]):
+            break
+    else:
+        end = len(lines)
+    return "".join(lines[start:end])
+
+
+def shell_env() -> dict[str, str]:  # a user's shell: ``python`` is this one, no PYTHONPATH
+    env = clean_env()
+    env.pop("PYTHONPATH", None)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def run_section(text: str, cwd: Path) -> list[tuple[str, subprocess.CompletedProcess]]:
+    done: list[tuple[str, subprocess.CompletedProcess]] = []
+    printed: str | None = None
+    for block in blocks(text):
+        path = file_path(block)
+        if path is not None:
+            (cwd / path).parent.mkdir(parents=True, exist_ok=True)
+            (cwd / path).write_text(block.text)
+        if block.lang != "bash":
+            continue
+        for command in readme_commands(f"```bash\n{block.text}```\n"):
+            line = command
+            if "logs/train/runs/<run>" in command:
+                assert printed, f"{command!r} needs a run directory; no command before printed one"
+                line = command.replace("logs/train/runs/<run>", shlex.quote(printed))
+            result = subprocess.run(["bash", "-c", line], cwd=cwd, env=shell_env(),
+                                    capture_output=True, text=True, timeout=900)  # fmt: skip
+            output = result.stdout + result.stderr
+            assert result.returncode == 0, f"{line}\n{output[-4000:]}"
+            found = re.findall(r"Run directory: (\S.*)", output)
+            printed = found[-1].strip() if found else printed
+            done.append((command, result))
+    return done
+
+
+def test_file_blocks_name_their_path_keep_hydra_headers_first_and_every_block_runs() -> None:
+    covered = {
+        file_path(b) for readme, heading in SECTIONS for b in blocks(section(readme, heading))
+    }
+    for readme in READMES:
+        found = blocks(readme.read_text())
+        for block in found:  # Hydra reads '# @package' only before any other line
+            assert "@package" not in block.text or block.text.startswith("# @package"), block.text
+            assert block.lang != "yaml" or file_path(block), f"{readme.name}: no path: {block}"
+        named = {file_path(b) for b in found} - {None, "tests/test_mine.py"}  # the suite's example
+        assert named <= covered, f"file blocks no test writes: {sorted(named - covered)}"
+    for readme, block in python_snippets():  # load_network's run on test_readme.py's trained run
+        runs = "load_network" in block.text or file_path(block) in (None, "tests/test_mine.py")
+        assert runs, f"{readme.name}: a python block no test runs:\n{block.text}"
+
+
+@pytest.mark.slow
+def test_your_own_model_and_data_runs_as_written(tmp_path: Path) -> None:
+    done = run_section(section(*OWN), tmp_path)
+    ran = [command for command, _ in done]
+    assert ran[0] == "python make_table.py" and len(ran) == 5, ran
+    assert set(ran) == {c for c, k in CHECKS.items() if k[0] == SECTION}  # CHECKS
+
+    runs = sorted((tmp_path / "logs" / "train" / "runs").iterdir())
+    assert len(runs) == 3, runs  # tiny + csv, the regression, the regression under DDP
+    tiny, regression, ddp = runs
+    config = yaml.safe_load((tiny / "config.yaml").read_text())
+    assert config["model"]["net"]["_target_"] == "my_project.nets.TinyNet"
+    assert config["data"]["_target_"] == "my_project.data.CsvDataModule"
+    metrics = json.loads((tiny / "metrics.json").read_text())["metrics"]
+    assert metrics["test/acc"] > 0.9, metrics  # it learned the three classes
+    assert (tiny / "model.pth").is_file() and (tiny / "curves.png").is_file()
+
+    for run in (regression, ddp):
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        assert config["model"]["_target_"] == "my_project.regression.RegressionModule"
+        assert config["data"]["_target_"] == "my_project.points.PointsDataModule"
+        report = json.loads((run / "metrics.json").read_text())
+        assert report["monitor"] == "val/loss", report  # the experiment's checkpoint key
+    assert yaml.safe_load((ddp / "config.yaml").read_text())["trainer"]["devices"] == 2
+
+    (evaluated,) = (tmp_path / "logs" / "eval" / "runs").iterdir()
+    tested = json.loads((evaluated / "metrics.json").read_text())["metrics"]
+    trained = json.loads((ddp / "metrics.json").read_text())["metrics"]
+    assert tested["test/loss"] == pytest.approx(trained["test/loss"], rel=1e-4)
+
+
+def python_snippets() -> list[tuple[Path, Block]]:  # that no section test runs
+    in_sections = {b.text for readme, heading in SECTIONS for b in blocks(section(readme, heading))}
+    return [(readme, b) for readme in READMES for b in blocks(readme.read_text())
+            if b.lang == "python" and b.text not in in_sections]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_library_readme_snippets_run(tmp_path: Path) -> None:
+    tests = Path(__file__).resolve().parent
+    snippets = [b for _, b in python_snippets() if "load_network" not in b.text]
+    (trainer,) = [b for b in snippets if file_path(b) is None]
+    (test_file,) = [b for b in snippets if file_path(b) == "tests/test_mine.py"]
+    done = subprocess.run([sys.executable, "-c", trainer.text], cwd=tmp_path, env=shell_env(),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_mine.py").write_text(test_file.text)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/test_mine.py", "-p", "conftest", "-q", "-p",
+         "no:cacheprovider"],
+        cwd=tmp_path, env={**shell_env(), "PYTHONPATH": str(tests)},  # the suite's conftest
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-3000:]

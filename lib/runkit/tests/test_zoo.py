@@ -1,11 +1,10 @@
-"""Users' own LightningModules (``zoo/``, issues #19, #31) through the real CLI; where plain
-Lightning decides (monitors, a head built in ``setup()``), a bare ``Trainer`` is the reference."""
+"""Users' own LightningModules (``zoo/``) through the real CLI; a bare ``Trainer`` is the
+reference where plain Lightning decides (monitors, a head built in ``setup()``)."""
 
 from __future__ import annotations
 
 import csv
 import inspect
-import json
 import shutil
 import sys
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from test_conformance import figures, metrics, newest
 from torch import nn
 
 from conftest import compose_train, last_line, run_dirs, run_entry
@@ -24,8 +24,7 @@ TRUSTED = "trusted_targets=[zoo.,torch.]"  # eval rebuilds only what the user sa
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The runs' working directory, holding ``zoo`` (importable here too, for plain Lightning)."""
+def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:  # ``zoo`` importable
     cwd = tmp_path_factory.mktemp("zoo-project")
     shutil.copytree(ZOO, cwd / "zoo", ignore=shutil.ignore_patterns("__pycache__"))
     sys.path.insert(0, str(cwd))
@@ -39,7 +38,6 @@ def train(cwd: Path, log_dir: Path, *overrides: str):
 
 
 def train_ok(cwd: Path, log_dir: Path, *overrides: str):
-    """A training run that must succeed: its output and its run directory."""
     done = train(cwd, log_dir, *overrides)
     assert done.returncode == 0, done.stderr[-3000:]
     (run,) = run_dirs(log_dir)
@@ -51,18 +49,9 @@ def evaluate(cwd: Path, log_dir: Path, source: Path, *overrides: str):
                      *overrides)  # fmt: skip
 
 
-def metrics(run: Path) -> dict:
-    return json.loads((run / "metrics.json").read_text())
-
-
-def figures_of(run: Path) -> dict[str, float]:
-    return {k: v for k, v in metrics(run)["metrics"].items() if k.startswith("test")}
-
-
 @pytest.fixture(scope="module")
 def trained(project: Path, tmp_path_factory: pytest.TempPathFactory):
-    """``trained(module, *extra)``: a 2-epoch run of ``experiment=zoo_<module>``, made once."""
-    made: dict[tuple[str, ...], Path] = {}
+    made: dict[tuple[str, ...], Path] = {}  # a 2-epoch run of experiment=zoo_<module>, once
 
     def get(module: str, *extra: str) -> Path:
         key = (module, *extra)
@@ -89,10 +78,8 @@ MODULES = [("regression",), ("two_optimizers",), ("lazy",),
 def test_a_users_module_trains_tests_exports_and_evaluates_to_the_same_figures(
     project: Path, trained, tmp_path: Path, run: tuple[str, ...]
 ) -> None:
-    # #19.2-3: the export raised AttributeError on model.net. #31.1: model.pth held net only and
-    # eval reported the head's initial weights. #25.4: eval said "epochs": 0.
     done = trained(*run)
-    reported = figures_of(done)
+    reported = figures(done)
     assert reported and all(v == v for v in reported.values())  # test figures, none NaN
     assert (done / "curves.png").is_file() and (done / "csv" / "metrics.csv").is_file()
     best = Path(metrics(done)["best_checkpoint"])
@@ -100,7 +87,7 @@ def test_a_users_module_trains_tests_exports_and_evaluates_to_the_same_figures(
     weights = torch.load(done / "model.pth", weights_only=True)  # the whole module, no net
     state = checkpoint["state_dict"]
     assert weights.keys() == state.keys() and all(torch.equal(weights[k], state[k]) for k in state)
-    if run == ("head",):  # #31.8: list and dict arguments reached the checkpoint as plain data
+    if run == ("head",):  # list and dict arguments reach the checkpoint as plain data
         assert checkpoint["hyper_parameters"]["hidden"] == [16, 8]
         assert type(checkpoint["hyper_parameters"]["options"]) is dict
         assert {"head.weight", "head.bias"} <= weights.keys()
@@ -114,8 +101,8 @@ def test_a_users_module_trains_tests_exports_and_evaluates_to_the_same_figures(
     for source in (done, best):  # model.pth (loaded after setup), then the .ckpt
         again = evaluate(project, tmp_path, source)
         assert again.returncode == 0, again.stderr[-3000:]
-        evaluated = max(run_dirs(tmp_path, "eval"), key=lambda p: p.stat().st_mtime)
-        assert figures_of(evaluated) == reported  # exactly, not approximately
+        evaluated = newest(tmp_path, "eval")
+        assert figures(evaluated) == reported  # exactly, not approximately
         assert metrics(evaluated)["evaluated"] == str(
             done / "model.pth" if source == done else best
         )
@@ -128,7 +115,6 @@ def test_a_users_module_trains_tests_exports_and_evaluates_to_the_same_figures(
 def test_a_users_module_resumes_from_its_run_directory(
     project: Path, trained, tmp_path: Path, module: str
 ) -> None:
-    # #31.2: resume compared state dicts before setup() built the head.
     earlier = trained(module)
     _, later = train_ok(project, tmp_path, f"experiment=zoo_{module}", "trainer.max_epochs=3",
                         f"ckpt_path={earlier}", "test=false")  # fmt: skip
@@ -140,7 +126,6 @@ def test_a_users_module_resumes_from_its_run_directory(
 def test_weights_of_another_head_are_refused_after_setup_in_one_line(
     project: Path, trained, tmp_path: Path
 ) -> None:
-    # Where Lightning loads, after setup(): a model.pth missing a key of the head fails in one line.
     run = tmp_path / "run"
     shutil.copytree(trained("head"), run)
     weights = torch.load(run / "model.pth", weights_only=True)
@@ -164,14 +149,13 @@ def test_eval_honours_data_overrides_and_refuses_model_ones(
         "error: model.num_classes=3 is not used: eval rebuilds the model from the config of the run "
         f"that wrote {str(run / 'model.pth')!r}; drop it (data.* overrides do apply)"
     )
-    # #25.4: data.batch_size=1 was accepted and written to eval's config, but not used.
     small = evaluate(project, tmp_path, run, "data.batch_size=1")
     assert small.returncode == 0, small.stderr[-3000:]
     (evaluated,) = run_dirs(tmp_path, "eval")
     with (evaluated / "csv" / "metrics.csv").open(newline="") as handle:
         steps = [row for row in csv.DictReader(handle) if row["test/loss_step"]]
     assert len(steps) == 640 - int(0.85 * 640)  # one step per test sample: batches of 1
-    assert figures_of(evaluated)["test_mae"] == pytest.approx(figures_of(run)["test_mae"])
+    assert figures(evaluated)["test_mae"] == pytest.approx(figures(run)["test_mae"])
 
 
 @pytest.mark.slow
@@ -179,11 +163,9 @@ def test_eval_honours_data_overrides_and_refuses_model_ones(
 def test_sync_dist_logging_under_ddp_with_every_default_callback_finishes(
     project: Path, tmp_path: Path, module: str
 ) -> None:
-    # #19.1: rank 0 waited in Lightning's sync of a sync_dist value (read first by the rank-0-only
-    # progress bar), rank 1 in the GPU statistics' all_gather_object: for good. two_loaders: below.
     _, run = train_ok(project, tmp_path, f"experiment=zoo_{module}", "trainer.devices=2")
     assert metrics(run)["devices"] == 2 and Path(metrics(run)["best_checkpoint"]).is_file()
-    assert figures_of(run)
+    assert figures(run)
 
 
 REFUSED = [  # overrides, the setting named, its value, a key the module logs
@@ -207,15 +189,11 @@ REFUSED = [  # overrides, the setting named, its value, a key the module logs
 def test_a_monitor_key_the_module_never_logs_ends_the_run_at_the_first_validation(
     project: Path, tmp_path: Path, overrides: list[str], setting: str, key: str, logs: str
 ) -> None:
-    # #19.3: a MisconfigurationException of 85 lines after the first epoch. Judged where Lightning
-    # judges it (#31.3), before the checkpoint callback saves anything.
     done = train(project, tmp_path, *overrides)
     assert done.returncode == 2, done.stderr[-3000:]
     line = last_line(done.stderr)
-    assert (
-        line.startswith(f"error: {setting}={key!r} is not a key ")
-        and "Traceback" not in done.stderr
-    )
+    assert line.startswith(f"error: {setting}={key!r} is not a key ")
+    assert "Traceback" not in done.stderr
     assert logs in line.split("; it logs: ")[1]
     assert not list(tmp_path.glob("train/**/checkpoints/*.ckpt"))
 
@@ -227,9 +205,6 @@ def test_a_monitor_key_the_module_never_logs_ends_the_run_at_the_first_validatio
 def test_monitors_plain_lightning_accepts_keep_the_best_and_a_run_without_test_step_ends_well(
     project: Path, tmp_path: Path, monitor: str, devices: int
 ) -> None:
-    # #31.3: both monitors were refused after the sanity check. #31.4: no test_step ended in a
-    # 70-line traceback, with no model.pth or metrics.json. #31.6: no curve for these names.
-    # #19.1 under DDP: two loaders' sync_dist keys, no test_step said once.
     from zoo.data import TwoValidationSets
     from zoo.modules import TwoLoadersModule
 
@@ -259,7 +234,6 @@ def test_monitors_plain_lightning_accepts_keep_the_best_and_a_run_without_test_s
 def test_without_validation_step_the_monitor_is_reported_truthfully(
     project: Path, tmp_path: Path
 ) -> None:
-    # #31.3: no check at all, and metrics.json said "monitor": "val/acc" with no best kept.
     from zoo.data import PointsData
     from zoo.modules import NoValidationModule
 
@@ -270,20 +244,13 @@ def test_without_validation_step_the_monitor_is_reported_truthfully(
     done, run = train_ok(project, tmp_path, "experiment=zoo_no_validation", "trainer.max_epochs=2")
     assert metrics(run)["monitor"] is None and metrics(run)["best_checkpoint"] is None
     assert "test_loss" in metrics(run)["metrics"] and (run / "model.pth").is_file()
-    said = [
-        line for line in (done.stdout + done.stderr).splitlines() if "no validation ran" in line
-    ]
+    said = [x for x in (done.stdout + done.stderr).splitlines() if "no validation ran" in x]
     assert len(said) == 1, done.stdout[-3000:]
     assert "callbacks.model_checkpoint.monitor='val/acc'" in said[0]
     assert "NoValidationModule has no validation_step" in said[0]
 
 
-# ------------------------------------------------------------------------------------------------
-# In this process
-
-
 def test_every_trainer_argument_is_a_key_and_reaches_the_trainer() -> None:
-    # #31.7: trainer.accumulate_grad_batches & co. needed a +.
     from runkit.run.builders import build_trainer
     from runkit.run.trainer_args import OWNED_ELSEWHERE, TRAINER_DEFAULTS, set_arguments
 
@@ -332,7 +299,6 @@ def test_model_pth_is_net_alone_only_when_net_holds_every_weight(
 
 
 def test_curves_group_names_whatever_their_separator(tmp_path: Path) -> None:
-    # #31.6: names without a slash got no panel, silently.
     from runkit.plots import panels_for, read_metrics
 
     (tmp_path / "csv").mkdir()

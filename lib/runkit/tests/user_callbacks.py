@@ -11,7 +11,7 @@ from lightning.pytorch import Callback, Trainer
 
 
 class Pause(Callback):
-    """Hold at the first batch end of phase ``at`` (train from ``epoch``, sanity, test, predict)."""
+    """Hold at the first batch end of ``at``: train (from ``epoch``), sanity, test, predict."""
 
     def __init__(self, at: str, marker: str, epoch: int = 0) -> None:
         self.at, self.marker, self.epoch, self.done = at, Path(marker), epoch, False
@@ -40,7 +40,7 @@ class Pause(Callback):
 
 
 def hold(marker: Path, text: str) -> None:
-    """Write ``marker`` (phase, then ``text``); wait in Python for ``<marker>.release`` (300 s)."""
+    """Write ``marker`` (phase, then ``text``); wait for ``<marker>.release`` (300 s at most)."""
     from runkit.safety import signals
 
     marker.write_text(f"{signals.request.phase}\n{text}")
@@ -49,9 +49,7 @@ def hold(marker: Path, text: str) -> None:
         time.sleep(0.05)
 
 
-class HoldSave(Callback):
-    """Hold, once, the save a stop signal asked for, before the file is written."""
-
+class HoldSave(Callback):  # holds, once, the save a stop signal asked for, before it is written
     def __init__(self, marker: str) -> None:
         self.marker, self.done = Path(marker), False
 
@@ -64,9 +62,7 @@ class HoldSave(Callback):
         hold(self.marker, f"saving after signal {signals.request.received}")
 
 
-class FailAtStart(Callback):
-    """Raise on every rank at train start with learning rate ``lr`` (a sweep job failing under DDP)."""
-
+class FailAtStart(Callback):  # raises on every rank at train start with learning rate ``lr``
     def __init__(self, lr: float) -> None:
         self.lr = lr
 
@@ -76,9 +72,7 @@ class FailAtStart(Callback):
             raise ValueError(f"user callback: refusing lr={lr}")
 
 
-class PauseAtLr(Pause):
-    """:class:`Pause` in the job of a sweep whose learning rate is ``lr`` only."""
-
+class PauseAtLr(Pause):  # Pause in the sweep job whose learning rate is ``lr`` only
     def __init__(self, at: str, marker: str, lr: float, epoch: int = 0) -> None:
         super().__init__(at, marker, epoch)
         self.lr = lr

@@ -1,6 +1,5 @@
-"""The conformance corpus (issue #31): Lightning's demo classes and :mod:`conformance.members`,
-run by a bare Trainer (:mod:`conformance.oracle`) and by the CLI. ``FEATURES`` generates the table
-of lib/runkit/docs/own-model-and-data.md (``feature_table``)."""
+"""The conformance corpus: Lightning's demo classes and :mod:`conformance.members`, run by a bare
+Trainer (:mod:`conformance.oracle`) and by the CLI; ``FEATURES`` is own-model-and-data.md's table."""
 
 from __future__ import annotations
 
@@ -12,22 +11,16 @@ from typing import Any
 CONFIGS = Path(__file__).resolve().parent / "configs"
 SEED = 42  # the template's default seed (train.yaml); the oracle seeds the same way
 
-# The same Trainer arguments for the oracle and the CLI: a few batches.
-TRAINER: dict[str, Any] = {
-    "max_epochs": 2,
-    "limit_train_batches": 4,
-    "limit_val_batches": 2,
-    "limit_test_batches": 2,
-    "log_every_n_steps": 1,
-    "num_sanity_val_steps": 2,
-}
+TRAINER: dict[str, Any] = {  # the same for the oracle and the CLI: a few batches
+    "max_epochs": 2, "limit_train_batches": 4, "limit_val_batches": 2, "limit_test_batches": 2,
+    "log_every_n_steps": 1, "num_sanity_val_steps": 2,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Member:
-    """``configs/{model,data}/<name>.yaml``; ``monitor``: key and mode (None: no best checkpoint);
-    ``draws_random``: the oracle adds ``ResumeState``; ``fixed_test_data``: false where the test
-    split is drawn from the generator (eval sees other samples than the test after fit)."""
+    """``configs/{model,data}/<name>.yaml``; ``monitor``: key and mode, or None; ``draws_random``:
+    the oracle adds ``ResumeState``; ``fixed_test_data``: false where the generator draws it."""
 
     name: str
     monitor: tuple[str, str] | None
@@ -37,7 +30,6 @@ class Member:
     fixed_test_data: bool = True
 
     def overrides(self, **trainer: Any) -> list[str]:
-        """The CLI's arguments for this member: ``TRAINER``, updated by ``trainer``."""
         key = "callbacks.model_checkpoint"
         m = self.monitor
         watch = [f"{key}.monitor={m[0]}", f"{key}.mode={m[1]}"] if m else [f"{key}.monitor=null"]
@@ -45,37 +37,24 @@ class Member:
                 *(f"trainer.{k}={v}" for k, v in {**TRAINER, **trainer}.items())]  # fmt: skip
 
 
-MEMBERS = {
-    m.name: m
-    for m in [
-        Member("boring", None, ddp=True),
-        Member("manual_boring", None),
-        Member("demo", None),
-        Member("transformer", None, draws_random=True),
-        Member(
-            "iterable",
-            ("val_loss/dataloader_idx_0", "min"),
-            exact_resume=False,
-            draws_random=True,
-            fixed_test_data=False,
-        ),
-        Member("patterns", ("val_score", "max"), ddp=True, draws_random=True),
-    ]
-}
+MEMBERS = {m.name: m for m in [
+    Member("boring", None, ddp=True), Member("manual_boring", None), Member("demo", None),
+    Member("transformer", None, draws_random=True),
+    Member("iterable", ("val_loss/dataloader_idx_0", "min"), exact_resume=False, draws_random=True,
+           fixed_test_data=False),
+    Member("patterns", ("val_score", "max"), ddp=True, draws_random=True),
+]}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Feature:
-    """A feature of Lightning's docs, the member that has it, what the template does with it."""
-
     name: str
     member: str
     template: str
     present: Callable[[Any, Any], bool]
 
 
-def overrides_hook(cls: Any, hook: str) -> bool:
-    """Whether ``cls`` defines ``hook`` itself rather than inheriting Lightning's default."""
+def overrides_hook(cls: Any, hook: str) -> bool:  # not Lightning's default
     base = next(c for c in cls.__mro__ if c.__module__.startswith("lightning.pytorch.core"))
     return getattr(cls, hook, None) is not getattr(base, hook, None)
 
@@ -138,7 +117,6 @@ FEATURES = [
 
 
 def feature_table() -> str:
-    """The README's table of Lightning features against what the template does with each."""
     rows = ["| Lightning feature | corpus member | what the template does |", "|---|---|---|"]
     rows += [f"| {f.name} | `{f.member}` | {f.template} |" for f in FEATURES]
     return "\n".join(rows)

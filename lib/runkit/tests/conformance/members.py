@@ -1,5 +1,4 @@
-"""The corpus's own members, written as Lightning's docs teach, several patterns per class
-(``FEATURES`` says which lives where); small and seeded."""
+"""The corpus's own members, as Lightning's docs teach, several patterns per class (``FEATURES``)."""
 
 from __future__ import annotations
 
@@ -15,9 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 
-class Pair:
-    """A batch Lightning cannot move by itself: why PatternData has ``transfer_batch_to_device``."""
-
+class Pair:  # a batch Lightning cannot move by itself: PatternData's transfer_batch_to_device
     def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
         self.x, self.y = x, y
 
@@ -26,9 +23,7 @@ def _pairs(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> Pair:
     return Pair(torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]))
 
 
-class Noisy(TensorDataset):
-    """Rows of a saved file, with augmentation from torch's global generator (seeded per worker)."""
-
+class Noisy(TensorDataset):  # augmentation from torch's global generator (seeded per worker)
     def __init__(self, x: torch.Tensor, y: torch.Tensor, noise: float) -> None:
         super().__init__(x, y)
         self.noise = noise
@@ -39,18 +34,8 @@ class Noisy(TensorDataset):
 
 
 class PatternData(LightningDataModule):
-    """``prepare_data`` writes a file, ``setup(stage)`` reads what the stage needs, two validation
-    and two test loaders, ``num_workers`` for training, ``transfer_batch_to_device``."""
-
-    def __init__(
-        self,
-        root: str = "conformance_files",
-        samples: int = 96,
-        features: int = 6,
-        num_classes: int = 3,
-        batch_size: int = 8,
-        num_workers: int = 2,
-    ) -> None:
+    def __init__(self, root: str = "conformance_files", samples: int = 96, features: int = 6,
+                 num_classes: int = 3, batch_size: int = 8, num_workers: int = 2) -> None:  # fmt: skip
         super().__init__()
         self.root, self.samples, self.features = Path(root), samples, features
         self.num_classes, self.batch_size, self.num_workers = num_classes, batch_size, num_workers
@@ -99,10 +84,6 @@ class PatternData(LightningDataModule):
 
 
 class PatternModule(LightningModule):
-    """A head built in ``setup()``, a nested module and containers as arguments, a dict from
-    ``training_step``, keys per loader and one in ``on_validation_epoch_end``, a scheduler dict
-    with ``monitor`` and ``interval``, ``predict_step``."""
-
     def __init__(
         self, encoder: nn.Module, widths: list[int], options: dict[str, Any], lr: float = 0.1
     ) -> None:
@@ -160,8 +141,7 @@ class PatternModule(LightningModule):
 
 
 class ListModule(LightningModule):
-    """For ``IterableBoringDataModule``: a list batch (a tensor per training loader), layers built
-    in ``configure_model``, a scheduler object in the optimiser dict."""
+    """For ``IterableBoringDataModule``: a list batch (a tensor per training loader)."""
 
     def __init__(self, features: int = 4, lr: float = 0.05) -> None:
         super().__init__()
@@ -198,7 +178,7 @@ WORDS = [f"w{i}" for i in range(20)]
 
 
 class TokenData(LightningDataModule):
-    """Generated text for the demo transformer, written where its ``WikiText2`` reads (no download)."""
+    """Generated text, written where the demo's ``WikiText2`` reads (no download)."""
 
     def __init__(self, lines: int = 40, block_size: int = 12, batch_size: int = 4) -> None:
         super().__init__()
@@ -223,7 +203,5 @@ class TokenData(LightningDataModule):
 
 
 class GeneratedTokensTransformer(LightningTransformer):
-    """Lightning's demo ``LightningTransformer`` but for ``prepare_data`` (the demo's downloads)."""
-
     def prepare_data(self) -> None:
         pass

@@ -1,8 +1,6 @@
-"""The oracle: one corpus member under a bare ``lightning.pytorch.Trainer`` (``python -m
-conformance.oracle <member> <out_dir> <devices>``), seeded as ``tinyapp.train`` is; writes
-``<out_dir>/csv/metrics.csv`` and the final ``weights.pt``. A member drawing from torch's
-generator gets ``ResumeState`` (the per-epoch reseed), the one callback that changes learning.
-"""
+"""``python -m conformance.oracle <member> <out_dir> <devices>``: a member under a bare Trainer,
+seeded as ``tinyapp.train`` is (and its ``ResumeState`` reseed where it draws from torch's
+generator); writes ``<out_dir>/csv/metrics.csv`` and the final ``weights.pt``."""
 
 from __future__ import annotations
 
@@ -32,17 +30,10 @@ def main(name: str, out: Path, devices: int) -> None:
 
         callbacks.append(ResumeState(SEED))
     trainer = pl.Trainer(
-        accelerator="cpu",
-        callbacks=callbacks,
-        devices=devices,
-        strategy="ddp" if devices > 1 else "auto",
-        logger=CSVLogger(out, name="csv", version=""),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=out,
-        **TRAINER,
-    )
+        accelerator="cpu", callbacks=callbacks, devices=devices, default_root_dir=out,
+        strategy="ddp" if devices > 1 else "auto", logger=CSVLogger(out, name="csv", version=""),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **TRAINER,
+    )  # fmt: skip
     trainer.fit(model, datamodule=datamodule)
     if trainer.is_global_zero:
         torch.save(model.state_dict(), out / "weights.pt")

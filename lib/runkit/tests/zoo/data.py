@@ -1,4 +1,4 @@
-"""The zoo's data: a plain LightningDataModule in three batch kinds."""
+"""The zoo's data: a plain LightningDataModule, batches as ``tuple``, ``dict`` or ``dataclass``."""
 
 from __future__ import annotations
 
@@ -10,15 +10,13 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 
 @dataclass
-class Points:
-    """A batch as a dataclass: Lightning moves its tensors to the device field by field."""
-
+class Points:  # Lightning moves its tensors to the device field by field
     x: torch.Tensor
     y: torch.Tensor
 
 
 class PointsData(LightningDataModule):
-    """``y = x @ w + noise``, split 70/15/15; batches as ``tuple``, ``dict`` or ``dataclass``."""
+    """``y = x @ w + noise``, split 70/15/15."""
 
     outputs = 1  # what a model's setup() reads to size its head
 
@@ -57,8 +55,6 @@ class PointsData(LightningDataModule):
         return self._loader("test")
 
 
-class TwoValidationSets(PointsData):
-    """Two validation loaders: the validation split, then the test one."""
-
+class TwoValidationSets(PointsData):  # the validation split, then the test one
     def val_dataloader(self) -> list[DataLoader]:  # type: ignore[override]
         return [self._loader("val"), self._loader("test")]

@@ -13,9 +13,7 @@ from torch import nn
 from zoo.data import Points
 
 
-class RegressionModule(LightningModule):
-    """Least squares on tuple batches, as Lightning's docs teach it."""
-
+class RegressionModule(LightningModule):  # least squares on tuple batches
     def __init__(self, in_features: int = 8, hidden: int = 16, lr: float = 0.05) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -49,7 +47,7 @@ class RegressionModule(LightningModule):
 
 
 class TwoOptimizerModule(LightningModule):
-    """Manual optimisation: an encoder and a head, each with its own optimiser; dict batches."""
+    """Manual optimisation, an optimiser each for an encoder and a head; dict batches."""
 
     def __init__(self, in_features: int = 8, hidden: int = 16, lr: float = 0.05) -> None:
         super().__init__()
@@ -120,15 +118,10 @@ class LazyModule(LightningModule):
 
 
 class HeadModule(LightningModule):
-    """A ``net`` from ``__init__`` and a head beside it built in ``setup()`` from the data module;
-    layer sizes arrive as a list and options as a dict from the config."""
+    """A ``net`` and a head built in ``setup()`` from the data; a list and a dict as arguments."""
 
-    def __init__(
-        self,
-        hidden: list[int] | None = None,
-        options: dict[str, Any] | None = None,
-        in_features: int = 8,
-    ) -> None:
+    def __init__(self, hidden: list[int] | None = None, options: dict[str, Any] | None = None,
+                 in_features: int = 8) -> None:  # fmt: skip
         super().__init__()
         self.save_hyperparameters()
         sizes = [in_features, *(hidden or [16])]
@@ -167,8 +160,6 @@ class HeadModule(LightningModule):
 
 
 class _OneLayer(LightningModule):
-    """One linear layer, a training step and SGD: what the next two modules share."""
-
     def __init__(self, in_features: int = 8, lr: float = 0.05) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -189,8 +180,7 @@ class _OneLayer(LightningModule):
 
 
 class TwoLoadersModule(_OneLayer):
-    """Two validation loaders (keys get ``/dataloader_idx_N``), a score logged only in
-    ``on_validation_epoch_end`` outside the sanity check, and no ``test_step``."""
+    """Two validation loaders, a score logged in ``on_validation_epoch_end``, no ``test_step``."""
 
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         loss = self._loss(batch)
@@ -203,8 +193,6 @@ class TwoLoadersModule(_OneLayer):
         self.errors.clear()
 
 
-class NoValidationModule(_OneLayer):
-    """No ``validation_step`` (like Lightning's demo ``LightningTransformer``)."""
-
+class NoValidationModule(_OneLayer):  # no validation_step
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self.log("test_loss", self._loss(batch), sync_dist=True)
