@@ -250,9 +250,7 @@ def budget(command: str) -> tuple[str, ...]:
     if "project.train" not in command:
         return ()
     own = {word.partition("=")[0] for word in shlex.split(command)}
-    kept = tuple(o for o in BUDGET if o.partition("=")[0] not in own)
-    if "debug" in own:  # a preset's own budget, but overfit's 30 epochs of 3 batches: 2 of them
-        kept = ("trainer.max_epochs=2",) if "debug=overfit" in command else ()
+    kept = () if "debug" in own else tuple(o for o in BUDGET if o.partition("=")[0] not in own)
     return (*kept, *(() if own & {"model", "experiment"} else (NARROW,)))
 
 
