@@ -1,12 +1,12 @@
-"""Setting up a run: the safety parts come from the config, the run directory is claimed
-atomically and removed again when the run stops at once, the checkpoint is checked before
-anything exists, and eval builds its Trainer with the same hardware settings as train."""
+"""Setting up a run: safety parts from the config, the run directory claimed atomically (and
+removed when unused), eval's Trainer settings as train's, the garbage collector at start-up."""
 
 from __future__ import annotations
 
 import gc
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,22 +38,9 @@ def composed(*overrides: str, name: str = "train") -> DictConfig:
 
 @pytest.fixture
 def single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A plain run started by hand: no launcher variables, no claim left by another test."""
     for name in LAUNCH_ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(preflight, "_claimed", None)
-
-
-# Safety parts: config nodes, instantiated 1:1, each removal said in one line
-
-
-def test_safety_parts_are_config_nodes_and_reach_the_trainer(tmp_path: Path) -> None:
-    cfg = composed(f"paths.output_dir={tmp_path}", "trainer.accelerator=cpu", "seed=7")
-    trainer = builders.build_trainer(cfg)
-    assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
-    (resume,) = [c for c in trainer.callbacks if isinstance(c, ResumeState)]
-    assert resume.seed == 7
-    assert sum(isinstance(c, GracefulInterrupt) for c in trainer.callbacks) == 1
 
 
 @pytest.mark.parametrize(
@@ -66,18 +53,20 @@ def test_safety_parts_are_config_nodes_and_reach_the_trainer(tmp_path: Path) -> 
         (["train=false", "callbacks=none", "trainer.plugins=[]"], None),
     ],
 )
-def test_removing_a_safety_part_works_and_says_what_is_lost(
+def test_safety_parts_reach_the_trainer_and_a_removed_one_says_what_is_lost(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, overrides: list[str], line: str | None
 ) -> None:
-    cfg = composed(f"paths.output_dir={tmp_path}", "trainer.accelerator=cpu", *overrides)
+    cfg = composed(f"paths.output_dir={tmp_path}", "trainer.accelerator=cpu", "seed=7", *overrides)
     with caplog.at_level(logging.WARNING, logger=builders.__name__):
         trainer = builders.build_trainer(cfg)
     said = [r.getMessage() for r in caplog.records if r.name == builders.__name__]
     assert said == [] if line is None else len(said) == 1 and said[0].startswith(line), said
     assert trainer.max_epochs == cfg.trainer.max_epochs  # the run is built all the same
-
-
-# The run directory: claimed atomically, discarded when unused
+    if not overrides:  # the complete run: each part instantiated from its config node, once
+        assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+        (resume,) = [c for c in trainer.callbacks if isinstance(c, ResumeState)]
+        assert resume.seed == 7
+        assert sum(isinstance(c, GracefulInterrupt) for c in trainer.callbacks) == 1
 
 
 def _run_cfg(directory: Path) -> DictConfig:
@@ -86,33 +75,25 @@ def _run_cfg(directory: Path) -> DictConfig:
     )
 
 
-def test_two_racing_claims_for_one_directory_give_one_winner(
+def test_racing_claims_for_one_directory_give_one_winner_and_a_sweep_dir_is_claimed_once(
     tmp_path: Path, single_process: None
 ) -> None:
-    cfg = _run_cfg(tmp_path / "logs" / "run é")
-    start = threading.Barrier(8)
-    outcomes: list[str] = []
+    cfg, start = _run_cfg(tmp_path / "logs" / "run é"), threading.Barrier(8)
 
-    def claim() -> None:
+    def claim(_: int) -> str:
         start.wait()
         try:
             preflight.claim_run_dir(cfg, "hydra.run.dir")
-            outcomes.append("won")
         except RunError as err:
-            outcomes.append(str(err))
+            return str(err)
+        return "won"
 
-    threads = [threading.Thread(target=claim) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(claim, range(8)))
     assert outcomes.count("won") == 1, outcomes
     assert all("is taken: it already has .hydra" in o for o in outcomes if o != "won")
-
-
-def test_a_sweep_directory_is_claimed_once(tmp_path: Path, single_process: None) -> None:
-    cfg = _run_cfg(tmp_path / "sweep")
-    preflight.claim_run_dir(cfg, "hydra.sweep.dir")
+    # a sweep directory is claimed once too
+    preflight.claim_run_dir(cfg := _run_cfg(tmp_path / "sweep"), "hydra.sweep.dir")
     assert (tmp_path / "sweep" / "multirun.yaml").is_file()
     with pytest.raises(RunError, match=r"hydra.sweep.dir=.* is taken: .*multirun.yaml"):
         preflight.claim_run_dir(cfg, "hydra.sweep.dir")
@@ -158,11 +139,7 @@ def test_an_unused_run_directory_goes_with_the_parents_its_claim_made(
     assert after == (before if left is None else left)
 
 
-# eval: the same Trainer settings as train
-
-
-class _Built(Exception):
-    """Raised by the build_trainer spy: the arguments are known, nothing more is needed."""
+_Built = type("_Built", (Exception,), {})  # the build_trainer spy's: its arguments are known
 
 
 def test_eval_tests_at_the_precision_training_used(
@@ -198,25 +175,6 @@ def test_eval_tests_at_the_precision_training_used(
     assert seen == {"train": "bf16-mixed", "eval": "bf16-mixed"}
 
 
-# Start-up: the cyclic garbage collector is off during the imports, on (and frozen) for the job
-
-
-def _gc_app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *argv: str) -> tuple[Any, list]:
-    """A Hydra app through runkit.hydra_entry whose job records the collector's state."""
-    configs = tmp_path / "configs"
-    configs.mkdir()
-    (configs / "app.yaml").write_text("value: 1\n")
-    seen: list[tuple[bool, int]] = []
-
-    def task(cfg: Any) -> None:
-        seen.append((gc.isenabled(), gc.get_freeze_count()))
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("sys.argv", ["app", f"hydra.run.dir={tmp_path / 'run'}", *argv])
-    monkeypatch.setattr(collector, "_collector_paused", False)
-    return runkit.hydra_entry(task, "app", configs), seen
-
-
 @pytest.mark.parametrize(
     ("argv", "caller_on", "job_sees_on"),
     [
@@ -226,14 +184,19 @@ def _gc_app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *argv: str) -> tupl
     ],
 )
 def test_the_collector_is_off_for_the_imports_and_back_as_the_caller_had_it(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    single_process: None,
-    argv: tuple[str, ...],
-    caller_on: bool,
-    job_sees_on: bool | None,
+    tmp_path, monkeypatch, single_process, argv, caller_on, job_sees_on
 ) -> None:
-    main, seen = _gc_app(tmp_path, monkeypatch, *argv)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "app.yaml").write_text("value: 1\n")
+    seen: list[tuple[bool, int]] = []
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["app", f"hydra.run.dir={tmp_path / 'run'}", *argv])
+    monkeypatch.setattr(collector, "_collector_paused", False)
+    main = runkit.hydra_entry(
+        lambda cfg: seen.append((gc.isenabled(), gc.get_freeze_count())),
+        "app",
+        tmp_path / "configs",
+    )
     before = gc.get_freeze_count()
     if not caller_on:
         gc.disable()
