@@ -44,7 +44,7 @@ def job_dirs(log_dir: Path) -> dict[int, Path]:
 
 
 def ran_alone(num: int, job: Path) -> list[str]:
-    """The job's overrides; its DDP child ran this job and no other."""
+    # the job's overrides; its DDP child ran this job and no other
     drawn = yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text())
     log = (job / "train_ddp_process_1.log").read_text().splitlines()
     (line,) = [line for line in log if "runs sweep job" in line]

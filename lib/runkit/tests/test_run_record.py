@@ -1,6 +1,5 @@
-"""A run's own record (``csv/metrics.csv``) does not depend on the ``logger`` group: every logger
-option keeps exactly one (the CLI runs: test_train_cli.py); the debug presets are as README says
-(CPU, anomaly detection)."""
+"""Every ``logger`` option keeps exactly one run record (``csv/metrics.csv``; the CLI runs:
+test_train_cli.py); the debug presets are as README says (CPU, anomaly detection)."""
 
 from __future__ import annotations
 

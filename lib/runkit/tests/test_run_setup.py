@@ -75,7 +75,7 @@ def _run_cfg(directory: Path) -> DictConfig:
     )
 
 
-def test_racing_claims_for_one_directory_give_one_winner_and_a_sweep_dir_is_claimed_once(
+def test_two_racing_claims_for_one_directory_give_one_winner(
     tmp_path: Path, single_process: None
 ) -> None:
     cfg, start = _run_cfg(tmp_path / "logs" / "run é"), threading.Barrier(8)
@@ -151,7 +151,7 @@ def test_eval_tests_at_the_precision_training_used(
     seen: dict[str, Any] = {}
 
     def spy(cfg: DictConfig, **kwargs: Any) -> Any:
-        seen[cfg.task_name] = kwargs.get("precision")
+        seen[cfg.task_name] = kwargs
         raise _Built
 
     monkeypatch.setattr(builders, "build_trainer", spy)
@@ -172,7 +172,10 @@ def test_eval_tests_at_the_precision_training_used(
                               name="eval"))  # fmt: skip
     finally:
         torch.set_float32_matmul_precision(matmul)
-    assert seen == {"train": "bf16-mixed", "eval": "bf16-mixed"}
+    assert {task: kw["precision"] for task, kw in seen.items()} == {
+        "train": "bf16-mixed", "eval": "bf16-mixed"
+    }  # fmt: skip
+    assert isinstance(seen["train"]["profiler"], speed.NoProfiler)
 
 
 @pytest.mark.parametrize(
