@@ -1,9 +1,12 @@
 """Setting up a run: safety parts from the config, the run directory claimed atomically (and
-removed when unused), eval's Trainer settings as train's, the garbage collector at start-up."""
+removed when unused), eval's Trainer settings as train's, the garbage collector at start-up, every
+trainer preset (multi_node, dp, fsdp, ddp_sim run in test_multinode, test_dp, test_fsdp,
+test_sweep), every ``logger`` option keeping one run record (``csv/metrics.csv``), debug presets."""
 
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -14,14 +17,17 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
+from conftest import CliRunner, compose_train, run_dirs
 from tinyapp import config_dir
 import runkit
 from runkit import speed
 from runkit.errors import RunError
 from runkit.run import builders, collector, preflight, run_files
 from runkit.run.launch import register_resolvers
+from runkit.run.preflight import check_config
 from runkit.safety.checkpoints import AtomicCheckpointIO, save_weights
 from runkit.safety.interrupts import GracefulInterrupt
 from runkit.safety.resume import ResumeState
@@ -236,3 +242,88 @@ def test_the_preflight_turns_the_collector_back_on_for_a_sweeps_parent(
     finally:
         gc.enable()
         gc.unfreeze()
+
+
+EXPECTED = {"default": ("auto", 1, 1), "cpu": ("auto", 1, 1), "gpu": ("auto", 1, 1),
+            "ddp": ("ddp", 2, 1), "ddp_sim": ("ddp", 2, 1), "ddp_spawn": ("ddp_spawn", 2, 1),
+            "dp": ("dp", 2, 1), "fsdp": ("fsdp", 2, 1), "multi_node": ("ddp", "auto", 2)}  # fmt: skip
+
+
+def test_every_preset_file_is_listed_here() -> None:
+    on_disk = {p.stem for p in (config_dir() / "trainer").glob("*.yaml")}
+    assert on_disk == {*EXPECTED, "lightning"}  # lightning.yaml: the node the presets build on
+
+
+@pytest.mark.parametrize("preset", EXPECTED)
+def test_preset_composes_with_the_expected_strategy(preset: str) -> None:
+    trainer = compose_train(f"trainer={preset}").trainer
+    # trainer=dp and fsdp name the strategy by its class (dp: with the network it parallelises).
+    strategy = trainer.strategy if isinstance(trainer.strategy, str) else preset
+    classes = {"dp": "strategies.dp.DataParallelStrategy", "fsdp": "strategies.fsdp.FSDPStrategy"}
+    if preset in classes:
+        assert trainer.strategy._target_.endswith(classes[preset])
+    assert (strategy, trainer.devices, trainer.num_nodes) == EXPECTED[preset]
+    assert trainer._target_ == "lightning.pytorch.Trainer"
+
+
+def test_cpu_presets_pass_preflight_and_ddp_on_cpu_equals_ddp_sim() -> None:
+    for preset in ("cpu", "ddp_sim", "ddp_spawn", "fsdp", "multi_node"):
+        check_config(compose_train(f"trainer={preset}", "trainer.accelerator=cpu"))
+    ddp_cpu = compose_train("trainer=ddp", "trainer.accelerator=cpu").trainer
+    ddp_sim = compose_train("trainer=ddp_sim").trainer
+    assert OmegaConf.to_container(ddp_cpu) == OmegaConf.to_container(ddp_sim)  # every key
+
+
+@pytest.mark.slow
+def test_ddp_spawn_preset_runs_on_the_cpu(cli: CliRunner, log_dir: Path) -> None:
+    # test=false: each fit or test spawns its processes anew (fresh interpreters), the same way
+    tiny = ("trainer.max_epochs=1", "data.batch_size=256", "+trainer.limit_train_batches=2",
+            "+trainer.limit_val_batches=1", "test=false", "callbacks.progress_bar.refresh_rate=0")  # fmt: skip
+    result = cli("train", "trainer=ddp_spawn", "trainer.accelerator=cpu", *tiny, timeout=400)
+    # A worker's own traceback comes first on stderr, the launcher's last: both are shown.
+    assert result.returncode == 0, result.stderr[:4000] + "\n...\n" + result.stderr[-2000:]
+    (run,) = run_dirs(log_dir)
+    summary = json.loads((run / "metrics.json").read_text())
+    assert summary["devices"] == 2 and "val/acc" in summary["metrics"]
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+
+
+def loggers_of(*overrides: str, out: Path) -> list:
+    cfg = compose_train(*overrides)
+    cfg.paths.output_dir = str(out)
+    return builders.build_loggers(cfg.get("logger"), builders.run_record(cfg.paths.output_dir))
+
+
+@pytest.mark.parametrize(
+    ("option", "extra"),
+    [
+        ("csv", []),
+        ("none", []),
+        ("tensorboard", [TensorBoardLogger]),
+        ("many_loggers", [TensorBoardLogger]),
+    ],
+)
+def test_every_logger_option_keeps_exactly_one_csv_record(
+    tmp_path: Path, option: str, extra: list[type]
+) -> None:
+    loggers = loggers_of(f"logger={option}", out=tmp_path)
+    records = [logger for logger in loggers if isinstance(logger, CSVLogger)]
+    assert len(records) == 1  # one writer of csv/metrics.csv, never two
+    assert Path(records[0].log_dir) == tmp_path / "csv"
+    assert [type(logger) for logger in loggers if logger is not records[0]] == extra
+
+
+def test_the_record_follows_the_csv_node_and_needs_an_output_dir(tmp_path: Path) -> None:
+    (logger,) = loggers_of("logger=csv", "+logger.csv.flush_logs_every_n_steps=7", out=tmp_path)
+    assert logger._flush_logs_every_n_steps == 7  # the configured node, not a second default one
+    assert builders.run_record(None) is None
+    assert builders.build_loggers(OmegaConf.create({}), None) == []
+
+
+def test_debug_overfit_runs_with_anomaly_detection_like_every_debug_preset() -> None:
+    for preset in ("default", "fdr", "overfit", "limit", "profiler"):
+        cfg = compose_train(f"debug={preset}")
+        assert cfg.trainer.detect_anomaly is True, preset
+        assert cfg.trainer.accelerator == "cpu", preset
+        assert cfg.hydra.job_logging.root.level == "DEBUG", preset
+    assert compose_train("debug=overfit").trainer.overfit_batches == 3
