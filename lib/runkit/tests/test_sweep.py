@@ -339,12 +339,12 @@ def test_a_bad_n_jobs_is_one_line_and_creates_nothing(cli: CliRunner, log_dir: P
 def test_kill_9_of_a_training_sweep_lets_every_running_job_save(
     log_dir: Path, tmp_path: Path
 ) -> None:
-    # both jobs train at once: 2000 short epochs outlast the test
+    # both jobs train at once: 300 epochs outlast the test
     command = [
         sys.executable, "-m", "tinyapp.train", "-m", "hydra/launcher=parallel",
-        "hydra.launcher.n_jobs=2", "model.optimizer.lr=0.01,0.02", "trainer.max_epochs=2000",
-        "data.batch_size=64", "+trainer.limit_train_batches=5", "+trainer.limit_val_batches=1",
-        "test=false", "callbacks.progress_bar.refresh_rate=0", f"paths.log_dir={log_dir}",
+        "hydra.launcher.n_jobs=2", "model.optimizer.lr=0.01,0.02", "trainer.max_epochs=300",
+        "data.batch_size=64", "test=false", "callbacks.progress_bar.refresh_rate=0",
+        f"paths.log_dir={log_dir}",
     ]  # fmt: skip
     proc = subprocess.Popen(
         command, cwd=tmp_path, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
