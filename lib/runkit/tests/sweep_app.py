@@ -1,6 +1,5 @@
-"""A Hydra app whose jobs only claim a fake GPU, hold it ``hold_s`` seconds (less after a stop)
-and write ``claimed``, then ``claims.json`` and ``metrics.json``; the job whose ``hold_s`` is
-``late_hold_s`` claims only once ``after_claims`` others have (test_sweep.py)."""
+"""Jobs that claim a fake GPU, hold it ``hold_s`` s (a stop ends it) and write ``claims.json``; the
+job whose ``hold_s`` is ``late_hold_s`` claims once ``after_claims`` others have (test_sweep.py)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Bad input through the real CLI: one clear line on stderr, a non-zero exit, nothing lost.
-
-Every case runs next to an earlier, finished run whose files must not change by a byte, and
-leaves nothing behind. The bad files live in a folder named with a space and a non-ASCII letter.
-An unwritable output directory is one below a regular file (root ignores ``chmod``). The
-reliability page (lib/runkit/docs/reliability.md) lists every case with the line a user sees.
-"""
+"""Bad input: one line on stderr, a non-zero exit, an earlier run's files unchanged, nothing left.
+The bad files live in a folder with a space and a non-ASCII letter; an unwritable directory is one
+below a regular file (root ignores ``chmod``). lib/runkit/docs/reliability.md lists every case."""
 
 from __future__ import annotations
 
@@ -47,9 +43,7 @@ BORING = (
 )
 
 
-class Evil:
-    """Unpickling this runs ``touch <PAYLOAD_FILE>``: what loading with weights_only must refuse."""
-
+class Evil:  # unpickling it runs ``touch <PAYLOAD_FILE>``: what weights_only must refuse
     def __init__(self, target: Path) -> None:
         self.target = target
 
@@ -148,15 +142,10 @@ def tree_hash(directory: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """An earlier finished run, and a folder of bad files made from it."""
     root = tmp_path_factory.mktemp("bad_inputs")
     logs = root / "logs"
-
-    def train(*args: str) -> None:
-        done = run_entry(root, "train", *args, "trainer.max_epochs=1")
-        assert done.returncode == 0, done.stderr[-2000:]
-
-    train(*FAST, f"paths.log_dir={logs}")
+    done = run_entry(root, "train", *FAST, f"paths.log_dir={logs}", "trainer.max_epochs=1")
+    assert done.returncode == 0, done.stderr[-2000:]
     (run,) = run_dirs(logs)
     bad = root / "bad inputs é"
     ckpt = (run / "checkpoints" / "last.ckpt").read_bytes()
@@ -198,16 +187,13 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"root": root, "logs": logs, "run": run, "in": bad, "demo": demo_run}
 
 
-def budget_for(args: list[str] | tuple[str, ...]) -> list[str]:
-    """:data:`FAST`, less its ``data.*`` keys where the command replaces the data node."""
-    return [a for a in FAST if "~data" not in args or not a.startswith("data.")]
-
-
 def command_for(case: Case, world: dict[str, Path]) -> list[str]:
     args = [arg.format(**world, in_name=world["in"].name) for arg in case.args]
     options = [a for a in args if a.startswith("--")]  # Hydra's own flags go first
     overrides = [a for a in args if not a.startswith("--")]
-    budget = budget_for(args) if case.task == "train" else ()  # eval has no callbacks or epochs
+    # eval has no callbacks or epochs; a command replacing the data node takes no data.* key
+    budget = [a for a in FAST if "~data" not in args or not a.startswith("data.")]
+    budget = budget if case.task == "train" else []
     command = [*options, *budget, *overrides]
     if not any(a.startswith("paths.log_dir=") for a in args):
         command.append(f'paths.log_dir="{world["logs"]}"')
@@ -215,17 +201,10 @@ def command_for(case: Case, world: dict[str, Path]) -> list[str]:
 
 
 @pytest.mark.slow  # the world: a training run
-@pytest.mark.parametrize(
-    "case", [c for c in CASES if not c.cli], ids=[c.id for c in CASES if not c.cli]
-)
+@pytest.mark.parametrize("case", [c for c in CASES if not c.cli], ids=lambda c: c.id)
 def test_a_bad_value_or_file_is_refused_before_anything_exists(
-    world: dict[str, Path],
-    case: Case,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """What the preflight refuses (the config's values, the checkpoint read), through its Hydra
-    callback in this process: one line on stderr, the exit code, nothing created or run."""
+    world, case, capsys, monkeypatch
+) -> None:  # what the preflight refuses, through its Hydra callback in this process
     monkeypatch.chdir(world["root"])
     before = set(world["root"].rglob("*"))
     cfg = compose_train(*command_for(case, world), name=case.task)
@@ -239,15 +218,14 @@ def test_a_bad_value_or_file_is_refused_before_anything_exists(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [c for c in CASES if c.cli], ids=[c.id for c in CASES if c.cli])
+@pytest.mark.parametrize("case", [c for c in CASES if c.cli], ids=lambda c: c.id)
 def test_bad_input_is_one_line_and_loses_nothing(world: dict[str, Path], case: Case) -> None:
     before = tree_hash(world["run"])
     everything = set(world["root"].rglob("*"))
     done = run_entry(world["root"], case.task, *command_for(case, world), env=case.env)
     lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
     assert done.returncode == case.code, done.stderr[-2000:]
-    assert "Traceback" not in done.stderr, done.stderr[-2000:]
-    assert "Error executing job" not in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "Error executing job" not in done.stderr, done.stderr
     assert lines and lines[-1].startswith("error: "), done.stderr[-2000:]
     assert case.expect in lines[-1], lines[-1]
     assert tree_hash(world["run"]) == before, "the earlier run's files changed"
@@ -258,8 +236,7 @@ def test_bad_input_is_one_line_and_loses_nothing(world: dict[str, Path], case: C
 
 
 def test_reliability_table_lists_every_case() -> None:
-    """lib/runkit/docs/reliability.md's table, ``| `<id>` | <what> | <line> (exit <code>) |
-    `<file>` |``: a row for every case here, and a row naming another file names its test."""
+    # rows ``| `<id>` | <what> | <line> (exit <code>) | `<file>` |``; another file names its test
     text = (ROOT / "lib" / "runkit" / "docs" / "reliability.md").read_text()
     rows = [
         [cell.strip().strip("`") for cell in line.strip().strip("|").split("|")]

@@ -14,9 +14,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
-from omegaconf import OmegaConf
 from torch import Tensor, nn
 
+from conftest import compose_train
 from tinyapp.data import DigitsDataModule
 from tinyapp.models import MLP, ClassifierModule
 from runkit.errors import RunError
@@ -26,8 +26,7 @@ from runkit.strategies.dp import AutocastDataParallel, DataParallelStrategy, che
 
 
 class SplitDataParallel(nn.Module):
-    """Runs the network on each slice of the batch (uneven when it is odd), recording the sizes,
-    one list per call."""
+    """The network on each slice of the batch (uneven when odd); records the sizes of each call."""
 
     def __init__(self, module: nn.Module, parts: int, calls: list[list[int]]) -> None:
         super().__init__()
@@ -39,9 +38,7 @@ class SplitDataParallel(nn.Module):
         return torch.cat([self.module(*chunk) for chunk in chunks])
 
 
-class CpuSplitDP(DataParallelStrategy):
-    """The real strategy with the stand-in wrapper, allowed on the CPU."""
-
+class CpuSplitDP(DataParallelStrategy):  # the real strategy with the stand-in, on the CPU
     def _require_cuda(self) -> None: ...
 
     def _data_parallel(self, net: nn.Module) -> nn.Module:
@@ -75,10 +72,7 @@ def fit(strategy: Any, root: Path, accelerator: str, **kwargs: Any) -> tuple[Any
 
 
 def test_dp_is_registered_accepted_by_preflight_and_its_preset_names_the_network() -> None:
-    from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
-
-    from tinyapp import config_dir
 
     assert "dp" in StrategyRegistry
     check_strategy("dp")  # no error
@@ -86,8 +80,7 @@ def test_dp_is_registered_accepted_by_preflight_and_its_preset_names_the_network
     assert isinstance(trainer.strategy, DataParallelStrategy)
     assert trainer.strategy.network == "net"  # the registered name parallelises pl_module.net
     assert trainer.num_devices == 2 and trainer.world_size == 1 and trainer.is_global_zero
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        cfg = compose("train", overrides=["trainer=dp", "trainer.strategy.network=encoder"])
+    cfg = compose_train("trainer=dp", "trainer.strategy.network=encoder")
     assert instantiate(cfg.trainer.strategy).network == "encoder"
 
 
@@ -101,19 +94,15 @@ def test_dp_without_cuda_fails_in_one_line(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         with pytest.raises(RunError, match=r"strategy=dp asks for a GPU .*, but: No usable GPU"):
             check_dp_request("auto", 2)
-        cfg = OmegaConf.create(
-            {"trainer": {"strategy": "dp", "accelerator": "auto", "devices": 2, "num_nodes": 1}}
-        )
-        with pytest.raises(RunError, match="strategy=dp asks for a GPU"):
-            check_config(cfg)
+        with pytest.raises(RunError, match=r"strategy=dp asks for a GPU .*trainer=ddp_sim"):
+            check_config(compose_train("trainer=dp"))  # the preset, refused in the preflight
     # A Trainer built directly: the strategy refuses at setup.
     with pytest.raises(RunError, match=r"asks for a GPU .*, but the Trainer's devices are cpu"):
         make_trainer("dp", tmp_path, devices=2).fit(make_module(), datamodule=DigitsDataModule())
 
 
 def test_the_step_runs_once_over_the_gathered_outputs() -> None:
-    """Only the network is split: the loss and the metric update happen once, on the whole
-    (odd) batch, so they equal the single-device ones; the module's keys do not change."""
+    # only the network is split: loss and metric update once, on the whole (odd) batch
     module = make_module()
     batch = (torch.rand(7, 1, 8, 8), torch.randint(0, 10, (7,)))
     expected = module.training_step(batch, 0).detach()
@@ -163,9 +152,7 @@ def test_dp_trains_exactly_like_one_device_and_saves_plain_keys(tmp_path: Path, 
     make_module().load_state_dict(state["state_dict"], strict=True)
 
 
-class Encoder(pl.LightningModule):
-    """A LightningModule whose network is not called ``net``."""
-
+class Encoder(pl.LightningModule):  # its network is not called ``net``
     def __init__(self) -> None:
         super().__init__()
         self.encoder = nn.Linear(4, 2)
@@ -191,8 +178,7 @@ def test_the_network_attribute_is_configurable_and_a_compiled_one_refused(
 def test_copies_on_other_gpus_compute_in_the_callers_autocast_dtype(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """torch's parallel_apply runs each copy in a thread at the thread's default autocast dtype;
-    the wrapper hands the caller's over. On the CPU (default bf16), the caller in float16."""
+    # torch runs each copy in a thread at its default autocast dtype (CPU: bf16); the caller: fp16
     data_parallel = importlib.import_module("torch.nn.parallel.data_parallel")  # not the function
 
     def threaded_apply(replicas: Any, inputs: Any, kwargs: Any, devices: Any) -> list[Any]:

@@ -1,5 +1,5 @@
 """runkit.plots from CSV files written as Lightning's CSVLogger writes them (no training; a real
-run's curves.png and ``python -m runkit.plot`` itself: test_run_record.py, test_readme.py)."""
+run's curves.png and ``python -m runkit.plot`` itself: test_run_setup.py, test_readme.py)."""
 
 from __future__ import annotations
 

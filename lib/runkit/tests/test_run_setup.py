@@ -1,12 +1,15 @@
-"""Setting up a run: the safety parts come from the config, the run directory is claimed
-atomically and removed again when the run stops at once, the checkpoint is checked before
-anything exists, and eval builds its Trainer with the same hardware settings as train."""
+"""Setting up a run: safety parts from the config, the run directory claimed atomically (and
+removed when unused), eval's Trainer settings as train's, the garbage collector at start-up, every
+trainer preset (multi_node, dp, fsdp, ddp_sim run in test_multinode, test_dp, test_fsdp,
+test_sweep), every ``logger`` option keeping one run record (``csv/metrics.csv``), debug presets."""
 
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +17,17 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
+from conftest import CliRunner, compose_train, run_dirs
 from tinyapp import config_dir
 import runkit
 from runkit import speed
 from runkit.errors import RunError
 from runkit.run import builders, collector, preflight, run_files
 from runkit.run.launch import register_resolvers
+from runkit.run.preflight import check_config
 from runkit.safety.checkpoints import AtomicCheckpointIO, save_weights
 from runkit.safety.interrupts import GracefulInterrupt
 from runkit.safety.resume import ResumeState
@@ -38,22 +44,9 @@ def composed(*overrides: str, name: str = "train") -> DictConfig:
 
 @pytest.fixture
 def single_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A plain run started by hand: no launcher variables, no claim left by another test."""
     for name in LAUNCH_ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(preflight, "_claimed", None)
-
-
-# Safety parts: config nodes, instantiated 1:1, each removal said in one line
-
-
-def test_safety_parts_are_config_nodes_and_reach_the_trainer(tmp_path: Path) -> None:
-    cfg = composed(f"paths.output_dir={tmp_path}", "trainer.accelerator=cpu", "seed=7")
-    trainer = builders.build_trainer(cfg)
-    assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
-    (resume,) = [c for c in trainer.callbacks if isinstance(c, ResumeState)]
-    assert resume.seed == 7
-    assert sum(isinstance(c, GracefulInterrupt) for c in trainer.callbacks) == 1
 
 
 @pytest.mark.parametrize(
@@ -66,18 +59,20 @@ def test_safety_parts_are_config_nodes_and_reach_the_trainer(tmp_path: Path) -> 
         (["train=false", "callbacks=none", "trainer.plugins=[]"], None),
     ],
 )
-def test_removing_a_safety_part_works_and_says_what_is_lost(
+def test_safety_parts_reach_the_trainer_and_a_removed_one_says_what_is_lost(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, overrides: list[str], line: str | None
 ) -> None:
-    cfg = composed(f"paths.output_dir={tmp_path}", "trainer.accelerator=cpu", *overrides)
+    cfg = composed(f"paths.output_dir={tmp_path}", "trainer.accelerator=cpu", "seed=7", *overrides)
     with caplog.at_level(logging.WARNING, logger=builders.__name__):
         trainer = builders.build_trainer(cfg)
     said = [r.getMessage() for r in caplog.records if r.name == builders.__name__]
     assert said == [] if line is None else len(said) == 1 and said[0].startswith(line), said
     assert trainer.max_epochs == cfg.trainer.max_epochs  # the run is built all the same
-
-
-# The run directory: claimed atomically, discarded when unused
+    if not overrides:  # the complete run: each part instantiated from its config node, once
+        assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+        (resume,) = [c for c in trainer.callbacks if isinstance(c, ResumeState)]
+        assert resume.seed == 7
+        assert sum(isinstance(c, GracefulInterrupt) for c in trainer.callbacks) == 1
 
 
 def _run_cfg(directory: Path) -> DictConfig:
@@ -89,30 +84,22 @@ def _run_cfg(directory: Path) -> DictConfig:
 def test_two_racing_claims_for_one_directory_give_one_winner(
     tmp_path: Path, single_process: None
 ) -> None:
-    cfg = _run_cfg(tmp_path / "logs" / "run é")
-    start = threading.Barrier(8)
-    outcomes: list[str] = []
+    cfg, start = _run_cfg(tmp_path / "logs" / "run é"), threading.Barrier(8)
 
-    def claim() -> None:
+    def claim(_: int) -> str:
         start.wait()
         try:
             preflight.claim_run_dir(cfg, "hydra.run.dir")
-            outcomes.append("won")
         except RunError as err:
-            outcomes.append(str(err))
+            return str(err)
+        return "won"
 
-    threads = [threading.Thread(target=claim) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(claim, range(8)))
     assert outcomes.count("won") == 1, outcomes
     assert all("is taken: it already has .hydra" in o for o in outcomes if o != "won")
-
-
-def test_a_sweep_directory_is_claimed_once(tmp_path: Path, single_process: None) -> None:
-    cfg = _run_cfg(tmp_path / "sweep")
-    preflight.claim_run_dir(cfg, "hydra.sweep.dir")
+    # a sweep directory is claimed once too
+    preflight.claim_run_dir(cfg := _run_cfg(tmp_path / "sweep"), "hydra.sweep.dir")
     assert (tmp_path / "sweep" / "multirun.yaml").is_file()
     with pytest.raises(RunError, match=r"hydra.sweep.dir=.* is taken: .*multirun.yaml"):
         preflight.claim_run_dir(cfg, "hydra.sweep.dir")
@@ -158,11 +145,7 @@ def test_an_unused_run_directory_goes_with_the_parents_its_claim_made(
     assert after == (before if left is None else left)
 
 
-# eval: the same Trainer settings as train
-
-
-class _Built(Exception):
-    """Raised by the build_trainer spy: the arguments are known, nothing more is needed."""
+_Built = type("_Built", (Exception,), {})  # the build_trainer spy's: its arguments are known
 
 
 def test_eval_tests_at_the_precision_training_used(
@@ -174,7 +157,7 @@ def test_eval_tests_at_the_precision_training_used(
     seen: dict[str, Any] = {}
 
     def spy(cfg: DictConfig, **kwargs: Any) -> Any:
-        seen[cfg.task_name] = kwargs.get("precision")
+        seen[cfg.task_name] = kwargs
         raise _Built
 
     monkeypatch.setattr(builders, "build_trainer", spy)
@@ -195,26 +178,10 @@ def test_eval_tests_at_the_precision_training_used(
                               name="eval"))  # fmt: skip
     finally:
         torch.set_float32_matmul_precision(matmul)
-    assert seen == {"train": "bf16-mixed", "eval": "bf16-mixed"}
-
-
-# Start-up: the cyclic garbage collector is off during the imports, on (and frozen) for the job
-
-
-def _gc_app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *argv: str) -> tuple[Any, list]:
-    """A Hydra app through runkit.hydra_entry whose job records the collector's state."""
-    configs = tmp_path / "configs"
-    configs.mkdir()
-    (configs / "app.yaml").write_text("value: 1\n")
-    seen: list[tuple[bool, int]] = []
-
-    def task(cfg: Any) -> None:
-        seen.append((gc.isenabled(), gc.get_freeze_count()))
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("sys.argv", ["app", f"hydra.run.dir={tmp_path / 'run'}", *argv])
-    monkeypatch.setattr(collector, "_collector_paused", False)
-    return runkit.hydra_entry(task, "app", configs), seen
+    assert {task: kw["precision"] for task, kw in seen.items()} == {
+        "train": "bf16-mixed", "eval": "bf16-mixed"
+    }  # fmt: skip
+    assert isinstance(seen["train"]["profiler"], speed.NoProfiler)
 
 
 @pytest.mark.parametrize(
@@ -226,14 +193,19 @@ def _gc_app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *argv: str) -> tupl
     ],
 )
 def test_the_collector_is_off_for_the_imports_and_back_as_the_caller_had_it(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    single_process: None,
-    argv: tuple[str, ...],
-    caller_on: bool,
-    job_sees_on: bool | None,
+    tmp_path, monkeypatch, single_process, argv, caller_on, job_sees_on
 ) -> None:
-    main, seen = _gc_app(tmp_path, monkeypatch, *argv)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "app.yaml").write_text("value: 1\n")
+    seen: list[tuple[bool, int]] = []
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["app", f"hydra.run.dir={tmp_path / 'run'}", *argv])
+    monkeypatch.setattr(collector, "_collector_paused", False)
+    main = runkit.hydra_entry(
+        lambda cfg: seen.append((gc.isenabled(), gc.get_freeze_count())),
+        "app",
+        tmp_path / "configs",
+    )
     before = gc.get_freeze_count()
     if not caller_on:
         gc.disable()
@@ -270,3 +242,88 @@ def test_the_preflight_turns_the_collector_back_on_for_a_sweeps_parent(
     finally:
         gc.enable()
         gc.unfreeze()
+
+
+EXPECTED = {"default": ("auto", 1, 1), "cpu": ("auto", 1, 1), "gpu": ("auto", 1, 1),
+            "ddp": ("ddp", 2, 1), "ddp_sim": ("ddp", 2, 1), "ddp_spawn": ("ddp_spawn", 2, 1),
+            "dp": ("dp", 2, 1), "fsdp": ("fsdp", 2, 1), "multi_node": ("ddp", "auto", 2)}  # fmt: skip
+
+
+def test_every_preset_file_is_listed_here() -> None:
+    on_disk = {p.stem for p in (config_dir() / "trainer").glob("*.yaml")}
+    assert on_disk == {*EXPECTED, "lightning"}  # lightning.yaml: the node the presets build on
+
+
+@pytest.mark.parametrize("preset", EXPECTED)
+def test_preset_composes_with_the_expected_strategy(preset: str) -> None:
+    trainer = compose_train(f"trainer={preset}").trainer
+    # trainer=dp and fsdp name the strategy by its class (dp: with the network it parallelises).
+    strategy = trainer.strategy if isinstance(trainer.strategy, str) else preset
+    classes = {"dp": "strategies.dp.DataParallelStrategy", "fsdp": "strategies.fsdp.FSDPStrategy"}
+    if preset in classes:
+        assert trainer.strategy._target_.endswith(classes[preset])
+    assert (strategy, trainer.devices, trainer.num_nodes) == EXPECTED[preset]
+    assert trainer._target_ == "lightning.pytorch.Trainer"
+
+
+def test_cpu_presets_pass_preflight_and_ddp_on_cpu_equals_ddp_sim() -> None:
+    for preset in ("cpu", "ddp_sim", "ddp_spawn", "fsdp", "multi_node"):
+        check_config(compose_train(f"trainer={preset}", "trainer.accelerator=cpu"))
+    ddp_cpu = compose_train("trainer=ddp", "trainer.accelerator=cpu").trainer
+    ddp_sim = compose_train("trainer=ddp_sim").trainer
+    assert OmegaConf.to_container(ddp_cpu) == OmegaConf.to_container(ddp_sim)  # every key
+
+
+@pytest.mark.slow
+def test_ddp_spawn_preset_runs_on_the_cpu(cli: CliRunner, log_dir: Path) -> None:
+    # test=false: each fit or test spawns its processes anew (fresh interpreters), the same way
+    tiny = ("trainer.max_epochs=1", "data.batch_size=256", "+trainer.limit_train_batches=2",
+            "+trainer.limit_val_batches=1", "test=false", "callbacks.progress_bar.refresh_rate=0")  # fmt: skip
+    result = cli("train", "trainer=ddp_spawn", "trainer.accelerator=cpu", *tiny, timeout=400)
+    # A worker's own traceback comes first on stderr, the launcher's last: both are shown.
+    assert result.returncode == 0, result.stderr[:4000] + "\n...\n" + result.stderr[-2000:]
+    (run,) = run_dirs(log_dir)
+    summary = json.loads((run / "metrics.json").read_text())
+    assert summary["devices"] == 2 and "val/acc" in summary["metrics"]
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+
+
+def loggers_of(*overrides: str, out: Path) -> list:
+    cfg = compose_train(*overrides)
+    cfg.paths.output_dir = str(out)
+    return builders.build_loggers(cfg.get("logger"), builders.run_record(cfg.paths.output_dir))
+
+
+@pytest.mark.parametrize(
+    ("option", "extra"),
+    [
+        ("csv", []),
+        ("none", []),
+        ("tensorboard", [TensorBoardLogger]),
+        ("many_loggers", [TensorBoardLogger]),
+    ],
+)
+def test_every_logger_option_keeps_exactly_one_csv_record(
+    tmp_path: Path, option: str, extra: list[type]
+) -> None:
+    loggers = loggers_of(f"logger={option}", out=tmp_path)
+    records = [logger for logger in loggers if isinstance(logger, CSVLogger)]
+    assert len(records) == 1  # one writer of csv/metrics.csv, never two
+    assert Path(records[0].log_dir) == tmp_path / "csv"
+    assert [type(logger) for logger in loggers if logger is not records[0]] == extra
+
+
+def test_the_record_follows_the_csv_node_and_needs_an_output_dir(tmp_path: Path) -> None:
+    (logger,) = loggers_of("logger=csv", "+logger.csv.flush_logs_every_n_steps=7", out=tmp_path)
+    assert logger._flush_logs_every_n_steps == 7  # the configured node, not a second default one
+    assert builders.run_record(None) is None
+    assert builders.build_loggers(OmegaConf.create({}), None) == []
+
+
+def test_debug_overfit_runs_with_anomaly_detection_like_every_debug_preset() -> None:
+    for preset in ("default", "fdr", "overfit", "limit", "profiler"):
+        cfg = compose_train(f"debug={preset}")
+        assert cfg.trainer.detect_anomaly is True, preset
+        assert cfg.trainer.accelerator == "cpu", preset
+        assert cfg.hydra.job_logging.root.level == "DEBUG", preset
+    assert compose_train("debug=overfit").trainer.overfit_batches == 3
