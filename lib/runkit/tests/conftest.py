@@ -11,8 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import prewarmed
+
+# Two pytest workers share two cores: one thread each (children inherit it) instead of four
+# threads spinning for two cores. A value the user sets wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Variables a parent test process (or an earlier DDP test) may leave behind and that would change
 # how a child run behaves.
