@@ -13,18 +13,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-from omegaconf import open_dict
 
 import prewarmed
-from tinyapp import config_dir
 
-# Two pytest workers share two cores: one thread each (children inherit it) instead of four
-# threads spinning for two cores. A value the user sets wins.
+# Two pytest workers share two cores: one torch thread each (before torch is imported; the workers
+# and every child inherit it) instead of four threads spinning for two cores. A user's value wins.
+# Nothing heavy is imported here: pytest's main process loads this file before it starts workers.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # What a parent test process (or an earlier DDP test) may leave behind for a child run.
 _LEAKY_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -151,6 +146,12 @@ def use_fake() -> Iterator[Callable[[Any], Any]]:
 
 def compose_train(*overrides: str, name: str = "train") -> Any:
     """tinyapp's config as the CLI composes it (hydra config included)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import open_dict
+
+    from tinyapp import config_dir
+
     GlobalHydra.instance().clear()
     with initialize_config_dir(str(config_dir()), version_base="1.3"):
         cfg = compose(name, overrides=list(overrides), return_hydra_config=True)
@@ -163,6 +164,8 @@ def stand_in(
     *devices: Any, world_size: int = 1, num_nodes: int = 1, local_rank: int = 0, node_rank: int = 0
 ) -> Any:
     """``stand_in("cuda", "cuda", local_rank=1)``: what callbacks read of a Trainer, no Trainer."""
+    import torch
+
     parallel = [torch.device(d) for d in devices or ("cpu",)]
     return SimpleNamespace(
         strategy=SimpleNamespace(parallel_devices=parallel, root_device=parallel[local_rank]),
