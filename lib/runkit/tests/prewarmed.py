@@ -78,63 +78,27 @@ def _child(request: dict[str, Any]) -> None:
     raise SystemExit(0)
 
 
-class _Server:
-    """One server per test process (each xdist worker has its own), started on first use."""
-
-    lock = threading.Lock()
-    process: subprocess.Popen | None = None
-    pending = b""  # read from the server, not yet a whole reply line
-
-    def run(self, request: dict[str, Any], timeout: float | None) -> tuple[int, bytes, bytes]:
-        with self.lock, tempfile.TemporaryDirectory(prefix="prewarmed") as tmp:
-            out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-            out.touch()
-            err.touch()
-            if self.process is None or self.process.poll() is not None:
-                self.process = subprocess.Popen(
-                    [sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                    stderr=subprocess.DEVNULL, cwd=Path(__file__).parent, env=_server_env(),
-                )  # fmt: skip
-                atexit.register(self.process.kill)
-                self.pending = b""
-            request.update(stdout=str(out), stderr=str(err))
-            self.process.stdin.write(json.dumps(request).encode() + b"\n")
-            self.process.stdin.flush()
-            pid = self._reply(None)["pid"]
-            try:
-                returncode = self._reply(timeout)["returncode"]
-            except subprocess.TimeoutExpired:
-                os.kill(pid, signal.SIGKILL)
-                self._reply(None)
-                command = [request["module"], *request["args"]]
-                raise subprocess.TimeoutExpired(
-                    command, timeout or 0, out.read_bytes(), err.read_bytes()
-                ) from None
-            return returncode, out.read_bytes(), err.read_bytes()
-
-    def _reply(self, timeout: float | None) -> dict[str, int]:
-        # Read the pipe directly: a buffered readline could swallow the pid and the exit status
-        # of a fast child in one go, and select() would then wait for a line already read.
-        while b"\n" not in self.pending:
-            if not select.select([self.process.stdout], [], [], timeout)[0]:
-                raise subprocess.TimeoutExpired("prewarmed", timeout or 0)
-            chunk = os.read(self.process.stdout.fileno(), 4096)
-            if not chunk:
-                raise RuntimeError(
-                    "the prewarmed server died; run with RUNKIT_TEST_FRESH=1 to compare"
-                )
-            self.pending += chunk
-        line, _, self.pending = self.pending.partition(b"\n")
-        return json.loads(line)
-
-
-_SERVER = _Server()
+_LOCK, _SERVER = threading.Lock(), {"process": None, "pending": b""}  # one per test process
 
 
 def _server_env() -> dict[str, str]:
     from conftest import clean_env
 
     return clean_env()
+
+
+def _read_reply(timeout: float | None) -> dict[str, int]:
+    # Read the pipe directly: a buffered readline could swallow the pid and the exit status
+    # of a fast child in one go, and select() would then wait for a line already read.
+    server = _SERVER["process"]
+    while b"\n" not in _SERVER["pending"]:
+        if not select.select([server.stdout], [], [], timeout)[0]:
+            raise subprocess.TimeoutExpired("prewarmed", timeout or 0)
+        if not (chunk := os.read(server.stdout.fileno(), 4096)):
+            raise RuntimeError("the prewarmed server died; run with RUNKIT_TEST_FRESH=1 to compare")
+        _SERVER["pending"] += chunk
+    line, _, _SERVER["pending"] = _SERVER["pending"].partition(b"\n")
+    return json.loads(line)
 
 
 def run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
@@ -152,14 +116,32 @@ def run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
         and flags == {k: v for k, v in _server_env().items() if k.startswith("PYTHON")}
     ):
         return subprocess.run(command, **kwargs)
-    cwd = str(Path(kwargs.get("cwd") or os.getcwd()).resolve())
-    request = {
-        "module": str(command[2]),
-        "args": [str(a) for a in command[3:]],
-        "cwd": cwd,
-        "env": env,
-    }
-    returncode, out, err = _SERVER.run(request, kwargs.get("timeout"))
+    request = {"module": str(command[2]), "args": [str(a) for a in command[3:]], "env": env,
+               "cwd": str(Path(kwargs.get("cwd") or os.getcwd()).resolve())}  # fmt: skip
+    with _LOCK, tempfile.TemporaryDirectory(prefix="prewarmed") as tmp:
+        request.update(stdout=str(Path(tmp, "stdout")), stderr=str(Path(tmp, "stderr")))
+        for name in ("stdout", "stderr"):
+            Path(request[name]).touch()
+        server = _SERVER["process"]
+        if server is None or server.poll() is not None:
+            server = _SERVER["process"] = subprocess.Popen(
+                [sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, cwd=Path(__file__).parent, env=_server_env(),
+            )  # fmt: skip
+            atexit.register(server.kill)
+            _SERVER["pending"] = b""
+        server.stdin.write(json.dumps(request).encode() + b"\n")
+        server.stdin.flush()
+        pid = _read_reply(None)["pid"]
+        try:
+            returncode = _read_reply(kwargs.get("timeout"))["returncode"]
+        except subprocess.TimeoutExpired:
+            os.kill(pid, signal.SIGKILL)
+            _read_reply(None)
+            returncode = None
+        out, err = Path(request["stdout"]).read_bytes(), Path(request["stderr"]).read_bytes()
+    if returncode is None:
+        raise subprocess.TimeoutExpired(command, kwargs["timeout"], out, err)
     if kwargs.get("text"):
         out, err = out.decode(errors="replace"), err.decode(errors="replace")
     done = subprocess.CompletedProcess(command, returncode, out, err)
