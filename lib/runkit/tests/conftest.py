@@ -64,9 +64,8 @@ def log_dir(tmp_path: Path) -> Path:
     return tmp_path / "logs"
 
 
-def run_entry(
-    cwd: Path, task: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300
-) -> subprocess.CompletedProcess:
+def run_entry(cwd: Path, task: str, *args: str, env: dict[str, str] | None = None,
+              timeout: float = 300) -> subprocess.CompletedProcess:  # fmt: skip
     """``python -m tinyapp.<task>`` (``runkit.<task>`` for plot, devices) in ``cwd``, prewarmed."""
     package = "runkit" if task in ("plot", "devices") else "tinyapp"
     command, env = [sys.executable, "-m", f"{package}.{task}", *args], clean_env(**(env or {}))
@@ -77,9 +76,8 @@ def run_entry(
 def cli(tmp_path: Path, log_dir: Path) -> CliRunner:
     """``cli("train", "trainer.max_epochs=1", env={...})``: in ``tmp_path``, logs in ``log_dir``."""
 
-    def run(
-        task: str, *overrides: str, env: dict[str, str] | None = None, timeout: float = 300
-    ) -> subprocess.CompletedProcess:
+    def run(task: str, *overrides: str, env: dict[str, str] | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess:  # fmt: skip
         if task in ("train", "eval", "predict") and not any(o.startswith("--") for o in overrides):
             overrides = (*overrides, f"paths.log_dir={log_dir}")
         return run_entry(tmp_path, task, *overrides, env=env, timeout=timeout)
@@ -160,9 +158,8 @@ def compose_train(*overrides: str, name: str = "train") -> Any:
     return cfg
 
 
-def stand_in(
-    *devices: Any, world_size: int = 1, num_nodes: int = 1, local_rank: int = 0, node_rank: int = 0
-) -> Any:
+def stand_in(*devices: Any, world_size: int = 1, num_nodes: int = 1, local_rank: int = 0,
+             node_rank: int = 0) -> Any:  # fmt: skip
     """``stand_in("cuda", "cuda", local_rank=1)``: what callbacks read of a Trainer, no Trainer."""
     import torch
 

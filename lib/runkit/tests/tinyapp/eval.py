@@ -1,4 +1,4 @@
-"""``python -m tinyapp.eval ckpt_path=...`` and ``predict``: the template's eval.py and predict.py."""
+"""``python -m tinyapp.eval ckpt_path=...`` and ``tinyapp.predict``: the template's two."""
 
 from __future__ import annotations
 

@@ -22,10 +22,8 @@ class ClassifierModule(LightningModule):
         self.net, self.optimizer_factory, self.scheduler_factory = net, optimizer, scheduler
         self.criterion = nn.CrossEntropyLoss(reduction="none")
         for stage in ("train", "val", "test"):
-            metrics = {
-                "acc": MulticlassAccuracy(num_classes, average="micro", validate_args=False),
-                "loss": MeanMetric(nan_strategy="disable"),
-            }
+            metrics = {"acc": MulticlassAccuracy(num_classes, average="micro", validate_args=False),
+                       "loss": MeanMetric(nan_strategy="disable")}  # fmt: skip
             setattr(self, f"{stage}_metrics", MetricCollection(metrics, prefix=f"{stage}/"))
         self.train_metrics.persistent(True)
         self.val_acc_best = MaxMetric()
@@ -35,8 +33,7 @@ class ClassifierModule(LightningModule):
         return self.net(x)
 
     def model_step(self, batch: tuple[Tensor, Tensor], stage: str) -> Tensor:
-        inputs, targets = batch
-        logits = self(inputs)
+        logits, targets = self(batch[0]), batch[1]
         losses = self.criterion(logits, targets)
         metrics = getattr(self, f"{stage}_metrics")
         metrics["acc"].update(logits.detach(), targets)
