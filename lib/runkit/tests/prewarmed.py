@@ -1,11 +1,10 @@
-"""``python -m tinyapp.<entry> ...`` for the tests, without paying the imports each time.
+"""``python -m tinyapp.<entry> ...`` for the tests without paying the imports each time.
 
-A server process imports torch, Lightning, Hydra and the library once; each run is a ``fork`` of
-it that does what ``python -m`` does (``runpy``, with the test's argv, working directory,
-environment and stdio), so it is still its own process: pid, exit status, atexit, signals. What
-differs from a fresh interpreter: modules the entry never imports may be loaded (a test of what
-*is* imported must use ``subprocess``), and interpreter flags and ``PYTHON*`` variables are the
-server's (other commands run fresh). ``RUNKIT_TEST_FRESH=1`` runs every command fresh.
+A server imports torch, Lightning, Hydra and the library once; each run is a ``fork`` of it that
+does what ``python -m`` does (``runpy``, with the test's argv, cwd, environment and stdio), so it
+is still its own process: pid, exit status, atexit, signals. Unlike a fresh interpreter it may hold
+modules the entry never imports and has the server's flags and ``PYTHON*`` variables (other
+commands run fresh). ``RUNKIT_TEST_FRESH=1`` runs every command fresh.
 """
 
 from __future__ import annotations
@@ -33,31 +32,29 @@ WARM = ("torch", "lightning.pytorch", "torchmetrics", "hydra", "hydra.core.hydra
 
 
 def _serve() -> None:
-    """The server: import, then fork one child per request line; reply its pid, then its status."""
+    """Import, then fork one child per request line; reply its pid, then its exit status."""
+    import gc
     import importlib
 
-    os.environ["MPLBACKEND"] = os.environ.get("MPLBACKEND", "Agg")
+    os.environ.setdefault("MPLBACKEND", "Agg")
     for name in WARM:
         with contextlib.suppress(ImportError):  # an optional extra that is not installed
             importlib.import_module(name)
-    import gc
-
     gc.freeze()  # children would otherwise copy every page the collector walks
-    requests, replies = sys.stdin.buffer, sys.stdout.buffer
-    for line in iter(requests.readline, b""):
-        request = json.loads(line)
+    for line in iter(sys.stdin.buffer.readline, b""):
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _child(request)  # raises SystemExit, which ends this process as `python -m` would
-        replies.write(json.dumps({"pid": pid}).encode() + b"\n")
-        replies.flush()
+            _child(json.loads(line))  # raises SystemExit, which ends this process as `python -m`
+        _reply({"pid": pid})
         _, status = os.waitpid(pid, 0)
-        replies.write(
-            json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n"
-        )
-        replies.flush()
+        _reply({"returncode": os.waitstatus_to_exitcode(status)})
+
+
+def _reply(message: dict[str, int]) -> None:
+    sys.stdout.buffer.write(json.dumps(message).encode() + b"\n")
+    sys.stdout.buffer.flush()
 
 
 def _child(request: dict[str, Any]) -> None:
@@ -67,13 +64,8 @@ def _child(request: dict[str, Any]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    for fd, (path, flags) in enumerate(
-        [
-            (os.devnull, os.O_RDONLY),
-            (request["stdout"], os.O_WRONLY | os.O_TRUNC),
-            (request["stderr"], os.O_WRONLY | os.O_TRUNC),
-        ]
-    ):
+    streams = [(os.devnull, os.O_RDONLY), (request["stdout"], os.O_WRONLY)]
+    for fd, (path, flags) in enumerate([*streams, (request["stderr"], os.O_WRONLY)]):
         opened = os.open(path, flags)
         os.dup2(opened, fd)
         os.close(opened)
@@ -86,69 +78,7 @@ def _child(request: dict[str, Any]) -> None:
     raise SystemExit(0)
 
 
-class _Server:
-    """One server per test process (each xdist worker has its own), started on first use."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.process: subprocess.Popen | None = None
-        self.pending = b""  # read from the server, not yet a whole reply line
-
-    def start(self) -> subprocess.Popen:
-        if self.process is None or self.process.poll() is not None:
-            self.process = subprocess.Popen(
-                [sys.executable, __file__],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                cwd=Path(__file__).parent,
-                env=_server_env(),
-            )
-            atexit.register(self.process.kill)
-            self.pending = b""
-        return self.process
-
-    def run(
-        self, module: str, args: list[str], cwd: str, env: dict[str, str], timeout: float | None
-    ) -> tuple[int, bytes, bytes]:
-        with self.lock, tempfile.TemporaryDirectory(prefix="prewarmed") as tmp:
-            out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-            out.touch()
-            err.touch()
-            server = self.start()
-            request = {"module": module, "args": args, "cwd": cwd, "env": env}
-            request.update(stdout=str(out), stderr=str(err))
-            server.stdin.write(json.dumps(request).encode() + b"\n")
-            server.stdin.flush()
-            pid = self._reply(server, None)["pid"]
-            try:
-                returncode = self._reply(server, timeout)["returncode"]
-            except subprocess.TimeoutExpired:
-                os.kill(pid, signal.SIGKILL)
-                self._reply(server, None)
-                raise subprocess.TimeoutExpired(
-                    [module, *args], timeout or 0, out.read_bytes(), err.read_bytes()
-                ) from None
-            return returncode, out.read_bytes(), err.read_bytes()
-
-    def _reply(self, server: subprocess.Popen, timeout: float | None) -> dict[str, int]:
-        # Read the pipe directly: a buffered readline could swallow the pid and the exit status
-        # of a fast child in one go, and select() would then wait for a line already read.
-        while b"\n" not in self.pending:
-            ready, _, _ = select.select([server.stdout], [], [], timeout)
-            if not ready:
-                raise subprocess.TimeoutExpired("prewarmed", timeout or 0)
-            chunk = os.read(server.stdout.fileno(), 4096)
-            if not chunk:
-                raise RuntimeError(
-                    "the prewarmed server died; run with RUNKIT_TEST_FRESH=1 to compare"
-                )
-            self.pending += chunk
-        line, _, self.pending = self.pending.partition(b"\n")
-        return json.loads(line)
-
-
-_SERVER = _Server()
+_LOCK, _SERVER = threading.Lock(), {"process": None, "pending": b""}  # one per test process
 
 
 def _server_env() -> dict[str, str]:
@@ -157,13 +87,25 @@ def _server_env() -> dict[str, str]:
     return clean_env()
 
 
-def _interpreter_settings(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith("PYTHON")}
+def _read_reply(timeout: float | None) -> dict[str, int]:
+    # Read the pipe directly: a buffered readline could swallow the pid and the exit status
+    # of a fast child in one go, and select() would then wait for a line already read.
+    server = _SERVER["process"]
+    while b"\n" not in _SERVER["pending"]:
+        if not select.select([server.stdout], [], [], timeout)[0]:
+            raise subprocess.TimeoutExpired("prewarmed", timeout or 0)
+        if not (chunk := os.read(server.stdout.fileno(), 4096)):
+            raise RuntimeError("the prewarmed server died; run with RUNKIT_TEST_FRESH=1 to compare")
+        _SERVER["pending"] += chunk
+    line, _, _SERVER["pending"] = _SERVER["pending"].partition(b"\n")
+    return json.loads(line)
 
 
 def run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
     """:func:`subprocess.run`; ``[sys.executable, "-m", "tinyapp.x", ...]`` on a prewarmed fork."""
-    usable = (
+    env = dict(kwargs["env"]) if kwargs.get("env") is not None else dict(os.environ)
+    flags = {k: v for k, v in env.items() if k.startswith("PYTHON")}  # they act at start-up
+    if not (
         len(command) >= 3
         and command[0] == sys.executable
         and command[1] == "-m"
@@ -171,14 +113,35 @@ def run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
         and os.environ.get("RUNKIT_TEST_FRESH") != "1"
         and set(kwargs) <= {"cwd", "env", "capture_output", "text", "timeout", "check"}
         and kwargs.get("capture_output")
-    )
-    env = dict(kwargs["env"]) if kwargs.get("env") is not None else dict(os.environ)
-    if not usable or _interpreter_settings(env) != _interpreter_settings(_server_env()):
-        return subprocess.run(command, **kwargs)  # PYTHONPATH & co. act at interpreter start
-    cwd = str(Path(kwargs.get("cwd") or os.getcwd()).resolve())
-    returncode, out, err = _SERVER.run(
-        str(command[2]), [str(a) for a in command[3:]], cwd, env, kwargs.get("timeout")
-    )
+        and flags == {k: v for k, v in _server_env().items() if k.startswith("PYTHON")}
+    ):
+        return subprocess.run(command, **kwargs)
+    request = {"module": str(command[2]), "args": [str(a) for a in command[3:]], "env": env,
+               "cwd": str(Path(kwargs.get("cwd") or os.getcwd()).resolve())}  # fmt: skip
+    with _LOCK, tempfile.TemporaryDirectory(prefix="prewarmed") as tmp:
+        request.update(stdout=str(Path(tmp, "stdout")), stderr=str(Path(tmp, "stderr")))
+        for name in ("stdout", "stderr"):
+            Path(request[name]).touch()
+        server = _SERVER["process"]
+        if server is None or server.poll() is not None:
+            server = _SERVER["process"] = subprocess.Popen(
+                [sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, cwd=Path(__file__).parent, env=_server_env(),
+            )  # fmt: skip
+            atexit.register(server.kill)
+            _SERVER["pending"] = b""
+        server.stdin.write(json.dumps(request).encode() + b"\n")
+        server.stdin.flush()
+        pid = _read_reply(None)["pid"]
+        try:
+            returncode = _read_reply(kwargs.get("timeout"))["returncode"]
+        except subprocess.TimeoutExpired:
+            os.kill(pid, signal.SIGKILL)
+            _read_reply(None)
+            returncode = None
+        out, err = Path(request["stdout"]).read_bytes(), Path(request["stderr"]).read_bytes()
+    if returncode is None:
+        raise subprocess.TimeoutExpired(command, kwargs["timeout"], out, err)
     if kwargs.get("text"):
         out, err = out.decode(errors="replace"), err.decode(errors="replace")
     done = subprocess.CompletedProcess(command, returncode, out, err)

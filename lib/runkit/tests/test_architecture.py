@@ -1,10 +1,5 @@
-"""The two zones hold: import-linter's contracts from pyproject.toml, one test each.
-
-The library imports nothing of the project, the project imports only the library's public API
-(``runkit.<name>``), its models and data nothing of its entry points, and the library is layered
-without cycles (README "Layout"). An id missing
-from pyproject.toml fails too: import-linter refuses unknown contract ids.
-"""
+"""import-linter's contracts from pyproject.toml hold, one test each (README "Layout"); an id
+missing from pyproject.toml fails too. The public API is what a type checker sees."""
 
 from __future__ import annotations
 
@@ -36,8 +31,7 @@ def test_import_contract_is_kept(
 
 
 def test_the_public_api_is_what_a_type_checker_sees() -> None:
-    """Every name of ``__all__`` is imported for type checkers (``if TYPE_CHECKING:``), from the
-    module that loads it at run time, and the package says it is typed (``py.typed``)."""
+    """``__all__``, each name from its run-time module, under ``if TYPE_CHECKING:``; py.typed."""
     import ast
 
     import runkit

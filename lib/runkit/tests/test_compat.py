@@ -1,5 +1,4 @@
-"""Every private Lightning/torch/Hydra access the library makes still works (one test each): a
-release that moves one fails here with a line naming the access and who relies on it."""
+"""Every private Lightning/torch/Hydra access the library makes still works, one test each."""
 
 from __future__ import annotations
 

@@ -14,24 +14,16 @@ from torchmetrics.classification import MulticlassAccuracy
 
 
 class ClassifierModule(LightningModule):
-    def __init__(
-        self,
-        net: nn.Module,
-        optimizer: Callable[..., torch.optim.Optimizer],
-        scheduler: Callable[..., Any] | None = None,
-        num_classes: int = 10,
-        scheduler_interval: str = "epoch",
-        monitor: str = "val/loss",
-    ) -> None:
+    def __init__(self, net: nn.Module, optimizer: Callable[..., torch.optim.Optimizer],
+                 scheduler: Callable[..., Any] | None = None, num_classes: int = 10,
+                 scheduler_interval: str = "epoch", monitor: str = "val/loss") -> None:  # fmt: skip
         super().__init__()
         self.save_hyperparameters(ignore=["net", "optimizer", "scheduler"], logger=False)
         self.net, self.optimizer_factory, self.scheduler_factory = net, optimizer, scheduler
         self.criterion = nn.CrossEntropyLoss(reduction="none")
         for stage in ("train", "val", "test"):
-            metrics = {
-                "acc": MulticlassAccuracy(num_classes, average="micro", validate_args=False),
-                "loss": MeanMetric(nan_strategy="disable"),
-            }
+            metrics = {"acc": MulticlassAccuracy(num_classes, average="micro", validate_args=False),
+                       "loss": MeanMetric(nan_strategy="disable")}  # fmt: skip
             setattr(self, f"{stage}_metrics", MetricCollection(metrics, prefix=f"{stage}/"))
         self.train_metrics.persistent(True)
         self.val_acc_best = MaxMetric()
@@ -41,8 +33,7 @@ class ClassifierModule(LightningModule):
         return self.net(x)
 
     def model_step(self, batch: tuple[Tensor, Tensor], stage: str) -> Tensor:
-        inputs, targets = batch
-        logits = self(inputs)
+        logits, targets = self(batch[0]), batch[1]
         losses = self.criterion(logits, targets)
         metrics = getattr(self, f"{stage}_metrics")
         metrics["acc"].update(logits.detach(), targets)
@@ -84,21 +75,14 @@ class ClassifierModule(LightningModule):
         optimizer = self.optimizer_factory(params=self.parameters())
         if self.scheduler_factory is None:
             return optimizer
-        scheduler = {"scheduler": self.scheduler_factory(optimizer=optimizer)}
-        scheduler.update(
-            interval=self.hparams["scheduler_interval"], monitor=self.hparams["monitor"]
-        )
+        scheduler, hp = {"scheduler": self.scheduler_factory(optimizer=optimizer)}, self.hparams
+        scheduler.update(interval=hp["scheduler_interval"], monitor=hp["monitor"])
         return {"optimizer": optimizer, "lr_scheduler": scheduler}
 
 
 class MLP(nn.Module):
-    def __init__(
-        self,
-        in_features: int = 64,
-        hidden: Sequence[int] = (256, 128),
-        num_classes: int = 10,
-        dropout: float = 0.1,
-    ) -> None:
+    def __init__(self, in_features: int = 64, hidden: Sequence[int] = (256, 128),
+                 num_classes: int = 10, dropout: float = 0.1) -> None:  # fmt: skip
         super().__init__()
         layers: list[nn.Module] = [nn.Flatten()]
         for width, size in zip([in_features, *hidden], hidden, strict=False):
@@ -133,13 +117,8 @@ class EpochBatchNorm2d(nn.BatchNorm2d):
 
 
 class ConvNet(nn.Module):
-    def __init__(
-        self,
-        in_channels: int = 1,
-        channels: Sequence[int] = (32, 64, 128),
-        num_classes: int = 10,
-        dropout: float = 0.1,
-    ) -> None:
+    def __init__(self, in_channels: int = 1, channels: Sequence[int] = (32, 64, 128),
+                 num_classes: int = 10, dropout: float = 0.1) -> None:  # fmt: skip
         super().__init__()
         blocks: list[nn.Module] = []
         for width, size in zip([in_channels, *channels], channels, strict=False):

@@ -53,15 +53,9 @@ def train(cfg: Any) -> dict[str, Any]:
         if cfg.export_weights and (trainer.is_global_zero or runkit.is_sharded(model)):
             runkit.save_weights(runkit.exported_part(model), out / runkit.WEIGHTS_FILE)
         if trainer.is_global_zero:
-            runkit.save_metrics(
-                metrics,
-                out,
-                best_checkpoint=best,
-                trainer=trainer,
-                resumed_from=resume,
-                started=started,
-                energy=runkit.energy_report(trainer),
-            )
+            runkit.save_metrics(metrics, out, best_checkpoint=best, trainer=trainer,
+                                resumed_from=resume, started=started,
+                                energy=runkit.energy_report(trainer))  # fmt: skip
             runkit.after_run(out)
             log.info("Run directory: %s", out)
     return metrics
