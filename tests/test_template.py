@@ -105,7 +105,16 @@ def fresh_environment() -> dict[str, str]:
     """A newcomer's shell: no venv, PYTHONPATH, pytest or run variables (pip's settings stay)."""
     ours = {str(Path(sys.prefix) / "bin"), str(ROOT / ".venv" / "bin")}
     path = [p for p in os.environ["PATH"].split(os.pathsep) if p and p not in ours]
-    dropped = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PROJECT_", "RUNKIT_", "PYTEST", "COV_")
+    dropped = (
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "VIRTUAL_ENV",
+        "PROJECT_",
+        "RUNKIT_",
+        "PYTEST",
+        "COV_",
+        "OMP_NUM_THREADS",
+    )  # the suite's one thread per worker is not the user's
     env = {k: v for k, v in os.environ.items() if not k.startswith(dropped)}
     for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)

@@ -428,6 +428,7 @@ def section(readme: Path, heading: str) -> str:
 def shell_env() -> dict[str, str]:  # a user's shell: ``python`` is this one, no PYTHONPATH
     env = clean_env()
     env.pop("PYTHONPATH", None)
+    env.pop("OMP_NUM_THREADS", None)  # the suite's one thread per worker (conftest)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return env
 
