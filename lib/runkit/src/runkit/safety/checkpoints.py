@@ -549,29 +549,32 @@ def run_config(
                 f"cannot rebuild the network for {str(path)!r}: no config inside it and no "
                 f"{CONFIG_FILE} beside it; pass the network config with model=..."
             )
-        import yaml
-        from omegaconf import OmegaConf
-
-        try:
-            text = source.read_text(encoding="utf-8")
-            if any(
-                isinstance(e, yaml.AliasEvent) for e in yaml.parse(text, Loader=yaml.SafeLoader)
-            ):
-                raise RunError(f"{str(source)!r} uses a YAML alias; configs saved by a run do not")
-            config = OmegaConf.to_container(OmegaConf.create(text), resolve=False)
-        except RunError:
-            raise
-        except Exception as err:
-            reason = " ".join(str(err).split())[:200] or type(err).__name__
-            raise RunError(f"cannot read {str(source)!r} as a run config: {reason}") from err
-        if not isinstance(config, dict):
-            raise RunError(f"{str(source)!r} is not a run config (a YAML mapping)")
+        config = _read_yaml(source)
     parts = {key: config[key] for key in ("model", "data") if key in config}
     missing = [key for key in needs if not isinstance(parts.get(key), dict)]
     if missing:
         raise RunError(f"{str(source)!r} has no {missing[0]} config to rebuild it from")
     check_trusted(parts, allowed, source)
     return parts
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    import yaml
+    from omegaconf import OmegaConf
+
+    try:
+        text = path.read_text(encoding="utf-8")
+        if any(isinstance(e, yaml.AliasEvent) for e in yaml.parse(text, Loader=yaml.SafeLoader)):
+            raise RunError(f"{str(path)!r} uses a YAML alias; configs saved by a run do not")
+        config = OmegaConf.to_container(OmegaConf.create(text), resolve=False)
+    except RunError:
+        raise
+    except Exception as err:
+        reason = " ".join(str(err).split())[:200] or type(err).__name__
+        raise RunError(f"cannot read {str(path)!r} as a run config: {reason}") from err
+    if not isinstance(config, dict):
+        raise RunError(f"{str(path)!r} is not a run config (a YAML mapping)")
+    return config
 
 
 def state_mismatch(

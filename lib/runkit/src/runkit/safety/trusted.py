@@ -60,10 +60,15 @@ def check_trusted(tree: Any, allowed: Iterable[str], source: str | Path) -> None
                 if refusal is not None:
                     refused.append(refusal)
             stack.append((value, path, depth + 1))
-    if not refused:
-        return
-    named, prefixes = [], []  # every untrusted target at once: one round trip to allow them
-    for where, target, real in sorted(refused):
+    if refused:  # every untrusted target at once: one round trip to allow them, not one each
+        _refuse(sorted(refused), allowed, source)
+
+
+def _refuse(
+    refused: list[tuple[str, str, str]], allowed: tuple[str, ...], source: str | Path
+) -> None:
+    named, prefixes = [], []
+    for where, target, real in refused:
         really = f" (which is {real})" if real and real != target else ""
         named.append(f"{where}={target!r}{really}")
         prefix = (real or target).rpartition(".")[0] + "."
