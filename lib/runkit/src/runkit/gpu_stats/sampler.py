@@ -151,8 +151,9 @@ class GpuReader:
             try:
                 if group == "gpm":
                     instance = self.device.gpu_instance_id() if self.is_mig else None
-                    self.gpm = GpmCounters(self.lib, self.device.board, self.label, instance)
-                    self.gpm.open()
+                    counters = GpmCounters(self.lib, self.device.board, self.label, instance)
+                    counters.open()
+                    self.gpm = counters  # only GPM that opened
                 else:
                     self._values(group)
             except skip as err:
