@@ -15,11 +15,11 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from conftest import CliRunner, run_dirs, stand_in
 from tinyapp.data import DigitsDataModule
-from runkit.data import ArrayDataModule, BatchedTensorDataset, Rows, collate_rows
+from runkit.data import ArrayDataModule, BatchedTensorDataset
 from runkit.errors import RunError
 
 
-def test_split_is_fixed_by_its_own_seed_and_batches_come_from_one_index() -> None:
+def test_split_is_fixed_by_its_own_seed_and_batches_come_from_one_index(monkeypatch) -> None:
     first, second, other = DigitsDataModule(batch_size=100), DigitsDataModule(), DigitsDataModule(split_seed=1)  # fmt: skip
     first.setup()
     torch.manual_seed(1234)  # the training seed must not move samples between splits
@@ -32,17 +32,15 @@ def test_split_is_fixed_by_its_own_seed_and_batches_come_from_one_index() -> Non
     assert (len(val), len(test)) == (270, 270)
     assert indices(first) == indices(second)
     assert indices(other)[2] != test  # another split_seed, another split
+    served: list[int] = []  # samples read one by one
+    read = BatchedTensorDataset.__getitem__
+    monkeypatch.setattr(BatchedTensorDataset, "__getitem__", lambda s, i: served.append(i) or read(s, i))  # fmt: skip
     images, labels = next(iter(first.train_dataloader()))
     assert images.shape == (100, 1, 8, 8) and images.dtype == torch.float32
     assert labels.shape == (100,) and labels.dtype == torch.int64
-    assert len(first.test_dataloader()) == 3  # 270 samples in batches of 100
-    batches = [next(iter(first.val_dataloader()))[1] for _ in range(2)]
-    assert torch.equal(*batches)
-    fast = first.val_dataloader()
-    assert fast.collate_fn is collate_rows and first.train_dataloader().collate_fn is collate_rows
-    assert isinstance(first.val_set.dataset, BatchedTensorDataset)
-    rows = first.val_set.__getitems__([3, 1, 2])  # Subset passes the call to the tensors
-    assert isinstance(rows, Rows) and len(rows) == 3 and rows.tensors[0].shape[0] == 3
+    fast = list(first.val_dataloader())
+    assert len(first.test_dataloader()) == 3 and served == []  # 270 samples in batches of 100
+    assert torch.equal(fast[0][1], next(iter(first.val_dataloader()))[1])
     # A loader built by hand over the split (default collate) still gets (input, label) samples.
     by_hand = DataLoader(first.val_set, batch_size=100)
     for (x_fast, y_fast), (x_slow, y_slow) in zip(fast, by_hand, strict=True):
@@ -74,13 +72,13 @@ def test_own_data_is_one_method_and_pin_memory_auto_pins_only_for_cuda_runs() ->
     dm.setup()
     inputs, labels = next(iter(dm.train_dataloader()))
     assert torch.equal(labels, (inputs[:, 0] != inputs[:, 1]).long())
-    data = DigitsDataModule(pin_memory="auto")
-    assert data._pin() is False  # no Trainer attached
+    assert dm.val_dataloader().pin_memory is False  # auto, no Trainer attached
     for device, pinned in (("cpu", False), ("cuda", True)):
-        data.trainer = stand_in(device)
-        assert data._pin() is pinned
-    assert DigitsDataModule(pin_memory=True)._pin() is True
-    assert DigitsDataModule(pin_memory=False, num_workers="auto").num_workers == 0
+        dm.trainer = stand_in(device)
+        assert dm.val_dataloader().pin_memory is pinned
+    dm.pin_memory = True
+    assert dm.test_dataloader().pin_memory is True
+    assert Xor(pin_memory=False, num_workers="auto").num_workers == 0
 
 
 def test_under_ddp_every_evaluation_sample_is_served_exactly_once() -> None:

@@ -73,10 +73,22 @@ class Seen(Callback):
         self.rates.append((speed.render(task).plain, self.batches / (self.end - self.start)))
 
 
-def test_values_are_read_once_per_redraw_and_each_epoch_ends_on_its_count(tmp_path, monkeypatch) -> None:  # fmt: skip
-    lightning = fit(tmp_path / "lightning", LightningRichProgressBar())
+def test_reads_once_per_redraw_and_stages_end_without_the_refresh_thread(tmp_path, monkeypatch):
+    joined: dict[str, list[str]] = {}
+    reads: dict[str, list[dict]] = {}
+    join = threading.Thread.join
+    noting = lambda self, timeout=None: joined[stage].append(type(self).__name__) or join(self, timeout)  # noqa: E731  # fmt: skip
+    monkeypatch.setattr(threading.Thread, "join", noting)
+    for stage, bar in {"lightning": LightningRichProgressBar(), "runkit, leave": RichProgressBar(leave=True),
+                       "lightning, leave": LightningRichProgressBar(leave=True)}.items():  # fmt: skip
+        joined[stage] = []
+        reads[stage] = fit(tmp_path / stage, bar)
+    lightning = reads["lightning"]
+    assert joined["lightning, leave"].count("_RefreshThread") > 1
+    assert "_RefreshThread" in joined["lightning"]
     ticks = iter(range(0, 10_000, 2))  # two seconds a call: every batch is past the interval
     monkeypatch.setattr(progress_bar, "time", SimpleNamespace(monotonic=lambda: next(ticks)))
+    stage, joined[stage] = "runkit", []
     assert fit(tmp_path / "due", RichProgressBar(refresh_rate=1)) == lightning
     # The clock stands still: one redraw interval never passes, so only the first batch reads;
     # every epoch end and validation end still does, and the values shown last are the final ones.
@@ -86,9 +98,10 @@ def test_values_are_read_once_per_redraw_and_each_epoch_ends_on_its_count(tmp_pa
     monkeypatch.setattr(LightningRichProgressBar, "_update", lambda s, *a, **k: updates.append(a) or update(s, *a, **k))  # fmt: skip
     bar = RichProgressBar(refresh_rate=1)
     seen = Seen(bar)
-    reads = fit(tmp_path / "still", bar, seen)
-    assert len(lightning) - len(reads) == EPOCHS * BATCHES - 1
-    assert reads[-1] == lightning[-1] and reads[-1]["step_value"] == EPOCHS * BATCHES - 1
+    still = fit(tmp_path / "still", bar, seen)
+    assert "_RefreshThread" not in joined["runkit"] + joined["runkit, leave"]
+    assert len(lightning) - len(still) == EPOCHS * BATCHES - 1
+    assert still[-1] == lightning[-1] and still[-1]["step_value"] == EPOCHS * BATCHES - 1
     assert seen.counts == [BATCHES] * EPOCHS
     # per epoch: the first batch and the last (the rate's two ends), nothing in between
     assert [a[1] for a in updates if a and a[0] == bar.train_progress_bar_id] == [1, BATCHES] * 2
@@ -101,18 +114,3 @@ def test_the_rate_shown_is_the_rate_run(tmp_path) -> None:
     fit(tmp_path, bar, seen, batches=40, epochs=3, sleep_s=0.004)
     pairs = [(float(shown.removesuffix("it/s")), run) for shown, run in seen.rates]
     assert len(pairs) == 3 and all(abs(shown / run - 1) <= 0.2 for shown, run in pairs), pairs
-
-
-def test_a_stage_ends_without_waiting_for_the_refresh_thread(tmp_path, monkeypatch) -> None:
-    joined: dict[str, list[str]] = {}
-    join = threading.Thread.join
-    noting = lambda self, timeout=None: joined[stage].append(type(self).__name__) or join(self, timeout)  # noqa: E731  # fmt: skip
-    monkeypatch.setattr(threading.Thread, "join", noting)
-    for stage, bar in {"lightning": LightningRichProgressBar(), "runkit": RichProgressBar(),
-                       "lightning, leave": LightningRichProgressBar(leave=True),
-                       "runkit, leave": RichProgressBar(leave=True)}.items():  # fmt: skip
-        joined[stage] = []
-        fit(tmp_path / stage, bar)
-    assert joined["lightning, leave"].count("_RefreshThread") > 1
-    assert "_RefreshThread" in joined["lightning"]
-    assert "_RefreshThread" not in joined["runkit"] + joined["runkit, leave"]

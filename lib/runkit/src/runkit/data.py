@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, cast
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -50,9 +50,7 @@ class ArrayDataModule(LightningDataModule):
         self.num_workers = (
             0 if num_workers == "auto" else min(int(num_workers), os.cpu_count() or 1)
         )
-        self.train_set: Any = None
-        self.val_set: Any = None
-        self.test_set: Any = None
+        self.train_set = self.val_set = self.test_set = cast(Any, None)
 
     def load_arrays(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Return all inputs (float, first dim = samples) and integer class labels."""
@@ -85,47 +83,31 @@ class ArrayDataModule(LightningDataModule):
         if sampler is None and kwargs and kwargs.get("num_replicas", 1) > 1:
             # Under DDP every evaluation sample once (Lightning's sampler would pad by repeating).
             sampler = UnrepeatedDistributedSampler(dataset, shuffle=False, **kwargs)
+        # pin_memory auto: only for a CUDA device (on the CPU it would start a CUDA context)
+        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
+        cuda = getattr(device, "type", None) == "cuda"
         return DataLoader(
             dataset,
             sampler=sampler,
             batch_size=self.batch_size,
             num_workers=self.num_workers,
-            pin_memory=self._pin(),
+            pin_memory=cuda if self.pin_memory == "auto" else bool(self.pin_memory),
             persistent_workers=self.num_workers > 0,
             collate_fn=collate_rows,
         )
 
-    def _pin(self) -> bool:
-        # auto: pin only for a CUDA device (on the CPU it would start a CUDA context)
-        if self.pin_memory != "auto":
-            return bool(self.pin_memory)
-        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
-        return getattr(device, "type", None) == "cuda"
-
-
-class Rows(Sequence):
-    """A batch as one stacked tensor per field; also a sequence of ``(input, label)`` samples."""
-
-    def __init__(self, tensors: tuple[torch.Tensor, ...]) -> None:
-        self.tensors = tensors
-
-    def __len__(self) -> int:
-        return len(self.tensors[0])
-
-    def __getitem__(self, i: Any) -> Any:
-        return tuple(tensor[i] for tensor in self.tensors)
-
 
 class BatchedTensorDataset(TensorDataset):
-    """Serves a whole batch (``__getitems__``) with one indexing operation per tensor."""
+    """Serves a whole batch (``__getitems__``) with one indexing operation per tensor; the batch is
+    itself such a data set, so a loader with the default collation still gets its samples."""
 
-    def __getitems__(self, indices: list[int]) -> Rows:
+    def __getitems__(self, indices: list[int]) -> BatchedTensorDataset:
         index = torch.as_tensor(indices, dtype=torch.long)
-        return Rows(tuple(tensor[index] for tensor in self.tensors))
+        return BatchedTensorDataset(*(tensor[index] for tensor in self.tensors))
 
 
 def collate_rows(batch: Any) -> Any:
-    return list(batch.tensors) if isinstance(batch, Rows) else default_collate(batch)
+    return list(batch.tensors) if isinstance(batch, TensorDataset) else default_collate(batch)
 
 
 class EpochShuffle(RandomSampler):

@@ -96,9 +96,10 @@ class FakeProcess:
         self.used_memory = _check_script(self.used_memory, "process used_memory")
 
 
-@dataclass
+@dataclass(eq=False)
 class FakeGpu:
-    """One GPU (or one MIG slice when it sits in a parent's ``mig`` list) and its scripted state."""
+    """One GPU (or one MIG slice when it sits in a parent's ``mig`` list) and its scripted state;
+    also its own opaque NVML handle (``parent``: the GPU of a MIG slice)."""
 
     name: str = "NVIDIA H100 80GB HBM3"
     uuid: str | None = None
@@ -126,6 +127,8 @@ class FakeGpu:
     failures: dict[str, Any] = field(default_factory=dict)  # metric -> (error, from time)
     lost_at: float | None = None
     gpm: dict[str, Script] | None = None
+    index: int = field(default=0, init=False, repr=False)
+    parent: FakeGpu | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         for attr in (f.name for f in fields(self) if f.type == "Script"):
@@ -162,28 +165,18 @@ class FakeGpu:
         return self
 
 
-@dataclass(eq=False)
-class FakeHandle:
-    """An opaque device handle, as NVML's; ``parent``: the GPU of a MIG slice."""
-
-    gpu: FakeGpu
-    index: int
-    parent: FakeHandle | None = None
-
-
-def _field(fake: FakeNvml, gpu: FakeGpu, field_id: int) -> NS:
-    ok = field_id == pynvml.NVML_FI_DEV_MEMORY_TEMP and gpu.memory_temperature is not None
-    value = int(fake.value(gpu.memory_temperature)) if ok else 0
-    ret = pynvml.NVML_SUCCESS if ok else pynvml.NVML_ERROR_NOT_SUPPORTED
-    return NS(valueType=pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, nvmlReturn=ret, value=NS(uiVal=value))
+def _field(fake: FakeNvml, gpu: FakeGpu, ids: list[int]) -> list[NS]:
+    supported = gpu.memory_temperature is not None
+    return [
+        NS(valueType=pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, value=NS(uiVal=int(fake.value(gpu.memory_temperature)) if ok else 0),
+           nvmlReturn=pynvml.NVML_SUCCESS if ok else pynvml.NVML_ERROR_NOT_SUPPORTED)
+        for ok in (supported and i == pynvml.NVML_FI_DEV_MEMORY_TEMP for i in ids)
+    ]  # fmt: skip
 
 
 def _processes(fake: FakeNvml, gpu: FakeGpu) -> list[NS]:
     whole = 0xFFFFFFFF  # NVML's "no instance": a process on the GPU itself
-    owners = [
-        (gpu, whole, whole),
-        *((c, c.gpu_instance_id, c.compute_instance_id) for c in gpu.mig),
-    ]
+    owners = [(gpu, whole, whole), *((c, c.gpu_instance_id, c.compute_instance_id) for c in gpu.mig)]  # fmt: skip
     return [
         NS(pid=fake.owner_pid if p.pid == SELF_PID else p.pid, gpuInstanceId=gi,
            usedGpuMemory=int(fake.value(p.used_memory)), computeInstanceId=ci)
@@ -191,18 +184,12 @@ def _processes(fake: FakeNvml, gpu: FakeGpu) -> list[NS]:
     ]  # fmt: skip
 
 
-def _energy(fake: FakeNvml, gpu: FakeGpu) -> int:
-    if gpu.energy_mj is not None:
-        return int(fake.value(gpu.energy_mj))
-    return int(5_000_000 + integrate(gpu.power_mw, fake.clock()))  # the integral of power
-
-
-def _mig_slice(fake: FakeNvml, gpu: FakeGpu, index: int) -> FakeHandle:
+def _mig_slice(gpu: FakeGpu, index: int) -> FakeGpu:
     if not 0 <= index < MAX_MIG_DEVICES:
         raise nvml_error("invalid_argument")
     if index >= len(gpu.mig):
         raise nvml_error("not_found")
-    return fake._by_uuid[str(gpu.mig[index].uuid)]
+    return gpu.mig[index]
 
 
 def _gpm_support(gpu: FakeGpu) -> Any:
@@ -212,11 +199,11 @@ def _gpm_support(gpu: FakeGpu) -> Any:
     return support
 
 
-def _mig_gpm(fake: FakeNvml, handle: FakeHandle, gpu: FakeGpu, instance: int, sample: Any) -> Any:
+def _mig_gpm(fake: FakeNvml, gpu: FakeGpu, instance: int, sample: Any) -> Any:
     child = next((c for c in gpu.mig if c.gpu_instance_id == instance), None)
-    if handle.parent is not None or child is None:
+    if gpu.parent is not None or child is None:
         raise nvml_error("invalid_argument")  # the physical GPU's handle is wanted
-    return fake.gpm_sample(sample, handle, child)
+    return fake.gpm_sample(sample, gpu, child)
 
 
 _TEMP, _SM = pynvml.NVML_TEMPERATURE_GPU, pynvml.NVML_CLOCK_SM
@@ -225,36 +212,37 @@ _ON, _OFF = pynvml.NVML_DEVICE_MIG_ENABLE, pynvml.NVML_DEVICE_MIG_DISABLE
 # The handle-taking functions (``nvmlDeviceGet`` + key unless named in full): the metric whose
 # scripted failure fails it, what it refuses ("slice": NotSupported on a MIG slice, as real ones
 # answer; "mig": also on a GPU that is not MIG-capable; "gpu": InvalidArgument on a physical GPU)
-# and the answer: ``f(fake, handle, gpu, *args)``, or the FakeGpu figure it reads (by the call's
-# first argument where a dict: one not in it is InvalidArgument; a figure of None: NotSupported).
+# and the answer: ``f(fake, gpu, *args)``, or the FakeGpu figure it reads (by the call's first
+# argument where a dict: one not in it is InvalidArgument; a figure of None: NotSupported).
 _DEVICE: dict[str, tuple[str, str, Any]] = {
-    "Name": ("name", "", lambda f, h, g: g.name),
-    "UUID": ("uuid", "", lambda f, h, g: str(g.uuid)),
-    "Index": ("index", "slice", lambda f, h, g: h.index),
-    "PciInfo": ("pci", "", lambda f, h, g: NS(busId=str(g.pci_bus_id).encode())),  # bytes
-    "MemoryInfo": ("memory", "", lambda f, h, g: NS(total=g.memory_total, used=(u := int(f.value(g.memory_used))), free=g.memory_total - u)),
-    "UtilizationRates": ("utilization", "slice", lambda f, h, g: NS(gpu=int(f.value(g.util_gpu)), memory=int(f.value(g.util_memory)))),
+    "Name": ("name", "", lambda f, g: g.name),
+    "UUID": ("uuid", "", lambda f, g: str(g.uuid)),
+    "Index": ("index", "slice", lambda f, g: g.index),
+    "PciInfo": ("pci", "", lambda f, g: NS(busId=str(g.pci_bus_id).encode())),  # bytes
+    "MemoryInfo": ("memory", "", lambda f, g: NS(total=g.memory_total, used=(u := int(f.value(g.memory_used))), free=g.memory_total - u)),
+    "UtilizationRates": ("utilization", "slice", lambda f, g: NS(gpu=int(f.value(g.util_gpu)), memory=int(f.value(g.util_memory)))),
     "Temperature": ("temperature", "slice", {_TEMP: "temperature"}),
-    "FieldValues": ("memory_temperature", "", lambda f, h, g, ids: [_field(f, g, i) for i in ids]),
+    "FieldValues": ("memory_temperature", "", _field),
     "PowerUsage": ("power", "slice", "power_mw"),
     "EnforcedPowerLimit": ("power_limit", "slice", "power_limit_mw"),
-    "TotalEnergyConsumption": ("energy", "slice", lambda f, h, g: _energy(f, g)),
+    # the energy counter: scripted, or the integral of power
+    "TotalEnergyConsumption": ("energy", "slice", lambda f, g: int(f.value(g.energy_mj)) if g.energy_mj is not None else int(5_000_000 + integrate(g.power_mw, f.clock()))),
     "ClockInfo": ("clock", "slice", {_SM: "clock_sm_mhz"}),
     "CurrentClocksEventReasons": ("throttle", "slice", "clocks_event_reasons"),
     "CurrentClocksThrottleReasons": ("throttle", "slice", "clocks_event_reasons"),
     "FanSpeed": ("fan", "slice", "fan_pct"),
     "PcieThroughput": ("pcie", "slice", {_TX: "pcie_tx_kbs", _RX: "pcie_rx_kbs"}),
     "TotalEccErrors": ("ecc", "slice", "ecc_uncorrected"),
-    "ComputeRunningProcesses": ("processes", "", lambda f, h, g: _processes(f, g)),
-    "MigMode": ("mig", "mig", lambda f, h, g: [_ON if g.mig else _OFF] * 2),
-    "MaxMigDeviceCount": ("mig", "mig", lambda f, h, g: MAX_MIG_DEVICES if g.mig else 0),
-    "MigDeviceHandleByIndex": ("mig", "mig", lambda f, h, g, i: _mig_slice(f, g, i)),
-    "GpuInstanceId": ("mig", "gpu", lambda f, h, g: int(g.gpu_instance_id)),
-    "ComputeInstanceId": ("mig", "gpu", lambda f, h, g: g.compute_instance_id),
-    "nvmlDeviceIsMigDeviceHandle": ("", "", lambda f, h, g: int(h.parent is not None)),
-    "DeviceHandleFromMigDeviceHandle": ("", "gpu", lambda f, h, g: h.parent),
-    "nvmlGpmQueryDeviceSupport": ("gpm", "slice", lambda f, h, g: _gpm_support(g)),
-    "nvmlGpmSampleGet": ("gpm", "slice", lambda f, h, g, s: f.gpm_sample(s, h, g)),
+    "ComputeRunningProcesses": ("processes", "", _processes),
+    "MigMode": ("mig", "mig", lambda f, g: [_ON if g.mig else _OFF] * 2),
+    "MaxMigDeviceCount": ("mig", "mig", lambda f, g: MAX_MIG_DEVICES if g.mig else 0),
+    "MigDeviceHandleByIndex": ("mig", "mig", lambda f, g, i: _mig_slice(g, i)),
+    "GpuInstanceId": ("mig", "gpu", lambda f, g: int(g.gpu_instance_id)),
+    "ComputeInstanceId": ("mig", "gpu", lambda f, g: g.compute_instance_id),
+    "nvmlDeviceIsMigDeviceHandle": ("", "", lambda f, g: int(g.parent is not None)),
+    "DeviceHandleFromMigDeviceHandle": ("", "gpu", lambda f, g: g.parent),
+    "nvmlGpmQueryDeviceSupport": ("gpm", "slice", lambda f, g: _gpm_support(g)),
+    "nvmlGpmSampleGet": ("gpm", "slice", lambda f, g, s: f.gpm_sample(s, g, g)),
     "nvmlGpmMigSampleGet": ("gpm", "", _mig_gpm),
 }  # fmt: skip
 FUNCTION_METRIC = {
@@ -292,22 +280,20 @@ class FakeNvml:
         self._lock = threading.Lock()
         self.calls: Counter[str] = Counter()
         self._thread_calls: Counter[int] = Counter()
-        self._gpm_samples: dict[int, tuple[FakeHandle, FakeGpu, float] | None] = {}
-        self._handles = [FakeHandle(g, i) for i, g in enumerate(self.gpus)]
-        self._by_uuid: dict[str, FakeHandle] = {}
-        for i, h in enumerate(self._handles):
-            g = h.gpu
+        self._gpm_samples: dict[int, tuple[FakeGpu, FakeGpu, float] | None] = {}
+        self._by_uuid: dict[str, FakeGpu] = {}
+        for i, g in enumerate(self.gpus):
             g.uuid = f"GPU-{i:08x}-fa6e-4000-8000-{i:012x}" if g.uuid is None else g.uuid
-            g.pci_bus_id = g.pci_bus_id or f"00000000:{0x17 + 0x10 * i:02X}:00.0"
-            self._by_uuid[g.uuid] = h
+            g.pci_bus_id, g.index = g.pci_bus_id or f"00000000:{0x17 + 0x10 * i:02X}:00.0", i
+            self._by_uuid[g.uuid] = g
             for j, child in enumerate(g.mig):
                 if child.uuid is None:
                     child.uuid = f"MIG-{i:08x}-fa6e-4000-8000-{(j + 1) << 16 | i:012x}"
-                child.pci_bus_id = g.pci_bus_id
+                child.pci_bus_id, child.index, child.parent = g.pci_bus_id, j, g
                 child.name = f"{g.name} MIG 1g.10gb" if child.name == FakeGpu.name else child.name
                 if child.gpu_instance_id is None:
                     child.gpu_instance_id = j + 1
-                self._by_uuid[child.uuid] = FakeHandle(child, j, parent=h)
+                self._by_uuid[child.uuid] = child
 
     @property
     def balanced(self) -> bool:
@@ -355,13 +341,17 @@ class FakeNvml:
         return missing
 
     def _device(
-        self, name: str, metric: str, refuses: str, answer: Any,
-        handle: FakeHandle, *args: Any,
-    ) -> Any:  # fmt: skip
+        self, name: str, metric: str, refuses: str, answer: Any, gpu: FakeGpu, *args: Any
+    ) -> Any:
         self._enter(name)
-        gpu = self._checked(handle, name, metric, refuses)
+        self._check(gpu, name, metric)
+        slice_ = gpu.parent is not None
+        if refuses == "gpu" and not slice_:
+            raise nvml_error("invalid_argument")
+        if (refuses in ("slice", "mig") and slice_) or (refuses == "mig" and not gpu.mig_capable):
+            raise nvml_error("not_supported")
         if callable(answer):
-            return answer(self, handle, gpu, *args)
+            return answer(self, gpu, *args)
         figure = answer.get(args[0]) if isinstance(answer, dict) else answer
         if figure is None:
             raise nvml_error("invalid_argument")
@@ -369,26 +359,18 @@ class FakeNvml:
             raise nvml_error("not_supported")
         return int(self.value(getattr(gpu, figure)))
 
-    def _checked(self, handle: FakeHandle, name: str, metric: str, refuses: str) -> FakeGpu:
-        gpu, now = self._alive(handle).gpu, self.clock()
-        for key in (name, metric):
+    def _check(self, gpu: FakeGpu | None, *failing: str) -> FakeGpu:
+        """``gpu`` as a live handle, none of ``failing`` (a function, its metric) scripted to fail."""
+        if not isinstance(gpu, FakeGpu):
+            raise nvml_error("invalid_argument")
+        lost, now = (gpu.parent or gpu).lost_at, self.clock()
+        lost = gpu.lost_at if lost is None else lost
+        if lost is not None and now >= lost:
+            raise nvml_error("gpu_is_lost")
+        for key in failing:
             if (failure := gpu.failures.get(key)) is not None and now >= failure[1]:
                 raise nvml_error(failure[0])
-        is_slice = handle.parent is not None
-        if refuses == "gpu" and not is_slice:
-            raise nvml_error("invalid_argument")
-        if (refuses in ("slice", "mig") and is_slice) or (refuses == "mig" and not gpu.mig_capable):
-            raise nvml_error("not_supported")
         return gpu
-
-    def _alive(self, handle: FakeHandle) -> FakeHandle:
-        if not isinstance(handle, FakeHandle):
-            raise nvml_error("invalid_argument")
-        lost = (handle.parent or handle).gpu.lost_at
-        lost = handle.gpu.lost_at if lost is None else lost
-        if lost is not None and self.clock() >= lost:
-            raise nvml_error("gpu_is_lost")
-        return handle
 
     def nvmlInit(self) -> None:
         self._enter("nvmlInit", charge=False)
@@ -414,18 +396,17 @@ class FakeNvml:
         self._enter("nvmlDeviceGetCount")
         return len(self.gpus)
 
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeHandle:
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeGpu:
         self._enter("nvmlDeviceGetHandleByIndex")
-        if not isinstance(index, int) or not 0 <= index < len(self._handles):
-            raise nvml_error("invalid_argument")
-        return self._alive(self._handles[index])
+        valid = isinstance(index, int) and 0 <= index < len(self.gpus)
+        return self._check(self.gpus[index] if valid else None)
 
-    def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> FakeHandle:
+    def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> FakeGpu:
         self._enter("nvmlDeviceGetHandleByUUID")
-        key = uuid.decode() if isinstance(uuid, bytes) else uuid
-        if key not in self._by_uuid:
+        gpu = self._by_uuid.get(uuid.decode() if isinstance(uuid, bytes) else uuid)
+        if gpu is None:
             raise nvml_error("not_found")
-        return self._alive(self._by_uuid[key])
+        return self._check(gpu)
 
     def nvmlGpmSampleAlloc(self) -> Any:
         self._enter("nvmlGpmSampleAlloc")
@@ -440,7 +421,7 @@ class FakeNvml:
             if self._gpm_samples.pop(_address(sample), False) is False:
                 raise nvml_error("invalid_argument")
 
-    def gpm_sample(self, sample: Any, handle: FakeHandle, gpu: FakeGpu) -> Any:
+    def gpm_sample(self, sample: Any, handle: FakeGpu, gpu: FakeGpu) -> Any:
         if gpu.gpm is None:
             raise nvml_error("not_supported")
         with self._lock:
@@ -458,7 +439,7 @@ class FakeNvml:
         second = self._gpm_samples.get(_address(request.sample2))
         if first is None or second is None or first[1] is not second[1] or second[2] <= first[2]:
             raise nvml_error("invalid_argument")  # sample2: the same device, taken later
-        self._checked(first[0], "nvmlGpmMetricsGet", "gpm", "")
+        self._check(first[0], "nvmlGpmMetricsGet", "gpm")
         (_, gpu, start), end = first, second[2]
         scripts = {getattr(pynvml, f"NVML_GPM_METRIC_{n}"): s for n, s in (gpu.gpm or {}).items()}
         for metric in request.metrics[: request.numMetrics]:
