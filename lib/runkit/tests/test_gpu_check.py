@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -23,19 +24,9 @@ assert spec and spec.loader
 gc = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)  # dataclasses look there
 spec.loader.exec_module(gc)
 
-# What the real wheels require (their METADATA), markers and extras included.
-REQUIRES = {
-    "hydra-core": ["omegaconf<2.4,>=2.2", "antlr4-python3-runtime==4.9.*",
-                   'importlib-resources; python_version < "3.9"', "packaging"],
-    "omegaconf": ["antlr4-python3-runtime==4.9.*", "PyYAML>=5.1.0"],
-    "antlr4-python3-runtime": ['typing; python_version < "3.5"'],
-    "pytest-timeout": ["pytest>=7.0.0", 'pytest-cov; extra == "cov"'],
-    "pytest-xdist": ["execnet>=2.1", "pytest>=7.0.0", 'psutil>=3.0; extra == "psutil"'],
-    "execnet": ['hatch; extra == "testing"'],
-    "import-linter": ["click>=8.2.0", "grimp>=3.20", "rich>=14.2.0", "fastapi; extra == 'ui'"],
-    "grimp": [],
-    "click": ['colorama; platform_system == "Windows"'],
-}  # fmt: skip
+
+def requires(name: str) -> list[str]:  # what the real wheel requires, markers and extras included
+    return importlib.metadata.requires(name) or []
 
 
 def make_wheel(folder: Path, name: str, version: str, requires: list[str], tag="py3-none-any"):
@@ -62,7 +53,7 @@ def wheels(tmp_path: Path, versions: dict[str, str]) -> Path:  # for this enviro
     folder = tmp_path / "wheels"
     folder.mkdir()
     for name, version in versions.items():
-        make_wheel(folder, name, version, REQUIRES[name])
+        make_wheel(folder, name, version, requires(name))
     (folder / gc.MANIFEST).write_text("".join(f"{n}=={v}\n" for n, v in versions.items()))
     return folder
 
@@ -87,14 +78,14 @@ def test_the_wheel_check_passes_a_full_folder_and_names_each_problem(wheels, ver
     (error,) = gc.check_wheels(wheels, versions)
     assert wrong.name in error and "does not install" in error
     wrong.unlink()
-    make_wheel(wheels, "omegaconf", versions["omegaconf"], REQUIRES["omegaconf"])
+    make_wheel(wheels, "omegaconf", versions["omegaconf"], requires("omegaconf"))
     next(wheels.glob("hydra_core-*.whl")).unlink()  # a dependency neither there nor brought
     make_wheel(wheels, "hydra-core", versions["hydra-core"], ["omegaconf", "einops>=0.7"])
     assert gc.check_wheels(wheels, versions) == [
         f"hydra-core needs einops, which is neither on the GPU machine nor in {wheels}"
     ]
     next(wheels.glob("hydra_core-*.whl")).unlink()
-    make_wheel(wheels, "hydra-core", versions["hydra-core"], REQUIRES["hydra-core"])
+    make_wheel(wheels, "hydra-core", versions["hydra-core"], requires("hydra-core"))
     (error,) = gc.check_wheels(wheels, versions, project_requires=["torch", "hydra-core", "wandb"])
     assert error.startswith("the project needs wandb")
 

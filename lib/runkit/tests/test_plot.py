@@ -1,5 +1,4 @@
-"""runkit.plots from CSV files written as Lightning's CSVLogger writes them (no training; a real
-run's curves.png and ``python -m runkit.plot`` itself: test_run_setup.py, test_readme.py)."""
+"""runkit.plots on CSV files written as Lightning's CSVLogger writes them, without training."""
 
 from __future__ import annotations
 
@@ -53,7 +52,6 @@ def panel(figure: object, title: str) -> object:
     [
         ({}, []),
         ({"gpus": 2, "lr": True}, ["lr", "gpu_util", "gpu_mem"]),
-        ({"gpus": 2, "extra": True}, ["gpu_util", "gpu_mem", "gpu_gpm", "loop"]),
     ],
 )
 def test_one_value_per_epoch_and_panels_for_what_was_logged(tmp_path, options, kinds) -> None:
@@ -67,6 +65,8 @@ def test_one_value_per_epoch_and_panels_for_what_was_logged(tmp_path, options, k
 def test_gpu_panels_draw_one_line_per_gpu_and_its_companion(tmp_path) -> None:
     run = plot.read_metrics(write_run(tmp_path / "run", gpus=2, extra=True))
     assert run.gpus() == ["node0/cuda0", "node0/cuda1"]
+    kinds = [p.kind for p in plot.panels_for([run])]
+    assert kinds == ["metric", "metric", "gpu_util", "gpu_mem", "gpu_gpm", "loop"]
     figure = plot.draw([run])
     titles = ("GPU utilization", "GPU memory", "SM activity", "waiting")
     util, memory, gpm, wait = (panel(figure, t) for t in titles)
