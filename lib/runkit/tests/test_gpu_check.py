@@ -107,11 +107,6 @@ def test_a_test_module_importing_what_the_gpu_machine_lacks_is_named(tmp_path: P
     assert gc.check_test_imports(tests, [*machine, "import-linter"], root=tmp_path) == []
 
 
-def _alive(pid: int) -> bool:
-    status = Path(f"/proc/{pid}/status")
-    return status.exists() and "State:\tZ" not in status.read_text()
-
-
 def test_a_hang_is_cut_at_its_limit_and_the_budget_stops_what_it_cannot_fit(tmp_path: Path) -> None:
     pid_file = tmp_path / "grandchild.pid"
     # The step starts a grandchild that ignores SIGTERM, then hangs: both must go.
@@ -132,7 +127,8 @@ def test_a_hang_is_cut_at_its_limit_and_the_budget_stops_what_it_cannot_fit(tmp_
     assert time.monotonic() - start < 12
     assert hang.status == "timeout" and "limit of 1 s" in hang.message
     assert hang.output_tail == ["started"]
-    assert not _alive(int(pid_file.read_text()))
+    status = Path(f"/proc/{pid_file.read_text()}/status")  # the grandchild: gone or a zombie
+    assert not status.exists() or "State:\tZ" in status.read_text()
     assert (after.status, after.output_tail) == ("pass", ["ok"])
     # the overall budget stops the steps it cannot fit
     sleep = ["-c", "import time; time.sleep(30)"]
@@ -163,13 +159,6 @@ GPU_ROW = {"gpu/node0/cuda0/util_mean": "37.5", "gpu/node0/cuda0/mem_used_gib_ma
            "gpu/all/util_mean_max": "0"}  # fmt: skip
 
 
-def run_check(tmp_path: Path, name: str, run: Path) -> gc.StepResult:
-    """The step ``name`` of the real table, its command replaced by one printing the run's path."""
-    (step,) = [s for s in gc.default_steps() if s.name == name]
-    step.argv = ["-c", f"print('Run directory: {run}')"]
-    return gc.run_step(step, gc.Context(ROOT, tmp_path, dict(os.environ)))
-
-
 @pytest.mark.parametrize(
     ("change", "accelerator", "message"),
     [
@@ -184,7 +173,9 @@ def test_a_gpu_run_passes_with_its_figures_or_fails_on_implausible_ones(
     tmp_path, change, accelerator, message
 ) -> None:
     run = fake_run(tmp_path / "run", {**GPU_ROW, **change}, accelerator)
-    result = run_check(tmp_path, "train_gpu" if message else "train_dp", run)
+    (step,) = [s for s in gc.default_steps() if s.name == ("train_gpu" if message else "train_dp")]
+    step.argv = ["-c", f"print('Run directory: {run}')"]  # the real step, printing the run's path
+    result = gc.run_step(step, gc.Context(ROOT, tmp_path, dict(os.environ)))
     assert result.figures["accelerator"] == accelerator  # what was read stays in the report
     if message:
         assert result.status == "fail" and message in result.message

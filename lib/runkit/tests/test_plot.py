@@ -43,10 +43,6 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def panel(figure: object, title: str) -> object:
-    return next(ax for ax in figure.axes if ax.get_visible() and ax.get_title().startswith(title))
-
-
 @pytest.mark.parametrize(
     ("options", "kinds"),
     [
@@ -69,7 +65,9 @@ def test_gpu_panels_draw_one_line_per_gpu_and_its_companion(tmp_path) -> None:
     assert kinds == ["metric", "metric", "gpu_util", "gpu_mem", "gpu_gpm", "loop"]
     figure = plot.draw([run])
     titles = ("GPU utilization", "GPU memory", "SM activity", "waiting")
-    util, memory, gpm, wait = (panel(figure, t) for t in titles)
+    util, memory, gpm, wait = (
+        next(a for a in figure.axes if a.get_title().startswith(t)) for t in titles
+    )
     assert [t.get_text() for t in util.get_legend().get_texts()] == ["node0/cuda0", "node0/cuda1"]
     assert {len(ax.get_lines()) for ax in (util, memory, gpm)} == {4}  # and a companion per GPU
     assert list(util.get_lines()[0].get_ydata()) == [40, 41, 42, 43]
