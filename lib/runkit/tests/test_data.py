@@ -103,8 +103,7 @@ def test_under_ddp_every_evaluation_sample_is_served_exactly_once() -> None:
 
 @pytest.mark.slow
 def test_ddp_metrics_count_every_sample_once(cli: CliRunner, log_dir: Path, tmp_path: Path) -> None:
-    """Two DDP ranks (forked), splits of 305: the accuracy equals one process's to the bit, the
-    loss (a float32 sum) to 1e-6; no host read in any step window; accuracy far above chance."""
+    """Two forked DDP ranks, splits of 305: the figures equal one process's; no host read in a step."""
     split = ("data.val_fraction=0.17", "data.test_fraction=0.17", "data.batch_size=64")
     reads = ("+callbacks.host_reads._target_=host_reads.HostReadProbe",
              f"+callbacks.host_reads.report={tmp_path / 'reads'}")  # fmt: skip

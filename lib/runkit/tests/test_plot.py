@@ -75,33 +75,29 @@ def test_gpu_panels_draw_one_line_per_gpu_and_its_companion(tmp_path) -> None:
     assert list(wait.get_lines()[0].get_ydata()) == pytest.approx([60, 50, 40, 30])  # percent
 
 
-def test_images_grow_with_gpu_rows_and_runs_and_out_is_a_file_or_dir(tmp_path, capsys) -> None:
+def test_images_grow_with_gpu_rows_and_runs_and_a_sweep_stands_for_its_jobs(tmp_path, capsys):
     run = write_run(tmp_path / "a")
     assert plot.plot_runs([run]) == run / plot.PLOT_FILE
     width, height = png_size(run / plot.PLOT_FILE)
     assert 600 <= width <= 2000 and 250 <= height <= 2000, (width, height)
     with_gpu = plot.plot_runs([write_run(tmp_path / "g", gpus=2)], tmp_path / "gpu.png")
     assert png_size(with_gpu)[1] > height
-    runs = [run, write_run(tmp_path / "b"), write_run(tmp_path / "c")]
-    assert len(plot.draw([plot.read_metrics(r) for r in runs]).axes) == 2 * 3  # panels x runs
-    (tmp_path / "figs").mkdir()  # the CLI; --out a directory
-    assert plot.main([*map(str, runs), "--out", str(tmp_path / "figs")]) == 0
-    assert capsys.readouterr().out.strip() == str(tmp_path / "figs" / plot.PLOT_FILE)
-    assert png_size(tmp_path / "figs" / plot.PLOT_FILE)[0] > width
-    assert plot.plot_runs([run], tmp_path / "c.svg").read_text().lstrip().startswith("<?xml")
-    with pytest.raises(plot.PlotError, match=r"--out '.*c\.txt' has an unknown format; use"):
-        plot.plot_runs([run], tmp_path / "c.txt")
-
-
-def test_sweep_directory_stands_for_its_jobs_in_numeric_order(tmp_path) -> None:
     sweep = tmp_path / "multiruns" / "2024-01-01_00-00-00"
     for job in ("1", "10", "2"):
         (write_run(sweep / job) / ".hydra").mkdir()
         (sweep / job / ".hydra" / "overrides.yaml").write_text(f"- lr=0.{job}1\n- paths.x=/x\n")
     (sweep / "multirun.yaml").write_text("{}\n")
-    assert [p.name for p in plot.expand_run_dirs([sweep])] == ["1", "2", "10"]
+    runs = plot.expand_run_dirs([run, sweep])
+    assert [p.name for p in runs] == ["a", "1", "2", "10"]  # a sweep's jobs in numeric order
     assert plot.read_metrics(sweep / "1").label == "1\nlr=0.11"  # paths.* overrides left out
-    assert plot.plot_runs([sweep]) == sweep / plot.PLOT_FILE
+    assert len(plot.draw([plot.read_metrics(r) for r in runs]).axes) == 2 * 4  # panels x runs
+    (tmp_path / "figs").mkdir()  # the CLI; --out a directory
+    assert plot.main([str(run), str(sweep), "--out", str(tmp_path / "figs")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "figs" / plot.PLOT_FILE)
+    assert png_size(tmp_path / "figs" / plot.PLOT_FILE)[0] > width
+    assert plot.plot_runs([run], tmp_path / "c.svg").read_text().lstrip().startswith("<?xml")
+    with pytest.raises(plot.PlotError, match=r"--out '.*c\.txt' has an unknown format; use"):
+        plot.plot_runs([run], tmp_path / "c.txt")
 
 
 def test_after_run_draws_or_says_why_in_one_line(tmp_path, monkeypatch, caplog) -> None:
