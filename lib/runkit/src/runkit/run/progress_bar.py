@@ -27,16 +27,13 @@ class RichProgressBar(LightningRichProgressBar):
     ) -> None:
         now = time.monotonic()
         self._read = now >= self._next_read
-        ends = batch_idx == 0 or batch_idx + 1 == trainer.num_training_batches
-        if not (self._read or ends) and self.train_progress_bar_id is not None:
-            self._read = True  # nothing to redraw: the next due batch or the last sets the count
-            return
         if self._read and self.refresh_rate > 0:
             self._next_read = now + 1.0 / self.refresh_rate
-        try:
+        # between due batches nothing to redraw: the next due batch or the last sets the count
+        ends = batch_idx == 0 or batch_idx + 1 == trainer.num_training_batches
+        if self._read or ends or self.train_progress_bar_id is None:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        finally:
-            self._read = True
+        self._read = True
 
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
         if self._read or self._shown is None:  # else the values shown last
