@@ -37,10 +37,6 @@ class SelectionPolicy:
     util_window_s: float = 1.0
     lock_dir: str | None = None
 
-    @property
-    def has_thresholds(self) -> bool:
-        return self.min_free_gib > 0 or self.max_util_percent < 100
-
 
 _KEYS = {
     "gpu_min_free_gib": ("min_free_gib", 0.0, math.inf, "a number of GiB >= 0"),
@@ -248,7 +244,7 @@ def wait_and_claim(inv: Inventory, count: int, policy: SelectionPolicy) -> tuple
     candidates = list(inv.visible[: inv.usable_gpu_count])
     if not inv.nvml_available or not all(g.uuid for g in candidates):
         why = inv.nvml_reason or "NVML gave no UUIDs"
-        if policy.has_thresholds or policy.wait_s > 0:
+        if policy.min_free_gib > 0 or policy.max_util_percent < 100 or policy.wait_s > 0:
             raise DeviceError(
                 f"select_gpus=least_used with gpu_min_free_gib/gpu_max_util/gpu_wait_s needs "
                 f"NVML readings, but there are none ({why}); use select_gpus=first"

@@ -139,10 +139,10 @@ def resolve_for_run(
     plan = resolve_devices(accelerator, devices, select=select, environ=environ)
     if plan.handoff is None:
         return plan
-    inv, record = cached_inventory(), json.loads(plan.handoff)
-    policy = policy or claims.SelectionPolicy()
-    chosen, message = claims.wait_and_claim(inv, len(record["gpus"]), policy)
-    plan = _rank0_plan(plan.accelerator, chosen, message, inv, record["request"])
+    inv, request = cached_inventory(), json.loads(plan.handoff)["request"]
+    count, policy = len(plan.devices), policy or claims.SelectionPolicy()  # type: ignore[arg-type]
+    chosen, message = claims.wait_and_claim(inv, count, policy)
+    plan = _rank0_plan(plan.accelerator, chosen, message, inv, request)
     environ[SELECTION_ENV] = str(plan.handoff)
     return plan
 
