@@ -144,9 +144,9 @@ GONE = "NVML knows no such GPU"
         (dict(util_gpu=lambda t: 100 if t < START + 0.1 else 0), 0.2, Load(free_mib=80 * 1024, util_percent=50)),
         (dict(memory_used=10 * GIB + 1), 0.2, Load(free_mib=70 * 1024 - 1, util_percent=0)),  # whole MiB
         (dict(util_gpu=40, failures={"memory": {"error": "gpu_is_lost", "from": START + 0.5}}),
-         1.0, Load(util_percent=40, memory_error="GPU is lost")),
+         1.0, Load(error="memory unreadable (GPU is lost)")),
         (dict(memory_used=30 * GIB, failures={"utilization": "unknown"}),
-         0.2, Load(free_mib=50 * 1024, util_error="Unknown Error")),
+         0.2, Load(error="utilization unreadable (Unknown Error)")),
         (dict(name="A100", mig=[FakeGpu(uuid=MIG, memory_total=10 * GIB)]), 0.2,
          Load(free_mib=10 * 1024)),  # a MIG slice has no utilisation of its own: no error
     ],
@@ -165,12 +165,12 @@ def test_a_gpu_gone_or_unreadable_since_the_inventory_is_an_error_and_the_others
     gpus = inventory(2).visible
     nvml.use_library(FakeNvml([stays], clock=clock))  # the first GPU fell off the bus
     first, second = claims.measure_loads(gpus, window_s=0.2)
-    assert first == Load(memory_error=GONE, util_error=GONE)
+    assert first == Load(error=f"memory unreadable ({GONE})")
     assert second == Load(free_mib=60 * 1024, util_percent=0)
     machine(clock, FakeGpu(mig=[FakeGpu(uuid=MIG)]))
     gpus = inventory(1).visible
     nvml.use_library(BoardlessNvml([FakeGpu(uuid=UUIDS[0], mig=[FakeGpu(uuid=MIG)])], clock=clock))
-    assert claims.measure_loads(gpus, 0.2) == [Load(memory_error="Unknown Error", util_error="Unknown Error")]  # fmt: skip
+    assert claims.measure_loads(gpus, 0.2) == [Load(error="memory unreadable (Unknown Error)")]
 
 
 @pytest.mark.parametrize(
@@ -185,8 +185,7 @@ def test_a_gpu_gone_or_unreadable_since_the_inventory_is_an_error_and_the_others
         (Load(free_mib=10 * 1024), SelectionPolicy(max_util_percent=10, min_free_gib=5), None),  # no util: no requirement
         (Load(), SelectionPolicy(min_free_gib=1), "free memory not reported, so gpu_min_free_gib cannot be checked"),
         (Load(), SelectionPolicy(), None),
-        (Load(memory_error="GPU is lost", util_percent=1), SelectionPolicy(), "memory unreadable (GPU is lost)"),
-        (Load(free_mib=1, util_error="Unknown Error"), SelectionPolicy(), "utilization unreadable (Unknown Error)"),
+        (Load(util_percent=1, error="memory unreadable (lost)"), SelectionPolicy(), "memory unreadable (lost)"),
     ],
 )  # fmt: skip
 def test_judge_says_why_a_gpu_does_not_qualify(load, policy, why):
