@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import math
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -130,6 +131,9 @@ def watch(seconds: float, as_json: bool, console: Any = None) -> int:
                 time.sleep(seconds)
     except KeyboardInterrupt:
         return 0
+    except BrokenPipeError:  # ``... --json --watch | head``: the reader left; so do we, quietly
+        sys.stdout = None  # type: ignore[assignment]  # nothing left to flush at exit
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
