@@ -621,9 +621,7 @@ def test_least_used_is_left_to_the_run_which_measures_and_claims(devices, chosen
     assert plan.trainer_kwargs() == {"accelerator": "gpu", "devices": chosen}
     assert uuids(plan.gpus) == [f"GPU-{i:04d}" for i in chosen]
     assert environ == {}  # deciding changes nothing; the run hands its choice on
-    assert json.loads(plan.handoff) == {
-        "pid": os.getpid(), "request": f"devices={len(chosen)} CUDA_VISIBLE_DEVICES=None", "gpus": chosen,
-    }  # fmt: skip
+    assert plan.claim == len(chosen)
     assert error(resolve_devices, "gpu", 4, select="least_used", inventory=machine(3), environ={}) == (
         f"devices=4 asks for 4 GPUs, but {visible(3)} (cuda:0 H100, cuda:1 H100, cuda:2 H100)"
     )  # fmt: skip
@@ -643,7 +641,7 @@ def test_a_ddp_child_reuses_rank_zero_choice_despite_different_load():
         assert child.trainer_kwargs() == {"accelerator": accelerator, "devices": [1, 2]}
         assert uuids(child.gpus) == ["GPU-0001", "GPU-0002"]
         assert child.message == "GPUs chosen by rank 0 (least used): [1, 2]"
-        assert child.handoff is None  # a child hands nothing further
+        assert child.claim == 0  # a child claims nothing
     # Sequential runs in one process (Hydra multirun) leave LOCAL_RANK=0 and their own record.
     environ = {**rank0([1, 2]), "LOCAL_RANK": "0"}
     environ[SELECTION_ENV] = environ[SELECTION_ENV].replace(str(os.getpid() + 1), str(os.getpid()))
@@ -709,7 +707,9 @@ def test_checks_change_nothing_and_only_the_run_claims_and_hands_over(gpu_box, s
     assert ("nvmlDeviceGetMemoryInfo" in gpu_box.calls) == (select == "least_used")
     assert not {"nvmlDeviceGetTemperature", "nvmlDeviceGetComputeRunningProcesses"} & set(gpu_box.calls)  # fmt: skip
     if select == "least_used":
-        assert plan.devices == [1, 2] and json.loads(environ[SELECTION_ENV])["gpus"] == [1, 2]
+        assert plan.devices == [1, 2] and json.loads(environ[SELECTION_ENV]) == {
+            "pid": os.getpid(), "request": "devices=2 CUDA_VISIBLE_DEVICES=None", "gpus": [1, 2]
+        }  # fmt: skip
         assert set(claims.claimed_uuids()) == {UUID1, UUID2}
         quiet: dict[str, str] = {}
         resolve_for_run("gpu", 1, environ=quiet)  # gives the claims back, claims nothing

@@ -114,10 +114,8 @@ def other_run_holds(locks: Path, uuid: str) -> int:
     ],
 )  # fmt: skip
 def test_the_gpu_keys_make_the_policy_and_a_bad_one_is_one_line_naming_it(keys, expected):
-    if isinstance(expected, SelectionPolicy):  # the defaults ask nothing and do not wait
-        policy = policy_from_config(keys)
-        assert policy == expected and policy.has_thresholds == bool(keys)
-        assert policy.wait_s == keys.get("gpu_wait_s", 0)
+    if isinstance(expected, SelectionPolicy):
+        assert policy_from_config(keys) == expected
         return
     cfg = OmegaConf.create({**keys, "trainer": {"accelerator": "cpu", "devices": 1}})
     for check, given in ((policy_from_config, keys), (check_devices, cfg)):  # preflight too
@@ -146,9 +144,9 @@ GONE = "NVML knows no such GPU"
         (dict(util_gpu=lambda t: 100 if t < START + 0.1 else 0), 0.2, Load(free_mib=80 * 1024, util_percent=50)),
         (dict(memory_used=10 * GIB + 1), 0.2, Load(free_mib=70 * 1024 - 1, util_percent=0)),  # whole MiB
         (dict(util_gpu=40, failures={"memory": {"error": "gpu_is_lost", "from": START + 0.5}}),
-         1.0, Load(util_percent=40, memory_error="GPU is lost")),
+         1.0, Load(error="memory unreadable (GPU is lost)")),
         (dict(memory_used=30 * GIB, failures={"utilization": "unknown"}),
-         0.2, Load(free_mib=50 * 1024, util_error="Unknown Error")),
+         0.2, Load(error="utilization unreadable (Unknown Error)")),
         (dict(name="A100", mig=[FakeGpu(uuid=MIG, memory_total=10 * GIB)]), 0.2,
          Load(free_mib=10 * 1024)),  # a MIG slice has no utilisation of its own: no error
     ],
@@ -167,12 +165,12 @@ def test_a_gpu_gone_or_unreadable_since_the_inventory_is_an_error_and_the_others
     gpus = inventory(2).visible
     nvml.use_library(FakeNvml([stays], clock=clock))  # the first GPU fell off the bus
     first, second = claims.measure_loads(gpus, window_s=0.2)
-    assert first == Load(memory_error=GONE, util_error=GONE)
+    assert first == Load(error=f"memory unreadable ({GONE})")
     assert second == Load(free_mib=60 * 1024, util_percent=0)
     machine(clock, FakeGpu(mig=[FakeGpu(uuid=MIG)]))
     gpus = inventory(1).visible
     nvml.use_library(BoardlessNvml([FakeGpu(uuid=UUIDS[0], mig=[FakeGpu(uuid=MIG)])], clock=clock))
-    assert claims.measure_loads(gpus, 0.2) == [Load(memory_error="Unknown Error", util_error="Unknown Error")]  # fmt: skip
+    assert claims.measure_loads(gpus, 0.2) == [Load(error="memory unreadable (Unknown Error)")]
 
 
 @pytest.mark.parametrize(
@@ -187,8 +185,7 @@ def test_a_gpu_gone_or_unreadable_since_the_inventory_is_an_error_and_the_others
         (Load(free_mib=10 * 1024), SelectionPolicy(max_util_percent=10, min_free_gib=5), None),  # no util: no requirement
         (Load(), SelectionPolicy(min_free_gib=1), "free memory not reported, so gpu_min_free_gib cannot be checked"),
         (Load(), SelectionPolicy(), None),
-        (Load(memory_error="GPU is lost", util_percent=1), SelectionPolicy(), "memory unreadable (GPU is lost)"),
-        (Load(free_mib=1, util_error="Unknown Error"), SelectionPolicy(), "utilization unreadable (Unknown Error)"),
+        (Load(util_percent=1, error="memory unreadable (lost)"), SelectionPolicy(), "memory unreadable (lost)"),
     ],
 )  # fmt: skip
 def test_judge_says_why_a_gpu_does_not_qualify(load, policy, why):
@@ -259,28 +256,17 @@ def test_a_lock_excludes_every_other_holder_until_closed_and_holds_only_its_pid(
     fd = claims.try_lock(path)
     assert path.read_bytes() == f"{os.getpid()}\n".encode()
     os.close(fd)
+    holder, held = other_run_holds(locks, UUIDS[1]), claims.lock_path(locks, UUIDS[1])
+    for note, pid in [(b"\xff\x00 not a pid \n" * 10, ""), (b"123" + b" " * 29 + b"more", " (pid 123)")]:  # fmt: skip
+        os.pwrite(holder, note, 0)  # whatever a held lock file holds, it is another run's
+        assert claims.try_lock(held) == f"claimed by another run{pid}"
+    monkeypatch.setattr(os, "pread", Mock(side_effect=OSError(errno.EIO, "unreadable")))
+    assert claims.try_lock(held) == "claimed by another run"
+    os.close(holder)
     monkeypatch.setattr(fcntl, "flock", Mock(side_effect=OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))))  # fmt: skip
     assert claims.try_lock(path) == (  # a filesystem without locks
         f"its lock file {str(path)!r} cannot be locked ({os.strerror(errno.ENOLCK)})"
     )
-
-
-@pytest.mark.parametrize(
-    ("note", "reason"),
-    [
-        (b"\xff\x00 not a pid \n" * 10, "claimed by another run"),
-        (b"123" + b" " * 29 + b"and more after the note", "claimed by another run (pid 123)"),
-        (None, "claimed by another run"),  # unreadable
-    ],
-)
-def test_whatever_a_held_lock_file_holds_it_reads_as_another_run(locks, monkeypatch, note, reason):
-    fd = other_run_holds(locks, UUIDS[0])
-    if note is None:
-        monkeypatch.setattr(os, "pread", Mock(side_effect=OSError(errno.EIO, os.strerror(errno.EIO))))  # fmt: skip
-    else:
-        os.pwrite(fd, note, 0)
-    assert claims.try_lock(claims.lock_path(locks, UUIDS[0])) == reason
-    os.close(fd)
 
 
 @pytest.fixture

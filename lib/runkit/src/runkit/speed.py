@@ -18,6 +18,7 @@ from torch import nn
 
 from runkit import quoting
 from runkit.errors import RunError
+from runkit.gpus.resolve import parse_devices
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +35,10 @@ def cuda_indices(accelerator: Any, devices: Any) -> list[int]:
         return []
     if not torch.cuda.is_available():
         return []
-    if isinstance(devices, str):
-        text = devices.strip()
-        devices = [i for i in text.split(",") if i.strip()] if "," in text else text
-        devices = -1 if devices == "auto" else devices
-    if isinstance(devices, Sequence) and not isinstance(devices, str):
-        return [int(i) for i in devices]
+    if isinstance(wanted := parse_devices(devices), list):
+        return wanted
     visible = torch.cuda.device_count()
-    return list(range(visible if int(devices) == -1 else min(int(devices), visible)))
+    return list(range(visible if wanted in ("auto", -1) else min(int(wanted), visible)))
 
 
 def _ampere(cuda: Sequence[int]) -> bool:

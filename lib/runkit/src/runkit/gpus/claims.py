@@ -37,10 +37,6 @@ class SelectionPolicy:
     util_window_s: float = 1.0
     lock_dir: str | None = None
 
-    @property
-    def has_thresholds(self) -> bool:
-        return self.min_free_gib > 0 or self.max_util_percent < 100
-
 
 _KEYS = {
     "gpu_min_free_gib": ("min_free_gib", 0.0, math.inf, "a number of GiB >= 0"),
@@ -72,12 +68,11 @@ def policy_from_config(cfg: Mapping[str, Any]) -> SelectionPolicy:
 
 @dataclass(frozen=True)
 class Load:
-    """The lowest free memory and mean utilisation over a window; ``*_error``: NVML failed."""
+    """The lowest free memory and mean utilisation over a window, or why NVML could not say."""
 
     free_mib: int | None = None
     util_percent: float | None = None
-    memory_error: str | None = None
-    util_error: str | None = None
+    error: str | None = None
 
 
 def _reader(lib: Any, uuid: str) -> DeviceReader | str:
@@ -94,24 +89,27 @@ def measure_loads(gpus: Sequence[Gpu], window_s: float) -> list[Load]:
     with nvml.nvml_session() as lib:
         unsupported = nvml.error_classes(lib, nvml.UNSUPPORTED_ERRORS)
         readers = [_reader(lib, gpu.uuid) for gpu in gpus]
-        seen: list[list[list[int]]] = [[[], []] for _ in gpus]  # free, utilisation
-        errors = [[r, r] if isinstance(r, str) else [None, None] for r in readers]
+        seen: list[tuple[list[int], list[int]]] = [([], []) for _ in gpus]  # free, utilisation
+        errors = [f"memory unreadable ({r})" if isinstance(r, str) else None for r in readers]
         for k in range(samples):
             if k:
                 time.sleep(window_s / (samples - 1))
-            for reader, got, error in zip(readers, seen, errors, strict=True):
-                queries = [] if isinstance(reader, str) else [reader.memory, reader.utilization]
-                for j, query in enumerate(queries):
+            for i, reader in enumerate(readers):
+                queries = () if isinstance(reader, str) else (reader.memory, reader.utilization)
+                for kind, query, got in zip(
+                    ("memory", "utilization"), queries, seen[i], strict=False
+                ):
                     try:
-                        got[j].append(query()[2 - 2 * j])  # free memory, GPU utilisation
+                        if not errors[i]:  # free memory, GPU utilisation
+                            got.append(query()[2 if kind == "memory" else 0])
                     except unsupported:
                         pass
                     except lib.NVMLError as err:
-                        error[j] = str(err)
+                        errors[i] = f"{kind} unreadable ({err})"
     return [
-        Load(min(free) // 2**20 if free and mem_err is None else None,
-             sum(util) / len(util) if util and util_err is None else None, mem_err, util_err)
-        for (free, util), (mem_err, util_err) in zip(seen, errors, strict=True)
+        Load(error=error) if error else
+        Load(min(free) // 2**20 if free else None, sum(util) / len(util) if util else None)
+        for (free, util), error in zip(seen, errors, strict=True)
     ]  # fmt: skip
 
 
@@ -127,9 +125,8 @@ def rank_by_load(loads: Sequence[Load]) -> list[int]:
 
 
 def judge(load: Load, policy: SelectionPolicy) -> str | None:
-    if load.memory_error or load.util_error:
-        kind = "memory" if load.memory_error else "utilization"
-        return f"{kind} unreadable ({load.memory_error or load.util_error})"
+    if load.error:
+        return load.error
     free, util = load.free_mib, load.util_percent
     if policy.min_free_gib > 0 and free is None:
         return "free memory not reported, so gpu_min_free_gib cannot be checked"
@@ -224,7 +221,7 @@ def _attempt(
     try:
         loads = measure_loads(candidates, policy.util_window_s)
     except nvml.NvmlUnavailable as err:
-        loads = [Load(memory_error=str(err))] * len(candidates)
+        loads = [Load(error=f"memory unreadable ({err})")] * len(candidates)
     reasons: list[str | None] = [judge(load, policy) for load in loads]
     got: dict[int, int] = {}
     for i in rank_by_load(loads):
@@ -248,7 +245,7 @@ def wait_and_claim(inv: Inventory, count: int, policy: SelectionPolicy) -> tuple
     candidates = list(inv.visible[: inv.usable_gpu_count])
     if not inv.nvml_available or not all(g.uuid for g in candidates):
         why = inv.nvml_reason or "NVML gave no UUIDs"
-        if policy.has_thresholds or policy.wait_s > 0:
+        if policy.min_free_gib > 0 or policy.max_util_percent < 100 or policy.wait_s > 0:
             raise DeviceError(
                 f"select_gpus=least_used with gpu_min_free_gib/gpu_max_util/gpu_wait_s needs "
                 f"NVML readings, but there are none ({why}); use select_gpus=first"

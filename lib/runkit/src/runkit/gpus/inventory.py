@@ -236,10 +236,8 @@ def apply_visible_devices(
 
 def probe_torch(*, uuids: bool = True) -> TorchCuda:
     """Ask torch about CUDA; ``uuids=False`` only counts, so that CUDA stays uninitialised."""
-    try:
-        import torch
-    except ImportError:
-        return TorchCuda()
+    import torch
+
     mps, version = torch.backends.mps.is_available(), torch.version.cuda
     if not uuids:
         count = torch.cuda.device_count()

@@ -100,10 +100,7 @@ def listing(inv: Inventory, header: str | None = None) -> Any:
 
 
 def render(inv: Inventory, console: Any) -> None:
-    from rich.text import Text
-
-    for part in listing(inv).renderables:
-        console.print(part, highlight=False, soft_wrap=isinstance(part, Text))
+    console.print(listing(inv), highlight=False, soft_wrap=True)
 
 
 def watch_seconds(text: str) -> float:

@@ -22,13 +22,13 @@ _ACCEPTED = "a count ≥ 1, -1 (all), 'auto', or GPU indices such as [0,1] or '0
 @dataclass(frozen=True)
 class DevicePlan:
     """``Trainer(**plan.trainer_kwargs())``, a ``message`` to log once (or ``None``), the chosen
-    ``gpus`` when known, and ``handoff``: rank 0's ``least_used`` choice for its DDP ranks."""
+    ``gpus`` when known; ``claim``: how many GPUs the run (rank 0 of ``least_used``) claims."""
 
     accelerator: Any
     devices: int | str | list[int]
     message: str | None = None
     gpus: tuple[Gpu, ...] = ()
-    handoff: str | None = None
+    claim: int = 0
 
     def trainer_kwargs(self) -> dict[str, Any]:
         devices = list(self.devices) if isinstance(self.devices, list) else self.devices  # a copy
@@ -137,14 +137,13 @@ def resolve_for_run(
     environ = os.environ if environ is None else environ
     claims.release_claims()
     plan = resolve_devices(accelerator, devices, select=select, environ=environ)
-    if plan.handoff is None:
+    if not plan.claim:
         return plan
-    inv, record = cached_inventory(), json.loads(plan.handoff)
-    policy = policy or claims.SelectionPolicy()
-    chosen, message = claims.wait_and_claim(inv, len(record["gpus"]), policy)
-    plan = _rank0_plan(plan.accelerator, chosen, message, inv, record["request"])
-    environ[SELECTION_ENV] = str(plan.handoff)
-    return plan
+    inv = cached_inventory()
+    chosen, message = claims.wait_and_claim(inv, plan.claim, policy or claims.SelectionPolicy())
+    record = {"pid": os.getpid(), "request": _request(plan.claim, inv), "gpus": chosen}
+    environ[SELECTION_ENV] = json.dumps(record)
+    return DevicePlan(plan.accelerator, chosen, message, _gpus_at(inv, chosen))
 
 
 def _cpu_plan(accelerator: Any, wanted: str | int | list[int], message: str | None) -> DevicePlan:
@@ -168,7 +167,7 @@ def _gpus_at(inv: Inventory, indices: Sequence[int]) -> tuple[Gpu, ...]:
 def _least_used_plan(
     accelerator: Any, count: int, inv: Inventory, environ: Mapping[str, str]
 ) -> DevicePlan:
-    key = f"devices={count} CUDA_VISIBLE_DEVICES={inv.cuda_visible_devices}"
+    key = _request(count, inv)
     saved, local_rank = environ.get(SELECTION_ENV), environ.get("LOCAL_RANK")
     record = _parse_record(saved) if saved else None
     if record is not None and record["pid"] != os.getpid() and local_rank is not None:
@@ -191,14 +190,12 @@ def _least_used_plan(
             f"(LOCAL_RANK={local_rank} is set but {SELECTION_ENV} is not); pin GPUs with "
             "CUDA_VISIBLE_DEVICES or use select_gpus=first"
         )
-    return _rank0_plan(accelerator, list(range(count)), None, inv, key)  # the run measures
+    first = list(range(count))  # until the run measures and claims
+    return DevicePlan(accelerator, first, gpus=_gpus_at(inv, first), claim=count)
 
 
-def _rank0_plan(
-    accelerator: Any, chosen: list[int], message: str | None, inv: Inventory, key: str
-) -> DevicePlan:
-    handoff = json.dumps({"pid": os.getpid(), "request": key, "gpus": chosen})
-    return DevicePlan(accelerator, chosen, message, _gpus_at(inv, chosen), handoff)
+def _request(count: int, inv: Inventory) -> str:
+    return f"devices={count} CUDA_VISIBLE_DEVICES={inv.cuda_visible_devices}"
 
 
 def _parse_record(text: str) -> dict[str, Any]:
