@@ -30,37 +30,24 @@ DEFAULT_GROUPS = ("utilization", "memory", "process_memory", "temperature", "pow
 OPTIONAL_GROUPS = ("fan", "pcie", "ecc", "memory_temperature")
 # At the probe, these also mean "leave the group out" rather than "this GPU is failing".
 _PROBE_SKIP_ERRORS = (*nvml.UNSUPPORTED_ERRORS, "NVMLError_NoPermission", "NVMLError_NotFound")
-
-
 # Logged metric -> pynvml's metric id constant; all are percentages (0-100).
-GPM_METRICS = {
-    "sm_active": "NVML_GPM_METRIC_SM_UTIL",
-    "sm_occupancy": "NVML_GPM_METRIC_SM_OCCUPANCY",
-    "tensor_active": "NVML_GPM_METRIC_ANY_TENSOR_UTIL",
-    "dram_active": "NVML_GPM_METRIC_DRAM_BW_UTIL",
-    "fp16_active": "NVML_GPM_METRIC_FP16_UTIL",
-    "fp32_active": "NVML_GPM_METRIC_FP32_UTIL",
-    "fp64_active": "NVML_GPM_METRIC_FP64_UTIL",
-}
+GPM_METRICS = {"sm_active": "SM_UTIL", "sm_occupancy": "SM_OCCUPANCY",
+               "tensor_active": "ANY_TENSOR_UTIL", "dram_active": "DRAM_BW_UTIL",
+               "fp16_active": "FP16_UTIL", "fp32_active": "FP32_UTIL", "fp64_active": "FP64_UTIL"}  # fmt: skip
 
 
 class GpmCounters:
     """GPM (Hopper and newer): what the SMs did, through the physical GPU ``board`` (a MIG slice:
-    its ``gpu_instance_id``); two samples, swapped at every reading, give the interval between."""
+    its ``gpu_instance_id``); two samples, swapped at every reading, give the interval between.
+    Opening raises ``NVMLError_NotSupported`` without GPM."""
 
     def __init__(self, lib: Any, board: Any, label: str, gpu_instance_id: int | None) -> None:
         self.lib, self.board, self.label, self.gpu_instance_id = lib, board, label, gpu_instance_id
         self._samples: list[Any] = []
         self._have_previous = self._paused = False
-        self._names: list[str] = []
-        self._request: Any = None
-
-    def open(self) -> None:
-        """Allocate the two samples and take the first; ``NVMLError_NotSupported`` without GPM."""
-        lib = self.lib
-        if not getattr(lib.nvmlGpmQueryDeviceSupport(self.board), "isSupportedDevice", 0):
+        if not getattr(lib.nvmlGpmQueryDeviceSupport(board), "isSupportedDevice", 0):
             raise lib.NVMLError(lib.NVML_ERROR_NOT_SUPPORTED)
-        ids = {name: getattr(lib, const, None) for name, const in GPM_METRICS.items()}
+        ids = {name: getattr(lib, f"NVML_GPM_METRIC_{c}", None) for name, c in GPM_METRICS.items()}
         self._names = [name for name, metric_id in ids.items() if isinstance(metric_id, int)]
         try:
             request = self._request = lib.c_nvmlGpmMetricsGet_t()
@@ -113,7 +100,7 @@ class GpmCounters:
         return values
 
     def close(self) -> None:
-        samples, self._samples, self._have_previous = self._samples, [], False
+        samples, self._samples = self._samples, []
         for sample in samples:
             try:
                 self.lib.nvmlGpmSampleFree(sample)
@@ -122,14 +109,14 @@ class GpmCounters:
 
 
 class GpuReader:
-    """One GPU as the statistics see it: :meth:`probe` once, then :meth:`read` its groups."""
+    """One GPU as the statistics see it: every group read once when made (those the GPU refuses
+    are dropped, any other failure propagates), then :meth:`read`."""
 
     def __init__(self, lib: Any, handle: Any, label: str, groups: Sequence[str]) -> None:
         self.lib, self.label, self.groups = lib, label, list(groups)
         self.device = d = DeviceReader.open(lib, handle)
         self.unsupported: dict[str, str] = {}
         self.dead: str | None = None
-        self.power_limit_mw: float | None = None
         self.gpm: GpmCounters | None = None
         self.pid = os.getpid()
         self.is_mig, self.name, self.uuid = d.is_mig, d.name(), d.uuid()
@@ -137,27 +124,25 @@ class GpuReader:
         self.board_uuid = nvml.as_text(lib.nvmlDeviceGetUUID(d.board)) if d.is_mig else self.uuid
         self.nvml_index = nvml.optional(lib, d.index)
         self.pci_bus_id = nvml.optional(lib, d.pci_bus_id)
+        self.power_limit_mw = nvml.optional(lib, d.power_limit_mw) if "power" in groups else None
+        skip = (*nvml.error_classes(lib, _PROBE_SKIP_ERRORS), AttributeError)
+        try:
+            for group in list(self.groups):
+                try:
+                    if group == "gpm":
+                        instance = d.gpu_instance_id() if d.is_mig else None
+                        self.gpm = GpmCounters(lib, d.board, label, instance)
+                    else:
+                        self._values(group)
+                except skip as err:
+                    self._skip(group, err)
+        except BaseException:
+            self.close()
+            raise
 
     def _skip(self, group: str, err: BaseException) -> None:
         self.groups.remove(group)
         self.unsupported[group] = type(err).__name__.replace("NVMLError_", "")
-
-    def probe(self) -> None:
-        """Read every group once; drop those the GPU refuses (any other failure propagates)."""
-        skip: tuple[type[BaseException], ...] = (*nvml.error_classes(self.lib, _PROBE_SKIP_ERRORS), AttributeError)  # fmt: skip
-        if "power" in self.groups:
-            self.power_limit_mw = nvml.optional(self.lib, self.device.power_limit_mw)
-        for group in list(self.groups):
-            try:
-                if group == "gpm":
-                    instance = self.device.gpu_instance_id() if self.is_mig else None
-                    counters = GpmCounters(self.lib, self.device.board, self.label, instance)
-                    counters.open()
-                    self.gpm = counters  # only GPM that opened
-                else:
-                    self._values(group)
-            except skip as err:
-                self._skip(group, err)
 
     def close(self) -> None:
         if self.gpm is not None:
@@ -226,29 +211,22 @@ class GpuSampler:
         self._lock = threading.Lock()  # the aggregates and the phase: never held while reading
         self._reading = threading.Lock()  # one reading at a time; none after stop
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @property
-    def alive(self) -> list[GpuReader]:
-        return [r for r in self.readers if r.dead is None]
+        self._thread = threading.Thread(target=self._run, name="gpu-stats", daemon=True)
 
     def start(self) -> None:
-        if self._thread is None and self.alive:
-            self.sample_now()
-            self._thread = threading.Thread(target=self._run, name="gpu-stats", daemon=True)
-            self._thread.start()
+        self.sample_now()
+        self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
+        if self._thread.is_alive():
             self._thread.join(timeout=self.interval_s + 10.0)
-            self._thread = None
         with self._reading:
             for reader in self.readers:
                 reader.close()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s) and self.alive:
+        while not self._stop.wait(self.interval_s) and any(r.dead is None for r in self.readers):
             self.sample_now()
 
     def sample_now(self) -> None:
@@ -256,7 +234,7 @@ class GpuSampler:
             if self._stop.is_set():
                 return  # stopped: the readers are closed
             phase = self.phase
-            readings = [(r, self._read(r)) for r in self.alive]
+            readings = [(r, self._read(r)) for r in self.readers if r.dead is None]
             with self._lock:
                 for reader, reading in readings:
                     if reading is not None:
