@@ -11,15 +11,7 @@ import pytest
 import torch
 
 from runkit.gpu_stats.callback import GpuStatsMonitor, energy_report
-from runkit.gpu_stats.sampler import (
-    DEFAULT_GROUPS,
-    GPM_METRICS,
-    TRAIN,
-    VAL,
-    GpuReader,
-    GpuSampler,
-    TorchPeakMemory,
-)
+from runkit.gpu_stats.sampler import DEFAULT_GROUPS, GPM_METRICS, TRAIN, GpuReader, GpuSampler
 from runkit.gpu_stats.statistics import RunSummary, flatten_epoch, flatten_loop
 from runkit.gpus import nvml
 from runkit.testing.fake_nvml import GIB, FakeClock, FakeGpu, FakeNvml, FakeProcess
@@ -47,16 +39,15 @@ def reader(fake: FakeNvml, index: int, groups=DEFAULT_GROUPS, handle=None) -> Gp
     return GpuReader(fake, handle or fake.nvmlDeviceGetHandleByIndex(index), f"cuda{index}", groups)
 
 
-def sampled(clock, *readers, steps=((TRAIN, (1, 2, 3, 4)),), prime=True) -> GpuSampler:
-    """A sampler that read at t=0 outside any phase (``prime``), then at each ``(phase, times)``."""
+def sampled(clock, *readers, times=(1, 2, 3, 4), prime=True) -> GpuSampler:
+    """A sampler that read at t=0 outside any phase (``prime``), then in training at ``times``."""
     sampler = GpuSampler(readers, interval_s=1.0)
     if prime:  # the energy counter's first reading
         sampler.sample_now()
-    for i, (phase, times) in enumerate(steps):  # as the callback: training goes on after VAL
-        sampler.set_phase(phase, reset=phase == VAL or i == 0)
-        for t in times:
-            clock.set(t)
-            sampler.sample_now()
+    sampler.set_phase(TRAIN)
+    for t in times:
+        clock.set(t)
+        sampler.sample_now()
     return sampler
 
 
@@ -82,20 +73,6 @@ def test_epoch_statistics_are_exact_on_a_fake_clock(nvml_of) -> None:
     assert {k: s[k] for k in expected} == pytest.approx(expected)
 
 
-def test_validation_is_split_out_of_the_training_epoch(nvml_of) -> None:
-    clock = FakeClock()
-    gpu = FakeGpu(util_gpu=[(0, 80), (2, 10), (3, 80)], power_mw=[(0, 400_000), (2, 100_000), (3, 400_000)])  # fmt: skip
-    # t=2 closes train (util 10 counts for train); t=3 validation; t=4 train again
-    sampler = sampled(clock, reader(nvml_of(gpu, clock=clock), 0),
-                      steps=[(TRAIN, (1, 2)), (VAL, (3,)), (TRAIN, (4,))])  # fmt: skip
-    (train, energy), val = sampler.report(TRAIN), sampler.report(VAL)[0]["cuda0"]
-    assert train["cuda0"]["samples"] == 3 and train["cuda0"]["util_mean"] == pytest.approx((80 + 10 + 80) / 3)  # fmt: skip
-    assert val["samples"] == 1 and val["util_mean"] == 80
-    # energy: train gets t 0..2 (2 s x 400 W) and 3..4 (400 W); val gets 2..3 (100 W)
-    assert train["cuda0"]["energy_j"] == pytest.approx(1200) and val["energy_j"] == pytest.approx(100)  # fmt: skip
-    assert energy == {"cuda0": pytest.approx(1300)}  # the run's, since the first sample
-
-
 def test_unsupported_metrics_are_left_out_never_zero_and_optional_ones_read_in_units(nvml_of) -> None:  # fmt: skip
     mig_parent = FakeGpu(name="A100", mig=[FakeGpu(name="A100 MIG 1g.10gb", memory_total=10 * GIB)])
     datacenter = FakeGpu(fan_pct=None).fail("power", "not_supported")
@@ -110,9 +87,7 @@ def test_unsupported_metrics_are_left_out_never_zero_and_optional_ones_read_in_u
     assert set(mig.unsupported) == {"utilization", "fan", "memory_temperature", "gpm"}
     assert mig.is_mig and mig.nvml_index == 1  # whole-GPU values come from the parent
     assert mig.identity()["board_uuid"] == fake.gpus[1].uuid  # energy counted per physical GPU
-    out = sampled(FakeClock(), plain, mig, steps=[(TRAIN, ())]).report(TRAIN)[
-        0
-    ]  # the latest reading
+    out = sampled(FakeClock(), plain, mig, times=()).report(TRAIN)[0]  # the latest reading
     assert not any(k.startswith(("power", "fan", "mem_temp")) for k in out["cuda0"])
     assert "throttle_any_frac" in out["cuda0"] and "temp_c_mean" in out["cuda0"]
     assert not any(k.startswith(("util", "mem_util", "fan")) for k in out["cuda1"])
@@ -130,7 +105,7 @@ def test_gpu_lost_mid_run_warns_once_and_the_others_continue(nvml_of, caplog) ->
     clock = FakeClock()
     fake = nvml_of(FakeGpu(util_gpu=30), FakeGpu(util_gpu=60).lose(at=2.0), clock=clock)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        sampler = sampled(clock, reader(fake, 0), reader(fake, 1), steps=[(TRAIN, (1, 2, 3, 4, 4))])
+        sampler = sampled(clock, reader(fake, 0), reader(fake, 1), times=(1, 2, 3, 4, 4))
     out = sampler.report(TRAIN)[0]
     # samples at t = 1, 2, 3, 4, 4; the lost GPU only has t = 1
     assert out["cuda0"]["samples"] == 5 and out["cuda0"]["util_mean"] == 30
@@ -140,27 +115,6 @@ def test_gpu_lost_mid_run_warns_once_and_the_others_continue(nvml_of, caplog) ->
     assert sampler.readers[1].dead and not sampler.readers[0].dead
 
 
-def test_torch_peaks_leave_validation_out_of_the_epoch(monkeypatch) -> None:
-    peaks = [0.0, 0.0]
-    resets: list[torch.device] = []
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: peaks[0] * GIB)
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: peaks[1] * GIB)
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: resets.append(d) or peaks.__setitem__(slice(None), [0.0, 0.0]))  # fmt: skip
-    memory = TorchPeakMemory({"cuda0": torch.device("cuda", 0), "cpu": torch.device("cpu")})
-    assert list(memory.devices) == ["cuda0"]  # CPU devices have no CUDA peaks
-    memory.restart(clear=True)  # the epoch starts
-    peaks[:] = [3.0, 4.0]  # training
-    memory.restart(stash=True)  # validation starts: training's peaks kept aside
-    peaks[:] = [1.0, 5.0]  # validation
-    assert memory.peaks(False) == {"cuda0": {"torch_peak_alloc_gib": 1.0, "torch_peak_reserved_gib": 5.0}}  # fmt: skip
-    memory.restart()
-    peaks[:] = [2.0, 1.0]  # training again
-    assert memory.peaks(True) == {"cuda0": {"torch_peak_alloc_gib": 3.0, "torch_peak_reserved_gib": 4.0}}  # fmt: skip
-    memory.restart(clear=True)
-    assert memory.peaks(True)["cuda0"]["torch_peak_alloc_gib"] == 0.0
-    assert resets == [torch.device("cuda", 0)] * 4
-
-
 # --------------------------------------------------------------------------- GPM
 def test_gpm_readings_cover_each_sampling_interval_exactly(nvml_of) -> None:
     clock = FakeClock()
@@ -168,7 +122,7 @@ def test_gpm_readings_cover_each_sampling_interval_exactly(nvml_of) -> None:
     gpu = reader(fake, 0)  # first sample at t=0
     assert "gpm" in gpu.groups and fake.gpm_samples_live == 2
     # intervals 0-1 (20 %), 1-3 (half 20, half 80 %), 3-4 (80)
-    sampler = sampled(clock, gpu, steps=[(TRAIN, (1, 3, 4))], prime=False)
+    sampler = sampled(clock, gpu, times=(1, 3, 4), prime=False)
     s = sampler.report(TRAIN)[0]["cuda0"]
     assert s["sm_active_mean"] == pytest.approx((20 + 50 + 80) / 3)
     assert s["sm_active_max"] == pytest.approx(80) and s["sm_occupancy_mean"] == 30

@@ -21,15 +21,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from runkit.gpu_stats.exchange import RankExchange
-from runkit.gpu_stats.sampler import (
-    DEFAULT_GROUPS,
-    OPTIONAL_GROUPS,
-    TRAIN,
-    VAL,
-    GpuReader,
-    GpuSampler,
-    TorchPeakMemory,
-)
+from runkit.gpu_stats.sampler import GROUPS, GpuReader, GpuSampler, TorchPeakMemory
 from runkit.gpu_stats.statistics import RunSummary, flatten_epoch, flatten_loop, print_table
 from runkit.gpus import nvml
 
@@ -185,10 +177,9 @@ class GpuStatsMonitor(pl.Callback):
         self.interval_s, self.gather_timeout_s = float(interval_s), float(gather_timeout_s)
         self.report_validation, self.summary_table = report_validation, summary_table
         wanted = dict(fan=fan, pcie=pcie, ecc=ecc, memory_temperature=memory_temperature, gpm=gpm)
-        self.groups = [g for g in (*DEFAULT_GROUPS, *OPTIONAL_GROUPS) if wanted.get(g, True)]
+        self.groups = [g for g in GROUPS if wanted.get(g, True)]
         self.per_gpu_keys_up_to, self.log_sampler_cost = per_gpu_keys_up_to, log_sampler_cost
-        self.data_wait_warning = float(data_wait_warning)
-        self.gpu_idle_below_pct = float(gpu_idle_below_pct)
+        self.data_wait_warning, self.gpu_idle_below_pct = float(data_wait_warning), float(gpu_idle_below_pct)  # fmt: skip
         self.device_uuids = None if device_uuids is None else list(device_uuids)
         self.key_prefix = key_prefix
         self._reset_state()
@@ -314,7 +305,7 @@ class GpuStatsMonitor(pl.Callback):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._loop.start_epoch()
-        self._switch("epoch start", TRAIN, clear=True)
+        self._switch("epoch start", "train", clear=True)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -329,14 +320,14 @@ class GpuStatsMonitor(pl.Callback):
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
         if not trainer.sanity_checking:
             self._loop.pause()  # until the next training batch: validation is not a data wait
-            self._switch("validation start", VAL, stash=True)
+            self._switch("validation start", "val", stash=True)
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
-        local = self._local(trainer, VAL if self.report_validation else None, False)
+        local = self._local(trainer, "val" if self.report_validation else None, False)
         # Validation runs inside the training epoch (Lightning calls on_train_epoch_end after it).
-        self._switch("validation end", TRAIN, reset=False)
+        self._switch("validation end", "train", reset=False)
         # Every rank, every validation: the run's energy is current when a checkpoint is saved.
         everyone = self._gather(trainer, "validation end", local)
         self._add_energy(everyone)
@@ -345,7 +336,7 @@ class GpuStatsMonitor(pl.Callback):
             self._publish(trainer, pl_module, self._flatten(everyone, f"{self.key_prefix}_val"))
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        local = self._local(trainer, TRAIN, True)
+        local = self._local(trainer, "train", True)
         self._switch("epoch end", None)
         everyone = self._gather(trainer, "training epoch end", local)
         loops = [p.get("loop") for p in everyone]

@@ -28,6 +28,7 @@ THROTTLE_MASKS = {"throttle_power": 0x84, "throttle_thermal": 0x60, "throttle_hw
 DEFAULT_GROUPS = ("utilization", "memory", "process_memory", "temperature", "power", "clock",
                   "throttle", "energy", "gpm")  # fmt: skip
 OPTIONAL_GROUPS = ("fan", "pcie", "ecc", "memory_temperature")
+GROUPS = (*DEFAULT_GROUPS, *OPTIONAL_GROUPS)
 # At the probe, these also mean "leave the group out" rather than "this GPU is failing".
 _PROBE_SKIP_ERRORS = (*nvml.UNSUPPORTED_ERRORS, "NVMLError_NoPermission", "NVMLError_NotFound")
 # Logged metric -> pynvml's metric id constant; all are percentages (0-100).
@@ -233,25 +234,22 @@ class GpuSampler:
         with self._reading:
             if self._stop.is_set():
                 return  # stopped: the readers are closed
-            phase = self.phase
-            readings = [(r, self._read(r)) for r in self.readers if r.dead is None]
+            phase, readings = self.phase, []
+            for reader in (r for r in self.readers if r.dead is None):
+                start = time.perf_counter()
+                try:
+                    values, dropped = reader.read()
+                except Exception as err:  # GpuIsLost, NVML gone, anything: this GPU is done
+                    reader.dead = f"{type(err).__name__}: {err}"
+                    log.warning("gpu_stats: stopped sampling %s (%s): %s; training continues",
+                                reader.label, reader.name, reader.dead)  # fmt: skip
+                    continue
+                if dropped:
+                    log.info("gpu_stats: %s no longer reports %s; left out", reader.label, ", ".join(dropped))  # fmt: skip
+                readings.append((reader.label, values, time.perf_counter() - start))
             with self._lock:
-                for reader, reading in readings:
-                    if reading is not None:
-                        self._add(reader.label, phase, *reading)
-
-    def _read(self, reader: GpuReader) -> tuple[dict[str, float], float] | None:
-        start = time.perf_counter()
-        try:
-            values, dropped = reader.read()
-        except Exception as err:  # GpuIsLost, NVML gone, anything: this GPU is done, training not
-            reader.dead = f"{type(err).__name__}: {err}"
-            log.warning("gpu_stats: stopped sampling %s (%s): %s; training continues",
-                        reader.label, reader.name, reader.dead)  # fmt: skip
-            return None
-        if dropped:
-            log.info("gpu_stats: %s no longer reports %s; left out", reader.label, ", ".join(dropped))  # fmt: skip
-        return values, time.perf_counter() - start
+                for label, values, seconds in readings:
+                    self._add(label, phase, values, seconds)
 
     def _add(self, label: str, phase: str | None, values: dict[str, float], s: float) -> None:
         acc = self._acc[phase].setdefault(label, GpuAccumulator()) if phase else None
