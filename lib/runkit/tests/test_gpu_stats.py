@@ -478,13 +478,7 @@ def test_the_exchange_hands_rank_0_every_ranks_payload_and_waits_for_late_ones_o
 
 # --------------------------------------------------------------------------- real Trainer.fit
 class TinyModel(BoringModel):
-    def __init__(self, fail_at_step: int | None = None) -> None:
-        super().__init__()
-        self.fail_at_step = fail_at_step
-
     def training_step(self, batch, batch_idx):
-        if self.fail_at_step is not None and self.global_step >= self.fail_at_step:
-            raise RuntimeError("model blew up")
         out = super().training_step(batch, batch_idx)
         self.log("train_loss", out["loss"], on_step=False, on_epoch=True)
         return out
@@ -604,11 +598,16 @@ def test_energy_continues_across_a_resume_and_reaches_metrics_json(trained, tmp_
     assert written["energy_j_per_gpu"] == {"node0/cuda0": pytest.approx(report["energy_j"])}
 
 
+def blow_up_at_step_3(trainer, pl_module, batch, batch_idx) -> None:
+    if batch_idx == 3:
+        raise RuntimeError("model blew up")
+
+
 def test_an_exception_in_training_still_shuts_nvml_down(tmp_path, use_fake) -> None:
     fake = use_fake(FakeNvml(1))
     monitor = GpuStatsMonitor(interval_s=0.05, device_uuids=[fake.gpus[0].uuid])
     with pytest.raises(RuntimeError, match="model blew up"):
-        fit(tmp_path, monitor, model=TinyModel(fail_at_step=3))
+        fit(tmp_path, monitor, LambdaCallback(on_train_batch_start=blow_up_at_step_3))
     assert fake.init_count == 1 and fake.balanced and not fake.initialised
 
 
