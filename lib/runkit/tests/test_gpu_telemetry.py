@@ -41,7 +41,7 @@ def reader(fake: FakeNvml, index: int, groups=DEFAULT_GROUPS, handle=None) -> Gp
 
 def sampled(clock, *readers, times=(1, 2, 3, 4), prime=True) -> GpuSampler:
     """A sampler that read at t=0 outside any phase (``prime``), then in training at ``times``."""
-    sampler = GpuSampler(readers, interval_s=1.0)
+    sampler = GpuSampler(readers, interval_s=1.0, devices={})
     if prime:  # the energy counter's first reading
         sampler.sample_now()
     sampler.set_phase(TRAIN)

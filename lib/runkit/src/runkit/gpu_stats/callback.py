@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from runkit.gpu_stats.exchange import RankExchange
-from runkit.gpu_stats.sampler import GROUPS, GpuReader, GpuSampler, TorchPeakMemory
+from runkit.gpu_stats.sampler import GROUPS, GpuReader, GpuSampler
 from runkit.gpu_stats.statistics import RunSummary, flatten_epoch, flatten_loop, print_table
 from runkit.gpus import nvml
 
@@ -187,7 +187,6 @@ class GpuStatsMonitor(pl.Callback):
     def _reset_state(self) -> None:
         self._stack = ExitStack()
         self._sampler: GpuSampler | None = None
-        self._peaks: TorchPeakMemory | None = None
         self._exchanges = {
             hook: RankExchange(hook, self.gather_timeout_s)
             for hook in ("setup", "validation end", "training epoch end")
@@ -256,8 +255,8 @@ class GpuStatsMonitor(pl.Callback):
                 problems.append(f"{label}: {type(err).__name__}: {err}")
         if not readers:
             return {"status": "off: no usable GPU", "gpus": [], "problems": problems}
-        self._sampler = GpuSampler(readers, self.interval_s)  # stopped (readers closed) before NVML
-        self._peaks = TorchPeakMemory({label: dev for label, dev, _ in wanted})
+        devices = {label: device for label, device, _ in wanted}
+        self._sampler = GpuSampler(readers, self.interval_s, devices)  # stops before NVML closes
         return {"status": "on", "gpus": [r.identity() for r in readers], "problems": problems}
 
     def _report_setup(self, everyone: Sequence[dict[str, Any]]) -> None:
@@ -280,7 +279,7 @@ class GpuStatsMonitor(pl.Callback):
                     ",".join(ranks), status)  # fmt: skip
 
     def _close(self) -> None:
-        sampler, self._sampler, self._peaks = self._sampler, None, None
+        sampler, self._sampler = self._sampler, None
         if sampler is not None:
             sampler.stop()
         self._stack.close()
@@ -291,11 +290,10 @@ class GpuStatsMonitor(pl.Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
         self._close()  # Lightning does not call ``teardown`` on this path
 
-    def _switch(self, what: str, phase: str | None, reset: bool = True, **restart: bool) -> None:
-        if self._sampler is not None and self._peaks is not None:
+    def _switch(self, what: str, phase: str | None, reset: bool = True) -> None:
+        if self._sampler is not None:
             try:
                 self._sampler.set_phase(phase, reset)
-                self._peaks.restart(**restart)
             except Exception as err:
                 self._failed(what, err)
 
@@ -305,7 +303,7 @@ class GpuStatsMonitor(pl.Callback):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._loop.start_epoch()
-        self._switch("epoch start", "train", clear=True)
+        self._switch("epoch start", "train")
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -320,12 +318,12 @@ class GpuStatsMonitor(pl.Callback):
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
         if not trainer.sanity_checking:
             self._loop.pause()  # until the next training batch: validation is not a data wait
-            self._switch("validation start", "val", stash=True)
+            self._switch("validation start", "val")
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
-        local = self._local(trainer, "val" if self.report_validation else None, False)
+        local = self._local(trainer, "val" if self.report_validation else None)
         # Validation runs inside the training epoch (Lightning calls on_train_epoch_end after it).
         self._switch("validation end", "train", reset=False)
         # Every rank, every validation: the run's energy is current when a checkpoint is saved.
@@ -336,7 +334,7 @@ class GpuStatsMonitor(pl.Callback):
             self._publish(trainer, pl_module, self._flatten(everyone, f"{self.key_prefix}_val"))
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        local = self._local(trainer, "train", True)
+        local = self._local(trainer, "train")
         self._switch("epoch end", None)
         everyone = self._gather(trainer, "training epoch end", local)
         loops = [p.get("loop") for p in everyone]
@@ -349,21 +347,17 @@ class GpuStatsMonitor(pl.Callback):
         if trainer.is_global_zero:
             self._warn_if_starved(trainer, everyone, flat)
 
-    def _local(self, trainer: pl.Trainer, phase: str | None, epoch: bool) -> dict[str, Any]:
+    def _local(self, trainer: pl.Trainer, phase: str | None) -> dict[str, Any]:
         local = {"node": trainer.node_rank, "rank": trainer.global_rank, "loop": self._loop.summary()}  # fmt: skip
-        if self._sampler is None or self._peaks is None:
+        if self._sampler is None:
             return local
         local["boards"] = {r.label: r.board_uuid for r in self._sampler.readers}
         try:
-            (gpus, local["energy_total_j"]), peaks = self._sampler.report(phase), self._peaks.peaks(epoch)  # fmt: skip
+            gpus, local["energy_total_j"] = self._sampler.report(phase)
         except Exception as err:
             self._failed("summary", err)
-            gpus, local["energy_total_j"], peaks = {}, {}, {}
-        if phase is not None:
-            for label, values in peaks.items():
-                gpus.get(label, {}).update(values)
-            local["gpus"] = gpus
-        return local
+            gpus, local["energy_total_j"] = {}, {}
+        return {**local, "gpus": gpus} if phase else local
 
     def _gather(
         self, trainer: pl.Trainer, hook: str, local: dict[str, Any]

@@ -203,8 +203,12 @@ class GpuSampler:
     """Samples :class:`GpuReader` s into per-phase accumulators in a thread, a first sample at
     :meth:`start`; a phase no sample reached reports the latest reading."""
 
-    def __init__(self, readers: Sequence[GpuReader], interval_s: float) -> None:
+    def __init__(
+        self, readers: Sequence[GpuReader], interval_s: float, devices: dict[str, torch.device]
+    ) -> None:
         self.readers, self.interval_s = list(readers), interval_s
+        self.cuda = {label: d for label, d in devices.items() if d.type == "cuda"}
+        self._carry: dict[str, tuple[float, float]] = {}  # training's torch peaks, at validation
         self.phase: str | None = None
         self._acc: dict[str, dict[str, GpuAccumulator]] = {}
         self._latest: dict[str, tuple[dict[str, float], float]] = {}
@@ -263,13 +267,32 @@ class GpuSampler:
             acc.add(values, s)
 
     def set_phase(self, phase: str | None, reset: bool = True) -> None:
+        """Samples count for ``phase`` from now; PyTorch's peaks restart (training's are kept
+        aside while validation runs; a new epoch forgets them)."""
+        if phase == VAL:
+            self._carry = self._torch_peaks(self._carry)
+        elif phase == TRAIN and reset:
+            self._carry = {}
+        for device in self.cuda.values():
+            torch.cuda.reset_peak_memory_stats(device)
         with self._lock:
             self.phase = phase
             if phase is not None and (reset or phase not in self._acc):
                 self._acc[phase] = {}
 
+    def _torch_peaks(self, carry: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+        """PyTorch's peak (allocated, reserved) GiB of each CUDA device since its restart, or
+        ``carry``'s where higher."""
+        peaks = {}
+        for label, d in self.cuda.items():
+            alloc, reserved = carry.get(label, (0.0, 0.0))
+            peaks[label] = (max(alloc, torch.cuda.max_memory_allocated(d) / GIB),
+                            max(reserved, torch.cuda.max_memory_reserved(d) / GIB))  # fmt: skip
+        return peaks
+
     def report(self, phase: str | None) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
-        """``{label: figures}`` of ``phase`` so far and each GPU's energy since the start, J."""
+        """``{label: figures}`` of ``phase`` so far (a training epoch's torch peaks include those
+        before its validation) and each GPU's energy since the start, J."""
         figures = {}
         with self._lock:
             held = self._acc.get(phase, {}) if phase else {}
@@ -281,33 +304,9 @@ class GpuSampler:
                 if acc is not None:
                     figures[reader.label] = acc.summary()
             energy = {label: total / 1000.0 for label, (_, total) in self._energy.items()}
-        return figures, energy
-
-
-class TorchPeakMemory:
-    """PyTorch's peak allocated/reserved memory per CUDA device; the training peaks are stashed as
-    validation starts."""
-
-    def __init__(self, devices: dict[str, torch.device]) -> None:
-        self.devices = {k: d for k, d in devices.items() if d.type == "cuda"}
-        self.carry = dict.fromkeys(self.devices, (0.0, 0.0))
-
-    def peaks(self, include_carry: bool) -> dict[str, dict[str, float]]:
-        out = {}
-        for label, d in self.devices.items():
-            now = (
-                torch.cuda.max_memory_allocated(d) / GIB,
-                torch.cuda.max_memory_reserved(d) / GIB,
+        peaks = self._torch_peaks(self._carry if phase == TRAIN else {}) if phase else {}
+        for label, (alloc, reserved) in peaks.items():
+            figures.get(label, {}).update(
+                torch_peak_alloc_gib=alloc, torch_peak_reserved_gib=reserved
             )
-            alloc, reserved = map(max, now, self.carry[label]) if include_carry else now
-            out[label] = {"torch_peak_alloc_gib": alloc, "torch_peak_reserved_gib": reserved}
-        return out
-
-    def restart(self, stash: bool = False, clear: bool = False) -> None:
-        """New peaks from now; ``stash``: keep the ones so far for the epoch, ``clear``: forget."""
-        if clear:
-            self.carry = dict.fromkeys(self.devices, (0.0, 0.0))
-        for label, peak in self.peaks(include_carry=True).items() if stash else ():
-            self.carry[label] = (peak["torch_peak_alloc_gib"], peak["torch_peak_reserved_gib"])
-        for d in self.devices.values():
-            torch.cuda.reset_peak_memory_stats(d)
+        return figures, energy
