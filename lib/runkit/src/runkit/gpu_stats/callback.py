@@ -179,7 +179,8 @@ class GpuStatsMonitor(pl.Callback):
         wanted = dict(fan=fan, pcie=pcie, ecc=ecc, memory_temperature=memory_temperature, gpm=gpm)
         self.groups = [g for g in GROUPS if wanted.get(g, True)]
         self.per_gpu_keys_up_to, self.log_sampler_cost = per_gpu_keys_up_to, log_sampler_cost
-        self.data_wait_warning, self.gpu_idle_below_pct = float(data_wait_warning), float(gpu_idle_below_pct)  # fmt: skip
+        self.data_wait_warning = float(data_wait_warning)
+        self.gpu_idle_below_pct = float(gpu_idle_below_pct)
         self.device_uuids = None if device_uuids is None else list(device_uuids)
         self.key_prefix = key_prefix
         self._reset_state()
@@ -215,7 +216,8 @@ class GpuStatsMonitor(pl.Callback):
             local = {"status": f"failed to start ({type(err).__name__}: {err})", "gpus": []}
         if local.get("status") != "on":
             self._close()
-        everyone = self._gather(trainer, "setup", {**local, "node": trainer.node_rank, "rank": trainer.global_rank})  # fmt: skip
+        local.update(node=trainer.node_rank, rank=trainer.global_rank)
+        everyone = self._gather(trainer, "setup", local)
         if errors := [p["config_error"] for p in everyone if p.get("config_error")]:
             raise ValueError(errors[0])
         self.identities = everyone
@@ -342,13 +344,15 @@ class GpuStatsMonitor(pl.Callback):
         self._publish(trainer, pl_module, flat)
         self._add_energy(everyone)
         epoch, fit = _count_samples(loops), self._samples
-        self._samples, self._epoch_samples = None if epoch is None or fit is None else fit + epoch, 0.0  # fmt: skip
+        self._samples = None if epoch is None or fit is None else fit + epoch
+        self._epoch_samples = 0.0
         self._summary.add_epoch(everyone)
         if trainer.is_global_zero:
             self._warn_if_starved(trainer, everyone, flat)
 
     def _local(self, trainer: pl.Trainer, phase: str | None) -> dict[str, Any]:
-        local = {"node": trainer.node_rank, "rank": trainer.global_rank, "loop": self._loop.summary()}  # fmt: skip
+        local = {"node": trainer.node_rank, "rank": trainer.global_rank}
+        local["loop"] = self._loop.summary()
         if self._sampler is None:
             return local
         local["boards"] = {r.label: r.board_uuid for r in self._sampler.readers}
@@ -435,8 +439,11 @@ class GpuStatsMonitor(pl.Callback):
         def good(v: Any) -> bool:
             return type(v) in (int, float) and math.isfinite(v) and v >= 0
 
-        if not (isinstance(energy, Mapping) and all(isinstance(k, str) and good(v) for k, v in energy.items())
-                and (samples is None or good(samples))):  # fmt: skip
+        if not (
+            isinstance(energy, Mapping)
+            and all(isinstance(k, str) and good(v) for k, v in energy.items())
+            and (samples is None or good(samples))
+        ):
             log.warning(
                 "gpu_stats: the checkpoint's GPU statistics state is not what this callback "
                 "writes (%.80r); the run's energy counts from this resume on",

@@ -31,10 +31,16 @@ OPTIONAL_GROUPS = ("fan", "pcie", "ecc", "memory_temperature")
 GROUPS = (*DEFAULT_GROUPS, *OPTIONAL_GROUPS)
 # At the probe, these also mean "leave the group out" rather than "this GPU is failing".
 _PROBE_SKIP_ERRORS = (*nvml.UNSUPPORTED_ERRORS, "NVMLError_NoPermission", "NVMLError_NotFound")
-# Logged metric -> pynvml's metric id constant; all are percentages (0-100).
-GPM_METRICS = {"sm_active": "SM_UTIL", "sm_occupancy": "SM_OCCUPANCY",
-               "tensor_active": "ANY_TENSOR_UTIL", "dram_active": "DRAM_BW_UTIL",
-               "fp16_active": "FP16_UTIL", "fp32_active": "FP32_UTIL", "fp64_active": "FP64_UTIL"}  # fmt: skip
+# Logged metric -> pynvml's NVML_GPM_METRIC_* constant, by its suffix; all are percentages.
+GPM_METRICS = {
+    "sm_active": "SM_UTIL",
+    "sm_occupancy": "SM_OCCUPANCY",
+    "tensor_active": "ANY_TENSOR_UTIL",
+    "dram_active": "DRAM_BW_UTIL",
+    "fp16_active": "FP16_UTIL",
+    "fp32_active": "FP32_UTIL",
+    "fp64_active": "FP64_UTIL",
+}
 
 
 class GpmCounters:
@@ -286,8 +292,10 @@ class GpuSampler:
         peaks = {}
         for label, d in self.cuda.items():
             alloc, reserved = carry.get(label, (0.0, 0.0))
-            peaks[label] = (max(alloc, torch.cuda.max_memory_allocated(d) / GIB),
-                            max(reserved, torch.cuda.max_memory_reserved(d) / GIB))  # fmt: skip
+            peaks[label] = (
+                max(alloc, torch.cuda.max_memory_allocated(d) / GIB),
+                max(reserved, torch.cuda.max_memory_reserved(d) / GIB),
+            )
         return peaks
 
     def report(self, phase: str | None) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
