@@ -219,6 +219,7 @@ class GpuStatsMonitor(pl.Callback):
         local.update(node=trainer.node_rank, rank=trainer.global_rank)
         everyone = self._gather(trainer, "setup", local)
         if errors := [p["config_error"] for p in everyone if p.get("config_error")]:
+            self._close()
             raise ValueError(errors[0])
         self.identities = everyone
         if trainer.is_global_zero:
