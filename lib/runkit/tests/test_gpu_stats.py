@@ -106,7 +106,7 @@ class Hand:
     """A monitor driven hook by hook, its loop and the fake NVML on one FakeClock; the sampler's
     thread ends at once, so only setup's reading and :meth:`sample` count. Also the module."""
 
-    def __init__(self, monkeypatch, gpus=(), trainer: dict | None = None, **kwargs) -> None:
+    def __init__(self, monkeypatch, gpus=(), trainer=None, devices=("cpu",), **kwargs) -> None:
         self.clock = FakeClock()
         monkeypatch.setattr(gpu_callback, "LoopTimer", lambda: LoopTimer(self.clock))
         monkeypatch.setattr(GpuSampler, "_run", lambda sampler: None)
@@ -119,7 +119,7 @@ class Hand:
             callbacks=[], loggers=[RecordingLogger()], callback_metrics={}, current_epoch=0,
             global_step=12, train_dataloader=SimpleNamespace(num_workers=0, pin_memory=False, batch_size=4),
         )  # fmt: skip
-        self.trainer = SimpleNamespace(**{**vars(stand_in("cpu")), **values, **(trainer or {})})
+        self.trainer = SimpleNamespace(**{**vars(stand_in(*devices)), **values, **(trainer or {})})
         self.module = self
 
     def log(self, name: str, value: float, **kwargs: Any) -> None:  # as LightningModule.log
@@ -183,9 +183,13 @@ def test_no_driver_or_no_bindings_is_one_line_and_no_warning(monkeypatch, caplog
 
 def test_an_epoch_with_validation_logs_exact_figures_once_each(monkeypatch, caplog, capsys) -> None:
     monkeypatch.setenv("COLUMNS", "200")
+    peaks, resets = [0.0, 0.0], []  # PyTorch's peaks on the stand-in cuda:0, GiB
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: peaks[0] * GIB)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: peaks[1] * GIB)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: resets.append(d) or peaks.__setitem__(slice(None), [0.0, 0.0]))  # fmt: skip
     gpu = FakeGpu(name="Fake H100", util_gpu=[(0, 20), (5, 60)], power_mw=200_000,
                   power_limit_mw=400_000, temperature=[(0, 40), (5, 50)])  # fmt: skip
-    hand = Hand(monkeypatch, [gpu])
+    hand = Hand(monkeypatch, [gpu], devices=("cuda:0",))
     hand.trainer.loggers.append(RecordingLogger())
     monitor, trainer, fake = hand.monitor, hand.trainer, hand.fake
     with caplog.at_level(logging.INFO, logger=LOGGER):
@@ -196,32 +200,36 @@ def test_an_epoch_with_validation_logs_exact_figures_once_each(monkeypatch, capl
     ]
     assert [p["status"] for p in monitor.identities] == ["on"]
     hand.epoch(1.0, 0.5, end=False)  # t = 3.5
+    peaks[:] = [3.0, 4.0]
+    hand.sample(3.5)  # training: util 20, 3.5 s at 200 W
     hand.clock.set(4.0)
-    monitor.on_validation_epoch_start(trainer, hand.module)
-    hand.sample(5.0)  # t=5 counts for validation: util 60, temp 50, 5 s at 200 W
+    monitor.on_validation_epoch_start(trainer, hand.module)  # training's torch peaks kept aside
+    peaks[:] = [1.0, 5.0]
+    hand.sample(5.0)  # t=5 counts for validation: util 60, temp 50, 1.5 s at 200 W
     calls = fake.total_calls()
     monitor.on_validation_epoch_end(trainer, hand.module)
     assert fake.total_calls() == calls  # the hooks read no GPU: a snapshot of the thread's
+    peaks[:] = [2.0, 1.0]
     hand.clock.set(9.0)
     hand.steps(0.5)  # the 5 s of validation are not waiting
-    hand.sample(11.0)  # t=11 counts for training: 6 s at 200 W
+    hand.sample(11.0)  # t=11 counts for training, which goes on: 6 s at 200 W
     reads = fake.total_calls()
     monitor.on_train_epoch_end(trainer, hand.module)
     assert fake.total_calls() == reads
-    monitor.on_fit_end(trainer, None)
-    monitor.teardown(trainer, None, "fit")
-
     (val, val_step), (train, step) = hand.calls
     assert trainer.loggers[1] == hand.calls  # every logger, one call each
     assert val_step == step == 11  # Lightning's own rows of both moments: global_step - 1
-    assert len(val) == 23 and val["epoch"] == 0  # 22 keys of the default groups, and the epoch
+    assert len(val) == 25 and val["epoch"] == 0  # 22 keys of the default groups, 2 torch peaks
     assert {k.split("/")[-1]: v for k, v in val.items() if k != "epoch"}.items() >= {
         "util_mean": 60.0, "util_min": 60.0, "mem_total_gib": 80.0, "temp_c_max": 50.0,
         "power_w_mean": 200.0, "power_ratio_max": 0.5, "sm_clock_mhz_min": 1980.0,
-        "throttle_any_frac": 0.0, "samples": 1.0, "energy_j": pytest.approx(1000.0),
+        "throttle_any_frac": 0.0, "samples": 1.0, "energy_j": pytest.approx(300.0),
+        "torch_peak_alloc_gib": 1.0, "torch_peak_reserved_gib": 5.0,
     }.items()  # fmt: skip
-    assert train["gpu/node0/cuda0/energy_j"] == pytest.approx(1200.0)
-    assert train["gpu/node0/cuda0/samples"] == 1.0 and train["gpu/node0/cuda0/util_mean"] == 60.0
+    assert {k.split("/")[-1]: v for k, v in train.items() if k.startswith("gpu/")}.items() >= {
+        "samples": 2.0, "util_mean": 40.0, "util_min": 20.0, "energy_j": pytest.approx(1900.0),
+        "torch_peak_alloc_gib": 3.0, "torch_peak_reserved_gib": 4.0,  # validation's left out
+    }.items()  # fmt: skip
     # loop: t=0 to the last step's end (10.5) less validation (4 to 9.5); waits 1 + 0.5 + 0.5 s
     assert train["loop/data_wait_frac"] == pytest.approx(2.0 / 5.0)
     assert train["loop/samples_per_s"] == pytest.approx(24 / 5.0)  # 3 batches of 8
@@ -229,11 +237,20 @@ def test_an_epoch_with_validation_logs_exact_figures_once_each(monkeypatch, capl
     assert monitor.state_dict() == {
         "version": 1, "energy_j": {"node0/cuda0": pytest.approx(2200.0)}, "train_samples": 24.0,
     }  # fmt: skip
+    hand.epoch(0.0, end=False)  # a second epoch: its peaks start from nothing
+    peaks[:] = [0.5, 0.5]
+    hand.sample(12.0)
+    monitor.on_train_epoch_end(trainer, hand.module)
+    assert hand.calls[-1][0]["gpu/node0/cuda0/torch_peak_alloc_gib"] == 0.5
+    assert resets == [torch.device("cuda", 0)] * 6  # each epoch's start and end, validation's two
+    monitor.on_fit_end(trainer, None)
+    monitor.teardown(trainer, None, "fit")
     (row,) = monitor.run_summary()
     assert (row["gpu"], row["name"], row["uuid"]) == ("node0/cuda0", "Fake H100", gpu.uuid)
-    assert row["util_mean"] == 60 and row["samples"] == 1 and row["energy_j"] == pytest.approx(1200)
+    assert row["util_mean"] == pytest.approx(140 / 3) and row["samples"] == 3
+    assert row["energy_j"] == pytest.approx(2100)  # training epochs: 1900 J, then 200 J
     out = capsys.readouterr().out
-    assert "GPU statistics over the run" in out and "1.20" in out  # kJ
+    assert "GPU statistics over the run" in out and "2.10" in out  # kJ
     assert fake.balanced and not fake.initialised
 
 
@@ -422,10 +439,13 @@ def ranked(rank: int, world: int = 2) -> SimpleNamespace:
 def test_the_exchange_hands_rank_0_every_ranks_payload_and_waits_for_late_ones_once(store, caplog) -> None:  # fmt: skip
     mine, theirs = {"gpus": {"cuda0": {"util_mean": 1.0}}}, {"gpus": {"cuda1": {"util_mean": 2.0}}}
     # Rank 1 posts and goes on at once: it never waits for anyone.
-    assert RankExchange("epoch", timeout_s=5).gather(ranked(1), theirs) == [theirs]
+    sender = RankExchange("epoch", timeout_s=5)
+    assert sender.gather(ranked(1), theirs) == [theirs]
     gathered = RankExchange("epoch", timeout_s=5).gather(ranked(0), mine)
     assert gathered == [mine, theirs] and gathered[0] is mine and gathered[1] is not theirs
-    assert not store.check(["runkit/epoch/1/1"])  # read, then removed
+    for _ in range(2):  # two rounds on, its owner removes it
+        sender.gather(ranked(1), theirs)
+    assert not store.check(["runkit/epoch/1/1"]) and store.check(["runkit/epoch/3/1"])
     one = RankExchange("epoch", timeout_s=5)
     assert one.gather(ranked(0, world=1), mine) == [mine] and one._round == 0  # no store
     # With a monitor on any rank, every rank gets every payload.
@@ -436,12 +456,8 @@ def test_the_exchange_hands_rank_0_every_ranks_payload_and_waits_for_late_ones_o
     assert json.loads(store.get("runkit/every/1/0")) == zero  # posted for rank 1 to read
     rank1 = RankExchange("every", timeout_s=5)
     assert rank1.gather(ranked(1), first, every_rank=True) == [zero, first]  # rank order
-    assert store.check(["runkit/every/1/1"])  # the owner removes its own, later
-    for _ in range(2):
-        store.set(f"runkit/every/{rank1._round + 1}/0", "{}")
-        rank1.gather(ranked(1), first, every_rank=True)
-    assert not store.check(["runkit/every/1/1"])  # two rounds on: removed
-    # A late rank costs rank 0 the timeout, one warning, and its key once posted.
+    assert store.check(["runkit/every/1/1"])  # its owner removes it, later (as above)
+    # A late rank costs rank 0 the timeout and one warning.
     exchange = RankExchange("validation end", timeout_s=0.6)
     started = time.monotonic()
     with caplog.at_level(logging.WARNING):
@@ -452,22 +468,11 @@ def test_the_exchange_hands_rank_0_every_ranks_payload_and_waits_for_late_ones_o
         "gpu_stats: rank 1,2 did not reach validation end within 1 s; its figures are left out "
         "this time (a rank held up elsewhere: look at that rank's log)"
     )
-    store.set("runkit/validation end/1/2", "{}")  # posted after rank 0 went on
-    exchange.timeout_s = 0.1
-    exchange.gather(ranked(0, world=3), {"node": 0})  # round 2: late again, round 1's removed
-    assert not store.check(["runkit/validation end/1/2"])
-    assert store.check(["runkit/validation end/1/1"]) is False  # never posted: nothing left
 
 
 # --------------------------------------------------------------------------- real Trainer.fit
 class TinyModel(BoringModel):
-    def __init__(self, fail_at_step: int | None = None) -> None:
-        super().__init__()
-        self.fail_at_step = fail_at_step
-
     def training_step(self, batch, batch_idx):
-        if self.fail_at_step is not None and self.global_step >= self.fail_at_step:
-            raise RuntimeError("model blew up")
         out = super().training_step(batch, batch_idx)
         self.log("train_loss", out["loss"], on_step=False, on_epoch=True)
         return out
@@ -587,11 +592,16 @@ def test_energy_continues_across_a_resume_and_reaches_metrics_json(trained, tmp_
     assert written["energy_j_per_gpu"] == {"node0/cuda0": pytest.approx(report["energy_j"])}
 
 
+def blow_up_at_step_3(trainer, pl_module, batch, batch_idx) -> None:
+    if batch_idx == 3:
+        raise RuntimeError("model blew up")
+
+
 def test_an_exception_in_training_still_shuts_nvml_down(tmp_path, use_fake) -> None:
     fake = use_fake(FakeNvml(1))
     monitor = GpuStatsMonitor(interval_s=0.05, device_uuids=[fake.gpus[0].uuid])
     with pytest.raises(RuntimeError, match="model blew up"):
-        fit(tmp_path, monitor, model=TinyModel(fail_at_step=3))
+        fit(tmp_path, monitor, LambdaCallback(on_train_batch_start=blow_up_at_step_3))
     assert fake.init_count == 1 and fake.balanced and not fake.initialised
 
 

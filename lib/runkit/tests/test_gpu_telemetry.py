@@ -1,4 +1,4 @@
-"""The GPU figures below the callback (sampler, readers, GPM, keys, energy); no Trainer."""
+"""The GPU figures below the callback (readers, GPM, the sampler, keys, energy); no Trainer."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import pynvml
 import pytest
 import torch
 
-from runkit.gpu_stats import sampler as gpu_sampler
 from runkit.gpu_stats.callback import GpuStatsMonitor, energy_report
-from runkit.gpu_stats.sampler import DEFAULT_GROUPS, TRAIN, VAL, GpuReader, GpuSampler
+from runkit.gpu_stats.sampler import DEFAULT_GROUPS, GPM_METRICS, TRAIN, GpuReader, GpuSampler
 from runkit.gpu_stats.statistics import RunSummary, flatten_epoch, flatten_loop
 from runkit.gpus import nvml
 from runkit.testing.fake_nvml import GIB, FakeClock, FakeGpu, FakeNvml, FakeProcess
@@ -36,17 +35,20 @@ def nvml_of():
         fake.nvmlShutdown()
 
 
-def open_reader(fake: FakeNvml, index: int, groups=DEFAULT_GROUPS, handle=None) -> GpuReader:
-    handle = handle or fake.nvmlDeviceGetHandleByIndex(index)
-    reader = GpuReader(fake, handle, f"cuda{index}", groups)
-    reader.probe()
-    return reader
+def reader(fake: FakeNvml, index: int, groups=DEFAULT_GROUPS, handle=None) -> GpuReader:
+    return GpuReader(fake, handle or fake.nvmlDeviceGetHandleByIndex(index), f"cuda{index}", groups)
 
 
-def sample_at(sampler: GpuSampler, clock: FakeClock, *times: float) -> None:
+def sampled(clock, *readers, times=(1, 2, 3, 4), prime=True) -> GpuSampler:
+    """A sampler that read at t=0 outside any phase (``prime``), then in training at ``times``."""
+    sampler = GpuSampler(readers, interval_s=1.0, devices={})
+    if prime:  # the energy counter's first reading
+        sampler.sample_now()
+    sampler.set_phase(TRAIN)
     for t in times:
         clock.set(t)
         sampler.sample_now()
+    return sampler
 
 
 # --------------------------------------------------------------------------- sampling
@@ -58,11 +60,7 @@ def test_epoch_statistics_are_exact_on_a_fake_clock(nvml_of) -> None:
                   clock_sm_mhz=[(0, 1800), (3, 1200)],
                   clocks_event_reasons=[(0, 0), (3, pynvml.nvmlClocksEventReasonSwPowerCap)],
                   processes=[FakeProcess("self", [(0, GIB), (2, 3 * GIB)])])  # fmt: skip
-    sampler = GpuSampler([open_reader(nvml_of(gpu, clock=clock), 0)], interval_s=1.0)
-    sampler.sample_now()  # before any phase: only primes the energy counter
-    sampler.set_phase(TRAIN)  # t=0
-    sample_at(sampler, clock, 1, 2, 3, 4)
-    s = sampler.report(TRAIN)[0]["cuda0"]
+    s = sampled(clock, reader(nvml_of(gpu, clock=clock), 0)).report(TRAIN)[0]["cuda0"]
     # A boundary sample belongs to the phase it closes: the epoch's samples are t = 1, 2, 3, 4.
     expected = {
         "samples": 4, "util_mean": (10 + 50 + 50 + 90) / 4, "util_max": 90, "util_min": 10,
@@ -75,104 +73,56 @@ def test_epoch_statistics_are_exact_on_a_fake_clock(nvml_of) -> None:
     assert {k: s[k] for k in expected} == pytest.approx(expected)
 
 
-def test_validation_is_split_out_of_the_training_epoch(nvml_of) -> None:
-    clock = FakeClock()
-    gpu = FakeGpu(util_gpu=[(0, 80), (2, 10), (3, 80)], power_mw=[(0, 400_000), (2, 100_000), (3, 400_000)])  # fmt: skip
-    sampler = GpuSampler([open_reader(nvml_of(gpu, clock=clock), 0)], interval_s=1.0)
-    sampler.sample_now()  # t=0: primes the energy counter
-    sampler.set_phase(TRAIN)
-    sample_at(sampler, clock, 1, 2)  # t=2 closes train (util 10 counts for train)
-    sampler.set_phase(VAL)
-    sample_at(sampler, clock, 3)
-    val = sampler.report(VAL)[0]["cuda0"]
-    sampler.set_phase(TRAIN, reset=False)
-    sample_at(sampler, clock, 4)
-    train, energy = sampler.report(TRAIN)
-    train = train["cuda0"]
-    assert train["samples"] == 3 and train["util_mean"] == pytest.approx((80 + 10 + 80) / 3)
-    assert val["samples"] == 1 and val["util_mean"] == 80
-    # energy: train gets t 0..2 (2 s x 400 W) and 3..4 (400 W); val gets 2..3 (100 W)
-    assert train["energy_j"] == pytest.approx(1200) and val["energy_j"] == pytest.approx(100)
-    assert energy == {"cuda0": pytest.approx(1300)}  # the run's, since the first sample
-
-
 def test_unsupported_metrics_are_left_out_never_zero_and_optional_ones_read_in_units(nvml_of) -> None:  # fmt: skip
     mig_parent = FakeGpu(name="A100", mig=[FakeGpu(name="A100 MIG 1g.10gb", memory_total=10 * GIB)])
     datacenter = FakeGpu(fan_pct=None).fail("power", "not_supported")
     datacenter.fail("nvmlDeviceGetCurrentClocksEventReasons", "function_not_found")  # old driver
     fake = nvml_of(datacenter, mig_parent)
     groups = [*DEFAULT_GROUPS, "fan", "memory_temperature"]
-    plain = open_reader(fake, 0, groups)
+    plain = reader(fake, 0, groups)
     mig_handle = fake.nvmlDeviceGetMigDeviceHandleByIndex(fake.nvmlDeviceGetHandleByIndex(1), 0)
-    mig = open_reader(fake, 1, groups, mig_handle)
+    mig = reader(fake, 1, groups, mig_handle)
     assert set(plain.unsupported) == {"power", "fan", "memory_temperature", "gpm"}  # no GPM here
     assert "throttle" in plain.groups  # fell back to nvmlDeviceGetCurrentClocksThrottleReasons
     assert set(mig.unsupported) == {"utilization", "fan", "memory_temperature", "gpm"}
     assert mig.is_mig and mig.nvml_index == 1  # whole-GPU values come from the parent
     assert mig.identity()["board_uuid"] == fake.gpus[1].uuid  # energy counted per physical GPU
-    sampler = GpuSampler([plain, mig], interval_s=1.0)
-    sampler.sample_now()
-    sampler.set_phase(TRAIN)
-    out = sampler.report(TRAIN)[0]  # no sample of its own: the latest reading
+    out = sampled(FakeClock(), plain, mig, times=()).report(TRAIN)[0]  # the latest reading
     assert not any(k.startswith(("power", "fan", "mem_temp")) for k in out["cuda0"])
     assert "throttle_any_frac" in out["cuda0"] and "temp_c_mean" in out["cuda0"]
     assert not any(k.startswith(("util", "mem_util", "fan")) for k in out["cuda1"])
     assert out["cuda1"]["mem_total_gib"] == 10 and "power_w_mean" in out["cuda1"]
     gpu = FakeGpu(fan_pct=60, pcie_tx_kbs=2048, pcie_rx_kbs=512, ecc_uncorrected=3, memory_temperature=80)  # fmt: skip
-    reader = open_reader(nvml_of(gpu, clock=lambda: 0.0), 0, ["fan", "pcie", "ecc", "memory_temperature"])  # fmt: skip
-    assert reader.read() == (
+    optional = reader(nvml_of(gpu, clock=lambda: 0.0), 0, ["fan", "pcie", "ecc", "memory_temperature"])  # fmt: skip
+    assert optional.read() == (
         {"fan_pct": 60.0, "pcie_tx_mbs": 2.0, "pcie_rx_mbs": 0.5, "ecc_uncorrected": 3.0, "mem_temp_c": 80.0},
         [],
     )  # fmt: skip
-    assert reader.unsupported == {}
+    assert optional.unsupported == {}
 
 
 def test_gpu_lost_mid_run_warns_once_and_the_others_continue(nvml_of, caplog) -> None:
     clock = FakeClock()
     fake = nvml_of(FakeGpu(util_gpu=30), FakeGpu(util_gpu=60).lose(at=2.0), clock=clock)
-    sampler = GpuSampler([open_reader(fake, 0), open_reader(fake, 1)], interval_s=1.0)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        sampler.set_phase(TRAIN)
-        sample_at(sampler, clock, 1, 2, 3, 4, 4)
+        sampler = sampled(clock, reader(fake, 0), reader(fake, 1), times=(1, 2, 3, 4, 4))
     out = sampler.report(TRAIN)[0]
     # samples at t = 1, 2, 3, 4, 4; the lost GPU only has t = 1
     assert out["cuda0"]["samples"] == 5 and out["cuda0"]["util_mean"] == 30
     assert out["cuda1"]["samples"] == 1 and out["cuda1"]["util_mean"] == 60
     lost = [r for r in caplog.records if "stopped sampling cuda1" in r.message]
     assert len(lost) == 1 and "GpuIsLost" in lost[0].message
-    assert [r.label for r in sampler.alive] == ["cuda0"]
-
-
-def test_torch_peaks_leave_validation_out_of_the_epoch(monkeypatch) -> None:
-    peaks = [0.0, 0.0]
-    resets: list[torch.device] = []
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: peaks[0] * GIB)
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: peaks[1] * GIB)
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: resets.append(d) or peaks.__setitem__(slice(None), [0.0, 0.0]))  # fmt: skip
-    memory = gpu_sampler.TorchPeakMemory({"cuda0": torch.device("cuda", 0), "cpu": torch.device("cpu")})  # fmt: skip
-    assert list(memory.devices) == ["cuda0"]  # CPU devices have no CUDA peaks
-    memory.restart(clear=True)  # the epoch starts
-    peaks[:] = [3.0, 4.0]  # training
-    memory.restart(stash=True)  # validation starts: training's peaks kept aside
-    peaks[:] = [1.0, 5.0]  # validation
-    assert memory.peaks(False) == {"cuda0": {"torch_peak_alloc_gib": 1.0, "torch_peak_reserved_gib": 5.0}}  # fmt: skip
-    memory.restart()
-    peaks[:] = [2.0, 1.0]  # training again
-    assert memory.peaks(True) == {"cuda0": {"torch_peak_alloc_gib": 3.0, "torch_peak_reserved_gib": 4.0}}  # fmt: skip
-    memory.restart(clear=True)
-    assert memory.peaks(True)["cuda0"]["torch_peak_alloc_gib"] == 0.0
-    assert resets == [torch.device("cuda", 0)] * 4
+    assert sampler.readers[1].dead and not sampler.readers[0].dead
 
 
 # --------------------------------------------------------------------------- GPM
 def test_gpm_readings_cover_each_sampling_interval_exactly(nvml_of) -> None:
     clock = FakeClock()
     fake = nvml_of(FakeGpu(gpm={**HOPPER_GPM, "SM_UTIL": [(0, 20), (2, 80)]}), clock=clock)
-    reader = open_reader(fake, 0)  # first sample at t=0
-    assert "gpm" in reader.groups and fake.gpm_samples_live == 2
-    sampler = GpuSampler([reader], interval_s=1.0)
-    sampler.set_phase(TRAIN)
-    sample_at(sampler, clock, 1, 3, 4)  # intervals 0-1 (20 %), 1-3 (half 20, half 80 %), 3-4 (80)
+    gpu = reader(fake, 0)  # first sample at t=0
+    assert "gpm" in gpu.groups and fake.gpm_samples_live == 2
+    # intervals 0-1 (20 %), 1-3 (half 20, half 80 %), 3-4 (80)
+    sampler = sampled(clock, gpu, times=(1, 3, 4), prime=False)
     s = sampler.report(TRAIN)[0]["cuda0"]
     assert s["sm_active_mean"] == pytest.approx((20 + 50 + 80) / 3)
     assert s["sm_active_max"] == pytest.approx(80) and s["sm_occupancy_mean"] == 30
@@ -185,7 +135,7 @@ def test_gpm_readings_cover_each_sampling_interval_exactly(nvml_of) -> None:
 def test_gpm_taken_by_a_profiler_pauses_with_one_line_and_comes_back(nvml_of, caplog) -> None:
     clock = FakeClock()
     gpu = FakeGpu(gpm={"SM_UTIL": 50})
-    reader = open_reader(nvml_of(gpu, clock=clock), 0)
+    counters = reader(nvml_of(gpu, clock=clock), 0)
     gpu.fail("nvmlGpmSampleGet", "in_use", start=1.5)  # DCGM or Nsight takes the counters
     readings = []
     with caplog.at_level(logging.INFO, logger=LOGGER):
@@ -193,36 +143,35 @@ def test_gpm_taken_by_a_profiler_pauses_with_one_line_and_comes_back(nvml_of, ca
             clock.set(t)
             if t == 4:
                 gpu.heal("nvmlGpmSampleGet")
-            readings.append(reader.read()[0].get("sm_active"))
+            readings.append(counters.read()[0].get("sm_active"))
     # t=2, 3 refused; t=4 starts a fresh pair (no figure yet); t=5 has one again
     assert readings == [50, None, None, None, 50]
-    assert "gpm" in reader.groups and reader.dead is None  # the other metrics never stopped
+    assert "gpm" in counters.groups and counters.dead is None  # the other metrics never stopped
     messages = [r.getMessage() for r in caplog.records]
     assert sum("GPM refused (InUse)" in m and "profiler" in m for m in messages) == 1
     assert sum("GPM figures are back" in m for m in messages) == 1
-    reader.close()
+    counters.close()
 
 
 def test_gpm_of_a_mig_slice_is_its_own_and_without_gpm_no_samples_are_held(nvml_of) -> None:
     fake = nvml_of(FakeGpu(), FakeGpu(gpm=HOPPER_GPM).fail("gpm", "function_not_found"))
     for index in range(2):
-        reader = open_reader(fake, index)
-        assert "gpm" not in reader.groups and "gpm" in reader.unsupported
-        assert not set(gpu_sampler.GPM_METRICS) & set(reader.read()[0])
+        gpu = reader(fake, index)
+        assert "gpm" not in gpu.groups and "gpm" in gpu.unsupported
+        assert not set(GPM_METRICS) & set(gpu.read()[0])
     assert fake.calls["nvmlGpmSampleAlloc"] == 0
     lost = nvml_of(FakeGpu(gpm=HOPPER_GPM).fail("nvmlGpmSampleGet", "gpu_is_lost"))
-    counters = gpu_sampler.GpmCounters(lost, lost.nvmlDeviceGetHandleByIndex(0), "cuda0", None)
-    with pytest.raises(lost.NVMLError_GpuIsLost):
-        counters.open()
+    with pytest.raises(lost.NVMLError_GpuIsLost):  # not "unsupported": the reader fails
+        reader(lost, 0)
     assert lost.calls["nvmlGpmSampleAlloc"] == 2 and lost.gpm_samples_live == 0
     clock = FakeClock()
     slices = nvml_of(FakeGpu(mig=[FakeGpu(gpm={"SM_UTIL": 10}), FakeGpu(gpm={"SM_UTIL": 70})]), clock=clock)  # fmt: skip
     second = slices.nvmlDeviceGetMigDeviceHandleByIndex(slices.nvmlDeviceGetHandleByIndex(0), 1)
-    reader = open_reader(slices, 0, handle=second)
+    gpu = reader(slices, 0, handle=second)
     clock.advance(1)
-    assert reader.read()[0]["sm_active"] == 70  # the second slice's, not the first's nor the GPU's
+    assert gpu.read()[0]["sm_active"] == 70  # the second slice's, not the first's nor the GPU's
     assert slices.calls["nvmlGpmMigSampleGet"] == 2 and slices.calls["nvmlGpmSampleGet"] == 0
-    reader.close()
+    gpu.close()
     assert slices.gpm_samples_live == 0
 
 
@@ -264,8 +213,8 @@ def test_keys_per_gpu_then_aggregates_mig_energy_once_loop_figures_and_run_summa
     )
     assert monitor.run_energy_j() == {"node0/cuda0": 100.0}
     loops = [
-        {"loop_s": 10.0, "data_wait_s": 2.0, "steps": 10, "samples": 100.0},
-        {"loop_s": 10.0, "data_wait_s": 5.0, "steps": 10, "samples": 100.0},
+        {"loop_s": 10.0, "data_wait_s": 2.0, "samples": 100.0},
+        {"loop_s": 10.0, "data_wait_s": 5.0, "samples": 100.0},
         None,  # a rank that ran no step
     ]  # the slowest rank's share; the run's throughput
     assert flatten_loop(loops) == {"loop/data_wait_frac": 0.5, "loop/samples_per_s": 20.0}
@@ -313,7 +262,6 @@ def test_energy_report_from_a_resumed_run_with_or_without_samples() -> None:
     assert report({}) is None and energy_report(SimpleNamespace(callbacks=[])) is None
 
 
-# --------------------------------------------------------------------------- a real Hopper GPU
 @pytest.mark.gpu
 def test_real_gpm_on_a_hopper_gpu() -> None:
     if not torch.cuda.is_available():
@@ -322,18 +270,17 @@ def test_real_gpm_on_a_hopper_gpu() -> None:
     with nvml.nvml_session() as lib:
         found = nvml.find_handle(lib, str(torch.cuda.get_device_properties(0).uuid))
         assert found is not None
-        reader = GpuReader(lib, found[0], "cuda0", DEFAULT_GROUPS)
-        reader.probe()
+        gpu = GpuReader(lib, found[0], "cuda0", DEFAULT_GROUPS)
         try:
-            if "gpm" not in reader.groups:
-                pytest.skip(f"GPM is not supported here ({reader.unsupported.get('gpm')})")
+            if "gpm" not in gpu.groups:
+                pytest.skip(f"GPM is not supported here ({gpu.unsupported.get('gpm')})")
             a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
             end = time.monotonic() + 1.0
             while time.monotonic() < end:  # tensor-core work for a second
                 a = (a @ a).clamp_(-1, 1)
             torch.cuda.synchronize()
-            values, _ = reader.read()
+            values, _ = gpu.read()
         finally:
-            reader.close()
+            gpu.close()
     assert 0 < values["sm_active"] <= 100 and 0 < values["tensor_active"] <= 100
     assert 0 <= values["sm_occupancy"] <= 100 and 0 <= values["dram_active"] <= 100

@@ -21,15 +21,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from runkit.gpu_stats.exchange import RankExchange
-from runkit.gpu_stats.sampler import (
-    DEFAULT_GROUPS,
-    OPTIONAL_GROUPS,
-    TRAIN,
-    VAL,
-    GpuReader,
-    GpuSampler,
-    TorchPeakMemory,
-)
+from runkit.gpu_stats.sampler import GROUPS, GpuReader, GpuSampler
 from runkit.gpu_stats.statistics import RunSummary, flatten_epoch, flatten_loop, print_table
 from runkit.gpus import nvml
 
@@ -185,7 +177,7 @@ class GpuStatsMonitor(pl.Callback):
         self.interval_s, self.gather_timeout_s = float(interval_s), float(gather_timeout_s)
         self.report_validation, self.summary_table = report_validation, summary_table
         wanted = dict(fan=fan, pcie=pcie, ecc=ecc, memory_temperature=memory_temperature, gpm=gpm)
-        self.groups = [g for g in (*DEFAULT_GROUPS, *OPTIONAL_GROUPS) if wanted.get(g, True)]
+        self.groups = [g for g in GROUPS if wanted.get(g, True)]
         self.per_gpu_keys_up_to, self.log_sampler_cost = per_gpu_keys_up_to, log_sampler_cost
         self.data_wait_warning = float(data_wait_warning)
         self.gpu_idle_below_pct = float(gpu_idle_below_pct)
@@ -196,7 +188,6 @@ class GpuStatsMonitor(pl.Callback):
     def _reset_state(self) -> None:
         self._stack = ExitStack()
         self._sampler: GpuSampler | None = None
-        self._peaks: TorchPeakMemory | None = None
         self._exchanges = {
             hook: RankExchange(hook, self.gather_timeout_s)
             for hook in ("setup", "validation end", "training epoch end")
@@ -204,13 +195,11 @@ class GpuStatsMonitor(pl.Callback):
         self.identities: list[dict[str, Any]] = []  # every rank's setup report
         self._summary = RunSummary()
         self._loop = LoopTimer()
-        self._fit_energy_j: dict[str, float] = {}  # this fit, per physical GPU
-        self._fit_samples: float | None = 0.0  # training samples of this fit, every rank
-        self._epoch_samples: float | None = 0.0  # of the epoch under way, at its validation
+        self._energy_j: dict[str, float] = {}  # this fit, per physical GPU
         self._restored_energy_j: dict[str, float] = {}  # from the checkpoint a resume starts at
-        self._restored_samples: float | None = 0.0
+        self._samples: float | None = 0.0  # training samples, every rank: restored and past epochs
+        self._epoch_samples: float | None = 0.0  # of the epoch under way, at its validation
 
-    # ------------------------------------------------------------------ lifecycle
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -225,12 +214,11 @@ class GpuStatsMonitor(pl.Callback):
             local = {"config_error": str(err)}
         except Exception as err:  # never let statistics break a run
             local = {"status": f"failed to start ({type(err).__name__}: {err})", "gpus": []}
-        if "status" in local and local["status"] != "on":
+        if local.get("status") != "on":
             self._close()
         local.update(node=trainer.node_rank, rank=trainer.global_rank)
-        everyone = self._exchanges["setup"].gather(trainer, local, self._watched(trainer))
-        errors = [p["config_error"] for p in everyone if p.get("config_error")]
-        if errors:
+        everyone = self._gather(trainer, "setup", local)
+        if errors := [p["config_error"] for p in everyone if p.get("config_error")]:
             self._close()
             raise ValueError(errors[0])
         self.identities = everyone
@@ -261,25 +249,17 @@ class GpuStatsMonitor(pl.Callback):
             return {"status": f"off: {err}", "gpus": []}
         readers, problems = [], []
         for label, _device, uuid in wanted:
-            found = nvml.find_handle(lib, uuid) if uuid else None
-            if found is None:
-                problems.append(f"{label}: no NVML device with UUID {uuid!r}")
-                continue
-            reader = None
             try:
-                reader = GpuReader(lib, found[0], label, self.groups)
-                reader.probe()
+                if (found := nvml.find_handle(lib, uuid) if uuid else None) is None:
+                    problems.append(f"{label}: no NVML device with UUID {uuid!r}")
+                else:
+                    readers.append(GpuReader(lib, found[0], label, self.groups))
             except Exception as err:
-                if reader is not None:
-                    reader.close()
                 problems.append(f"{label}: {type(err).__name__}: {err}")
-                continue
-            readers.append(reader)
-            self._stack.callback(reader.close)  # its GPM samples go before NVML shuts down
         if not readers:
             return {"status": "off: no usable GPU", "gpus": [], "problems": problems}
-        self._sampler = GpuSampler(readers, self.interval_s)
-        self._peaks = TorchPeakMemory({label: dev for label, dev, _ in wanted})
+        devices = {label: device for label, device, _ in wanted}
+        self._sampler = GpuSampler(readers, self.interval_s, devices)  # stops before NVML closes
         return {"status": "on", "gpus": [r.identity() for r in readers], "problems": problems}
 
     def _report_setup(self, everyone: Sequence[dict[str, Any]]) -> None:
@@ -302,7 +282,7 @@ class GpuStatsMonitor(pl.Callback):
                     ",".join(ranks), status)  # fmt: skip
 
     def _close(self) -> None:
-        sampler, self._sampler, self._peaks = self._sampler, None, None
+        sampler, self._sampler = self._sampler, None
         if sampler is not None:
             sampler.stop()
         self._stack.close()
@@ -313,22 +293,20 @@ class GpuStatsMonitor(pl.Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
         self._close()  # Lightning does not call ``teardown`` on this path
 
+    def _switch(self, what: str, phase: str | None, reset: bool = True) -> None:
+        if self._sampler is not None:
+            try:
+                self._sampler.set_phase(phase, reset)
+            except Exception as err:
+                self._failed(what, err)
+
     def _failed(self, what: str, err: Exception) -> None:
         log.warning("gpu_stats: %s failed (%s: %s); sampling stops", what, type(err).__name__, err)
         self._close()
 
-    def _switch(self, what: str, phase: str | None, reset: bool = True, **restart: bool) -> None:
-        if self._sampler is not None and self._peaks is not None:
-            try:
-                self._sampler.set_phase(phase, reset)
-                self._peaks.restart(**restart)
-            except Exception as err:
-                self._failed(what, err)
-
-    # ------------------------------------------------------------------ phases
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._loop.start_epoch()
-        self._switch("epoch start", TRAIN, clear=True)
+        self._switch("epoch start", "train")
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -341,71 +319,66 @@ class GpuStatsMonitor(pl.Callback):
         self._loop.batch_end(batch)
 
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        if trainer.sanity_checking:
-            return
-        self._loop.pause()  # until the next training batch: validation is not a data wait
-        self._switch("validation start", VAL, stash=True)
+        if not trainer.sanity_checking:
+            self._loop.pause()  # until the next training batch: validation is not a data wait
+            self._switch("validation start", "val")
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
-        local = self._local(trainer, VAL if self.report_validation else None, False)
+        local = self._local(trainer, "val" if self.report_validation else None)
         # Validation runs inside the training epoch (Lightning calls on_train_epoch_end after it).
-        self._switch("validation end", TRAIN, reset=False)
+        self._switch("validation end", "train", reset=False)
         # Every rank, every validation: the run's energy is current when a checkpoint is saved.
-        everyone = self._exchanges["validation end"].gather(trainer, local, self._watched(trainer))
+        everyone = self._gather(trainer, "validation end", local)
         self._add_energy(everyone)
         self._epoch_samples = _count_samples([p.get("loop") for p in everyone])
         if self.report_validation:
-            root = f"{self.key_prefix}_val"
-            flat = flatten_epoch(everyone, root, self.log_sampler_cost, self.per_gpu_keys_up_to)
-            self._publish(trainer, pl_module, flat)
+            self._publish(trainer, pl_module, self._flatten(everyone, f"{self.key_prefix}_val"))
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        local = self._local(trainer, TRAIN, True)
+        local = self._local(trainer, "train")
         self._switch("epoch end", None)
-        exchange = self._exchanges["training epoch end"]
-        everyone = exchange.gather(trainer, local, self._watched(trainer))
+        everyone = self._gather(trainer, "training epoch end", local)
         loops = [p.get("loop") for p in everyone]
-        flat = flatten_epoch(everyone, self.key_prefix, self.log_sampler_cost, self.per_gpu_keys_up_to)  # fmt: skip
-        flat.update(flatten_loop(loops))
+        flat = {**self._flatten(everyone, self.key_prefix), **flatten_loop(loops)}
         self._publish(trainer, pl_module, flat)
         self._add_energy(everyone)
-        epoch, fit = _count_samples(loops), self._fit_samples
-        self._fit_samples = None if epoch is None or fit is None else fit + epoch
+        epoch, fit = _count_samples(loops), self._samples
+        self._samples = None if epoch is None or fit is None else fit + epoch
         self._epoch_samples = 0.0
         self._summary.add_epoch(everyone)
         if trainer.is_global_zero:
             self._warn_if_starved(trainer, everyone, flat)
 
-    def _local(self, trainer: pl.Trainer, phase: str | None, epoch: bool) -> dict[str, Any]:
-        local: dict[str, Any] = {"node": trainer.node_rank, "rank": trainer.global_rank}
+    def _local(self, trainer: pl.Trainer, phase: str | None) -> dict[str, Any]:
+        local = {"node": trainer.node_rank, "rank": trainer.global_rank}
         local["loop"] = self._loop.summary()
-        if self._sampler is None or self._peaks is None:
+        if self._sampler is None:
             return local
         local["boards"] = {r.label: r.board_uuid for r in self._sampler.readers}
         try:
-            (gpus, local["energy_total_j"]), peaks = self._sampler.report(phase), self._peaks.peaks(epoch)  # fmt: skip
+            gpus, local["energy_total_j"] = self._sampler.report(phase)
         except Exception as err:
             self._failed("summary", err)
-            gpus, local["energy_total_j"], peaks = {}, {}, {}
-        if phase is not None:
-            for label, values in peaks.items():
-                gpus.get(label, {}).update(values)
-            local["gpus"] = gpus
-        return local
+            gpus, local["energy_total_j"] = {}, {}
+        return {**local, "gpus": gpus} if phase else local
 
-    def _watched(self, trainer: pl.Trainer) -> bool:
-        """A monitor watches one of our keys: every rank needs the run's figures, not only rank 0."""
+    def _gather(
+        self, trainer: pl.Trainer, hook: str, local: dict[str, Any]
+    ) -> list[dict[str, Any]]:
+        """Every rank's ``local``; a monitor watching one of our keys needs them on every rank."""
         prefixes = (f"{self.key_prefix}/", f"{self.key_prefix}_val/", "loop/")
-        return any(key.startswith(prefixes) for key in monitored_keys(trainer))
+        watched = any(key.startswith(prefixes) for key in monitored_keys(trainer))
+        return self._exchanges[hook].gather(trainer, local, watched)
+
+    def _flatten(self, everyone: Sequence[dict[str, Any]], root: str) -> dict[str, float]:
+        return flatten_epoch(everyone, root, self.log_sampler_cost, self.per_gpu_keys_up_to)
 
     def _publish(self, trainer: pl.Trainer, pl_module: Any, metrics: dict[str, float]) -> None:
-        if not metrics:
-            return
         for key in sorted(monitored_keys(trainer) & metrics.keys()):
             pl_module.log(key, float(metrics[key]), logger=False, batch_size=1)
-        if trainer.is_global_zero:
+        if metrics and trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(
                     {**metrics, "epoch": trainer.current_epoch},
@@ -439,7 +412,6 @@ class GpuStatsMonitor(pl.Callback):
             settings,
         )
 
-    # ------------------------------------------------------------------ energy over the run
     def _add_energy(self, everyone: Sequence[dict[str, Any]]) -> None:
         """This fit's energy per physical GPU so far, each counted once."""
         seen: set[str] = set()
@@ -448,15 +420,15 @@ class GpuStatsMonitor(pl.Callback):
                 board = p.get("boards", {}).get(label, f"{p['node']}/{label}")
                 if board not in seen:
                     seen.add(board)
-                    self._fit_energy_j[f"node{p['node']}/{label}"] = joules
+                    self._energy_j[f"node{p['node']}/{label}"] = joules
 
     def run_energy_j(self) -> dict[str, float]:
-        restored, fit = self._restored_energy_j, self._fit_energy_j
+        restored, fit = self._restored_energy_j, self._energy_j
         return {k: restored.get(k, 0.0) + fit.get(k, 0.0) for k in sorted({*restored, *fit})}
 
     def run_samples(self) -> float | None:
-        parts = (self._restored_samples, self._fit_samples, self._epoch_samples)
-        return None if None in parts else sum(parts)  # type: ignore[arg-type]
+        fit, epoch = self._samples, self._epoch_samples
+        return None if fit is None or epoch is None else fit + epoch
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": 1, "energy_j": self.run_energy_j(), "train_samples": self.run_samples()}
@@ -480,7 +452,7 @@ class GpuStatsMonitor(pl.Callback):
             )
             return
         self._restored_energy_j = {k: float(v) for k, v in energy.items()}
-        self._restored_samples = None if samples is None else float(samples)
+        self._samples = None if samples is None else float(samples)
 
     def run_summary(self) -> list[dict[str, Any]]:
         return self._summary.rows(self.identities)

@@ -31,13 +31,12 @@ def job_store() -> Any | None:
 
 
 class RankExchange:
-    """Every rank's payload for rank 0 in rank order; rounds match by count. Rank 0 removes what
-    it read, or with ``every_rank`` each rank its own payload two rounds later."""
+    """Every rank's payload for rank 0 in rank order; rounds match by count. Each rank removes
+    its own payload two rounds later, when every reader has read it."""
 
     def __init__(self, name: str, timeout_s: float = 30.0) -> None:
         self.name, self.timeout_s = name, timeout_s
         self._round = 0
-        self._late: list[str] = []
 
     def gather(
         self, trainer: Any, payload: dict[str, Any], every_rank: bool = False
@@ -50,35 +49,26 @@ class RankExchange:
             return [payload]
         self._round += 1
         prefix = f"runkit/{self.name}/{self._round}/"
-        if rank != 0:
+        if rank != 0 or every_rank:
             store.set(prefix + str(rank), json.dumps(payload))
+            with contextlib.suppress(Exception):
+                store.delete_key(f"runkit/{self.name}/{self._round - 2}/{rank}")
             if not every_rank:
                 return [payload]
-            with contextlib.suppress(Exception):  # two rounds on, every reader has read it
-                store.delete_key(f"runkit/{self.name}/{self._round - 2}/{rank}")
-        elif every_rank:
-            store.set(prefix + "0", json.dumps(payload))
-        else:  # keys late ranks posted after rank 0 had gone on
-            self._late = [key for key in self._late if not store.delete_key(key)]
         others = [r for r in range(world) if r != rank]
         keys = [prefix + str(r) for r in others]
         deadline = time.monotonic() + self.timeout_s
         while not store.check(keys) and time.monotonic() < deadline:
             with contextlib.suppress(Exception):  # a slice that runs out raises: look again
                 store.wait(keys, timedelta(seconds=POLL_S))
-        gathered, late = {rank: payload}, []
+        gathered = {rank: payload}
         for other, key in zip(others, keys, strict=True):
             if store.check([key]):
                 gathered[other] = json.loads(store.get(key))
-                if not every_rank:
-                    store.delete_key(key)
-            else:
-                late.append(other)
-                self._late.append(key)
-        if late:
+        if late := [str(r) for r in others if r not in gathered]:
             log.warning(
                 "gpu_stats: rank %s did not reach %s within %.0f s; its figures are left out "
                 "this time (a rank held up elsewhere: look at that rank's log)",
-                *(",".join(map(str, late)), self.name, self.timeout_s),
+                *(",".join(late), self.name, self.timeout_s),
             )
         return [gathered[r] for r in sorted(gathered)]

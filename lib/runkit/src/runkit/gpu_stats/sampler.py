@@ -28,39 +28,33 @@ THROTTLE_MASKS = {"throttle_power": 0x84, "throttle_thermal": 0x60, "throttle_hw
 DEFAULT_GROUPS = ("utilization", "memory", "process_memory", "temperature", "power", "clock",
                   "throttle", "energy", "gpm")  # fmt: skip
 OPTIONAL_GROUPS = ("fan", "pcie", "ecc", "memory_temperature")
+GROUPS = (*DEFAULT_GROUPS, *OPTIONAL_GROUPS)
 # At the probe, these also mean "leave the group out" rather than "this GPU is failing".
 _PROBE_SKIP_ERRORS = (*nvml.UNSUPPORTED_ERRORS, "NVMLError_NoPermission", "NVMLError_NotFound")
-
-
-# Logged metric -> pynvml's metric id constant; all are percentages (0-100).
+# Logged metric -> pynvml's NVML_GPM_METRIC_* constant, by its suffix; all are percentages.
 GPM_METRICS = {
-    "sm_active": "NVML_GPM_METRIC_SM_UTIL",
-    "sm_occupancy": "NVML_GPM_METRIC_SM_OCCUPANCY",
-    "tensor_active": "NVML_GPM_METRIC_ANY_TENSOR_UTIL",
-    "dram_active": "NVML_GPM_METRIC_DRAM_BW_UTIL",
-    "fp16_active": "NVML_GPM_METRIC_FP16_UTIL",
-    "fp32_active": "NVML_GPM_METRIC_FP32_UTIL",
-    "fp64_active": "NVML_GPM_METRIC_FP64_UTIL",
+    "sm_active": "SM_UTIL",
+    "sm_occupancy": "SM_OCCUPANCY",
+    "tensor_active": "ANY_TENSOR_UTIL",
+    "dram_active": "DRAM_BW_UTIL",
+    "fp16_active": "FP16_UTIL",
+    "fp32_active": "FP32_UTIL",
+    "fp64_active": "FP64_UTIL",
 }
 
 
 class GpmCounters:
     """GPM (Hopper and newer): what the SMs did, through the physical GPU ``board`` (a MIG slice:
-    its ``gpu_instance_id``); two samples, swapped at every reading, give the interval between."""
+    its ``gpu_instance_id``); two samples, swapped at every reading, give the interval between.
+    Opening raises ``NVMLError_NotSupported`` without GPM."""
 
     def __init__(self, lib: Any, board: Any, label: str, gpu_instance_id: int | None) -> None:
         self.lib, self.board, self.label, self.gpu_instance_id = lib, board, label, gpu_instance_id
         self._samples: list[Any] = []
         self._have_previous = self._paused = False
-        self._names: list[str] = []
-        self._request: Any = None
-
-    def open(self) -> None:
-        """Allocate the two samples and take the first; ``NVMLError_NotSupported`` without GPM."""
-        lib = self.lib
-        if not getattr(lib.nvmlGpmQueryDeviceSupport(self.board), "isSupportedDevice", 0):
+        if not getattr(lib.nvmlGpmQueryDeviceSupport(board), "isSupportedDevice", 0):
             raise lib.NVMLError(lib.NVML_ERROR_NOT_SUPPORTED)
-        ids = {name: getattr(lib, const, None) for name, const in GPM_METRICS.items()}
+        ids = {name: getattr(lib, f"NVML_GPM_METRIC_{c}", None) for name, c in GPM_METRICS.items()}
         self._names = [name for name, metric_id in ids.items() if isinstance(metric_id, int)]
         try:
             request = self._request = lib.c_nvmlGpmMetricsGet_t()
@@ -113,7 +107,7 @@ class GpmCounters:
         return values
 
     def close(self) -> None:
-        samples, self._samples, self._have_previous = self._samples, [], False
+        samples, self._samples = self._samples, []
         for sample in samples:
             try:
                 self.lib.nvmlGpmSampleFree(sample)
@@ -122,14 +116,14 @@ class GpmCounters:
 
 
 class GpuReader:
-    """One GPU as the statistics see it: :meth:`probe` once, then :meth:`read` its groups."""
+    """One GPU as the statistics see it: every group read once when made (those the GPU refuses
+    are dropped, any other failure propagates), then :meth:`read`."""
 
     def __init__(self, lib: Any, handle: Any, label: str, groups: Sequence[str]) -> None:
         self.lib, self.label, self.groups = lib, label, list(groups)
         self.device = d = DeviceReader.open(lib, handle)
         self.unsupported: dict[str, str] = {}
         self.dead: str | None = None
-        self.power_limit_mw: float | None = None
         self.gpm: GpmCounters | None = None
         self.pid = os.getpid()
         self.is_mig, self.name, self.uuid = d.is_mig, d.name(), d.uuid()
@@ -137,27 +131,25 @@ class GpuReader:
         self.board_uuid = nvml.as_text(lib.nvmlDeviceGetUUID(d.board)) if d.is_mig else self.uuid
         self.nvml_index = nvml.optional(lib, d.index)
         self.pci_bus_id = nvml.optional(lib, d.pci_bus_id)
+        self.power_limit_mw = nvml.optional(lib, d.power_limit_mw) if "power" in groups else None
+        skip = (*nvml.error_classes(lib, _PROBE_SKIP_ERRORS), AttributeError)
+        try:
+            for group in list(self.groups):
+                try:
+                    if group == "gpm":
+                        instance = d.gpu_instance_id() if d.is_mig else None
+                        self.gpm = GpmCounters(lib, d.board, label, instance)
+                    else:
+                        self._values(group)
+                except skip as err:
+                    self._skip(group, err)
+        except BaseException:
+            self.close()
+            raise
 
     def _skip(self, group: str, err: BaseException) -> None:
         self.groups.remove(group)
         self.unsupported[group] = type(err).__name__.replace("NVMLError_", "")
-
-    def probe(self) -> None:
-        """Read every group once; drop those the GPU refuses (any other failure propagates)."""
-        skip: tuple[type[BaseException], ...] = (*nvml.error_classes(self.lib, _PROBE_SKIP_ERRORS), AttributeError)  # fmt: skip
-        if "power" in self.groups:
-            self.power_limit_mw = nvml.optional(self.lib, self.device.power_limit_mw)
-        for group in list(self.groups):
-            try:
-                if group == "gpm":
-                    instance = self.device.gpu_instance_id() if self.is_mig else None
-                    counters = GpmCounters(self.lib, self.device.board, self.label, instance)
-                    counters.open()
-                    self.gpm = counters  # only GPM that opened
-                else:
-                    self._values(group)
-            except skip as err:
-                self._skip(group, err)
 
     def close(self) -> None:
         if self.gpm is not None:
@@ -217,8 +209,12 @@ class GpuSampler:
     """Samples :class:`GpuReader` s into per-phase accumulators in a thread, a first sample at
     :meth:`start`; a phase no sample reached reports the latest reading."""
 
-    def __init__(self, readers: Sequence[GpuReader], interval_s: float) -> None:
+    def __init__(
+        self, readers: Sequence[GpuReader], interval_s: float, devices: dict[str, torch.device]
+    ) -> None:
         self.readers, self.interval_s = list(readers), interval_s
+        self.cuda = {label: d for label, d in devices.items() if d.type == "cuda"}
+        self._carry: dict[str, tuple[float, float]] = {}  # training's torch peaks, at validation
         self.phase: str | None = None
         self._acc: dict[str, dict[str, GpuAccumulator]] = {}
         self._latest: dict[str, tuple[dict[str, float], float]] = {}
@@ -226,54 +222,44 @@ class GpuSampler:
         self._lock = threading.Lock()  # the aggregates and the phase: never held while reading
         self._reading = threading.Lock()  # one reading at a time; none after stop
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @property
-    def alive(self) -> list[GpuReader]:
-        return [r for r in self.readers if r.dead is None]
+        self._thread = threading.Thread(target=self._run, name="gpu-stats", daemon=True)
 
     def start(self) -> None:
-        if self._thread is None and self.alive:
-            self.sample_now()
-            self._thread = threading.Thread(target=self._run, name="gpu-stats", daemon=True)
-            self._thread.start()
+        self.sample_now()
+        self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
+        if self._thread.is_alive():
             self._thread.join(timeout=self.interval_s + 10.0)
-            self._thread = None
         with self._reading:
             for reader in self.readers:
                 reader.close()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s) and self.alive:
+        while not self._stop.wait(self.interval_s) and any(r.dead is None for r in self.readers):
             self.sample_now()
 
     def sample_now(self) -> None:
         with self._reading:
             if self._stop.is_set():
                 return  # stopped: the readers are closed
-            phase = self.phase
-            readings = [(r, self._read(r)) for r in self.alive]
+            phase, readings = self.phase, []
+            for reader in (r for r in self.readers if r.dead is None):
+                start = time.perf_counter()
+                try:
+                    values, dropped = reader.read()
+                except Exception as err:  # GpuIsLost, NVML gone, anything: this GPU is done
+                    reader.dead = f"{type(err).__name__}: {err}"
+                    log.warning("gpu_stats: stopped sampling %s (%s): %s; training continues",
+                                reader.label, reader.name, reader.dead)  # fmt: skip
+                    continue
+                if dropped:
+                    log.info("gpu_stats: %s no longer reports %s; left out", reader.label, ", ".join(dropped))  # fmt: skip
+                readings.append((reader.label, values, time.perf_counter() - start))
             with self._lock:
-                for reader, reading in readings:
-                    if reading is not None:
-                        self._add(reader.label, phase, *reading)
-
-    def _read(self, reader: GpuReader) -> tuple[dict[str, float], float] | None:
-        start = time.perf_counter()
-        try:
-            values, dropped = reader.read()
-        except Exception as err:  # GpuIsLost, NVML gone, anything: this GPU is done, training not
-            reader.dead = f"{type(err).__name__}: {err}"
-            log.warning("gpu_stats: stopped sampling %s (%s): %s; training continues",
-                        reader.label, reader.name, reader.dead)  # fmt: skip
-            return None
-        if dropped:
-            log.info("gpu_stats: %s no longer reports %s; left out", reader.label, ", ".join(dropped))  # fmt: skip
-        return values, time.perf_counter() - start
+                for label, values, seconds in readings:
+                    self._add(label, phase, values, seconds)
 
     def _add(self, label: str, phase: str | None, values: dict[str, float], s: float) -> None:
         acc = self._acc[phase].setdefault(label, GpuAccumulator()) if phase else None
@@ -287,13 +273,34 @@ class GpuSampler:
             acc.add(values, s)
 
     def set_phase(self, phase: str | None, reset: bool = True) -> None:
+        """Samples count for ``phase`` from now; PyTorch's peaks restart (training's are kept
+        aside while validation runs; a new epoch forgets them)."""
+        if phase == VAL:
+            self._carry = self._torch_peaks(self._carry)
+        elif phase == TRAIN and reset:
+            self._carry = {}
+        for device in self.cuda.values():
+            torch.cuda.reset_peak_memory_stats(device)
         with self._lock:
             self.phase = phase
             if phase is not None and (reset or phase not in self._acc):
                 self._acc[phase] = {}
 
+    def _torch_peaks(self, carry: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+        """PyTorch's peak (allocated, reserved) GiB of each CUDA device since its restart, or
+        ``carry``'s where higher."""
+        peaks = {}
+        for label, d in self.cuda.items():
+            alloc, reserved = carry.get(label, (0.0, 0.0))
+            peaks[label] = (
+                max(alloc, torch.cuda.max_memory_allocated(d) / GIB),
+                max(reserved, torch.cuda.max_memory_reserved(d) / GIB),
+            )
+        return peaks
+
     def report(self, phase: str | None) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
-        """``{label: figures}`` of ``phase`` so far and each GPU's energy since the start, J."""
+        """``{label: figures}`` of ``phase`` so far (a training epoch's torch peaks include those
+        before its validation) and each GPU's energy since the start, J."""
         figures = {}
         with self._lock:
             held = self._acc.get(phase, {}) if phase else {}
@@ -305,33 +312,9 @@ class GpuSampler:
                 if acc is not None:
                     figures[reader.label] = acc.summary()
             energy = {label: total / 1000.0 for label, (_, total) in self._energy.items()}
-        return figures, energy
-
-
-class TorchPeakMemory:
-    """PyTorch's peak allocated/reserved memory per CUDA device; the training peaks are stashed as
-    validation starts."""
-
-    def __init__(self, devices: dict[str, torch.device]) -> None:
-        self.devices = {k: d for k, d in devices.items() if d.type == "cuda"}
-        self.carry = dict.fromkeys(self.devices, (0.0, 0.0))
-
-    def peaks(self, include_carry: bool) -> dict[str, dict[str, float]]:
-        out = {}
-        for label, d in self.devices.items():
-            now = (
-                torch.cuda.max_memory_allocated(d) / GIB,
-                torch.cuda.max_memory_reserved(d) / GIB,
+        peaks = self._torch_peaks(self._carry if phase == TRAIN else {}) if phase else {}
+        for label, (alloc, reserved) in peaks.items():
+            figures.get(label, {}).update(
+                torch_peak_alloc_gib=alloc, torch_peak_reserved_gib=reserved
             )
-            alloc, reserved = map(max, now, self.carry[label]) if include_carry else now
-            out[label] = {"torch_peak_alloc_gib": alloc, "torch_peak_reserved_gib": reserved}
-        return out
-
-    def restart(self, stash: bool = False, clear: bool = False) -> None:
-        """New peaks from now; ``stash``: keep the ones so far for the epoch, ``clear``: forget."""
-        if clear:
-            self.carry = dict.fromkeys(self.devices, (0.0, 0.0))
-        for label, peak in self.peaks(include_carry=True).items() if stash else ():
-            self.carry[label] = (peak["torch_peak_alloc_gib"], peak["torch_peak_reserved_gib"])
-        for d in self.devices.values():
-            torch.cuda.reset_peak_memory_stats(d)
+        return figures, energy
