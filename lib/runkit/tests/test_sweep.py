@@ -31,11 +31,20 @@ DDP_TINY = ("trainer=ddp_sim", "trainer.max_epochs=1", "+trainer.limit_train_bat
             "callbacks.progress_bar.refresh_rate=0")  # fmt: skip
 
 
-def test_a_job_runs_as_a_single_run_and_returns_its_objective() -> None:
-    argv = ["-m", "-cd", "my configs", "--config-name=exp", "model.optimizer.lr=0.01,0.1"]
-    assert launch.single_job_argv("t.py", ["lr=0.01"], ["hydra.mode=MULTIRUN", "x=1"], argv) == [
-        "t.py", "--config-dir", "my configs", "--config-name", "exp", "lr=0.01", "x=1",
-        "hydra.mode=RUN",
+def test_a_job_command_runs_one_job_in_its_folder_and_the_jobs_own_values_win() -> None:
+    command = launch.job_command(
+        ["python", "-m", "tinyapp.train"],
+        ["model.optimizer.lr=0.1", "select_gpus=first"],
+        ["hydra/launcher=parallel", "hydra.mode=MULTIRUN", "hydra.sweep.dir=/s"],
+        {"select_gpus": "least_used", "gpu_wait_s": 60},
+        Path("/s/a b é/3"),
+        3,
+    )
+    assert command == [
+        "python", "-m", "tinyapp.train", "model.optimizer.lr=0.1",
+        "select_gpus=first",  # the job's own value, not the launcher's
+        "gpu_wait_s=60", "hydra/launcher=parallel", "hydra.sweep.dir=/s",
+        'hydra.run.dir="/s/a b é/3"', "hydra.job.num=3", "hydra.job.id=3", "hydra.mode=RUN",
     ]  # fmt: skip
     before = list(sys.argv)
     with launch.job_scope():  # outside Hydra: nothing changes
@@ -65,14 +74,17 @@ def ran_alone(num: int, job: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_grid_sweep_with_ddp_survives_failed_jobs(cli: CliRunner, log_dir: Path) -> None:
+def test_grid_sweep_with_ddp_survives_failed_jobs(
+    cli: CliRunner, log_dir: Path, tmp_path: Path
+) -> None:
     # Jobs: lr x max_epochs. max_epochs=0 fails in the task before any child starts (RunError);
     # lr=0.02 fails on both ranks after the children started (a user callback's ValueError).
+    user_config_dir(tmp_path / "my configs")  # the DDP children need it too
     result = cli(
-        "train", "-m", "model.optimizer.lr=0.02,0.01", "trainer.max_epochs=1,0",
-        "data.batch_size=256", "+callbacks.boom._target_=user_callbacks.FailAtStart",
-        "+callbacks.boom.lr=0.02", *DDP_TINY[:1], *DDP_TINY[2:],
-        env={"PYTHONPATH": str(Path(__file__).resolve().parent)}, timeout=500,
+        "train", "-m", "--config-dir", "my configs", "model=mine", "model.optimizer.lr=0.02,0.01",
+        "trainer.max_epochs=1,0", "data.batch_size=256", f"paths.log_dir={log_dir}",
+        "+callbacks.boom._target_=user_callbacks.FailAtStart", "+callbacks.boom.lr=0.02",
+        *DDP_TINY[:1], *DDP_TINY[2:], timeout=500,
     )  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode != 0  # the failed jobs, after all of them ran
@@ -109,23 +121,6 @@ def test_optuna_sweep_gives_both_ranks_the_same_draw(cli: CliRunner, log_dir: Pa
     (folder,) = (log_dir / "train" / "multiruns").iterdir()
     best = yaml.safe_load((folder / "optimization_results.yaml").read_text())
     assert 0.0 <= best["best_value"] <= 1.0
-
-
-def test_a_job_command_runs_one_job_in_its_folder_and_the_jobs_own_values_win() -> None:
-    command = sweep.job_command(
-        ["python", "-m", "tinyapp.train"],
-        ["model.optimizer.lr=0.1", "select_gpus=first"],
-        ["hydra/launcher=parallel", "hydra.mode=MULTIRUN", "hydra.sweep.dir=/s"],
-        {"select_gpus": "least_used", "gpu_wait_s": 60},
-        Path("/s/a b é/3"),
-        3,
-    )
-    assert command == [
-        "python", "-m", "tinyapp.train", "model.optimizer.lr=0.1",
-        "select_gpus=first",  # the job's own value, not the launcher's
-        "gpu_wait_s=60", "hydra/launcher=parallel", "hydra.sweep.dir=/s",
-        'hydra.run.dir="/s/a b é/3"', "hydra.job.num=3", "hydra.job.id=3", "hydra.mode=RUN",
-    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("value", [0, -2, 1.5, "four", True])

@@ -28,8 +28,9 @@ from hydra.plugins.launcher import Launcher
 
 from runkit.errors import RunError
 from runkit.quoting import config_options, hydra_value
-from runkit.run.launch import newest_checkpoint
+from runkit.run.launch import job_command, newest_checkpoint
 from runkit.safety import signals
+from runkit.safety.checkpoints import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -100,28 +101,6 @@ def check_n_jobs(value: Any) -> int | None:
             "once) or null (one per visible GPU, 1 without a GPU)"
         )
     return value
-
-
-def _key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
-
-
-def job_command(
-    entry: Sequence[str],
-    overrides: Sequence[str],
-    hydra_overrides: Sequence[str],
-    extra: Mapping[str, Any],
-    run_dir: Path,
-    num: int,
-) -> list[str]:
-    own = {_key(o) for o in overrides}
-    added = [f"{key}={hydra_value(value)}" for key, value in extra.items() if key not in own]
-    mine = ("hydra.mode", "hydra.run.dir", "hydra.job.num", "hydra.job.id")
-    kept = [o for o in hydra_overrides if _key(o) not in mine]
-    return [
-        *entry, *overrides, *added, *kept, f"hydra.run.dir={hydra_value(str(run_dir))}",
-        f"hydra.job.num={num}", f"hydra.job.id={num}", "hydra.mode=RUN",
-    ]  # fmt: skip
 
 
 def follow_sweep_parent(environ: MutableMapping[str, str] | None = None) -> None:
@@ -299,7 +278,7 @@ class ParallelLauncher(Launcher):
         resume = newest_checkpoint(a.dir for a in earlier)
         if resume is not None:  # the checkpoint wins over the job's own ckpt_path
             extra["ckpt_path"] = str(resume)
-            own = [o for o in overrides if _key(o) != "ckpt_path"]
+            own = [o for o in overrides if not o.lstrip("+~").startswith("ckpt_path=")]
             log.info("Sweep job #%d resumes from %s", num, resume)
         counts["resumed" if resume is not None else "started"] += 1
         (self.dir / "logs").mkdir(exist_ok=True)
@@ -343,18 +322,12 @@ class ParallelLauncher(Launcher):
 
     def _save(self) -> None:
         payload = json.dumps({"attempts": [asdict(a) for a in self.attempts]}, indent=1)
-        _replace(self.dir / STATE_FILE, payload + "\n")
+        atomic_write(self.dir / STATE_FILE, lambda out: out.write(f"{payload}\n".encode()))
 
 
 def _signal_group(proc: subprocess.Popen, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signum)
-
-
-def _replace(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def job_rows(attempts: Sequence[Attempt], not_started: Sequence[Sequence[str]] = ()) -> list[dict]:
@@ -406,7 +379,7 @@ def write_summary(sweep_dir: Path, rows: Sequence[dict]) -> Path:
     writer = csv.DictWriter(text, fieldnames=fields, restval="")
     writer.writeheader()
     writer.writerows(rows)
-    _replace(sweep_dir / "summary.csv", text.getvalue())
+    atomic_write(sweep_dir / "summary.csv", lambda out: out.write(text.getvalue().encode()))
     return sweep_dir / "summary.csv"
 
 
@@ -442,14 +415,12 @@ def plot_summary(sweep_dir: Path, rows: Sequence[dict], key: str | None) -> None
     if not points:
         return
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
         log.info("summary.png needs matplotlib: pip install 'lightning-runkit[plot]'")
         return
-    figure, axes = plt.subplots(figsize=(8, 0.5 * len(points) + 1.5))
+    figure = Figure(figsize=(8, 0.5 * len(points) + 1.5))
+    axes = figure.subplots()
     labels, values = zip(*points, strict=True)
     axes.barh(range(len(values)), values, tick_label=labels)
     axes.invert_yaxis()
@@ -460,7 +431,6 @@ def plot_summary(sweep_dir: Path, rows: Sequence[dict], key: str | None) -> None
         warnings.simplefilter("ignore")
         figure.tight_layout()
     figure.savefig(sweep_dir / "summary.png", dpi=100)
-    plt.close(figure)
 
 
 def _number(value: Any) -> float | None:
