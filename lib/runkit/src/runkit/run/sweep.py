@@ -109,9 +109,8 @@ def follow_sweep_parent(environ: MutableMapping[str, str] | None = None) -> None
     parent = env.pop(PARENT_ENV, None)  # the job's own DDP ranks follow the job, not the sweep
     if not parent:
         return
-    if sys.platform.startswith("linux"):  # PR_SET_PDEATHSIG: SIGTERM when the sweep dies
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
+    with contextlib.suppress(OSError, AttributeError):  # Linux's PR_SET_PDEATHSIG, elsewhere none
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
     if str(os.getppid()) != parent:
         print(f"error: the sweep (pid {parent}) ended before this job started", file=sys.stderr)
         raise SystemExit(128 + signal.SIGTERM)

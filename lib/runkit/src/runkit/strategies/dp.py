@@ -65,8 +65,7 @@ class DataParallelStrategy(ParallelStrategy):
 
     @property
     def root_device(self) -> torch.device:
-        if not self.parallel_devices:
-            raise RunError("trainer.strategy=dp was given no devices; set trainer.devices")
+        assert self.parallel_devices  # Lightning's accelerator connector sets them
         return self.parallel_devices[0]
 
     def setup_environment(self) -> None:
