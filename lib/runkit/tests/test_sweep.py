@@ -16,7 +16,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from conftest import CliRunner, clean_env, user_config_dir
+from conftest import CliRunner, clean_env, run_python, user_config_dir
 from runkit.errors import RunError
 from runkit.run import launch, sweep
 from runkit.run.sweep import Attempt
@@ -131,6 +131,13 @@ def test_n_jobs_is_a_positive_integer_and_defaults_to_the_visible_gpus(use_fake)
     use_fake(FakeNvml([FakeGpu(), FakeGpu(), FakeGpu()]))
     assert sweep.default_n_jobs({}) == 3
     assert sweep.default_n_jobs({"CUDA_VISIBLE_DEVICES": "0,2"}) == 2
+
+
+def test_the_launcher_imports_no_torch() -> None:  # Hydra imports it in every command
+    done = run_python(
+        "import sys, runkit.run.sweep; print(sorted({'torch', 'lightning'} & set(sys.modules)))"
+    )
+    assert done.stdout.strip() == "[]", done.stderr[-3000:]
 
 
 def test_a_damaged_state_file_is_one_line_and_a_job_follows_its_sweep(tmp_path: Path) -> None:
