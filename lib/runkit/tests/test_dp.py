@@ -1,6 +1,5 @@
-"""``trainer.strategy=dp``. Without GPUs ``nn.DataParallel`` only calls the network, hiding every
-mistake in splitting and gathering, so most tests swap in :class:`SplitDataParallel`, a CPU
-stand-in, and compare with one device; ``gpu`` tests the real thing."""
+"""``trainer.strategy=dp``: on the CPU a stand-in that splits the batch (``split``) replaces
+``nn.DataParallel``, which there only calls the network; ``gpu`` tests the real thing."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from torch import Tensor, nn
 
 from conftest import compose_train
@@ -22,28 +21,32 @@ from tinyapp.models import MLP, ClassifierModule
 from runkit.errors import RunError
 from runkit.run.preflight import check_config, check_strategy
 from runkit.speed import maybe_compile
+from runkit.strategies import dp
 from runkit.strategies.dp import AutocastDataParallel, DataParallelStrategy, check_dp_request
 
-
-class SplitDataParallel(nn.Module):
-    """The network on each slice of the batch (uneven when odd); records the sizes of each call."""
-
-    def __init__(self, module: nn.Module, parts: int, calls: list[list[int]]) -> None:
-        super().__init__()
-        self.module, self.parts, self.calls = module, parts, calls
-
-    def forward(self, *inputs: Tensor) -> Tensor:
-        chunks = list(zip(*(tensor.chunk(self.parts) for tensor in inputs), strict=True))
-        self.calls.append([len(chunk[0]) for chunk in chunks])
-        return torch.cat([self.module(*chunk) for chunk in chunks])
+TWO_CPUS = [torch.device("cpu")] * 2
 
 
-class CpuSplitDP(DataParallelStrategy):  # the real strategy with the stand-in, on the CPU
-    def _require_cuda(self) -> None: ...
+@pytest.fixture
+def split(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """The real strategy on the CPU, its wrapper running the network on each (uneven) half; the
+    sizes of each call."""
+    calls: list[list[int]] = []
 
-    def _data_parallel(self, net: nn.Module) -> nn.Module:
-        self.calls: list[list[int]] = getattr(self, "calls", [])
-        return SplitDataParallel(net, parts=2, calls=self.calls)
+    class SplitDataParallel(nn.Module):
+        def __init__(self, module: nn.Module, device_ids: Any = None) -> None:
+            super().__init__()
+            self.module = module
+
+        def forward(self, *inputs: Tensor) -> Tensor:
+            chunks = list(zip(*(tensor.chunk(2) for tensor in inputs), strict=True))
+            calls.append([len(chunk[0]) for chunk in chunks])
+            return torch.cat([self.module(*chunk) for chunk in chunks])
+
+    monkeypatch.setattr(dp, "AutocastDataParallel", SplitDataParallel)
+    setup = ParallelStrategy.setup_environment  # no CUDA check
+    monkeypatch.setattr(DataParallelStrategy, "setup_environment", setup)
+    return calls
 
 
 def make_module() -> ClassifierModule:
@@ -52,9 +55,8 @@ def make_module() -> ClassifierModule:
 
 
 def make_trainer(strategy: Any, root: Path, accelerator: str = "cpu", **kwargs: Any) -> pl.Trainer:
-    devices = 2 if isinstance(strategy, DataParallelStrategy) else 1
     return pl.Trainer(
-        accelerator=accelerator, devices=kwargs.pop("devices", devices), strategy=strategy,
+        accelerator=accelerator, strategy=strategy,
         max_epochs=1, limit_train_batches=4, limit_val_batches=2, limit_test_batches=2,
         logger=False, default_root_dir=root, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, **kwargs,
@@ -101,23 +103,41 @@ def test_dp_without_cuda_fails_in_one_line(tmp_path: Path) -> None:
         make_trainer("dp", tmp_path, devices=2).fit(make_module(), datamodule=DigitsDataModule())
 
 
-def test_the_step_runs_once_over_the_gathered_outputs() -> None:
+class Encoder(pl.LightningModule):  # its network is not called ``net``
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(4, 2)
+
+
+def test_the_step_runs_once_over_the_gathered_outputs_of_the_named_network(
+    split: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     # only the network is split: loss and metric update once, on the whole (odd) batch
     module = make_module()
     batch = (torch.rand(7, 1, 8, 8), torch.randint(0, 10, (7,)))
     expected = module.training_step(batch, 0).detach()
     module.train_metrics.reset()
     keys, parameters = list(module.state_dict()), list(module.parameters())
-
-    strategy = CpuSplitDP(parallel_devices=[torch.device("cpu")] * 2)
-    strategy._setup_model(module)
-    assert isinstance(module.net, SplitDataParallel) and module.net.module is module._modules["net"]
+    DataParallelStrategy(parallel_devices=TWO_CPUS)._setup_model(module)
+    assert module.net is not module._modules["net"] and module.net.module is module._modules["net"]
     loss = module.training_step(batch, 0)
-    assert strategy.calls == [[4, 3]]  # the network ran on both halves, in one call
+    assert split == [[4, 3]]  # the network ran on both halves, in one call
     assert loss.ndim == 0 and torch.allclose(loss, expected, atol=1e-6)
     assert module.train_metrics["loss"].update_count == 1
     assert list(module.state_dict()) == keys  # the wrapper is not a submodule
     assert list(module.parameters()) == parameters  # each parameter once, as before
+
+    encoder = Encoder()
+    DataParallelStrategy(network="encoder", parallel_devices=TWO_CPUS)._setup_model(encoder)
+    assert encoder.encoder(torch.randn(5, 4)).shape == (5, 2) and split[1:] == [[3, 2]]
+    no_net = r"network in Encoder\.net, but .* attribute 'net'; set trainer\.strategy\.network"
+    with pytest.raises(RunError, match=no_net):
+        DataParallelStrategy(parallel_devices=TWO_CPUS)._setup_model(Encoder())
+    compiled = make_module()
+    monkeypatch.setattr(nn.Module, "compile", lambda self: None)  # marked as compiled, not run
+    maybe_compile(compiled.net, True)
+    with pytest.raises(RunError, match=r"^a compiled network \(callbacks\.speed\.compile=true\)"):
+        DataParallelStrategy(parallel_devices=TWO_CPUS)._setup_model(compiled)
 
 
 @pytest.mark.parametrize(
@@ -125,54 +145,29 @@ def test_the_step_runs_once_over_the_gathered_outputs() -> None:
     [0, pytest.param(1, marks=pytest.mark.gpu), pytest.param(2, marks=pytest.mark.gpu)],
     ids=["cpu-stand-in", "1-gpu", "2-gpus"],
 )
-def test_dp_trains_exactly_like_one_device_and_saves_plain_keys(tmp_path: Path, gpus: int) -> None:
+def test_dp_trains_exactly_like_one_device_and_saves_plain_keys(
+    tmp_path: Path, gpus: int, request: pytest.FixtureRequest
+) -> None:
     if gpus > (torch.cuda.device_count() if torch.cuda.is_available() else 0):
         pytest.skip(f"needs {gpus} CUDA GPU(s)")
-    accelerator, strategy = ("gpu", "dp") if gpus else ("cpu", CpuSplitDP())
-    single, metrics_single = fit(
-        "auto", tmp_path / "single", accelerator, devices=1, deterministic=bool(gpus)
-    )
-    split, metrics_split = fit(
-        strategy, tmp_path / "dp", accelerator, devices=gpus or 2, deterministic=bool(gpus)
-    )
+    accelerator, tol = ("gpu", 1e-4) if gpus else ("cpu", 1e-5)
+    single, metrics_single = fit("auto", tmp_path / "single", accelerator, devices=1,
+                                 deterministic=bool(gpus))  # fmt: skip
+    calls = [] if gpus else request.getfixturevalue("split")
+    dp_module, metrics_dp = fit("dp", tmp_path / "dp", accelerator, devices=gpus or 2,
+                                deterministic=bool(gpus))  # fmt: skip
     if not gpus:  # every network call went through the splitting wrapper, in two uneven halves
-        assert len(strategy.calls) == 4 + 2 + 2  # training, validation, test batches
-        assert strategy.calls[0] == [31, 30]
-    assert isinstance(split.net, MLP)  # after the run, pl_module.net is the plain network again
+        assert len(calls) == 4 + 2 + 2 and calls[0] == [31, 30]  # train, val, test batches
+    assert isinstance(dp_module.net, MLP)  # after the run, pl_module.net is the plain network
     for (name, a), (_, b) in zip(
-        single.state_dict().items(), split.state_dict().items(), strict=True
+        single.state_dict().items(), dp_module.state_dict().items(), strict=True
     ):
-        assert torch.allclose(a.float(), b.float(), atol=1e-4 if gpus else 1e-5), name
+        assert torch.allclose(a.float(), b.float(), atol=tol), name
     for key in ("train/loss", "train/acc", "val/loss", "val/acc", "test/loss", "test/acc"):
-        assert torch.isclose(
-            metrics_single[key], metrics_split[key], atol=1e-4 if gpus else 1e-5
-        ), key
+        assert torch.isclose(metrics_single[key], metrics_dp[key], atol=tol), key
     state = torch.load(next((tmp_path / "dp" / "checkpoints").glob("*.ckpt")), weights_only=True)
     assert not [key for key in state["state_dict"] if "module." in key]
     make_module().load_state_dict(state["state_dict"], strict=True)
-
-
-class Encoder(pl.LightningModule):  # its network is not called ``net``
-    def __init__(self) -> None:
-        super().__init__()
-        self.encoder = nn.Linear(4, 2)
-
-
-def test_the_network_attribute_is_configurable_and_a_compiled_one_refused(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    two_cpus = {"parallel_devices": [torch.device("cpu")] * 2}
-    module, strategy = Encoder(), CpuSplitDP(network="encoder", **two_cpus)
-    strategy._setup_model(module)
-    assert module.encoder(torch.randn(5, 4)).shape == (5, 2) and strategy.calls == [[3, 2]]
-    no_net = r"network in Encoder\.net, but .* attribute 'net'; set trainer\.strategy\.network"
-    with pytest.raises(RunError, match=no_net):
-        CpuSplitDP(**two_cpus)._setup_model(Encoder())
-    compiled = make_module()
-    monkeypatch.setattr(nn.Module, "compile", lambda self: None)  # marked as compiled, not run
-    maybe_compile(compiled.net, True)
-    with pytest.raises(RunError, match=r"^a compiled network \(callbacks\.speed\.compile=true\)"):
-        CpuSplitDP(**two_cpus)._setup_model(compiled)
 
 
 def test_copies_on_other_gpus_compute_in_the_callers_autocast_dtype(

@@ -73,8 +73,6 @@ def evaluates_as_trained(cli: CliRunner, run: Path, log_dir: Path, *overrides: s
 @pytest.mark.slow
 def test_fsdp_sigterm_resume_exactly_export_and_eval(cli: CliRunner, tmp_path: Path) -> None:
     log_dir = tmp_path / "logs"
-    # SIGTERM once the first epoch's checkpoint exists: both ranks save one sharded
-    # interrupted.ckpt and the run exits 128+15.
     process = start(tmp_path, log_dir, "trainer.max_epochs=100", "test=false")
     last = wait_for(process, first("last.ckpt/manifest.json", log_dir), "a checkpoint")
     os.killpg(process.pid, signal.SIGTERM)
@@ -91,7 +89,7 @@ def test_fsdp_sigterm_resume_exactly_export_and_eval(cli: CliRunner, tmp_path: P
     assert "ckpt_path=" in out + err  # the command that resumes
     assert not list(interrupted.parent.glob(".*.tmp"))  # no staging directory left behind
 
-    # The same run in one go, to the epoch after the interrupted one; then the resumed run.
+    # the same run in one go, to the epoch after the interrupted one; then the resumed run
     epochs = f"trainer.max_epochs={epoch + 2}"
     full = cli("train", *FSDP, epochs)
     assert full.returncode == 0, full.stderr[-3000:]
@@ -108,13 +106,11 @@ def test_fsdp_sigterm_resume_exactly_export_and_eval(cli: CliRunner, tmp_path: P
         assert torch.equal(value, b["state_dict"][key]), key
     assert figures_of(resumed_run) == figures_of(full_run)
 
-    # last.ckpt is the latest save point (links to the epoch file's shards or its own save).
     record = json.loads((full_run / "metrics.json").read_text())
     assert a["global_step"] == record["global_step"]
     assert record["global_step"] == (epoch + 2) * 2  # half the data per process (FSDP above)
 
-    # model.pth: the full state gathered on rank 0, plain tensors, loads into the plain network;
-    # the best checkpoint's weights, so its eval is that checkpoint's (evaluated on one process).
+    # model.pth: the best checkpoint's full state, plain tensors, for the plain network
     from tinyapp.models import ConvNet
 
     exported = torch.load(full_run / "model.pth", map_location="cpu", weights_only=True)
@@ -146,8 +142,7 @@ def test_fsdp_kill_9_during_a_sharded_save_leaves_last_complete(
     step = checkpoints.load_sharded(last)["global_step"]
     assert step >= 1
 
-    # A damaged shard is named in one line before anything loads; a checkpoint of another
-    # model is one line too (the CLI prints such lines as they are: test_bad_inputs.py).
+    # a damaged shard, a checkpoint of another model: one line before anything loads
     copy = tmp_path / "damaged.ckpt"
     shutil.copytree(last, copy)
     shard = copy / "__1_0.distcp"
@@ -163,18 +158,13 @@ def test_fsdp_kill_9_during_a_sharded_save_leaves_last_complete(
     with pytest.raises(RunError, match="was trained with another model"):
         check_fits(other, last)
 
-    # The killed run's directory resumes from that save (a sharded resume runs in the first test);
-    # the dead writer's staging directory goes with the next save in that directory.
+    # the killed run's directory resumes from that save; the dead writer's staging goes
     assert checkpoints.resolve_ckpt_path(str(folder.parent), tmp_path) == last.resolve()
     assert checkpoints.remove_stale_temporaries(folder) == [staging]
     assert checkpoints.damaged_files(last) is None
 
 
-# ---- the directory machinery, without processes -----------------------------------------------
-
-
 def fake_checkpoint(folder: Path, marker: bytes = b"a") -> Path:
-    """A checkpoint directory as a sharded save leaves it: shards, index, meta, manifest last."""
     folder.mkdir(parents=True)
     for name in ("__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"):
         (folder / name).write_bytes(marker * 100 + name.encode())

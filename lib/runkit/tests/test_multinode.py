@@ -32,17 +32,14 @@ def test_run_id_names_the_launch_so_every_rank_agrees() -> None:
     assert run_id("%Y", slurm) == "slurm-812.0"
     assert run_id("%Y", {**slurm, "SLURM_RESTART_COUNT": "1"}) == "slurm-812.0-requeue1"
     assert run_id("%Y", {"TORCHELASTIC_RUN_ID": "abc", "WORLD_SIZE": "4"}) == "torchrun-abc"
-    # A group torchrun restarted (--max-restarts) writes beside the attempt it resumes.
     restarted = {"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "2"}
     assert run_id("%Y", restarted) == "torchrun-abc-restart2"
-    # One task: the timestamp (several runs in one job stay apart), naming the job for a requeue.
+    # one task: the timestamp, naming the job for a requeue
     year, single = time.strftime("%Y"), {"SLURM_JOB_ID": "9", "SLURM_NTASKS": "1"}
     assert run_id("%Y", single) == f"{year}_slurm-9"
     assert run_id("%Y", {**single, "SLURM_RESTART_COUNT": "2"}) == f"{year}_slurm-9-requeue2"
-    # A plain run, a job id that is not one, an interactive job: the timestamp.
     for env in ({}, {**single, "SLURM_JOB_ID": "../x"}, {**single, "SLURM_JOB_NAME": "bash"}):
         assert run_id("%Y", env) == year
-    # Lightning's own DDP children are handed hydra.run.dir, but must not fail if asked.
     assert run_id("%Y", {"LOCAL_RANK": "1", "WORLD_SIZE": "2"}) == year
     for env in ({"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2"}, {"WORLD_SIZE": "2"}):
         with pytest.raises(RunError, match=r"pass hydra.run.dir=<dir>"):
@@ -114,9 +111,7 @@ def test_multi_process_launch_without_a_run_id_fails_in_one_line(tmp_path: Path)
 def test_two_torchrun_nodes_share_one_run_and_fsdp_shards_a_foreign_module_over_both(
     cli: CliRunner, tmp_path: Path
 ) -> None:
-    # 2 nodes x 1 process: one mesh of 2 shards, each rank half the data (2 steps of 128 from 448).
-    # The zoo's LazyModule makes its layers in its own configure_model (honoured, not replaced);
-    # its Linear layers become the FSDP units afterwards.
+    # one mesh of 2 shards, 2 steps of 128 a rank; the zoo's own configure_model makes the layers
     shutil.copytree(ZOO, tmp_path / "zoo", ignore=shutil.ignore_patterns("__pycache__"))
     log_dir = tmp_path / "logs"
     outputs = train_on_two_torchrun_nodes(
@@ -163,7 +158,6 @@ def torchrun(
 @pytest.mark.slow
 def test_torchrun_restarts_after_a_killed_worker_continue_the_run_exactly(tmp_path: Path) -> None:
     shutil.copy(Path(__file__).parent / "resume_zoo.py", tmp_path)  # the user's callback
-    # the same run in one go, Lightning launching its second process (no torchrun launcher)
     straight = subprocess.run(
         [sys.executable, "-m", "tinyapp.train", *ELASTIC, f"paths.log_dir={tmp_path / 'straight'}"],
         cwd=tmp_path, env=clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900,
@@ -189,8 +183,7 @@ def test_torchrun_restarts_after_a_killed_worker_continue_the_run_exactly(tmp_pa
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     assert json.loads((again / "metrics.json").read_text())["global_step"] == 10
 
-    # the same rendezvous id names a finished run: one line a rank, no C++ frames (a restart's
-    # refusal: test_a_restarted_torchrun_group_resumes_from_its_own_launch_only)
+    # the same rendezvous id names a finished run: one line a rank, no C++ frames
     rerun = torchrun(tmp_path, "el", *kill, restarts=0)
     assert rerun.returncode != 0
     errors = [line for line in rerun.stderr.splitlines() if line.startswith("error: ")]
@@ -217,7 +210,6 @@ def test_a_slurm_job_is_known_by_its_first_start_not_by_its_id_alone(
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setattr(launch, "_first_starts", {})
     env = dict(SLURM_JOB_ID="812", SLURM_NTASKS="2", SLURM_STEP_ID="0", SLURM_CLUSTER_NAME="c")
-    # Every task and every requeued attempt names the directory after the first attempt's start.
     assert run_id("%Y-%m-%d_%H-%M-%S", env) == "2026-01-02_03-04-05_slurm-812.0"
     requeued = {**env, "SLURM_RESTART_COUNT": "1"}
     assert run_id("%Y-%m-%d_%H-%M-%S", requeued) == "2026-01-02_03-04-05_slurm-812.0-requeue1"

@@ -1,7 +1,5 @@
-"""SLURM for real: the project's own ``scripts/slurm/train.sbatch``, unmodified, on a one-host
-cluster (``scripts/slurm/cluster.sh start``). Rank 0 waits at a known batch (``Pause``) until the
-test has sent its signal and seen the job take it: nothing is timed. Without a cluster these tests
-skip, naming the script; under CI (``CI=true``) they fail."""
+"""``scripts/slurm/train.sbatch`` on a one-host cluster (``scripts/slurm/cluster.sh start``);
+rank 0 pauses at a known batch until the test has signalled, nothing is timed."""
 
 from __future__ import annotations
 
@@ -52,7 +50,7 @@ def slurm(*command: str) -> str:
 
 @pytest.fixture(scope="module", autouse=True)
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A submit directory as train.sbatch expects one (``.venv``, ``logs/slurm``), on a cluster."""
+    """A submit directory for train.sbatch; no cluster: a skip, a failure under CI."""
     global SITE
     sinfo = CONF.is_file() and shutil.which("sinfo") and ["sinfo", "-h"]
     if not sinfo or subprocess.run(sinfo, env=env(), capture_output=True).returncode:
@@ -66,7 +64,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @contextmanager
 def turn() -> Iterator[None]:
-    """The cluster to one test at a time: ``tests/test_slurm.py`` takes the same lock."""
+    """The cluster to one test at a time (``tests/test_slurm.py`` takes the same lock)."""
     with open(CONF.parent / "tests.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
@@ -79,7 +77,7 @@ def _one_at_a_time(site: Path) -> Iterator[None]:
 
 
 def submit(name: str, *overrides: str, options: tuple[str, ...] = ()) -> str:
-    """``sbatch`` train.sbatch on 2 nodes; the job's id. ``name`` names its output file."""
+    """``sbatch`` train.sbatch on 2 nodes; the job's id."""
     nodes = ("--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gpus-per-node=0")
     out = slurm("sbatch", "--parsable", f"--job-name={name}", *nodes, *options, str(SBATCH),
                 *TRAIN, f"paths.log_dir={SITE / 'logs'}", *overrides)  # fmt: skip
@@ -91,7 +89,6 @@ def job(job_id: str) -> dict[str, str]:
 
 
 def wait(what: str, check: Callable[[], Any]) -> Any:
-    """Poll ``check`` until it returns something true (which is returned)."""
     deadline = time.monotonic() + 600
     while not (found := check()):
         assert time.monotonic() < deadline, f"{what}: not after 600 s"
@@ -100,7 +97,6 @@ def wait(what: str, check: Callable[[], Any]) -> Any:
 
 
 def ended(job_id: str, state: str = "COMPLETED") -> dict[str, str]:
-    """Wait for the job to end; its record, which says ``state``."""
     info = wait(f"job {job_id} to end", lambda: (i := job(job_id))["JobState"] in FINAL and i)
     assert info["JobState"] == state, info
     return info
@@ -112,13 +108,13 @@ def output(name: str, job_id: str) -> str:
 
 
 def pause(name: str, epoch: int = 1) -> list[str]:
-    """Hold rank 0 at its first batch of ``epoch`` (0: before any checkpoint) until released."""
+    """Hold rank 0 at its first batch of ``epoch`` until released."""
     return [f"+callbacks.pause.{k}" for k in ("_target_=user_callbacks.Pause", "at=train",
             f"epoch={epoch}", f"marker={SITE / name}.pause")]  # fmt: skip
 
 
 def hold_then(name: str, job_id: str, send: list[str], got: str) -> None:
-    """At the pause: ``send`` (if any), wait until the job's output says ``got``, go on."""
+    """At the pause: ``send``, wait for ``got`` in the job's output, go on."""
     marker = SITE / f"{name}.pause"
     wait(f"job {job_id} paused", lambda: marker.exists() or job(job_id)["JobState"] in FINAL)
     assert marker.exists(), output(name, job_id)[-3000:]
@@ -142,8 +138,7 @@ def metrics(run: Path) -> dict:
 
 
 def reset_and_submit_older(name: str) -> str:
-    """Forget every job (the next is job 1 again, as after a controller lost its state), then
-    submit one that holds at its first batch and holds its save until ``older.save.release``."""
+    """Forget every job (the next is job 1 again), submit one that holds its save."""
     sudo = ["sudo", "-n"] if os.geteuid() else []
     subprocess.run([*sudo, "bash", str(CLUSTER), "reset"], check=True, timeout=300)
     save = [f"+callbacks.hold.marker={SITE / OLDER}.save"]
@@ -152,7 +147,6 @@ def reset_and_submit_older(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def cancelled() -> tuple[str, Path]:
-    """Job 1, cancelled (scancel) in its first epoch: its id and its run."""
     with turn():
         job_id = reset_and_submit_older(OLDER)
         Path(f"{SITE / OLDER}.save.release").touch()  # this job's save goes through
@@ -172,7 +166,7 @@ def test_scancel_saves_and_the_job_ends_cancelled_not_requeued(cancelled: tuple[
 
 @pytest.fixture(scope="module")
 def reference() -> Path:
-    """An uninterrupted 2-node run: the weights every interrupted run must end with."""
+    """An uninterrupted 2-node run: the weights every interrupted run ends with."""
     with turn():
         ended(job_id := submit("reference"))
     (run,) = runs(job_id)
@@ -209,9 +203,7 @@ def test_a_requeued_job_resumes_and_ends_with_the_weights_of_an_uninterrupted_ru
 def test_a_reused_job_id_gets_its_own_run_and_never_resumes_from_the_older_job(
     reference: Path, cancelled: tuple[str, Path]
 ) -> None:
-    # The cluster hands out job 1 again while the older job 1's run (stopped, with
-    # interrupted.ckpt, the same command) is still there. The new job is requeued before it
-    # saved anything (its save is held until SLURM kills it): it starts afresh.
+    # job 1 again beside the older job 1's stopped run; requeued before it saved: afresh
     older_id, older = cancelled
     for stale in SITE.glob(f"{OLDER}.*"):
         stale.unlink()
@@ -229,10 +221,8 @@ def test_a_reused_job_id_gets_its_own_run_and_never_resumes_from_the_older_job(
 
 
 def test_a_sweep_job_that_reaches_its_time_limit_resumes_in_its_folder_exactly() -> None:
-    # Two jobs through hydra/launcher=slurm (submitit), the same training: job #0 pauses until
-    # SLURM's SIGUSR2 10 s before its two-minute limit (one minute: a loaded machine may not
-    # reach the pause), saves, is requeued and resumes; job #1 runs straight through. Both end
-    # with the same weights.
+    # hydra/launcher=slurm: job #0 pauses until SIGUSR2 10 s before its limit, saves, is
+    # requeued and resumes; job #1 runs straight through; both end with the same weights
     sweep, marker = SITE / "sweep", SITE / "sweep.pause"
     command = [
         sys.executable, "-m", "project.train", "-m", "hydra/launcher=slurm",

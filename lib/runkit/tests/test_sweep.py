@@ -1,5 +1,4 @@
-"""Sweeps: with DDP through Hydra's own launcher (each job's two ranks run that job only), and
-``hydra/launcher=parallel`` (jobs at once, GPU claims between them, stops, resumes, summaries)."""
+"""Sweeps through Hydra's own launcher with DDP, and through ``hydra/launcher=parallel``."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from conftest import CliRunner, clean_env, user_config_dir
+from conftest import CliRunner, clean_env, run_python, user_config_dir
 from runkit.errors import RunError
 from runkit.run import launch, sweep
 from runkit.run.sweep import Attempt
@@ -31,11 +30,20 @@ DDP_TINY = ("trainer=ddp_sim", "trainer.max_epochs=1", "+trainer.limit_train_bat
             "callbacks.progress_bar.refresh_rate=0")  # fmt: skip
 
 
-def test_a_job_runs_as_a_single_run_and_returns_its_objective() -> None:
-    argv = ["-m", "-cd", "my configs", "--config-name=exp", "model.optimizer.lr=0.01,0.1"]
-    assert launch.single_job_argv("t.py", ["lr=0.01"], ["hydra.mode=MULTIRUN", "x=1"], argv) == [
-        "t.py", "--config-dir", "my configs", "--config-name", "exp", "lr=0.01", "x=1",
-        "hydra.mode=RUN",
+def test_a_job_command_runs_one_job_in_its_folder_and_the_jobs_own_values_win() -> None:
+    command = launch.job_command(
+        ["python", "-m", "tinyapp.train"],
+        ["model.optimizer.lr=0.1", "select_gpus=first"],
+        ["hydra/launcher=parallel", "hydra.mode=MULTIRUN", "hydra.sweep.dir=/s"],
+        {"select_gpus": "least_used", "gpu_wait_s": 60},
+        Path("/s/a b é/3"),
+        3,
+    )
+    assert command == [
+        "python", "-m", "tinyapp.train", "model.optimizer.lr=0.1",
+        "select_gpus=first",  # the job's own value, not the launcher's
+        "gpu_wait_s=60", "hydra/launcher=parallel", "hydra.sweep.dir=/s",
+        'hydra.run.dir="/s/a b é/3"', "hydra.job.num=3", "hydra.job.id=3", "hydra.mode=RUN",
     ]  # fmt: skip
     before = list(sys.argv)
     with launch.job_scope():  # outside Hydra: nothing changes
@@ -65,14 +73,17 @@ def ran_alone(num: int, job: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_grid_sweep_with_ddp_survives_failed_jobs(cli: CliRunner, log_dir: Path) -> None:
+def test_grid_sweep_with_ddp_survives_failed_jobs(
+    cli: CliRunner, log_dir: Path, tmp_path: Path
+) -> None:
     # Jobs: lr x max_epochs. max_epochs=0 fails in the task before any child starts (RunError);
     # lr=0.02 fails on both ranks after the children started (a user callback's ValueError).
+    user_config_dir(tmp_path / "my configs")  # the DDP children need it too
     result = cli(
-        "train", "-m", "model.optimizer.lr=0.02,0.01", "trainer.max_epochs=1,0",
-        "data.batch_size=256", "+callbacks.boom._target_=user_callbacks.FailAtStart",
-        "+callbacks.boom.lr=0.02", *DDP_TINY[:1], *DDP_TINY[2:],
-        env={"PYTHONPATH": str(Path(__file__).resolve().parent)}, timeout=500,
+        "train", "-m", "--config-dir", "my configs", "model=mine", "model.optimizer.lr=0.02,0.01",
+        "trainer.max_epochs=1,0", "data.batch_size=256", f"paths.log_dir={log_dir}",
+        "+callbacks.boom._target_=user_callbacks.FailAtStart", "+callbacks.boom.lr=0.02",
+        *DDP_TINY[:1], *DDP_TINY[2:], timeout=500,
     )  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode != 0  # the failed jobs, after all of them ran
@@ -93,9 +104,7 @@ def test_grid_sweep_with_ddp_survives_failed_jobs(cli: CliRunner, log_dir: Path)
 
 @pytest.mark.slow
 def test_optuna_sweep_gives_both_ranks_the_same_draw(cli: CliRunner, log_dir: Path) -> None:
-    pytest.importorskip(
-        "hydra_plugins.hydra_optuna_sweeper", reason="pip install 'project[optuna]'"
-    )
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     result = cli(
         "train", "-m", "hparams_search=optuna", "hydra.sweeper.n_trials=2",
         "hydra.sweeper.sampler.seed=7", "data.batch_size=choice(128,256)", *DDP_TINY, timeout=500,
@@ -111,37 +120,24 @@ def test_optuna_sweep_gives_both_ranks_the_same_draw(cli: CliRunner, log_dir: Pa
     assert 0.0 <= best["best_value"] <= 1.0
 
 
-def test_a_job_command_runs_one_job_in_its_folder_and_the_jobs_own_values_win() -> None:
-    command = sweep.job_command(
-        ["python", "-m", "tinyapp.train"],
-        ["model.optimizer.lr=0.1", "select_gpus=first"],
-        ["hydra/launcher=parallel", "hydra.mode=MULTIRUN", "hydra.sweep.dir=/s"],
-        {"select_gpus": "least_used", "gpu_wait_s": 60},
-        Path("/s/a b é/3"),
-        3,
-    )
-    assert command == [
-        "python", "-m", "tinyapp.train", "model.optimizer.lr=0.1",
-        "select_gpus=first",  # the job's own value, not the launcher's
-        "gpu_wait_s=60", "hydra/launcher=parallel", "hydra.sweep.dir=/s",
-        'hydra.run.dir="/s/a b é/3"', "hydra.job.num=3", "hydra.job.id=3", "hydra.mode=RUN",
-    ]  # fmt: skip
-
-
-@pytest.mark.parametrize("value", [0, -2, 1.5, "four", True])
-def test_n_jobs_must_be_a_positive_integer(value) -> None:
-    with pytest.raises(RunError, match=rf"hydra.launcher.n_jobs={value!r} is invalid; expected"):
-        sweep.check_n_jobs(value)
-    assert sweep.check_n_jobs(None) is None and sweep.check_n_jobs(3) == 3
-
-
-def test_n_jobs_defaults_to_the_visible_gpus(use_fake) -> None:
+def test_n_jobs_is_a_positive_integer_and_defaults_to_the_visible_gpus(use_fake) -> None:
     from runkit.testing.fake_nvml import FakeGpu, FakeNvml
 
+    for value in (0, -2, 1.5, "four", True):
+        with pytest.raises(RunError, match=rf"n_jobs={value!r} is invalid; expected a positive"):
+            sweep.check_n_jobs(value)
+    assert sweep.check_n_jobs(None) is None and sweep.check_n_jobs(3) == 3
     assert sweep.default_n_jobs({}) == 1  # no NVML in this process: no GPU
     use_fake(FakeNvml([FakeGpu(), FakeGpu(), FakeGpu()]))
     assert sweep.default_n_jobs({}) == 3
     assert sweep.default_n_jobs({"CUDA_VISIBLE_DEVICES": "0,2"}) == 2
+
+
+def test_the_launcher_imports_no_torch() -> None:  # Hydra imports it in every command
+    done = run_python(
+        "import sys, runkit.run.sweep; print(sorted({'torch', 'lightning'} & set(sys.modules)))"
+    )
+    assert done.stdout.strip() == "[]", done.stderr[-3000:]
 
 
 def test_a_damaged_state_file_is_one_line_and_a_job_follows_its_sweep(tmp_path: Path) -> None:
@@ -301,9 +297,7 @@ def test_a_stopped_sweep_reruns_only_the_rest_and_a_failing_job_does_not_stop_th
 def test_an_optuna_search_continues_its_study_from_the_sweep_folder(
     cli: CliRunner, tmp_path: Path
 ) -> None:
-    pytest.importorskip(
-        "hydra_plugins.hydra_optuna_sweeper", reason="pip install 'project[optuna]'"
-    )
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     folder = tmp_path / "search"
     args = ("-m", "hparams_search=optuna", "hydra/launcher=parallel", f"hydra.sweep.dir={folder}",
             *TINY, "hydra.sweeper.n_trials=1")  # fmt: skip

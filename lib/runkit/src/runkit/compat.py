@@ -19,7 +19,7 @@ class PrivateApi(NamedTuple):
     def missing(self) -> str | None:
         detail = ""
         try:
-            if (self.probe or (lambda: hasattr(_resolve(self.owner), self.name)))():
+            if (self.probe or self._present)():
                 return None
         except Exception as err:  # an import that moved, a signature that changed
             detail = f" ({type(err).__name__}: {err})"
@@ -27,6 +27,10 @@ class PrivateApi(NamedTuple):
             f"{self.owner}.{self.name} is gone or changed{detail}; {self.used_by} relies on it "
             f"({self.why}); adapt it to this release"
         )
+
+    def _present(self) -> bool:  # on the class, else on an instance made without arguments
+        owner = _resolve(self.owner)
+        return hasattr(owner, self.name) or hasattr(owner(), self.name)
 
 
 def _resolve(path: str) -> Any:
@@ -39,12 +43,6 @@ def _resolve(path: str) -> Any:
 
 def _uses(path: str, name: str) -> bool:
     return name in _resolve(path).__code__.co_names
-
-
-def _trainer() -> Any:
-    from lightning.pytorch import Trainer
-
-    return Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
 
 
 def _parses_as_hydra() -> bool:
@@ -66,7 +64,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "_signal_connector",
         "runkit.safety.interrupts",
         "the flag Lightning's loop checks to stop at a batch boundary",
-        lambda: hasattr(_trainer(), "_signal_connector"),
     ),
     PrivateApi(
         "rich.live:Live",
@@ -113,24 +110,21 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "_data_parallel_size",
         "runkit.strategies.fsdp",
         "FSDP over every process: devices * num_nodes, known only once the processes are set up",
-        lambda: (
-            "_data_parallel_size"
-            in vars(_resolve("lightning.pytorch.strategies:ModelParallelStrategy")())
-        ),
     ),
     PrivateApi(
         "lightning.pytorch.loops.fit_loop:_FitLoop",
         "_data_fetcher",
         "runkit.compat.restart_train_data (runkit.safety.resume)",
         "the epoch's iterator exists before any hook: a resume re-creates it after reseeding",
-        lambda: "_data_fetcher" in vars(_trainer().fit_loop),
+        lambda: hasattr(
+            _resolve("lightning.pytorch:Trainer")(logger=False).fit_loop, "_data_fetcher"
+        ),
     ),
     PrivateApi(
         "lightning.pytorch.loops.fetchers:_DataFetcher",
         "fetched",
         "runkit.compat.restart_train_data (runkit.safety.resume)",
         "batches read again on resume are not new batches; Lightning adds the checkpoint's own",
-        lambda: "fetched" in vars(_resolve("lightning.pytorch.loops.fetchers:_DataFetcher")()),
     ),
 )
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from runkit.errors import RunError
-from runkit.quoting import config_options
+from runkit.quoting import config_options, hydra_value
 from runkit.safety.signals import rank_zero, slurm_job_id
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def job_scope() -> Iterator[None]:
     saved_argv, saved_run_dir = list(sys.argv), hydra_cfg.run.dir
     saved_env = {key: os.environ.get(key) for key in SAVED_ENV}
     task, hydra = hydra_cfg.overrides.task, hydra_cfg.overrides.hydra
-    sys.argv = single_job_argv(sys.argv[0], task, hydra, sys.argv[1:])
+    sys.argv = job_command([sys.argv[0], *config_options(sys.argv[1:])], task, hydra)
     _set_run_dir(hydra_cfg, str(hydra_cfg.runtime.output_dir))
     os.environ[SWEEP_JOB_ENV] = str(hydra_cfg.job.num)
     launchers: list[Any] = []
@@ -88,10 +88,30 @@ def job_scope() -> Iterator[None]:
                 os.environ[key] = value
 
 
-def single_job_argv(program: str, task: Any, hydra: Any, argv: Sequence[str] = ()) -> list[str]:
-    """The command line that runs one job (``task``) of a sweep as a single run."""
-    kept = [str(o) for o in hydra if not str(o).lstrip("~+").startswith("hydra.mode=")]
-    return [program, *config_options(argv), *map(str, task), *kept, "hydra.mode=RUN"]
+def job_command(
+    entry: Sequence[str],
+    overrides: Sequence[Any],
+    hydra_overrides: Sequence[Any],
+    extra: Mapping[str, Any] | None = None,
+    run_dir: Path | None = None,
+    num: int = 0,
+) -> list[str]:
+    """The command line that runs one job of a sweep as a single run (in ``run_dir``, as job
+    ``num``, when given): ``extra`` adds the keys that the job's own ``overrides`` do not set."""
+    own = {_key(o) for o in overrides}
+    added = [
+        f"{key}={hydra_value(value)}" for key, value in (extra or {}).items() if key not in own
+    ]
+    mine = ("hydra.mode", "hydra.run.dir", "hydra.job.num", "hydra.job.id")
+    kept = [str(o) for o in hydra_overrides if _key(o) not in mine]
+    if run_dir is not None:
+        kept += [f"hydra.run.dir={hydra_value(str(run_dir))}", f"hydra.job.num={num}"]
+        kept += [f"hydra.job.id={num}"]
+    return [*entry, *map(str, overrides), *added, *kept, "hydra.mode=RUN"]
+
+
+def _key(override: Any) -> str:
+    return str(override).split("=", 1)[0].lstrip("+~")
 
 
 def track(trainer: Any) -> None:

@@ -28,7 +28,7 @@ from hydra.plugins.launcher import Launcher
 
 from runkit.errors import RunError
 from runkit.quoting import config_options, hydra_value
-from runkit.run.launch import newest_checkpoint
+from runkit.run.launch import job_command, newest_checkpoint
 from runkit.safety import signals
 
 log = logging.getLogger(__name__)
@@ -102,37 +102,14 @@ def check_n_jobs(value: Any) -> int | None:
     return value
 
 
-def _key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
-
-
-def job_command(
-    entry: Sequence[str],
-    overrides: Sequence[str],
-    hydra_overrides: Sequence[str],
-    extra: Mapping[str, Any],
-    run_dir: Path,
-    num: int,
-) -> list[str]:
-    own = {_key(o) for o in overrides}
-    added = [f"{key}={hydra_value(value)}" for key, value in extra.items() if key not in own]
-    mine = ("hydra.mode", "hydra.run.dir", "hydra.job.num", "hydra.job.id")
-    kept = [o for o in hydra_overrides if _key(o) not in mine]
-    return [
-        *entry, *overrides, *added, *kept, f"hydra.run.dir={hydra_value(str(run_dir))}",
-        f"hydra.job.num={num}", f"hydra.job.id={num}", "hydra.mode=RUN",
-    ]  # fmt: skip
-
-
 def follow_sweep_parent(environ: MutableMapping[str, str] | None = None) -> None:
     """In a sweep's job: SIGTERM when the sweep dies; a sweep already gone ends the job at once."""
     env = os.environ if environ is None else environ
     parent = env.pop(PARENT_ENV, None)  # the job's own DDP ranks follow the job, not the sweep
     if not parent:
         return
-    if sys.platform.startswith("linux"):  # PR_SET_PDEATHSIG: SIGTERM when the sweep dies
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
+    with contextlib.suppress(OSError, AttributeError):  # Linux's PR_SET_PDEATHSIG, elsewhere none
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
     if str(os.getppid()) != parent:
         print(f"error: the sweep (pid {parent}) ended before this job started", file=sys.stderr)
         raise SystemExit(128 + signal.SIGTERM)
@@ -299,7 +276,7 @@ class ParallelLauncher(Launcher):
         resume = newest_checkpoint(a.dir for a in earlier)
         if resume is not None:  # the checkpoint wins over the job's own ckpt_path
             extra["ckpt_path"] = str(resume)
-            own = [o for o in overrides if _key(o) != "ckpt_path"]
+            own = [o for o in overrides if not o.lstrip("+~").startswith("ckpt_path=")]
             log.info("Sweep job #%d resumes from %s", num, resume)
         counts["resumed" if resume is not None else "started"] += 1
         (self.dir / "logs").mkdir(exist_ok=True)
@@ -351,7 +328,7 @@ def _signal_group(proc: subprocess.Popen, signum: int) -> None:
         os.killpg(proc.pid, signum)
 
 
-def _replace(path: Path, text: str) -> None:
+def _replace(path: Path, text: str) -> None:  # not checkpoints.atomic_write: it imports torch
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
@@ -442,14 +419,12 @@ def plot_summary(sweep_dir: Path, rows: Sequence[dict], key: str | None) -> None
     if not points:
         return
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
         log.info("summary.png needs matplotlib: pip install 'lightning-runkit[plot]'")
         return
-    figure, axes = plt.subplots(figsize=(8, 0.5 * len(points) + 1.5))
+    figure = Figure(figsize=(8, 0.5 * len(points) + 1.5))
+    axes = figure.subplots()
     labels, values = zip(*points, strict=True)
     axes.barh(range(len(values)), values, tick_label=labels)
     axes.invert_yaxis()
@@ -460,7 +435,6 @@ def plot_summary(sweep_dir: Path, rows: Sequence[dict], key: str | None) -> None
         warnings.simplefilter("ignore")
         figure.tight_layout()
     figure.savefig(sweep_dir / "summary.png", dpi=100)
-    plt.close(figure)
 
 
 def _number(value: Any) -> float | None:

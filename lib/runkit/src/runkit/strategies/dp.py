@@ -32,24 +32,14 @@ def check_dp_request(accelerator: Any, devices: Any, num_nodes: Any = 1) -> None
         raise RunError(f"{NEEDS_GPU}, but: {reason}; {CPU_HINT}")
 
 
-class _Autocast(nn.Module):
-    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.module, self.device_type, self.dtype = module, device_type, dtype
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(self.device_type, dtype=self.dtype):
-            return self.module(*args, **kwargs)
-
-
 class AutocastDataParallel(nn.DataParallel):
     """Copies compute in the caller's autocast dtype (torch's threads would use float16)."""
 
     def parallel_apply(self, replicas: Any, inputs: Any, kwargs: Any) -> list[Any]:
         device = self.src_device_obj.type
-        if torch.is_autocast_enabled(device):
+        if torch.is_autocast_enabled(device):  # one autocast a copy: its state is per instance
             dtype = torch.get_autocast_dtype(device)
-            replicas = [_Autocast(replica, device, dtype) for replica in replicas]
+            replicas = [torch.autocast(device, dtype=dtype)(replica) for replica in replicas]
         return super().parallel_apply(replicas, inputs, kwargs)
 
 
@@ -75,19 +65,15 @@ class DataParallelStrategy(ParallelStrategy):
 
     @property
     def root_device(self) -> torch.device:
-        if not self.parallel_devices:
-            raise RunError("trainer.strategy=dp was given no devices; set trainer.devices")
+        assert self.parallel_devices  # Lightning's accelerator connector sets them
         return self.parallel_devices[0]
 
     def setup_environment(self) -> None:
-        self._require_cuda()
-        super().setup_environment()
-
-    def _require_cuda(self) -> None:  # tests allow the CPU
         if self.root_device.type != "cuda":
             raise RunError(
                 f"{NEEDS_GPU}, but the Trainer's devices are {self.root_device.type}; {CPU_HINT}"
             )
+        super().setup_environment()
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -109,12 +95,9 @@ class DataParallelStrategy(ParallelStrategy):
             )
         # The instance dict comes before nn.Module.__getattr__: the wrapper shadows the network
         # without being registered (its keys and parameters stay the network's).
-        self._parallel_net = vars(model)[self.network] = self._data_parallel(net)
+        wrapper = AutocastDataParallel(net, device_ids=self.parallel_devices)
+        self._parallel_net = vars(model)[self.network] = wrapper
         return model
-
-    def _data_parallel(self, net: nn.Module) -> nn.Module:
-        # tests substitute a CPU stand-in
-        return AutocastDataParallel(net, device_ids=self.parallel_devices)
 
     def _same(self, value: Any, *args: Any, **kwargs: Any) -> Any:  # one process: as it is
         return value
