@@ -655,17 +655,12 @@ def test_atomic_write_makes_its_folder_and_names_the_os_error_behind_a_failure(
     assert sorted(p.name for p in bare.iterdir()) == ["model.pth"]
     assert (elsewhere / DEAD).exists()  # not the target's folder: not looked at
 
-    def like_torch_save(handle: Any) -> None:
+    def like_torch_save(handle: Any) -> None:  # its RuntimeError, raised while handling an OSError
         try:
-            handle.write(b"x")
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
         except OSError:
             raise RuntimeError("unexpected pos") from None
 
-    def failing(self: Any, data: Any) -> int:
-        self.error = OSError(errno.EDQUOT, "Disk quota exceeded")
-        raise self.error
-
-    monkeypatch.setattr(checkpointing._ErrorKeepingFile, "write", failing)
     message = err(lambda: atomic_write(bare / "model.pth", like_torch_save), FileWriteError)
     assert message.startswith("the disk is full: could not write ")
     assert "(Disk quota exceeded)" in message
@@ -978,11 +973,14 @@ def test_sharded_checkpoint_directories(folder: Path) -> None:
         target, map_location=lambda s, where: seen.append(where) or s
     )
     assert seen == ["cpu", "cpu"]
-    assert checkpointing.sharded_shapes(target) == {k: v.shape for k, v in weights.items()}
+    shapes = checkpointing.sharded_state(target, load=False)
+    assert {k: (v.shape, v.device.type) for k, v in shapes.items()} == {
+        k: (v.shape, "meta") for k, v in weights.items()
+    }
     (target / checkpointing.MANIFEST_FILE).unlink()
     (target / ".metadata").write_bytes(b"x")
-    for read in (checkpointing.load_sharded, checkpointing.sharded_shapes):
-        message = err(lambda r=read: r(target))
+    for load in (True, False):
+        message = err(lambda lo=load: checkpointing.sharded_state(target, lo))
         assert message.startswith(f"{str(target)!r} is not a readable sharded checkpoint: ")
         assert not message.endswith("None")
     (target / checkpointing.MANIFEST_FILE).write_text("{")

@@ -198,13 +198,13 @@ def check_fits(model: LightningModule, checkpoint: Path) -> None:
     from runkit.safety.checkpoints import (
         is_sharded_checkpoint,
         load_file,
-        sharded_shapes,
+        sharded_state,
         state_mismatch,
     )
 
     expected = model.state_dict()
     if is_sharded_checkpoint(checkpoint):  # trainer=fsdp: the shapes from its index
-        state = {k: torch.empty(v, device="meta") for k, v in sharded_shapes(checkpoint).items()}
+        state = sharded_state(checkpoint, load=False)
     else:
         state = load_file(checkpoint, mmap=True).get("state_dict")
     if not isinstance(state, dict):
