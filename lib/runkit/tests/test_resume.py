@@ -168,6 +168,23 @@ def test_a_users_datamodule_resumes_bit_identically(
 
 
 @pytest.mark.slow
+def test_resuming_from_a_run_whose_csv_log_is_damaged(
+    cli: CliRunner, log_dir: Path, straight: Path
+) -> None:
+    from test_damaged_files import damage, one_error_line, snapshot
+
+    earlier_run = log_dir / "train" / "runs" / straight.name
+    shutil.copytree(straight, earlier_run)
+    damage(earlier_run / "csv" / "metrics.csv", "directory")
+    before = snapshot(earlier_run)
+    result = cli("train", *EXACT, "trainer.max_epochs=4", f"ckpt_path={earlier_run}")
+    assert snapshot(earlier_run) == before  # the earlier run is never changed
+    line = one_error_line(result)
+    assert line.startswith(f"error: {str(earlier_run / 'csv' / 'metrics.csv')!r} "), line
+    assert run_dirs(log_dir) == [earlier_run]  # nothing created
+
+
+@pytest.mark.slow
 def test_resume_with_another_model_fails_in_one_line(cli: CliRunner, straight: Path) -> None:
     before = tree_hash(straight)
     exact = [a for a in EXACT if not a.startswith("model.net.")]  # not the MLP's
