@@ -39,12 +39,6 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return ((seed + 1) * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9) % (2**63)
 
 
-def reseed(seed: int) -> None:
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
-    random.seed(seed)
-
-
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     kind, keys, pos, has_gauss, gauss = state["numpy"]
@@ -120,7 +114,10 @@ class ResumeState(Callback):
 
     def _seed_epoch(self, trainer: Trainer) -> None:
         epoch = trainer.current_epoch
-        reseed(epoch_seed(self.seed, epoch))
+        seed = epoch_seed(self.seed, epoch)
+        torch.manual_seed(seed)
+        np.random.seed(seed % 2**32)
+        random.seed(seed)
         for loader in _train_loaders(trainer):
             found = [
                 getattr(part, "generator", None) for part in _parts(loader) if part is not None
