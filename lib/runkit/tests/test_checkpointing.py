@@ -1,6 +1,4 @@
-"""Checkpoints and model.pth: saved crash-safe, loaded safely and verified, refused in one line.
-
-Folders have spaces and non-ASCII letters sharing no word with the messages asserted."""
+"""Checkpoints and model.pth: saved crash-safe, loaded safely and verified, refused in one line."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""A kill -9 at any moment leaves a last.ckpt that loads and resumes; a full disk or a run
-directory taken away ends a run in one line."""
+"""kill -9 leaves a loadable last.ckpt; a full disk or a vanished run directory is one line."""
 
 from __future__ import annotations
 

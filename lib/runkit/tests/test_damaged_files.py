@@ -1,7 +1,4 @@
-"""Files the program wrote, found damaged or foreign when a tool reads them back (plot's CSV log
-and overrides, the GPU lock files; resume's earlier CSV log: test_resume.py): one ``error:`` line
-naming the file, exit 2, nothing created or lost; or, where the content does not matter (a lock
-file), carry on."""
+"""Damaged or foreign files a tool reads back (CSV log, overrides, GPU locks): one line, exit 2."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""last.ckpt follows every save point, is written once per save point, and resumes relocate
-(Lightning alone leaves it behind, serialises best and last twice, names another run's best)."""
+"""last.ckpt follows every save point, is written once per save point; resumes relocate."""
 
 from __future__ import annotations
 

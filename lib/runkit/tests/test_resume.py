@@ -1,6 +1,4 @@
-"""Resuming continues a run exactly (``trainer.deterministic=true``, CPU), in a new directory, with
-the logs carried on. ``resume_zoo.py`` is copied into the runs' working directory as a user's module.
-"""
+"""Resuming continues a run exactly, in a new directory, with the logs carried on."""
 
 from __future__ import annotations
 

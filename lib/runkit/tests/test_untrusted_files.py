@@ -1,8 +1,4 @@
-"""A checkpoint or run folder from someone else never runs code the installation did not vouch for.
-
-Each crafted file loads with ``weights_only=True``; its config's ``_target_``s, which ``instantiate``
-would call, must be refused in one line before anything is instantiated, the file aimed at untouched.
-"""
+"""A checkpoint or config from someone else never instantiates a _target_ not trusted."""
 
 from __future__ import annotations
 
