@@ -654,6 +654,12 @@ def test_atomic_write_makes_its_folder_and_names_the_os_error_behind_a_failure(
     with pytest.raises(KeyboardInterrupt):  # while opening the temporary file
         atomic_write(empty / "model.pth", lambda handle: handle.write(b"x"))
     assert list(empty.iterdir()) == []
+    monkeypatch.setattr(os, "open", fails(PermissionError(errno.EACCES, "Permission denied")))
+    message = err(lambda: atomic_write(bare / "model.pth", lambda handle: None), FileWriteError)
+    assert message == (
+        f"could not write {str(bare / 'model.pth')!r}: Permission denied; "
+        "its previous version is unchanged"
+    )
 
 
 def test_only_dead_writers_leftovers_are_removed(
