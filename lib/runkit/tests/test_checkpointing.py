@@ -983,7 +983,9 @@ def test_sharded_checkpoint_directories(folder: Path) -> None:
     assert "its manifest.json cannot be read" in err(lambda: load_file(target))
 
 
-def test_sharded_checkpoint_directories_are_staged(folder: Path) -> None:
+def test_sharded_checkpoint_directories_are_staged(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     target = folder / "a b" / "last.ckpt"
     staging = checkpointing.new_staging_dir(target)
     assert staging.parent == target.parent and checkpointing._TEMP.fullmatch(staging.name)
@@ -1004,6 +1006,11 @@ def test_sharded_checkpoint_directories_are_staged(folder: Path) -> None:
     assert checkpointing.checkpoint_files(shards) == ["shard"]
     (entry,) = checkpointing.describe_files(shards, ["shard"])
     assert entry == {"name": "shard", "size": 10, "crc32": zlib.crc32(b"some bytes")}
+    newer = checkpointing.new_staging_dir(target)
+    (newer / "x").write_text("2")
+    monkeypatch.setattr(os, "replace", fails(OSError(errno.EXDEV, "only renameat2 may swap")))
+    checkpointing.swap_in(newer, target)  # over a directory: exchanged in one step
+    assert (target / "x").read_text() == "2" and not newer.exists()
 
 
 def test_a_damaged_shard_is_named_exactly_and_only_in_the_share_asked_for(folder: Path) -> None:

@@ -329,7 +329,7 @@ def _exchange(first: Path, second: Path) -> bool:
     import ctypes
 
     try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+        renameat2 = ctypes.CDLL(None).renameat2
     except (OSError, AttributeError):
         return False
     return renameat2(-100, os.fsencode(first), -100, os.fsencode(second), 2) == 0
