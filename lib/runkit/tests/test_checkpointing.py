@@ -1009,7 +1009,8 @@ def test_sharded_checkpoint_directories_are_staged(
     newer = checkpointing.new_staging_dir(target)
     (newer / "x").write_text("2")
     monkeypatch.setattr(os, "replace", fails(OSError(errno.EXDEV, "only renameat2 may swap")))
-    checkpointing.swap_in(newer, target)  # over a directory: exchanged in one step
+    monkeypatch.chdir(target.parent)  # relative names: renameat2 resolves them in the cwd
+    checkpointing.swap_in(Path(newer.name), Path(target.name))  # exchanged in one step
     assert (target / "x").read_text() == "2" and not newer.exists()
 
 
