@@ -153,11 +153,9 @@ def _say_what_differs(loaders: list[Any], epoch: int, done: int) -> None:
             "state_dict/load_state_dict, so the epoch's stream starts again from its beginning "
             "(%sthe batches after that are the uninterrupted run's only if the stream depends on "
             "nothing but torch's global generator, which is seeded per epoch)",
-            *(
-                epoch,
-                names,
-                f"its first {done} batches are read again and dropped; " if done else "",
-            ),
+            epoch,
+            names,
+            f"its first {done} batches are read again and dropped; " if done else "",
         )
 
 
