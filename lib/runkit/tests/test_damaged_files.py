@@ -1,6 +1,4 @@
-"""Files the program wrote, found damaged or foreign when a tool reads them back (plot's CSV log
-and overrides, resume's earlier CSV log, the GPU lock files): one ``error:`` line naming the file,
-exit 2, nothing created or lost; or, where the content does not matter (a lock file), carry on."""
+"""Damaged or foreign files a tool reads back (CSV log, overrides, GPU locks): one line, exit 2."""
 
 from __future__ import annotations
 
@@ -12,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import FAST, CliRunner, run_dirs, run_entry
 from runkit import plots
 from runkit.gpus import claims, nvml
 from runkit.gpus.claims import SelectionPolicy
@@ -215,35 +212,3 @@ def test_a_directory_where_a_lock_file_belongs_is_one_line_naming_it(
         f"cuda:0 its lock file {str(lock)!r} cannot be opened (Is a directory)"
     )
     assert snapshot(tmp_path) == before and claims.claimed_uuids() == ()
-
-
-# ------------------------------------------------------------------------- resume: the earlier CSV
-
-
-SMALL_NET = "model.net.channels=[8]"
-
-
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("trained")
-    logs = f"paths.log_dir={root / 'logs'}"
-    done = run_entry(root, "train", *FAST, "trainer.max_epochs=1", SMALL_NET, logs)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (run,) = run_dirs(root / "logs")
-    return run
-
-
-@pytest.mark.slow
-def test_resuming_from_a_run_whose_csv_log_is_damaged(
-    cli: CliRunner, log_dir: Path, trained_run: Path
-) -> None:
-    """Resume carries the earlier CSV log's rows on: damage there is one line, before the run."""
-    earlier_run = log_dir / "train" / "runs" / trained_run.name
-    shutil.copytree(trained_run, earlier_run)
-    damage(earlier_run / plots.METRICS_CSV, "directory")
-    before = snapshot(earlier_run)
-    result = cli("train", *FAST, "trainer.max_epochs=3", SMALL_NET, f"ckpt_path={earlier_run}")
-    assert snapshot(earlier_run) == before  # the earlier run is never changed
-    line = one_error_line(result)
-    assert line.startswith(f"error: {str(earlier_run / plots.METRICS_CSV)!r} "), line
-    assert run_dirs(log_dir) == [earlier_run]  # nothing created

@@ -1,6 +1,4 @@
-"""Resuming continues a run exactly (``trainer.deterministic=true``, CPU), in a new directory, with
-the logs carried on. ``resume_zoo.py`` is copied into the runs' working directory as a user's module.
-"""
+"""Resuming continues a run exactly, in a new directory, with the logs carried on."""
 
 from __future__ import annotations
 
@@ -165,6 +163,23 @@ def test_a_users_datamodule_resumes_bit_identically(
     assert "not resumable" not in again.stdout + again.stderr
     (resumed,) = [d for d in run_dirs(log_dir) if d not in (full, run)]
     assert_equal_weights(full / "checkpoints" / "last.ckpt", resumed / "checkpoints" / "last.ckpt")
+
+
+@pytest.mark.slow
+def test_resuming_from_a_run_whose_csv_log_is_damaged(
+    cli: CliRunner, log_dir: Path, straight: Path
+) -> None:
+    from test_damaged_files import damage, one_error_line, snapshot
+
+    earlier_run = log_dir / "train" / "runs" / straight.name
+    shutil.copytree(straight, earlier_run)
+    damage(earlier_run / "csv" / "metrics.csv", "directory")
+    before = snapshot(earlier_run)
+    result = cli("train", *EXACT, "trainer.max_epochs=4", f"ckpt_path={earlier_run}")
+    assert snapshot(earlier_run) == before  # the earlier run is never changed
+    line = one_error_line(result)
+    assert line.startswith(f"error: {str(earlier_run / 'csv' / 'metrics.csv')!r} "), line
+    assert run_dirs(log_dir) == [earlier_run]  # nothing created
 
 
 @pytest.mark.slow

@@ -1,11 +1,8 @@
-"""A checkpoint or run folder from someone else never runs code the installation did not vouch for.
-
-Each crafted file loads with ``weights_only=True``; its config's ``_target_``s, which ``instantiate``
-would call, must be refused in one line before anything is instantiated, the file aimed at untouched.
-"""
+"""A checkpoint or config from someone else never instantiates a _target_ not trusted."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -121,52 +118,25 @@ def test_an_allowed_prefix_covers_whole_names_only() -> None:
     assert not is_allowed("pkg.model.Net", ["pkg.modelX"])
 
 
-def test_a_users_own_package_loads_once_allowed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    package = tmp_path / "my_nets_pkg"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "nets.py").write_text(
-        "from torch import nn\n\nclass Tiny(nn.Linear):\n"
-        "    def __init__(self):\n        super().__init__(4, 3)\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    run = tmp_path / "run"
-    run.mkdir()
-    from torch import nn
-
-    weights = save_weights(nn.Linear(4, 3), run / "model.pth")
-    OmegaConf.save({"model": {"net": {"_target_": "my_nets_pkg.nets.Tiny"}}}, run / "config.yaml")
+def test_a_users_own_package_loads_once_allowed(probe_package: str, tmp_path: Path) -> None:
+    weights = save_weights(torch.nn.Linear(4, 3), tmp_path / "run" / "model.pth")
+    net_config = {"_target_": f"{probe_package}.nets.Tiny"}
+    OmegaConf.save({"model": {"net": net_config}}, tmp_path / "run" / "config.yaml")
     message = refusal(weights)
-    assert "'my_nets_pkg.nets.Tiny'" in message and "'my_nets_pkg.nets.'" in message
-    net = load_network(weights, allowed=[*TRUSTED_TARGETS, "my_nets_pkg."])
-    assert type(net).__module__ == "my_nets_pkg.nets"
+    assert f"'{probe_package}.nets.Tiny'" in message and f"'{probe_package}.nets.'" in message
+    net = load_network(weights, allowed=[*TRUSTED_TARGETS, f"{probe_package}."])
+    assert type(net).__module__ == f"{probe_package}.nets"
 
 
 def test_the_template_configs_pass_the_allow_list_eval_yaml_gives() -> None:
     configs = Path(__file__).resolve().parents[3] / "configs"
     trusted = OmegaConf.load(configs / "eval.yaml").trusted_targets
-    for group in ("model", "data"):
-        for file in sorted((configs / group).glob("*.yaml")):
-            node = OmegaConf.to_container(OmegaConf.load(file), resolve=False)
-            node = {k: v for k, v in node.items() if k != "defaults"}  # type: ignore[union-attr]
-            # interpolations are resolved before a run saves its config; only targets matter here
-            targets = {k: v for k, v in _targets(node)}
-            check_trusted(targets, trusted, file)
-
-
-def _targets(node: Any, where: str = "") -> list[tuple[str, dict[str, str]]]:
-    found = []
-    if isinstance(node, dict):
-        if "_target_" in node:
-            found.append((where or "top", {"_target_": node["_target_"]}))
-        for key, value in node.items():
-            found += _targets(value, f"{where}.{key}")
-    elif isinstance(node, list):
-        for index, value in enumerate(node):
-            found += _targets(value, f"{where}.{index}")
-    return found
+    files = sorted([*(configs / "model").glob("*.yaml"), *(configs / "data").glob("*.yaml")])
+    for file in files:
+        # a run saves its config resolved: here an interpolation stands for a resolved value
+        text = json.dumps(OmegaConf.to_container(OmegaConf.load(file), resolve=False))
+        check_trusted(json.loads(text.replace("${", "$")), trusted, file)
+    assert len(files) > 2
 
 
 @pytest.mark.slow
@@ -310,6 +280,10 @@ def probe_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
         "LIMIT = 3  # an int: no __module__, no __name__\n"
     )
     (package / "broken.py").write_text("raise RuntimeError()\n")
+    (package / "nets.py").write_text(
+        "from torch import nn\n\nclass Tiny(nn.Linear):\n"
+        "    def __init__(self):\n        super().__init__(4, 3)\n"
+    )
     (package / "noisy.py").write_text(  # leaves a trace when imported
         "import os, pathlib\npathlib.Path(os.environ['PROBE_MARKER']).touch()\nX = 1\n"
     )

@@ -30,7 +30,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch import nn
 
 from runkit.errors import DISK_FULL, EnvironmentFailure, RunError, file_failure
-from runkit.safety.trusted import TRUSTED_TARGETS, check_trusted
+from runkit.safety.trusted import TRUSTED_TARGETS, check_trusted, first_line
 
 log = logging.getLogger(__name__)
 
@@ -90,46 +90,33 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return super().load_checkpoint(path, weights_only=safe, **kwargs)
 
 
-class _ErrorKeepingFile:
-    """Keeps a write's ``OSError`` (``torch.save`` raises an opaque ``RuntimeError``)."""
-
-    def __init__(self, handle: IO[bytes]) -> None:
-        self.handle: IO[bytes] = handle
-        self.error: OSError | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.handle, name)
-
-    def write(self, data: Any) -> int:
-        try:
-            return self.handle.write(data)
-        except OSError as err:
-            self.error = err
-            raise
-
-
 def _temporary_name(target: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(target.parent)
     return target.parent / f".{target.name}.{os.getpid()}-{_HOST}-{secrets.token_hex(4)}.tmp"
 
 
+def new_staging_dir(target: Path) -> Path:
+    (tmp := _temporary_name(target)).mkdir()
+    return tmp
+
+
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
     """Write beside ``path``, fsync, rename over it: a crash leaves the old file or the new."""
     target = Path(path)
-    kept, handle, tmp = target.is_file(), None, None
+    kept, tmp = target.is_file(), None
     try:
         tmp = _temporary_name(target)
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as raw:
-            handle = _ErrorKeepingFile(raw)
-            write(handle)  # type: ignore[arg-type]
-            raw.flush()
-            os.fsync(raw.fileno())
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
         os.replace(tmp, target)
     except BaseException as err:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
-        cause = err if isinstance(err, OSError) else (handle.error if handle else None)
+        # torch.save turns a write's OSError into an opaque RuntimeError raised while handling it
+        cause = next((e for e in (err, err.__context__) if isinstance(e, OSError)), None)
         if cause is None or not isinstance(err, Exception):
             raise
         raise FileWriteError(*write_failure(target, cause, kept)) from cause
@@ -308,12 +295,6 @@ def is_checkpoint(path: str | Path) -> bool:
     return Path(path).is_file() or is_sharded_checkpoint(path)
 
 
-def new_staging_dir(target: Path) -> Path:
-    tmp = _temporary_name(target)
-    tmp.mkdir()
-    return tmp
-
-
 def checkpoint_files(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST_FILE)
 
@@ -348,7 +329,7 @@ def _exchange(first: Path, second: Path) -> bool:
     import ctypes
 
     try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+        renameat2 = ctypes.CDLL(None).renameat2
     except (OSError, AttributeError):
         return False
     return renameat2(-100, os.fsencode(first), -100, os.fsencode(second), 2) == 0
@@ -421,7 +402,7 @@ def damaged_files(folder: Path, names: Iterable[str] | None = None) -> str | Non
     return None
 
 
-def _sharded_state(folder: str | Path, load: bool = True) -> dict[str, torch.Tensor]:
+def sharded_state(folder: str | Path, load: bool = True) -> dict[str, torch.Tensor]:
     """A sharded checkpoint's ``state_dict`` (``load=False``: empty, on ``meta``), or one line."""
     import torch.distributed.checkpoint as dcp
 
@@ -443,7 +424,7 @@ def _sharded_state(folder: str | Path, load: bool = True) -> dict[str, torch.Ten
                 dcp.load({"state_dict": state}, storage_reader=reader, no_dist=True)
     except Exception as err:
         raise RunError(
-            f"{str(folder)!r} is not a readable sharded checkpoint: {_first(err)}"
+            f"{str(folder)!r} is not a readable sharded checkpoint: {first_line(err)}"
         ) from err
     return state
 
@@ -455,16 +436,8 @@ def load_sharded(folder: str | Path, map_location: Any = "cpu") -> dict[str, Any
         raise RunError(problem)
     meta = folder / "meta.pt"
     data = load_file(meta, map_location=map_location) if meta.is_file() else {}
-    data["state_dict"] = _sharded_state(folder)
+    data["state_dict"] = sharded_state(folder)
     return data
-
-
-def sharded_shapes(folder: str | Path) -> dict[str, torch.Size]:
-    return {key: tensor.shape for key, tensor in _sharded_state(folder, load=False).items()}
-
-
-def _first(err: BaseException) -> str:
-    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 def verify_archive(path: str | Path) -> None:
@@ -508,7 +481,7 @@ def load_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -
     except Exception as err:
         raise RunError(
             f"{str(path)!r} is not a readable checkpoint or state_dict (truncated or corrupt?): "
-            f"{_first(err)}"
+            f"{first_line(err)}"
         ) from err
     if not isinstance(data, dict):
         raise RunError(f"{str(path)!r} holds a {type(data).__name__}, not a state_dict")

@@ -39,12 +39,6 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return ((seed + 1) * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9) % (2**63)
 
 
-def reseed(seed: int) -> None:
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
-    random.seed(seed)
-
-
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     kind, keys, pos, has_gauss, gauss = state["numpy"]
@@ -120,7 +114,10 @@ class ResumeState(Callback):
 
     def _seed_epoch(self, trainer: Trainer) -> None:
         epoch = trainer.current_epoch
-        reseed(epoch_seed(self.seed, epoch))
+        seed = epoch_seed(self.seed, epoch)
+        torch.manual_seed(seed)
+        np.random.seed(seed % 2**32)
+        random.seed(seed)
         for loader in _train_loaders(trainer):
             found = [
                 getattr(part, "generator", None) for part in _parts(loader) if part is not None
@@ -156,11 +153,9 @@ def _say_what_differs(loaders: list[Any], epoch: int, done: int) -> None:
             "state_dict/load_state_dict, so the epoch's stream starts again from its beginning "
             "(%sthe batches after that are the uninterrupted run's only if the stream depends on "
             "nothing but torch's global generator, which is seeded per epoch)",
-            *(
-                epoch,
-                names,
-                f"its first {done} batches are read again and dropped; " if done else "",
-            ),
+            epoch,
+            names,
+            f"its first {done} batches are read again and dropped; " if done else "",
         )
 
 
@@ -198,13 +193,13 @@ def check_fits(model: LightningModule, checkpoint: Path) -> None:
     from runkit.safety.checkpoints import (
         is_sharded_checkpoint,
         load_file,
-        sharded_shapes,
+        sharded_state,
         state_mismatch,
     )
 
     expected = model.state_dict()
     if is_sharded_checkpoint(checkpoint):  # trainer=fsdp: the shapes from its index
-        state = {k: torch.empty(v, device="meta") for k, v in sharded_shapes(checkpoint).items()}
+        state = sharded_state(checkpoint, load=False)
     else:
         state = load_file(checkpoint, mmap=True).get("state_dict")
     if not isinstance(state, dict):

@@ -20,6 +20,10 @@ MAX_DEPTH = 64  # saved configs nest a few levels; a deeper one is damaged or ho
 _DOTTED = re.compile(r"[A-Za-z][A-Za-z0-9_]*(\.[A-Za-z][A-Za-z0-9_]*)*")
 
 
+def first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
 def is_allowed(name: str, allowed: Iterable[str]) -> bool:
     stems = (str(prefix).strip().rstrip(".") for prefix in allowed)
     return any(stem and (name == stem or name.startswith(stem + ".")) for stem in stems)
@@ -92,8 +96,8 @@ def _check_target(
             f"{str(source)!r} has {where}={str(target)[:80]!r}, not a plain dotted name "
             "(letters, digits, '_' and '.', no leading '_'); refusing to instantiate it"
         )
-    if not is_allowed(target, allowed) or any(part.startswith("_") for part in target.split(".")):
-        return where, target, ""  # never imported
+    if not is_allowed(target, allowed):  # never imported (_DOTTED refused a leading '_')
+        return where, target, ""
     try:  # as instantiate finds it, importing modules (under an allowed prefix only) on the way
         parts = target.split(".")
         obj = importlib.import_module(parts[0])
@@ -102,9 +106,9 @@ def _check_target(
                 importlib.import_module(".".join(parts[: index + 1]))
             obj = getattr(obj, part)
     except Exception as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise RunError(
-            f"{str(source)!r} names {where}={target!r}, which cannot be imported here: {reason}"
+            f"{str(source)!r} names {where}={target!r}, which cannot be imported here: "
+            f"{first_line(err)}"
         ) from err
     module = getattr(obj, "__module__", None)
     qualname = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
