@@ -640,12 +640,30 @@ def test_atomic_write_makes_its_folder_and_names_the_os_error_behind_a_failure(
     assert sorted(p.name for p in bare.iterdir()) == ["model.pth"]
     assert (elsewhere / DEAD).exists()  # not the target's folder: not looked at
 
-    def like_torch_save(handle: Any) -> None:  # its RuntimeError, raised while handling an OSError
+    def like_torch_save(handle: Any) -> None:  # an opaque RuntimeError for the write's OSError
         try:
-            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+            handle.write(b"x")
         except OSError:
             raise RuntimeError("unexpected pos") from None
 
+    class OverQuota:
+        def __init__(self, raw: Any) -> None:
+            self.raw = raw
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.raw, name)
+
+        def __enter__(self) -> Any:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.raw.close()
+
+        def write(self, data: bytes) -> int:
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+    fdopen = os.fdopen
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode: OverQuota(fdopen(fd, mode)))
     message = err(lambda: atomic_write(bare / "model.pth", like_torch_save), FileWriteError)
     assert message.startswith("the disk is full: could not write ")
     assert "(Disk quota exceeded)" in message

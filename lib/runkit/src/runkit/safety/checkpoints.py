@@ -90,6 +90,25 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return super().load_checkpoint(path, weights_only=safe, **kwargs)
 
 
+class _ErrorKeepingFile:
+    """Keeps a write's ``OSError``: ``torch.save`` raises an opaque ``RuntimeError`` instead, and
+    whether that one chains the ``OSError`` differs between torch versions."""
+
+    def __init__(self, handle: IO[bytes]) -> None:
+        self.handle: IO[bytes] = handle
+        self.error: OSError | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.handle, name)
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.handle.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+
 def _temporary_name(target: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(target.parent)
@@ -104,19 +123,19 @@ def new_staging_dir(target: Path) -> Path:
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
     """Write beside ``path``, fsync, rename over it: a crash leaves the old file or the new."""
     target = Path(path)
-    kept, tmp = target.is_file(), None
+    kept, handle, tmp = target.is_file(), None, None
     try:
         tmp = _temporary_name(target)
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as raw:
+            handle = _ErrorKeepingFile(raw)
+            write(handle)  # type: ignore[arg-type]
+            raw.flush()
+            os.fsync(raw.fileno())
         os.replace(tmp, target)
     except BaseException as err:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
-        # torch.save turns a write's OSError into an opaque RuntimeError raised while handling it
-        cause = next((e for e in (err, err.__context__) if isinstance(e, OSError)), None)
+        cause = err if isinstance(err, OSError) else (handle.error if handle else None)
         if cause is None or not isinstance(err, Exception):
             raise
         raise FileWriteError(*write_failure(target, cause, kept)) from cause
