@@ -39,8 +39,8 @@ TEMPLATE_TARGETS = ("tinyapp.", "torch.nn.", "torch.optim.")
 # (--no-loadscope-reorder) are short ones and neither worker waits long for the other at the end.
 LONGEST = ("template", "slurm_cluster", "readme", "sweep", "zoo", "crash_safety", "signals",
            "multinode", "slurm", "pasted_commands", "fsdp", "performance_switches", "conformance",
-           "damaged_files", "bad_inputs", "tinyapp", "notebooks", "gpu_check", "resume",
-           "train_cli", "plot", "smoke")  # fmt: skip
+           "damaged_files", "bad_inputs", "notebooks", "gpu_check", "resume", "train_cli",
+           "plot", "smoke")  # fmt: skip
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
