@@ -36,11 +36,12 @@ TESTS = Path(__file__).resolve().parent
 TEMPLATE_TARGETS = ("tinyapp.", "torch.nn.", "torch.optim.")
 
 # The longest files first (by recorded durations), so that the last files two workers take whole
-# (--no-loadscope-reorder) are short ones and neither worker waits long for the other at the end.
-LONGEST = ("template", "slurm_cluster", "readme", "sweep", "zoo", "crash_safety", "signals",
-           "multinode", "slurm", "pasted_commands", "fsdp", "performance_switches", "conformance",
-           "damaged_files", "bad_inputs", "notebooks", "gpu_check", "resume", "train_cli",
-           "plot", "smoke")  # fmt: skip
+# (--no-loadscope-reorder) are short ones and neither worker waits long for the other at the end;
+# the SLURM files after test_template's own SLURM job (they take turns on one cluster).
+LONGEST = ("template", "readme", "slurm", "sweep", "zoo", "crash_safety", "signals",
+           "slurm_cluster", "multinode", "pasted_commands", "fsdp", "performance_switches",
+           "conformance", "damaged_files", "bad_inputs", "notebooks", "gpu_check", "resume",
+           "train_cli", "plot", "smoke")  # fmt: skip
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
