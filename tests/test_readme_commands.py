@@ -1,5 +1,4 @@
-"""The commands README.md gives: each training command composes as typed, and CI runs the
-README's own test command (.github/workflows/ci.yml)."""
+"""README.md's commands: each training command composes as typed; CI runs the test one."""
 
 from __future__ import annotations
 
@@ -40,11 +39,6 @@ def training_commands() -> list[str]:
     return [c for c in commands() if entry.match(c) and not rest.search(c[len("python -m ") :])]
 
 
-def test_readme_gives_the_two_commands_a_newcomer_pastes() -> None:
-    assert f"bash scripts/setup.sh && .venv/bin/python -m {PACKAGE}.train" in commands()
-    assert TEST_COMMAND in commands()
-
-
 @pytest.mark.parametrize("command", training_commands())
 def test_each_training_command_composes_as_typed(command: str) -> None:
     words = shlex.split(command)
@@ -55,7 +49,9 @@ def test_each_training_command_composes_as_typed(command: str) -> None:
     assert cfg.trainer.max_epochs >= 1
 
 
-def test_ci_runs_the_readme_test_command_and_lints() -> None:
+def test_readme_gives_a_newcomers_two_commands_and_ci_runs_the_test_one_and_lints() -> None:
+    assert f"bash scripts/setup.sh && .venv/bin/python -m {PACKAGE}.train" in commands()
+    assert TEST_COMMAND in commands()
     workflow = yaml.safe_load((ROOT / ".github" / "workflows" / "ci.yml").read_text())
     triggers = workflow.get("on", workflow.get(True))  # YAML 1.1 reads a bare `on` as True
     assert {"push", "pull_request"} <= set(triggers)

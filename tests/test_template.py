@@ -1,6 +1,4 @@
-"""This repository as a Copier template, offline, as a user meets it: two made projects (a space
-in the path; packages sorting after and before ``runkit``) run their CI steps, README commands and
-Makefile in a fresh environment; then ``copier update`` after the user's own commits."""
+"""This repository as a Copier template, offline, as a user meets it, in a fresh environment."""
 
 from __future__ import annotations
 
@@ -14,6 +12,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from subprocess import CompletedProcess
+from typing import Any
 
 import pytest
 import yaml
@@ -25,7 +24,7 @@ NAMES = [
     pytest.param(("Élan Vital", "elan_vital"), id="elan_vital"),  # and before
 ]
 SET_UP = "Élan Vital"  # the project whose README commands run as written
-SETUP_AND_RUN_S = 3600  # a fresh install and a 20-epoch run: many minutes on a busy machine
+SETUP_AND_RUN_S = 3600  # a fresh install and the default run: many minutes on a busy machine
 # What of this repository must not reach a project: the placeholder package, tools, tests, material.
 LEFTOVERS = re.compile(
     r"(?<![\w\-])(?<!^\[)project(?=\.[\w\"'`\\]|\[\w|/)|(?<=[\"'`/])project\b(?!-)|-m project\b"
@@ -74,14 +73,10 @@ def run(command: list[str], cwd: Path, env: dict[str, str] | None = None) -> Com
                           timeout=1800, stdin=subprocess.DEVNULL)  # fmt: skip
 
 
-def copier(*args: str, cwd: Path) -> CompletedProcess:
-    return run([*COPIER, *args], cwd)
-
-
 def make_project(repository: Path, where: Path, project_name: str) -> Path:
     """``copier copy`` as the README gives it, then the git repository its README starts."""
-    done = copier("copy", "--defaults", "--vcs-ref", "v1", "--data", f"project_name={project_name}",
-                  str(repository), str(where), cwd=where.parent)  # fmt: skip
+    done = run([*COPIER, "copy", "--defaults", "--vcs-ref", "v1", "--data",
+                f"project_name={project_name}", str(repository), str(where)], where.parent)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     (start,) = [b for b in bash_blocks((where / "README.md").read_text("utf-8")) if "git init" in b]
     started = run_bash(start, where, {**os.environ, **IDENTITY})
@@ -168,9 +163,7 @@ def made(request: pytest.FixtureRequest, projects: dict[str, Made]) -> Made:
 
 @pytest.fixture(scope="module")
 def pushed(projects: dict[str, Made]) -> Pushed:
-    """Each project's CI ``run:`` steps up to the first that fails; the other project (only its
-    name's import order and types at stake) lints and type-checks in the set-up one's .venv,
-    from its mypy cache (third-party modules: checked once, not twice)."""
+    """CI's ``run:`` steps up to the first that fails; the other project's in the first's .venv."""
     done: Pushed = {}
     for name in sorted(projects, key=lambda n: n != SET_UP):
         done[name], root = [], projects[name].root
@@ -195,9 +188,10 @@ def trained(projects: dict[str, Made], pushed: Pushed) -> CompletedProcess:
     return run_bash(train, made.root, fresh_environment())
 
 
-def test_the_template_is_what_the_generator_writes_from_the_project() -> None:
-    done = run([sys.executable, str(ROOT / "tools" / "make_template.py"), "--check"], ROOT)
-    assert done.returncode == 0, done.stderr
+def test_the_template_is_what_the_generator_writes_from_the_project(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert make_template().main(["--check"]) == 0, capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -399,8 +393,8 @@ def test_a_package_name_that_would_break_the_project_is_refused_in_one_line(
     repository: Path, tmp_path: Path, data: str, shown: str | None
 ) -> None:
     where = tmp_path / "made"
-    done = copier("copy", "--defaults", "--quiet", "--data", data, str(repository), str(where),
-                  cwd=tmp_path)  # fmt: skip
+    done = run([*COPIER, "copy", "--defaults", "--quiet", "--data", data, str(repository),
+                str(where)], tmp_path)  # fmt: skip
     if shown is None:
         assert done.returncode == 0, done.stderr[-2000:]
         assert (where / "src" / "numpy_project" / "train.py").is_file()
@@ -434,15 +428,19 @@ def test_asked_interactively_a_refused_package_name_is_said_at_the_prompt_and_as
     assert not where.exists()
 
 
-def test_the_refused_names_cover_everything_the_project_installs() -> None:
+def make_template() -> Any:  # tools/make_template.py, imported
     sys.path.insert(0, str(ROOT / "tools"))
     try:
         import make_template
     finally:
         sys.path.pop(0)
-    found = re.search(r"set reserved = (\[.*?\]) -%\}", make_template.NAMES_FILE.read_text())
+    return make_template
+
+
+def test_the_refused_names_cover_everything_the_project_installs() -> None:
+    found = re.search(r"set reserved = (\[.*?\]) -%\}", make_template().NAMES_FILE.read_text())
     assert found
     listed = set(json.loads(found.group(1)))
-    missing = sorted(set(make_template.reserved_names()) - listed)
+    missing = sorted(set(make_template().reserved_names()) - listed)
     assert not missing, f"not refused yet: {missing}; run python tools/make_template.py --names"
     assert {"numpy", "torch", "lightning", "lightning_runkit", "runkit", "hydra_plugins"} <= listed

@@ -35,12 +35,21 @@ TESTS = Path(__file__).resolve().parent
 # What tinyapp's eval.yaml trusts (as the template's does its own packages): its modules, torch.
 TEMPLATE_TARGETS = ("tinyapp.", "torch.nn.", "torch.optim.")
 
-# The longest files first: two workers take whole files in this order (--no-loadscope-reorder).
-LONGEST = {"tests/test_template.py": 0, "lib/runkit/tests/test_readme.py": 1}
+# The longest files first (by recorded durations), so that the last files two workers take whole
+# (--no-loadscope-reorder) are short ones and neither worker waits long for the other at the end;
+# the SLURM files after test_template's own SLURM job (they take turns on one cluster).
+LONGEST = ("template", "readme", "slurm", "sweep", "zoo", "crash_safety", "signals",
+           "slurm_cluster", "multinode", "pasted_commands", "fsdp", "performance_switches",
+           "conformance", "damaged_files", "bad_inputs", "notebooks", "gpu_check", "resume",
+           "train_cli", "plot", "smoke")  # fmt: skip
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: LONGEST.get(item.nodeid.partition("::")[0], len(LONGEST)))
+    def rank(item: pytest.Item) -> int:
+        name = Path(item.nodeid.partition("::")[0]).stem.removeprefix("test_")
+        return LONGEST.index(name) if name in LONGEST else len(LONGEST)
+
+    items.sort(key=rank)
 
 
 def user_config_dir(folder: Path) -> Path:

@@ -1,12 +1,6 @@
-"""Count the host reads of tensor values (``.item()``, ``bool()``, ``nonzero``, a copy to the host:
-on a GPU each waits for every queued kernel) made in each training and validation step.
-
-:class:`HostReadProbe` keeps a ``TorchDispatchMode`` on around each batch but the first of an
-epoch or a validation run. On a CPU run tensors are placed as a GPU run would place them: step
-counters of a non-fused, non-capturable optimiser, tensors made from Python data and what is
-computed from those alone stay on the host; everything else is on the accelerator.
-From the command line (``tests/`` on ``PYTHONPATH``): ``+callbacks.host_reads._target_=
-host_reads.HostReadProbe +callbacks.host_reads.report=FILE`` writes ``FILE.<rank>.json``.
+"""Count the host reads of tensor values (``.item()``, a copy to the host: on a GPU each waits for
+the queued kernels) in each step but an epoch's first; a CPU run places tensors as a GPU run would.
+CLI: ``+callbacks.host_reads._target_=host_reads.HostReadProbe +callbacks.host_reads.report=FILE``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""``python -m tinyapp.<entry> ...`` for the tests without paying the imports each time.
-
-A server imports torch, Lightning, Hydra and the library once; each run is a ``fork`` of it that
-does what ``python -m`` does (``runpy``, with the test's argv, cwd, environment and stdio), so it
-is still its own process: pid, exit status, atexit, signals. Unlike a fresh interpreter it may hold
-modules the entry never imports and has the server's flags and ``PYTHON*`` variables (other
-commands run fresh). ``RUNKIT_TEST_FRESH=1`` runs every command fresh.
+"""``python -m tinyapp.<entry> ...`` as a ``fork`` of a server that imported torch, Lightning and
+the library once: still its own process (pid, exit status, signals), but it may hold modules the
+entry never imports. ``RUNKIT_TEST_FRESH=1`` runs every command fresh.
 """
 
 from __future__ import annotations

@@ -49,8 +49,7 @@ def test_compare_pairs_ratios_by_script_and_label() -> None:
 
 
 def _results_file(path: Path, wall: tuple[float, ...], step: tuple[float, ...]) -> Path:
-    """run_all's file: a wall-clock ratio targeted at 1 and an untargeted step one, each
-    (median, min, max)."""
+    """run_all's file: a wall-clock ratio targeted at 1, a step one untargeted: (median, min, max)."""
     records = [
         {"label": "tiny / plain Lightning, wall clock", "target": 1.0, "met": wall[0] >= 1.0},
         {"label": "tiny median training step only", "target": None, "met": None},

@@ -1,7 +1,4 @@
-"""README.md stays true: :data:`CHECKS` says how each ``bash`` command is proven (RUN, CLI as
-written, COMPOSE_ONLY, DRY, SECTION, SKIP with a reason); a block not all run is marked as such.
-SECTION: file blocks (``# path`` first, after a Hydra header) written verbatim, then the bash
-commands in a real bash, in one folder; ``<run>`` is the printed run."""
+"""README.md stays true: :data:`CHECKS` says how each ``bash`` command is proven (or why not)."""
 
 from __future__ import annotations
 
@@ -22,8 +19,7 @@ import prewarmed
 from conftest import clean_env, run_dirs
 
 ROOT = Path(__file__).resolve().parents[3]
-OWN = (ROOT / "lib" / "runkit" / "docs" / "own-model-and-data.md", "# Your own model and data")
-SECTIONS = [OWN]  # (file, heading) run as written, each by a test below
+OWN = ROOT / "lib" / "runkit" / "docs" / "own-model-and-data.md"  # run as written, a test below
 
 READMES = (ROOT / "README.md", ROOT / "lib" / "runkit" / "README.md",
            *sorted((ROOT / "lib" / "runkit" / "docs").glob("*.md")),
@@ -410,21 +406,6 @@ def file_path(block: Block) -> str | None:
     return None
 
 
-def section(readme: Path, heading: str) -> str:
-    """The text under ``heading`` up to the next heading of its level or above."""
-    lines = readme.read_text().splitlines(keepends=True)
-    start = lines.index(f"{heading}\n")
-    level = len(heading.split(" ", 1)[0])
-    fenced = False
-    for end in range(start + 1, len(lines)):
-        fenced ^= lines[end].startswith("```")
-        if not fenced and re.match(rf"#{{1,{level}}} ", lines[end]):
-            break
-    else:
-        end = len(lines)
-    return "".join(lines[start:end])
-
-
 def shell_env() -> dict[str, str]:  # a user's shell: ``python`` is this one, no PYTHONPATH
     env = clean_env()
     env.pop("PYTHONPATH", None)
@@ -459,9 +440,7 @@ def run_section(text: str, cwd: Path) -> list[tuple[str, subprocess.CompletedPro
 
 
 def test_file_blocks_name_their_path_keep_hydra_headers_first_and_every_block_runs() -> None:
-    covered = {
-        file_path(b) for readme, heading in SECTIONS for b in blocks(section(readme, heading))
-    }
+    covered = {file_path(b) for b in blocks(OWN.read_text())}
     for readme in READMES:
         found = blocks(readme.read_text())
         for block in found:  # Hydra reads '# @package' only before any other line
@@ -476,7 +455,7 @@ def test_file_blocks_name_their_path_keep_hydra_headers_first_and_every_block_ru
 
 @pytest.mark.slow
 def test_your_own_model_and_data_runs_as_written(tmp_path: Path) -> None:
-    done = run_section(section(*OWN), tmp_path)
+    done = run_section(OWN.read_text(), tmp_path)
     ran = [command for command, _ in done]
     assert ran[0] == "python make_table.py" and len(ran) == 5, ran
     assert set(ran) == {c for c, k in CHECKS.items() if k[0] == SECTION}  # CHECKS
@@ -506,9 +485,8 @@ def test_your_own_model_and_data_runs_as_written(tmp_path: Path) -> None:
 
 
 def python_snippets() -> list[tuple[Path, Block]]:  # that no section test runs
-    in_sections = {b.text for readme, heading in SECTIONS for b in blocks(section(readme, heading))}
-    return [(readme, b) for readme in READMES for b in blocks(readme.read_text())
-            if b.lang == "python" and b.text not in in_sections]  # fmt: skip
+    return [(readme, b) for readme in READMES if readme != OWN for b in blocks(readme.read_text())
+            if b.lang == "python"]  # fmt: skip
 
 
 @pytest.mark.slow
