@@ -160,8 +160,9 @@ def test_eval_tests_at_the_precision_training_used(
         seen[cfg.task_name] = kwargs
         raise _Built
 
-    monkeypatch.setattr(builders, "build_trainer", spy)
+    # runkit's first: its lazy lookup would otherwise cache builders' spy past the test
     monkeypatch.setattr(runkit, "build_trainer", spy)  # what the project's train.py calls
+    monkeypatch.setattr(builders, "build_trainer", spy)
     # A bf16 GPU (Ampere), faked: nothing is built on it.
     monkeypatch.setattr(speed, "cuda_indices", lambda accelerator, devices: [0])
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
