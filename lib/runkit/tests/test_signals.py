@@ -66,32 +66,37 @@ def blocked() -> set[int]:
 
 
 @pytest.mark.parametrize(
-    ("signum", "rank", "hang_up", "lines"),
+    ("signum", "env", "hang_up", "code", "lines"),
     [
-        (signal.SIGTERM, "0", signal.SIG_DFL, ["SIGTERM received: stopping at the next safe point", EXPORTED.format("SIGTERM", 143)]),
-        (signal.SIGHUP, "0", signal.SIG_DFL, ["SIGHUP received: stopping at the next safe point", EXPORTED.format("SIGHUP", 129)]),
-        (signal.SIGHUP, "0", signal.SIG_IGN, []),  # started under nohup: not a stop
-        (signal.SIGTERM, "1", signal.SIG_DFL, []),  # Lightning's DDP worker: rank 0 speaks
+        (signal.SIGTERM, {}, signal.SIG_DFL, 143, ["SIGTERM received: stopping at the next safe point", EXPORTED.format("SIGTERM", 143)]),
+        (signal.SIGINT, {}, signal.SIG_DFL, 130, [f"{FIRST_CTRL_C} (Ctrl-C again quits at once, without saving)", EXPORTED.format("SIGINT", 130)]),
+        (signal.SIGHUP, {}, signal.SIG_DFL, 129, ["SIGHUP received: stopping at the next safe point", EXPORTED.format("SIGHUP", 129)]),
+        (signal.SIGHUP, {}, signal.SIG_IGN, None, []),  # started under nohup: not a stop
+        (signal.SIGTERM, {"LOCAL_RANK": "1"}, signal.SIG_DFL, None, []),  # Lightning's DDP worker: rank 0 speaks
+        (signal.SIGTERM, {"LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "x"}, signal.SIG_DFL, 143, []),  # torchrun's
     ],
 )  # fmt: skip
 def test_a_signal_outside_lightning_lets_the_phase_finish_then_exits_128_plus_n(
-    one_process, monkeypatch, capsys, signum, rank, hang_up, lines
+    one_process, monkeypatch, capsys, signum, env, hang_up, code, lines
 ) -> None:
-    monkeypatch.setenv("LOCAL_RANK", rank)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(signals, "STOP_REPEAT_S", 60.0)  # the second delivery is the same stop
     hup, before = signal.signal(signal.SIGHUP, hang_up), signal.getsignal(signal.SIGTERM)
-    finished, code = False, None
+    finished, exited = False, None
     try:
         with signals.stop_on_signal(), interrupts.phase("export"):
             assert (signal.SIGHUP in signals.stop_signals()) == (hang_up == signal.SIG_DFL)
             os.kill(os.getpid(), signum)
+            os.kill(os.getpid(), signum)
             time.sleep(0.01)  # the handler has run: only recorded, nothing raised
             finished = True
     except SystemExit as stop:
-        code = stop.code
+        exited = stop.code
     finally:
         signal.signal(signal.SIGHUP, hup)
-    assert finished and code == (128 + signum if lines else None)
+    assert finished and exited == code
     assert [line for line in capsys.readouterr().err.splitlines() if line] == lines
     assert signal.getsignal(signal.SIGTERM) is before
 
@@ -106,21 +111,19 @@ def test_outside_the_main_thread_the_block_runs_unchanged() -> None:
 
 
 @pytest.mark.parametrize(
-    ("env", "job", "zero", "by_rank0"),
+    ("env", "job", "zero"),
     [
-        ({}, None, True, False),
-        ({"SLURM_JOB_ID": "12", "SLURM_PROCID": "0", "RANK": "", "LOCAL_RANK": ""}, "12", True, False),
-        ({"SLURM_JOB_ID": "12", "SLURM_JOB_NAME": "bash"}, None, True, False),  # srun --pty bash
-        ({"SLURM_JOB_ID": "1", "SLURM_JOB_NAME": "interactive", "NODE_RANK": "1"}, None, False, False),
-        ({"SLURM_JOB_ID": "1x", "RANK": "2"}, None, False, False),
-        ({"LOCAL_RANK": "1"}, None, False, True),  # a worker Lightning's launcher started
-        ({"LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "x"}, None, False, False),  # torchrun's
-        ({"SLURM_PROCID": "3"}, None, False, False),
+        ({}, None, True),
+        ({"SLURM_JOB_ID": "12", "SLURM_PROCID": "0", "RANK": "", "LOCAL_RANK": ""}, "12", True),
+        ({"SLURM_JOB_ID": "12", "SLURM_JOB_NAME": "bash"}, None, True),  # srun --pty bash
+        ({"SLURM_JOB_ID": "1", "SLURM_JOB_NAME": "interactive", "NODE_RANK": "1"}, None, False),
+        ({"SLURM_JOB_ID": "1x", "RANK": "2"}, None, False),
+        ({"LOCAL_RANK": "1"}, None, False),
+        ({"SLURM_PROCID": "3"}, None, False),
     ],
 )  # fmt: skip
-def test_the_launch_variables_name_the_slurm_job_and_rank_zero(env, job, zero, by_rank0) -> None:
+def test_the_launch_variables_name_the_slurm_job_and_rank_zero(env, job, zero) -> None:
     assert signals.slurm_job_id(env) == job and signals.rank_zero(env) is zero
-    assert signals._started_by_rank0(env) is by_rank0
 
 
 @pytest.fixture
@@ -139,20 +142,20 @@ def quits(monkeypatch: pytest.MonkeyPatch, one_process: None) -> list[tuple[int,
         (signal.SIGUSR1, signal.SIGTERM, False),  # SLURM's end after its warning: the same stop
     ],
 )
-def test_a_second_request_quits_and_the_same_stop_delivered_again_does_not(
-    quits, first, again, quit
+def test_a_second_request_quits_and_slurms_end_after_its_warning_does_not(
+    quits, monkeypatch, first, again, quit
 ) -> None:
+    monkeypatch.setattr(signals, "STOP_REPEAT_S", 0.0)  # every later delivery asks again
     before = set(threading.enumerate())
     with pytest.raises(SystemExit) as stop, signals.stop_on_signal() as request:
         (watcher,) = [t for t in set(threading.enumerate()) - before if t.name == "signal-watch"]
         assert watcher.daemon
-        for _ in range(2):  # one stop delivered twice
-            os.kill(os.getpid(), first)
-        time.sleep(signals.STOP_REPEAT_S + 0.2)
-        assert quits == [] and request.received == first
-        os.kill(os.getpid(), again)  # a person asking again
-        until(lambda: quits, 10 if quit else 1)
-    assert quits == ([(again, AGAIN)] if quit else [])
+        os.kill(os.getpid(), first)
+        until(lambda: request.received == first, 10)
+        for signum in (again, first):  # the last one quits: the watcher reads them in order
+            os.kill(os.getpid(), signum)
+        until(lambda: len(quits) > quit, 10)
+    assert quits == [(again, AGAIN)] * quit + [(first, AGAIN)]
     assert stop.value.code == 128 + first
     watcher.join(5)  # it wakes up to see the run is over
     assert not watcher.is_alive()
@@ -175,18 +178,6 @@ def test_what_counts_as_a_second_request(first, since, parent_died, again, secon
     stop = signals.StopRequest(first, received_at=time.monotonic() - since)
     stop.parent = os.getppid() + parent_died
     assert signals._second_request(stop, again, time.monotonic()) is second
-
-
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_the_handler_records_the_first_signal_in_one_line(monkeypatch, capsys, signum) -> None:
-    stop = signals.StopRequest()
-    monkeypatch.setattr(signals, "request", stop)
-    signals._record(signum, None)
-    signals._record(signal.SIGHUP, None)  # the watcher judges a repeat: nothing here
-    assert stop.received == signum and stop.received_at > 0
-    hint = " (Ctrl-C again quits at once, without saving)" if signum == signal.SIGINT else ""
-    line = f"\n{signal.Signals(signum).name} received: stopping at the next safe point{hint}\n"
-    assert capsys.readouterr().err == line
 
 
 @pytest.mark.parametrize(
@@ -264,39 +255,40 @@ def test_a_stuck_rank_quits_after_the_grace(monkeypatch, quits) -> None:
     assert signals._check_stuck(stop, sigterm, 99.0, waiting, 300.0) is None
 
 
+def in_child(check: Callable[[], bool]) -> int:
+    """Fork; the child's exit code is 0 when ``check()`` holds there."""
+    if (pid := os.fork()) == 0:
+        try:
+            os._exit(0 if check() else 1)
+        finally:
+            os._exit(2)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
 def test_a_child_forked_during_a_run_gets_the_handlers_from_before_it(monkeypatch) -> None:
-    mine = lambda *_: None  # noqa: E731
+    mine, stops = (lambda *_: None), {signal.SIGINT, signal.SIGTERM}
     monkeypatch.setattr(signals, "request", signals.StopRequest())
     previous = signal.signal(signal.SIGTERM, mine)
     workers: list = []
     monkeypatch.setattr(signals, "_dataloader_worker_stops", lambda: workers.append("worker"))
     try:
         with signals.stop_on_signal() as request:
-            signals._before_fork()  # as os.fork() does
-            assert {signal.SIGINT, signal.SIGTERM} <= blocked()
-            signals._after_fork_in_parent()
-            assert not {signal.SIGINT, signal.SIGTERM} & blocked()
-            signals._before_fork()
-            signals._in_forked_child()  # in the child
-            assert not {signal.SIGINT, signal.SIGTERM} & blocked() and workers == []
-            assert signal.getsignal(signal.SIGTERM) is mine
-            assert signals.request is not request and signals.request.quiet
-            assert signal.set_wakeup_fd(-1) == -1
-            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
-            monkeypatch.setattr(signals, "_worker_stops", (signal.SIGTERM,))
-            signals._in_forked_child()
-            assert signal.SIGTERM not in blocked() and signals._worker_stops == ()
-        monkeypatch.setattr(compat, "forked_for_a_dataloader_worker", lambda: True)
-        with signals.stop_on_signal():
-            signals._before_fork()
-            signals._in_forked_child()
-            assert {signal.SIGINT, signal.SIGTERM} <= blocked() and workers == ["worker"]
-            signals._after_fork_in_parent()
+            assert in_child(
+                lambda: not stops & blocked() and workers == [] and signals.request.quiet
+                and signal.getsignal(signal.SIGTERM) is mine and signals.request is not request
+                and signal.set_wakeup_fd(-1) == -1
+            ) == 0  # fmt: skip
+            assert not stops & blocked() and signals.request is request  # the parent's
+            monkeypatch.setattr(compat, "forked_for_a_dataloader_worker", lambda: True)
+            assert in_child(lambda: stops <= blocked() and workers == ["worker"]) == 0
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])  # a DataLoader worker's fork
+        monkeypatch.setattr(signals, "_worker_stops", (signal.SIGTERM,))
+        assert in_child(lambda: signal.SIGTERM not in blocked() and not signals._worker_stops) == 0
         signals._set({signal.SIGUSR2: None})  # a handler not set from Python
         assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, previous)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM])
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, list(stops))
 
 
 def test_a_dataloader_worker_ends_on_its_parents_sigterm_alone(monkeypatch) -> None:
