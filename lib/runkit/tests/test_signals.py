@@ -202,25 +202,33 @@ def test_a_signal_after_the_run_is_one_line(monkeypatch, quits, state, signum, e
 
 
 @pytest.mark.parametrize(
-    ("env", "where"),
-    [({"RANK": "2"}, "rank 2: "), ({"LOCAL_RANK": "3"}, "rank 3: "), ({"RANK": "0"}, ""), ({}, "")],
-)
+    ("env", "where", "stderr_fails"),
+    [
+        ({"RANK": "2"}, "rank 2: ", None),
+        ({"LOCAL_RANK": "3"}, "rank 3: ", RuntimeError("reentrant call")),  # a handler interrupted a write
+        ({"RANK": "0"}, "", ValueError("closed")),  # no line, no traceback
+        ({}, "", None),
+    ],
+)  # fmt: skip
 def test_quitting_says_which_rank_kills_the_workers_and_exits_128_plus_n(
-    monkeypatch, capsys, one_process, env, where
+    monkeypatch, capfd, one_process, env, where, stderr_fails
 ) -> None:
     children = [Mock(**{"kill.side_effect": ProcessLookupError}), Mock()]
     monkeypatch.setattr(signals, "request", signals.StopRequest(children=children))
     monkeypatch.setattr(signals, "_quitting", threading.Lock())
     monkeypatch.setattr(os, "_exit", raises(SystemExit(143)))
     monkeypatch.setattr(sys, "stdout", SimpleNamespace(flush=raises(BrokenPipeError())))
+    if stderr_fails:
+        monkeypatch.setattr(sys, "stderr", SimpleNamespace(write=raises(stderr_fails)))
     for var, value in env.items():
         monkeypatch.setenv(var, value)
     with pytest.raises(SystemExit):
-        signals.quit_now(signal.SIGTERM, "why")
+        signals.quit_now(signal.SIGTERM, "why \udcff")
     children[1].kill.assert_called_once_with()
-    assert capsys.readouterr().err == f"\nerror: {where}SIGTERM why; exit code 143\n"
+    line = f"\nerror: {where}SIGTERM why ?; exit code 143\n"
+    assert capfd.readouterr().err == ("" if isinstance(stderr_fails, ValueError) else line)
     signals.quit_now(signal.SIGTERM, "again")  # the other thread is saying it already
-    assert capsys.readouterr().err == ""
+    assert capfd.readouterr().err == ""
 
 
 def test_a_stuck_rank_quits_after_the_grace(monkeypatch, quits) -> None:
@@ -331,16 +339,6 @@ def test_a_rank_of_several_is_told_by_its_launcher_or_torch(
     assert signals._distributed() is distributed
     fake.get_world_size = lambda: 1 / 0  # torch's own failure: not a rank of several
     assert signals._distributed() is (size == "2")
-
-
-def test_the_last_line_gets_out_when_stderr_is_busy_or_gone(monkeypatch, capfd) -> None:
-    # a handler interrupted a write to stderr, then it is closed
-    busy = SimpleNamespace(write=raises(RuntimeError("reentrant call")))
-    monkeypatch.setattr(sys, "stderr", busy)
-    signals._write_line("one line \udcff")
-    assert capfd.readouterr().err == "one line ?\n"
-    busy.write = raises(ValueError("closed"))
-    signals._write_line("lost")  # a closed stream: nothing, no traceback
 
 
 @pytest.mark.parametrize(("gone", "terminal"), [(1, "pipe"), (2, "pipe"), (2, "pty")])
