@@ -195,8 +195,8 @@ def test_bad_value_in_a_sweep_is_one_line_and_exit_2_after_the_other_jobs(cli, l
 
 
 @pytest.mark.slow
-def test_cfg_job_with_multirun_shows_each_job(cli: CliRunner, tmp_path: Path) -> None:
-    before = set(tmp_path.rglob("*"))
+def test_cfg_job_with_an_interval_sweep_is_one_line(cli: CliRunner, tmp_path: Path) -> None:
+    before = set(tmp_path.rglob("*"))  # with a list of values: each job's config
     done = cli("train", "-m", "--cfg", "job", "model.optimizer.lr=0.1,0.01", "seed=3")
     assert done.returncode == 0, done.stderr[-2000:]
     jobs = list(yaml.safe_load_all(done.stdout))
@@ -205,10 +205,6 @@ def test_cfg_job_with_multirun_shows_each_job(cli: CliRunner, tmp_path: Path) ->
     assert "hydra" not in jobs[0]
     assert "# job #1: model.optimizer.lr=0.01 seed=3" in done.stdout
     assert set(tmp_path.rglob("*")) == before, "showing a config created files"
-
-
-@pytest.mark.slow
-def test_cfg_job_with_an_interval_sweep_is_one_line(cli: CliRunner) -> None:
     done = cli("train", "--multirun", "--cfg", "job", "model.optimizer.lr=interval(0,1)")
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip().splitlines() == [
