@@ -263,16 +263,6 @@ def test_a_stuck_rank_quits_after_the_grace(monkeypatch, quits) -> None:
     assert signals._check_stuck(stop, sigterm, 99.0, waiting, 300.0) is None
 
 
-def in_child(check: Callable[[], bool]) -> int:
-    """Fork; the child's exit code is 0 when ``check()`` holds there."""
-    if (pid := os.fork()) == 0:
-        try:
-            os._exit(0 if check() else 1)
-        finally:
-            os._exit(2)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-
-
 def test_a_child_forked_during_a_run_gets_the_handlers_from_before_it(monkeypatch) -> None:
     mine, stops = (lambda *_: None), {signal.SIGINT, signal.SIGTERM}
     monkeypatch.setattr(signals, "request", signals.StopRequest())
@@ -281,17 +271,25 @@ def test_a_child_forked_during_a_run_gets_the_handlers_from_before_it(monkeypatc
     monkeypatch.setattr(signals, "_dataloader_worker_stops", lambda: workers.append("worker"))
     try:
         with signals.stop_on_signal() as request:
-            assert in_child(
-                lambda: not stops & blocked() and workers == [] and signals.request.quiet
-                and signal.getsignal(signal.SIGTERM) is mine and signals.request is not request
-                and signal.set_wakeup_fd(-1) == -1
-            ) == 0  # fmt: skip
-            assert not stops & blocked() and signals.request is request  # the parent's
-            monkeypatch.setattr(compat, "forked_for_a_dataloader_worker", lambda: True)
-            assert in_child(lambda: stops <= blocked() and workers == ["worker"]) == 0
-        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])  # a DataLoader worker's fork
-        monkeypatch.setattr(signals, "_worker_stops", (signal.SIGTERM,))
-        assert in_child(lambda: signal.SIGTERM not in blocked() and not signals._worker_stops) == 0
+            if (pid := os.fork()) == 0:
+                os._exit(0)
+            assert os.waitpid(pid, 0)[1] == 0 and not stops & blocked()  # the parent's mask back
+            signals._before_fork()  # the fork hooks, the child's in this process
+            assert stops <= blocked()
+            signals._in_forked_child()
+            assert not stops & blocked() and workers == []
+            assert signal.getsignal(signal.SIGTERM) is mine
+            assert signals.request is not request and signals.request.quiet
+            assert signal.set_wakeup_fd(-1) == -1
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])  # a DataLoader worker's fork
+            monkeypatch.setattr(signals, "_worker_stops", (signal.SIGTERM,))
+            signals._in_forked_child()
+            assert signal.SIGTERM not in blocked() and signals._worker_stops == ()
+        monkeypatch.setattr(compat, "forked_for_a_dataloader_worker", lambda: True)
+        with signals.stop_on_signal():
+            signals._before_fork()
+            signals._in_forked_child()
+            assert stops <= blocked() and workers == ["worker"]
         signals._set({signal.SIGUSR2: None})  # a handler not set from Python
         assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
     finally:
