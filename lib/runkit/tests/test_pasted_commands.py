@@ -54,7 +54,10 @@ def error_lines(stderr: str) -> list[str]:
 
 
 def test_override_survives_bash_and_hydra_for_hostile_and_random_values_keeping_type() -> None:
-    scalars = [*HOSTILE, 16, -1, 0.5, True, False, None]
+    plain = ["16-mixed", "32-true", "bf16-mixed", "/data/run-1.ckpt", "torch.nn."]
+    assert [quoting.override("k", v) for v in plain] == [f"k={v}" for v in plain]  # as typed
+    assert quoting.override("k", "1e-5") == "'k=\"1e-5\"'"  # a number: quoted to stay a string
+    scalars = [*HOSTILE, *plain, "1e-5", 16, -1, 0.5, True, False, None]
     alphabet, rng = list(" é日'\"\\$={}[](),:;|&<>`~!?*#%@+-./_\t\nab01"), random.Random(24)
     randoms = [
         "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 14))) for _ in range(1000)
@@ -67,14 +70,6 @@ def test_override_survives_bash_and_hydra_for_hostile_and_random_values_keeping_
         got = config_value(word)
         got = OmegaConf.to_container(got, resolve=True) if OmegaConf.is_list(got) else got  # type: ignore[arg-type]
         assert repr(got) == repr(list(value) if value == () else value), (value, word)
-
-
-def test_plain_values_stay_as_a_user_types_them() -> None:
-    for value in ("16-mixed", "32-true", "bf16-mixed", "/data/run-1.ckpt", "torch.nn."):
-        assert quoting.override("k", value) == f"k={value}"
-        assert config_value(f"k={value}") == value
-    assert quoting.override("k", "16") == "'k=\"16\"'"  # a number: quoted to stay a string
-    assert quoting.override("k", "1e-5") == "'k=\"1e-5\"'"
 
 
 @pytest.mark.parametrize("value", ["16-mixed", "it's $HOME=a,b [x] é", 16, "null", "1e-5"])
@@ -200,8 +195,8 @@ def test_bad_value_in_a_sweep_is_one_line_and_exit_2_after_the_other_jobs(cli, l
 
 
 @pytest.mark.slow
-def test_cfg_job_with_multirun_shows_each_job(cli: CliRunner, tmp_path: Path) -> None:
-    before = set(tmp_path.rglob("*"))
+def test_cfg_job_with_an_interval_sweep_is_one_line(cli: CliRunner, tmp_path: Path) -> None:
+    before = set(tmp_path.rglob("*"))  # with a list of values: each job's config
     done = cli("train", "-m", "--cfg", "job", "model.optimizer.lr=0.1,0.01", "seed=3")
     assert done.returncode == 0, done.stderr[-2000:]
     jobs = list(yaml.safe_load_all(done.stdout))
@@ -210,10 +205,6 @@ def test_cfg_job_with_multirun_shows_each_job(cli: CliRunner, tmp_path: Path) ->
     assert "hydra" not in jobs[0]
     assert "# job #1: model.optimizer.lr=0.01 seed=3" in done.stdout
     assert set(tmp_path.rglob("*")) == before, "showing a config created files"
-
-
-@pytest.mark.slow
-def test_cfg_job_with_an_interval_sweep_is_one_line(cli: CliRunner) -> None:
     done = cli("train", "--multirun", "--cfg", "job", "model.optimizer.lr=interval(0,1)")
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip().splitlines() == [

@@ -37,15 +37,13 @@ class FiniteLoss(Callback):
         check_every_n_steps: int = 50,
         max_skipped: int = 100,
     ) -> None:
-        every_ok = isinstance(check_every_n_steps, int) and check_every_n_steps >= 1
-        for key, value, ok, expected in (
-            ("action", action, action in ("stop", "skip"), "stop or skip"),
-            ("check_every_n_steps", check_every_n_steps, every_ok, "an integer >= 1"),
-        ):
-            if not ok:
-                raise RunError(
-                    f"callbacks.finite_loss.{key}={value!r} is invalid; expected {expected}"
-                )
+        invalid = "callbacks.finite_loss.{}={!r} is invalid; expected {}"
+        if action not in ("stop", "skip"):
+            raise RunError(invalid.format("action", action, "stop or skip"))
+        if not isinstance(check_every_n_steps, int) or check_every_n_steps < 1:
+            raise RunError(
+                invalid.format("check_every_n_steps", check_every_n_steps, "an integer >= 1")
+            )
         self.action, self.max_skipped = action, max_skipped
         self.check_every_n_steps = check_every_n_steps
         self.skipped, self._batch = 0, 0

@@ -181,13 +181,13 @@ def requeue_slurm_job() -> str:
         done = subprocess.run(
             ["scontrol", "requeue", job], capture_output=True, text=True, timeout=120
         )
+        if done.returncode == 0:
+            return f"; requeued SLURM job {job}"
         reason = (
             "scontrol: " + [f"exit code {done.returncode}", *done.stderr.strip().splitlines()][-1]
         )
     except (OSError, subprocess.SubprocessError) as err:
-        done, reason = None, str(err)
-    if done and done.returncode == 0:
-        return f"; requeued SLURM job {job}"
+        reason = str(err)
     return f"; could not requeue SLURM job {job} ({reason}): submit it again to resume"
 
 
@@ -215,15 +215,15 @@ class PeerDied(RunError):
     exit_code = 1  # a DDP peer died: this process stops instead of waiting for it
 
 
-def watch_parent(period: float = 1.0) -> None:
+def watch_parent() -> None:
     """In a DDP worker of Lightning's launcher: exit when rank 0 dies."""
-    if os.environ.get("LOCAL_RANK", "0") in ("", "0") or os.environ.get("RUNKIT_NO_PARENT_WATCH"):
+    if os.environ.get("LOCAL_RANK", "0") in ("", "0"):
         return
     parent = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
-            time.sleep(period)
+            time.sleep(1.0)
         rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK"))
         signals._write_line(
             f"error: rank {rank}: the launching process (pid {parent}) died; "

@@ -65,14 +65,12 @@ def stop_signals() -> tuple[signal.Signals, ...]:
 @contextmanager
 def stop_on_signal(until_exit: bool = False) -> Iterator[StopRequest]:
     """Record stop signals for the block (``until_exit``: and after); an unhandled one: 128 + N."""
-    global request
+    global request, _before_the_run
     if threading.current_thread() is not threading.main_thread() or request.active:
         yield request
         return
-    previous = {signum: signal.getsignal(signum) for signum in stop_signals()}
+    previous = _before_the_run = {signum: signal.getsignal(signum) for signum in stop_signals()}
     request = StopRequest(active=True, quiet=not rank_zero(), parent=os.getppid())
-    _before_the_run.clear()
-    _before_the_run.update(previous)
     if until_exit:
         atexit.unregister(_at_exit)
         atexit.register(_at_exit)  # runs after the hooks torch and Lightning register
@@ -95,7 +93,9 @@ def stop_on_signal(until_exit: bool = False) -> Iterator[StopRequest]:
         writer.close()
         reader.close()
         _set(dict.fromkeys(previous, _after_the_run) if until_exit else previous)
-    if request.received is not None and not _started_by_rank0():
+    # Lightning's launcher's DDP worker (not torchrun's) leaves the report to rank 0.
+    worker = os.environ.get("LOCAL_RANK", "0") not in ("", "0")
+    if request.received is not None and not (worker and "TORCHELASTIC_RUN_ID" not in os.environ):
         exit_stopped(request.received)  # the work finished but a signal came
 
 
@@ -128,8 +128,7 @@ def _record(signum: int, frame: FrameType | None) -> None:
 
 
 def _second_request(stop: StopRequest, signum: int, now: float) -> bool:
-    """Whether ``signum`` at ``now`` asks again: not within ``STOP_REPEAT_S`` of the first, nor
-    after the parent died (one stop delivered per thread), nor SLURM's SIGTERM after its warning."""
+    """Not within ``STOP_REPEAT_S``, after the parent died, nor SLURM's SIGTERM after its warning."""
     first = stop.received
     same = now - stop.received_at < STOP_REPEAT_S or stop.parent not in (0, os.getppid())
     return first is not None and not same and (first not in WARNINGS or signum == first)
@@ -266,11 +265,6 @@ def _before_fork() -> None:
         _fork.mask = signal.pthread_sigmask(signal.SIG_BLOCK, tuple(_before_the_run))
 
 
-def _after_fork_in_parent() -> None:
-    if _fork.mask is not None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, _fork.mask)
-
-
 def _in_forked_child() -> None:
     """A child forked during a run gets the handlers from before it back (not a DataLoader's)."""
     global request, _worker_stops
@@ -307,7 +301,11 @@ def _dataloader_worker_stops() -> None:
 
 
 os.register_at_fork(
-    before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_in_forked_child
+    before=_before_fork,
+    after_in_parent=lambda: (
+        _fork.mask is None or signal.pthread_sigmask(signal.SIG_SETMASK, _fork.mask)
+    ),
+    after_in_child=_in_forked_child,
 )
 
 
@@ -323,8 +321,3 @@ def rank_zero(env: Mapping[str, str] = os.environ) -> bool:
     return all(
         env.get(v, "0") in ("", "0") for v in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID")
     )
-
-
-def _started_by_rank0(env: Mapping[str, str] = os.environ) -> bool:
-    """A DDP worker of Lightning's launcher (not torchrun's): rank 0 reports the signal."""
-    return env.get("LOCAL_RANK", "0") not in ("", "0") and "TORCHELASTIC_RUN_ID" not in env
