@@ -1,7 +1,5 @@
-"""Setting up a run: safety parts from the config, the run directory claimed atomically (and
-removed when unused), eval's Trainer settings as train's, the garbage collector at start-up, every
-trainer preset (multi_node, dp, fsdp, ddp_sim run in test_multinode, test_dp, test_fsdp,
-test_sweep), every ``logger`` option keeping one run record (``csv/metrics.csv``), debug presets."""
+"""Setting up a run: safety parts, the run directory claimed and discarded, eval's settings,
+the collector at start-up, trainer presets, one CSV record whatever the loggers, debug presets."""
 
 from __future__ import annotations
 
@@ -25,7 +23,7 @@ from tinyapp import config_dir
 import runkit
 from runkit import speed
 from runkit.errors import RunError
-from runkit.run import builders, collector, preflight, run_files
+from runkit.run import builders, cli, preflight, run_files
 from runkit.run.launch import register_resolvers
 from runkit.run.preflight import check_config
 from runkit.safety.checkpoints import AtomicCheckpointIO, save_weights
@@ -200,7 +198,7 @@ def test_the_collector_is_off_for_the_imports_and_back_as_the_caller_had_it(
     seen: list[tuple[bool, int]] = []
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.argv", ["app", f"hydra.run.dir={tmp_path / 'run'}", *argv])
-    monkeypatch.setattr(collector, "_collector_paused", False)
+    monkeypatch.setattr(cli, "_collector_paused", False)
     main = runkit.hydra_entry(
         lambda cfg: seen.append((gc.isenabled(), gc.get_freeze_count())),
         "app",
@@ -226,19 +224,16 @@ def test_the_collector_is_off_for_the_imports_and_back_as_the_caller_had_it(
 
 
 def test_the_preflight_turns_the_collector_back_on_for_a_sweeps_parent(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A sweep's parent runs no job in-process (the parallel launcher starts each as a process
-    # of its own): its collector comes back on after the preflight's imports.
-    for name in ("check_config", "check_inputs", "claim_run_dir"):
-        monkeypatch.setattr(preflight, name, lambda *args, **kwargs: None)
-    monkeypatch.setattr(preflight, "_resumable_sweep", lambda config: False)
-    monkeypatch.setattr(collector, "_collector_paused", False)
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, single_process: None
+) -> None:  # a sweep's parent runs no job in-process: the preflight turns it on
+    monkeypatch.setattr(cli, "_collector_paused", False)
     before = gc.get_freeze_count()
     try:
-        assert collector.pause_collector() and not gc.isenabled()
-        preflight.PreflightCallback().on_multirun_start(OmegaConf.create({}))
+        cli.pause_collector()
+        assert not gc.isenabled()
+        preflight.PreflightCallback().on_multirun_start(_run_cfg(tmp_path / "sweep"))
         assert gc.isenabled() and gc.get_freeze_count() > before
+        assert (tmp_path / "sweep" / "multirun.yaml").is_file()
     finally:
         gc.enable()
         gc.unfreeze()
@@ -247,11 +242,6 @@ def test_the_preflight_turns_the_collector_back_on_for_a_sweeps_parent(
 EXPECTED = {"default": ("auto", 1, 1), "cpu": ("auto", 1, 1), "gpu": ("auto", 1, 1),
             "ddp": ("ddp", 2, 1), "ddp_sim": ("ddp", 2, 1), "ddp_spawn": ("ddp_spawn", 2, 1),
             "dp": ("dp", 2, 1), "fsdp": ("fsdp", 2, 1), "multi_node": ("ddp", "auto", 2)}  # fmt: skip
-
-
-def test_every_preset_file_is_listed_here() -> None:
-    on_disk = {p.stem for p in (config_dir() / "trainer").glob("*.yaml")}
-    assert on_disk == {*EXPECTED, "lightning"}  # lightning.yaml: the node the presets build on
 
 
 @pytest.mark.parametrize("preset", EXPECTED)
@@ -267,6 +257,8 @@ def test_preset_composes_with_the_expected_strategy(preset: str) -> None:
 
 
 def test_cpu_presets_pass_preflight_and_ddp_on_cpu_equals_ddp_sim() -> None:
+    on_disk = {p.stem for p in (config_dir() / "trainer").glob("*.yaml")}
+    assert on_disk == {*EXPECTED, "lightning"}  # lightning.yaml: the node the presets build on
     for preset in ("cpu", "ddp_sim", "ddp_spawn", "fsdp", "multi_node"):
         check_config(compose_train(f"trainer={preset}", "trainer.accelerator=cpu"))
     ddp_cpu = compose_train("trainer=ddp", "trainer.accelerator=cpu").trainer
@@ -288,36 +280,30 @@ def test_ddp_spawn_preset_runs_on_the_cpu(cli: CliRunner, log_dir: Path) -> None
     assert (run / "checkpoints" / "last.ckpt").is_file()
 
 
-def loggers_of(*overrides: str, out: Path) -> list:
-    cfg = compose_train(*overrides)
-    cfg.paths.output_dir = str(out)
-    return builders.build_loggers(cfg.get("logger"), builders.run_record(cfg.paths.output_dir))
-
-
 @pytest.mark.parametrize(
-    ("option", "extra"),
+    ("overrides", "extra"),
     [
-        ("csv", []),
-        ("none", []),
-        ("tensorboard", [TensorBoardLogger]),
-        ("many_loggers", [TensorBoardLogger]),
+        (["logger=csv", "+logger.csv.flush_logs_every_n_steps=7"], []),  # the node, not a default
+        (["logger=none"], []),
+        (["logger=tensorboard"], [TensorBoardLogger]),
+        (["logger=many_loggers"], [TensorBoardLogger]),
+        (["logger=none"], None),  # no output directory: no record
     ],
 )
 def test_every_logger_option_keeps_exactly_one_csv_record(
-    tmp_path: Path, option: str, extra: list[type]
+    tmp_path: Path, overrides: list[str], extra: list[type] | None
 ) -> None:
-    loggers = loggers_of(f"logger={option}", out=tmp_path)
-    records = [logger for logger in loggers if isinstance(logger, CSVLogger)]
-    assert len(records) == 1  # one writer of csv/metrics.csv, never two
-    assert Path(records[0].log_dir) == tmp_path / "csv"
-    assert [type(logger) for logger in loggers if logger is not records[0]] == extra
-
-
-def test_the_record_follows_the_csv_node_and_needs_an_output_dir(tmp_path: Path) -> None:
-    (logger,) = loggers_of("logger=csv", "+logger.csv.flush_logs_every_n_steps=7", out=tmp_path)
-    assert logger._flush_logs_every_n_steps == 7  # the configured node, not a second default one
-    assert builders.run_record(None) is None
-    assert builders.build_loggers(OmegaConf.create({}), None) == []
+    cfg = compose_train("trainer.accelerator=cpu", "callbacks=none", *overrides)
+    cfg.paths.output_dir = None if extra is None else str(tmp_path)
+    loggers = builders.build_trainer(cfg).loggers
+    if extra is None:
+        assert loggers == []
+        return
+    (record,) = [logger for logger in loggers if isinstance(logger, CSVLogger)]  # never two
+    assert Path(record.log_dir) == tmp_path / "csv"
+    assert [type(logger) for logger in loggers if logger is not record] == extra
+    if "logger=csv" in overrides:
+        assert record._flush_logs_every_n_steps == 7
 
 
 def test_debug_overfit_runs_with_anomaly_detection_like_every_debug_preset() -> None:

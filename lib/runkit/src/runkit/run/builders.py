@@ -40,29 +40,9 @@ SAFETY_PARTS = {
 }
 
 
-def build_loggers(cfg: DictConfig | None, record: CSVLogger | None = None) -> list[Logger]:
-    """One logger per entry of ``cfg.logger``, after ``record`` unless one writes that file."""
-    loggers = [instantiate(node) for node in _target_nodes(cfg)]
-    if record is None or any(_same_csv(logger, record) for logger in loggers):
-        return loggers
-    return [record, *loggers]
-
-
 def _target_nodes(group: DictConfig | None) -> list[DictConfig]:
     nodes = group.values() if group else []
     return [node for node in nodes if isinstance(node, DictConfig) and "_target_" in node]
-
-
-def run_record(output_dir: str | None) -> CSVLogger | None:
-    """The CSV log every run keeps in ``<output_dir>/csv/``; None outside a run."""
-    return CSVLogger(save_dir=str(output_dir), name="csv", version="") if output_dir else None
-
-
-def _same_csv(logger: Logger, record: CSVLogger) -> bool:
-    return (
-        isinstance(logger, CSVLogger)
-        and Path(logger.log_dir).absolute() == Path(record.log_dir).absolute()
-    )
 
 
 def build_trainer(cfg: DictConfig, **overrides: Any) -> Trainer:
@@ -78,14 +58,22 @@ def build_trainer(cfg: DictConfig, **overrides: Any) -> Trainer:
         isinstance(callback, ModelSummary) for callback in callbacks
     ):  # callbacks.model_summary is the summary; Lightning's would only say it skips itself
         overrides.setdefault("enable_model_summary", False)
-    record = run_record(OmegaConf.select(cfg, "paths.output_dir", default=None))
-    loggers = build_loggers(cfg.get("logger"), record)
+    # the run's own record, csv/metrics.csv, unless a logger of cfg.logger writes that file
+    out = OmegaConf.select(cfg, "paths.output_dir", default=None)
+    record = Path(out, "csv").absolute() if out else None
+    loggers = [instantiate(node) for node in _target_nodes(cfg.get("logger"))]
+
+    def is_record(logger: Logger) -> bool:
+        return isinstance(logger, CSVLogger) and Path(logger.log_dir).absolute() == record
+
+    if record is not None and not any(map(is_record, loggers)):
+        loggers.insert(0, CSVLogger(save_dir=str(out), name="csv", version=""))
     trainer = instantiate(
         set_arguments(cfg.trainer), callbacks=callbacks, logger=loggers or False, **overrides
     )
     if trainer.fast_dev_run and record is not None:
         # Lightning mutes every logger under fast_dev_run; the run's own record stays on.
-        trainer.loggers = [logger for logger in loggers if _same_csv(logger, record)]
+        trainer.loggers = [logger for logger in loggers if is_record(logger)]
     parts = [*callbacks, trainer.strategy.checkpoint_io]
     missing = {
         key: lost
