@@ -101,9 +101,6 @@ def test_two_racing_claims_for_one_directory_give_one_winner(
     assert (tmp_path / "sweep" / "multirun.yaml").is_file()
     with pytest.raises(RunError, match=r"hydra.sweep.dir=.* is taken: .*multirun.yaml"):
         preflight.claim_run_dir(cfg, "hydra.sweep.dir")
-
-
-def test_a_directory_below_a_file_is_one_line(tmp_path: Path, single_process: None) -> None:
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(RunError, match=r"cannot create or write .*a_file.*Not a directory"):
         preflight.claim_run_dir(_run_cfg(tmp_path / "a_file" / "run"), "hydra.run.dir")
