@@ -48,29 +48,39 @@ def single_process(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(
-    ("overrides", "line"),
+    ("overrides", "line", "loggers"),
     [
-        (["~callbacks.graceful_interrupt"], "callbacks.graceful_interrupt removed: Ctrl-C/SIGTERM"),
-        (["~callbacks.resume_state"], "callbacks.resume_state removed: a resumed run"),
-        (["trainer.plugins=[]"], "trainer.plugins has no AtomicCheckpointIO: checkpoint writes"),
-        ([], None),  # a complete run, and a test-only run (which needs none of them): silent
-        (["train=false", "callbacks=none", "trainer.plugins=[]"], None),
+        (["~callbacks.graceful_interrupt"], "callbacks.graceful_interrupt removed: Ctrl-C/SIGTERM",
+         [CSVLogger]),
+        (["~callbacks.resume_state", "logger=tensorboard"],
+         "callbacks.resume_state removed: a resumed run", [CSVLogger, TensorBoardLogger]),
+        (["trainer.plugins=[]", "logger=many_loggers"],
+         "trainer.plugins has no AtomicCheckpointIO: checkpoint", [CSVLogger, TensorBoardLogger]),
+        # a complete run (the csv node is the record: its setting kept), and a test-only run
+        # (which needs no safety part) without an output directory (no record): silent
+        (["+logger.csv.flush_logs_every_n_steps=7"], None, [CSVLogger]),
+        (["train=false", "callbacks=none", "trainer.plugins=[]", "logger=none",
+          "paths.output_dir=null"], None, []),
     ],
-)
-def test_safety_parts_reach_the_trainer_and_a_removed_one_says_what_is_lost(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, overrides: list[str], line: str | None
+)  # fmt: skip
+def test_safety_parts_and_one_csv_record_reach_the_trainer_and_a_removed_part_says_what_is_lost(
+    tmp_path, caplog, overrides: list[str], line: str | None, loggers: list[type]
 ) -> None:
-    cfg = composed(f"paths.output_dir={tmp_path}", "trainer.accelerator=cpu", "seed=7", *overrides)
+    out = f"paths.output_dir={tmp_path}"
+    cfg = composed(out, "trainer.accelerator=cpu", "seed=7", *overrides)
     with caplog.at_level(logging.WARNING, logger=builders.__name__):
         trainer = builders.build_trainer(cfg)
     said = [r.getMessage() for r in caplog.records if r.name == builders.__name__]
     assert said == [] if line is None else len(said) == 1 and said[0].startswith(line), said
     assert trainer.max_epochs == cfg.trainer.max_epochs  # the run is built all the same
-    if not overrides:  # the complete run: each part instantiated from its config node, once
+    assert [type(logger) for logger in trainer.loggers] == loggers  # one CSV record, never two
+    assert not loggers or Path(trainer.loggers[0].log_dir) == tmp_path / "csv"
+    if line is None and loggers:  # the complete run: each part from its config node, once
         assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
         (resume,) = [c for c in trainer.callbacks if isinstance(c, ResumeState)]
         assert resume.seed == 7
         assert sum(isinstance(c, GracefulInterrupt) for c in trainer.callbacks) == 1
+        assert trainer.loggers[0]._flush_logs_every_n_steps == 7
 
 
 def _run_cfg(directory: Path) -> DictConfig:
@@ -275,32 +285,6 @@ def test_ddp_spawn_preset_runs_on_the_cpu(cli: CliRunner, log_dir: Path) -> None
     summary = json.loads((run / "metrics.json").read_text())
     assert summary["devices"] == 2 and "val/acc" in summary["metrics"]
     assert (run / "checkpoints" / "last.ckpt").is_file()
-
-
-@pytest.mark.parametrize(
-    ("overrides", "extra"),
-    [
-        (["logger=csv", "+logger.csv.flush_logs_every_n_steps=7"], []),  # the node, not a default
-        (["logger=none"], []),
-        (["logger=tensorboard"], [TensorBoardLogger]),
-        (["logger=many_loggers"], [TensorBoardLogger]),
-        (["logger=none"], None),  # no output directory: no record
-    ],
-)
-def test_every_logger_option_keeps_exactly_one_csv_record(
-    tmp_path: Path, overrides: list[str], extra: list[type] | None
-) -> None:
-    cfg = compose_train("trainer.accelerator=cpu", "callbacks=none", *overrides)
-    cfg.paths.output_dir = None if extra is None else str(tmp_path)
-    loggers = builders.build_trainer(cfg).loggers
-    if extra is None:
-        assert loggers == []
-        return
-    (record,) = [logger for logger in loggers if isinstance(logger, CSVLogger)]  # never two
-    assert Path(record.log_dir) == tmp_path / "csv"
-    assert [type(logger) for logger in loggers if logger is not record] == extra
-    if "logger=csv" in overrides:
-        assert record._flush_logs_every_n_steps == 7
 
 
 def test_debug_overfit_runs_with_anomaly_detection_like_every_debug_preset() -> None:
