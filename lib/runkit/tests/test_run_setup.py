@@ -50,8 +50,8 @@ def single_process(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("overrides", "line", "loggers"),
     [
-        (["~callbacks.graceful_interrupt"], "callbacks.graceful_interrupt removed: Ctrl-C/SIGTERM",
-         [CSVLogger]),
+        (["~callbacks.graceful_interrupt", "logger=none"],
+         "callbacks.graceful_interrupt removed: Ctrl-C/SIGTERM", [CSVLogger]),
         (["~callbacks.resume_state", "logger=tensorboard"],
          "callbacks.resume_state removed: a resumed run", [CSVLogger, TensorBoardLogger]),
         (["trainer.plugins=[]", "logger=many_loggers"],
