@@ -278,7 +278,7 @@ def check_inputs(value: Any, log_dir: Any, resumes: bool, task: str = "train") -
     import pickle
 
     from runkit import plots
-    from runkit.run.rebuild import is_lightning_checkpoint
+    from runkit.run.predictions import is_lightning_checkpoint
     from runkit.safety import checkpoints
     from runkit.safety.resume import run_dir_of
 
