@@ -16,7 +16,7 @@ Arms, each a fresh ``python`` process, interleaved over ``--repeats`` (rotated o
 * ``python -c pass``: the interpreter alone, for scale (to its exit).
 * ``import lightning, collector off``: the same import after ``gc.disable()``: what the cyclic
   garbage collector's full collections cost the import (the entry point holds the collector off
-  until its imports are done, ``runkit.run.cli``).
+  until its imports are done, ``runkit.run.collector``).
 
 Printed: each arm's median as a ratio to ``import lightning`` (target, issue 21: first step <= 1.15x), with
 the min and max of the per-repeat ratios.

@@ -23,7 +23,7 @@ from tinyapp import config_dir
 import runkit
 from runkit import speed
 from runkit.errors import RunError
-from runkit.run import builders, cli, preflight, run_files
+from runkit.run import builders, collector, preflight, run_files
 from runkit.run.launch import register_resolvers
 from runkit.run.preflight import check_config
 from runkit.safety.checkpoints import AtomicCheckpointIO, save_weights
@@ -165,8 +165,8 @@ def test_eval_tests_at_the_precision_training_used(
         seen[cfg.task_name] = kwargs
         raise _Built
 
+    monkeypatch.setattr(runkit, "build_trainer", spy)  # first: undone to the real one
     monkeypatch.setattr(builders, "build_trainer", spy)
-    monkeypatch.setattr(runkit, "build_trainer", spy)  # what the project's train.py calls
     # A bf16 GPU (Ampere), faked: nothing is built on it.
     monkeypatch.setattr(speed, "cuda_indices", lambda accelerator, devices: [0])
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
@@ -205,7 +205,7 @@ def test_the_collector_is_off_for_the_imports_and_back_as_the_caller_had_it(
     seen: list[tuple[bool, int]] = []
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.argv", ["app", f"hydra.run.dir={tmp_path / 'run'}", *argv])
-    monkeypatch.setattr(cli, "_collector_paused", False)
+    monkeypatch.setattr(collector, "_collector_paused", False)
     main = runkit.hydra_entry(
         lambda cfg: seen.append((gc.isenabled(), gc.get_freeze_count())),
         "app",
@@ -233,11 +233,10 @@ def test_the_collector_is_off_for_the_imports_and_back_as_the_caller_had_it(
 def test_the_preflight_turns_the_collector_back_on_for_a_sweeps_parent(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, single_process: None
 ) -> None:  # a sweep's parent runs no job in-process: the preflight turns it on
-    monkeypatch.setattr(cli, "_collector_paused", False)
+    monkeypatch.setattr(collector, "_collector_paused", False)
     before = gc.get_freeze_count()
     try:
-        cli.pause_collector()
-        assert not gc.isenabled()
+        assert collector.pause_collector() and not gc.isenabled()
         preflight.PreflightCallback().on_multirun_start(_run_cfg(tmp_path / "sweep"))
         assert gc.isenabled() and gc.get_freeze_count() > before
         assert (tmp_path / "sweep" / "multirun.yaml").is_file()

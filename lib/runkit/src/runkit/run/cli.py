@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import gc
 import itertools
 import logging
 import math
@@ -20,26 +19,7 @@ from typing import Any
 
 from runkit import compat, quoting
 from runkit.errors import RunError, exit_with, file_failure
-
-_collector_paused = False
-
-
-def pause_collector() -> None:
-    """Hold the cyclic garbage collector off while torch and Lightning are imported (many
-    objects, next to no garbage, yet repeated full collections)."""
-    global _collector_paused
-    _collector_paused = gc.isenabled()  # else the caller manages the collector
-    gc.disable()
-
-
-def resume_collector(freeze: bool) -> None:
-    """Turn the collector back on (once); ``freeze`` first, so later forks share what is alive."""
-    global _collector_paused
-    if _collector_paused:
-        _collector_paused = False
-        if freeze:
-            gc.freeze()
-        gc.enable()
+from runkit.run.collector import pause_collector, resume_collector
 
 
 class QuietFilter(logging.Filter):

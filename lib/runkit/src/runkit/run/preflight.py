@@ -20,7 +20,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from runkit.errors import RunError, exit_with, file_failure
-from runkit.run.cli import resume_collector
+from runkit.run.collector import resume_collector
 
 HYDRA_KEYS = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
 # Files only a finished or started run writes (DDP workers > 0 write none of them).
