@@ -69,7 +69,7 @@ assert 'project' not in sys.modules
 
 
 def test_the_lightning_trainer_config_is_every_trainer_argument_at_its_default() -> None:
-    from runkit.run.trainer_args import TRAINER_DEFAULTS
+    from runkit.run.builders import TRAINER_DEFAULTS
 
     node = OmegaConf.to_container(OmegaConf.load(CONFIGS / "trainer" / "lightning.yaml"))
     assert node == TRAINER_DEFAULTS

@@ -1,7 +1,5 @@
-"""Setting up a run: safety parts from the config, the run directory claimed atomically (and
-removed when unused), eval's Trainer settings as train's, the garbage collector at start-up, every
-trainer preset (multi_node, dp, fsdp, ddp_sim run in test_multinode, test_dp, test_fsdp,
-test_sweep), every ``logger`` option keeping one run record (``csv/metrics.csv``), debug presets."""
+"""Setting up a run: safety parts, the run directory claimed and discarded, eval's settings,
+the collector at start-up, trainer presets, one CSV record whatever the loggers, debug presets."""
 
 from __future__ import annotations
 
@@ -50,29 +48,39 @@ def single_process(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(
-    ("overrides", "line"),
+    ("overrides", "line", "loggers"),
     [
-        (["~callbacks.graceful_interrupt"], "callbacks.graceful_interrupt removed: Ctrl-C/SIGTERM"),
-        (["~callbacks.resume_state"], "callbacks.resume_state removed: a resumed run"),
-        (["trainer.plugins=[]"], "trainer.plugins has no AtomicCheckpointIO: checkpoint writes"),
-        ([], None),  # a complete run, and a test-only run (which needs none of them): silent
-        (["train=false", "callbacks=none", "trainer.plugins=[]"], None),
+        (["~callbacks.graceful_interrupt", "logger=none"],
+         "callbacks.graceful_interrupt removed: Ctrl-C/SIGTERM", [CSVLogger]),
+        (["~callbacks.resume_state", "logger=tensorboard"],
+         "callbacks.resume_state removed: a resumed run", [CSVLogger, TensorBoardLogger]),
+        (["trainer.plugins=[]", "logger=many_loggers"],
+         "trainer.plugins has no AtomicCheckpointIO: checkpoint", [CSVLogger, TensorBoardLogger]),
+        # a complete run (the csv node is the record: its setting kept), and a test-only run
+        # (which needs no safety part) without an output directory (no record): silent
+        (["+logger.csv.flush_logs_every_n_steps=7"], None, [CSVLogger]),
+        (["train=false", "callbacks=none", "trainer.plugins=[]", "logger=none",
+          "paths.output_dir=null"], None, []),
     ],
-)
-def test_safety_parts_reach_the_trainer_and_a_removed_one_says_what_is_lost(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, overrides: list[str], line: str | None
+)  # fmt: skip
+def test_safety_parts_and_one_csv_record_reach_the_trainer_and_a_removed_part_says_what_is_lost(
+    tmp_path, caplog, overrides: list[str], line: str | None, loggers: list[type]
 ) -> None:
-    cfg = composed(f"paths.output_dir={tmp_path}", "trainer.accelerator=cpu", "seed=7", *overrides)
+    out = f"paths.output_dir={tmp_path}"
+    cfg = composed(out, "trainer.accelerator=cpu", "seed=7", *overrides)
     with caplog.at_level(logging.WARNING, logger=builders.__name__):
         trainer = builders.build_trainer(cfg)
     said = [r.getMessage() for r in caplog.records if r.name == builders.__name__]
     assert said == [] if line is None else len(said) == 1 and said[0].startswith(line), said
     assert trainer.max_epochs == cfg.trainer.max_epochs  # the run is built all the same
-    if not overrides:  # the complete run: each part instantiated from its config node, once
+    assert [type(logger) for logger in trainer.loggers] == loggers  # one CSV record, never two
+    assert not loggers or Path(trainer.loggers[0].log_dir) == tmp_path / "csv"
+    if line is None and loggers:  # the complete run: each part from its config node, once
         assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
         (resume,) = [c for c in trainer.callbacks if isinstance(c, ResumeState)]
         assert resume.seed == 7
         assert sum(isinstance(c, GracefulInterrupt) for c in trainer.callbacks) == 1
+        assert trainer.loggers[0]._flush_logs_every_n_steps == 7
 
 
 def _run_cfg(directory: Path) -> DictConfig:
@@ -103,9 +111,6 @@ def test_two_racing_claims_for_one_directory_give_one_winner(
     assert (tmp_path / "sweep" / "multirun.yaml").is_file()
     with pytest.raises(RunError, match=r"hydra.sweep.dir=.* is taken: .*multirun.yaml"):
         preflight.claim_run_dir(cfg, "hydra.sweep.dir")
-
-
-def test_a_directory_below_a_file_is_one_line(tmp_path: Path, single_process: None) -> None:
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(RunError, match=r"cannot create or write .*a_file.*Not a directory"):
         preflight.claim_run_dir(_run_cfg(tmp_path / "a_file" / "run"), "hydra.run.dir")
@@ -160,8 +165,7 @@ def test_eval_tests_at_the_precision_training_used(
         seen[cfg.task_name] = kwargs
         raise _Built
 
-    # runkit's first: its lazy lookup would otherwise cache builders' spy past the test
-    monkeypatch.setattr(runkit, "build_trainer", spy)  # what the project's train.py calls
+    monkeypatch.setattr(runkit, "build_trainer", spy)  # first: undone to the real one
     monkeypatch.setattr(builders, "build_trainer", spy)
     # A bf16 GPU (Ampere), faked: nothing is built on it.
     monkeypatch.setattr(speed, "cuda_indices", lambda accelerator, devices: [0])
@@ -227,19 +231,15 @@ def test_the_collector_is_off_for_the_imports_and_back_as_the_caller_had_it(
 
 
 def test_the_preflight_turns_the_collector_back_on_for_a_sweeps_parent(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A sweep's parent runs no job in-process (the parallel launcher starts each as a process
-    # of its own): its collector comes back on after the preflight's imports.
-    for name in ("check_config", "check_inputs", "claim_run_dir"):
-        monkeypatch.setattr(preflight, name, lambda *args, **kwargs: None)
-    monkeypatch.setattr(preflight, "_resumable_sweep", lambda config: False)
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, single_process: None
+) -> None:  # a sweep's parent runs no job in-process: the preflight turns it on
     monkeypatch.setattr(collector, "_collector_paused", False)
     before = gc.get_freeze_count()
     try:
         assert collector.pause_collector() and not gc.isenabled()
-        preflight.PreflightCallback().on_multirun_start(OmegaConf.create({}))
+        preflight.PreflightCallback().on_multirun_start(_run_cfg(tmp_path / "sweep"))
         assert gc.isenabled() and gc.get_freeze_count() > before
+        assert (tmp_path / "sweep" / "multirun.yaml").is_file()
     finally:
         gc.enable()
         gc.unfreeze()
@@ -248,11 +248,6 @@ def test_the_preflight_turns_the_collector_back_on_for_a_sweeps_parent(
 EXPECTED = {"default": ("auto", 1, 1), "cpu": ("auto", 1, 1), "gpu": ("auto", 1, 1),
             "ddp": ("ddp", 2, 1), "ddp_sim": ("ddp", 2, 1), "ddp_spawn": ("ddp_spawn", 2, 1),
             "dp": ("dp", 2, 1), "fsdp": ("fsdp", 2, 1), "multi_node": ("ddp", "auto", 2)}  # fmt: skip
-
-
-def test_every_preset_file_is_listed_here() -> None:
-    on_disk = {p.stem for p in (config_dir() / "trainer").glob("*.yaml")}
-    assert on_disk == {*EXPECTED, "lightning"}  # lightning.yaml: the node the presets build on
 
 
 @pytest.mark.parametrize("preset", EXPECTED)
@@ -268,6 +263,8 @@ def test_preset_composes_with_the_expected_strategy(preset: str) -> None:
 
 
 def test_cpu_presets_pass_preflight_and_ddp_on_cpu_equals_ddp_sim() -> None:
+    on_disk = {p.stem for p in (config_dir() / "trainer").glob("*.yaml")}
+    assert on_disk == {*EXPECTED, "lightning"}  # lightning.yaml: the node the presets build on
     for preset in ("cpu", "ddp_sim", "ddp_spawn", "fsdp", "multi_node"):
         check_config(compose_train(f"trainer={preset}", "trainer.accelerator=cpu"))
     ddp_cpu = compose_train("trainer=ddp", "trainer.accelerator=cpu").trainer
@@ -287,38 +284,6 @@ def test_ddp_spawn_preset_runs_on_the_cpu(cli: CliRunner, log_dir: Path) -> None
     summary = json.loads((run / "metrics.json").read_text())
     assert summary["devices"] == 2 and "val/acc" in summary["metrics"]
     assert (run / "checkpoints" / "last.ckpt").is_file()
-
-
-def loggers_of(*overrides: str, out: Path) -> list:
-    cfg = compose_train(*overrides)
-    cfg.paths.output_dir = str(out)
-    return builders.build_loggers(cfg.get("logger"), builders.run_record(cfg.paths.output_dir))
-
-
-@pytest.mark.parametrize(
-    ("option", "extra"),
-    [
-        ("csv", []),
-        ("none", []),
-        ("tensorboard", [TensorBoardLogger]),
-        ("many_loggers", [TensorBoardLogger]),
-    ],
-)
-def test_every_logger_option_keeps_exactly_one_csv_record(
-    tmp_path: Path, option: str, extra: list[type]
-) -> None:
-    loggers = loggers_of(f"logger={option}", out=tmp_path)
-    records = [logger for logger in loggers if isinstance(logger, CSVLogger)]
-    assert len(records) == 1  # one writer of csv/metrics.csv, never two
-    assert Path(records[0].log_dir) == tmp_path / "csv"
-    assert [type(logger) for logger in loggers if logger is not records[0]] == extra
-
-
-def test_the_record_follows_the_csv_node_and_needs_an_output_dir(tmp_path: Path) -> None:
-    (logger,) = loggers_of("logger=csv", "+logger.csv.flush_logs_every_n_steps=7", out=tmp_path)
-    assert logger._flush_logs_every_n_steps == 7  # the configured node, not a second default one
-    assert builders.run_record(None) is None
-    assert builders.build_loggers(OmegaConf.create({}), None) == []
 
 
 def test_debug_overfit_runs_with_anomaly_detection_like_every_debug_preset() -> None:

@@ -251,8 +251,7 @@ def test_without_validation_step_the_monitor_is_reported_truthfully(
 
 
 def test_every_trainer_argument_is_a_key_and_reaches_the_trainer() -> None:
-    from runkit.run.builders import build_trainer
-    from runkit.run.trainer_args import OWNED_ELSEWHERE, TRAINER_DEFAULTS, set_arguments
+    from runkit.run.builders import OWNED_ELSEWHERE, TRAINER_DEFAULTS, build_trainer, set_arguments
 
     trainer = build_trainer(compose_train(
         "trainer.accumulate_grad_batches=3", "trainer.gradient_clip_val=0.5",

@@ -21,8 +21,7 @@ if TYPE_CHECKING:  # the names as a type checker sees them; at run time, loaded 
     from runkit.run.builders import build_trainer, can_test, plain, run_trainer
     from runkit.run.cli import find_configs, hydra_entry
     from runkit.run.launch import requeued_checkpoint
-    from runkit.run.predictions import prepare_predict
-    from runkit.run.rebuild import load_trained, trained_config, trained_model
+    from runkit.run.predictions import load_trained, prepare_predict, trained_config, trained_model
     from runkit.run.run_files import best_checkpoint, save_config, save_metrics, scalars
     from runkit.safety.checkpoints import (
         WEIGHTS_FILE,

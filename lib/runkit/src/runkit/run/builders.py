@@ -20,6 +20,38 @@ from runkit.run import launch
 
 log = logging.getLogger(__name__)
 
+# Every Trainer argument is a key of configs/trainer/lightning.yaml (no + needed) at these defaults,
+# Trainer.__init__'s (Lightning 2.6) less OWNED_ELSEWHERE. Keys still at them are not passed, so a
+# Lightning release that drops one breaks no run.
+OWNED_ELSEWHERE = ("precision", "callbacks", "logger")
+
+TRAINER_DEFAULTS: dict[str, Any] = {
+    "accelerator": "auto", "strategy": "auto", "devices": "auto", "num_nodes": 1,
+    "fast_dev_run": False, "max_epochs": None, "min_epochs": None, "max_steps": -1,
+    "min_steps": None, "max_time": None, "limit_train_batches": None, "limit_val_batches": None,
+    "limit_test_batches": None, "limit_predict_batches": None, "overfit_batches": 0.0,
+    "val_check_interval": None, "check_val_every_n_epoch": 1, "num_sanity_val_steps": None,
+    "log_every_n_steps": None, "enable_checkpointing": None, "enable_progress_bar": None,
+    "enable_model_summary": None, "accumulate_grad_batches": 1, "gradient_clip_val": None,
+    "gradient_clip_algorithm": None, "deterministic": None, "benchmark": None,
+    "inference_mode": True, "use_distributed_sampler": True, "profiler": None,
+    "detect_anomaly": False, "barebones": False, "plugins": None, "sync_batchnorm": False,
+    "reload_dataloaders_every_n_epochs": 0, "default_root_dir": None,
+    "enable_autolog_hparams": True, "model_registry": None,
+}  # fmt: skip
+
+
+def set_arguments(trainer: Any) -> dict[str, Any]:
+    """The composed ``trainer`` node (resolved) less the keys still at Lightning's defaults."""
+    resolved = OmegaConf.to_container(trainer, resolve=True)
+    return {
+        key: value
+        for key, value in resolved.items()
+        if key not in TRAINER_DEFAULTS
+        or (type(value), value) != (type(TRAINER_DEFAULTS[key]), TRAINER_DEFAULTS[key])
+    }
+
+
 # The safety parts of a training run and what a run loses without one.
 SAFETY_PARTS = {
     "callbacks.resume_state removed": (
@@ -40,29 +72,9 @@ SAFETY_PARTS = {
 }
 
 
-def build_loggers(cfg: DictConfig | None, record: CSVLogger | None = None) -> list[Logger]:
-    """One logger per entry of ``cfg.logger``, after ``record`` unless one writes that file."""
-    loggers = [instantiate(node) for node in _target_nodes(cfg)]
-    if record is None or any(_same_csv(logger, record) for logger in loggers):
-        return loggers
-    return [record, *loggers]
-
-
 def _target_nodes(group: DictConfig | None) -> list[DictConfig]:
     nodes = group.values() if group else []
     return [node for node in nodes if isinstance(node, DictConfig) and "_target_" in node]
-
-
-def run_record(output_dir: str | None) -> CSVLogger | None:
-    """The CSV log every run keeps in ``<output_dir>/csv/``; None outside a run."""
-    return CSVLogger(save_dir=str(output_dir), name="csv", version="") if output_dir else None
-
-
-def _same_csv(logger: Logger, record: CSVLogger) -> bool:
-    return (
-        isinstance(logger, CSVLogger)
-        and Path(logger.log_dir).absolute() == Path(record.log_dir).absolute()
-    )
 
 
 def build_trainer(cfg: DictConfig, **overrides: Any) -> Trainer:
@@ -70,7 +82,6 @@ def build_trainer(cfg: DictConfig, **overrides: Any) -> Trainer:
     a training run logs one line for each of :data:`SAFETY_PARTS` it lacks."""
     from hydra.utils import get_object
 
-    from runkit.run.trainer_args import set_arguments
     from runkit.safety import interrupts
 
     callbacks = [instantiate(node) for node in _target_nodes(cfg.get("callbacks"))]
@@ -78,14 +89,22 @@ def build_trainer(cfg: DictConfig, **overrides: Any) -> Trainer:
         isinstance(callback, ModelSummary) for callback in callbacks
     ):  # callbacks.model_summary is the summary; Lightning's would only say it skips itself
         overrides.setdefault("enable_model_summary", False)
-    record = run_record(OmegaConf.select(cfg, "paths.output_dir", default=None))
-    loggers = build_loggers(cfg.get("logger"), record)
+    # the run's own record, csv/metrics.csv, unless a logger of cfg.logger writes that file
+    out = OmegaConf.select(cfg, "paths.output_dir", default=None)
+    record = Path(out, "csv").absolute() if out else None
+    loggers = [instantiate(node) for node in _target_nodes(cfg.get("logger"))]
+
+    def is_record(logger: Logger) -> bool:
+        return isinstance(logger, CSVLogger) and Path(logger.log_dir).absolute() == record
+
+    if record is not None and not any(map(is_record, loggers)):
+        loggers.insert(0, CSVLogger(save_dir=str(out), name="csv", version=""))
     trainer = instantiate(
         set_arguments(cfg.trainer), callbacks=callbacks, logger=loggers or False, **overrides
     )
     if trainer.fast_dev_run and record is not None:
         # Lightning mutes every logger under fast_dev_run; the run's own record stays on.
-        trainer.loggers = [logger for logger in loggers if _same_csv(logger, record)]
+        trainer.loggers = [logger for logger in loggers if is_record(logger)]
     parts = [*callbacks, trainer.strategy.checkpoint_io]
     missing = {
         key: lost

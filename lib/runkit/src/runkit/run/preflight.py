@@ -14,7 +14,7 @@ import sys
 import typing
 from pathlib import Path
 from types import UnionType
-from typing import Any, NamedTuple
+from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -278,7 +278,7 @@ def check_inputs(value: Any, log_dir: Any, resumes: bool, task: str = "train") -
     import pickle
 
     from runkit import plots
-    from runkit.run.rebuild import is_lightning_checkpoint
+    from runkit.run.predictions import is_lightning_checkpoint
     from runkit.safety import checkpoints
     from runkit.safety.resume import run_dir_of
 
@@ -315,14 +315,9 @@ def check_inputs(value: Any, log_dir: Any, resumes: bool, task: str = "train") -
             raise RunError(f"{err}; resume from a run whose log is intact") from err
 
 
-class _Claim(NamedTuple):
-    directory: Path
-    first_new: Path | None  # the highest directory the claim created (None: it existed)
-    marker: str
-    had_files: bool  # the directory existed with files in it: never removed
-
-
-_claimed: _Claim | None = None
+# the last claim: (directory, the highest directory it created or None, its marker, whether the
+# directory existed with files in it: never removed)
+_claimed: tuple[Path, Path | None, str, bool] | None = None
 
 
 def claim_run_dir(cfg: DictConfig, key: str) -> None:
@@ -375,7 +370,7 @@ def claim_run_dir(cfg: DictConfig, key: str) -> None:
     except OSError as err:  # below a file, no permission (the user's path); a full disk
         err.filename = err.filename or str(directory)
         raise file_failure(err) or err from err
-    _claimed = _Claim(directory, first_new, marker, had_files)
+    _claimed = (directory, first_new, marker, had_files)
 
 
 def _resumable_sweep(cfg: DictConfig) -> bool:
@@ -387,8 +382,8 @@ def discard_unused(run_dir: Path) -> bool:
     """Remove ``run_dir`` (and the parents its claim created) if it holds only Hydra's files,
     ``config.yaml`` and logs; whether it was removed."""
     run_dir = Path(os.path.abspath(run_dir))
-    claim = _claimed if _claimed is not None and _claimed.directory == run_dir else None
-    _, first_new, marker, had_files = claim or _Claim(run_dir, None, ".hydra", False)
+    claimed = _claimed if _claimed is not None and _claimed[0] == run_dir else None
+    _, first_new, marker, had_files = claimed or (run_dir, None, ".hydra", False)
     if had_files or not run_dir.is_dir():
         return False  # a directory the user gave with files in it: not ours to remove
 
