@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -50,6 +51,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return LONGEST.index(name) if name in LONGEST else len(LONGEST)
 
     items.sort(key=rank)
+
+
+@pytest.fixture(autouse=True)
+def _root_log_level_as_found() -> Iterator[None]:
+    """An in-process Hydra run sets the root logger's level for the process: undo it per test."""
+    root = logging.getLogger()
+    level = root.level
+    yield
+    root.setLevel(level)
 
 
 def user_config_dir(folder: Path) -> Path:
