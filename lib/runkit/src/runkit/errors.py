@@ -24,6 +24,11 @@ class EnvironmentFailure(RunError):
     exit_code = 4
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message, or its type's name when it has none."""
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
 def file_failure(err: OSError, run_dir: str | os.PathLike[str] | None = None) -> RunError | None:
     """``err`` as one line: the environment's (a full disk, a file in ``run_dir``), else the
     user's; ``None`` for no file and a disk not full."""

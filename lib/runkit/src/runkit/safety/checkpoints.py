@@ -29,8 +29,8 @@ from fsspec.utils import get_protocol
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch import nn
 
-from runkit.errors import DISK_FULL, EnvironmentFailure, RunError, file_failure
-from runkit.safety.trusted import TRUSTED_TARGETS, check_trusted, first_line
+from runkit.errors import DISK_FULL, EnvironmentFailure, RunError, file_failure, first_line
+from runkit.safety.trusted import TRUSTED_TARGETS, check_trusted
 
 log = logging.getLogger(__name__)
 

@@ -11,17 +11,13 @@ from types import ModuleType
 from typing import Any
 
 from runkit import quoting
-from runkit.errors import RunError
+from runkit.errors import RunError, first_line
 
 # Torch's layers and optimisers; a project adds its own packages (eval.yaml: trusted_targets).
 TRUSTED_TARGETS = ("torch.nn.", "torch.optim.")
 MAX_DEPTH = 64  # saved configs nest a few levels; a deeper one is damaged or hostile
 
 _DOTTED = re.compile(r"[A-Za-z][A-Za-z0-9_]*(\.[A-Za-z][A-Za-z0-9_]*)*")
-
-
-def first_line(err: BaseException) -> str:
-    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 def is_allowed(name: str, allowed: Iterable[str]) -> bool:
