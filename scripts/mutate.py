@@ -42,9 +42,13 @@ SOURCE_ROOTS = (LIBRARY_SRC, "src/")
 # The modules that guard data, devices and GPU figures, each with the fast tests
 # that are its own. `-m "not slow"` is added to every run: slow tests never count.
 MODULES: dict[str, tuple[list[str], list[str]]] = {
-    # checkpoint I/O and loading, with the allow-list of _target_s from files and the CRC check
+    # checkpoint I/O and loading, the crash-safe writes under it, the allow-list of _target_s
     "checkpoints": (
-        ["lib/runkit/src/runkit/safety/checkpoints.py", "lib/runkit/src/runkit/safety/trusted.py"],
+        [
+            "lib/runkit/src/runkit/safety/checkpoints.py",
+            "lib/runkit/src/runkit/safety/writes.py",
+            "lib/runkit/src/runkit/safety/trusted.py",
+        ],
         [
             "lib/runkit/tests/test_checkpointing.py",
             "lib/runkit/tests/test_untrusted_files.py",

@@ -26,30 +26,28 @@ from conftest import TEMPLATE_TARGETS, CliRunner, last_line
 from tinyapp.models import MLP
 from runkit.errors import RunError
 from runkit.safety import checkpoints as checkpointing
+from runkit.safety import writes
 from runkit.safety.checkpoints import (
     AtomicCheckpointIO,
     CheckpointSaveError,
-    FileWriteError,
-    atomic_link,
-    atomic_write,
     exported_part,
     full_disk_in_one_line,
     last_good_checkpoint,
     load_file,
     load_network,
     network_state,
-    remove_stale_temporaries,
     resolve_ckpt_path,
     run_config,
     save_weights,
     state_mismatch,
     verify_archive,
 )
+from runkit.safety.writes import FileWriteError, atomic_link, atomic_write, remove_stale_temporaries
 
 SRC = Path(checkpointing.__file__).resolve().parent
 NET = {"_target_": "tinyapp.models.MLP", "in_features": 64, "hidden": [8], "num_classes": 10}
 SMALL_NET = {"_target_": "tinyapp.models.MLP", "in_features": 4, "hidden": [3], "num_classes": 2}
-DEAD = f".model.pth.{2**22 + 1}-{checkpointing._HOST}-0badc0de.tmp"  # pid above pid_max
+DEAD = f".model.pth.{2**22 + 1}-{writes._HOST}-0badc0de.tmp"  # pid above pid_max
 
 
 def raised(kind: type[BaseException], call: Any) -> Any:
@@ -684,7 +682,7 @@ def test_only_dead_writers_leftovers_are_removed(
     folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     name = ".model.pth.{pid}-{host}-0badc0de.tmp"
-    host = checkpointing._HOST
+    host = writes._HOST
     writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     own = folder / name.format(pid=os.getpid(), host=host)
     parent = folder / name.format(pid=writer.pid, host=host)
@@ -729,7 +727,8 @@ def test_only_dead_writers_leftovers_are_removed(
     monkeypatch.setattr(os, "scandir", scandir)
     assert remove_stale_temporaries(racing) == []
     monkeypatch.setattr(os, "kill", fails(PermissionError(errno.EPERM, "Operation not permitted")))
-    assert checkpointing._alive(12345)  # another user's process: alive, its file is kept
+    (racing / DEAD).write_bytes(b"half")
+    assert remove_stale_temporaries(racing) == []  # another user's process: alive, file kept
 
 
 def test_atomic_link_makes_a_second_name_of_the_same_bytes_or_a_copy(
@@ -1005,18 +1004,18 @@ def test_sharded_checkpoint_directories_are_staged(
     folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     target = folder / "a b" / "last.ckpt"
-    staging = checkpointing.new_staging_dir(target)
-    assert staging.parent == target.parent and checkpointing._TEMP.fullmatch(staging.name)
+    staging = writes.new_staging_dir(target)
+    assert staging.parent == target.parent and writes._TEMP.fullmatch(staging.name)
     dead = target.parent / DEAD.replace(".model.pth", ".last.ckpt")
     dead.mkdir()
-    again = checkpointing.new_staging_dir(target)
+    again = writes.new_staging_dir(target)
     assert not dead.exists() and again.is_dir() and again != staging
     (staging / "x").write_text("1")
-    checkpointing.swap_in(staging, target)  # a new name
+    writes.swap_in(staging, target)  # a new name
     assert (target / "x").read_text() == "1" and not staging.exists()
     single = folder / "single.ckpt"
     single.write_text("a file before")
-    checkpointing.swap_in(again, single)
+    writes.swap_in(again, single)
     assert single.is_dir() and not again.exists()
     shards = case(folder, "shards")
     (shards / "sub").mkdir()
@@ -1024,11 +1023,11 @@ def test_sharded_checkpoint_directories_are_staged(
     assert checkpointing.checkpoint_files(shards) == ["shard"]
     (entry,) = checkpointing.describe_files(shards, ["shard"])
     assert entry == {"name": "shard", "size": 10, "crc32": zlib.crc32(b"some bytes")}
-    newer = checkpointing.new_staging_dir(target)
+    newer = writes.new_staging_dir(target)
     (newer / "x").write_text("2")
     monkeypatch.setattr(os, "replace", fails(OSError(errno.EXDEV, "only renameat2 may swap")))
     monkeypatch.chdir(target.parent)  # relative names: renameat2 resolves them in the cwd
-    checkpointing.swap_in(Path(newer.name), Path(target.name))  # exchanged in one step
+    writes.swap_in(Path(newer.name), Path(target.name))  # exchanged in one step
     assert (target / "x").read_text() == "2" and not newer.exists()
 
 

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint
 
 from conftest import CliRunner, clean_env, run_dirs
 from runkit.errors import RunError
-from runkit.safety import checkpoints
+from runkit.safety import checkpoints, writes
 from runkit.safety.resume import check_fits
 
 ZOO = Path(__file__).resolve().parent / "zoo"
@@ -160,7 +160,7 @@ def test_fsdp_kill_9_during_a_sharded_save_leaves_last_complete(
 
     # the killed run's directory resumes from that save; the dead writer's staging goes
     assert checkpoints.resolve_ckpt_path(str(folder.parent), tmp_path) == last.resolve()
-    assert checkpoints.remove_stale_temporaries(folder) == [staging]
+    assert writes.remove_stale_temporaries(folder) == [staging]
     assert checkpoints.damaged_files(last) is None
 
 
@@ -197,12 +197,12 @@ def test_swap_in_replaces_a_checkpoint_directory_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
 ) -> None:
     if not exchange:
-        monkeypatch.setattr(checkpoints, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(writes, "_exchange", lambda a, b: False)
     target = fake_checkpoint(tmp_path / "last.ckpt", b"o")
-    new = checkpoints.new_staging_dir(target)
+    new = writes.new_staging_dir(target)
     new.rmdir()
     fake_checkpoint(new, b"n")
-    checkpoints.swap_in(new, target)
+    writes.swap_in(new, target)
     assert (target / "meta.pt").read_bytes().startswith(b"n")
     assert checkpoints.damaged_files(target) is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # nothing left aside
@@ -212,7 +212,7 @@ def test_last_is_a_directory_of_links_and_a_run_directory_resolves_to_it(tmp_pat
     run = tmp_path / "run"
     best = fake_checkpoint(run / "checkpoints" / "epoch_003.ckpt")
     last = fake_checkpoint(run / "checkpoints" / "last.ckpt", b"o")  # the previous one, replaced
-    checkpoints.atomic_link(best, last)
+    writes.atomic_link(best, last)
     for name in [*checkpoints.manifest_names(best), checkpoints.MANIFEST_FILE]:
         assert (last / name).stat().st_ino == (best / name).stat().st_ino
     assert checkpoints.resolve_ckpt_path(str(run), tmp_path) == last.resolve()

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runkit.errors import RunError
 from runkit.safety import checkpoints
-from runkit.safety.checkpoints import atomic_write
+from runkit.safety.writes import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def _write(rows: Any, index: torch.Tensor, out: Path, stem: str) -> list[Path]:
         lines = [f"index,{column}"]
         lines += [f"{i},{v}" for i, v in zip(index.tolist(), values.tolist(), strict=True)]
         csv = out / f"{stem}.csv"
-        atomic_write(csv, lambda handle: handle.write(("\n".join(lines) + "\n").encode()))
+        atomic_write(csv, "\n".join(lines) + "\n")
         written.append(csv)
     log.info("Predictions of %d items: %s", len(index), ", ".join(str(p) for p in written))
     return written

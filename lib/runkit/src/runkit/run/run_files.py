@@ -14,13 +14,15 @@ from lightning.pytorch import Trainer
 from lightning_utilities import apply_to_collection
 from omegaconf import DictConfig, OmegaConf
 
-from runkit.safety.checkpoints import CONFIG_FILE, atomic_write
+from runkit.safety.checkpoints import CONFIG_FILE
+from runkit.safety.writes import atomic_write
 
 METRICS_FILE = "metrics.json"
 
 
 def save_config(cfg: DictConfig, out: Path) -> Path:
-    return _write(out / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True))
+    atomic_write(out / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True))
+    return out / CONFIG_FILE
 
 
 def scalars(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
@@ -70,12 +72,8 @@ def save_metrics(
         "wall_seconds": round(time.time() - started, 2),
         **({"energy": dict(energy)} if energy is not None else {}),
     }
-    return _write(out / METRICS_FILE, strict_json(payload, indent=2) + "\n")
-
-
-def _write(path: Path, text: str) -> Path:
-    atomic_write(path, lambda handle: handle.write(text.encode()))
-    return path
+    atomic_write(out / METRICS_FILE, strict_json(payload, indent=2) + "\n")
+    return out / METRICS_FILE
 
 
 def strict_json(payload: Any, **kwargs: Any) -> str:

@@ -30,6 +30,7 @@ from runkit.errors import RunError
 from runkit.quoting import config_options, hydra_value
 from runkit.run.launch import job_command, newest_checkpoint
 from runkit.safety import signals
+from runkit.safety.writes import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -320,18 +321,12 @@ class ParallelLauncher(Launcher):
 
     def _save(self) -> None:
         payload = json.dumps({"attempts": [asdict(a) for a in self.attempts]}, indent=1)
-        _replace(self.dir / STATE_FILE, payload + "\n")
+        atomic_write(self.dir / STATE_FILE, payload + "\n")
 
 
 def _signal_group(proc: subprocess.Popen, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signum)
-
-
-def _replace(path: Path, text: str) -> None:  # not checkpoints.atomic_write: it imports torch
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def job_rows(attempts: Sequence[Attempt], not_started: Sequence[Sequence[str]] = ()) -> list[dict]:
@@ -383,7 +378,7 @@ def write_summary(sweep_dir: Path, rows: Sequence[dict]) -> Path:
     writer = csv.DictWriter(text, fieldnames=fields, restval="")
     writer.writeheader()
     writer.writerows(rows)
-    _replace(sweep_dir / "summary.csv", text.getvalue())
+    atomic_write(sweep_dir / "summary.csv", text.getvalue())
     return sweep_dir / "summary.csv"
 
 

@@ -1,4 +1,4 @@
-"""Crash-safe writes and checked loads of checkpoints, ``model.pth`` and networks.
+"""Checkpoints, ``model.pth`` and networks: written through :mod:`runkit.safety.writes`, loaded checked.
 
 Files load with ``weights_only=True`` after their zip CRCs are checked (torch does not check
 them); networks are rebuilt only through trusted ``_target_``s; a sharded checkpoint's
@@ -11,45 +11,29 @@ import contextlib
 import json
 import logging
 import os
-import re
-import secrets
-import shutil
-import socket
 import stat
-import time
 import warnings
 import zipfile
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 from fsspec.utils import get_protocol
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch import nn
 
-from runkit.errors import DISK_FULL, EnvironmentFailure, RunError, file_failure, first_line
+from runkit.errors import EnvironmentFailure, RunError, file_failure, first_line
 from runkit.safety.trusted import TRUSTED_TARGETS, check_trusted
+from runkit.safety.writes import FileWriteError, atomic_write
 
 log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.pth"
 CONFIG_FILE = "config.yaml"
 MANIFEST_FILE = "manifest.json"
-# Temporaries ".<target>.<pid>-<host>-<random>.tmp": a dead writer's leftover is told from a live one.
-_HOST = f"{zlib.crc32(socket.gethostname().encode()):08x}"
-_TEMP = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)-(?P<host>[0-9a-f]{8})-[0-9a-f]{8}\.tmp")
-_FOREIGN_TEMP_AGE_S = 24 * 3600
 _PASS = "pass a .ckpt file, a model.pth, a run directory or 'last'"
-
-
-class FileWriteError(EnvironmentFailure):
-    """A file of the run could not be written; nothing half-written. ``problem``: what failed."""
-
-    def __init__(self, problem: str, outcome: str = "") -> None:
-        super().__init__(f"{problem}; {outcome}" if outcome else problem)
-        self.problem = problem
 
 
 class CheckpointSaveError(FileWriteError):
@@ -72,10 +56,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         try:
             atomic_write(target, lambda handle: torch.save(checkpoint, handle))
         except FileWriteError as err:
-            raise CheckpointSaveError(
-                err.problem.replace("write ", "write checkpoint ", 1),
-                last_good_checkpoint(target.parent, prefer=target),
-            ) from err.__cause__
+            raise save_failure(target, err.problem) from err.__cause__
 
     def load_checkpoint(
         self, path: Any, map_location: Any = None, weights_only: bool | None = None
@@ -90,131 +71,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return super().load_checkpoint(path, weights_only=safe, **kwargs)
 
 
-class _ErrorKeepingFile:
-    """Keeps a write's ``OSError``: ``torch.save`` raises an opaque ``RuntimeError`` instead, and
-    whether that one chains the ``OSError`` differs between torch versions."""
-
-    def __init__(self, handle: IO[bytes]) -> None:
-        self.handle: IO[bytes] = handle
-        self.error: OSError | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.handle, name)
-
-    def write(self, data: Any) -> int:
-        try:
-            return self.handle.write(data)
-        except OSError as err:
-            self.error = err
-            raise
-
-
-def _temporary_name(target: Path) -> Path:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(target.parent)
-    return target.parent / f".{target.name}.{os.getpid()}-{_HOST}-{secrets.token_hex(4)}.tmp"
-
-
-def new_staging_dir(target: Path) -> Path:
-    (tmp := _temporary_name(target)).mkdir()
-    return tmp
-
-
-def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Write beside ``path``, fsync, rename over it: a crash leaves the old file or the new."""
-    target = Path(path)
-    kept, handle, tmp = target.is_file(), None, None
-    try:
-        tmp = _temporary_name(target)
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as raw:
-            handle = _ErrorKeepingFile(raw)
-            write(handle)  # type: ignore[arg-type]
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.replace(tmp, target)
-    except BaseException as err:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
-        cause = err if isinstance(err, OSError) else (handle.error if handle else None)
-        if cause is None or not isinstance(err, Exception):
-            raise
-        raise FileWriteError(*write_failure(target, cause, kept)) from cause
-    _fsync_dir(target.parent)
-
-
-def write_failure(target: Path, err: OSError, kept: bool) -> tuple[str, str]:
-    outcome = "its previous version is unchanged" if kept else "nothing was written"
-    if err.errno in DISK_FULL:
-        return f"the disk is full: could not write {str(target)!r} ({err.strerror})", outcome
-    reason = err.strerror or str(err) or type(err).__name__
-    return f"could not write {str(target)!r}: {reason}", outcome
-
-
-def remove_stale_temporaries(directory: Path) -> list[Path]:
-    """Remove temporaries whose writer died here, or another machine's a day old."""
-    removed: list[Path] = []
-    with contextlib.suppress(OSError):
-        for entry in list(os.scandir(directory)):
-            match = _TEMP.fullmatch(entry.name)
-            if match is None or entry.is_symlink():
-                continue
-            with contextlib.suppress(OSError):
-                if match["host"] == _HOST:
-                    stale = int(match["pid"]) != os.getpid() and not _alive(int(match["pid"]))
-                else:
-                    stale = time.time() - entry.stat().st_mtime > _FOREIGN_TEMP_AGE_S
-                if stale:
-                    if entry.is_dir(follow_symlinks=False):
-                        shutil.rmtree(entry.path)
-                    else:
-                        os.unlink(entry.path)
-                    removed.append(Path(entry.path))
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        pass
-    return True
-
-
-def _fsync_dir(directory: Path) -> None:
-    with contextlib.suppress(OSError):  # some filesystems do not open directories
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def atomic_link(source: str | Path, target: str | Path) -> None:
-    """Make ``target`` a hard link (else a copy) of ``source``, atomically."""
-    source, target = Path(source), Path(target)
-    if source.is_dir():
-        staging = new_staging_dir(target)
-        for name in [*checkpoint_files(source), MANIFEST_FILE]:
-            if (source / name).is_file():
-                atomic_link(source / name, staging / name)
-        return swap_in(staging, target)
-    tmp = _temporary_name(target)
-    try:
-        os.link(source, tmp)
-    except OSError:  # no hard links on this filesystem: copy the bytes
-        with source.open("rb") as reader:
-            atomic_write(target, lambda handle: shutil.copyfileobj(reader, handle, 1 << 20))
-        return None
-    try:
-        os.replace(tmp, target)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise FileWriteError(*write_failure(target, err, target.is_file())) from err
-    _fsync_dir(target.parent)
-
-
 def _newest(paths: Iterable[Path]) -> Path | None:
     return max(paths, key=lambda p: (p.stat().st_mtime_ns, p.name), default=None)
 
@@ -226,6 +82,14 @@ def last_good_checkpoint(directory: Path, prefer: Path | None = None, none: str 
     if prefer is None:
         return none or "no checkpoint was kept before it"
     return f"the last good checkpoint is {str(prefer)!r}"
+
+
+def save_failure(target: Path, problem: str) -> CheckpointSaveError:
+    """A write ``problem`` said of the checkpoint ``target``, naming the one that remains."""
+    return CheckpointSaveError(
+        problem.replace("write ", "write checkpoint ", 1),
+        last_good_checkpoint(target.parent, prefer=target),
+    )
 
 
 @contextlib.contextmanager
@@ -339,36 +203,7 @@ def describe_files(folder: Path, names: Iterable[str]) -> list[dict[str, Any]]:
 def write_manifest(folder: Path, entries: list[dict[str, Any]]) -> None:
     missing = sorted(set(checkpoint_files(folder)) - {e["name"] for e in entries})
     entries = sorted([*entries, *describe_files(folder, missing)], key=lambda e: e["name"])
-    text = json.dumps({"files": entries}, indent=1)
-    atomic_write(folder / MANIFEST_FILE, lambda handle: handle.write(text.encode()))
-
-
-def _exchange(first: Path, second: Path) -> bool:
-    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``)."""
-    import ctypes
-
-    try:
-        renameat2 = ctypes.CDLL(None).renameat2
-    except (OSError, AttributeError):
-        return False
-    return renameat2(-100, os.fsencode(first), -100, os.fsencode(second), 2) == 0
-
-
-def swap_in(staging: Path, target: Path) -> None:
-    """Make the directory ``staging`` the checkpoint ``target``, atomically where Linux can."""
-    _fsync_dir(staging)
-    if target.is_file():
-        target.unlink()
-    if not target.exists():
-        os.replace(staging, target)
-    else:
-        aside = staging
-        if not _exchange(staging, target):
-            aside = staging.with_name(staging.name[:-4] + f"-{secrets.token_hex(4)}.tmp")
-            os.replace(target, aside)
-            os.replace(staging, target)
-        shutil.rmtree(aside, ignore_errors=True)
-    _fsync_dir(target.parent)
+    atomic_write(folder / MANIFEST_FILE, json.dumps({"files": entries}, indent=1))
 
 
 def manifest_names(folder: Path) -> list[str]:

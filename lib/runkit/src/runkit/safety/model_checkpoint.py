@@ -14,8 +14,9 @@ import lightning.pytorch as pl
 from fsspec.utils import get_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 
-from runkit.safety.checkpoints import atomic_link, is_checkpoint
+from runkit.safety.checkpoints import is_checkpoint
 from runkit.safety.resume import run_dir_of
+from runkit.safety.writes import atomic_link
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from runkit.errors import RunError
-from runkit.safety import checkpoints
+from runkit.safety import checkpoints, writes
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class FSDPStrategy(ModelParallelStrategy):
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
         target = Path(self.broadcast(str(filepath).removeprefix("file://")))
-        staging = checkpoints.new_staging_dir(target) if self.is_global_zero else None
+        staging = writes.new_staging_dir(target) if self.is_global_zero else None
         staging_dir = Path(self.broadcast(str(staging) if staging else None))
         try:
             super().save_checkpoint(checkpoint, staging_dir)
@@ -151,15 +151,12 @@ class FSDPStrategy(ModelParallelStrategy):
             entries = _gather(checkpoints.describe_files(staging_dir, names))
             if self.is_global_zero:
                 checkpoints.write_manifest(staging_dir, entries)
-                checkpoints.swap_in(staging_dir, target)
+                writes.swap_in(staging_dir, target)
         except OSError as err:
             if self.is_global_zero:
                 shutil.rmtree(staging_dir, ignore_errors=True)
-            problem, _ = checkpoints.write_failure(target, err, target.exists())
-            raise checkpoints.CheckpointSaveError(
-                problem.replace("write ", "write checkpoint ", 1),
-                checkpoints.last_good_checkpoint(target.parent, prefer=target),
-            ) from err
+            problem, _ = writes.write_failure(target, err, target.exists())
+            raise checkpoints.save_failure(target, problem) from err
         self.barrier()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
