@@ -20,6 +20,8 @@ from conftest import CliRunner, clean_env, run_python, user_config_dir
 from runkit.errors import RunError
 from runkit.run import launch, sweep
 from runkit.run.sweep import Attempt
+from runkit.safety import writes
+from runkit.safety.writes import FileWriteError
 
 TESTS = Path(__file__).resolve().parent
 TINY = ("trainer.max_epochs=2", "+trainer.limit_train_batches=3", "+trainer.limit_val_batches=1",
@@ -163,7 +165,16 @@ def test_the_summary_has_a_row_per_job_with_all_its_attempts(tmp_path: Path) -> 
         Attempt(1, ["lr=0.2", "e=2"], str(tmp_path / "1-attempt2"), "l", "finished", 0, 40, 50),
     ]
     rows = sweep.job_rows(attempts, not_started=[["lr=0.4", "e=2"]])
+    dead = tmp_path / f".summary.csv.{2**22 + 1}-{writes._HOST}-0badc0de.tmp"  # a killed sweep's
+    dead.write_text("half")
     first, failed, later = csv.DictReader(sweep.write_summary(tmp_path, rows).open())
+    assert not dead.exists()
+    blocked = tmp_path / "1-attempt2" / "metrics.json"  # a file where the sweep folder should be
+    with pytest.raises(FileWriteError) as info:
+        sweep.write_summary(blocked, rows)
+    assert str(info.value) == (
+        f"could not write {str(blocked / 'summary.csv')!r}: File exists; nothing was written"
+    )
     assert [first[k] for k in ("job", "status", "attempts", "overrides", "val/acc")] == [
         "1", "finished", "2", "lr=0.2 e=2", "0.7"
     ]  # fmt: skip
