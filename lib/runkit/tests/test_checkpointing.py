@@ -6,6 +6,7 @@ import errno
 import logging
 import os
 import re
+import signal
 import stat
 import struct
 import subprocess
@@ -698,14 +699,24 @@ def test_only_dead_writers_leftovers_are_removed(
     live_dir.mkdir()
     aged(foreign_old, -24 * 3600 - 60)
     aged(foreign_fresh, -24 * 3600 + 60)
-    try:
-        removed = remove_stale_temporaries(folder)
-        assert writer.poll() is None  # looked at, not signalled
-    finally:
-        writer.kill()
-        writer.wait()
+    (folder / "epoch_000.ckpt").write_bytes(b"x")
+    real_scandir = os.scandir
+
+    def other_files_first(path: Any) -> Any:  # passed over: the scan goes on
+        entries = real_scandir(path)
+        return sorted(entries, key=lambda e: e.name.endswith(".tmp")) if path == folder else entries
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "scandir", other_files_first)
+        try:
+            removed = remove_stale_temporaries(folder)
+        finally:
+            writer.kill()
+            writer.wait()
+    assert writer.returncode == -signal.SIGKILL  # looked at, not signalled
     assert sorted(removed) == sorted([dead, foreign_old, a_dir])
     assert own.exists() and parent.exists() and foreign_fresh.exists() and live_dir.is_dir()
+    assert (folder / "epoch_000.ckpt").exists()
     assert remove_stale_temporaries(folder / "missing") == []
     links = case(folder, "links")
     (links / "keep.bin").write_bytes(b"x")
@@ -714,7 +725,6 @@ def test_only_dead_writers_leftovers_are_removed(
     assert (links / DEAD).is_symlink() and (links / "keep.bin").exists()
     racing = case(folder, "racing")
     leftovers = (racing / DEAD, racing / ".model.pth.7-0000000f-0badc0de.tmp")
-    real_scandir = os.scandir
 
     def scandir(path: Any) -> Any:
         entries = list(real_scandir(path))
@@ -1023,6 +1033,15 @@ def test_sharded_checkpoint_directories_are_staged(
     assert checkpointing.checkpoint_files(shards) == ["shard"]
     (entry,) = checkpointing.describe_files(shards, ["shard"])
     assert entry == {"name": "shard", "size": 10, "crc32": zlib.crc32(b"some bytes")}
+    stuck = writes.new_staging_dir(target)
+    (stuck / "x").write_text("3")
+    with monkeypatch.context() as patch:  # no renameat2, and the old directory cannot be removed
+        patch.setattr(writes, "_exchange", lambda a, b: False)
+        patch.setattr(os, "unlink", fails(OSError(errno.EBUSY, "Device or resource busy")))
+        writes.swap_in(stuck, target)
+    assert (target / "x").read_text() == "3" and not stuck.exists()
+    (aside,) = [p for p in target.parent.iterdir() if p != target]
+    assert writes._TEMP.fullmatch(aside.name) and (aside / "x").read_text() == "1"
     newer = writes.new_staging_dir(target)
     (newer / "x").write_text("2")
     monkeypatch.setattr(os, "replace", fails(OSError(errno.EXDEV, "only renameat2 may swap")))

@@ -114,7 +114,7 @@ def remove_stale_temporaries(directory: Path) -> list[Path]:
                 else:
                     stale = time.time() - entry.stat().st_mtime > _FOREIGN_TEMP_AGE_S
                 if stale:
-                    if entry.is_dir(follow_symlinks=False):
+                    if entry.is_dir():  # not a link: links were passed over
                         shutil.rmtree(entry.path)
                     else:
                         os.unlink(entry.path)
@@ -155,12 +155,12 @@ def atomic_link(source: str | Path, target: str | Path) -> None:
         os.link(source, tmp)
     except OSError:  # no hard links on this filesystem: copy the bytes
         with source.open("rb") as reader:
-            atomic_write(target, lambda handle: shutil.copyfileobj(reader, handle, 1 << 20))
+            atomic_write(target, lambda handle: shutil.copyfileobj(reader, handle))
         return None
     try:
         os.replace(tmp, target)
     except OSError as err:
-        tmp.unlink(missing_ok=True)
+        tmp.unlink()
         raise FileWriteError(*write_failure(target, err, target.is_file())) from err
     _fsync_dir(target.parent)
 
@@ -186,7 +186,7 @@ def swap_in(staging: Path, target: Path) -> None:
     else:
         aside = staging
         if not _exchange(staging, target):
-            aside = staging.with_name(staging.name[:-4] + f"-{secrets.token_hex(4)}.tmp")
+            aside = _temporary_name(target)  # a temporary like any other, if we die meanwhile
             os.replace(target, aside)
             os.replace(staging, target)
         shutil.rmtree(aside, ignore_errors=True)
