@@ -19,6 +19,7 @@ from typing import Any
 from runkit.errors import RunError
 from runkit.quoting import config_options, hydra_value
 from runkit.safety.signals import rank_zero, slurm_job_id
+from runkit.safety.writes import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +236,7 @@ def requeued_checkpoint(
     start = slurm_first_start(env)
     token = f"{env.get('SLURM_CLUSTER_NAME', '')}:{job}:{start}" if start else None
     if token and rank_zero(env):
-        (current / JOB_TOKEN_FILE).write_text(token + "\n", encoding="utf-8")
+        atomic_write(current / JOB_TOKEN_FILE, token + "\n")
     elastic = env.get("TORCHELASTIC_RUN_ID", "")
     restart = _int(env.get("TORCHELASTIC_RESTART_COUNT"))
     if job:

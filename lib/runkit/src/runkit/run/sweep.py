@@ -429,7 +429,7 @@ def plot_summary(sweep_dir: Path, rows: Sequence[dict], key: str | None) -> None
     with warnings.catch_warnings():  # very long labels: the figure is still readable
         warnings.simplefilter("ignore")
         figure.tight_layout()
-    figure.savefig(sweep_dir / "summary.png", dpi=100)
+    atomic_write(sweep_dir / "summary.png", lambda out: figure.savefig(out, format="png", dpi=100))
 
 
 def _number(value: Any) -> float | None:
