@@ -17,10 +17,10 @@ from conftest import clean_env, last_line, run_entry
 from runkit.safety.checkpoints import (
     AtomicCheckpointIO,
     CheckpointSaveError,
-    FileWriteError,
     full_disk_in_one_line,
     save_weights,
 )
+from runkit.safety.writes import FileWriteError
 
 DRIVER = r"""
 import json, os, random, signal, sys, time
