@@ -21,8 +21,7 @@ METRICS_FILE = "metrics.json"
 
 
 def save_config(cfg: DictConfig, out: Path) -> Path:
-    atomic_write(out / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True))
-    return out / CONFIG_FILE
+    return atomic_write(out / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True))
 
 
 def scalars(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
@@ -72,8 +71,7 @@ def save_metrics(
         "wall_seconds": round(time.time() - started, 2),
         **({"energy": dict(energy)} if energy is not None else {}),
     }
-    atomic_write(out / METRICS_FILE, strict_json(payload, indent=2) + "\n")
-    return out / METRICS_FILE
+    return atomic_write(out / METRICS_FILE, strict_json(payload, indent=2) + "\n")
 
 
 def strict_json(payload: Any, **kwargs: Any) -> str:

@@ -378,8 +378,7 @@ def write_summary(sweep_dir: Path, rows: Sequence[dict]) -> Path:
     writer = csv.DictWriter(text, fieldnames=fields, restval="")
     writer.writeheader()
     writer.writerows(rows)
-    atomic_write(sweep_dir / "summary.csv", text.getvalue())
-    return sweep_dir / "summary.csv"
+    return atomic_write(sweep_dir / "summary.csv", text.getvalue())
 
 
 def varying(rows: Sequence[dict]) -> list[str]:

@@ -190,14 +190,13 @@ def _crc(path: Path) -> int:
     return crc
 
 
-def describe_files(folder: Path, names: Iterable[str]) -> list[dict[str, Any]]:
-    entries = []
+def describe_files(folder: Path, names: list[str]) -> list[dict[str, Any]]:
     for name in names:
         with (folder / name).open("rb") as handle:
             os.fsync(handle.fileno())
-        size = (folder / name).stat().st_size
-        entries.append({"name": name, "size": size, "crc32": _crc(folder / name)})
-    return entries
+    return [
+        {"name": n, "size": (folder / n).stat().st_size, "crc32": _crc(folder / n)} for n in names
+    ]
 
 
 def write_manifest(folder: Path, entries: list[dict[str, Any]]) -> None:

@@ -1,13 +1,10 @@
-"""Crash-safe writes of a run's files, torch-free (the sweep launcher imports it in every command).
-
-A file is written beside its target under a temporary name, fsynced and renamed over it; a
-directory is staged the same way and swapped in whole. A kill leaves the old version or the new,
-and a failed write is one :class:`FileWriteError` line.
-"""
+"""Crash-safe writes, torch-free (Hydra imports the sweep launcher, a writer, in every command):
+a temporary beside the target, fsynced and renamed over it; a kill leaves the old or the new."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import secrets
@@ -36,8 +33,7 @@ class FileWriteError(EnvironmentFailure):
 
 
 class _ErrorKeepingFile:
-    """Keeps a write's ``OSError``: ``torch.save`` raises an opaque ``RuntimeError`` instead, and
-    whether that one chains the ``OSError`` differs between torch versions."""
+    """Keeps a write's ``OSError``: ``torch.save`` raises a ``RuntimeError``, chained or not."""
 
     def __init__(self, handle: IO[bytes]) -> None:
         self.handle: IO[bytes] = handle
@@ -65,9 +61,8 @@ def new_staging_dir(target: Path) -> Path:
     return tmp
 
 
-def atomic_write(path: str | Path, content: str | Callable[[IO[bytes]], None]) -> None:
-    """Write ``content`` (text, or a function writing to a binary handle) beside ``path``, fsync,
-    rename over it: a crash leaves the old file or the new."""
+def atomic_write(path: str | Path, content: str | Callable[[IO[bytes]], None]) -> Path:
+    """Write text, or what ``content(handle)`` writes, beside ``path``; fsync; rename over it."""
     target = Path(path)
     kept, handle, tmp = target.is_file(), None, None
     try:
@@ -89,10 +84,10 @@ def atomic_write(path: str | Path, content: str | Callable[[IO[bytes]], None]) -
             raise
         raise FileWriteError(*write_failure(target, cause, kept)) from cause
     _fsync_dir(target.parent)
+    return target
 
 
 def write_failure(target: Path, err: OSError, kept: bool) -> tuple[str, str]:
-    """What failed and what is left, the two parts of a :class:`FileWriteError`."""
     outcome = "its previous version is unchanged" if kept else "nothing was written"
     if err.errno in DISK_FULL:
         return f"the disk is full: could not write {str(target)!r} ({err.strerror})", outcome
@@ -122,13 +117,11 @@ def remove_stale_temporaries(directory: Path) -> list[Path]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: int) -> bool:  # another user's process: PermissionError, its file is kept
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process
-        pass
     return True
 
 
@@ -142,8 +135,7 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def atomic_link(source: str | Path, target: str | Path) -> None:
-    """Make ``target`` a hard link (else a copy) of ``source``, atomically; a directory's files
-    are linked into a staged directory that is swapped in whole."""
+    """``target`` as a hard link (else a copy) of ``source``, atomically; a directory's files too."""
     source, target = Path(source), Path(target)
     if source.is_dir():
         staging = new_staging_dir(target)
@@ -167,8 +159,6 @@ def atomic_link(source: str | Path, target: str | Path) -> None:
 
 def _exchange(first: Path, second: Path) -> bool:
     """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``)."""
-    import ctypes
-
     try:
         renameat2 = ctypes.CDLL(None).renameat2
     except (OSError, AttributeError):
