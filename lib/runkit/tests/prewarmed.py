@@ -1,6 +1,7 @@
-"""``python -m tinyapp.<entry> ...`` as a ``fork`` of a server that imported torch, Lightning and
-the library once: still its own process (pid, exit status, signals), but it may hold modules the
-entry never imports. ``RUNKIT_TEST_FRESH=1`` runs every command fresh.
+"""``python -m tinyapp.<entry> ...`` (or ``-m pytest``, ``-c <code>``) as a ``fork`` of a server
+that imported torch, Lightning and the library once: still its own process (pid, exit status,
+signals), but it may hold modules the entry never imports. ``RUNKIT_TEST_FRESH=1`` runs every
+command fresh.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def _reply(message: dict[str, int]) -> None:
 def _child(request: dict[str, Any]) -> None:
     import random
     import runpy
+    import types
 
     os.chdir(request["cwd"])
     os.environ.clear()
@@ -68,6 +70,13 @@ def _child(request: dict[str, Any]) -> None:
     random.seed()  # a fresh interpreter seeds from the OS; forks would all share the server's
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
+    if request["env"].get("OMP_NUM_THREADS", "").isdigit():  # read once, when torch loaded
+        sys.modules["torch"].set_num_threads(int(request["env"]["OMP_NUM_THREADS"]))
+    if request["module"] == "-c":  # as ``python -c``: '' first on sys.path, argv[0] '-c'
+        sys.path[0], sys.argv = "", ["-c", *request["args"][1:]]
+        sys.modules["__main__"] = main = types.ModuleType("__main__")
+        exec(compile(request["args"][0], "<string>", "exec"), main.__dict__)
+        raise SystemExit(0)
     sys.path[0] = os.getcwd()
     sys.argv = [request["module"], *request["args"]]  # runpy puts the module's file first
     runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
@@ -101,18 +110,19 @@ def run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
     """:func:`subprocess.run`; ``[sys.executable, "-m", "tinyapp.x", ...]`` on a prewarmed fork."""
     env = dict(kwargs["env"]) if kwargs.get("env") is not None else dict(os.environ)
     flags = {k: v for k, v in env.items() if k.startswith("PYTHON")}  # they act at start-up
+    entries = ("tinyapp.", "project.", "runkit.", "conformance.", "pytest")
     if not (
         len(command) >= 3
         and command[0] == sys.executable
-        and command[1] == "-m"
-        and str(command[2]).startswith(("tinyapp.", "project.", "runkit.", "conformance."))
+        and (command[1] == "-c" or (command[1] == "-m" and str(command[2]).startswith(entries)))
         and os.environ.get("RUNKIT_TEST_FRESH") != "1"
         and set(kwargs) <= {"cwd", "env", "capture_output", "text", "timeout", "check"}
         and kwargs.get("capture_output")
         and flags == {k: v for k, v in _server_env().items() if k.startswith("PYTHON")}
     ):
         return subprocess.run(command, **kwargs)
-    request = {"module": str(command[2]), "args": [str(a) for a in command[3:]], "env": env,
+    module, args = (command[1], command[2:]) if command[1] == "-c" else (command[2], command[3:])
+    request = {"module": str(module), "args": [str(a) for a in args], "env": env,
                "cwd": str(Path(kwargs.get("cwd") or os.getcwd()).resolve())}  # fmt: skip
     with _LOCK, tempfile.TemporaryDirectory(prefix="prewarmed") as tmp:
         request.update(stdout=str(Path(tmp, "stdout")), stderr=str(Path(tmp, "stderr")))

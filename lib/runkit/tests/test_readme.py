@@ -319,8 +319,8 @@ def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
     outputs = []
     for snippet in (s for s in snippets if "load_network" in s):
         code = snippet.replace("logs/train/runs/<run>", str(first.relative_to(tmp_path)))
-        done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=clean_env(),
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        done = prewarmed.run([sys.executable, "-c", code], cwd=tmp_path, env=clean_env(),
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
         outputs.append(done.stdout)
     assert len(outputs) == 2 and re.fullmatch(r"tensor\(\[(\d, ){4}\d\]\)\n", outputs[0])
