@@ -152,7 +152,7 @@ def torchrun(
         "-m", "tinyapp.train", *ELASTIC, f"paths.log_dir={cwd / 'logs'}", *overrides,
     ]  # fmt: skip
     env = clean_env(OMP_NUM_THREADS="1")
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    return prewarmed.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
 
 
 @pytest.mark.slow
