@@ -500,7 +500,7 @@ def test_library_readme_snippets_run(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_mine.py").write_text(test_file.text)
-    done = subprocess.run(
+    done = prewarmed.run(
         [sys.executable, "-m", "pytest", "tests/test_mine.py", "-p", "conftest", "-q", "-p",
          "no:cacheprovider"],
         cwd=tmp_path, env={**shell_env(), "PYTHONPATH": str(tests)},  # the suite's conftest
