@@ -246,7 +246,8 @@ def budget(command: str) -> tuple[str, ...]:
     if "project.train" not in command:
         return ()
     own = {word.partition("=")[0] for word in shlex.split(command)}
-    kept = () if "debug" in own else tuple(o for o in BUDGET if o.partition("=")[0] not in own)
+    kept = tuple(o for o in BUDGET if o.partition("=")[0] not in own)
+    kept = kept[:1] if "debug" in own else kept  # a debug preset's own settings, one epoch
     return (*kept, *(() if own & {"model", "experiment"} else (NARROW,)))
 
 
