@@ -163,7 +163,8 @@ def test_eval_honours_data_overrides_and_refuses_model_ones(
 def test_sync_dist_logging_under_ddp_with_every_default_callback_finishes(
     project: Path, tmp_path: Path, module: str
 ) -> None:
-    _, run = train_ok(project, tmp_path, f"experiment=zoo_{module}", "trainer.devices=2")
+    _, run = train_ok(project, tmp_path, f"experiment=zoo_{module}", "trainer.devices=2",
+                      "trainer.max_epochs=2")  # fmt: skip
     assert metrics(run)["devices"] == 2 and Path(metrics(run)["best_checkpoint"]).is_file()
     assert figures(run)
 
