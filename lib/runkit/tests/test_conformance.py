@@ -163,7 +163,10 @@ def test_sigterm_under_ddp_saves_one_checkpoint_and_exits_143(trained, name: str
     cwd, _ = trained(name, 2)
     log_dir = cwd / "sigterm"
     args = train_args(log_dir, MEMBERS[name], "trainer.devices=2", "test=false", max_epochs=1000)
-    process = prewarmed.Popen([sys.executable, "-m", "tinyapp.train", *args], cwd, clean_env())
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tinyapp.train", *args], cwd=cwd, env=clean_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
     deadline = time.monotonic() + TIMEOUT
     while not list(log_dir.glob("train/runs/*/checkpoints/last.ckpt")):
         assert process.poll() is None, process.stderr.read()[-3000:]

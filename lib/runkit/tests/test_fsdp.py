@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,7 +15,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint
 
-import prewarmed
 from conftest import CliRunner, clean_env, run_dirs
 from runkit.errors import RunError
 from runkit.safety import checkpoints, writes
@@ -28,12 +28,13 @@ FSDP = ("trainer=fsdp", "trainer.devices=2", "trainer.accelerator=cpu",
         "data.batch_size=320", "model.scheduler.T_max=8")  # fmt: skip
 
 
-def start(tmp_path: Path, log_dir: Path, *overrides: str) -> prewarmed.Popen:
+def start(tmp_path: Path, log_dir: Path, *overrides: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "tinyapp.train", *FSDP, *overrides, f"paths.log_dir={log_dir}"]
-    return prewarmed.Popen(command, cwd=tmp_path, env=clean_env())
+    return subprocess.Popen(command, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
 
 
-def wait_for(process: prewarmed.Popen, found: object, what: str, timeout: float = 300) -> Path:
+def wait_for(process: subprocess.Popen, found: object, what: str, timeout: float = 300) -> Path:
     deadline = time.time() + timeout
     while time.time() < deadline:
         path = found()  # type: ignore[operator]

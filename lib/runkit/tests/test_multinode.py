@@ -152,13 +152,13 @@ def torchrun(
         "-m", "tinyapp.train", *ELASTIC, f"paths.log_dir={cwd / 'logs'}", *overrides,
     ]  # fmt: skip
     env = clean_env(OMP_NUM_THREADS="1")
-    return prewarmed.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
 
 
 @pytest.mark.slow
 def test_torchrun_restarts_after_a_killed_worker_continue_the_run_exactly(tmp_path: Path) -> None:
     shutil.copy(Path(__file__).parent / "resume_zoo.py", tmp_path)  # the user's callback
-    straight = prewarmed.run(
+    straight = subprocess.run(
         [sys.executable, "-m", "tinyapp.train", *ELASTIC, f"paths.log_dir={tmp_path / 'straight'}"],
         cwd=tmp_path, env=clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900,
     )  # fmt: skip

@@ -320,8 +320,8 @@ def test_run_commands_in_a_fresh_directory(tmp_path: Path) -> None:
     outputs = []
     for snippet in (s for s in snippets if "load_network" in s):
         code = snippet.replace("logs/train/runs/<run>", str(first.relative_to(tmp_path)))
-        done = prewarmed.run([sys.executable, "-c", code], cwd=tmp_path, env=clean_env(),
-                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=clean_env(),
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
         outputs.append(done.stdout)
     assert len(outputs) == 2 and re.fullmatch(r"tensor\(\[(\d, ){4}\d\]\)\n", outputs[0])
@@ -501,7 +501,7 @@ def test_library_readme_snippets_run(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_mine.py").write_text(test_file.text)
-    done = prewarmed.run(
+    done = subprocess.run(
         [sys.executable, "-m", "pytest", "tests/test_mine.py", "-p", "conftest", "-q", "-p",
          "no:cacheprovider"],
         cwd=tmp_path, env={**shell_env(), "PYTHONPATH": str(tests)},  # the suite's conftest
