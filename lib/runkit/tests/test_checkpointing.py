@@ -6,6 +6,7 @@ import errno
 import logging
 import os
 import re
+import shutil
 import signal
 import stat
 import struct
@@ -786,6 +787,25 @@ def test_atomic_link_that_cannot_rename_is_one_line(
     )
     assert sorted(p.name for p in folder.iterdir()) == ["epoch_003.ckpt"] + ["last.ckpt"] * existing
     assert not existing or target.read_bytes() == b"old"
+
+
+def test_atomic_link_into_a_folder_deleted_meanwhile_is_one_line(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source, run = folder / "epoch_003.ckpt", folder / "run"
+    source.write_bytes(b"weights")
+    run.mkdir()
+    rename = os.replace
+
+    def deleted_first(src: Any, dst: Any) -> None:  # the run folder goes between link and rename
+        shutil.rmtree(run)
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "replace", deleted_first)
+    target = run / "last.ckpt"
+    assert err(lambda: atomic_link(source, target), FileWriteError) == (
+        f"could not write {str(target)!r}: No such file or directory; nothing was written"
+    )
 
 
 def test_a_full_disk_is_one_line_naming_the_last_good_checkpoint(folder: Path) -> None:

@@ -152,7 +152,7 @@ def atomic_link(source: str | Path, target: str | Path) -> None:
     try:
         os.replace(tmp, target)
     except OSError as err:
-        tmp.unlink()
+        tmp.unlink(missing_ok=True)  # a folder deleted meanwhile took it along
         raise FileWriteError(*write_failure(target, err, target.is_file())) from err
     _fsync_dir(target.parent)
 
